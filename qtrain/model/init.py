@@ -1,0 +1,52 @@
+"""From-scratch initialisation, in one place.
+
+Scheme (llm.q's, GPT-2 style): embeddings, the untied LM head, QKV and the fused up/gate projection are
+N(0, 0.02); the two projections that write into the residual stream (attention output, MLP down) are
+N(0, 0.02 / sqrt(2 L)) so the residual's variance does not grow with depth, or exactly zero with
+`init_proj_to_zero` (each block then starts as the identity); norm gains are 1 and biases 0.
+
+Each tensor draws from its own generator seeded by (seed, tensor name), so a tensor's values do not
+depend on the order of initialisation, on which tensors exist, or on the number of ranks.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+
+from .config import ModelConfig
+from .weights import split_name
+
+INIT_STD = 0.02
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_std(cfg: ModelConfig, name: str, *, init_proj_to_zero: bool = False) -> float | None:
+    """Standard deviation for a matrix, or None for tensors filled with a constant (norms 1, biases 0)."""
+    short = split_name(name)[1]
+    if short in ("o", "down"):
+        return 0.0 if init_proj_to_zero else INIT_STD / math.sqrt(2 * cfg.num_hidden_layers)
+    if short in ("embed", "lm_head", "qkv", "up"):
+        return INIT_STD
+    return None
+
+
+@torch.no_grad()
+def init_params(cfg: ModelConfig, params: dict[str, torch.Tensor], *, seed: int = 0,
+                init_proj_to_zero: bool = False) -> None:
+    """Fill `params` in place (any dtype/device); sampling happens in fp32 on the tensor's device."""
+    for name, t in params.items():
+        std = init_std(cfg, name, init_proj_to_zero=init_proj_to_zero)
+        short = split_name(name)[1]
+        if std is None:
+            t.fill_(0.0 if short == "qkv_bias" else 1.0)
+        elif std == 0.0:
+            t.zero_()
+        else:
+            gen = torch.Generator(device=t.device).manual_seed(_tensor_seed(seed, name))
+            t.copy_(torch.empty(t.shape, dtype=torch.float32, device=t.device).normal_(0.0, std, generator=gen))

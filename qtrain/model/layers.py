@@ -1,0 +1,62 @@
+"""The small pieces of a Llama-family block, in plain torch: RMSNorm, RoPE tables and rotation, SwiGLU.
+
+Each follows the operation order of `transformers` (Qwen2/Llama/Qwen3 modeling files) so that fp32
+results agree to rounding and bf16 results round at the same places. On the GPU these run inside a
+torch.compile'd block, which fuses them into a few Triton kernels; on the CPU they run as they are.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = w * (x / sqrt(mean(x^2) + eps)); the normalisation in fp32, cast back before the gain (as HF)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/hs), with llama3 frequency scaling when configured (fp32)."""
+    hs = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hs, 2, dtype=torch.int64).float() / hs))
+    sc = cfg.rope_scaling
+    if sc:  # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old_ctx = sc["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_ctx / lo, old_ctx / hi
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_tables(cfg: ModelConfig, seq_len: int, device: torch.device | str, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (T, hs) in the activation dtype; positions 0..T-1 (HF "rotate-half" layout)."""
+    inv_freq = rope_inv_freq(cfg).to(device)
+    pos = torch.arange(seq_len, device=device, dtype=torch.int64).float()
+    freqs = torch.outer(pos, inv_freq)  # (T, hs/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hs)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, nh, T, hs); cos/sin: (T, hs). Rotates pairs (d, d + hs/2)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def swiglu(up_gate: torch.Tensor) -> torch.Tensor:
+    """up_gate: (..., 2F) with rows [up; gate] of the fused weight -> up * silu(gate)."""
+    up, gate = up_gate.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,98 @@
+"""LM head + cross-entropy that never materialises fp32 logits for the whole micro-batch.
+
+The head runs over `chunks` row-slices of the final hidden states. For each slice: logits in the model
+dtype (as HF computes them), then fp32 log-sum-exp, loss and d(logits); the d(logits) slice is turned
+into its contributions to d(hidden) and d(W_head) at once, so only one slice of logits is alive at a time.
+Because gradients are computed in the forward pass, backward just scales them: this is llm.q's "LM head
+only in backward" and Liger's fused linear cross-entropy, written in plain torch.
+
+Loss convention: sum over tokens of (lse - logit[target]) + z_loss * lse^2 (PaLM's z-loss), targets of
+-100 ignored; the caller passes `scale` (e.g. 1 / number of valid targets in the global batch) so that
+gradient accumulation and data parallelism give the mean over the global batch.
+"""
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def _chunk_loss_and_dlogits(logits: torch.Tensor, targets: torch.Tensor, *, z_loss: float, scale: float,
+                            need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """logits (n, V) in model dtype, targets (n,). Returns (loss_sum fp32, lse (n,), dlogits or None)."""
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1)  # (n,)
+    valid = targets != IGNORE_INDEX
+    safe_t = torch.where(valid, targets, 0)
+    target_logit = lf.gather(1, safe_t[:, None]).squeeze(1)
+    per_tok = torch.where(valid, lse - target_logit, 0.0)
+    loss_sum = per_tok.sum()
+    if z_loss:
+        loss_sum = loss_sum + z_loss * torch.where(valid, lse * lse, 0.0).sum()
+    if not need_grad:
+        return loss_sum, lse, None
+    # d(loss)/d(logits) = softmax - onehot (+ 2 z lse softmax), zero on ignored rows, times scale
+    coef = torch.where(valid, scale * (1.0 + 2.0 * z_loss * lse), 0.0)
+    dl = torch.exp(lf - lse[:, None]) * coef[:, None]
+    dl.scatter_add_(1, safe_t[:, None], torch.where(valid, -scale, 0.0)[:, None])
+    return loss_sum, lse, dl.to(logits.dtype)
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunks: int, z_loss: float,
+                scale: float) -> torch.Tensor:
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        n = h.shape[0]
+        dh = torch.empty_like(h) if need_grad else None
+        dw = torch.zeros_like(w) if need_grad else None
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        lse_max = torch.full((), float("-inf"), dtype=torch.float32, device=h.device)
+        lse_sum = torch.zeros((), dtype=torch.float32, device=h.device)
+        bounds = [n * i // chunks for i in range(chunks + 1)]
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            if hi == lo:
+                continue
+            hc = h[lo:hi]
+            logits = hc @ w.t()  # (n_c, V) in model dtype
+            ls, lse, dl = _chunk_loss_and_dlogits(logits, targets[lo:hi], z_loss=z_loss, scale=scale,
+                                                  need_grad=need_grad)
+            del logits
+            loss += ls
+            lse_max = torch.maximum(lse_max, lse.max())
+            lse_sum += lse.sum()
+            if need_grad:
+                torch.mm(dl, w, out=dh[lo:hi])
+                dw.addmm_(dl.t(), hc)
+        ctx.save_for_backward(dh, dw)
+        ctx.lse_stats = (lse_max, lse_sum)
+        return loss * scale
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        dh, dw = ctx.saved_tensors
+        # grad_loss is 1 in training (the trainer differentiates the scaled loss directly); keep it general
+        if dh is not None and not (grad_loss.numel() == 1 and float(grad_loss) == 1.0):
+            dh, dw = dh * grad_loss.to(dh.dtype), dw * grad_loss.to(dw.dtype)
+        return dh, dw, None, None, None, None
+
+
+def chunked_lm_head_loss(h: torch.Tensor, w_head: torch.Tensor, targets: torch.Tensor, *, chunks: int = 1,
+                         z_loss: float = 0.0, scale: float = 1.0) -> torch.Tensor:
+    """`scale` times the summed token loss of `h` (N, C) under LM head `w_head` (V, C) for `targets` (N,),
+    as an fp32 scalar whose gradient is computed chunk by chunk during this call (see module docstring)."""
+    if chunks < 1:
+        raise ValueError(f"--lmhead-chunks must be >= 1, got {chunks}")
+    if not (torch.is_grad_enabled() and (h.requires_grad or w_head.requires_grad)):
+        with torch.no_grad():
+            return _ChunkedHeadLoss.forward(_NoGradCtx(), h, w_head, targets, chunks, float(z_loss), float(scale))
+    return _ChunkedHeadLoss.apply(h, w_head, targets, chunks, float(z_loss), float(scale))
+
+
+class _NoGradCtx:
+    """Stand-in autograd context for evaluation: nothing needs a gradient, nothing is saved."""
+
+    needs_input_grad = (False,) * 6
+
+    def save_for_backward(self, *tensors: object) -> None:
+        pass
