@@ -157,6 +157,7 @@ class ModelConfig:
         elif rtype not in ("default", None):
             raise bad(f"rope_type {rtype!r} is not supported (only 'default' and 'llama3')")
 
+        # Absent keys take transformers' class defaults (4.5x and 5.x agree), so both read one model.
         default_bias = {"qwen2": True, "llama": False, "qwen3": False}[mt]
         eos = d.get("eos_token_id")
         if isinstance(eos, list):
@@ -171,12 +172,12 @@ class ModelConfig:
                 num_hidden_layers=d["num_hidden_layers"],
                 num_attention_heads=d["num_attention_heads"],
                 num_key_value_heads=kv,
-                head_dim=d.get("head_dim") or 0,
-                max_position_embeddings=d.get("max_position_embeddings", 4096),
+                head_dim=d.get("head_dim") or (128 if mt == "qwen3" else 0),
+                max_position_embeddings=d.get("max_position_embeddings", 2048 if mt == "llama" else 32768),
                 rope_theta=float(theta),
                 rope_scaling=scaling,
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6 if mt != "llama" else 1e-5)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", mt != "llama")),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=bool(d.get("attention_bias", default_bias)) if mt != "qwen2" else True,
                 qk_norm=(mt == "qwen3"),
                 bos_token_id=d.get("bos_token_id"),

@@ -10,7 +10,7 @@ the HF layout.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -117,7 +117,7 @@ def internal_to_hf(cfg: ModelConfig, params: dict[str, torch.Tensor]) -> dict[st
     return out
 
 
-def hf_to_internal(cfg: ModelConfig, get: "callable[[str], torch.Tensor]") -> Iterator[tuple[str, torch.Tensor]]:
+def hf_to_internal(cfg: ModelConfig, get: Callable[[str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (internal name, tensor) built from HF tensors fetched one by one through `get(hf_name)`,
     so a loader can stream without holding the whole HF state dict twice."""
     for name in param_shapes(cfg):

@@ -1,0 +1,70 @@
+"""Turn a model spec (a directory, or `org/name`) into a local directory, never downloading.
+
+Training machines are often offline, and a silent download of gigabytes is never what a training run
+should do. So `org/name` is only looked up in the local Hugging Face cache, and when it is not there
+the error names every place that was searched, so the user knows where to put it.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class ModelNotFoundError(ValueError):
+    """The spec is neither an existing directory nor a model in any local HF cache."""
+
+
+def hf_cache_dirs() -> list[Path]:
+    """HF hub cache folders to search, most specific first (the order huggingface_hub honours)."""
+    dirs: list[Path] = []
+    if os.environ.get("HF_HUB_CACHE"):
+        dirs.append(Path(os.environ["HF_HUB_CACHE"]))
+    if os.environ.get("HF_HOME"):
+        dirs.append(Path(os.environ["HF_HOME"]) / "hub")
+    if os.environ.get("XDG_CACHE_HOME"):
+        dirs.append(Path(os.environ["XDG_CACHE_HOME"]) / "huggingface" / "hub")
+    dirs.append(Path.home() / ".cache" / "huggingface" / "hub")
+    unique: list[Path] = []
+    for d in dirs:
+        if d not in unique:
+            unique.append(d)
+    return unique
+
+
+def _snapshot(repo_dir: Path) -> Path | None:
+    """The snapshot folder of one cached repo: the one refs/main names, else the only one."""
+    snaps = repo_dir / "snapshots"
+    found = sorted(p for p in snaps.iterdir() if p.is_dir()) if snaps.is_dir() else []
+    ref = repo_dir / "refs" / "main"
+    if ref.is_file():
+        named = snaps / ref.read_text(encoding="utf-8").strip()
+        if named.is_dir():
+            return named
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        return None
+    raise ModelNotFoundError(
+        f"{repo_dir}: {len(found)} snapshots ({', '.join(p.name for p in found)}) and no refs/main naming "
+        f"one of them; pass the snapshot directory you want explicitly")
+
+
+def resolve_model_dir(spec: str) -> Path:
+    """An existing directory as is; else `org/name` from the local HF cache; else ModelNotFoundError."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    searched = [f"{path} (as a directory)"]
+    parts = spec.split("/")
+    is_repo_id = len(parts) == 2 and all(parts) and not spec.startswith((".", "~"))
+    if is_repo_id:
+        folder = "models--" + spec.replace("/", "--")
+        for cache in hf_cache_dirs():
+            repo_dir = cache / folder
+            snap = _snapshot(repo_dir) if repo_dir.is_dir() else None
+            if snap is not None:
+                return snap
+            searched.append(f"{repo_dir}/snapshots/<snapshot>")
+    hint = ("qtrain never downloads; fetch it first (e.g. `huggingface-cli download ORG/NAME`) or pass a local "
+            "directory" if is_repo_id else "pass an existing directory or an ORG/NAME found in the local HF cache")
+    raise ModelNotFoundError(f"model {spec!r} not found; searched:\n  " + "\n  ".join(searched) + f"\n{hint}")

