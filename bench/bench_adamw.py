@@ -1,0 +1,130 @@
+"""Time qtrain's fused AdamW kernel against ``torch._fused_adamw_`` on one CUDA GPU.
+
+    python bench/bench_adamw.py                 # 1.5B elements, the default launch shape
+    python bench/bench_adamw.py --numel 2e8 --sweep   # also try other (ROWS, num_warps) launch shapes
+
+Every configuration updates one flat tensor of ``--numel`` elements. "bytes" counts what one step must
+move: read param, grad, m, v and write param, m, v (+ the e4m3 m scales, 4 bytes per 128 elements each
+way); GB/s = bytes / median time. A device-to-device copy of a similar size is printed first as the
+achievable bandwidth. ``torch._fused_adamw_`` needs param/m/v of one dtype, so mixed rows show only ours.
+torch's bf16 row rounds to nearest (no SR); ours rounds stochastically. Results go to BENCHMARKS.md by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from qtrain.kernels import adamw as kadamw
+from qtrain.numerics.adamw import AdamWHyper, adamw_update_, m_scales_numel
+
+F32, BF16, E4M3 = torch.float32, torch.bfloat16, torch.float8_e4m3fn
+CONFIGS = [  # name, param, grad, m, v
+    ("fp32 p,g,m,v", F32, F32, F32, F32),
+    ("bf16 p,g,m,v (SR)", BF16, BF16, BF16, BF16),
+    ("bf16 p,g + fp32 m,v", BF16, BF16, F32, F32),
+    ("bf16 p,g,v + e4m3 m", BF16, BF16, E4M3, BF16),
+]
+
+
+def bytes_per_step(n: int, p, g, m, v) -> int:
+    size = lambda dt: torch.empty(0, dtype=dt).element_size()  # noqa: E731
+    b = n * (2 * size(p) + size(g) + 2 * size(m) + 2 * size(v))
+    if m == E4M3:
+        b += 2 * 4 * m_scales_numel(n)
+    return b
+
+
+def time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
+    """Median of ``iters`` CUDA-event timings, each of one call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def make(n: int, p_dt, g_dt, m_dt, v_dt):
+    dev = "cuda"
+    p = torch.randn(n, device=dev).to(p_dt)
+    g = (torch.randn(n, device=dev) * 1e-2).to(g_dt)
+    m = (torch.randn(n, device=dev) * 1e-3).to(m_dt)
+    v = (torch.rand(n, device=dev) * 1e-4).to(v_dt)
+    s = torch.full((m_scales_numel(n),), 1e-5, device=dev) if m_dt == E4M3 else None
+    return p, g, m, v, s
+
+
+def bench_ours(n: int, cfg) -> float:
+    p, g, m, v, s = make(n, *cfg)
+    hp = AdamWHyper(lr=1e-4, step=10, weight_decay=0.1)
+    ms = time_ms(lambda: adamw_update_(p, g, m, v, hp=hp, decay=True, key=1, m_scales=s))
+    del p, g, m, v, s
+    return ms
+
+
+def bench_torch(n: int, cfg) -> float | None:
+    p_dt, g_dt, m_dt, v_dt = cfg
+    if not p_dt == g_dt == m_dt == v_dt:
+        return None
+    p, g, m, v, _ = make(n, *cfg)
+    step = torch.tensor(10.0, device="cuda")
+
+    def run():
+        torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1,
+                            eps=1e-8, amsgrad=False, maximize=False)
+
+    ms = time_ms(run)
+    del p, g, m, v
+    return ms
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() / ms / 1e6  # read + write, GB/s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--numel", type=float, default=1.5e9, help="elements per tensor (default 1.5e9)")
+    ap.add_argument("--sweep", action="store_true", help="also time other (ROWS, num_warps) launch shapes")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_adamw needs a CUDA GPU")
+    n = int(args.numel)
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  numel {n:,}")
+    print(f"device-to-device copy: {copy_bandwidth(8 * 2**30):.0f} GB/s (8 GiB read + written)")
+    print(f"launch shape: ROWS={kadamw.ROWS} (x128 elements per program), num_warps={kadamw.NUM_WARPS}\n")
+    print(f"| config | bytes/step | qtrain ms | qtrain GB/s | torch fused ms | torch GB/s | torch/qtrain |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, *cfg in CONFIGS:
+        nb = bytes_per_step(n, *cfg)
+        ours = bench_ours(n, cfg)
+        ref = bench_torch(n, cfg)
+        torch.cuda.empty_cache()
+        ref_cols = f"{ref:.2f} | {nb / ref / 1e6:.0f} | {ref / ours:.2f}" if ref else "- | - | -"
+        print(f"| {name} | {nb / 1e9:.1f} GB | {ours:.2f} | {nb / ours / 1e6:.0f} | {ref_cols} |")
+    if args.sweep:
+        print("\n| config | ROWS | num_warps | ms | GB/s |\n|---|---:|---:|---:|---:|")
+        default = (kadamw.ROWS, kadamw.NUM_WARPS)
+        for name, *cfg in CONFIGS[:2] + CONFIGS[3:]:
+            nb = bytes_per_step(n, *cfg)
+            for rows in (4, 8, 16, 32):
+                for warps in (4, 8):
+                    kadamw.ROWS, kadamw.NUM_WARPS = rows, warps
+                    ms = bench_ours(n, cfg)
+                    print(f"| {name} | {rows} | {warps} | {ms:.2f} | {nb / ms / 1e6:.0f} |")
+            torch.cuda.empty_cache()
+        kadamw.ROWS, kadamw.NUM_WARPS = default
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Training throughput of qtrain on one GPU: full optimizer steps (update included) on random tokens.
+
+Counts as ../shared/bench/README.md says: tokens/s = batch * seq * grad_accumulation * steps / wall time
+of those steps after warm-up, device synchronised before reading the clock. Run it in the same device
+call as the HF baseline (`hf_baseline.py`) so both see the same machine:
+
+    PYTHONPATH=. python3 bench/bench_train.py '[{"model":"Qwen2.5-0.5B","batch":16,"accum":2,"steps":8}]'
+
+Each entry may also set: seq, lmhead_chunks, model_dtype, opt_m_dtype, opt_v_dtype, recompute_block,
+compile ("on"/"off"), warmup. Prints one JSON line per entry.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from qtrain.train.metrics import mfu_bf16
+from qtrain.train.options import Options
+from qtrain.train.trainer import Trainer
+
+
+def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, lmhead_chunks: int = 1,
+        model_dtype: str = "bf16", opt_m_dtype: str = "fp32", opt_v_dtype: str = "fp32",
+        recompute_block: bool = False, compile: str = "on", warmup: int = 3) -> dict:
+    opts = Options(model=model, from_scratch=True, batch_size=batch, seq_len=seq, grad_accumulation=accum,
+                   lmhead_chunks=lmhead_chunks, model_dtype=model_dtype, opt_m_dtype=opt_m_dtype,
+                   opt_v_dtype=opt_v_dtype, recompute_block=recompute_block, compile=compile,
+                   learning_rate=1e-4, device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    tr = Trainer(opts)
+    V = tr.cfg.vocab_size
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randint(0, V, (batch, seq + 1), device="cuda", generator=g)
+    inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+    scale = 1.0 / (batch * seq * accum)
+
+    def step() -> dict:
+        for _ in range(accum):
+            tr.micro_step(inp, tgt, loss_scale=scale)
+        return tr.update(lr=1e-4)
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        stats = step()
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t) / steps
+    tps = batch * seq * accum / dt
+    res = dict(system="qtrain", model=model, batch=batch, seq=seq, accum=accum, lmhead_chunks=lmhead_chunks,
+               model_dtype=model_dtype, m=opt_m_dtype, v=opt_v_dtype, recompute=recompute_block, compile=compile,
+               tps=round(tps), step_ms=round(dt * 1000, 1), loss=round(stats["loss"], 4),
+               mfu=round(mfu_bf16(tps, tr.cfg, seq, torch.cuda.get_device_name()) or 0, 3),
+               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
+    del tr
+    torch.cuda.empty_cache()
+    return res
+
+
+if __name__ == "__main__":
+    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    for p in json.loads(sys.argv[1]):
+        try:
+            print(json.dumps(run(**p)), flush=True)
+        except Exception as e:  # keep going: one OOM must not lose the other rows
+            print(json.dumps(dict(p, error=repr(e)[:400])), flush=True)
+            torch.cuda.empty_cache()

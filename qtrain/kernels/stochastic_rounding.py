@@ -1,0 +1,266 @@
+"""Stochastic rounding (SR) fp32 -> bf16 (and -> e4m3 for the FP8 Adam m), with counter-based bits.
+
+Element ``i`` of a call uses ``random_u32(key, offset + i)`` (``qtrain.kernels.rng``), so results are
+deterministic per key and a slice updated with ``offset = slice start`` matches the unsharded call bit
+for bit.
+
+fp32 -> bf16 rule (bits ``b``, ``t = rand & 0xFFFF``): ``bf16 = (b + t) >> 16``. Adding ``t`` to the bit
+pattern carries into bit 16 exactly when ``t >= 2**16 - r`` (``r`` = the low 16 bits), i.e. with
+probability ``r / 2**16``; the result moves one bf16 ulp away from zero (the pattern is sign-magnitude)
+and the expectation is the fp32 value: ``lo + (r / 2**16) * ulp``. This is also right across a binade
+edge (the carry into the exponent lands on the next power of two, which is ``lo + ulp(lo)``) and for
+subnormals (linear spacing). llm.q's ``r > (rand & 0xFFFF)`` then round-to-nearest (squirrel_noise.cuh)
+has the same distribution up to which random values trigger; the add form is one integer add.
+Special values:
+* inf and values already bf16 (``r == 0``) are unchanged; NaN becomes the canonical bf16 NaN 0x7FC0 as in
+  torch's own conversion (truncating a NaN's pattern could produce inf otherwise);
+* in the top binade slot ``|x| in [bf16 max, fp32 max]`` (hi bits 0x7F7F) rounding up would give inf, so
+  there we use round-to-nearest-even: SR never overflows to inf unless RN would.
+
+fp32 -> e4m3 (``t = rand & 0xFFFFF``, after the caller scaled into +-448): for ``|x| >= 2**-6`` (e4m3
+normals) the same add-and-truncate on the low 20 bits, then rebias the exponent (``code = (a + t) >> 20
+- 960``). For ``|x| < 2**-6`` (e4m3 subnormals, spacing 2**-9) we add ``2**-6`` in fp32 first, which maps
+the subnormal grid onto the mantissa of ``[2**-6, 2**-5)``, and apply the same rule (``- 968``); that
+fp32 add drops bits below 2**-29, a bias of < 2**-20 of one e4m3 step. llm.q uses RN there instead.
+Results above 448 saturate to 448 (0x7E, like ``cvt.satfinite``), inf too; NaN gives 0x7F.
+
+Kernels store bf16 as int16 and e4m3 as uint8 bit patterns and load them the same way (Triton's
+interpreter does not convert those dtypes reliably); all arithmetic is fp32, bit work is uint32.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from qtrain.kernels.dispatch import jit, tl, use_triton
+from qtrain.kernels.rng import hash_u32, kernel_key, random_u32_twin, triton_cdiv
+
+__all__ = [
+    "round_to_bf16_sr",
+    "sr_add_",
+    "sr_copy_",
+    "sr_add_twin",
+    "sr_copy_twin",
+    "sr_bf16_bits_twin",
+    "sr_e4m3_bits_twin",
+    "e4m3_bits_to_f32_twin",
+    "bf16_bits_to_f32_twin",
+    "f32_bits_twin",
+    "fp32",
+]
+
+_M32 = 0xFFFFFFFF
+_SRC_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # how a kernel loads a source
+
+
+def fp32(x: float) -> float:
+    """``x`` rounded to the nearest fp32, as a Python float: the value a kernel scalar argument gets."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+# ----------------------------------------------------------------------------------- twin bit helpers
+def f32_bits_twin(x: torch.Tensor) -> torch.Tensor:
+    """fp32 tensor -> its bit patterns as int64 in [0, 2**32)."""
+    return x.view(torch.int32).to(torch.int64) & _M32
+
+
+def bf16_bits_to_f32_twin(h: torch.Tensor) -> torch.Tensor:
+    """int64 bf16 patterns in [0, 2**16) -> bf16 tensor (bit-exact, no conversion arithmetic)."""
+    return (h - ((h >> 15) << 16)).to(torch.int16).view(torch.bfloat16)
+
+
+def sr_bf16_bits_twin(x: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
+    """SR of fp32 ``x`` to bf16 with random words ``rand`` (int64 u32); returns bf16 patterns as int64."""
+    b = f32_bits_twin(x)
+    a = b & 0x7FFFFFFF
+    sr = (b + (rand & 0xFFFF)) >> 16
+    rn = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    out = torch.where((a >> 16) == 0x7F7F, rn, sr)
+    return torch.where(a > 0x7F800000, 0x7FC0, out) & 0xFFFF
+
+
+def sr_e4m3_bits_twin(x: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
+    """SR of fp32 ``x`` to e4m3fn (saturating) with random words ``rand``; returns codes as int64."""
+    b = f32_bits_twin(x)
+    a = b & 0x7FFFFFFF
+    t = rand & 0xFFFFF
+    normal = ((a + t) >> 20) - (120 << 3)
+    z = f32_bits_twin(x.abs() + 2.0**-6)  # subnormal grid k * 2**-9 -> mantissa of [2**-6, 2**-5)
+    sub = ((z + t) >> 20) - (121 << 3)
+    code = torch.where(a >= 0x3C800000, normal, sub).clamp_max(0x7E)
+    code = torch.where(a > 0x7F800000, 0x7F, code)
+    return code | ((b >> 24) & 0x80)
+
+
+def e4m3_bits_to_f32_twin(c: torch.Tensor) -> torch.Tensor:
+    """e4m3fn codes (int64 in [0, 256)) -> fp32 values, by bit manipulation (matches torch's cast)."""
+    c = c & 0xFF
+    sign = (c & 0x80) << 24
+    normal = ((c & 0x7F) << 20) + (120 << 23)
+    sub = f32_bits_twin((c & 7).to(torch.float32) * 2.0**-9)
+    bits = torch.where((c & 0x78) == 0, sub, normal) | sign
+    bits = torch.where((c & 0x7F) == 0x7F, 0x7FC00000, bits)
+    return (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)
+
+
+def _load_f32_twin(t: torch.Tensor) -> torch.Tensor:
+    """Flat fp32 view/copy of a float tensor (exact for fp32, bf16, fp16)."""
+    return t.reshape(-1).to(torch.float32)
+
+
+def _check(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"{name}: unsupported dtypes. Got dst={dst.dtype}, src={src.dtype}; dst must be fp32 or bf16")
+    if src.dtype not in _SRC_KINDS:
+        raise TypeError(f"{name}: unsupported dtypes. Got dst={dst.dtype}, src={src.dtype}; src must be fp32/bf16/fp16")
+    if dst.numel() != src.numel():
+        raise ValueError(f"{name}: dst has {dst.numel()} elements, src {src.numel()}")
+    if not (dst.is_contiguous() and src.is_contiguous()):
+        raise ValueError(f"{name}: dst and src must be contiguous (no hidden copies)")
+    if dst.device != src.device:
+        raise ValueError(f"{name}: dst on {dst.device}, src on {src.device}")
+
+
+# ---------------------------------------------------------------------------------------------- twin
+def _sr_twin(dst: torch.Tensor, src: torch.Tensor, key: int, scale: float, offset: int, add: bool) -> torch.Tensor:
+    y = _load_f32_twin(src) * fp32(scale)
+    if add:
+        y = _load_f32_twin(dst) + y
+    flat = dst.view(-1)
+    if dst.dtype == torch.bfloat16:
+        idx = torch.arange(offset, offset + flat.numel(), dtype=torch.int64, device=dst.device)
+        flat.copy_(bf16_bits_to_f32_twin(sr_bf16_bits_twin(y, random_u32_twin(key, idx))))
+    else:
+        flat.copy_(y)
+    return dst
+
+
+def sr_add_twin(dst, src, *, key: int, scale: float = 1.0, offset: int = 0) -> torch.Tensor:
+    """Twin (specification) of ``sr_add_``."""
+    _check(dst, src, "sr_add_")
+    return _sr_twin(dst, src, key, scale, offset, add=True)
+
+
+def sr_copy_twin(dst, src, *, key: int, scale: float = 1.0, offset: int = 0) -> torch.Tensor:
+    """Twin (specification) of ``sr_copy_``."""
+    _check(dst, src, "sr_copy_")
+    return _sr_twin(dst, src, key, scale, offset, add=False)
+
+
+# -------------------------------------------------------------------------------- triton bit helpers
+@jit
+def load_f32(ptr, mask, KIND: tl.constexpr):
+    """Load as fp32. KIND 0: fp32; 1: bf16 given as an int16 pointer (widened by a shift); 2: fp16."""
+    if KIND == 1:
+        h = tl.load(ptr, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        return (h << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+
+
+@jit
+def sr_bf16_bits(x, rand):
+    """fp32 -> bf16 pattern as int16 (see module docstring); ``rand`` uint32."""
+    b = x.to(tl.uint32, bitcast=True)
+    a = b & 0x7FFFFFFF
+    sr = (b + (rand & 0xFFFF)) >> 16
+    rn = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    out = tl.where((a >> 16) == 0x7F7F, rn, sr)
+    out = tl.where(a > 0x7F800000, 0x7FC0, out)
+    return out.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@jit
+def sr_e4m3_bits(x, rand):
+    """fp32 -> e4m3fn code as uint8, saturating (see module docstring); ``rand`` uint32."""
+    b = x.to(tl.uint32, bitcast=True)
+    a = b & 0x7FFFFFFF
+    t = rand & 0xFFFFF
+    normal = ((a + t) >> 20) - 960
+    z = (tl.abs(x) + 0.015625).to(tl.uint32, bitcast=True)
+    sub = ((z + t) >> 20) - 968
+    code = tl.minimum(tl.where(a >= 0x3C800000, normal, sub), 0x7E)
+    code = tl.where(a > 0x7F800000, 0x7F, code)
+    return (code | ((b >> 24) & 0x80)).to(tl.uint8)
+
+
+@jit
+def e4m3_bits_to_f32(c):
+    """e4m3fn codes (uint8) -> fp32, by bit manipulation."""
+    c = c.to(tl.uint32)
+    sign = (c & 0x80) << 24
+    normal = ((c & 0x7F) << 20) + 0x3C000000
+    sub = ((c & 7).to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True)
+    bits = tl.where((c & 0x78) == 0, sub, normal) | sign
+    bits = tl.where((c & 0x7F) == 0x7F, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+# -------------------------------------------------------------------------------------------- triton
+@jit(do_not_specialize=["offset", "kstate"])
+def _sr_kernel(dst_ptr, src_ptr, n, offset, kstate, scale,
+               ADD: tl.constexpr, DST_KIND: tl.constexpr, SRC_KIND: tl.constexpr, HI_ABSORBED: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """dst[i] = round(dst[i] * ADD + scale * src[i]); SR with counter offset + i when dst is bf16.
+
+    DST_KIND / SRC_KIND as in ``load_f32`` (dst: 0 fp32, 1 bf16 as int16).
+
+    fp32 throughout: y = scale * src (one rounding), then y = dst + y (one rounding); no FMA (the
+    launcher turns fp fusion off so the bits match the twin, which runs the two ops separately).
+    """
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    y = load_f32(src_ptr + offs, mask, SRC_KIND) * scale
+    if ADD:
+        y = load_f32(dst_ptr + offs, mask, DST_KIND) + y
+    if DST_KIND == 1:
+        rand = hash_u32(kstate, offset + offs, HI_ABSORBED)
+        tl.store(dst_ptr + offs, sr_bf16_bits(y, rand), mask=mask)
+    else:
+        tl.store(dst_ptr + offs, y, mask=mask)
+
+
+def _sr_triton(dst: torch.Tensor, src: torch.Tensor, key: int, scale: float, offset: int, add: bool) -> torch.Tensor:
+    n = dst.numel()
+    if n == 0:
+        return dst
+    dst_bf16 = dst.dtype == torch.bfloat16
+    d = dst.view(torch.int16) if dst_bf16 else dst
+    s = src.view(torch.int16) if src.dtype == torch.bfloat16 else src
+    block = 4096
+    kstate, hi_absorbed = kernel_key(key, offset, n)
+    _sr_kernel[(triton_cdiv(n, block),)](
+        d, s, n, offset, kstate, fp32(scale),
+        ADD=add, DST_KIND=int(dst_bf16), SRC_KIND=_SRC_KINDS[src.dtype], HI_ABSORBED=hi_absorbed, BLOCK=block,
+        num_warps=8, enable_fp_fusion=False,
+    )
+    return dst
+
+
+# ---------------------------------------------------------------------------------------------- public
+def sr_add_(dst: torch.Tensor, src: torch.Tensor, *, key: int, scale: float = 1.0, offset: int = 0) -> torch.Tensor:
+    """dst <- round(dst + scale*src), computed in fp32; stochastic when dst is bf16, exact fp32 add when fp32.
+
+    In place, returns dst. dst and src: same numel, contiguous; src fp32, bf16 or fp16.
+    """
+    _check(dst, src, "sr_add_")
+    if use_triton(dst):
+        return _sr_triton(dst, src, key, scale, offset, add=True)
+    return _sr_twin(dst, src, key, scale, offset, add=True)
+
+
+def sr_copy_(dst: torch.Tensor, src: torch.Tensor, *, key: int, scale: float = 1.0, offset: int = 0) -> torch.Tensor:
+    """dst <- round(scale*src); stochastic when dst is bf16. In place, returns dst."""
+    _check(dst, src, "sr_copy_")
+    if use_triton(dst):
+        return _sr_triton(dst, src, key, scale, offset, add=False)
+    return _sr_twin(dst, src, key, scale, offset, add=False)
+
+
+def round_to_bf16_sr(x: torch.Tensor, *, key: int, offset: int = 0) -> torch.Tensor:
+    """fp32 -> new bf16 tensor of the same shape, stochastically rounded; element i uses counter offset + i."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"round_to_bf16_sr: x must be fp32, got {x.dtype}")
+    return sr_copy_(torch.empty_like(x, dtype=torch.bfloat16), x, key=key, offset=offset)

@@ -1,0 +1,330 @@
+"""FP8 matmuls for the four block linears (QKV, attn-out, MLP up, MLP down).
+
+The recipe is llm.q's (reference/llmq.md §3.2): per-tensor current scaling from the abs-max, e4m3 for
+activations and weights, e4m3 or e5m2 for the output gradient dY, bf16 output, fp32 accumulation. Two
+llm.q quirks are fixed here: e5m2 is scaled to its real max 57344 (not 448), and the bias gradient is
+the fp32 sum of the unquantized dY (llm.q sums the quantized dY and rescales it by an extra activation
+scale factor).
+
+Contents, small parts first:
+- `quantize_fp8`: per-tensor quantization (kernels/fp8_quant.py holds the kernel and its twin).
+- `check_scaled_mm_args` / `scaled_mm`: the one FP8 GEMM entry point. On CUDA it is torch._scaled_mm;
+  elsewhere an fp32 emulation. Both first check the rules the CUDA op enforces on an H100/H200 (sm90),
+  so a layout mistake fails in CPU CI rather than on the GPU machine.
+- `Fp8WeightCache`: quantized weights reused across the micro-steps of one optimizer step.
+- `fp8_linear`: y = x @ W^T + b as a torch.autograd.Function with FP8 forward and both backward GEMMs.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from qtrain.kernels.fp8_quant import FP8_DTYPES, FP8_MAX, fp8_quantize
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+
+__all__ = ["E4M3", "E5M2", "FP8_MAX", "quantize_fp8", "check_scaled_mm_args", "scaled_mm",
+           "Fp8WeightCache", "fp8_linear"]
+
+
+def quantize_fp8(x: Tensor, dtype: torch.dtype = E4M3, amax: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Per-tensor current scaling: scale = FMAX / max(amax, floor), saturating round-to-nearest cast.
+
+    Returns (x_fp8, inv_scale): x_fp8 contiguous with x's shape, inv_scale a 0-dim fp32 tensor on x's
+    device such that x ~= x_fp8.float() * inv_scale. Pass `amax` when the producer already computed it
+    (fused into rmsnorm/swiglu, or the optimizer's abs-max of the updated weight); values beyond it saturate.
+    """
+    q, _, inv_scale = fp8_quantize(x, dtype, amax)
+    return q, inv_scale
+
+
+# ----------------------------------------------------------------------------------------------------
+# scaled_mm: the FP8 GEMM entry point
+# ----------------------------------------------------------------------------------------------------
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _is_row_major(t: Tensor) -> bool:
+    """Rows contiguous, possibly padded (leading dimension >= columns): cuBLAS 'T' for our operands."""
+    return t.stride(1) == 1 and t.stride(0) >= max(1, t.size(1))
+
+
+def _is_col_major(t: Tensor) -> bool:
+    """Columns contiguous, possibly padded: what `some_row_major_matrix.t()` looks like."""
+    return t.stride(0) == 1 and t.stride(1) >= max(1, t.size(0))
+
+
+def check_scaled_mm_args(mat1: Tensor, mat2: Tensor, scale_a: Tensor, scale_b: Tensor, *,
+                         out_dtype: torch.dtype = torch.bfloat16, bias: Tensor | None = None) -> None:
+    """Raise what torch._scaled_mm raises on an sm90 GPU (torch 2.11, tensor-wise scaling) for these args.
+
+    Rules (aten/src/ATen/native/cuda/ScaledBlas.cpp `_scaled_mm_out_cuda` / `_scaled_gemm`, and
+    cuBlasCommonArgs.h for how strides turn into cuBLAS transposes). The error *type* matches CUDA's:
+    TORCH_CHECK -> RuntimeError, TORCH_CHECK_VALUE -> ValueError.
+      1. mat1 (M, K), mat2 (K, N) are 2-D with matching K.
+      2. Tensor-wise scales: mat1/mat2 float8, scale_a/scale_b fp32 with exactly one element.
+      3. bias, if any, has N elements.
+      4. K and N are multiples of 16 (mat1.size(1), mat2.size(0), mat2.size(1)); M is free.
+      5. mat1, mat2 are float8_e4m3fn or float8_e5m2, not both e5m2 (ValueError; cuBLASLt has no e5m2 x e5m2).
+      6. bias: not with an fp32 output; bf16 or fp16; bf16 for a bf16 output, fp16 for an fp16 output.
+      7. All tensors, scales included, on one device.
+      8. sm90 cuBLASLt multiplies only row-major mat1 by column-major mat2 ("TN"): mat1 must be
+         contiguous (rows may be padded), mat2 must be the transpose of a row-major (N, K) matrix.
+    Stricter than CUDA on purpose (qtrain rules, same RuntimeError):
+      - out_dtype must be bf16, fp16 or fp32 (CUDA also allows FP8 outputs, which we never use);
+      - a mat1 with arbitrary strides is rejected: CUDA would silently copy it (STYLE.md: no silent copies);
+      - leading dimensions and data pointers 16-byte aligned, which cuBLASLt requires for FP8 and
+        otherwise reports only as an opaque CUBLAS_STATUS_NOT_SUPPORTED at run time.
+    Reads no tensor values, so it never synchronizes with the GPU.
+    """
+    def fail(msg: str) -> RuntimeError:
+        return RuntimeError(f"scaled_mm: {msg}")
+
+    if mat1.dim() != 2 or mat2.dim() != 2:
+        raise fail(f"mat1 and mat2 must be matrices, got {mat1.dim()}-D and {mat2.dim()}-D "
+                   "(flatten (B, T, C) activations to (B*T, C) first)")
+    M, K = mat1.shape
+    K2, N = mat2.shape
+    if K != K2:
+        raise fail(f"mat1 and mat2 shapes cannot be multiplied ({M}x{K} and {K2}x{N})")
+    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if s.dtype != torch.float32 or s.numel() != 1:
+            raise fail(f"Invalid scaling configuration: tensor-wise scaling needs {name} to be an fp32 tensor "
+                       f"with one element (the inverse scale), got dtype {s.dtype} and shape {tuple(s.shape)}")
+    if bias is not None and bias.numel() != N:
+        raise fail(f"Bias must be size {N} but got {bias.numel()}")
+    if K % 16 or N % 16:
+        raise fail(f"K and N must be multiples of 16 for FP8 cuBLASLt, got mat1 {M}x{K} and mat2 {K2}x{N} "
+                   "(K = mat1.size(1) = mat2.size(0), N = mat2.size(1); M may be anything)")
+    if out_dtype not in _OUT_DTYPES:
+        raise fail(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    for name, m in (("mat1", mat1), ("mat2", mat2)):
+        if m.dtype not in FP8_DTYPES:
+            raise fail(f"Expected {name} to be float8_e4m3fn or float8_e5m2, got {m.dtype}")
+    if mat1.dtype == E5M2 and mat2.dtype == E5M2:
+        raise ValueError("scaled_mm: Multiplication of two Float8_e5m2 matrices is not supported "
+                         "(cuBLASLt); quantize one operand (the weight or activation) to e4m3")
+    if bias is not None:
+        if out_dtype == torch.float32:
+            raise fail("Bias is not supported when out_dtype is set to Float32")
+        if bias.dtype not in (torch.bfloat16, torch.float16):
+            raise fail(f"Bias must be BFloat16 or Half, but got {bias.dtype}")
+        if bias.dtype != out_dtype:
+            raise fail(f"Bias must be {out_dtype} to compute {out_dtype} output, but got {bias.dtype}")
+    tensors = {"mat1": mat1, "mat2": mat2, "scale_a": scale_a, "scale_b": scale_b}
+    if bias is not None:
+        tensors["bias"] = bias
+    devices = {n: t.device for n, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise fail(f"Expected all tensors to be on the same device, got {devices} "
+                   "(inverse scales must live on the GPU too)")
+    if not (mat1.is_contiguous() or _is_row_major(mat1)):
+        raise fail(f"Only multiplication of row-major and column-major matrices is supported by cuBLASLt: "
+                   f"mat1 must be row-major (contiguous), got strides {mat1.stride()} for shape {tuple(mat1.shape)}")
+    if not (_is_col_major(mat2) and not mat2.is_contiguous()):
+        raise fail(f"Only multiplication of row-major and column-major matrices is supported by cuBLASLt: "
+                   f"mat2 must be column-major, i.e. some_row_major_NxK.t(), got strides {mat2.stride()} for "
+                   f"shape {tuple(mat2.shape)}; make the transposed copy explicitly (x.t().contiguous().t())")
+    if mat1.stride(0) % 16 or mat2.stride(1) % 16:
+        raise fail(f"leading dimensions must be multiples of 16 elements (16 bytes), got mat1.stride(0)="
+                   f"{mat1.stride(0)}, mat2.stride(1)={mat2.stride(1)}")
+    if not torch.compiler.is_compiling():  # fake tensors under torch.compile have no data pointer
+        for name, m in (("mat1", mat1), ("mat2", mat2)):
+            if m.numel() and m.data_ptr() % 16:
+                raise fail(f"{name} data pointer must be 16-byte aligned, got offset {m.data_ptr() % 16} "
+                           f"(a slice starting at storage_offset {m.storage_offset()}?)")
+
+
+def _scaled_mm_emulated(mat1: Tensor, mat2: Tensor, scale_a: Tensor, scale_b: Tensor,
+                        out_dtype: torch.dtype, bias: Tensor | None) -> Tensor:
+    """What cuBLASLt computes, in fp32: D = cast(scale_a * scale_b * (A @ B) + bias).
+
+    FP8 x FP8 products are exact in fp32 (4 x 4 significant bits), so the only rounding is the fp32
+    accumulation (its order differs from cuBLAS, hence "exact-ish") and the final cast. The scales are
+    applied to the accumulator, as cuBLASLt does, not to the operands.
+    """
+    acc = mat1.float() @ mat2.float()
+    out = acc * (scale_a.reshape(()).float() * scale_b.reshape(()).float())
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def scaled_mm(a_fp8: Tensor, b_fp8: Tensor, a_inv_scale: Tensor, b_inv_scale: Tensor, *,
+              out_dtype: torch.dtype = torch.bfloat16, bias: Tensor | None = None,
+              use_fast_accum: bool = False) -> Tensor:
+    """out (M, N) = (a_fp8 * a_inv_scale) @ (b_fp8 * b_inv_scale) + bias, in out_dtype.
+
+    a_fp8 (M, K) row-major, b_fp8 (K, N) column-major (b_fp8 = w_fp8.t() for a row-major w_fp8 (N, K)).
+    The arguments are checked against CUDA's rules on every device (`check_scaled_mm_args`); on CUDA the
+    GEMM is torch._scaled_mm, elsewhere `_scaled_mm_emulated`. `use_fast_accum` trades accuracy for
+    speed on Hopper (no periodic promotion of the tensor-core accumulator to fp32); the emulation always
+    accumulates in fp32 and ignores it.
+    """
+    check_scaled_mm_args(a_fp8, b_fp8, a_inv_scale, b_inv_scale, out_dtype=out_dtype, bias=bias)
+    if a_fp8.is_cuda:
+        return torch._scaled_mm(a_fp8, b_fp8, scale_a=a_inv_scale, scale_b=b_inv_scale, bias=bias,
+                                out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    return _scaled_mm_emulated(a_fp8, b_fp8, a_inv_scale, b_inv_scale, out_dtype, bias)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Weight cache
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class _CacheEntry:
+    ref: weakref.ref  # the weight itself: a new tensor object at a recycled address is a miss
+    version: int  # weight._version when quantized; in-place updates bump it
+    data_ptr: int
+    shape: torch.Size
+    w_fp8: Tensor
+    inv_scale: Tensor
+
+
+class Fp8WeightCache:
+    """e4m3 copies of weights, reused across the micro-steps of one optimizer step.
+
+    A weight only changes at the optimizer update, so with gradient accumulation over G micro-steps the
+    per-tensor abs-max + quantize runs once instead of G times. An entry is valid while the weight is the
+    same tensor object at the same address with the same version counter: every in-place op through
+    autograd-visible paths (optimizer steps under no_grad, `copy_`, custom ops declaring `mutates_args`)
+    bumps `weight._version`. Writes that bypass the counter -- through `weight.data`, a raw Triton launch,
+    or a collective filling a reused gather buffer -- are invisible: whoever does them must call
+    `invalidate()` (or `clear()`).
+
+    The model holds one cache; `fp8_linear(..., weight_fp8=cache.get(w))`. Entries die with their weight.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, _CacheEntry] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, weight: Tensor) -> tuple[Tensor, Tensor]:
+        """(w_fp8, inv_scale) for `weight`, quantizing to e4m3 on a miss."""
+        key = id(weight)
+        e = self._entries.get(key)
+        if (e is not None and e.ref() is weight and e.version == weight._version
+                and e.data_ptr == weight.data_ptr() and e.shape == weight.shape):
+            self.hits += 1
+            return e.w_fp8, e.inv_scale
+        self.misses += 1
+        with torch.no_grad():
+            w_fp8, inv_scale = quantize_fp8(weight.detach(), E4M3)
+        entries = self._entries
+        self._entries[key] = _CacheEntry(weakref.ref(weight, lambda _: entries.pop(key, None)),
+                                         weight._version, weight.data_ptr(), weight.shape, w_fp8, inv_scale)
+        return w_fp8, inv_scale
+
+    def invalidate(self, weight: Tensor) -> None:
+        """Forget `weight`'s entry; the next `get` re-quantizes."""
+        self._entries.pop(id(weight), None)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+# ----------------------------------------------------------------------------------------------------
+# fp8_linear
+# ----------------------------------------------------------------------------------------------------
+def _check_linear_shapes(x: Tensor, weight: Tensor, bias: Tensor | None, need_dw: bool) -> None:
+    if weight.dim() != 2:
+        raise ValueError(f"fp8_linear: weight must be (N, K), got shape {tuple(weight.shape)}")
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"fp8_linear: x has {x.shape[-1]} input features but weight is ({N}, {K})")
+    if K % 16 or N % 16:
+        raise ValueError(f"fp8_linear: in_features K={K} and out_features N={N} must be multiples of 16 "
+                         "(FP8 cuBLASLt); qtrain does not pad")
+    M = x.numel() // K if K else 0
+    if need_dw and M % 16:
+        raise ValueError(f"fp8_linear: the number of tokens M={M} (= x.numel() / K, e.g. B*T) must be a "
+                         "multiple of 16 when the weight needs a gradient: it is the inner dimension of "
+                         "dW = dY^T @ X")
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"fp8_linear: bias must have shape ({N},), got {tuple(bias.shape)}")
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """y = x @ W^T + b with all three GEMMs in FP8 (forward, dX, dW).
+
+    GEMM layouts (cuBLASLt needs row-major x column-major; every transposed copy is explicit):
+      forward  y  (M, N) = x_q (M, K)            @ W_q.t()                       W_q (N, K) as stored
+      dgrad    dX (M, K) = dY_q (M, N)           @ W_q^T.t()  (W_q^T = explicit (K, N) copy)
+      wgrad    dW (N, K) = dY_q^T (N, M)         @ x_q^T.t()  (both explicit copies, made by the quantizer)
+    Saved for backward: x_q^T (fp8) and its inverse scale, W_q and its inverse scale -- not the bf16 x.
+    The forward uses fast accumulation, the backward GEMMs do not (torchao's default split: gradients
+    see the larger K = M in wgrad and are the more sensitive).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, grad_dtype: torch.dtype,
+                w_fp8: Tensor | None, w_inv_scale: Tensor | None, need_dw: bool) -> Tensor:
+        N, K = weight.shape
+        x2 = x.reshape(-1, K)  # (M, K); a view when x is contiguous, and the quantizer reads any strides
+        x_fp8, x_fp8_t, x_inv = fp8_quantize(x2, E4M3, transpose=need_dw)
+        if w_fp8 is None:
+            w_fp8, w_inv_scale = quantize_fp8(weight.detach(), E4M3)
+        b = None if bias is None else bias.detach().to(torch.bfloat16)  # cuBLASLt epilogue wants bf16
+        y = scaled_mm(x_fp8, w_fp8.t(), x_inv, w_inv_scale, out_dtype=torch.bfloat16, bias=b,
+                      use_fast_accum=True)
+        ctx.save_for_backward(x_fp8_t, x_inv, w_fp8, w_inv_scale)
+        ctx.grad_dtype = grad_dtype
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.view(*x.shape[:-1], N)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x_fp8_t, x_inv, w_fp8, w_inv = ctx.saved_tensors
+        N, K = w_fp8.shape
+        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        dy2 = dy.reshape(-1, N)  # (M, N)
+        dx = dw = db = None
+        if need_dx or need_dw:
+            dy_fp8, dy_fp8_t, dy_inv = fp8_quantize(dy2, ctx.grad_dtype, transpose=need_dw)
+        if need_dx:
+            w_fp8_t = w_fp8.t().contiguous()  # (K, N): the weight in the other major order
+            dx = scaled_mm(dy_fp8, w_fp8_t.t(), dy_inv, w_inv, out_dtype=_gemm_out_dtype(ctx.x_dtype))
+            dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
+        if need_dw:
+            dw = scaled_mm(dy_fp8_t, x_fp8_t.t(), dy_inv, x_inv, out_dtype=_gemm_out_dtype(ctx.w_dtype))
+            dw = dw.to(ctx.w_dtype)
+        if need_db:
+            # From the unquantized dY, summed in fp32: exact up to fp32 summation order (llm.q [quirk]).
+            db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None, None
+
+
+def _gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The GEMM writes the caller's dtype directly when cuBLASLt can (bf16/fp16/fp32), else bf16."""
+    return dtype if dtype in _OUT_DTYPES else torch.bfloat16
+
+
+def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, grad_dtype: torch.dtype = E4M3,
+               weight_fp8: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """y = x @ weight^T + bias with FP8 GEMMs; y is bf16 with shape (..., N).
+
+    x (..., K); weight (N, K) (the bf16 master; receives the gradient); bias (N,) or None.
+    grad_dtype: format of the quantized output gradient dY (e4m3 default as in llm.q, or e5m2).
+    weight_fp8: a cached (W_fp8 (N, K) e4m3, inv_scale) for this weight, e.g. `Fp8WeightCache.get(weight)`;
+    None quantizes the weight here. K and N must be multiples of 16, and so must the token count
+    M = x.numel() / K when the weight needs a gradient (checked here, before any work).
+    """
+    if grad_dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_linear: grad_dtype must be float8_e4m3fn or float8_e5m2, got {grad_dtype}")
+    need_dw = weight.requires_grad and torch.is_grad_enabled()
+    _check_linear_shapes(x, weight, bias, need_dw)
+    w_fp8, w_inv = (None, None) if weight_fp8 is None else weight_fp8
+    if w_fp8 is not None:
+        if w_fp8.dtype != E4M3 or w_fp8.shape != weight.shape or not w_fp8.is_contiguous():
+            raise ValueError(f"fp8_linear: weight_fp8 must be a contiguous e4m3 copy of shape "
+                             f"{tuple(weight.shape)}, got {w_fp8.dtype} {tuple(w_fp8.shape)}")
+    return _Fp8Linear.apply(x, weight, bias, grad_dtype, w_fp8, w_inv, need_dw)

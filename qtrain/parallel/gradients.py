@@ -1,0 +1,455 @@
+"""Gradient managers: where a micro-step's weight gradients go, how they are averaged over ranks and summed
+over micro-steps, and which shard of the result each rank keeps for the optimizer.
+
+Seed: llm.q `src/training/gradients.{h,cpp}` and `src/models/llama_gradients.cpp` (see
+`reference/llmq.md` §4.2). Three strategies, chosen with `make_gradient_manager(kind, ...)`:
+
+  kind              persistent state per rank               communication
+  'unsharded'       full gradient of every group (ZeRO-1)   reduce-scatter(avg) of each group, last micro-step only
+  'reduce-scatter'  non-block groups full, block shards     blocks: reduce-scatter(avg) every micro-step;
+                    + 2 full block staging buffers (ZeRO-2)  non-block groups as 'unsharded'
+  'all-to-all'      as 'reduce-scatter', staging = one       blocks: all-to-all every micro-step, reduced
+                    send + one receive block buffer          in fp32 by the owner; non-block as 'unsharded'
+
+The protocol (the model's `GradientSink` plus the trainer's brackets), per micro-step:
+
+    grads.start_micro_step(step=s, micro_step=m, num_micro_steps=n)
+    model.forward_backward(..., grads=grads)   # accumulate_non_block({'norm'[, 'lm_head']}),
+                                               # accumulate_block(L-1) ... accumulate_block(0),
+                                               # accumulate_non_block({'embed'})
+    grads.end_micro_step()                     # after m == n-1: every shard is final
+    ... optimizer reads grads.grad_shard(group_key) for each group ...
+
+Accumulation over micro-steps. The model hands over fresh tensors (owned by the manager), so the first
+micro-step of a step *sets* every buffer (copy) and later ones *add* with stochastic rounding when the
+buffers are bf16 (an exact fp32 add otherwise). Nothing is ever zeroed: llm.q zeroes the tensors its
+kernels accumulate into by `+=` from the start (norm weights, biases, the untied embedding), which cannot
+happen here. Group padding is zero from allocation and never written (the first micro-step's piecewise
+copy re-zeroes a shard's padding tail explicitly), so padding contributes nothing to norms.
+
+Random bits. Every SR of tensor t (position `t` in its group) of group g at (step, micro-step) uses
+`rng_key(seed, step, micro_step, g.index, t)` with the element's index *in the tensor* as counter
+(`Piece.tensor_offset` where a shard cuts through a tensor), so a rank's shard draws the same bits for an
+element whatever the world size. llm.q reuses one key for every micro-step of a step (a quirk); we
+include the micro-step.
+
+Asynchrony (see `comm.py`). Calls never block the host on CUDA: collectives and the work chained after
+them run on the communicator's side stream, bracketed by events, and "wait" means the compute stream
+waits. On CPU (gloo) collectives are async work handles and the host blocks at the point of need.
+  - accumulate_block(l): returns once block l's gradients have been copied (stream-ordered) into
+    manager buffers; the caller may drop the tensors. Its communication runs in the background and
+    overlaps the backward of the blocks below.
+  - accumulate_non_block: the same; on the last micro-step it starts that group's reduce-scatter.
+  - end_micro_step: on a non-last micro-step it returns at once (the last blocks' communication may
+    overlap the next micro-step's forward); on the last it waits (CUDA: the current stream waits) until
+    every shard is final. Host code that reads a CUDA or offloaded shard directly must synchronise the
+    current stream first.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.rng import rng_key
+from ..kernels.stochastic_rounding import sr_add_, sr_copy_
+from .comm import Communicator, Handle
+from .layout import FlatLayout, Group, Piece
+
+__all__ = ["KINDS", "GradientManager", "UnshardedGradients", "ReduceScatterGradients", "AllToAllGradients",
+           "make_gradient_manager"]
+
+KINDS = ("unsharded", "reduce-scatter", "all-to-all")
+OFFLOAD_NEEDS_SHARDING = "--offload-gradients requires sharded gradients (--shard-gradients or --zero-level 2)"
+
+
+def _short(name: str) -> str:
+    """'layers.3.qkv' -> 'qkv'; 'embed' -> 'embed'."""
+    return name.rsplit(".", 1)[-1]
+
+
+class GradientManager(ABC):
+    """Owns the gradient buffers of one rank and implements the model's `GradientSink`.
+
+    After the last micro-step's `end_micro_step`, `grad_shard(key)` is this rank's slice
+    `[rank*n/W, (rank+1)*n/W)` of group `key`'s flat gradient, averaged over ranks and summed over
+    micro-steps, for every kind. Non-block groups (embed, norm, lm_head) are handled identically by all
+    kinds: a full replicated buffer each, reduce-scattered in place on the last micro-step."""
+
+    kind: str
+
+    def __init__(self, layout: FlatLayout, *, comm: Communicator, dtype: torch.dtype,
+                 device: torch.device | str, seed: int):
+        if layout.world != comm.world:
+            raise ValueError(f"layout was built for world {layout.world}, communicator has world {comm.world}")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"gradient dtype must be float32 or bfloat16, got {dtype}")
+        self.layout, self.comm, self.dtype, self.seed = layout, comm, dtype, seed
+        self.device = torch.device(device)
+        self.rank, self.world = comm.rank, comm.world
+        self._nb_full = {g.key: self._zeros(g.padded_numel) for g in layout.non_block_groups()}
+        self._nb_comm: dict[str, Handle] = {}
+        # protocol state
+        self._step = -1
+        self._micro = -1
+        self._num_micro = 0
+        self._open = False  # between start_micro_step and end_micro_step
+        self._final = False  # shards hold the finished gradient of step `_step`
+        self._seen: set[str] = set()
+
+    def _zeros(self, n: int, *, device: torch.device | str | None = None, pin: bool = False) -> torch.Tensor:
+        return torch.zeros(n, dtype=self.dtype, device=device or self.device, pin_memory=pin)
+
+    # ---- protocol ----
+    @property
+    def first(self) -> bool:
+        """Current micro-step is the first of its step: buffers are set, not added to."""
+        return self._micro == 0
+
+    @property
+    def last(self) -> bool:
+        """Current micro-step is the last of its step: the cross-rank average completes in it."""
+        return self._micro == self._num_micro - 1
+
+    def start_micro_step(self, *, step: int, micro_step: int, num_micro_steps: int) -> None:
+        """Begin micro-step `micro_step` (0-based) of `num_micro_steps` of optimizer step `step`. Does not
+        block. Micro-steps of a step must come in order, each closed by `end_micro_step`."""
+        if self._open:
+            raise RuntimeError(f"start_micro_step: micro-step {self._micro} of step {self._step} was not ended "
+                               f"(call end_micro_step first)")
+        if not 0 <= micro_step < num_micro_steps:
+            raise ValueError(f"start_micro_step: micro_step={micro_step} not in [0, {num_micro_steps})")
+        if micro_step > 0 and (step, micro_step, num_micro_steps) != (self._step, self._micro + 1, self._num_micro):
+            raise RuntimeError(f"start_micro_step: expected micro-step {self._micro + 1}/{self._num_micro} of step "
+                               f"{self._step}, got {micro_step}/{num_micro_steps} of step {step}")
+        self._step, self._micro, self._num_micro = step, micro_step, num_micro_steps
+        self._open, self._seen = True, set()
+        self._final = False
+
+    def accumulate_non_block(self, grads: dict[str, torch.Tensor]) -> None:
+        """Take this micro-step's gradients of non-block groups ('embed', 'norm', 'lm_head'). Does not
+        block; on the last micro-step each group's reduce-scatter starts here."""
+        for name, g in grads.items():
+            group = self.layout.by_key.get(name)
+            if group is None or group.layer is not None:
+                raise KeyError(f"accumulate_non_block: {name!r} is not a non-block group of this model "
+                               f"(have {[g.key for g in self.layout.non_block_groups()]})")
+            self._receive(group)
+            self._accumulate_full(group, self._nb_full[name], {name: g}, self._nb_comm)
+
+    def accumulate_block(self, layer: int, grads: dict[str, torch.Tensor]) -> None:
+        """Take block `layer`'s gradients (short name -> tensor) right after its backward. Does not block
+        the host on CUDA; the block's communication (if any) starts here and overlaps later backward."""
+        group = self.layout.block(layer)
+        self._receive(group)
+        expected = {_short(s.name) for s in group.segments}
+        if set(grads) != expected:
+            raise KeyError(f"accumulate_block({layer}): got tensors {sorted(grads)}, expected {sorted(expected)}")
+        self._accumulate_block(group, grads)
+
+    def end_micro_step(self) -> None:
+        """Close the micro-step. After the last micro-step of a step this waits (CUDA: the current stream
+        waits) until every shard is final; before it, it returns without waiting."""
+        if not self._open:
+            raise RuntimeError("end_micro_step: no micro-step is open (call start_micro_step first)")
+        missing = [g.key for g in self.layout.groups if g.key not in self._seen]
+        if missing:
+            raise RuntimeError(f"end_micro_step: no gradients were received for {missing} in micro-step "
+                               f"{self._micro} of step {self._step}")
+        self._open = False
+        if self.last:
+            self._finish_blocks()
+            for h in self._nb_comm.values():
+                h.wait()
+            self._nb_comm.clear()
+            self._final = True
+
+    def grad_shard(self, group_key: str) -> torch.Tensor:
+        """This rank's 1-D slice (`group.shard_size(world)` elements) of group `group_key`'s gradient,
+        averaged over ranks and summed over the micro-steps of the finished step. A view of manager state:
+        valid until the next step's first micro-step writes it; device memory, or host memory for block
+        groups of an offloading manager."""
+        if not self._final:
+            raise RuntimeError("grad_shard: gradients are final only after end_micro_step of a step's last "
+                               "micro-step")
+        group = self.layout.by_key[group_key]
+        if group.layer is None:
+            lo, hi = group.shard_range(self.rank, self.world)
+            return self._nb_full[group_key][lo:hi]
+        return self._block_shard(group)
+
+    def grad_shards(self) -> dict[str, torch.Tensor]:
+        """`grad_shard` of every group, in layout order."""
+        return {g.key: self.grad_shard(g.key) for g in self.layout.groups}
+
+    # ---- memory ----
+    @abstractmethod
+    def memory(self) -> dict[str, int]:
+        """Bytes of persistent gradient state on this rank, by buffer kind."""
+
+    def host_memory_keys(self) -> set[str]:
+        """Which `memory()` entries live in host memory (offloaded)."""
+        return set()
+
+    def shard_nbytes(self) -> int:
+        """All persistent gradient state of this rank, in bytes (device and, when offloading, host)."""
+        return sum(self.memory().values())
+
+    def device_nbytes(self) -> int:
+        """The part of `shard_nbytes` that lives on the compute device."""
+        host = self.host_memory_keys()
+        return sum(v for k, v in self.memory().items() if k not in host)
+
+    # ---- helpers shared by the strategies ----
+    def _receive(self, group: Group) -> None:
+        if not self._open:
+            raise RuntimeError(f"gradients for {group.key!r} arrived outside a micro-step (call start_micro_step)")
+        if group.key in self._seen:
+            raise RuntimeError(f"gradients for {group.key!r} arrived twice in micro-step {self._micro}")
+        self._seen.add(group.key)
+
+    def _key(self, group: Group, tensor_index: int, step: int, micro: int, *extra: int) -> int:
+        return rng_key(self.seed, step, micro, group.index, tensor_index, *extra)
+
+    def _set(self, dst: torch.Tensor, src: torch.Tensor, *, key: int, scale: float = 1.0, offset: int = 0) -> None:
+        """dst <- scale*src: a plain copy when that is exact, else rounded (SR into bf16)."""
+        if scale == 1.0 and src.dtype == dst.dtype:
+            dst.view(src.shape).copy_(src)
+        else:
+            sr_copy_(dst, src, key=key, scale=scale, offset=offset)
+
+    def _write_full(self, buf: torch.Tensor, group: Group, grads: dict[str, torch.Tensor], *, add: bool,
+                    extra: tuple[int, ...] = ()) -> None:
+        """Fresh tensors -> full group buffer: copy (add=False) or SR-add. Padding is never touched.
+        `extra` ids give a second rounding of the same elements in one micro-step its own bits."""
+        for t, seg in enumerate(group.segments):
+            src = grads[_short(seg.name)]
+            if tuple(src.shape) != seg.shape:
+                raise ValueError(f"gradient of {seg.name} has shape {tuple(src.shape)}, expected {seg.shape}")
+            dst = buf[seg.start:seg.start + seg.numel]
+            key = self._key(group, t, self._step, self._micro, *extra)
+            if add:
+                sr_add_(dst, src, key=key)
+            else:
+                self._set(dst, src, key=key)
+
+    def _accumulate_full(self, group: Group, buf: torch.Tensor, grads: dict[str, torch.Tensor],
+                         handles: dict) -> None:
+        """The replicated (ZeRO-1) path: accumulate locally; on the last micro-step reduce-scatter(avg) in
+        place, so the rank's slice of `buf` becomes its final shard."""
+        self._write_full(buf, group, grads, add=not self.first)
+        if self.last:
+            lo, hi = group.shard_range(self.rank, self.world)
+            handles[group.key] = self.comm.reduce_scatter(buf[lo:hi], buf, op="avg")
+
+    @abstractmethod
+    def _accumulate_block(self, group: Group, grads: dict[str, torch.Tensor]) -> None: ...
+
+    @abstractmethod
+    def _finish_blocks(self) -> None:
+        """Wait until every block shard holds the finished gradient (last micro-step only)."""
+
+    @abstractmethod
+    def _block_shard(self, group: Group) -> torch.Tensor: ...
+
+
+class UnshardedGradients(GradientManager):
+    """ZeRO-1: every group, blocks included, is treated like a non-block group. Full replicated buffers,
+    local accumulation, and one reduce-scatter(avg) per group on the last micro-step, started as soon as
+    that group's gradient is complete (block by block, overlapping the rest of the backward)."""
+
+    kind = "unsharded"
+
+    def __init__(self, layout: FlatLayout, **kw):
+        super().__init__(layout, **kw)
+        self._full = {layer: self._zeros(layout.block(layer).padded_numel)
+                      for layer in range(layout.cfg.num_hidden_layers)}
+        self._comm: dict[str, Handle] = {}
+
+    def _accumulate_block(self, group: Group, grads: dict[str, torch.Tensor]) -> None:
+        self._accumulate_full(group, self._full[group.layer], grads, self._comm)
+
+    def _finish_blocks(self) -> None:
+        for h in self._comm.values():
+            h.wait()
+        self._comm.clear()
+
+    def _block_shard(self, group: Group) -> torch.Tensor:
+        lo, hi = group.shard_range(self.rank, self.world)
+        return self._full[group.layer][lo:hi]
+
+    def memory(self) -> dict[str, int]:
+        nb = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        return {"non_block": nb(self._nb_full.values()), "blocks": nb(self._full.values())}
+
+
+@dataclass
+class _Slot:
+    """A full-size block staging buffer (plus a receive buffer for all-to-all) and the work in flight
+    that still reads it: the block's collective and the accumulation chained after it."""
+    send: torch.Tensor
+    recv: torch.Tensor | None
+    pending: Handle | None = None
+
+
+class _BlockSharded(GradientManager):
+    """ZeRO-2 base: block gradients live only as one persistent shard per layer (on the device, or in
+    host memory with `offload`); each micro-step a block passes through a full-size staging slot
+    (layer % num_slots), is communicated, and the rank's part is accumulated into the shard by work
+    chained after the collective (CUDA: queued at once on the side stream; CPU: run when the slot is
+    needed again or at the last end_micro_step, like llm.q's deferred `sr_accumulate_layer`)."""
+
+    num_slots: int
+    needs_recv: bool
+
+    def __init__(self, layout: FlatLayout, *, offload: bool = False, **kw):
+        super().__init__(layout, **kw)
+        blocks = [layout.block(layer) for layer in range(layout.cfg.num_hidden_layers)]
+        n = blocks[0].padded_numel  # every block has the same layout
+        s = blocks[0].shard_size(self.world)
+        self.offload = offload
+        pin = offload and torch.cuda.is_available()
+        self._shards = {g.layer: self._zeros(s, device="cpu" if offload else self.device, pin=pin) for g in blocks}
+        # offloaded shards are accumulated in a device copy when the compute device is not the CPU
+        self._staged = offload and self.device.type != "cpu"
+        self._scratch = self._zeros(s) if self._staged else None
+        self._slots = [_Slot(self._zeros(n), self._zeros(n) if self.needs_recv else None)
+                       for _ in range(self.num_slots)]
+        self._pieces: dict[int, list[tuple[int, Piece]]] = {}
+        for g in blocks:
+            index = {seg.name: t for t, seg in enumerate(g.segments)}
+            self._pieces[g.layer] = [(index[p.segment.name], p) for p in g.shard_pieces(self.rank, self.world)]
+        last = self._pieces[0][-1][1] if self._pieces[0] else None
+        self._pad_start = last.shard_offset + last.numel if last else 0  # the shard's padding tail starts here
+
+    def _accumulate_block(self, group: Group, grads: dict[str, torch.Tensor]) -> None:
+        slot = self._slots[group.layer % self.num_slots]
+        if slot.pending is not None:  # the layer that used this slot before must be done with it
+            slot.pending.wait()
+            slot.pending = None
+        # a copy; it rounds (with bits apart from the shard's) only if the model dtype differs from ours
+        self._write_full(slot.send, group, grads, add=False, extra=(1,))
+        slot.pending = self._communicate(group, slot, step=self._step, micro=self._micro,
+                                         first=self.first, last=self.last)
+
+    @abstractmethod
+    def _communicate(self, group: Group, slot: _Slot, *, step: int, micro: int, first: bool,
+                     last: bool) -> Handle:
+        """Start the block's collective and chain its accumulation into the shard; return the handle
+        after which the slot is free and the shard updated."""
+
+    def _finish_blocks(self) -> None:
+        for slot in self._slots:
+            if slot.pending is not None:
+                slot.pending.wait()
+                slot.pending = None
+
+    def _block_shard(self, group: Group) -> torch.Tensor:
+        return self._shards[group.layer]
+
+    # offload: the accumulation works on a device copy of the host shard (same PCIe traffic as llm.q's
+    # zero-copy kernels, but plain copies on the stream the accumulation runs on)
+    def _shard_in(self, layer: int, *, load: bool) -> torch.Tensor:
+        if not self._staged:
+            return self._shards[layer]
+        if load:
+            self._scratch.copy_(self._shards[layer], non_blocking=True)
+        return self._scratch
+
+    def _shard_out(self, layer: int, work: torch.Tensor) -> None:
+        if self._staged:
+            self._shards[layer].copy_(work, non_blocking=True)
+
+    def memory(self) -> dict[str, int]:
+        nb = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        out = {"non_block": nb(self._nb_full.values()), "block_shards": nb(self._shards.values()),
+               "staging": nb([s.send for s in self._slots] + [s.recv for s in self._slots if s.recv is not None])}
+        if self._scratch is not None:
+            out["offload_scratch"] = nb([self._scratch])
+        return out
+
+    def host_memory_keys(self) -> set[str]:
+        return {"block_shards"} if self.offload else set()
+
+
+class ReduceScatterGradients(_BlockSharded):
+    """llm.q `LLamaGradientsBlockSharded_ScatterReduce`. Per block and micro-step: copy into slot
+    layer % 2, reduce-scatter(avg) in place, then shard = slice (first micro-step) or SR(shard + slice).
+    The cross-rank sum is the backend's (bf16 reductions round on every hop, as ncclAvg does)."""
+
+    kind = "reduce-scatter"
+    num_slots = 2  # in place, so two full block buffers; a slot is free two blocks of backward later
+    needs_recv = False
+
+    def _communicate(self, group, slot, *, step, micro, first, last):
+        lo, hi = group.shard_range(self.rank, self.world)
+        out = slot.send[lo:hi]
+        h = self.comm.reduce_scatter(out, slot.send, op="avg")
+        return self.comm.then(h, lambda: self._accumulate(group, out, step=step, micro=micro, first=first))
+
+    def _accumulate(self, group: Group, src: torch.Tensor, *, step: int, micro: int, first: bool) -> None:
+        work = self._shard_in(group.layer, load=not first)
+        if first:
+            work.copy_(src)  # same dtype, exact; padding included (src's padding is a reduction of zeros)
+        else:
+            for t, p in self._pieces[group.layer]:
+                sl = slice(p.shard_offset, p.shard_offset + p.numel)
+                sr_add_(work[sl], src[sl], key=self._key(group, t, step, micro), offset=p.tensor_offset)
+        self._shard_out(group.layer, work)
+
+
+class AllToAllGradients(_BlockSharded):
+    """llm.q `LLamaGradientsBlockSharded_AllToAll`. Per block and micro-step: copy into the send buffer,
+    all-to-all (slice j to rank j), then the owner reduces in fp32 with one rounding:
+        shard = SR(scale * (shard + sum_j received_j)),  scale = 1/world on the last micro-step, else 1
+    (on the first micro-step the old shard is left out). So the cross-rank sum is fp32, not the
+    backend's bf16 reduction.
+
+    Differences from llm.q, both from using a separate receive buffer instead of its destructive in-place
+    exchange: the own slice joins the single rounding above (llm.q SR-adds it into the shard before the
+    exchange, because the exchange overwrites it: two roundings per micro-step); and staging is one
+    send + one receive buffer (two full block buffers, like the reduce-scatter kind). One slot still
+    overlaps a block's exchange with the next block's backward, as llm.q's two slots do: llm.q's GEMMs
+    write into the slot during backward, our fresh tensors arrive only after it."""
+
+    kind = "all-to-all"
+    num_slots = 1
+    needs_recv = True
+
+    def _communicate(self, group, slot, *, step, micro, first, last):
+        h = self.comm.all_to_all(slot.recv, slot.send)
+        scale = 1.0 / self.world if last else 1.0
+        return self.comm.then(h, lambda: self._reduce(group, slot.recv, step=step, micro=micro, first=first,
+                                                      scale=scale))
+
+    def _reduce(self, group: Group, recv: torch.Tensor, *, step: int, micro: int, first: bool,
+                scale: float) -> None:
+        work = self._shard_in(group.layer, load=not first)
+        parts = recv.view(self.world, -1)
+        # fixed order (old shard, then ranks 0..W-1): the fp32 sum is bit-reproducible
+        acc = parts[0].to(torch.float32, copy=True) if first else work.float() + parts[0].float()
+        for j in range(1, self.world):
+            acc += parts[j].float()
+        for t, p in self._pieces[group.layer]:
+            sl = slice(p.shard_offset, p.shard_offset + p.numel)
+            sr_copy_(work[sl], acc[sl], key=self._key(group, t, step, micro), scale=scale, offset=p.tensor_offset)
+        if first:
+            work[self._pad_start:].zero_()
+        self._shard_out(group.layer, work)
+
+
+def make_gradient_manager(kind: str, layout: FlatLayout, *, comm: Communicator, dtype: torch.dtype,
+                          device: torch.device | str, seed: int, offload: bool = False) -> GradientManager:
+    """Build the gradient manager `kind` ('unsharded' | 'reduce-scatter' | 'all-to-all'). `offload` keeps
+    the block shards in (pinned, when CUDA is available) host memory and needs a sharded kind."""
+    common = dict(comm=comm, dtype=dtype, device=device, seed=seed)
+    if kind == "unsharded":
+        if offload:
+            raise ValueError(OFFLOAD_NEEDS_SHARDING)
+        return UnshardedGradients(layout, **common)
+    if kind == "reduce-scatter":
+        return ReduceScatterGradients(layout, offload=offload, **common)
+    if kind == "all-to-all":
+        return AllToAllGradients(layout, offload=offload, **common)
+    raise ValueError(f"unknown gradient manager kind {kind!r}; choose one of {', '.join(KINDS)}")

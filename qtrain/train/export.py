@@ -1,0 +1,41 @@
+"""`qtrain export`: a training checkpoint (sharded or not) -> a Hugging Face model directory.
+
+No process group is needed: the weight shards of every rank are concatenated in rank order, which
+restores each group's flat buffer (see parallel/layout.py), and the tensors are views into those.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..model.config import ModelConfig
+from ..model.hf_io import save_hf_model
+from ..parallel.layout import FlatLayout
+from . import checkpoint_io as cio
+from .checkpointing import CheckpointError, _stem
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def checkpoint_params(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
+    """(model config, full parameters by internal name, model dtype name) from a checkpoint directory."""
+    meta, files = cio.read_checkpoint(path)
+    cfg = ModelConfig.from_hf_dict(meta["model"], source=f"{path}/checkpoint.json")
+    world = int(meta["distributed"]["world"])
+    layout = FlatLayout(cfg, world)
+    shards = [files.load(_stem("weights", r, world)) for r in range(world)]
+    buffers = {}
+    for g in layout.groups:
+        parts = [s[g.key] for s in shards]
+        if any(p.numel() != g.shard_size(world) for p in parts):
+            raise CheckpointError(f"{path}: weight shard of {g.key} has the wrong size for world {world}")
+        buffers[g.key] = torch.cat(parts)
+    return cfg, layout.views(buffers), meta.get("options", {}).get("model_dtype", "bf16")
+
+
+def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None) -> str:
+    path = cio.find_checkpoint(ckpt_dir, step)
+    if path is None:
+        raise CheckpointError(f"--checkpoint-dir {ckpt_dir}: no checkpoint" + (f" for step {step}" if step else ""))
+    cfg, params, dtype = checkpoint_params(str(path))
+    save_hf_model(out_dir, cfg, params, dtype=DTYPES[dtype])
+    return str(path)

@@ -1,0 +1,135 @@
+"""`qtrain train`: the whole run around a Trainer: data, schedule, logs, evaluation, checkpoints, export.
+
+Per step (llm.q's order): checkpoint if due, evaluate if due, grad_accumulation micro-steps, update, log.
+After the loop: evaluation over the whole eval file, HF export to --out-dir, final checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+from ..parallel.dist import DistContext, init_distributed
+from . import checkpointing
+from .corpus import ensure_default_dataset
+from .data import TokenLoader
+from .log import RunLogger
+from .metrics import device_peaks, model_flops_per_token, ns_per_token, peak_tflops, sol_ops
+from .options import Options
+from .schedule import LRSchedule
+from .trainer import Trainer
+
+DEFAULT_DATA_DIR = os.path.join("data", "qtrain-default")
+
+
+def data_files(opts: Options) -> tuple[str, str | None]:
+    """(train pattern, eval pattern or None). No --train-file: the embedded corpus (built on first use)."""
+    if opts.train_file:
+        return opts.train_file, opts.eval_file or None
+    train, evals = ensure_default_dataset(DEFAULT_DATA_DIR)
+    return train, opts.eval_file or evals
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext | None = None) -> dict:
+    """Train as the options say; returns a summary (final eval loss, steps, out_dir) on every rank."""
+    opts.validate()
+    ctx = ctx or init_distributed(opts.device)
+    if ctx.is_main:  # rank 0 builds the embedded corpus (if needed) before the others look for it
+        train_pattern, eval_pattern = data_files(opts)
+    ctx.barrier()
+    if not ctx.is_main:
+        train_pattern, eval_pattern = data_files(opts)
+
+    trainer = Trainer(opts, ctx)
+    cfg, B, T, GA, W = trainer.cfg, opts.batch_size, opts.seq_len, opts.grad_accumulation, ctx.world
+    train = TokenLoader(train_pattern, T, rank=ctx.rank, world=W, seed=opts.train_seed, model_vocab_size=cfg.vocab_size)
+    evals = (TokenLoader(eval_pattern, T, rank=ctx.rank, world=W, seed=opts.eval_seed,
+                         model_vocab_size=cfg.vocab_size, shuffle=False) if eval_pattern else None)
+    steps_per_epoch = train.chunks_per_epoch // (B * GA)
+    if steps_per_epoch == 0:
+        raise ValueError(f"--train-file {train_pattern}: {train.chunks_per_epoch} sequences per rank are fewer than "
+                         f"one step needs (batch {B} x grad-accumulation {GA})")
+    total_steps = opts.steps if opts.steps > 0 else opts.epochs * steps_per_epoch
+    schedule = LRSchedule(peak_lr=opts.learning_rate, total_steps=total_steps, warmup=opts.warmup,
+                          cooldown=opts.cooldown, final_lr_fraction=opts.final_lr_fraction, kind=opts.lr_schedule)
+    ckpt_dir, out_dir = opts.expand(opts.checkpoint_dir), opts.expand(opts.out_dir)
+
+    log = RunLogger(opts.expand(opts.log_file) if opts.log_file else None, rank=ctx.rank, total_steps=total_steps)
+    log.log_cmd(argv if argv is not None else sys.argv)
+    log.log_options(opts.to_dict())
+    log.log_dataset("train", files=len(train.files), tokens=train.num_tokens, seed=opts.train_seed)
+    if evals is not None:
+        log.log_dataset("eval", files=len(evals.files), tokens=evals.num_tokens, seed=opts.eval_seed)
+    dev_name = _device_name(ctx.device)
+    log.log_device(name=dev_name, rank=ctx.rank, world=W, device=str(ctx.device))
+    ops = sol_ops(cfg, T, matmul_dtype=opts.effective_matmul_dtype, model_dtype=opts.model_dtype)
+    peaks = device_peaks(dev_name)
+    log.log_sol(blocks=ops.blocks, lm_head=ops.lm_head, attention=ops.attention,
+                ns_per_token=ns_per_token(ops, dev_name, world=W),
+                peaks=None if peaks is None else {"bf16": peaks.bf16, "fp8": peaks.fp8},
+                mfu_flops_per_token=model_flops_per_token(cfg, T), bf16_peak_tflops=peak_tflops(dev_name, "bf16"),
+                world=W)
+    log.message(f"model {cfg.model_type}: {cfg.num_params() / 1e6:.1f}M parameters, {total_steps} steps of "
+                f"{B * T * GA * W} tokens", level="info")
+
+    start = 0
+    if opts.continue_from is not None:
+        path = checkpointing.find(ckpt_dir, opts.continue_from)
+        if path is None:
+            log.message(f"--continue: no checkpoint found in {ckpt_dir}; starting from scratch", level="warning")
+        else:
+            start = checkpointing.load(path, trainer, train_loader=None if opts.new_data else train, logger=log)
+            log.message(f"resumed from {path} at step {start}", level="warning")
+
+    def evaluate(step: int, max_batches: int | None) -> float | None:
+        if evals is None:
+            return None
+        t0 = time.perf_counter()
+        loss, n = trainer.evaluate(evals.iterate_eval_batches(B, max_batches))
+        log.log_eval(step, loss=loss, eval_tokens=n, duration_ms=1000 * (time.perf_counter() - t0),
+                     epoch=train.progress)
+        return loss
+
+    step_tokens = B * T * GA * W
+    for step in range(start, total_steps):
+        if step % opts.ckpt_interval == 0 and step > start:
+            checkpointing.save(ckpt_dir, trainer, train, log, keep_n=opts.ckpt_keep_n, major=opts.ckpt_major)
+        if step % opts.eval_every_n_steps == 0 and step > 0 and opts.eval_num_steps > 0:
+            evaluate(step, opts.eval_num_steps)
+        t0 = time.perf_counter()
+        batches = [train.next_batch(B) for _ in range(GA)]
+        valid = torch.tensor([float(sum(int((t != -100).sum()) for _, t in batches))], dtype=torch.float64,
+                             device=ctx.device)
+        ctx.all_reduce_sum(valid)
+        scale = W / max(float(valid.item()), 1.0)  # the mean over the global batch after averaging over ranks
+        for inputs, targets in batches:
+            trainer.micro_step(inputs, targets, loss_scale=scale)
+        stats = trainer.update(lr=schedule(step))
+        _sync(ctx.device)
+        dt_ms = 1000 * (time.perf_counter() - t0)
+        log.log_step(step, step_tokens=step_tokens, duration_ms=dt_ms, norm=stats["norm"], loss=stats["loss"],
+                     lr=stats["lr"], epoch=train.progress)
+        if stats["skipped"]:
+            log.message(f"step {step}: non-finite gradient norm, update skipped", step=step, level="warning")
+
+    final = evaluate(total_steps, None)
+    if ctx.device.type == "cuda":
+        log.log_memory(allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved(),
+                       peak=torch.cuda.max_memory_allocated())
+    trainer.export(out_dir)
+    log.message(f"exported HF model to {out_dir}", level="info")
+    if opts.save_training_state:
+        checkpointing.save(ckpt_dir, trainer, train, log, keep_n=opts.ckpt_keep_n, major=opts.ckpt_major)
+    log.close()
+    return {"final_eval_loss": final, "steps": total_steps, "out_dir": out_dir, "checkpoint_dir": ckpt_dir}

@@ -1,0 +1,309 @@
+"""Every setting of a training run, in one dataclass, validated once before anything large is allocated.
+
+Field names are llm.q's option names with '-' -> '_' (`--grad-accumulation` -> `grad_accumulation`), so
+data prepared and commands written for llm.q carry over. The CLI (`qtrain.cli`) and config files (TOML or
+YAML) both fill this object; `validate()` is the single place where combinations are checked.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DTYPES = ("fp32", "bf16")
+MATMUL_DTYPES = ("fp32", "bf16", "e4m3")
+GRADIENT_DTYPES = ("e4m3", "e5m2")
+OPT_M_DTYPES = ("fp32", "bf16", "e4m3")
+OPT_V_DTYPES = ("fp32", "bf16")
+SCHEDULES = ("cosine", "linear", "wsd")
+DEFAULT_MODEL = "qtrain-tiny"  # the embedded default: a small model trained on the embedded corpus
+
+
+class OptionsError(ValueError):
+    """A bad option or combination of options; the message names the option(s) and the fix."""
+
+
+@dataclass(kw_only=True)
+class Options:
+    # ---- model / dtypes ----
+    model: str = ""
+    """Model directory, `org/name` in the local HF cache, or (with --from-scratch) a preset name.
+    Empty: the embedded default (a tiny model trained from scratch on the embedded corpus)."""
+    from_scratch: bool = False
+    """Random initialisation instead of loading weights (a preset name or a config.json is enough)."""
+    init_proj_to_zero: bool = False
+    """Zero-initialise attention-out and MLP-down projections (needs --from-scratch)."""
+    seed: int = 42
+    """Seed of the from-scratch initialisation and of stochastic rounding."""
+    model_dtype: str = "bf16"
+    """Master weights, activations and weight gradients: fp32 or bf16 (bf16 has no fp32 master copy)."""
+    matmul_dtype: str = ""
+    """Dtype of the four block linears; '' = model dtype; e4m3 = FP8."""
+    gradient_dtype: str = ""
+    """FP8 format of activation gradients with --matmul-dtype e4m3 (e4m3 or e5m2); '' = e4m3."""
+    opt_m_dtype: str = "fp32"
+    """Adam first moment: fp32, bf16 (stochastically rounded) or e4m3 (block-scaled)."""
+    opt_v_dtype: str = "fp32"
+    """Adam second moment: fp32 or bf16 (stochastically rounded)."""
+
+    # ---- data / shapes ----
+    train_file: str = ""
+    """Token file(s) (a glob, quote it); empty = the embedded corpus."""
+    eval_file: str = ""
+    """Token file(s) for evaluation; empty = the embedded corpus' eval split (or none with --train-file)."""
+    train_seed: int = 0x83B45442
+    eval_seed: int = 0x384B4524
+    batch_size: int = 4
+    """Micro-batch per GPU (sequences)."""
+    seq_len: int = 1024
+    lmhead_chunks: int = 1
+    """Split the LM head + loss into N row chunks so fp32 logits exist for 1/N of the tokens at a time."""
+
+    # ---- optimiser / schedule ----
+    learning_rate: float = 1e-5
+    warmup: int = 0
+    cooldown: int = 0
+    final_lr_fraction: float = 1.0
+    lr_schedule: str = "cosine"
+    beta_1: float = 0.9
+    beta_2: float = 0.95
+    adam_epsilon: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (<= 0 disables)."""
+    z_loss: float = 0.0
+    grad_accumulation: int = 4
+    steps: int = -1
+    """Optimizer steps; -1 = epochs x steps per epoch."""
+    epochs: int = 1
+    eval_every_n_steps: int = 100
+    eval_num_steps: int = 100
+    """Batches per periodic evaluation; the final evaluation covers the whole eval file."""
+
+    # ---- output / checkpoints / logging ----
+    name: str = "qtrain"
+    out_dir: str = "output/%n"
+    checkpoint_dir: str = "ckpt/%n"
+    ckpt_interval: int = 100
+    ckpt_keep_n: int = -1
+    ckpt_major: int = -1
+    save_training_state: bool = True
+    """Write a final checkpoint at the end (--no-save-training-state to skip)."""
+    continue_from: str | None = None
+    """`--continue [STEP|PATH]`: resume from the latest checkpoint, a step, or a path."""
+    new_data: bool = False
+    """With --continue: do not restore the data loader position."""
+    log_file: str = "logs/%n.jsonl"
+    tensorboard: str = ""
+
+    # ---- execution ----
+    device: str = "auto"
+    """auto | cpu | cuda."""
+    compile: str = "auto"
+    """torch.compile the blocks: auto (on for CUDA) | on | off."""
+    gpus: int = 0
+    """Local worker processes to start (0 = all visible GPUs, or 1 on CPU). Under torchrun: the launcher's."""
+    zero_level: int = 1
+    shard_gradients: bool = False
+    all_to_all_reduce: bool = False
+    offload_gradients: bool = False
+    recompute_block: bool = False
+
+    # ---------------------------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        pass
+
+    @property
+    def effective_matmul_dtype(self) -> str:
+        return self.matmul_dtype or self.model_dtype
+
+    @property
+    def gradient_manager_kind(self) -> str:
+        if self.shard_gradients or self.zero_level >= 2:
+            return "all-to-all" if self.all_to_all_reduce else "reduce-scatter"
+        return "unsharded"
+
+    def expand(self, path: str) -> str:
+        return path.replace("%n", self.name)
+
+    def validate(self) -> "Options":
+        """Raise OptionsError naming the option(s) and the fix; return self for chaining."""
+        def err(msg: str) -> OptionsError:
+            return OptionsError(msg)
+
+        def choice(opt: str, value: str, allowed: tuple[str, ...]) -> None:
+            if value not in allowed:
+                raise err(f"--{opt}={value!r}: must be one of {', '.join(allowed)}")
+
+        choice("model-dtype", self.model_dtype, DTYPES)
+        if self.matmul_dtype:
+            choice("matmul-dtype", self.matmul_dtype, MATMUL_DTYPES)
+        if self.gradient_dtype:
+            choice("gradient-dtype", self.gradient_dtype, GRADIENT_DTYPES)
+            if self.effective_matmul_dtype != "e4m3":
+                raise err("--gradient-dtype only applies with --matmul-dtype e4m3")
+        choice("opt-m-dtype", self.opt_m_dtype, OPT_M_DTYPES)
+        choice("opt-v-dtype", self.opt_v_dtype, OPT_V_DTYPES)
+        choice("lr-schedule", self.lr_schedule, SCHEDULES)
+        choice("device", self.device, ("auto", "cpu", "cuda"))
+        choice("compile", self.compile, ("auto", "on", "off"))
+        if self.model_dtype == "fp32" and (self.opt_m_dtype != "fp32" or self.opt_v_dtype != "fp32"):
+            raise err("--model-dtype fp32 needs --opt-m-dtype fp32 and --opt-v-dtype fp32 "
+                      "(low-precision moments with fp32 weights are not a supported combination)")
+        if self.opt_m_dtype == "e4m3" and self.opt_v_dtype != "bf16":
+            raise err("--opt-m-dtype e4m3 needs --opt-v-dtype bf16 (llm.q's only e4m3 combination)")
+        for opt, v in (("batch-size", self.batch_size), ("seq-len", self.seq_len),
+                       ("grad-accumulation", self.grad_accumulation), ("lmhead-chunks", self.lmhead_chunks),
+                       ("epochs", self.epochs), ("eval-every-n-steps", self.eval_every_n_steps),
+                       ("ckpt-interval", self.ckpt_interval)):
+            if v < 1:
+                raise err(f"--{opt} must be >= 1, got {v}")
+        if self.steps == 0 or self.steps < -1:
+            raise err(f"--steps must be positive (or -1 for --epochs), got {self.steps}")
+        if (self.batch_size * self.seq_len) % self.lmhead_chunks:
+            raise err(f"--lmhead-chunks={self.lmhead_chunks} must divide batch*seq-len="
+                      f"{self.batch_size * self.seq_len}")
+        if self.eval_num_steps < 0:
+            raise err(f"--eval-num-steps must be >= 0, got {self.eval_num_steps}")
+        if self.learning_rate <= 0:
+            raise err(f"--learning-rate must be positive, got {self.learning_rate}")
+        if not 0 <= self.final_lr_fraction <= 1:
+            raise err(f"--final-lr-fraction must be in [0, 1], got {self.final_lr_fraction}")
+        if self.warmup < 0 or self.cooldown < 0:
+            raise err("--warmup and --cooldown must be >= 0")
+        if self.steps > 0 and self.warmup + self.cooldown > self.steps:
+            raise err(f"--warmup ({self.warmup}) + --cooldown ({self.cooldown}) exceed --steps ({self.steps})")
+        if not (0 <= self.beta_1 < 1 and 0 <= self.beta_2 < 1):
+            raise err("--beta-1 and --beta-2 must be in [0, 1)")
+        if self.adam_epsilon <= 0 or self.weight_decay < 0 or self.z_loss < 0:
+            raise err("--adam-epsilon must be > 0, --weight-decay and --z-loss >= 0")
+        if self.init_proj_to_zero and not self.from_scratch:
+            raise err("--init-proj-to-zero needs --from-scratch")
+        if self.new_data and self.continue_from is None:
+            raise err("--new-data needs --continue")
+        if self.zero_level not in (0, 1, 2, 3):
+            raise err(f"--zero-level must be 0..3, got {self.zero_level}")
+        if self.zero_level >= 2 and self.shard_gradients:
+            raise err("--zero-level and --shard-gradients are mutually exclusive (--zero-level 2 implies it)")
+        if self.zero_level == 3:
+            raise err("--zero-level 3 (sharded weights) is not implemented yet")
+        if self.all_to_all_reduce and self.gradient_manager_kind == "unsharded":
+            raise err("--all-to-all-reduce needs sharded gradients (--shard-gradients or --zero-level 2)")
+        if self.offload_gradients and self.gradient_manager_kind == "unsharded":
+            raise err("--offload-gradients needs sharded gradients (--shard-gradients or --zero-level 2): "
+                      "unsharded gradients cannot be offloaded")
+        if self.effective_matmul_dtype == "e4m3":
+            raise err("--matmul-dtype e4m3 is not wired into training yet")
+        if self.effective_matmul_dtype == "fp32" and self.model_dtype == "bf16":
+            raise err("--matmul-dtype fp32 with --model-dtype bf16 is not supported")
+        if self.opt_m_dtype == "e4m3":
+            raise err("--opt-m-dtype e4m3 is not wired into training yet")
+        if self.gpus < 0:
+            raise err(f"--gpus must be >= 0, got {self.gpus}")
+        return self
+
+    # ---- config files ----
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    @classmethod
+    def from_mapping(cls, d: dict[str, Any], *, source: str = "options") -> "Options":
+        return cls(**normalize_mapping(d, source=source))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+ALIASES = {"batch": "batch_size", "seq_length": "seq_len", "lr": "learning_rate", "continue": "continue_from",
+           "use_all_to_all_reduce": "all_to_all_reduce", "offload_grads": "offload_gradients"}
+
+
+def _coerce(key: str, value: Any, source: str, spelled: str = "") -> Any:
+    """A config-file value -> the field's type. Config files are loosely typed (PyYAML reads `3e-4` as a
+    string, a TOML seed may be written "0x83b45442"), so parse strings for numeric fields and reject what
+    does not fit, naming the file and key, instead of failing later with a TypeError."""
+    import typing
+    typ = typing.get_type_hints(Options)[key]
+    def bad(what: str) -> OptionsError:
+        return OptionsError(f"{source}: option {spelled or key!r} must be {what}, got {value!r}")
+    if key == "continue_from":  # `continue = true` (latest), a step number, or a path
+        if value is None or value is False:
+            return None
+        if value is True:
+            return "latest"
+        if isinstance(value, (int, str)):
+            return str(value)
+        raise bad("true, a step number or a path")
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return value
+    if typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.strip(), 0)
+            except ValueError:
+                pass
+        raise bad("an integer")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise bad("a number")
+    if not isinstance(value, str):
+        raise bad("a string")
+    return value
+
+
+def normalize_mapping(d: dict[str, Any], *, source: str = "options") -> dict[str, Any]:
+    """Option names (llm.q spellings, '-' or '_', aliases) -> field names, values -> field types.
+    Raises OptionsError naming `source` and the key for unknown, duplicated or ill-typed options."""
+    names = Options.field_names()
+    norm: dict[str, Any] = {}
+    unknown: list[str] = []
+    for k, v in d.items():
+        key = str(k).replace("-", "_")
+        key = ALIASES.get(key, key)
+        if key not in names:
+            unknown.append(str(k))
+            continue
+        if key in norm:
+            raise OptionsError(f"{source}: option {key!r} given twice (as {k!r} and another spelling)")
+        norm[key] = _coerce(key, v, source, spelled=str(k))
+    if unknown:
+        raise OptionsError(f"{source}: unknown option(s) {sorted(unknown)}")
+    return norm
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Read a TOML or YAML options file into a flat mapping (option name -> value)."""
+    if not os.path.isfile(path):
+        raise OptionsError(f"--config {path}: file not found")
+    with open(path, "rb") as f:
+        raw = f.read()
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml  # type: ignore[import-not-found]
+        except ImportError:
+            raise OptionsError(f"--config {path}: YAML needs PyYAML (pip install pyyaml), or use TOML") from None
+        try:
+            data = yaml.safe_load(raw) or {}
+        except yaml.YAMLError as e:
+            raise OptionsError(f"--config {path}: invalid YAML ({e})") from None
+    else:
+        import tomllib
+        try:
+            data = tomllib.loads(raw.decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise OptionsError(f"--config {path}: invalid TOML ({e})") from None
+    if not isinstance(data, dict):
+        raise OptionsError(f"--config {path}: expected a table of options")
+    return data

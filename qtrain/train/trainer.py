@@ -1,0 +1,186 @@
+"""The trainer object: qtrain's Python API, and what `qtrain train` drives.
+
+    trainer = Trainer(options)                 # builds model, gradient manager, optimizer on this rank
+    for step in range(steps):
+        for inputs, targets in micro_batches:  # grad_accumulation of them
+            trainer.micro_step(inputs, targets, loss_scale=...)
+        stats = trainer.update(lr=schedule(step))   # {'loss', 'norm', 'lr', ...}
+    trainer.evaluate(batches); trainer.save_checkpoint(dir); trainer.export(out_dir)
+
+`micro_step` queues work on the device and returns without waiting for it (no host sync); `update` is
+the one place per step that waits (it needs the gradient norm on the host for clipping and logging).
+Every rank calls the same methods in the same order.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from ..model.config import ModelConfig, preset, PRESETS
+from ..model.hf_io import load_hf_weights, load_model_config, save_hf_model
+from ..model.init import init_params
+from ..model.resolve import resolve_model_dir
+from ..model.transformer import ParamWeights, RunOptions, Transformer
+from ..parallel.comm import Communicator
+from ..parallel.dist import DistContext, init_distributed
+from ..parallel.gradients import make_gradient_manager
+from ..parallel.layout import FlatLayout
+from ..parallel.optimizer import ShardedAdamW, clip_factor
+from .options import Options
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# The embedded default model: small enough to train on a CPU in minutes, with the GPT-2 BPE vocabulary of
+# the embedded corpus (50257 tokens, padded to a multiple of 64 for efficient GEMMs).
+TINY = ModelConfig(model_type="qwen2", vocab_size=50304, hidden_size=128, intermediate_size=384,
+                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                   rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=True,
+                   bos_token_id=50256, eos_token_id=50256)
+
+
+@dataclass
+class ModelSource:
+    cfg: ModelConfig
+    weights_dir: str | None  # HF directory to load weights from (None: from scratch)
+    tokenizer_dir: str | None  # where tokenizer files to copy along with exports live
+
+
+def resolve_model(opts: Options) -> ModelSource:
+    """--model as llm.q reads it: empty -> the embedded tiny model; a preset name with --from-scratch;
+    else a directory or `org/name` in the local HF cache (never downloaded)."""
+    if not opts.model or opts.model == "qtrain-tiny":
+        if opts.model == "qtrain-tiny" or opts.from_scratch or not opts.model:
+            return ModelSource(TINY, None, None)
+    if opts.from_scratch and not os.path.isdir(opts.model):
+        key = opts.model.rsplit("/", 1)[-1].lower()
+        if any(k.lower() == key for k in PRESETS):
+            return ModelSource(preset(opts.model), None, None)
+    d = resolve_model_dir(opts.model)
+    cfg = load_model_config(d)
+    return ModelSource(cfg, None if opts.from_scratch else str(d), str(d))
+
+
+class Trainer:
+    def __init__(self, opts: Options, dist_ctx: DistContext | None = None):
+        self.opts = opts.validate()
+        self.ctx = dist_ctx or init_distributed(opts.device)
+        self.device = self.ctx.device
+        self.source = resolve_model(opts)
+        cfg = self.cfg = self.source.cfg
+        self.dtype = DTYPES[opts.model_dtype]
+        self.layout = FlatLayout(cfg, self.ctx.world)
+
+        # weights: one flat buffer per group; parameters are views into them (see parallel/layout.py)
+        self.param_buffers = self.layout.allocate(dtype=self.dtype, device=self.device)
+        self.params = {n: v.requires_grad_(True) for n, v in self.layout.views(self.param_buffers).items()}
+        self._init_weights()
+
+        use_compile = opts.compile == "on" or (opts.compile == "auto" and self.device.type == "cuda")
+        self.model = Transformer(cfg, RunOptions(lmhead_chunks=opts.lmhead_chunks, recompute_block=opts.recompute_block,
+                                                 compile=use_compile))
+        self.weights = ParamWeights(cfg, self.params)
+        self.comm = Communicator(device=self.device) if self.ctx.distributed else Communicator.solo(self.device)
+        self.grads = make_gradient_manager(opts.gradient_manager_kind, self.layout, comm=self.comm,
+                                           dtype=self.dtype, device=self.device, seed=opts.seed,
+                                           offload=opts.offload_gradients)
+        self.optimizer = ShardedAdamW(self.layout, self.param_buffers, rank=self.ctx.rank,
+                                      comm=self.ctx if self.ctx.distributed else None,
+                                      m_dtype=opts.opt_m_dtype, v_dtype=opts.opt_v_dtype, seed=opts.seed)
+        self.step = 0  # completed optimizer steps
+        self.micro = 0  # micro-steps done in the current step
+        self._loss = torch.zeros((), dtype=torch.float32, device=self.device)
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        if self.source.weights_dir is None:
+            init_params(self.cfg, self.params, seed=self.opts.seed, init_proj_to_zero=self.opts.init_proj_to_zero)
+            return
+        loaded = load_hf_weights(self.source.weights_dir, self.cfg, dtype=self.dtype, device="cpu")
+        for name, t in loaded.items():
+            self.params[name].copy_(t)
+
+    # ---- the training step ----
+    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_scale: float | None = None) -> None:
+        """Forward + backward of one micro-batch ((B, T) int64 tensors, any device); gradients go to the
+        gradient manager. `loss_scale` weights this rank's summed token loss; the default,
+        1 / (valid targets in this micro-batch x grad_accumulation), gives the mean over the global
+        batch when every micro-batch has the same number of valid targets (always true without masks)."""
+        ga = self.opts.grad_accumulation
+        if self.micro >= ga:
+            raise RuntimeError(f"micro_step called more than --grad-accumulation={ga} times before update()")
+        if loss_scale is None:
+            loss_scale = 1.0 / max(1, int((targets != -100).sum()) * ga)
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        self.grads.start_micro_step(step=self.step, micro_step=self.micro, num_micro_steps=ga)
+        loss = self.model.forward_backward(self.weights, inputs, targets, grads=self.grads, loss_scale=loss_scale,
+                                           z_loss=self.opts.z_loss)
+        self.grads.end_micro_step()
+        self._loss += loss
+        self.micro += 1
+
+    def update(self, *, lr: float) -> dict[str, float]:
+        """Clip, AdamW-update this rank's shards, gather weights. Returns loss (mean over ranks of the
+        scaled losses of this step), pre-clip gradient norm and the learning rate."""
+        o = self.opts
+        if self.micro != o.grad_accumulation:
+            raise RuntimeError(f"update() after {self.micro} micro-steps; expected --grad-accumulation="
+                               f"{o.grad_accumulation}")
+        norm_t = self.optimizer.grad_norm(self.grads)
+        loss_t = self.ctx.all_reduce_sum(self._loss.clone()) / self.ctx.world
+        norm, loss = float(norm_t), float(loss_t)  # the step's one host sync
+        skipped = not math.isfinite(norm)
+        if not skipped:
+            self.optimizer.step(self.grads, lr=lr, beta1=o.beta_1, beta2=o.beta_2, eps=o.adam_epsilon,
+                                weight_decay=o.weight_decay, grad_scale=clip_factor(norm, o.grad_clip))
+        self.step += 1
+        self.micro = 0
+        self._loss.zero_()
+        return {"loss": loss, "norm": norm, "lr": lr, "skipped": float(skipped)}
+
+    # ---- evaluation ----
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, int]:
+        """Mean token loss over the batches on all ranks, and the number of tokens it covers."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for inputs, targets in batches:
+            loss, n = self.model.loss_sum(self.weights, inputs.to(self.device), targets.to(self.device))
+            total[0] += loss.double()
+            total[1] += n.double()
+        self.ctx.all_reduce_sum(total)
+        n = int(total[1].item())
+        return (float(total[0].item()) / max(n, 1)), n
+
+    # ---- weights out ----
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """Full (replicated) parameters, detached views."""
+        return {n: p.detach() for n, p in self.params.items()}
+
+    def export(self, out_dir: str) -> None:
+        """Write a HF model directory (config.json + safetensors [+ tokenizer files]); rank 0 writes."""
+        if self.ctx.is_main:
+            save_hf_model(out_dir, self.cfg, self.full_params(), dtype=self.dtype,
+                          tokenizer_src=self.source.tokenizer_dir)
+        self.ctx.barrier()
+
+    # ---- checkpoint state (files written by train/checkpointing.py) ----
+    def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """This rank's shards: weights and Adam moments, keyed by file stem then group key."""
+        weights = {g.key: self.optimizer.param_shard(g.key) for g in self.layout.groups}
+        return {"weights": weights, **self.optimizer.state_tensors()}
+
+    @torch.no_grad()
+    def load_state_tensors(self, state: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+        for g in self.layout.groups:
+            src, dst = state["weights"][g.key], self.optimizer.param_shard(g.key)
+            if src.shape != dst.shape:
+                raise ValueError(f"checkpoint weights[{g.key}]: shape {tuple(src.shape)} != {tuple(dst.shape)}")
+            dst.copy_(src)
+            if self.ctx.distributed:
+                self.ctx.all_gather_into_tensor(self.param_buffers[g.key], dst)
+        self.optimizer.load_state_tensors({k: state[k] for k in ("adam.m", "adam.v")}, step)
+        self.step = step
