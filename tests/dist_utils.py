@@ -29,8 +29,9 @@ def _entry(fn: Callable, rank: int, world_size: int, backend: str, store_dir: st
         if backend == "nccl":
             torch.cuda.set_device(rank)
         store = dist.FileStore(os.path.join(store_dir, "store"), world_size)
+        extra = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=120))
+                                timeout=datetime.timedelta(seconds=120), **extra)
         try:
             result = {"ok": fn(rank, world_size, *args)}
         finally:

@@ -82,29 +82,32 @@ def train_grads(mgr, cfg: ModelConfig, rank: int, dtype: torch.dtype, *, device:
 
 # ---- the distributed worker: every run of one world size --------------------------------------------
 def runs(world: int) -> dict[str, tuple]:
-    """name -> (config, kind, dtype, offload, seed, same_grads)."""
+    """name -> (config, kind, dtype, offload, seed, same_grads, use_avg)."""
     specs = {}
     for cfg in CONFIGS:
         for kind in KINDS:
             for dt in DTYPES:
-                specs[f"{cfg}/{kind}/{dt}"] = (cfg, kind, dt, False, 1234, False)
+                specs[f"{cfg}/{kind}/{dt}"] = (cfg, kind, dt, False, 1234, False, True)
                 if kind != "unsharded":
-                    specs[f"{cfg}/{kind}/{dt}/offload"] = (cfg, kind, dt, True, 1234, False)
-            specs[f"{cfg}/{kind}/bf16/rerun"] = (cfg, kind, "bf16", False, 1234, False)
-            specs[f"{cfg}/{kind}/bf16/seed2"] = (cfg, kind, "bf16", False, 99, False)
+                    specs[f"{cfg}/{kind}/{dt}/offload"] = (cfg, kind, dt, True, 1234, False, True)
+            specs[f"{cfg}/{kind}/bf16/rerun"] = (cfg, kind, "bf16", False, 1234, False, True)
+            specs[f"{cfg}/{kind}/bf16/seed2"] = (cfg, kind, "bf16", False, 99, False, True)
             if world == 2:  # identical inputs on every rank: the cross-rank average is exact in bf16 for W=2
-                specs[f"{cfg}/{kind}/bf16/same"] = (cfg, kind, "bf16", False, 1234, True)
+                specs[f"{cfg}/{kind}/bf16/same"] = (cfg, kind, "bf16", False, 1234, True, True)
+    for kind in ("unsharded", "reduce-scatter"):  # the SUM + 1/W fallback for backends without ReduceOp.AVG
+        for dt in DTYPES:
+            specs[f"qwen2-tied/{kind}/{dt}/sum"] = ("qwen2-tied", kind, dt, False, 1234, False, False)
     return specs
 
 
 def _worker(rank: int, world: int, device_type: str = "cpu") -> dict:
     device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
-    comm = Communicator(device=device)
-    assert (comm.rank, comm.world) == (rank, world)
+    comms = {True: Communicator(device=device), False: Communicator(device=device, use_avg=False)}
+    assert (comms[True].rank, comms[True].world) == (rank, world)
     results = {}
-    for name, (cfg_name, kind, dt, offload, seed, same) in runs(world).items():
+    for name, (cfg_name, kind, dt, offload, seed, same, avg) in runs(world).items():
         cfg = config(cfg_name)
-        mgr = make_gradient_manager(kind, FlatLayout(cfg, world), comm=comm, dtype=DTYPES[dt], device=device,
+        mgr = make_gradient_manager(kind, FlatLayout(cfg, world), comm=comms[avg], dtype=DTYPES[dt], device=device,
                                     seed=seed, offload=offload)
         shards = train_grads(mgr, cfg, rank, DTYPES[dt], device=device, same_grads=same)
         results[name] = {"shards": shards, "memory": mgr.memory()}
@@ -143,10 +146,10 @@ def full_buffers(results: list[dict], name: str, step: int) -> dict[str, torch.T
 
 
 # ---- checks (shared by the gloo tests and the NCCL/CUDA tests) -------------------------------------------
-def check_hand_average(world: int, results: list[dict], cfg_name: str, kind: str, dt: str) -> None:
+def check_hand_average(world: int, results: list[dict], cfg_name: str, kind: str, dt: str, suffix: str = "") -> None:
     """Every rank holds exactly its slice; the slices together are the hand average (bounds: module doc)."""
     dtype = DTYPES[dt]
-    name = f"{cfg_name}/{kind}/{dt}"
+    name = f"{cfg_name}/{kind}/{dt}{suffix}"
     layout = FlatLayout(config(cfg_name), world)
     K = MICRO * (world + 2)
     u = 2.0**-24 if dtype == torch.float32 else 2.0**-7
@@ -172,7 +175,8 @@ def check_hand_average(world: int, results: list[dict], cfg_name: str, kind: str
         rms = rel.pow(2).mean().sqrt().item()
         assert rms <= math.sqrt(K) * 2.0**-8, f"{name}: RMS relative error {rms:.3g}"
         bias = (rel * torch.cat(signs)).mean().item()
-        assert abs(bias) <= 5 * math.sqrt(K) * 2.0**-8 / math.sqrt(rel.numel()), f"{name}: biased rounding, mean {bias:.3g}"
+        limit = 5 * math.sqrt(K) * 2.0**-8 / math.sqrt(rel.numel())
+        assert abs(bias) <= limit, f"{name}: biased rounding, mean {bias:.3g}"
 
 
 def check_same_bits(a: list[dict], b: list[dict], name_a: str, name_b: str, what: str) -> None:
@@ -210,6 +214,13 @@ def check_world_size_independent(results: list[dict], cfg_name: str, kind: str, 
 def test_shards_match_hand_average(dist_results, cfg_name, kind, dt):
     world, results = dist_results
     check_hand_average(world, results, cfg_name, kind, dt)
+
+
+@pytest.mark.parametrize("kind", ["unsharded", "reduce-scatter"])
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_sum_then_scale_fallback(dist_results, kind, dt):
+    world, results = dist_results
+    check_hand_average(world, results, "qwen2-tied", kind, dt, suffix="/sum")
 
 
 @pytest.mark.parametrize("cfg_name", list(CONFIGS))

@@ -148,7 +148,8 @@ class Communicator:
         """out (n/world) <- this rank's part of the reduction of inp (n) over ranks. In place is allowed:
         `out` may be inp's own slice [rank*n/world, (rank+1)*n/world)."""
         if inp.numel() != out.numel() * self.world:
-            raise ValueError(f"reduce_scatter: input has {inp.numel()} elements, output {out.numel()}, world {self.world}")
+            raise ValueError(f"reduce_scatter: input has {inp.numel()} elements, output {out.numel()}, "
+                             f"world {self.world}")
         if self._solo:
             return self._local_copy(out, inp)
         post = None
@@ -169,7 +170,8 @@ class Communicator:
         """Equal splits: slice j of inp goes to rank j; slice j of out comes from rank j (slice `rank`
         is a copy of the own slice). out and inp must not overlap."""
         if out.numel() != inp.numel() or inp.numel() % self.world:
-            raise ValueError(f"all_to_all: sizes {inp.numel()} -> {out.numel()} not equal or not divisible by {self.world}")
+            raise ValueError(f"all_to_all: sizes {inp.numel()} -> {out.numel()} not equal or not divisible "
+                             f"by {self.world}")
         if self._solo:
             return self._local_copy(out, inp)
         return self._issue(lambda a: dist.all_to_all_single(out, inp, group=self.group, async_op=a))
