@@ -184,19 +184,12 @@ class Transformer:
 
     def _embedding_backward(self, inputs: torch.Tensor, dx: torch.Tensor, embed: torch.Tensor,
                             d_head: torch.Tensor | None) -> torch.Tensor:
-        """Dense (V, C) gradient of the embedding (+ the tied LM head's). Rows are summed in fp32 over
-        the unique token ids only, so no (V, C) fp32 temporary is needed."""
-        C = self.cfg.hidden_size
-        uniq, inv = torch.unique(inputs.reshape(-1), return_inverse=True)
-        rows = torch.zeros(uniq.numel(), C, dtype=torch.float32, device=dx.device)
-        rows.index_add_(0, inv, dx.reshape(-1, C).float())
+        """Dense (V, C) gradient of the embedding (+ the tied LM head's). aten's embedding backward sums
+        rows deterministically in fp32 (sort + segment sum on CUDA) without a host sync."""
+        g = torch.ops.aten.embedding_dense_backward(dx, inputs, embed.shape[0], -1, False)
         if d_head is None:
-            g = torch.zeros_like(embed)
-            g[uniq] = rows.to(g.dtype)
-        else:
-            g = d_head
-            g[uniq] = (g[uniq].float() + rows).to(g.dtype)
-        return g
+            return g
+        return d_head.add_(g)
 
     # ---- evaluation ----
     @torch.no_grad()

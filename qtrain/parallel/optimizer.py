@@ -49,7 +49,7 @@ class ShardedAdamW:
         """Global L2 norm of the gradient (fp32 device scalar): sum of squares of this rank's shards,
         summed over ranks. Padding is zero, so it does not count."""
         shards = [grads.grad_shard(g.key) for g in self.layout.groups]
-        sq = torch.stack([s.float().pow(2).sum() for s in shards]).sum()
+        sq = torch.stack([torch.linalg.vector_norm(s, dtype=torch.float32) for s in shards]).pow(2).sum()
         if self.comm is not None and self.world > 1:
             self.comm.all_reduce_sum(sq)
         return sq.sqrt()

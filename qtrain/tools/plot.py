@@ -1,0 +1,163 @@
+"""`qtrain plot LOG [LOG ...] --out plot.png`: one PNG of one or more training runs (llm.q's
+`scripts/plot_training_run.py`, extended).
+
+Layout: two rows of four panels. Columns: loss (train loss raw, thin and faint; its centred moving average
+over `smooth` steps, solid; eval loss, dashed with markers), learning rate, gradient norm (log scale) and
+training throughput (tokens/s, raw faint + smoothed). The top row is against the optimizer step, the bottom
+row against the number of training tokens seen (cumulative `step_tokens`; see `qtrain.tools` for the exact
+meaning of both axes and for how resumed logs are merged). One colour per run; the legend names each run
+and its final eval loss.
+
+matplotlib is imported with the Agg backend unless a backend was already chosen, so this works on a
+machine without a display (CI, a remote GPU box).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import Sequence
+
+from . import LogError, RunHistory, load_run
+
+__all__ = ["plot_logs", "plot_runs", "moving_average", "add_plot_args", "run_plot"]
+
+
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Centred moving average over `window` points (odd windows are symmetric); near the ends the window
+    shrinks to the points that exist, and NaNs are skipped (a window of only NaNs gives NaN)."""
+    n = len(values)
+    if window <= 1 or n == 0:
+        return [float(v) for v in values]
+    # prefix sums over finite values and their count, so the whole thing is O(n)
+    s, c = [0.0], [0]
+    for v in values:
+        ok = isinstance(v, (int, float)) and math.isfinite(v)
+        s.append(s[-1] + (float(v) if ok else 0.0))
+        c.append(c[-1] + (1 if ok else 0))
+    left, right = (window - 1) // 2, window // 2
+    out = []
+    for i in range(n):
+        lo, hi = max(0, i - left), min(n, i + right + 1)
+        k = c[hi] - c[lo]
+        out.append((s[hi] - s[lo]) / k if k else math.nan)
+    return out
+
+
+def _matplotlib():
+    import matplotlib
+    if "matplotlib.pyplot" not in __import__("sys").modules and not os.environ.get("MPLBACKEND"):
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _label(run: RunHistory, names: list[str]) -> str:
+    label = run.name if names.count(run.name) == 1 else f"{run.name} ({os.path.basename(run.path)})"
+    if run.final_eval_loss is not None and math.isfinite(run.final_eval_loss):
+        label += f" | eval {run.final_eval_loss:.4f}"
+    return label
+
+
+def plot_runs(runs: Sequence[RunHistory], out_png: str | os.PathLike, *, smooth: int = 21,
+              title: str | None = None, dpi: int = 110) -> str:
+    """Draw already loaded runs (see `plot_logs`)."""
+    if not runs:
+        raise LogError("plot: no runs given")
+    plt = _matplotlib()
+    from matplotlib.lines import Line2D
+
+    fig, axes = plt.subplots(2, 4, figsize=(22, 9), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key().get("color") or ["C0"]
+    names = [r.name for r in runs]
+    tokens_scale, tokens_unit = _token_unit(max((max(r.tokens, default=0.0) for r in runs), default=0.0))
+    any_norm = False
+    for i, run in enumerate(runs):
+        color = colors[i % len(colors)]
+        for row, (xs, exs) in enumerate(((run.steps, run.eval_steps),
+                                         ([t / tokens_scale for t in run.tokens],
+                                          [t / tokens_scale for t in run.eval_tokens]))):
+            ax_loss, ax_lr, ax_norm, ax_tps = axes[row]
+            if xs:
+                ax_loss.plot(xs, run.loss, color=color, alpha=0.25, linewidth=0.8)
+                ax_loss.plot(xs, moving_average(run.loss, smooth), color=color, linewidth=1.6)
+                ax_lr.plot(xs, run.lr, color=color, linewidth=1.4)
+                if any(v > 0 for v in run.norm if not math.isnan(v)):
+                    any_norm = True
+                    ax_norm.plot(xs, [v if v > 0 else math.nan for v in run.norm], color=color, alpha=0.35,
+                                 linewidth=0.8)
+                    ax_norm.plot(xs, moving_average(run.norm, smooth), color=color, linewidth=1.4)
+                ax_tps.plot(xs, run.tokens_per_s, color=color, alpha=0.25, linewidth=0.8)
+                ax_tps.plot(xs, moving_average(run.tokens_per_s, smooth), color=color, linewidth=1.4)
+            if exs:
+                ax_loss.plot(exs, run.eval_loss, color=color, linestyle="--", marker="o", markersize=3.5,
+                             linewidth=1.2)
+
+    titles = ("loss", "learning rate", "gradient norm", "tokens / s")
+    for row, xlabel in enumerate(("step", f"tokens ({tokens_unit})" if tokens_unit else "tokens")):
+        for col, ax in enumerate(axes[row]):
+            ax.set_title(f"{titles[col]} vs {xlabel.split(' ')[0]}", fontsize=10)
+            ax.set_xlabel(xlabel)
+            ax.grid(True, alpha=0.3)
+        if any_norm:
+            axes[row][2].set_yscale("log")
+        axes[row][1].ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+
+    run_handles = [Line2D([], [], color=colors[i % len(colors)], linewidth=2, label=_label(r, names))
+                   for i, r in enumerate(runs)]
+    style_handles = [Line2D([], [], color="0.4", alpha=0.35, linewidth=0.8, label="train (raw)"),
+                     Line2D([], [], color="0.4", linewidth=1.6, label=f"train ({smooth}-step average)"),
+                     Line2D([], [], color="0.4", linestyle="--", marker="o", markersize=3.5, label="eval")]
+    first = axes[0][0].legend(handles=style_handles, loc="upper right", fontsize=8)
+    axes[0][0].add_artist(first)
+    fig.legend(handles=run_handles, loc="upper center", ncol=min(len(runs), 4), fontsize=9,
+               bbox_to_anchor=(0.5, 0.995), frameon=False)
+    fig.suptitle(title if title is not None else "", y=0.955, fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    out = os.fspath(out_png)
+    parent = os.path.dirname(out)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return out
+
+
+def _token_unit(max_tokens: float) -> tuple[float, str]:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if max_tokens >= 10 * scale:
+            return scale, unit
+    return 1.0, ""
+
+
+def plot_logs(paths: Sequence[str | os.PathLike] | str | os.PathLike, out_png: str | os.PathLike, *,
+              smooth: int = 21, title: str | None = None, names: Sequence[str] | None = None) -> str:
+    """Plot the JSON Lines logs `paths` (one run each) into the PNG `out_png`; returns its path.
+
+    `smooth`: moving-average window in steps for the smoothed curves (1 = none). `names`: legend names,
+    one per log (default: each run's `name` option, else the file name)."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    if names is not None and len(names) != len(paths):
+        raise LogError(f"plot: {len(names)} --name values for {len(paths)} logs")
+    runs = [load_run(p, name=None if names is None else names[i]) for i, p in enumerate(paths)]
+    return plot_runs(runs, out_png, smooth=smooth, title=title)
+
+
+# ---------------------------------------------------------------- CLI
+
+def add_plot_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("logs", nargs="+", metavar="LOG", help="JSON Lines log(s) of qtrain runs (--log-file)")
+    p.add_argument("--out", "-o", default="plot.png", help="PNG to write (default: plot.png)")
+    p.add_argument("--smooth", type=int, default=21, help="moving-average window in steps (default 21; 1 = none)")
+    p.add_argument("--title", default=None, help="figure title")
+    p.add_argument("--name", dest="names", action="append", default=None,
+                   help="legend name of each log, in order (repeat once per LOG)")
+
+
+def run_plot(ns: argparse.Namespace) -> int:
+    if ns.smooth < 1:
+        raise LogError(f"--smooth must be >= 1, got {ns.smooth}")
+    out = plot_logs(ns.logs, ns.out, smooth=ns.smooth, title=ns.title, names=ns.names)
+    print(f"wrote {out}")
+    return 0

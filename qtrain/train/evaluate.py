@@ -1,0 +1,98 @@
+"""`qtrain eval --model DIR --eval-file F`: the mean token loss (and perplexity) of any Hugging Face model
+directory on a token file, computed with qtrain's own model code.
+
+The batches are exactly the ones a training run evaluates on (`TokenLoader.iterate_eval_batches`: the
+files in order, unshuffled, non-overlapping chunks of `seq_len` tokens, targets shifted by one, masked
+targets ignored, a smaller last batch), so `qtrain eval` on a run's export reproduces that run's final eval
+loss, and any other model (a downloaded checkpoint, another trainer's export) can be scored on the same
+data. The loss is the sum of per-token cross-entropies (fp32 log-sum-exp) over all valid targets divided by
+their number: every token counts the same, however the batches are cut.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["evaluate_model", "add_eval_args", "run_eval"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+@torch.no_grad()
+def evaluate_model(model_dir: str | os.PathLike, eval_file: str | os.PathLike | list, *, seq_len: int,
+                   batch_size: int, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                   max_batches: int | None = None, lmhead_chunks: int = 1) -> dict[str, Any]:
+    """Loss of the HF model in `model_dir` (a directory, or `org/name` in the local HF cache) on the token
+    file(s) `eval_file` (a path, a glob or a list). Returns {"loss": mean token loss, "ppl": exp(loss),
+    "tokens": number of targets scored, "batches": batches run, "duration_ms": time}."""
+    from ..model.hf_io import load_hf_weights, load_model_config
+    from ..model.resolve import resolve_model_dir
+    from ..model.transformer import ParamWeights, RunOptions, Transformer
+    from .data import TokenLoader
+    from .options import OptionsError
+
+    if seq_len <= 0 or batch_size <= 0 or (max_batches is not None and max_batches <= 0):
+        raise OptionsError(f"qtrain eval: --seq-len, --batch-size and --max-batches must be positive, got "
+                           f"{seq_len}, {batch_size}, {max_batches}")
+    dev = _device(device)
+    d = resolve_model_dir(os.fspath(model_dir))
+    cfg = load_model_config(d)
+    params = load_hf_weights(d, cfg, dtype=dtype, device=dev)
+    model = Transformer(cfg, RunOptions(lmhead_chunks=lmhead_chunks))
+    weights = ParamWeights(cfg, params)
+    loader = TokenLoader(eval_file, seq_len, shuffle=False, model_vocab_size=cfg.vocab_size)
+
+    t0 = time.perf_counter()
+    total = torch.zeros((), dtype=torch.float64, device=dev)
+    count = torch.zeros((), dtype=torch.int64, device=dev)
+    batches = 0
+    for inputs, targets in loader.iterate_eval_batches(batch_size, max_batches):
+        loss, n = model.loss_sum(weights, inputs.to(dev), targets.to(dev))
+        total += loss.double()
+        count += n
+        batches += 1
+    n = int(count.item())
+    loss = float(total.item()) / n if n else math.nan
+    return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else math.inf, "tokens": n, "batches": batches,
+            "duration_ms": 1000 * (time.perf_counter() - t0)}
+
+
+# ---------------------------------------------------------------- CLI
+
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="HF model directory, or ORG/NAME in the local HF cache")
+    p.add_argument("--eval-file", required=True, help="token file(s) to score (a glob: quote it)")
+    p.add_argument("--seq-len", type=int, default=1024, help="sequence length (default 1024)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per batch (default 4)")
+    p.add_argument("--max-batches", type=int, default=None, help="score only the first N batches")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default auto)")
+    p.add_argument("--dtype", choices=("auto", *_DTYPES), default="auto",
+                   help="weights / activations dtype (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--lmhead-chunks", type=int, default=1, help="split the LM head into N row chunks (memory)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+
+def run_eval(ns: argparse.Namespace) -> int:
+    dev = _device(ns.device)
+    dtype = (torch.bfloat16 if dev.type == "cuda" else torch.float32) if ns.dtype == "auto" else _DTYPES[ns.dtype]
+    r = evaluate_model(ns.model, ns.eval_file, seq_len=ns.seq_len, batch_size=ns.batch_size, device=dev, dtype=dtype,
+                       max_batches=ns.max_batches, lmhead_chunks=ns.lmhead_chunks)
+    if ns.json:
+        print(json.dumps({**r, "model": str(ns.model), "eval_file": str(ns.eval_file), "seq_len": ns.seq_len,
+                          "batch_size": ns.batch_size, "dtype": str(dtype).removeprefix("torch.")}))
+    else:
+        print(f"eval loss {r['loss']:.6f} | ppl {r['ppl']:.4f} | {r['tokens']:,} tokens in {r['batches']} batches "
+              f"| {r['duration_ms'] / 1000:.1f} s")
+    return 0
