@@ -24,15 +24,15 @@ references run on rank 0 of that spawn (one intra-op thread, like the ranks), be
 Tolerances.
 * fp32. The two sides compute the same sums in a different order (per-rank GEMMs over B*T tokens plus a
   cross-rank reduction vs one GEMM over W*B*T tokens; micro-step accumulation before or after the
-  reduction). A loss is a sum of n <= W*B*T*GA positive per-token terms, so its reduction-order error is
-  below (n-1)*2^-24 relative (<= 1.6e-5 for n = 256; in practice ~1e-7): losses and norms match to 1e-5
-  relative. Weights cannot be compared elementwise at that level: Adam divides each element by its own
+  reduction). A loss is a sum of n <= W*B*T*GA = 256 positive per-token terms, so its reduction-order
+  error is below (n-1)*2^-24 < 1.6e-5 relative; the gradient norm is a sum of positive squares too, of
+  gradients whose own error is ~1e-7 of the norm: losses and norms match to 2e-5 relative (measured:
+  <= 1e-7). Weights cannot be compared elementwise at that level: Adam divides each element by its own
   gradient RMS, so an element whose gradient nearly cancels over tokens (relative error ~u * sum|terms| /
-  |sum|, unbounded in principle; the k part of the QKV bias has an exactly-zero gradient in exact
-  arithmetic) moves differently by a fraction of lr. So the weights are compared per tensor in norm,
-  against the size of the update itself: ||w - w_ref|| <= 1e-3 * ||w_ref - w0||. Measured: < 1e-4 (the
-  gradient error is ~1e-7 of the gradient; the worst tensor is the QKV bias). A run whose gradients are
-  not averaged over ranks (one rank's data only) is off by O(1) of the update (checked for bf16 below).
+  |sum|, unbounded in principle) moves differently by up to a fraction of lr. So the weights are compared
+  per tensor in norm, against the size of the update itself: ||w - w_ref|| <= 1e-3 * ||w_ref - w0||
+  (measured: <= 5e-5 for the worst tensor, ~5e-6 over all weights). A run whose gradients are not
+  averaged over ranks (one rank's data only) is off by ~1 of the update (checked in bf16 below).
 * bf16 (bf16 weights, gradients and Adam moments, all with stochastic rounding). Every bf16 rounding
   errs by < 1 ulp (<= 2^-7 relative; its RMS is <= 2^-8). The gradient of a micro-step is rounded once
   per rank in the backward (W partial sums instead of one), once more per hop of the cross-rank
@@ -45,10 +45,13 @@ Tolerances.
   gradient error (larger where gradients cancel, as in fp32). An elementwise bound would have to allow
   each side's whole step (Adam moves an element by up to ~lr per step whatever its gradient), which a
   wrong run satisfies too, so the check is in norm, against the update:
-  ||w - w_ref|| <= 0.2 * ||w_ref - w0|| over all weights (measured ~0.04), while a run that trains on one
-  rank's share of the data (what every rank does when the reduction is missing) is off by >= 0.5 of the
-  update: the bound sits well between the two. Losses match to 2^-7 relative (one bf16 ulp).
-The runs are deterministic (fixed data, seeds and thread counts), so none of this can flake.
+  ||w - w_ref|| <= 0.2 * ||w_ref - w0|| over all weights (measured ~0.03 for W = 2 and 4), while a run
+  that trains on one rank's share of the data (what every rank does when the reduction is missing) is off
+  by >= 0.5 of the update (measured 0.9 for W = 2, 1.1 for W = 4): the bound sits well between the two.
+  Norms match to 3e-2 (measured <= 1e-3; the wrong run: 0.39 for W = 2), losses to 2^-7 (measured 6e-5).
+  (A sum over ranks where an average is due hardly moves Adam's weights, which are scale-invariant, but
+  multiplies the norm by W: the norm checks catch it in both dtypes.)
+The runs are deterministic (fixed data, seeds and thread counts) and the margins wide, so they do not flake.
 """
 from __future__ import annotations
 
@@ -128,7 +131,7 @@ def run_steps(tr: Trainer, steps: range, data_ranks: list[int], global_ranks: li
     The loss scale is the loop's: world / (valid targets of the global batch)."""
     out = []
     for s in steps:
-        batches, _ = step_batches(s, data_ranks)
+        batches = step_batches(s, data_ranks)[0]
         valid = step_batches(s, global_ranks)[1]
         for x, y in batches:
             tr.micro_step(x, y, loss_scale=tr.ctx.world / valid)
@@ -219,7 +222,7 @@ def test_trains_like_one_process_on_the_global_batch(dist_runs, dtype, manager):
     ref, wrong = results[0]["ref"][dtype], results[0]["wrong"][dtype]
     run = results[0]["runs"][(dtype, *manager)]
     assert all(torch.equal(ref["w0"][k], run["w0"][k]) for k in ref["w0"]), "initial weights differ"
-    loss_rtol, norm_rtol = (1e-5, 1e-5) if dtype == "fp32" else (2 ** -7, 3e-2)
+    loss_rtol, norm_rtol = (2e-5, 2e-5) if dtype == "fp32" else (2 ** -7, 3e-2)
     for s, (a, r) in enumerate(zip(run["steps"], ref["steps"])):
         assert a["loss"] == pytest.approx(r["loss"], rel=loss_rtol), f"step {s} loss"
         assert a["norm"] == pytest.approx(r["norm"], rel=norm_rtol), f"step {s} gradient norm"
