@@ -41,7 +41,8 @@ def hf_reference(model_dir, tokens: np.ndarray, masks: np.ndarray | None, seq_le
     y = torch.stack([torch.from_numpy(tokens[c * seq_len + 1:(c + 1) * seq_len + 1].astype(np.int64))
                      for c in range(chunks)])
     if masks is not None:
-        keep = torch.stack([torch.from_numpy(masks[c * seq_len + 1:(c + 1) * seq_len + 1].copy()) for c in range(chunks)])
+        keep = torch.stack([torch.from_numpy(masks[c * seq_len + 1:(c + 1) * seq_len + 1].copy())
+                            for c in range(chunks)])
         y[~keep] = -100
     with torch.no_grad():
         logits = model(input_ids=x).logits.float()
@@ -111,3 +112,22 @@ def test_cli_json_and_errors(tmp_path, capsys):
         evaluate_model(model_dir, eval_file, seq_len=10 * N_TOKENS, batch_size=B)
     with pytest.raises(ValueError, match="must be positive"):
         evaluate_model(model_dir, eval_file, seq_len=T, batch_size=0)
+
+
+def _subcommands() -> set[str]:
+    from qtrain.cli.main import build_parser
+    return {name for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction) for name in a.choices}
+
+
+@pytest.mark.skipif("eval" not in _subcommands(), reason="`qtrain eval` not wired into qtrain/cli/main.py yet")
+def test_qtrain_eval_command(tmp_path, capsys):
+    from qtrain.cli.main import main
+
+    model_dir = save_tiny_hf_model("qwen2", tmp_path / "model", seed=1)
+    eval_file = write_token_file(tmp_path / "eval.bin", _tokens(6), vocab_size=V)
+    assert main(["eval", "--model", str(model_dir), "--eval-file", eval_file, "--seq-len", str(T),
+                 "--batch-size", str(B), "--device", "cpu", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["loss"] == pytest.approx(hf_reference(model_dir, _tokens(6), None, T)[0], rel=1e-5)
+    assert main(["eval", "--model", str(tmp_path / "nope"), "--eval-file", eval_file]) == 2
+    assert "not found" in capsys.readouterr().err

@@ -54,9 +54,11 @@ def run_logged(path, sink: TensorBoardSink) -> list[dict]:
     log.close()
     for o in objs:
         sink.on_event(o)
-    sink.on_event({"log": "message", "time": objs[-1]["time"], "step": 6, "level": "warning", "message": "spike"})
-    sink.on_event({"log": "memory", "time": objs[-1]["time"], "step": 6, "allocated": 3 << 20, "reserved": 4 << 20,
-                   "peak": 5 << 20})
+    # log_memory / message return nothing: feed the objects they wrote (a logger-level hook would see those)
+    from qtrain.train.log import read_log
+    for o in read_log(path):
+        if o["log"] in ("memory", "message"):
+            sink.on_event(o)
     for unknown in ({"log": "abs-maxes", "step": 1, "abs_maxes": []}, {"log": "gpu", "step": 2, "clock": 1.0},
                     {"step": 3}, {}, None):
         sink.on_event(unknown)  # ignored
@@ -88,7 +90,7 @@ def test_metrics_read_back_exactly(tmp_path):
     assert "options/text_summary" in texts and "warnings/text_summary" in texts
     assert "| learning_rate | 0.003 |" in texts["options/text_summary"][0][1]
     assert "a\\|b" in texts["options/text_summary"][0][1]
-    assert texts["warnings/text_summary"] == [(6, "spike")]
+    assert texts["warnings/text_summary"] == [(6, "loss spiked")]
 
 
 def test_replay_log_matches_live_sink(tmp_path):
@@ -112,3 +114,38 @@ def test_nonfinite_and_missing_values(tmp_path):
     assert sc["train/norm"][0][1] == math.inf
     assert sc["train/loss"][0][2] == dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc).timestamp()
     assert sc["eval/loss"][0][:2] == (2, 1.0)
+
+
+def _loop_has_tensorboard() -> bool:
+    import inspect
+
+    import qtrain.train.loop as loop
+    return "TensorBoardSink" in inspect.getsource(loop)
+
+
+@pytest.mark.skipif(not _loop_has_tensorboard(), reason="--tensorboard not wired into qtrain/train/loop.py yet")
+def test_qtrain_train_tensorboard(tmp_path, monkeypatch):
+    """`qtrain train --tensorboard DIR` (tiny model, random tokens, 4 steps): the scalars equal the run log's."""
+    import numpy as np
+
+    from qtrain.cli.main import main
+    from qtrain.train.data import write_token_file
+    from qtrain.train.log import read_log
+
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    write_token_file("train.bin", rng.integers(0, 50257, 2000, dtype=np.int32), vocab_size=50257)
+    write_token_file("eval.bin", rng.integers(0, 50257, 100, dtype=np.int32), vocab_size=50257)
+    assert main(["train", "--train-file", "train.bin", "--eval-file", "eval.bin", "--model-dtype", "fp32",
+                 "--batch-size", "2", "--seq-len", "16", "--grad-accumulation", "1", "--steps", "4", "--warmup", "1",
+                 "--eval-every-n-steps", "2", "--eval-num-steps", "1", "--log-file", "log.jsonl",
+                 "--tensorboard", "tb/%n", "--name", "tbrun", "--out-dir", "out", "--checkpoint-dir", "ckpt",
+                 "--no-save-training-state"]) == 0
+    events = read_log("log.jsonl")
+    steps = [e for e in events if e["log"] == "step"]
+    evals = [e for e in events if e["log"] == "eval"]
+    sc = read_scalars(tmp_path / "tb" / "tbrun")
+    for field in ("loss", "norm", "lr", "tokens_per_s"):
+        assert [(s, v) for s, v, _ in sc[f"train/{field}"]] == [(e["step"], f32(e[field])) for e in steps], field
+    assert [(s, v) for s, v, _ in sc["eval/loss"]] == [(e["step"], f32(e["loss"])) for e in evals]
+    assert [s for s, _, _ in sc["eval/loss"]] == [2, 4]

@@ -180,3 +180,21 @@ def test_cli_name_override_and_errors(offline_env, capsys):
         export_wandb("bad.jsonl", project="p")
     with pytest.raises(LogError, match="--mode"):
         export_wandb("run.jsonl", project="p", mode="cloud")
+
+
+def _subcommands() -> set[str]:
+    from qtrain.cli.main import build_parser
+    return {name for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction) for name in a.choices}
+
+
+@pytest.mark.skipif("export-wandb" not in _subcommands(),
+                    reason="`qtrain export-wandb` not wired into qtrain/cli/main.py yet")
+def test_qtrain_export_wandb_command(offline_env, capsys):
+    from qtrain.cli.main import main
+
+    write_log("run.jsonl", name="via-cli")
+    assert main(["export-wandb", "run.jsonl", "--project", "p", "--dir", "o"]) == 0
+    (run_dir,) = glob.glob(os.path.join("o", "wandb", "offline-run-*"))
+    run = offline_run(run_dir)
+    assert run["run"].display_name == "via-cli" and run["history"][6]["eval/loss"] == 3.5
+    assert main(["export-wandb", "missing.jsonl", "--project", "p"]) == 2

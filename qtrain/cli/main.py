@@ -128,6 +128,21 @@ def _export(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def _plot(ns: argparse.Namespace, argv: Sequence[str]) -> int:
+    from ..tools.plot import run_plot
+    return run_plot(ns)
+
+
+def _eval(ns: argparse.Namespace, argv: Sequence[str]) -> int:
+    from ..train.evaluate import run_eval
+    return run_eval(ns)
+
+
+def _export_wandb(ns: argparse.Namespace, argv: Sequence[str]) -> int:
+    from ..tools.wandb_export import run_export_wandb
+    return run_export_wandb(ns)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qtrain", description="Fast, memory-lean training of Llama-family LMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -143,6 +158,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out-dir", required=True)
     e.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     e.set_defaults(func=_export)
+    from ..train.evaluate import add_eval_args
+    v = sub.add_parser("eval", help="loss / perplexity of a Hugging Face model directory on token files")
+    add_eval_args(v)
+    v.set_defaults(func=_eval)
+    from ..tools.plot import add_plot_args
+    pl = sub.add_parser("plot", help="plot run logs: loss + eval, lr, grad norm, tokens/s vs steps and tokens")
+    add_plot_args(pl)
+    pl.set_defaults(func=_plot)
+    from ..tools.wandb_export import add_export_wandb_args
+    w = sub.add_parser("export-wandb", help="replay a run log into a Weights & Biases run (offline by default)")
+    add_export_wandb_args(w)
+    w.set_defaults(func=_export_wandb)
     return parser
 
 

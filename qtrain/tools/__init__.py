@@ -54,7 +54,8 @@ class RunHistory:
     tokens_per_s: list[float] = field(default_factory=list)
     step_events: list[dict[str, Any]] = field(default_factory=list)
     eval_steps: list[int] = field(default_factory=list)
-    eval_tokens: list[float] = field(default_factory=list)  # tokens trained on before each evaluation
+    eval_train_tokens: list[float] = field(default_factory=list)  # tokens trained on before each evaluation
+    eval_sizes: list[float] = field(default_factory=list)  # tokens each evaluation scored (its `eval_tokens`)
     eval_loss: list[float] = field(default_factory=list)
     eval_ppl: list[float] = field(default_factory=list)
     eval_events: list[dict[str, Any]] = field(default_factory=list)
@@ -118,7 +119,8 @@ def history_from_events(events: Iterable[dict[str, Any]], *, path: str = "", nam
         else:
             t = s * prev_size if prev_size else math.nan
         h.eval_steps.append(s)
-        h.eval_tokens.append(t)
+        h.eval_train_tokens.append(t)
+        h.eval_sizes.append(finite_or_nan(e.get("eval_tokens")))
         loss = finite_or_nan(e.get("loss"))
         h.eval_loss.append(loss)
         ppl = e.get("ppl")

@@ -2,7 +2,9 @@
 `scripts/plot_training_run.py`, extended).
 
 Layout: two rows of four panels. Columns: loss (train loss raw, thin and faint; its centred moving average
-over `smooth` steps, solid; eval loss, dashed with markers), learning rate, gradient norm (log scale) and
+over `smooth` steps, solid; eval loss, dashed with dots, except evaluations of another size than the usual
+one, typically the final evaluation over the whole eval file, which are stars not joined to the line, since
+they measure different data), learning rate, gradient norm (log scale) and
 training throughput (tokens/s, raw faint + smoothed). The top row is against the optimizer step, the bottom
 row against the number of training tokens seen (cumulative `step_tokens`; see `qtrain.tools` for the exact
 meaning of both axes and for how resumed logs are merged). One colour per run; the legend names each run
@@ -20,12 +22,13 @@ from typing import Sequence
 
 from . import LogError, RunHistory, load_run
 
-__all__ = ["plot_logs", "plot_runs", "moving_average", "add_plot_args", "run_plot"]
+__all__ = ["plot_logs", "plot_runs", "build_figure", "moving_average", "add_plot_args", "run_plot"]
 
 
 def moving_average(values: Sequence[float], window: int) -> list[float]:
-    """Centred moving average over `window` points (odd windows are symmetric); near the ends the window
-    shrinks to the points that exist, and NaNs are skipped (a window of only NaNs gives NaN)."""
+    """Centred moving average over `window` points. Near the ends the window shrinks symmetrically (the
+    first and last points stay as they are), so a steadily falling loss is not pulled down at the start
+    the way a one-sided window would; NaNs are skipped (a window of only NaNs gives NaN)."""
     n = len(values)
     if window <= 1 or n == 0:
         return [float(v) for v in values]
@@ -38,9 +41,10 @@ def moving_average(values: Sequence[float], window: int) -> list[float]:
     left, right = (window - 1) // 2, window // 2
     out = []
     for i in range(n):
-        lo, hi = max(0, i - left), min(n, i + right + 1)
-        k = c[hi] - c[lo]
-        out.append((s[hi] - s[lo]) / k if k else math.nan)
+        k = min(i, n - 1 - i)
+        lo, hi = i - min(left, k), i + min(right, k) + 1
+        cnt = c[hi] - c[lo]
+        out.append((s[hi] - s[lo]) / cnt if cnt else math.nan)
     return out
 
 
@@ -52,16 +56,29 @@ def _matplotlib():
     return plt
 
 
+def _main_eval_mask(run: RunHistory) -> list[bool]:
+    """True for the evaluations of the most common size (`eval_tokens`); ties go to the earliest size."""
+    sizes = run.eval_sizes
+    if not sizes:
+        return []
+    counts: dict[float, int] = {}
+    for v in sizes:
+        counts[v] = counts.get(v, 0) + 1
+    best = max(counts.values())
+    main = next(v for v in sizes if counts[v] == best)
+    return [v == main or (math.isnan(v) and math.isnan(main)) for v in sizes]
+
+
 def _label(run: RunHistory, names: list[str]) -> str:
     label = run.name if names.count(run.name) == 1 else f"{run.name} ({os.path.basename(run.path)})"
     if run.final_eval_loss is not None and math.isfinite(run.final_eval_loss):
-        label += f" | eval {run.final_eval_loss:.4f}"
+        label += f" | eval {run.final_eval_loss:.4f} @ step {run.eval_steps[-1]}"
     return label
 
 
-def plot_runs(runs: Sequence[RunHistory], out_png: str | os.PathLike, *, smooth: int = 21,
-              title: str | None = None, dpi: int = 110) -> str:
-    """Draw already loaded runs (see `plot_logs`)."""
+def build_figure(runs: Sequence[RunHistory], *, smooth: int = 21, title: str | None = None):
+    """The matplotlib Figure for already loaded runs; `fig.axes[:4]` are the per-step panels (loss, lr, norm,
+    tokens/s), `fig.axes[4:8]` the same against tokens. The caller closes it (`plt.close(fig)`)."""
     if not runs:
         raise LogError("plot: no runs given")
     plt = _matplotlib()
@@ -71,12 +88,14 @@ def plot_runs(runs: Sequence[RunHistory], out_png: str | os.PathLike, *, smooth:
     colors = plt.rcParams["axes.prop_cycle"].by_key().get("color") or ["C0"]
     names = [r.name for r in runs]
     tokens_scale, tokens_unit = _token_unit(max((max(r.tokens, default=0.0) for r in runs), default=0.0))
-    any_norm = False
+    any_norm = any_other_eval = False
     for i, run in enumerate(runs):
         color = colors[i % len(colors)]
+        main_eval = _main_eval_mask(run)
+        any_other_eval |= not all(main_eval)
         for row, (xs, exs) in enumerate(((run.steps, run.eval_steps),
                                          ([t / tokens_scale for t in run.tokens],
-                                          [t / tokens_scale for t in run.eval_tokens]))):
+                                          [t / tokens_scale for t in run.eval_train_tokens]))):
             ax_loss, ax_lr, ax_norm, ax_tps = axes[row]
             if xs:
                 ax_loss.plot(xs, run.loss, color=color, alpha=0.25, linewidth=0.8)
@@ -90,8 +109,15 @@ def plot_runs(runs: Sequence[RunHistory], out_png: str | os.PathLike, *, smooth:
                 ax_tps.plot(xs, run.tokens_per_s, color=color, alpha=0.25, linewidth=0.8)
                 ax_tps.plot(xs, moving_average(run.tokens_per_s, smooth), color=color, linewidth=1.4)
             if exs:
-                ax_loss.plot(exs, run.eval_loss, color=color, linestyle="--", marker="o", markersize=3.5,
-                             linewidth=1.2)
+                # periodic evals (the most common size) as one dashed line; evals of another size (the final
+                # one over the whole eval file) as stars: different data, so not joined to the line
+                pts = [(x, y) for x, y, m in zip(exs, run.eval_loss, main_eval) if m]
+                ax_loss.plot([p[0] for p in pts], [p[1] for p in pts], color=color, linestyle="--", marker="o",
+                             markersize=3.5, linewidth=1.2)
+                other = [(x, y) for x, y, m in zip(exs, run.eval_loss, main_eval) if not m]
+                if other:
+                    ax_loss.plot([p[0] for p in other], [p[1] for p in other], color=color, linestyle="none",
+                                 marker="*", markersize=10)
 
     titles = ("loss", "learning rate", "gradient norm", "tokens / s")
     for row, xlabel in enumerate(("step", f"tokens ({tokens_unit})" if tokens_unit else "tokens")):
@@ -108,12 +134,22 @@ def plot_runs(runs: Sequence[RunHistory], out_png: str | os.PathLike, *, smooth:
     style_handles = [Line2D([], [], color="0.4", alpha=0.35, linewidth=0.8, label="train (raw)"),
                      Line2D([], [], color="0.4", linewidth=1.6, label=f"train ({smooth}-step average)"),
                      Line2D([], [], color="0.4", linestyle="--", marker="o", markersize=3.5, label="eval")]
-    first = axes[0][0].legend(handles=style_handles, loc="upper right", fontsize=8)
-    axes[0][0].add_artist(first)
+    if any_other_eval:
+        style_handles.append(Line2D([], [], color="0.4", linestyle="none", marker="*", markersize=10,
+                                    label="eval, other size (final: whole file)"))
+    axes[0][0].legend(handles=style_handles, loc="upper right", fontsize=8)
     fig.legend(handles=run_handles, loc="upper center", ncol=min(len(runs), 4), fontsize=9,
                bbox_to_anchor=(0.5, 0.995), frameon=False)
     fig.suptitle(title if title is not None else "", y=0.955, fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.94))
+    return fig
+
+
+def plot_runs(runs: Sequence[RunHistory], out_png: str | os.PathLike, *, smooth: int = 21,
+              title: str | None = None, dpi: int = 110) -> str:
+    """Draw already loaded runs (see `plot_logs`) into a PNG; returns its path."""
+    plt = _matplotlib()
+    fig = build_figure(runs, smooth=smooth, title=title)
     out = os.fspath(out_png)
     parent = os.path.dirname(out)
     if parent:

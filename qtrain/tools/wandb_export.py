@@ -54,11 +54,15 @@ def _metrics(obj: dict[str, Any], prefix: str) -> dict[str, Any]:
 
 def export_wandb(log_path: str | os.PathLike, *, project: str, name: str | None = None, mode: str = "offline",
                  dir: str | os.PathLike | None = None, entity: str | None = None,
-                 tags: list[str] | None = None) -> WandbExport:
+                 tags: list[str] | None = None, teardown: bool = True) -> WandbExport:
     """Replay the JSON Lines log at `log_path` into a new W&B run (see the module docstring).
 
     `dir`: where the `wandb/` folder goes (default: W&B's default, the current directory or $WANDB_DIR).
-    Returns the run's id and local directory."""
+    `teardown`: after finishing the run, stop wandb's service process (`wandb.teardown()`). Only that
+    guarantees the run's files are complete on return: `run.finish()` can return while wandb's core is
+    still writing the offline `.wandb` file (seen with wandb 0.31, about one run in 20). It also finishes
+    any other W&B run of this process, so pass False if there is one (the files then complete shortly
+    after, or at the latest when the process exits). Returns the run's id and local directory."""
     from ..train.log import read_log
 
     if mode not in ("offline", "online", "disabled"):
@@ -93,8 +97,11 @@ def export_wandb(log_path: str | os.PathLike, *, project: str, name: str | None 
 
     if dir is not None:
         os.makedirs(dir, exist_ok=True)
-    settings = wandb.Settings(console="off", disable_git=True, save_code=False, x_disable_stats=True,
-                              x_disable_machine_info=True, silent=True)
+    # a replay: no console capture, no git / code / system metrics / machine info of *this* process
+    wanted = dict(console="off", disable_git=True, save_code=False, x_disable_stats=True, x_disable_machine_info=True,
+                  silent=True)
+    known = getattr(wandb.Settings, "model_fields", None)  # pydantic settings (wandb >= 0.19)
+    settings = wandb.Settings(**{k: v for k, v in wanted.items() if known is None or k in known})
     run = wandb.init(project=project, entity=entity, name=run_name, config=config, mode=mode,
                      dir=None if dir is None else os.fspath(dir), tags=tags, settings=settings, reinit="create_new")
     try:
@@ -102,7 +109,7 @@ def export_wandb(log_path: str | os.PathLike, *, project: str, name: str | None 
         rows: dict[int, dict[str, Any]] = {}
         for e, tokens in zip(history.step_events, history.tokens):
             rows.setdefault(int(e["step"]), {}).update({**_metrics(e, "train"), "train/tokens": tokens})
-        for e, tokens in zip(history.eval_events, history.eval_tokens):
+        for e, tokens in zip(history.eval_events, history.eval_train_tokens):
             rows.setdefault(int(e["step"]), {}).update({**_metrics(e, "eval"), "eval/tokens": tokens})
         for step in sorted(rows):
             run.log(rows[step], step=step)
@@ -111,6 +118,8 @@ def export_wandb(log_path: str | os.PathLike, *, project: str, name: str | None 
                              evals=len(history.eval_events))
     finally:
         run.finish()
+        if teardown:
+            wandb.teardown()
     return result
 
 

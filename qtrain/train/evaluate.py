@@ -15,28 +15,49 @@ import json
 import math
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported when a model is evaluated, so `qtrain --help` stays fast
+    import torch
 
 __all__ = ["evaluate_model", "add_eval_args", "run_eval"]
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
 
 
-def _device(device: str | torch.device) -> torch.device:
+def _dtype(dtype: "torch.dtype | str | None") -> "torch.dtype":
+    import torch
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, str):
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    return dtype
+
+
+def _device(device: "str | torch.device") -> "torch.device":
+    import torch
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
 
 
-@torch.no_grad()
 def evaluate_model(model_dir: str | os.PathLike, eval_file: str | os.PathLike | list, *, seq_len: int,
-                   batch_size: int, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                   batch_size: int, device: "str | torch.device" = "cpu", dtype: "torch.dtype | str | None" = None,
                    max_batches: int | None = None, lmhead_chunks: int = 1) -> dict[str, Any]:
     """Loss of the HF model in `model_dir` (a directory, or `org/name` in the local HF cache) on the token
-    file(s) `eval_file` (a path, a glob or a list). Returns {"loss": mean token loss, "ppl": exp(loss),
+    file(s) `eval_file` (a path, a glob or a list), weights and activations in `dtype` (default
+    torch.float32; also "fp32" / "bf16" / "fp16"). Returns {"loss": mean token loss, "ppl": exp(loss),
     "tokens": number of targets scored, "batches": batches run, "duration_ms": time}."""
+    import torch
+
+    with torch.no_grad():
+        return _evaluate(model_dir, eval_file, seq_len=seq_len, batch_size=batch_size, device=device,
+                         dtype=_dtype(dtype), max_batches=max_batches, lmhead_chunks=lmhead_chunks)
+
+
+def _evaluate(model_dir, eval_file, *, seq_len, batch_size, device, dtype, max_batches, lmhead_chunks):
+    import torch
+
     from ..model.hf_io import load_hf_weights, load_model_config
     from ..model.resolve import resolve_model_dir
     from ..model.transformer import ParamWeights, RunOptions, Transformer
@@ -78,7 +99,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=4, help="sequences per batch (default 4)")
     p.add_argument("--max-batches", type=int, default=None, help="score only the first N batches")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default auto)")
-    p.add_argument("--dtype", choices=("auto", *_DTYPES), default="auto",
+    p.add_argument("--dtype", choices=("auto", *DTYPE_NAMES), default="auto",
                    help="weights / activations dtype (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--lmhead-chunks", type=int, default=1, help="split the LM head into N row chunks (memory)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -86,7 +107,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 def run_eval(ns: argparse.Namespace) -> int:
     dev = _device(ns.device)
-    dtype = (torch.bfloat16 if dev.type == "cuda" else torch.float32) if ns.dtype == "auto" else _DTYPES[ns.dtype]
+    dtype = _dtype(("bf16" if dev.type == "cuda" else "fp32") if ns.dtype == "auto" else ns.dtype)
     r = evaluate_model(ns.model, ns.eval_file, seq_len=ns.seq_len, batch_size=ns.batch_size, device=dev, dtype=dtype,
                        max_batches=ns.max_batches, lmhead_chunks=ns.lmhead_chunks)
     if ns.json:

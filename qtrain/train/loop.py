@@ -66,6 +66,11 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
     ckpt_dir, out_dir = opts.expand(opts.checkpoint_dir), opts.expand(opts.out_dir)
 
     log = RunLogger(opts.expand(opts.log_file) if opts.log_file else None, rank=ctx.rank, total_steps=total_steps)
+    tb = None  # --tensorboard DIR: the same metrics as TensorBoard scalars (rank 0)
+    if opts.tensorboard and ctx.is_main:
+        from .tensorboard import TensorBoardSink
+        tb = TensorBoardSink(opts.expand(opts.tensorboard))
+        tb.on_event({"log": "options", "step": 0, "options": opts.to_dict()})
     log.log_cmd(argv if argv is not None else sys.argv)
     log.log_options(opts.to_dict())
     log.log_dataset("train", files=len(train.files), tokens=train.num_tokens, seed=opts.train_seed)
@@ -97,8 +102,10 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
             return None
         t0 = time.perf_counter()
         loss, n = trainer.evaluate(evals.iterate_eval_batches(B, max_batches))
-        log.log_eval(step, loss=loss, eval_tokens=n, duration_ms=1000 * (time.perf_counter() - t0),
-                     epoch=train.progress)
+        obj = log.log_eval(step, loss=loss, eval_tokens=n, duration_ms=1000 * (time.perf_counter() - t0),
+                           epoch=train.progress)
+        if tb is not None:
+            tb.on_event(obj)
         return loss
 
     step_tokens = B * T * GA * W
@@ -118,8 +125,10 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
         stats = trainer.update(lr=schedule(step))
         _sync(ctx.device)
         dt_ms = 1000 * (time.perf_counter() - t0)
-        log.log_step(step, step_tokens=step_tokens, duration_ms=dt_ms, norm=stats["norm"], loss=stats["loss"],
-                     lr=stats["lr"], epoch=train.progress)
+        obj = log.log_step(step, step_tokens=step_tokens, duration_ms=dt_ms, norm=stats["norm"], loss=stats["loss"],
+                           lr=stats["lr"], epoch=train.progress)
+        if tb is not None:
+            tb.on_event(obj)
         if stats["skipped"]:
             log.message(f"step {step}: non-finite gradient norm, update skipped", step=step, level="warning")
 
@@ -131,5 +140,7 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
     log.message(f"exported HF model to {out_dir}", level="info")
     if opts.save_training_state:
         checkpointing.save(ckpt_dir, trainer, train, log, keep_n=opts.ckpt_keep_n, major=opts.ckpt_major)
+    if tb is not None:
+        tb.close()
     log.close()
     return {"final_eval_loss": final, "steps": total_steps, "out_dir": out_dir, "checkpoint_dir": ckpt_dir}
