@@ -6,6 +6,7 @@
     torchrun --nproc-per-node 8 -m qtrain.cli.main train ...   # launcher-provided ranks (one or more nodes)
     qtrain tokenize --tokenizer qwen2 --out-dir data/mine docs/*.txt
     qtrain export --checkpoint-dir ckpt/run --out-dir output/run
+    qtrain plan --model Qwen2.5-7B --gpu-memory 80GiB --seq-len 1024 [--gpus 8]
 """
 from __future__ import annotations
 
@@ -143,6 +144,11 @@ def _export_wandb(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     return run_export_wandb(ns)
 
 
+def _plan(ns: argparse.Namespace, argv: Sequence[str]) -> int:
+    from ..train.memory_plan import run_plan
+    return run_plan(ns)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qtrain", description="Fast, memory-lean training of Llama-family LMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -158,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out-dir", required=True)
     e.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     e.set_defaults(func=_export)
+    pl = sub.add_parser("plan", help="memory plan of the options, and the largest micro-batch that fits a GPU",
+                        allow_abbrev=False)
+    add_train_args(pl)
+    from ..train.memory_plan import add_plan_args
+    add_plan_args(pl)
+    pl.set_defaults(func=_plan)
     from ..train.evaluate import add_eval_args
     v = sub.add_parser("eval", help="loss / perplexity of a Hugging Face model directory on token files")
     add_eval_args(v)

@@ -78,6 +78,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             if need_grad:
                 torch.addmm(dh[lo:hi], dl, w, beta=0, alpha=scale, out=dh[lo:hi])
                 dw.addmm_(dl.t(), hc, alpha=scale)
+            del dl  # free this chunk's d(logits) before the next chunk's logits exist
         ctx.save_for_backward(dh, dw)
         ctx.lse_stats = (lse_max, lse_sum)
         return loss * scale

@@ -10,6 +10,12 @@ start communicating them while block l-1 runs its backward (llm.q's `notify_bloc
 weight gathering hook into the same loop. Within a block, autograd (and, on the GPU, torch.compile) does
 the work. Weights come from a `WeightSource`, so replicated, sharded or quantized weights look the same here.
 
+Activation memory (reference/llmq.md §4.5): `--recompute-{norm,swiglu,qkv,att,ffn}` rerun named steps of
+the block in backward (recompute.py says how, eagerly and under torch.compile); `--recompute-block` keeps
+only each block's input and reruns the whole block in the loop, with `--offload-residual` those inputs
+wait in host memory (`ResidualStash`). All of them change what is stored, never what is computed: losses
+and gradients are bit-identical to the plain run (tests/test_recompute.py).
+
 Dimension letters: B batch, T sequence, C hidden, nh / nkv query / kv heads, hs head size, V vocab.
 """
 from __future__ import annotations
@@ -23,6 +29,8 @@ import torch.nn.functional as F
 from .config import ModelConfig
 from .layers import apply_rope, rms_norm, rope_tables, swiglu
 from .loss import IGNORE_INDEX, chunked_lm_head_loss
+from .recompute import FLAGS as RECOMPUTE_FLAGS
+from .recompute import CheckpointSteps, Recomputer, ResidualStash, block_steps, resolve_flags, run_step
 from .weights import block_tensor_names, param_shapes
 
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -66,29 +74,73 @@ class ParamWeights:
         pass
 
 
-def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear) -> BlockFn:
+def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: frozenset[str] = frozenset(),
+                  attn_chunks: int = 1, compiled: bool = False) -> BlockFn:
     """One pre-norm decoder block as a function of (x, weights, cos, sin), so one compiled graph serves
-    every layer (weights are inputs, not captured constants)."""
+    every layer (weights are inputs, not captured constants).
+
+    recompute: steps ('ln1', 'qkv', 'attention', 'ln2', 'up', 'swiglu'; see recompute.STEPS) whose results
+    are rerun in backward instead of kept; `compiled` picks the mechanism that works under torch.compile.
+    attn_chunks: run attention, forward and backward, as that many independent calls over batch slices
+    (see `attention`)."""
     nh, nkv, hs, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
     q_dim, kv_dim, qk_norm, gqa = cfg.q_dim, cfg.kv_dim, cfg.qk_norm, nh != nkv
 
-    def block(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        # 1) attention: norm -> fused QKV projection -> (qk-norm) -> RoPE -> causal SDPA -> output projection
-        h = rms_norm(x, w["ln1"], eps)
+    def qkv_rope(h: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fused QKV projection -> (qk-norm) -> RoPE: (B, T, C) -> q (B, nh, T, hs), k, v (B, nkv, T, hs)."""
+        B, T, _ = h.shape
         qkv = linear(h, w["qkv"], w.get("qkv_bias"))  # (B, T, q_dim + 2 kv_dim)
         q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
         q, k, v = q.view(B, T, nh, hs), k.view(B, T, nkv, hs), v.view(B, T, nkv, hs)
         if qk_norm:
             q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, hs)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, nh, T, hs)
-        att = att.transpose(1, 2).reshape(B, T, q_dim)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal SDPA: (B, nh|nkv, T, hs) -> (B, T, q_dim). With attn_chunks > 1, one SDPA call per batch
+        slice (llm.q's --attn-bwd-chunks): sequences are independent, so results are bit-identical, and
+        each backward call (with its fp32 workspace) covers B/chunks sequences. The price: the slices'
+        outputs, which their backward keeps, are concatenated into a second copy for the projection."""
+        B, _, T, _ = q.shape
+        if attn_chunks == 1:
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).transpose(1, 2)
+        else:
+            # slice in the (B, T, nh, hs) layout the projection wrote: the gradients of q, k, v are then
+            # assembled in that layout, as unsliced, so later reductions (qk-norm weights) sum in the same order
+            n = min(attn_chunks, B)
+            slices = zip(*(t.transpose(1, 2).tensor_split(n) for t in (q, k, v)))  # (B/n, T, nh|nkv, hs)
+            att = torch.cat([F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
+                                                            is_causal=True, enable_gqa=gqa).transpose(1, 2)
+                             for qs, ks, vs in slices])  # (B, T, nh, hs) contiguous
+        return att.reshape(B, T, q_dim)
+
+    def block_body(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                   step: Callable[..., object]) -> torch.Tensor:
+        """`step(name, fn, *args)` runs fn(*args), keeping or recomputing its results per the policy."""
+        # 1) attention: norm -> fused QKV projection (+ qk-norm) + RoPE -> causal SDPA -> output projection
+        h = step("ln1", rms_norm, x, w["ln1"], eps)
+        q, k, v = step("qkv", qkv_rope, h, w, cos, sin)
+        att = step("attention", attention, q, k, v)
         x = x + linear(att, w["o"], None)
         # 2) MLP: norm -> fused up/gate projection -> SwiGLU -> down projection
-        h = rms_norm(x, w["ln2"], eps)
-        return x + linear(swiglu(linear(h, w["up"], None)), w["down"], None)
+        h = step("ln2", rms_norm, x, w["ln2"], eps)
+        u = step("up", linear, h, w["up"], None)  # (B, T, 2F)
+        return x + linear(step("swiglu", swiglu, u), w["down"], None)
+
+    if not recompute:
+        def block(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            return block_body(x, w, cos, sin, run_step)
+    elif compiled:
+        policy = CheckpointSteps(recompute)
+
+        def block(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            return block_body(x, w, cos, sin, policy)
+    else:
+        def block(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            with Recomputer(recompute) as rc:  # one per call: it holds that call's recompute state
+                return block_body(x, w, cos, sin, rc)
 
     return block
 
@@ -98,9 +150,28 @@ class RunOptions:
     """How the model executes (not what it computes)."""
 
     lmhead_chunks: int = 1  # row chunks of the LM head + loss: fp32 logits live for 1/chunks of the batch
-    recompute_block: bool = False  # keep only each block's input; rerun its forward inside backward
+    attn_bwd_chunks: int = 1  # attention as independent calls over batch slices (smaller backward workspace)
+    # recompute in backward instead of keeping from forward (llm.q semantics; implications in recompute.py)
+    recompute_swiglu: bool = False  # SwiGLU output, from the MLP-up output
+    recompute_norm: bool = False  # LN1 and LN2, from the block input / post-attention residual
+    recompute_ffn: bool = False  # LN2, MLP-up GEMM and SwiGLU (=> swiglu)
+    recompute_qkv: bool = False  # QKV GEMM (+ qk-norm) + RoPE, from LN1
+    recompute_att: bool = False  # LN1, QKV + RoPE and attention (=> qkv)
+    recompute_block: bool = False  # keep only each block's input; rerun its forward inside backward (=> all)
+    offload_residual: bool = False  # with recompute_block: keep those inputs in (pinned) host memory
     compile: bool = False  # torch.compile the block function (GPU)
     linear: Linear = F.linear  # the block linears; FP8 swaps in its own
+
+    def __post_init__(self) -> None:
+        if self.attn_bwd_chunks < 1:
+            raise ValueError(f"attn_bwd_chunks must be >= 1, got {self.attn_bwd_chunks}")
+        if self.offload_residual and not self.recompute_block:
+            raise ValueError("offload_residual needs recompute_block (only block inputs are offloaded)")
+
+    @property
+    def recompute(self) -> frozenset[str]:
+        """The recompute switches that are on, implications included (the one place they are resolved)."""
+        return resolve_flags(f for f in RECOMPUTE_FLAGS if getattr(self, f"recompute_{f}"))
 
 
 class Transformer:
@@ -109,8 +180,11 @@ class Transformer:
     def __init__(self, cfg: ModelConfig, run: RunOptions | None = None):
         self.cfg = cfg
         self.run = run or RunOptions()
-        fn = make_block_fn(cfg, self.run.linear)
-        self.block_fn: BlockFn = torch.compile(fn, dynamic=False) if self.run.compile else fn
+        run = self.run
+        fn = make_block_fn(cfg, run.linear, recompute=block_steps(run.recompute), attn_chunks=run.attn_bwd_chunks,
+                           compiled=run.compile)
+        self.block_fn: BlockFn = torch.compile(fn, dynamic=False) if run.compile else fn
+        self._stash = ResidualStash(offload=run.offload_residual)  # block inputs with recompute_block
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def rope(self, T: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,27 +202,31 @@ class Transformer:
         """One micro-step. inputs/targets: (B, T) int64 on the compute device. Differentiates
         loss_scale * (summed token loss) and hands every weight gradient to `grads`; returns that scaled
         loss as a detached fp32 scalar (no host sync)."""
-        cfg, C = self.cfg, self.cfg.hidden_size
+        cfg, C, L = self.cfg, self.cfg.hidden_size, self.cfg.num_hidden_layers
         B, T = inputs.shape
+        recompute_block, stash = self.run.recompute_block, self._stash
         nb = weights.non_block()
         embed = nb["embed"]
         cos, sin = self.rope(T, embed.device, embed.dtype)
 
-        # forward: keep each block's input (a leaf, so backward can stop there) and, unless recomputing, its graph
+        # forward: each block starts from a leaf (so its backward stops there); keep the block's graph, or with
+        # recompute_block only its input (in host memory with offload_residual)
         x = F.embedding(inputs, embed.detach())  # (B, T, C)
-        saved: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        for layer in range(cfg.num_hidden_layers):
+        graphs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (block input, block output)
+        for layer in range(L):
             w = weights.block(layer)
             x_in = x.detach().requires_grad_(True)
-            if self.run.recompute_block:
+            if recompute_block:
                 with torch.no_grad():
                     x = self.block_fn(x_in, w, cos, sin)
-                saved.append((x_in, None))
+                stash.store(layer, x_in)
             else:
                 with torch.enable_grad():
                     x = self.block_fn(x_in, w, cos, sin)
-                saved.append((x_in, x))
+                graphs.append((x_in, x))
             weights.release_block(layer)
+        if recompute_block:
+            stash.prefetch(L - 1)  # comes back while the LM head runs
 
         # head: final norm + chunked LM head + loss; its gradients are computed right here
         x_last = x.detach().requires_grad_(True)
@@ -166,13 +244,17 @@ class Transformer:
             d_head = None
 
         # backward through the blocks, last to first; each block's weight gradients leave immediately
-        for layer in reversed(range(cfg.num_hidden_layers)):
-            x_in, y = saved.pop()
+        for layer in reversed(range(L)):
             w = weights.block(layer)
             names = list(w)
-            with torch.enable_grad():
-                if y is None:
+            if recompute_block:
+                x_in = stash.load(layer).requires_grad_(True)
+                stash.prefetch(layer - 1)  # the next block's input travels while this one runs
+                with torch.enable_grad():
                     y = self.block_fn(x_in, w, cos, sin)
+            else:
+                x_in, y = graphs.pop()
+            with torch.enable_grad():
                 g = torch.autograd.grad(y, [x_in] + [w[n] for n in names], dx)
             dx = g[0]
             del y, x_in

@@ -16,6 +16,7 @@ from . import checkpointing
 from .corpus import ensure_default_dataset
 from .data import TokenLoader
 from .log import RunLogger
+from .memory_plan import plan_for_trainer
 from .metrics import device_peaks, model_flops_per_token, ns_per_token, peak_tflops, sol_ops
 from .options import Options
 from .schedule import LRSchedule
@@ -85,6 +86,12 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
                 peaks=None if peaks is None else {"bf16": peaks.bf16, "fp8": peaks.fp8},
                 mfu_flops_per_token=model_flops_per_token(cfg, T), bf16_peak_tflops=peak_tflops(dev_name, "bf16"),
                 world=W)
+    plan = plan_for_trainer(trainer)  # budget: the device's total memory on CUDA, none on CPU
+    log.log("memory-plan", **plan.to_dict())
+    log._print(plan.format() + "\n")
+    if not plan.fits:
+        log.message(f"memory plan: {plan.summary()}; `qtrain plan` proposes a configuration that fits",
+                    level="warning")
     log.message(f"model {cfg.model_type}: {cfg.num_params() / 1e6:.1f}M parameters, {total_steps} steps of "
                 f"{B * T * GA * W} tokens", level="info")
 
