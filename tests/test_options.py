@@ -110,9 +110,13 @@ def test_fp32_matmuls_with_bf16_model_rejected():
 
 def test_not_yet_implemented_features_are_refused_by_name():
     # Current state: these are llm.q features qtrain does not run yet. Update when they are wired in.
-    _bad(("--matmul-dtype e4m3",), matmul_dtype="e4m3")
+    Options(matmul_dtype="e4m3").validate()  # FP8 block linears: wired (tests/test_numerics_convergence.py)
     _bad(("--opt-m-dtype e4m3",), opt_m_dtype="e4m3", opt_v_dtype="bf16")
-    _bad(("--zero-level 3",), zero_level=3)
+    Options(zero_level=3).validate()  # sharded weights + gradients: implemented (tests/test_sharded_weights.py)
+    assert Options(zero_level=3).weights_sharded and Options(zero_level=3).gradient_manager_kind == "reduce-scatter"
+    _bad(("--persistent-quants", "not implemented yet"), persistent_quants=True, zero_level=3, matmul_dtype="e4m3")
+    _bad(("--persistent-quants", "not implemented yet"), persistent_quants=True, offload_quants=True,
+         shard_weights=True, matmul_dtype="e4m3")
 
 
 # ---- sizes / counts ----------------------------------------------------------------------------------------

@@ -20,8 +20,10 @@ Dimension letters: B batch, T sequence, C hidden, nh / nkv query / kv heads, hs 
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -184,8 +186,22 @@ class Transformer:
         fn = make_block_fn(cfg, run.linear, recompute=block_steps(run.recompute), attn_chunks=run.attn_bwd_chunks,
                            compiled=run.compile)
         self.block_fn: BlockFn = torch.compile(fn, dynamic=False) if run.compile else fn
+        self._eager_block_fn: BlockFn = fn
+        if run.compile:  # the compiled flavour of the recompute mechanism differs; eager needs its own
+            self._eager_block_fn = make_block_fn(cfg, run.linear, recompute=block_steps(run.recompute),
+                                                 attn_chunks=run.attn_bwd_chunks, compiled=False)
         self._stash = ResidualStash(offload=run.offload_residual)  # block inputs with recompute_block
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Run the uncompiled block function inside this context: instrumentation that records values
+        (e.g. --debug-log-abs-max) cannot live inside a compiled graph."""
+        compiled, self.block_fn = self.block_fn, self._eager_block_fn
+        try:
+            yield
+        finally:
+            self.block_fn = compiled
 
     def rope(self, T: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key = (T, str(device), dtype)

@@ -136,6 +136,9 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
                            lr=stats["lr"], epoch=train.progress)
         if tb is not None:
             tb.on_event(obj)
+        if trainer.abs_maxes is not None:
+            log.log_abs_maxes(step, trainer.abs_maxes)
+            trainer.abs_maxes = None
         if stats["skipped"]:
             log.message(f"step {step}: non-finite gradient norm, update skipped", step=step, level="warning")
 

@@ -46,6 +46,9 @@ class Options:
     """Adam first moment: fp32, bf16 (stochastically rounded) or e4m3 (block-scaled)."""
     opt_v_dtype: str = "fp32"
     """Adam second moment: fp32 or bf16 (stochastically rounded)."""
+    stochastic_rounding: bool = True
+    """Round bf16 weight and Adam-state writes stochastically (--no-stochastic-rounding: to nearest, which
+    stalls small updates; for experiments that show why SR matters)."""
 
     # ---- data / shapes ----
     train_file: str = ""
@@ -59,6 +62,8 @@ class Options:
     seq_len: int = 1024
     lmhead_chunks: int = 1
     """Split the LM head + loss into N row chunks so fp32 logits exist for 1/N of the tokens at a time."""
+    attn_bwd_chunks: int = 1
+    """Run attention as N calls over batch slices: backward workspace for B/N sequences, one more copy of the output."""
 
     # ---- optimiser / schedule ----
     learning_rate: float = 1e-5
@@ -96,6 +101,9 @@ class Options:
     """With --continue: do not restore the data loader position."""
     log_file: str = "logs/%n.jsonl"
     tensorboard: str = ""
+    debug_log_abs_max: int = 0
+    """Every N steps log the abs-max (= FP8 scale) of each block linear's input, output gradient and weight
+    (0 = off); the debug steps run the blocks uncompiled."""
 
     # ---- execution ----
     device: str = "auto"
@@ -109,6 +117,33 @@ class Options:
     all_to_all_reduce: bool = False
     offload_gradients: bool = False
     recompute_block: bool = False
+    """Keep only each block's input, rerun the whole block in backward (implies att, ffn, norm)."""
+    recompute_swiglu: bool = False
+    """Recompute SwiGLU from the MLP-up output in backward instead of keeping it."""
+    recompute_norm: bool = False
+    """Recompute the two RMSNorm outputs (LN1, LN2) in backward instead of keeping them."""
+    recompute_ffn: bool = False
+    """Recompute LN2, the MLP-up GEMM and SwiGLU in backward (implies --recompute-swiglu)."""
+    recompute_qkv: bool = False
+    """Recompute the QKV GEMM (+ qk-norm) and RoPE in backward instead of keeping Q, K, V."""
+    recompute_att: bool = False
+    """Recompute LN1, QKV + RoPE and attention in backward (implies --recompute-qkv)."""
+    offload_residual: bool = False
+    """With --recompute-block: keep block inputs in pinned host memory, so activations stop growing with depth."""
+    shard_weights: bool = False
+    """Keep only this rank's shard of the weights (ZeRO-3); blocks are all-gathered just in time, double buffered."""
+    persistent_quants: bool = False
+    """Keep each layer's FP8 weight shard across micro-steps (sharded weights, e4m3 matmuls; not implemented yet)."""
+    offload_quants: bool = False
+    """Keep the persistent FP8 weight shards in pinned host memory (needs --persistent-quants; not implemented yet)."""
+    offload_master: bool = False
+    """Weight shards in pinned host memory (they are the master: qtrain has no separate copy); needs sharded weights."""
+    offload_opt_m: bool = False
+    """Adam first-moment shards in pinned host memory, streamed through the device for the update."""
+    offload_opt_v: bool = False
+    """Adam second-moment shards in pinned host memory, streamed through the device for the update."""
+    use_zero_copy: bool = False
+    """Update offloaded state in place instead of staging it through the device (CPU only; refused on CUDA)."""
 
     # ---------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
@@ -117,6 +152,11 @@ class Options:
     @property
     def effective_matmul_dtype(self) -> str:
         return self.matmul_dtype or self.model_dtype
+
+    @property
+    def weights_sharded(self) -> bool:
+        """--shard-weights or --zero-level 3 (which also shards the gradients)."""
+        return self.shard_weights or self.zero_level == 3
 
     @property
     def gradient_manager_kind(self) -> str:
@@ -155,6 +195,7 @@ class Options:
             raise err("--opt-m-dtype e4m3 needs --opt-v-dtype bf16 (llm.q's only e4m3 combination)")
         for opt, v in (("batch-size", self.batch_size), ("seq-len", self.seq_len),
                        ("grad-accumulation", self.grad_accumulation), ("lmhead-chunks", self.lmhead_chunks),
+                       ("attn-bwd-chunks", self.attn_bwd_chunks),
                        ("epochs", self.epochs), ("eval-every-n-steps", self.eval_every_n_steps),
                        ("ckpt-interval", self.ckpt_interval)):
             if v < 1:
@@ -164,6 +205,10 @@ class Options:
         if (self.batch_size * self.seq_len) % self.lmhead_chunks:
             raise err(f"--lmhead-chunks={self.lmhead_chunks} must divide batch*seq-len="
                       f"{self.batch_size * self.seq_len}")
+        if self.batch_size % self.attn_bwd_chunks:
+            raise err(f"--attn-bwd-chunks={self.attn_bwd_chunks} must divide --batch-size={self.batch_size}")
+        if self.offload_residual and not self.recompute_block:
+            raise err("--offload-residual needs --recompute-block (only the block inputs it keeps are offloaded)")
         if self.eval_num_steps < 0:
             raise err(f"--eval-num-steps must be >= 0, got {self.eval_num_steps}")
         if self.learning_rate <= 0:
@@ -186,19 +231,40 @@ class Options:
             raise err(f"--zero-level must be 0..3, got {self.zero_level}")
         if self.zero_level >= 2 and self.shard_gradients:
             raise err("--zero-level and --shard-gradients are mutually exclusive (--zero-level 2 implies it)")
-        if self.zero_level == 3:
-            raise err("--zero-level 3 (sharded weights) is not implemented yet")
+        if self.zero_level >= 2 and self.shard_weights:
+            raise err("--zero-level and --shard-weights are mutually exclusive (--zero-level 3 implies it)")
         if self.all_to_all_reduce and self.gradient_manager_kind == "unsharded":
             raise err("--all-to-all-reduce needs sharded gradients (--shard-gradients or --zero-level 2)")
         if self.offload_gradients and self.gradient_manager_kind == "unsharded":
             raise err("--offload-gradients needs sharded gradients (--shard-gradients or --zero-level 2): "
                       "unsharded gradients cannot be offloaded")
-        if self.effective_matmul_dtype == "e4m3":
-            raise err("--matmul-dtype e4m3 is not wired into training yet")
+        # sharded weights, FP8 weight copies, offload (llm.q: --persistent-quants needs the --shard-weights flag
+        # literally, so --zero-level 3 cannot use it [quirk]; here either way of sharding the weights works)
+        if self.persistent_quants and not self.weights_sharded:
+            raise err("--persistent-quants needs sharded weights (--shard-weights or --zero-level 3)")
+        if self.offload_quants and not self.persistent_quants:
+            raise err("--offload-quants needs --persistent-quants")
+        if self.persistent_quants and self.effective_matmul_dtype != "e4m3":
+            raise err("--persistent-quants (and --offload-quants) only apply with --matmul-dtype e4m3: they keep "
+                      "FP8 copies of the weights")
+        if self.offload_master and not self.weights_sharded:
+            raise err("--offload-master needs sharded weights (--shard-weights or --zero-level 3): qtrain keeps no "
+                      "separate master copy (the model-dtype weights are the master), and replicated weights must "
+                      "stay on the device for the forward")
+        if self.use_zero_copy and not (self.offload_master or self.offload_opt_m or self.offload_opt_v):
+            raise err("--use-zero-copy needs offloaded state (--offload-master, --offload-opt-m or --offload-opt-v)")
+        if self.use_zero_copy and self.device == "cuda":
+            raise err("--use-zero-copy is not supported on CUDA: the AdamW update takes all operands on the "
+                      "device, so offloaded state is streamed through staging buffers (leave it off)")
         if self.effective_matmul_dtype == "fp32" and self.model_dtype == "bf16":
             raise err("--matmul-dtype fp32 with --model-dtype bf16 is not supported")
         if self.opt_m_dtype == "e4m3":
             raise err("--opt-m-dtype e4m3 is not wired into training yet")
+        if self.persistent_quants:
+            raise err("--persistent-quants (and --offload-quants) are not implemented yet: FP8 weight copies are "
+                      "made from the gathered block on every gather (the forward's copy serves its backward)")
+        if self.debug_log_abs_max < 0:
+            raise err(f"--debug-log-abs-max must be >= 0, got {self.debug_log_abs_max}")
         if self.gpus < 0:
             raise err(f"--gpus must be >= 0, got {self.gpus}")
         return self

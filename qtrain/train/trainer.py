@@ -13,6 +13,7 @@ Every rank calls the same methods in the same order.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -25,12 +26,15 @@ from ..model.hf_io import load_hf_weights, load_model_config, save_hf_model
 from ..model.init import init_params
 from ..model.resolve import resolve_model_dir
 from ..model.transformer import ParamWeights, RunOptions, Transformer
+from ..numerics.fp8 import E4M3, E5M2, fp8_linear
 from ..parallel.comm import Communicator
 from ..parallel.dist import DistContext, init_distributed
 from ..parallel.gradients import make_gradient_manager
 from ..parallel.layout import FlatLayout
-from ..parallel.optimizer import ShardedAdamW, clip_factor
-from .options import Options
+from ..parallel.optimizer import ZERO_COPY_CUDA, ShardedAdamW, clip_factor
+from ..parallel.weights import ShardedWeights
+from .absmax_debug import AbsMaxRecorder, weight_abs_maxes
+from .options import Options, OptionsError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -40,6 +44,20 @@ TINY = ModelConfig(model_type="qwen2", vocab_size=50304, hidden_size=128, interm
                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                    rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=True,
                    bos_token_id=50256, eos_token_id=50256)
+
+
+def block_linear(opts: Options):
+    """The function the four block linears run through: F.linear, or FP8 (e4m3 forward; e4m3 or e5m2
+    output gradients) with --matmul-dtype e4m3. Weights are quantized per call from the current master
+    (per-tensor current scaling), so nothing goes stale after an update."""
+    if opts.effective_matmul_dtype != "e4m3":
+        return torch.nn.functional.linear
+    grad_dtype = E5M2 if opts.gradient_dtype == "e5m2" else E4M3
+
+    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return fp8_linear(x, w, b, grad_dtype=grad_dtype).to(x.dtype)
+
+    return linear
 
 
 @dataclass
@@ -73,35 +91,82 @@ class Trainer:
         cfg = self.cfg = self.source.cfg
         self.dtype = DTYPES[opts.model_dtype]
         self.layout = FlatLayout(cfg, self.ctx.world)
+        if opts.use_zero_copy and self.device.type == "cuda":
+            raise OptionsError(ZERO_COPY_CUDA)
+        self.comm = Communicator(device=self.device) if self.ctx.distributed else Communicator.solo(self.device)
 
-        # weights: one flat buffer per group; parameters are views into them (see parallel/layout.py)
-        self.param_buffers = self.layout.allocate(dtype=self.dtype, device=self.device)
-        self.params = {n: v.requires_grad_(True) for n, v in self.layout.views(self.param_buffers).items()}
+        # weights: one flat buffer per group (see parallel/layout.py). Replicated: full buffers, parameters are
+        # views into them. Sharded (--shard-weights / --zero-level 3): only this rank's shard of each buffer;
+        # `ShardedWeights` gathers blocks just in time and there is no `params` / `param_buffers`.
+        self.sharded_weights = opts.weights_sharded
+        self.param_buffers: dict[str, torch.Tensor] | None = None
+        self.params: dict[str, torch.Tensor] | None = None
+        if self.sharded_weights:
+            self.weights: ParamWeights | ShardedWeights = ShardedWeights(
+                self.layout, comm=self.comm, dtype=self.dtype, device=self.device, offload=opts.offload_master)
+        else:
+            self.param_buffers = self.layout.allocate(dtype=self.dtype, device=self.device)
+            self.params = {n: v.requires_grad_(True) for n, v in self.layout.views(self.param_buffers).items()}
+            self.weights = ParamWeights(cfg, self.params)
         self._init_weights()
 
         use_compile = opts.compile == "on" or (opts.compile == "auto" and self.device.type == "cuda")
-        self.model = Transformer(cfg, RunOptions(lmhead_chunks=opts.lmhead_chunks, recompute_block=opts.recompute_block,
-                                                 compile=use_compile))
-        self.weights = ParamWeights(cfg, self.params)
-        self.comm = Communicator(device=self.device) if self.ctx.distributed else Communicator.solo(self.device)
+        self.model = Transformer(cfg, RunOptions(
+            lmhead_chunks=opts.lmhead_chunks, attn_bwd_chunks=opts.attn_bwd_chunks,
+            recompute_swiglu=opts.recompute_swiglu, recompute_norm=opts.recompute_norm,
+            recompute_ffn=opts.recompute_ffn, recompute_qkv=opts.recompute_qkv, recompute_att=opts.recompute_att,
+            recompute_block=opts.recompute_block,
+            offload_residual=opts.offload_residual, compile=use_compile, linear=self._linear(opts)))
         self.grads = make_gradient_manager(opts.gradient_manager_kind, self.layout, comm=self.comm,
                                            dtype=self.dtype, device=self.device, seed=opts.seed,
                                            offload=opts.offload_gradients)
-        self.optimizer = ShardedAdamW(self.layout, self.param_buffers, rank=self.ctx.rank,
+        weights = dict(shards=self.weights.shards) if self.sharded_weights else dict(params=self.param_buffers)
+        self.optimizer = ShardedAdamW(self.layout, **weights, rank=self.ctx.rank, device=self.device,
                                       comm=self.ctx if self.ctx.distributed else None,
-                                      m_dtype=opts.opt_m_dtype, v_dtype=opts.opt_v_dtype, seed=opts.seed)
+                                      m_dtype=opts.opt_m_dtype, v_dtype=opts.opt_v_dtype, seed=opts.seed,
+                                      stochastic_rounding=opts.stochastic_rounding,
+                                      offload_params=opts.offload_master, offload_m=opts.offload_opt_m,
+                                      offload_v=opts.offload_opt_v, zero_copy=opts.use_zero_copy)
         self.step = 0  # completed optimizer steps
         self.micro = 0  # micro-steps done in the current step
         self._loss = torch.zeros((), dtype=torch.float32, device=self.device)
 
     @torch.no_grad()
     def _init_weights(self) -> None:
-        if self.source.weights_dir is None:
-            init_params(self.cfg, self.params, seed=self.opts.seed, init_proj_to_zero=self.opts.init_proj_to_zero)
-            return
-        loaded = load_hf_weights(self.source.weights_dir, self.cfg, dtype=self.dtype, device="cpu")
-        for name, t in loaded.items():
-            self.params[name].copy_(t)
+        """Group by group: fill a full group buffer (from-scratch init or the HF weights) and, with sharded
+        weights, keep this rank's slice. Initialisation is keyed by tensor name, so the values do not
+        depend on the world size or on the weights being sharded."""
+        loaded = None
+        if self.source.weights_dir is not None:
+            loaded = load_hf_weights(self.source.weights_dir, self.cfg, dtype=self.dtype, device="cpu")
+        for g in self.layout.groups:
+            if self.sharded_weights:
+                full = torch.zeros(g.padded_numel, dtype=self.dtype, device=self.device)  # padding stays zero
+            else:
+                full = self.param_buffers[g.key]
+            views = {s.name: full[s.start:s.start + s.numel].view(s.shape) for s in g.segments}
+            if loaded is None:
+                init_params(self.cfg, views, seed=self.opts.seed, init_proj_to_zero=self.opts.init_proj_to_zero)
+            else:
+                for name, t in views.items():
+                    t.copy_(loaded.pop(name))
+            if self.sharded_weights:
+                lo, hi = g.shard_range(self.ctx.rank, self.ctx.world)
+                self.weights.shards[g.key].copy_(full[lo:hi])
+
+    def _linear(self, opts: Options):
+        linear = block_linear(opts)
+        self.absmax = AbsMaxRecorder(self.cfg.num_hidden_layers)
+        self.abs_maxes: dict[str, float] | None = None  # filled on --debug-log-abs-max steps
+        return self.absmax.wrap(linear) if opts.debug_log_abs_max and not opts.recompute_block else linear
+
+    def _debug_step(self) -> bool:
+        n = self.opts.debug_log_abs_max
+        return bool(n) and self.step % n == 0 and self.micro == 0
+
+    def _saving(self):
+        """Sharded weights: autograd keeps handles, not gathered buffers, of the weights it saves."""
+        return self.weights.saving() if self.sharded_weights else contextlib.nullcontext()
 
     # ---- the training step ----
     def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_scale: float | None = None) -> None:
@@ -117,8 +182,14 @@ class Trainer:
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         self.grads.start_micro_step(step=self.step, micro_step=self.micro, num_micro_steps=ga)
-        loss = self.model.forward_backward(self.weights, inputs, targets, grads=self.grads, loss_scale=loss_scale,
-                                           z_loss=self.opts.z_loss)
+        debug = self._debug_step()
+        if debug:
+            self.absmax.start()
+        with self._saving(), (self.model.eager() if debug else contextlib.nullcontext()):
+            loss = self.model.forward_backward(self.weights, inputs, targets, grads=self.grads,
+                                               loss_scale=loss_scale, z_loss=self.opts.z_loss)
+        if debug:
+            self.abs_maxes = {**self.absmax.stop(), **weight_abs_maxes(self.full_params())}
         self.grads.end_micro_step()
         self._loss += loss
         self.micro += 1
@@ -135,8 +206,12 @@ class Trainer:
         norm, loss = float(norm_t), float(loss_t)  # the step's one host sync
         skipped = not math.isfinite(norm)
         if not skipped:
+            if self.sharded_weights:
+                self.weights.wait_all()  # gathers in flight may still read the shards the update writes
             self.optimizer.step(self.grads, lr=lr, beta1=o.beta_1, beta2=o.beta_2, eps=o.adam_epsilon,
                                 weight_decay=o.weight_decay, grad_scale=clip_factor(norm, o.grad_clip))
+            if self.sharded_weights:
+                self.weights.invalidate()  # and prefetch what the next forward needs first
         self.step += 1
         self.micro = 0
         self._loss.zero_()
@@ -157,30 +232,40 @@ class Trainer:
 
     # ---- weights out ----
     def full_params(self) -> dict[str, torch.Tensor]:
-        """Full (replicated) parameters, detached views."""
+        """Full parameters by internal name: detached views of the replicated weights, or, with sharded
+        weights, gathered copies in host memory -- then a collective that every rank must call."""
+        if self.sharded_weights:
+            return self.weights.gather_full()
         return {n: p.detach() for n, p in self.params.items()}
 
     def export(self, out_dir: str) -> None:
-        """Write a HF model directory (config.json + safetensors [+ tokenizer files]); rank 0 writes."""
+        """Write a HF model directory (config.json + safetensors [+ tokenizer files]); rank 0 writes. Every
+        rank must call it (sharded weights are gathered on all ranks)."""
+        params = self.full_params() if (self.ctx.is_main or self.sharded_weights) else None
         if self.ctx.is_main:
-            save_hf_model(out_dir, self.cfg, self.full_params(), dtype=self.dtype,
-                          tokenizer_src=self.source.tokenizer_dir)
+            save_hf_model(out_dir, self.cfg, params, dtype=self.dtype, tokenizer_src=self.source.tokenizer_dir)
         self.ctx.barrier()
 
     # ---- checkpoint state (files written by train/checkpointing.py) ----
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """This rank's shards: weights and Adam moments, keyed by file stem then group key."""
+        opt = self.optimizer.state_tensors()  # first: waits for copies to offloaded (host) state
         weights = {g.key: self.optimizer.param_shard(g.key) for g in self.layout.groups}
-        return {"weights": weights, **self.optimizer.state_tensors()}
+        return {"weights": weights, **opt}
 
     @torch.no_grad()
     def load_state_tensors(self, state: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+        if self.sharded_weights:
+            self.weights.wait_all()
+        self.optimizer.synchronize()
         for g in self.layout.groups:
             src, dst = state["weights"][g.key], self.optimizer.param_shard(g.key)
             if src.shape != dst.shape:
                 raise ValueError(f"checkpoint weights[{g.key}]: shape {tuple(src.shape)} != {tuple(dst.shape)}")
             dst.copy_(src)
-            if self.ctx.distributed:
+            if self.ctx.distributed and not self.sharded_weights:
                 self.ctx.all_gather_into_tensor(self.param_buffers[g.key], dst)
+        if self.sharded_weights:
+            self.weights.invalidate()
         self.optimizer.load_state_tensors({k: state[k] for k in ("adam.m", "adam.v")}, step)
         self.step = step
