@@ -57,6 +57,10 @@ def test_train_export_and_eval_match_transformers(tmp_path, monkeypatch):
     eval_bin = next(os.path.join(r, f) for r, _, fs in os.walk(eval_path) for f in fs if f == "eval.bin")
     ref = hf_eval_loss("out", eval_bin, 64, 4)
     assert abs(final_eval["loss"] - ref) <= 1e-5 * ref, (final_eval["loss"], ref)
+    # `qtrain eval` on the export gives the trainer's final eval loss (same model code, fp32)
+    from qtrain.train.evaluate import evaluate_model
+    ours = evaluate_model("out", eval_bin, seq_len=64, batch_size=4)["loss"]
+    assert abs(ours - final_eval["loss"]) <= 1e-6 * ref, (ours, final_eval["loss"])
     # a final checkpoint exists and the export command reproduces the final export
     rc = main(["export", "--checkpoint-dir", "ckpt", "--out-dir", "out2"])
     assert rc == 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from pathlib import Path
 from typing import Sequence
 
 from . import LogError, RunHistory, load_run
@@ -189,6 +190,14 @@ def add_plot_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--title", default=None, help="figure title")
     p.add_argument("--name", dest="names", action="append", default=None,
                    help="legend name of each log, in order (repeat once per LOG)")
+    p.add_argument("--show", action=argparse.BooleanOptionalAction, default=None,
+                   help="open the PNG in the desktop's image viewer (default: when a display is available)")
+
+
+def has_display() -> bool:
+    """A desktop to show the picture on: X11 / Wayland, or macOS / Windows."""
+    import sys
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")) or sys.platform in ("darwin", "win32")
 
 
 def run_plot(ns: argparse.Namespace) -> int:
@@ -196,4 +205,7 @@ def run_plot(ns: argparse.Namespace) -> int:
         raise LogError(f"--smooth must be >= 1, got {ns.smooth}")
     out = plot_logs(ns.logs, ns.out, smooth=ns.smooth, title=ns.title, names=ns.names)
     print(f"wrote {out}")
+    if ns.show if ns.show is not None else has_display():
+        import webbrowser
+        webbrowser.open(Path(out).resolve().as_uri())
     return 0
