@@ -44,10 +44,16 @@ _compiled_loss_fn = None
 def _loss_fn(cuda: bool):
     """On the GPU, torch.compile fuses the chunk's ~10 elementwise passes over fp32 logits (upcast,
     logsumexp, softmax, scatter, downcast) into a few kernels; measured as ~40% of a Qwen2.5-0.5B step
-    when run eagerly. The CPU runs the plain function (the specification)."""
+    when run eagerly. The CPU runs the plain function (the specification). Opt-in: with
+    ``qtrain.kernels.cross_entropy.FUSED_CE_ENABLED`` CUDA logits go to the fused Triton kernel instead,
+    which writes d(logits) over the logits buffer (fine here: the logits are not read again)."""
     global _compiled_loss_fn
     if not cuda:
         return _chunk_loss_and_dlogits
+    from qtrain.kernels import cross_entropy  # lazily: importing qtrain.kernels imports triton
+
+    if cross_entropy.FUSED_CE_ENABLED:
+        return cross_entropy.cross_entropy_fwd_bwd_inplace_
     if _compiled_loss_fn is None:
         _compiled_loss_fn = torch.compile(_chunk_loss_and_dlogits, dynamic=False)
     return _compiled_loss_fn

@@ -1,0 +1,163 @@
+"""Fused cross-entropy forward + backward over one chunk of LM-head logits, writing d(logits) IN PLACE.
+
+Same contract as ``qtrain.model.loss._chunk_loss_and_dlogits`` (the specification), except that with
+``need_grad`` the returned d(logits) IS the ``logits`` buffer, overwritten::
+
+    loss_sum, lse, dlogits = cross_entropy_fwd_bwd_inplace_(logits, targets, z_loss=z, need_grad=True)
+    # logits now holds dlogits (dlogits is logits); do not read the logits afterwards
+
+Per row r of ``logits`` (n, V) in the model dtype (fp32, bf16 or fp16), all arithmetic in fp32:
+
+    pass 1 (read the row once):  m, s = online max / sum of exp(x - m) over V in blocks;  lse = m + log(s)
+                                 loss_r = (lse - x[t]) + z * lse^2  if t != -100 else 0
+    pass 2 (read, write back):   d = exp(x - lse) * (1 + 2 z lse) - [col == t]   (all zero if t == -100)
+                                 stored in the model dtype over x (bf16 by round-to-nearest-even)
+
+``lse`` is returned for every row (ignored ones included), as the specification does; ``loss_sum`` is the
+sum of the per-row fp32 losses. This is llm.q's fused classifier kernel (one program per row); it replaces
+the ~10 elementwise passes over fp32 copies of the logits that the plain-torch specification makes.
+
+With ``need_grad=False`` the kernel only runs pass 1 and leaves ``logits`` untouched.
+
+The plain-torch twin (``cross_entropy_fwd_bwd_inplace_twin``) runs the specification and copies its
+d(logits) into ``logits``, so both paths have the same aliasing. Dispatch: ``qtrain.kernels.dispatch``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qtrain.kernels.dispatch import jit, tl, use_triton
+
+__all__ = [
+    "BLOCK_V",
+    "FUSED_CE_ENABLED",
+    "NUM_WARPS",
+    "cross_entropy_fwd_bwd_inplace_",
+    "cross_entropy_fwd_bwd_inplace_triton",
+    "cross_entropy_fwd_bwd_inplace_twin",
+]
+
+FUSED_CE_ENABLED: bool = False
+"""When True, ``qtrain.model.loss`` uses this fused kernel for CUDA logits instead of the torch.compile'd
+specification. Off until it has been measured (speed and loss curves) on the GPU."""
+
+IGNORE_INDEX = -100
+# Elements of a row per loop iteration and warps per program. NOT TUNED yet (no GPU measurement): 4096 fp32
+# lanes over 8 warps is 16 elements per thread, a conventional memory-bound shape. Liger uses up to 32768
+# lanes with 32 warps; sweep both on the H200 before enabling by default.
+BLOCK_V = 4096
+NUM_WARPS = 8
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+# ---------------------------------------------------------------------------------------------- twin
+def cross_entropy_fwd_bwd_inplace_twin(logits: torch.Tensor, targets: torch.Tensor, *, z_loss: float,
+                                       need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The specification (``qtrain.model.loss._chunk_loss_and_dlogits``), with its d(logits) copied into
+    ``logits`` (returned as d(logits)) so that the twin overwrites its input like the kernel does."""
+    from qtrain.model.loss import _chunk_loss_and_dlogits
+
+    loss_sum, lse, dl = _chunk_loss_and_dlogits(logits, targets, z_loss=z_loss, need_grad=need_grad)
+    if dl is None:
+        return loss_sum, lse, None
+    logits.copy_(dl)
+    return loss_sum, lse, logits
+
+
+# -------------------------------------------------------------------------------------------- triton
+@jit
+def _load_row_f32(ptr, mask, KIND: tl.constexpr):
+    """Load as fp32 (masked lanes -inf). KIND 0 fp32; 1 bf16 through an int16 pointer (bits << 16); 2 fp16."""
+    if KIND == 1:
+        h = tl.load(ptr, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        x = (h << 16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    return tl.where(mask, x, float("-inf"))
+
+
+@jit
+def _store_row(ptr, x, mask, KIND: tl.constexpr):
+    """Store fp32 ``x`` in the row's dtype; bf16 rounds to nearest even on the bit pattern (NaN -> 0x7FC0),
+    which is what torch's ``.to(torch.bfloat16)`` does, and runs the same under Triton's interpreter."""
+    if KIND == 1:
+        b = x.to(tl.uint32, bitcast=True)
+        rn = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        rn = tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rn)
+        tl.store(ptr, rn.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+    elif KIND == 2:
+        tl.store(ptr, x.to(tl.float16), mask=mask)
+    else:
+        tl.store(ptr, x, mask=mask)
+
+
+@jit
+def _ce_fwd_bwd_kernel(logits_ptr, targets_ptr, loss_ptr, lse_ptr, V, stride_row, z_loss,
+                       KIND: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row  # int64: n * V passes 2**31 for big chunks of a 152k vocabulary
+    cols = tl.arange(0, BLOCK)
+    tgt = tl.load(targets_ptr + row).to(tl.int64)
+    valid = tgt != -100
+
+    # pass 1: online max and sum-exp (scalar carries; masked lanes are -inf so contribute exp(-inf) = 0)
+    m = float("-inf")
+    s = 0.0
+    for start in range(0, V, BLOCK):
+        offs = start + cols
+        x = _load_row_f32(base + offs, offs < V, KIND)
+        m_new = tl.maximum(m, tl.max(x, axis=0))  # finite after the first block (it has a real column)
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+    safe_t = tl.where(valid, tgt, 0)
+    x_t = _load_row_f32(base + safe_t, valid, KIND)  # -inf on ignored rows, masked out below
+    loss = tl.where(valid, (lse - x_t) + z_loss * (lse * lse), 0.0)
+    tl.store(loss_ptr + row, loss)
+    tl.store(lse_ptr + row, lse)
+
+    if WRITE_GRAD:
+        # pass 2: d = softmax * (1 + 2 z lse) - onehot(target), zero on ignored rows; written over the logits
+        coef = tl.where(valid, 1.0 + 2.0 * z_loss * lse, 0.0)
+        for start in range(0, V, BLOCK):
+            offs = start + cols
+            mask = offs < V
+            x = _load_row_f32(base + offs, mask, KIND)
+            d = tl.exp(x - lse) * coef
+            d = tl.where(valid & (offs == tgt), d - 1.0, d)
+            _store_row(base + offs, d, mask, KIND)
+
+
+def cross_entropy_fwd_bwd_inplace_triton(logits: torch.Tensor, targets: torch.Tensor, *, z_loss: float,
+                                         need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Launch the fused kernel (see module docstring); d(logits) overwrites ``logits`` and is returned."""
+    return _launch(logits, targets, z_loss=z_loss, need_grad=need_grad, block=BLOCK_V, num_warps=NUM_WARPS)
+
+
+def _launch(logits, targets, *, z_loss, need_grad, block, num_warps):
+    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
+        raise ValueError(f"logits must be (n, V) and targets (n,), got {tuple(logits.shape)} and {tuple(targets.shape)}")
+    if logits.dtype not in _KINDS:
+        raise TypeError(f"logits dtype must be one of {list(_KINDS)}, got {logits.dtype}")
+    if logits.stride(1) != 1:
+        raise ValueError("logits rows must be contiguous (stride(1) == 1): d(logits) is written in place")
+    n, v = logits.shape
+    loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    kind = _KINDS[logits.dtype]
+    buf = logits.view(torch.int16) if kind == 1 else logits
+    if n:
+        _ce_fwd_bwd_kernel[(n,)](buf, targets.contiguous(), loss, lse, v, logits.stride(0), float(z_loss),
+                                 KIND=kind, WRITE_GRAD=bool(need_grad), BLOCK=block, num_warps=num_warps)
+    return loss.sum(), lse, (logits if need_grad else None)
+
+
+def cross_entropy_fwd_bwd_inplace_(logits: torch.Tensor, targets: torch.Tensor, *, z_loss: float,
+                                   need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(loss_sum fp32, lse (n,) fp32, dlogits or None) for ``logits`` (n, V) and ``targets`` (n,); with
+    ``need_grad`` the d(logits) OVERWRITES ``logits`` (and is that same tensor). Triton or twin per
+    ``qtrain.kernels.dispatch``."""
+    if use_triton(logits):
+        return cross_entropy_fwd_bwd_inplace_triton(logits, targets, z_loss=z_loss, need_grad=need_grad)
+    return cross_entropy_fwd_bwd_inplace_twin(logits, targets, z_loss=z_loss, need_grad=need_grad)
