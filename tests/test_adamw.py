@@ -4,35 +4,22 @@ composition, e4m3 m, sharded offsets, the bf16 tiny-lr stall, and twin == Triton
 ``test_interpreter_subprocess`` re-runs this file's ``test_interp_*`` tests with TRITON_INTERPRET=1.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from triton_interp import interp_only, interpreter_subprocess_test, needs_cuda
 from qtrain.kernels import dispatch
 from qtrain.kernels.adamw import adamw_step_twin
 from qtrain.kernels.rng import rng_key
 from qtrain.kernels.stochastic_rounding import e4m3_bits_to_f32_twin, round_to_bf16_sr
 from qtrain.numerics.adamw import M_STREAM, PARAM_STREAM, V_STREAM, AdamWHyper, adamw_update_, m_scales_numel
 
-ROOT = Path(__file__).parents[1]
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-interp_only = pytest.mark.skipif(not INTERPRET, reason="runs in test_interpreter_subprocess (TRITON_INTERPRET=1)")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 EPS32 = 2.0**-23
 E4M3 = torch.float8_e4m3fn
 
 
-@pytest.mark.skipif(INTERPRET or not dispatch.HAS_TRITON, reason="already interpreting, or no triton")
-def test_interpreter_subprocess():
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interp", __file__],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+test_interpreter_subprocess = interpreter_subprocess_test(__file__)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -8,32 +8,19 @@ this file's ``test_interp_*`` tests with TRITON_INTERPRET=1 (CPU, fp32/bf16/fp16
 from __future__ import annotations
 
 import inspect
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from triton_interp import interp_only, interpreter_subprocess_test, needs_cuda
 from qtrain.kernels import cross_entropy as ce
 from qtrain.kernels import dispatch
 from qtrain.model import loss as loss_mod
 from qtrain.model.loss import IGNORE_INDEX, _chunk_loss_and_dlogits, chunked_lm_head_loss
 
-ROOT = Path(__file__).resolve().parents[1]
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-interp_only = pytest.mark.skipif(not INTERPRET, reason="runs in test_interpreter_subprocess (TRITON_INTERPRET=1)")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.skipif(INTERPRET or not dispatch.HAS_TRITON, reason="already interpreting, or no triton")
-def test_interpreter_subprocess():
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interp", __file__],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+test_interpreter_subprocess = interpreter_subprocess_test(__file__)
 
 
 def make_case(n, v, dtype=torch.float32, seed=0, device="cpu", scale=4.0, shift=0.0):

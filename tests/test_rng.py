@@ -5,31 +5,18 @@ the kernels: ``test_interpreter_subprocess`` re-runs this file's ``test_interp_*
 process with TRITON_INTERPRET=1 (they skip in the parent).
 """
 
-import os
 import struct
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from triton_interp import interp_only, interpreter_subprocess_test, needs_cuda
 from qtrain.kernels import dispatch, rng
 from qtrain.kernels.rng import random_u32, random_u32_triton, random_u32_twin, rng_key
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-interp_only = pytest.mark.skipif(not INTERPRET, reason="runs in test_interpreter_subprocess (TRITON_INTERPRET=1)")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.skipif(INTERPRET or not dispatch.HAS_TRITON, reason="already interpreting, or no triton")
-def test_interpreter_subprocess():
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interp", __file__],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+test_interpreter_subprocess = interpreter_subprocess_test(__file__)
 
 
 # --------------------------------------------------------------------------------------------- keys

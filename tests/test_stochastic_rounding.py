@@ -4,14 +4,13 @@ determinism and sharding, e4m3 encoding, and twin == Triton (interpreter on CPU,
 ``test_interpreter_subprocess`` re-runs this file's ``test_interp_*`` tests with TRITON_INTERPRET=1.
 """
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from triton_interp import ROOT, interp_only, interpreter_subprocess_test, needs_cuda
 from qtrain.kernels import dispatch
 from qtrain.kernels.rng import random_u32_twin, rng_key
 from qtrain.kernels.stochastic_rounding import (
@@ -24,19 +23,9 @@ from qtrain.kernels.stochastic_rounding import (
     sr_e4m3_bits_twin,
 )
 
-ROOT = Path(__file__).parents[1]
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-interp_only = pytest.mark.skipif(not INTERPRET, reason="runs in test_interpreter_subprocess (TRITON_INTERPRET=1)")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.skipif(INTERPRET or not dispatch.HAS_TRITON, reason="already interpreting, or no triton")
-def test_interpreter_subprocess():
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interp", __file__],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+test_interpreter_subprocess = interpreter_subprocess_test(__file__)
 
 
 def f32_from_bits(bits) -> torch.Tensor:

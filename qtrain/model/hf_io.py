@@ -23,6 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from . import weights
+from ..fsio import fsync_path
 from .config import ModelConfig
 
 SINGLE_FILE = "model.safetensors"
@@ -150,13 +151,6 @@ def plan_shards(sizes: Mapping[str, int], max_shard_bytes: int) -> list[list[str
     return shards
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def _write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
@@ -195,8 +189,8 @@ def save_hf_model(out_dir: str | os.PathLike, cfg: ModelConfig, params: Mapping[
         if tokenizer_src is not None:
             copy_tokenizer_files(tokenizer_src, tmp)
         for p in tmp.iterdir():
-            _fsync(p)
-        _fsync(tmp)
+            fsync_path(p)
+        fsync_path(tmp)
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -216,7 +210,7 @@ def _replace_dir(new: Path, out: Path) -> None:
         if old is not None:
             os.rename(old, out)
         raise
-    _fsync(out.parent)
+    fsync_path(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -37,6 +37,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..fsio import fsync_path
+
 META_FILE = "checkpoint.json"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -51,14 +53,6 @@ def checkpoint_step(path: str | os.PathLike) -> int | None:
     m = _STEP_DIR.match(Path(path).name)
     return int(m.group(1)) if m else None
 
-
-def _fsync_path(path: Path) -> None:
-    """fsync a file or directory: the rename is only durable once the bytes and the entries are."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---- writing ----
@@ -80,7 +74,7 @@ def write_files(tmp_path: str | os.PathLike, files: Mapping[str, Mapping[str, to
             raise ValueError(f"checkpoint file name {name!r}: use letters, digits, '_', '.', '-' only")
         path = Path(tmp_path) / f"{name}.safetensors"
         save_file({k: _standalone(v) for k, v in tensors.items()}, str(path))
-        _fsync_path(path)
+        fsync_path(path)
         written.append(path)
     return written
 
@@ -108,13 +102,13 @@ def commit(tmp_path: str | os.PathLike, final_path: str | os.PathLike, meta: Map
         f.flush()
         os.fsync(f.fileno())
     os.replace(meta_tmp, tmp / META_FILE)
-    _fsync_path(tmp)
+    fsync_path(tmp)
     old = None
     if final.exists():
         old = final.with_name(f"{final.name}.old-{os.getpid()}")
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_path(final.parent)
+    fsync_path(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
