@@ -6,8 +6,10 @@ call as the HF baseline (`hf_baseline.py`) so both see the same machine:
 
     PYTHONPATH=. python3 bench/bench_train.py '[{"model":"Qwen2.5-0.5B","batch":16,"accum":2,"steps":8}]'
 
-Each entry may also set: seq, lmhead_chunks, model_dtype, opt_m_dtype, opt_v_dtype, recompute_block,
-compile ("on"/"off"), warmup. Prints one JSON line per entry.
+Each entry may also set seq, warmup, fused_ce (the Triton cross-entropy kernel) and any `Options` field
+(lmhead_chunks, model_dtype, opt_m_dtype, opt_v_dtype, matmul_dtype, recompute_block, use_cuda_graphs,
+offload_opt_m, ...). Prints one JSON line per entry. `host_ms` is the host time spent queuing the
+micro-steps of one step: close to `step_ms` means the host, not the GPU, sets the pace.
 """
 from __future__ import annotations
 
@@ -17,18 +19,18 @@ import time
 
 import torch
 
+from qtrain.kernels import cross_entropy
 from qtrain.train.metrics import mfu_bf16
 from qtrain.train.options import Options
 from qtrain.train.trainer import Trainer
 
 
-def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, lmhead_chunks: int = 1,
-        model_dtype: str = "bf16", opt_m_dtype: str = "fp32", opt_v_dtype: str = "fp32",
-        recompute_block: bool = False, compile: str = "on", warmup: int = 3) -> dict:
+def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, warmup: int = 3,
+        fused_ce: bool = False, **options) -> dict:
+    options.setdefault("compile", "on")
     opts = Options(model=model, from_scratch=True, batch_size=batch, seq_len=seq, grad_accumulation=accum,
-                   lmhead_chunks=lmhead_chunks, model_dtype=model_dtype, opt_m_dtype=opt_m_dtype,
-                   opt_v_dtype=opt_v_dtype, recompute_block=recompute_block, compile=compile,
-                   learning_rate=1e-4, device="cuda")
+                   learning_rate=1e-4, device="cuda", **options)
+    cross_entropy.FUSED_CE_ENABLED = fused_ce
     torch.cuda.reset_peak_memory_stats()
     tr = Trainer(opts)
     V = tr.cfg.vocab_size
@@ -36,14 +38,18 @@ def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, lmhead_
     x = torch.randint(0, V, (batch, seq + 1), device="cuda", generator=g)
     inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
     scale = 1.0 / (batch * seq * accum)
+    host = []
 
     def step() -> dict:
+        t0 = time.perf_counter()
         for _ in range(accum):
             tr.micro_step(inp, tgt, loss_scale=scale)
+        host.append(time.perf_counter() - t0)
         return tr.update(lr=1e-4)
 
     for _ in range(warmup):
         step()
+    host.clear()
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(steps):
@@ -51,12 +57,13 @@ def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, lmhead_
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t) / steps
     tps = batch * seq * accum / dt
-    res = dict(system="qtrain", model=model, batch=batch, seq=seq, accum=accum, lmhead_chunks=lmhead_chunks,
-               model_dtype=model_dtype, m=opt_m_dtype, v=opt_v_dtype, recompute=recompute_block, compile=compile,
-               tps=round(tps), step_ms=round(dt * 1000, 1), loss=round(stats["loss"], 4),
+    res = dict(system="qtrain", model=model, batch=batch, seq=seq, accum=accum, fused_ce=fused_ce, **options,
+               tps=round(tps), step_ms=round(dt * 1000, 1), host_ms=round(1000 * sum(host) / len(host), 1),
+               loss=round(stats["loss"], 4),
                mfu=round(mfu_bf16(tps, tr.cfg, seq, torch.cuda.get_device_name()) or 0, 3),
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
     del tr
+    cross_entropy.FUSED_CE_ENABLED = False
     torch.cuda.empty_cache()
     return res
 

@@ -1,33 +1,79 @@
-"""Profile one qtrain training step on the GPU: top CUDA kernels and CPU ops, to see where time goes.
+"""Profile one qtrain training step on the GPU: GPU time per kernel category against the step's wall time,
+then the top kernels, to see where time goes.
 
-    PYTHONPATH=. python3 bench/profile_step.py Qwen2.5-0.5B 16 2 4
+    PYTHONPATH=. python3 bench/profile_step.py '{"model":"Qwen2.5-0.5B","batch":16,"accum":2,"lmhead_chunks":4}'
+
+The entry takes the keys of bench_train.py. GPU busy time well under wall time means gaps (host-bound).
 """
+import json
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from qtrain.kernels import cross_entropy
 from qtrain.train.options import Options
 from qtrain.train.trainer import Trainer
 
-model, batch, accum, chunks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-tr = Trainer(Options(model=model, from_scratch=True, batch_size=batch, seq_len=1024, grad_accumulation=accum,
-                     lmhead_chunks=chunks, compile="on", device="cuda", learning_rate=1e-4))
-x = torch.randint(0, tr.cfg.vocab_size, (batch, 1025), device="cuda")
-inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+CATEGORIES = [  # first match wins; names as CUDA kernels appear in the profiler
+    ("gemm-fp8", ("f8", "e4m3", "fp8")),
+    ("gemm", ("gemm", "nvjet", "sm90_xmma", "cutlass", "cublas", "wgmma")),
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("cross-entropy", ("cross_entropy", "_ce_",)),
+    ("adamw/sr", ("adamw", "_sr_", "stochastic", "sr_add", "sr_copy")),
+    ("norm/reduce", ("reduce", "norm")),
+    ("inductor-fused", ("triton_",)),
+    ("copy/memset", ("memcpy", "memset", "copy", "cat")),
+    ("elementwise", ("elementwise", "vectorized")),
+]
 
 
-def step():
-    for _ in range(accum):
-        tr.micro_step(inp, tgt, loss_scale=1.0 / (batch * 1024 * accum))
-    tr.update(lr=1e-4)
+def category(name: str) -> str:
+    n = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in n for k in keys):
+            return cat
+    return "other"
 
 
-for _ in range(3):
-    step()
-torch.cuda.synchronize()
-with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+def main(p: dict) -> None:
+    model, batch, accum = p.pop("model"), p.pop("batch"), p.pop("accum")
+    p.pop("steps", None)
+    cross_entropy.FUSED_CE_ENABLED = p.pop("fused_ce", False)
+    p.setdefault("compile", "on")
+    tr = Trainer(Options(model=model, from_scratch=True, batch_size=batch, seq_len=1024, grad_accumulation=accum,
+                         device="cuda", learning_rate=1e-4, **p))
+    x = torch.randint(0, tr.cfg.vocab_size, (batch, 1025), device="cuda")
+    inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+    def step():
+        for _ in range(accum):
+            tr.micro_step(inp, tgt, loss_scale=1.0 / (batch * 1024 * accum))
+        tr.update(lr=1e-4)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
     step()
     torch.cuda.synchronize()
-print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+    wall = (time.perf_counter() - t) * 1e3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    sums: dict[str, float] = {}
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    for e in kernels:
+        sums[category(e.key)] = sums.get(category(e.key), 0.0) + e.device_time_total / 1e3
+    busy = sum(sums.values())
+    print(f"{model} b{batch}x{accum} {p}: wall {wall:.1f} ms/step (unprofiled), GPU busy {busy:.1f} ms")
+    for cat, ms in sorted(sums.items(), key=lambda kv: -kv[1]):
+        print(f"  {cat:16s} {ms:8.1f} ms  {100 * ms / busy:5.1f}%")
+    top = sorted(kernels, key=lambda e: -e.device_time_total)[:22]
+    for e in top:
+        print(f"  {e.device_time_total / 1e3:8.2f} ms {e.count:5d}x  {category(e.key):14s} {e.key[:90]}")
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

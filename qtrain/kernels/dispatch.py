@@ -1,6 +1,8 @@
 """The one place that decides whether a kernel call runs Triton or its plain-torch twin.
 
-Rule: Triton when the tensor lives on CUDA and ``triton`` imports; the twin otherwise. Tests can force a
+Rule: Triton when the tensor lives on CUDA and ``triton`` imports; the twin otherwise, and the twin inside a
+graph that torch.compile is tracing (inductor then generates the kernel itself and fuses it with its
+neighbours: a quantization next to the SwiGLU that produced its input, say, instead of a separate launch). Tests can force a
 path by setting ``BACKEND`` (or with the ``backend(...)`` context manager). Forcing ``"triton"`` on CPU
 tensors only works under Triton's interpreter, which must be switched on (``TRITON_INTERPRET=1``) before
 ``qtrain.kernels`` is imported, because ``triton.jit`` decides at decoration time.
@@ -59,7 +61,7 @@ def use_triton(t: torch.Tensor) -> bool:
         return True
     if BACKEND != "auto":
         raise ValueError(f"qtrain.kernels.dispatch.BACKEND must be one of {_BACKENDS}, got {BACKEND!r}")
-    return HAS_TRITON and t.is_cuda
+    return HAS_TRITON and t.is_cuda and not torch.compiler.is_compiling()
 
 
 @contextlib.contextmanager

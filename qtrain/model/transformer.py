@@ -162,6 +162,7 @@ class RunOptions:
     recompute_block: bool = False  # keep only each block's input; rerun its forward inside backward (=> all)
     offload_residual: bool = False  # with recompute_block: keep those inputs in (pinned) host memory
     compile: bool = False  # torch.compile the block function (GPU)
+    cuda_graphs: bool = False  # with compile: replay the block's forward/backward as CUDA graphs
     linear: Linear = F.linear  # the block linears; FP8 swaps in its own
 
     def __post_init__(self) -> None:
@@ -185,7 +186,8 @@ class Transformer:
         run = self.run
         fn = make_block_fn(cfg, run.linear, recompute=block_steps(run.recompute), attn_chunks=run.attn_bwd_chunks,
                            compiled=run.compile)
-        self.block_fn: BlockFn = torch.compile(fn, dynamic=False) if run.compile else fn
+        mode = "reduce-overhead" if run.cuda_graphs else None
+        self.block_fn: BlockFn = torch.compile(fn, dynamic=False, mode=mode) if run.compile else fn
         self._eager_block_fn: BlockFn = fn
         if run.compile:  # the compiled flavour of the recompute mechanism differs; eager needs its own
             self._eager_block_fn = make_block_fn(cfg, run.linear, recompute=block_steps(run.recompute),
@@ -224,6 +226,8 @@ class Transformer:
         nb = weights.non_block()
         embed = nb["embed"]
         cos, sin = self.rope(T, embed.device, embed.dtype)
+        if self.run.cuda_graphs:  # a new iteration: outputs of the previous one's graph replays may be reused
+            torch.compiler.cudagraph_mark_step_begin()
 
         # forward: each block starts from a leaf (so its backward stops there); keep the block's graph, or with
         # recompute_block only its input (in host memory with offload_residual)

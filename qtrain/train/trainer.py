@@ -116,7 +116,8 @@ class Trainer:
             recompute_swiglu=opts.recompute_swiglu, recompute_norm=opts.recompute_norm,
             recompute_ffn=opts.recompute_ffn, recompute_qkv=opts.recompute_qkv, recompute_att=opts.recompute_att,
             recompute_block=opts.recompute_block,
-            offload_residual=opts.offload_residual, compile=use_compile, linear=self._linear(opts)))
+            offload_residual=opts.offload_residual, compile=use_compile, cuda_graphs=opts.use_cuda_graphs,
+            linear=self._linear(opts)))
         self.grads = make_gradient_manager(opts.gradient_manager_kind, self.layout, comm=self.comm,
                                            dtype=self.dtype, device=self.device, seed=opts.seed,
                                            offload=opts.offload_gradients)
