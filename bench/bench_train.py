@@ -6,10 +6,13 @@ call as the HF baseline (`hf_baseline.py`) so both see the same machine:
 
     PYTHONPATH=. python3 bench/bench_train.py '[{"model":"Qwen2.5-0.5B","batch":16,"accum":2,"steps":8}]'
 
-Each entry may also set seq, warmup, fused_ce (the Triton cross-entropy kernel) and any `Options` field
+Each entry may also set seq, warmup, fused_ce (false: the compiled cross-entropy instead of the Triton
+kernel) and any `Options` field
 (lmhead_chunks, model_dtype, opt_m_dtype, opt_v_dtype, matmul_dtype, recompute_block, use_cuda_graphs,
 offload_opt_m, ...). Prints one JSON line per entry. `host_ms` is the host time spent queuing the
-micro-steps of one step: close to `step_ms` means the host, not the GPU, sets the pace.
+micro-steps of one step: close to `step_ms` means the host, not the GPU, sets the pace. Memory: `peak_gib`
+is the allocator's peak, `plan_gib` what the memory plan (`qtrain plan`) predicted for the same run
+without its fixed reserve for the CUDA context, `plan_err` their relative difference.
 """
 from __future__ import annotations
 
@@ -20,19 +23,22 @@ import time
 import torch
 
 from qtrain.kernels import cross_entropy
+from qtrain.train.memory_plan import plan_for_trainer
 from qtrain.train.metrics import mfu_bf16
 from qtrain.train.options import Options
 from qtrain.train.trainer import Trainer
 
 
 def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, warmup: int = 3,
-        fused_ce: bool = False, **options) -> dict:
+        fused_ce: bool = True, **options) -> dict:
     options.setdefault("compile", "on")
     opts = Options(model=model, from_scratch=True, batch_size=batch, seq_len=seq, grad_accumulation=accum,
                    learning_rate=1e-4, device="cuda", **options)
     cross_entropy.FUSED_CE_ENABLED = fused_ce
     torch.cuda.reset_peak_memory_stats()
     tr = Trainer(opts)
+    plan = plan_for_trainer(tr)
+    plan_bytes = plan.device_total - sum(i.device for i in plan.items if i.kind == "reserve")
     V = tr.cfg.vocab_size
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randint(0, V, (batch, seq + 1), device="cuda", generator=g)
@@ -61,9 +67,11 @@ def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, warmup:
                tps=round(tps), step_ms=round(dt * 1000, 1), host_ms=round(1000 * sum(host) / len(host), 1),
                loss=round(stats["loss"], 4),
                mfu=round(mfu_bf16(tps, tr.cfg, seq, torch.cuda.get_device_name()) or 0, 3),
-               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
+               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), plan_gib=round(plan_bytes / 2**30, 2),
+               plan_err=round(plan_bytes / torch.cuda.max_memory_allocated() - 1, 3),
+               reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2))
     del tr
-    cross_entropy.FUSED_CE_ENABLED = False
+    cross_entropy.FUSED_CE_ENABLED = True
     torch.cuda.empty_cache()
     return res
 

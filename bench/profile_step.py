@@ -40,7 +40,7 @@ def category(name: str) -> str:
 def main(p: dict) -> None:
     model, batch, accum = p.pop("model"), p.pop("batch"), p.pop("accum")
     p.pop("steps", None)
-    cross_entropy.FUSED_CE_ENABLED = p.pop("fused_ce", False)
+    cross_entropy.FUSED_CE_ENABLED = p.pop("fused_ce", True)
     p.setdefault("compile", "on")
     tr = Trainer(Options(model=model, from_scratch=True, batch_size=batch, seq_len=1024, grad_accumulation=accum,
                          device="cuda", learning_rate=1e-4, **p))

@@ -240,6 +240,42 @@ def _check_triton_vs_twin(device, sizes, steps=2):
                 assert torch.equal(bits(amax_a), bits(amax_b)), (combo, n, t)
 
 
+def _check_device_grad_scale(device):
+    """A 0-dim tensor grad_scale (the clipping factor computed on the device) gives the bits of the same
+    float; a NaN one skips the step: nothing written, abs-max 0."""
+    for combo in COMBOS:
+        state = make_state(1000, *combo, seed=3, device=device)
+        a, b, c = clone_all(state), clone_all(state), clone_all(state)
+        hp_f = AdamWHyper(lr=1e-2, step=2, weight_decay=0.1, grad_scale=0.375)
+        hp_t = AdamWHyper(lr=1e-2, step=2, weight_decay=0.1, grad_scale=torch.tensor(0.375, device=device))
+        hp_nan = AdamWHyper(lr=1e-2, step=2, weight_decay=0.1, grad_scale=torch.tensor(float("nan"), device=device))
+        amax_a = adamw_update_(*a[:4], hp=hp_f, decay=True, key=9, offset=5, m_scales=a[4])
+        amax_b = adamw_update_(*b[:4], hp=hp_t, decay=True, key=9, offset=5, m_scales=b[4])
+        amax_c = adamw_update_(*c[:4], hp=hp_nan, decay=True, key=9, offset=5, m_scales=c[4])
+        for name, x, y, z, s0 in zip("pgmvs", a, b, c, state):
+            if x is not None:
+                assert torch.equal(bits(x), bits(y)), (combo, name)
+                assert torch.equal(bits(z), bits(s0)), (combo, name, "skipped step wrote")
+        assert torch.equal(bits(amax_a), bits(amax_b)) and amax_c.item() == 0.0
+
+
+def test_device_grad_scale_twin():
+    with dispatch.backend("twin"):
+        _check_device_grad_scale("cpu")
+
+
+@interp_only
+def test_interp_device_grad_scale():
+    with dispatch.backend("triton"):
+        _check_device_grad_scale("cpu")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_device_grad_scale():
+    _check_device_grad_scale("cuda")
+
+
 @interp_only
 def test_interp_triton_matches_twin():
     _check_triton_vs_twin("cpu", sizes=[1, 128, 4101])

@@ -11,6 +11,9 @@ bit because the kernel runs with fp fusion off, i.e. no FMA contraction, and use
 
 This is llm.q's ``adamw.cu`` (decoupled, lr-scaled weight decay; reference/llmq.md §3.4); the scalars are
 prepared by ``qtrain.numerics.adamw`` (which owns the update rule) and reach the kernel as fp32.
+``grad_scale`` may instead be a 0-dim fp32 tensor on the device (the clipping factor computed there, so the
+host need not read the gradient norm before queuing the update); a NaN there means "skip this step": the
+kernel then writes nothing (and reports abs-max 0).
 
 Storage dtypes (each a constexpr kind in the kernel, loaded/stored as bit patterns):
 param fp32|bf16, grad fp32|bf16|fp16, m fp32|bf16|e4m3 (e4m3 with one fp32 scale per 128 elements of
@@ -88,15 +91,21 @@ def sqrt_rn_twin(x: torch.Tensor) -> torch.Tensor:
 def adamw_step_twin(
     param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, m_scales: torch.Tensor | None, *,
     lr: float, beta1: float, one_minus_beta1: float, beta2: float, one_minus_beta2: float,
-    bias_corr1: float, bias_corr2: float, eps: float, weight_decay: float, grad_scale: float,
+    bias_corr1: float, bias_corr2: float, eps: float, weight_decay: float, grad_scale: float | torch.Tensor,
     key_param: int, key_m: int, key_v: int, offset: int,
 ) -> torch.Tensor:
     """Twin (specification) of the fused AdamW kernel; arguments already validated by the caller."""
     n = param.numel()
     dev = param.device
+    if isinstance(grad_scale, torch.Tensor):
+        gs = grad_scale.to(device=dev, dtype=torch.float32).reshape(())
+        if torch.isnan(gs):  # the skip signal (a host read: fine for the specification)
+            return torch.zeros((), dtype=torch.float32, device=dev)
+    else:
+        gs = fp32(grad_scale)
     idx = torch.arange(offset, offset + n, dtype=torch.int64, device=dev)
     p = _load(param)
-    g = _load(grad) * fp32(grad_scale)
+    g = _load(grad) * gs
     if m.dtype == torch.float8_e4m3fn:
         codes = m.reshape(-1).view(torch.uint8).to(torch.int64)
         m_old = e4m3_bits_to_f32_twin(codes) * m_scales.repeat_interleave(M_BLOCK)[:n]
@@ -146,16 +155,20 @@ def adamw_step_twin(
 @jit(do_not_specialize=["offset", "ks_p", "ks_m", "ks_v"])
 def _adamw_kernel(
     p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, amax_ptr, n, offset, ks_p, ks_m, ks_v,
-    lr, beta1, omb1, beta2, omb2, bc1, bc2, eps, wd, grad_scale,
+    lr, beta1, omb1, beta2, omb2, bc1, bc2, eps, wd, grad_scale, gs_ptr,
     P_KIND: tl.constexpr, G_KIND: tl.constexpr, M_KIND: tl.constexpr, V_KIND: tl.constexpr,
-    HI_ABSORBED: tl.constexpr, ROWS: tl.constexpr,
+    HI_ABSORBED: tl.constexpr, ROWS: tl.constexpr, GS_PTR: tl.constexpr,
 ):
     """One [ROWS, 128] tile of the fused AdamW step (math in the module docstring; fp32 throughout).
 
     Kinds: 0 fp32, 1 bf16 (int16 pointer), 2 fp16 (grad only), 3 e4m3 (m only, uint8 pointer + ms_ptr).
     Writes the tile's max of (new stored param bits & 0x7FFFFFFF) into amax_ptr (int32) by atomic_max.
+    GS_PTR: grad_scale is read from gs_ptr (device fp32 scalar); NaN there masks every load and store.
     """
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
+    if GS_PTR:
+        grad_scale = tl.load(gs_ptr)
+        rows = tl.where(grad_scale == grad_scale, rows, n)  # NaN: every row out of range (skip the step)
     offs = rows * 128 + tl.arange(0, 128)[None, :]  # [ROWS, 128] element index in this call
     mask = offs < n
     idx = offset + offs  # RNG counter
@@ -215,7 +228,7 @@ def _bits_view(t: torch.Tensor) -> torch.Tensor:
 def adamw_step_triton(
     param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, m_scales: torch.Tensor | None, *,
     lr: float, beta1: float, one_minus_beta1: float, beta2: float, one_minus_beta2: float,
-    bias_corr1: float, bias_corr2: float, eps: float, weight_decay: float, grad_scale: float,
+    bias_corr1: float, bias_corr2: float, eps: float, weight_decay: float, grad_scale: float | torch.Tensor,
     key_param: int, key_m: int, key_v: int, offset: int,
 ) -> torch.Tensor:
     """Triton launcher; same contract as ``adamw_step_twin``."""
@@ -224,12 +237,17 @@ def adamw_step_triton(
     if n:
         ms = m_scales if m_scales is not None else amax  # unused pointer when m is not e4m3
         (ks_p, hi_absorbed), (ks_m, _), (ks_v, _) = (kernel_key(k, offset, n) for k in (key_param, key_m, key_v))
+        gs_ptr = isinstance(grad_scale, torch.Tensor)
+        if gs_ptr and (grad_scale.dtype != torch.float32 or grad_scale.numel() != 1 or grad_scale.device != param.device):
+            raise ValueError(f"adamw_step: a tensor grad_scale must be one fp32 element on {param.device}, got "
+                             f"{grad_scale.dtype} {tuple(grad_scale.shape)} on {grad_scale.device}")
         _adamw_kernel[(triton_cdiv(n, ROWS * M_BLOCK),)](
             _bits_view(param), _bits_view(grad), _bits_view(m), _bits_view(v), ms, amax, n, offset, ks_p, ks_m, ks_v,
             fp32(lr), fp32(beta1), fp32(one_minus_beta1), fp32(beta2), fp32(one_minus_beta2),
-            fp32(bias_corr1), fp32(bias_corr2), fp32(eps), fp32(weight_decay), fp32(grad_scale),
+            fp32(bias_corr1), fp32(bias_corr2), fp32(eps), fp32(weight_decay), fp32(1.0 if gs_ptr else grad_scale),
+            grad_scale if gs_ptr else amax,
             P_KIND=_KINDS[param.dtype], G_KIND=_KINDS[grad.dtype], M_KIND=_KINDS[m.dtype], V_KIND=_KINDS[v.dtype],
-            HI_ABSORBED=hi_absorbed, ROWS=ROWS, num_warps=NUM_WARPS, enable_fp_fusion=False,
+            HI_ABSORBED=hi_absorbed, ROWS=ROWS, GS_PTR=gs_ptr, num_warps=NUM_WARPS, enable_fp_fusion=False,
         )
     return amax.view(torch.float32)
 

@@ -161,6 +161,22 @@ def load_f32(ptr, mask, KIND: tl.constexpr):
 
 
 @jit
+def store_f32(ptr, x, mask, KIND: tl.constexpr):
+    """Store fp32 ``x`` as KIND (0 fp32; 1 bf16 through an int16 pointer, round to nearest even on the bit
+    pattern, NaN -> 0x7FC0, which is torch's ``.to(torch.bfloat16)`` and runs the same under Triton's
+    interpreter; 2 fp16)."""
+    if KIND == 1:
+        b = x.to(tl.uint32, bitcast=True)
+        rn = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        rn = tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rn)
+        tl.store(ptr, rn.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+    elif KIND == 2:
+        tl.store(ptr, x.to(tl.float16), mask=mask)
+    else:
+        tl.store(ptr, x, mask=mask)
+
+
+@jit
 def sr_bf16_bits(x, rand):
     """fp32 -> bf16 pattern as int16 (see module docstring); ``rand`` uint32."""
     b = x.to(tl.uint32, bitcast=True)

@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..kernels.swiglu import swiglu_backward
 from .config import ModelConfig
 
 
@@ -60,3 +61,24 @@ def swiglu(up_gate: torch.Tensor) -> torch.Tensor:
     """up_gate: (..., 2F) with rows [up; gate] of the fused weight -> up * silu(gate)."""
     up, gate = up_gate.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+class _SwiGLU(torch.autograd.Function):
+    """`swiglu` with its backward in one kernel (`qtrain::swiglu_backward`); saves u, as autograd would."""
+
+    @staticmethod
+    def forward(ctx, up_gate: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(up_gate)
+        return swiglu(up_gate)
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor) -> torch.Tensor:
+        (up_gate,) = ctx.saved_tensors
+        return swiglu_backward(dout.contiguous(), up_gate)
+
+
+def swiglu_fused(up_gate: torch.Tensor) -> torch.Tensor:
+    """`swiglu` whose backward is the fused kernel (qtrain/kernels/swiglu.py says why): what the compiled
+    block uses. Its gradient is computed in fp32 from the stored inputs and rounded once, so it can differ
+    from autograd's (which rounds silu(gate) first) by a unit in the last place."""
+    return _SwiGLU.apply(up_gate)

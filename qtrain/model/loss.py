@@ -44,9 +44,10 @@ _compiled_loss_fn = None
 def _loss_fn(cuda: bool):
     """On the GPU, torch.compile fuses the chunk's ~10 elementwise passes over fp32 logits (upcast,
     logsumexp, softmax, scatter, downcast) into a few kernels; measured as ~40% of a Qwen2.5-0.5B step
-    when run eagerly. The CPU runs the plain function (the specification). Opt-in: with
-    ``qtrain.kernels.cross_entropy.FUSED_CE_ENABLED`` CUDA logits go to the fused Triton kernel instead,
-    which writes d(logits) over the logits buffer (fine here: the logits are not read again)."""
+    when run eagerly. The CPU runs the plain function (the specification). By default
+    (``qtrain.kernels.cross_entropy.FUSED_CE_ENABLED``) CUDA logits go to the fused Triton kernel instead,
+    which reads each row twice and writes d(logits) over the logits buffer (fine here: the logits are not
+    read again): faster than the compiled version and one fewer (n, V) buffer alive."""
     global _compiled_loss_fn
     if not cuda:
         return _chunk_loss_and_dlogits

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .layers import apply_rope, rms_norm, rope_tables, swiglu
+from .layers import apply_rope, rms_norm, rope_tables, swiglu, swiglu_fused
 from .loss import IGNORE_INDEX, chunked_lm_head_loss
 from .recompute import FLAGS as RECOMPUTE_FLAGS
 from .recompute import CheckpointSteps, Recomputer, ResidualStash, block_steps, resolve_flags, run_step
@@ -77,16 +77,19 @@ class ParamWeights:
 
 
 def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: frozenset[str] = frozenset(),
-                  attn_chunks: int = 1, compiled: bool = False) -> BlockFn:
+                  attn_chunks: int = 1, compiled: bool = False, fused_swiglu: bool = False) -> BlockFn:
     """One pre-norm decoder block as a function of (x, weights, cos, sin), so one compiled graph serves
     every layer (weights are inputs, not captured constants).
 
     recompute: steps ('ln1', 'qkv', 'attention', 'ln2', 'up', 'swiglu'; see recompute.STEPS) whose results
     are rerun in backward instead of kept; `compiled` picks the mechanism that works under torch.compile.
+    fused_swiglu: SwiGLU's backward as one kernel (`layers.swiglu_fused`), used by the compiled GPU path;
+    inductor's own version of it runs at half the memory bandwidth.
     attn_chunks: run attention, forward and backward, as that many independent calls over batch slices
     (see `attention`)."""
     nh, nkv, hs, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
     q_dim, kv_dim, qk_norm, gqa = cfg.q_dim, cfg.kv_dim, cfg.qk_norm, nh != nkv
+    swiglu_fn = swiglu_fused if fused_swiglu else swiglu
 
     def qkv_rope(h: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,7 +132,7 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
         # 2) MLP: norm -> fused up/gate projection -> SwiGLU -> down projection
         h = step("ln2", rms_norm, x, w["ln2"], eps)
         u = step("up", linear, h, w["up"], None)  # (B, T, 2F)
-        return x + linear(step("swiglu", swiglu, u), w["down"], None)
+        return x + linear(step("swiglu", swiglu_fn, u), w["down"], None)
 
     if not recompute:
         def block(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -162,7 +165,6 @@ class RunOptions:
     recompute_block: bool = False  # keep only each block's input; rerun its forward inside backward (=> all)
     offload_residual: bool = False  # with recompute_block: keep those inputs in (pinned) host memory
     compile: bool = False  # torch.compile the block function (GPU)
-    cuda_graphs: bool = False  # with compile: replay the block's forward/backward as CUDA graphs
     linear: Linear = F.linear  # the block linears; FP8 swaps in its own
 
     def __post_init__(self) -> None:
@@ -185,9 +187,8 @@ class Transformer:
         self.run = run or RunOptions()
         run = self.run
         fn = make_block_fn(cfg, run.linear, recompute=block_steps(run.recompute), attn_chunks=run.attn_bwd_chunks,
-                           compiled=run.compile)
-        mode = "reduce-overhead" if run.cuda_graphs else None
-        self.block_fn: BlockFn = torch.compile(fn, dynamic=False, mode=mode) if run.compile else fn
+                           compiled=run.compile, fused_swiglu=run.compile)
+        self.block_fn: BlockFn = torch.compile(fn, dynamic=False) if run.compile else fn
         self._eager_block_fn: BlockFn = fn
         if run.compile:  # the compiled flavour of the recompute mechanism differs; eager needs its own
             self._eager_block_fn = make_block_fn(cfg, run.linear, recompute=block_steps(run.recompute),
@@ -226,8 +227,6 @@ class Transformer:
         nb = weights.non_block()
         embed = nb["embed"]
         cos, sin = self.rope(T, embed.device, embed.dtype)
-        if self.run.cuda_graphs:  # a new iteration: outputs of the previous one's graph replays may be reused
-            torch.compiler.cudagraph_mark_step_begin()
 
         # forward: each block starts from a leaf (so its backward stops there); keep the block's graph, or with
         # recompute_block only its input (in host memory with offload_residual)

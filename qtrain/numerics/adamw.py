@@ -43,8 +43,9 @@ class AdamWHyper:
     """Added to sqrt(v_hat), as in torch.optim.AdamW."""
     weight_decay: float = 0.1
     """Decoupled and lr-scaled: p -= lr * wd * p (only where the caller passes decay=True)."""
-    grad_scale: float = 1.0
-    """Multiplies the gradient before anything else (clipping factor, or 1/loss-scale)."""
+    grad_scale: float | torch.Tensor = 1.0
+    """Multiplies the gradient before anything else (clipping factor, or 1/loss-scale). A 0-dim fp32 tensor
+    on the parameters' device is read by the kernel (no host sync); NaN there skips the update."""
 
     def __post_init__(self) -> None:
         if self.step < 1:
@@ -55,6 +56,8 @@ class AdamWHyper:
                 raise ValueError(f"AdamWHyper.{name} must be in [0, 1), got {b}")
         for name in ("lr", "eps", "weight_decay", "grad_scale"):
             x = getattr(self, name)
+            if isinstance(x, torch.Tensor) and name == "grad_scale":
+                continue  # a device value: checked where the kernel reads it
             if not math.isfinite(x) or x < 0:
                 raise ValueError(f"AdamWHyper.{name} must be finite and >= 0, got {x}")
 

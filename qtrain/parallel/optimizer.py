@@ -35,7 +35,6 @@ wired or tested).
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -156,9 +155,11 @@ class ShardedAdamW:
 
     @torch.no_grad()
     def step(self, grads: GradShards, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-             grad_scale: float = 1.0) -> torch.Tensor:
+             grad_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
         """One AdamW update of this rank's shards (then, with replicated weights, all-gather of the weights).
-        Returns the abs-max of the updated weights on this rank (fp32 device scalar), for FP8 weight scaling."""
+        `grad_scale` may be a device scalar (`clip_scale`), NaN meaning skip: the step is then queued but
+        writes nothing, and the caller calls `unstep()` once it knows. Returns the abs-max of the updated
+        weights on this rank (fp32 device scalar), for FP8 weight scaling."""
         t = self.step_count + 1
         hp = AdamWHyper(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=t,
                         grad_scale=grad_scale)
@@ -242,6 +243,10 @@ class ShardedAdamW:
         self.step_count = t
         return torch.stack([a.to(self.device) for a in amaxes]).max() if amaxes else torch.zeros(())
 
+    def unstep(self) -> None:
+        """The last step was skipped on the device (NaN grad_scale): do not count it in the bias correction."""
+        self.step_count -= 1
+
     def synchronize(self) -> None:
         """Block the host until the last step's copies to host memory are done (before reading the state)."""
         if self._copies_done is not None:
@@ -288,8 +293,12 @@ def _adamw_update_nearest_(param, grad, m, v, **kw) -> torch.Tensor:
     return amax
 
 
-def clip_factor(norm: float, clip: float) -> float:
-    """Standard clipping: scale = clip / norm when norm > clip (llm.q compares the squared norm: a quirk)."""
-    if clip <= 0 or not math.isfinite(norm) or norm <= clip:
-        return 1.0
-    return clip / norm
+def clip_scale(norm: torch.Tensor, clip: float) -> torch.Tensor:
+    """Clipping by global norm, as a device scalar for `step(grad_scale=...)`: clip / norm when norm > clip,
+    else 1 (clip <= 0: no clipping); NaN (skip the update) when the norm is not finite. On the device, so
+    the update is queued before the host has read the norm. (llm.q compares the squared norm with the
+    threshold [quirk]; this is the standard rule.)"""
+    one = torch.ones((), dtype=torch.float32, device=norm.device)
+    norm = norm.float()
+    scale = torch.where(norm > clip, clip / norm, one) if clip > 0 else one
+    return torch.where(torch.isfinite(norm), scale, torch.full_like(one, float("nan")))

@@ -110,9 +110,6 @@ class Options:
     """auto | cpu | cuda."""
     compile: str = "auto"
     """torch.compile the blocks: auto (on for CUDA) | on | off."""
-    use_cuda_graphs: bool = False
-    """Replay each compiled block's forward and backward as CUDA graphs (torch.compile's "reduce-overhead"
-    mode): removes per-kernel launch cost where the host, not the GPU, limits small models. CUDA only."""
     gpus: int = 0
     """Local worker processes to start (0 = all visible GPUs, or 1 on CPU). Under torchrun: the launcher's."""
     zero_level: int = 1
@@ -191,8 +188,6 @@ class Options:
         choice("lr-schedule", self.lr_schedule, SCHEDULES)
         choice("device", self.device, ("auto", "cpu", "cuda"))
         choice("compile", self.compile, ("auto", "on", "off"))
-        if self.use_cuda_graphs and (self.compile == "off" or self.device == "cpu"):
-            raise err("--use-cuda-graphs needs compiled blocks on CUDA (not --compile off or --device cpu)")
         if self.model_dtype == "fp32" and (self.opt_m_dtype != "fp32" or self.opt_v_dtype != "fp32"):
             raise err("--model-dtype fp32 needs --opt-m-dtype fp32 and --opt-v-dtype fp32 "
                       "(low-precision moments with fp32 weights are not a supported combination)")

@@ -31,7 +31,7 @@ from ..parallel.comm import Communicator
 from ..parallel.dist import DistContext, init_distributed
 from ..parallel.gradients import make_gradient_manager
 from ..parallel.layout import FlatLayout
-from ..parallel.optimizer import ZERO_COPY_CUDA, ShardedAdamW, clip_factor
+from ..parallel.optimizer import ZERO_COPY_CUDA, ShardedAdamW, clip_scale
 from ..parallel.weights import ShardedWeights
 from .absmax_debug import AbsMaxRecorder, weight_abs_maxes
 from .options import Options, OptionsError
@@ -116,8 +116,7 @@ class Trainer:
             recompute_swiglu=opts.recompute_swiglu, recompute_norm=opts.recompute_norm,
             recompute_ffn=opts.recompute_ffn, recompute_qkv=opts.recompute_qkv, recompute_att=opts.recompute_att,
             recompute_block=opts.recompute_block,
-            offload_residual=opts.offload_residual, compile=use_compile, cuda_graphs=opts.use_cuda_graphs,
-            linear=self._linear(opts)))
+            offload_residual=opts.offload_residual, compile=use_compile, linear=self._linear(opts)))
         self.grads = make_gradient_manager(opts.gradient_manager_kind, self.layout, comm=self.comm,
                                            dtype=self.dtype, device=self.device, seed=opts.seed,
                                            offload=opts.offload_gradients)
@@ -204,15 +203,19 @@ class Trainer:
                                f"{o.grad_accumulation}")
         norm_t = self.optimizer.grad_norm(self.grads)
         loss_t = self.ctx.all_reduce_sum(self._loss.clone()) / self.ctx.world
-        norm, loss = float(norm_t), float(loss_t)  # the step's one host sync
+        # The update is queued before the host reads the norm: clipping factor and the skip on a non-finite
+        # norm are decided on the device, so the GPU never idles while the host waits for the norm and then
+        # queues the update (measured: 29 of 243 ms per Qwen2.5-0.5B step were such gaps).
+        if self.sharded_weights:
+            self.weights.wait_all()  # gathers in flight may still read the shards the update writes
+        self.optimizer.step(self.grads, lr=lr, beta1=o.beta_1, beta2=o.beta_2, eps=o.adam_epsilon,
+                            weight_decay=o.weight_decay, grad_scale=clip_scale(norm_t, o.grad_clip))
+        if self.sharded_weights:
+            self.weights.invalidate()  # and prefetch what the next forward needs first
+        norm, loss = float(norm_t), float(loss_t)  # the step's one host sync, with the update already queued
         skipped = not math.isfinite(norm)
-        if not skipped:
-            if self.sharded_weights:
-                self.weights.wait_all()  # gathers in flight may still read the shards the update writes
-            self.optimizer.step(self.grads, lr=lr, beta1=o.beta_1, beta2=o.beta_2, eps=o.adam_epsilon,
-                                weight_decay=o.weight_decay, grad_scale=clip_factor(norm, o.grad_clip))
-            if self.sharded_weights:
-                self.weights.invalidate()  # and prefetch what the next forward needs first
+        if skipped:
+            self.optimizer.unstep()
         self.step += 1
         self.micro = 0
         self._loss.zero_()

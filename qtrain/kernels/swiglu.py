@@ -1,0 +1,100 @@
+"""SwiGLU backward: d(up, gate) from d(out) and the fused up/gate projection output, in one pass.
+
+The block's MLP computes ``out = up * silu(gate)`` from ``u = [up | gate]`` (M, 2F), the output of the fused
+up/gate GEMM (``qtrain.model.layers.swiglu``). Its backward, per element, all in fp32 from the stored
+values, one rounding at the end::
+
+    s      = sigmoid(gate)
+    d_up   = dout * gate * s
+    d_gate = dout * up * s * (1 + gate * (1 - s))
+
+written as ``du = [d_up | d_gate]`` (M, 2F) in u's dtype. Why a kernel: torch.compile writes this
+backward as one pointwise kernel over du whose every element works out which half it is in and loads
+its partners at a column offset; measured on the H200 at Qwen2.5-1.5B shapes (16384 x 2 x 8960 bf16) it
+moved 1.47 GB in 0.71 ms (2.1 TB/s, half the copy bandwidth): 40 ms of a 590 ms training step. This
+kernel walks (row, column) tiles of the F columns and writes both halves from one load of each input.
+
+The plain-torch twin (``swiglu_backward_twin``) is the specification. ``swiglu_backward`` is registered as
+the custom op ``qtrain::swiglu_backward`` so that a torch.compile'd block calls it as an opaque kernel
+(Triton on CUDA, the twin elsewhere, per ``qtrain.kernels.dispatch``) instead of tracing it.
+"""
+from __future__ import annotations
+
+import torch
+
+from qtrain.kernels.dispatch import jit, tl, triton, use_triton
+from qtrain.kernels.stochastic_rounding import load_f32, store_f32
+
+__all__ = ["swiglu_backward", "swiglu_backward_triton", "swiglu_backward_twin"]
+
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Tile: 16 rows x 256 columns (4096 elements of each half per program, 4 warps): a streaming shape; at
+# F = 8960 a row is 35 tiles, so rows of a program stay within a few KB of each other.
+BLOCK_M, BLOCK_F, NUM_WARPS = 16, 256, 4
+
+
+def _check(dout: torch.Tensor, u: torch.Tensor) -> None:
+    if u.shape[-1] % 2 or dout.shape[:-1] != u.shape[:-1] or dout.shape[-1] * 2 != u.shape[-1]:
+        raise ValueError(f"swiglu_backward: u must be (..., 2F) and dout (..., F), got {tuple(u.shape)} and "
+                         f"{tuple(dout.shape)}")
+    if u.dtype not in _KINDS or dout.dtype != u.dtype:
+        raise TypeError(f"swiglu_backward: u and dout must share a dtype among {list(_KINDS)}, got {u.dtype} "
+                        f"and {dout.dtype}")
+
+
+# ---------------------------------------------------------------------------------------------- twin
+def swiglu_backward_twin(dout: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The specification: du (..., 2F) in u's dtype (see module docstring)."""
+    _check(dout, u)
+    up, gate = u.float().chunk(2, dim=-1)
+    d = dout.float()
+    s = torch.sigmoid(gate)
+    return torch.cat([d * gate * s, d * up * s * (1 + gate * (1 - s))], dim=-1).to(u.dtype)
+
+
+# -------------------------------------------------------------------------------------------- triton
+@jit
+def _swiglu_bwd_kernel(dout_ptr, u_ptr, du_ptr, M, F, KIND: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_F: tl.constexpr):
+    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
+    rf = (tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)[None, :]
+    mask = (rm < M) & (rf < F)
+    up_off = rm * (2 * F) + rf  # u and du: (M, 2F) rows, up in the first F columns, gate in the second
+    up = load_f32(u_ptr + up_off, mask, KIND)
+    gate = load_f32(u_ptr + up_off + F, mask, KIND)
+    d = load_f32(dout_ptr + rm * F + rf, mask, KIND)
+    s = 1.0 / (1.0 + tl.exp(-gate))
+    store_f32(du_ptr + up_off, d * gate * s, mask, KIND)
+    store_f32(du_ptr + up_off + F, d * up * s * (1.0 + gate * (1.0 - s)), mask, KIND)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def swiglu_backward_triton(dout: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Triton launcher; same contract as the twin (any leading shape; contiguous copies if needed)."""
+    _check(dout, u)
+    u2, d2 = u.reshape(-1, u.shape[-1]).contiguous(), dout.reshape(-1, dout.shape[-1]).contiguous()
+    M, F = d2.shape
+    du = torch.empty_like(u2)
+    if u2.numel():
+        grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(F, BLOCK_F))
+        _swiglu_bwd_kernel[grid](_bits(d2), _bits(u2), _bits(du), M, F, KIND=_KINDS[u.dtype], BLOCK_M=BLOCK_M,
+                                 BLOCK_F=BLOCK_F, num_warps=NUM_WARPS)
+    return du.view(u.shape)
+
+
+# ---------------------------------------------------------------------------------------------- public
+@torch.library.custom_op("qtrain::swiglu_backward", mutates_args=())
+def swiglu_backward(dout: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """du = d(u * silu-gate product) for d(out) (see module docstring); Triton or twin per dispatch."""
+    if use_triton(u):
+        return swiglu_backward_triton(dout, u)
+    return swiglu_backward_twin(dout, u)
+
+
+@swiglu_backward.register_fake
+def _(dout: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    _check(dout, u)
+    return torch.empty_like(u, memory_format=torch.contiguous_format)
