@@ -16,8 +16,9 @@ Where the numbers come from (docs/memory.md has the details):
     torch.compile'd blocks (AOTAutograd's min-cut partitioner saves fewer tensors: it recomputes the
     cheap element-wise ops; measured with the same partitioner on CPU). `--recompute-*` drop terms as
     llm.q's flags do (§4.5); `--recompute-block` keeps only each block's input.
-  - Workspace (LM head chunk logits + fp32 temporaries, d(hidden), d(W_head), one block's backward) and a
-    reserve (CUDA context, allocator slack) are estimates, checked against a CPU allocation tracker.
+  - Workspace (LM head chunk logits -- on CUDA nothing more, the fused cross-entropy writes d(logits) in
+    place; on CPU + fp32 temporaries --, d(hidden), d(W_head), one block's backward) and a reserve (CUDA
+    context, allocator slack) are estimates, checked against a CPU allocation tracker and the H200's peaks.
 """
 from __future__ import annotations
 
@@ -290,6 +291,12 @@ def _split(n: int, on_host: bool) -> dict[str, int]:
     return {"device": 0, "host": n} if on_host else {"device": n, "host": 0}
 
 
+def _fused_ce() -> bool:
+    """Whether the LM head's loss runs the fused in-place cross-entropy kernel on CUDA (loss.py)."""
+    from ..kernels import cross_entropy
+    return cross_entropy.FUSED_CE_ENABLED
+
+
 def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: int | None = None,
                 device: str = "cuda", compiled: bool | None = None, reserve: int | None = None,
                 layout: FlatLayout | None = None, model_name: str | None = None,
@@ -402,10 +409,13 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
     # ---- workspace: the larger of the transient phases ----
     chunks = max(1, opts.lmhead_chunks)
     rows = -(-N // chunks)
-    loss_compiled = device == "cuda"  # loss.py compiles the chunk loss on CUDA whatever --compile says
-    per_logit = (2 * E + 4) if loss_compiled else (E + 12 if E != 4 else 12)
-    if chunks > 1:
-        per_logit += E  # the previous chunk's d(logits) is still referenced while the next one is computed
+    if device == "cuda" and _fused_ce():
+        per_logit = E  # the fused cross-entropy kernel writes d(logits) over the logits: nothing else per logit
+    else:
+        loss_compiled = device == "cuda"  # loss.py compiles the chunk loss on CUDA whatever --compile says
+        per_logit = (2 * E + 4) if loss_compiled else (E + 12 if E != 4 else 12)
+        if chunks > 1:
+            per_logit += E  # the previous chunk's d(logits) is still referenced while the next one is computed
     up = 4 if E != 4 else 0
     tied = cfg.tie_word_embeddings
     # LM head (loss.py): final RMSNorm (eager), chunk logits + fp32 temporaries, d(hidden), d(W_head)
