@@ -502,12 +502,17 @@ def test_gpu_fp8_linear(grad_dtype, tol):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_gpu_fp8_block_compiled_matches_eager():
     """The training path: FP8 linears inside a torch.compile'd block, where quantization runs as the twin
-    (inductor fuses it) instead of the Triton kernels of the eager path. Same quantized operands up to
-    1-ulp differences in the fp32 scale or in fused bf16 producers, so compiled and eager agree well
-    below the FP8 error (2^-5, under the expected 0.037 of one e4m3 GEMM; a dropped or doubled scale is
-    off by 100%). Against the bf16 block: each gradient passes through at most three FP8 GEMMs in a row
-    (down dgrad -> up dgrad -> ... for the QKV weight), so < 0.15 (about 3x 0.037 plus the quantized
-    inputs); the four linears' weight gradients must differ by > 0.5% (FP8 really ran)."""
+    (inductor fuses it) instead of the Triton kernels of the eager path. The claim is that compiling costs
+    no accuracy: measured against the bf16 block, the compiled FP8 block is as close as the eager FP8 block.
+    Compiled and eager do not share every quantized operand (inductor's fused bf16 producers and fast-accum
+    GEMM outputs differ by an ulp here and there, and one e4m3 rounding flip is a 6-12% change of that
+    element), so their weight gradients differ by about as much as two independent FP8 runs (H200,
+    2026-11-30: 3.3% for LN1/QKV, while each was 5.5-5.9% from bf16); that is why the bar is relative.
+    Bars: compiled error <= 1.25x eager error + 0.5% (a dropped or doubled scale is off by 100%); each gradient
+    passes through at most three FP8 GEMMs in a row, so < 0.15 from bf16 (about 3x the 0.037 of one e4m3
+    GEMM plus the quantized inputs); the output and d(input), where the residual path dilutes FP8 error,
+    agree between compiled and eager within 2^-5; the four linears' weight gradients differ from bf16 by
+    > 0.5% (FP8 really ran)."""
     from qtrain.model.config import ModelConfig
     from qtrain.model.init import init_params
     from qtrain.model.layers import rope_tables
@@ -541,6 +546,8 @@ def test_gpu_fp8_block_compiled_matches_eager():
     errs = {n: (round(rel_err(c, e), 5), round(rel_err(c, r), 5), round(rel_err(e, r), 5))
             for n, r, e, c in zip(names, ref, eager, comp)}  # (compiled vs eager, compiled vs bf16, eager vs bf16)
     for n, (ce, cr, er) in errs.items():
-        assert ce < 2.0**-5 and cr < 0.15 and er < 0.15, (n, errs)
+        assert cr <= 1.25 * er + 0.005 and cr < 0.15 and er < 0.15, (n, errs)
+        if n in ("y", "dx"):
+            assert ce < 2.0**-5, (n, errs)
         if n in ("qkv", "o", "up", "down"):
             assert cr > 0.005, (n, errs)
