@@ -40,6 +40,7 @@ def category(name: str) -> str:
 def main(p: dict) -> None:
     model, batch, accum = p.pop("model"), p.pop("batch"), p.pop("accum")
     p.pop("steps", None)
+    top_n = p.pop("top", 22)
     cross_entropy.FUSED_CE_ENABLED = p.pop("fused_ce", True)
     p.setdefault("compile", "on")
     tr = Trainer(Options(model=model, from_scratch=True, batch_size=batch, seq_len=1024, grad_accumulation=accum,
@@ -70,9 +71,9 @@ def main(p: dict) -> None:
     print(f"{model} b{batch}x{accum} {p}: wall {wall:.1f} ms/step (unprofiled), GPU busy {busy:.1f} ms")
     for cat, ms in sorted(sums.items(), key=lambda kv: -kv[1]):
         print(f"  {cat:16s} {ms:8.1f} ms  {100 * ms / busy:5.1f}%")
-    top = sorted(kernels, key=lambda e: -e.device_time_total)[:22]
+    top = sorted(kernels, key=lambda e: -e.device_time_total)[:top_n]
     for e in top:
-        print(f"  {e.device_time_total / 1e3:8.2f} ms {e.count:5d}x  {category(e.key):14s} {e.key[:90]}")
+        print(f"  {e.device_time_total / 1e3:8.2f} ms {e.count:5d}x  {category(e.key):14s} {e.key[:110]}")
 
 
 if __name__ == "__main__":
