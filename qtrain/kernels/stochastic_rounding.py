@@ -177,6 +177,21 @@ def store_f32(ptr, x, mask, KIND: tl.constexpr):
 
 
 @jit
+def round_f32(x, KIND: tl.constexpr):
+    """fp32 ``x`` rounded to KIND exactly as ``store_f32`` stores it, returned as fp32: the value a later
+    load sees, e.g. for the abs-max of a tensor a kernel writes (an FP8 scale must cover the stored values)."""
+    if KIND == 1:
+        b = x.to(tl.uint32, bitcast=True)
+        rn = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+        rn = tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, rn)
+        return rn.to(tl.float32, bitcast=True)
+    elif KIND == 2:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@jit
 def sr_bf16_bits(x, rand):
     """fp32 -> bf16 pattern as int16 (see module docstring); ``rand`` uint32."""
     b = x.to(tl.uint32, bitcast=True)

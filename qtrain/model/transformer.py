@@ -36,6 +36,7 @@ from .recompute import CheckpointSteps, Recomputer, ResidualStash, block_steps, 
 from .weights import block_tensor_names, param_shapes
 
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+Mlp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (ln2 output, w_up, w_down) -> out
 BlockFn = Callable[[torch.Tensor, dict, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -77,7 +78,8 @@ class ParamWeights:
 
 
 def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: frozenset[str] = frozenset(),
-                  attn_chunks: int = 1, compiled: bool = False, fused_swiglu: bool = False) -> BlockFn:
+                  attn_chunks: int = 1, compiled: bool = False, fused_swiglu: bool = False,
+                  mlp: Mlp | None = None) -> BlockFn:
     """One pre-norm decoder block as a function of (x, weights, cos, sin), so one compiled graph serves
     every layer (weights are inputs, not captured constants).
 
@@ -86,10 +88,14 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     fused_swiglu: SwiGLU's backward as one kernel (`layers.swiglu_fused`), used by the compiled GPU path;
     inductor's own version of it runs at half the memory bandwidth.
     attn_chunks: run attention, forward and backward, as that many independent calls over batch slices
-    (see `attention`)."""
+    (see `attention`).
+    mlp: the whole MLP after LN2 as one function (FP8's `fp8_swiglu_mlp`, which keeps the SwiGLU output in
+    FP8 only) instead of linear -> SwiGLU -> linear; ignored when the 'up' or 'swiglu' step is recomputed,
+    since those need the steps separately."""
     nh, nkv, hs, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
     q_dim, kv_dim, qk_norm, gqa = cfg.q_dim, cfg.kv_dim, cfg.qk_norm, nh != nkv
     swiglu_fn = swiglu_fused if fused_swiglu else swiglu
+    fused_mlp = mlp if not ({"up", "swiglu"} & recompute) else None
 
     def qkv_rope(h: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -131,6 +137,8 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
         x = x + linear(att, w["o"], None)
         # 2) MLP: norm -> fused up/gate projection -> SwiGLU -> down projection
         h = step("ln2", rms_norm, x, w["ln2"], eps)
+        if fused_mlp is not None:
+            return x + fused_mlp(h, w["up"], w["down"])
         u = step("up", linear, h, w["up"], None)  # (B, T, 2F)
         return x + linear(step("swiglu", swiglu_fn, u), w["down"], None)
 
@@ -166,6 +174,7 @@ class RunOptions:
     offload_residual: bool = False  # with recompute_block: keep those inputs in (pinned) host memory
     compile: bool = False  # torch.compile the block function (GPU)
     linear: Linear = F.linear  # the block linears; FP8 swaps in its own
+    mlp: Mlp | None = None  # the MLP as one function (FP8); None: linear -> SwiGLU -> linear
 
     def __post_init__(self) -> None:
         if self.attn_bwd_chunks < 1:
@@ -187,12 +196,12 @@ class Transformer:
         self.run = run or RunOptions()
         run = self.run
         fn = make_block_fn(cfg, run.linear, recompute=block_steps(run.recompute), attn_chunks=run.attn_bwd_chunks,
-                           compiled=run.compile, fused_swiglu=run.compile)
+                           compiled=run.compile, fused_swiglu=run.compile, mlp=run.mlp)
         self.block_fn: BlockFn = torch.compile(fn, dynamic=False) if run.compile else fn
         self._eager_block_fn: BlockFn = fn
         if run.compile:  # the compiled flavour of the recompute mechanism differs; eager needs its own
             self._eager_block_fn = make_block_fn(cfg, run.linear, recompute=block_steps(run.recompute),
-                                                 attn_chunks=run.attn_bwd_chunks, compiled=False)
+                                                 attn_chunks=run.attn_bwd_chunks, compiled=False, mlp=run.mlp)
         self._stash = ResidualStash(offload=run.offload_residual)  # block inputs with recompute_block
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 

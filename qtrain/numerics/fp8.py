@@ -13,6 +13,10 @@ Contents, small parts first:
   so a layout mistake fails in CPU CI rather than on the GPU machine.
 - `Fp8WeightCache`: quantized weights reused across the micro-steps of one optimizer step.
 - `fp8_linear`: y = x @ W^T + b as a torch.autograd.Function with FP8 forward and both backward GEMMs.
+- `fp8_swiglu_mlp`: down(swiglu(up(x))) as one Function, so the SwiGLU output is produced directly in FP8
+  (kernels/swiglu_fp8.py) and the up projection's output gradient is quantized with the abs-max that the
+  SwiGLU backward kernel reduced (kernels/swiglu.py): same numbers as the three-call composition, fewer
+  passes over the two largest activations of the block.
 """
 from __future__ import annotations
 
@@ -22,13 +26,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qtrain.kernels.fp8_quant import FP8_DTYPES, FP8_MAX, fp8_quantize
+from qtrain.kernels.fp8_quant import FP8_DTYPES, FP8_MAX, fp8_quantize, fp8_quantize_transposed
+from qtrain.kernels.swiglu import swiglu_backward_amax
+from qtrain.kernels.swiglu_fp8 import swiglu_fp8
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 
 __all__ = ["E4M3", "E5M2", "FP8_MAX", "quantize_fp8", "check_scaled_mm_args", "scaled_mm",
-           "Fp8WeightCache", "fp8_linear"]
+           "Fp8WeightCache", "fp8_linear", "fp8_swiglu_mlp"]
 
 
 def quantize_fp8(x: Tensor, dtype: torch.dtype = E4M3, amax: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -328,3 +334,69 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, grad_dt
             raise ValueError(f"fp8_linear: weight_fp8 must be a contiguous e4m3 copy of shape "
                              f"{tuple(weight.shape)}, got {w_fp8.dtype} {tuple(w_fp8.shape)}")
     return _Fp8Linear.apply(x, weight, bias, grad_dtype, w_fp8, w_inv, need_dw)
+
+
+# ----------------------------------------------------------------------------------------------------
+# fp8_swiglu_mlp
+# ----------------------------------------------------------------------------------------------------
+class _Fp8SwiGLUMLP(torch.autograd.Function):
+    """y = (swiglu(x @ W_up^T)) @ W_down^T with the four GEMMs of `_Fp8Linear` per projection.
+
+    Equal, number for number, to fp8_linear(swiglu(fp8_linear(x, W_up)), W_down) (tests/test_fp8.py): the
+    SwiGLU output h exists only as e4m3 (h_q, h_q^T from `swiglu_fp8`), and du = d(up-projection output)
+    is quantized with the abs-max reduced by the SwiGLU backward kernel (`swiglu_backward_amax`) and
+    transposed by one Triton op. Saved for backward: x_q^T, u (the up projection's output, which the
+    SwiGLU backward needs, as in the composition), h_q^T, the two e4m3 weights and the inverse scales.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w_up: Tensor, w_down: Tensor, grad_dtype: torch.dtype, need_dw: bool) -> Tensor:
+        C = x.shape[-1]
+        x2 = x.reshape(-1, C)
+        x_q, x_qt, x_inv = fp8_quantize(x2, E4M3, transpose=need_dw)
+        wu_q, wu_inv = quantize_fp8(w_up.detach(), E4M3)
+        u = scaled_mm(x_q, wu_q.t(), x_inv, wu_inv, out_dtype=torch.bfloat16, use_fast_accum=True).to(x.dtype)
+        h_q, h_qt, h_inv = swiglu_fp8(u, E4M3)
+        wd_q, wd_inv = quantize_fp8(w_down.detach(), E4M3)
+        y = scaled_mm(h_q, wd_q.t(), h_inv, wd_inv, out_dtype=torch.bfloat16, use_fast_accum=True)
+        ctx.save_for_backward(x_qt, x_inv, wu_q, wu_inv, u, h_qt, h_inv, wd_q, wd_inv)
+        ctx.grad_dtype, ctx.x_shape, ctx.x_dtype = grad_dtype, x.shape, x.dtype
+        ctx.w_dtypes = (w_up.dtype, w_down.dtype)
+        return y.view(*x.shape[:-1], w_down.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x_qt, x_inv, wu_q, wu_inv, u, h_qt, h_inv, wd_q, wd_inv = ctx.saved_tensors
+        need_dx, need_dwu, need_dwd = ctx.needs_input_grad[:3]
+        gd, x_dtype = ctx.grad_dtype, ctx.x_dtype
+        dy2 = dy.reshape(-1, wd_q.shape[0])  # (M, C)
+        dx = dwu = dwd = None
+        dy_q, dy_qt, dy_inv = fp8_quantize(dy2, gd, transpose=need_dwd)
+        if need_dwd:
+            dwd = scaled_mm(dy_qt, h_qt.t(), dy_inv, h_inv, out_dtype=_gemm_out_dtype(ctx.w_dtypes[1]))
+            dwd = dwd.to(ctx.w_dtypes[1])
+        if need_dx or need_dwu:
+            dh = scaled_mm(dy_q, wd_q.t().contiguous().t(), dy_inv, wd_inv, out_dtype=_gemm_out_dtype(x_dtype))
+            du, du_amax = swiglu_backward_amax(dh.to(x_dtype), u)
+            du_q, du_qt, du_inv = fp8_quantize_transposed(du, du_amax, gd)
+            if need_dx:
+                dx = scaled_mm(du_q, wu_q.t().contiguous().t(), du_inv, wu_inv, out_dtype=_gemm_out_dtype(x_dtype))
+                dx = dx.view(ctx.x_shape).to(x_dtype)
+            if need_dwu:
+                dwu = scaled_mm(du_qt, x_qt.t(), du_inv, x_inv, out_dtype=_gemm_out_dtype(ctx.w_dtypes[0]))
+                dwu = dwu.to(ctx.w_dtypes[0])
+        return dx, dwu, dwd, None, None
+
+
+def fp8_swiglu_mlp(x: Tensor, w_up: Tensor, w_down: Tensor, *, grad_dtype: torch.dtype = E4M3) -> Tensor:
+    """The SwiGLU MLP with FP8 GEMMs: x (..., C), w_up (2F, C) with rows [up; gate], w_down (C, F) -> (..., C)
+    in x's dtype. Shapes are checked as `fp8_linear` checks them (multiples of 16), before any work."""
+    if grad_dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_swiglu_mlp: grad_dtype must be float8_e4m3fn or float8_e5m2, got {grad_dtype}")
+    if w_up.dim() != 2 or w_down.dim() != 2 or w_up.shape[0] != 2 * w_down.shape[1]:
+        raise ValueError(f"fp8_swiglu_mlp: w_up must be (2F, C) and w_down (C, F), got {tuple(w_up.shape)} and "
+                         f"{tuple(w_down.shape)}")
+    need_dw = (w_up.requires_grad or w_down.requires_grad) and torch.is_grad_enabled()
+    _check_linear_shapes(x, w_up, None, need_dw)
+    _check_linear_shapes(x.new_empty(0, w_down.shape[1]), w_down, None, False)
+    return _Fp8SwiGLUMLP.apply(x, w_up, w_down, grad_dtype, need_dw).to(x.dtype)
