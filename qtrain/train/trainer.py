@@ -26,7 +26,7 @@ from ..model.hf_io import load_hf_weights, load_model_config, save_hf_model
 from ..model.init import init_params
 from ..model.resolve import resolve_model_dir
 from ..model.transformer import ParamWeights, RunOptions, Transformer
-from ..numerics.fp8 import E4M3, E5M2, fp8_linear
+from ..numerics.fp8 import E4M3, E5M2, fp8_linear, fp8_swiglu_mlp
 from ..parallel.comm import Communicator
 from ..parallel.dist import DistContext, init_distributed
 from ..parallel.gradients import make_gradient_manager
@@ -58,6 +58,20 @@ def block_linear(opts: Options):
         return fp8_linear(x, w, b, grad_dtype=grad_dtype).to(x.dtype)
 
     return linear
+
+
+def block_mlp(opts: Options):
+    """The MLP as one function with --matmul-dtype e4m3 (`fp8_swiglu_mlp`: the SwiGLU output exists only in
+    FP8, its gradient is quantized with an abs-max fused into the SwiGLU backward), else None (the block
+    runs linear -> SwiGLU -> linear). --debug-log-abs-max keeps the separate linears it instruments."""
+    if opts.effective_matmul_dtype != "e4m3" or opts.debug_log_abs_max:
+        return None
+    grad_dtype = E5M2 if opts.gradient_dtype == "e5m2" else E4M3
+
+    def mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        return fp8_swiglu_mlp(x, w_up, w_down, grad_dtype=grad_dtype)
+
+    return mlp
 
 
 @dataclass
@@ -116,7 +130,8 @@ class Trainer:
             recompute_swiglu=opts.recompute_swiglu, recompute_norm=opts.recompute_norm,
             recompute_ffn=opts.recompute_ffn, recompute_qkv=opts.recompute_qkv, recompute_att=opts.recompute_att,
             recompute_block=opts.recompute_block,
-            offload_residual=opts.offload_residual, compile=use_compile, linear=self._linear(opts)))
+            offload_residual=opts.offload_residual, compile=use_compile, linear=self._linear(opts),
+            mlp=block_mlp(opts)))
         self.grads = make_gradient_manager(opts.gradient_manager_kind, self.layout, comm=self.comm,
                                            dtype=self.dtype, device=self.device, seed=opts.seed,
                                            offload=opts.offload_gradients)
