@@ -207,11 +207,11 @@ def test_gpu_swiglu_fp8_matches_twin(M, Fd):
     q, qt, inv = swiglu_fp8(u, E4M3)
     r, rt, rinv = swiglu_fp8_twin(u, E4M3)
     assert torch.equal(bits(qt), bits(q.t().contiguous()))
-    assert abs(float(inv) / float(rinv) - 1) <= 2.0**-7
+    assert abs(float(inv) / float(rinv) - 1) <= 2.0**-7, (float(inv), float(rinv))
     deq, ref = q.float() * inv, r.float() * rinv
     differ = (bits(q) != bits(r)).float().mean().item()
-    assert differ < 1e-3, differ
-    assert ((deq - ref).abs() <= ref.abs() * 2.0**-3 + float(rinv)).all()
+    worst = ((deq - ref).abs() - ref.abs() * 2.0**-3 - float(rinv)).max().item()
+    assert differ < 1e-3 and worst <= 0, (differ, worst)
 
 
 @pytest.mark.gpu

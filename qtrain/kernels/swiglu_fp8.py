@@ -29,7 +29,11 @@ from qtrain.kernels.stochastic_rounding import load_f32, round_f32
 __all__ = ["swiglu_fp8", "swiglu_fp8_triton", "swiglu_fp8_twin"]
 
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-BLOCK_M, BLOCK_F = 64, 64  # square tiles: the transposed store goes through shared memory
+# Tiles (rows, columns of h, warps). Pass 1 only reads, so streaming rows x 256; pass 2 stores a transposed
+# tile too, so square-ish tiles (the transpose goes through shared memory). Chosen on the H200 with
+# bench/bench_swiglu_fp8.py at Qwen2.5-1.5B shapes.
+AMAX_TILE = (16, 256, 4)
+QUANT_TILE = (64, 64, 4)
 
 
 def _check(u: torch.Tensor, dtype: torch.dtype) -> None:
@@ -64,12 +68,15 @@ def _swiglu_tile(u_ptr, rm, rf, F, mask, KIND: tl.constexpr):
 
 
 @jit
-def _swiglu_amax_kernel(u_ptr, amax_ptr, M, F, KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+def _swiglu_amax_kernel(u_ptr, partial_ptr, M, F, KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+    """partial_ptr[program] = max |h| over the program's tile (one small reduction finishes it: 36k programs
+    doing an atomic max on one address serialize)."""
     rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rf = (tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
     mask = (rm[:, None] < M) & (rf[None, :] < F)
     h = _swiglu_tile(u_ptr, rm, rf, F, mask, KIND)  # masked lanes: silu(0) * 0 = 0
-    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(h), axis=1), axis=0))
+    tl.store(partial_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
+             tl.max(tl.max(tl.abs(h), axis=1), axis=0))
 
 
 @jit
@@ -83,23 +90,31 @@ def _swiglu_quant_kernel(u_ptr, q_ptr, qt_ptr, amax_ptr, inv_scale_ptr, M, F, KI
     store_fp8_tile(q_ptr, qt_ptr, inv_scale_ptr, h, scale, rm, rf, M, F, mask, FMAX, True)
 
 
-def swiglu_fp8_triton(u: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
+def swiglu_fp8_triton(u: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, *,
+                      amax_tile: tuple[int, int, int] = AMAX_TILE, quant_tile: tuple[int, int, int] = QUANT_TILE
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Host launcher (two kernels, see the module docstring); same contract as the twin."""
+    """Host launcher (two kernels, see the module docstring); same contract as the twin. The tiles are
+    (rows, columns, warps) per program, for benchmarking other shapes."""
     _check(u, dtype)
     u = u.contiguous()
     M, F = u.shape[0], u.shape[1] // 2
     bits = u.view(torch.int16) if u.dtype == torch.bfloat16 else u
-    amax = torch.zeros((), dtype=torch.float32, device=u.device)
+    kind = _KINDS[u.dtype]
     q = torch.empty((M, F), dtype=dtype, device=u.device)
     qt = torch.empty((F, M), dtype=dtype, device=u.device)
     inv_scale = torch.empty((), dtype=torch.float32, device=u.device)
-    grid = (max(triton.cdiv(M, BLOCK_M), 1), max(triton.cdiv(F, BLOCK_F), 1))
-    kind = _KINDS[u.dtype]
     if u.numel():
-        _swiglu_amax_kernel[grid](bits, amax, M, F, KIND=kind, BLOCK_M=BLOCK_M, BLOCK_F=BLOCK_F, num_warps=4)
+        bm, bf, warps = amax_tile
+        grid = (triton.cdiv(M, bm), triton.cdiv(F, bf))
+        partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=u.device)
+        _swiglu_amax_kernel[grid](bits, partial, M, F, KIND=kind, BLOCK_M=bm, BLOCK_F=bf, num_warps=warps)
+        amax = partial.amax()
+    else:
+        amax = torch.zeros((), dtype=torch.float32, device=u.device)
+    bm, bf, warps = quant_tile
+    grid = (max(triton.cdiv(M, bm), 1), max(triton.cdiv(F, bf), 1))
     _swiglu_quant_kernel[grid](bits, q, qt, amax, inv_scale, M, F, KIND=kind, FMAX=FP8_MAX[dtype],
-                               AMAX_FLOOR=AMAX_FLOOR, BLOCK_M=BLOCK_M, BLOCK_F=BLOCK_F, num_warps=4)
+                               AMAX_FLOOR=AMAX_FLOOR, BLOCK_M=bm, BLOCK_F=bf, num_warps=warps)
     return q, qt, inv_scale
 
 

@@ -1,0 +1,49 @@
+"""Times the FP8-MLP kernels at Qwen2.5-1.5B shapes (16384 tokens, F = 8960) on the GPU, with tile variants,
+against a device copy of the same bytes, to choose the tiles in qtrain/kernels/swiglu_fp8.py and swiglu.py:
+
+    PYTHONPATH=. python3 bench/bench_swiglu_fp8.py
+
+Prints one line per variant: ms per call and the bytes it must move / time.
+"""
+import torch
+import triton
+
+from qtrain.kernels import swiglu as sw
+from qtrain.kernels.fp8_quant import fp8_quantize_triton
+from qtrain.kernels.swiglu_fp8 import swiglu_fp8_triton
+
+E4M3 = torch.float8_e4m3fn
+
+
+def ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=60)
+
+
+def line(name: str, t: float, nbytes: float) -> None:
+    print(f"{name:48s} {t:7.3f} ms  {nbytes / t / 1e9:6.2f} TB/s", flush=True)
+
+
+def main() -> None:
+    M, F = 16384, 8960
+    u = (torch.randn(M, 2 * F, device="cuda") * 3).bfloat16()
+    d = torch.randn(M, F, device="cuda").bfloat16()
+    ub = u.numel() * 2
+    dst = torch.empty_like(u)
+    line("copy u (read+write 2 x M*2F bf16)", ms(lambda: dst.copy_(u)), 2 * ub)
+    line("swiglu_backward", ms(lambda: sw.swiglu_backward_triton(d, u)), 2 * ub + d.numel() * 2)
+    for bm, bf, w in ((16, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8)):
+        sw.BLOCK_M, sw.BLOCK_F, sw.NUM_WARPS = bm, bf, w
+        line(f"swiglu_backward + amax tile {bm}x{bf} w{w}", ms(lambda: sw.swiglu_backward_triton(d, u, amax=True)),
+             2 * ub + d.numel() * 2)
+    sw.BLOCK_M, sw.BLOCK_F, sw.NUM_WARPS = 16, 256, 4
+    for at in ((16, 256, 4), (32, 256, 8), (8, 512, 4)):
+        for qt in ((64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 128, 8), (128, 128, 8), (32, 128, 4)):
+            line(f"swiglu_fp8 amax {at} quant {qt}",
+                 ms(lambda: swiglu_fp8_triton(u, E4M3, amax_tile=at, quant_tile=qt)), 2 * ub + M * F * 2)
+    amax = u.float().abs().max()
+    line("fp8_quantize_triton(du, amax, transpose)", ms(lambda: fp8_quantize_triton(u, E4M3, amax, transpose=True)),
+         ub + u.numel() * 2)
+
+
+if __name__ == "__main__":
+    main()
