@@ -186,11 +186,30 @@ def test_interp_swiglu_backward_amax():
     _check_triton_amax("cpu")
 
 
+def _check_forward_amax(device):
+    """Pass 1 of swiglu_fp8: h as `swiglu` computes it (bf16: within one ulp where Triton's exp/division
+    flip a rounding of silu; fp32: within a few fp32 ulps), and the amax of exactly the stored h."""
+    from qtrain.kernels.swiglu_fp8 import swiglu_forward_amax_triton
+    for dtype in (torch.bfloat16, torch.float32):
+        for M, Fd in ((1, 16), (19, 300), (70, 96)):
+            _, u = _u_and_dout(M, Fd, dtype, device, seed=M)
+            h, amax = swiglu_forward_amax_triton(u)
+            tol = dict(rtol=2.0**-7, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(h, swiglu(u), **tol)
+            assert float(amax) == float(h.float().abs().max()), (dtype, M, Fd)
+
+
+@interp_only
+def test_interp_swiglu_forward_amax():
+    _check_forward_amax("cpu")
+
+
 # -------------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_swiglu_backward_amax():
     _check_triton_amax("cuda")
+    _check_forward_amax("cuda")
     d, u = _u_and_dout(16384, 8960, torch.bfloat16, "cuda")  # Qwen2.5-1.5B shape
     du, amax = swiglu_backward_amax(d, u)
     assert float(amax) == float(du.float().abs().max())
