@@ -266,6 +266,10 @@ TRAINER_VARIANTS = [
     dict(shard_weights=True),
     dict(shard_weights=True, offload_master=True, offload_opt_m=True),
     dict(shard_weights=True, offload_master=True, offload_opt_v=True, use_zero_copy=True),
+    dict(opt_m_dtype="e4m3", opt_v_dtype="bf16"),
+    dict(opt_m_dtype="e4m3", opt_v_dtype="bf16", offload_opt_m=True),
+    dict(opt_m_dtype="e4m3", opt_v_dtype="bf16", shard_weights=True, offload_master=True, offload_opt_m=True,
+         offload_opt_v=True),
 ]
 
 
@@ -287,7 +291,12 @@ def test_persistent_state_equals_trainer_allocations(variant):
         assert w.host == host
     opt_mem = trainer.optimizer.memory() if hasattr(trainer.optimizer, "memory") else {
         "adam.m": nb(trainer.optimizer.m.values()), "adam.v": nb(trainer.optimizer.v.values()), "staging": 0}
-    assert plan.item("adam m").parts["adam.m"] == opt_mem["adam.m"] == nb(trainer.optimizer.m.values())
+    m_scales = getattr(trainer.optimizer, "m_scales", {})  # e4m3 m: fp32 block scales belong to m
+    assert plan.item("adam m").parts["adam.m"] == opt_mem["adam.m"] == nb(trainer.optimizer.m.values()) + \
+        nb(m_scales.values())
+    if variant.get("opt_m_dtype") == "e4m3":  # 1 byte per element + 4 per 128-element block of each tensor
+        assert nb(trainer.optimizer.m.values()) == sum(t.numel() for t in trainer.optimizer.m.values())
+        assert nb(m_scales.values()) == 4 * sum(-(-s.numel // 128) for g in trainer.layout.groups for s in g.segments)
     assert plan.item("adam v").parts["adam.v"] == opt_mem["adam.v"] == nb(trainer.optimizer.v.values())
     staging = sum(i.device for i in plan.items if i.name == "optimizer staging")
     assert staging == opt_mem.get("staging", 0)
@@ -340,6 +349,27 @@ def test_persistent_state_world4_equals_manager_allocations(kind, sharded_weight
     # the layout math: shards are 1/W of the padded groups
     total = layout.total_numel()
     assert mem["adam.m"] == total // W * 2 and mem["adam.v"] == total // W * 4
+
+
+@pytest.mark.parametrize("offload_m", [False, True])
+def test_e4m3_m_world4_equals_optimizer_allocations(offload_m):
+    """e4m3 m on 4 ranks: codes (1 byte/element) + the scales of the most demanding rank (shards cut tensor
+    blocks), and, offloaded, the staging slots with their scale slots: the plan equals what rank 1 allocates."""
+    cfg = small_cfg(tied=False)
+    W = 4
+    layout = FlatLayout(cfg, W)
+    opts = Options(opt_m_dtype="e4m3", opt_v_dtype="bf16", offload_opt_m=offload_m)
+    plan = plan_memory(cfg, opts, world=W, device="cpu")
+    opt = ShardedAdamW(layout, layout.allocate(dtype=torch.bfloat16, device="cpu"), rank=1, m_dtype="e4m3",
+                       v_dtype="bf16", offload_m=offload_m)
+    mem = opt.memory()
+    assert plan.item("adam m").parts["adam.m"] == mem["adam.m"]
+    assert plan.item("adam v").parts["adam.v"] == mem["adam.v"]
+    assert sum(i.device for i in plan.items if i.name == "optimizer staging") == mem["staging"]
+    assert (mem["staging"] > 0) == offload_m
+    total = layout.total_numel()
+    assert total // W + 4 * (total // W // 128) <= mem["adam.m"] <= total // W + 4 * (total // W // 128 + 16 * len(
+        layout.groups))
 
 
 # ---------------------------------------------------------------------------------------------------------

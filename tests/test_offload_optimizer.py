@@ -6,8 +6,9 @@ streams them through two staging slots on the compute device, chunking shards la
 (the embedding and LM head here: vocab 997). The update is elementwise and every element keeps its
 stochastic-rounding counter (its index in its tensor) whatever chunk it lands in, so every offload
 variant must give *bitwise* the same losses, gradient norms, weights after every step and final Adam
-moments as no offload: in fp32 and in bf16 (bf16 weights and moments, stochastic rounding), in 1 process
-and in 2 (gloo), with replicated weights (m / v), sharded weights (master, everything), sharded gradients
+moments as no offload: in fp32, in bf16 (bf16 weights and moments, stochastic rounding) and with an e4m3
+first moment (bf16 weights and v; m as e4m3 codes + block scales, which stream with m and whose blocks the
+chunks never cut), in 1 process and in 2 (gloo), with replicated weights (m / v), sharded weights (master, everything), sharded gradients
 offloaded too, and --use-zero-copy (which on a CPU device updates the host tensors in place).
 
 On a CPU device "host" and "device" are the same memory, so these tests check the streaming logic (slots,
@@ -46,13 +47,14 @@ RUNS = {
     "zero3+offload": ("zero2", {"zero_level": 3, "offload_gradients": True, "offload_master": True,
                                 "offload_opt_m": True, "offload_opt_v": True}),
 }
-DTYPES = ("fp32", "bf16")
+DTYPES = ("fp32", "bf16", "e4m3")  # e4m3: --opt-m-dtype e4m3 with bf16 weights and v
 PINNED = torch.cuda.is_available()  # offloaded state is pinned exactly when CUDA is available
 
 
 def options(model_dir: str, dtype: str, **kw) -> Options:
-    return Options(model=model_dir, from_scratch=True, device="cpu", compile="off", seed=11, model_dtype=dtype,
-                   opt_m_dtype=dtype, opt_v_dtype=dtype, batch_size=B, seq_len=T, grad_accumulation=GA,
+    low = "bf16" if dtype == "e4m3" else dtype
+    return Options(model=model_dir, from_scratch=True, device="cpu", compile="off", seed=11, model_dtype=low,
+                   opt_m_dtype=dtype, opt_v_dtype=low, batch_size=B, seq_len=T, grad_accumulation=GA,
                    learning_rate=3e-3, **kw)
 
 
@@ -67,7 +69,8 @@ def _placement(tr: Trainer) -> dict:
     def where(ts) -> set:
         return {(t.device.type, t.is_pinned()) for t in ts}
     opt = tr.optimizer
-    out = {"m": where(opt.m.values()), "v": where(opt.v.values()), "opt_host_keys": opt.host_memory_keys(),
+    out = {"m": where([*opt.m.values(), *getattr(opt, "m_scales", {}).values()]),  # e4m3 scales live with m
+           "v": where(opt.v.values()), "opt_host_keys": opt.host_memory_keys(),
            "staging": opt.memory()["staging"], "streamed_items": opt.streamed_items,
            "groups": len(tr.layout.groups)}
     if tr.sharded_weights:

@@ -102,6 +102,15 @@ def test_dtype_combinations_that_pass():
 
 def test_e4m3_first_moment_needs_bf16_second_moment():
     _bad(("--opt-m-dtype e4m3", "--opt-v-dtype bf16"), opt_m_dtype="e4m3", opt_v_dtype="fp32")
+    Options(model_dtype="bf16", opt_m_dtype="e4m3", opt_v_dtype="bf16").validate()  # wired (tests/test_opt_m_e4m3.py)
+    Options(opt_m_dtype="e4m3", opt_v_dtype="bf16", shard_weights=True, offload_master=True, offload_opt_m=True,
+            offload_opt_v=True).validate()
+
+
+def test_e4m3_first_moment_refusals():
+    _bad(("--model-dtype fp32", "--opt-m-dtype"), model_dtype="fp32", opt_m_dtype="e4m3", opt_v_dtype="bf16")
+    _bad(("--opt-m-dtype e4m3", "stochastic rounding", "--no-stochastic-rounding"), opt_m_dtype="e4m3",
+         opt_v_dtype="bf16", stochastic_rounding=False)
 
 
 def test_fp32_matmuls_with_bf16_model_rejected():
@@ -111,7 +120,7 @@ def test_fp32_matmuls_with_bf16_model_rejected():
 def test_not_yet_implemented_features_are_refused_by_name():
     # Current state: these are llm.q features qtrain does not run yet. Update when they are wired in.
     Options(matmul_dtype="e4m3").validate()  # FP8 block linears: wired (tests/test_numerics_convergence.py)
-    _bad(("--opt-m-dtype e4m3",), opt_m_dtype="e4m3", opt_v_dtype="bf16")
+    Options(opt_m_dtype="e4m3", opt_v_dtype="bf16").validate()  # block-scaled FP8 Adam m: wired (tests/test_opt_m_e4m3.py)
     Options(zero_level=3).validate()  # sharded weights + gradients: implemented (tests/test_sharded_weights.py)
     assert Options(zero_level=3).weights_sharded and Options(zero_level=3).gradient_manager_kind == "reduce-scatter"
     _bad(("--persistent-quants", "not implemented yet"), persistent_quants=True, zero_level=3, matmul_dtype="e4m3")

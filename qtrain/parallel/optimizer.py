@@ -26,6 +26,19 @@ items later safe). Gradient shards that live in host memory (--offload-gradients
 (read only). The compute stream waits for the last copy-back at the end of the step (no host sync); host
 code that reads the offloaded state (checkpoints) calls `synchronize()` first.
 
+e4m3 m (`m_dtype="e4m3"`, llm.q's block-scaled FP8 first moment, reference/llmq.md §3.3-3.4): m is kept as
+float8_e4m3fn codes plus one fp32 scale per *block*, `m_scales[group]`. The fused kernel takes one scale per
+128 elements of a call, so the update decides where calls start. A block is a 128-element run of a *tensor*
+(element i of a tensor is in block i // 128) intersected with this rank's shard: calls start at a tensor
+position that is a multiple of 128, except the first call of a piece that starts mid-block (a shard that
+cuts a tensor off-grid), which covers only the rest of that block. Staging chunks are cut on block
+boundaries too. So the result does not depend on how the update is chunked (offload or not, any slot size)
+and, with W ranks, equals the one-rank result in every block a shard boundary does not cut; a block that a
+shard boundary cuts has one scale per part, so there the bits depend on the world size (and every later step
+with them). Every rank allocates the same number of scales per group (the most any rank needs; unused tail
+scales stay zero), so checkpoints of one world size have one shape. In checkpoints the scales travel in the
+`adam.m` file as `<group>.scales` (see `state_tensors`).
+
 `zero_copy` skips the staging: the update reads and writes the host tensors directly. That is only
 meaningful where the compute device can address host memory; on a CPU device it is the same memory, so
 the update runs in place. On CUDA it is refused (`ZERO_COPY_CUDA`): `adamw_update_` takes all operands on
@@ -40,12 +53,14 @@ from typing import Protocol
 
 import torch
 
+from ..kernels.adamw import M_BLOCK
 from ..kernels.rng import rng_key
 from ..model.weights import is_decayed
 from ..numerics.adamw import AdamWHyper, adamw_update_
-from .layout import FlatLayout, Group
+from .layout import FlatLayout, Group, Piece
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
+SCALES_SUFFIX = ".scales"  # key of a group's e4m3 m scales in the `adam.m` state dict / checkpoint file
 
 OFFLOAD_MASTER_NEEDS_SHARDED = (
     "--offload-master needs sharded weights (--shard-weights or --zero-level 3): qtrain keeps no separate "
@@ -57,17 +72,64 @@ ZERO_COPY_CUDA = (
     "means something on a CPU device, where host memory is the compute memory)")
 
 
+E4M3_M_NEEDS_SR = (
+    "--opt-m-dtype e4m3 needs stochastic rounding (leave --no-stochastic-rounding off): the round-to-nearest "
+    "baseline has no block-scaled e4m3 writer")
+
+
+def _piece_blocks(p: Piece) -> int:
+    """e4m3 m blocks (scales) of a piece: the 128-element tensor blocks it touches."""
+    return -(-(p.tensor_offset + p.numel) // M_BLOCK) - p.tensor_offset // M_BLOCK
+
+
+def group_m_scales(group: Group, world: int) -> int:
+    """fp32 scales an e4m3 m shard of `group` has on every rank: the most any rank needs."""
+    return max(sum(_piece_blocks(p) for p in group.shard_pieces(r, world)) for r in range(world))
+
+
+def staging_capacity(layout: FlatLayout, m_dtype: str = "fp32") -> int:
+    """Staging slot size in elements: the largest block shard (whole blocks stream as one item; bigger
+    non-block shards are cut into chunks of this size), or the largest shard when there are no blocks; at
+    least one e4m3 block with an e4m3 m (chunks are cut on block boundaries)."""
+    world = layout.world
+    blocks = [g.shard_size(world) for g in layout.groups if g.layer is not None]
+    cap = max(blocks) if blocks else max(g.shard_size(world) for g in layout.groups)
+    return max(cap, M_BLOCK) if m_dtype == "e4m3" else cap
+
+
+def scale_slot_numel(layout: FlatLayout, capacity: int) -> int:
+    """Scales of a staging slot for an offloaded e4m3 m: a chunk of `capacity` elements touches at most
+    ceil(capacity/128) blocks, plus one per tensor it starts in (a tensor's last block may be short), plus
+    one for a piece starting mid-block."""
+    return -(-capacity // M_BLOCK) + max(len(g.segments) for g in layout.groups) + 1
+
+
 class GradShards(Protocol):
     def grad_shard(self, group_key: str) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
+class _Call:
+    """One kernel call: elements [a, b) of an item, all in one tensor."""
+    seg_index: int  # the tensor's index in its group (RNG key)
+    decay: bool
+    a: int
+    b: int
+    offset: int  # index of element a in its tensor (SR counter)
+    s_lo: int  # e4m3 m: its scales are [s_lo, s_hi) of the group's scale buffer (0, 0 otherwise)
+    s_hi: int
+
+
+@dataclass(frozen=True)
 class _Item:
-    """A unit of the streamed update: elements [lo, hi) of `group`'s shard."""
+    """A unit of the streamed update: elements [lo, hi) of `group`'s shard (and scales [s_lo, s_hi))."""
     group: Group
     lo: int
     hi: int
     last_of_group: bool
+    calls: tuple[_Call, ...] = ()
+    s_lo: int = 0
+    s_hi: int = 0
 
 
 class ShardedAdamW:
@@ -92,6 +154,11 @@ class ShardedAdamW:
             raise ValueError(OFFLOAD_MASTER_NEEDS_SHARDED)
         if zero_copy and self.device.type == "cuda":
             raise ValueError(ZERO_COPY_CUDA)
+        if m_dtype not in DTYPES or v_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"ShardedAdamW: m_dtype {m_dtype!r} (fp32, bf16, e4m3), v_dtype {v_dtype!r} (fp32, bf16)")
+        self.m_e4m3 = m_dtype == "e4m3"
+        if self.m_e4m3 and not stochastic_rounding:
+            raise ValueError(E4M3_M_NEEDS_SR)
         if shards is not None:
             for g in layout.groups:
                 if shards[g.key].numel() != g.shard_size(self.world):
@@ -109,14 +176,25 @@ class ShardedAdamW:
                                  pin_memory=offload_m and pin)
         self.v = layout.allocate(dtype=DTYPES[v_dtype], device=cpu if offload_v else self.device, shard=True,
                                  pin_memory=offload_v and pin)
+        # e4m3 m: one fp32 scale per block (module docstring), zero like the codes; they live with m
+        self.m_scales: dict[str, torch.Tensor] = {
+            g.key: torch.zeros(group_m_scales(g, self.world), dtype=torch.float32,
+                               device=cpu if offload_m else self.device, pin_memory=offload_m and pin)
+            for g in layout.groups} if self.m_e4m3 else {}
         self.offloaded = {"param": offload_params, "m": offload_m, "v": offload_v}
         self.zero_copy = zero_copy
         self._staged = {k: off and not zero_copy for k, off in self.offloaded.items()}
+        if self.m_e4m3:
+            self._staged["m_scales"] = self._staged["m"]
         self._capacity = self._chunk_capacity() if any(self._staged.values()) else None
         self._slots: list[dict[str, torch.Tensor]] = []
+        self._item_cache: dict[int | None, list[_Item]] = {}
         if self._capacity is not None:
-            dts = {"param": next(iter(self.shards.values())).dtype, "m": DTYPES[m_dtype], "v": DTYPES[v_dtype]}
-            self._slots = [{k: torch.empty(self._capacity, dtype=dts[k], device=self.device)
+            dts = {"param": next(iter(self.shards.values())).dtype, "m": DTYPES[m_dtype], "v": DTYPES[v_dtype],
+                   "m_scales": torch.float32}
+            sizes = {k: self._capacity for k in dts}
+            sizes["m_scales"] = scale_slot_numel(layout, self._capacity)
+            self._slots = [{k: torch.empty(sizes[k], dtype=dts[k], device=self.device)
                             for k, s in self._staged.items() if s} for _ in range(2)]
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._copies_done: torch.cuda.Event | None = None
@@ -124,20 +202,59 @@ class ShardedAdamW:
         self.streamed_items = 0  # work items the last step streamed through the staging slots (0: none)
 
     def _chunk_capacity(self) -> int:
-        """Staging slot size: the largest block shard (whole blocks stream as one item; bigger non-block
-        shards are cut into chunks of this size), or the largest shard when there are no blocks."""
-        blocks = [g.shard_size(self.world) for g in self.layout.groups if g.layer is not None]
-        return max(blocks) if blocks else max(g.shard_size(self.world) for g in self.layout.groups)
+        return staging_capacity(self.layout, "e4m3" if self.m_e4m3 else "fp32")
 
     def _items(self, capacity: int | None) -> list[_Item]:
+        """Work items (one per group, or chunks of at most `capacity` elements) with their kernel calls.
+        With an e4m3 m, chunks end on block boundaries and calls start on them (module docstring)."""
+        if capacity in self._item_cache:
+            return self._item_cache[capacity]
         items = []
         for g in self.layout.groups:
             n = g.shard_size(self.world)
-            step = capacity or n
-            starts = list(range(0, n, step)) or [0]
-            for i, lo in enumerate(starts):
-                items.append(_Item(g, lo, min(n, lo + step), i == len(starts) - 1))
+            pieces = g.shard_pieces(self.rank, self.world)
+            starts = [0]
+            while capacity and starts[-1] + capacity < n:
+                cut = starts[-1] + capacity
+                starts.append(self._block_floor(pieces, cut) if self.m_e4m3 else cut)
+            bounds = starts + [n]
+            for i in range(len(starts)):
+                items.append(self._item(g, pieces, bounds[i], bounds[i + 1], i == len(starts) - 1))
+        if capacity is not None and self.m_e4m3:
+            slot = scale_slot_numel(self.layout, capacity)
+            assert all(it.s_hi - it.s_lo <= slot for it in items), "e4m3 m scales exceed the staging slot"
+        self._item_cache[capacity] = items
         return items
+
+    @staticmethod
+    def _block_floor(pieces: list[Piece], pos: int) -> int:
+        """The last e4m3 block boundary at or before shard position `pos` (> pos - 128)."""
+        for p in pieces:
+            if p.shard_offset <= pos < p.shard_offset + p.numel:
+                t = p.tensor_offset + pos - p.shard_offset
+                return max(p.shard_offset, pos - t % M_BLOCK)
+        return pos  # padding: no tensor is cut
+
+    def _item(self, g: Group, pieces: list[Piece], lo: int, hi: int, last: bool) -> _Item:
+        calls, s_off = [], 0
+        for p in pieces:
+            nblk = _piece_blocks(p) if self.m_e4m3 else 0
+            a, b = max(p.shard_offset, lo), min(p.shard_offset + p.numel, hi)
+            if a < b:
+                cuts = [a, b]
+                if self.m_e4m3:  # a piece starting mid-block: its first call ends at the block's end
+                    nxt = a + (-(p.tensor_offset + a - p.shard_offset)) % M_BLOCK
+                    if a < nxt < b:
+                        cuts = [a, nxt, b]
+                seg_index = g.segments.index(p.segment)
+                for x, y in zip(cuts, cuts[1:]):
+                    t = p.tensor_offset + x - p.shard_offset
+                    s = s_off + t // M_BLOCK - p.tensor_offset // M_BLOCK if self.m_e4m3 else 0
+                    ns = -(-(y - x) // M_BLOCK) if self.m_e4m3 else 0
+                    calls.append(_Call(seg_index, is_decayed(p.segment.name), x - lo, y - lo, t, s, s + ns))
+            s_off += nblk
+        s_lo, s_hi = (calls[0].s_lo, calls[-1].s_hi) if calls else (0, 0)
+        return _Item(g, lo, hi, last, tuple(calls), s_lo, s_hi)
 
     def param_shard(self, key: str) -> torch.Tensor:
         return self.shards[key]
@@ -175,10 +292,15 @@ class ShardedAdamW:
             for s in self._slots:
                 s["grad"] = torch.empty(capacity, dtype=dt, device=self.device)
         sources = {"param": self.shards, "m": self.m, "v": self.v, "grad": gshards}
+        if self.m_e4m3:
+            sources["m_scales"] = self.m_scales
         staged = dict(self._staged, grad=stage_grads)
         items = self._items(capacity if any(staged.values()) else None)
         cs = self._copy_stream
         ready: list[torch.cuda.Event | None] = [None] * len(items)
+
+        def span(k: str, it: _Item) -> tuple[int, int]:  # what item `it` covers of source k
+            return (it.s_lo, it.s_hi) if k == "m_scales" else (it.lo, it.hi)
 
         def fetch(i: int) -> None:  # host -> staging slot i % 2 (side stream on CUDA)
             it, slot = items[i], self._slots[i % 2]
@@ -186,15 +308,19 @@ class ShardedAdamW:
             with ctx:
                 for k, src in sources.items():
                     if staged[k]:
-                        slot[k][:it.hi - it.lo].copy_(src[it.group.key][it.lo:it.hi], non_blocking=True)
+                        lo, hi = span(k, it)
+                        slot[k][:hi - lo].copy_(src[it.group.key][lo:hi], non_blocking=True)
                 if cs is not None:
                     ready[i] = torch.cuda.Event()
                     ready[i].record(cs)
 
         def operands(i: int) -> dict[str, torch.Tensor]:
             it, slot = items[i], self._slots[i % 2] if self._slots else {}
-            return {k: slot[k][:it.hi - it.lo] if staged[k] else src[it.group.key][it.lo:it.hi]
-                    for k, src in sources.items()}
+            out = {}
+            for k, src in sources.items():
+                lo, hi = span(k, it)
+                out[k] = slot[k][:hi - lo] if staged[k] else src[it.group.key][lo:hi]
+            return out
 
         def write_back(i: int) -> None:  # staging slot -> host, after the update (side stream on CUDA)
             it, slot = items[i], self._slots[i % 2]
@@ -202,9 +328,10 @@ class ShardedAdamW:
                 cs.wait_stream(torch.cuda.current_stream(self.device))
             ctx = torch.cuda.stream(cs) if cs is not None else contextlib.nullcontext()
             with ctx:
-                for k in ("param", "m", "v"):
-                    if staged[k]:
-                        sources[k][it.group.key][it.lo:it.hi].copy_(slot[k][:it.hi - it.lo], non_blocking=True)
+                for k in ("param", "m", "v", "m_scales"):
+                    if staged.get(k):
+                        lo, hi = span(k, it)
+                        sources[k][it.group.key][lo:hi].copy_(slot[k][:hi - lo], non_blocking=True)
 
         streaming = any(staged.values())
         self.streamed_items = len(items) if streaming else 0
@@ -222,16 +349,12 @@ class ShardedAdamW:
                     torch.cuda.current_stream(self.device).wait_event(ready[i])
             ops = operands(i)
             g = it.group
-            for piece in g.shard_pieces(self.rank, self.world):
-                a, b = max(piece.shard_offset, it.lo), min(piece.shard_offset + piece.numel, it.hi)
-                if a >= b:
-                    continue
-                sl = slice(a - it.lo, b - it.lo)
-                seg_index = g.segments.index(piece.segment)
+            for c in it.calls:
+                sl = slice(c.a, c.b)
+                kw = {"m_scales": ops["m_scales"][c.s_lo - it.s_lo:c.s_hi - it.s_lo]} if self.m_e4m3 else {}
                 amaxes.append(update(ops["param"][sl], ops["grad"][sl], ops["m"][sl], ops["v"][sl], hp=hp,
-                                     decay=is_decayed(piece.segment.name),
-                                     key=rng_key(self.seed, t, g.index, seg_index),
-                                     offset=piece.tensor_offset + (a - piece.shard_offset)))
+                                     decay=c.decay, key=rng_key(self.seed, t, g.index, c.seg_index),
+                                     offset=c.offset, **kw))
             if streaming:
                 write_back(i)
             if it.last_of_group and self.replicated and self.comm is not None and self.world > 1:
@@ -254,30 +377,48 @@ class ShardedAdamW:
 
     # ---- checkpoints: this rank's shards ----
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """This rank's moments by group key (views, not copies). An e4m3 m also has its scales in
+        `adam.m`, under `<group>.scales` (codes and scales are one state: one is meaningless without the
+        other)."""
         self.synchronize()
-        return {"adam.m": dict(self.m), "adam.v": dict(self.v)}
+        m = dict(self.m)
+        m.update({k + SCALES_SUFFIX: s for k, s in self.m_scales.items()})
+        return {"adam.m": m, "adam.v": dict(self.v)}
 
     def load_state_tensors(self, state: dict[str, dict[str, torch.Tensor]], step_count: int) -> None:
         self.synchronize()
-        for name, bufs in (("adam.m", self.m), ("adam.v", self.v)):
+        scales = {k + SCALES_SUFFIX: s for k, s in self.m_scales.items()}
+        extra = set(state["adam.m"]) - set(self.m) - set(scales)
+        if extra:
+            raise ValueError(f"checkpoint adam.m has unexpected tensors {sorted(extra)[:4]} (e4m3 scales in a "
+                             f"checkpoint for m {next(iter(self.m.values())).dtype}?)")
+        for name, bufs in (("adam.m", self.m), ("adam.m", scales), ("adam.v", self.v)):
             for k, t in bufs.items():
+                if k not in state[name]:
+                    raise ValueError(f"checkpoint {name} has no {k!r}" + (
+                        " (this run keeps m in e4m3 with block scales: was the checkpoint written with another "
+                        "--opt-m-dtype?)" if k.endswith(SCALES_SUFFIX) else ""))
                 src = state[name][k]
                 if src.shape != t.shape:
                     raise ValueError(f"checkpoint {name}[{k}]: shape {tuple(src.shape)} != {tuple(t.shape)} "
                                      f"(was it written with another world size?)")
+                if (src.dtype == torch.float8_e4m3fn) != (t.dtype == torch.float8_e4m3fn):
+                    raise ValueError(f"checkpoint {name}[{k}]: dtype {src.dtype}, this run keeps {t.dtype} "
+                                     f"(--opt-m-dtype differs)")
                 t.copy_(src)
         self.step_count = step_count
 
     # ---- memory ----
     def state_nbytes(self) -> int:
-        """Adam moments of this rank (device and host), in bytes."""
-        return sum(t.numel() * t.element_size() for d in (self.m, self.v) for t in d.values())
+        """Adam moments of this rank (device and host; e4m3 m with its scales), in bytes."""
+        return sum(t.numel() * t.element_size() for d in (self.m, self.m_scales, self.v) for t in d.values())
 
     def memory(self) -> dict[str, int]:
-        """Bytes of persistent optimizer state on this rank, by kind ('staging': the device slots used to
-        stream offloaded state; the weight shards belong to the weights, not here)."""
+        """Bytes of persistent optimizer state on this rank, by kind ('adam.m' includes e4m3 scales;
+        'staging': the device slots used to stream offloaded state; the weight shards belong to the
+        weights, not here)."""
         nb = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        return {"adam.m": nb(self.m.values()), "adam.v": nb(self.v.values()),
+        return {"adam.m": nb(self.m.values()) + nb(self.m_scales.values()), "adam.v": nb(self.v.values()),
                 "staging": nb(t for s in self._slots for t in s.values())}
 
     def host_memory_keys(self) -> set[str]:

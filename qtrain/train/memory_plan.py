@@ -34,6 +34,7 @@ from typing import Any, Iterable
 
 from ..model.config import ModelConfig
 from ..parallel.layout import FlatLayout
+from ..parallel.optimizer import group_m_scales, scale_slot_numel, staging_capacity
 from .options import Options, OptionsError
 
 GiB = 1 << 30
@@ -352,13 +353,17 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
     # ---- Adam moments: this rank's shards (parallel/optimizer.py) ----
     zero_copy = bool(_opt(opts, "use_zero_copy"))
     staged_bytes = 0  # per element of the two staging slots
+    capacity = staging_capacity(layout, opts.opt_m_dtype)  # elements per staging slot
+    staged_extra = 0  # bytes of the two staging slots beyond capacity x staged_bytes (e4m3 m scales)
     for which, dt in (("m", opts.opt_m_dtype), ("v", opts.opt_v_dtype)):
         n = sum(shard_sizes) * DTYPE_BYTES[dt]
-        if dt == "e4m3":
-            n += 4 * sum(-(-s // 128) for s in shard_sizes)  # fp32 scale per 128 elements
+        if dt == "e4m3":  # fp32 scale per 128-element tensor block of the shard (+ the blocks shards cut)
+            n += 4 * sum(group_m_scales(g, world) for g in groups)
         off = bool(_opt(opts, f"offload_opt_{which}"))
         if off and not zero_copy:
             staged_bytes += DTYPE_BYTES[dt]
+            if dt == "e4m3":
+                staged_extra += 2 * 4 * scale_slot_numel(layout, capacity)
         items.append(Item(f"adam {which} ({dt}, 1/{world})", **_split(n, off), parts={f"adam.{which}": n},
                           detail="offloaded" if off else ""))
     if offload_master and sharded_w and not zero_copy:
@@ -366,8 +371,7 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
     grads_on_host = opts.offload_gradients and opts.gradient_manager_kind != "unsharded" and device != "cpu"
     if grads_on_host:
         staged_bytes += E  # gradient shards in host memory are staged too (read only)
-    capacity = max((g.shard_size(world) for g in blocks), default=max(shard_sizes))
-    staging = 2 * capacity * staged_bytes
+    staging = 2 * capacity * staged_bytes + staged_extra
     if staging:
         items.append(Item("optimizer staging", device=staging, parts={"staging": staging},
                           detail="2 device slots streaming offloaded state through the update"))

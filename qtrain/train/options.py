@@ -193,6 +193,9 @@ class Options:
                       "(low-precision moments with fp32 weights are not a supported combination)")
         if self.opt_m_dtype == "e4m3" and self.opt_v_dtype != "bf16":
             raise err("--opt-m-dtype e4m3 needs --opt-v-dtype bf16 (llm.q's only e4m3 combination)")
+        if self.opt_m_dtype == "e4m3" and not self.stochastic_rounding:
+            raise err("--opt-m-dtype e4m3 needs stochastic rounding (drop --no-stochastic-rounding): the "
+                      "round-to-nearest baseline has no block-scaled e4m3 writer")
         for opt, v in (("batch-size", self.batch_size), ("seq-len", self.seq_len),
                        ("grad-accumulation", self.grad_accumulation), ("lmhead-chunks", self.lmhead_chunks),
                        ("attn-bwd-chunks", self.attn_bwd_chunks),
@@ -258,8 +261,6 @@ class Options:
                       "device, so offloaded state is streamed through staging buffers (leave it off)")
         if self.effective_matmul_dtype == "fp32" and self.model_dtype == "bf16":
             raise err("--matmul-dtype fp32 with --model-dtype bf16 is not supported")
-        if self.opt_m_dtype == "e4m3":
-            raise err("--opt-m-dtype e4m3 is not wired into training yet")
         if self.persistent_quants:
             raise err("--persistent-quants (and --offload-quants) are not implemented yet: FP8 weight copies are "
                       "made from the gathered block on every gather (the forward's copy serves its backward)")
