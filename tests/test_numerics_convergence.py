@@ -3,6 +3,7 @@ so the vocabulary is 256 and the runs take seconds on a CPU)
 trained in fp32, bf16 weights + bf16 Adam states with stochastic rounding, and FP8 (e4m3) block matmuls.
 
 - bf16+SR and e4m3 reach a final eval loss within 2% of fp32 (the issue's bar);
+- so does Adam's first moment in e4m3 with block scales (--opt-m-dtype e4m3 --opt-v-dtype bf16, bf16 weights);
 - at a small learning rate, where most Adam updates are below half a bf16 ulp of the weight they
   update, bf16 with round-to-nearest stalls (the update rounds away) while bf16 with SR keeps learning.
 """
@@ -59,12 +60,29 @@ def corpus_dir(tmp_path_factory):
     return root
 
 
-def test_bf16_sr_and_fp8_within_2_percent_of_fp32(corpus_dir, monkeypatch):
+@pytest.fixture(scope="module")
+def fp32_ref(corpus_dir) -> float:
+    """Final eval loss of the fp32 run (weights and Adam states), shared by the comparisons."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(corpus_dir)
+        ref, _ = train(corpus_dir, "fp32", model_dtype="fp32")
+    assert ref < 3.2, f"fp32 run did not learn (final eval {ref:.3f}; uniform over bytes is 5.55)"
+    return ref
+
+
+def test_e4m3_first_moment_within_2_percent_of_fp32(corpus_dir, fp32_ref, monkeypatch):
+    """m as e4m3 codes with one fp32 scale per 128-element block, stochastically rounded, v in bf16 (llm.q's
+    (bf16, e4m3, bf16) combination). Measured: fp32 3.160, e4m3 m 3.208 (+1.5%; bf16 m and v: 3.134)."""
     monkeypatch.chdir(corpus_dir)
-    ref, _ = train(corpus_dir, "fp32", model_dtype="fp32")
+    e4m3_m, _ = train(corpus_dir, "e4m3-m", model_dtype="bf16", opt_m_dtype="e4m3", opt_v_dtype="bf16")
+    assert abs(e4m3_m - fp32_ref) <= 0.02 * fp32_ref, (e4m3_m, fp32_ref)
+
+
+def test_bf16_sr_and_fp8_within_2_percent_of_fp32(corpus_dir, fp32_ref, monkeypatch):
+    monkeypatch.chdir(corpus_dir)
+    ref = fp32_ref
     bf16, _ = train(corpus_dir, "bf16", model_dtype="bf16", opt_m_dtype="bf16", opt_v_dtype="bf16")
     fp8, _ = train(corpus_dir, "e4m3", model_dtype="fp32", matmul_dtype="e4m3")
-    assert ref < 3.2, f"fp32 run did not learn (final eval {ref:.3f}; uniform over bytes is 5.55)"
     assert abs(bf16 - ref) <= 0.02 * ref, (bf16, ref)
     assert abs(fp8 - ref) <= 0.02 * ref, (fp8, ref)
 

@@ -5,6 +5,13 @@ the Adam moment shards of every group (`weights.shard_RRR_of_WWW`, `adam.m...`, 
 `checkpoint.json`: the step, the data loader position, the outlier-detector windows, the world size and
 the options that change the math. Stochastic rounding needs no saved state: its bits are a function of
 (seed, step, tensor, element), so a resumed run continues bit-exactly.
+
+An e4m3 first moment (--opt-m-dtype e4m3) is saved as it is kept: the float8 codes under the group keys and
+the fp32 block scales under `<group>.scales`, both in the `adam.m` file (`ShardedAdamW.state_tensors`); the
+resumed run reads back the same bits. A checkpoint only resumes with the world size that wrote it (weights
+and moments are per-rank shards); for an e4m3 m that would stay so even with resharding, because its
+blocks are cut by the shard boundaries (`parallel/optimizer.py`): re-quantizing m for other cuts would
+change the run.
 """
 from __future__ import annotations
 
@@ -74,8 +81,11 @@ def load(path: str, trainer: Trainer, *, train_loader: TokenLoader | None, logge
     ctx = trainer.ctx
     world = meta["distributed"]["world"]
     if world != ctx.world:
+        why = ("resharding across world sizes is not supported yet" + (
+            "; with --opt-m-dtype e4m3 it could not be bit-exact either: m's block scales are cut by the shard "
+            "boundaries of the world size that wrote them" if trainer.opts.opt_m_dtype == "e4m3" else ""))
         raise CheckpointError(f"{path}: written by {world} rank(s), this run has {ctx.world}; resume with --gpus {world} "
-                         f"(resharding across world sizes is not supported yet)")
+                              f"({why})")
     for k, v in meta.get("options", {}).items():
         if getattr(trainer.opts, k) != v:
             raise CheckpointError(f"{path}: checkpoint has --{k.replace('_', '-')}={v!r}, this run "
