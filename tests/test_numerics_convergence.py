@@ -79,6 +79,13 @@ def test_e4m3_first_moment_within_2_percent_of_fp32(corpus_dir, fp32_ref, monkey
 
 
 def test_bf16_sr_and_fp8_within_2_percent_of_fp32(corpus_dir, fp32_ref, monkeypatch):
+    """The issue's bar at seed 3. A caveat measured in session 3 (CPU, this setup): the e4m3 result is
+    seed-fragile. FP8 perturbs every gradient by ~7% (per-tensor scaling at these tiny shapes), and 60 steps at
+    lr 3e-3 amplify that chaotically: fp32 / e4m3 final eval losses were 3.160 / 3.176 (seed 3), 2.943 / 3.180
+    (seed 4, +8%), 3.056 / 2.999 (seed 5, -1.8%); the fused FP8 MLP of the compiled GPU path, which on the
+    CPU differs from these eager linears only by one bf16 rounding of d(up output) in fp32 runs, gave 3.247 at
+    seed 3 (+2.7%). So this test guards against a broken FP8 path, not a 2% margin; an honest 2% claim needs a
+    multi-seed or longer setup (open in issue 4)."""
     monkeypatch.chdir(corpus_dir)
     ref = fp32_ref
     bf16, _ = train(corpus_dir, "bf16", model_dtype="bf16", opt_m_dtype="bf16", opt_v_dtype="bf16")

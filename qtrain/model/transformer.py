@@ -174,7 +174,7 @@ class RunOptions:
     offload_residual: bool = False  # with recompute_block: keep those inputs in (pinned) host memory
     compile: bool = False  # torch.compile the block function (GPU)
     linear: Linear = F.linear  # the block linears; FP8 swaps in its own
-    mlp: Mlp | None = None  # the MLP as one function (FP8); None: linear -> SwiGLU -> linear
+    mlp: Mlp | None = None  # the MLP as one function (FP8), used by compiled blocks like the fused SwiGLU
 
     def __post_init__(self) -> None:
         if self.attn_bwd_chunks < 1:
@@ -196,12 +196,12 @@ class Transformer:
         self.run = run or RunOptions()
         run = self.run
         fn = make_block_fn(cfg, run.linear, recompute=block_steps(run.recompute), attn_chunks=run.attn_bwd_chunks,
-                           compiled=run.compile, fused_swiglu=run.compile, mlp=run.mlp)
+                           compiled=run.compile, fused_swiglu=run.compile, mlp=run.mlp if run.compile else None)
         self.block_fn: BlockFn = torch.compile(fn, dynamic=False) if run.compile else fn
         self._eager_block_fn: BlockFn = fn
         if run.compile:  # the compiled flavour of the recompute mechanism differs; eager needs its own
             self._eager_block_fn = make_block_fn(cfg, run.linear, recompute=block_steps(run.recompute),
-                                                 attn_chunks=run.attn_bwd_chunks, compiled=False, mlp=run.mlp)
+                                                 attn_chunks=run.attn_bwd_chunks, compiled=False)
         self._stash = ResidualStash(offload=run.offload_residual)  # block inputs with recompute_block
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 

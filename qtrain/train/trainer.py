@@ -63,7 +63,8 @@ def block_linear(opts: Options):
 def block_mlp(opts: Options):
     """The MLP as one function with --matmul-dtype e4m3 (`fp8_swiglu_mlp`: the SwiGLU output exists only in
     FP8, its gradient is quantized with an abs-max fused into the SwiGLU backward), else None (the block
-    runs linear -> SwiGLU -> linear). --debug-log-abs-max keeps the separate linears it instruments."""
+    runs linear -> SwiGLU -> linear). Compiled blocks use it (the Transformer passes it only to those, as it
+    does the fused SwiGLU backward). --debug-log-abs-max keeps the separate linears it instruments."""
     if opts.effective_matmul_dtype != "e4m3" or opts.debug_log_abs_max:
         return None
     grad_dtype = E5M2 if opts.gradient_dtype == "e5m2" else E4M3
