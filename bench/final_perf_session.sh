@@ -8,7 +8,6 @@ S='"steps":5,"warmup":2,"lmhead_chunks":4,"opt_m_dtype":"bf16","opt_v_dtype":"bf
 B1="\"batch\":16,\"accum\":2,$S"; B2="\"batch\":32,\"accum\":1,$S"
 timeout 420 python3 bench/bench_train.py "[
  {\"model\":\"Qwen2.5-1.5B\",$B1,\"matmul_dtype\":\"e4m3\"},
- {\"model\":\"Qwen2.5-1.5B\",$B1,\"matmul_dtype\":\"e4m3\",\"opaque_quant\":true},
  {\"model\":\"Qwen2.5-1.5B\",$B1},
  {\"model\":\"Qwen2.5-1.5B\",$B2,\"matmul_dtype\":\"e4m3\"},
  {\"model\":\"Qwen2.5-1.5B\",$B2},

@@ -77,3 +77,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
             raise RuntimeError(f"run_distributed({getattr(fn, '__name__', fn)}, world_size={world_size}) failed:\n"
                                + "\n".join(errors))
         return results
+
+
+def write_model_dir(root, cfg) -> str:
+    """A model directory holding only `cfg` as an HF config.json (for `--model DIR --from-scratch` runs)."""
+    import json
+    (root / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    return str(root)

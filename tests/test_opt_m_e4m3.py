@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from dist_utils import run_distributed, write_model_dir
 from qtrain.kernels.adamw import M_BLOCK
 from qtrain.kernels.rng import rng_key
 from qtrain.model.config import ModelConfig
@@ -335,9 +335,7 @@ def _worker(rank: int, world: int, model_dir: str, ckpt_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    d = tmp_path_factory.mktemp("tiny-model")
-    (d / "config.json").write_text(json.dumps(CFG.to_hf_dict()))
-    return str(d)
+    return write_model_dir(tmp_path_factory.mktemp("tiny-model"), CFG)
 
 
 @pytest.fixture(scope="module")

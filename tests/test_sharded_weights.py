@@ -24,13 +24,12 @@ trainer with sharded (and offloaded) weights equals the replicated one; option v
 from __future__ import annotations
 
 import io
-import json
 import os
 
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from dist_utils import run_distributed, write_model_dir
 from qtrain.model.config import ModelConfig
 from qtrain.model.transformer import Transformer
 from qtrain.parallel.comm import Communicator
@@ -137,9 +136,7 @@ def _worker(rank: int, world: int, model_dir: str, work: str) -> dict:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    d = tmp_path_factory.mktemp("tiny-model")
-    (d / "config.json").write_text(json.dumps(CFG.to_hf_dict()))
-    return str(d)
+    return write_model_dir(tmp_path_factory.mktemp("tiny-model"), CFG)
 
 
 @pytest.fixture(scope="module")

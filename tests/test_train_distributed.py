@@ -56,14 +56,13 @@ The runs are deterministic (fixed data, seeds and thread counts) and the margins
 from __future__ import annotations
 
 import io
-import json
 import math
 import os
 
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from dist_utils import run_distributed, write_model_dir
 from qtrain.model.config import ModelConfig
 from qtrain.parallel.dist import DistContext
 from qtrain.parallel.gradients import OFFLOAD_NEEDS_SHARDING, make_gradient_manager
@@ -196,9 +195,7 @@ def _worker(rank: int, world: int, model_dir: str, work_dir: str) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    d = tmp_path_factory.mktemp("tiny-model")
-    (d / "config.json").write_text(json.dumps(CFG.to_hf_dict()))
-    return str(d)
+    return write_model_dir(tmp_path_factory.mktemp("tiny-model"), CFG)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")

@@ -182,17 +182,3 @@ def _(x: Tensor, amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tens
     return (x.new_empty((M, N), dtype=dtype), x.new_empty((N, M), dtype=dtype),
             x.new_empty((), dtype=torch.float32))
 
-
-@torch.library.custom_op("qtrain::fp8_quantize_opaque", mutates_args=())
-def fp8_quantize_opaque(x: Tensor, dtype: torch.dtype, transpose: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """`fp8_quantize` (abs-max included) as one opaque op for compiled graphs; q^T is an empty tensor when
-    transpose is False (an op cannot return None)."""
-    q, qt, inv_scale = fp8_quantize(x, dtype, transpose=transpose)
-    return q, (qt if qt is not None else x.new_empty(0, dtype=dtype)), inv_scale
-
-
-@fp8_quantize_opaque.register_fake
-def _(x: Tensor, dtype: torch.dtype, transpose: bool) -> tuple[Tensor, Tensor, Tensor]:
-    _check_args(x, dtype, transpose)
-    qt = x.new_empty((x.shape[1], x.shape[0]), dtype=dtype) if transpose else x.new_empty(0, dtype=dtype)
-    return x.new_empty(x.shape, dtype=dtype), qt, x.new_empty((), dtype=torch.float32)

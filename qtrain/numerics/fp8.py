@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qtrain.kernels.fp8_quant import FP8_DTYPES, FP8_MAX, fp8_quantize, fp8_quantize_opaque, fp8_quantize_transposed
+from qtrain.kernels.fp8_quant import FP8_DTYPES, FP8_MAX, fp8_quantize, fp8_quantize_transposed
 from qtrain.kernels.swiglu import swiglu_backward_amax
 from qtrain.kernels.swiglu_fp8 import swiglu_fp8
 
@@ -46,20 +46,6 @@ def quantize_fp8(x: Tensor, dtype: torch.dtype = E4M3, amax: Tensor | None = Non
     """
     q, _, inv_scale = fp8_quantize(x, dtype, amax)
     return q, inv_scale
-
-
-OPAQUE_ACTIVATION_QUANT = False
-"""Inside torch.compile, quantize activations and their gradients with the Triton kernels as one opaque op
-(`qtrain::fp8_quantize_opaque`) instead of letting inductor fuse the twin into its neighbours. A switch for
-benchmarks (bench/bench_train.py `opaque_quant`): which is faster depends on what inductor makes of the
-whole-tensor abs-max next to a row-wise RMSNorm."""
-
-
-def _quantize_activation(x2: Tensor, dtype: torch.dtype, transpose: bool) -> tuple[Tensor, Tensor | None, Tensor]:
-    if OPAQUE_ACTIVATION_QUANT and torch.compiler.is_compiling():
-        q, qt, inv = fp8_quantize_opaque(x2, dtype, transpose)
-        return q, (qt if transpose else None), inv
-    return fp8_quantize(x2, dtype, transpose=transpose)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -289,7 +275,7 @@ class _Fp8Linear(torch.autograd.Function):
                 w_fp8: Tensor | None, w_inv_scale: Tensor | None, need_dw: bool) -> Tensor:
         N, K = weight.shape
         x2 = x.reshape(-1, K)  # (M, K); a view when x is contiguous, and the quantizer reads any strides
-        x_fp8, x_fp8_t, x_inv = _quantize_activation(x2, E4M3, need_dw)
+        x_fp8, x_fp8_t, x_inv = fp8_quantize(x2, E4M3, transpose=need_dw)
         if w_fp8 is None:
             w_fp8, w_inv_scale = quantize_fp8(weight.detach(), E4M3)
         b = None if bias is None else bias.detach().to(torch.bfloat16)  # cuBLASLt epilogue wants bf16
@@ -309,7 +295,7 @@ class _Fp8Linear(torch.autograd.Function):
         dy2 = dy.reshape(-1, N)  # (M, N)
         dx = dw = db = None
         if need_dx or need_dw:
-            dy_fp8, dy_fp8_t, dy_inv = _quantize_activation(dy2, ctx.grad_dtype, need_dw)
+            dy_fp8, dy_fp8_t, dy_inv = fp8_quantize(dy2, ctx.grad_dtype, transpose=need_dw)
         if need_dx:
             w_fp8_t = w_fp8.t().contiguous()  # (K, N): the weight in the other major order
             dx = scaled_mm(dy_fp8, w_fp8_t.t(), dy_inv, w_inv, out_dtype=_gemm_out_dtype(ctx.x_dtype))
@@ -367,7 +353,7 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
     def forward(ctx, x: Tensor, w_up: Tensor, w_down: Tensor, grad_dtype: torch.dtype, need_dw: bool) -> Tensor:
         C = x.shape[-1]
         x2 = x.reshape(-1, C)
-        x_q, x_qt, x_inv = _quantize_activation(x2, E4M3, need_dw)
+        x_q, x_qt, x_inv = fp8_quantize(x2, E4M3, transpose=need_dw)
         wu_q, wu_inv = quantize_fp8(w_up.detach(), E4M3)
         u = scaled_mm(x_q, wu_q.t(), x_inv, wu_inv, out_dtype=torch.bfloat16, use_fast_accum=True).to(x.dtype)
         h_q, h_qt, h_inv = swiglu_fp8(u, E4M3)
@@ -385,7 +371,7 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
         gd, x_dtype = ctx.grad_dtype, ctx.x_dtype
         dy2 = dy.reshape(-1, wd_q.shape[0])  # (M, C)
         dx = dwu = dwd = None
-        dy_q, dy_qt, dy_inv = _quantize_activation(dy2, gd, need_dwd)
+        dy_q, dy_qt, dy_inv = fp8_quantize(dy2, gd, transpose=need_dwd)
         if need_dwd:
             dwd = scaled_mm(dy_qt, h_qt.t(), dy_inv, h_inv, out_dtype=_gemm_out_dtype(ctx.w_dtypes[1]))
             dwd = dwd.to(ctx.w_dtypes[1])
