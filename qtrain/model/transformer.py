@@ -35,19 +35,36 @@ from .recompute import FLAGS as RECOMPUTE_FLAGS
 from .recompute import CheckpointSteps, Recomputer, ResidualStash, block_steps, resolve_flags, run_step
 from .weights import block_tensor_names, param_shapes
 
-Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-Mlp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (ln2 output, w_up, w_down) -> out
+# (x, weight, bias[, (weight_fp8, inv_scale)]) -> x @ weight^T + bias; the 4th argument only when the weight
+# source provides a quantized copy (see `quantized_weight`)
+Linear = Callable[..., torch.Tensor]
+# (ln2 output, w_up, w_down, up_fp8, down_fp8) -> out; the fp8 pairs are None without quantized copies
+Mlp = Callable[..., torch.Tensor]
 BlockFn = Callable[[torch.Tensor, dict, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class WeightSource(Protocol):
     """Where the model gets its weights. `block(l)` / `non_block()` return tensors that require grad (the
-    model differentiates with respect to exactly these); `release_block(l)` says block l is no longer
-    needed in this pass (a sharded source may free or reuse its buffer)."""
+    model differentiates with respect to exactly these), and `block(l)` may add, for a block matrix `name`,
+    an FP8 copy as the two entries `FP8_WEIGHT.format(name)` / `FP8_INV_SCALE.format(name)` (no grad), which
+    the block hands to its linear. `release_block(l)` says block l is no longer needed in this pass (a
+    sharded source may free or reuse its buffer); `invalidate()` says the weights changed (an update, a
+    load): drop anything derived from them."""
 
     def block(self, layer: int) -> dict[str, torch.Tensor]: ...
     def non_block(self) -> dict[str, torch.Tensor]: ...
     def release_block(self, layer: int) -> None: ...
+    def invalidate(self) -> None: ...
+
+
+FP8_WEIGHT = "{}.fp8"  # an e4m3 copy of block matrix {} (N, K), contiguous
+FP8_INV_SCALE = "{}.fp8_inv"  # its inverse scale, a 0-dim fp32 tensor
+
+
+def quantized_weight(w: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(weight_fp8, inv_scale) of block matrix `name` when the weight source provided one, else None."""
+    q = w.get(FP8_WEIGHT.format(name))
+    return None if q is None else (q, w[FP8_INV_SCALE.format(name)])
 
 
 class GradientSink(Protocol):
@@ -76,6 +93,9 @@ class ParamWeights:
     def release_block(self, layer: int) -> None:
         pass
 
+    def invalidate(self) -> None:
+        pass
+
 
 def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: frozenset[str] = frozenset(),
                   attn_chunks: int = 1, compiled: bool = False, fused_swiglu: bool = False,
@@ -97,11 +117,17 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     swiglu_fn = swiglu_fused if fused_swiglu else swiglu
     fused_mlp = mlp if not ({"up", "swiglu"} & recompute) else None
 
+    def project(h: torch.Tensor, w: dict[str, torch.Tensor], name: str, bias: str | None = None) -> torch.Tensor:
+        """h @ w[name]^T (+ w[bias]), with the source's FP8 copy of the weight when there is one."""
+        b = w.get(bias) if bias else None
+        q = quantized_weight(w, name)
+        return linear(h, w[name], b) if q is None else linear(h, w[name], b, q)
+
     def qkv_rope(h: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fused QKV projection -> (qk-norm) -> RoPE: (B, T, C) -> q (B, nh, T, hs), k, v (B, nkv, T, hs)."""
         B, T, _ = h.shape
-        qkv = linear(h, w["qkv"], w.get("qkv_bias"))  # (B, T, q_dim + 2 kv_dim)
+        qkv = project(h, w, "qkv", "qkv_bias")  # (B, T, q_dim + 2 kv_dim)
         q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
         q, k, v = q.view(B, T, nh, hs), k.view(B, T, nkv, hs), v.view(B, T, nkv, hs)
         if qk_norm:
@@ -134,13 +160,13 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
         h = step("ln1", rms_norm, x, w["ln1"], eps)
         q, k, v = step("qkv", qkv_rope, h, w, cos, sin)
         att = step("attention", attention, q, k, v)
-        x = x + linear(att, w["o"], None)
+        x = x + project(att, w, "o")
         # 2) MLP: norm -> fused up/gate projection -> SwiGLU -> down projection
         h = step("ln2", rms_norm, x, w["ln2"], eps)
         if fused_mlp is not None:
-            return x + fused_mlp(h, w["up"], w["down"])
-        u = step("up", linear, h, w["up"], None)  # (B, T, 2F)
-        return x + linear(step("swiglu", swiglu_fn, u), w["down"], None)
+            return x + fused_mlp(h, w["up"], w["down"], quantized_weight(w, "up"), quantized_weight(w, "down"))
+        u = step("up", project, h, w, "up")  # (B, T, 2F)
+        return x + project(step("swiglu", swiglu_fn, u), w, "down")
 
     if not recompute:
         def block(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -274,7 +300,7 @@ class Transformer:
         # backward through the blocks, last to first; each block's weight gradients leave immediately
         for layer in reversed(range(L)):
             w = weights.block(layer)
-            names = list(w)
+            names = [n for n, t in w.items() if t.requires_grad]  # not the FP8 copies
             if recompute_block:
                 x_in = stash.load(layer).requires_grad_(True)
                 stash.prefetch(layer - 1)  # the next block's input travels while this one runs

@@ -328,12 +328,19 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, grad_dt
         raise ValueError(f"fp8_linear: grad_dtype must be float8_e4m3fn or float8_e5m2, got {grad_dtype}")
     need_dw = weight.requires_grad and torch.is_grad_enabled()
     _check_linear_shapes(x, weight, bias, need_dw)
-    w_fp8, w_inv = (None, None) if weight_fp8 is None else weight_fp8
-    if w_fp8 is not None:
-        if w_fp8.dtype != E4M3 or w_fp8.shape != weight.shape or not w_fp8.is_contiguous():
-            raise ValueError(f"fp8_linear: weight_fp8 must be a contiguous e4m3 copy of shape "
-                             f"{tuple(weight.shape)}, got {w_fp8.dtype} {tuple(w_fp8.shape)}")
+    w_fp8, w_inv = _checked_weight_fp8(weight, weight_fp8, "fp8_linear: weight_fp8")
     return _Fp8Linear.apply(x, weight, bias, grad_dtype, w_fp8, w_inv, need_dw)
+
+
+def _checked_weight_fp8(weight: Tensor, weight_fp8: tuple[Tensor, Tensor] | None, arg: str
+                        ) -> tuple[Tensor, Tensor] | tuple[None, None]:
+    if weight_fp8 is None:
+        return None, None
+    w_fp8, w_inv = weight_fp8
+    if w_fp8.dtype != E4M3 or w_fp8.shape != weight.shape or not w_fp8.is_contiguous():
+        raise ValueError(f"{arg} must be a contiguous e4m3 copy of shape {tuple(weight.shape)}, "
+                         f"got {w_fp8.dtype} {tuple(w_fp8.shape)}")
+    return w_fp8, w_inv
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -350,14 +357,17 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, w_up: Tensor, w_down: Tensor, grad_dtype: torch.dtype, need_dw: bool) -> Tensor:
+    def forward(ctx, x: Tensor, w_up: Tensor, w_down: Tensor, grad_dtype: torch.dtype, need_dw: bool,
+                wu_q: Tensor | None, wu_inv: Tensor | None, wd_q: Tensor | None, wd_inv: Tensor | None) -> Tensor:
         C = x.shape[-1]
         x2 = x.reshape(-1, C)
         x_q, x_qt, x_inv = fp8_quantize(x2, E4M3, transpose=need_dw)
-        wu_q, wu_inv = quantize_fp8(w_up.detach(), E4M3)
+        if wu_q is None:
+            wu_q, wu_inv = quantize_fp8(w_up.detach(), E4M3)
         u = scaled_mm(x_q, wu_q.t(), x_inv, wu_inv, out_dtype=torch.bfloat16, use_fast_accum=True).to(x.dtype)
         h_q, h_qt, h_inv = swiglu_fp8(u, E4M3)
-        wd_q, wd_inv = quantize_fp8(w_down.detach(), E4M3)
+        if wd_q is None:
+            wd_q, wd_inv = quantize_fp8(w_down.detach(), E4M3)
         y = scaled_mm(h_q, wd_q.t(), h_inv, wd_inv, out_dtype=torch.bfloat16, use_fast_accum=True)
         ctx.save_for_backward(x_qt, x_inv, wu_q, wu_inv, u, h_qt, h_inv, wd_q, wd_inv)
         ctx.grad_dtype, ctx.x_shape, ctx.x_dtype = grad_dtype, x.shape, x.dtype
@@ -385,12 +395,15 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
             if need_dwu:
                 dwu = scaled_mm(du_qt, x_qt.t(), du_inv, x_inv, out_dtype=_gemm_out_dtype(ctx.w_dtypes[0]))
                 dwu = dwu.to(ctx.w_dtypes[0])
-        return dx, dwu, dwd, None, None
+        return dx, dwu, dwd, None, None, None, None, None, None
 
 
-def fp8_swiglu_mlp(x: Tensor, w_up: Tensor, w_down: Tensor, *, grad_dtype: torch.dtype = E4M3) -> Tensor:
+def fp8_swiglu_mlp(x: Tensor, w_up: Tensor, w_down: Tensor, *, grad_dtype: torch.dtype = E4M3,
+                   up_fp8: tuple[Tensor, Tensor] | None = None, down_fp8: tuple[Tensor, Tensor] | None = None
+                   ) -> Tensor:
     """The SwiGLU MLP with FP8 GEMMs: x (..., C), w_up (2F, C) with rows [up; gate], w_down (C, F) -> (..., C)
-    in x's dtype. Shapes are checked as `fp8_linear` checks them (multiples of 16), before any work."""
+    in x's dtype. up_fp8 / down_fp8: cached (e4m3 copy, inv_scale) of the weights, as `fp8_linear`'s
+    weight_fp8. Shapes are checked as `fp8_linear` checks them (multiples of 16), before any work."""
     if grad_dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_swiglu_mlp: grad_dtype must be float8_e4m3fn or float8_e5m2, got {grad_dtype}")
     if w_up.dim() != 2 or w_down.dim() != 2 or w_up.shape[0] != 2 * w_down.shape[1]:
@@ -399,4 +412,6 @@ def fp8_swiglu_mlp(x: Tensor, w_up: Tensor, w_down: Tensor, *, grad_dtype: torch
     need_dw = (w_up.requires_grad or w_down.requires_grad) and torch.is_grad_enabled()
     _check_linear_shapes(x, w_up, None, need_dw)
     _check_linear_shapes(x.new_empty(0, w_down.shape[1]), w_down, None, False)
-    return _Fp8SwiGLUMLP.apply(x, w_up, w_down, grad_dtype, need_dw).to(x.dtype)
+    wu_q, wu_inv = _checked_weight_fp8(w_up, up_fp8, "fp8_swiglu_mlp: up_fp8")
+    wd_q, wd_inv = _checked_weight_fp8(w_down, down_fp8, "fp8_swiglu_mlp: down_fp8")
+    return _Fp8SwiGLUMLP.apply(x, w_up, w_down, grad_dtype, need_dw, wu_q, wu_inv, wd_q, wd_inv).to(x.dtype)

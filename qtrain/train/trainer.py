@@ -34,6 +34,7 @@ from ..parallel.layout import FlatLayout
 from ..parallel.optimizer import ZERO_COPY_CUDA, ShardedAdamW, clip_scale
 from ..parallel.weights import ShardedWeights
 from .absmax_debug import AbsMaxRecorder, weight_abs_maxes
+from .fp8_weights import QuantizedWeights
 from .options import Options, OptionsError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -48,14 +49,16 @@ TINY = ModelConfig(model_type="qwen2", vocab_size=50304, hidden_size=128, interm
 
 def block_linear(opts: Options):
     """The function the four block linears run through: F.linear, or FP8 (e4m3 forward; e4m3 or e5m2
-    output gradients) with --matmul-dtype e4m3. Weights are quantized per call from the current master
-    (per-tensor current scaling), so nothing goes stale after an update."""
+    output gradients) with --matmul-dtype e4m3. A weight is quantized in the call (per-tensor current
+    scaling) unless the weight source passes its FP8 copy (`fp8_weights.QuantizedWeights`, replicated
+    weights: made once per optimizer step, dropped at the update)."""
     if opts.effective_matmul_dtype != "e4m3":
         return torch.nn.functional.linear
     grad_dtype = E5M2 if opts.gradient_dtype == "e5m2" else E4M3
 
-    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        return fp8_linear(x, w, b, grad_dtype=grad_dtype).to(x.dtype)
+    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+               w_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return fp8_linear(x, w, b, grad_dtype=grad_dtype, weight_fp8=w_fp8).to(x.dtype)
 
     return linear
 
@@ -69,8 +72,8 @@ def block_mlp(opts: Options):
         return None
     grad_dtype = E5M2 if opts.gradient_dtype == "e5m2" else E4M3
 
-    def mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-        return fp8_swiglu_mlp(x, w_up, w_down, grad_dtype=grad_dtype)
+    def mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, up_fp8=None, down_fp8=None) -> torch.Tensor:
+        return fp8_swiglu_mlp(x, w_up, w_down, grad_dtype=grad_dtype, up_fp8=up_fp8, down_fp8=down_fp8)
 
     return mlp
 
@@ -117,12 +120,14 @@ class Trainer:
         self.param_buffers: dict[str, torch.Tensor] | None = None
         self.params: dict[str, torch.Tensor] | None = None
         if self.sharded_weights:
-            self.weights: ParamWeights | ShardedWeights = ShardedWeights(
+            self.weights: ParamWeights | ShardedWeights | QuantizedWeights = ShardedWeights(
                 self.layout, comm=self.comm, dtype=self.dtype, device=self.device, offload=opts.offload_master)
         else:
             self.param_buffers = self.layout.allocate(dtype=self.dtype, device=self.device)
             self.params = {n: v.requires_grad_(True) for n, v in self.layout.views(self.param_buffers).items()}
             self.weights = ParamWeights(cfg, self.params)
+            if opts.effective_matmul_dtype == "e4m3" and not opts.debug_log_abs_max:
+                self.weights = QuantizedWeights(self.weights)  # FP8 copies once per step, not per micro-step
         self._init_weights()
 
         use_compile = opts.compile == "on" or (opts.compile == "auto" and self.device.type == "cuda")
@@ -226,8 +231,7 @@ class Trainer:
             self.weights.wait_all()  # gathers in flight may still read the shards the update writes
         self.optimizer.step(self.grads, lr=lr, beta1=o.beta_1, beta2=o.beta_2, eps=o.adam_epsilon,
                             weight_decay=o.weight_decay, grad_scale=clip_scale(norm_t, o.grad_clip))
-        if self.sharded_weights:
-            self.weights.invalidate()  # and prefetch what the next forward needs first
+        self.weights.invalidate()  # sharded: and prefetch what the next forward needs first
         norm, loss = float(norm_t), float(loss_t)  # the step's one host sync, with the update already queued
         skipped = not math.isfinite(norm)
         if skipped:
@@ -285,7 +289,6 @@ class Trainer:
             dst.copy_(src)
             if self.ctx.distributed and not self.sharded_weights:
                 self.ctx.all_gather_into_tensor(self.param_buffers[g.key], dst)
-        if self.sharded_weights:
-            self.weights.invalidate()
+        self.weights.invalidate()
         self.optimizer.load_state_tensors({k: state[k] for k in ("adam.m", "adam.v")}, step)
         self.step = step

@@ -1,0 +1,49 @@
+"""FP8 weight copies made once per optimizer step and reused by every micro-step (and evaluation) until the
+weights change: a weight source that wraps the replicated one.
+
+Per-tensor current scaling of a weight depends only on the weight, which changes only at the update, so
+with gradient accumulation over G micro-steps quantizing it in every forward repeats the same work G times.
+`QuantizedWeights.block(l)` adds the e4m3 copy and inverse scale of each block matrix (the entries named by
+`model.transformer.FP8_WEIGHT` / `FP8_INV_SCALE`), from a `numerics.fp8.Fp8WeightCache`; the block hands them
+to its linears. The trainer calls `invalidate()` after every update and load (the AdamW kernel and the
+all-gather write the weights without bumping their version counters, which the cache also checks).
+
+Memory: the copies of all layers stay alive from the first forward until the next update, 1 byte per block
+parameter. Without the cache the forward already keeps every layer's copy for the backward (saved by the
+FP8 linears), so the peak at the end of the forward is the same; the copies now also live through the update.
+Only for replicated weights: sharded weights reuse two gather buffers for all layers (the FP8 copies of a
+sharded model are `--persistent-quants`' job, not implemented).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..model.transformer import FP8_INV_SCALE, FP8_WEIGHT, WeightSource
+from ..numerics.fp8 import Fp8WeightCache
+
+FP8_MATRICES = ("qkv", "o", "up", "down")  # the four block linears that run in FP8
+
+
+class QuantizedWeights:
+    """A WeightSource: `source`'s weights plus cached e4m3 copies of the block matrices (module docstring)."""
+
+    def __init__(self, source: WeightSource, names: tuple[str, ...] = FP8_MATRICES):
+        self.source, self.names = source, names
+        self.cache = Fp8WeightCache()
+
+    def block(self, layer: int) -> dict[str, torch.Tensor]:
+        w = self.source.block(layer)
+        out = dict(w)
+        for n in self.names:
+            out[FP8_WEIGHT.format(n)], out[FP8_INV_SCALE.format(n)] = self.cache.get(w[n])
+        return out
+
+    def non_block(self) -> dict[str, torch.Tensor]:
+        return self.source.non_block()
+
+    def release_block(self, layer: int) -> None:
+        self.source.release_block(layer)
+
+    def invalidate(self) -> None:
+        self.cache.clear()
+        self.source.invalidate()
