@@ -88,8 +88,11 @@ def test_copies_follow_the_weights_through_update_eval_and_load():
     assert FP8_INV_SCALE.format("qkv") in w and not w[FP8_WEIGHT.format("qkv")].requires_grad
 
 
-def test_only_for_replicated_fp8_without_debug_instrumentation():
+def test_only_for_replicated_fp8_with_accumulation_without_debug_instrumentation():
     assert not isinstance(Trainer(Options(model=MODEL_DIR, from_scratch=True, device="cpu", compile="off",
                                           batch_size=1, seq_len=16)).weights, QuantizedWeights)
     assert not isinstance(_trainer(debug_log_abs_max=1).weights, QuantizedWeights)
+    assert not isinstance(Trainer(Options(model=MODEL_DIR, from_scratch=True, device="cpu", compile="off",
+                                          batch_size=1, seq_len=16, grad_accumulation=1, matmul_dtype="e4m3",
+                                          model_dtype="bf16")).weights, QuantizedWeights)
     assert quantized_weight({"qkv": torch.zeros(1)}, "qkv") is None

@@ -9,9 +9,10 @@ to its linears. The trainer calls `invalidate()` after every update and load (th
 all-gather write the weights without bumping their version counters, which the cache also checks).
 
 Memory: the copies of all layers stay alive from the first forward until the next update, 1 byte per block
-parameter. Without the cache the forward already keeps every layer's copy for the backward (saved by the
-FP8 linears), so the peak at the end of the forward is the same; the copies now also live through the update.
-Only for replicated weights: sharded weights reuse two gather buffers for all layers (the FP8 copies of a
+parameter, and that shows at the peak: measured on the H200 at Qwen2.5-1.5B (batch 16 x 2), 42.38 GiB
+against 41.14 GiB without (+1.24 GiB, one full set), for no measurable speed change there (e4m3 / bf16 in
+one call 1.217x, 1.216x before). So the trainer uses it only with gradient accumulation (with one micro-step
+nothing is reused). Only for replicated weights: sharded weights reuse two gather buffers for all layers (the FP8 copies of a
 sharded model are `--persistent-quants`' job, not implemented).
 """
 from __future__ import annotations

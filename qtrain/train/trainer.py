@@ -126,7 +126,7 @@ class Trainer:
             self.param_buffers = self.layout.allocate(dtype=self.dtype, device=self.device)
             self.params = {n: v.requires_grad_(True) for n, v in self.layout.views(self.param_buffers).items()}
             self.weights = ParamWeights(cfg, self.params)
-            if opts.effective_matmul_dtype == "e4m3" and not opts.debug_log_abs_max:
+            if opts.effective_matmul_dtype == "e4m3" and opts.grad_accumulation > 1 and not opts.debug_log_abs_max:
                 self.weights = QuantizedWeights(self.weights)  # FP8 copies once per step, not per micro-step
         self._init_weights()
 
