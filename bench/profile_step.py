@@ -73,7 +73,7 @@ def main(p: dict) -> None:
         print(f"  {cat:16s} {ms:8.1f} ms  {100 * ms / busy:5.1f}%")
     top = sorted(kernels, key=lambda e: -e.device_time_total)[:top_n]
     for e in top:
-        print(f"  {e.device_time_total / 1e3:8.2f} ms {e.count:5d}x  {category(e.key):14s} {e.key[:110]}")
+        print(f"  {e.device_time_total / 1e3:8.2f} ms {e.count:5d}x  {category(e.key):14s} {e.key[:170]}")
 
 
 if __name__ == "__main__":
