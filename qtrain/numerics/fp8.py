@@ -48,23 +48,6 @@ def quantize_fp8(x: Tensor, dtype: torch.dtype = E4M3, amax: Tensor | None = Non
     return q, inv_scale
 
 
-COMPILED_QUANT_OP = True
-"""Inside torch.compile, quantize activations and gradients that need a transposed copy as abs-max in torch
-(inductor fuses that reduction into the kernel that produced the tensor, e.g. the RMSNorm) followed by the
-opaque Triton quantize + transpose op; False leaves the whole twin to inductor, whose transposed write ran
-at ~2 TB/s. A switch so benchmarks can compare both (bench_train.py `quant_op`); the numbers are the same."""
-
-
-def _quantize_activation(x2: Tensor, dtype: torch.dtype, transpose: bool) -> tuple[Tensor, Tensor | None, Tensor]:
-    """`fp8_quantize(x2, dtype, transpose=...)`, routed for compiled graphs as `COMPILED_QUANT_OP` says.
-    (An earlier variant that also moved the abs-max into the opaque op measured no gain: it cost an extra
-    read of x that inductor had fused away.)"""
-    if COMPILED_QUANT_OP and transpose and x2.is_cuda and torch.compiler.is_compiling():
-        amax = torch.linalg.vector_norm(x2, float("inf"))
-        return fp8_quantize_transposed(x2, amax, dtype)
-    return fp8_quantize(x2, dtype, transpose=transpose)
-
-
 # ----------------------------------------------------------------------------------------------------
 # scaled_mm: the FP8 GEMM entry point
 # ----------------------------------------------------------------------------------------------------
@@ -292,7 +275,7 @@ class _Fp8Linear(torch.autograd.Function):
                 w_fp8: Tensor | None, w_inv_scale: Tensor | None, need_dw: bool) -> Tensor:
         N, K = weight.shape
         x2 = x.reshape(-1, K)  # (M, K); a view when x is contiguous, and the quantizer reads any strides
-        x_fp8, x_fp8_t, x_inv = _quantize_activation(x2, E4M3, need_dw)
+        x_fp8, x_fp8_t, x_inv = fp8_quantize(x2, E4M3, transpose=need_dw)
         if w_fp8 is None:
             w_fp8, w_inv_scale = quantize_fp8(weight.detach(), E4M3)
         b = None if bias is None else bias.detach().to(torch.bfloat16)  # cuBLASLt epilogue wants bf16
@@ -312,7 +295,7 @@ class _Fp8Linear(torch.autograd.Function):
         dy2 = dy.reshape(-1, N)  # (M, N)
         dx = dw = db = None
         if need_dx or need_dw:
-            dy_fp8, dy_fp8_t, dy_inv = _quantize_activation(dy2, ctx.grad_dtype, need_dw)
+            dy_fp8, dy_fp8_t, dy_inv = fp8_quantize(dy2, ctx.grad_dtype, transpose=need_dw)
         if need_dx:
             w_fp8_t = w_fp8.t().contiguous()  # (K, N): the weight in the other major order
             dx = scaled_mm(dy_fp8, w_fp8_t.t(), dy_inv, w_inv, out_dtype=_gemm_out_dtype(ctx.x_dtype))
@@ -378,7 +361,7 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
                 wu_q: Tensor | None, wu_inv: Tensor | None, wd_q: Tensor | None, wd_inv: Tensor | None) -> Tensor:
         C = x.shape[-1]
         x2 = x.reshape(-1, C)
-        x_q, x_qt, x_inv = _quantize_activation(x2, E4M3, need_dw)
+        x_q, x_qt, x_inv = fp8_quantize(x2, E4M3, transpose=need_dw)
         if wu_q is None:
             wu_q, wu_inv = quantize_fp8(w_up.detach(), E4M3)
         u = scaled_mm(x_q, wu_q.t(), x_inv, wu_inv, out_dtype=torch.bfloat16, use_fast_accum=True).to(x.dtype)
@@ -398,7 +381,7 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
         gd, x_dtype = ctx.grad_dtype, ctx.x_dtype
         dy2 = dy.reshape(-1, wd_q.shape[0])  # (M, C)
         dx = dwu = dwd = None
-        dy_q, dy_qt, dy_inv = _quantize_activation(dy2, gd, need_dwd)
+        dy_q, dy_qt, dy_inv = fp8_quantize(dy2, gd, transpose=need_dwd)
         if need_dwd:
             dwd = scaled_mm(dy_qt, h_qt.t(), dy_inv, h_inv, out_dtype=_gemm_out_dtype(ctx.w_dtypes[1]))
             dwd = dwd.to(ctx.w_dtypes[1])
