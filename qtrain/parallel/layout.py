@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Collection
 
 import torch
 
@@ -34,6 +35,11 @@ class Segment:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def short(self) -> str:
+        """The name inside its group: 'qkv' for 'layers.3.qkv' (a non-block name is its own)."""
+        return self.name.rsplit(".", 1)[-1]
 
 
 @dataclass(frozen=True)
@@ -60,14 +66,22 @@ class Group:
         s = self.shard_size(world)
         return rank * s, (rank + 1) * s
 
-    def shard_pieces(self, rank: int, world: int) -> list[Piece]:
+    def shard_pieces(self, rank: int, world: int, names: Collection[str] | None = None) -> list[Piece]:
+        """The pieces of rank `rank`'s shard, in buffer order; only of the tensors `names` (short names) if given."""
         lo, hi = self.shard_range(rank, world)
         pieces = []
         for seg in self.segments:
+            if names is not None and seg.short not in names:
+                continue
             a, b = max(lo, seg.start), min(hi, seg.start + seg.numel)
             if a < b:
                 pieces.append(Piece(seg, a - seg.start, a - lo, b - a))
         return pieces
+
+    def max_shard_numel(self, world: int, names: Collection[str]) -> int:
+        """The most elements of the tensors `names` (short names) that any one rank's shard holds: the size of
+        a per-rank slot that can carry every rank's part of them in one equal-split all-gather."""
+        return max(sum(p.numel for p in self.shard_pieces(r, world, names)) for r in range(world))
 
 
 class FlatLayout:

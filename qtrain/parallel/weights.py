@@ -45,6 +45,34 @@ at `block(l)`; CPU: gloo async work, the host waits there). With offloaded shard
 is first copied host->device into its own slice of the target buffer (on the compute stream, ordered
 before the collective) and gathered in place. `wait_all()` must run before anything writes the shards
 (the optimizer), because an in-flight gather may still read them.
+
+Persistent quants (`--persistent-quants`, `quantized=` the four block matrices; llm.q's quantized shards).
+With FP8 matmuls every linear would quantize the gathered bf16 matrix again in every forward; instead each
+rank keeps an e4m3 copy of *its shard* of every block matrix (`_PersistentQuants`), made once per weights
+version, lazily at the first block gather after `invalidate()` (so once per optimizer step, reused by every
+micro-step and by evaluation). The scale is the FULL tensor's: each rank takes the abs-max of its pieces of
+every (layer, matrix), one all-reduce MAX over that small fp32 (L, 4) tensor gives every rank the exact
+full-tensor abs-max, and each rank quantizes its pieces with `numerics.fp8.quantize_fp8(piece, amax=...)`,
+the helper the linears use on the whole tensor: the codes are bit-identical to quantizing the gathered
+tensor (the quantization is element-wise once the scale is fixed). A block gather then moves
+  - the e4m3 shards, as uint8 (neither gloo nor our communicator take float8), into a 1-byte-per-element
+    block buffer with the block group's flat layout, so every matrix's codes are a contiguous (N, K) view:
+    half the bytes of the bf16 gather; with `offload_quants` the shards live in (pinned) host memory and
+    are copied into the rank's own slice of that buffer first, then gathered in place (as --offload-master);
+  - the block's small tensors (ln1, ln2, qkv_bias, q_norm / k_norm) in the model dtype: each rank copies
+    the small-tensor elements its shard holds (a few contiguous pieces) into its own slot of an exchange
+    buffer (slot = the most any rank holds, `Group.max_shard_numel`), one all-gather, and one
+    index_select (chained after the collective) puts them back to back in the small-tensor buffer whose
+    views are handed out.
+The bf16 matrices are not gathered at all. The model still needs leaves of the right shape and dtype to
+differentiate against, so each slot hands out, per matrix, a zero-stride tensor over one zero element
+(`torch.empty_strided(shape, 0-strides)`): an autograd leaf that holds no values, so nothing can read stale
+or wrong weights from it -- `fp8_linear` / `fp8_swiglu_mlp` use the weight only for shape, dtype and as the
+gradient's target when an FP8 copy is passed, and a reader of the values would see zeros (the bitwise tests
+against the unquantized-gather path would fail). The block dict adds `FP8_WEIGHT.format(m)` (the codes
+view) and `FP8_INV_SCALE.format(m)` (a 0-dim fp32 tensor of the current version). Saved e4m3 weights are
+views into the rotating code buffers, so `saving()` treats those (and the small-tensor buffers) exactly like
+the bf16 block buffers. Export, checkpoints and `gather_full` read the model-dtype shards, never the buffers.
 """
 from __future__ import annotations
 
@@ -54,6 +82,8 @@ from typing import Iterator
 
 import torch
 
+from ..model.transformer import FP8_INV_SCALE, FP8_WEIGHT
+from ..numerics.fp8 import E4M3, quantize_fp8
 from .comm import Communicator, Handle
 from .layout import FlatLayout, Group
 
@@ -62,13 +92,18 @@ __all__ = ["ShardedWeights"]
 
 @dataclass
 class _Buffer:
-    """A full-size gather target and the leaf views handed to the model."""
+    """A full-size gather target and the leaf views handed to the model. With persistent quants (block slots
+    only) `buf` holds e4m3 codes as uint8, `fp8` are their matrix views, the small tensors live in `small`
+    (gathered through `exchange`) and the matrices' leaves in `views` hold no values."""
     buf: torch.Tensor
     views: dict[str, torch.Tensor]
     key: str | None = None  # group it holds (or is being gathered into it)
     version: int = -1
-    pending: Handle | None = None
-    storage: int = field(default=0)
+    pending: list[Handle] = field(default_factory=list)
+    storages: frozenset[int] = frozenset()  # what autograd may save from this slot (see `saving`)
+    fp8: dict[str, torch.Tensor] = field(default_factory=dict)
+    small: torch.Tensor | None = None
+    exchange: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -86,13 +121,144 @@ class _Saved:
     version: int
 
 
+_ROW = 4096  # elements: flat pieces are quantized as (rows, _ROW) + a tail, keeping GPU grids small
+
+
+def _quantize_flat(x: torch.Tensor, amax: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes of the 1-D `x` (scale from the given abs-max) written into `out` (uint8, same length);
+    returns the inverse scale. The quantization is element-wise once the scale is fixed, so the shape only
+    matters to the kernel's launch grid: a long piece goes as (rows, _ROW) (a (1, n) grid would exceed CUDA's
+    65535 limit on grid y for tens of millions of elements) plus the remainder. An empty `x` still returns
+    the scale (a rank that holds no piece of a matrix needs it too)."""
+    n = x.numel()
+    cut = n - n % _ROW
+    inv = None
+    if cut:
+        q, inv = quantize_fp8(x[:cut].view(-1, _ROW), E4M3, amax)
+        out[:cut].copy_(q.view(torch.uint8).view(-1))
+    if n > cut or inv is None:
+        q, inv = quantize_fp8(x[cut:], E4M3, amax)
+        out[cut:].copy_(q.view(torch.uint8))
+    return inv
+
+
+class _PersistentQuants:
+    """This rank's e4m3 shard of every block matrix, made once per weights version, and the static maps of
+    where a block's pieces sit in a shard (the same for every layer: all block groups share one layout).
+
+    `refresh()` is a collective (one all-reduce MAX); `ShardedWeights` calls it at the first block gather of a
+    new version, which every rank reaches at the same point of the same pass."""
+
+    def __init__(self, layout: FlatLayout, names: tuple[str, ...], *, rank: int, world: int, dtype: torch.dtype,
+                 device: torch.device, offload: bool):
+        g = layout.block(0)
+        shorts = [s.short for s in g.segments]
+        unknown = [n for n in names if n not in shorts]
+        if unknown:
+            raise ValueError(f"persistent quants: {unknown} are not block tensors (block tensors: {shorts})")
+        for s in g.segments:
+            if s.short in names and (s.start % 16 or len(s.shape) != 2):
+                raise ValueError(f"persistent quants: block matrix {s.short!r} {s.shape} starts at element {s.start} "
+                                 "of the block buffer; its e4m3 view needs a 2-D tensor at a multiple of 16 "
+                                 "(FP8 GEMM alignment)")
+        self.names, self.device, self.dtype = names, device, dtype
+        self.num_layers = layout.cfg.num_hidden_layers
+        self.layout, self.rank, self.world = layout, rank, world
+        # own pieces of each matrix: (offset in the shard, numel), or None
+        own = {p.segment.short: (p.shard_offset, p.numel) for p in g.shard_pieces(rank, world, names)}
+        self.own = [own.get(n) for n in names]
+        self._init_small(g, world, rank)
+        pin = offload and torch.cuda.is_available()
+        where = torch.device("cpu") if offload else device
+        self.codes: dict[str, torch.Tensor] = {
+            layout.block(l).key: torch.zeros(g.shard_size(world), dtype=torch.uint8, device=where, pin_memory=pin)
+            for l in range(self.num_layers)}
+        # host codes go into the rank's own slice of the gather buffer first (on CPU too: one tested path)
+        self.staged = offload
+        self.inv_scales: list[list[torch.Tensor]] = []  # [layer][matrix] 0-dim fp32, of `version`
+        self.version = -1
+        self.quantizations = 0  # (layer, matrix) quantizations done: once per matrix per weights version
+
+    def _init_small(self, g: Group, world: int, rank: int) -> None:
+        """The small tensors (everything but `names`), back to back in block order, and how each rank's part of
+        them travels: rank r packs its pieces (in shard order) into slot r of the exchange buffer;
+        `recv_idx[i]` is where element i of the back-to-back small tensors sits in the gathered exchange."""
+        self.small_segments = tuple(s for s in g.segments if s.short not in self.names)
+        small = {s.short for s in self.small_segments}
+        offsets, n = {}, 0
+        for s in self.small_segments:
+            offsets[s.short], n = n, n + s.numel
+        self.small_numel = n
+        self.small_offsets = offsets
+        self.slot = g.max_shard_numel(world, small)
+        idx = torch.empty(n, dtype=torch.long)
+        for r in range(world):
+            pos = r * self.slot
+            for p in g.shard_pieces(r, world, small):
+                start = offsets[p.segment.short] + p.tensor_offset
+                idx[start:start + p.numel] = torch.arange(pos, pos + p.numel)
+                pos += p.numel
+        self.recv_idx = idx.to(self.device)
+        self.pack: list[tuple[int, int, int]] = []  # (offset in the shard, offset in the slot, numel)
+        pos = 0
+        for p in g.shard_pieces(rank, world, small):
+            self.pack.append((p.shard_offset, pos, p.numel))
+            pos += p.numel
+
+    def _on_device(self, shard: torch.Tensor) -> torch.Tensor:
+        """The shard's values where the kernels run (an offloaded master shard: a stream-ordered copy)."""
+        return shard if shard.device == self.device else shard.to(self.device, non_blocking=True)
+
+    @torch.no_grad()
+    def refresh(self, shards: dict[str, torch.Tensor], version: int, comm: Communicator) -> None:
+        """Quantize this rank's pieces of every block matrix with the scale of the full tensor (module doc).
+        Two passes over the shards (abs-max, then quantize, the all-reduce between them); with --offload-master
+        on a GPU each pass copies one layer's shard to the device at a time (llm.q instead quantizes right
+        after the update touched the layer, which would need the optimizer to all-reduce the abs-maxes)."""
+        L, M = self.num_layers, len(self.names)
+        keys = [self.layout.block(l).key for l in range(L)]
+        amax = torch.zeros(L, M, dtype=torch.float32, device=self.device)
+        for l, key in enumerate(keys):
+            shard = self._on_device(shards[key])
+            for i, piece in enumerate(self.own):
+                if piece is not None:
+                    a, n = piece
+                    amax[l, i] = torch.linalg.vector_norm(shard[a:a + n], float("inf"))
+        comm.all_reduce(amax, op="max").wait()  # the full tensors' abs-maxes, exact, on every rank
+        inv_scales = []
+        for l, key in enumerate(keys):
+            shard = self._on_device(shards[key])
+            codes = self.codes[key]
+            out = codes if codes.device == self.device else torch.zeros_like(codes, device=self.device)
+            row = []
+            for i, piece in enumerate(self.own):
+                a, n = piece or (0, 0)  # no piece here: the scale is still needed
+                row.append(_quantize_flat(shard[a:a + n], amax[l, i], out[a:a + n]))
+            if out is not codes:
+                codes.copy_(out, non_blocking=True)
+            inv_scales.append(row)
+        self.inv_scales, self.version = inv_scales, version
+        self.quantizations += L * M
+
+    def memory(self) -> dict[str, int]:
+        """Bytes: the e4m3 shards (1 per element) and one fp32 inverse scale per (layer, matrix) (made anew
+        with each version, the previous ones freed once no graph refers to them)."""
+        return {"quant_shards": sum(t.numel() for t in self.codes.values()),
+                "quant_scales": 4 * self.num_layers * len(self.names)}
+
+
 class ShardedWeights:
     """The rank's weight shards plus the gather buffers; implements the model's `WeightSource`."""
 
     def __init__(self, layout: FlatLayout, *, comm: Communicator, dtype: torch.dtype,
-                 device: torch.device | str, offload: bool = False):
+                 device: torch.device | str, offload: bool = False, quantized: tuple[str, ...] = (),
+                 offload_quants: bool = False):
+        """quantized: block matrices kept as persistent e4m3 shards (--persistent-quants: the four linears);
+        offload_quants: those shards in (pinned) host memory."""
         if layout.world != comm.world:
             raise ValueError(f"layout was built for world {layout.world}, communicator has world {comm.world}")
+        if offload_quants and not quantized:
+            raise ValueError("offload_quants needs quantized block matrices (--offload-quants needs --persistent-quants)")
         self.layout, self.comm, self.dtype = layout, comm, dtype
         self.device = torch.device(device)
         self.rank, self.world = comm.rank, comm.world
@@ -105,11 +271,17 @@ class ShardedWeights:
             for g in layout.groups}
         # host shards are copied into the target buffer before the gather when the compute device is a GPU
         self._staged = offload and self.device.type != "cpu"
-        self._blocks = [self._buffer(layout.block(0).padded_numel, layout.block(0), block=True)
-                        for _ in range(min(2, self.num_layers))]
+        self.quants = (_PersistentQuants(layout, tuple(quantized), rank=self.rank, world=self.world, dtype=dtype,
+                                         device=self.device, offload=offload_quants)
+                       if quantized and self.num_layers else None)
+        self.offload_quants = offload_quants
+        slots = min(2, self.num_layers)
+        self._blocks = [self._quant_buffer(layout.block(0)) if self.quants else
+                        self._buffer(layout.block(0).padded_numel, layout.block(0), block=True) for _ in range(slots)]
         self._non_block = {g.key: self._buffer(g.padded_numel, g, block=False) for g in layout.non_block_groups()}
         self.version = 0
-        self.gathers = 0  # collectives issued (blocks and non-block groups): what the skip logic saves
+        self.gathers = 0  # block / group gathers issued: what the skip logic saves
+        self.gathered_bytes = {"block": 0, "block_fp8": 0, "block_small": 0, "non_block": 0}  # all-gather outputs
         self._prev: int | None = None  # last layer handed out, and the direction of the pass (+1 up, -1 down)
         self._dir = 1
         self._saving = 0
@@ -118,9 +290,28 @@ class ShardedWeights:
         buf = torch.zeros(n, dtype=self.dtype, device=self.device)
         views = {}
         for s in group.segments:
-            name = s.name.rsplit(".", 1)[1] if block else s.name
+            name = s.short if block else s.name
             views[name] = buf[s.start:s.start + s.numel].view(s.shape).requires_grad_(True)
-        return _Buffer(buf, views, storage=buf.untyped_storage().data_ptr())
+        return _Buffer(buf, views, storages=frozenset({buf.untyped_storage().data_ptr()}))
+
+    def _quant_buffer(self, group: Group) -> _Buffer:
+        """A block slot for persistent quants: e4m3 codes in the block layout, the small tensors, and for each
+        matrix a zero-stride leaf over one zero element (the gradient's target; it holds no weights)."""
+        q = self.quants
+        codes = torch.zeros(group.padded_numel, dtype=torch.uint8, device=self.device)
+        small = torch.zeros(q.small_numel, dtype=self.dtype, device=self.device)
+        exchange = torch.zeros(self.world * q.slot, dtype=self.dtype, device=self.device)
+        views, fp8 = {}, {}
+        for s in group.segments:
+            if s.short in q.names:
+                views[s.short] = torch.empty_strided(s.shape, (0,) * len(s.shape), dtype=self.dtype,
+                                                     device=self.device).zero_().requires_grad_(True)
+                fp8[s.short] = codes[s.start:s.start + s.numel].view(E4M3).view(s.shape)
+            else:
+                a = q.small_offsets[s.short]
+                views[s.short] = small[a:a + s.numel].view(s.shape).requires_grad_(True)
+        storages = frozenset(t.untyped_storage().data_ptr() for t in (codes, small))
+        return _Buffer(codes, views, storages=storages, fp8=fp8, small=small, exchange=exchange)
 
     # ---- gathers ----
     def _gather(self, b: _Buffer, group: Group) -> None:
@@ -128,23 +319,49 @@ class ShardedWeights:
         if b.key == group.key and b.version == self.version:
             return
         self._wait(b)  # a gather of another group into this buffer may still be in flight
-        shard = self.shards[group.key]
         with torch.no_grad():
-            if self._staged:
-                lo, hi = group.shard_range(self.rank, self.world)
-                own = b.buf[lo:hi]
-                own.copy_(shard, non_blocking=True)
-                b.pending = self.comm.all_gather(b.buf, own)
+            if b.fp8:
+                self._gather_quantized(b, group)
             else:
-                b.pending = self.comm.all_gather(b.buf, shard)
+                shard = self.shards[group.key]
+                if self._staged:
+                    lo, hi = group.shard_range(self.rank, self.world)
+                    own = b.buf[lo:hi]
+                    own.copy_(shard, non_blocking=True)
+                    shard = own
+                b.pending = [self.comm.all_gather(b.buf, shard)]
+                self.gathered_bytes["block" if group.layer is not None else "non_block"] += _nbytes(b.buf)
         b.key, b.version = group.key, self.version
         self.gathers += 1
 
+    def _gather_quantized(self, b: _Buffer, group: Group) -> None:
+        """Persistent quants: gather the block's e4m3 shards and its packed small tensors (module doc)."""
+        q = self.quants
+        if q.version != self.version:  # the first block gather of this weights version quantizes all layers
+            for other in self._blocks:
+                self._wait(other)  # (none can be reading the codes, but be explicit)
+            q.refresh(self.shards, self.version, self.comm)
+        codes = q.codes[group.key]
+        if q.staged:
+            lo, hi = group.shard_range(self.rank, self.world)
+            own = b.buf[lo:hi]
+            own.copy_(codes, non_blocking=True)
+            codes = own
+        b.pending = [self.comm.all_gather(b.buf, codes)]
+        own_slot = b.exchange[self.rank * q.slot:(self.rank + 1) * q.slot]
+        shard = self.shards[group.key]
+        for a, pos, n in q.pack:  # a few contiguous pieces: stream-ordered copies, from host or device shards
+            own_slot[pos:pos + n].copy_(shard[a:a + n], non_blocking=True)
+        gathered = self.comm.all_gather(b.exchange, own_slot)
+        b.pending.append(self.comm.then(gathered, lambda: _index_select_into(b.small, b.exchange, q.recv_idx)))
+        self.gathered_bytes["block_fp8"] += _nbytes(b.buf)
+        self.gathered_bytes["block_small"] += _nbytes(b.exchange)
+
     @staticmethod
     def _wait(b: _Buffer) -> None:
-        if b.pending is not None:
-            b.pending.wait()
-            b.pending = None
+        pending, b.pending = b.pending, []
+        for h in pending:
+            h.wait()
 
     def wait_all(self) -> None:
         """Wait for every gather in flight (before anything writes the shards)."""
@@ -152,8 +369,9 @@ class ShardedWeights:
             self._wait(b)
 
     def invalidate(self, *, prefetch: bool = True) -> None:
-        """The shards changed (optimizer update, checkpoint load): every gathered buffer is stale. With
-        `prefetch`, start gathering the non-block groups and block 0 right away (they come first)."""
+        """The shards changed (optimizer update, checkpoint load): every gathered buffer is stale (and so are the
+        persistent e4m3 shards, re-made at the next block gather). With `prefetch`, start gathering the
+        non-block groups and block 0 right away (they come first)."""
         self.wait_all()
         self.version += 1
         if prefetch:
@@ -185,7 +403,12 @@ class ShardedWeights:
         if 0 <= nxt < self.num_layers and nxt % len(self._blocks) != layer % len(self._blocks):
             self._gather(self._blocks[nxt % len(self._blocks)], self.layout.block(nxt))
         self._wait(b)
-        return b.views
+        if not b.fp8:
+            return b.views
+        out = dict(b.views)
+        for n, inv in zip(self.quants.names, self.quants.inv_scales[layer]):
+            out[FP8_WEIGHT.format(n)], out[FP8_INV_SCALE.format(n)] = b.fp8[n], inv
+        return out
 
     def non_block(self) -> dict[str, torch.Tensor]:
         groups = self.layout.non_block_groups()
@@ -204,9 +427,10 @@ class ShardedWeights:
     # ---- saved tensors ----
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:
-        """Run a forward/backward under this: tensors autograd saves from a block buffer are kept as
-        (buffer, layer, version) handles and checked when the backward unpacks them (see the module doc)."""
-        slots = {b.storage: i for i, b in enumerate(self._blocks)}
+        """Run a forward/backward under this: tensors autograd saves from a block buffer (bf16 weights, or the
+        e4m3 codes and small tensors with persistent quants) are kept as (buffer, layer, version) handles and
+        checked when the backward unpacks them (see the module doc)."""
+        slots = {p: i for i, b in enumerate(self._blocks) for p in b.storages}
 
         def pack(t: torch.Tensor):
             i = slots.get(t.untyped_storage().data_ptr()) if t.layout == torch.strided else None
@@ -244,8 +468,9 @@ class ShardedWeights:
     # ---- full weights (export, tests) ----
     @torch.no_grad()
     def gather_full(self) -> dict[str, torch.Tensor]:
-        """Full parameters (internal name -> tensor in host memory), gathered group by group. A collective:
-        every rank must call it. Peak device memory: one group."""
+        """Full parameters (internal name -> tensor in host memory), gathered group by group from the model-dtype
+        shards (never from the block buffers). A collective: every rank must call it. Peak device memory: one
+        group."""
         self.wait_all()
         buffers = {}
         for g in self.layout.groups:
@@ -256,10 +481,32 @@ class ShardedWeights:
 
     # ---- memory ----
     def memory(self) -> dict[str, int]:
-        """Bytes of persistent weight state on this rank, by buffer kind."""
-        nb = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        return {"shards": nb(self.shards.values()), "block_buffers": nb(b.buf for b in self._blocks),
-                "non_block_buffers": nb(b.buf for b in self._non_block.values())}
+        """Bytes of persistent weight state on this rank, by buffer kind. With persistent quants the block
+        buffers are the small tensors, their exchange buffers and the matrices' one-element leaves;
+        `quant_buffers` the e4m3 block buffers, `quant_shards` the e4m3 shards, `quant_scales` their inverse
+        scales."""
+        nb = lambda ts: sum(_nbytes(t) for t in ts)  # noqa: E731
+        out = {"shards": nb(self.shards.values()), "non_block_buffers": nb(b.buf for b in self._non_block.values())}
+        if self.quants is None:
+            out["block_buffers"] = nb(b.buf for b in self._blocks)
+            return out
+        out["block_buffers"] = sum(nb((b.small, b.exchange)) + sum(v.untyped_storage().nbytes() for n, v in
+                                                                   b.views.items() if n in b.fp8)
+                                   for b in self._blocks)
+        out["quant_buffers"] = nb(b.buf for b in self._blocks)
+        out.update(self.quants.memory())
+        return out
 
     def host_memory_keys(self) -> set[str]:
-        return {"shards"} if self.offload else set()
+        keys = {"shards"} if self.offload else set()
+        return keys | ({"quant_shards"} if self.offload_quants else set())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _index_select_into(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+    """out <- src[index], in place (the small tensors from the gathered exchange buffer)."""
+    with torch.no_grad():
+        torch.index_select(src, 0, index, out=out)
