@@ -123,9 +123,9 @@ def test_not_yet_implemented_features_are_refused_by_name():
     Options(opt_m_dtype="e4m3", opt_v_dtype="bf16").validate()  # block-scaled FP8 Adam m: wired (tests/test_opt_m_e4m3.py)
     Options(zero_level=3).validate()  # sharded weights + gradients: implemented (tests/test_sharded_weights.py)
     assert Options(zero_level=3).weights_sharded and Options(zero_level=3).gradient_manager_kind == "reduce-scatter"
-    _bad(("--persistent-quants", "not implemented yet"), persistent_quants=True, zero_level=3, matmul_dtype="e4m3")
-    _bad(("--persistent-quants", "not implemented yet"), persistent_quants=True, offload_quants=True,
-         shard_weights=True, matmul_dtype="e4m3")
+    # persistent (and offloaded) e4m3 weight shards: wired (tests/test_persistent_quants.py)
+    Options(persistent_quants=True, zero_level=3, matmul_dtype="e4m3").validate()
+    Options(persistent_quants=True, offload_quants=True, shard_weights=True, matmul_dtype="e4m3").validate()
 
 
 # ---- sizes / counts ----------------------------------------------------------------------------------------

@@ -133,9 +133,11 @@ class Options:
     shard_weights: bool = False
     """Keep only this rank's shard of the weights (ZeRO-3); blocks are all-gathered just in time, double buffered."""
     persistent_quants: bool = False
-    """Keep each layer's FP8 weight shard across micro-steps (sharded weights, e4m3 matmuls; not implemented yet)."""
+    """Keep an e4m3 copy of this rank's shard of the four block matrices, made once per optimizer step and
+    reused by every micro-step; blocks gather those (half the bytes) instead of the bf16 matrices (needs
+    sharded weights and --matmul-dtype e4m3)."""
     offload_quants: bool = False
-    """Keep the persistent FP8 weight shards in pinned host memory (needs --persistent-quants; not implemented yet)."""
+    """Keep the persistent e4m3 weight shards in pinned host memory (needs --persistent-quants)."""
     offload_master: bool = False
     """Weight shards in pinned host memory (they are the master: qtrain has no separate copy); needs sharded weights."""
     offload_opt_m: bool = False
@@ -261,9 +263,6 @@ class Options:
                       "device, so offloaded state is streamed through staging buffers (leave it off)")
         if self.effective_matmul_dtype == "fp32" and self.model_dtype == "bf16":
             raise err("--matmul-dtype fp32 with --model-dtype bf16 is not supported")
-        if self.persistent_quants:
-            raise err("--persistent-quants (and --offload-quants) are not implemented yet: FP8 weight copies are "
-                      "made from the gathered block on every gather (the forward's copy serves its backward)")
         if self.debug_log_abs_max < 0:
             raise err(f"--debug-log-abs-max must be >= 0, got {self.debug_log_abs_max}")
         if self.gpus < 0:

@@ -34,7 +34,7 @@ from ..parallel.layout import FlatLayout
 from ..parallel.optimizer import ZERO_COPY_CUDA, ShardedAdamW, clip_scale
 from ..parallel.weights import ShardedWeights
 from .absmax_debug import AbsMaxRecorder, weight_abs_maxes
-from .fp8_weights import QuantizedWeights
+from .fp8_weights import FP8_MATRICES, QuantizedWeights
 from .options import Options, OptionsError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -50,8 +50,9 @@ TINY = ModelConfig(model_type="qwen2", vocab_size=50304, hidden_size=128, interm
 def block_linear(opts: Options):
     """The function the four block linears run through: F.linear, or FP8 (e4m3 forward; e4m3 or e5m2
     output gradients) with --matmul-dtype e4m3. A weight is quantized in the call (per-tensor current
-    scaling) unless the weight source passes its FP8 copy (`fp8_weights.QuantizedWeights`, replicated
-    weights: made once per optimizer step, dropped at the update)."""
+    scaling) unless the weight source passes its FP8 copy, made once per optimizer step and dropped at the
+    update: `fp8_weights.QuantizedWeights` for replicated weights, `ShardedWeights` with --persistent-quants
+    (which gathers only that copy of the matrices)."""
     if opts.effective_matmul_dtype != "e4m3":
         return torch.nn.functional.linear
     grad_dtype = E5M2 if opts.gradient_dtype == "e5m2" else E4M3
@@ -76,6 +77,21 @@ def block_mlp(opts: Options):
         return fp8_swiglu_mlp(x, w_up, w_down, grad_dtype=grad_dtype, up_fp8=up_fp8, down_fp8=down_fp8)
 
     return mlp
+
+
+def recording_linear(recorder: AbsMaxRecorder, linear):
+    """`recorder.wrap(linear)` for linears that may be handed the weight source's FP8 copy as a 4th argument
+    (--persistent-quants passes one to every block matrix, whose bf16 values are never gathered): the
+    recorder's wrapper takes (x, w, b) only, so the copy is bound to the linear for that call."""
+    plain = recorder.wrap(linear)
+
+    def recording(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                  w_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if w_fp8 is None:
+            return plain(x, w, b)
+        return recorder.wrap(lambda x_, w_, b_: linear(x_, w_, b_, w_fp8))(x, w, b)
+
+    return recording
 
 
 @dataclass
@@ -120,8 +136,10 @@ class Trainer:
         self.param_buffers: dict[str, torch.Tensor] | None = None
         self.params: dict[str, torch.Tensor] | None = None
         if self.sharded_weights:
+            # --persistent-quants: e4m3 shards of the four block matrices, made once per step, gathered as FP8
             self.weights: ParamWeights | ShardedWeights | QuantizedWeights = ShardedWeights(
-                self.layout, comm=self.comm, dtype=self.dtype, device=self.device, offload=opts.offload_master)
+                self.layout, comm=self.comm, dtype=self.dtype, device=self.device, offload=opts.offload_master,
+                quantized=FP8_MATRICES if opts.persistent_quants else (), offload_quants=opts.offload_quants)
         else:
             self.param_buffers = self.layout.allocate(dtype=self.dtype, device=self.device)
             self.params = {n: v.requires_grad_(True) for n, v in self.layout.views(self.param_buffers).items()}
@@ -179,7 +197,7 @@ class Trainer:
         linear = block_linear(opts)
         self.absmax = AbsMaxRecorder(self.cfg.num_hidden_layers)
         self.abs_maxes: dict[str, float] | None = None  # filled on --debug-log-abs-max steps
-        return self.absmax.wrap(linear) if opts.debug_log_abs_max and not opts.recompute_block else linear
+        return recording_linear(self.absmax, linear) if opts.debug_log_abs_max and not opts.recompute_block else linear
 
     def _debug_step(self) -> bool:
         n = self.opts.debug_log_abs_max
