@@ -35,6 +35,7 @@ from typing import Any, Iterable
 from ..model.config import ModelConfig
 from ..parallel.layout import FlatLayout
 from ..parallel.optimizer import group_m_scales, scale_slot_numel, staging_capacity
+from .fp8_weights import FP8_MATRICES
 from .options import Options, OptionsError
 
 GiB = 1 << 30
@@ -102,7 +103,8 @@ class ActTerm:
 
 
 def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtype: str = "", compiled: bool = False,
-                     recompute: Recompute = Recompute(), attn_chunks: int = 1) -> list[ActTerm]:
+                     recompute: Recompute = Recompute(), attn_chunks: int = 1,
+                     fp8_weight_copies: bool = True) -> list[ActTerm]:
     """What autograd keeps per layer for backward, term by term, for the ops of `transformer.make_block_fn`
     and its recompute steps (ln1, qkv [+ qk-norm + RoPE], attention, ln2, up, swiglu).
 
@@ -119,7 +121,9 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
     --recompute-att, and --recompute-ffn keeps one more (B, T, C) tensor than its steps' inputs.
 
     FP8 (--matmul-dtype e4m3): each linear keeps an e4m3 copy of its input instead of the model-dtype one,
-    and its e4m3 weight (per layer; rebuilt when the linear is inside a recomputed step). For compiled
+    and its e4m3 weight (per layer; rebuilt when the linear is inside a recomputed step) -- unless
+    `fp8_weight_copies` is False (--persistent-quants): then the weight it keeps is a view of the gathered
+    e4m3 block, which `ShardedWeights.saving()` keeps as a handle (the bytes are the plan's fp8 weights row). For compiled
     blocks this is an upper bound: where the quantization is traceable the partitioner recomputes the
     e4m3 copies of the norm and SwiGLU outputs instead (CPU measurement: ~12% less)."""
     E = DTYPE_BYTES[model_dtype]
@@ -171,11 +175,12 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
               T("mlp_up", 2 * Fi * E + f8 * C, not rc.ffn, "fused up/gate output (B, T, 2F)"),
               T("swiglu", E * Fi + lin * Fi, not rc.swiglu, "silu(gate), SwiGLU output")]
     if fp8:  # each linear keeps its e4m3 weight and two scales; those inside a recomputed step are rebuilt
+        w8 = 1 if fp8_weight_copies else 0  # persistent quants: views of the gathered e4m3 block, not copies
         t += [T("down_in_fp8", Fi, blk, "e4m3 copy of the down projection's input"),
-              T("fp8_w_qkv", 0, not rc.qkv, "e4m3 QKV weight", per_layer=C * qkv + 8),
-              T("fp8_w_o", 0, blk, "e4m3 attention-projection weight", per_layer=q * C + 8),
-              T("fp8_w_up", 0, not rc.ffn, "e4m3 up/gate weight", per_layer=2 * Fi * C + 8),
-              T("fp8_w_down", 0, blk, "e4m3 down weight", per_layer=Fi * C + 8)]
+              T("fp8_w_qkv", 0, not rc.qkv, "e4m3 QKV weight", per_layer=w8 * (C * qkv + 8)),
+              T("fp8_w_o", 0, blk, "e4m3 attention-projection weight", per_layer=w8 * (q * C + 8)),
+              T("fp8_w_up", 0, not rc.ffn, "e4m3 up/gate weight", per_layer=w8 * (2 * Fi * C + 8)),
+              T("fp8_w_down", 0, blk, "e4m3 down weight", per_layer=w8 * (Fi * C + 8))]
     return t
 
 
@@ -288,6 +293,15 @@ def _sum_padded(groups: Iterable) -> int:
     return sum(g.padded_numel for g in groups)
 
 
+def _small_block_slot_numel(block: Any, world: int) -> int:
+    """Model-dtype elements of one block slot with persistent quants: the small tensors back to back, the
+    exchange buffer (a slot per rank as large as the most any shard holds of them), and one element under
+    each matrix's value-less leaf."""
+    small = {s.short for s in block.segments if s.short not in FP8_MATRICES}
+    return (sum(s.numel for s in block.segments if s.short in small) + world * block.max_shard_numel(world, small)
+            + len(block.segments) - len(small))
+
+
 def _split(n: int, on_host: bool) -> dict[str, int]:
     return {"device": 0, "host": n} if on_host else {"device": n, "host": 0}
 
@@ -329,26 +343,36 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
     # ---- weights (parallel/weights.py `ShardedWeights.memory()` or the trainer's replicated buffers) ----
     sharded_w = bool(_opt(opts, "shard_weights")) or opts.zero_level >= 3
     offload_master = bool(_opt(opts, "offload_master"))
+    persistent_quants = bool(_opt(opts, "persistent_quants")) and sharded_w and matmul == "e4m3" and L > 0
     if sharded_w:
         shards = sum(shard_sizes) * E
-        bufs = min(2, L) * block_padded * E
+        if persistent_quants:  # the block slots keep only the small tensors (+ their exchange) in the model dtype
+            bufs = min(2, L) * _small_block_slot_numel(blocks[0], world) * E
+        else:
+            bufs = min(2, L) * block_padded * E
         nbb = _sum_padded(non_block) * E
         parts = {"shards": shards, "block_buffers": bufs, "non_block_buffers": nbb}
         items.append(Item(f"weights ({opts.model_dtype}, sharded)", parts=parts,
                           device=bufs + nbb + (0 if offload_master else shards), host=shards if offload_master else 0,
                           detail=f"shards 1/{world}{' on host' if offload_master else ''} (= master) + "
-                                 f"{min(2, L)} gathered blocks + non-block groups"))
+                                 f"{min(2, L)} gathered blocks{' (small tensors)' if persistent_quants else ''} + "
+                                 f"non-block groups"))
     else:
         items.append(Item(f"weights ({opts.model_dtype})", device=layout.total_numel() * E,
                           parts={"params": layout.total_numel() * E},
                           detail=f"{_count(cfg.num_params())} parameters; also the master (no separate copy)"))
 
-    # ---- FP8 weight shards kept across micro-steps (--persistent-quants, llm.q §4.3) ----
-    if bool(_opt(opts, "persistent_quants")) and sharded_w:
-        n = L * (blocks[0].shard_size(world) if blocks else 0) + 8 * L  # 1 byte per element + scales
+    # ---- e4m3 block matrices kept across micro-steps (--persistent-quants, llm.q §4.3; ShardedWeights.memory()) ----
+    if persistent_quants:
         off = bool(_opt(opts, "offload_quants"))
-        items.append(Item("fp8 weight shards", **_split(n, off), parts={"quants": n},
-                          detail="persistent e4m3 block shards" + (" on host" if off else "")))
+        q_shards = L * blocks[0].shard_size(world)  # 1 byte per element of the rank's block shards
+        q_bufs = min(2, L) * block_padded  # the gathered e4m3 blocks
+        q_scales = 4 * L * len(FP8_MATRICES)  # one fp32 inverse scale per (layer, matrix)
+        items.append(Item("fp8 weights (e4m3, persistent)", device=q_bufs + q_scales + (0 if off else q_shards),
+                          host=q_shards if off else 0,
+                          parts={"quant_shards": q_shards, "quant_buffers": q_bufs, "quant_scales": q_scales},
+                          detail=f"block matrix shards 1/{world}{' on host' if off else ''}, made once per step, + "
+                                 f"{min(2, L)} gathered e4m3 blocks"))
 
     # ---- Adam moments: this rank's shards (parallel/optimizer.py) ----
     zero_copy = bool(_opt(opts, "use_zero_copy"))
@@ -397,7 +421,7 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
     # ---- activations kept for backward ----
     attn_chunks = max(1, attn_chunks or int(_opt(opts, "attn_bwd_chunks", 1) or 1))
     terms = activation_terms(cfg, model_dtype=opts.model_dtype, matmul_dtype=matmul, compiled=compiled, recompute=rc,
-                             attn_chunks=attn_chunks)
+                             attn_chunks=attn_chunks, fp8_weight_copies=not persistent_quants)
     per_layer = sum(a.nbytes(N) for a in terms if a.kept and a.name != "input")
     inp = N * C * E
     offload_res = bool(_opt(opts, "offload_residual")) and rc.block
@@ -429,7 +453,8 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
     # embedding), and with --recompute-block the block's recomputed saved set
     block_numel = sum(s.numel for s in blocks[0].segments) if blocks else 0
     full_block = sum(a.nbytes(N) for a in activation_terms(cfg, model_dtype=opts.model_dtype, matmul_dtype=matmul,
-                                                            compiled=compiled, attn_chunks=attn_chunks)
+                                                            compiled=compiled, attn_chunks=attn_chunks,
+                                                            fp8_weight_copies=not persistent_quants)
                      if a.kept and a.name != "input")
     grad_tmp = N * (E * (cfg.intermediate_size + 2 * C) + 4 * cfg.q_dim // attn_chunks)  # CPU-measured bound
     bwd = 2 * inp + block_numel * E + grad_tmp + (V * C * E if tied else 0)
