@@ -12,8 +12,10 @@ Memory: the copies of all layers stay alive from the first forward until the nex
 parameter, and that shows at the peak: measured on the H200 at Qwen2.5-1.5B (batch 16 x 2), 42.38 GiB
 against 41.14 GiB without (+1.24 GiB, one full set), for no measurable speed change there (e4m3 / bf16 in
 one call 1.217x, 1.216x before). So the trainer uses it only with gradient accumulation (with one micro-step
-nothing is reused). Only for replicated weights: sharded weights reuse two gather buffers for all layers (the FP8 copies of a
-sharded model are `--persistent-quants`' job, not implemented).
+nothing is reused). Only for replicated weights: sharded weights reuse two gather buffers for all layers, and
+their FP8 copies are `--persistent-quants`' job (`parallel.weights.ShardedWeights(quantized=FP8_MATRICES)`: each
+rank keeps an e4m3 copy of its shard of these matrices, made once per step with the full tensor's scale, and the
+blocks gather those instead of the bf16 matrices).
 """
 from __future__ import annotations
 
