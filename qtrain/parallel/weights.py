@@ -7,7 +7,10 @@ model's `WeightSource` for `--shard-weights` / `--zero-level 3`:
   persistent, per rank         the shard [r*n/W, (r+1)*n/W) of every group buffer (layout.py), in the model
                                dtype: the master weights; on the device, or in (pinned) host memory with
                                --offload-master
-  block buffers                two full-size block buffers, layer l in buffer l % 2 (double buffering)
+  block buffers                two full-size block buffers, layer l in buffer l % 2 (double buffering);
+                               with --persistent-quants two 1-byte e4m3 block buffers + the small tensors
+  e4m3 shards                  --persistent-quants: the shard of every block's four matrices in e4m3 (device,
+                               or pinned host memory with --offload-quants), made once per weights version
   non-block buffers            one full buffer per non-block group (embed, norm[, lm_head])
 
 Protocol, as the model drives it (transformer.py): `block(l)` makes sure buffer l % 2 holds layer l at the
@@ -258,7 +261,8 @@ class ShardedWeights:
         if layout.world != comm.world:
             raise ValueError(f"layout was built for world {layout.world}, communicator has world {comm.world}")
         if offload_quants and not quantized:
-            raise ValueError("offload_quants needs quantized block matrices (--offload-quants needs --persistent-quants)")
+            raise ValueError("offload_quants needs quantized block matrices "
+                             "(--offload-quants needs --persistent-quants)")
         self.layout, self.comm, self.dtype = layout, comm, dtype
         self.device = torch.device(device)
         self.rank, self.world = comm.rank, comm.world

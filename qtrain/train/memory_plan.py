@@ -123,9 +123,9 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
     FP8 (--matmul-dtype e4m3): each linear keeps an e4m3 copy of its input instead of the model-dtype one,
     and its e4m3 weight (per layer; rebuilt when the linear is inside a recomputed step) -- unless
     `fp8_weight_copies` is False (--persistent-quants): then the weight it keeps is a view of the gathered
-    e4m3 block, which `ShardedWeights.saving()` keeps as a handle (the bytes are the plan's fp8 weights row). For compiled
-    blocks this is an upper bound: where the quantization is traceable the partitioner recomputes the
-    e4m3 copies of the norm and SwiGLU outputs instead (CPU measurement: ~12% less)."""
+    e4m3 block, which `ShardedWeights.saving()` keeps as a handle (the bytes are the plan's fp8 weights
+    row). For compiled blocks this is an upper bound: where the quantization is traceable the partitioner
+    recomputes the e4m3 copies of the norm and SwiGLU outputs instead (CPU measurement: ~12% less)."""
     E = DTYPE_BYTES[model_dtype]
     fp8 = (matmul_dtype or model_dtype) == "e4m3"
     rc = recompute
