@@ -7,7 +7,7 @@ call as the HF baseline (`hf_baseline.py`) so both see the same machine:
     PYTHONPATH=. python3 bench/bench_train.py '[{"model":"Qwen2.5-0.5B","batch":16,"accum":2,"steps":8}]'
 
 Each entry may also set seq, warmup, fused_ce (false: the compiled cross-entropy instead of the Triton
-kernel), grad_amax_op (false: `numerics.fp8.COMPILED_GRAD_AMAX_OP` off) and any `Options` field
+kernel) and any `Options` field
 (lmhead_chunks, model_dtype, opt_m_dtype, opt_v_dtype, matmul_dtype, recompute_block, use_cuda_graphs,
 offload_opt_m, ...). Prints one JSON line per entry. `host_ms` is the host time spent queuing the
 micro-steps of one step: close to `step_ms` means the host, not the GPU, sets the pace. Memory: `peak_gib`
@@ -23,7 +23,6 @@ import time
 import torch
 
 from qtrain.kernels import cross_entropy
-from qtrain.numerics import fp8
 from qtrain.train.memory_plan import plan_for_trainer
 from qtrain.train.metrics import mfu_bf16
 from qtrain.train.options import Options
@@ -31,13 +30,11 @@ from qtrain.train.trainer import Trainer
 
 
 def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, warmup: int = 3,
-        fused_ce: bool = True, grad_amax_op: bool = True, **options) -> dict:
+        fused_ce: bool = True, **options) -> dict:
     options.setdefault("compile", "on")
     opts = Options(model=model, from_scratch=True, batch_size=batch, seq_len=seq, grad_accumulation=accum,
                    learning_rate=1e-4, device="cuda", **options)
     cross_entropy.FUSED_CE_ENABLED = fused_ce
-    fp8.COMPILED_GRAD_AMAX_OP = grad_amax_op
-    torch._dynamo.reset()  # the switch is read while tracing: compile afresh for each entry
     torch.cuda.reset_peak_memory_stats()
     tr = Trainer(opts)
     plan = plan_for_trainer(tr)
@@ -66,8 +63,7 @@ def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, warmup:
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t) / steps
     tps = batch * seq * accum / dt
-    res = dict(system="qtrain", model=model, batch=batch, seq=seq, accum=accum, fused_ce=fused_ce,
-               **({} if grad_amax_op else {"grad_amax_op": False}), **options,
+    res = dict(system="qtrain", model=model, batch=batch, seq=seq, accum=accum, fused_ce=fused_ce, **options,
                tps=round(tps), step_ms=round(dt * 1000, 1), host_ms=round(1000 * sum(host) / len(host), 1),
                loss=round(stats["loss"], 4),
                mfu=round(mfu_bf16(tps, tr.cfg, seq, torch.cuda.get_device_name()) or 0, 3),
@@ -76,7 +72,6 @@ def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, warmup:
                reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2))
     del tr
     cross_entropy.FUSED_CE_ENABLED = True
-    fp8.COMPILED_GRAD_AMAX_OP = True
     torch.cuda.empty_cache()
     return res
 

@@ -182,29 +182,3 @@ def _(x: Tensor, amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tens
     return (x.new_empty((M, N), dtype=dtype), x.new_empty((N, M), dtype=dtype),
             x.new_empty((), dtype=torch.float32))
 
-
-
-def abs_max_triton(x: Tensor) -> Tensor:
-    """max |x| as a 0-dim fp32 tensor (the Triton abs-max kernel; a strided x falls back to vector_norm)."""
-    if not x.is_contiguous():
-        return torch.linalg.vector_norm(x, float("inf")).float()
-    out = torch.zeros((), dtype=torch.float32, device=x.device)
-    if x.numel() > 0:
-        BLOCK = 8192
-        _abs_max_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, out, x.numel(), BLOCK=BLOCK)
-    return out
-
-
-@torch.library.custom_op("qtrain::abs_max", mutates_args=())
-def abs_max(x: Tensor) -> Tensor:
-    """max |x| (fp32, 0-dim) as one opaque op. In a compiled backward, inductor fuses a whole-tensor abs-max
-    into the kernel that produces the gradient (RMSNorm / RoPE backward), and that fused reduction ran
-    slower than the kernel without it plus a separate read (H200); this op keeps them apart. Exact."""
-    if use_triton(x):
-        return abs_max_triton(x)
-    return torch.linalg.vector_norm(x, float("inf")).float() if x.numel() else x.new_zeros((), dtype=torch.float32)
-
-
-@abs_max.register_fake
-def _(x: Tensor) -> Tensor:
-    return x.new_empty((), dtype=torch.float32)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qtrain.kernels.fp8_quant import FP8_DTYPES, FP8_MAX, abs_max, fp8_quantize, fp8_quantize_transposed
+from qtrain.kernels.fp8_quant import FP8_DTYPES, FP8_MAX, fp8_quantize, fp8_quantize_transposed
 from qtrain.kernels.swiglu import swiglu_backward_amax
 from qtrain.kernels.swiglu_fp8 import swiglu_fp8
 
@@ -46,23 +46,6 @@ def quantize_fp8(x: Tensor, dtype: torch.dtype = E4M3, amax: Tensor | None = Non
     """
     q, _, inv_scale = fp8_quantize(x, dtype, amax)
     return q, inv_scale
-
-
-COMPILED_GRAD_AMAX_OP = True
-"""Inside torch.compile, reduce the abs-max of an output gradient dY with the opaque `abs_max` op instead of
-letting inductor fuse it into the kernel that produced dY (see `_quantize_grad`). A switch so benchmarks
-can compare both (bench_train.py `grad_amax_op`); the numbers are identical (abs-max is exact)."""
-
-
-def _quantize_grad(dy2: Tensor, dtype: torch.dtype, transpose: bool) -> tuple[Tensor, Tensor | None, Tensor]:
-    """`fp8_quantize` for an output gradient in a backward. In a compiled backward dY is written by an
-    RMSNorm / RoPE backward kernel (it is also the residual stream's gradient, so it is materialized
-    anyway); a whole-tensor max fused into that row-wise kernel slowed it by more than a separate read of
-    dY costs, so the abs-max is an opaque op and the quantization (with its transposed copy) stays
-    inductor's. Eagerly this is plain `fp8_quantize` (Triton abs-max + quantize kernels)."""
-    if COMPILED_GRAD_AMAX_OP and dy2.is_cuda and torch.compiler.is_compiling():
-        return fp8_quantize(dy2, dtype, abs_max(dy2), transpose=transpose)
-    return fp8_quantize(dy2, dtype, transpose=transpose)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -312,7 +295,7 @@ class _Fp8Linear(torch.autograd.Function):
         dy2 = dy.reshape(-1, N)  # (M, N)
         dx = dw = db = None
         if need_dx or need_dw:
-            dy_fp8, dy_fp8_t, dy_inv = _quantize_grad(dy2, ctx.grad_dtype, need_dw)
+            dy_fp8, dy_fp8_t, dy_inv = fp8_quantize(dy2, ctx.grad_dtype, transpose=need_dw)
         if need_dx:
             w_fp8_t = w_fp8.t().contiguous()  # (K, N): the weight in the other major order
             dx = scaled_mm(dy_fp8, w_fp8_t.t(), dy_inv, w_inv, out_dtype=_gemm_out_dtype(ctx.x_dtype))
@@ -398,7 +381,7 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
         gd, x_dtype = ctx.grad_dtype, ctx.x_dtype
         dy2 = dy.reshape(-1, wd_q.shape[0])  # (M, C)
         dx = dwu = dwd = None
-        dy_q, dy_qt, dy_inv = _quantize_grad(dy2, gd, need_dwd)
+        dy_q, dy_qt, dy_inv = fp8_quantize(dy2, gd, transpose=need_dwd)
         if need_dwd:
             dwd = scaled_mm(dy_qt, h_qt.t(), dy_inv, h_inv, out_dtype=_gemm_out_dtype(ctx.w_dtypes[1]))
             dwd = dwd.to(ctx.w_dtypes[1])
