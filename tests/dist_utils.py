@@ -84,3 +84,29 @@ def write_model_dir(root, cfg) -> str:
     import json
     (root / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
     return str(root)
+
+
+def random_batch(vocab_size: int, B: int, T: int, step: int, micro: int, rank: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of random tokens, a function of (step, micro-step, rank) only: every run of a
+    comparison sees the same data."""
+    gen = torch.Generator().manual_seed(7919 * step + 131 * micro + 17 * rank + 3)
+    seq = torch.randint(0, vocab_size, (B, T + 1), generator=gen)
+    return seq[:, :-1].clone(), seq[:, 1:].clone()
+
+
+def full_params_cpu(tr) -> dict[str, torch.Tensor]:
+    """The trainer's full parameters, copied to host memory (a collective with sharded weights)."""
+    return {n: p.detach().to("cpu", copy=True) for n, p in tr.full_params().items()}
+
+
+def train_steps(tr, steps: range, batch: Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]],
+                grad_accumulation: int, lr: float) -> list[dict]:
+    """Run optimizer steps; per step the loss, the gradient norm and the full weights after the update."""
+    out = []
+    for s in steps:
+        for m in range(grad_accumulation):
+            tr.micro_step(*batch(s, m, tr.ctx.rank))
+        stats = tr.update(lr=lr)
+        out.append({"loss": stats["loss"], "norm": stats["norm"], "weights": full_params_cpu(tr)})
+    return out

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import qtrain.numerics.fp8 as fp8
-from dist_utils import run_distributed, write_model_dir
+from dist_utils import full_params_cpu, random_batch, run_distributed, train_steps, write_model_dir
 from qtrain.model.config import ModelConfig
 from qtrain.model.transformer import FP8_INV_SCALE, FP8_WEIGHT
 from qtrain.parallel.comm import Communicator, Handle
@@ -67,23 +67,14 @@ def options(model_dir: str, **kw) -> Options:
 
 
 def batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(7919 * step + 131 * micro + 17 * rank + 3)
-    seq = torch.randint(0, CFG.vocab_size, (B, T + 1), generator=gen)
-    return seq[:, :-1].clone(), seq[:, 1:].clone()
+    return random_batch(CFG.vocab_size, B, T, step, micro, rank)
 
 
-def gathered(tr: Trainer) -> dict[str, torch.Tensor]:
-    return {n: p.detach().to(CPU, copy=True) for n, p in tr.full_params().items()}
+gathered = full_params_cpu
 
 
 def run_steps(tr: Trainer, steps: range) -> list[dict]:
-    out = []
-    for s in steps:
-        for m in range(GA):
-            tr.micro_step(*batch(s, m, tr.ctx.rank))
-        stats = tr.update(lr=3e-3)
-        out.append({"loss": stats["loss"], "norm": stats["norm"], "weights": gathered(tr)})
-    return out
+    return train_steps(tr, steps, batch, GA, 3e-3)
 
 
 class _CountingQuantize:

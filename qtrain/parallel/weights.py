@@ -329,10 +329,7 @@ class ShardedWeights:
             else:
                 shard = self.shards[group.key]
                 if self._staged:
-                    lo, hi = group.shard_range(self.rank, self.world)
-                    own = b.buf[lo:hi]
-                    own.copy_(shard, non_blocking=True)
-                    shard = own
+                    shard = self._stage(b, group, shard)
                 b.pending = [self.comm.all_gather(b.buf, shard)]
                 self.gathered_bytes["block" if group.layer is not None else "non_block"] += _nbytes(b.buf)
         b.key, b.version = group.key, self.version
@@ -347,10 +344,7 @@ class ShardedWeights:
             q.refresh(self.shards, self.version, self.comm)
         codes = q.codes[group.key]
         if q.staged:
-            lo, hi = group.shard_range(self.rank, self.world)
-            own = b.buf[lo:hi]
-            own.copy_(codes, non_blocking=True)
-            codes = own
+            codes = self._stage(b, group, codes)
         b.pending = [self.comm.all_gather(b.buf, codes)]
         own_slot = b.exchange[self.rank * q.slot:(self.rank + 1) * q.slot]
         shard = self.shards[group.key]
@@ -360,6 +354,14 @@ class ShardedWeights:
         b.pending.append(self.comm.then(gathered, lambda: _index_select_into(b.small, b.exchange, q.recv_idx)))
         self.gathered_bytes["block_fp8"] += _nbytes(b.buf)
         self.gathered_bytes["block_small"] += _nbytes(b.exchange)
+
+    def _stage(self, b: _Buffer, group: Group, host_shard: torch.Tensor) -> torch.Tensor:
+        """Copy an offloaded (host) shard into this rank's own slice of the gather buffer and return that
+        slice: the all-gather then runs in place, from device memory."""
+        lo, hi = group.shard_range(self.rank, self.world)
+        own = b.buf[lo:hi]
+        own.copy_(host_shard, non_blocking=True)
+        return own
 
     @staticmethod
     def _wait(b: _Buffer) -> None:
