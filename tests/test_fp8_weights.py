@@ -45,10 +45,9 @@ def _train(tr: Trainer) -> list[dict]:
 
 
 def test_once_per_step_equals_per_call_quantization():
-    cached = _trainer()
+    cached = _trainer(persistent_quants=True)
     assert isinstance(cached.weights, QuantizedWeights)
-    plain = _trainer()
-    plain.weights = plain.weights.source  # the per-call path: every linear quantizes its weight
+    plain = _trainer()  # the per-call path: every linear quantizes its weight
     assert isinstance(plain.weights, ParamWeights)
     a, b = _train(cached), _train(plain)
     assert a == b  # losses and norms, bit for bit
@@ -62,7 +61,7 @@ def test_once_per_step_equals_per_call_quantization():
 
 
 def test_copies_follow_the_weights_through_update_eval_and_load():
-    tr = _trainer()
+    tr = _trainer(persistent_quants=True)
     _train(tr)
     w = tr.weights.block(0)
     for n in FP8_MATRICES:  # after the last update the copies are of the current weights
@@ -88,11 +87,10 @@ def test_copies_follow_the_weights_through_update_eval_and_load():
     assert FP8_INV_SCALE.format("qkv") in w and not w[FP8_WEIGHT.format("qkv")].requires_grad
 
 
-def test_only_for_replicated_fp8_with_accumulation_without_debug_instrumentation():
-    assert not isinstance(Trainer(Options(model=MODEL_DIR, from_scratch=True, device="cpu", compile="off",
-                                          batch_size=1, seq_len=16)).weights, QuantizedWeights)
-    assert not isinstance(_trainer(debug_log_abs_max=1).weights, QuantizedWeights)
-    assert not isinstance(Trainer(Options(model=MODEL_DIR, from_scratch=True, device="cpu", compile="off",
-                                          batch_size=1, seq_len=16, grad_accumulation=1, matmul_dtype="e4m3",
-                                          model_dtype="bf16")).weights, QuantizedWeights)
+def test_only_with_persistent_quants_without_debug_instrumentation():
+    assert not isinstance(_trainer().weights, QuantizedWeights)
+    assert not isinstance(_trainer(persistent_quants=True, debug_log_abs_max=1).weights, QuantizedWeights)
+    assert isinstance(Trainer(Options(model=MODEL_DIR, from_scratch=True, device="cpu", compile="off",
+                                      batch_size=1, seq_len=16, grad_accumulation=1, matmul_dtype="e4m3",
+                                      model_dtype="bf16", persistent_quants=True)).weights, QuantizedWeights)
     assert quantized_weight({"qkv": torch.zeros(1)}, "qkv") is None

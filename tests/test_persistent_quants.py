@@ -378,9 +378,9 @@ def test_options():
     for kw in ({"shard_weights": True}, {"zero_level": 3}):  # either way of sharding (llm.q: only the flag)
         Options(persistent_quants=True, matmul_dtype="e4m3", **kw).validate()
         Options(persistent_quants=True, offload_quants=True, matmul_dtype="e4m3", **kw).validate()
-    _refused(r"--persistent-quants needs sharded weights \(--shard-weights or --zero-level 3\)",
-             persistent_quants=True, matmul_dtype="e4m3")
-    _refused(r"--persistent-quants needs sharded weights", persistent_quants=True, matmul_dtype="e4m3", zero_level=2)
+    Options(persistent_quants=True, matmul_dtype="e4m3").validate()  # replicated: train.fp8_weights
+    _refused(r"--offload-quants needs sharded weights \(--shard-weights or --zero-level 3\)",
+             persistent_quants=True, offload_quants=True, matmul_dtype="e4m3", zero_level=2)
     _refused("--offload-quants needs --persistent-quants", offload_quants=True, shard_weights=True, matmul_dtype="e4m3")
     _refused(r"--persistent-quants .* only apply with --matmul-dtype e4m3", persistent_quants=True, shard_weights=True)
     _refused(r"only apply with --matmul-dtype e4m3", persistent_quants=True, zero_level=3, matmul_dtype="bf16")

@@ -11,8 +11,9 @@ all-gather write the weights without bumping their version counters, which the c
 Memory: the copies of all layers stay alive from the first forward until the next update, 1 byte per block
 parameter, and that shows at the peak: measured on the H200 at Qwen2.5-1.5B (batch 16 x 2), 42.38 GiB
 against 41.14 GiB without (+1.24 GiB, one full set), for no measurable speed change there (e4m3 / bf16 in
-one call 1.217x, 1.216x before). So the trainer uses it only with gradient accumulation (with one micro-step
-nothing is reused). Only for replicated weights: sharded weights reuse two gather buffers for all layers, and
+one call 1.217x, 1.216x before); at Qwen2.5-14B the set is ~13 GB, enough to turn a fitting run into an
+out-of-memory one. So the trainer uses it only when asked, with `--persistent-quants` (llm.q's name for
+keeping the FP8 weights across micro-steps). This module is the replicated-weights half: sharded weights reuse two gather buffers for all layers, and
 their FP8 copies are `--persistent-quants`' job (`parallel.weights.ShardedWeights(quantized=FP8_MATRICES)`: each
 rank keeps an e4m3 copy of its shard of these matrices, made once per step with the full tensor's scale, and the
 blocks gather those instead of the bf16 matrices).

@@ -133,11 +133,12 @@ class Options:
     shard_weights: bool = False
     """Keep only this rank's shard of the weights (ZeRO-3); blocks are all-gathered just in time, double buffered."""
     persistent_quants: bool = False
-    """Keep an e4m3 copy of this rank's shard of the four block matrices, made once per optimizer step and
-    reused by every micro-step; blocks gather those (half the bytes) instead of the bf16 matrices (needs
-    sharded weights and --matmul-dtype e4m3)."""
+    """Keep e4m3 copies of the four block matrices from the first micro-step of an optimizer step to the
+    update, reused by every micro-step (needs --matmul-dtype e4m3). Sharded weights: each rank's shard in
+    e4m3, gathered instead of the bf16 matrices (half the bytes); replicated weights: a copy of every layer
+    on the device (+1 byte per block parameter at the peak). Without it each linear quantizes its weight."""
     offload_quants: bool = False
-    """Keep the persistent e4m3 weight shards in pinned host memory (needs --persistent-quants)."""
+    """Keep the persistent e4m3 weight shards in pinned host memory (needs --persistent-quants and sharded weights)."""
     offload_master: bool = False
     """Weight shards in pinned host memory (they are the master: qtrain has no separate copy); needs sharded weights."""
     offload_opt_m: bool = False
@@ -245,10 +246,11 @@ class Options:
                       "unsharded gradients cannot be offloaded")
         # sharded weights, FP8 weight copies, offload (llm.q: --persistent-quants needs the --shard-weights flag
         # literally, so --zero-level 3 cannot use it [quirk]; here either way of sharding the weights works)
-        if self.persistent_quants and not self.weights_sharded:
-            raise err("--persistent-quants needs sharded weights (--shard-weights or --zero-level 3)")
         if self.offload_quants and not self.persistent_quants:
             raise err("--offload-quants needs --persistent-quants")
+        if self.offload_quants and not self.weights_sharded:
+            raise err("--offload-quants needs sharded weights (--shard-weights or --zero-level 3): replicated "
+                      "weights keep their e4m3 copies on the device")
         if self.persistent_quants and self.effective_matmul_dtype != "e4m3":
             raise err("--persistent-quants (and --offload-quants) only apply with --matmul-dtype e4m3: they keep "
                       "FP8 copies of the weights")

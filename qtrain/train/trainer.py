@@ -51,8 +51,8 @@ def block_linear(opts: Options):
     """The function the four block linears run through: F.linear, or FP8 (e4m3 forward; e4m3 or e5m2
     output gradients) with --matmul-dtype e4m3. A weight is quantized in the call (per-tensor current
     scaling) unless the weight source passes its FP8 copy, made once per optimizer step and dropped at the
-    update: `fp8_weights.QuantizedWeights` for replicated weights, `ShardedWeights` with --persistent-quants
-    (which gathers only that copy of the matrices)."""
+    update (--persistent-quants): `fp8_weights.QuantizedWeights` for replicated weights, `ShardedWeights` for
+    sharded ones (which then gathers only that copy of the matrices)."""
     if opts.effective_matmul_dtype != "e4m3":
         return torch.nn.functional.linear
     grad_dtype = E5M2 if opts.gradient_dtype == "e5m2" else E4M3
@@ -144,7 +144,7 @@ class Trainer:
             self.param_buffers = self.layout.allocate(dtype=self.dtype, device=self.device)
             self.params = {n: v.requires_grad_(True) for n, v in self.layout.views(self.param_buffers).items()}
             self.weights = ParamWeights(cfg, self.params)
-            if opts.effective_matmul_dtype == "e4m3" and opts.grad_accumulation > 1 and not opts.debug_log_abs_max:
+            if opts.persistent_quants and not opts.debug_log_abs_max:
                 self.weights = QuantizedWeights(self.weights)  # FP8 copies once per step, not per micro-step
         self._init_weights()
 
