@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 
 from . import checkpoint_io as cio
 from .data import TokenLoader
