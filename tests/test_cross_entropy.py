@@ -1,6 +1,6 @@
 """The fused in-place cross-entropy kernel (qtrain.kernels.cross_entropy) against its twin and the specification.
 
-The specification is ``qtrain.model.loss._chunk_loss_and_dlogits``. ``test_interpreter_subprocess`` re-runs
+The specification is ``qtrain.kernels.cross_entropy.chunk_loss_and_dlogits`` (``qtrain.model.loss._chunk_loss_and_dlogits``). ``test_interpreter_subprocess`` re-runs
 this file's ``test_interp_*`` tests with TRITON_INTERPRET=1 (CPU, fp32/bf16/fp16 through bit-level loads);
 ``gpu``-marked tests need CUDA.
 """

@@ -1,6 +1,6 @@
 """Fused cross-entropy forward + backward over one chunk of LM-head logits, writing d(logits) IN PLACE.
 
-Same contract as ``qtrain.model.loss._chunk_loss_and_dlogits`` (the specification), except that with
+Same contract as ``chunk_loss_and_dlogits`` below (the specification, which CPU runs), except that with
 ``need_grad`` the returned d(logits) IS the ``logits`` buffer, overwritten::
 
     loss_sum, lse, dlogits = cross_entropy_fwd_bwd_inplace_(logits, targets, z_loss=z, need_grad=True)
@@ -54,13 +54,33 @@ _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 # ---------------------------------------------------------------------------------------------- twin
+def chunk_loss_and_dlogits(logits: torch.Tensor, targets: torch.Tensor, *, z_loss: float, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The specification of the fused kernel (and what CPU runs): logits (n, V) in model dtype, targets (n,).
+    Returns (loss_sum fp32, lse (n,), dlogits or None)."""
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1)  # (n,)
+    valid = targets != IGNORE_INDEX
+    safe_t = torch.where(valid, targets, 0)
+    target_logit = lf.gather(1, safe_t[:, None]).squeeze(1)
+    per_tok = torch.where(valid, lse - target_logit, 0.0)
+    loss_sum = per_tok.sum()
+    if z_loss:
+        loss_sum = loss_sum + z_loss * torch.where(valid, lse * lse, 0.0).sum()
+    if not need_grad:
+        return loss_sum, lse, None
+    # d(loss_sum)/d(logits) = softmax - onehot (+ 2 z lse softmax), zero on ignored rows. The caller's
+    # `scale` is applied in the two GEMMs (alpha), so it never becomes a compile-time constant here.
+    coef = torch.where(valid, 1.0 + 2.0 * z_loss * lse, 0.0)
+    dl = torch.exp(lf - lse[:, None]) * coef[:, None]
+    dl.scatter_add_(1, safe_t[:, None], torch.where(valid, -1.0, 0.0)[:, None])
+    return loss_sum, lse, dl.to(logits.dtype)
+
+
 def cross_entropy_fwd_bwd_inplace_twin(logits: torch.Tensor, targets: torch.Tensor, *, z_loss: float,
                                        need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The specification (``qtrain.model.loss._chunk_loss_and_dlogits``), with its d(logits) copied into
-    ``logits`` (returned as d(logits)) so that the twin overwrites its input like the kernel does."""
-    from qtrain.model.loss import _chunk_loss_and_dlogits
-
-    loss_sum, lse, dl = _chunk_loss_and_dlogits(logits, targets, z_loss=z_loss, need_grad=need_grad)
+    """The specification (`chunk_loss_and_dlogits`), with its d(logits) copied into ``logits`` (returned as
+    d(logits)) so that the twin overwrites its input like the kernel does."""
+    loss_sum, lse, dl = chunk_loss_and_dlogits(logits, targets, z_loss=z_loss, need_grad=need_grad)
     if dl is None:
         return loss_sum, lse, None
     logits.copy_(dl)

@@ -14,28 +14,8 @@ from __future__ import annotations
 
 import torch
 
-IGNORE_INDEX = -100
-
-
-def _chunk_loss_and_dlogits(logits: torch.Tensor, targets: torch.Tensor, *, z_loss: float, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """logits (n, V) in model dtype, targets (n,). Returns (loss_sum fp32, lse (n,), dlogits or None)."""
-    lf = logits.float()
-    lse = torch.logsumexp(lf, dim=-1)  # (n,)
-    valid = targets != IGNORE_INDEX
-    safe_t = torch.where(valid, targets, 0)
-    target_logit = lf.gather(1, safe_t[:, None]).squeeze(1)
-    per_tok = torch.where(valid, lse - target_logit, 0.0)
-    loss_sum = per_tok.sum()
-    if z_loss:
-        loss_sum = loss_sum + z_loss * torch.where(valid, lse * lse, 0.0).sum()
-    if not need_grad:
-        return loss_sum, lse, None
-    # d(loss_sum)/d(logits) = softmax - onehot (+ 2 z lse softmax), zero on ignored rows. The caller's
-    # `scale` is applied in the two GEMMs (alpha), so it never becomes a compile-time constant here.
-    coef = torch.where(valid, 1.0 + 2.0 * z_loss * lse, 0.0)
-    dl = torch.exp(lf - lse[:, None]) * coef[:, None]
-    dl.scatter_add_(1, safe_t[:, None], torch.where(valid, -1.0, 0.0)[:, None])
-    return loss_sum, lse, dl.to(logits.dtype)
+from ..kernels import cross_entropy
+from ..kernels.cross_entropy import IGNORE_INDEX, chunk_loss_and_dlogits as _chunk_loss_and_dlogits  # noqa: F401
 
 
 _compiled_loss_fn = None
@@ -51,8 +31,6 @@ def _loss_fn(cuda: bool):
     global _compiled_loss_fn
     if not cuda:
         return _chunk_loss_and_dlogits
-    from qtrain.kernels import cross_entropy  # lazily: importing qtrain.kernels imports triton
-
     if cross_entropy.FUSED_CE_ENABLED:
         return cross_entropy.cross_entropy_fwd_bwd_inplace_
     if _compiled_loss_fn is None:
