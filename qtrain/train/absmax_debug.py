@@ -38,8 +38,9 @@ class AbsMaxRecorder:
         return {k: float(v) for k, v in sorted(self.values.items())}
 
     def wrap(self, linear: Linear) -> Linear:
-        def recording_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-            y = linear(x, w, b)
+        def recording_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *fp8_copy) -> torch.Tensor:
+            """fp8_copy: the weight source's (e4m3 weight, inverse scale), passed on to the linear when given."""
+            y = linear(x, w, b, *fp8_copy)
             if not self.active or not torch.is_grad_enabled() or self._calls >= 4 * self.num_layers:
                 return y  # later calls are recomputations inside backward: the forward values are in
             layer, k = divmod(self._calls, 4)

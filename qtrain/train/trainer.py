@@ -79,21 +79,6 @@ def block_mlp(opts: Options):
     return mlp
 
 
-def recording_linear(recorder: AbsMaxRecorder, linear):
-    """`recorder.wrap(linear)` for linears that may be handed the weight source's FP8 copy as a 4th argument
-    (--persistent-quants passes one to every block matrix, whose bf16 values are never gathered): the
-    recorder's wrapper takes (x, w, b) only, so the copy is bound to the linear for that call."""
-    plain = recorder.wrap(linear)
-
-    def recording(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-                  w_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        if w_fp8 is None:
-            return plain(x, w, b)
-        return recorder.wrap(lambda x_, w_, b_: linear(x_, w_, b_, w_fp8))(x, w, b)
-
-    return recording
-
-
 @dataclass
 class ModelSource:
     cfg: ModelConfig
@@ -197,7 +182,7 @@ class Trainer:
         linear = block_linear(opts)
         self.absmax = AbsMaxRecorder(self.cfg.num_hidden_layers)
         self.abs_maxes: dict[str, float] | None = None  # filled on --debug-log-abs-max steps
-        return recording_linear(self.absmax, linear) if opts.debug_log_abs_max and not opts.recompute_block else linear
+        return self.absmax.wrap(linear) if opts.debug_log_abs_max and not opts.recompute_block else linear
 
     def _debug_step(self) -> bool:
         n = self.opts.debug_log_abs_max
