@@ -300,9 +300,9 @@ def test_options():
     assert not Options(zero_level=2).weights_sharded
     _refused("--zero-level and --shard-weights are mutually exclusive", zero_level=3, shard_weights=True)
     _refused("--zero-level and --shard-weights are mutually exclusive", zero_level=2, shard_weights=True)
-    # persistent quants: sharded weights either way (llm.q only accepts the --shard-weights flag), FP8 matmuls
-    _refused(r"--persistent-quants needs sharded weights \(--shard-weights or --zero-level 3\)",
-             persistent_quants=True, matmul_dtype="e4m3")
+    # persistent quants: FP8 matmuls; their host offload needs sharded weights (either way of sharding them)
+    _refused(r"--offload-quants needs sharded weights \(--shard-weights or --zero-level 3\)",
+             persistent_quants=True, offload_quants=True, matmul_dtype="e4m3")
     _refused("--offload-quants needs --persistent-quants", offload_quants=True, shard_weights=True, matmul_dtype="e4m3")
     _refused("only apply with --matmul-dtype e4m3", persistent_quants=True, shard_weights=True)
     _refused("only apply with --matmul-dtype e4m3", persistent_quants=True, offload_quants=True, zero_level=3)
