@@ -291,12 +291,31 @@ def test_run_options_validation():
         RunOptions(offload_residual=True)
     with pytest.raises(ValueError, match="attn_bwd_chunks must be >= 1"):
         RunOptions(attn_bwd_chunks=0)
+    with pytest.raises(ValueError, match="sdpa_backend must be one of"):
+        RunOptions(sdpa_backend="fa3")
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(attn_bwd_chunks=2, recompute_att=True)], ids=["plain", "chunked"])
+def test_sdpa_backend_is_a_speed_choice(model_and_ref, variant):
+    """Forcing the attention kernel changes no result beyond its rounding: the CPU's flash kernel (torch's
+    own pick for these fp32 inputs) and the math reference agree to fp32 accumulation-order error, and
+    forcing 'flash' is bitwise the plain run (so the switch does reach every SDPA call, recomputed ones too)."""
+    model, ref = model_and_ref
+    ref_loss, ref_grads, _ = ref(1)
+    loss, grads, _ = run(model, sdpa_backend="flash", **variant)
+    assert torch.equal(loss, ref_loss) and all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    loss, grads, _ = run(model, sdpa_backend="math", **variant)
+    assert any(not torch.equal(grads[k], ref_grads[k]) for k in ref_grads), "'math' did not reach the SDPA calls"
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    for k in ref_grads:  # fp32, values O(1e-2): reassociated sums differ by a few ulps of the largest terms
+        torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6, msg=k)
 
 
 @pytest.mark.parametrize("kw,msg", [
     (dict(offload_residual=True), "--offload-residual needs --recompute-block"),
     (dict(batch_size=4, attn_bwd_chunks=3), "--attn-bwd-chunks=3 must divide --batch-size=4"),
     (dict(attn_bwd_chunks=0), "--attn-bwd-chunks must be >= 1"),
+    (dict(sdpa_backend="fa3"), "--sdpa-backend='fa3': must be one of"),
 ])
 def test_options_validation(kw, msg):
     with pytest.raises(OptionsError, match=msg):

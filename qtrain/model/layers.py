@@ -6,13 +6,34 @@ torch.compile'd block, which fuses them into a few Triton kernels; on the CPU th
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from ..kernels.swiglu import swiglu_backward
 from .config import ModelConfig
+
+
+SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+
+
+@contextlib.contextmanager
+def sdpa_backends(name: str) -> Iterator[None]:
+    """Restrict F.scaled_dot_product_attention to one backend ('auto': torch's own choice). Works inside
+    torch.compile'd code, where the choice is made once at trace time. On the H200 cuDNN's attention is
+    faster than flash's at the Qwen shapes (bench/bench_attention.py); which one is a speed question only:
+    all compute the same function (to bf16 rounding)."""
+    if name == "auto":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+               "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+    with sdpa_kernel(backend):
+        yield
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .layers import apply_rope, rms_norm, rope_tables, swiglu, swiglu_fused
+from .layers import SDPA_BACKENDS, apply_rope, rms_norm, rope_tables, sdpa_backends, swiglu, swiglu_fused
 from .loss import IGNORE_INDEX, chunked_lm_head_loss
 from .recompute import FLAGS as RECOMPUTE_FLAGS
 from .recompute import CheckpointSteps, Recomputer, ResidualStash, block_steps, resolve_flags, run_step
@@ -99,7 +99,7 @@ class ParamWeights:
 
 def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: frozenset[str] = frozenset(),
                   attn_chunks: int = 1, compiled: bool = False, fused_swiglu: bool = False,
-                  mlp: Mlp | None = None) -> BlockFn:
+                  mlp: Mlp | None = None, sdpa_backend: str = "auto") -> BlockFn:
     """One pre-norm decoder block as a function of (x, weights, cos, sin), so one compiled graph serves
     every layer (weights are inputs, not captured constants).
 
@@ -109,6 +109,7 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     inductor's own version of it runs at half the memory bandwidth.
     attn_chunks: run attention, forward and backward, as that many independent calls over batch slices
     (see `attention`).
+    sdpa_backend: the attention kernel (layers.SDPA_BACKENDS; 'auto' = torch's choice).
     mlp: the whole MLP after LN2 as one function (FP8's `fp8_swiglu_mlp`, which keeps the SwiGLU output in
     FP8 only) instead of linear -> SwiGLU -> linear; ignored when the 'up' or 'swiglu' step is recomputed,
     since those need the steps separately."""
@@ -141,6 +142,12 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
         each backward call (with its fp32 workspace) covers B/chunks sequences. The price: the slices'
         outputs, which their backward keeps, are concatenated into a second copy for the projection."""
         B, _, T, _ = q.shape
+        with sdpa_backends(sdpa_backend):
+            att = _causal_attention(q, k, v)
+        return att.reshape(B, T, q_dim)
+
+    def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B = q.shape[0]
         if attn_chunks == 1:
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).transpose(1, 2)
         else:
@@ -151,7 +158,7 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
             att = torch.cat([F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
                                                             is_causal=True, enable_gqa=gqa).transpose(1, 2)
                              for qs, ks, vs in slices])  # (B, T, nh, hs) contiguous
-        return att.reshape(B, T, q_dim)
+        return att
 
     def block_body(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                    step: Callable[..., object]) -> torch.Tensor:
@@ -190,6 +197,7 @@ class RunOptions:
 
     lmhead_chunks: int = 1  # row chunks of the LM head + loss: fp32 logits live for 1/chunks of the batch
     attn_bwd_chunks: int = 1  # attention as independent calls over batch slices (smaller backward workspace)
+    sdpa_backend: str = "auto"  # attention kernel: layers.SDPA_BACKENDS
     # recompute in backward instead of keeping from forward (llm.q semantics; implications in recompute.py)
     recompute_swiglu: bool = False  # SwiGLU output, from the MLP-up output
     recompute_norm: bool = False  # LN1 and LN2, from the block input / post-attention residual
@@ -205,6 +213,8 @@ class RunOptions:
     def __post_init__(self) -> None:
         if self.attn_bwd_chunks < 1:
             raise ValueError(f"attn_bwd_chunks must be >= 1, got {self.attn_bwd_chunks}")
+        if self.sdpa_backend not in SDPA_BACKENDS:
+            raise ValueError(f"sdpa_backend must be one of {SDPA_BACKENDS}, got {self.sdpa_backend!r}")
         if self.offload_residual and not self.recompute_block:
             raise ValueError("offload_residual needs recompute_block (only block inputs are offloaded)")
 
@@ -222,12 +232,14 @@ class Transformer:
         self.run = run or RunOptions()
         run = self.run
         fn = make_block_fn(cfg, run.linear, recompute=block_steps(run.recompute), attn_chunks=run.attn_bwd_chunks,
-                           compiled=run.compile, fused_swiglu=run.compile, mlp=run.mlp if run.compile else None)
+                           compiled=run.compile, fused_swiglu=run.compile, mlp=run.mlp if run.compile else None,
+                           sdpa_backend=run.sdpa_backend)
         self.block_fn: BlockFn = torch.compile(fn, dynamic=False) if run.compile else fn
         self._eager_block_fn: BlockFn = fn
         if run.compile:  # the compiled flavour of the recompute mechanism differs; eager needs its own
             self._eager_block_fn = make_block_fn(cfg, run.linear, recompute=block_steps(run.recompute),
-                                                 attn_chunks=run.attn_bwd_chunks, compiled=False)
+                                                 attn_chunks=run.attn_bwd_chunks, compiled=False,
+                                                 sdpa_backend=run.sdpa_backend)
         self._stash = ResidualStash(offload=run.offload_residual)  # block inputs with recompute_block
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ..model.layers import SDPA_BACKENDS
+
 DTYPES = ("fp32", "bf16")
 MATMUL_DTYPES = ("fp32", "bf16", "e4m3")
 GRADIENT_DTYPES = ("e4m3", "e5m2")
@@ -64,6 +66,8 @@ class Options:
     """Split the LM head + loss into N row chunks so fp32 logits exist for 1/N of the tokens at a time."""
     attn_bwd_chunks: int = 1
     """Run attention as N calls over batch slices: backward workspace for B/N sequences, one more copy of the output."""
+    sdpa_backend: str = "auto"
+    """Attention kernel: auto (torch's choice) | flash | cudnn | efficient | math; a speed choice, same function."""
 
     # ---- optimiser / schedule ----
     learning_rate: float = 1e-5
@@ -191,6 +195,7 @@ class Options:
         choice("lr-schedule", self.lr_schedule, SCHEDULES)
         choice("device", self.device, ("auto", "cpu", "cuda"))
         choice("compile", self.compile, ("auto", "on", "off"))
+        choice("sdpa-backend", self.sdpa_backend, SDPA_BACKENDS)
         if self.model_dtype == "fp32" and (self.opt_m_dtype != "fp32" or self.opt_v_dtype != "fp32"):
             raise err("--model-dtype fp32 needs --opt-m-dtype fp32 and --opt-v-dtype fp32 "
                       "(low-precision moments with fp32 weights are not a supported combination)")
