@@ -1,4 +1,4 @@
-"""Benchmark: causal SDPA backends (flash, cuDNN, memory-efficient) at the Qwen2.5 attention shapes, forward
+"""Benchmark: causal SDPA backends (flash, cuDNN, qtrain's cuDNN op) at the Qwen2.5 attention shapes, forward
 and forward+backward, eager and inside torch.compile, and how close each backend's output and gradients are to
 flash's (the default). The question it answers: which backend should `--sdpa-backend auto` pick on this GPU.
 
@@ -19,6 +19,7 @@ import torch
 
 from bench.bench_fp8_gemm import time_ms
 from qtrain.model.config import preset
+from qtrain.kernels.attention import causal_attention
 from qtrain.model.layers import sdpa_backends
 
 
@@ -37,8 +38,10 @@ def run_case(name: str, B: int, T: int, *, compiled: bool, samples: int) -> list
     dout = torch.randn(B, T, nh, hs, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     fwd_flop = 2 * 2 * B * nh * T * T * hs / 2
     rows, ref = [], None
-    for backend in ("flash", "cudnn", "efficient"):
+    for backend in ("flash", "cudnn", "cudnn-op"):
         def attn(q, k, v, backend=backend):
+            if backend == "cudnn-op":  # qtrain's opaque op pair (what --sdpa-backend cudnn runs)
+                return causal_attention(q, k, v)
             with sdpa_backends(backend):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nh != nkv)
         fn = torch.compile(attn, dynamic=False) if compiled else attn

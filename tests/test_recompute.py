@@ -309,6 +309,11 @@ def test_sdpa_backend_is_a_speed_choice(model_and_ref, variant):
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
     for k in ref_grads:  # fp32, values O(1e-2): reassociated sums differ by a few ulps of the largest terms
         torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6, msg=k)
+    # 'cudnn' is qtrain's op pair (kernels/attention.py), whose CPU implementation is the fp32 twin
+    loss, grads, _ = run(model, sdpa_backend="cudnn", **variant)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    for k in ref_grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6, msg=k)
 
 
 @pytest.mark.parametrize("kw,msg", [

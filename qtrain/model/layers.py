@@ -23,9 +23,9 @@ SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 @contextlib.contextmanager
 def sdpa_backends(name: str) -> Iterator[None]:
     """Restrict F.scaled_dot_product_attention to one backend ('auto': torch's own choice). Works inside
-    torch.compile'd code, where the choice is made once at trace time. On the H200 cuDNN's attention is
-    faster than flash's at the Qwen shapes (bench/bench_attention.py); which one is a speed question only:
-    all compute the same function (to bf16 rounding)."""
+    torch.compile'd code, where the choice is made once at trace time. The block does not take 'cudnn'
+    this way: its gradients came out wrong inside compiled graphs on the H200, so the block calls
+    kernels/attention.py's op pair for it instead."""
     if name == "auto":
         yield
         return

@@ -28,6 +28,7 @@ from typing import Callable, Iterator, Protocol
 import torch
 import torch.nn.functional as F
 
+from ..kernels.attention import causal_attention
 from .config import ModelConfig
 from .layers import SDPA_BACKENDS, apply_rope, rms_norm, rope_tables, sdpa_backends, swiglu, swiglu_fused
 from .loss import IGNORE_INDEX, chunked_lm_head_loss
@@ -142,23 +143,25 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
         each backward call (with its fp32 workspace) covers B/chunks sequences. The price: the slices'
         outputs, which their backward keeps, are concatenated into a second copy for the projection."""
         B, _, T, _ = q.shape
-        with sdpa_backends(sdpa_backend):
-            att = _causal_attention(q, k, v)
-        return att.reshape(B, T, q_dim)
-
-    def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        B = q.shape[0]
         if attn_chunks == 1:
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).transpose(1, 2)
+            att = sdpa(q, k, v).transpose(1, 2)
         else:
             # slice in the (B, T, nh, hs) layout the projection wrote: the gradients of q, k, v are then
             # assembled in that layout, as unsliced, so later reductions (qk-norm weights) sum in the same order
             n = min(attn_chunks, B)
             slices = zip(*(t.transpose(1, 2).tensor_split(n) for t in (q, k, v)))  # (B/n, T, nh|nkv, hs)
-            att = torch.cat([F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
-                                                            is_causal=True, enable_gqa=gqa).transpose(1, 2)
+            att = torch.cat([sdpa(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)).transpose(1, 2)
                              for qs, ks, vs in slices])  # (B, T, nh, hs) contiguous
-        return att
+        return att.reshape(B, T, q_dim)
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One causal attention call, (B, nh, T, hs) out. cuDNN goes through qtrain's opaque op pair
+        (kernels/attention.py): reached through F.scaled_dot_product_attention inside compiled graphs its
+        gradients were wrong on the H200."""
+        if sdpa_backend == "cudnn":
+            return causal_attention(q, k, v)
+        with sdpa_backends(sdpa_backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
     def block_body(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                    step: Callable[..., object]) -> torch.Tensor:
