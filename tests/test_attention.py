@@ -109,3 +109,14 @@ def test_gpu_cudnn_op_matches_flash(shape, compiled):
     torch.testing.assert_close(out.float(), ref_out.float(), rtol=2e-2, atol=2e-2)
     err = (x.grad.float() - ref_dx.float()).abs().max() / ref_dx.float().abs().max()
     assert err < 2e-2, f"relative gradient error {err:.3g}"
+
+
+def test_auto_backend_resolution():
+    """'auto' becomes cudnn only on Hopper CUDA devices (where the op was validated); names given stay."""
+    from qtrain.model.layers import resolve_sdpa_backend
+    assert resolve_sdpa_backend("auto", torch.device("cpu")) == "auto"
+    assert resolve_sdpa_backend("flash", torch.device("cpu")) == "flash"
+    if torch.cuda.is_available():
+        hopper = torch.cuda.get_device_capability()[0] == 9
+        assert resolve_sdpa_backend("auto", torch.device("cuda")) == ("cudnn" if hopper else "auto")
+        assert resolve_sdpa_backend("flash", torch.device("cuda")) == "flash"

@@ -36,6 +36,15 @@ def sdpa_backends(name: str) -> Iterator[None]:
         yield
 
 
+def resolve_sdpa_backend(name: str, device: torch.device) -> str:
+    """'auto' -> 'cudnn' on Hopper GPUs (compute capability 9.x), where qtrain's cuDNN op pair was checked
+    against flash (tests/test_attention.py on the H200) and trains 3-4% faster at Qwen2.5-1.5B
+    (BENCHMARKS.md, session 5); elsewhere torch's own choice. Any other name is kept as given."""
+    if name == "auto" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
+        return "cudnn"
+    return name
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = w * (x / sqrt(mean(x^2) + eps)); the normalisation in fp32, cast back before the gain (as HF)."""
     xf = x.float()

@@ -67,7 +67,8 @@ class Options:
     attn_bwd_chunks: int = 1
     """Run attention as N calls over batch slices: backward workspace for B/N sequences, one more copy of the output."""
     sdpa_backend: str = "auto"
-    """Attention kernel: auto (torch's choice) | flash | cudnn | efficient | math; a speed choice, same function."""
+    """Attention kernel: auto (cudnn on Hopper GPUs, else torch's choice) | flash | cudnn | efficient | math; a
+    speed choice, the same function."""
 
     # ---- optimiser / schedule ----
     learning_rate: float = 1e-5
@@ -114,6 +115,9 @@ class Options:
     """auto | cpu | cuda."""
     compile: str = "auto"
     """torch.compile the blocks: auto (on for CUDA) | on | off."""
+    compile_tuning: bool = False
+    """Let inductor tune its generated kernels' launch configurations (coordinate descent): a slower first
+    compile for faster norm / quantization kernels."""
     gpus: int = 0
     """Local worker processes to start (0 = all visible GPUs, or 1 on CPU). Under torchrun: the launcher's."""
     zero_level: int = 1

@@ -24,6 +24,7 @@ import torch
 from ..model.config import ModelConfig, preset, PRESETS
 from ..model.hf_io import load_hf_weights, load_model_config, save_hf_model
 from ..model.init import init_params
+from ..model.layers import resolve_sdpa_backend
 from ..model.resolve import resolve_model_dir
 from ..model.transformer import ParamWeights, RunOptions, Transformer
 from ..numerics.fp8 import E4M3, E5M2, fp8_linear, fp8_swiglu_mlp
@@ -134,8 +135,11 @@ class Trainer:
         self._init_weights()
 
         use_compile = opts.compile == "on" or (opts.compile == "auto" and self.device.type == "cuda")
+        if use_compile and opts.compile_tuning:  # process-wide: inductor reads it when it generates kernels
+            import torch._inductor.config as inductor_config
+            inductor_config.coordinate_descent_tuning = True
         self.model = Transformer(cfg, RunOptions(
-            lmhead_chunks=opts.lmhead_chunks, attn_bwd_chunks=opts.attn_bwd_chunks, sdpa_backend=opts.sdpa_backend,
+            lmhead_chunks=opts.lmhead_chunks, attn_bwd_chunks=opts.attn_bwd_chunks, sdpa_backend=resolve_sdpa_backend(opts.sdpa_backend, self.device),
             recompute_swiglu=opts.recompute_swiglu, recompute_norm=opts.recompute_norm,
             recompute_ffn=opts.recompute_ffn, recompute_qkv=opts.recompute_qkv, recompute_att=opts.recompute_att,
             recompute_block=opts.recompute_block,
