@@ -115,9 +115,10 @@ class Options:
     """auto | cpu | cuda."""
     compile: str = "auto"
     """torch.compile the blocks: auto (on for CUDA) | on | off."""
-    compile_tuning: bool = False
-    """Let inductor tune its generated kernels' launch configurations (coordinate descent): a slower first
-    compile for faster norm / quantization kernels."""
+    compile_tuning: bool = True
+    """With compiled blocks, let inductor tune its generated kernels' launch configurations (coordinate
+    descent): about 1.5 min more for the first compile of a shape on a machine (cached after that), e4m3 1.4%
+    faster at 1.5B (BENCHMARKS.md, session 5). --no-compile-tuning for quick starts."""
     gpus: int = 0
     """Local worker processes to start (0 = all visible GPUs, or 1 on CPU). Under torchrun: the launcher's."""
     zero_level: int = 1

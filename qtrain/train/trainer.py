@@ -135,9 +135,9 @@ class Trainer:
         self._init_weights()
 
         use_compile = opts.compile == "on" or (opts.compile == "auto" and self.device.type == "cuda")
-        if use_compile and opts.compile_tuning:  # process-wide: inductor reads it when it generates kernels
+        if use_compile:  # process-wide: inductor reads it when it generates kernels
             import torch._inductor.config as inductor_config
-            inductor_config.coordinate_descent_tuning = True
+            inductor_config.coordinate_descent_tuning = opts.compile_tuning
         self.model = Transformer(cfg, RunOptions(
             lmhead_chunks=opts.lmhead_chunks, attn_bwd_chunks=opts.attn_bwd_chunks, sdpa_backend=resolve_sdpa_backend(opts.sdpa_backend, self.device),
             recompute_swiglu=opts.recompute_swiglu, recompute_norm=opts.recompute_norm,
