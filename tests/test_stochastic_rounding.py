@@ -21,6 +21,8 @@ from qtrain.kernels.stochastic_rounding import (
     sr_copy_,
     sr_copy_twin,
     sr_e4m3_bits_twin,
+    sr_sum_,
+    sr_sum_twin,
 )
 
 
@@ -230,15 +232,51 @@ def _check_triton_vs_twin(device, seed):
         assert torch.equal(a.view(view), b.view(view)), (dst_dt, src_dt, add)
 
 
+def _check_sum_triton_vs_twin(device, seed):
+    """sr_sum_ over column slices of a (W, shard) buffer, as the all-to-all manager calls it."""
+    torch.manual_seed(seed)
+    for world, dst_dt, src_dt, add, scale in ((1, torch.bfloat16, torch.bfloat16, False, 1.0),
+                                              (2, torch.bfloat16, torch.bfloat16, True, 0.5),
+                                              (4, torch.bfloat16, torch.bfloat16, False, 0.25),
+                                              (3, torch.float32, torch.float32, True, 1 / 3)):
+        recv = (torch.randn(world, 9000, device=device) * 3).to(src_dt)
+        parts = recv[:, 123:123 + 4097]
+        dst = torch.randn(4097, device=device).to(dst_dt)
+        with dispatch.backend("triton"):
+            a = sr_sum_(dst.clone(), parts, key=rng_key(seed, world), scale=scale, offset=2**32 - 5, add=add)
+        b = sr_sum_twin(dst.clone(), parts, key=rng_key(seed, world), scale=scale, offset=2**32 - 5, add=add)
+        view = torch.int16 if dst_dt == torch.bfloat16 else torch.int32
+        assert torch.equal(a.view(view), b.view(view)), (world, dst_dt, add)
+
+
+def test_sr_sum_is_the_fixed_order_fp32_sum_then_sr():
+    """The twin's definition against its parts: (dst +) p0 + p1 + ... in fp32, one rounding per add, then
+    sr_copy_'s scale and SR; and W = 1 without add is plain sr_copy_."""
+    g = torch.Generator().manual_seed(3)
+    parts = (torch.randn(3, 500, generator=g) * 5).to(torch.bfloat16)
+    dst = torch.randn(500, generator=g).to(torch.bfloat16)
+    acc = dst.float() + parts[0].float()
+    acc = (acc + parts[1].float()) + parts[2].float()
+    want = sr_copy_twin(dst.clone(), acc, key=9, scale=0.25, offset=40)
+    got = sr_sum_(dst.clone(), parts, key=9, scale=0.25, offset=40, add=True)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    one = sr_sum_(dst.clone(), parts[:1], key=9, scale=0.5)
+    assert torch.equal(one.view(torch.int16), sr_copy_twin(dst.clone(), parts[0], key=9, scale=0.5).view(torch.int16))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        sr_sum_(dst[:250].clone(), parts[:, ::2], key=1)
+
+
 @interp_only
 def test_interp_triton_matches_twin():
     _check_triton_vs_twin("cpu", seed=0)
+    _check_sum_triton_vs_twin("cpu", seed=0)
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_triton_matches_twin():
     _check_triton_vs_twin("cuda", seed=1)
+    _check_sum_triton_vs_twin("cuda", seed=1)
     x = torch.randn(3 * 2**20 + 5, device="cuda")
     a = round_to_bf16_sr(x, key=3, offset=11)  # dispatch: Triton
     b = sr_copy_twin(torch.empty_like(x, dtype=torch.bfloat16), x, key=3, offset=11)

@@ -41,7 +41,9 @@ __all__ = [
     "round_to_bf16_sr",
     "sr_add_",
     "sr_copy_",
+    "sr_sum_",
     "sr_add_twin",
+    "sr_sum_twin",
     "sr_copy_twin",
     "sr_bf16_bits_twin",
     "sr_e4m3_bits_twin",
@@ -149,6 +151,23 @@ def sr_copy_twin(dst, src, *, key: int, scale: float = 1.0, offset: int = 0) -> 
     return _sr_twin(dst, src, key, scale, offset, add=False)
 
 
+def _check_sum(dst: torch.Tensor, parts: torch.Tensor) -> None:
+    if parts.dim() != 2 or parts.shape[0] < 1 or (parts.shape[1] > 1 and parts.stride(1) != 1):
+        raise ValueError(f"sr_sum_: parts must be (W, m) with contiguous rows, got shape {tuple(parts.shape)} "
+                         f"strides {parts.stride()}")
+    _check(dst, parts[0], "sr_sum_")
+
+
+def sr_sum_twin(dst, parts, *, key: int, scale: float = 1.0, offset: int = 0, add: bool = False) -> torch.Tensor:
+    """Twin (specification) of ``sr_sum_``: the fp32 sum in the fixed order (dst,) parts[0], ..., parts[W-1],
+    one fp32 rounding per add, then ``sr_copy_``'s scale-and-round."""
+    _check_sum(dst, parts)
+    acc = _load_f32_twin(dst) + _load_f32_twin(parts[0]) if add else parts[0].to(torch.float32, copy=True)
+    for j in range(1, parts.shape[0]):
+        acc += _load_f32_twin(parts[j])
+    return _sr_twin(dst, acc, key, scale, offset, add=False)
+
+
 # -------------------------------------------------------------------------------- triton bit helpers
 @jit
 def load_f32(ptr, mask, KIND: tl.constexpr):
@@ -253,6 +272,29 @@ def _sr_kernel(dst_ptr, src_ptr, n, offset, kstate, scale,
         tl.store(dst_ptr + offs, y, mask=mask)
 
 
+@jit(do_not_specialize=["offset", "kstate", "part_stride"])
+def _sr_sum_kernel(dst_ptr, parts_ptr, n, part_stride, offset, kstate, scale,
+                   W: tl.constexpr, ADD: tl.constexpr, DST_KIND: tl.constexpr, SRC_KIND: tl.constexpr,
+                   HI_ABSORBED: tl.constexpr, BLOCK: tl.constexpr):
+    """dst[i] = round(scale * (dst[i] * ADD + parts[0][i] + ... + parts[W-1][i])), fp32 adds in that order
+    (no FMA: see ``_sr_kernel``); part j starts part_stride elements after part j-1."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    ptrs = parts_ptr + offs
+    acc = load_f32(ptrs, mask, SRC_KIND)
+    if ADD:
+        acc = load_f32(dst_ptr + offs, mask, DST_KIND) + acc
+    for _ in tl.static_range(1, W):
+        ptrs += part_stride
+        acc = acc + load_f32(ptrs, mask, SRC_KIND)
+    y = acc * scale
+    if DST_KIND == 1:
+        rand = hash_u32(kstate, offset + offs, HI_ABSORBED)
+        tl.store(dst_ptr + offs, sr_bf16_bits(y, rand), mask=mask)
+    else:
+        tl.store(dst_ptr + offs, y, mask=mask)
+
+
 def _sr_triton(dst: torch.Tensor, src: torch.Tensor, key: int, scale: float, offset: int, add: bool) -> torch.Tensor:
     n = dst.numel()
     if n == 0:
@@ -266,6 +308,24 @@ def _sr_triton(dst: torch.Tensor, src: torch.Tensor, key: int, scale: float, off
         d, s, n, offset, kstate, fp32(scale),
         ADD=add, DST_KIND=int(dst_bf16), SRC_KIND=_SRC_KINDS[src.dtype], HI_ABSORBED=hi_absorbed, BLOCK=block,
         num_warps=8, enable_fp_fusion=False,
+    )
+    return dst
+
+
+def _sr_sum_triton(dst: torch.Tensor, parts: torch.Tensor, key: int, scale: float, offset: int, add: bool
+                   ) -> torch.Tensor:
+    n = dst.numel()
+    if n == 0:
+        return dst
+    dst_bf16 = dst.dtype == torch.bfloat16
+    d = dst.view(torch.int16) if dst_bf16 else dst
+    p = parts.view(torch.int16) if parts.dtype == torch.bfloat16 else parts
+    block = 4096
+    kstate, hi_absorbed = kernel_key(key, offset, n)
+    _sr_sum_kernel[(triton_cdiv(n, block),)](
+        d, p, n, parts.stride(0), offset, kstate, fp32(scale),
+        W=parts.shape[0], ADD=add, DST_KIND=int(dst_bf16), SRC_KIND=_SRC_KINDS[parts.dtype],
+        HI_ABSORBED=hi_absorbed, BLOCK=block, num_warps=8, enable_fp_fusion=False,
     )
     return dst
 
@@ -288,6 +348,20 @@ def sr_copy_(dst: torch.Tensor, src: torch.Tensor, *, key: int, scale: float = 1
     if use_triton(dst):
         return _sr_triton(dst, src, key, scale, offset, add=False)
     return _sr_twin(dst, src, key, scale, offset, add=False)
+
+
+def sr_sum_(dst: torch.Tensor, parts: torch.Tensor, *, key: int, scale: float = 1.0, offset: int = 0,
+            add: bool = False) -> torch.Tensor:
+    """dst <- round(scale * ((dst if add) + parts[0] + ... + parts[W-1])), the sum in fp32 in that fixed order
+    (bit-reproducible); stochastic when dst is bf16. One pass over the W parts instead of an fp32 buffer
+    built by W passes: the all-to-all gradient manager's reduction of what it received.
+
+    parts: (W, m) with contiguous rows at any row stride (a column slice of a (W, shard) receive buffer);
+    dst: m contiguous elements. In place, returns dst."""
+    _check_sum(dst, parts)
+    if use_triton(dst):
+        return _sr_sum_triton(dst, parts, key, scale, offset, add)
+    return sr_sum_twin(dst, parts, key=key, scale=scale, offset=offset, add=add)
 
 
 def round_to_bf16_sr(x: torch.Tensor, *, key: int, offset: int = 0) -> torch.Tensor:

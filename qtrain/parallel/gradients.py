@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.rng import rng_key
-from ..kernels.stochastic_rounding import sr_add_, sr_copy_
+from ..kernels.stochastic_rounding import sr_add_, sr_copy_, sr_sum_
 from .comm import Communicator, Handle
 from .layout import FlatLayout, Group, Piece
 
@@ -427,13 +427,11 @@ class AllToAllGradients(_BlockSharded):
                 scale: float) -> None:
         work = self._shard_in(group.layer, load=not first)
         parts = recv.view(self.world, -1)
-        # fixed order (old shard, then ranks 0..W-1): the fp32 sum is bit-reproducible
-        acc = parts[0].to(torch.float32, copy=True) if first else work.float() + parts[0].float()
-        for j in range(1, self.world):
-            acc += parts[j].float()
+        # fixed order (old shard, then ranks 0..W-1): the fp32 sum is bit-reproducible; one pass per piece
         for t, p in self._pieces[group.layer]:
             sl = slice(p.shard_offset, p.shard_offset + p.numel)
-            sr_copy_(work[sl], acc[sl], key=self._key(group, t, step, micro), scale=scale, offset=p.tensor_offset)
+            sr_sum_(work[sl], parts[:, sl], key=self._key(group, t, step, micro), scale=scale,
+                    offset=p.tensor_offset, add=not first)
         if first:
             work[self._pad_start:].zero_()
         self._shard_out(group.layer, work)
