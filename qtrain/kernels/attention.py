@@ -97,6 +97,11 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[t
 @_attention_fwd.register_kernel("cuda")
 def _attention_fwd_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check(q, k, v)
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"causal_attention: cuDNN takes bf16 or fp16 q, k, v on CUDA, got {q.dtype}, {k.dtype}, "
+                        f"{v.dtype} (fp32 runs: --sdpa-backend auto or flash/math)")
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        raise ValueError("causal_attention: q, k, v need unit innermost stride")
     B, nh, T, _ = q.shape
     r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False)
     return _as_bthd(r[0]), r[1].reshape(B, nh, T)
@@ -114,11 +119,20 @@ def _attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     return causal_attention_backward_twin(q, k, v, out, lse, dout)
 
 
+_SEEDS: dict[torch.device, torch.Tensor] = {}
+
+
+def _no_dropout_seed(device: torch.device) -> torch.Tensor:
+    if device not in _SEEDS:
+        _SEEDS[device] = torch.zeros(1, dtype=torch.int64, device=device)
+    return _SEEDS[device]
+
+
 @_attention_bwd.register_kernel("cuda")
 def _attention_bwd_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                          dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     T = q.shape[2]
-    unused = torch.zeros(1, dtype=torch.int64, device=q.device)  # philox seed / offset: no dropout
+    unused = _no_dropout_seed(q.device)  # philox seed / offset: read only with dropout
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         _as_bthd(dout), q, k, v, out, lse.unsqueeze(-1), unused, unused, None, None, None, T, T, 0.0, True)
     return _as_bthd(dq), _as_bthd(dk), _as_bthd(dv)
@@ -131,9 +145,10 @@ def _(q, k, v, out, lse, dout):
 
 def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs, *output)
+    ctx.set_materialize_grads(False)  # lse has no gradient: no zeros for it in every layer's backward
 
 
-def _backward(ctx, dout: torch.Tensor, _dlse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward(ctx, dout: torch.Tensor, _dlse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v, out, lse = ctx.saved_tensors
     return _attention_bwd(q, k, v, out, lse, dout)
 

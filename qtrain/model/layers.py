@@ -17,7 +17,7 @@ from ..kernels.swiglu import swiglu_backward
 from .config import ModelConfig
 
 
-SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+SDPA_BACKENDS = ("auto", "flash", "cudnn", "math")  # torch's memory-efficient kernel has no GQA: left out
 
 
 @contextlib.contextmanager
@@ -30,17 +30,18 @@ def sdpa_backends(name: str) -> Iterator[None]:
         yield
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-               "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[name]
     with sdpa_kernel(backend):
         yield
 
 
-def resolve_sdpa_backend(name: str, device: torch.device) -> str:
-    """'auto' -> 'cudnn' on Hopper GPUs (compute capability 9.x), where qtrain's cuDNN op pair was checked
-    against flash (tests/test_attention.py on the H200) and trains 3-4% faster at Qwen2.5-1.5B
-    (BENCHMARKS.md, session 5); elsewhere torch's own choice. Any other name is kept as given."""
-    if name == "auto" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
+def resolve_sdpa_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """'auto' -> 'cudnn' for bf16/fp16 on Hopper GPUs (compute capability 9.x), where qtrain's cuDNN op pair
+    was checked against flash (tests/test_attention.py on the H200) and trains 3-4% faster at Qwen2.5-1.5B
+    (BENCHMARKS.md, session 5); elsewhere (and for fp32, which cuDNN's attention does not take) torch's own
+    choice. Any other name is kept as given."""
+    if name == "auto" and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) \
+            and torch.cuda.get_device_capability(device)[0] == 9:
         return "cudnn"
     return name
 

@@ -210,6 +210,7 @@ class RunOptions:
     recompute_block: bool = False  # keep only each block's input; rerun its forward inside backward (=> all)
     offload_residual: bool = False  # with recompute_block: keep those inputs in (pinned) host memory
     compile: bool = False  # torch.compile the block function (GPU)
+    compile_tuning: bool = False  # with compile: inductor's coordinate-descent tuning of its kernels
     linear: Linear = F.linear  # the block linears; FP8 swaps in its own
     mlp: Mlp | None = None  # the MLP as one function (FP8), used by compiled blocks like the fused SwiGLU
 
@@ -237,7 +238,8 @@ class Transformer:
         fn = make_block_fn(cfg, run.linear, recompute=block_steps(run.recompute), attn_chunks=run.attn_bwd_chunks,
                            compiled=run.compile, fused_swiglu=run.compile, mlp=run.mlp if run.compile else None,
                            sdpa_backend=run.sdpa_backend)
-        self.block_fn: BlockFn = torch.compile(fn, dynamic=False) if run.compile else fn
+        tuning = {"coordinate_descent_tuning": True} if run.compile_tuning else None
+        self.block_fn: BlockFn = torch.compile(fn, dynamic=False, options=tuning) if run.compile else fn
         self._eager_block_fn: BlockFn = fn
         if run.compile:  # the compiled flavour of the recompute mechanism differs; eager needs its own
             self._eager_block_fn = make_block_fn(cfg, run.linear, recompute=block_steps(run.recompute),

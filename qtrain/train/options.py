@@ -67,8 +67,9 @@ class Options:
     attn_bwd_chunks: int = 1
     """Run attention as N calls over batch slices: backward workspace for B/N sequences, one more copy of the output."""
     sdpa_backend: str = "auto"
-    """Attention kernel: auto (cudnn on Hopper GPUs, else torch's choice) | flash | cudnn | efficient | math; a
-    speed choice, the same function."""
+    """Attention kernel: auto (cudnn for bf16 on Hopper GPUs, else torch's choice) | flash | cudnn | math. All
+    compute the same function, but each takes only some dtypes and devices (flash and cudnn: bf16/fp16 on
+    CUDA; on the CPU, cudnn runs its fp32 specification, which materializes the (B, heads, T, T) scores)."""
 
     # ---- optimiser / schedule ----
     learning_rate: float = 1e-5

@@ -135,15 +135,14 @@ class Trainer:
         self._init_weights()
 
         use_compile = opts.compile == "on" or (opts.compile == "auto" and self.device.type == "cuda")
-        if use_compile:  # process-wide: inductor reads it when it generates kernels
-            import torch._inductor.config as inductor_config
-            inductor_config.coordinate_descent_tuning = opts.compile_tuning
         self.model = Transformer(cfg, RunOptions(
-            lmhead_chunks=opts.lmhead_chunks, attn_bwd_chunks=opts.attn_bwd_chunks, sdpa_backend=resolve_sdpa_backend(opts.sdpa_backend, self.device),
+            lmhead_chunks=opts.lmhead_chunks, attn_bwd_chunks=opts.attn_bwd_chunks,
+            sdpa_backend=resolve_sdpa_backend(opts.sdpa_backend, self.device, self.dtype),
             recompute_swiglu=opts.recompute_swiglu, recompute_norm=opts.recompute_norm,
             recompute_ffn=opts.recompute_ffn, recompute_qkv=opts.recompute_qkv, recompute_att=opts.recompute_att,
             recompute_block=opts.recompute_block,
-            offload_residual=opts.offload_residual, compile=use_compile, linear=self._linear(opts),
+            offload_residual=opts.offload_residual, compile=use_compile, compile_tuning=opts.compile_tuning,
+            linear=self._linear(opts),
             mlp=block_mlp(opts)))
         self.grads = make_gradient_manager(opts.gradient_manager_kind, self.layout, comm=self.comm,
                                            dtype=self.dtype, device=self.device, seed=opts.seed,
