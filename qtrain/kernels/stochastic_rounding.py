@@ -295,38 +295,36 @@ def _sr_sum_kernel(dst_ptr, parts_ptr, n, part_stride, offset, kstate, scale,
         tl.store(dst_ptr + offs, y, mask=mask)
 
 
+_BLOCK = 4096
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """What a kernel gets for ``t``: bf16 as its int16 bit patterns (see the module docstring), else ``t``."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
 def _sr_triton(dst: torch.Tensor, src: torch.Tensor, key: int, scale: float, offset: int, add: bool) -> torch.Tensor:
     n = dst.numel()
-    if n == 0:
-        return dst
-    dst_bf16 = dst.dtype == torch.bfloat16
-    d = dst.view(torch.int16) if dst_bf16 else dst
-    s = src.view(torch.int16) if src.dtype == torch.bfloat16 else src
-    block = 4096
-    kstate, hi_absorbed = kernel_key(key, offset, n)
-    _sr_kernel[(triton_cdiv(n, block),)](
-        d, s, n, offset, kstate, fp32(scale),
-        ADD=add, DST_KIND=int(dst_bf16), SRC_KIND=_SRC_KINDS[src.dtype], HI_ABSORBED=hi_absorbed, BLOCK=block,
-        num_warps=8, enable_fp_fusion=False,
-    )
+    if n:
+        kstate, hi_absorbed = kernel_key(key, offset, n)
+        _sr_kernel[(triton_cdiv(n, _BLOCK),)](
+            _bits(dst), _bits(src), n, offset, kstate, fp32(scale),
+            ADD=add, DST_KIND=int(dst.dtype == torch.bfloat16), SRC_KIND=_SRC_KINDS[src.dtype],
+            HI_ABSORBED=hi_absorbed, BLOCK=_BLOCK, num_warps=8, enable_fp_fusion=False,
+        )
     return dst
 
 
 def _sr_sum_triton(dst: torch.Tensor, parts: torch.Tensor, key: int, scale: float, offset: int, add: bool
                    ) -> torch.Tensor:
     n = dst.numel()
-    if n == 0:
-        return dst
-    dst_bf16 = dst.dtype == torch.bfloat16
-    d = dst.view(torch.int16) if dst_bf16 else dst
-    p = parts.view(torch.int16) if parts.dtype == torch.bfloat16 else parts
-    block = 4096
-    kstate, hi_absorbed = kernel_key(key, offset, n)
-    _sr_sum_kernel[(triton_cdiv(n, block),)](
-        d, p, n, parts.stride(0), offset, kstate, fp32(scale),
-        W=parts.shape[0], ADD=add, DST_KIND=int(dst_bf16), SRC_KIND=_SRC_KINDS[parts.dtype],
-        HI_ABSORBED=hi_absorbed, BLOCK=block, num_warps=8, enable_fp_fusion=False,
-    )
+    if n:
+        kstate, hi_absorbed = kernel_key(key, offset, n)
+        _sr_sum_kernel[(triton_cdiv(n, _BLOCK),)](
+            _bits(dst), _bits(parts), n, parts.stride(0), offset, kstate, fp32(scale),
+            W=parts.shape[0], ADD=add, DST_KIND=int(dst.dtype == torch.bfloat16), SRC_KIND=_SRC_KINDS[parts.dtype],
+            HI_ABSORBED=hi_absorbed, BLOCK=_BLOCK, num_warps=8, enable_fp_fusion=False,
+        )
     return dst
 
 
