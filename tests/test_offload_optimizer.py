@@ -2,7 +2,7 @@
 
 Claim: offloading moves the state, not the math. The Adam moments (and, with sharded weights, the weight
 shards, which are the master) live in host memory -- pinned when CUDA is available -- and the update
-streams them through two staging slots on the compute device, chunking shards larger than a block shard
+streams them through three staging slots on the compute device, chunking shards larger than a block shard
 (the embedding and LM head here: vocab 997). The update is elementwise and every element keeps its
 stochastic-rounding counter (its index in its tensor) whatever chunk it lands in, so every offload
 variant must give *bitwise* the same losses, gradient norms, weights after every step and final Adam
@@ -155,7 +155,7 @@ def test_offloaded_state_lives_in_host_memory_and_is_streamed(results):
                 assert p["master"] == host and p["weights_host_keys"] == {"shards"}
             offloaded = any(kw.get(k) for k in ("offload_opt_m", "offload_opt_v", "offload_master"))
             if offloaded and not kw.get("use_zero_copy"):
-                # streamed: two staging slots; the vocab-sized shards are cut into several chunks
+                # streamed: staging slots; the vocab-sized shards are cut into several chunks
                 assert p["staging"] > 0 and p["streamed_items"] > p["groups"], (name, p)
             else:
                 assert p["staging"] == 0 and p["streamed_items"] == 0, (name, p)
@@ -179,3 +179,53 @@ def test_zero_copy_and_offload_master_refusals():
     with pytest.raises(ValueError) as e:
         ShardedAdamW(layout, layout.allocate(dtype=torch.float32, device=CPU), offload_params=True)
     assert str(e.value) == OFFLOAD_MASTER_NEEDS_SHARDED
+
+
+# ---- on the GPU: the streamed update with real copy streams -----------------------------------------------
+GPU_CFG = ModelConfig(model_type="qwen2", vocab_size=32000, hidden_size=512, intermediate_size=1536,
+                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                      max_position_embeddings=64, rope_theta=10000.0, tie_word_embeddings=False,
+                      attention_bias=True, bos_token_id=None, eos_token_id=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m_dtype", ["bf16", "e4m3"])
+def test_gpu_streamed_update_equals_device_update(m_dtype):
+    """On CUDA the staged update runs on three streams (host->device, compute, device->host) with the slots
+    reused every third item; a missing wait shows up as stale or half-copied state. The model is sized so
+    the copies take real time (46M parameters, ~18 work items: the 16M-element embedding and LM-head shards
+    are cut into chunks), and the result must equal the on-device update bitwise after every step."""
+    dev = torch.device("cuda")
+    layout = FlatLayout(GPU_CFG, 1)
+
+    def filled(seed: int, scale: float) -> dict[str, torch.Tensor]:
+        out = layout.allocate(dtype=torch.bfloat16, device=dev)
+        g = torch.Generator(device=dev).manual_seed(seed)
+        for t in out.values():
+            t.copy_(torch.randn(t.shape, device=dev, generator=g) * scale)
+        return out
+
+    def run(**kw) -> list[dict[str, torch.Tensor]]:
+        shards = filled(1, 0.05)
+        if kw.get("offload_params"):
+            shards = {k: t.cpu().pin_memory() for k, t in shards.items()}
+        opt = ShardedAdamW(layout, shards=shards, device=dev, m_dtype=m_dtype, v_dtype="bf16", seed=3, **kw)
+        states = []
+        for step in range(3):
+            grads = filled(100 + step, 1e-2)
+            opt.step(type("G", (), {"grad_shard": lambda self, k, g=grads: g[k]})(), lr=1e-2, beta1=0.9,
+                     beta2=0.95, eps=1e-8, weight_decay=0.1)
+            st = opt.state_tensors()  # synchronizes the copies back to the host
+            states.append({f"{n}.{k}": t.to(dev, copy=True) for n, d in
+                           (("param", opt.shards), ("m", st["adam.m"]), ("v", st["adam.v"])) for k, t in d.items()})
+        assert opt.streamed_items == (len(opt._items(opt._capacity)) if kw else 0)
+        return states
+
+    base = run()
+    for kw in (dict(offload_m=True, offload_v=True), dict(offload_m=True, offload_v=True, offload_params=True)):
+        got = run(**kw)
+        assert len(got[0]) == len(base[0])
+        for step, (a, b) in enumerate(zip(base, got)):
+            for k in a:
+                assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), (kw, step, k)

@@ -20,9 +20,11 @@ shards handed in live there (sharded weights with --offload-master: qtrain has n
 model-dtype weights *are* the master, so offloading the master means offloading the weight shard). The
 update still runs on the compute device: the step walks *work items* (a group's shard, or a chunk of it --
 the big embedding / LM-head shards are cut into chunks of the largest block shard) and streams them through
-two device staging slots: the host->device copies of item i+1 run on a side stream while item i updates,
-then item i's results go back device->host on the same side stream (which is what makes reusing a slot two
-items later safe). Gradient shards that live in host memory (--offload-gradients) are staged the same way
+`STAGING_SLOTS` (3) device staging slots: while item i updates, item i+1 comes host->device on one side stream
+and item i-1's results go device->host on another. PCIe moves both directions at once, so a step costs
+about one direction's traffic, not the sum of both (with two slots, fetching i+1 into the slot item i-1 is
+still writing back from serialises them). A slot is refilled only after the copy-back of the item that used
+it three items earlier has finished (an event on the device->host stream). Gradient shards that live in host memory (--offload-gradients) are staged the same way
 (read only). The compute stream waits for the last copy-back at the end of the step (no host sync); host
 code that reads the offloaded state (checkpoints) calls `synchronize()` first.
 
@@ -60,6 +62,7 @@ from ..numerics.adamw import AdamWHyper, adamw_update_
 from .layout import FlatLayout, Group, Piece
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
+STAGING_SLOTS = 3  # device slots offloaded state streams through: one fetching, one updating, one writing back
 SCALES_SUFFIX = ".scales"  # key of a group's e4m3 m scales in the `adam.m` state dict / checkpoint file
 
 OFFLOAD_MASTER_NEEDS_SHARDED = (
@@ -195,8 +198,10 @@ class ShardedAdamW:
             sizes = {k: self._capacity for k in dts}
             sizes["m_scales"] = scale_slot_numel(layout, self._capacity)
             self._slots = [{k: torch.empty(sizes[k], dtype=dts[k], device=self.device)
-                            for k, s in self._staged.items() if s} for _ in range(2)]
-        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+                            for k, s in self._staged.items() if s} for _ in range(STAGING_SLOTS)]
+        cuda = self.device.type == "cuda"
+        self._h2d_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._d2h_stream = torch.cuda.Stream(self.device) if cuda else None
         self._copies_done: torch.cuda.Event | None = None
         self.step_count = 0  # completed updates; Adam's bias correction uses step_count + 1
         self.streamed_items = 0  # work items the last step streamed through the staging slots (0: none)
@@ -288,7 +293,7 @@ class ShardedAdamW:
         if stage_grads and not any(("grad" in s) for s in self._slots):
             dt = next(iter(gshards.values())).dtype
             if not self._slots:
-                self._slots = [{}, {}]
+                self._slots = [{} for _ in range(STAGING_SLOTS)]
             for s in self._slots:
                 s["grad"] = torch.empty(capacity, dtype=dt, device=self.device)
         sources = {"param": self.shards, "m": self.m, "v": self.v, "grad": gshards}
@@ -296,47 +301,54 @@ class ShardedAdamW:
             sources["m_scales"] = self.m_scales
         staged = dict(self._staged, grad=stage_grads)
         items = self._items(capacity if any(staged.values()) else None)
-        cs = self._copy_stream
-        ready: list[torch.cuda.Event | None] = [None] * len(items)
+        h2d, d2h = self._h2d_stream, self._d2h_stream
+        n_slots = len(self._slots)
+        ready: list[torch.cuda.Event | None] = [None] * len(items)  # item i is in its slot
+        freed: list[torch.cuda.Event | None] = [None] * len(items)  # item i's copy-back has finished
 
         def span(k: str, it: _Item) -> tuple[int, int]:  # what item `it` covers of source k
             return (it.s_lo, it.s_hi) if k == "m_scales" else (it.lo, it.hi)
 
-        def fetch(i: int) -> None:  # host -> staging slot i % 2 (side stream on CUDA)
-            it, slot = items[i], self._slots[i % 2]
-            ctx = torch.cuda.stream(cs) if cs is not None else contextlib.nullcontext()
+        def fetch(i: int) -> None:  # host -> staging slot i % n_slots (host->device stream on CUDA)
+            it, slot = items[i], self._slots[i % n_slots]
+            ctx = torch.cuda.stream(h2d) if h2d is not None else contextlib.nullcontext()
             with ctx:
+                if i >= n_slots and freed[i - n_slots] is not None:
+                    h2d.wait_event(freed[i - n_slots])  # the slot's last user has gone back to the host
                 for k, src in sources.items():
                     if staged[k]:
                         lo, hi = span(k, it)
                         slot[k][:hi - lo].copy_(src[it.group.key][lo:hi], non_blocking=True)
-                if cs is not None:
+                if h2d is not None:
                     ready[i] = torch.cuda.Event()
-                    ready[i].record(cs)
+                    ready[i].record(h2d)
 
         def operands(i: int) -> dict[str, torch.Tensor]:
-            it, slot = items[i], self._slots[i % 2] if self._slots else {}
+            it, slot = items[i], self._slots[i % n_slots] if self._slots else {}
             out = {}
             for k, src in sources.items():
                 lo, hi = span(k, it)
                 out[k] = slot[k][:hi - lo] if staged[k] else src[it.group.key][lo:hi]
             return out
 
-        def write_back(i: int) -> None:  # staging slot -> host, after the update (side stream on CUDA)
-            it, slot = items[i], self._slots[i % 2]
-            if cs is not None:
-                cs.wait_stream(torch.cuda.current_stream(self.device))
-            ctx = torch.cuda.stream(cs) if cs is not None else contextlib.nullcontext()
+        def write_back(i: int) -> None:  # staging slot -> host, after the update (device->host stream on CUDA)
+            it, slot = items[i], self._slots[i % n_slots]
+            if d2h is not None:
+                d2h.wait_stream(torch.cuda.current_stream(self.device))
+            ctx = torch.cuda.stream(d2h) if d2h is not None else contextlib.nullcontext()
             with ctx:
                 for k in ("param", "m", "v", "m_scales"):
                     if staged.get(k):
                         lo, hi = span(k, it)
                         sources[k][it.group.key][lo:hi].copy_(slot[k][:hi - lo], non_blocking=True)
+                if d2h is not None:
+                    freed[i] = torch.cuda.Event()
+                    freed[i].record(d2h)
 
         streaming = any(staged.values())
         self.streamed_items = len(items) if streaming else 0
-        if streaming and cs is not None:
-            cs.wait_stream(torch.cuda.current_stream(self.device))  # gradients / gathers queued so far
+        if streaming and h2d is not None:
+            h2d.wait_stream(torch.cuda.current_stream(self.device))  # gradients / gathers queued so far
         if streaming and items:
             fetch(0)
         amaxes = []
@@ -344,7 +356,7 @@ class ShardedAdamW:
         for i, it in enumerate(items):
             if streaming:
                 if i + 1 < len(items):
-                    fetch(i + 1)  # overlaps item i's update; its slot was last read by item i-1's copy-back
+                    fetch(i + 1)  # overlaps item i's update and item i-1's copy-back
                 if ready[i] is not None:
                     torch.cuda.current_stream(self.device).wait_event(ready[i])
             ops = operands(i)
@@ -359,10 +371,10 @@ class ShardedAdamW:
                 write_back(i)
             if it.last_of_group and self.replicated and self.comm is not None and self.world > 1:
                 self.comm.all_gather_into_tensor(self.params[g.key], self.shards[g.key])
-        if cs is not None and streaming:
-            torch.cuda.current_stream(self.device).wait_stream(cs)  # later compute (gathers) sees the results
+        if d2h is not None and streaming:
+            torch.cuda.current_stream(self.device).wait_stream(d2h)  # later compute (gathers) sees the results
             self._copies_done = torch.cuda.Event()
-            self._copies_done.record(cs)
+            self._copies_done.record(d2h)
         self.step_count = t
         return torch.stack([a.to(self.device) for a in amaxes]).max() if amaxes else torch.zeros(())
 

@@ -34,7 +34,7 @@ from typing import Any, Iterable
 
 from ..model.config import ModelConfig
 from ..parallel.layout import FlatLayout
-from ..parallel.optimizer import group_m_scales, scale_slot_numel, staging_capacity
+from ..parallel.optimizer import STAGING_SLOTS, group_m_scales, scale_slot_numel, staging_capacity
 from .fp8_weights import FP8_MATRICES
 from .options import Options, OptionsError
 
@@ -376,9 +376,9 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
 
     # ---- Adam moments: this rank's shards (parallel/optimizer.py) ----
     zero_copy = bool(_opt(opts, "use_zero_copy"))
-    staged_bytes = 0  # per element of the two staging slots
+    staged_bytes = 0  # per element of a staging slot
     capacity = staging_capacity(layout, opts.opt_m_dtype)  # elements per staging slot
-    staged_extra = 0  # bytes of the two staging slots beyond capacity x staged_bytes (e4m3 m scales)
+    staged_extra = 0  # bytes of the staging slots beyond capacity x staged_bytes (e4m3 m scales)
     for which, dt in (("m", opts.opt_m_dtype), ("v", opts.opt_v_dtype)):
         n = sum(shard_sizes) * DTYPE_BYTES[dt]
         if dt == "e4m3":  # fp32 scale per 128-element tensor block of the shard (+ the blocks shards cut)
@@ -387,7 +387,7 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
         if off and not zero_copy:
             staged_bytes += DTYPE_BYTES[dt]
             if dt == "e4m3":
-                staged_extra += 2 * 4 * scale_slot_numel(layout, capacity)
+                staged_extra += STAGING_SLOTS * 4 * scale_slot_numel(layout, capacity)
         items.append(Item(f"adam {which} ({dt}, 1/{world})", **_split(n, off), parts={f"adam.{which}": n},
                           detail="offloaded" if off else ""))
     if offload_master and sharded_w and not zero_copy:
@@ -395,10 +395,10 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
     grads_on_host = opts.offload_gradients and opts.gradient_manager_kind != "unsharded" and device != "cpu"
     if grads_on_host:
         staged_bytes += E  # gradient shards in host memory are staged too (read only)
-    staging = 2 * capacity * staged_bytes + staged_extra
+    staging = STAGING_SLOTS * capacity * staged_bytes + staged_extra
     if staging:
         items.append(Item("optimizer staging", device=staging, parts={"staging": staging},
-                          detail="2 device slots streaming offloaded state through the update"))
+                          detail=f"{STAGING_SLOTS} device slots streaming offloaded state through the update"))
 
     # ---- gradients (parallel/gradients.py `memory()`) ----
     kind = opts.gradient_manager_kind
