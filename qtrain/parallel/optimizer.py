@@ -153,6 +153,8 @@ class ShardedAdamW:
         self.replicated = params is not None
         weights = params if params is not None else shards
         self.device = torch.device(device) if device is not None else next(iter(weights.values())).device
+        if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():  # == "cuda:0"
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if offload_params and self.replicated:
             raise ValueError(OFFLOAD_MASTER_NEEDS_SHARDED)
         if zero_copy and self.device.type == "cuda":
