@@ -451,7 +451,8 @@ def test_propose_prefers_least_intrusive_changes():
     cfg = preset("Qwen2.5-0.5B")
     props = propose(cfg, Options(seq_len=1024, batch_size=1), 80 * GiB, 1, max_batch=4)
     assert props[0][1].batch_size == 4
-    assert props[0][0] == {"batch_size": 4}  # plenty of room: nothing else changes
+    # plenty of room: nothing else changes but the accumulation that keeps 1 x 4 sequences per step
+    assert props[0][0] == {"batch_size": 4, "grad_accumulation": 1}
     assert propose(cfg, Options(seq_len=1024), 1 * GiB, 1) == []  # nothing fits 1 GiB
 
 
@@ -481,3 +482,72 @@ def test_cli_plan_through_the_real_parser():
     run_plan(ns, out=out)
     d = json.loads(out.getvalue())
     assert d["plan"]["batch_size"] == 2 and d["proposals"] == []
+
+
+# ---- the step model that picks among proposals (train/step_cost.py) --------------------------------------
+def test_step_cost_recompute_flops_follow_the_switches():
+    """Recomputation adds exactly the forward FLOPs of the GEMMs (and attention) it reruns: none for the
+    elementwise switches, the MLP-up GEMM for ffn, a whole block forward for block (1/3 of a block's step)."""
+    from qtrain.train.step_cost import forward_flops_per_token, recompute_flops_per_token
+    cfg, T = preset("Qwen2.5-14B"), 1024
+    parts, head = forward_flops_per_token(cfg, T)
+    L, C, F = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
+    assert parts["mlp_up"] == 2 * C * 2 * F and parts["mlp_down"] == 2 * F * C and head == 2 * C * cfg.vocab_size
+    assert recompute_flops_per_token(cfg, T, {"swiglu", "norm"}) == 0
+    assert recompute_flops_per_token(cfg, T, {"ffn"}) == L * parts["mlp_up"]
+    assert recompute_flops_per_token(cfg, T, {"att"}) == L * (parts["qkv"] + parts["attention"])  # att => qkv
+    assert recompute_flops_per_token(cfg, T, {"block"}) == L * sum(parts.values())
+    # 14B: recompute-ffn adds ~17% of the step's matmul FLOPs, recompute-block ~32% (the head is not rerun)
+    step = 3 * (L * sum(parts.values()) + head)
+    assert 0.15 < recompute_flops_per_token(cfg, T, {"ffn"}) / step < 0.19
+    assert 0.30 < recompute_flops_per_token(cfg, T, {"block"}) / step < 0.34
+
+
+def test_step_cost_offload_amortizes_with_accumulation():
+    """Offloaded moments cost a fixed PCIe time per optimizer step (both directions of the state at
+    PCIE_RATE), so their share falls with the sequences per step; recomputation's share does not."""
+    from qtrain.train.step_cost import PCIE_RATE, step_cost
+    cfg = preset("Qwen2.5-14B")
+    base = Options(model="Qwen2.5-14B", seq_len=1024, batch_size=8, opt_m_dtype="bf16", opt_v_dtype="bf16")
+    off = dataclasses.replace(base, offload_opt_m=True, offload_opt_v=True)
+    ffn = dataclasses.replace(base, recompute_ffn=True)
+    plan_off, plan_ffn = plan_memory(cfg, off), plan_memory(cfg, ffn)
+    moments = plan_off.item("adam m").host + plan_off.item("adam v").host
+    assert moments > 0 and plan_ffn.host_total == 0
+    shares = {}
+    for seqs in (32, 256):
+        c_off = step_cost(cfg, off, plan_off, sequences_per_step=seqs)
+        c_ffn = step_cost(cfg, ffn, plan_ffn, sequences_per_step=seqs)
+        assert c_off.tokens == c_ffn.tokens == seqs * 1024
+        assert c_off.transfer_s == pytest.approx(moments / PCIE_RATE) and c_off.recompute_s == 0
+        assert c_ffn.transfer_s == 0 and c_ffn.recompute_s > 0
+        shares[seqs] = (c_off.transfer_s / c_off.total_s, c_ffn.recompute_s / c_ffn.total_s)
+    # the same transfer over 8x the tokens: its share s becomes s/(8 - 7s) (0.19 -> 0.029 at 14B here)
+    s32 = shares[32][0]
+    assert shares[256][0] == pytest.approx(s32 / (8 - 7 * s32))
+    assert shares[256][1] == pytest.approx(shares[32][1])
+    # and so at 32 sequences per step recomputing the MLP-up GEMM is the cheaper way, at 256 the offload
+    assert step_cost(cfg, off, plan_off, sequences_per_step=32).total_s > \
+        step_cost(cfg, ffn, plan_ffn, sequences_per_step=32).total_s
+    assert step_cost(cfg, off, plan_off, sequences_per_step=256).total_s < \
+        step_cost(cfg, ffn, plan_ffn, sequences_per_step=256).total_s
+
+
+def test_propose_picks_the_cheaper_ladder_and_recommends_by_the_step_model():
+    """14B on a 139.7 GiB GPU (the H200): at 256 sequences per step the proposal for B=16 offloads the
+    moments rather than recomputing the whole block, and the recommendation is the entry with the least
+    estimated time per token; the list itself stays largest batch first."""
+    from qtrain.train.memory_plan import recommend
+    cfg = preset("Qwen2.5-14B")
+    base = Options(model="Qwen2.5-14B", seq_len=1024, batch_size=8, grad_accumulation=32, opt_m_dtype="bf16",
+                   opt_v_dtype="bf16")
+    props = propose(cfg, base, int(139.7 * GiB), 1, max_batch=16)
+    batches = [p.batch_size for _, p in props]
+    assert batches == sorted(batches, reverse=True)
+    by_b = {p.batch_size: c for c, p in props}
+    assert by_b[16].get("offload_opt_m") and not by_b[16].get("recompute_block"), by_b[16]
+    for c, p in props:  # the sequences per step stay 256
+        assert c.get("batch_size", base.batch_size) * c.get("grad_accumulation", base.grad_accumulation) == 256
+    best, costs = recommend(cfg, base, props)
+    assert costs[best].seconds_per_token == min(c.seconds_per_token for c in costs)
+    assert len(costs) == len(props) and props[best][1].fits

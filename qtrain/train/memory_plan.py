@@ -37,6 +37,7 @@ from ..parallel.layout import FlatLayout
 from ..parallel.optimizer import STAGING_SLOTS, group_m_scales, scale_slot_numel, staging_capacity
 from .fp8_weights import FP8_MATRICES
 from .options import Options, OptionsError
+from .step_cost import StepCost, step_cost
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -515,10 +516,12 @@ def plan_for_trainer(trainer: Any, gpu_memory: int | None = None) -> MemoryPlan:
 
 # ---------------------------------------------------------------------------------------------------------
 # proposal
-def _ladder(base: Options, world: int) -> list[tuple[str, dict[str, Any]]]:
+def _ladder(base: Options, world: int, *, offload_first: bool = False) -> list[tuple[str, dict[str, Any]]]:
     """Cumulative option changes, least intrusive first: recompute (cheap element-wise steps first), then
     host offload of optimizer state, then sharding (world > 1) and offload of weights and gradients, then
-    the block inputs. Steps whose options this version of `Options` does not have are left out."""
+    the block inputs. `offload_first`: the optimizer-state offload before the recomputation of GEMMs (ffn,
+    block), which is cheaper when an optimizer step has many micro-steps (see `step_cost`). Steps whose
+    options this version of `Options` does not have are left out."""
     steps: list[tuple[str, dict[str, Any]]] = [("none", {})]
 
     def add(label: str, **flags: Any) -> None:
@@ -526,10 +529,14 @@ def _ladder(base: Options, world: int) -> list[tuple[str, dict[str, Any]]]:
         if flags:
             steps.append((label, flags))
     add("recompute swiglu+norm", recompute_swiglu=True, recompute_norm=True)
+    if offload_first:
+        add("offload opt m", offload_opt_m=True)
+        add("offload opt v", offload_opt_v=True)
     add("recompute ffn", recompute_ffn=True)
     add("recompute block", recompute_block=True)
-    add("offload opt m", offload_opt_m=True)
-    add("offload opt v", offload_opt_v=True)
+    if not offload_first:
+        add("offload opt m", offload_opt_m=True)
+        add("offload opt v", offload_opt_v=True)
     unsharded = base.gradient_manager_kind == "unsharded"
     if world > 1 and unsharded:
         add("shard gradients", shard_gradients=True)
@@ -557,28 +564,51 @@ def _try(cfg: ModelConfig, opts: Options, changes: dict[str, Any], **kw: Any) ->
 def propose(cfg: ModelConfig, base_options: Options, gpu_bytes: int, world: int = 1, *, max_batch: int = 64,
             device: str = "cuda", compiled: bool | None = None, reserve: int | None = None,
             model_name: str | None = None) -> list[tuple[dict[str, Any], MemoryPlan]]:
-    """Configurations that fit `gpu_bytes` per device, best first: the largest power-of-two micro-batch
-    (<= max_batch) that fits, with the least intrusive changes that make it fit; then each smaller batch
-    with its own least changes. Each entry: (option changes relative to `base_options`, plan); empty if
-    nothing fits.
+    """Configurations that fit `gpu_bytes` per device, largest micro-batch first: the largest power-of-two
+    micro-batch (<= max_batch) that fits, with the least intrusive changes that make it fit; then each
+    smaller batch with its own least changes. Each entry: (option changes relative to `base_options`, plan);
+    empty if nothing fits. `recommend` picks the one the step model says is fastest.
 
-    For each batch the ladder of `_ladder` is climbed (none -> recompute swiglu+norm -> ffn -> block ->
+    For each batch two ladders are climbed (`_ladder`: none -> recompute swiglu+norm -> ffn -> block ->
     offload opt m -> v -> [world > 1: shard gradients] -> shard weights -> offload master -> offload
-    gradients -> offload residual); at each rung `--lmhead-chunks` is doubled first (cheap, as long as a
-    chunk keeps MIN_CHUNK_ROWS tokens). The first fit is then pruned of earlier switches it does not need."""
+    gradients -> offload residual; and the same with the optimizer-state offload before recompute ffn);
+    at each rung `--lmhead-chunks` is doubled first (cheap, as long as a chunk keeps MIN_CHUNK_ROWS tokens).
+    Each first fit is pruned of earlier switches it does not need, and of the two the one `step_cost`
+    finds cheaper at the base options' sequences per optimizer step is kept. When the micro-batch changes,
+    `--grad-accumulation` changes with it so that the sequences per step stay the same (at least one
+    micro-step)."""
     layout = FlatLayout(cfg, world)
     kw = dict(world=world, gpu_memory=gpu_bytes, device=device, compiled=compiled, reserve=reserve, layout=layout,
               model_name=model_name)
-    ladder = _ladder(base_options, world)
+    ladders = [_ladder(base_options, world), _ladder(base_options, world, offload_first=True)]
+    seqs = base_options.batch_size * base_options.grad_accumulation
     out: list[tuple[dict[str, Any], MemoryPlan]] = []
     batches = [1 << i for i in range(int(math.log2(max(1, max_batch))) + 1)]
     for B in batches:
-        found = _fit_batch(cfg, base_options, B, ladder, kw)
-        if found is None:
+        found = [f for f in (_fit_batch(cfg, base_options, B, ladder, kw) for ladder in ladders) if f is not None]
+        if not found:
             break  # more memory per step never fits better at a larger batch
-        out.append(found)
+        accum = max(1, -(-seqs // B))
+        found = [({**c, **({"grad_accumulation": accum} if accum != base_options.grad_accumulation else {})}, p)
+                 for c, p in found]
+        out.append(min(found, key=lambda f: _cost(cfg, base_options, f, seqs).seconds_per_token))
     out.reverse()
     return out
+
+
+def _cost(cfg: ModelConfig, base: Options, proposal: tuple[dict[str, Any], MemoryPlan], seqs: int) -> StepCost:
+    changes, plan = proposal
+    return step_cost(cfg, dataclasses.replace(base, **changes), plan, sequences_per_step=seqs)
+
+
+def recommend(cfg: ModelConfig, base_options: Options,
+              proposals: list[tuple[dict[str, Any], MemoryPlan]]) -> tuple[int, list[StepCost]]:
+    """Index of the proposal with the least estimated time per token (`step_cost`, at the base options'
+    sequences per optimizer step), and every proposal's estimate."""
+    seqs = base_options.batch_size * base_options.grad_accumulation
+    costs = [_cost(cfg, base_options, p, seqs) for p in proposals]
+    best = min(range(len(costs)), key=lambda i: costs[i].seconds_per_token) if costs else -1
+    return best, costs
 
 
 def _fit_batch(cfg: ModelConfig, base: Options, B: int, ladder, kw) -> tuple[dict[str, Any], MemoryPlan] | None:
@@ -690,9 +720,11 @@ def run_plan(ns: argparse.Namespace, out=None) -> int:
     plan = plan_memory(cfg, opts, world=world, gpu_memory=gpu_memory, reserve=reserve, model_name=name)
     proposals = (propose(cfg, opts, gpu_memory, world, max_batch=getattr(ns, "plan_max_batch", 64), reserve=reserve,
                          model_name=name) if getattr(ns, "plan_propose", True) else [])
+    best_i, costs = recommend(cfg, opts, proposals)
     if getattr(ns, "plan_json", False):
-        json.dump({"plan": plan.to_dict(), "proposals": [{"changes": c, "plan": p.to_dict()} for c, p in proposals]},
-                  out, indent=1)
+        json.dump({"plan": plan.to_dict(), "recommended": best_i,
+                   "proposals": [{"changes": c, "plan": p.to_dict(), "estimate": e.to_dict()}
+                                 for (c, p), e in zip(proposals, costs)]}, out, indent=1)
         out.write("\n")
         return 0 if plan.fits or proposals else 1
     out.write(plan.format() + "\n")
@@ -702,13 +734,17 @@ def run_plan(ns: argparse.Namespace, out=None) -> int:
         out.write(f"\n[Proposal] nothing fits {_gib(gpu_memory)} per device, even batch 1 with every "
                   f"recompute/offload/sharding option this version has.\n")
         return 1
-    out.write("\n[Proposal] largest micro-batch that fits, with the least recompute/offload:\n")
-    for i, (changes, p) in enumerate(proposals):
+    seqs = opts.batch_size * opts.grad_accumulation
+    out.write(f"\n[Proposal] each micro-batch that fits, with its cheapest recompute/offload; => the fastest by the "
+              f"step model\n  (est.: time per token against =>, at {seqs} sequences per optimizer step; "
+              f"see train/step_cost.py)\n")
+    for i, ((changes, p), c) in enumerate(zip(proposals, costs)):
         flags = " ".join(_flag(k, v) for k, v in changes.items()) or "(as given)"
-        mark = "=>" if i == 0 else "  "
+        mark = "=>" if i == best_i else "  "
+        est = f"{100 * c.overhead(costs[best_i]):+.0f}%"
         out.write(f"  {mark} B={p.batch_size:<4d} {_gib(p.device_total):>11} device, {_gib(p.host_total):>10} host  "
-                  f"{flags}\n")
-    best = proposals[0][1]
+                  f"est. {est:>5}  {flags}\n")
+    best = proposals[best_i][1]
     out.write("\n" + best.format() + "\n")
     return 0
 

@@ -1,0 +1,80 @@
+"""What a torch.compile'd block saves for backward on the GPU (inductor, the trainer's block function:
+fused SwiGLU backward, the cuDNN attention op), per token, for the recompute switches that act inside a
+block, against the memory plan's per-layer terms; and the same with the checkpointed steps tagged
+MUST_RECOMPUTE through a selective-checkpoint policy (`--sac`), to see whether the partitioner honours
+plain non-reentrant checkpoints.
+
+    python -m bench.probe_recompute_saved            # 14B widths, 2 x 512 tokens
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from qtrain.model import recompute as rc
+from qtrain.model.config import preset
+from qtrain.model.layers import rope_tables
+from qtrain.model.recompute import block_steps
+from qtrain.model.transformer import make_block_fn
+from qtrain.model.weights import block_shapes
+from qtrain.train.memory_plan import Recompute, layer_activation_bytes
+
+
+def _must(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def sac_call(self, step, fn, *args):
+    if step not in self.steps or not torch.is_grad_enabled():
+        return fn(*args)
+    return checkpoint(fn, *args, use_reentrant=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, _must))
+
+
+def saved_per_token(cfg, flags, B=2, T=512) -> float:
+    torch._dynamo.reset()
+    fn = make_block_fn(cfg, recompute=block_steps(flags), compiled=True, fused_swiglu=True, sdpa_backend="cudnn")
+    fn = torch.compile(fn, dynamic=False)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = {n: (0.02 * torch.randn(s, generator=g, device="cuda")).bfloat16().requires_grad_()
+         for n, s in block_shapes(cfg).items()}
+    cos, sin = rope_tables(cfg, T, "cuda", torch.bfloat16)
+    x = torch.randn(B, T, cfg.hidden_size, generator=g, device="cuda").bfloat16().requires_grad_()
+    fn(x, w, cos, sin).sum().backward()
+    skip = {t.untyped_storage().data_ptr() for t in (x, cos, sin, *w.values())}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        p = t.untyped_storage().data_ptr()
+        if p not in skip and t.dtype != torch.uint8 and t.is_cuda:
+            seen[p] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fn(x, w, cos, sin)
+    del y
+    return sum(seen.values()) / (B * T)
+
+
+def main() -> None:
+    cfg = preset(sys.argv[1] if len(sys.argv) > 1 else "Qwen2.5-14B")
+    cfg = dataclasses.replace(cfg, num_hidden_layers=1)
+    for sac in (False, True):
+        if sac:
+            rc.CheckpointSteps.__call__ = sac_call
+        for flags in [(), ("swiglu",), ("norm", "swiglu")] if not sac else [("norm", "swiglu")]:
+            try:
+                got = saved_per_token(cfg, flags)
+            except Exception as e:  # noqa: BLE001 - one variant must not hide the others
+                print(f"sac={sac} {flags}: {repr(e)[:300]}", flush=True)
+                continue
+            plan = layer_activation_bytes(cfg, 1, model_dtype="bf16", compiled=True, recompute=Recompute.of(*flags))
+            print(f"sac={sac} flags={flags}: saved {got:.0f} B/token, plan {plan} ({got / plan - 1:+.1%})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

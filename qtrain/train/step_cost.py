@@ -1,0 +1,107 @@
+"""A rough model of what recomputation and host offload cost per optimizer step: what `qtrain plan` uses to
+choose among configurations that fit.
+
+Why: the plan fits a batch by switching on recomputation or offload, and the two are paid in different
+currencies. Recomputation adds FLOPs to every micro-step (at Qwen2.5-14B, --recompute-ffn reruns the MLP-up
+GEMM: +17% of the step's matmul FLOPs; --recompute-block a whole forward: +33%); offloading the Adam moments
+or the master weights adds PCIe traffic once per optimizer step (14B m and v: 29.5 GB each, both ways: about
+1.2 s). Which is cheaper depends on the tokens per optimizer step. Measured on one H200 (BENCHMARKS.md,
+session 6): 14B at 256 sequences per step, B=8 with offloaded moments 6.80k tokens/s; B=4 with SwiGLU and norm
+recomputed 6.71k (64 per step); B=32 with the block recomputed 5.45k; B=2 with nothing 6.20k (32 per step).
+
+The model: time per step = micro-steps x (matmul and attention FLOPs / MATMUL_RATE + gradient accumulation,
+3 passes over the device gradients at HBM_RATE) + the per-update transfers (offloaded state, both directions at
+once, PCIE_RATE) + per-micro-step transfers (offloaded gradients, residuals, FP8 weights) where they exceed the
+compute they overlap. The rates are what a 14B step reaches on an H200 (model FLOPs per second, not peak) and
+the pinned copy rate measured there; another GPU has other rates, but the ranking depends mostly on their
+ratios. Elementwise work, the update's own kernels and the LM head's memory traffic are the same for every
+candidate and left out: `overhead` compares candidates, it does not predict tokens/s.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..model.config import ModelConfig
+from ..model.recompute import resolve_flags
+from .options import Options
+
+MATMUL_RATE = {"bf16": 560e12, "fp16": 560e12, "fp32": 50e12, "e4m3": 770e12}  # model FLOP/s of a 14B step, H200
+PCIE_RATE = 48e9  # bytes/s each way with both directions busy (pinned, H200; one direction alone: 55e9)
+HBM_RATE = 3.1e12  # bytes/s of the stochastic-rounding gradient accumulation pass (H200)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds per optimizer step by cause; `tokens` per step."""
+    tokens: int
+    compute_s: float  # the plain step's matmuls and attention
+    recompute_s: float  # the forward work recomputation adds
+    accumulate_s: float  # gradient accumulation passes (per micro-step)
+    transfer_s: float  # host <-> device traffic not hidden behind compute
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.recompute_s + self.accumulate_s + self.transfer_s
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self.total_s / self.tokens
+
+    def overhead(self, reference: "StepCost") -> float:
+        """Relative time per token against `reference` (e.g. +0.05: 5% slower)."""
+        return self.seconds_per_token / reference.seconds_per_token - 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "compute_s": self.compute_s, "recompute_s": self.recompute_s,
+                "accumulate_s": self.accumulate_s, "transfer_s": self.transfer_s, "total_s": self.total_s}
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> tuple[dict[str, float], float]:
+    """Forward FLOPs per token of one block, by part (qkv, o, mlp_up, mlp_down, attention; causal attention
+    sees seq_len/2 keys on average), and of the LM head."""
+    C, F, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
+    parts = {"qkv": 2 * C * (H + 2 * KV) * D, "o": 2 * H * D * C, "mlp_up": 2 * C * 2 * F, "mlp_down": 2 * F * C,
+             "attention": 2 * 2 * (seq_len / 2) * H * D}
+    return parts, 2 * C * cfg.vocab_size
+
+
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, flags: set[str] | frozenset[str]) -> float:
+    """Forward FLOPs per token that the recompute switches rerun in backward (elementwise switches: none)."""
+    parts, _ = forward_flops_per_token(cfg, seq_len)
+    flags = resolve_flags(flags)
+    if "block" in flags:
+        per_layer = sum(parts.values())
+    else:
+        per_layer = ((parts["mlp_up"] if "ffn" in flags else 0) + (parts["qkv"] if "qkv" in flags else 0)
+                     + (parts["attention"] if "att" in flags else 0))
+    return cfg.num_hidden_layers * per_layer
+
+
+def _recompute_flags(opts: Options) -> set[str]:
+    return {f for f in ("swiglu", "norm", "ffn", "qkv", "att", "block") if getattr(opts, f"recompute_{f}", False)}
+
+
+def step_cost(cfg: ModelConfig, opts: Options, plan: Any, *, sequences_per_step: int | None = None) -> StepCost:
+    """Cost of one optimizer step of `sequences_per_step` sequences (default: batch x grad-accumulation) with
+    `opts`, whose memory plan is `plan` (its host-resident rows say what travels over PCIe)."""
+    B, T = opts.batch_size, opts.seq_len
+    seqs = sequences_per_step or B * opts.grad_accumulation
+    micro = max(1, -(-seqs // B))
+    tokens = micro * B * T
+    rate = MATMUL_RATE.get(opts.effective_matmul_dtype, MATMUL_RATE["bf16"])
+    parts, head = forward_flops_per_token(cfg, T)
+    fwd = cfg.num_hidden_layers * sum(parts.values()) + head
+    compute = 3 * fwd * tokens / rate
+    recompute = recompute_flops_per_token(cfg, T, _recompute_flags(opts)) * tokens / rate
+    grads = plan.item("gradients")
+    accumulate = micro * 3 * grads.device / HBM_RATE
+
+    host = {i.name.split(" (")[0]: i.host for i in plan.items if i.host}
+    per_update = sum(v for k, v in host.items() if k in ("adam m", "adam v", "weights"))  # both ways, overlapped
+    per_update += host.get("gradients", 0)  # read once by the update
+    per_micro = host.get("gradients", 0) + 2 * host.get("activations", 0) + host.get("fp8 weights", 0)
+    micro_compute = (compute + recompute) / micro
+    transfer = per_update / PCIE_RATE + micro * max(0.0, per_micro / PCIE_RATE - micro_compute)
+    return StepCost(tokens, compute, recompute, accumulate, transfer)
