@@ -1,19 +1,18 @@
 """What a torch.compile'd block saves for backward on the GPU (inductor, the trainer's block function:
 fused SwiGLU backward, the cuDNN attention op), per token, for the recompute switches that act inside a
-block, against the memory plan's per-layer terms; and the same with the checkpointed steps tagged
-MUST_RECOMPUTE through a selective-checkpoint policy (`--sac`), to see whether the partitioner honours
-plain non-reentrant checkpoints.
+block, against the memory plan's per-layer terms. `recompute.CheckpointSteps` tags the checkpointed steps
+MUST_RECOMPUTE (a selective-checkpoint policy); `sac=False` rows swap in a plain non-reentrant checkpoint
+(what it did before, when inductor's partitioner on CUDA kept the SwiGLU output).
 
-    python -m bench.probe_recompute_saved            # 14B widths, 2 x 512 tokens
+    python -m bench.probe_recompute_saved Qwen2.5-14B     # 14B widths, 2 x 512 tokens
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from qtrain.model import recompute as rc
 from qtrain.model.config import preset
@@ -24,15 +23,10 @@ from qtrain.model.weights import block_shapes
 from qtrain.train.memory_plan import Recompute, layer_activation_bytes
 
 
-def _must(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_RECOMPUTE
-
-
-def sac_call(self, step, fn, *args):
+def plain_call(self, step, fn, *args):
     if step not in self.steps or not torch.is_grad_enabled():
         return fn(*args)
-    return checkpoint(fn, *args, use_reentrant=False,
-                      context_fn=functools.partial(create_selective_checkpoint_contexts, _must))
+    return checkpoint(fn, *args, use_reentrant=False)
 
 
 def saved_per_token(cfg, flags, B=2, T=512) -> float:
@@ -63,10 +57,10 @@ def saved_per_token(cfg, flags, B=2, T=512) -> float:
 def main() -> None:
     cfg = preset(sys.argv[1] if len(sys.argv) > 1 else "Qwen2.5-14B")
     cfg = dataclasses.replace(cfg, num_hidden_layers=1)
-    for sac in (False, True):
-        if sac:
-            rc.CheckpointSteps.__call__ = sac_call
-        for flags in [(), ("swiglu",), ("norm", "swiglu")] if not sac else [("norm", "swiglu")]:
+    sac_call = rc.CheckpointSteps.__call__
+    for sac in (True, False):
+        rc.CheckpointSteps.__call__ = sac_call if sac else plain_call
+        for flags in [(), ("swiglu",), ("norm", "swiglu"), ("ffn",), ("att",)] if sac else [("norm", "swiglu")]:
             try:
                 got = saved_per_token(cfg, flags)
             except Exception as e:  # noqa: BLE001 - one variant must not hide the others

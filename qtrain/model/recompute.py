@@ -14,8 +14,9 @@ How a step is recomputed depends on how the block runs:
   the same order, so the values are bit-identical). A step whose input is another recomputed step's
   result asks that step for it, so `att` reruns LN1 -> QKV + RoPE -> attention without keeping LN1.
   Unlike `torch.utils.checkpoint` in eager mode, the consumer GEMM is not rerun: only the step is.
-- torch.compile: `CheckpointSteps`, i.e. `torch.utils.checkpoint` (non-reentrant). AOTAutograd tags the
-  step's nodes must-recompute and its partitioner keeps only their inputs, consumers' needs included.
+- torch.compile: `CheckpointSteps`, i.e. `torch.utils.checkpoint` (non-reentrant) with a selective-checkpoint
+  policy that tags every op of the step MUST_RECOMPUTE, so the partitioner keeps only the step's inputs,
+  consumers' needs included.
 
 `ResidualStash` keeps the block inputs of --recompute-block, on the host with --offload-residual.
 `count_saved_bytes` measures what a forward keeps for backward (tests, memory tables).
@@ -23,12 +24,13 @@ How a step is recomputed depends on how the block runs:
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 FLAGS = ("swiglu", "norm", "ffn", "qkv", "att", "block")
 IMPLIES = {"ffn": ("swiglu",), "att": ("qkv",), "block": ("att", "ffn", "norm")}
@@ -117,8 +119,15 @@ def run_step(step: str, fn: StepFn, *args: Any) -> Any:
     return fn(*args)
 
 
+def _must_recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
 class CheckpointSteps:
-    """The policy for a torch.compile'd block: recomputed steps become non-reentrant checkpoints."""
+    """The policy for a torch.compile'd block: recomputed steps become non-reentrant checkpoints whose ops
+    are all tagged MUST_RECOMPUTE. A plain checkpoint only tags them PREFER_RECOMPUTE, and inductor's
+    partitioner on CUDA then kept the SwiGLU output anyway (the down GEMM's saved input: +27 KB per token
+    and layer at 14B, `bench/probe_recompute_saved.py`); on CPU both keep what the plan says."""
 
     def __init__(self, steps: frozenset[str]):
         self.steps = steps
@@ -126,7 +135,8 @@ class CheckpointSteps:
     def __call__(self, step: str, fn: StepFn, *args: Any) -> Any:
         if step not in self.steps or not torch.is_grad_enabled():
             return fn(*args)
-        return checkpoint(fn, *args, use_reentrant=False)
+        return checkpoint(fn, *args, use_reentrant=False,
+                          context_fn=functools.partial(create_selective_checkpoint_contexts, _must_recompute))
 
 
 def _geometry(t: torch.Tensor) -> tuple:
