@@ -522,10 +522,11 @@ def test_step_cost_offload_amortizes_with_accumulation():
         assert c_off.transfer_s == pytest.approx(moments / PCIE_RATE) and c_off.recompute_s == 0
         assert c_ffn.transfer_s == 0 and c_ffn.recompute_s > 0
         shares[seqs] = (c_off.transfer_s / c_off.total_s, c_ffn.recompute_s / c_ffn.total_s)
-    # the same transfer over 8x the tokens: its share s becomes s/(8 - 7s) (0.19 -> 0.029 at 14B here)
+    # the same transfer over 8x the tokens: its share s becomes s/(8 - 7s) (0.19 -> 0.029 at 14B here); 2%:
+    # the first micro-step's accumulation is a copy (one pass less), which 8x the micro-steps do not scale
     s32 = shares[32][0]
-    assert shares[256][0] == pytest.approx(s32 / (8 - 7 * s32))
-    assert shares[256][1] == pytest.approx(shares[32][1])
+    assert shares[256][0] == pytest.approx(s32 / (8 - 7 * s32), rel=0.02)
+    assert shares[256][1] == pytest.approx(shares[32][1], rel=0.02)
     # and so at 32 sequences per step recomputing the MLP-up GEMM is the cheaper way, at 256 the offload
     assert step_cost(cfg, off, plan_off, sequences_per_step=32).total_s > \
         step_cost(cfg, ffn, plan_ffn, sequences_per_step=32).total_s
@@ -548,6 +549,45 @@ def test_propose_picks_the_cheaper_ladder_and_recommends_by_the_step_model():
     assert by_b[16].get("offload_opt_m") and not by_b[16].get("recompute_block"), by_b[16]
     for c, p in props:  # the sequences per step stay 256
         assert c.get("batch_size", base.batch_size) * c.get("grad_accumulation", base.grad_accumulation) == 256
+    for c, p in props:  # each plan was made with the accumulation its changes name
+        assert p.settings.get("grad_accumulation", c.get("grad_accumulation")) == c.get("grad_accumulation", 32)
+    # what the step model recommends is what measured fastest on the H200 (BENCHMARKS.md, session 6):
+    # at 256 sequences per step B=8 with SwiGLU + norm recomputed and Adam m offloaded (6.90k tokens/s, against
+    # 6.80k with m and v offloaded and 5.45k for B=32 with the block recomputed) ...
     best, costs = recommend(cfg, base, props)
-    assert costs[best].seconds_per_token == min(c.seconds_per_token for c in costs)
-    assert len(costs) == len(props) and props[best][1].fits
+    assert len(costs) == len(props)
+    assert props[best][0] == {"recompute_swiglu": True, "recompute_norm": True, "offload_opt_m": True}
+    # ... and at 32 sequences per step B=4 with SwiGLU + norm recomputed and nothing offloaded (6.62k, against
+    # 6.20k for B=2 x 16): one 1.2 s offload per 32 sequences costs more than the bigger micro-batch gains
+    small = dataclasses.replace(base, grad_accumulation=4)
+    props = propose(cfg, small, int(139.7 * GiB), 1, max_batch=16)
+    best, _ = recommend(cfg, small, props)
+    assert props[best][0] == {"batch_size": 4, "grad_accumulation": 8, "recompute_swiglu": True,
+                              "recompute_norm": True}
+
+
+def test_recommend_keeps_the_sequences_per_step():
+    """A batch larger than the sequences per step (so more sequences per step) is listed but not recommended
+    when a batch that keeps them fits: a per-step cost spread over more tokens must not win by that alone."""
+    from qtrain.train.memory_plan import recommend
+    cfg = preset("Qwen2.5-0.5B")
+    base = Options(model="Qwen2.5-0.5B", seq_len=1024, batch_size=1, grad_accumulation=2, offload_opt_m=True)
+    props = propose(cfg, base, 80 * GiB, 1, max_batch=8)
+    assert [p.batch_size for _, p in props] == [8, 4, 2, 1]
+    best, costs = recommend(cfg, base, props)
+    assert props[best][1].batch_size == 2 and costs[0].tokens == 8 * 1024 and costs[best].tokens == 2 * 1024
+    assert recommend(cfg, base, []) == (None, [])
+
+
+def test_step_cost_counts_offloaded_master_gathers_per_micro_step():
+    """--offload-master: every block gather copies the host shard in on the compute stream, forward and
+    backward, so the master's bytes cross PCIe twice per micro-step besides the update's round trip."""
+    from qtrain.train.step_cost import PCIE_ONE_WAY, PCIE_RATE, step_cost
+    cfg = preset("Qwen2.5-1.5B")
+    o = Options(model="Qwen2.5-1.5B", seq_len=1024, batch_size=4, grad_accumulation=8, shard_weights=True,
+                offload_master=True)
+    plan = plan_memory(cfg, o)
+    master = plan.item("weights").host
+    assert master > 0
+    c = step_cost(cfg, o, plan)
+    assert c.transfer_s == pytest.approx(master / PCIE_RATE + 8 * 2 * master / PCIE_ONE_WAY)

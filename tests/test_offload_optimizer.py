@@ -195,7 +195,10 @@ def test_gpu_streamed_update_equals_device_update(m_dtype):
     """On CUDA the staged update runs on three streams (host->device, compute, device->host) with the slots
     reused every third item; a missing wait shows up as stale or half-copied state. The model is sized so
     the copies take real time (46M parameters, ~18 work items: the 16M-element embedding and LM-head shards
-    are cut into chunks), and the result must equal the on-device update bitwise after every step."""
+    are cut into chunks). Three steps run back to back with no host sync between them (so the order between
+    one step's copy-backs and the next step's fetches is on the streams alone); the weights after every step
+    (where they stay on the device) and everything after the last must equal the on-device update bitwise.
+    Variants: moments offloaded; moments and weight shards; gradient shards in host memory (staged too)."""
     dev = torch.device("cuda")
     layout = FlatLayout(GPU_CFG, 1)
 
@@ -206,26 +209,42 @@ def test_gpu_streamed_update_equals_device_update(m_dtype):
             t.copy_(torch.randn(t.shape, device=dev, generator=g) * scale)
         return out
 
-    def run(**kw) -> list[dict[str, torch.Tensor]]:
+    class Grads:
+        def __init__(self, g: dict[str, torch.Tensor]):
+            self.g = g
+
+        def grad_shard(self, key: str) -> torch.Tensor:
+            return self.g[key]
+
+    def run(host_grads: bool = False, **kw) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
         shards = filled(1, 0.05)
         if kw.get("offload_params"):
             shards = {k: t.cpu().pin_memory() for k, t in shards.items()}
+        grads = [filled(100 + step, 1e-2) for step in range(3)]
+        if host_grads:
+            grads = [{k: t.cpu().pin_memory() for k, t in g.items()} for g in grads]
+        torch.cuda.synchronize()
         opt = ShardedAdamW(layout, shards=shards, device=dev, m_dtype=m_dtype, v_dtype="bf16", seed=3, **kw)
-        states = []
-        for step in range(3):
-            grads = filled(100 + step, 1e-2)
-            opt.step(type("G", (), {"grad_shard": lambda self, k, g=grads: g[k]})(), lr=1e-2, beta1=0.9,
-                     beta2=0.95, eps=1e-8, weight_decay=0.1)
-            st = opt.state_tensors()  # synchronizes the copies back to the host
-            states.append({f"{n}.{k}": t.to(dev, copy=True) for n, d in
-                           (("param", opt.shards), ("m", st["adam.m"]), ("v", st["adam.v"])) for k, t in d.items()})
-        assert opt.streamed_items == (len(opt._items(opt._capacity)) if kw else 0)
-        return states
+        per_step = []
+        for g in grads:  # back to back: no host sync until state_tensors()
+            opt.step(Grads(g), lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+            if not kw.get("offload_params"):  # device weights: a copy ordered on the compute stream
+                per_step.append({k: t.clone() for k, t in opt.shards.items()})
+        st = opt.state_tensors()  # waits for the last copy-backs
+        final = {f"{n}.{k}": t.to(dev, copy=True) for n, d in
+                 (("param", opt.shards), ("m", st["adam.m"]), ("v", st["adam.v"])) for k, t in d.items()}
+        staged = bool(kw) or host_grads
+        assert opt.streamed_items == (len(opt._items(opt._capacity or opt._chunk_capacity())) if staged else 0)
+        return per_step, final
 
-    base = run()
-    for kw in (dict(offload_m=True, offload_v=True), dict(offload_m=True, offload_v=True, offload_params=True)):
-        got = run(**kw)
-        assert len(got[0]) == len(base[0])
-        for step, (a, b) in enumerate(zip(base, got)):
-            for k in a:
-                assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), (kw, step, k)
+    base_steps, base = run()
+    variants = (dict(offload_m=True, offload_v=True), dict(offload_m=True, offload_v=True, offload_params=True),
+                dict(host_grads=True), dict(host_grads=True, offload_m=True))
+    for kw in variants:
+        steps, final = run(**kw)
+        assert final.keys() == base.keys()
+        for k in base:
+            assert torch.equal(base[k].view(torch.uint8), final[k].view(torch.uint8)), (kw, k)
+        for step, got in enumerate(steps):
+            for k, t in got.items():
+                assert torch.equal(base_steps[step][k].view(torch.uint8), t.view(torch.uint8)), (kw, step, k)

@@ -589,25 +589,34 @@ def propose(cfg: ModelConfig, base_options: Options, gpu_bytes: int, world: int 
         if not found:
             break  # more memory per step never fits better at a larger batch
         accum = max(1, -(-seqs // B))
-        found = [({**c, **({"grad_accumulation": accum} if accum != base_options.grad_accumulation else {})}, p)
-                 for c, p in found]
-        out.append(min(found, key=lambda f: _cost(cfg, base_options, f, seqs).seconds_per_token))
+        if accum != base_options.grad_accumulation:  # re-planned, so the plan's settings say it too
+            found = [({**c, "grad_accumulation": accum}, _try(cfg, base_options, {**c, "grad_accumulation": accum},
+                                                              **kw)) for c, _ in found]
+        out.append(min(found, key=lambda f: _cost(cfg, base_options, f).seconds_per_token))
     out.reverse()
     return out
 
 
-def _cost(cfg: ModelConfig, base: Options, proposal: tuple[dict[str, Any], MemoryPlan], seqs: int) -> StepCost:
+def _cost(cfg: ModelConfig, base: Options, proposal: tuple[dict[str, Any], MemoryPlan]) -> StepCost:
+    """`step_cost` of a proposal at its own sequences per step (batch x accumulation)."""
     changes, plan = proposal
-    return step_cost(cfg, dataclasses.replace(base, **changes), plan, sequences_per_step=seqs)
+    return step_cost(cfg, dataclasses.replace(base, **changes), plan)
+
+
+def _sequences(base: Options, changes: dict[str, Any]) -> int:
+    return changes.get("batch_size", base.batch_size) * changes.get("grad_accumulation", base.grad_accumulation)
 
 
 def recommend(cfg: ModelConfig, base_options: Options,
-              proposals: list[tuple[dict[str, Any], MemoryPlan]]) -> tuple[int, list[StepCost]]:
-    """Index of the proposal with the least estimated time per token (`step_cost`, at the base options'
-    sequences per optimizer step), and every proposal's estimate."""
+              proposals: list[tuple[dict[str, Any], MemoryPlan]]) -> tuple[int | None, list[StepCost]]:
+    """Index of the proposal with the least estimated time per token (`step_cost`) among those that keep the
+    base options' sequences per optimizer step (all of them when none does: a per-step cost spread over
+    more sequences must not win by that alone), and every proposal's estimate. None when nothing fits."""
     seqs = base_options.batch_size * base_options.grad_accumulation
-    costs = [_cost(cfg, base_options, p, seqs) for p in proposals]
-    best = min(range(len(costs)), key=lambda i: costs[i].seconds_per_token) if costs else -1
+    costs = [_cost(cfg, base_options, p) for p in proposals]
+    same = [i for i, (c, _) in enumerate(proposals) if _sequences(base_options, c) == seqs]
+    pool = same or list(range(len(costs)))
+    best = min(pool, key=lambda i: costs[i].seconds_per_token) if costs else None
     return best, costs
 
 
@@ -742,8 +751,10 @@ def run_plan(ns: argparse.Namespace, out=None) -> int:
         flags = " ".join(_flag(k, v) for k, v in changes.items()) or "(as given)"
         mark = "=>" if i == best_i else "  "
         est = f"{100 * c.overhead(costs[best_i]):+.0f}%"
+        n = _sequences(opts, changes)
+        other = f"  ({n} sequences per step)" if n != seqs else ""
         out.write(f"  {mark} B={p.batch_size:<4d} {_gib(p.device_total):>11} device, {_gib(p.host_total):>10} host  "
-                  f"est. {est:>5}  {flags}\n")
+                  f"est. {est:>5}  {flags}{other}\n")
     best = proposals[best_i][1]
     out.write("\n" + best.format() + "\n")
     return 0

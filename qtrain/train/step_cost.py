@@ -3,16 +3,18 @@ choose among configurations that fit.
 
 Why: the plan fits a batch by switching on recomputation or offload, and the two are paid in different
 currencies. Recomputation adds FLOPs to every micro-step (at Qwen2.5-14B, --recompute-ffn reruns the MLP-up
-GEMM: +17% of the step's matmul FLOPs; --recompute-block a whole forward: +33%); offloading the Adam moments
+GEMM: +17% of the step's matmul FLOPs; --recompute-block a whole block forward: about a third); offloading the Adam moments
 or the master weights adds PCIe traffic once per optimizer step (14B m and v: 29.5 GB each, both ways: about
 1.2 s). Which is cheaper depends on the tokens per optimizer step. Measured on one H200 (BENCHMARKS.md,
 session 6): 14B at 256 sequences per step, B=8 with offloaded moments 6.80k tokens/s; B=4 with SwiGLU and norm
 recomputed 6.71k (64 per step); B=32 with the block recomputed 5.45k; B=2 with nothing 6.20k (32 per step).
 
 The model: time per step = micro-steps x (matmul and attention FLOPs / MATMUL_RATE + gradient accumulation,
-3 passes over the device gradients at HBM_RATE) + the per-update transfers (offloaded state, both directions at
-once, PCIE_RATE) + per-micro-step transfers (offloaded gradients, residuals, FP8 weights) where they exceed the
-compute they overlap. The rates are what a 14B step reaches on an H200 (model FLOPs per second, not peak) and
+3 passes over the device gradients at HBM_RATE, 2 on the first micro-step) + the per-update transfers
+(offloaded state, both directions at once, PCIE_RATE) + the offloaded weight shards that block gathers copy in
+on the compute stream (forward and backward: twice per micro-step, PCIE_ONE_WAY; the FP8 shards instead with
+--persistent-quants) + the other per-micro-step transfers (offloaded gradients, residuals) where they exceed
+the compute they overlap. The rates are what a 14B step reaches on an H200 (model FLOPs per second, not peak) and
 the pinned copy rate measured there; another GPU has other rates, but the ranking depends mostly on their
 ratios. Elementwise work, the update's own kernels and the LM head's memory traffic are the same for every
 candidate and left out: `overhead` compares candidates, it does not predict tokens/s.
@@ -27,7 +29,8 @@ from ..model.recompute import resolve_flags
 from .options import Options
 
 MATMUL_RATE = {"bf16": 560e12, "fp16": 560e12, "fp32": 50e12, "e4m3": 770e12}  # model FLOP/s of a 14B step, H200
-PCIE_RATE = 48e9  # bytes/s each way with both directions busy (pinned, H200; one direction alone: 55e9)
+PCIE_RATE = 48e9  # bytes/s each way with both directions busy (pinned, H200)
+PCIE_ONE_WAY = 55e9  # bytes/s of one direction alone (pinned, H200)
 HBM_RATE = 3.1e12  # bytes/s of the stochastic-rounding gradient accumulation pass (H200)
 
 
@@ -96,12 +99,14 @@ def step_cost(cfg: ModelConfig, opts: Options, plan: Any, *, sequences_per_step:
     compute = 3 * fwd * tokens / rate
     recompute = recompute_flops_per_token(cfg, T, _recompute_flags(opts)) * tokens / rate
     grads = plan.item("gradients")
-    accumulate = micro * 3 * grads.device / HBM_RATE
+    accumulate = (3 * micro - 1) * grads.device / HBM_RATE  # the first micro-step copies (2 passes), others add
 
     host = {i.name.split(" (")[0]: i.host for i in plan.items if i.host}
     per_update = sum(v for k, v in host.items() if k in ("adam m", "adam v", "weights"))  # both ways, overlapped
     per_update += host.get("gradients", 0)  # read once by the update
-    per_micro = host.get("gradients", 0) + 2 * host.get("activations", 0) + host.get("fp8 weights", 0)
+    gathered = host.get("fp8 weights", 0) if getattr(opts, "persistent_quants", False) else host.get("weights", 0)
+    overlapped = host.get("gradients", 0) + 2 * host.get("activations", 0)
     micro_compute = (compute + recompute) / micro
-    transfer = per_update / PCIE_RATE + micro * max(0.0, per_micro / PCIE_RATE - micro_compute)
+    transfer = (per_update / PCIE_RATE + micro * 2 * gathered / PCIE_ONE_WAY
+                + micro * max(0.0, overlapped / PCIE_RATE - micro_compute))
     return StepCost(tokens, compute, recompute, accumulate, transfer)
