@@ -581,7 +581,7 @@ def propose(cfg: ModelConfig, base_options: Options, gpu_bytes: int, world: int 
     kw = dict(world=world, gpu_memory=gpu_bytes, device=device, compiled=compiled, reserve=reserve, layout=layout,
               model_name=model_name)
     ladders = [_ladder(base_options, world), _ladder(base_options, world, offload_first=True)]
-    seqs = base_options.batch_size * base_options.grad_accumulation
+    seqs = _sequences(base_options, {})
     out: list[tuple[dict[str, Any], MemoryPlan]] = []
     batches = [1 << i for i in range(int(math.log2(max(1, max_batch))) + 1)]
     for B in batches:
@@ -612,7 +612,7 @@ def recommend(cfg: ModelConfig, base_options: Options,
     """Index of the proposal with the least estimated time per token (`step_cost`) among those that keep the
     base options' sequences per optimizer step (all of them when none does: a per-step cost spread over
     more sequences must not win by that alone), and every proposal's estimate. None when nothing fits."""
-    seqs = base_options.batch_size * base_options.grad_accumulation
+    seqs = _sequences(base_options, {})
     costs = [_cost(cfg, base_options, p) for p in proposals]
     same = [i for i, (c, _) in enumerate(proposals) if _sequences(base_options, c) == seqs]
     pool = same or list(range(len(costs)))
@@ -743,7 +743,7 @@ def run_plan(ns: argparse.Namespace, out=None) -> int:
         out.write(f"\n[Proposal] nothing fits {_gib(gpu_memory)} per device, even batch 1 with every "
                   f"recompute/offload/sharding option this version has.\n")
         return 1
-    seqs = opts.batch_size * opts.grad_accumulation
+    seqs = _sequences(opts, {})
     out.write(f"\n[Proposal] each micro-batch that fits, with its cheapest recompute/offload; => the fastest by the "
               f"step model\n  (est.: time per token against =>, at {seqs} sequences per optimizer step; "
               f"see train/step_cost.py)\n")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..model.config import ModelConfig
-from ..model.recompute import resolve_flags
+from ..model.recompute import FLAGS, resolve_flags
 from .options import Options
 
 MATMUL_RATE = {"bf16": 560e12, "fp16": 560e12, "fp32": 50e12, "e4m3": 770e12}  # model FLOP/s of a 14B step, H200
@@ -83,7 +83,7 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, flags: set[str] | 
 
 
 def _recompute_flags(opts: Options) -> set[str]:
-    return {f for f in ("swiglu", "norm", "ffn", "qkv", "att", "block") if getattr(opts, f"recompute_{f}", False)}
+    return {f for f in FLAGS if getattr(opts, f"recompute_{f}", False)}
 
 
 def step_cost(cfg: ModelConfig, opts: Options, plan: Any, *, sequences_per_step: int | None = None) -> StepCost:
