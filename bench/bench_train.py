@@ -23,9 +23,9 @@ import time
 import torch
 
 from qtrain.kernels import cross_entropy
-from qtrain.train.memory_plan import plan_for_trainer
-from qtrain.train.metrics import mfu_bf16
-from qtrain.train.options import Options
+from qtrain.plan.memory import plan_for_trainer
+from qtrain.observe.metrics import mfu_bf16
+from qtrain.options import Options
 from qtrain.train.trainer import Trainer
 
 

@@ -5,7 +5,7 @@ set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 python3 -c "
-import numpy as np; from qtrain.train.data import write_token_file
+import numpy as np; from qtrain.data.token_files import write_token_file
 write_token_file('/tmp/rand.bin', np.random.default_rng(0).integers(0, 151000, 40_000_000, dtype=np.int32), vocab_size=151936)"
 for variant in "1 " "2 " "2 --shard-gradients" "2 --shard-gradients --all-to-all-reduce" "2 --zero-level 3"; do
   set -- $variant; g=$1; shift

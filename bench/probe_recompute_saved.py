@@ -17,10 +17,10 @@ from torch.utils.checkpoint import checkpoint
 from qtrain.model import recompute as rc
 from qtrain.model.config import preset
 from qtrain.model.layers import rope_tables
-from qtrain.model.recompute import block_steps
+from qtrain.model.recompute import block_steps, resolve_flags
 from qtrain.model.transformer import make_block_fn
 from qtrain.model.weights import block_shapes
-from qtrain.train.memory_plan import Recompute, layer_activation_bytes
+from qtrain.plan.memory import layer_activation_bytes
 
 
 def plain_call(self, step, fn, *args):
@@ -66,7 +66,7 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - one variant must not hide the others
                 print(f"sac={sac} {flags}: {repr(e)[:300]}", flush=True)
                 continue
-            plan = layer_activation_bytes(cfg, 1, model_dtype="bf16", compiled=True, recompute=Recompute.of(*flags))
+            plan = layer_activation_bytes(cfg, 1, model_dtype="bf16", compiled=True, recompute=resolve_flags(flags))
             print(f"sac={sac} flags={flags}: saved {got:.0f} B/token, plan {plan} ({got / plan - 1:+.1%})", flush=True)
 
 

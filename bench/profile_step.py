@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from qtrain.kernels import cross_entropy
-from qtrain.train.options import Options
+from qtrain.options import Options
 from qtrain.train.trainer import Trainer
 
 CATEGORIES = [  # first match wins; names as CUDA kernels appear in the profiler

@@ -9,7 +9,7 @@ set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 [ -f /tmp/rand.bin ] || python3 -c "
-import numpy as np; from qtrain.train.data import write_token_file
+import numpy as np; from qtrain.data.token_files import write_token_file
 write_token_file('/tmp/rand.bin', np.random.default_rng(0).integers(0, 151000, 40_000_000, dtype=np.int32), vocab_size=151936)"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 S='"model":"Qwen2.5-1.5B","seq":1024,"steps":8,"warmup":2,"accum":1,"batch":48,"lmhead_chunks":6,"opt_m_dtype":"bf16","opt_v_dtype":"bf16"'

@@ -8,7 +8,7 @@ set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 [ -f /tmp/rand.bin ] || python3 -c "
-import numpy as np; from qtrain.train.data import write_token_file
+import numpy as np; from qtrain.data.token_files import write_token_file
 write_token_file('/tmp/rand.bin', np.random.default_rng(0).integers(0, 151000, 40_000_000, dtype=np.int32), vocab_size=151936)"
 TXT=$(ls -d .devshared/text/default-qwen2-*)
 curve() {  # $1 GPU, $2 tag, $3 backend

@@ -16,7 +16,7 @@ BATCH=${BATCH:-16}; ACCUM=${ACCUM:-2}; STEPS=${STEPS:-6}; PER_RUN=${PER_RUN:-90}
 W=${WORK:-/tmp/scale}; EXTRA=${EXTRA:-}
 MANAGERS=${MANAGERS:-"--zero-level=1|--shard-gradients|--shard-gradients --all-to-all-reduce|--zero-level=3"}
 [ -f /tmp/rand.bin ] || python3 -c "
-import numpy as np; from qtrain.train.data import write_token_file
+import numpy as np; from qtrain.data.token_files import write_token_file
 write_token_file('/tmp/rand.bin', np.random.default_rng(0).integers(0, 151000, 40_000_000, dtype=np.int32), vocab_size=151936)"
 run() {  # $1 = GPUs, rest = options
   local g=$1; shift

@@ -19,10 +19,10 @@ import os
 import time
 
 from qtrain.train import checkpointing
-from qtrain.train.corpus import ensure_default_dataset
-from qtrain.train.data import TokenLoader
-from qtrain.train.log import QUIET, RunLogger
-from qtrain.train.options import Options
+from qtrain.data.corpus import ensure_default_dataset
+from qtrain.data.loader import TokenLoader
+from qtrain.observe.log import QUIET, RunLogger
+from qtrain.options import Options
 from qtrain.train.schedule import LRSchedule
 from qtrain.train.trainer import Trainer
 

@@ -22,9 +22,9 @@ import safetensors.torch as st
 import torch
 from safetensors import SafetensorError, safe_open
 
-from . import weights
-from ..fsio import fsync_path
-from .config import ModelConfig
+from qtrain.fsio import fsync_path
+from qtrain.model import weights
+from qtrain.model.config import ModelConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

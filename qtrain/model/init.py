@@ -15,8 +15,8 @@ import math
 
 import torch
 
-from .config import ModelConfig
-from .weights import split_name
+from qtrain.model.config import ModelConfig
+from qtrain.model.weights import split_name
 
 INIT_STD = 0.02
 

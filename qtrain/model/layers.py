@@ -13,9 +13,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from ..kernels.swiglu import swiglu_backward
-from .config import ModelConfig
-
+from qtrain.kernels.swiglu import swiglu_backward
+from qtrain.model.config import ModelConfig
 
 SDPA_BACKENDS = ("auto", "flash", "cudnn", "math")  # torch's memory-efficient kernel has no GQA: left out
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import cross_entropy
-from ..kernels.cross_entropy import IGNORE_INDEX, chunk_loss_and_dlogits as _chunk_loss_and_dlogits  # noqa: F401
-
+from qtrain.kernels import cross_entropy
+from qtrain.kernels.cross_entropy import IGNORE_INDEX
+from qtrain.kernels.cross_entropy import chunk_loss_and_dlogits as _chunk_loss_and_dlogits  # noqa: F401
 
 _compiled_loss_fn = None
 

@@ -52,6 +52,15 @@ def resolve_flags(flags: Iterable[str]) -> frozenset[str]:
     return frozenset(out)
 
 
+def recompute_label(flags: Iterable[str]) -> str:
+    """A short name of a recompute set for tables and logs: 'none', 'block', or e.g. 'norm+swiglu'."""
+    flags = resolve_flags(flags)
+    if "block" in flags:
+        return "block"
+    on = [f for f in ("norm", "qkv", "att", "swiglu", "ffn") if f in flags]
+    return "+".join(on) if on else "none"
+
+
 def block_steps(flags: Iterable[str]) -> frozenset[str]:
     """Steps recomputed inside one block call: none with `block` (the loop reruns the whole block)."""
     flags = resolve_flags(flags)

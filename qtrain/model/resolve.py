@@ -1,4 +1,5 @@
-"""Turn a model spec (a directory, or `org/name`) into a local directory, never downloading.
+"""Turn `--model` (empty, a preset name, a directory, or `org/name`) into a config and the directory its
+weights and tokenizer come from, never downloading.
 
 Training machines are often offline, and a silent download of gigabytes is never what a training run
 should do. So `org/name` is only looked up in the local Hugging Face cache, and when it is not there
@@ -7,7 +8,13 @@ the error names every place that was searched, so the user knows where to put it
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
+
+from qtrain.model.config import PRESETS, ModelConfig, preset
+from qtrain.model.hf_io import load_model_config
+
+TINY_NAME = "qtrain-tiny"
 
 
 class ModelNotFoundError(ValueError):
@@ -68,3 +75,32 @@ def resolve_model_dir(spec: str) -> Path:
     hint = ("qtrain never downloads; fetch it first (e.g. `huggingface-cli download ORG/NAME`) or pass a local "
             "directory" if is_repo_id else "pass an existing directory or an ORG/NAME found in the local HF cache")
     raise ModelNotFoundError(f"model {spec!r} not found; searched:\n  " + "\n  ".join(searched) + f"\n{hint}")
+
+
+# The embedded default model: small enough to train on a CPU in minutes, with the GPT-2 BPE vocabulary of
+# the embedded corpus (50257 tokens, padded to a multiple of 64 for efficient GEMMs).
+TINY = ModelConfig(model_type="qwen2", vocab_size=50304, hidden_size=128, intermediate_size=384,
+                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                   rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=True,
+                   bos_token_id=50256, eos_token_id=50256)
+
+
+@dataclass
+class ModelSource:
+    cfg: ModelConfig
+    weights_dir: str | None  # HF directory to load weights from (None: from scratch)
+    tokenizer_dir: str | None  # where tokenizer files to copy along with exports live
+
+
+def resolve_model(model: str, *, from_scratch: bool = False) -> ModelSource:
+    """`--model` as llm.q reads it: empty (or "qtrain-tiny") -> the embedded tiny model; a preset name with
+    `from_scratch`; else a directory or `org/name` in the local HF cache (never downloaded)."""
+    if not model or model == TINY_NAME:
+        return ModelSource(TINY, None, None)
+    if from_scratch and not os.path.isdir(model):
+        key = model.rsplit("/", 1)[-1].lower()
+        if any(k.lower() == key for k in PRESETS):
+            return ModelSource(preset(model), None, None)
+    d = resolve_model_dir(model)
+    cfg = load_model_config(d)
+    return ModelSource(cfg, None if from_scratch else str(d), str(d))

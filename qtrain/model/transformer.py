@@ -21,20 +21,19 @@ Dimension letters: B batch, T sequence, C hidden, nh / nkv query / kv heads, hs 
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from ..kernels.attention import causal_attention
-from .config import ModelConfig
-from .layers import SDPA_BACKENDS, apply_rope, rms_norm, rope_tables, sdpa_backends, swiglu, swiglu_fused
-from .loss import IGNORE_INDEX, chunked_lm_head_loss
-from .recompute import FLAGS as RECOMPUTE_FLAGS
-from .recompute import CheckpointSteps, Recomputer, ResidualStash, block_steps, resolve_flags, run_step
-from .weights import block_tensor_names, param_shapes
+from qtrain.kernels.attention import causal_attention
+from qtrain.model.config import ModelConfig
+from qtrain.model.layers import SDPA_BACKENDS, apply_rope, rms_norm, rope_tables, sdpa_backends, swiglu, swiglu_fused
+from qtrain.model.loss import IGNORE_INDEX, chunked_lm_head_loss
+from qtrain.model.matmul import block_linear, block_mlp
+from qtrain.model.recompute import CheckpointSteps, Recomputer, ResidualStash, block_steps, resolve_flags, run_step
+from qtrain.model.weights import param_shapes
 
 # (x, weight, bias[, (weight_fp8, inv_scale)]) -> x @ weight^T + bias; the 4th argument only when the weight
 # source provides a quantized copy (see `quantized_weight`)
@@ -58,6 +57,7 @@ class WeightSource(Protocol):
     def invalidate(self) -> None: ...
 
 
+FP8_MATRICES = ("qkv", "o", "up", "down")  # the four block linears that run in FP8 (--matmul-dtype e4m3)
 FP8_WEIGHT = "{}.fp8"  # an e4m3 copy of block matrix {} (N, K), contiguous
 FP8_INV_SCALE = "{}.fp8_inv"  # its inverse scale, a 0-dim fp32 tensor
 
@@ -74,28 +74,6 @@ class GradientSink(Protocol):
 
     def accumulate_block(self, layer: int, grads: dict[str, torch.Tensor]) -> None: ...
     def accumulate_non_block(self, grads: dict[str, torch.Tensor]) -> None: ...
-
-
-class ParamWeights:
-    """The plain weight source: a flat dict of full parameter tensors (replicated weights)."""
-
-    def __init__(self, cfg: ModelConfig, params: dict[str, torch.Tensor]):
-        self.params = params
-        self._block_names = block_tensor_names(cfg)
-        self._tied = cfg.tie_word_embeddings
-
-    def block(self, layer: int) -> dict[str, torch.Tensor]:
-        return {n: self.params[f"layers.{layer}.{n}"] for n in self._block_names}
-
-    def non_block(self) -> dict[str, torch.Tensor]:
-        names = ("embed", "norm") if self._tied else ("embed", "norm", "lm_head")
-        return {n: self.params[n] for n in names}
-
-    def release_block(self, layer: int) -> None:
-        pass
-
-    def invalidate(self) -> None:
-        pass
 
 
 def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: frozenset[str] = frozenset(),
@@ -201,31 +179,25 @@ class RunOptions:
     lmhead_chunks: int = 1  # row chunks of the LM head + loss: fp32 logits live for 1/chunks of the batch
     attn_bwd_chunks: int = 1  # attention as independent calls over batch slices (smaller backward workspace)
     sdpa_backend: str = "auto"  # attention kernel: layers.SDPA_BACKENDS
-    # recompute in backward instead of keeping from forward (llm.q semantics; implications in recompute.py)
-    recompute_swiglu: bool = False  # SwiGLU output, from the MLP-up output
-    recompute_norm: bool = False  # LN1 and LN2, from the block input / post-attention residual
-    recompute_ffn: bool = False  # LN2, MLP-up GEMM and SwiGLU (=> swiglu)
-    recompute_qkv: bool = False  # QKV GEMM (+ qk-norm) + RoPE, from LN1
-    recompute_att: bool = False  # LN1, QKV + RoPE and attention (=> qkv)
-    recompute_block: bool = False  # keep only each block's input; rerun its forward inside backward (=> all)
-    offload_residual: bool = False  # with recompute_block: keep those inputs in (pinned) host memory
+    # llm.q's recompute switches (recompute.FLAGS: swiglu, norm, ffn, qkv, att, block) rerun in backward instead
+    # of kept from forward; the implications are added here (recompute.resolve_flags), so this is the full set
+    recompute: frozenset[str] = frozenset()
+    offload_residual: bool = False  # with recompute 'block': keep the block inputs in (pinned) host memory
     compile: bool = False  # torch.compile the block function (GPU)
     compile_tuning: bool = False  # with compile: inductor's coordinate-descent tuning of its kernels
-    linear: Linear = F.linear  # the block linears; FP8 swaps in its own
-    mlp: Mlp | None = None  # the MLP as one function (FP8), used by compiled blocks like the fused SwiGLU
+    matmul_dtype: str = ""  # the four block linears: '' (model dtype) or 'e4m3' (FP8, matmul.py)
+    fp8_grad_dtype: str = "e4m3"  # with e4m3 matmuls: the output gradients' FP8 format, e4m3 or e5m2
+    wrap_linear: Callable[[Linear], Linear] | None = None  # instrumentation around the block linears
+    # (--debug-log-abs-max); with it the MLP runs as separate linears, which the wrapper sees
 
     def __post_init__(self) -> None:
         if self.attn_bwd_chunks < 1:
             raise ValueError(f"attn_bwd_chunks must be >= 1, got {self.attn_bwd_chunks}")
         if self.sdpa_backend not in SDPA_BACKENDS:
             raise ValueError(f"sdpa_backend must be one of {SDPA_BACKENDS}, got {self.sdpa_backend!r}")
-        if self.offload_residual and not self.recompute_block:
-            raise ValueError("offload_residual needs recompute_block (only block inputs are offloaded)")
-
-    @property
-    def recompute(self) -> frozenset[str]:
-        """The recompute switches that are on, implications included (the one place they are resolved)."""
-        return resolve_flags(f for f in RECOMPUTE_FLAGS if getattr(self, f"recompute_{f}"))
+        self.recompute = resolve_flags(self.recompute)
+        if self.offload_residual and "block" not in self.recompute:
+            raise ValueError("offload_residual needs recompute 'block' (only block inputs are offloaded)")
 
 
 class Transformer:
@@ -235,14 +207,19 @@ class Transformer:
         self.cfg = cfg
         self.run = run or RunOptions()
         run = self.run
-        fn = make_block_fn(cfg, run.linear, recompute=block_steps(run.recompute), attn_chunks=run.attn_bwd_chunks,
-                           compiled=run.compile, fused_swiglu=run.compile, mlp=run.mlp if run.compile else None,
+        linear = block_linear(run.matmul_dtype, run.fp8_grad_dtype)
+        if run.wrap_linear is not None:
+            linear, mlp = run.wrap_linear(linear), None
+        else:
+            mlp = block_mlp(run.matmul_dtype, run.fp8_grad_dtype)
+        fn = make_block_fn(cfg, linear, recompute=block_steps(run.recompute), attn_chunks=run.attn_bwd_chunks,
+                           compiled=run.compile, fused_swiglu=run.compile, mlp=mlp if run.compile else None,
                            sdpa_backend=run.sdpa_backend)
         tuning = {"coordinate_descent_tuning": True} if run.compile_tuning else None
         self.block_fn: BlockFn = torch.compile(fn, dynamic=False, options=tuning) if run.compile else fn
         self._eager_block_fn: BlockFn = fn
         if run.compile:  # the compiled flavour of the recompute mechanism differs; eager needs its own
-            self._eager_block_fn = make_block_fn(cfg, run.linear, recompute=block_steps(run.recompute),
+            self._eager_block_fn = make_block_fn(cfg, linear, recompute=block_steps(run.recompute),
                                                  attn_chunks=run.attn_bwd_chunks, compiled=False,
                                                  sdpa_backend=run.sdpa_backend)
         self._stash = ResidualStash(offload=run.offload_residual)  # block inputs with recompute_block
@@ -275,7 +252,7 @@ class Transformer:
         loss as a detached fp32 scalar (no host sync)."""
         cfg, C, L = self.cfg, self.cfg.hidden_size, self.cfg.num_hidden_layers
         B, T = inputs.shape
-        recompute_block, stash = self.run.recompute_block, self._stash
+        recompute_block, stash = "block" in self.run.recompute, self._stash
         nb = weights.non_block()
         embed = nb["embed"]
         cos, sin = self.rope(T, embed.device, embed.dtype)

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .config import ModelConfig
+from qtrain.model.config import ModelConfig
 
 # short block-tensor name -> HF suffix(es) under "model.layers.{i}."; a tuple means rows concatenated in order
 _BLOCK_HF: dict[str, str | tuple[str, ...]] = {

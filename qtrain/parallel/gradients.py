@@ -52,10 +52,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.rng import rng_key
-from ..kernels.stochastic_rounding import sr_add_, sr_copy_, sr_sum_
-from .comm import Communicator, Handle
-from .layout import FlatLayout, Group, Piece
+from qtrain.kernels.rng import rng_key
+from qtrain.kernels.stochastic_rounding import sr_add_, sr_copy_, sr_sum_
+from qtrain.parallel.comm import Communicator, Handle
+from qtrain.parallel.layout import FlatLayout, Group, Piece
 
 __all__ = ["KINDS", "GradientManager", "UnshardedGradients", "ReduceScatterGradients", "AllToAllGradients",
            "make_gradient_manager"]

@@ -19,8 +19,8 @@ from typing import Collection
 
 import torch
 
-from ..model.config import ModelConfig
-from ..model.weights import block_shapes, block_tensor_names, non_block_names, param_shapes
+from qtrain.model.config import ModelConfig
+from qtrain.model.weights import block_shapes, block_tensor_names, non_block_names, param_shapes
 
 ALIGN = 64  # elements; keeps every shard start 128-byte aligned in bf16 (vector loads, NCCL)
 

@@ -55,11 +55,11 @@ from typing import Protocol
 
 import torch
 
-from ..kernels.adamw import M_BLOCK
-from ..kernels.rng import rng_key
-from ..model.weights import is_decayed
-from ..numerics.adamw import AdamWHyper, adamw_update_
-from .layout import FlatLayout, Group, Piece
+from qtrain.kernels.adamw import M_BLOCK
+from qtrain.kernels.rng import rng_key
+from qtrain.model.weights import is_decayed
+from qtrain.numerics.adamw import AdamWHyper, adamw_update_
+from qtrain.parallel.layout import FlatLayout, Group, Piece
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
 STAGING_SLOTS = 3  # device slots offloaded state streams through: one fetching, one updating, one writing back

@@ -37,7 +37,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..fsio import fsync_path
+from qtrain.fsio import fsync_path
 
 META_FILE = "checkpoint.json"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import os
 
-
-from . import checkpoint_io as cio
-from .data import TokenLoader
-from .log import RunLogger
-from .trainer import Trainer
+from qtrain.data.loader import TokenLoader
+from qtrain.observe.log import RunLogger
+from qtrain.train import checkpoint_io as cio
+from qtrain.train.trainer import Trainer
 
 FORMAT_VERSION = 1
 # options that must match for a resume to continue the same run

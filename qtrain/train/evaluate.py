@@ -10,8 +10,6 @@ their number: every token counts the same, however the batches are cut.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import time
@@ -20,21 +18,25 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch is imported when a model is evaluated, so `qtrain --help` stays fast
     import torch
 
-__all__ = ["evaluate_model", "add_eval_args", "run_eval"]
+__all__ = ["evaluate_model", "resolve_device", "resolve_dtype"]
 
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
 
 
-def _dtype(dtype: "torch.dtype | str | None") -> "torch.dtype":
+def resolve_dtype(dtype: "torch.dtype | str | None", device: "torch.device | None" = None) -> "torch.dtype":
+    """None -> fp32; "auto" -> bf16 on CUDA, fp32 elsewhere; a name in DTYPE_NAMES; or a torch dtype."""
     import torch
     if dtype is None:
         return torch.float32
+    if dtype == "auto":
+        return torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
     if isinstance(dtype, str):
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     return dtype
 
 
-def _device(device: "str | torch.device") -> "torch.device":
+def resolve_device(device: "str | torch.device") -> "torch.device":
+    """"auto" -> CUDA when available, else the CPU."""
     import torch
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -52,22 +54,23 @@ def evaluate_model(model_dir: str | os.PathLike, eval_file: str | os.PathLike | 
 
     with torch.no_grad():
         return _evaluate(model_dir, eval_file, seq_len=seq_len, batch_size=batch_size, device=device,
-                         dtype=_dtype(dtype), max_batches=max_batches, lmhead_chunks=lmhead_chunks)
+                         dtype=resolve_dtype(dtype), max_batches=max_batches, lmhead_chunks=lmhead_chunks)
 
 
 def _evaluate(model_dir, eval_file, *, seq_len, batch_size, device, dtype, max_batches, lmhead_chunks):
     import torch
 
-    from ..model.hf_io import load_hf_weights, load_model_config
-    from ..model.resolve import resolve_model_dir
-    from ..model.transformer import ParamWeights, RunOptions, Transformer
-    from .data import TokenLoader
-    from .options import OptionsError
+    from qtrain.data.loader import TokenLoader
+    from qtrain.model.hf_io import load_hf_weights, load_model_config
+    from qtrain.model.resolve import resolve_model_dir
+    from qtrain.model.transformer import RunOptions, Transformer
+    from qtrain.options import OptionsError
+    from qtrain.parallel.weights.replicated import ParamWeights
 
     if seq_len <= 0 or batch_size <= 0 or (max_batches is not None and max_batches <= 0):
         raise OptionsError(f"qtrain eval: --seq-len, --batch-size and --max-batches must be positive, got "
                            f"{seq_len}, {batch_size}, {max_batches}")
-    dev = _device(device)
+    dev = resolve_device(device)
     d = resolve_model_dir(os.fspath(model_dir))
     cfg = load_model_config(d)
     params = load_hf_weights(d, cfg, dtype=dtype, device=dev)
@@ -88,32 +91,3 @@ def _evaluate(model_dir, eval_file, *, seq_len, batch_size, device, dtype, max_b
     loss = float(total.item()) / n if n else math.nan
     return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else math.inf, "tokens": n, "batches": batches,
             "duration_ms": 1000 * (time.perf_counter() - t0)}
-
-
-# ---------------------------------------------------------------- CLI
-
-def add_eval_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="HF model directory, or ORG/NAME in the local HF cache")
-    p.add_argument("--eval-file", required=True, help="token file(s) to score (a glob: quote it)")
-    p.add_argument("--seq-len", type=int, default=1024, help="sequence length (default 1024)")
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per batch (default 4)")
-    p.add_argument("--max-batches", type=int, default=None, help="score only the first N batches")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default auto)")
-    p.add_argument("--dtype", choices=("auto", *DTYPE_NAMES), default="auto",
-                   help="weights / activations dtype (default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--lmhead-chunks", type=int, default=1, help="split the LM head into N row chunks (memory)")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-
-
-def run_eval(ns: argparse.Namespace) -> int:
-    dev = _device(ns.device)
-    dtype = _dtype(("bf16" if dev.type == "cuda" else "fp32") if ns.dtype == "auto" else ns.dtype)
-    r = evaluate_model(ns.model, ns.eval_file, seq_len=ns.seq_len, batch_size=ns.batch_size, device=dev, dtype=dtype,
-                       max_batches=ns.max_batches, lmhead_chunks=ns.lmhead_chunks)
-    if ns.json:
-        print(json.dumps({**r, "model": str(ns.model), "eval_file": str(ns.eval_file), "seq_len": ns.seq_len,
-                          "batch_size": ns.batch_size, "dtype": str(dtype).removeprefix("torch.")}))
-    else:
-        print(f"eval loss {r['loss']:.6f} | ppl {r['ppl']:.4f} | {r['tokens']:,} tokens in {r['batches']} batches "
-              f"| {r['duration_ms'] / 1000:.1f} s")
-    return 0

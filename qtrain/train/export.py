@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from ..model.config import ModelConfig
-from ..model.hf_io import save_hf_model
-from ..parallel.layout import FlatLayout
-from . import checkpoint_io as cio
-from .checkpointing import CheckpointError, _stem
+from qtrain.model.config import ModelConfig
+from qtrain.model.hf_io import save_hf_model
+from qtrain.parallel.layout import FlatLayout
+from qtrain.train import checkpoint_io as cio
+from qtrain.train.checkpointing import CheckpointError, _stem
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

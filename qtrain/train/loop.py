@@ -11,16 +11,16 @@ import time
 
 import torch
 
-from ..parallel.dist import DistContext, init_distributed
-from . import checkpointing
-from .corpus import ensure_default_dataset
-from .data import TokenLoader
-from .log import RunLogger
-from .memory_plan import plan_for_trainer
-from .metrics import device_peaks, model_flops_per_token, ns_per_token, peak_tflops, sol_ops
-from .options import Options
-from .schedule import LRSchedule
-from .trainer import Trainer
+from qtrain.data.corpus import ensure_default_dataset
+from qtrain.data.loader import TokenLoader
+from qtrain.observe.log import RunLogger
+from qtrain.observe.metrics import device_peaks, model_flops_per_token, ns_per_token, peak_tflops, sol_ops
+from qtrain.options import Options
+from qtrain.parallel.dist import DistContext, init_distributed
+from qtrain.plan.memory import plan_for_trainer
+from qtrain.train import checkpointing
+from qtrain.train.schedule import LRSchedule
+from qtrain.train.trainer import Trainer
 
 DEFAULT_DATA_DIR = os.path.join("data", "qtrain-default")
 
@@ -69,7 +69,7 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
     log = RunLogger(opts.expand(opts.log_file) if opts.log_file else None, rank=ctx.rank, total_steps=total_steps)
     tb = None  # --tensorboard DIR: the same metrics as TensorBoard scalars (rank 0)
     if opts.tensorboard and ctx.is_main:
-        from .tensorboard import TensorBoardSink
+        from qtrain.observe.tensorboard import TensorBoardSink
         tb = TensorBoardSink(opts.expand(opts.tensorboard))
         tb.on_event({"log": "options", "step": 0, "options": opts.to_dict()})
     log.log_cmd(argv if argv is not None else sys.argv)

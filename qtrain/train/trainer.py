@@ -15,99 +15,34 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
-from ..model.config import ModelConfig, preset, PRESETS
-from ..model.hf_io import load_hf_weights, load_model_config, save_hf_model
-from ..model.init import init_params
-from ..model.layers import resolve_sdpa_backend
-from ..model.resolve import resolve_model_dir
-from ..model.transformer import ParamWeights, RunOptions, Transformer
-from ..numerics.fp8 import E4M3, E5M2, fp8_linear, fp8_swiglu_mlp
-from ..parallel.comm import Communicator
-from ..parallel.dist import DistContext, init_distributed
-from ..parallel.gradients import make_gradient_manager
-from ..parallel.layout import FlatLayout
-from ..parallel.optimizer import ZERO_COPY_CUDA, ShardedAdamW, clip_scale
-from ..parallel.weights import ShardedWeights
-from .absmax_debug import AbsMaxRecorder, weight_abs_maxes
-from .fp8_weights import FP8_MATRICES, QuantizedWeights
-from .options import Options, OptionsError
+from qtrain.model.hf_io import load_hf_weights, save_hf_model
+from qtrain.model.init import init_params
+from qtrain.model.layers import resolve_sdpa_backend
+from qtrain.model.resolve import resolve_model
+from qtrain.model.transformer import FP8_MATRICES, RunOptions, Transformer
+from qtrain.observe.absmax import AbsMaxRecorder, weight_abs_maxes
+from qtrain.options import Options, OptionsError
+from qtrain.parallel.comm import Communicator
+from qtrain.parallel.dist import DistContext, init_distributed
+from qtrain.parallel.gradients import make_gradient_manager
+from qtrain.parallel.layout import FlatLayout
+from qtrain.parallel.optimizer import ZERO_COPY_CUDA, ShardedAdamW, clip_scale
+from qtrain.parallel.weights.quantized import QuantizedWeights
+from qtrain.parallel.weights.replicated import ParamWeights
+from qtrain.parallel.weights.sharded import ShardedWeights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-# The embedded default model: small enough to train on a CPU in minutes, with the GPT-2 BPE vocabulary of
-# the embedded corpus (50257 tokens, padded to a multiple of 64 for efficient GEMMs).
-TINY = ModelConfig(model_type="qwen2", vocab_size=50304, hidden_size=128, intermediate_size=384,
-                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                   rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=True,
-                   bos_token_id=50256, eos_token_id=50256)
-
-
-def block_linear(opts: Options):
-    """The function the four block linears run through: F.linear, or FP8 (e4m3 forward; e4m3 or e5m2
-    output gradients) with --matmul-dtype e4m3. A weight is quantized in the call (per-tensor current
-    scaling) unless the weight source passes its FP8 copy, made once per optimizer step and dropped at the
-    update (--persistent-quants): `fp8_weights.QuantizedWeights` for replicated weights, `ShardedWeights` for
-    sharded ones (which then gathers only that copy of the matrices)."""
-    if opts.effective_matmul_dtype != "e4m3":
-        return torch.nn.functional.linear
-    grad_dtype = E5M2 if opts.gradient_dtype == "e5m2" else E4M3
-
-    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-               w_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        return fp8_linear(x, w, b, grad_dtype=grad_dtype, weight_fp8=w_fp8).to(x.dtype)
-
-    return linear
-
-
-def block_mlp(opts: Options):
-    """The MLP as one function with --matmul-dtype e4m3 (`fp8_swiglu_mlp`: the SwiGLU output exists only in
-    FP8, its gradient is quantized with an abs-max fused into the SwiGLU backward), else None (the block
-    runs linear -> SwiGLU -> linear). Compiled blocks use it (the Transformer passes it only to those, as it
-    does the fused SwiGLU backward). --debug-log-abs-max keeps the separate linears it instruments."""
-    if opts.effective_matmul_dtype != "e4m3" or opts.debug_log_abs_max:
-        return None
-    grad_dtype = E5M2 if opts.gradient_dtype == "e5m2" else E4M3
-
-    def mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, up_fp8=None, down_fp8=None) -> torch.Tensor:
-        return fp8_swiglu_mlp(x, w_up, w_down, grad_dtype=grad_dtype, up_fp8=up_fp8, down_fp8=down_fp8)
-
-    return mlp
-
-
-@dataclass
-class ModelSource:
-    cfg: ModelConfig
-    weights_dir: str | None  # HF directory to load weights from (None: from scratch)
-    tokenizer_dir: str | None  # where tokenizer files to copy along with exports live
-
-
-def resolve_model(opts: Options) -> ModelSource:
-    """--model as llm.q reads it: empty -> the embedded tiny model; a preset name with --from-scratch;
-    else a directory or `org/name` in the local HF cache (never downloaded)."""
-    if not opts.model or opts.model == "qtrain-tiny":
-        if opts.model == "qtrain-tiny" or opts.from_scratch or not opts.model:
-            return ModelSource(TINY, None, None)
-    if opts.from_scratch and not os.path.isdir(opts.model):
-        key = opts.model.rsplit("/", 1)[-1].lower()
-        if any(k.lower() == key for k in PRESETS):
-            return ModelSource(preset(opts.model), None, None)
-    d = resolve_model_dir(opts.model)
-    cfg = load_model_config(d)
-    return ModelSource(cfg, None if opts.from_scratch else str(d), str(d))
-
 
 class Trainer:
     def __init__(self, opts: Options, dist_ctx: DistContext | None = None):
         self.opts = opts.validate()
         self.ctx = dist_ctx or init_distributed(opts.device)
         self.device = self.ctx.device
-        self.source = resolve_model(opts)
+        self.source = resolve_model(opts.model, from_scratch=opts.from_scratch)
         cfg = self.cfg = self.source.cfg
         self.dtype = DTYPES[opts.model_dtype]
         self.layout = FlatLayout(cfg, self.ctx.world)
@@ -138,12 +73,10 @@ class Trainer:
         self.model = Transformer(cfg, RunOptions(
             lmhead_chunks=opts.lmhead_chunks, attn_bwd_chunks=opts.attn_bwd_chunks,
             sdpa_backend=resolve_sdpa_backend(opts.sdpa_backend, self.device, self.dtype),
-            recompute_swiglu=opts.recompute_swiglu, recompute_norm=opts.recompute_norm,
-            recompute_ffn=opts.recompute_ffn, recompute_qkv=opts.recompute_qkv, recompute_att=opts.recompute_att,
-            recompute_block=opts.recompute_block,
+            recompute=opts.recompute,
             offload_residual=opts.offload_residual, compile=use_compile, compile_tuning=opts.compile_tuning,
-            linear=self._linear(opts),
-            mlp=block_mlp(opts)))
+            matmul_dtype=opts.effective_matmul_dtype, fp8_grad_dtype=opts.gradient_dtype or "e4m3",
+            wrap_linear=self._abs_max_wrapper(opts)))
         self.grads = make_gradient_manager(opts.gradient_manager_kind, self.layout, comm=self.comm,
                                            dtype=self.dtype, device=self.device, seed=opts.seed,
                                            offload=opts.offload_gradients)
@@ -181,11 +114,12 @@ class Trainer:
                 lo, hi = g.shard_range(self.ctx.rank, self.ctx.world)
                 self.weights.shards[g.key].copy_(full[lo:hi])
 
-    def _linear(self, opts: Options):
-        linear = block_linear(opts)
+    def _abs_max_wrapper(self, opts: Options):
+        """--debug-log-abs-max: the recorder that wraps the block linears (None when off; with
+        --recompute-block the linears run twice per step and are not instrumented)."""
         self.absmax = AbsMaxRecorder(self.cfg.num_hidden_layers)
         self.abs_maxes: dict[str, float] | None = None  # filled on --debug-log-abs-max steps
-        return self.absmax.wrap(linear) if opts.debug_log_abs_max and not opts.recompute_block else linear
+        return self.absmax.wrap if opts.debug_log_abs_max and not opts.recompute_block else None
 
     def _debug_step(self) -> bool:
         n = self.opts.debug_log_abs_max

@@ -104,7 +104,7 @@ def _md(v: Any) -> str:
 
 def replay_log(log_path: str | os.PathLike, log_dir: str | os.PathLike) -> int:
     """Write the metrics of an existing JSON Lines log into `log_dir`; returns the number of objects read."""
-    from .log import read_log
+    from qtrain.observe.log import read_log
 
     events = read_log(log_path)
     with TensorBoardSink(log_dir) as sink:

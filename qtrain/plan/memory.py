@@ -22,22 +22,16 @@ Where the numbers come from (docs/memory.md has the details):
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import math
-import os
 import re
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ..model.config import ModelConfig
-from ..parallel.layout import FlatLayout
-from ..parallel.optimizer import STAGING_SLOTS, group_m_scales, scale_slot_numel, staging_capacity
-from .fp8_weights import FP8_MATRICES
-from .options import Options, OptionsError
-from .step_cost import StepCost, step_cost
+from qtrain.model.config import ModelConfig
+from qtrain.model.recompute import recompute_label, resolve_flags
+from qtrain.model.transformer import FP8_MATRICES
+from qtrain.options import Options
+from qtrain.parallel.layout import FlatLayout
+from qtrain.parallel.optimizer import STAGING_SLOTS, group_m_scales, scale_slot_numel, staging_capacity
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -46,7 +40,6 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "e4m3": 1}
 # fixed device reserve on CUDA (context, cuBLAS/cuDNN workspaces, NCCL buffers) + allocator slack
 CUDA_RESERVE_BYTES = 1 * GiB
 FRAGMENTATION = 0.05  # of activations + workspace: caching-allocator fragmentation
-MIN_CHUNK_ROWS = 1024  # propose() splits the LM head into chunks of at least this many tokens (GEMM efficiency)
 
 def _opt(opts: Any, name: str, default: Any = False) -> Any:
     """An option that may not exist (yet) in `Options`: absent means off."""
@@ -59,34 +52,6 @@ def has_option(name: str) -> bool:
 
 # ---------------------------------------------------------------------------------------------------------
 # recompute switches
-@dataclass(frozen=True)
-class Recompute:
-    """llm.q's recompute switches after their implications (ffn => swiglu, att => qkv,
-    block => att, ffn, norm), as `model/recompute.py` resolves them."""
-    swiglu: bool = False
-    norm: bool = False
-    ffn: bool = False
-    qkv: bool = False
-    att: bool = False
-    block: bool = False
-
-    @classmethod
-    def of(cls, *flags: str) -> "Recompute":
-        from ..model.recompute import resolve_flags
-        on = resolve_flags(flags)
-        return cls(**{f: f in on for f in ("swiglu", "norm", "ffn", "qkv", "att", "block")})
-
-    @classmethod
-    def from_options(cls, opts: Any) -> "Recompute":
-        return cls.of(*(f for f in ("swiglu", "norm", "ffn", "qkv", "att", "block") if _opt(opts, f"recompute_{f}")))
-
-    def label(self) -> str:
-        if self.block:
-            return "block"
-        on = [f for f in ("norm", "qkv", "att", "swiglu", "ffn") if getattr(self, f)]
-        return "+".join(on) if on else "none"
-
-
 # ---------------------------------------------------------------------------------------------------------
 # activations
 @dataclass(frozen=True)
@@ -104,7 +69,7 @@ class ActTerm:
 
 
 def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtype: str = "", compiled: bool = False,
-                     recompute: Recompute = Recompute(), attn_chunks: int = 1,
+                     recompute: frozenset[str] = frozenset(), attn_chunks: int = 1,
                      fp8_weight_copies: bool = True) -> list[ActTerm]:
     """What autograd keeps per layer for backward, term by term, for the ops of `transformer.make_block_fn`
     and its recompute steps (ln1, qkv [+ qk-norm + RoPE], attention, ln2, up, swiglu).
@@ -129,58 +94,56 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
     recomputes the e4m3 copies of the norm and SwiGLU outputs instead (CPU measurement: ~12% less)."""
     E = DTYPE_BYTES[model_dtype]
     fp8 = (matmul_dtype or model_dtype) == "e4m3"
-    rc = recompute
-    if rc.block:  # only the block input stays; the whole block is rerun in backward
-        rc = Recompute(swiglu=True, norm=True, ffn=True, qkv=True, att=True, block=True)
+    rc = resolve_flags(recompute)  # `block` implies every other switch: only the block input stays
     up = 4 if E != 4 else 0  # fp32 copies that eager RMSNorm makes of a bf16 input (none for fp32)
     C, Fi, q, kv, qkv = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, cfg.qkv_dim
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     lin = 0 if fp8 else E  # bytes/element of a linear input the linear saves (fp8: an e4m3 copy instead)
     f8 = 1 if fp8 else 0
     chunked = attn_chunks > 1 and not fp8  # SDPA slices' outputs + their concatenation (the projection input)
-    blk = not rc.block
+    blk = "block" not in rc
     T = ActTerm
     t = [T("input", E * C, True, "block input (residual stream)")]
     if compiled:
-        t += [T("ln1", 4, not (rc.norm or rc.att), "RMSNorm-1 rstd"),
-              T("ln1_out", 0 if (fp8 and not rc.qkv) else E * C, blk and (rc.qkv or not rc.norm),
-                "RMSNorm-1 output" + (" (input of the recomputed QKV step)" if rc.qkv else "")),
-              T("qkv", E * qkv + f8 * C, not rc.qkv, "fused QKV output (v is a view)")]
+        t += [T("ln1", 4, not ("norm" in rc or "att" in rc), "RMSNorm-1 rstd"),
+              T("ln1_out", 0 if (fp8 and "qkv" not in rc) else E * C, blk and ("qkv" in rc or "norm" not in rc),
+                "RMSNorm-1 output" + (" (input of the recomputed QKV step)" if "qkv" in rc else "")),
+              T("qkv", E * qkv + f8 * C, "qkv" not in rc, "fused QKV output (v is a view)")]
         if cfg.qk_norm:
-            t.append(T("qk_norm", 4 * (nh + nkv), not rc.qkv, "q/k RMSNorm rstd"))
-        t.append(T("rope", E * (q + kv), blk and (rc.att or not rc.qkv), "q, k after RoPE (SDPA inputs)"))
+            t.append(T("qk_norm", 4 * (nh + nkv), "qkv" not in rc, "q/k RMSNorm rstd"))
+        t.append(T("rope", E * (q + kv), blk and ("att" in rc or "qkv" not in rc), "q, k after RoPE (SDPA inputs)"))
     else:
-        t += [T("ln1", up * C + 4 + E * C + lin * C, not (rc.norm or rc.att),
+        t += [T("ln1", up * C + 4 + E * C + lin * C, not ("norm" in rc or "att" in rc),
                 "RMSNorm-1 fp32 copy, rstd, normalized, output"),
-              T("qkv", E * qkv + f8 * C, not rc.qkv, "fused QKV output (v is a view)")]
+              T("qkv", E * qkv + f8 * C, "qkv" not in rc, "fused QKV output (v is a view)")]
         if cfg.qk_norm:
-            t.append(T("qk_norm", up * (q + kv) + 4 * (nh + nkv) + E * (q + kv), not rc.qkv, "q/k RMSNorm state"))
-        t.append(T("rope", E * (q + kv), not rc.qkv, "q, k after RoPE (SDPA inputs)"))
-    t.append(T("attention", E * q + 4 * nh + (E * q if chunked else 0), not rc.att,
+            t.append(T("qk_norm", up * (q + kv) + 4 * (nh + nkv) + E * (q + kv), "qkv" not in rc, "q/k RMSNorm state"))
+        t.append(T("rope", E * (q + kv), "qkv" not in rc, "q, k after RoPE (SDPA inputs)"))
+    t.append(T("attention", E * q + 4 * nh + (E * q if chunked else 0), "att" not in rc,
                "SDPA output + log-sum-exp (fp32)" + (" + concatenated slices" if chunked else "")))
     if fp8:
         t.append(T("o_in_fp8", q, blk, "e4m3 copy of the attention projection's input"))
-    ln2_dropped = rc.norm or rc.ffn
+    ln2_dropped = "norm" in rc or "ffn" in rc
     if compiled:
         t += [T("res_att", E * C, blk, "residual after attention"),
-              T("ffn_extra", E * C, blk and rc.ffn, "kept by the partitioner with --recompute-ffn"),
+              T("ffn_extra", E * C, blk and "ffn" in rc, "kept by the partitioner with --recompute-ffn"),
               T("ln2", 4 + (0 if fp8 else E * C), not ln2_dropped, "RMSNorm-2 rstd + output"),
-              T("mlp_up", 2 * Fi * E + f8 * C, not rc.ffn, "fused up/gate output (B, T, 2F)"),
-              T("swiglu", 0 if fp8 else E * Fi, not rc.swiglu, "SwiGLU output")]
+              T("mlp_up", 2 * Fi * E + f8 * C, "ffn" not in rc, "fused up/gate output (B, T, 2F)"),
+              T("swiglu", 0 if fp8 else E * Fi, "swiglu" not in rc, "SwiGLU output")]
     else:
         # eager RMSNorm-2 keeps an fp32 copy of the residual; when it is recomputed the residual itself stays
         res = E * C if (ln2_dropped or E == 4) else 4 * C
         t += [T("res_att", res, blk,
                 "residual after attention" + ("" if res == E * C else " (as RMSNorm-2's fp32 copy)")),
               T("ln2", 4 + E * C + lin * C, not ln2_dropped, "RMSNorm-2 rstd, normalized, output"),
-              T("mlp_up", 2 * Fi * E + f8 * C, not rc.ffn, "fused up/gate output (B, T, 2F)"),
-              T("swiglu", E * Fi + lin * Fi, not rc.swiglu, "silu(gate), SwiGLU output")]
+              T("mlp_up", 2 * Fi * E + f8 * C, "ffn" not in rc, "fused up/gate output (B, T, 2F)"),
+              T("swiglu", E * Fi + lin * Fi, "swiglu" not in rc, "silu(gate), SwiGLU output")]
     if fp8:  # each linear keeps its e4m3 weight and two scales; those inside a recomputed step are rebuilt
         w8 = 1 if fp8_weight_copies else 0  # persistent quants: views of the gathered e4m3 block, not copies
         t += [T("down_in_fp8", Fi, blk, "e4m3 copy of the down projection's input"),
-              T("fp8_w_qkv", 0, not rc.qkv, "e4m3 QKV weight", per_layer=w8 * (C * qkv + 8)),
+              T("fp8_w_qkv", 0, "qkv" not in rc, "e4m3 QKV weight", per_layer=w8 * (C * qkv + 8)),
               T("fp8_w_o", 0, blk, "e4m3 attention-projection weight", per_layer=w8 * (q * C + 8)),
-              T("fp8_w_up", 0, not rc.ffn, "e4m3 up/gate weight", per_layer=w8 * (2 * Fi * C + 8)),
+              T("fp8_w_up", 0, "ffn" not in rc, "e4m3 up/gate weight", per_layer=w8 * (2 * Fi * C + 8)),
               T("fp8_w_down", 0, blk, "e4m3 down weight", per_layer=w8 * (Fi * C + 8))]
     return t
 
@@ -309,14 +272,14 @@ def _split(n: int, on_host: bool) -> dict[str, int]:
 
 def _fused_ce() -> bool:
     """Whether the LM head's loss runs the fused in-place cross-entropy kernel on CUDA (loss.py)."""
-    from ..kernels import cross_entropy
+    from qtrain.kernels import cross_entropy
     return cross_entropy.FUSED_CE_ENABLED
 
 
 def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: int | None = None,
                 device: str = "cuda", compiled: bool | None = None, reserve: int | None = None,
                 layout: FlatLayout | None = None, model_name: str | None = None,
-                recompute: Recompute | None = None, attn_chunks: int | None = None) -> MemoryPlan:
+                recompute: frozenset[str] | None = None, attn_chunks: int | None = None) -> MemoryPlan:
     """Bytes per rank for `cfg` trained with `opts` on `world` ranks of `device` ('cuda' or 'cpu').
 
     compiled: whether blocks run torch.compile'd (None: as `opts.compile` decides on `device`).
@@ -333,7 +296,7 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
     B, T, L = opts.batch_size, opts.seq_len, cfg.num_hidden_layers
     N = B * T
     C, V = cfg.hidden_size, cfg.vocab_size
-    rc = recompute if recompute is not None else Recompute.from_options(opts)
+    rc = resolve_flags(recompute if recompute is not None else opts.recompute)
     groups = layout.groups
     blocks = [g for g in groups if g.layer is not None]
     non_block = layout.non_block_groups()
@@ -341,7 +304,7 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
     shard_sizes = [g.shard_size(world) for g in groups]
     items: list[Item] = []
 
-    # ---- weights (parallel/weights.py `ShardedWeights.memory()` or the trainer's replicated buffers) ----
+    # ---- weights (parallel/weights/sharded.py `ShardedWeights.memory()` or the trainer's replicated buffers) ----
     sharded_w = bool(_opt(opts, "shard_weights")) or opts.zero_level >= 3
     offload_master = bool(_opt(opts, "offload_master"))
     persistent_quants = bool(_opt(opts, "persistent_quants")) and sharded_w and matmul == "e4m3" and L > 0
@@ -425,14 +388,14 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
                              attn_chunks=attn_chunks, fp8_weight_copies=not persistent_quants)
     per_layer = sum(a.nbytes(N) for a in terms if a.kept and a.name != "input")
     inp = N * C * E
-    offload_res = bool(_opt(opts, "offload_residual")) and rc.block
+    offload_res = bool(_opt(opts, "offload_residual")) and "block" in rc
     # block inputs (on the host with --offload-residual: 2 on the device, the one in use and the prefetched
     # one) + what each layer keeps + the last block's output (alive until the LM head has run)
     act_dev = L * per_layer + (2 * inp if offload_res else L * inp) + inp
     act_host = L * inp if offload_res else 0
     items.append(Item(f"activations ({L} layers)", device=act_dev, host=act_host, kind="activations",
                       parts={"per_layer": per_layer, "inputs": L * inp, "output": inp},
-                      detail=f"{_mib(per_layer + inp)} per layer; recompute {rc.label()}"
+                      detail=f"{_mib(per_layer + inp)} per layer; recompute {recompute_label(rc)}"
                              + ("; block inputs on host" if offload_res else "")))
 
     # ---- workspace: the larger of the transient phases ----
@@ -459,9 +422,9 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
                      if a.kept and a.name != "input")
     grad_tmp = N * (E * (cfg.intermediate_size + 2 * C) + 4 * cfg.q_dim // attn_chunks)  # CPU-measured bound
     bwd = 2 * inp + block_numel * E + grad_tmp + (V * C * E if tied else 0)
-    if rc.block:
+    if "block" in rc:
         bwd += full_block
-    elif rc != Recompute():
+    elif rc:
         bwd += full_block - per_layer  # the dropped steps of one layer are rebuilt
     embed_bwd = inp + V * C * E * (2 if tied else 1) + N * C * 4
     phases = {"lm_head": head, "block_backward": bwd, "embedding_backward": embed_bwd}
@@ -482,7 +445,7 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
 
     settings = {"model_dtype": opts.model_dtype, "matmul_dtype": matmul, "opt_m_dtype": opts.opt_m_dtype,
                 "opt_v_dtype": opts.opt_v_dtype, "gradients": kind, "offload_gradients": opts.offload_gradients,
-                "shard_weights": sharded_w, "recompute": rc.label(), "offload_residual": offload_res,
+                "shard_weights": sharded_w, "recompute": recompute_label(rc), "offload_residual": offload_res,
                 "offload_master": offload_master, "offload_opt_m": bool(_opt(opts, "offload_opt_m")),
                 "offload_opt_v": bool(_opt(opts, "offload_opt_v")), "lmhead_chunks": chunks,
                 "attn_bwd_chunks": attn_chunks, "grad_accumulation": opts.grad_accumulation,
@@ -508,155 +471,12 @@ def plan_for_trainer(trainer: Any, gpu_memory: int | None = None) -> MemoryPlan:
         import torch
         gpu_memory = torch.cuda.get_device_properties(trainer.device).total_memory
     run = trainer.model.run
-    rc = Recompute.of(*getattr(run, "recompute", ())) if hasattr(run, "recompute") else None
+    rc = run.recompute
     return plan_memory(trainer.cfg, trainer.opts, world=trainer.ctx.world, gpu_memory=gpu_memory, device=dev,
                        compiled=bool(getattr(run, "compile", False)), layout=trainer.layout, recompute=rc,
                        attn_chunks=getattr(run, "attn_bwd_chunks", None))
 
 
-# ---------------------------------------------------------------------------------------------------------
-# proposal
-def _ladder(base: Options, world: int, *, offload_first: bool = False) -> list[tuple[str, dict[str, Any]]]:
-    """Cumulative option changes, least intrusive first: recompute (cheap element-wise steps first), then
-    host offload of optimizer state, then sharding (world > 1) and offload of weights and gradients, then
-    the block inputs. `offload_first`: the optimizer-state offload before the recomputation of GEMMs (ffn,
-    block), which is cheaper when an optimizer step has many micro-steps (see `step_cost`). Steps whose
-    options this version of `Options` does not have are left out."""
-    steps: list[tuple[str, dict[str, Any]]] = [("none", {})]
-
-    def add(label: str, **flags: Any) -> None:
-        flags = {k: v for k, v in flags.items() if has_option(k)}
-        if flags:
-            steps.append((label, flags))
-    add("recompute swiglu+norm", recompute_swiglu=True, recompute_norm=True)
-    if offload_first:
-        add("offload opt m", offload_opt_m=True)
-        add("offload opt v", offload_opt_v=True)
-    add("recompute ffn", recompute_ffn=True)
-    add("recompute block", recompute_block=True)
-    if not offload_first:
-        add("offload opt m", offload_opt_m=True)
-        add("offload opt v", offload_opt_v=True)
-    unsharded = base.gradient_manager_kind == "unsharded"
-    if world > 1 and unsharded:
-        add("shard gradients", shard_gradients=True)
-    if base.zero_level < 2:  # --zero-level and --shard-weights are exclusive; level 3 already shards
-        add("shard weights", shard_weights=True)
-    add("offload master", offload_master=True)
-    add("offload gradients", offload_gradients=True, **({"shard_gradients": True} if unsharded and base.zero_level < 2
-                                                         else {}))
-    add("offload residual", offload_residual=True)
-    out, acc = [], {}
-    for label, flags in steps:
-        acc = {**acc, **flags}
-        out.append((label, dict(acc)))
-    return out
-
-
-def _try(cfg: ModelConfig, opts: Options, changes: dict[str, Any], **kw: Any) -> MemoryPlan | None:
-    try:
-        o = dataclasses.replace(opts, **changes).validate()
-    except (OptionsError, TypeError):
-        return None
-    return plan_memory(cfg, o, **kw)
-
-
-def propose(cfg: ModelConfig, base_options: Options, gpu_bytes: int, world: int = 1, *, max_batch: int = 64,
-            device: str = "cuda", compiled: bool | None = None, reserve: int | None = None,
-            model_name: str | None = None) -> list[tuple[dict[str, Any], MemoryPlan]]:
-    """Configurations that fit `gpu_bytes` per device, largest micro-batch first: the largest power-of-two
-    micro-batch (<= max_batch) that fits, with the least intrusive changes that make it fit; then each
-    smaller batch with its own least changes. Each entry: (option changes relative to `base_options`, plan);
-    empty if nothing fits. `recommend` picks the one the step model says is fastest.
-
-    For each batch two ladders are climbed (`_ladder`: none -> recompute swiglu+norm -> ffn -> block ->
-    offload opt m -> v -> [world > 1: shard gradients] -> shard weights -> offload master -> offload
-    gradients -> offload residual; and the same with the optimizer-state offload before recompute ffn);
-    at each rung `--lmhead-chunks` is doubled first (cheap, as long as a chunk keeps MIN_CHUNK_ROWS tokens).
-    Each first fit is pruned of earlier switches it does not need, and of the two the one `step_cost`
-    finds cheaper at the base options' sequences per optimizer step is kept. When the micro-batch changes,
-    `--grad-accumulation` changes with it so that the sequences per step stay the same (at least one
-    micro-step)."""
-    layout = FlatLayout(cfg, world)
-    kw = dict(world=world, gpu_memory=gpu_bytes, device=device, compiled=compiled, reserve=reserve, layout=layout,
-              model_name=model_name)
-    ladders = [_ladder(base_options, world), _ladder(base_options, world, offload_first=True)]
-    seqs = _sequences(base_options, {})
-    out: list[tuple[dict[str, Any], MemoryPlan]] = []
-    batches = [1 << i for i in range(int(math.log2(max(1, max_batch))) + 1)]
-    for B in batches:
-        found = [f for f in (_fit_batch(cfg, base_options, B, ladder, kw) for ladder in ladders) if f is not None]
-        if not found:
-            break  # more memory per step never fits better at a larger batch
-        accum = max(1, -(-seqs // B))
-        if accum != base_options.grad_accumulation:  # re-planned, so the plan's settings say it too
-            found = [({**c, "grad_accumulation": accum}, _try(cfg, base_options, {**c, "grad_accumulation": accum},
-                                                              **kw)) for c, _ in found]
-        out.append(min(found, key=lambda f: _cost(cfg, base_options, f).seconds_per_token))
-    out.reverse()
-    return out
-
-
-def _cost(cfg: ModelConfig, base: Options, proposal: tuple[dict[str, Any], MemoryPlan]) -> StepCost:
-    """`step_cost` of a proposal at its own sequences per step (batch x accumulation)."""
-    changes, plan = proposal
-    return step_cost(cfg, dataclasses.replace(base, **changes), plan)
-
-
-def _sequences(base: Options, changes: dict[str, Any]) -> int:
-    return changes.get("batch_size", base.batch_size) * changes.get("grad_accumulation", base.grad_accumulation)
-
-
-def recommend(cfg: ModelConfig, base_options: Options,
-              proposals: list[tuple[dict[str, Any], MemoryPlan]]) -> tuple[int | None, list[StepCost]]:
-    """Index of the proposal with the least estimated time per token (`step_cost`) among those that keep the
-    base options' sequences per optimizer step (all of them when none does: a per-step cost spread over
-    more sequences must not win by that alone), and every proposal's estimate. None when nothing fits."""
-    seqs = _sequences(base_options, {})
-    costs = [_cost(cfg, base_options, p) for p in proposals]
-    same = [i for i, (c, _) in enumerate(proposals) if _sequences(base_options, c) == seqs]
-    pool = same or list(range(len(costs)))
-    best = min(pool, key=lambda i: costs[i].seconds_per_token) if costs else None
-    return best, costs
-
-
-def _fit_batch(cfg: ModelConfig, base: Options, B: int, ladder, kw) -> tuple[dict[str, Any], MemoryPlan] | None:
-    T = base.seq_len
-    prev_dev = None
-    prev_flags: dict[str, Any] = {}
-    for _label, flags in ladder:
-        chunks = max(1, base.lmhead_chunks)
-        while chunks == max(1, base.lmhead_chunks) or B * T // chunks >= MIN_CHUNK_ROWS:
-            changes = {"batch_size": B, **flags}
-            if chunks != base.lmhead_chunks:
-                changes["lmhead_chunks"] = chunks
-            plan = _try(cfg, base, changes, **kw)
-            if plan is not None:
-                if plan.fits:
-                    return _minimize(cfg, base, changes, plan, keep=set(flags) - set(prev_flags), kw=kw)
-                if prev_dev is not None and chunks > base.lmhead_chunks and plan.device_total >= prev_dev:
-                    break  # more chunks no longer helps
-                prev_dev = plan.device_total
-            chunks *= 2
-        prev_dev = None
-        prev_flags = flags
-    return None
-
-
-def _minimize(cfg: ModelConfig, base: Options, changes: dict[str, Any], plan: MemoryPlan, *, keep: set[str],
-              kw) -> tuple[dict[str, Any], MemoryPlan]:
-    """Drop flags of earlier ladder rungs that the fitting configuration does not need (e.g. an offload
-    that sharding made unnecessary, or switches implied by --recompute-block), latest first."""
-    for k in reversed([k for k in changes if k not in keep and k not in ("batch_size", "lmhead_chunks")]):
-        trial = {kk: vv for kk, vv in changes.items() if kk != k}
-        p = _try(cfg, base, trial, **kw)
-        if p is not None and p.fits:
-            changes, plan = trial, p
-    return {k: v for k, v in changes.items() if getattr(base, k, None) != v}, plan
-
-
-# ---------------------------------------------------------------------------------------------------------
-# CLI
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
@@ -669,101 +489,3 @@ def parse_bytes(s: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a memory size: {s!r} (examples: 80GiB, 24GB, 141e9)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def add_plan_args(p: argparse.ArgumentParser) -> None:
-    """Arguments of `qtrain plan` besides the training options (add those with `add_train_args` first)."""
-    p.add_argument("--gpu-memory", dest="plan_gpu_memory", default=None,
-                   help="device memory per GPU, e.g. 80GiB or 141GB (default: the first visible CUDA device)")
-    p.add_argument("--max-batch", dest="plan_max_batch", type=int, default=64,
-                   help="largest micro-batch the proposal tries (powers of two up to this)")
-    p.add_argument("--reserve", dest="plan_reserve", default=None,
-                   help="fixed device reserve for CUDA context and libraries (default 1GiB)")
-    p.add_argument("--no-propose", dest="plan_propose", action="store_false",
-                   help="only print the plan of the given options")
-    p.add_argument("--json", dest="plan_json", action="store_true", help="print the plan(s) as JSON")
-
-
-def _resolve_cfg(opts: Options) -> tuple[ModelConfig, str]:
-    """--model as a preset name, an HF directory or `org/name` in the local HF cache; empty: the embedded
-    tiny model."""
-    from ..model.config import PRESETS, preset
-    from .trainer import resolve_model
-    name = opts.model
-    if name and not os.path.isdir(name):
-        key = name.rsplit("/", 1)[-1].lower()
-        if any(k.lower() == key for k in PRESETS):
-            return preset(name), name
-    return resolve_model(opts).cfg, name or "qtrain-tiny"
-
-
-def options_from_namespace(ns: argparse.Namespace) -> Options:
-    """Options from the parsed `qtrain plan` arguments: training options and --config, plan keys ignored."""
-    from .options import load_config_file, normalize_mapping
-    names = Options.field_names()
-    given = {k: v for k, v in vars(ns).items() if k in names}
-    base: dict[str, Any] = {}
-    if getattr(ns, "config", None):
-        base = normalize_mapping(load_config_file(ns.config), source=f"--config {ns.config}")
-    return Options(**{**base, **given}).validate()
-
-
-def run_plan(ns: argparse.Namespace, out=None) -> int:
-    """`qtrain plan`: print the plan of the given options and the proposal for --gpu-memory."""
-    out = out or sys.stdout
-    opts = options_from_namespace(ns)
-    cfg, name = _resolve_cfg(opts)
-    world = opts.gpus
-    gpu_memory = getattr(ns, "plan_gpu_memory", None)
-    if gpu_memory is not None:
-        gpu_memory = parse_bytes(gpu_memory)
-    else:
-        import torch
-        if not torch.cuda.is_available():
-            raise OptionsError("qtrain plan: --gpu-memory is needed when no CUDA device is visible (e.g. 80GiB)")
-        gpu_memory = torch.cuda.get_device_properties(0).total_memory
-        world = world or torch.cuda.device_count()
-    world = max(1, world)
-    reserve = getattr(ns, "plan_reserve", None)
-    reserve = None if reserve is None else parse_bytes(reserve)
-    plan = plan_memory(cfg, opts, world=world, gpu_memory=gpu_memory, reserve=reserve, model_name=name)
-    proposals = (propose(cfg, opts, gpu_memory, world, max_batch=getattr(ns, "plan_max_batch", 64), reserve=reserve,
-                         model_name=name) if getattr(ns, "plan_propose", True) else [])
-    best_i, costs = recommend(cfg, opts, proposals)
-    if getattr(ns, "plan_json", False):
-        json.dump({"plan": plan.to_dict(), "recommended": best_i,
-                   "proposals": [{"changes": c, "plan": p.to_dict(), "estimate": e.to_dict()}
-                                 for (c, p), e in zip(proposals, costs)]}, out, indent=1)
-        out.write("\n")
-        return 0 if plan.fits or proposals else 1
-    out.write(plan.format() + "\n")
-    if not getattr(ns, "plan_propose", True):
-        return 0 if plan.fits else 1
-    if not proposals:
-        out.write(f"\n[Proposal] nothing fits {_gib(gpu_memory)} per device, even batch 1 with every "
-                  f"recompute/offload/sharding option this version has.\n")
-        return 1
-    seqs = _sequences(opts, {})
-    out.write(f"\n[Proposal] each micro-batch that fits, with its cheapest recompute/offload; => the fastest by the "
-              f"step model\n  (est.: time per token against =>, at {seqs} sequences per optimizer step; "
-              f"see train/step_cost.py)\n")
-    for i, ((changes, p), c) in enumerate(zip(proposals, costs)):
-        flags = " ".join(_flag(k, v) for k, v in changes.items()) or "(as given)"
-        mark = "=>" if i == best_i else "  "
-        est = f"{100 * c.overhead(costs[best_i]):+.0f}%"
-        n = _sequences(opts, changes)
-        other = f"  ({n} sequences per step)" if n != seqs else ""
-        out.write(f"  {mark} B={p.batch_size:<4d} {_gib(p.device_total):>11} device, {_gib(p.host_total):>10} host  "
-                  f"est. {est:>5}  {flags}{other}\n")
-    best = proposals[best_i][1]
-    out.write("\n" + best.format() + "\n")
-    return 0
-
-
-def _flag(k: str, v: Any) -> str:
-    f = "--" + k.replace("_", "-")
-    if v is True:
-        return f
-    if v is False:
-        return "--no-" + k.replace("_", "-")
-    return f"{f} {v}"

@@ -6,7 +6,7 @@ over `smooth` steps, solid; eval loss, dashed with dots, except evaluations of a
 one, typically the final evaluation over the whole eval file, which are stars not joined to the line, since
 they measure different data), learning rate, gradient norm (log scale) and
 training throughput (tokens/s, raw faint + smoothed). The top row is against the optimizer step, the bottom
-row against the number of training tokens seen (cumulative `step_tokens`; see `qtrain.tools` for the exact
+row against the number of training tokens seen (cumulative `step_tokens`; see `qtrain.observe.history` for the exact
 meaning of both axes and for how resumed logs are merged). One colour per run; the legend names each run
 and its final eval loss.
 
@@ -15,15 +15,13 @@ machine without a display (CI, a remote GPU box).
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
-from pathlib import Path
 from typing import Sequence
 
-from . import LogError, RunHistory, load_run
+from qtrain.observe.history import LogError, RunHistory, load_run
 
-__all__ = ["plot_logs", "plot_runs", "build_figure", "moving_average", "add_plot_args", "run_plot"]
+__all__ = ["plot_logs", "plot_runs", "build_figure", "moving_average"]
 
 
 def moving_average(values: Sequence[float], window: int) -> list[float]:
@@ -179,33 +177,3 @@ def plot_logs(paths: Sequence[str | os.PathLike] | str | os.PathLike, out_png: s
         raise LogError(f"plot: {len(names)} --name values for {len(paths)} logs")
     runs = [load_run(p, name=None if names is None else names[i]) for i, p in enumerate(paths)]
     return plot_runs(runs, out_png, smooth=smooth, title=title)
-
-
-# ---------------------------------------------------------------- CLI
-
-def add_plot_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("logs", nargs="+", metavar="LOG", help="JSON Lines log(s) of qtrain runs (--log-file)")
-    p.add_argument("--out", "-o", default="plot.png", help="PNG to write (default: plot.png)")
-    p.add_argument("--smooth", type=int, default=21, help="moving-average window in steps (default 21; 1 = none)")
-    p.add_argument("--title", default=None, help="figure title")
-    p.add_argument("--name", dest="names", action="append", default=None,
-                   help="legend name of each log, in order (repeat once per LOG)")
-    p.add_argument("--show", action=argparse.BooleanOptionalAction, default=None,
-                   help="open the PNG in the desktop's image viewer (default: when a display is available)")
-
-
-def has_display() -> bool:
-    """A desktop to show the picture on: X11 / Wayland, or macOS / Windows."""
-    import sys
-    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")) or sys.platform in ("darwin", "win32")
-
-
-def run_plot(ns: argparse.Namespace) -> int:
-    if ns.smooth < 1:
-        raise LogError(f"--smooth must be >= 1, got {ns.smooth}")
-    out = plot_logs(ns.logs, ns.out, smooth=ns.smooth, title=ns.title, names=ns.names)
-    print(f"wrote {out}")
-    if ns.show if ns.show is not None else has_display():
-        import webbrowser
-        webbrowser.open(Path(out).resolve().as_uri())
-    return 0

@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..model.config import ModelConfig
-from ..model.recompute import FLAGS, resolve_flags
-from .options import Options
+from qtrain.model.config import ModelConfig
+from qtrain.model.recompute import resolve_flags
+from qtrain.options import Options
 
 MATMUL_RATE = {"bf16": 560e12, "fp16": 560e12, "fp32": 50e12, "e4m3": 770e12}  # model FLOP/s of a 14B step, H200
 PCIE_RATE = 48e9  # bytes/s each way with both directions busy (pinned, H200)
@@ -82,10 +82,6 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, flags: set[str] | 
     return cfg.num_hidden_layers * per_layer
 
 
-def _recompute_flags(opts: Options) -> set[str]:
-    return {f for f in FLAGS if getattr(opts, f"recompute_{f}", False)}
-
-
 def step_cost(cfg: ModelConfig, opts: Options, plan: Any, *, sequences_per_step: int | None = None) -> StepCost:
     """Cost of one optimizer step of `sequences_per_step` sequences (default: batch x grad-accumulation) with
     `opts`, whose memory plan is `plan` (its host-resident rows say what travels over PCIe)."""
@@ -97,7 +93,7 @@ def step_cost(cfg: ModelConfig, opts: Options, plan: Any, *, sequences_per_step:
     parts, head = forward_flops_per_token(cfg, T)
     fwd = cfg.num_hidden_layers * sum(parts.values()) + head
     compute = 3 * fwd * tokens / rate
-    recompute = recompute_flops_per_token(cfg, T, _recompute_flags(opts)) * tokens / rate
+    recompute = recompute_flops_per_token(cfg, T, opts.recompute) * tokens / rate
     grads = plan.item("gradients")
     accumulate = (3 * micro - 1) * grads.device / HBM_RATE  # the first micro-step copies (2 passes), others add
 

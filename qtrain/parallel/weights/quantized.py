@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from ..model.transformer import FP8_INV_SCALE, FP8_WEIGHT, WeightSource
-from ..numerics.fp8 import Fp8WeightCache
-
-FP8_MATRICES = ("qkv", "o", "up", "down")  # the four block linears that run in FP8
+from qtrain.model.transformer import FP8_INV_SCALE, FP8_MATRICES, FP8_WEIGHT, WeightSource
+from qtrain.numerics.fp8 import Fp8WeightCache
 
 
 class QuantizedWeights:

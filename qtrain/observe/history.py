@@ -1,4 +1,4 @@
-"""Tools that read a run's JSON Lines log (`qtrain.train.log`): `plot` (PNG figure) and `wandb_export`
+"""Tools that read a run's JSON Lines log (`qtrain.observe.log`): `plot` (PNG figure) and `wandb_export`
 (replay into a Weights & Biases run). This module holds what both need: `load_run`, which turns a log into
 the per-step series of one run.
 
@@ -139,9 +139,9 @@ def _stem(path: str) -> str:
 
 
 def load_run(path: str | os.PathLike, *, name: str | None = None) -> RunHistory:
-    """Read a qtrain JSON Lines log (`qtrain.train.log.read_log`) into a RunHistory. The run's name is
+    """Read a qtrain JSON Lines log (`qtrain.observe.log.read_log`) into a RunHistory. The run's name is
     `name`, else its `name` option, else the file name without extension."""
-    from ..train.log import read_log
+    from qtrain.observe.log import read_log
 
     p = os.fspath(path)
     try:

@@ -7,11 +7,12 @@ YAML) both fill this object; `validate()` is the single place where combinations
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..model.layers import SDPA_BACKENDS
+from qtrain.model.layers import SDPA_BACKENDS
+from qtrain.model.recompute import FLAGS as RECOMPUTE_FLAGS
+from qtrain.model.recompute import resolve_flags
 
 DTYPES = ("fp32", "bf16")
 MATMUL_DTYPES = ("fp32", "bf16", "e4m3")
@@ -165,6 +166,11 @@ class Options:
     @property
     def effective_matmul_dtype(self) -> str:
         return self.matmul_dtype or self.model_dtype
+
+    @property
+    def recompute(self) -> frozenset[str]:
+        """The --recompute-* switches that are on, with what they imply (the set the model runs with)."""
+        return resolve_flags(f for f in RECOMPUTE_FLAGS if getattr(self, f"recompute_{f}"))
 
     @property
     def weights_sharded(self) -> bool:
@@ -360,29 +366,3 @@ def normalize_mapping(d: dict[str, Any], *, source: str = "options") -> dict[str
     if unknown:
         raise OptionsError(f"{source}: unknown option(s) {sorted(unknown)}")
     return norm
-
-
-def load_config_file(path: str) -> dict[str, Any]:
-    """Read a TOML or YAML options file into a flat mapping (option name -> value)."""
-    if not os.path.isfile(path):
-        raise OptionsError(f"--config {path}: file not found")
-    with open(path, "rb") as f:
-        raw = f.read()
-    if path.endswith((".yaml", ".yml")):
-        try:
-            import yaml  # type: ignore[import-not-found]
-        except ImportError:
-            raise OptionsError(f"--config {path}: YAML needs PyYAML (pip install pyyaml), or use TOML") from None
-        try:
-            data = yaml.safe_load(raw) or {}
-        except yaml.YAMLError as e:
-            raise OptionsError(f"--config {path}: invalid YAML ({e})") from None
-    else:
-        import tomllib
-        try:
-            data = tomllib.loads(raw.decode("utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise OptionsError(f"--config {path}: invalid TOML ({e})") from None
-    if not isinstance(data, dict):
-        raise OptionsError(f"--config {path}: expected a table of options")
-    return data

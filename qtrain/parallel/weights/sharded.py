@@ -85,10 +85,10 @@ from typing import Iterator
 
 import torch
 
-from ..model.transformer import FP8_INV_SCALE, FP8_WEIGHT
-from ..numerics.fp8 import E4M3, quantize_fp8
-from .comm import Communicator, Handle
-from .layout import FlatLayout, Group
+from qtrain.model.transformer import FP8_INV_SCALE, FP8_WEIGHT
+from qtrain.numerics.fp8 import E4M3, quantize_fp8
+from qtrain.parallel.comm import Communicator, Handle
+from qtrain.parallel.layout import FlatLayout, Group
 
 __all__ = ["ShardedWeights"]
 

@@ -5,14 +5,14 @@ What goes where:
 
 * every field of each `step` object becomes `train/<field>` at W&B step = the log's step (loss, norm, lr,
   tokens_per_s, step_tokens, duration_ms, sol, mfu, epoch and any extras), plus `train/tokens`: training
-  tokens seen before that step (see `qtrain.tools` for the axes);
+  tokens seen before that step (see `qtrain.observe.history` for the axes);
 * every field of each `eval` object becomes `eval/<field>` (loss, ppl, eval_tokens, duration_ms,
   train_avg, ...) at its step; an evaluation at step s and the training step s land in the same W&B row
   (both describe the weights after s steps);
 * the run's options become the W&B config, with the datasets (`dataset/train/tokens`, ...) and the device
   (`device`); the run name is `name`, else the `name` option.
 
-Resumed runs are merged as `qtrain.tools.load_run` describes (W&B needs steps in increasing order).
+Resumed runs are merged as `qtrain.observe.history.load_run` describes (W&B needs steps in increasing order).
 Non-finite values are sent as they are (W&B stores NaN / Infinity).
 
 `mode="offline"` (the default) writes the run under `dir/wandb/offline-run-*` and contacts no server;
@@ -22,14 +22,13 @@ the machine. Needs the `wandb` package (`pip install wandb`).
 """
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass
 from typing import Any
 
-from . import LogError, history_from_events
+from qtrain.observe.history import LogError, history_from_events
 
-__all__ = ["export_wandb", "WandbExport", "add_export_wandb_args", "run_export_wandb"]
+__all__ = ["export_wandb", "WandbExport"]
 
 _SKIP = ("log", "time", "step")  # bookkeeping fields of every log object
 
@@ -63,7 +62,7 @@ def export_wandb(log_path: str | os.PathLike, *, project: str, name: str | None 
     still writing the offline `.wandb` file (seen with wandb 0.31, about one run in 20). It also finishes
     any other W&B run of this process, so pass False if there is one (the files then complete shortly
     after, or at the latest when the process exits). Returns the run's id and local directory."""
-    from ..train.log import read_log
+    from qtrain.observe.log import read_log
 
     if mode not in ("offline", "online", "disabled"):
         raise LogError(f"export-wandb: --mode must be offline, online or disabled, got {mode!r}")
@@ -121,26 +120,3 @@ def export_wandb(log_path: str | os.PathLike, *, project: str, name: str | None 
         if teardown:
             wandb.teardown()
     return result
-
-
-# ---------------------------------------------------------------- CLI
-
-def add_export_wandb_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("log", metavar="LOG", help="JSON Lines log of a qtrain run (--log-file)")
-    p.add_argument("--project", required=True, help="W&B project")
-    p.add_argument("--name", default=None, help="run name (default: the run's name option)")
-    p.add_argument("--entity", default=None, help="W&B entity (user or team)")
-    p.add_argument("--tag", dest="tags", action="append", default=None, help="run tag (repeatable)")
-    p.add_argument("--mode", choices=("offline", "online"), default="offline",
-                   help="offline (default): write the run locally, upload later with `wandb sync`; "
-                        "online: upload now (needs `wandb login`)")
-    p.add_argument("--dir", default=None, help="directory for the wandb/ folder (default: current directory)")
-
-
-def run_export_wandb(ns: argparse.Namespace) -> int:
-    r = export_wandb(ns.log, project=ns.project, name=ns.name, mode=ns.mode, dir=ns.dir, entity=ns.entity,
-                     tags=ns.tags)
-    print(f"exported {r.steps} steps and {r.evals} evaluations to W&B run {r.name!r} ({r.run_id}) in {r.run_dir}")
-    if ns.mode == "offline":
-        print(f"upload with: wandb sync {r.run_dir}")
-    return 0

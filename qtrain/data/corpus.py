@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from qtrain.train.data import DataError, read_token_file_header, write_token_file
-from qtrain.train.tokenize import HoldOut, get_tokenizer
+from qtrain.data.token_files import DataError, read_token_file_header, write_token_file
+from qtrain.data.tokenize import HoldOut, get_tokenizer
 
 CORPUS_VERSION = 2
 EVAL_FRACTION = 0.05

@@ -1,0 +1,38 @@
+"""`qtrain eval`: loss and perplexity of any Hugging Face model directory on token files
+(`qtrain.train.evaluate`)."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Sequence
+
+from qtrain.train.evaluate import DTYPE_NAMES, evaluate_model, resolve_device, resolve_dtype
+
+HELP = "loss / perplexity of a Hugging Face model directory on token files"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="HF model directory, or ORG/NAME in the local HF cache")
+    p.add_argument("--eval-file", required=True, help="token file(s) to score (a glob: quote it)")
+    p.add_argument("--seq-len", type=int, default=1024, help="sequence length (default 1024)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per batch (default 4)")
+    p.add_argument("--max-batches", type=int, default=None, help="score only the first N batches")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default auto)")
+    p.add_argument("--dtype", choices=("auto", *DTYPE_NAMES), default="auto",
+                   help="weights / activations dtype (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--lmhead-chunks", type=int, default=1, help="split the LM head into N row chunks (memory)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+
+def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
+    dev = resolve_device(ns.device)
+    dtype = resolve_dtype(ns.dtype, dev)
+    r = evaluate_model(ns.model, ns.eval_file, seq_len=ns.seq_len, batch_size=ns.batch_size, device=dev, dtype=dtype,
+                       max_batches=ns.max_batches, lmhead_chunks=ns.lmhead_chunks)
+    if ns.json:
+        print(json.dumps({**r, "model": str(ns.model), "eval_file": str(ns.eval_file), "seq_len": ns.seq_len,
+                          "batch_size": ns.batch_size, "dtype": str(dtype).removeprefix("torch.")}))
+    else:
+        print(f"eval loss {r['loss']:.6f} | ppl {r['ppl']:.4f} | {r['tokens']:,} tokens in {r['batches']} batches "
+              f"| {r['duration_ms'] / 1000:.1f} s")
+    return 0

@@ -1,0 +1,91 @@
+"""`qtrain plan`: the memory plan of the given options, and, for a device of --gpu-memory, each micro-batch
+that fits with its cheapest recompute/offload settings, the fastest marked (`qtrain.plan`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from qtrain.cli.options import add_train_args, options_from_args
+from qtrain.model.resolve import TINY_NAME, resolve_model
+from qtrain.options import OptionsError
+from qtrain.plan.memory import _gib, parse_bytes, plan_memory
+from qtrain.plan.propose import _sequences, propose, recommend
+
+HELP = "memory plan of the options, and the largest micro-batch that fits a GPU"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The training options, and `qtrain plan`'s own arguments."""
+    add_train_args(p)
+    p.add_argument("--gpu-memory", dest="plan_gpu_memory", default=None,
+                   help="device memory per GPU, e.g. 80GiB or 141GB (default: the first visible CUDA device)")
+    p.add_argument("--max-batch", dest="plan_max_batch", type=int, default=64,
+                   help="largest micro-batch the proposal tries (powers of two up to this)")
+    p.add_argument("--reserve", dest="plan_reserve", default=None,
+                   help="fixed device reserve for CUDA context and libraries (default 1GiB)")
+    p.add_argument("--no-propose", dest="plan_propose", action="store_false",
+                   help="only print the plan of the given options")
+    p.add_argument("--json", dest="plan_json", action="store_true", help="print the plan(s) as JSON")
+
+
+def run(ns: argparse.Namespace, argv: Sequence[str] = (), out=None) -> int:
+    """`qtrain plan`: print the plan of the given options and the proposal for --gpu-memory."""
+    out = out or sys.stdout
+    opts = options_from_args(ns)
+    cfg, name = resolve_model(opts.model, from_scratch=True).cfg, opts.model or TINY_NAME
+    world = opts.gpus
+    gpu_memory = getattr(ns, "plan_gpu_memory", None)
+    if gpu_memory is not None:
+        gpu_memory = parse_bytes(gpu_memory)
+    else:
+        import torch
+        if not torch.cuda.is_available():
+            raise OptionsError("qtrain plan: --gpu-memory is needed when no CUDA device is visible (e.g. 80GiB)")
+        gpu_memory = torch.cuda.get_device_properties(0).total_memory
+        world = world or torch.cuda.device_count()
+    world = max(1, world)
+    reserve = getattr(ns, "plan_reserve", None)
+    reserve = None if reserve is None else parse_bytes(reserve)
+    plan = plan_memory(cfg, opts, world=world, gpu_memory=gpu_memory, reserve=reserve, model_name=name)
+    proposals = (propose(cfg, opts, gpu_memory, world, max_batch=getattr(ns, "plan_max_batch", 64), reserve=reserve,
+                         model_name=name) if getattr(ns, "plan_propose", True) else [])
+    best_i, costs = recommend(cfg, opts, proposals)
+    if getattr(ns, "plan_json", False):
+        json.dump({"plan": plan.to_dict(), "recommended": best_i,
+                   "proposals": [{"changes": c, "plan": p.to_dict(), "estimate": e.to_dict()}
+                                 for (c, p), e in zip(proposals, costs)]}, out, indent=1)
+        out.write("\n")
+        return 0 if plan.fits or proposals else 1
+    out.write(plan.format() + "\n")
+    if not getattr(ns, "plan_propose", True):
+        return 0 if plan.fits else 1
+    if not proposals:
+        out.write(f"\n[Proposal] nothing fits {_gib(gpu_memory)} per device, even batch 1 with every "
+                  f"recompute/offload/sharding option this version has.\n")
+        return 1
+    seqs = _sequences(opts, {})
+    out.write(f"\n[Proposal] each micro-batch that fits, with its cheapest recompute/offload; => the fastest by the "
+              f"step model\n  (est.: time per token against =>, at {seqs} sequences per optimizer step; "
+              f"see plan/step_cost.py)\n")
+    for i, ((changes, p), c) in enumerate(zip(proposals, costs)):
+        flags = " ".join(_flag(k, v) for k, v in changes.items()) or "(as given)"
+        mark = "=>" if i == best_i else "  "
+        est = f"{100 * c.overhead(costs[best_i]):+.0f}%"
+        n = _sequences(opts, changes)
+        other = f"  ({n} sequences per step)" if n != seqs else ""
+        out.write(f"  {mark} B={p.batch_size:<4d} {_gib(p.device_total):>11} device, {_gib(p.host_total):>10} host  "
+                  f"est. {est:>5}  {flags}{other}\n")
+    best = proposals[best_i][1]
+    out.write("\n" + best.format() + "\n")
+    return 0
+
+
+def _flag(k: str, v: Any) -> str:
+    f = "--" + k.replace("_", "-")
+    if v is True:
+        return f
+    if v is False:
+        return "--no-" + k.replace("_", "-")
+    return f"{f} {v}"

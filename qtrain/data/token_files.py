@@ -1,0 +1,245 @@
+"""Token files: llm.q's ``.bin`` format, read (memory-mapped) and written.
+
+File format (byte-compatible with llm.q, ``reference/llmq.md`` §2.1), little-endian throughout::
+
+    header   1024 bytes = 256 x int32
+             [0:2] magic b"BIN.TOK\\n"   [2] version (1 or 2; we write 2)   [3] bytes per token (4)
+             [4] number of tokens N      [5] vocab size (v2 only)          [6] has-masks flag
+    tokens   N x int32
+    masks    ceil(N/8) bytes, present iff has-masks; bit i (LSB-first in each byte) = 1 keeps token i
+             as a training target.
+"""
+
+from __future__ import annotations
+
+import glob as _glob
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+MAGIC = b"BIN.TOK\n"
+HEADER_BYTES = 1024
+HEADER_INTS = HEADER_BYTES // 4
+WRITE_VERSION = 2
+BYTES_PER_TOKEN = 4
+MAX_TOKENS_PER_FILE = 2**31 - 1  # N is stored as int32
+IGNORE_INDEX = -100  # target value that the loss skips (torch's cross_entropy default)
+
+PathLike = str | os.PathLike[str]
+
+
+class DataError(ValueError):
+    """A token file (or a set of them) cannot be used; the message names the file."""
+
+
+@dataclass(frozen=True)
+class TokenFileHeader:
+    """Decoded header of one token file; ``vocab_size`` is None for version-1 files (not recorded)."""
+
+    path: str
+    version: int
+    bytes_per_token: int
+    num_tokens: int
+    vocab_size: int | None
+    has_masks: bool
+
+    @property
+    def mask_bytes(self) -> int:
+        return (self.num_tokens + 7) // 8 if self.has_masks else 0
+
+    @property
+    def file_size(self) -> int:
+        """Exact size a well-formed file with this header must have."""
+        return HEADER_BYTES + self.num_tokens * self.bytes_per_token + self.mask_bytes
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+
+
+def _header_bytes(num_tokens: int, vocab_size: int, has_masks: bool) -> bytes:
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[0:2] = np.frombuffer(MAGIC, dtype="<i4")
+    header[2] = WRITE_VERSION
+    header[3] = BYTES_PER_TOKEN
+    header[4] = num_tokens
+    header[5] = vocab_size
+    header[6] = int(has_masks)
+    return header.tobytes()
+
+
+class TokenFileWriter:
+    """Streams tokens (and optional masks) into a token file, atomically.
+
+    Tokens go straight to ``<path>.tmp.<pid>`` so a file of 100M tokens never has to be held as a
+    Python list; mask bits (N/8 bytes) are kept in memory because they follow all tokens. ``close()``
+    writes the header and renames onto ``path`` (a crash leaves no half-written ``.bin`` behind);
+    ``abort()`` removes the temporary file. Use as a context manager to get exactly that.
+    """
+
+    def __init__(self, path: PathLike, *, vocab_size: int, with_masks: bool = False) -> None:
+        if vocab_size <= 0 or vocab_size > MAX_TOKENS_PER_FILE:
+            raise DataError(f"{path}: invalid vocab_size {vocab_size}")
+        self.path = str(path)
+        self.vocab_size = int(vocab_size)
+        self.with_masks = with_masks
+        self.num_tokens = 0
+        self._masks: list[np.ndarray] = []
+        self._tmp = f"{self.path}.tmp.{os.getpid()}"
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self._tmp, "wb")
+        self._f.write(b"\0" * HEADER_BYTES)  # placeholder until N is known
+
+    def write(self, tokens: Sequence[int] | np.ndarray, masks: Sequence[bool] | np.ndarray | None = None) -> None:
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise DataError(f"{self.path}: tokens must be 1-D, got shape {arr.shape}")
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+            raise DataError(
+                f"{self.path}: token ids must lie in [0, {self.vocab_size}), got [{arr.min()}, {arr.max()}]"
+            )
+        if self.num_tokens + arr.size > MAX_TOKENS_PER_FILE:
+            raise DataError(f"{self.path}: more than {MAX_TOKENS_PER_FILE} tokens do not fit one file")
+        if self.with_masks:
+            if masks is None or len(masks) != arr.size:
+                raise DataError(f"{self.path}: masks must be given with the same length as tokens")
+            self._masks.append(np.asarray(masks, dtype=bool))
+        elif masks is not None:
+            raise DataError(f"{self.path}: masks given to a writer created with with_masks=False")
+        self._f.write(arr.astype("<i4", copy=False).tobytes())
+        self.num_tokens += arr.size
+
+    def close(self) -> str:
+        if self.with_masks:
+            bits = np.concatenate(self._masks) if self._masks else np.zeros(0, dtype=bool)
+            self._f.write(np.packbits(bits, bitorder="little").tobytes())
+        self._f.seek(0)
+        self._f.write(_header_bytes(self.num_tokens, self.vocab_size, self.with_masks))
+        self._f.close()
+        os.replace(self._tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+        if os.path.exists(self._tmp):
+            os.remove(self._tmp)
+
+    def __enter__(self) -> "TokenFileWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_token_file(
+    path: PathLike,
+    tokens: Sequence[int] | np.ndarray,
+    *,
+    vocab_size: int,
+    masks: Sequence[bool] | np.ndarray | None = None,
+) -> str:
+    """Write one token file (version 2) atomically; ``masks[i]`` true keeps token i as a target."""
+    with TokenFileWriter(path, vocab_size=vocab_size, with_masks=masks is not None) as w:
+        w.write(tokens, masks)
+    return str(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_token_file_header(path: PathLike) -> TokenFileHeader:
+    """Read and validate a header, including that the file size matches N and the mask flag."""
+    path = str(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read token file ({e.strerror or e})") from e
+    if len(raw) < HEADER_BYTES:
+        raise DataError(f"{path}: truncated token file ({size} bytes, the header alone is {HEADER_BYTES})")
+    if raw[:8] != MAGIC:
+        raise DataError(f"{path}: not a token file (magic {raw[:8]!r}, expected {MAGIC!r})")
+    h = np.frombuffer(raw, dtype="<i4")
+    version, bpt, n = int(h[2]), int(h[3]), int(h[4])
+    if version not in (1, 2):
+        raise DataError(f"{path}: unsupported token file version {version} (supported: 1, 2)")
+    if bpt != BYTES_PER_TOKEN:
+        raise DataError(f"{path}: unsupported bytes per token {bpt} (supported: {BYTES_PER_TOKEN})")
+    if n < 0:
+        raise DataError(f"{path}: negative token count {n} in header")
+    # v1 headers have no vocab field; llm.q's v1 writer still stored the mask flag at int 6.
+    header = TokenFileHeader(
+        path=path,
+        version=version,
+        bytes_per_token=bpt,
+        num_tokens=n,
+        vocab_size=int(h[5]) if version >= 2 else None,
+        has_masks=bool(h[6]),
+    )
+    if size != header.file_size:
+        what = "truncated" if size < header.file_size else "oversized"
+        raise DataError(
+            f"{path}: {what} token file: {size} bytes, but the header's {n} tokens"
+            f"{' + masks' if header.has_masks else ''} need {header.file_size}"
+        )
+    return header
+
+
+class TokenFile:
+    """A memory-mapped token file: ``tokens`` (int32, length N) and ``masks`` (packed bits or None)."""
+
+    def __init__(self, path: PathLike) -> None:
+        self.header = read_token_file_header(path)
+        n = self.header.num_tokens
+        self.path = self.header.path
+        # np.memmap refuses zero-length maps; an empty file is still a valid (useless) file.
+        self.tokens: np.ndarray = (
+            np.memmap(self.path, dtype="<i4", mode="r", offset=HEADER_BYTES, shape=(n,))
+            if n
+            else np.zeros(0, dtype="<i4")
+        )
+        self.masks: np.ndarray | None = None
+        if self.header.has_masks and n:
+            self.masks = np.memmap(
+                self.path, dtype=np.uint8, mode="r", offset=HEADER_BYTES + 4 * n, shape=(self.header.mask_bytes,)
+            )
+
+    def __len__(self) -> int:
+        return self.header.num_tokens
+
+    def mask_bits(self, start: int, stop: int) -> np.ndarray:
+        """Unpacked keep-bits for tokens [start, stop) (all ones when the file has no masks)."""
+        if self.masks is None:
+            return np.ones(stop - start, dtype=bool)
+        first, last = start // 8, (stop + 7) // 8
+        bits = np.unpackbits(np.asarray(self.masks[first:last]), bitorder="little")
+        return bits[start - 8 * first : stop - 8 * first].astype(bool)
+
+
+def read_token_file(path: PathLike) -> tuple[np.ndarray, np.ndarray | None]:
+    """Whole file as (tokens int32, keep-mask bool or None) in memory; for tests and small files."""
+    f = TokenFile(path)
+    masks = f.mask_bits(0, len(f)) if f.header.has_masks else None
+    return np.array(f.tokens, dtype=np.int32), masks
+
+
+def expand_files(pattern_or_files: PathLike | Sequence[PathLike]) -> list[str]:
+    """Glob pattern(s) -> sorted list of files; llm.q also expands the pattern inside the program."""
+    patterns = [pattern_or_files] if isinstance(pattern_or_files, (str, os.PathLike)) else list(pattern_or_files)
+    files: list[str] = []
+    for p in patterns:
+        p = str(p)
+        hits = sorted(_glob.glob(p)) if _glob.has_magic(p) else ([p] if os.path.exists(p) else [])
+        if not hits:
+            raise DataError(f"{p}: no token files match")
+        files.extend(h for h in hits if h not in files)
+    return files

@@ -1,0 +1,44 @@
+"""The block's matmul precision: the four block linears (QKV, attention output, MLP up and down) and the MLP
+as one function, in the model dtype or in FP8 (`--matmul-dtype e4m3`, `numerics.fp8`).
+
+A model setting (`RunOptions.matmul_dtype`), not a trainer concern: the block function is built with what
+these return. With FP8, a weight is quantized in the call (per-tensor current scaling) unless the weight
+source passes its FP8 copy, made once per optimizer step (`--persistent-quants`): `QuantizedWeights` for
+replicated weights, `ShardedWeights` for sharded ones (which then gathers only that copy of the matrices).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qtrain.numerics.fp8 import E4M3, E5M2, fp8_linear, fp8_swiglu_mlp
+
+FP8_GRAD_DTYPES = {"e4m3": E4M3, "e5m2": E5M2}
+
+
+def block_linear(matmul_dtype: str = "", grad_dtype: str = "e4m3"):
+    """The function the four block linears run through: F.linear, or FP8 with matmul_dtype "e4m3" (e4m3
+    forward; output gradients in `grad_dtype`, e4m3 or e5m2)."""
+    if matmul_dtype != "e4m3":
+        return F.linear
+    gd = FP8_GRAD_DTYPES[grad_dtype or "e4m3"]
+
+    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+               w_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return fp8_linear(x, w, b, grad_dtype=gd, weight_fp8=w_fp8).to(x.dtype)
+
+    return linear
+
+
+def block_mlp(matmul_dtype: str = "", grad_dtype: str = "e4m3"):
+    """The MLP as one function with matmul_dtype "e4m3" (`fp8_swiglu_mlp`: the SwiGLU output exists only in
+    FP8, its gradient is quantized with an abs-max fused into the SwiGLU backward), else None (the block
+    runs linear -> SwiGLU -> linear). Compiled blocks use it (as they do the fused SwiGLU backward)."""
+    if matmul_dtype != "e4m3":
+        return None
+    gd = FP8_GRAD_DTYPES[grad_dtype or "e4m3"]
+
+    def mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, up_fp8=None, down_fp8=None) -> torch.Tensor:
+        return fp8_swiglu_mlp(x, w_up, w_down, grad_dtype=gd, up_fp8=up_fp8, down_fp8=down_fp8)
+
+    return mlp

@@ -1,0 +1,11 @@
+"""Weight sources: where the model gets its weights (`model.transformer.WeightSource`).
+
+- `ParamWeights` (replicated.py): full parameters on every rank (ZeRO-1/2, one process).
+- `QuantizedWeights` (quantized.py): a source plus e4m3 copies of the block matrices made once per step.
+- `ShardedWeights` (sharded.py): only this rank's shard; blocks gathered just in time (ZeRO-3).
+"""
+from qtrain.parallel.weights.quantized import QuantizedWeights
+from qtrain.parallel.weights.replicated import ParamWeights
+from qtrain.parallel.weights.sharded import ShardedWeights
+
+__all__ = ["ParamWeights", "QuantizedWeights", "ShardedWeights"]

@@ -1,0 +1,30 @@
+"""Replicated weights: every rank holds every parameter (the default, ZeRO-1/2), as views into the flat
+group buffers of `parallel/layout.py` that the optimizer updates and all-gathers in place."""
+from __future__ import annotations
+
+import torch
+
+from qtrain.model.config import ModelConfig
+from qtrain.model.weights import block_tensor_names
+
+
+class ParamWeights:
+    """The plain weight source: a flat dict of full parameter tensors (replicated weights)."""
+
+    def __init__(self, cfg: ModelConfig, params: dict[str, torch.Tensor]):
+        self.params = params
+        self._block_names = block_tensor_names(cfg)
+        self._tied = cfg.tie_word_embeddings
+
+    def block(self, layer: int) -> dict[str, torch.Tensor]:
+        return {n: self.params[f"layers.{layer}.{n}"] for n in self._block_names}
+
+    def non_block(self) -> dict[str, torch.Tensor]:
+        names = ("embed", "norm") if self._tied else ("embed", "norm", "lm_head")
+        return {n: self.params[n] for n in names}
+
+    def release_block(self, layer: int) -> None:
+        pass
+
+    def invalidate(self) -> None:
+        pass

@@ -1,0 +1,158 @@
+"""`qtrain plan`'s proposals: for each micro-batch, the least intrusive recompute / offload / sharding
+settings that fit a device, and the fastest of them by the step-time model (`step_cost.py`).
+
+    for changes, plan in propose(cfg, opts, parse_bytes("80GiB"), world=8): ...
+    best, costs = recommend(cfg, opts, proposals)
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from qtrain.model.config import ModelConfig
+from qtrain.options import Options, OptionsError
+from qtrain.parallel.layout import FlatLayout
+from qtrain.plan.memory import MemoryPlan, has_option, plan_memory
+from qtrain.plan.step_cost import StepCost, step_cost
+
+MIN_CHUNK_ROWS = 1024  # propose() splits the LM head into chunks of at least this many tokens (GEMM efficiency)
+
+
+def _ladder(base: Options, world: int, *, offload_first: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    """Cumulative option changes, least intrusive first: recompute (cheap element-wise steps first), then
+    host offload of optimizer state, then sharding (world > 1) and offload of weights and gradients, then
+    the block inputs. `offload_first`: the optimizer-state offload before the recomputation of GEMMs (ffn,
+    block), which is cheaper when an optimizer step has many micro-steps (see `step_cost`). Steps whose
+    options this version of `Options` does not have are left out."""
+    steps: list[tuple[str, dict[str, Any]]] = [("none", {})]
+
+    def add(label: str, **flags: Any) -> None:
+        flags = {k: v for k, v in flags.items() if has_option(k)}
+        if flags:
+            steps.append((label, flags))
+    add("recompute swiglu+norm", recompute_swiglu=True, recompute_norm=True)
+    if offload_first:
+        add("offload opt m", offload_opt_m=True)
+        add("offload opt v", offload_opt_v=True)
+    add("recompute ffn", recompute_ffn=True)
+    add("recompute block", recompute_block=True)
+    if not offload_first:
+        add("offload opt m", offload_opt_m=True)
+        add("offload opt v", offload_opt_v=True)
+    unsharded = base.gradient_manager_kind == "unsharded"
+    if world > 1 and unsharded:
+        add("shard gradients", shard_gradients=True)
+    if base.zero_level < 2:  # --zero-level and --shard-weights are exclusive; level 3 already shards
+        add("shard weights", shard_weights=True)
+    add("offload master", offload_master=True)
+    add("offload gradients", offload_gradients=True, **({"shard_gradients": True} if unsharded and base.zero_level < 2
+                                                         else {}))
+    add("offload residual", offload_residual=True)
+    out, acc = [], {}
+    for label, flags in steps:
+        acc = {**acc, **flags}
+        out.append((label, dict(acc)))
+    return out
+
+
+def _try(cfg: ModelConfig, opts: Options, changes: dict[str, Any], **kw: Any) -> MemoryPlan | None:
+    try:
+        o = dataclasses.replace(opts, **changes).validate()
+    except (OptionsError, TypeError):
+        return None
+    return plan_memory(cfg, o, **kw)
+
+
+def propose(cfg: ModelConfig, base_options: Options, gpu_bytes: int, world: int = 1, *, max_batch: int = 64,
+            device: str = "cuda", compiled: bool | None = None, reserve: int | None = None,
+            model_name: str | None = None) -> list[tuple[dict[str, Any], MemoryPlan]]:
+    """Configurations that fit `gpu_bytes` per device, largest micro-batch first: the largest power-of-two
+    micro-batch (<= max_batch) that fits, with the least intrusive changes that make it fit; then each
+    smaller batch with its own least changes. Each entry: (option changes relative to `base_options`, plan);
+    empty if nothing fits. `recommend` picks the one the step model says is fastest.
+
+    For each batch two ladders are climbed (`_ladder`: none -> recompute swiglu+norm -> ffn -> block ->
+    offload opt m -> v -> [world > 1: shard gradients] -> shard weights -> offload master -> offload
+    gradients -> offload residual; and the same with the optimizer-state offload before recompute ffn);
+    at each rung `--lmhead-chunks` is doubled first (cheap, as long as a chunk keeps MIN_CHUNK_ROWS tokens).
+    Each first fit is pruned of earlier switches it does not need, and of the two the one `step_cost`
+    finds cheaper at the base options' sequences per optimizer step is kept. When the micro-batch changes,
+    `--grad-accumulation` changes with it so that the sequences per step stay the same (at least one
+    micro-step)."""
+    layout = FlatLayout(cfg, world)
+    kw = dict(world=world, gpu_memory=gpu_bytes, device=device, compiled=compiled, reserve=reserve, layout=layout,
+              model_name=model_name)
+    ladders = [_ladder(base_options, world), _ladder(base_options, world, offload_first=True)]
+    seqs = _sequences(base_options, {})
+    out: list[tuple[dict[str, Any], MemoryPlan]] = []
+    batches = [1 << i for i in range(int(math.log2(max(1, max_batch))) + 1)]
+    for B in batches:
+        found = [f for f in (_fit_batch(cfg, base_options, B, ladder, kw) for ladder in ladders) if f is not None]
+        if not found:
+            break  # more memory per step never fits better at a larger batch
+        accum = max(1, -(-seqs // B))
+        if accum != base_options.grad_accumulation:  # re-planned, so the plan's settings say it too
+            found = [({**c, "grad_accumulation": accum}, _try(cfg, base_options, {**c, "grad_accumulation": accum},
+                                                              **kw)) for c, _ in found]
+        out.append(min(found, key=lambda f: _cost(cfg, base_options, f).seconds_per_token))
+    out.reverse()
+    return out
+
+
+def _cost(cfg: ModelConfig, base: Options, proposal: tuple[dict[str, Any], MemoryPlan]) -> StepCost:
+    """`step_cost` of a proposal at its own sequences per step (batch x accumulation)."""
+    changes, plan = proposal
+    return step_cost(cfg, dataclasses.replace(base, **changes), plan)
+
+
+def _sequences(base: Options, changes: dict[str, Any]) -> int:
+    return changes.get("batch_size", base.batch_size) * changes.get("grad_accumulation", base.grad_accumulation)
+
+
+def recommend(cfg: ModelConfig, base_options: Options,
+              proposals: list[tuple[dict[str, Any], MemoryPlan]]) -> tuple[int | None, list[StepCost]]:
+    """Index of the proposal with the least estimated time per token (`step_cost`) among those that keep the
+    base options' sequences per optimizer step (all of them when none does: a per-step cost spread over
+    more sequences must not win by that alone), and every proposal's estimate. None when nothing fits."""
+    seqs = _sequences(base_options, {})
+    costs = [_cost(cfg, base_options, p) for p in proposals]
+    same = [i for i, (c, _) in enumerate(proposals) if _sequences(base_options, c) == seqs]
+    pool = same or list(range(len(costs)))
+    best = min(pool, key=lambda i: costs[i].seconds_per_token) if costs else None
+    return best, costs
+
+
+def _fit_batch(cfg: ModelConfig, base: Options, B: int, ladder, kw) -> tuple[dict[str, Any], MemoryPlan] | None:
+    T = base.seq_len
+    prev_dev = None
+    prev_flags: dict[str, Any] = {}
+    for _label, flags in ladder:
+        chunks = max(1, base.lmhead_chunks)
+        while chunks == max(1, base.lmhead_chunks) or B * T // chunks >= MIN_CHUNK_ROWS:
+            changes = {"batch_size": B, **flags}
+            if chunks != base.lmhead_chunks:
+                changes["lmhead_chunks"] = chunks
+            plan = _try(cfg, base, changes, **kw)
+            if plan is not None:
+                if plan.fits:
+                    return _minimize(cfg, base, changes, plan, keep=set(flags) - set(prev_flags), kw=kw)
+                if prev_dev is not None and chunks > base.lmhead_chunks and plan.device_total >= prev_dev:
+                    break  # more chunks no longer helps
+                prev_dev = plan.device_total
+            chunks *= 2
+        prev_dev = None
+        prev_flags = flags
+    return None
+
+
+def _minimize(cfg: ModelConfig, base: Options, changes: dict[str, Any], plan: MemoryPlan, *, keep: set[str],
+              kw) -> tuple[dict[str, Any], MemoryPlan]:
+    """Drop flags of earlier ladder rungs that the fitting configuration does not need (e.g. an offload
+    that sharding made unnecessary, or switches implied by --recompute-block), latest first."""
+    for k in reversed([k for k in changes if k not in keep and k not in ("batch_size", "lmhead_chunks")]):
+        trial = {kk: vv for kk, vv in changes.items() if kk != k}
+        p = _try(cfg, base, trial, **kw)
+        if p is not None and p.fits:
+            changes, plan = trial, p
+    return {k: v for k, v in changes.items() if getattr(base, k, None) != v}, plan
