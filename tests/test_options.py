@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from qtrain.train.options import (ALIASES, DEFAULT_MODEL, Options, OptionsError, load_config_file,
-                                  normalize_mapping)
+from qtrain.cli.config_file import load_config_file
+from qtrain.options import ALIASES, DEFAULT_MODEL, Options, OptionsError, normalize_mapping
 
 
 def _bad(expect: tuple[str, ...], **kw) -> str:

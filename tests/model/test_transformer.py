@@ -1,0 +1,171 @@
+"""The model against `transformers` in fp32: logits, loss and every parameter gradient.
+
+Tolerances: fp32 on CPU with identical operation order up to GEMM blocking and reduction order, so
+logits agree to ~1e-6 relative; the issue asks for <= 1e-5. Gradients: cosine >= 0.99999 and norm
+within 1e-4 relative, per tensor.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from qtrain.model.config import ModelConfig
+from qtrain.model.transformer import RunOptions, Transformer
+from qtrain.parallel.weights.replicated import ParamWeights
+from qtrain.model.weights import hf_to_internal, internal_to_hf
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)
+
+
+def tiny_cfg(model_type: str, tied: bool) -> ModelConfig:
+    extra = {}
+    if model_type == "llama":
+        extra = dict(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    if model_type == "qwen3":
+        extra = dict(head_dim=32)  # Qwen3 decouples head_dim from hidden/heads
+    return ModelConfig(model_type=model_type, tie_word_embeddings=tied, attention_bias=(model_type == "qwen2"),
+                       qk_norm=(model_type == "qwen3"), rms_norm_eps=1e-6, **TINY, **extra)
+
+
+def hf_model(cfg: ModelConfig, seed: int = 0):
+    torch.manual_seed(seed)
+    hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf_dict(dtype="float32"))
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa").float()
+    with torch.no_grad():  # randomise norms and biases too, so their gradients are checked non-trivially
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.normal_(1.0, 0.1)
+            elif n.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    return model
+
+
+class Collect:
+    def __init__(self):
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def accumulate_block(self, layer, grads):
+        for k, v in grads.items():
+            self.grads[f"layers.{layer}.{k}"] = v
+
+    def accumulate_non_block(self, grads):
+        self.grads.update(grads)
+
+
+def cosine(a, b):
+    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_matches_transformers_fp32(model_type, tied, chunks):
+    cfg = tiny_cfg(model_type, tied)
+    hf = hf_model(cfg)
+    sd = dict(hf.state_dict())
+    params = {n: t.detach().clone().requires_grad_(True) for n, t in hf_to_internal(cfg, lambda k: sd[k])}
+    model = Transformer(cfg, RunOptions(lmhead_chunks=chunks))
+    w = ParamWeights(cfg, params)
+
+    g = torch.Generator().manual_seed(1)
+    B, T = 2, 48
+    inputs = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    targets = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    targets[0, :5] = -100  # ignored positions must not count
+
+    ref = hf(input_ids=inputs)
+    ref_logits = ref.logits.float()
+    ref_loss = torch.nn.functional.cross_entropy(ref_logits.view(-1, cfg.vocab_size), targets.view(-1))
+    ref_loss.backward()
+
+    logits = model.logits(w, inputs).float()
+    rel = ((logits - ref_logits).norm() / ref_logits.norm()).item()
+    assert rel <= 1e-5, f"logits relative error {rel:.2e}"
+
+    n_valid = int((targets != -100).sum())
+    sink = Collect()
+    loss = model.forward_backward(w, inputs, targets, grads=sink, loss_scale=1.0 / n_valid)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+
+    ref_grads = internal_to_hf(cfg, sink.grads)
+    hf_params = dict(hf.named_parameters())
+    if tied:
+        hf_params.pop("lm_head.weight", None)
+    assert set(ref_grads) == set(hf_params), set(ref_grads) ^ set(hf_params)
+    for name, p in hf_params.items():
+        ours, theirs = ref_grads[name], p.grad
+        c = cosine(ours, theirs)
+        nerr = abs(ours.norm().item() - theirs.norm().item()) / theirs.norm().item()
+        assert c >= 0.99999 and nerr <= 1e-4, f"{name}: cosine {c:.7f}, norm error {nerr:.2e}"
+
+
+def test_recompute_block_is_bitwise_equal():
+    cfg = tiny_cfg("qwen2", True)
+    hf = hf_model(cfg)
+    sd = dict(hf.state_dict())
+    params = {n: t.detach().clone().requires_grad_(True) for n, t in hf_to_internal(cfg, lambda k: sd[k])}
+    g = torch.Generator().manual_seed(2)
+    inputs = torch.randint(0, cfg.vocab_size, (2, 32), generator=g)
+    targets = torch.randint(0, cfg.vocab_size, (2, 32), generator=g)
+    out = []
+    for recompute in (False, True):
+        sink = Collect()
+        m = Transformer(cfg, RunOptions(recompute=frozenset({"block"} if recompute else ())))
+        loss = m.forward_backward(ParamWeights(cfg, params), inputs, targets, grads=sink, loss_scale=1 / 64)
+        out.append((loss, sink.grads))
+    assert torch.equal(out[0][0], out[1][0])
+    for k in out[0][1]:
+        assert torch.equal(out[0][1][k], out[1][1][k]), k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model_type", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("compile_", [False, True])
+def test_bf16_on_gpu_is_as_accurate_as_transformers(model_type, compile_):
+    """bf16 cannot match bit for bit (different kernels round differently), so the justified bar is: our
+    bf16 logits and gradients are no further from the fp32 truth than transformers' own bf16 ones
+    (within 1.5x of its error, plus a floor of 1e-3 relative for tensors where both are tiny)."""
+    cfg = ModelConfig(model_type=model_type, tie_word_embeddings=False, attention_bias=(model_type == "qwen2"),
+                      qk_norm=(model_type == "qwen3"), vocab_size=2048, hidden_size=256, intermediate_size=512,
+                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                      **({"head_dim": 64} if model_type == "qwen3" else {}))
+    hf32 = hf_model(cfg).cuda()
+    sd = {k: v.detach() for k, v in hf32.state_dict().items()}
+    hf16 = hf_model(cfg).cuda().to(torch.bfloat16)
+    hf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in sd.items()})
+    g = torch.Generator().manual_seed(3)
+    inputs = torch.randint(0, cfg.vocab_size, (4, 256), generator=g).cuda()
+    targets = torch.randint(0, cfg.vocab_size, (4, 256), generator=g).cuda()
+
+    def hf_run(m):
+        m.zero_grad(set_to_none=True)
+        logits = m(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss.backward()
+        return logits.float(), {n: p.grad.float() for n, p in m.named_parameters()}
+
+    ref_logits, ref_grads = hf_run(hf32)
+    hf_logits, hf_grads = hf_run(hf16)
+    params = {n: t.to(torch.bfloat16).clone().requires_grad_(True) for n, t in hf_to_internal(cfg, lambda k: sd[k])}
+    model = Transformer(cfg, RunOptions(lmhead_chunks=2, compile=compile_))
+    w = ParamWeights(cfg, params)
+    logits = model.logits(w, inputs).float()
+    sink = Collect()
+    model.forward_backward(w, inputs, targets, grads=sink, loss_scale=1.0 / targets.numel())
+    ours = {k: v.float() for k, v in internal_to_hf(cfg, sink.grads).items()}
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    assert rel(logits, ref_logits) <= 1.5 * rel(hf_logits, ref_logits) + 1e-3
+    worst = []
+    for name, ref in ref_grads.items():
+        e_ours, e_hf = rel(ours[name], ref), rel(hf_grads[name], ref)
+        worst.append((e_ours, e_hf, name))
+        assert e_ours <= 1.5 * e_hf + 1e-3, f"{name}: ours {e_ours:.2e} vs transformers bf16 {e_hf:.2e}"
+    print("worst gradient errors (ours, transformers):", sorted(worst, reverse=True)[:3])

@@ -1,0 +1,98 @@
+"""FP8 weight copies made once per optimizer step (`train.fp8_weights.QuantizedWeights`): training with them
+is bit-identical to quantizing in every linear call (same quantizer, same weights), each block matrix is
+quantized once per step whatever the number of micro-steps, evaluation reuses the copies, and an update or a
+checkpoint load drops them (a stale copy would silently train the old weights)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist_utils import write_model_dir
+from qtrain.kernels.fp8_quant import fp8_quantize_torch
+from qtrain.model.config import ModelConfig
+from qtrain.model.transformer import FP8_INV_SCALE, FP8_WEIGHT, quantized_weight
+from qtrain.parallel.weights.replicated import ParamWeights
+from qtrain.model.transformer import FP8_MATRICES
+from qtrain.parallel.weights.quantized import QuantizedWeights
+from qtrain.options import Options
+from qtrain.train.trainer import Trainer
+
+STEPS, ACCUM, B, T = 3, 2, 2, 32
+CFG = ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0,
+                  tie_word_embeddings=True, attention_bias=True)  # FP8 shapes: multiples of 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def model_dir(tmp_path_factory):
+    global MODEL_DIR
+    MODEL_DIR = write_model_dir(tmp_path_factory.mktemp("fp8w"), CFG)
+
+
+def _trainer(**kw) -> Trainer:
+    return Trainer(Options(model=MODEL_DIR, from_scratch=True, batch_size=B, seq_len=T, grad_accumulation=ACCUM, device="cpu", learning_rate=3e-3,
+                           matmul_dtype="e4m3", model_dtype="bf16", opt_m_dtype="bf16", opt_v_dtype="bf16",
+                           compile="off", seed=5, **kw))
+
+
+def _train(tr: Trainer) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(STEPS):
+        for _ in range(ACCUM):
+            x = torch.randint(0, tr.cfg.vocab_size, (B, T + 1), generator=g)
+            tr.micro_step(x[:, :-1], x[:, 1:])
+        out.append(tr.update(lr=3e-3))
+    return out
+
+
+def test_once_per_step_equals_per_call_quantization():
+    cached = _trainer(persistent_quants=True)
+    assert isinstance(cached.weights, QuantizedWeights)
+    plain = _trainer()  # the per-call path: every linear quantizes its weight
+    assert isinstance(plain.weights, ParamWeights)
+    a, b = _train(cached), _train(plain)
+    assert a == b  # losses and norms, bit for bit
+    for n, p in cached.full_params().items():
+        assert torch.equal(p, plain.full_params()[n]), n
+    L = cached.cfg.num_hidden_layers
+    cache = cached.weights.cache
+    # each micro-step asks for every block twice (forward, backward); only the first ask of a step quantizes
+    assert cache.misses == len(FP8_MATRICES) * L * STEPS
+    assert cache.hits == len(FP8_MATRICES) * L * (2 * ACCUM - 1) * STEPS
+
+
+def test_copies_follow_the_weights_through_update_eval_and_load():
+    tr = _trainer(persistent_quants=True)
+    _train(tr)
+    w = tr.weights.block(0)
+    for n in FP8_MATRICES:  # after the last update the copies are of the current weights
+        q, _, inv = fp8_quantize_torch(w[n].detach())
+        got = quantized_weight(w, n)
+        assert torch.equal(got[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[1], inv), n
+    x = torch.randint(0, tr.cfg.vocab_size, (B, T + 1))
+    tr.evaluate([(x[:, :-1], x[:, 1:])])  # quantizes the layers the last forward has not seen since the update
+    misses = tr.weights.cache.misses
+    assert misses == len(FP8_MATRICES) * tr.cfg.num_hidden_layers * (STEPS + 1)
+    tr.evaluate([(x[:, :-1], x[:, 1:])])
+    assert tr.weights.cache.misses == misses  # a second evaluation between updates reuses them all
+    state = {k: {g: t.clone() for g, t in v.items()} for k, v in tr.state_tensors().items()}
+    with torch.no_grad():
+        for p in tr.params.values():
+            p.zero_()  # bypasses nothing: a torch in-place write bumps the version the cache checks
+    assert tr.weights.block(0)[FP8_WEIGHT.format("qkv")].float().abs().max() == 0
+    tr.load_state_tensors(state, step=STEPS)
+    assert len(tr.weights.cache) == 0  # the load dropped the copies
+    w = tr.weights.block(0)
+    q, _, _ = fp8_quantize_torch(w["qkv"].detach())
+    assert torch.equal(w[FP8_WEIGHT.format("qkv")].view(torch.uint8), q.view(torch.uint8))
+    assert FP8_INV_SCALE.format("qkv") in w and not w[FP8_WEIGHT.format("qkv")].requires_grad
+
+
+def test_only_with_persistent_quants_without_debug_instrumentation():
+    assert not isinstance(_trainer().weights, QuantizedWeights)
+    assert not isinstance(_trainer(persistent_quants=True, debug_log_abs_max=1).weights, QuantizedWeights)
+    assert isinstance(Trainer(Options(model=MODEL_DIR, from_scratch=True, device="cpu", compile="off",
+                                      batch_size=1, seq_len=16, grad_accumulation=1, matmul_dtype="e4m3",
+                                      model_dtype="bf16", persistent_quants=True)).weights, QuantizedWeights)
+    assert quantized_weight({"qkv": torch.zeros(1)}, "qkv") is None

@@ -1,0 +1,50 @@
+"""`qtrain export` of a checkpoint written by 2 ranks with sharded weights and optimizer state (gloo) gives
+exactly the HF export the run itself wrote at the end (same bits: both are the same weights)."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+
+from tests.dist_utils import run_distributed
+from qtrain.model.config import ModelConfig
+
+CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rope_theta=10000.0,
+                  tie_word_embeddings=False, attention_bias=False, bos_token_id=0, eos_token_id=0)
+
+
+def _train(rank: int, world: int, root: str) -> str:
+    from qtrain.parallel.dist import DistContext
+    from qtrain.train.loop import run_training
+    from qtrain.options import Options
+    ctx = DistContext(rank=rank, world=world, local_rank=rank, device=torch.device("cpu"))
+    opts = Options(model=os.path.join(root, "model"), from_scratch=True, model_dtype="bf16", opt_m_dtype="bf16",
+                   opt_v_dtype="bf16", zero_level=3, batch_size=2, seq_len=16, grad_accumulation=2, steps=3,
+                   learning_rate=1e-3, device="cpu", compile="off", train_file=os.path.join(root, "t.bin"),
+                   out_dir=os.path.join(root, "out"), checkpoint_dir=os.path.join(root, "ckpt"),
+                   log_file=os.path.join(root, "log.jsonl"), eval_num_steps=0)
+    return run_training(opts, argv=[], ctx=ctx)["checkpoint_dir"]
+
+
+def test_export_of_sharded_checkpoint_equals_final_export(tmp_path):
+    from safetensors.torch import load_file
+
+    from qtrain.cli.main import main
+    from qtrain.data.token_files import write_token_file
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(CFG.to_hf_dict(dtype="bfloat16")))
+    write_token_file(tmp_path / "t.bin", np.random.default_rng(1).integers(0, 96, 3000, dtype=np.int32), vocab_size=96)
+    run_distributed(_train, 2, str(tmp_path))
+    ckpts = sorted(os.listdir(tmp_path / "ckpt"))
+    assert ckpts == ["step_00000003"]
+    assert sorted(f for f in os.listdir(tmp_path / "ckpt" / ckpts[0]) if f.startswith("weights")) == [
+        "weights.shard_000_of_002.safetensors", "weights.shard_001_of_002.safetensors"]
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "ckpt"), "--out-dir", str(tmp_path / "exported")]) == 0
+    a = load_file(tmp_path / "out" / "model.safetensors")
+    b = load_file(tmp_path / "exported" / "model.safetensors")
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        assert a[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]), k
