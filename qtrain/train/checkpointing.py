@@ -48,7 +48,7 @@ def find(ckpt_dir: str, spec: str | None) -> str | None:
 
 def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *, keep_n: int = -1,
          major: int = -1) -> str:
-    ctx, step = trainer.ctx, trainer.step
+    ctx, step = trainer.ctx, trainer.steps_done
     tag = ctx.broadcast_object(os.getpid())
     tmp = cio.begin(ckpt_dir, step, tag=tag)
     files = {_stem(kind, ctx.rank, ctx.world): {k: t.detach().contiguous().cpu() for k, t in tensors.items()}

@@ -1,6 +1,7 @@
 """`qtrain train`: the whole run around a Trainer: data, schedule, logs, evaluation, checkpoints, export.
 
-Per step (llm.q's order): checkpoint if due, evaluate if due, grad_accumulation micro-steps, update, log.
+Per step (llm.q's order): checkpoint if due, evaluate if due, one `Trainer.step` on the next
+grad_accumulation micro-batches (the step's math, loss scale included, is the Trainer's), log.
 After the loop: evaluation over the whole eval file, HF export to --out-dir, final checkpoint.
 """
 from __future__ import annotations
@@ -46,11 +47,7 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
     """Train as the options say; returns a summary (final eval loss, steps, out_dir) on every rank."""
     opts.validate()
     ctx = ctx or init_distributed(opts.device)
-    if ctx.is_main:  # rank 0 builds the embedded corpus (if needed) before the others look for it
-        train_pattern, eval_pattern = data_files(opts)
-    ctx.barrier()
-    if not ctx.is_main:
-        train_pattern, eval_pattern = data_files(opts)
+    train_pattern, eval_pattern = _data_files_on_every_rank(opts, ctx)
 
     trainer = Trainer(opts, ctx)
     cfg, B, T, GA, W = trainer.cfg, opts.batch_size, opts.seq_len, opts.grad_accumulation, ctx.world
@@ -72,6 +69,70 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
         from qtrain.observe.tensorboard import TensorBoardSink
         tb = TensorBoardSink(opts.expand(opts.tensorboard))
         tb.on_event({"log": "options", "step": 0, "options": opts.to_dict()})
+    _log_run_header(log, trainer, train, evals, total_steps, argv)
+
+    start = 0
+    if opts.continue_from is not None:
+        start = _resume(opts, trainer, train, log, ckpt_dir)
+
+    def evaluate(step: int, max_batches: int | None) -> float | None:
+        if evals is None:
+            return None
+        t0 = time.perf_counter()
+        loss, n = trainer.evaluate(evals.iterate_eval_batches(B, max_batches))
+        obj = log.log_eval(step, loss=loss, eval_tokens=n, duration_ms=1000 * (time.perf_counter() - t0),
+                           epoch=train.progress)
+        if tb is not None:
+            tb.on_event(obj)
+        return loss
+
+    def save_checkpoint() -> None:
+        checkpointing.save(ckpt_dir, trainer, train, log, keep_n=opts.ckpt_keep_n, major=opts.ckpt_major)
+
+    for step in range(start, total_steps):
+        if step % opts.ckpt_interval == 0 and step > start:
+            save_checkpoint()
+        if step % opts.eval_every_n_steps == 0 and step > 0 and opts.eval_num_steps > 0:
+            evaluate(step, opts.eval_num_steps)
+        t0 = time.perf_counter()
+        stats = trainer.step([train.next_batch(B) for _ in range(GA)], lr=schedule(step))
+        _sync(ctx.device)
+        obj = log.log_step(step, step_tokens=B * T * GA * W, duration_ms=1000 * (time.perf_counter() - t0),
+                           norm=stats["norm"], loss=stats["loss"], lr=stats["lr"], epoch=train.progress)
+        if tb is not None:
+            tb.on_event(obj)
+        if trainer.abs_maxes is not None:
+            log.log_abs_maxes(step, trainer.abs_maxes)
+            trainer.abs_maxes = None
+        if stats["skipped"]:
+            log.message(f"step {step}: non-finite gradient norm, update skipped", step=step, level="warning")
+
+    final = evaluate(total_steps, None)
+    if ctx.device.type == "cuda":
+        log.log_memory(allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved(),
+                       peak=torch.cuda.max_memory_allocated())
+    trainer.export(out_dir)
+    log.message(f"exported HF model to {out_dir}", level="info")
+    if opts.save_training_state:
+        save_checkpoint()
+    if tb is not None:
+        tb.close()
+    log.close()
+    return {"final_eval_loss": final, "steps": total_steps, "out_dir": out_dir, "checkpoint_dir": ckpt_dir}
+
+
+def _data_files_on_every_rank(opts: Options, ctx: DistContext) -> tuple[str, str | None]:
+    """`data_files`; rank 0 builds the embedded corpus (if needed) before the others look for it."""
+    files = data_files(opts) if ctx.is_main else None
+    ctx.barrier()
+    return files if files is not None else data_files(opts)
+
+
+def _log_run_header(log: RunLogger, trainer: Trainer, train: TokenLoader, evals: TokenLoader | None,
+                    total_steps: int, argv: list[str] | None) -> None:
+    """What the run is: command, options, data, device, speed-of-light model, memory plan."""
+    opts, ctx, cfg = trainer.opts, trainer.ctx, trainer.cfg
+    T, W = opts.seq_len, ctx.world
     log.log_cmd(argv if argv is not None else sys.argv)
     log.log_options(opts.to_dict())
     log.log_dataset("train", files=len(train.files), tokens=train.num_tokens, seed=opts.train_seed)
@@ -93,64 +154,16 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
         log.message(f"memory plan: {plan.summary()}; `qtrain plan` proposes a configuration that fits",
                     level="warning")
     log.message(f"model {cfg.model_type}: {cfg.num_params() / 1e6:.1f}M parameters, {total_steps} steps of "
-                f"{B * T * GA * W} tokens", level="info")
+                f"{opts.batch_size * T * opts.grad_accumulation * W} tokens", level="info")
 
-    start = 0
-    if opts.continue_from is not None:
-        path = checkpointing.find(ckpt_dir, opts.continue_from)
-        if path is None:
-            log.message(f"--continue: no checkpoint found in {ckpt_dir}; starting from scratch", level="warning")
-        else:
-            start = checkpointing.load(path, trainer, train_loader=None if opts.new_data else train, logger=log)
-            log.message(f"resumed from {path} at step {start}", level="warning")
 
-    def evaluate(step: int, max_batches: int | None) -> float | None:
-        if evals is None:
-            return None
-        t0 = time.perf_counter()
-        loss, n = trainer.evaluate(evals.iterate_eval_batches(B, max_batches))
-        obj = log.log_eval(step, loss=loss, eval_tokens=n, duration_ms=1000 * (time.perf_counter() - t0),
-                           epoch=train.progress)
-        if tb is not None:
-            tb.on_event(obj)
-        return loss
-
-    step_tokens = B * T * GA * W
-    for step in range(start, total_steps):
-        if step % opts.ckpt_interval == 0 and step > start:
-            checkpointing.save(ckpt_dir, trainer, train, log, keep_n=opts.ckpt_keep_n, major=opts.ckpt_major)
-        if step % opts.eval_every_n_steps == 0 and step > 0 and opts.eval_num_steps > 0:
-            evaluate(step, opts.eval_num_steps)
-        t0 = time.perf_counter()
-        batches = [train.next_batch(B) for _ in range(GA)]
-        valid = torch.tensor([float(sum(int((t != -100).sum()) for _, t in batches))], dtype=torch.float64,
-                             device=ctx.device)
-        ctx.all_reduce_sum(valid)
-        scale = W / max(float(valid.item()), 1.0)  # the mean over the global batch after averaging over ranks
-        for inputs, targets in batches:
-            trainer.micro_step(inputs, targets, loss_scale=scale)
-        stats = trainer.update(lr=schedule(step))
-        _sync(ctx.device)
-        dt_ms = 1000 * (time.perf_counter() - t0)
-        obj = log.log_step(step, step_tokens=step_tokens, duration_ms=dt_ms, norm=stats["norm"], loss=stats["loss"],
-                           lr=stats["lr"], epoch=train.progress)
-        if tb is not None:
-            tb.on_event(obj)
-        if trainer.abs_maxes is not None:
-            log.log_abs_maxes(step, trainer.abs_maxes)
-            trainer.abs_maxes = None
-        if stats["skipped"]:
-            log.message(f"step {step}: non-finite gradient norm, update skipped", step=step, level="warning")
-
-    final = evaluate(total_steps, None)
-    if ctx.device.type == "cuda":
-        log.log_memory(allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved(),
-                       peak=torch.cuda.max_memory_allocated())
-    trainer.export(out_dir)
-    log.message(f"exported HF model to {out_dir}", level="info")
-    if opts.save_training_state:
-        checkpointing.save(ckpt_dir, trainer, train, log, keep_n=opts.ckpt_keep_n, major=opts.ckpt_major)
-    if tb is not None:
-        tb.close()
-    log.close()
-    return {"final_eval_loss": final, "steps": total_steps, "out_dir": out_dir, "checkpoint_dir": ckpt_dir}
+def _resume(opts: Options, trainer: Trainer, train: TokenLoader, log: RunLogger, ckpt_dir: str) -> int:
+    """--continue: restore the checkpoint it names (and the data position unless --new-data); returns the
+    step to continue from (0 when there is none)."""
+    path = checkpointing.find(ckpt_dir, opts.continue_from)
+    if path is None:
+        log.message(f"--continue: no checkpoint found in {ckpt_dir}; starting from scratch", level="warning")
+        return 0
+    start = checkpointing.load(path, trainer, train_loader=None if opts.new_data else train, logger=log)
+    log.message(f"resumed from {path} at step {start}", level="warning")
+    return start

@@ -1,15 +1,16 @@
 """The trainer object: qtrain's Python API, and what `qtrain train` drives.
 
-    trainer = Trainer(options)                 # builds model, gradient manager, optimizer on this rank
+    trainer = Trainer(options)                 # builds weights, model, gradient manager, optimizer on this rank
     for step in range(steps):
-        for inputs, targets in micro_batches:  # grad_accumulation of them
-            trainer.micro_step(inputs, targets, loss_scale=...)
-        stats = trainer.update(lr=schedule(step))   # {'loss', 'norm', 'lr', ...}
-    trainer.evaluate(batches); trainer.save_checkpoint(dir); trainer.export(out_dir)
+        batches = [next_batch() for _ in range(options.grad_accumulation)]  # this rank's (inputs, targets)
+        stats = trainer.step(batches, lr=schedule(step))                     # {'loss', 'norm', 'lr', 'skipped'}
+    trainer.evaluate(eval_batches); trainer.export(out_dir)  # checkpoints: train/checkpointing.py
 
-`micro_step` queues work on the device and returns without waiting for it (no host sync); `update` is
-the one place per step that waits (it needs the gradient norm on the host for clipping and logging).
-Every rank calls the same methods in the same order.
+`step` is one whole optimizer step: it counts the valid targets of the step over all ranks (the loss
+scale), runs the micro-steps and the update. Its parts are public for loops that need them apart:
+`micro_step` queues the forward+backward of one micro-batch on the device and returns without waiting for
+it (no host sync); `update` is the one place per step that waits (it needs the gradient norm on the host
+for clipping and logging). Every rank calls the same methods in the same order.
 """
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ from typing import Iterable
 
 import torch
 
-from qtrain.model.hf_io import load_hf_weights, save_hf_model
-from qtrain.model.init import init_params
+from qtrain.model.hf_io import save_hf_model
 from qtrain.model.layers import resolve_sdpa_backend
 from qtrain.model.resolve import resolve_model
 from qtrain.model.transformer import FP8_MATRICES, RunOptions, Transformer
@@ -31,88 +31,67 @@ from qtrain.parallel.dist import DistContext, init_distributed
 from qtrain.parallel.gradients import make_gradient_manager
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.optimizer import ZERO_COPY_CUDA, ShardedAdamW, clip_scale
-from qtrain.parallel.weights.quantized import QuantizedWeights
-from qtrain.parallel.weights.replicated import ParamWeights
-from qtrain.parallel.weights.sharded import ShardedWeights
+from qtrain.parallel.weights import build_weights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+IGNORE_INDEX = -100  # a target that is not trained on (masked)
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets): (B, T) int64
+
 
 class Trainer:
     def __init__(self, opts: Options, dist_ctx: DistContext | None = None):
         self.opts = opts.validate()
         self.ctx = dist_ctx or init_distributed(opts.device)
         self.device = self.ctx.device
-        self.source = resolve_model(opts.model, from_scratch=opts.from_scratch)
-        cfg = self.cfg = self.source.cfg
-        self.dtype = DTYPES[opts.model_dtype]
-        self.layout = FlatLayout(cfg, self.ctx.world)
         if opts.use_zero_copy and self.device.type == "cuda":
             raise OptionsError(ZERO_COPY_CUDA)
+        self.source = resolve_model(opts.model, from_scratch=opts.from_scratch)
+        self.cfg = self.source.cfg
+        self.dtype = DTYPES[opts.model_dtype]
+        self.layout = FlatLayout(self.cfg, self.ctx.world)  # one flat buffer per group (parallel/layout.py)
         self.comm = Communicator(device=self.device) if self.ctx.distributed else Communicator.solo(self.device)
 
-        # weights: one flat buffer per group (see parallel/layout.py). Replicated: full buffers, parameters are
-        # views into them. Sharded (--shard-weights / --zero-level 3): only this rank's shard of each buffer;
-        # `ShardedWeights` gathers blocks just in time and there is no `params` / `param_buffers`.
-        self.sharded_weights = opts.weights_sharded
-        self.param_buffers: dict[str, torch.Tensor] | None = None
-        self.params: dict[str, torch.Tensor] | None = None
-        if self.sharded_weights:
-            # --persistent-quants: e4m3 shards of the four block matrices, made once per step, gathered as FP8
-            self.weights: ParamWeights | ShardedWeights | QuantizedWeights = ShardedWeights(
-                self.layout, comm=self.comm, dtype=self.dtype, device=self.device, offload=opts.offload_master,
-                quantized=FP8_MATRICES if opts.persistent_quants else (), offload_quants=opts.offload_quants)
-        else:
-            self.param_buffers = self.layout.allocate(dtype=self.dtype, device=self.device)
-            self.params = {n: v.requires_grad_(True) for n, v in self.layout.views(self.param_buffers).items()}
-            self.weights = ParamWeights(cfg, self.params)
-            if opts.persistent_quants and not opts.debug_log_abs_max:
-                self.weights = QuantizedWeights(self.weights)  # FP8 copies once per step, not per micro-step
-        self._init_weights()
-
-        use_compile = opts.compile == "on" or (opts.compile == "auto" and self.device.type == "cuda")
-        self.model = Transformer(cfg, RunOptions(
-            lmhead_chunks=opts.lmhead_chunks, attn_bwd_chunks=opts.attn_bwd_chunks,
-            sdpa_backend=resolve_sdpa_backend(opts.sdpa_backend, self.device, self.dtype),
-            recompute=opts.recompute,
-            offload_residual=opts.offload_residual, compile=use_compile, compile_tuning=opts.compile_tuning,
-            matmul_dtype=opts.effective_matmul_dtype, fp8_grad_dtype=opts.gradient_dtype or "e4m3",
-            wrap_linear=self._abs_max_wrapper(opts)))
+        # replicated weights: `params` are views into the full `param_buffers`; sharded weights
+        # (--shard-weights / --zero-level 3): only this rank's shards, and both are None
+        w = build_weights(self.layout, comm=self.comm, dtype=self.dtype, device=self.device,
+                          sharded=opts.weights_sharded, offload=opts.offload_master,
+                          quantized=self._persistent_quants(opts), offload_quants=opts.offload_quants,
+                          weights_dir=self.source.weights_dir, seed=opts.seed,
+                          init_proj_to_zero=opts.init_proj_to_zero)
+        self.weights, self.params, self.param_buffers, self.sharded_weights = w.source, w.params, w.buffers, w.sharded
+        self.model = Transformer(self.cfg, self._run_options(opts))
         self.grads = make_gradient_manager(opts.gradient_manager_kind, self.layout, comm=self.comm,
                                            dtype=self.dtype, device=self.device, seed=opts.seed,
                                            offload=opts.offload_gradients)
-        weights = dict(shards=self.weights.shards) if self.sharded_weights else dict(params=self.param_buffers)
-        self.optimizer = ShardedAdamW(self.layout, **weights, rank=self.ctx.rank, device=self.device,
+        self.optimizer = ShardedAdamW(self.layout, **w.optimizer_weights(), rank=self.ctx.rank, device=self.device,
                                       comm=self.ctx if self.ctx.distributed else None,
                                       m_dtype=opts.opt_m_dtype, v_dtype=opts.opt_v_dtype, seed=opts.seed,
                                       stochastic_rounding=opts.stochastic_rounding,
                                       offload_params=opts.offload_master, offload_m=opts.offload_opt_m,
                                       offload_v=opts.offload_opt_v, zero_copy=opts.use_zero_copy)
-        self.step = 0  # completed optimizer steps
+        self.steps_done = 0  # completed optimizer steps (skipped updates included)
         self.micro = 0  # micro-steps done in the current step
         self._loss = torch.zeros((), dtype=torch.float32, device=self.device)
 
-    @torch.no_grad()
-    def _init_weights(self) -> None:
-        """Group by group: fill a full group buffer (from-scratch init or the HF weights) and, with sharded
-        weights, keep this rank's slice. Initialisation is keyed by tensor name, so the values do not
-        depend on the world size or on the weights being sharded."""
-        loaded = None
-        if self.source.weights_dir is not None:
-            loaded = load_hf_weights(self.source.weights_dir, self.cfg, dtype=self.dtype, device="cpu")
-        for g in self.layout.groups:
-            if self.sharded_weights:
-                full = torch.zeros(g.padded_numel, dtype=self.dtype, device=self.device)  # padding stays zero
-            else:
-                full = self.param_buffers[g.key]
-            views = {s.name: full[s.start:s.start + s.numel].view(s.shape) for s in g.segments}
-            if loaded is None:
-                init_params(self.cfg, views, seed=self.opts.seed, init_proj_to_zero=self.opts.init_proj_to_zero)
-            else:
-                for name, t in views.items():
-                    t.copy_(loaded.pop(name))
-            if self.sharded_weights:
-                lo, hi = g.shard_range(self.ctx.rank, self.ctx.world)
-                self.weights.shards[g.key].copy_(full[lo:hi])
+    @staticmethod
+    def _persistent_quants(opts: Options) -> tuple[str, ...]:
+        """--persistent-quants: the block matrices whose FP8 copies are made once per step. Sharded weights
+        keep e4m3 shards and gather those; replicated ones cache copies of the full matrices, except under
+        --debug-log-abs-max, whose recorder watches the linears quantize their weights themselves."""
+        if opts.persistent_quants and (opts.weights_sharded or not opts.debug_log_abs_max):
+            return FP8_MATRICES
+        return ()
+
+    def _run_options(self, opts: Options) -> RunOptions:
+        use_compile = opts.compile == "on" or (opts.compile == "auto" and self.device.type == "cuda")
+        return RunOptions(
+            lmhead_chunks=opts.lmhead_chunks, attn_bwd_chunks=opts.attn_bwd_chunks,
+            sdpa_backend=resolve_sdpa_backend(opts.sdpa_backend, self.device, self.dtype),
+            recompute=opts.recompute,
+            offload_residual=opts.offload_residual, compile=use_compile, compile_tuning=opts.compile_tuning,
+            matmul_dtype=opts.effective_matmul_dtype, fp8_grad_dtype=opts.gradient_dtype or "e4m3",
+            wrap_linear=self._abs_max_wrapper(opts))
 
     def _abs_max_wrapper(self, opts: Options):
         """--debug-log-abs-max: the recorder that wraps the block linears (None when off; with
@@ -123,26 +102,55 @@ class Trainer:
 
     def _debug_step(self) -> bool:
         n = self.opts.debug_log_abs_max
-        return bool(n) and self.step % n == 0 and self.micro == 0
+        return bool(n) and self.steps_done % n == 0 and self.micro == 0
 
     def _saving(self):
         """Sharded weights: autograd keeps handles, not gathered buffers, of the weights it saves."""
         return self.weights.saving() if self.sharded_weights else contextlib.nullcontext()
 
     # ---- the training step ----
+    def step(self, batches: Iterable[Batch], *, lr: float) -> dict[str, float]:
+        """One whole optimizer step on this rank's `batches`: exactly `grad_accumulation` (inputs, targets)
+        pairs of (B, T) int64 tensors (any device; on the host, counting their valid targets costs no
+        device sync). Counts the valid targets of the step over all ranks (one all-reduce), weights every
+        micro-batch's summed token loss by `loss_scale` of that count, runs the micro-steps and `update`.
+        The update then follows the mean token loss of the global batch, however unevenly masked targets
+        (-100) are spread over micro-batches and ranks. Returns `update`'s stats; `loss` is that mean."""
+        batches = list(batches)
+        ga = self.opts.grad_accumulation
+        if self.micro:
+            raise RuntimeError(f"step() after {self.micro} micro_step() calls of an unfinished step; "
+                               f"finish it with update() first")
+        if len(batches) != ga:
+            raise ValueError(f"step() got {len(batches)} micro-batches; --grad-accumulation is {ga}")
+        valid = torch.tensor([float(sum(int((t != IGNORE_INDEX).sum()) for _, t in batches))],
+                             dtype=torch.float64, device=self.device)
+        self.ctx.all_reduce_sum(valid)
+        scale = self.loss_scale(valid.item())
+        for inputs, targets in batches:
+            self.micro_step(inputs, targets, loss_scale=scale)
+        return self.update(lr=lr)
+
+    def loss_scale(self, valid_targets: float) -> float:
+        """The weight of a rank's summed token loss when the step's global batch (all micro-batches on all
+        ranks) has `valid_targets` targets: world / valid_targets. The gradient managers average over
+        ranks, so the gradient is that of the mean token loss over the global batch."""
+        return self.ctx.world / max(float(valid_targets), 1.0)
+
     def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_scale: float | None = None) -> None:
         """Forward + backward of one micro-batch ((B, T) int64 tensors, any device); gradients go to the
-        gradient manager. `loss_scale` weights this rank's summed token loss; the default,
-        1 / (valid targets in this micro-batch x grad_accumulation), gives the mean over the global
-        batch when every micro-batch has the same number of valid targets (always true without masks)."""
+        gradient manager. A building block of `step`, which passes the step's `loss_scale`: the weight of
+        this rank's summed token loss. Alone, the default takes this micro-batch's valid targets as those
+        of every micro-batch on every rank (`loss_scale` of their count x grad_accumulation x world): the
+        mean over the global batch only when they all have the same count (always true without masks)."""
         ga = self.opts.grad_accumulation
         if self.micro >= ga:
             raise RuntimeError(f"micro_step called more than --grad-accumulation={ga} times before update()")
         if loss_scale is None:
-            loss_scale = 1.0 / max(1, int((targets != -100).sum()) * ga)
+            loss_scale = self.loss_scale(int((targets != IGNORE_INDEX).sum()) * ga * self.ctx.world)
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
-        self.grads.start_micro_step(step=self.step, micro_step=self.micro, num_micro_steps=ga)
+        self.grads.start_micro_step(step=self.steps_done, micro_step=self.micro, num_micro_steps=ga)
         debug = self._debug_step()
         if debug:
             self.absmax.start()
@@ -156,8 +164,10 @@ class Trainer:
         self.micro += 1
 
     def update(self, *, lr: float) -> dict[str, float]:
-        """Clip, AdamW-update this rank's shards, gather weights. Returns loss (mean over ranks of the
-        scaled losses of this step), pre-clip gradient norm and the learning rate."""
+        """Clip, AdamW-update this rank's shards, gather weights: the end of a step, after its
+        grad_accumulation micro-steps. Returns loss (the sum of the step's scaled losses, averaged over
+        ranks: with `step`'s scale, the mean token loss of the global batch), pre-clip gradient norm, the
+        learning rate and whether the update was skipped (non-finite norm)."""
         o = self.opts
         if self.micro != o.grad_accumulation:
             raise RuntimeError(f"update() after {self.micro} micro-steps; expected --grad-accumulation="
@@ -176,14 +186,14 @@ class Trainer:
         skipped = not math.isfinite(norm)
         if skipped:
             self.optimizer.unstep()
-        self.step += 1
+        self.steps_done += 1
         self.micro = 0
         self._loss.zero_()
         return {"loss": loss, "norm": norm, "lr": lr, "skipped": float(skipped)}
 
     # ---- evaluation ----
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, int]:
+    def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
         """Mean token loss over the batches on all ranks, and the number of tokens it covers."""
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for inputs, targets in batches:
@@ -231,4 +241,4 @@ class Trainer:
                 self.ctx.all_gather_into_tensor(self.param_buffers[g.key], dst)
         self.weights.invalidate()
         self.optimizer.load_state_tensors({k: state[k] for k in ("adam.m", "adam.v")}, step)
-        self.step = step
+        self.steps_done = step

@@ -102,7 +102,7 @@ def test_nan_gradient_skips_the_step(tmp_path):
     assert stats["skipped"] == 1.0 and math.isnan(stats["norm"])
     for k, v in _state(tr).items():
         assert torch.equal(v, before[k]), k
-    assert tr.optimizer.step_count == 1 and tr.step == 2
+    assert tr.optimizer.step_count == 1 and tr.steps_done == 2
     # the next step is the second real update: bias corrections of t=2, like ref's second step
     inp2, tgt2 = _batch(1)
     for t in (tr, ref):

@@ -3,9 +3,11 @@
 - `ParamWeights` (replicated.py): full parameters on every rank (ZeRO-1/2, one process).
 - `QuantizedWeights` (quantized.py): a source plus e4m3 copies of the block matrices made once per step.
 - `ShardedWeights` (sharded.py): only this rank's shard; blocks gathered just in time (ZeRO-3).
+- `build_weights` (factory.py): picks one of them for a run's settings, allocates and fills it.
 """
+from qtrain.parallel.weights.factory import RankWeights, build_weights
 from qtrain.parallel.weights.quantized import QuantizedWeights
 from qtrain.parallel.weights.replicated import ParamWeights
 from qtrain.parallel.weights.sharded import ShardedWeights
 
-__all__ = ["ParamWeights", "QuantizedWeights", "ShardedWeights"]
+__all__ = ["ParamWeights", "QuantizedWeights", "RankWeights", "ShardedWeights", "build_weights"]

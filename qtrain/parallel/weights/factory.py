@@ -1,0 +1,90 @@
+"""Which weight source a rank uses, built and filled in one place (the caller names the settings).
+
+    replicated (default; ZeRO-1/2)     full group buffers (parallel/layout.py), parameters are views into them;
+                                       `ParamWeights`, wrapped in `QuantizedWeights` when `quantized` names
+                                       block matrices whose FP8 copies are kept for a whole step
+    sharded (ZeRO-3, --shard-weights)  `ShardedWeights`: this rank's shard of every group buffer, blocks
+                                       gathered just in time; `quantized` matrices kept as e4m3 shards
+
+Filling, group by group: a full group buffer is filled from the HF checkpoint (`weights_dir`) or by the
+from-scratch initialisation, and with sharded weights only this rank's slice of it is kept. Initialisation
+is keyed by tensor name, so the values depend neither on the world size nor on the weights being sharded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qtrain.model.hf_io import load_hf_weights
+from qtrain.model.init import init_params
+from qtrain.parallel.comm import Communicator
+from qtrain.parallel.layout import FlatLayout
+from qtrain.parallel.weights.quantized import QuantizedWeights
+from qtrain.parallel.weights.replicated import ParamWeights
+from qtrain.parallel.weights.sharded import ShardedWeights
+
+
+@dataclass(frozen=True)
+class RankWeights:
+    """This rank's weights: what the model reads (`source`) and what the optimizer updates in place."""
+    source: ParamWeights | QuantizedWeights | ShardedWeights
+    buffers: dict[str, torch.Tensor] | None  # replicated: group key -> full flat buffer; None when sharded
+    params: dict[str, torch.Tensor] | None  # replicated: name -> full parameter (a view into `buffers`)
+
+    @property
+    def sharded(self) -> bool:
+        return self.buffers is None
+
+    def optimizer_weights(self) -> dict[str, dict[str, torch.Tensor]]:
+        """`ShardedAdamW`'s weights argument: the full buffers (`params=`) or this rank's shards (`shards=`)."""
+        if self.sharded:
+            assert isinstance(self.source, ShardedWeights)
+            return {"shards": self.source.shards}
+        return {"params": self.buffers}
+
+
+def build_weights(layout: FlatLayout, *, comm: Communicator, dtype: torch.dtype, device: torch.device,
+                  sharded: bool, offload: bool = False, quantized: tuple[str, ...] = (),
+                  offload_quants: bool = False, weights_dir: str | None = None, seed: int = 0,
+                  init_proj_to_zero: bool = False) -> RankWeights:
+    """Allocate and fill this rank's weights (module docstring). offload: sharded master weights in host
+    memory; quantized: block matrices kept as FP8 copies made once per step (offload_quants: sharded ones
+    in host memory); weights_dir: HF safetensors to load, or None for the from-scratch init (seed,
+    init_proj_to_zero)."""
+    if sharded:
+        source = ShardedWeights(layout, comm=comm, dtype=dtype, device=device, offload=offload,
+                                quantized=quantized, offload_quants=offload_quants)
+        weights = RankWeights(source, buffers=None, params=None)
+    else:
+        buffers = layout.allocate(dtype=dtype, device=device)
+        params = {n: v.requires_grad_(True) for n, v in layout.views(buffers).items()}
+        plain = ParamWeights(layout.cfg, params)
+        weights = RankWeights(QuantizedWeights(plain, quantized) if quantized else plain, buffers, params)
+    loaded = load_hf_weights(weights_dir, layout.cfg, dtype=dtype, device="cpu") if weights_dir is not None else None
+    shards = weights.source.shards if isinstance(weights.source, ShardedWeights) else None
+    _fill(layout, weights.buffers, shards, rank=comm.rank, dtype=dtype, device=device, loaded=loaded, seed=seed,
+          init_proj_to_zero=init_proj_to_zero)
+    return weights
+
+
+@torch.no_grad()
+def _fill(layout: FlatLayout, buffers: dict[str, torch.Tensor] | None, shards: dict[str, torch.Tensor] | None, *,
+          rank: int, dtype: torch.dtype, device: torch.device, loaded: dict[str, torch.Tensor] | None, seed: int,
+          init_proj_to_zero: bool) -> None:
+    """Fill the full `buffers` in place, or, with `shards`, a temporary full buffer per group of which this
+    rank keeps its slice."""
+    for g in layout.groups:
+        if buffers is None:
+            full = torch.zeros(g.padded_numel, dtype=dtype, device=device)  # padding stays zero
+        else:
+            full = buffers[g.key]
+        views = {s.name: full[s.start:s.start + s.numel].view(s.shape) for s in g.segments}
+        if loaded is None:
+            init_params(layout.cfg, views, seed=seed, init_proj_to_zero=init_proj_to_zero)
+        else:
+            for name, t in views.items():
+                t.copy_(loaded.pop(name))
+        if shards is not None:
+            lo, hi = g.shard_range(rank, layout.world)
+            shards[g.key].copy_(full[lo:hi])
