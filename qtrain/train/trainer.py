@@ -22,6 +22,7 @@ import torch
 
 from qtrain.model.hf_io import save_hf_model
 from qtrain.model.layers import resolve_sdpa_backend
+from qtrain.model.loss import IGNORE_INDEX
 from qtrain.model.resolve import resolve_model
 from qtrain.model.transformer import FP8_MATRICES, RunOptions, Transformer
 from qtrain.observe.absmax import AbsMaxRecorder, weight_abs_maxes
@@ -34,7 +35,6 @@ from qtrain.parallel.optimizer import ZERO_COPY_CUDA, ShardedAdamW, clip_scale
 from qtrain.parallel.weights import build_weights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-IGNORE_INDEX = -100  # a target that is not trained on (masked)
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets): (B, T) int64
 
