@@ -3,10 +3,13 @@
 What `qtrain train` does, cut down to its core and spelled out: the embedded corpus, the tiny default model
 from scratch in fp32, a warmup + cosine schedule, gradient accumulation, a JSON Lines run log, an
 evaluation before and after, a checkpoint of the trainer's state that a fresh Trainer restores, and a
-Hugging Face export that `transformers` loads.
+Hugging Face export that `transformers` loads. Its training steps are `qtrain train`'s: on the same token
+files with the same settings it logs the same losses, to the last bit
+(tests/train/test_custom_loop_example.py checks it on files with masked targets).
 
     python examples/custom_loop.py                 # 20 steps, ~20 s on a laptop CPU
     python examples/custom_loop.py --steps 200 --seq-len 256 --device cuda
+    python examples/custom_loop.py --train-file my/train.bin --eval-file my/eval.bin   # your own token files
 
 Everything is written under the current directory: data/qtrain-default/ (the corpus, built on first use),
 logs/custom-loop.jsonl, ckpt/custom-loop/step_00000020/ (a checkpoint) and output/custom-loop/ (the
@@ -36,7 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--device", default="cpu", help="cpu | cuda | auto")
-    p.add_argument("--data-dir", default=os.path.join("data", "qtrain-default"))
+    p.add_argument("--train-file", help="token file(s) to train on (a glob); default: the embedded corpus")
+    p.add_argument("--eval-file", help="token file(s) to evaluate on; default: the embedded corpus's eval split")
+    p.add_argument("--data-dir", default=os.path.join("data", "qtrain-default"), help="where the corpus is built")
     p.add_argument("--ckpt-dir", default=os.path.join("ckpt", "custom-loop"))
     p.add_argument("--out-dir", default=os.path.join("output", "custom-loop"))
     return p.parse_args(argv)
@@ -46,13 +51,17 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     B, T, GA = args.batch_size, args.seq_len, args.grad_accumulation
 
-    # 1) data: the embedded corpus (GPT-2 tokens of Python's own docs), tokenized on first use
-    train_path, eval_path = ensure_default_dataset(args.data_dir)
+    # 1) data: your token files, or the embedded corpus (GPT-2 tokens of Python's own docs), built on first use
+    train_path, eval_path = args.train_file, args.eval_file
+    if not (train_path and eval_path):
+        corpus_train, corpus_eval = ensure_default_dataset(args.data_dir)
+        train_path, eval_path = train_path or corpus_train, eval_path or corpus_eval
 
     # 2) the trainer: model="" is the embedded tiny model (4 layers, 128 wide) initialised from scratch.
     #    Options is the same dataclass `qtrain train` fills from its flags; Trainer reads what it needs.
     opts = Options(model="", model_dtype="fp32", device=args.device, batch_size=B, seq_len=T, grad_accumulation=GA,
-                   learning_rate=args.lr, warmup=3, final_lr_fraction=0.1, seed=7, name="custom-loop")
+                   learning_rate=args.lr, warmup=3, final_lr_fraction=0.1, seed=7, name="custom-loop",
+                   train_file=train_path, eval_file=eval_path)
     trainer = Trainer(opts)
     vocab = trainer.cfg.vocab_size
     print(f"model: {trainer.cfg.num_params() / 1e6:.1f}M parameters on {trainer.device}")
@@ -75,13 +84,13 @@ def main(argv: list[str] | None = None) -> dict:
         log.log_eval(0, loss=loss, eval_tokens=n, duration_ms=1000 * (time.perf_counter() - t0))
         first_eval = loss
 
-        # 4) the loop: grad_accumulation micro-steps, then one optimizer update
+        # 4) the loop: one optimizer step on grad_accumulation micro-batches per iteration. Trainer.step
+        #    weights each valid target's loss by 1 / (valid targets of the whole step, on all ranks), runs
+        #    forward + backward per micro-batch, clips and applies AdamW: {'loss', 'norm', 'lr', 'skipped'}
         for step in range(args.steps):
             t0 = time.perf_counter()
-            for _ in range(GA):
-                inputs, targets = train.next_batch(B)  # (B, T) int64 CPU tensors
-                trainer.micro_step(inputs, targets)  # forward + backward; returns at once (no host sync)
-            stats = trainer.update(lr=schedule(step))  # clip, AdamW; {'loss', 'norm', 'lr', 'skipped'}
+            batches = [train.next_batch(B) for _ in range(GA)]  # (inputs, targets): (B, T) int64 CPU tensors
+            stats = trainer.step(batches, lr=schedule(step))
             dt_ms = 1000 * (time.perf_counter() - t0)
             log.log_step(step, step_tokens=B * T * GA, duration_ms=dt_ms, norm=stats["norm"], loss=stats["loss"],
                          lr=stats["lr"], epoch=train.progress)
