@@ -40,6 +40,8 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets): (B, T) int64
 
 
 class Trainer:
+    """This rank's part of a run: weights, model, gradient manager and optimizer, and the step over them."""
+
     def __init__(self, opts: Options, dist_ctx: DistContext | None = None):
         self.opts = opts.validate()
         self.ctx = dist_ctx or init_distributed(opts.device)
