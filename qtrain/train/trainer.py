@@ -81,8 +81,7 @@ class Trainer:
                                            dtype=self.dtype, device=self.device, seed=opts.seed,
                                            offload=opts.offload_gradients)
         weights = dict(shards=self.weights.shards) if self.sharded_weights else dict(params=self.param_buffers)
-        self.optimizer = ShardedAdamW(self.layout, **weights, rank=self.ctx.rank, device=self.device,
-                                      comm=self.ctx if self.ctx.distributed else None,
+        self.optimizer = ShardedAdamW(self.layout, **weights, comm=self.comm, device=self.device,
                                       m_dtype=opts.opt_m_dtype, v_dtype=opts.opt_v_dtype, seed=opts.seed,
                                       stochastic_rounding=opts.stochastic_rounding,
                                       offload_params=opts.offload_master, offload_m=opts.offload_opt_m,

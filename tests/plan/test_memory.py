@@ -37,8 +37,8 @@ from qtrain.parallel.weights.sharded import ShardedWeights
 from qtrain.cli.plan import add_arguments as add_plan_args
 from qtrain.cli.plan import run as run_plan
 from qtrain.model.recompute import resolve_flags
-from qtrain.plan.memory import (GiB, activation_terms, has_option, layer_activation_bytes, parse_bytes,
-                                plan_for_trainer, plan_memory)
+from qtrain.model.activations import activation_terms, layer_activation_bytes
+from qtrain.plan.memory import GiB, parse_bytes, plan_for_trainer, plan_memory
 from qtrain.plan.propose import propose
 from qtrain.options import Options
 from qtrain.model.matmul import block_linear
@@ -55,8 +55,8 @@ def small_cfg(model_type: str = "qwen2", *, vocab: int = 512, tied: bool = True,
 
 
 def opts_for(**kw) -> Options:
-    """Options with only the fields this version has (recompute switches are passed to the plan directly)."""
-    return Options(**{k: v for k, v in kw.items() if has_option(k)})
+    """Options for a plan (recompute switches are passed to the plan directly)."""
+    return Options(**kw)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -281,8 +281,6 @@ TRAINER_VARIANTS = [
 
 @pytest.mark.parametrize("variant", TRAINER_VARIANTS, ids=lambda v: ",".join(f"{k}={v[k]}" for k in v) or "default")
 def test_persistent_state_equals_trainer_allocations(variant):
-    if not all(has_option(k) for k in variant):
-        pytest.skip(f"this Options has no {[k for k in variant if not has_option(k)]}")
     opts = Options(device="cpu", seq_len=32, batch_size=2, grad_accumulation=1, **variant)
     trainer = Trainer(opts)
     plan = plan_for_trainer(trainer)
@@ -332,8 +330,6 @@ def test_persistent_state_world4_equals_manager_allocations(kind, sharded_weight
     variant = dict(shard_gradients=kind != "unsharded", all_to_all_reduce=kind == "all-to-all",
                    offload_gradients=offload, opt_m_dtype="bf16")
     if sharded_weights:
-        if not has_option("shard_weights"):
-            pytest.skip("no --shard-weights in this Options")
         variant.update(shard_weights=True, offload_master=True, offload_opt_v=True)
     opts = Options(**variant)
     plan = plan_memory(cfg, opts, world=W, device="cpu")
@@ -417,10 +413,9 @@ def test_plan_reacts_to_options():
     assert rb.item("activations").device < p.item("activations").device / 10
     fp8 = plan_memory(cfg, dataclasses.replace(base, matmul_dtype="e4m3"))
     assert fp8.item("activations").device != p.item("activations").device
-    if has_option("offload_opt_m"):
-        off = plan_memory(cfg, dataclasses.replace(base, offload_opt_m=True, offload_opt_v=True))
-        assert off.item("adam m").device == 0 and off.item("adam m").host == p.item("adam m").device
-        assert off.device_total < p.device_total and off.host_total > p.host_total
+    off = plan_memory(cfg, dataclasses.replace(base, offload_opt_m=True, offload_opt_v=True))
+    assert off.item("adam m").device == 0 and off.item("adam m").host == p.item("adam m").device
+    assert off.device_total < p.device_total and off.host_total > p.host_total
     eager = plan_memory(cfg, base, compiled=False)
     assert eager.item("activations").device > p.item("activations").device
 
