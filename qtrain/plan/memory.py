@@ -33,6 +33,7 @@ from qtrain.parallel.gradients import gradient_footprint
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.optimizer import DTYPES, ShardedAdamW
 from qtrain.parallel.staging import STAGING_SLOTS
+from qtrain.parallel.weights.quantized import QuantizedWeights
 from qtrain.parallel.weights.replicated import replicated_footprint
 from qtrain.parallel.weights.sharded import ShardedWeights
 
@@ -159,16 +160,22 @@ def _row(name: str, fp: Footprint, detail: str = "") -> Item:
 # ---------------------------------------------------------------------------------------------------------
 # the rows of persistent state: each component's own statement
 def _weight_rows(cfg: ModelConfig, opts: Options, layout: FlatLayout, persistent_quants: bool) -> list[Item]:
-    """The trainer's replicated buffers, or `ShardedWeights` (+ its persistent e4m3 shards as a row of their own)."""
+    """The trainer's replicated buffers (+ `QuantizedWeights`' e4m3 copies), or `ShardedWeights` (+ its persistent
+    e4m3 shards); the e4m3 weights are a row of their own."""
     dtype, world, L = DTYPES[opts.model_dtype], layout.world, cfg.num_hidden_layers
     if not opts.weights_sharded:
-        return [_row(f"weights ({opts.model_dtype})", replicated_footprint(layout, dtype),
+        rows = [_row(f"weights ({opts.model_dtype})", replicated_footprint(layout, dtype),
                      f"{_count(cfg.num_params())} parameters; also the master (no separate copy)")]
+        if persistent_quants:
+            rows.append(_row("fp8 weights (e4m3, cached)", QuantizedWeights.footprint_of(cfg),
+                             "e4m3 copies of every block matrix, made once per step"))
+        return rows
     fp = ShardedWeights.footprint_of(layout, dtype=dtype, offload=opts.offload_master,
                                      quantized=FP8_MATRICES if persistent_quants else (),
                                      offload_quants=opts.offload_quants)
     on_host = " on host" if opts.offload_master else ""
-    rows = [_row(f"weights ({opts.model_dtype}, sharded)", fp.select("shards", "block_buffers", "non_block_buffers"),
+    rows = [_row(f"weights ({opts.model_dtype}, sharded)",
+                 fp.select("shards", "block_buffers", "small_index", "non_block_buffers"),
                  f"shards 1/{world}{on_host} (= master) + {min(2, L)} gathered blocks"
                  f"{' (small tensors)' if persistent_quants else ''} + non-block groups")]
     if persistent_quants:  # e4m3 block matrices kept across micro-steps (--persistent-quants, llm.q §4.3)
@@ -223,7 +230,10 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
     B, T, L = opts.batch_size, opts.seq_len, cfg.num_hidden_layers
     N = B * T
     rc = resolve_flags(recompute if recompute is not None else opts.recompute)
-    persistent_quants = opts.persistent_quants and opts.weights_sharded and matmul == "e4m3" and L > 0
+    # e4m3 block matrices kept for the step (llm.q's --persistent-quants): the trainer's weight source makes them
+    # (ShardedWeights' shards, or QuantizedWeights around replicated weights, which --debug-log-abs-max bypasses)
+    persistent_quants = (opts.persistent_quants and matmul == "e4m3" and L > 0
+                         and (opts.weights_sharded or not opts.debug_log_abs_max))
 
     grads = _gradient_row(opts, layout, device)
     grads_staged = grads.host > 0 and device != "cpu"  # host gradient shards stream through the update too

@@ -510,8 +510,9 @@ class ShardedWeights:
         """Bytes of persistent weight state per rank, by buffer kind, without allocating it: the model-dtype
         `shards` (the master; host with `offload`), two full `block_buffers` and the `non_block_buffers`. With
         persistent quants (`quantized`) the block buffers are only the small tensors, their exchange slots and
-        the matrices' one-element leaves; `quant_buffers` are the two e4m3 block buffers, `quant_shards` the e4m3
-        shards (host with `offload_quants`), `quant_scales` their inverse scales."""
+        the matrices' one-element leaves (+ the int64 `small_index` that unpacks the exchange); `quant_buffers`
+        are the two e4m3 block buffers, `quant_shards` the e4m3 shards (host with `offload_quants`),
+        `quant_scales` their inverse scales."""
         E, world, L = dtype.itemsize, layout.world, layout.cfg.num_hidden_layers
         slots = min(2, L)
         parts = {"shards": sum(g.shard_size(world) for g in layout.groups) * E,
@@ -521,6 +522,7 @@ class ShardedWeights:
             small, slot = _PersistentQuants.slot_numel(layout, quantized)
             leaves = sum(s.short in quantized for s in layout.block(0).segments)  # one element each
             parts["block_buffers"] = slots * (small + world * slot + leaves) * E
+            parts["small_index"] = 8 * small  # where each small-tensor element sits in the gathered exchange
             parts["quant_buffers"] = slots * layout.block(0).padded_numel
             q = _PersistentQuants.footprint_of(layout, quantized, offload=offload_quants)
             parts.update(q.parts)
