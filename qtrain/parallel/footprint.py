@@ -9,9 +9,6 @@ checks each statement against the storages a real component holds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -36,7 +33,3 @@ class Footprint:
         """The parts named `keys` (those present), with their placement."""
         return Footprint({k: self.parts[k] for k in keys if k in self.parts}, self.host_keys & set(keys))
 
-
-def nbytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the elements of `tensors` (views count their own elements, not their storage)."""
-    return sum(t.numel() * t.element_size() for t in tensors)
