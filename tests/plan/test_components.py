@@ -10,7 +10,8 @@ bf16, a recompute setting):
 
 - a real `Trainer` on CPU after a micro-step (so what is made lazily -- the e4m3 inverse scales of persistent
   quants at the first gather, `QuantizedWeights`' copies at the first forward -- exists), at world 1 and, through
-  gloo, on both ranks of world 2: each row byte for byte, and each component's `memory()` equals its row's parts;
+  gloo, on both ranks of world 2: each row byte for byte, and each component's `memory()` equals its row's
+  parts;
 - the components alone on the `meta` device (rank 1 of 4): device buffers are meta tensors and host buffers CPU
   tensors, so the device / host split of a GPU run, with its staging copies, is measured too; and host gradient
   shards streamed through a meta device's update (the optimizer's gradient staging slots, made at the first step).
