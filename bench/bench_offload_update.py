@@ -1,7 +1,8 @@
 """The offloaded AdamW update alone (Adam m and v, optionally the weight shards, in pinned host memory): how
 long one step takes with the state streamed through device staging slots, against the PCIe ceiling.
 
-Variants of `ShardedAdamW`'s streaming (the bench swaps its private streams / slots; the code default is last):
+Variants of `ShardedAdamW`'s streaming (the bench swaps its staging ring's private streams / slots; the code
+default is last):
   1 stream, 2 slots    what qtrain did before: both copy directions on one side stream (serialised)
   2 streams, 2 slots   host->device and device->host on their own streams, two slots
   2 streams, 3 slots   STAGING_SLOTS = 3 (one fetching, one updating, one writing back)
@@ -85,12 +86,13 @@ def main() -> None:
     state_gb = sum(t.numel() * t.element_size() for d in (opt.m, opt.v) for t in d.values()) / 1e9
     if a.master:
         state_gb += sum(t.numel() * t.element_size() for t in shards.values()) / 1e9
-    slots3, h2d, d2h = list(opt._slots), opt._h2d_stream, opt._d2h_stream
+    ring = opt._staging  # qtrain.parallel.staging.StagingRing
+    slots3, h2d, d2h = list(ring.slots), ring._h2d, ring._d2h
     variants = {"1 stream, 2 slots": (slots3[:2], h2d, h2d), "2 streams, 2 slots": (slots3[:2], h2d, d2h),
                 "2 streams, 3 slots": (slots3, h2d, d2h)}
     rows = []
     for name, (slots, s_in, s_out) in list(variants.items()) * 2:  # twice: the spread between repeats
-        opt._slots, opt._h2d_stream, opt._d2h_stream = slots, s_in, s_out
+        ring.slots, ring._h2d, ring._d2h = slots, s_in, s_out
         opt.step(Grads(grads), **HP)
         torch.cuda.synchronize()
         t = time.perf_counter()

@@ -20,7 +20,7 @@ from qtrain.model.layers import rope_tables
 from qtrain.model.recompute import block_steps, resolve_flags
 from qtrain.model.transformer import make_block_fn
 from qtrain.model.weights import block_shapes
-from qtrain.plan.memory import layer_activation_bytes
+from qtrain.model.activations import layer_activation_bytes
 
 
 def plain_call(self, step, fn, *args):

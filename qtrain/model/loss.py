@@ -91,6 +91,24 @@ def chunked_lm_head_loss(h: torch.Tensor, w_head: torch.Tensor, targets: torch.T
     return _ChunkedHeadLoss.apply(h, w_head, targets, chunks, float(z_loss), float(scale))
 
 
+def head_workspace_bytes(tokens: int, hidden: int, vocab: int, *, dtype_bytes: int, chunks: int = 1,
+                        cuda: bool = True) -> int:
+    """Bytes `chunked_lm_head_loss` holds at its peak in training (an estimate, checked against a CPU allocation
+    tracker and the H200's peaks): one chunk's logits with the loss's temporaries per logit, d(hidden) and
+    d(W_head). On CUDA the fused cross-entropy (`_loss_fn`) writes d(logits) over the logits, so a logit costs
+    one model-dtype value; the compiled loss keeps d(logits) and fp32 temporaries, and the plain CPU function
+    fp32 copies (plus, with several chunks, the previous chunk's d(logits) until the next one exists)."""
+    E = dtype_bytes
+    rows = -(-tokens // max(1, chunks))
+    if cuda and cross_entropy.FUSED_CE_ENABLED:
+        per_logit = E
+    else:
+        per_logit = (2 * E + 4) if cuda else (E + 12 if E != 4 else 12)
+        if chunks > 1:
+            per_logit += E  # the previous chunk's d(logits) is still referenced while the next one is computed
+    return rows * (vocab * per_logit + 32) + tokens * hidden * E + vocab * hidden * E
+
+
 class _NoGradCtx:
     """Stand-in autograd context for evaluation: nothing needs a gradient, nothing is saved."""
 

@@ -30,7 +30,7 @@ class DistContext:
     def distributed(self) -> bool:
         return self.world > 1
 
-    # ---- the few collectives the trainer and optimizer need (gradient traffic lives in comm.py) ----
+    # ---- the few collectives the trainer itself needs (managers, weights and optimizer use comm.Communicator) ----
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)

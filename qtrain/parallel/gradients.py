@@ -55,10 +55,12 @@ import torch
 from qtrain.kernels.rng import rng_key
 from qtrain.kernels.stochastic_rounding import sr_add_, sr_copy_, sr_sum_
 from qtrain.parallel.comm import Communicator, Handle
+from qtrain.parallel.footprint import Footprint
 from qtrain.parallel.layout import FlatLayout, Group, Piece
+from qtrain.parallel.staging import StagingRing
 
 __all__ = ["KINDS", "GradientManager", "UnshardedGradients", "ReduceScatterGradients", "AllToAllGradients",
-           "make_gradient_manager"]
+           "make_gradient_manager", "gradient_footprint"]
 
 KINDS = ("unsharded", "reduce-scatter", "all-to-all")
 OFFLOAD_NEEDS_SHARDING = "--offload-gradients requires sharded gradients (--shard-gradients or --zero-level 2)"
@@ -87,6 +89,7 @@ class GradientManager(ABC):
             raise ValueError(f"gradient dtype must be float32 or bfloat16, got {dtype}")
         self.layout, self.comm, self.dtype, self.seed = layout, comm, dtype, seed
         self.device = torch.device(device)
+        self.offload = False
         self.rank, self.world = comm.rank, comm.world
         self._nb_full = {g.key: self._zeros(g.padded_numel) for g in layout.non_block_groups()}
         self._nb_comm: dict[str, Handle] = {}
@@ -184,13 +187,23 @@ class GradientManager(ABC):
         return {g.key: self.grad_shard(g.key) for g in self.layout.groups}
 
     # ---- memory ----
+    @classmethod
     @abstractmethod
+    def footprint_of(cls, layout: FlatLayout, *, dtype: torch.dtype, device: torch.device | str,
+                     offload: bool = False) -> Footprint:
+        """Bytes of persistent gradient state per rank of a manager of this kind, by buffer kind, without
+        allocating it (what the constructor allocates)."""
+
+    def footprint(self) -> Footprint:
+        return self.footprint_of(self.layout, dtype=self.dtype, device=self.device, offload=self.offload)
+
     def memory(self) -> dict[str, int]:
-        """Bytes of persistent gradient state on this rank, by buffer kind."""
+        """Bytes of persistent gradient state on this rank, by buffer kind (`footprint_of`)."""
+        return dict(self.footprint().parts)
 
     def host_memory_keys(self) -> set[str]:
         """Which `memory()` entries live in host memory (offloaded)."""
-        return set()
+        return set(self.footprint().host_keys)
 
     def shard_nbytes(self) -> int:
         """All persistent gradient state of this rank, in bytes (device and, when offloading, host)."""
@@ -279,9 +292,12 @@ class UnshardedGradients(GradientManager):
         lo, hi = group.shard_range(self.rank, self.world)
         return self._full[group.layer][lo:hi]
 
-    def memory(self) -> dict[str, int]:
-        nb = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        return {"non_block": nb(self._nb_full.values()), "blocks": nb(self._full.values())}
+    @classmethod
+    def footprint_of(cls, layout: FlatLayout, *, dtype: torch.dtype, device: torch.device | str,
+                     offload: bool = False) -> Footprint:
+        """Every group full: the non-block groups and the blocks."""
+        blocks = sum(g.padded_numel for g in layout.groups if g.layer is not None)
+        return Footprint({"non_block": _non_block_bytes(layout, dtype), "blocks": blocks * dtype.itemsize})
 
 
 @dataclass
@@ -311,9 +327,9 @@ class _BlockSharded(GradientManager):
         self.offload = offload
         pin = offload and torch.cuda.is_available()
         self._shards = {g.layer: self._zeros(s, device="cpu" if offload else self.device, pin=pin) for g in blocks}
-        # offloaded shards are accumulated in a device copy when the compute device is not the CPU
-        self._staged = offload and self.device.type != "cpu"
-        self._scratch = self._zeros(s) if self._staged else None
+        # offloaded shards are accumulated in a device copy (one staging slot) when the compute device is a GPU
+        self._staging = (StagingRing(self._scratch_sizes(layout, self.dtype), device=self.device, slots=1,
+                                     overlap=False) if _stages(offload, self.device) else None)
         self._slots = [_Slot(self._zeros(n), self._zeros(n) if self.needs_recv else None)
                        for _ in range(self.num_slots)]
         self._pieces: dict[int, list[tuple[int, Piece]]] = {}
@@ -349,28 +365,37 @@ class _BlockSharded(GradientManager):
         return self._shards[group.layer]
 
     # offload: the accumulation works on a device copy of the host shard (same PCIe traffic as llm.q's
-    # zero-copy kernels, but plain copies on the stream the accumulation runs on)
+    # zero-copy kernels, but plain copies on the stream the accumulation runs on: one slot, no overlap)
     def _shard_in(self, layer: int, *, load: bool) -> torch.Tensor:
-        if not self._staged:
+        if self._staging is None:
             return self._shards[layer]
         if load:
-            self._scratch.copy_(self._shards[layer], non_blocking=True)
-        return self._scratch
+            self._staging.fetch(0, {"shard": self._shards[layer]})
+        return self._staging.acquire(0)["shard"]
 
-    def _shard_out(self, layer: int, work: torch.Tensor) -> None:
-        if self._staged:
-            self._shards[layer].copy_(work, non_blocking=True)
+    def _shard_out(self, layer: int) -> None:
+        """`_shard_in`'s tensor back to the host shard (nothing to do when the shard is worked on in place)."""
+        if self._staging is not None:
+            self._staging.write_back(0, {"shard": self._shards[layer]})
 
-    def memory(self) -> dict[str, int]:
-        nb = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        out = {"non_block": nb(self._nb_full.values()), "block_shards": nb(self._shards.values()),
-               "staging": nb([s.send for s in self._slots] + [s.recv for s in self._slots if s.recv is not None])}
-        if self._scratch is not None:
-            out["offload_scratch"] = nb([self._scratch])
-        return out
+    @staticmethod
+    def _scratch_sizes(layout: FlatLayout, dtype: torch.dtype) -> dict[str, tuple[int, torch.dtype]]:
+        return {"shard": (layout.block(0).shard_size(layout.world), dtype)}
 
-    def host_memory_keys(self) -> set[str]:
-        return {"block_shards"} if self.offload else set()
+    @classmethod
+    def footprint_of(cls, layout: FlatLayout, *, dtype: torch.dtype, device: torch.device | str,
+                     offload: bool = False) -> Footprint:
+        """Non-block groups full, one shard per block (host with `offload`), the full-size staging buffers
+        (`num_slots`, each with a receive buffer when `needs_recv`) and, offloading to a GPU's host, the
+        accumulation's device copy of one shard."""
+        blocks = [g for g in layout.groups if g.layer is not None]
+        n = blocks[0].padded_numel if blocks else 0
+        parts = {"non_block": _non_block_bytes(layout, dtype),
+                 "block_shards": sum(g.shard_size(layout.world) for g in blocks) * dtype.itemsize,
+                 "staging": cls.num_slots * (2 if cls.needs_recv else 1) * n * dtype.itemsize}
+        if _stages(offload, device) and blocks:
+            parts["offload_scratch"] = StagingRing.bytes(cls._scratch_sizes(layout, dtype), slots=1)
+        return Footprint(parts, frozenset({"block_shards"} if offload else ()))
 
 
 class ReduceScatterGradients(_BlockSharded):
@@ -396,7 +421,7 @@ class ReduceScatterGradients(_BlockSharded):
             for t, p in self._pieces[group.layer]:
                 sl = slice(p.shard_offset, p.shard_offset + p.numel)
                 sr_add_(work[sl], src[sl], key=self._key(group, t, step, micro), offset=p.tensor_offset)
-        self._shard_out(group.layer, work)
+        self._shard_out(group.layer)
 
 
 class AllToAllGradients(_BlockSharded):
@@ -434,20 +459,38 @@ class AllToAllGradients(_BlockSharded):
                     offset=p.tensor_offset, add=not first)
         if first:
             work[self._pad_start:].zero_()
-        self._shard_out(group.layer, work)
+        self._shard_out(group.layer)
+
+
+def _non_block_bytes(layout: FlatLayout, dtype: torch.dtype) -> int:
+    return sum(g.padded_numel for g in layout.non_block_groups()) * dtype.itemsize
+
+
+def _stages(offload: bool, device: torch.device | str) -> bool:
+    """Offloaded shards go through a device copy unless the compute device is the CPU (where host is device)."""
+    return offload and torch.device(device).type != "cpu"
+
+
+def _manager_class(kind: str, offload: bool) -> type[GradientManager]:
+    classes = {"unsharded": UnshardedGradients, "reduce-scatter": ReduceScatterGradients,
+               "all-to-all": AllToAllGradients}
+    if kind not in classes:
+        raise ValueError(f"unknown gradient manager kind {kind!r}; choose one of {', '.join(KINDS)}")
+    if offload and kind == "unsharded":
+        raise ValueError(OFFLOAD_NEEDS_SHARDING)
+    return classes[kind]
 
 
 def make_gradient_manager(kind: str, layout: FlatLayout, *, comm: Communicator, dtype: torch.dtype,
                           device: torch.device | str, seed: int, offload: bool = False) -> GradientManager:
     """Build the gradient manager `kind` ('unsharded' | 'reduce-scatter' | 'all-to-all'). `offload` keeps
     the block shards in (pinned, when CUDA is available) host memory and needs a sharded kind."""
+    cls = _manager_class(kind, offload)
     common = dict(comm=comm, dtype=dtype, device=device, seed=seed)
-    if kind == "unsharded":
-        if offload:
-            raise ValueError(OFFLOAD_NEEDS_SHARDING)
-        return UnshardedGradients(layout, **common)
-    if kind == "reduce-scatter":
-        return ReduceScatterGradients(layout, offload=offload, **common)
-    if kind == "all-to-all":
-        return AllToAllGradients(layout, offload=offload, **common)
-    raise ValueError(f"unknown gradient manager kind {kind!r}; choose one of {', '.join(KINDS)}")
+    return cls(layout, **common) if kind == "unsharded" else cls(layout, offload=offload, **common)
+
+
+def gradient_footprint(kind: str, layout: FlatLayout, *, dtype: torch.dtype, device: torch.device | str,
+                       offload: bool = False) -> Footprint:
+    """What `make_gradient_manager` with these arguments allocates per rank, without allocating it."""
+    return _manager_class(kind, offload).footprint_of(layout, dtype=dtype, device=device, offload=offload)

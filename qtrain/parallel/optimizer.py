@@ -20,13 +20,17 @@ shards handed in live there (sharded weights with --offload-master: qtrain has n
 model-dtype weights *are* the master, so offloading the master means offloading the weight shard). The
 update still runs on the compute device: the step walks *work items* (a group's shard, or a chunk of it --
 the big embedding / LM-head shards are cut into chunks of the largest block shard) and streams them through
-`STAGING_SLOTS` (3) device staging slots: while item i updates, item i+1 comes host->device on one side stream
-and item i-1's results go device->host on another. PCIe moves both directions at once, so a step costs
-about one direction's traffic, not the sum of both (with two slots, fetching i+1 into the slot item i-1 is
-still writing back from serialises them). A slot is refilled only after the copy-back of the item that used
-it three items earlier has finished (an event on the device->host stream). Gradient shards that live in host memory (--offload-gradients) are staged the same way
-(read only). The compute stream waits for the last copy-back at the end of the step (no host sync); host
-code that reads the offloaded state (checkpoints) calls `synchronize()` first.
+`staging.STAGING_SLOTS` (3) device slots of a `staging.StagingRing`: while item i updates, item i+1 comes
+host->device on one side stream and item i-1's results go device->host on another. PCIe moves both
+directions at once, so a step costs about one direction's traffic, not the sum of both (with two slots,
+fetching i+1 into the slot item i-1 is still writing back from serialises them). A slot is refilled only
+after the copy-back of the item that used it three items earlier has finished (an event on the
+device->host stream). Gradient shards that live in host memory (--offload-gradients) are staged the same
+way (read only). The compute stream waits for the last copy-back at the end of the step (no host sync);
+host code that reads the offloaded state (checkpoints) calls `synchronize()` first.
+
+Collectives (with `comm`, the `Communicator` the gradient managers and weights use): the all-reduce of the
+gradient norm's square, and with replicated weights one all-gather per group after its update.
 
 e4m3 m (`m_dtype="e4m3"`, llm.q's block-scaled FP8 first moment, reference/llmq.md §3.3-3.4): m is kept as
 float8_e4m3fn codes plus one fp32 scale per *block*, `m_scales[group]`. The fused kernel takes one scale per
@@ -49,7 +53,6 @@ wired or tested).
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -59,10 +62,12 @@ from qtrain.kernels.adamw import M_BLOCK
 from qtrain.kernels.rng import rng_key
 from qtrain.model.weights import is_decayed
 from qtrain.numerics.adamw import AdamWHyper, adamw_update_
+from qtrain.parallel.comm import Communicator
+from qtrain.parallel.footprint import Footprint
 from qtrain.parallel.layout import FlatLayout, Group, Piece
+from qtrain.parallel.staging import StagingRing
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
-STAGING_SLOTS = 3  # device slots offloaded state streams through: one fetching, one updating, one writing back
 SCALES_SUFFIX = ".scales"  # key of a group's e4m3 m scales in the `adam.m` state dict / checkpoint file
 
 OFFLOAD_MASTER_NEEDS_SHARDED = (
@@ -107,6 +112,13 @@ def scale_slot_numel(layout: FlatLayout, capacity: int) -> int:
     return -(-capacity // M_BLOCK) + max(len(g.segments) for g in layout.groups) + 1
 
 
+def _slot_sizes(layout: FlatLayout, capacity: int,
+                staged: dict[str, torch.dtype]) -> dict[str, tuple[int, torch.dtype]]:
+    """Buffers of a staging slot of `capacity` elements: one per staged kind (kind -> dtype: param, m, v, grad;
+    an e4m3 m's scales have `scale_slot_numel`)."""
+    return {k: (scale_slot_numel(layout, capacity) if k == "m_scales" else capacity, dt) for k, dt in staged.items()}
+
+
 class GradShards(Protocol):
     def grad_shard(self, group_key: str) -> torch.Tensor: ...
 
@@ -137,17 +149,24 @@ class _Item:
 
 class ShardedAdamW:
     def __init__(self, layout: FlatLayout, params: dict[str, torch.Tensor] | None = None, *,
-                 shards: dict[str, torch.Tensor] | None = None, rank: int = 0, comm=None,
-                 device: torch.device | str | None = None, m_dtype: str = "fp32", v_dtype: str = "fp32",
-                 seed: int = 0, stochastic_rounding: bool = True, offload_params: bool = False,
-                 offload_m: bool = False, offload_v: bool = False, zero_copy: bool = False):
+                 shards: dict[str, torch.Tensor] | None = None, rank: int | None = None,
+                 comm: Communicator | None = None, device: torch.device | str | None = None, m_dtype: str = "fp32",
+                 v_dtype: str = "fp32", seed: int = 0, stochastic_rounding: bool = True,
+                 offload_params: bool = False, offload_m: bool = False, offload_v: bool = False,
+                 zero_copy: bool = False):
         """`params`: full group buffers (key -> 1-D tensor), updated in place and all-gathered; or `shards`:
         the rank's weight shards (key -> 1-D tensor of `group.shard_size(world)`), updated in place. `comm`:
-        an object with `all_gather_into_tensor(out, inp)` and `all_reduce_sum(t)` (None when world == 1).
-        `device`: the compute device (default: where the weights are)."""
+        the `Communicator` of the layout's world (None: no collectives, e.g. one rank); `rank` defaults to
+        its rank (0 without one). `device`: the compute device (default: where the weights are)."""
         if (params is None) == (shards is None):
             raise ValueError("ShardedAdamW: pass exactly one of params (replicated weights) or shards")
-        self.layout, self.params, self.rank, self.comm, self.seed = layout, params, rank, comm, seed
+        if comm is not None:
+            if comm.world != layout.world:
+                raise ValueError(f"layout was built for world {layout.world}, communicator has world {comm.world}")
+            if rank is not None and rank != comm.rank:
+                raise ValueError(f"ShardedAdamW: rank {rank} but the communicator's rank is {comm.rank}")
+            rank = comm.rank
+        self.layout, self.params, self.rank, self.comm, self.seed = layout, params, rank or 0, comm, seed
         self.stochastic_rounding = stochastic_rounding
         self.world = layout.world
         self.replicated = params is not None
@@ -173,7 +192,7 @@ class ShardedAdamW:
         else:
             self.shards = {}
             for g in layout.groups:
-                lo, hi = g.shard_range(rank, self.world)
+                lo, hi = g.shard_range(self.rank, self.world)
                 self.shards[g.key] = params[g.key][lo:hi]
         pin = torch.cuda.is_available()
         cpu = torch.device("cpu")
@@ -188,28 +207,33 @@ class ShardedAdamW:
             for g in layout.groups} if self.m_e4m3 else {}
         self.offloaded = {"param": offload_params, "m": offload_m, "v": offload_v}
         self.zero_copy = zero_copy
+        self.m_dtype, self.v_dtype = m_dtype, v_dtype
+        self.param_dtype = next(iter(self.shards.values())).dtype
+        self.grad_dtype: torch.dtype | None = None  # of gradient shards staged from host memory (first such step)
         self._staged = {k: off and not zero_copy for k, off in self.offloaded.items()}
         if self.m_e4m3:
             self._staged["m_scales"] = self._staged["m"]
         self._capacity = self._chunk_capacity() if any(self._staged.values()) else None
-        self._slots: list[dict[str, torch.Tensor]] = []
         self._item_cache: dict[int | None, list[_Item]] = {}
-        if self._capacity is not None:
-            dts = {"param": next(iter(self.shards.values())).dtype, "m": DTYPES[m_dtype], "v": DTYPES[v_dtype],
-                   "m_scales": torch.float32}
-            sizes = {k: self._capacity for k in dts}
-            sizes["m_scales"] = scale_slot_numel(layout, self._capacity)
-            self._slots = [{k: torch.empty(sizes[k], dtype=dts[k], device=self.device)
-                            for k, s in self._staged.items() if s} for _ in range(STAGING_SLOTS)]
-        cuda = self.device.type == "cuda"
-        self._h2d_stream = torch.cuda.Stream(self.device) if cuda else None
-        self._d2h_stream = torch.cuda.Stream(self.device) if cuda else None
-        self._copies_done: torch.cuda.Event | None = None
+        # offloaded state streams through device slots (None: nothing is staged, until host gradients are)
+        self._staging = (StagingRing(_slot_sizes(layout, self._capacity, self._staged_dtypes(
+            self._staged, self.param_dtype, m_dtype, v_dtype)), device=self.device)
+                         if self._capacity is not None else None)
         self.step_count = 0  # completed updates; Adam's bias correction uses step_count + 1
         self.streamed_items = 0  # work items the last step streamed through the staging slots (0: none)
 
     def _chunk_capacity(self) -> int:
         return staging_capacity(self.layout, "e4m3" if self.m_e4m3 else "fp32")
+
+    @staticmethod
+    def _staged_dtypes(staged: dict[str, bool], param_dtype: torch.dtype, m_dtype: str, v_dtype: str,
+                       grad_dtype: torch.dtype | None = None) -> dict[str, torch.dtype]:
+        """The staged kinds (param, m, v, m_scales, grad) with their dtypes, in the order slots hold them."""
+        dts = {"param": param_dtype, "m": DTYPES[m_dtype], "v": DTYPES[v_dtype], "m_scales": torch.float32}
+        out = {k: dts[k] for k, s in staged.items() if s}
+        if grad_dtype is not None:
+            out["grad"] = grad_dtype
+        return out
 
     def _items(self, capacity: int | None) -> list[_Item]:
         """Work items (one per group, or chunks of at most `capacity` elements) with their kernel calls.
@@ -274,7 +298,7 @@ class ShardedAdamW:
         sq = torch.stack([torch.linalg.vector_norm(s, dtype=torch.float32).to(self.device)
                           for s in shards]).pow(2).sum()
         if self.comm is not None and self.world > 1:
-            self.comm.all_reduce_sum(sq)
+            self.comm.all_reduce(sq, op="sum").wait()
         return sq.sqrt()
 
     @torch.no_grad()
@@ -292,76 +316,43 @@ class ShardedAdamW:
         capacity = self._capacity
         if stage_grads and capacity is None:
             capacity = self._chunk_capacity()
-        if stage_grads and not any(("grad" in s) for s in self._slots):
-            dt = next(iter(gshards.values())).dtype
-            if not self._slots:
-                self._slots = [{} for _ in range(STAGING_SLOTS)]
-            for s in self._slots:
-                s["grad"] = torch.empty(capacity, dtype=dt, device=self.device)
+        if stage_grads and (self._staging is None or "grad" not in self._staging):
+            self.grad_dtype = next(iter(gshards.values())).dtype
+            if self._staging is None:
+                self._staging = StagingRing({}, device=self.device)
+            self._staging.add("grad", capacity, self.grad_dtype)
         sources = {"param": self.shards, "m": self.m, "v": self.v, "grad": gshards}
         if self.m_e4m3:
             sources["m_scales"] = self.m_scales
         staged = dict(self._staged, grad=stage_grads)
         items = self._items(capacity if any(staged.values()) else None)
-        h2d, d2h = self._h2d_stream, self._d2h_stream
-        n_slots = len(self._slots)
-        ready: list[torch.cuda.Event | None] = [None] * len(items)  # item i is in its slot
-        freed: list[torch.cuda.Event | None] = [None] * len(items)  # item i's copy-back has finished
+        ring = self._staging
 
         def span(k: str, it: _Item) -> tuple[int, int]:  # what item `it` covers of source k
             return (it.s_lo, it.s_hi) if k == "m_scales" else (it.lo, it.hi)
 
-        def fetch(i: int) -> None:  # host -> staging slot i % n_slots (host->device stream on CUDA)
-            it, slot = items[i], self._slots[i % n_slots]
-            ctx = torch.cuda.stream(h2d) if h2d is not None else contextlib.nullcontext()
-            with ctx:
-                if i >= n_slots and freed[i - n_slots] is not None:
-                    h2d.wait_event(freed[i - n_slots])  # the slot's last user has gone back to the host
-                for k, src in sources.items():
-                    if staged[k]:
-                        lo, hi = span(k, it)
-                        slot[k][:hi - lo].copy_(src[it.group.key][lo:hi], non_blocking=True)
-                if h2d is not None:
-                    ready[i] = torch.cuda.Event()
-                    ready[i].record(h2d)
+        def part(k: str, it: _Item) -> torch.Tensor:  # item `it`'s part of host (or device) source k
+            lo, hi = span(k, it)
+            return sources[k][it.group.key][lo:hi]
 
-        def operands(i: int) -> dict[str, torch.Tensor]:
-            it, slot = items[i], self._slots[i % n_slots] if self._slots else {}
-            out = {}
-            for k, src in sources.items():
-                lo, hi = span(k, it)
-                out[k] = slot[k][:hi - lo] if staged[k] else src[it.group.key][lo:hi]
-            return out
-
-        def write_back(i: int) -> None:  # staging slot -> host, after the update (device->host stream on CUDA)
-            it, slot = items[i], self._slots[i % n_slots]
-            if d2h is not None:
-                d2h.wait_stream(torch.cuda.current_stream(self.device))
-            ctx = torch.cuda.stream(d2h) if d2h is not None else contextlib.nullcontext()
-            with ctx:
-                for k in ("param", "m", "v", "m_scales"):
-                    if staged.get(k):
-                        lo, hi = span(k, it)
-                        sources[k][it.group.key][lo:hi].copy_(slot[k][:hi - lo], non_blocking=True)
-                if d2h is not None:
-                    freed[i] = torch.cuda.Event()
-                    freed[i].record(d2h)
+        def fetch(i: int) -> None:  # host -> staging slot (host->device stream on CUDA)
+            ring.fetch(i, {k: part(k, items[i]) for k in sources if staged[k]})
 
         streaming = any(staged.values())
         self.streamed_items = len(items) if streaming else 0
-        if streaming and h2d is not None:
-            h2d.wait_stream(torch.cuda.current_stream(self.device))  # gradients / gathers queued so far
-        if streaming and items:
-            fetch(0)
+        if streaming:
+            ring.begin()  # after the gradients / gathers queued so far
+            if items:
+                fetch(0)
         amaxes = []
         update = adamw_update_ if self.stochastic_rounding else _adamw_update_nearest_
         for i, it in enumerate(items):
+            ops = {k: part(k, it) for k in sources}  # host parts are replaced by their staged copies
             if streaming:
                 if i + 1 < len(items):
                     fetch(i + 1)  # overlaps item i's update and item i-1's copy-back
-                if ready[i] is not None:
-                    torch.cuda.current_stream(self.device).wait_event(ready[i])
-            ops = operands(i)
+                slot = ring.acquire(i)
+                ops.update({k: slot[k][:ops[k].numel()] for k in sources if staged[k]})
             g = it.group
             for c in it.calls:
                 sl = slice(c.a, c.b)
@@ -369,14 +360,12 @@ class ShardedAdamW:
                 amaxes.append(update(ops["param"][sl], ops["grad"][sl], ops["m"][sl], ops["v"][sl], hp=hp,
                                      decay=c.decay, key=rng_key(self.seed, t, g.index, c.seg_index),
                                      offset=c.offset, **kw))
-            if streaming:
-                write_back(i)
+            if streaming:  # staging slot -> host, after the update (device->host stream on CUDA)
+                ring.write_back(i, {k: part(k, it) for k in ("param", "m", "v", "m_scales") if staged.get(k)})
             if it.last_of_group and self.replicated and self.comm is not None and self.world > 1:
-                self.comm.all_gather_into_tensor(self.params[g.key], self.shards[g.key])
-        if d2h is not None and streaming:
-            torch.cuda.current_stream(self.device).wait_stream(d2h)  # later compute (gathers) sees the results
-            self._copies_done = torch.cuda.Event()
-            self._copies_done.record(d2h)
+                self.comm.all_gather(self.params[g.key], self.shards[g.key]).wait()
+        if streaming:
+            ring.end()  # later compute (gathers) sees the results
         self.step_count = t
         return torch.stack([a.to(self.device) for a in amaxes]).max() if amaxes else torch.zeros(())
 
@@ -386,8 +375,8 @@ class ShardedAdamW:
 
     def synchronize(self) -> None:
         """Block the host until the last step's copies to host memory are done (before reading the state)."""
-        if self._copies_done is not None:
-            self._copies_done.synchronize()
+        if self._staging is not None:
+            self._staging.synchronize()
 
     # ---- checkpoints: this rank's shards ----
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -423,20 +412,49 @@ class ShardedAdamW:
         self.step_count = step_count
 
     # ---- memory ----
+    @classmethod
+    def footprint_of(cls, layout: FlatLayout, *, param_dtype: torch.dtype, m_dtype: str = "fp32",
+                     v_dtype: str = "fp32", offload_params: bool = False, offload_m: bool = False,
+                     offload_v: bool = False, zero_copy: bool = False, grad_dtype: torch.dtype | None = None,
+                     capacity: int | None = None) -> Footprint:
+        """Bytes of persistent optimizer state per rank, without allocating it: 'adam.m' (codes, and an e4m3
+        m's scales: per group the most any rank needs), 'adam.v' (host with offload_m / offload_v) and
+        'staging', the device slots offloaded state streams through (`grad_dtype`: host gradient shards are
+        staged too; `capacity`: slot elements, default `staging_capacity`). The weight shards belong to the
+        weights, not here."""
+        world = layout.world
+        numel = sum(g.shard_size(world) for g in layout.groups)
+        m = numel * DTYPES[m_dtype].itemsize
+        if m_dtype == "e4m3":
+            m += 4 * sum(group_m_scales(g, world) for g in layout.groups)
+        staged = {k: off and not zero_copy for k, off in (("param", offload_params), ("m", offload_m),
+                                                          ("v", offload_v))}
+        if m_dtype == "e4m3":
+            staged["m_scales"] = staged["m"]
+        capacity = capacity or staging_capacity(layout, m_dtype)
+        sizes = _slot_sizes(layout, capacity, cls._staged_dtypes(staged, param_dtype, m_dtype, v_dtype, grad_dtype))
+        parts = {"adam.m": m, "adam.v": numel * DTYPES[v_dtype].itemsize,
+                 "staging": StagingRing.bytes(sizes) if sizes else 0}
+        return Footprint(parts, frozenset(k for k, off in (("adam.m", offload_m), ("adam.v", offload_v)) if off))
+
+    def footprint(self) -> Footprint:
+        return self.footprint_of(self.layout, param_dtype=self.param_dtype, m_dtype=self.m_dtype,
+                                 v_dtype=self.v_dtype, offload_params=self.offloaded["param"],
+                                 offload_m=self.offloaded["m"], offload_v=self.offloaded["v"],
+                                 zero_copy=self.zero_copy, grad_dtype=self.grad_dtype,
+                                 capacity=self._chunk_capacity())
+
     def state_nbytes(self) -> int:
         """Adam moments of this rank (device and host; e4m3 m with its scales), in bytes."""
-        return sum(t.numel() * t.element_size() for d in (self.m, self.m_scales, self.v) for t in d.values())
+        mem = self.memory()
+        return mem["adam.m"] + mem["adam.v"]
 
     def memory(self) -> dict[str, int]:
-        """Bytes of persistent optimizer state on this rank, by kind ('adam.m' includes e4m3 scales;
-        'staging': the device slots used to stream offloaded state; the weight shards belong to the
-        weights, not here)."""
-        nb = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        return {"adam.m": nb(self.m.values()) + nb(self.m_scales.values()), "adam.v": nb(self.v.values()),
-                "staging": nb(t for s in self._slots for t in s.values())}
+        """Bytes of persistent optimizer state on this rank, by kind (`footprint_of`)."""
+        return dict(self.footprint().parts)
 
     def host_memory_keys(self) -> set[str]:
-        return {k for k, off in (("adam.m", self.offloaded["m"]), ("adam.v", self.offloaded["v"])) if off}
+        return set(self.footprint().host_keys)
 
 
 def _adamw_update_nearest_(param, grad, m, v, **kw) -> torch.Tensor:

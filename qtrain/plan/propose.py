@@ -13,7 +13,7 @@ from typing import Any
 from qtrain.model.config import ModelConfig
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.layout import FlatLayout
-from qtrain.plan.memory import MemoryPlan, has_option, plan_memory
+from qtrain.plan.memory import MemoryPlan, plan_memory
 from qtrain.plan.step_cost import StepCost, step_cost
 
 MIN_CHUNK_ROWS = 1024  # propose() splits the LM head into chunks of at least this many tokens (GEMM efficiency)
@@ -23,14 +23,11 @@ def _ladder(base: Options, world: int, *, offload_first: bool = False) -> list[t
     """Cumulative option changes, least intrusive first: recompute (cheap element-wise steps first), then
     host offload of optimizer state, then sharding (world > 1) and offload of weights and gradients, then
     the block inputs. `offload_first`: the optimizer-state offload before the recomputation of GEMMs (ffn,
-    block), which is cheaper when an optimizer step has many micro-steps (see `step_cost`). Steps whose
-    options this version of `Options` does not have are left out."""
+    block), which is cheaper when an optimizer step has many micro-steps (see `step_cost`)."""
     steps: list[tuple[str, dict[str, Any]]] = [("none", {})]
 
     def add(label: str, **flags: Any) -> None:
-        flags = {k: v for k, v in flags.items() if has_option(k)}
-        if flags:
-            steps.append((label, flags))
+        steps.append((label, flags))
     add("recompute swiglu+norm", recompute_swiglu=True, recompute_norm=True)
     if offload_first:
         add("offload opt m", offload_opt_m=True)

@@ -66,8 +66,7 @@ class Trainer:
         self.grads = make_gradient_manager(opts.gradient_manager_kind, self.layout, comm=self.comm,
                                            dtype=self.dtype, device=self.device, seed=opts.seed,
                                            offload=opts.offload_gradients)
-        self.optimizer = ShardedAdamW(self.layout, **w.optimizer_weights(), rank=self.ctx.rank, device=self.device,
-                                      comm=self.ctx if self.ctx.distributed else None,
+        self.optimizer = ShardedAdamW(self.layout, **w.optimizer_weights(), comm=self.comm, device=self.device,
                                       m_dtype=opts.opt_m_dtype, v_dtype=opts.opt_v_dtype, seed=opts.seed,
                                       stochastic_rounding=opts.stochastic_rounding,
                                       offload_params=opts.offload_master, offload_m=opts.offload_opt_m,

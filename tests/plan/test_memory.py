@@ -1,10 +1,8 @@
-"""The memory plan against what qtrain really allocates and keeps.
+"""The memory plan against what qtrain really keeps (persistent state: tests/plan/test_components.py; the
+per-layer activation tables: tests/model/test_activations.py).
 
-- persistent state (weights, Adam m / v, optimizer staging, every gradient manager) equals, byte for byte,
-  what a real `Trainer` allocates (world 1) and what the managers allocate at world 4;
-- activations equal what autograd saves for backward (saved-tensor hooks on one block, eager and through
-  AOTAutograd's partitioner) and what a real `Transformer.forward_backward` holds when the LM head starts
-  (an allocation tracker), for plain runs, --recompute-block and the fine-grained switches;
+- the activation row equals what a real `Transformer.forward_backward` holds when the LM head starts (an
+  allocation tracker), for plain runs, --recompute-block and the fine-grained switches;
 - the planned transient workspace bounds the measured peak of a micro-step;
 - `propose` returns a configuration that fits whose next-larger batch does not;
 - presets give plausible numbers; `qtrain plan` runs through the real CLI parser.
@@ -23,40 +21,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import qtrain.model.transformer as tm
-from qtrain.model.config import ModelConfig, preset
-from qtrain.model.init import init_params
-from qtrain.model.layers import rope_tables
-from qtrain.model.recompute import block_steps, count_saved_bytes
-from qtrain.model.transformer import RunOptions, Transformer, allocate_params, make_block_fn
-from qtrain.parallel.weights.replicated import ParamWeights
-from qtrain.model.weights import block_shapes
-from qtrain.parallel.gradients import make_gradient_manager
-from qtrain.parallel.layout import FlatLayout
-from qtrain.parallel.optimizer import ShardedAdamW
-from qtrain.parallel.weights.sharded import ShardedWeights
+from tests.model.test_activations import DT, small_cfg
 from qtrain.cli.plan import add_arguments as add_plan_args
 from qtrain.cli.plan import run as run_plan
+from qtrain.model.config import ModelConfig, preset
+from qtrain.model.init import init_params
 from qtrain.model.recompute import resolve_flags
-from qtrain.plan.memory import (GiB, activation_terms, has_option, layer_activation_bytes, parse_bytes,
-                                plan_for_trainer, plan_memory)
-from qtrain.plan.propose import propose
+from qtrain.model.transformer import RunOptions, Transformer, allocate_params
 from qtrain.options import Options
-from qtrain.model.matmul import block_linear
-from qtrain.train.trainer import Trainer
-
-DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def small_cfg(model_type: str = "qwen2", *, vocab: int = 512, tied: bool = True, layers: int = 3) -> ModelConfig:
-    return ModelConfig(model_type=model_type, vocab_size=vocab, hidden_size=64, intermediate_size=160,
-                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                       attention_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
-                       head_dim=32 if model_type == "qwen3" else 0, tie_word_embeddings=tied)
-
-
-def opts_for(**kw) -> Options:
-    """Options with only the fields this version has (recompute switches are passed to the plan directly)."""
-    return Options(**{k: v for k, v in kw.items() if has_option(k)})
+from qtrain.parallel.layout import FlatLayout
+from qtrain.parallel.optimizer import ShardedAdamW
+from qtrain.parallel.weights.replicated import ParamWeights
+from qtrain.plan.memory import GiB, parse_bytes, plan_memory
+from qtrain.plan.propose import propose
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -125,91 +102,8 @@ def measure_micro_step(cfg: ModelConfig, dtype: str, *, flags=(), B=2, T=64, chu
     return at_head[0], tracker.peak
 
 
-def measure_block(cfg: ModelConfig, dtype: str, *, flags=(), fp8=False, attn_chunks=1, compiled=False, B=2, T=32):
-    """Bytes one block call saves for backward (its input, the weights and RoPE tables excluded)."""
-    fn = make_block_fn(cfg, block_linear("e4m3" if fp8 else ""), recompute=block_steps(flags),
-                       attn_chunks=attn_chunks, compiled=compiled)
-    if compiled:
-        torch._dynamo.reset()
-        # AOTAutograd with the min-cut partitioner (inductor's), without generating kernels
-        fn = torch.compile(fn, dynamic=False, backend="aot_eager_decomp_partition")
-    g = torch.Generator().manual_seed(0)
-    w = {n: (0.02 * torch.randn(s, generator=g)).to(DT[dtype]).requires_grad_() for n, s in block_shapes(cfg).items()}
-    cos, sin = rope_tables(cfg, T, "cpu", DT[dtype])
-    x = torch.randn(B, T, cfg.hidden_size, generator=g).to(DT[dtype]).requires_grad_()
-    if compiled:
-        fn(x, w, cos, sin).sum().backward()  # compile outside the measurement
-    skip = {t.untyped_storage().data_ptr() for t in (x, cos, sin, *w.values())}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        p = t.untyped_storage().data_ptr()
-        # uint8: checkpoint's CPU RNG state (host memory, per layer, not an activation)
-        if p not in skip and t.dtype != torch.uint8:
-            seen[p] = t.untyped_storage().nbytes()
-        return t
-
-    if compiled:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = fn(x, w, cos, sin)
-        n = sum(seen.values())
-    else:  # the eager Recomputer installs its own hooks; count_saved_bytes sees through them
-        with count_saved_bytes(exclude=[x, cos, sin, *w.values()]) as c:
-            y = fn(x, w, cos, sin)
-            n = c.bytes
-    del y
-    return n, B * T
-
-
 # ---------------------------------------------------------------------------------------------------------
 # activations
-EAGER_FLAGS = [(), ("norm",), ("swiglu",), ("ffn",), ("qkv",), ("att",), ("norm", "swiglu"), ("att", "ffn")]
-
-
-@pytest.mark.parametrize("model_type,dtype", [("qwen2", "bf16"), ("qwen2", "fp32"), ("llama", "bf16"),
-                                              ("qwen3", "bf16"), ("qwen3", "fp32")])
-def test_block_terms_match_saved_tensors_eager(model_type, dtype):
-    cfg = small_cfg(model_type)
-    for flags in EAGER_FLAGS:
-        measured, tokens = measure_block(cfg, dtype, flags=flags)
-        planned = layer_activation_bytes(cfg, tokens, model_dtype=dtype, recompute=resolve_flags(flags))
-        assert planned == pytest.approx(measured, rel=0.10), (flags, planned, measured)
-
-
-@pytest.mark.parametrize("flags", [(), ("ffn",), ("att",), ("qkv", "swiglu")])
-def test_block_terms_fp8_and_attention_chunks_eager(flags):
-    cfg = small_cfg()
-    measured, tokens = measure_block(cfg, "bf16", flags=flags, fp8=True)
-    planned = layer_activation_bytes(cfg, tokens, model_dtype="bf16", matmul_dtype="e4m3",
-                                     recompute=resolve_flags(flags))
-    assert planned == pytest.approx(measured, rel=0.10)
-    measured, tokens = measure_block(cfg, "bf16", flags=flags, attn_chunks=2)
-    planned = layer_activation_bytes(cfg, tokens, model_dtype="bf16", recompute=resolve_flags(flags), attn_chunks=2)
-    assert planned == pytest.approx(measured, rel=0.10)
-
-
-@pytest.mark.parametrize("model_type,flags", [("qwen2", ()), ("qwen3", ()), ("qwen2", ("norm", "swiglu")),
-                                              ("qwen2", ("ffn",)), ("qwen3", ("att",)), ("qwen2", ("qkv", "norm"))])
-def test_block_terms_match_saved_tensors_compiled(model_type, flags):
-    """torch.compile'd blocks keep less (the partitioner recomputes element-wise work); measured with the
-    partitioner inductor uses (backend aot_eager_decomp_partition: no kernels are generated)."""
-    cfg = small_cfg(model_type)
-    measured, tokens = measure_block(cfg, "bf16", flags=flags, compiled=True)
-    planned = layer_activation_bytes(cfg, tokens, model_dtype="bf16", compiled=True, recompute=resolve_flags(flags))
-    assert planned == pytest.approx(measured, rel=0.10)
-    eager = layer_activation_bytes(cfg, tokens, model_dtype="bf16", recompute=resolve_flags(flags))
-    assert planned < eager if not flags else planned <= eager
-
-
-def test_block_terms_fp8_compiled_is_an_upper_bound():
-    cfg = small_cfg()
-    for flags in [(), ("ffn",)]:
-        measured, tokens = measure_block(cfg, "bf16", flags=flags, fp8=True, compiled=True)
-        planned = layer_activation_bytes(cfg, tokens, model_dtype="bf16", matmul_dtype="e4m3", compiled=True,
-                                         recompute=resolve_flags(flags))
-        assert measured <= planned <= 1.25 * measured
-
-
 @pytest.mark.parametrize("model_type,dtype,flags", [
     ("qwen2", "bf16", ()), ("qwen2", "bf16", ("block",)), ("qwen2", "fp32", ()), ("qwen2", "fp32", ("block",)),
     ("qwen3", "bf16", ()), ("qwen3", "bf16", ("block",)), ("llama", "bf16", ("att", "ffn")),
@@ -220,7 +114,7 @@ def test_activations_match_a_real_micro_step(model_type, dtype, flags):
     cfg = small_cfg(model_type, tied=model_type != "llama")
     B, T = 2, 64
     at_head, peak = measure_micro_step(cfg, dtype, flags=flags, B=B, T=T)
-    plan = plan_memory(cfg, opts_for(model_dtype=dtype, batch_size=B, seq_len=T, recompute_block="block" in flags),
+    plan = plan_memory(cfg, Options(model_dtype=dtype, batch_size=B, seq_len=T, recompute_block="block" in flags),
                        device="cpu", compiled=False, recompute=resolve_flags(flags))
     act = plan.item("activations")
     assert act.device == pytest.approx(at_head, rel=0.10)
@@ -234,131 +128,15 @@ def test_workspace_bounds_the_peak(vocab, chunks):
     for dtype, flags in [("bf16", ()), ("fp32", ("block",)), ("bf16", ("ffn",))]:
         B, T = 4, 32
         at_head, peak = measure_micro_step(cfg, dtype, flags=flags, B=B, T=T, chunks=chunks)
-        plan = plan_memory(cfg, opts_for(model_dtype=dtype, batch_size=B, seq_len=T, lmhead_chunks=chunks),
+        plan = plan_memory(cfg, Options(model_dtype=dtype, batch_size=B, seq_len=T, lmhead_chunks=chunks),
                            device="cpu", compiled=False, recompute=resolve_flags(flags))
         transient = plan.item("activations").device + plan.item("workspace").device
         assert peak <= transient <= 1.6 * peak, (dtype, flags, peak, transient)
 
 
-def test_recompute_terms_and_implications():
-    cfg = preset("Qwen2.5-7B")
-    kw = dict(model_dtype="bf16", compiled=True)
-    sizes = {f: layer_activation_bytes(cfg, 4096, recompute=resolve_flags(f), **kw)
-             for f in [(), ("swiglu",), ("norm",), ("ffn",), ("att",), ("block",)]}
-    assert sizes[()] > sizes[("swiglu",)] > sizes[("ffn",)] > sizes[("block",)] == 0
-    assert sizes[()] > sizes[("norm",)] > sizes[("block",)]
-    assert resolve_flags(["block"]) == {"swiglu", "norm", "ffn", "qkv", "att", "block"}
-    assert "swiglu" in resolve_flags(["ffn"]) and "qkv" in resolve_flags(["att"])
-    # compiled blocks keep llm.q's set: per token 6C + 2qkv + 4q + 2kv + 6F bytes (+ rstd, LSE) in bf16
-    C, F = cfg.hidden_size, cfg.intermediate_size
-    want = 2 * (3 * C + cfg.qkv_dim + 2 * cfg.q_dim + cfg.kv_dim + 3 * F) + 8 + 4 * cfg.num_attention_heads
-    assert sizes[()] == 4096 * want
-    names = [a.name for a in activation_terms(cfg, matmul_dtype="e4m3")]
-    assert "fp8_w_qkv" in names and "down_in_fp8" in names
-
-
 # ---------------------------------------------------------------------------------------------------------
-# persistent state: the plan equals the allocations
-TRAINER_VARIANTS = [
-    dict(),
-    dict(shard_gradients=True),
-    dict(shard_gradients=True, all_to_all_reduce=True),
-    dict(shard_gradients=True, offload_gradients=True),
-    dict(opt_m_dtype="bf16", opt_v_dtype="bf16"),
-    dict(model_dtype="fp32"),
-    dict(offload_opt_m=True, offload_opt_v=True),
-    dict(shard_weights=True),
-    dict(shard_weights=True, offload_master=True, offload_opt_m=True),
-    dict(shard_weights=True, offload_master=True, offload_opt_v=True, use_zero_copy=True),
-    dict(opt_m_dtype="e4m3", opt_v_dtype="bf16"),
-    dict(opt_m_dtype="e4m3", opt_v_dtype="bf16", offload_opt_m=True),
-    dict(opt_m_dtype="e4m3", opt_v_dtype="bf16", shard_weights=True, offload_master=True, offload_opt_m=True,
-         offload_opt_v=True),
-    dict(shard_weights=True, matmul_dtype="e4m3", persistent_quants=True),
-    dict(zero_level=3, matmul_dtype="e4m3", persistent_quants=True, offload_quants=True, offload_master=True),
-]
-
-
-@pytest.mark.parametrize("variant", TRAINER_VARIANTS, ids=lambda v: ",".join(f"{k}={v[k]}" for k in v) or "default")
-def test_persistent_state_equals_trainer_allocations(variant):
-    if not all(has_option(k) for k in variant):
-        pytest.skip(f"this Options has no {[k for k in variant if not has_option(k)]}")
-    opts = Options(device="cpu", seq_len=32, batch_size=2, grad_accumulation=1, **variant)
-    trainer = Trainer(opts)
-    plan = plan_for_trainer(trainer)
-    nb = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-
-    w = plan.item("weights")
-    if trainer.param_buffers is not None:
-        assert w.parts == {"params": nb(trainer.param_buffers.values())}
-    else:
-        # --persistent-quants: the e4m3 block shards and buffers are a row of their own
-        q = plan.item("fp8 weights") if variant.get("persistent_quants") else None
-        assert {**w.parts, **(q.parts if q else {})} == trainer.weights.memory()
-        host = sum(v for k, v in trainer.weights.memory().items() if k in trainer.weights.host_memory_keys())
-        assert w.host + (q.host if q else 0) == host
-    opt_mem = trainer.optimizer.memory() if hasattr(trainer.optimizer, "memory") else {
-        "adam.m": nb(trainer.optimizer.m.values()), "adam.v": nb(trainer.optimizer.v.values()), "staging": 0}
-    m_scales = getattr(trainer.optimizer, "m_scales", {})  # e4m3 m: fp32 block scales belong to m
-    assert plan.item("adam m").parts["adam.m"] == opt_mem["adam.m"] == nb(trainer.optimizer.m.values()) + \
-        nb(m_scales.values())
-    if variant.get("opt_m_dtype") == "e4m3":  # 1 byte per element + 4 per 128-element block of each tensor
-        assert nb(trainer.optimizer.m.values()) == sum(t.numel() for t in trainer.optimizer.m.values())
-        assert nb(m_scales.values()) == 4 * sum(-(-s.numel // 128) for g in trainer.layout.groups for s in g.segments)
-    assert plan.item("adam v").parts["adam.v"] == opt_mem["adam.v"] == nb(trainer.optimizer.v.values())
-    staging = sum(i.device for i in plan.items if i.name == "optimizer staging")
-    assert staging == opt_mem.get("staging", 0)
-    g = plan.item("gradients")
-    assert g.parts == trainer.grads.memory()
-    assert g.device == trainer.grads.device_nbytes()
-    assert g.device + g.host == trainer.grads.shard_nbytes()
-    for name in ("adam m", "adam v"):
-        off = bool(variant.get(f"offload_opt_{name[-1]}"))
-        assert (plan.item(name).host > 0) == off and (plan.item(name).device > 0) == (not off)
-
-
-class FakeComm:
-    """Rank 1 of 4: enough for constructors, which only allocate."""
-    rank, world = 1, 4
-
-
-@pytest.mark.parametrize("kind", ["unsharded", "reduce-scatter", "all-to-all"])
-@pytest.mark.parametrize("sharded_weights", [False, True])
-def test_persistent_state_world4_equals_manager_allocations(kind, sharded_weights):
-    cfg = small_cfg(tied=False)
-    W, E = 4, 2
-    layout = FlatLayout(cfg, W)
-    offload = kind != "unsharded"
-    variant = dict(shard_gradients=kind != "unsharded", all_to_all_reduce=kind == "all-to-all",
-                   offload_gradients=offload, opt_m_dtype="bf16")
-    if sharded_weights:
-        if not has_option("shard_weights"):
-            pytest.skip("no --shard-weights in this Options")
-        variant.update(shard_weights=True, offload_master=True, offload_opt_v=True)
-    opts = Options(**variant)
-    plan = plan_memory(cfg, opts, world=W, device="cpu")
-    grads = make_gradient_manager(kind, layout, comm=FakeComm(), dtype=torch.bfloat16, device="cpu", seed=0,
-                                  offload=offload)
-    assert plan.item("gradients").parts == grads.memory()
-    if sharded_weights:
-        weights = ShardedWeights(layout, comm=FakeComm(), dtype=torch.bfloat16, device="cpu", offload=True)
-        assert plan.item("weights").parts == weights.memory()
-        assert plan.item("weights").host == weights.memory()["shards"]
-        opt = ShardedAdamW(layout, shards=weights.shards, rank=1, device="cpu", m_dtype="bf16", v_dtype="fp32",
-                           offload_params=True, offload_v=True)
-    else:
-        params = layout.allocate(dtype=torch.bfloat16, device="cpu")
-        assert plan.item("weights").device == sum(t.numel() * E for t in params.values())
-        opt = ShardedAdamW(layout, params, rank=1, m_dtype="bf16", v_dtype="fp32")
-    mem = opt.memory()
-    assert plan.item("adam m").parts["adam.m"] == mem["adam.m"]
-    assert plan.item("adam v").parts["adam.v"] == mem["adam.v"]
-    assert sum(i.device for i in plan.items if i.name == "optimizer staging") == mem["staging"]
-    # the layout math: shards are 1/W of the padded groups
-    total = layout.total_numel()
-    assert mem["adam.m"] == total // W * 2 and mem["adam.v"] == total // W * 4
-
-
+# persistent state: tests/plan/test_components.py measures every row against real components; here the
+# e4m3 m layout math at world 4
 @pytest.mark.parametrize("offload_m", [False, True])
 def test_e4m3_m_world4_equals_optimizer_allocations(offload_m):
     """e4m3 m on 4 ranks: codes (1 byte/element) + the scales of the most demanding rank (shards cut tensor
@@ -417,10 +195,9 @@ def test_plan_reacts_to_options():
     assert rb.item("activations").device < p.item("activations").device / 10
     fp8 = plan_memory(cfg, dataclasses.replace(base, matmul_dtype="e4m3"))
     assert fp8.item("activations").device != p.item("activations").device
-    if has_option("offload_opt_m"):
-        off = plan_memory(cfg, dataclasses.replace(base, offload_opt_m=True, offload_opt_v=True))
-        assert off.item("adam m").device == 0 and off.item("adam m").host == p.item("adam m").device
-        assert off.device_total < p.device_total and off.host_total > p.host_total
+    off = plan_memory(cfg, dataclasses.replace(base, offload_opt_m=True, offload_opt_v=True))
+    assert off.item("adam m").device == 0 and off.item("adam m").host == p.item("adam m").device
+    assert off.device_total < p.device_total and off.host_total > p.host_total
     eager = plan_memory(cfg, base, compiled=False)
     assert eager.item("activations").device > p.item("activations").device
 

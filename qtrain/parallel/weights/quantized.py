@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import torch
 
+from qtrain.model.config import ModelConfig
 from qtrain.model.transformer import FP8_INV_SCALE, FP8_MATRICES, FP8_WEIGHT, WeightSource
+from qtrain.model.weights import block_shapes
 from qtrain.numerics.fp8 import Fp8WeightCache
+from qtrain.parallel.footprint import Footprint
 
 
 class QuantizedWeights:
@@ -49,3 +52,12 @@ class QuantizedWeights:
     def invalidate(self) -> None:
         self.cache.clear()
         self.source.invalidate()
+
+    @staticmethod
+    def footprint_of(cfg: ModelConfig, names: tuple[str, ...] = FP8_MATRICES) -> Footprint:
+        """Bytes of the copies at their peak (from a step's first forward to its update): every layer's e4m3
+        matrices `names` (1 byte per element) and one fp32 inverse scale each. The linears keep views of them
+        for backward, not copies (`model.activations`: `fp8_weight_copies=False`)."""
+        L, shapes = cfg.num_hidden_layers, block_shapes(cfg)
+        numel = sum(shapes[n][0] * shapes[n][1] for n in names)
+        return Footprint({"quant_copies": L * numel, "quant_scales": 4 * L * len(names)})

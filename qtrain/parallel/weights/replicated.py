@@ -6,6 +6,8 @@ import torch
 
 from qtrain.model.config import ModelConfig
 from qtrain.model.weights import block_tensor_names
+from qtrain.parallel.footprint import Footprint
+from qtrain.parallel.layout import FlatLayout
 
 
 class ParamWeights:
@@ -28,3 +30,9 @@ class ParamWeights:
 
     def invalidate(self) -> None:
         pass
+
+
+def replicated_footprint(layout: FlatLayout, dtype: torch.dtype) -> Footprint:
+    """Every group's full buffer in the model dtype (`layout.allocate`; the parameters are views into them): the
+    weights and, with no separate copy, the master."""
+    return Footprint({"params": layout.total_numel() * dtype.itemsize})

@@ -88,7 +88,9 @@ import torch
 from qtrain.model.transformer import FP8_INV_SCALE, FP8_WEIGHT
 from qtrain.numerics.fp8 import E4M3, quantize_fp8
 from qtrain.parallel.comm import Communicator, Handle
+from qtrain.parallel.footprint import Footprint
 from qtrain.parallel.layout import FlatLayout, Group
+from qtrain.parallel.staging import StagingRing
 
 __all__ = ["ShardedWeights"]
 
@@ -107,6 +109,7 @@ class _Buffer:
     fp8: dict[str, torch.Tensor] = field(default_factory=dict)
     small: torch.Tensor | None = None
     exchange: torch.Tensor | None = None
+    stage_slot: int = 0  # its slot in `ShardedWeights._staging` (offloaded shards: the rank's own slice of `buf`)
 
 
 @dataclass(frozen=True)
@@ -191,9 +194,8 @@ class _PersistentQuants:
         offsets, n = {}, 0
         for s in self.small_segments:
             offsets[s.short], n = n, n + s.numel
-        self.small_numel = n
         self.small_offsets = offsets
-        self.slot = g.max_shard_numel(world, small)
+        self.small_numel, self.slot = self.slot_numel(self.layout, self.names)
         idx = torch.empty(n, dtype=torch.long)
         for r in range(world):
             pos = r * self.slot
@@ -243,11 +245,20 @@ class _PersistentQuants:
         self.inv_scales, self.version = inv_scales, version
         self.quantizations += L * M
 
-    def memory(self) -> dict[str, int]:
-        """Bytes: the e4m3 shards (1 per element) and one fp32 inverse scale per (layer, matrix) (made anew
-        with each version, the previous ones freed once no graph refers to them)."""
-        return {"quant_shards": sum(t.numel() for t in self.codes.values()),
-                "quant_scales": 4 * self.num_layers * len(self.names)}
+    @staticmethod
+    def footprint_of(layout: FlatLayout, names: tuple[str, ...], *, offload: bool) -> Footprint:
+        """Bytes: the e4m3 shards (1 per element; host with `offload`) and one fp32 inverse scale per (layer,
+        matrix) (made anew with each version, the previous ones freed once no graph refers to them)."""
+        L = layout.cfg.num_hidden_layers
+        parts = {"quant_shards": L * layout.block(0).shard_size(layout.world), "quant_scales": 4 * L * len(names)}
+        return Footprint(parts, frozenset({"quant_shards"} if offload else ()))
+
+    @staticmethod
+    def slot_numel(layout: FlatLayout, names: tuple[str, ...]) -> tuple[int, int]:
+        """(elements of the small tensors back to back, elements of one rank's slot of the exchange buffer)."""
+        g = layout.block(0)
+        small = {s.short for s in g.segments if s.short not in names}
+        return sum(s.numel for s in g.segments if s.short in small), g.max_shard_numel(layout.world, small)
 
 
 class ShardedWeights:
@@ -273,8 +284,6 @@ class ShardedWeights:
         self.shards: dict[str, torch.Tensor] = {
             g.key: torch.zeros(g.shard_size(self.world), dtype=dtype, device=shard_device, pin_memory=pin)
             for g in layout.groups}
-        # host shards are copied into the target buffer before the gather when the compute device is a GPU
-        self._staged = offload and self.device.type != "cpu"
         self.quants = (_PersistentQuants(layout, tuple(quantized), rank=self.rank, world=self.world, dtype=dtype,
                                          device=self.device, offload=offload_quants)
                        if quantized and self.num_layers else None)
@@ -283,6 +292,17 @@ class ShardedWeights:
         self._blocks = [self._quant_buffer(layout.block(0)) if self.quants else
                         self._buffer(layout.block(0).padded_numel, layout.block(0), block=True) for _ in range(slots)]
         self._non_block = {g.key: self._buffer(g.padded_numel, g, block=False) for g in layout.non_block_groups()}
+        # host shards (master with `offload` on a GPU, e4m3 codes with `offload_quants`) are copied into the rank's
+        # own slice of the target buffer before the gather: one staging slot per buffer, views, no memory of its own
+        self._staged = offload and self.device.type != "cpu"
+        buffers = [(b, self.layout.block(0)) for b in self._blocks] + [
+            (self._non_block[g.key], g) for g in layout.non_block_groups()]
+        own = []
+        for i, (b, g) in enumerate(buffers):
+            b.stage_slot = i
+            lo, hi = g.shard_range(self.rank, self.world)
+            own.append({"shard": b.buf[lo:hi]})
+        self._staging = StagingRing.over(own, device=self.device)
         self.version = 0
         self.gathers = 0  # block / group gathers issued: what the skip logic saves
         self.gathered_bytes = {"block": 0, "block_fp8": 0, "block_small": 0, "non_block": 0}  # all-gather outputs
@@ -356,12 +376,10 @@ class ShardedWeights:
         self.gathered_bytes["block_small"] += _nbytes(b.exchange)
 
     def _stage(self, b: _Buffer, group: Group, host_shard: torch.Tensor) -> torch.Tensor:
-        """Copy an offloaded (host) shard into this rank's own slice of the gather buffer and return that
-        slice: the all-gather then runs in place, from device memory."""
-        lo, hi = group.shard_range(self.rank, self.world)
-        own = b.buf[lo:hi]
-        own.copy_(host_shard, non_blocking=True)
-        return own
+        """Copy an offloaded (host) shard of `group` into this rank's own slice of the gather buffer (stream-ordered,
+        before the collective) and return that slice: the all-gather then runs in place, from device memory."""
+        self._staging.fetch(b.stage_slot, {"shard": host_shard})
+        return self._staging.acquire(b.stage_slot)["shard"]
 
     @staticmethod
     def _wait(b: _Buffer) -> None:
@@ -486,26 +504,43 @@ class ShardedWeights:
         return self.layout.views(buffers)
 
     # ---- memory ----
+    @staticmethod
+    def footprint_of(layout: FlatLayout, *, dtype: torch.dtype, offload: bool = False,
+                     quantized: tuple[str, ...] = (), offload_quants: bool = False) -> Footprint:
+        """Bytes of persistent weight state per rank, by buffer kind, without allocating it: the model-dtype
+        `shards` (the master; host with `offload`), two full `block_buffers` and the `non_block_buffers`. With
+        persistent quants (`quantized`) the block buffers are only the small tensors, their exchange slots and
+        the matrices' one-element leaves (+ the int64 `small_index` that unpacks the exchange); `quant_buffers`
+        are the two e4m3 block buffers, `quant_shards` the e4m3 shards (host with `offload_quants`),
+        `quant_scales` their inverse scales."""
+        E, world, L = dtype.itemsize, layout.world, layout.cfg.num_hidden_layers
+        slots = min(2, L)
+        parts = {"shards": sum(g.shard_size(world) for g in layout.groups) * E,
+                 "non_block_buffers": sum(g.padded_numel for g in layout.non_block_groups()) * E}
+        host = {"shards"} if offload else set()
+        if quantized and L:
+            small, slot = _PersistentQuants.slot_numel(layout, quantized)
+            leaves = sum(s.short in quantized for s in layout.block(0).segments)  # one element each
+            parts["block_buffers"] = slots * (small + world * slot + leaves) * E
+            parts["small_index"] = 8 * small  # where each small-tensor element sits in the gathered exchange
+            parts["quant_buffers"] = slots * layout.block(0).padded_numel
+            q = _PersistentQuants.footprint_of(layout, quantized, offload=offload_quants)
+            parts.update(q.parts)
+            host |= q.host_keys
+        else:
+            parts["block_buffers"] = slots * (layout.block(0).padded_numel if L else 0) * E
+        return Footprint(parts, frozenset(host))
+
+    def footprint(self) -> Footprint:
+        return self.footprint_of(self.layout, dtype=self.dtype, offload=self.offload,
+                                 quantized=self.quants.names if self.quants else (), offload_quants=self.offload_quants)
+
     def memory(self) -> dict[str, int]:
-        """Bytes of persistent weight state on this rank, by buffer kind. With persistent quants the block
-        buffers are the small tensors, their exchange buffers and the matrices' one-element leaves;
-        `quant_buffers` the e4m3 block buffers, `quant_shards` the e4m3 shards, `quant_scales` their inverse
-        scales."""
-        nb = lambda ts: sum(_nbytes(t) for t in ts)  # noqa: E731
-        out = {"shards": nb(self.shards.values()), "non_block_buffers": nb(b.buf for b in self._non_block.values())}
-        if self.quants is None:
-            out["block_buffers"] = nb(b.buf for b in self._blocks)
-            return out
-        out["block_buffers"] = sum(nb((b.small, b.exchange)) + sum(v.untyped_storage().nbytes() for n, v in
-                                                                   b.views.items() if n in b.fp8)
-                                   for b in self._blocks)
-        out["quant_buffers"] = nb(b.buf for b in self._blocks)
-        out.update(self.quants.memory())
-        return out
+        """Bytes of persistent weight state on this rank, by buffer kind (`footprint_of`)."""
+        return dict(self.footprint().parts)
 
     def host_memory_keys(self) -> set[str]:
-        keys = {"shards"} if self.offload else set()
-        return keys | ({"quant_shards"} if self.offload_quants else set())
+        return set(self.footprint().host_keys)
 
 
 def _nbytes(t: torch.Tensor) -> int:

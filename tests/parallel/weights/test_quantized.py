@@ -96,3 +96,36 @@ def test_only_with_persistent_quants_without_debug_instrumentation():
                                       batch_size=1, seq_len=16, grad_accumulation=1, matmul_dtype="e4m3",
                                       model_dtype="bf16", persistent_quants=True)).weights, QuantizedWeights)
     assert quantized_weight({"qkv": torch.zeros(1)}, "qkv") is None
+
+
+def test_the_plan_counts_the_cached_copies_once():
+    """The copies are the plan's 'fp8 weights (e4m3, cached)' row (`QuantizedWeights.footprint_of`, byte for byte
+    what the cache holds after a forward), and the linears keep views of them for backward, not copies: what one
+    block saves besides them is the per-layer activation row without e4m3 weight copies."""
+    from qtrain.model.activations import layer_activation_bytes
+    from qtrain.model.layers import rope_tables
+    from qtrain.model.matmul import block_linear
+    from qtrain.model.transformer import make_block_fn
+    from qtrain.plan.memory import plan_for_trainer
+    tr = _trainer(persistent_quants=True)
+    with torch.no_grad():
+        blocks = [tr.weights.block(layer) for layer in range(CFG.num_hidden_layers)]
+    entries = tr.weights.cache._entries.values()
+    cached = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for e in entries for t in (e.w_fp8, e.inv_scale)}
+    row = plan_for_trainer(tr).item("fp8 weights")
+    assert row.device == row.parts["quant_copies"] + row.parts["quant_scales"] == sum(cached.values())
+    x = torch.randn(B, T, CFG.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = rope_tables(CFG, T, "cpu", torch.bfloat16)
+    skip = {t.untyped_storage().data_ptr() for t in (x, cos, sin, *blocks[0].values())}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        make_block_fn(CFG, block_linear("e4m3"))(x, blocks[0], cos, sin)
+    kw = dict(model_dtype="bf16", matmul_dtype="e4m3")
+    assert layer_activation_bytes(CFG, B * T, fp8_weight_copies=False, **kw) == pytest.approx(sum(seen.values()),
+                                                                                              rel=0.10)

@@ -413,7 +413,7 @@ def test_plan_activations_keep_no_per_layer_fp8_weights():
     copies -- and measurably less than with them."""
     from qtrain.model.layers import rope_tables
     from qtrain.model.transformer import make_block_fn
-    from qtrain.plan.memory import layer_activation_bytes
+    from qtrain.model.activations import layer_activation_bytes
     from qtrain.model.matmul import block_linear
     w = _solo(quantized=FP8_MATRICES)
     with torch.no_grad():

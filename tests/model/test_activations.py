@@ -1,0 +1,126 @@
+"""The activation tables (`model/activations.py`) against what autograd saves for backward: saved-tensor hooks
+on one block call, eager and through AOTAutograd's partitioner (the one inductor uses), for Qwen2 / Llama /
+Qwen3, bf16 / fp32, every recompute switch, FP8 and --attn-bwd-chunks. What a whole micro-step holds is checked
+against the plan's rows in tests/plan/test_memory.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qtrain.model.activations import activation_terms, layer_activation_bytes
+from qtrain.model.config import ModelConfig, preset
+from qtrain.model.layers import rope_tables
+from qtrain.model.matmul import block_linear
+from qtrain.model.recompute import block_steps, count_saved_bytes, resolve_flags
+from qtrain.model.transformer import make_block_fn
+from qtrain.model.weights import block_shapes
+
+DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def small_cfg(model_type: str = "qwen2", *, vocab: int = 512, tied: bool = True, layers: int = 3) -> ModelConfig:
+    return ModelConfig(model_type=model_type, vocab_size=vocab, hidden_size=64, intermediate_size=160,
+                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                       attention_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
+                       head_dim=32 if model_type == "qwen3" else 0, tie_word_embeddings=tied)
+
+
+def measure_block(cfg: ModelConfig, dtype: str, *, flags=(), fp8=False, attn_chunks=1, compiled=False, B=2, T=32):
+    """Bytes one block call saves for backward (its input, the weights and RoPE tables excluded)."""
+    fn = make_block_fn(cfg, block_linear("e4m3" if fp8 else ""), recompute=block_steps(flags),
+                       attn_chunks=attn_chunks, compiled=compiled)
+    if compiled:
+        torch._dynamo.reset()
+        # AOTAutograd with the min-cut partitioner (inductor's), without generating kernels
+        fn = torch.compile(fn, dynamic=False, backend="aot_eager_decomp_partition")
+    g = torch.Generator().manual_seed(0)
+    w = {n: (0.02 * torch.randn(s, generator=g)).to(DT[dtype]).requires_grad_() for n, s in block_shapes(cfg).items()}
+    cos, sin = rope_tables(cfg, T, "cpu", DT[dtype])
+    x = torch.randn(B, T, cfg.hidden_size, generator=g).to(DT[dtype]).requires_grad_()
+    if compiled:
+        fn(x, w, cos, sin).sum().backward()  # compile outside the measurement
+    skip = {t.untyped_storage().data_ptr() for t in (x, cos, sin, *w.values())}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        p = t.untyped_storage().data_ptr()
+        # uint8: checkpoint's CPU RNG state (host memory, per layer, not an activation)
+        if p not in skip and t.dtype != torch.uint8:
+            seen[p] = t.untyped_storage().nbytes()
+        return t
+
+    if compiled:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = fn(x, w, cos, sin)
+        n = sum(seen.values())
+    else:  # the eager Recomputer installs its own hooks; count_saved_bytes sees through them
+        with count_saved_bytes(exclude=[x, cos, sin, *w.values()]) as c:
+            y = fn(x, w, cos, sin)
+            n = c.bytes
+    del y
+    return n, B * T
+
+
+EAGER_FLAGS = [(), ("norm",), ("swiglu",), ("ffn",), ("qkv",), ("att",), ("norm", "swiglu"), ("att", "ffn")]
+
+
+@pytest.mark.parametrize("model_type,dtype", [("qwen2", "bf16"), ("qwen2", "fp32"), ("llama", "bf16"),
+                                              ("qwen3", "bf16"), ("qwen3", "fp32")])
+def test_block_terms_match_saved_tensors_eager(model_type, dtype):
+    cfg = small_cfg(model_type)
+    for flags in EAGER_FLAGS:
+        measured, tokens = measure_block(cfg, dtype, flags=flags)
+        planned = layer_activation_bytes(cfg, tokens, model_dtype=dtype, recompute=resolve_flags(flags))
+        assert planned == pytest.approx(measured, rel=0.10), (flags, planned, measured)
+
+
+@pytest.mark.parametrize("flags", [(), ("ffn",), ("att",), ("qkv", "swiglu")])
+def test_block_terms_fp8_and_attention_chunks_eager(flags):
+    cfg = small_cfg()
+    measured, tokens = measure_block(cfg, "bf16", flags=flags, fp8=True)
+    planned = layer_activation_bytes(cfg, tokens, model_dtype="bf16", matmul_dtype="e4m3",
+                                     recompute=resolve_flags(flags))
+    assert planned == pytest.approx(measured, rel=0.10)
+    measured, tokens = measure_block(cfg, "bf16", flags=flags, attn_chunks=2)
+    planned = layer_activation_bytes(cfg, tokens, model_dtype="bf16", recompute=resolve_flags(flags), attn_chunks=2)
+    assert planned == pytest.approx(measured, rel=0.10)
+
+
+@pytest.mark.parametrize("model_type,flags", [("qwen2", ()), ("qwen3", ()), ("qwen2", ("norm", "swiglu")),
+                                              ("qwen2", ("ffn",)), ("qwen3", ("att",)), ("qwen2", ("qkv", "norm"))])
+def test_block_terms_match_saved_tensors_compiled(model_type, flags):
+    """torch.compile'd blocks keep less (the partitioner recomputes element-wise work); measured with the
+    partitioner inductor uses (backend aot_eager_decomp_partition: no kernels are generated)."""
+    cfg = small_cfg(model_type)
+    measured, tokens = measure_block(cfg, "bf16", flags=flags, compiled=True)
+    planned = layer_activation_bytes(cfg, tokens, model_dtype="bf16", compiled=True, recompute=resolve_flags(flags))
+    assert planned == pytest.approx(measured, rel=0.10)
+    eager = layer_activation_bytes(cfg, tokens, model_dtype="bf16", recompute=resolve_flags(flags))
+    assert planned < eager if not flags else planned <= eager
+
+
+def test_block_terms_fp8_compiled_is_an_upper_bound():
+    cfg = small_cfg()
+    for flags in [(), ("ffn",)]:
+        measured, tokens = measure_block(cfg, "bf16", flags=flags, fp8=True, compiled=True)
+        planned = layer_activation_bytes(cfg, tokens, model_dtype="bf16", matmul_dtype="e4m3", compiled=True,
+                                         recompute=resolve_flags(flags))
+        assert measured <= planned <= 1.25 * measured
+
+
+def test_recompute_terms_and_implications():
+    cfg = preset("Qwen2.5-7B")
+    kw = dict(model_dtype="bf16", compiled=True)
+    sizes = {f: layer_activation_bytes(cfg, 4096, recompute=resolve_flags(f), **kw)
+             for f in [(), ("swiglu",), ("norm",), ("ffn",), ("att",), ("block",)]}
+    assert sizes[()] > sizes[("swiglu",)] > sizes[("ffn",)] > sizes[("block",)] == 0
+    assert sizes[()] > sizes[("norm",)] > sizes[("block",)]
+    assert resolve_flags(["block"]) == {"swiglu", "norm", "ffn", "qkv", "att", "block"}
+    assert "swiglu" in resolve_flags(["ffn"]) and "qkv" in resolve_flags(["att"])
+    # compiled blocks keep llm.q's set: per token 6C + 2qkv + 4q + 2kv + 6F bytes (+ rstd, LSE) in bf16
+    C, F = cfg.hidden_size, cfg.intermediate_size
+    want = 2 * (3 * C + cfg.qkv_dim + 2 * cfg.q_dim + cfg.kv_dim + 3 * F) + 8 + 4 * cfg.num_attention_heads
+    assert sizes[()] == 4096 * want
+    names = [a.name for a in activation_terms(cfg, matmul_dtype="e4m3")]
+    assert "fp8_w_qkv" in names and "down_in_fp8" in names
