@@ -83,10 +83,6 @@ def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, warmup:
         mfu = qtrain("mfu_bf16")(tps, tr.cfg, seq, torch.cuda.get_device_name())
         res.update(mfu=round(mfu or 0, 3), peak_gib=round(peak / 2**30, 2), plan_err=round(plan_bytes / peak - 1, 3),
                    reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2))
-    del tr
-    cross_entropy.FUSED_CE_ENABLED = True
-    if cuda:
-        torch.cuda.empty_cache()
     print(", ".join(f"{k} {v}" for k, v in res.items()), flush=True)
     return res
 
