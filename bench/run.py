@@ -264,6 +264,9 @@ class Harness:
                 running = []
         except Interrupted:
             for p in running:
+                self.kill(p, signal.SIGTERM)  # SIGTERM first: a run lets its own subprocesses go with it
+            time.sleep(min(KILL_GRACE_S, 2.0))
+            for p in running:
                 self.kill(p, signal.SIGKILL)
                 p.reader.join(timeout=5)
                 self.record(self.row(p, p.run, status="interrupted", error="the harness was stopped"))
