@@ -62,9 +62,7 @@ def make(n: int, p_dt, g_dt, m_dt, v_dt):
 def bench_ours(n: int, cfg) -> float:
     p, g, m, v, s = make(n, *cfg)
     hp = AdamWHyper(lr=1e-4, step=10, weight_decay=0.1)
-    ms = time_ms(lambda: adamw_update_(p, g, m, v, hp=hp, decay=True, key=1, m_scales=s))
-    del p, g, m, v, s
-    return ms
+    return time_ms(lambda: adamw_update_(p, g, m, v, hp=hp, decay=True, key=1, m_scales=s))
 
 
 def bench_torch(n: int, cfg) -> float | None:
@@ -74,13 +72,11 @@ def bench_torch(n: int, cfg) -> float | None:
     p, g, m, v, _ = make(n, *cfg)
     step = torch.tensor(10.0, device="cuda")
 
-    def run():
+    def fused():
         torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1,
                             eps=1e-8, amsgrad=False, maximize=False)
 
-    ms = time_ms(run)
-    del p, g, m, v
-    return ms
+    return time_ms(fused)
 
 
 def copy_bandwidth(nbytes: int) -> float:

@@ -56,7 +56,6 @@ def copy_rates(gib: float = 1.0) -> dict[str, float]:
     out = {"h2d GB/s": n / timed(lambda: d1.copy_(h1, non_blocking=True)) / 1e9,
            "d2h GB/s": n / timed(lambda: h2.copy_(d2, non_blocking=True)) / 1e9,
            "both, each GB/s": n / timed(both) / 1e9}
-    del h1, h2, d1, d2
     return out
 
 

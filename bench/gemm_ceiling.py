@@ -31,7 +31,6 @@ def linear_ms(M: int, K: int, N: int, *, samples: int, dev: str = "cuda") -> dic
     out = {"fwd": time_ms(lambda: x @ w.t(), samples=samples, warmup=3, device=dev),
            "dgrad": time_ms(lambda: dy @ w, samples=samples, warmup=3, device=dev),
            "wgrad": time_ms(lambda: dy.t() @ x, samples=samples, warmup=3, device=dev)}
-    del x, w, dy
     return out
 
 
