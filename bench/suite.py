@@ -1,7 +1,8 @@
 """Suite files (bench/suites/NAME.toml): the cases a harness call runs, and the ratios its table shows.
 
     description = "what the suite answers"
-    [defaults]                      # merged into every case (params: key by key)
+    [defaults]                      # merged into every case (params key by key; with a kind: only into cases
+                                    # of that kind, the others take no default params)
     kind = "train"
     timeout = 300                   # seconds per run; the case is killed (its process group) after it
     params = { model = "Qwen2.5-1.5B", batch = 32, accum = 2 }
@@ -176,7 +177,8 @@ def _case_runs(c: dict[str, Any], defaults: dict[str, Any], checkouts: dict[str,
     if kind not in KINDS:
         raise fail(f"{where} kind", f"{kind!r} is not a kind (kinds: {', '.join(KINDS)})")
     params = {}
-    for src, label in ((defaults, "[defaults] params"), (c, f"{where} params")):
+    inherit = "kind" not in defaults or defaults["kind"] == kind
+    for src, label in (((defaults, "[defaults] params"),) if inherit else ()) + ((c, f"{where} params"),):
         p = src.get("params", {})
         if not isinstance(p, dict):
             raise fail(label, "must be a table")
