@@ -197,7 +197,7 @@ class Harness:
             p.reader.join(timeout=10)
             p.log.close()
 
-    def row(self, proc: Proc | None, run: Run, *, status: str | None = None, error: str | None = None) -> dict:
+    def row(self, proc: Proc | None, run: Run, *, status: str | None = None, why: str | None = None) -> dict:
         path, commit = self.checkouts[run.checkout]
         row: dict[str, Any] = dict(suite=self.suite.name, run=run.id, case=run.case, kind=run.kind,
                                    checkout=run.checkout, commit=commit, params=run.params,
@@ -217,7 +217,7 @@ class Harness:
                 row.update(status="failed", error=f"{how}, no result; last output: {last}"[:600])
                 row["wall_s"] = round(time.monotonic() - proc.started, 1)
         if status is not None:
-            row.update(status=status, error=error)
+            row.update({"status": status, "reason" if status == "skipped" else "error": why})
         return row
 
     def record(self, row: dict[str, Any]) -> None:
@@ -250,7 +250,7 @@ class Harness:
                     if left < MIN_RUN_S:
                         for r in group:
                             self.record(self.row(None, r, status="skipped",
-                                                 error=f"--deadline {self.deadline:g} s: {left:.0f} s left"))
+                                                 why=f"--deadline {self.deadline:g} s: {left:.0f} s left"))
                         continue
                     timeouts = [min(t, left) for t in timeouts]
                 for r, t in zip(group, timeouts):
@@ -269,7 +269,7 @@ class Harness:
             for p in running:
                 self.kill(p, signal.SIGKILL)
                 p.reader.join(timeout=5)
-                self.record(self.row(p, p.run, status="interrupted", error="the harness was stopped"))
+                self.record(self.row(p, p.run, status="interrupted", why="the harness was stopped"))
             raise
         finally:
             self.results.close()
@@ -331,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         if not runs:
             raise HarnessError(f"--only/--skip leave no run of {suite.path} (runs: {', '.join(r.id for r in suite.runs)})")
         overrides = dict(x.split("=", 1) for x in args.checkout if "=" in x)
-        bad = [x for x in args.checkout if "=" not in x] + [n for n in overrides if n not in suite.checkouts or n == NEW]
+        bad = [x for x in args.checkout if "=" not in x or x.split("=", 1)[0] not in suite.checkouts
+               or x.startswith(f"{NEW}=")]
         if bad:
             raise HarnessError(f"--checkout {bad[0]}: want NAME=DIR with NAME one of the suite's checkouts "
                                f"({', '.join(n for n in suite.checkouts if n != NEW) or 'none declared'})")
