@@ -33,7 +33,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     cols: list[tuple[str, str]] = []
     for kind in dict.fromkeys(r["kind"] for r in rows):
         for key, head in KINDS[kind].columns:
-            if (key, head) not in cols and key not in (k for k, _ in cols) and any(r.get(key) is not None for r in rows):
+            if key not in {k for k, _ in cols} and any(r.get(key) is not None for r in rows):
                 cols.append((key, head))
     header = ["run", "status", *(h for _, h in cols), "note"]
     body = [[r["run"], r["status"], *(cell(r.get(k)) for k, _ in cols), note(r)] for r in rows]
