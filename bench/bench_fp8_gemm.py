@@ -9,7 +9,7 @@ Columns: bf16 torch.matmul; FP8 GEMM alone on operands already quantized in the 
 whole layer, fp8_linear forward+backward (cached weight) vs F.linear forward+backward in bf16, which is what
 training pays, both eagerly (host launch overhead included: small layers are host-bound) and replayed from
 a CUDA graph (GPU time only). Timing: torch.cuda.Event around `reps` back-to-back calls, median of
-`--samples` samples, after warmup. TFLOP/s = 2*M*N*K / time (x3 for a layer's forward+backward).
+`samples` samples, after warmup. TFLOP/s = 2*M*N*K / time (x3 for a layer's forward+backward).
 
 Needs CUDA, sm89+. Parameters: models (presets; 0.5B, 1.5B, 7B), tokens (M = B*T per micro-batch, 16384),
 grad_dtype (e4m3 | e5m2), samples (20), warmup (5). Result: `rows` (one per GEMM and layer, as printed).

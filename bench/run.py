@@ -210,7 +210,7 @@ class Harness:
                 row.update(status="timeout", error=f"killed after {proc.timeout:.0f} s (the run's timeout)")
             else:
                 rc = proc.popen.returncode
-                how = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
+                how = "still running" if rc is None else f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
                 if rc == -signal.SIGKILL:
                     how += " (out of host memory?)"
                 last = next((x for x in reversed(proc.tail) if not WARNING.search(x)), "")
@@ -259,17 +259,23 @@ class Harness:
                 for r, t in zip(group, timeouts):
                     running.append(self.start(r, t))
                 self.wait(running)
-                for p in running:
-                    self.record(self.row(p, p.run))
-                running = []
+                while running:
+                    self.record(self.row(running[0], running[0].run))
+                    running.pop(0)
         except Interrupted:
             for p in running:
                 self.kill(p, signal.SIGTERM)  # SIGTERM first: a run lets its own subprocesses go with it
             time.sleep(min(KILL_GRACE_S, 2.0))
             for p in running:
                 self.kill(p, signal.SIGKILL)
+                try:
+                    p.popen.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
                 p.reader.join(timeout=5)
-                self.record(self.row(p, p.run, status="interrupted", why="the harness was stopped"))
+                done = bool(p.result)  # it had finished: keep its result
+                self.record(self.row(p, p.run, **({} if done else dict(status="interrupted",
+                                                                     why="the harness was stopped"))))
             raise
         finally:
             self.results.close()
