@@ -6,8 +6,8 @@
 
 SUITE is a name in bench/suites/ or a path to a suite file (bench/suite.py has the format). Results go to
 OUT/SUITE.jsonl (appended, one line per run; OUT: --out, else $OUT, else output/bench), each run's whole
-output to OUT/SUITE/RUN.log; the console gets the runs' output without warnings and, last, a table of all
-runs and the suite's ratios. A run that crashes, runs out of memory or passes its timeout is reported and
+output to OUT/SUITE/INVOCATION/RUN.log; the console gets the runs' output without warnings and, last, a
+table of all runs and the suite's ratios. A run that crashes, runs out of memory or passes its timeout is reported and
 the next one starts. --dry-run runs every case shrunk to a tiny model on the CPU (or says why it cannot)
 and writes OUT/SUITE.dry.jsonl. Exit status: 0 when every run passed or was skipped, 1 otherwise, 2 for a
 bad suite or option.
@@ -131,7 +131,7 @@ class Harness:
         self.invocation = datetime.datetime.now().strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
         self.rows: list[dict[str, Any]] = []
         self.lock = threading.Lock()
-        self.logs = out / (suite.name + (".dry" if dry_run else ""))
+        self.logs = out / (suite.name + (".dry" if dry_run else "")) / self.invocation  # never overwritten
         self.results_path = out / f"{suite.name}{'.dry' if dry_run else ''}.jsonl"
         try:
             self.logs.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,8 @@ def stream(cmd: list[str], *, cwd: str | None = None, env: dict[str, str] | None
     def on_term(signum, frame):  # noqa: ARG001 - the harness stops this case: stop the program's group too
         _signal(p, signal.SIGKILL)
         sys.exit(128 + signum)
-    old = signal.signal(signal.SIGTERM, on_term)
+    main = threading.current_thread() is threading.main_thread()  # only there can a handler be set
+    old = signal.signal(signal.SIGTERM, on_term) if main else None
     try:
         while p.poll() is None:
             if stop is not None and not stopped and stop():
@@ -65,7 +66,8 @@ def stream(cmd: list[str], *, cwd: str | None = None, env: dict[str, str] | None
         p.wait()
         _signal(p, signal.SIGKILL)  # anything it left running in its group
         t.join(timeout=10)
-        signal.signal(signal.SIGTERM, old)
+        if main:
+            signal.signal(signal.SIGTERM, old)
     return Finished(p.returncode, stopped, lines)
 
 

@@ -215,7 +215,8 @@ def test_tiny_suite_end_to_end(tmp_path, capsys):
         time.sleep(0.1)
     assert not _alive(pid), "the sleeper's pytest survived its case"
     # every run's output is in its log; the console ends with the table and the ratio
-    assert "Traceback" in (out / "tiny.dry" / "bad-option.log").read_text()
+    assert "Traceback" in Path(rows["bad-option"]["log"]).read_text()
+    assert Path(rows["bad-option"]["log"]).is_relative_to(out / "tiny.dry")
     tail = console.rstrip().splitlines()
     assert tail[-1].startswith("new / base  ") and f"({new['tps']} / {old['tps']})" in tail[-1]
     header = next(i for i, x in enumerate(tail) if x.startswith("run "))
