@@ -65,7 +65,7 @@ def run(size: str, batch: int, accum: int, steps: int = 10, mm: str = "bf16", fl
         raise RuntimeError(f"bench_llmq.sh printed no LLMQ line (exit status {fin.returncode}): {fin.last(2)}")
     res = parse_summary(lines[-1])
     if res["llmq_status"] != "ok" or "tps" not in res:
-        raise RuntimeError(f"llm.q run: status {res['llmq_status']}, {lines[-1][:200]}")
+        raise RuntimeError(f"llm.q: {res['llmq_status']}")
     return {"system": "llm.q", **res}
 
 

@@ -3,6 +3,7 @@ device tool returns only the tail of a call's output)."""
 from __future__ import annotations
 
 import fnmatch
+import re
 import statistics
 from typing import Any
 
@@ -22,9 +23,12 @@ def cell(v: Any) -> str:
     return str(v)
 
 
+SOURCE = re.compile(r"^.*?, case '[^']*': ")  # errors name the suite file and case; the table row already does
+
+
 def note(row: dict[str, Any]) -> str:
     text = row.get("error") or row.get("reason") or row.get("summary") or ""
-    text = " ".join(str(text).split())
+    text = SOURCE.sub("", " ".join(str(text).split()))
     return text if len(text) <= NOTE_WIDTH else text[:NOTE_WIDTH - 3] + "..."
 
 
