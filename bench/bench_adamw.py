@@ -1,21 +1,19 @@
-"""Time qtrain's fused AdamW kernel against ``torch._fused_adamw_`` on one CUDA GPU.
+"""Kind `adamw`: qtrain's fused AdamW kernel against ``torch._fused_adamw_`` on one CUDA GPU.
 
-    python bench/bench_adamw.py                 # 1.5B elements, the default launch shape
-    python bench/bench_adamw.py --numel 2e8 --sweep   # also try other (ROWS, num_warps) launch shapes
-
-Every configuration updates one flat tensor of ``--numel`` elements. "bytes" counts what one step must
+Parameters: numel (elements per tensor, 1.5e9), sweep (false; true: also time other (ROWS, num_warps)
+launch shapes). Every configuration updates one flat tensor of ``--numel`` elements. "bytes" counts what one step must
 move: read param, grad, m, v and write param, m, v (+ the e4m3 m scales, 4 bytes per 128 elements each
 way); GB/s = bytes / median time. A device-to-device copy of a similar size is printed first as the
 achievable bandwidth. ``torch._fused_adamw_`` needs param/m/v of one dtype, so mixed rows show only ours.
 torch's bf16 row rounds to nearest (no SR); ours rounds stochastically. Results go to BENCHMARKS.md by hand.
+Result: `rows` (one per configuration) and `sweep_rows`.
 """
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
+from bench.kinds import Skip
 from qtrain.kernels import adamw as kadamw
 from qtrain.numerics.adamw import AdamWHyper, adamw_update_, m_scales_numel
 
@@ -64,9 +62,7 @@ def make(n: int, p_dt, g_dt, m_dt, v_dt):
 def bench_ours(n: int, cfg) -> float:
     p, g, m, v, s = make(n, *cfg)
     hp = AdamWHyper(lr=1e-4, step=10, weight_decay=0.1)
-    ms = time_ms(lambda: adamw_update_(p, g, m, v, hp=hp, decay=True, key=1, m_scales=s))
-    del p, g, m, v, s
-    return ms
+    return time_ms(lambda: adamw_update_(p, g, m, v, hp=hp, decay=True, key=1, m_scales=s))
 
 
 def bench_torch(n: int, cfg) -> float | None:
@@ -76,13 +72,11 @@ def bench_torch(n: int, cfg) -> float | None:
     p, g, m, v, _ = make(n, *cfg)
     step = torch.tensor(10.0, device="cuda")
 
-    def run():
+    def fused():
         torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1,
                             eps=1e-8, amsgrad=False, maximize=False)
 
-    ms = time_ms(run)
-    del p, g, m, v
-    return ms
+    return time_ms(fused)
 
 
 def copy_bandwidth(nbytes: int) -> float:
@@ -92,19 +86,15 @@ def copy_bandwidth(nbytes: int) -> float:
     return 2 * src.numel() / ms / 1e6  # read + write, GB/s
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--numel", type=float, default=1.5e9, help="elements per tensor (default 1.5e9)")
-    ap.add_argument("--sweep", action="store_true", help="also time other (ROWS, num_warps) launch shapes")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_adamw needs a CUDA GPU")
-    n = int(args.numel)
+def run(numel: float = 1.5e9, sweep: bool = False) -> dict:
+    n = int(numel)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  numel {n:,}")
-    print(f"device-to-device copy: {copy_bandwidth(8 * 2**30):.0f} GB/s (8 GiB read + written)")
+    copy = copy_bandwidth(8 * 2**30)
+    print(f"device-to-device copy: {copy:.0f} GB/s (8 GiB read + written)")
     print(f"launch shape: ROWS={kadamw.ROWS} (x128 elements per program), num_warps={kadamw.NUM_WARPS}\n")
-    print(f"| config | bytes/step | qtrain ms | qtrain GB/s | torch fused ms | torch GB/s | torch/qtrain |")
+    print("| config | bytes/step | qtrain ms | qtrain GB/s | torch fused ms | torch GB/s | torch/qtrain |")
     print("|---|---:|---:|---:|---:|---:|---:|")
+    rows, sweep_rows = [], []
     for name, *cfg in CONFIGS:
         nb = bytes_per_step(n, *cfg)
         ours = bench_ours(n, cfg)
@@ -112,19 +102,24 @@ def main() -> None:
         torch.cuda.empty_cache()
         ref_cols = f"{ref:.2f} | {nb / ref / 1e6:.0f} | {ref / ours:.2f}" if ref else "- | - | -"
         print(f"| {name} | {nb / 1e9:.1f} GB | {ours:.2f} | {nb / ours / 1e6:.0f} | {ref_cols} |")
-    if args.sweep:
+        rows.append(dict(config=name, bytes=nb, qtrain_ms=round(ours, 3), qtrain_gbs=round(nb / ours / 1e6),
+                         torch_ms=round(ref, 3) if ref else None))
+    if sweep:
         print("\n| config | ROWS | num_warps | ms | GB/s |\n|---|---:|---:|---:|---:|")
         default = (kadamw.ROWS, kadamw.NUM_WARPS)
         for name, *cfg in CONFIGS[:2] + CONFIGS[3:]:
             nb = bytes_per_step(n, *cfg)
-            for rows in (4, 8, 16, 32):
+            for rows_ in (4, 8, 16, 32):
                 for warps in (4, 8):
-                    kadamw.ROWS, kadamw.NUM_WARPS = rows, warps
+                    kadamw.ROWS, kadamw.NUM_WARPS = rows_, warps
                     ms = bench_ours(n, cfg)
-                    print(f"| {name} | {rows} | {warps} | {ms:.2f} | {nb / ms / 1e6:.0f} |")
+                    print(f"| {name} | {rows_} | {warps} | {ms:.2f} | {nb / ms / 1e6:.0f} |")
+                    sweep_rows.append(dict(config=name, rows=rows_, num_warps=warps, ms=round(ms, 3)))
             torch.cuda.empty_cache()
         kadamw.ROWS, kadamw.NUM_WARPS = default
+    return {"copy_gbs": round(copy), "rows": rows, "sweep_rows": sweep_rows,
+            "summary": " ".join(f"{r['config'].split(' (')[0]} {r['qtrain_ms']} ms" for r in rows)}
 
 
-if __name__ == "__main__":
-    main()
+def dry_run(params: dict) -> dict:
+    raise Skip("times a Triton kernel against torch's fused AdamW with CUDA events: needs a CUDA GPU")

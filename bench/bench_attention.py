@@ -1,4 +1,4 @@
-"""Benchmark: causal SDPA backends (flash, cuDNN, qtrain's cuDNN op) at the Qwen2.5 attention shapes, forward
+"""Kind `attention`: causal SDPA backends (flash, cuDNN, qtrain's cuDNN op) at the Qwen2.5 attention shapes, forward
 and forward+backward, eager and inside torch.compile, and how close each backend's output and gradients are to
 flash's (the default). The question it answers: which backend should `--sdpa-backend auto` pick on this GPU.
 
@@ -6,18 +6,15 @@ Shapes: q (B, nh, T, hs), k/v (B, nkv, T, hs) in the layout the block produces (
 (B, T, heads, hs) projection). GQA through `enable_gqa`. TFLOP/s counts causal work: forward 2*2*B*nh*T*T*hs/2,
 backward 2.5x forward.
 
-Run from the repository root on the GPU machine:
-    python -m bench.bench_attention                      # 0.5B, 1.5B, 7B, 14B at ~32k tokens
-    python -m bench.bench_attention --models Qwen2.5-1.5B --tokens 49152
+Parameters: models (presets; 0.5B, 1.5B, 7B, 14B), tokens (per call, 32768), seq (1024), samples (5).
+Result: `rows`, one per model, backend and eager/compiled.
 """
 from __future__ import annotations
 
-import argparse
-import sys
-
 import torch
 
-from bench.bench_fp8_gemm import time_ms
+from bench.kinds import Skip
+from bench.timing import time_ms
 from qtrain.model.config import preset
 from qtrain.kernels.attention import causal_attention
 from qtrain.model.layers import sdpa_backends
@@ -63,20 +60,12 @@ def run_case(name: str, B: int, T: int, *, compiled: bool, samples: int) -> list
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["Qwen2.5-0.5B", "Qwen2.5-1.5B", "Qwen2.5-7B", "Qwen2.5-14B"])
-    ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--samples", type=int, default=5)
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_attention needs a CUDA GPU", file=sys.stderr)
-        return 2
+def run(models: list[str] = ("Qwen2.5-0.5B", "Qwen2.5-1.5B", "Qwen2.5-7B", "Qwen2.5-14B"), tokens: int = 32768,
+        seq: int = 1024, samples: int = 5) -> dict:
     rows = []
-    for name in args.models:
+    for name in models:
         for compiled in (False, True):
-            rows += run_case(name, max(1, args.tokens // args.seq), args.seq, compiled=compiled, samples=args.samples)
+            rows += run_case(name, max(1, tokens // seq), seq, compiled=compiled, samples=samples)
     print(f"{'model':14s} {'backend':10s} {'comp':5s} {'fwd ms':>8s} {'f+b ms':>8s} {'fwd TF':>7s} {'bwd TF':>7s} {'err':>8s}")
     for r in rows:
         head = f"{r['model']:14s} {r['backend']:10s} {str(r['compiled']):5s}"
@@ -85,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"{head} {r['fwd_ms']:8.2f} {r['fwd_bwd_ms']:8.2f} {r['fwd_tflops']:7.0f} {r['bwd_tflops']:7.0f} "
                   f"{r['max_rel_err_vs_flash']:8.1e}")
-    return 0
+    failed = [f"{r['model']} {r['backend']}{' compiled' if r['compiled'] else ''}" for r in rows if "error" in r]
+    return {"rows": rows, "summary": f"{len(rows) - len(failed)} timed" + (f"; failed: {', '.join(failed)}" if failed
+                                                                          else "")}
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def dry_run(params: dict) -> dict:
+    raise Skip("times flash / cuDNN attention kernels: needs a CUDA GPU")

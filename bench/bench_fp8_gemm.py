@@ -1,4 +1,4 @@
-"""Benchmark: bf16 torch.matmul vs FP8 scaled_mm for the Qwen2.5 block linears, forward and both backward GEMMs.
+"""Kind `fp8-gemm`: bf16 torch.matmul vs FP8 scaled_mm for the Qwen2.5 block linears, forward and both backward GEMMs.
 
 For each model and each block linear (QKV: K=C, N=qkv_dim; O: K=C, N=C; up: K=C, N=2F; down: K=F, N=C)
 at M = B*T tokens:
@@ -9,17 +9,13 @@ Columns: bf16 torch.matmul; FP8 GEMM alone on operands already quantized in the 
 whole layer, fp8_linear forward+backward (cached weight) vs F.linear forward+backward in bf16, which is what
 training pays, both eagerly (host launch overhead included: small layers are host-bound) and replayed from
 a CUDA graph (GPU time only). Timing: torch.cuda.Event around `reps` back-to-back calls, median of
-`--samples` samples, after warmup. TFLOP/s = 2*M*N*K / time (x3 for a layer's forward+backward).
+`samples` samples, after warmup. TFLOP/s = 2*M*N*K / time (x3 for a layer's forward+backward).
 
-Run from the repository root on the GPU machine (needs CUDA, sm89+; `-m` puts the root on sys.path):
-    python -m bench.bench_fp8_gemm                                  # 0.5B, 1.5B, 7B at 16384 tokens
-    python -m bench.bench_fp8_gemm --models Qwen2.5-7B --grad-dtype e5m2 --json fp8_gemm.json
+Needs CUDA, sm89+. Parameters: models (presets; 0.5B, 1.5B, 7B), tokens (M = B*T per micro-batch, 16384),
+grad_dtype (e4m3 | e5m2), samples (20), warmup (5). Result: `rows` (one per GEMM and layer, as printed).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -27,33 +23,11 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from bench.kinds import Skip
+from bench.timing import time_ms
 from qtrain.kernels.fp8_quant import fp8_quantize
 from qtrain.model.config import preset
 from qtrain.numerics.fp8 import E4M3, E5M2, Fp8WeightCache, fp8_linear, scaled_mm
-
-
-def time_ms(fn: Callable[[], object], *, samples: int, warmup: int, target_ms: float = 2.0) -> float:
-    """Median milliseconds per call. Each sample times `reps` back-to-back calls between two events so
-    event overhead is amortized; reps is picked from a first estimate so a sample lasts ~target_ms."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    fn()
-    e.record()
-    torch.cuda.synchronize()
-    reps = max(1, int(target_ms / max(s.elapsed_time(e), 1e-3)))
-    times = []
-    for _ in range(samples):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(reps):
-            fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / reps)
-    return statistics.median(times)
 
 
 def graphed_ms(fn: Callable[[], object], *, samples: int, warmup: int) -> float:
@@ -206,37 +180,28 @@ def print_tables(rows: list[Row]) -> None:
               f"| {gbf / gfp:17.2f}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="Qwen2.5-0.5B,Qwen2.5-1.5B,Qwen2.5-7B")
-    p.add_argument("--tokens", type=int, default=16384, help="M = B*T tokens per micro-batch")
-    p.add_argument("--grad-dtype", choices=("e4m3", "e5m2"), default="e4m3")
-    p.add_argument("--samples", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--json", default=None, help="also write the rows to this file")
-    a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_fp8_gemm: needs a CUDA GPU", file=sys.stderr)
-        return 2
-    grad_dtype = E4M3 if a.grad_dtype == "e4m3" else E5M2
+def run(models: list[str] = ("Qwen2.5-0.5B", "Qwen2.5-1.5B", "Qwen2.5-7B"), tokens: int = 16384,
+        grad_dtype: str = "e4m3", samples: int = 20, warmup: int = 5) -> dict:
+    if grad_dtype not in ("e4m3", "e5m2"):
+        raise ValueError(f"grad_dtype={grad_dtype!r}: must be e4m3 or e5m2")
+    gd = E4M3 if grad_dtype == "e4m3" else E5M2
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  cuda {torch.version.cuda}  "
-          f"tokens {a.tokens}  grad {a.grad_dtype}")
+          f"tokens {tokens}  grad {grad_dtype}")
     rows: list[Row] = []
-    for model in a.models.split(","):
+    for model in models:
         for layer, K, N, has_bias in block_linears(model):
-            new = bench_layer(model, layer, a.tokens, K, N, has_bias, grad_dtype, a.samples, a.warmup)
+            new = bench_layer(model, layer, tokens, K, N, has_bias, gd, samples, warmup)
             for r in new:
                 print(f"  {model} {layer} {r.gemm}: bf16 {r.bf16_ms:.3f} ms, fp8 {r.fp8_ms:.3f} ms, "
                       f"fp8+quant {r.fp8_quant_ms:.3f} ms, err {r.rel_err:.3f}", flush=True)
             rows += new
             torch.cuda.empty_cache()
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": a.tokens,
-                       "grad_dtype": a.grad_dtype, "rows": [asdict(r) for r in rows]}, f, indent=1)
     print_tables(rows)
-    return 0
+    layer = {m: sum(r.bf16_ms for r in rows if r.model == m and r.gemm == "layer")
+             / sum(r.fp8_ms for r in rows if r.model == m and r.gemm == "layer") for m in models}
+    return {"rows": [asdict(r) for r in rows],
+            "summary": "layer fp8 speedup " + " ".join(f"{m.split('-')[-1]} {x:.2f}x" for m, x in layer.items())}
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def dry_run(params: dict) -> dict:
+    raise Skip("times cuBLASLt FP8 GEMMs (sm89+) with CUDA events and graphs: needs a CUDA GPU")

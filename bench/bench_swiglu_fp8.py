@@ -1,12 +1,14 @@
-"""Times the FP8-MLP kernels at Qwen2.5-1.5B shapes (16384 tokens, F = 8960) on the GPU, with tile variants,
-against a device copy of the same bytes, to choose the tiles in qtrain/kernels/swiglu_fp8.py and swiglu.py:
+"""Kind `swiglu-fp8`: times the FP8-MLP kernels at Qwen2.5-1.5B shapes (M = 16384 tokens, F = 8960) on the GPU,
+with tile variants, against a device copy of the same bytes, to choose the tiles in qtrain/kernels/swiglu_fp8.py
+and swiglu.py.
 
-    PYTHONPATH=. python3 bench/bench_swiglu_fp8.py
-
-Prints one line per variant: ms per call and the bytes it must move / time.
+Parameters: M, F. Prints one line per variant: ms per call and the bytes it must move / time; the result has
+them as `rows`.
 """
 import torch
 import triton
+
+from bench.kinds import Skip
 
 from qtrain.kernels import swiglu as sw
 from qtrain.kernels.fp8_quant import fp8_quantize_triton
@@ -19,12 +21,16 @@ def ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60)
 
 
+ROWS: list[dict] = []
+
+
 def line(name: str, t: float, nbytes: float) -> None:
     print(f"{name:48s} {t:7.3f} ms  {nbytes / t / 1e9:6.2f} TB/s", flush=True)
+    ROWS.append(dict(kernel=name, ms=round(t, 4), tbs=round(nbytes / t / 1e9, 2)))
 
 
-def main() -> None:
-    M, F = 16384, 8960
+def run(M: int = 16384, F: int = 8960) -> dict:
+    ROWS.clear()
     u = (torch.randn(M, 2 * F, device="cuda") * 3).bfloat16()
     d = torch.randn(M, F, device="cuda").bfloat16()
     ub = u.numel() * 2
@@ -41,7 +47,8 @@ def main() -> None:
     amax = u.float().abs().max()
     line("fp8_quantize_triton(du, amax, transpose)", ms(lambda: fp8_quantize_triton(u, E4M3, amax, transpose=True)),
          ub + u.numel() * 2)
+    return {"rows": list(ROWS), "summary": f"{len(ROWS)} kernels timed"}
 
 
-if __name__ == "__main__":
-    main()
+def dry_run(params: dict) -> dict:
+    raise Skip("times Triton kernels on the GPU (the CPU has only their interpreter): needs a CUDA GPU")

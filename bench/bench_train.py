@@ -1,47 +1,59 @@
-"""Training throughput of qtrain on one GPU: full optimizer steps (update included) on random tokens.
+"""Kind `train`: training throughput of qtrain on one device through its Python API (Trainer): full optimizer
+steps (update included) on one batch of random tokens.
 
 Counts as ../shared/bench/README.md says: tokens/s = batch * seq * grad_accumulation * steps / wall time
-of those steps after warm-up, device synchronised before reading the clock. Run it in the same device
-call as the HF baseline (`hf_baseline.py`) so both see the same machine:
+of those steps after warm-up, device synchronised before reading the clock.
 
-    PYTHONPATH=. python3 bench/bench_train.py '[{"model":"Qwen2.5-0.5B","batch":16,"accum":2,"steps":8}]'
+Parameters: model, batch, accum, steps; optional seq (1024), warmup (3), fused_ce (false: the compiled
+cross-entropy instead of the Triton kernel), device ("cuda"), and any `Options` field (lmhead_chunks,
+model_dtype, opt_m_dtype, opt_v_dtype, matmul_dtype, recompute_swiglu, offload_opt_m, compile_tuning, ...;
+`compile` defaults to "on"). Result: tps, step_ms, host_ms (host time spent queuing the micro-steps of one
+step: close to step_ms means the host, not the GPU, sets the pace), loss, mfu, peak_gib (the allocator's
+peak), plan_gib (what the memory plan, `qtrain plan`, predicts for the same run without its fixed reserve
+for the CUDA context), plan_err (their relative difference), reserved_gib.
 
-Each entry may also set seq, warmup, fused_ce (false: the compiled cross-entropy instead of the Triton
-kernel) and any `Options` field
-(lmhead_chunks, model_dtype, opt_m_dtype, opt_v_dtype, matmul_dtype, recompute_block, use_cuda_graphs,
-offload_opt_m, ...). Prints one JSON line per entry. `host_ms` is the host time spent queuing the
-micro-steps of one step: close to `step_ms` means the host, not the GPU, sets the pace. Memory: `peak_gib`
-is the allocator's peak, `plan_gib` what the memory plan (`qtrain plan`) predicted for the same run
-without its fixed reserve for the CUDA context, `plan_err` their relative difference.
+Runs against qtrain before the restructure (dac8680) too (bench/compat.py), so a suite can compare the two.
 """
 from __future__ import annotations
 
-import json
-import sys
+import dataclasses
 import time
 
 import torch
 
+from bench.compat import qtrain
+from bench.dry import divisor_or_one, tiny_model_dir
 from qtrain.kernels import cross_entropy
-from qtrain.plan.memory import plan_for_trainer
-from qtrain.observe.metrics import mfu_bf16
-from qtrain.options import Options
-from qtrain.train.trainer import Trainer
+
+RUN_KEYS = ("model", "batch", "accum", "steps", "seq", "warmup", "fused_ce", "device")
 
 
-def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, warmup: int = 3,
-        fused_ce: bool = True, **options) -> dict:
+def make_options(model: str, batch: int, accum: int, seq: int, device: str, options: dict):
+    """The Options of a run; an unknown option is named (Options would only say 'unexpected keyword')."""
+    Options = qtrain("Options")
+    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(Options)})
+    if unknown:
+        raise ValueError(f"unknown option(s) {', '.join(unknown)}: the train kind takes {', '.join(RUN_KEYS)} "
+                         f"and the fields of qtrain's Options")
+    return Options(model=model, from_scratch=True, batch_size=batch, seq_len=seq, grad_accumulation=accum,
+                   learning_rate=1e-4, device=device, **options)
+
+
+def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, warmup: int = 3, fused_ce: bool = True,
+        device: str = "cuda", **options) -> dict:
     options.setdefault("compile", "on")
-    opts = Options(model=model, from_scratch=True, batch_size=batch, seq_len=seq, grad_accumulation=accum,
-                   learning_rate=1e-4, device="cuda", **options)
+    opts = make_options(model, batch, accum, seq, device, options)
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     cross_entropy.FUSED_CE_ENABLED = fused_ce
-    torch.cuda.reset_peak_memory_stats()
-    tr = Trainer(opts)
-    plan = plan_for_trainer(tr)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    tr = qtrain("Trainer")(opts)
+    plan = qtrain("plan_for_trainer")(tr)
     plan_bytes = plan.device_total - sum(i.device for i in plan.items if i.kind == "reserve")
     V = tr.cfg.vocab_size
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randint(0, V, (batch, seq + 1), device="cuda", generator=g)
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randint(0, V, (batch, seq + 1), device=device, generator=g)
     inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
     scale = 1.0 / (batch * seq * accum)
     host = []
@@ -56,31 +68,34 @@ def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, warmup:
     for _ in range(warmup):
         step()
     host.clear()
-    torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
     for _ in range(steps):
         stats = step()
-    torch.cuda.synchronize()
+    sync()
     dt = (time.perf_counter() - t) / steps
     tps = batch * seq * accum / dt
-    res = dict(system="qtrain", model=model, batch=batch, seq=seq, accum=accum, fused_ce=fused_ce, **options,
-               tps=round(tps), step_ms=round(dt * 1000, 1), host_ms=round(1000 * sum(host) / len(host), 1),
-               loss=round(stats["loss"], 4),
-               mfu=round(mfu_bf16(tps, tr.cfg, seq, torch.cuda.get_device_name()) or 0, 3),
-               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), plan_gib=round(plan_bytes / 2**30, 2),
-               plan_err=round(plan_bytes / torch.cuda.max_memory_allocated() - 1, 3),
-               reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2))
-    del tr
-    cross_entropy.FUSED_CE_ENABLED = True
-    torch.cuda.empty_cache()
+    res = dict(system="qtrain", tps=round(tps), step_ms=round(dt * 1000, 1),
+               host_ms=round(1000 * sum(host) / len(host), 1), loss=round(stats["loss"], 4),
+               plan_gib=round(plan_bytes / 2**30, 2))
+    if cuda:
+        peak = torch.cuda.max_memory_allocated()
+        mfu = qtrain("mfu_bf16")(tps, tr.cfg, seq, torch.cuda.get_device_name())
+        res.update(mfu=round(mfu or 0, 3), peak_gib=round(peak / 2**30, 2), plan_err=round(plan_bytes / peak - 1, 3),
+                   reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2))
+    print(", ".join(f"{k} {v}" for k, v in res.items()), flush=True)
     return res
 
 
-if __name__ == "__main__":
-    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
-    for p in json.loads(sys.argv[1]):
-        try:
-            print(json.dumps(run(**p)), flush=True)
-        except Exception as e:  # keep going: one OOM must not lose the other rows
-            print(json.dumps(dict(p, error=repr(e)[:400])), flush=True)
-            torch.cuda.empty_cache()
+def dry_run(params: dict) -> dict:
+    """The case's options checked as given (on 'cuda'), then run on the CPU: a tiny model of the same family,
+    2 x 32 tokens, 2 steps after 1 warm-up, uncompiled (inductor on a CPU takes a minute)."""
+    options = {k: v for k, v in params.items() if k not in RUN_KEYS}
+    make_options(params["model"], params["batch"], params["accum"], params.get("seq", 1024), "cuda",
+                 options).validate()
+    batch, seq = 2, 32
+    small = dict(lmhead_chunks=divisor_or_one(options.get("lmhead_chunks", 1), batch * seq),
+                 attn_bwd_chunks=divisor_or_one(options.get("attn_bwd_chunks", 1), batch))
+    return {**params, **{k: v for k, v in small.items() if k in options}, "model": tiny_model_dir(params["model"]),
+            "batch": batch, "seq": seq, "accum": min(params["accum"], 2), "steps": 2, "warmup": 1, "device": "cpu",
+            "compile": "off"}

@@ -1,4 +1,4 @@
-"""Can the 14B step's bf16 GEMMs run faster than cuBLAS's default choice? And do they hold their rate under
+"""Kind `gemm-variants`: can the 14B step's bf16 GEMMs run faster than cuBLAS's default choice? And do they hold their rate under
 sustained load (clocks, power)?
 
 For the largest block linears of a model (gate+up: K=C, N=2F; down: K=F, N=C) at M tokens, each of the three
@@ -9,17 +9,18 @@ training GEMMs (fwd x @ W^T, dgrad dY @ W, wgrad dY^T @ x) through
              against aten's and keeps the fastest (slow to compile: a few shapes only)
 then one GEMM repeated for `--sustain` seconds, printing TFLOP/s, SM clock and power once a second.
 
-    python -m bench.gemm_variants --model Qwen2.5-14B --tokens 8192 --sustain 10
+Parameters: model (preset), tokens (M, 8192), sustain (seconds, 10), autotune (true). Result: `rows`, one per
+GEMM with TFLOP/s per library, and `sustained` (TFLOP/s and the nvidia-smi reading, once a second).
 """
 from __future__ import annotations
 
-import argparse
 import subprocess
 import time
 
 import torch
 
-from bench.bench_fp8_gemm import time_ms
+from bench.kinds import Skip
+from bench.timing import time_ms
 from qtrain.model.config import preset
 
 
@@ -31,18 +32,12 @@ def smi(gpu: int) -> str:
         return repr(e)[:40]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="Qwen2.5-14B")
-    p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--sustain", type=float, default=10.0)
-    p.add_argument("--autotune", action=argparse.BooleanOptionalAction, default=True)
-    a = p.parse_args()
-    cfg = preset(a.model)
-    C, F_, M = cfg.hidden_size, cfg.intermediate_size, a.tokens
+def run(model: str = "Qwen2.5-14B", tokens: int = 8192, sustain: float = 10.0, autotune: bool = True) -> dict:
+    cfg = preset(model)
+    C, F_, M = cfg.hidden_size, cfg.intermediate_size, tokens
     dev = torch.device("cuda")
     gpu = torch.cuda.current_device()
-    print(torch.cuda.get_device_name(), torch.__version__, a.model, f"M={M}", smi(gpu), flush=True)
+    print(torch.cuda.get_device_name(), torch.__version__, model, f"M={M}", smi(gpu), flush=True)
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
     for name, (K, N) in {"up": (C, 2 * F_), "down": (F_, C)}.items():
@@ -58,7 +53,7 @@ def main() -> None:
                 torch.backends.cuda.preferred_blas_library(lib)
                 res[lib] = tf(time_ms(lambda: fn(u, v), samples=10, warmup=3))
             torch.backends.cuda.preferred_blas_library("cublas")
-            if a.autotune and name == "up":
+            if autotune and name == "up":
                 torch._dynamo.reset()
                 cf = torch.compile(fn, mode="max-autotune-no-cudagraphs", dynamic=False)
                 t0 = time.perf_counter()
@@ -74,7 +69,8 @@ def main() -> None:
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=g)
     w = torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=g) * K ** -0.5
     flop = 2 * M * K * N
-    t_end = time.perf_counter() + a.sustain
+    t_end = time.perf_counter() + sustain
+    sustained = []
     print("sustained up.fwd: TFLOP/s per second, then 'SM MHz, W, C'", flush=True)
     while time.perf_counter() < t_end:
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -88,12 +84,16 @@ def main() -> None:
             torch.cuda.synchronize()
         e.record()
         e.synchronize()
-        print(f"  {n * flop / s.elapsed_time(e) / 1e9:6.0f}  {smi(gpu)}", flush=True)
+        sustained.append((round(n * flop / s.elapsed_time(e) / 1e9), smi(gpu)))
+        print(f"  {sustained[-1][0]:6.0f}  {sustained[-1][1]}", flush=True)
 
     print(f"{'gemm':12s} {'cublas':>7} {'cublaslt':>8} {'autotune':>8}  (TFLOP/s, M={M})")
     for n_, r in rows:
         print(f"{n_:12s} {r['cublas']:7.0f} {r['cublaslt']:8.0f} {r.get('autotune', float('nan')):8.0f}")
+    return {"rows": [dict(gemm=n_, **{k: round(v, 1) for k, v in r.items()}) for n_, r in rows],
+            "sustained": sustained,
+            "summary": " ".join(f"{n_} {r['cublas']:.0f}/{r['cublaslt']:.0f}" for n_, r in rows) + " TFLOP/s"}
 
 
-if __name__ == "__main__":
-    main()
+def dry_run(params: dict) -> dict:
+    raise Skip("times cuBLAS / cuBLASLt / inductor GEMMs and reads nvidia-smi: needs a CUDA GPU")

@@ -1,19 +1,20 @@
-"""What a torch.compile'd block saves for backward on the GPU (inductor, the trainer's block function:
+"""Kind `recompute-saved`: what a torch.compile'd block saves for backward on the GPU (inductor, the trainer's block function:
 fused SwiGLU backward, the cuDNN attention op), per token, for the recompute switches that act inside a
 block, against the memory plan's per-layer terms. `recompute.CheckpointSteps` tags the checkpointed steps
 MUST_RECOMPUTE (a selective-checkpoint policy); `sac=False` rows swap in a plain non-reentrant checkpoint
 (what it did before, when inductor's partitioner on CUDA kept the SwiGLU output).
 
-    python -m bench.probe_recompute_saved Qwen2.5-14B     # 14B widths, 2 x 512 tokens
+Parameters: model (preset, 14B; one layer of its widths), B (2), T (512). Result: `rows`, saved and planned
+bytes per token per (sac, flags).
 """
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from bench.kinds import Skip
 from qtrain.model import recompute as rc
 from qtrain.model.config import preset
 from qtrain.model.layers import rope_tables
@@ -54,21 +55,26 @@ def saved_per_token(cfg, flags, B=2, T=512) -> float:
     return sum(seen.values()) / (B * T)
 
 
-def main() -> None:
-    cfg = preset(sys.argv[1] if len(sys.argv) > 1 else "Qwen2.5-14B")
-    cfg = dataclasses.replace(cfg, num_hidden_layers=1)
+def run(model: str = "Qwen2.5-14B", B: int = 2, T: int = 512) -> dict:
+    cfg = dataclasses.replace(preset(model), num_hidden_layers=1)
     sac_call = rc.CheckpointSteps.__call__
+    rows = []
     for sac in (True, False):
         rc.CheckpointSteps.__call__ = sac_call if sac else plain_call
         for flags in [(), ("swiglu",), ("norm", "swiglu"), ("ffn",), ("att",)] if sac else [("norm", "swiglu")]:
             try:
-                got = saved_per_token(cfg, flags)
+                got = saved_per_token(cfg, flags, B=B, T=T)
             except Exception as e:  # noqa: BLE001 - one variant must not hide the others
                 print(f"sac={sac} {flags}: {repr(e)[:300]}", flush=True)
+                rows.append(dict(sac=sac, flags=list(flags), error=repr(e)[:300]))
                 continue
             plan = layer_activation_bytes(cfg, 1, model_dtype="bf16", compiled=True, recompute=resolve_flags(flags))
             print(f"sac={sac} flags={flags}: saved {got:.0f} B/token, plan {plan} ({got / plan - 1:+.1%})", flush=True)
+            rows.append(dict(sac=sac, flags=list(flags), saved=round(got), plan=plan, err=round(got / plan - 1, 4)))
+    rc.CheckpointSteps.__call__ = sac_call
+    return {"rows": rows, "summary": " ".join(f"{'+'.join(r['flags']) or 'none'}{'' if r['sac'] else '(plain)'} "
+                                              + (f"{r['err']:+.1%}" if "err" in r else "failed") for r in rows)}
 
 
-if __name__ == "__main__":
-    main()
+def dry_run(params: dict) -> dict:
+    raise Skip("measures what inductor's CUDA partitioner saves: needs a CUDA GPU")

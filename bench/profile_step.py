@@ -1,20 +1,19 @@
-"""Profile one qtrain training step on the GPU: GPU time per kernel category against the step's wall time,
-then the top kernels, to see where time goes.
+"""Kind `profile`: one qtrain training step on the GPU: GPU time per kernel category against the step's wall
+time, then the top kernels and the GPU's idle gaps, to see where time goes.
 
-    PYTHONPATH=. python3 bench/profile_step.py '{"model":"Qwen2.5-0.5B","batch":16,"accum":2,"lmhead_chunks":4}'
-
-The entry takes the keys of bench_train.py. GPU busy time well under wall time means gaps (host-bound).
+Parameters: model, batch, accum, top (kernels listed, 22), fused_ce (true) and any `Options` field, as the
+train kind. GPU busy time well under wall time means gaps (host-bound). Result: wall_ms, busy_ms,
+`categories` (ms each), `top` (kernels), `gaps`.
 """
-import json
-import sys
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.bench_train import make_options
+from bench.compat import qtrain
+from bench.kinds import Skip
 from qtrain.kernels import cross_entropy
-from qtrain.options import Options
-from qtrain.train.trainer import Trainer
 
 CATEGORIES = [  # first match wins; names as CUDA kernels appear in the profiler
     ("gemm-fp8", ("f8", "e4m3", "fp8")),
@@ -37,14 +36,10 @@ def category(name: str) -> str:
     return "other"
 
 
-def main(p: dict) -> None:
-    model, batch, accum = p.pop("model"), p.pop("batch"), p.pop("accum")
-    p.pop("steps", None)
-    top_n = p.pop("top", 22)
-    cross_entropy.FUSED_CE_ENABLED = p.pop("fused_ce", True)
+def run(model: str, batch: int, accum: int, top: int = 22, fused_ce: bool = True, **p) -> dict:
+    cross_entropy.FUSED_CE_ENABLED = fused_ce
     p.setdefault("compile", "on")
-    tr = Trainer(Options(model=model, from_scratch=True, batch_size=batch, seq_len=1024, grad_accumulation=accum,
-                         device="cuda", learning_rate=1e-4, **p))
+    tr = qtrain("Trainer")(make_options(model, batch, accum, 1024, "cuda", p))
     x = torch.randint(0, tr.cfg.vocab_size, (batch, 1025), device="cuda")
     inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
@@ -71,19 +66,31 @@ def main(p: dict) -> None:
     print(f"{model} b{batch}x{accum} {p}: wall {wall:.1f} ms/step (unprofiled), GPU busy {busy:.1f} ms")
     for cat, ms in sorted(sums.items(), key=lambda kv: -kv[1]):
         print(f"  {cat:16s} {ms:8.1f} ms  {100 * ms / busy:5.1f}%")
-    top = sorted(kernels, key=lambda e: -e.device_time_total)[:top_n]
-    for e in top:
+    tops = sorted(kernels, key=lambda e: -e.device_time_total)[:top]
+    for e in tops:
         print(f"  {e.device_time_total / 1e3:8.2f} ms {e.count:5d}x  {category(e.key):14s} {e.key[:170]}")
-    print_gaps(prof, top_n)
+    gaps = print_gaps(prof, top)
+    return {"wall_ms": round(wall, 1), "busy_ms": round(busy, 1),
+            "categories": {k: round(v, 2) for k, v in sorted(sums.items(), key=lambda kv: -kv[1])},
+            "top": [dict(ms=round(e.device_time_total / 1e3, 3), count=e.count, category=category(e.key),
+                         kernel=e.key[:170]) for e in tops], "gaps": gaps,
+            "summary": " ".join(f"{k} {v:.0f}" for k, v in sorted(sums.items(), key=lambda kv: -kv[1])[:4]) + " ms"}
 
 
-def print_gaps(prof, top_n: int) -> None:
+def dry_run(params: dict) -> dict:
+    """The options are checked as the GPU run would take them; the profile itself needs CUDA."""
+    options = {k: v for k, v in params.items() if k not in ("model", "batch", "accum", "top", "fused_ce")}
+    make_options(params["model"], params["batch"], params["accum"], 1024, "cuda", options).validate()
+    raise Skip("profiles CUDA kernels: needs a CUDA GPU (options checked)")
+
+
+def print_gaps(prof, top_n: int) -> dict:
     """GPU idle time between consecutive kernels, summed by the kernel that ends the gap: a gap before a
     kernel means the host had not queued it yet (host-bound stretch) or waited on something."""
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA)
     if not spans:
-        return
+        return {}
     by_next: dict[str, list[float]] = {}
     end = spans[0][1]
     for s, e, name in spans[1:]:
@@ -95,7 +102,4 @@ def print_gaps(prof, top_n: int) -> None:
     print(f"GPU idle gaps > 2 us: {total / 1e3:.1f} ms in {sum(len(v) for v in by_next.values())} gaps; by next kernel:")
     for name, gaps in sorted(by_next.items(), key=lambda kv: -sum(kv[1]))[:top_n // 2]:
         print(f"  {sum(gaps) / 1e3:7.2f} ms {len(gaps):5d}x max {max(gaps) / 1e3:6.2f} ms  {name}")
-
-
-if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    return {"idle_ms": round(total / 1e3, 2), "count": sum(len(v) for v in by_next.values())}

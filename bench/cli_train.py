@@ -1,0 +1,120 @@
+"""Kind `cli`: `qtrain train` as a user runs it (data loader, schedule, logging; 1..N GPUs) on a file of random
+tokens, measured from its JSON log the way bench_llmq.sh measures llm.q: tokens/s is the median of the steady
+steps (all GPUs together), so the two compare step for step.
+
+Parameters: model (preset or directory), batch (per GPU), accum, steps (8), gpus (1), seq (1024), skip (steps
+left out as warm-up, 3), flags (more `qtrain train` flags, e.g. ["--opt-m-dtype", "bf16"]), device (none:
+qtrain's default), train_file (none: random tokens, made once per size under $BENCH_DATA or the temp dir).
+The run is stopped once its last step and memory are logged (no final export: 28 GB at 14B). Result: tps
+(median), tps_mean, step_ms (median), mfu, peak_gib (rank 0, max_memory_allocated), plan_gib (the memory-plan
+event, reserve included), loss (last step), steps_logged.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+
+from bench.compat import model_config, qtrain
+from bench.dry import tiny_model_dir
+from bench.subproc import stream
+
+DATA_DIR = os.environ.get("BENCH_DATA") or os.path.join(tempfile.gettempdir(), "qtrain-bench-data")
+
+
+def token_file(n_tokens: int, vocab: int) -> str:
+    """A file of at least n_tokens random tokens below `vocab` (llm.q's format), reused across runs."""
+    have = []
+    for f in glob.glob(os.path.join(DATA_DIR, f"rand-v{vocab}-*.bin")):
+        n = f.rsplit("-", 1)[-1][:-4]
+        if n.isdigit() and int(n) >= n_tokens:
+            have.append((int(n), f))
+    if have:
+        return min(have)[1]
+    import numpy as np
+
+    os.makedirs(DATA_DIR, exist_ok=True)
+    path = os.path.join(DATA_DIR, f"rand-v{vocab}-{n_tokens}.bin")
+    tokens = np.random.default_rng(0).integers(0, vocab, n_tokens, dtype=np.int32)
+    qtrain("write_token_file")(path, tokens, vocab_size=vocab)  # atomic
+    print(f"made {path} ({n_tokens} random tokens)", flush=True)
+    return path
+
+
+def read_log(path: str) -> list[dict]:
+    events = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    events.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass  # a line being written
+    except FileNotFoundError:
+        pass
+    return events
+
+
+def summarize(events: list[dict], skip: int) -> dict:
+    steps = [e for e in events if e.get("log") == "step"]
+    steady = [e for e in steps if e["step"] >= skip] or steps[-1:]
+    if not steady:
+        raise RuntimeError("qtrain train logged no step")
+    tps = [e["tokens_per_s"] for e in steady if e.get("tokens_per_s")]
+    mfu = [e["mfu"] for e in steady if e.get("mfu") is not None]
+    peaks = [e["peak"] for e in events if e.get("log") == "memory"]
+    plans = [e["device_total"] for e in events if e.get("log") == "memory-plan"]
+    return dict(system="qtrain", tps=round(statistics.median(tps)), tps_mean=round(statistics.mean(tps)),
+                step_ms=round(statistics.median(e["duration_ms"] for e in steady), 1),
+                mfu=round(statistics.median(mfu), 3) if mfu else None,
+                peak_gib=round(max(peaks) / 2**30, 2) if peaks else None,
+                plan_gib=round(plans[0] / 2**30, 2) if plans else None,
+                loss=round(steps[-1]["loss"], 4), steps_logged=len(steps), steady=len(steady))
+
+
+def run(model: str, batch: int, accum: int, steps: int = 8, gpus: int = 1, seq: int = 1024, skip: int = 3,
+        flags: list[str] = (), device: str | None = None, train_file: str | None = None) -> dict:
+    if not all(isinstance(f, str) for f in flags):
+        raise ValueError(f"flags must be strings, e.g. [\"--lmhead-chunks\", \"4\"]; got {list(flags)!r}")
+    vocab = model_config(model).vocab_size
+    data = train_file or token_file((steps + 1) * batch * accum * seq * gpus + 1, vocab)
+    work = tempfile.mkdtemp(prefix="qtrain-bench-cli-")
+    log = os.path.join(work, "log.jsonl")
+    cmd = [sys.executable, "-m", "qtrain.cli.main", "train", "--model", model, "--from-scratch", "--train-file", data,
+           "--gpus", str(gpus), "--batch-size", str(batch), "--grad-accumulation", str(accum), "--steps", str(steps),
+           "--seq-len", str(seq), "--eval-num-steps", "0", "--no-save-training-state", "--lr", "1e-4",
+           "--out-dir", os.path.join(work, "out"), "--checkpoint-dir", os.path.join(work, "ckpt"), "--log-file", log,
+           *(["--device", device] if device else []), *flags]
+    print("$", " ".join(cmd), flush=True)
+
+    def done() -> bool:
+        """The last step and the closing memory event are logged: what follows is the HF export."""
+        ev = read_log(log)
+        return any(e.get("log") == "step" and e["step"] == steps - 1 for e in ev) and \
+            (any(e.get("log") == "memory" for e in ev) or device == "cpu")
+    in_options = [False]
+
+    def echo(line: str) -> bool:
+        """Everything but the [Options] block (the run's parameters are in the result)."""
+        if line.startswith("["):
+            in_options[0] = line.startswith("[Options]")
+        return not in_options[0]
+    try:
+        fin = stream(cmd, stop=done, echo=echo)
+        events = read_log(log)
+        if fin.returncode != 0 and not fin.stopped:
+            raise RuntimeError(f"qtrain train exited with status {fin.returncode}: {fin.last(2)}")
+        return summarize(events, skip)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def dry_run(params: dict) -> dict:
+    """The same flags on a tiny model of the family, 2 x 32 tokens, 2 steps (up to 2 processes), on the CPU."""
+    return {**params, "model": tiny_model_dir(params["model"]), "batch": 2, "seq": 32,
+            "accum": min(params["accum"], 2), "steps": 2, "gpus": min(params.get("gpus", 1), 2), "skip": 0,
+            "device": "cpu", "flags": [*params.get("flags", []), "--compile", "off"]}

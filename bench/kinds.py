@@ -1,0 +1,53 @@
+"""The benchmark kinds a suite's cases can name: which module runs each, and the result columns the harness
+table shows for it. Static on purpose: the harness reads it without importing torch or qtrain."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Kind:
+    module: str
+    """Module with `run(**params) -> dict` (one result per case) and `dry_run(params) -> dict` (the CPU-sized
+    parameters for --dry-run, or raises bench.dry.Skip with the reason)."""
+    doc: str
+    columns: tuple[tuple[str, str], ...] = ()
+    """(result key, table header) of the scalars worth a table column; every kind may also return `summary`."""
+
+
+TRAIN_COLUMNS = (("tps", "tok/s"), ("step_ms", "step ms"), ("host_ms", "host ms"), ("mfu", "MFU"),
+                 ("peak_gib", "peak GiB"), ("plan_gib", "plan GiB"), ("plan_err", "plan err"))
+
+KINDS: dict[str, Kind] = {
+    "train": Kind("bench.bench_train", "qtrain's training throughput through the Trainer API, random tokens, one "
+                  "device", TRAIN_COLUMNS),
+    "cli": Kind("bench.cli_train", "`qtrain train` on a random-token file (1..N GPUs): median tokens/s of the "
+                "steady steps from its JSON log", TRAIN_COLUMNS),
+    "llmq": Kind("bench.llmq", "llm.q's own trainer through .llmq/bench_llmq.sh (median tokens/s of steady steps)",
+                 (("tps", "tok/s"), ("step_ms", "step ms"), ("sol", "SOL %"), ("peak_gib", "peak GiB"))),
+    "hf": Kind("bench.hf", "HF transformers + torch AdamW (+ torch.compile) through .devshared/bench/hf_baseline.py",
+               (("tps", "tok/s"), ("mfu", "MFU"), ("peak_gib", "peak GiB"))),
+    "pytest": Kind("bench.pytest_run", "a pytest run in the case's checkout (e.g. -m gpu tests/)",
+                   (("passed", "passed"), ("failed", "failed"), ("skipped", "skipped"), ("collected", "collected"))),
+    "gemm-ceiling": Kind("bench.gemm_ceiling", "tokens/s if a step were only its bf16 block + LM-head GEMMs",
+                         (("tokens", "tokens"), ("gemm_ms", "GEMM ms"), ("tflops", "TFLOP/s"),
+                          ("ceiling_tps", "ceiling tok/s"))),
+    "gemm-variants": Kind("bench.gemm_variants", "cuBLAS vs cuBLASLt vs inductor max-autotune for the largest block "
+                          "GEMMs, then one GEMM under sustained load (clock, power)"),
+    "attention": Kind("bench.bench_attention", "causal attention backends (flash, cuDNN, qtrain's op), eager and "
+                      "compiled, against flash"),
+    "adamw": Kind("bench.bench_adamw", "qtrain's fused AdamW kernel against torch._fused_adamw_"),
+    "fp8-gemm": Kind("bench.bench_fp8_gemm", "bf16 matmul vs FP8 scaled_mm for the block linears, per GEMM and per "
+                     "layer (eager and CUDA graph)"),
+    "offload-update": Kind("bench.bench_offload_update", "the offloaded AdamW update alone, by streaming variant, "
+                           "against the PCIe ceiling"),
+    "swiglu-fp8": Kind("bench.bench_swiglu_fp8", "the FP8-MLP Triton kernels and their tile variants"),
+    "profile": Kind("bench.profile_step", "GPU time per kernel category of one training step, top kernels, gaps",
+                    (("wall_ms", "wall ms"), ("busy_ms", "busy ms"))),
+    "recompute-saved": Kind("bench.probe_recompute_saved", "bytes per token a compiled block saves for backward, per "
+                            "recompute switch, against the memory plan"),
+}
+
+
+class Skip(Exception):
+    """Raised by a kind's `dry_run` when the kind cannot run on the CPU; the message says why."""
