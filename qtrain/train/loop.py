@@ -13,6 +13,8 @@ import torch
 
 from qtrain.data.corpus import ensure_default_dataset
 from qtrain.data.loader import TokenLoader
+from qtrain.data.hf_tokenizer import recorded_tokenizer
+from qtrain.observe.live import attach_observers
 from qtrain.observe.log import RunLogger
 from qtrain.observe.metrics import device_peaks, model_flops_per_token, ns_per_token, peak_tflops, sol_ops
 from qtrain.options import Options
@@ -74,6 +76,12 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
         tb.on_event({"log": "options", "step": 0, "options": opts.to_dict()})
     log.log_cmd(argv if argv is not None else sys.argv)
     log.log_options(opts.to_dict())
+    attach_observers(opts, log, trainer, ctx.device)  # --wandb, --log-gpu-util, --debug-* (qtrain.observe.live)
+    if trainer.tokenizer is None:  # nothing explicit and no model directory: the tokenizer the data was made with
+        trainer.tokenizer = recorded_tokenizer([f.header for f in train.files])
+    log.message(f"export tokenizer: {trainer.tokenizer}" if trainer.tokenizer else
+                "no tokenizer is known for the export (no model directory files, none recorded in the token "
+                "files): pass --tokenizer", level="info" if trainer.tokenizer else "warning")
     log.log_dataset("train", files=len(train.files), tokens=train.num_tokens, seed=opts.train_seed)
     if evals is not None:
         log.log_dataset("eval", files=len(evals.files), tokens=evals.num_tokens, seed=opts.eval_seed)
@@ -148,8 +156,11 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
                        peak=torch.cuda.max_memory_allocated())
     trainer.export(out_dir)
     log.message(f"exported HF model to {out_dir}", level="info")
+    final_ckpt = None
     if opts.save_training_state:
-        checkpointing.save(ckpt_dir, trainer, train, log, keep_n=opts.ckpt_keep_n, major=opts.ckpt_major)
+        final_ckpt = checkpointing.save(ckpt_dir, trainer, train, log, keep_n=opts.ckpt_keep_n, major=opts.ckpt_major)
+    log.log_outputs(export=out_dir, checkpoint=final_ckpt, log=log.path,
+                    tensorboard=opts.expand(opts.tensorboard) if opts.tensorboard else None)
     if tb is not None:
         tb.close()
     log.close()

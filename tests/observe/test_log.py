@@ -68,9 +68,9 @@ def test_console_lines_llmq_style(tmp_path):
     log.log_step(13, step_tokens=1512, duration_ms=123.0, norm=1.0, loss=3.0433, lr=1e-3)
     assert out.getvalue().splitlines()[-1].startswith(
         "[T] step    13 [  1.4%] | time:  123 ms | norm   1.0000 | loss   3.0433 | tps  12.3k | sol")
-    log.log_eval(13, loss=2.5, eval_tokens=2048, duration_ms=2048.0)
+    log.log_eval(13, loss=2.5, eval_tokens=2048, duration_ms=2048.0)  # before step 13: 13 of 1000 steps done
     assert out.getvalue().splitlines()[-1] == (
-        "[V] step    13 [  1.4%] | time: 2048 ms | eval loss   2.5000 | ppl    12.182 | train avg   3.2500 | "
+        "[V] step    13 [  1.3%] | time: 2048 ms | eval loss   2.5000 | ppl    12.182 | train avg   3.2500 | "
         "tps   1.0k")
     log.close()
 
