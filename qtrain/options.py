@@ -33,9 +33,11 @@ EMPTY_MEANS_DEFAULT = ("matmul_dtype", "gradient_dtype")  # '' = follow the mode
 
 
 def closest(name: str, candidates: Iterable[str]) -> str | None:
-    """The candidate most like a mistyped `name` (difflib ratio >= 0.6), for "did you mean ...?" hints."""
+    """The candidate most like a mistyped `name`, for "did you mean ...?" hints. The similarity cut-off (difflib
+    ratio 0.7) takes typos (--stesp: 0.86) and cut-off names (--grad-accum: 0.77), not unrelated words
+    (--frobnicate vs --from-scratch: 0.62)."""
     import difflib
-    found = difflib.get_close_matches(name, list(candidates), n=1)
+    found = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.7)
     return found[0] if found else None
 
 

@@ -92,15 +92,25 @@ class ModelSource:
     tokenizer_dir: str | None  # where tokenizer files to copy along with exports live
 
 
+def _is_preset(model: str) -> bool:
+    """`--model` names a built-in preset (case-insensitive; an `org/` prefix is ignored, e.g. Qwen/Qwen2.5-7B)."""
+    key = model.rsplit("/", 1)[-1].lower()
+    return any(k.lower() == key for k in PRESETS)
+
+
 def resolve_model(model: str, *, from_scratch: bool = False) -> ModelSource:
     """`--model` as llm.q reads it: empty (or "qtrain-tiny") -> the embedded tiny model; a preset name with
     `from_scratch`; else a directory or `org/name` in the local HF cache (never downloaded)."""
     if not model or model == TINY_NAME:
         return ModelSource(TINY, None, None)
-    if from_scratch and not os.path.isdir(model):
-        key = model.rsplit("/", 1)[-1].lower()
-        if any(k.lower() == key for k in PRESETS):
-            return ModelSource(preset(model), None, None)
-    d = resolve_model_dir(model)
+    if from_scratch and not os.path.isdir(model) and _is_preset(model):
+        return ModelSource(preset(model), None, None)
+    try:
+        d = resolve_model_dir(model)
+    except ModelNotFoundError as e:
+        if not from_scratch and _is_preset(model):
+            raise ModelNotFoundError(f"{e}\n{model!r} is also a built-in preset: add --from-scratch to train it from "
+                                     f"random weights (presets have no weights to load)") from None
+        raise
     cfg = load_model_config(d)
     return ModelSource(cfg, None if from_scratch else str(d), str(d))
