@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Sequence
 
 from qtrain.train.export import export_checkpoint
@@ -20,4 +21,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     r = export_checkpoint(ns.checkpoint_dir, ns.out_dir, step=ns.step, tokenizer=ns.tokenizer)
     print(f"exported {r.checkpoint} -> {r.out_dir} (tokenizer: {r.tokenizer or 'none recorded; pass --tokenizer'})")
+    if r.caveat:
+        print(f"note: {r.caveat}", file=sys.stderr)
     return 0

@@ -135,6 +135,9 @@ def options_from_args(ns: argparse.Namespace) -> Options:
     if not merged.get("model"):
         merged = {**embedded_defaults(int(merged.get("steps", -1))), **merged}
     opts = Options(**merged).validate()
+    if opts.tokenizer:  # an explicit export tokenizer must exist: say so now, not after training
+        from qtrain.data.hf_tokenizer import export_tokenizer
+        export_tokenizer(explicit=opts.tokenizer)
     for line in llmq_notes(ns) + ([USE_CUDA_GRAPHS_NOTE] if opts.use_cuda_graphs else []):
         print(line, file=sys.stderr)
     return opts

@@ -17,6 +17,10 @@ vLLM and llama.cpp's converter can use it.
   `token_files.VOCAB_FAMILIES`); None when nothing says.
 * `export_files(spec, cfg)`: the files an export adds beside config.json and the weights: the tokenizer's,
   and a minimal `generation_config.json` (bos / eos / pad ids) when the source had none.
+* `transformers_caveat(spec, cfg)`: transformers >= 5 loads the tokenizer of every qwen2-type model as its
+  `Qwen2Tokenizer`, which rebuilds the tokenizer with Qwen's pre-tokenizer whatever tokenizer.json says; for a
+  qwen2 model with another tokenizer (a Qwen preset trained on GPT-2 data) that encodes differently, so the
+  run says so and how to load the exact tokenizer.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from qtrain.data.token_files import TokenFileHeader, tokenizer_family
-from qtrain.data.tokenize import BUILTIN_TOKENIZERS, TiktokenTokenizer, Tokenizer, get_tokenizer
+from qtrain.data.tokenize import BUILTIN_TOKENIZERS, QWEN2_PATTERN, TiktokenTokenizer, Tokenizer, get_tokenizer
 from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import GENERATION_CONFIG, TOKENIZER_FILES
 
@@ -193,3 +197,28 @@ def export_files(spec: str | None, cfg: ModelConfig) -> dict[str, bytes]:
             d["pad_token_id"] = pad
         files[GENERATION_CONFIG] = _json_bytes(d)
     return files
+
+
+def _regexes(node: Any) -> list[str]:
+    """Every Split regex in a tokenizer.json pre-tokenizer tree."""
+    if isinstance(node, dict):
+        pattern = node.get("pattern")
+        own = [pattern["Regex"]] if isinstance(pattern, dict) and "Regex" in pattern else []
+        return own + [r for v in node.values() for r in _regexes(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in _regexes(v)]
+    return []
+
+
+def transformers_caveat(spec: str | None, cfg: ModelConfig) -> str | None:
+    """A warning for exports that transformers >= 5 tokenizes differently from training (see the module docstring)."""
+    if spec is None or cfg.model_type != "qwen2" or spec == "qwen2":
+        return None
+    if spec not in BUILTIN_TOKENIZERS:
+        text = tokenizer_files(spec).get("tokenizer.json")
+        if text is None or QWEN2_PATTERN in _regexes(json.loads(text).get("pre_tokenizer")):
+            return None
+    return (f"transformers >= 5 loads the tokenizer of a qwen2-type model as Qwen2Tokenizer, which uses Qwen's "
+            f"pre-tokenizer instead of this export's ({spec}): digits and some whitespace then encode differently "
+            f"from training. Load it exactly with transformers.PreTrainedTokenizerFast.from_pretrained(DIR) (or "
+            f"tokenizers.Tokenizer.from_file(DIR/tokenizer.json)); transformers < 5 loads it as it is")

@@ -78,10 +78,12 @@ def resolve_model_dir(spec: str) -> Path:
 
 
 # The embedded default model: small enough to train on a CPU in minutes, with the GPT-2 BPE vocabulary of
-# the embedded corpus (50257 tokens, padded to a multiple of 64 for efficient GEMMs).
-TINY = ModelConfig(model_type="qwen2", vocab_size=50304, hidden_size=128, intermediate_size=384,
+# the embedded corpus (50257 tokens, padded to a multiple of 64 for efficient GEMMs). Llama layout: transformers
+# >= 5 loads the tokenizer of every qwen2-type model as its Qwen2Tokenizer, which swaps in Qwen's pre-tokenizer
+# and would encode this GPT-2 data differently (digits, contractions); a llama-type export keeps its tokenizer.
+TINY = ModelConfig(model_type="llama", vocab_size=50304, hidden_size=128, intermediate_size=384,
                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                   rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=True,
+                   rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
                    bos_token_id=50256, eos_token_id=50256)
 
 

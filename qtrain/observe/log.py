@@ -360,7 +360,10 @@ class RunLogger:
                     f"{sample.get('temperature', '?')} C | throttle {sample.get('throttle') or 'none'}", level=VERBOSE)
 
     def log_outputs(self, **where: str | None) -> None:
-        """Where the run's results are (export, checkpoint, log, ...): logged, and printed at the end of a run."""
+        """Where the run's results are (export=..., checkpoint=..., log_file=...): logged, and printed at the end of
+        a run. Empty values are left out."""
+        if {"log", "time", "step"} & where.keys():
+            raise ValueError(f"log_outputs: {sorted({'log', 'time', 'step'} & where.keys())} are log object fields")
         found = {k: v for k, v in where.items() if v}
         self.log("outputs", sync=True, **found)
         self._print("[Done] " + " | ".join(f"{k.replace('_', ' ')}: {v}" for k, v in found.items()), level=QUIET)

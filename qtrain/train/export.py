@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from qtrain.data.hf_tokenizer import TokenizerExportError, export_files, export_tokenizer
+from qtrain.data.hf_tokenizer import TokenizerExportError, export_files, export_tokenizer, transformers_caveat
 from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import save_hf_model
 from qtrain.parallel.layout import FlatLayout
@@ -39,6 +39,7 @@ class ExportResult(NamedTuple):
     checkpoint: str  # the checkpoint directory exported
     out_dir: str
     tokenizer: str | None  # the tokenizer written beside the weights (None: the run recorded none that exists)
+    caveat: str | None = None  # how transformers may load that tokenizer differently (`transformers_caveat`)
 
 
 def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, tokenizer: str = "") -> ExportResult:
@@ -50,7 +51,7 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, t
     cfg, params, dtype = checkpoint_params(str(path))
     spec = export_tokenizer(explicit=tokenizer or (checkpoint_tokenizer(str(path)) or ""))
     save_hf_model(out_dir, cfg, params, dtype=DTYPES[dtype], extra_files=export_files(spec, cfg))
-    return ExportResult(str(path), str(out_dir), spec)
+    return ExportResult(str(path), str(out_dir), spec, transformers_caveat(spec, cfg))
 
 
 def checkpoint_tokenizer(path: str) -> str | None:

@@ -13,7 +13,7 @@ import torch
 
 from qtrain.data.corpus import ensure_default_dataset
 from qtrain.data.loader import TokenLoader
-from qtrain.data.hf_tokenizer import recorded_tokenizer
+from qtrain.data.hf_tokenizer import recorded_tokenizer, transformers_caveat
 from qtrain.observe.live import attach_observers
 from qtrain.observe.log import RunLogger
 from qtrain.observe.metrics import device_peaks, model_flops_per_token, ns_per_token, peak_tflops, sol_ops
@@ -82,6 +82,8 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
     log.message(f"export tokenizer: {trainer.tokenizer}" if trainer.tokenizer else
                 "no tokenizer is known for the export (no model directory files, none recorded in the token "
                 "files): pass --tokenizer", level="info" if trainer.tokenizer else "warning")
+    if caveat := transformers_caveat(trainer.tokenizer, cfg):
+        log.message(caveat, level="warning")
     log.log_dataset("train", files=len(train.files), tokens=train.num_tokens, seed=opts.train_seed)
     if evals is not None:
         log.log_dataset("eval", files=len(evals.files), tokens=evals.num_tokens, seed=opts.eval_seed)
@@ -159,7 +161,7 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
     final_ckpt = None
     if opts.save_training_state:
         final_ckpt = checkpointing.save(ckpt_dir, trainer, train, log, keep_n=opts.ckpt_keep_n, major=opts.ckpt_major)
-    log.log_outputs(export=out_dir, checkpoint=final_ckpt, log=log.path,
+    log.log_outputs(export=out_dir, checkpoint=final_ckpt, log_file=log.path,
                     tensorboard=opts.expand(opts.tensorboard) if opts.tensorboard else None)
     if tb is not None:
         tb.close()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from qtrain.data.hf_tokenizer import (TokenizerExportError, builtin_tokenizer_json, export_files, export_tokenizer,
-                                      recorded_tokenizer, tokenizer_files)
+                                      recorded_tokenizer, tokenizer_files, transformers_caveat)
 from qtrain.data.token_files import read_token_file_header, write_token_file
 from qtrain.data.tokenize import get_tokenizer
 from qtrain.model.config import ModelConfig
@@ -143,3 +143,22 @@ def test_recorded_tokenizer_needs_agreement_and_existence(tmp_path):
     assert recorded_tokenizer([odd]) is None  # 32000: no built-in to fall back on
     (tmp_path / "deleted-model").mkdir()
     assert recorded_tokenizer([gone]) == str(tmp_path / "deleted-model")
+
+
+def test_transformers_caveat_for_qwen2_models_with_another_tokenizer(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    qwen = ModelConfig(model_type="qwen2", vocab_size=50304, hidden_size=64, intermediate_size=96,
+                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    llama = ModelConfig(model_type="llama", vocab_size=50304, hidden_size=64, intermediate_size=96,
+                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    assert "Qwen2Tokenizer" in transformers_caveat("gpt2", qwen)
+    assert transformers_caveat("qwen2", qwen) is None and transformers_caveat("gpt2", llama) is None
+    assert transformers_caveat(None, qwen) is None
+    for fname, data in tokenizer_files("gpt2").items():
+        (tmp_path / fname).write_bytes(data)
+    assert transformers_caveat(str(tmp_path), qwen) is not None
+    # what the caveat recommends loads the exact tokenizer whatever the model type
+    (tmp_path / "config.json").write_text(json.dumps(qwen.to_hf_dict()))
+    exact = transformers.PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    text = "In the late 1980s they'd built 12345 machines."
+    assert exact(text)["input_ids"] == get_tokenizer("gpt2").encode(text)
