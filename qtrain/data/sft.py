@@ -59,7 +59,9 @@ class SFTFormat:
 
 
 def iter_records(path: Path, fields: tuple[str, ...]) -> Iterator[dict[str, Any]]:
-    """The records of a .jsonl or .parquet file, each with `fields` (checked here, naming file and line)."""
+    """The records of a .jsonl or .parquet file, each with `fields` (checked here, naming file and line); each
+    record carries `_where` ("file:line") for later messages. Plain-text documents use it too
+    (`qtrain.data.tokenize.iter_documents`)."""
     if path.suffix == ".jsonl":
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
@@ -71,14 +73,18 @@ def iter_records(path: Path, fields: tuple[str, ...]) -> Iterator[dict[str, Any]
                     raise SFTError(f"{path}:{lineno}: not JSON ({e})") from None
                 missing = [k for k in fields if not isinstance(rec, dict) or k not in rec]
                 if missing:
-                    raise SFTError(f"{path}:{lineno}: no field(s) {missing}")
+                    raise SFTError(f"{path}:{lineno}: no field {', '.join(map(repr, missing))}")
                 yield {**rec, "_where": f"{path}:{lineno}"}
     elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise RuntimeError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from e
         pf = pq.ParquetFile(path)
         missing = [k for k in fields if k not in pf.schema_arrow.names]
         if missing:
-            raise SFTError(f"{path}: no column(s) {missing} (columns: {', '.join(pf.schema_arrow.names)})")
+            raise SFTError(f"{path}: no column {', '.join(map(repr, missing))} "
+                           f"(columns: {', '.join(pf.schema_arrow.names)})")
         row = 0
         for batch in pf.iter_batches(columns=list(fields), batch_size=1024):
             for rec in batch.to_pylist():
@@ -88,7 +94,7 @@ def iter_records(path: Path, fields: tuple[str, ...]) -> Iterator[dict[str, Any]
         raise SFTError(f"{path}: SFT records come from .jsonl or .parquet files")
 
 
-def _text(rec: dict[str, Any], key: str) -> str:
+def record_text(rec: dict[str, Any], key: str) -> str:
     v = rec.get(key)
     if not isinstance(v, str):
         raise SFTError(f"{rec.get('_where', 'record')}: field {key!r} is {type(v).__name__}, not a string")
@@ -122,8 +128,8 @@ def encode_example(tok: "Tokenizer", rec: dict[str, Any], fmt: SFTFormat) -> tup
             parts.append((tok.encode("\n"), False))
         parts.append(([tok.eos_id], False))
     else:
-        parts.append((tok.encode(_text(rec, fmt.prompt_field)), False))
-        parts.append(([*tok.encode(_text(rec, fmt.response_field)), tok.eos_id], True))
+        parts.append((tok.encode(record_text(rec, fmt.prompt_field)), False))
+        parts.append(([*tok.encode(record_text(rec, fmt.response_field)), tok.eos_id], True))
     tokens = np.asarray([t for ids, _ in parts for t in ids], dtype=np.int32)
     mask = np.asarray([keep for ids, keep in parts for _ in ids], dtype=bool)
     if fmt.pad_to is not None:

@@ -37,7 +37,7 @@ from typing import Any, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from qtrain.data.sft import SFTFormat, encode_example, iter_records
+from qtrain.data.sft import SFTFormat, encode_example, iter_records, record_text
 from qtrain.data.token_files import DataError, TokenFileWriter
 
 QWEN2_PATTERN = (
@@ -235,28 +235,11 @@ def iter_documents(path: Path, *, text_field: str = "text", split_lines: bool = 
             yield from (line for line in text.splitlines() if line.strip())
         else:
             yield text
-    elif path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    value = json.loads(line)[text_field]
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(f"{path}:{lineno}: no string field '{text_field}' ({e})") from e
-                if not isinstance(value, str):
-                    raise ValueError(f"{path}:{lineno}: field '{text_field}' is {type(value).__name__}, not a string")
-                yield value
-    elif path.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as e:
-            raise RuntimeError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from e
-        pf = pq.ParquetFile(path)
-        if text_field not in pf.schema_arrow.names:
-            raise ValueError(f"{path}: no column '{text_field}' (columns: {', '.join(pf.schema_arrow.names)})")
-        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-            yield from (v for v in batch.column(0).to_pylist() if v is not None)
+    elif path.suffix in (".jsonl", ".parquet"):
+        for rec in iter_records(path, (text_field,)):
+            if rec[text_field] is None and path.suffix == ".parquet":
+                continue  # a missing value in a column
+            yield record_text(rec, text_field)
     else:
         raise ValueError(f"{path}: unsupported input type")
 

@@ -110,7 +110,7 @@ def test_chat_needs_chatml_tokens(tmp_path):
 
 
 @pytest.mark.parametrize("record,match", [
-    ({"question": "q"}, r"qa.jsonl:1: no field\(s\) \['answer'\]"),
+    ({"question": "q"}, r"qa.jsonl:1: no field 'answer'"),
     ({"question": "q", "answer": 3}, r"qa.jsonl:1: field 'answer' is int, not a string"),
 ])
 def test_bad_records_name_file_and_line(tmp_path, record, match, capsys):
