@@ -84,26 +84,31 @@ class GpuMonitor:
 
 
 class GpuUtilSink:
-    """A run-log sink: after every `every`-th step object (steps 0, N, 2N, ...), log one `gpu` sample."""
+    """A run-log sink: after every `every`-th step object (steps 0, N, 2N, ...), log one `gpu` sample per
+    monitored device (rank 0 watches every GPU of its machine, as llm.q's logger does)."""
 
-    def __init__(self, log: Any, monitor: GpuMonitor, every: int):
-        self.log, self.monitor, self.every = log, monitor, every
+    def __init__(self, log: Any, monitors: list[GpuMonitor], every: int):
+        self.log, self.monitors, self.every = log, monitors, every
 
     def on_event(self, obj: dict[str, Any]) -> None:
         if obj.get("log") == "step" and int(obj["step"]) % self.every == 0:
-            self.log.log_gpu(self.monitor.sample(), step=int(obj["step"]))
+            for m in self.monitors:
+                self.log.log_gpu(m.sample(), step=int(obj["step"]))
 
 
 def make_gpu_sink(log: Any, device: Any, every: int) -> GpuUtilSink | None:
-    """The `--log-gpu-util` sink for a torch device, or None (off, a CPU run, or no NVML: said once in the log)."""
-    if every <= 0 or getattr(device, "type", "cpu") != "cuda":
+    """The `--log-gpu-util` sink of a run on `device`: all visible GPUs, or None (off, a CPU run, or no NVML:
+    said once in the log)."""
+    if every <= 0 or getattr(device, "type", "cpu") != "cuda" or getattr(log, "rank", 0) != 0:
         return None
     import torch
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
-    monitor = GpuMonitor.create(index, f"GPU-{uuid}" if uuid is not None else None)
-    if monitor is None:
-        log.message("--log-gpu-util: NVML is not available (pip install nvidia-ml-py), no GPU telemetry is logged",
-                    level="warning")
-        return None
-    return GpuUtilSink(log, monitor, every)
+    monitors = []
+    for index in range(torch.cuda.device_count()):
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        monitor = GpuMonitor.create(index, f"GPU-{uuid}" if uuid is not None else None)
+        if monitor is None:
+            log.message("--log-gpu-util: NVML is not available (pip install nvidia-ml-py), no GPU telemetry is "
+                        "logged", level="warning")
+            return None
+        monitors.append(monitor)
+    return GpuUtilSink(log, monitors, every)

@@ -62,7 +62,8 @@ def test_gpu_run_logs_real_telemetry_every_n_steps(tmp_path, monkeypatch):
                  "--seq-len", "64", "--batch-size", "4", "--log-gpu-util", "2", "--no-save-training-state",
                  "--log-file", "log.jsonl"]) == 0
     gpu = [e for e in read_log("log.jsonl") if e["log"] == "gpu"]
-    assert [e["step"] for e in gpu] == [0, 2, 4]
+    n = torch.cuda.device_count()  # every GPU of the machine, each sampled at steps 0, 2, 4
+    assert [(e["step"], e["id"]) for e in gpu] == [(s, i) for s in (0, 2, 4) for i in range(n)]
     for e in gpu:
         assert e["power"] > 10_000 and e["power_limit"] >= e["power"] and e["clock"] > 100
         assert 0 <= e["gpu_util"] <= 100 and e["dram_total"] > e["dram_used"] > 0
