@@ -172,14 +172,18 @@ def recorded_tokenizer(headers: Sequence[TokenFileHeader]) -> str | None:
 
 def export_tokenizer(*, explicit: str = "", model_dir: str | None = None,
                      token_files: Sequence[TokenFileHeader] = ()) -> str | None:
-    """The tokenizer spec an export carries (see the module docstring). An explicit spec must exist."""
+    """The tokenizer spec an export carries (see the module docstring): a built-in's name or an absolute path
+    (it is recorded in checkpoints, which `qtrain export` may read from another directory). An explicit spec
+    must exist."""
     if explicit:
-        if explicit not in BUILTIN_TOKENIZERS and not Path(explicit).exists():
+        if explicit in BUILTIN_TOKENIZERS:
+            return explicit
+        if not Path(explicit).exists():
             raise TokenizerExportError(f"--tokenizer {explicit!r}: not a built-in ({', '.join(BUILTIN_TOKENIZERS)}) "
                                        f"and no such file or directory")
-        return explicit
+        return str(Path(explicit).resolve())
     if has_tokenizer_files(model_dir):
-        return str(model_dir)
+        return str(Path(str(model_dir)).resolve())
     return recorded_tokenizer(token_files) if token_files else None
 
 

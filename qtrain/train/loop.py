@@ -161,7 +161,8 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
     final_ckpt = None
     if opts.save_training_state:
         final_ckpt = checkpointing.save(ckpt_dir, trainer, train, log, keep_n=opts.ckpt_keep_n, major=opts.ckpt_major)
-    log.log_outputs(export=out_dir, checkpoint=final_ckpt, log_file=log.path,
+    log.log_outputs(export=out_dir, checkpoint=final_ckpt or (ckpt_dir if os.path.isdir(ckpt_dir) else None),
+                    log_file=log.path,
                     tensorboard=opts.expand(opts.tensorboard) if opts.tensorboard else None)
     if tb is not None:
         tb.close()
