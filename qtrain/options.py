@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Iterable
 
 from qtrain.model.layers import SDPA_BACKENDS
 from qtrain.model.recompute import FLAGS as RECOMPUTE_FLAGS
@@ -21,6 +21,24 @@ OPT_M_DTYPES = ("fp32", "bf16", "e4m3")
 OPT_V_DTYPES = ("fp32", "bf16")
 SCHEDULES = ("cosine", "linear", "wsd")
 DEFAULT_MODEL = "qtrain-tiny"  # the embedded default: a small model trained on the embedded corpus
+
+
+# fields with a fixed set of values (validate() checks them; the CLI lists them in --help)
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model_dtype": DTYPES, "matmul_dtype": MATMUL_DTYPES, "gradient_dtype": GRADIENT_DTYPES,
+    "opt_m_dtype": OPT_M_DTYPES, "opt_v_dtype": OPT_V_DTYPES, "lr_schedule": SCHEDULES,
+    "device": ("auto", "cpu", "cuda"), "compile": ("auto", "on", "off"), "sdpa_backend": SDPA_BACKENDS,
+}
+EMPTY_MEANS_DEFAULT = ("matmul_dtype", "gradient_dtype")  # '' = follow the model / matmul dtype
+
+
+def closest(name: str, candidates: Iterable[str]) -> str | None:
+    """The candidate most like a mistyped `name`, for "did you mean ...?" hints. The similarity cut-off (difflib
+    ratio 0.7) takes typos (--stesp: 0.86) and cut-off names (--grad-accum: 0.77), not unrelated words
+    (--frobnicate vs --from-scratch: 0.62)."""
+    import difflib
+    found = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.7)
+    return found[0] if found else None
 
 
 class OptionsError(ValueError):
@@ -59,10 +77,13 @@ class Options:
     eval_file: str = ""
     """Token file(s) for evaluation; empty = the embedded corpus' eval split (or none with --train-file)."""
     train_seed: int = 0x83B45442
+    """Seed of the training data order (file and chunk shuffling per epoch)."""
     eval_seed: int = 0x384B4524
+    """Seed of the evaluation loader (evaluation reads its files in order; kept for llm.q's command lines)."""
     batch_size: int = 4
     """Micro-batch per GPU (sequences)."""
     seq_len: int = 1024
+    """Tokens per sequence (the loader cuts token files into non-overlapping chunks of this length)."""
     lmhead_chunks: int = 1
     """Split the LM head + loss into N row chunks so fp32 logits exist for 1/N of the tokens at a time."""
     attn_bwd_chunks: int = 1
@@ -74,32 +95,51 @@ class Options:
 
     # ---- optimiser / schedule ----
     learning_rate: float = 1e-5
+    """Peak learning rate (after warmup)."""
     warmup: int = 0
+    """Steps of linear warmup from 0 to the peak learning rate."""
     cooldown: int = 0
+    """Final steps of 1-sqrt cooldown (to --final-lr-fraction; the tail of a wsd run)."""
     final_lr_fraction: float = 1.0
+    """Learning rate of the last step, as a fraction of the peak (0 = decay to zero)."""
     lr_schedule: str = "cosine"
+    """Shape after warmup: cosine or linear decay to the final fraction, or wsd (constant, then --cooldown)."""
     beta_1: float = 0.9
+    """AdamW beta1 (first-moment decay)."""
     beta_2: float = 0.95
+    """AdamW beta2 (second-moment decay)."""
     adam_epsilon: float = 1e-8
+    """AdamW epsilon, added to sqrt(v)."""
     weight_decay: float = 0.1
+    """Decoupled weight decay of the matrices and embeddings (not of norms and biases)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (<= 0 disables)."""
     z_loss: float = 0.0
+    """Strength of the z-loss (log-sum-exp squared) that keeps logits from drifting; 0 = off."""
     grad_accumulation: int = 4
+    """Micro-batches per optimizer step (sequences per step = batch x grad-accumulation x GPUs)."""
     steps: int = -1
     """Optimizer steps; -1 = epochs x steps per epoch."""
     epochs: int = 1
+    """Passes over the training files when --steps is -1."""
     eval_every_n_steps: int = 100
+    """Evaluate every N optimizer steps (and once over the whole eval file at the end)."""
     eval_num_steps: int = 100
     """Batches per periodic evaluation; the final evaluation covers the whole eval file."""
 
     # ---- output / checkpoints / logging ----
     name: str = "qtrain"
+    """Run name; replaces %n in --out-dir, --checkpoint-dir, --log-file and --tensorboard."""
     out_dir: str = "output/%n"
+    """Directory of the final Hugging Face export (config.json, safetensors, tokenizer, generation config)."""
     checkpoint_dir: str = "ckpt/%n"
+    """Directory of the training checkpoints (step_NNNNNNNN/), for --continue and `qtrain export`."""
     ckpt_interval: int = 100
+    """Write a checkpoint every N optimizer steps."""
     ckpt_keep_n: int = -1
+    """Keep only the newest N checkpoints (-1 = keep all); see --ckpt-major."""
     ckpt_major: int = -1
+    """Checkpoints at steps divisible by N are never deleted by --ckpt-keep-n (-1 = none)."""
     save_training_state: bool = True
     """Write a final checkpoint at the end (--no-save-training-state to skip)."""
     continue_from: str | None = None
@@ -107,7 +147,24 @@ class Options:
     new_data: bool = False
     """With --continue: do not restore the data loader position."""
     log_file: str = "logs/%n.jsonl"
+    """JSON Lines run log (`qtrain plot`, `qtrain export-wandb`); '' = none; %n = --name."""
     tensorboard: str = ""
+    """Directory for live TensorBoard scalars (loss, lr, norm, tokens/s, eval); '' = off."""
+    wandb: str = ""
+    """Weights & Biases project to log the run to live (rank 0); '' = off. WANDB_MODE=offline keeps it local
+    (`wandb sync` uploads later); WANDB_ENTITY / WANDB_DIR as usual."""
+    tokenizer: str = ""
+    """Tokenizer written into exports (qwen2 | gpt2 | tokenizer.json | HF model directory); '' = the model
+    directory's tokenizer files, else the tokenizer the token files record (or their vocab size implies)."""
+    log_gpu_util: int = 25
+    """Every N steps log GPU utilisation, power, clocks, temperature and memory (needs NVML: nvidia-ml-py);
+    0 = off. Has no effect on CPU runs."""
+    debug_time_breakdown: bool = False
+    """Log how long each micro-step (forward + backward) and the update take, timed with device events;
+    costs a device sync per step."""
+    debug_log_allocations: int = -1
+    """Record device memory allocations and, after the first step, log every live one of at least this many
+    MiB with the code that made it (-1 = off; CUDA only)."""
     debug_log_abs_max: int = 0
     """Every N steps log the abs-max (= FP8 scale) of each block linear's input, output gradient and weight
     (0 = off); the debug steps run the blocks uncompiled."""
@@ -124,9 +181,13 @@ class Options:
     gpus: int = 0
     """Local worker processes to start (0 = all visible GPUs, or 1 on CPU). Under torchrun: the launcher's."""
     zero_level: int = 1
+    """ZeRO level: 1 shards the Adam state, 2 also the gradients, 3 also the weights (0 acts as 1)."""
     shard_gradients: bool = False
+    """Shard the gradients across ranks (ZeRO-2): reduce-scatter per block every micro-step."""
     all_to_all_reduce: bool = False
+    """With sharded gradients: reduce with an all-to-all exchange instead of a reduce-scatter."""
     offload_gradients: bool = False
+    """Keep the sharded gradient shards in pinned host memory (needs sharded gradients)."""
     recompute_block: bool = False
     """Keep only each block's input, rerun the whole block in backward (implies att, ffn, norm)."""
     recompute_swiglu: bool = False
@@ -158,6 +219,9 @@ class Options:
     """Adam second-moment shards in pinned host memory, streamed through the device for the update."""
     use_zero_copy: bool = False
     """Update offloaded state in place instead of staging it through the device (CPU only; refused on CUDA)."""
+    use_cuda_graphs: bool = False
+    """Capture the block bodies in CUDA graphs (llm.q's --use-cuda-graphs). Accepted and logged; qtrain does
+    not capture graphs yet, so it currently runs without them (refused with --device cpu)."""
 
     # ---------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
@@ -195,19 +259,12 @@ class Options:
             if value not in allowed:
                 raise err(f"--{opt}={value!r}: must be one of {', '.join(allowed)}")
 
-        choice("model-dtype", self.model_dtype, DTYPES)
-        if self.matmul_dtype:
-            choice("matmul-dtype", self.matmul_dtype, MATMUL_DTYPES)
-        if self.gradient_dtype:
-            choice("gradient-dtype", self.gradient_dtype, GRADIENT_DTYPES)
-            if self.effective_matmul_dtype != "e4m3":
-                raise err("--gradient-dtype only applies with --matmul-dtype e4m3")
-        choice("opt-m-dtype", self.opt_m_dtype, OPT_M_DTYPES)
-        choice("opt-v-dtype", self.opt_v_dtype, OPT_V_DTYPES)
-        choice("lr-schedule", self.lr_schedule, SCHEDULES)
-        choice("device", self.device, ("auto", "cpu", "cuda"))
-        choice("compile", self.compile, ("auto", "on", "off"))
-        choice("sdpa-backend", self.sdpa_backend, SDPA_BACKENDS)
+        for name, allowed in CHOICES.items():
+            value = getattr(self, name)
+            if value or name not in EMPTY_MEANS_DEFAULT:
+                choice(name.replace("_", "-"), value, allowed)
+        if self.gradient_dtype and self.effective_matmul_dtype != "e4m3":
+            raise err("--gradient-dtype only applies with --matmul-dtype e4m3")
         if self.model_dtype == "fp32" and (self.opt_m_dtype != "fp32" or self.opt_v_dtype != "fp32"):
             raise err("--model-dtype fp32 needs --opt-m-dtype fp32 and --opt-v-dtype fp32 "
                       "(low-precision moments with fp32 weights are not a supported combination)")
@@ -286,6 +343,12 @@ class Options:
             raise err(f"--debug-log-abs-max must be >= 0, got {self.debug_log_abs_max}")
         if self.gpus < 0:
             raise err(f"--gpus must be >= 0, got {self.gpus}")
+        if self.use_cuda_graphs and self.device == "cpu":
+            raise err("--use-cuda-graphs needs a CUDA device (drop it, or --no-use-cuda-graphs, with --device cpu)")
+        if self.log_gpu_util < 0:
+            raise err(f"--log-gpu-util must be >= 0 (0 = off), got {self.log_gpu_util}")
+        if self.debug_log_allocations < -1 or self.debug_log_allocations == 0:
+            raise err(f"--debug-log-allocations takes a size in MiB >= 1 (-1 = off), got {self.debug_log_allocations}")
         return self
 
     # ---- config files ----
@@ -364,5 +427,9 @@ def normalize_mapping(d: dict[str, Any], *, source: str = "options") -> dict[str
             raise OptionsError(f"{source}: option {key!r} given twice (as {k!r} and another spelling)")
         norm[key] = _coerce(key, v, source, spelled=str(k))
     if unknown:
-        raise OptionsError(f"{source}: unknown option(s) {sorted(unknown)}")
+        spelled = sorted(names | {a for a in ALIASES})
+        hints = [f"{u!r} -> {m!r}" for u in sorted(unknown)
+                 if (m := closest(u.replace("-", "_"), spelled)) is not None]
+        raise OptionsError(f"{source}: unknown option(s) {sorted(unknown)}"
+                           + (f" (did you mean {', '.join(hints)}?)" if hints else ""))
     return norm

@@ -430,11 +430,14 @@ def test_unknown_key_in_file_names_file_and_key(tmp_path):
     assert path in str(ei.value) and "learning-rat" in str(ei.value)
 
 
-def test_toml_tables_are_not_options(tmp_path):
+def test_toml_tables_are_sections_one_level_deep(tmp_path):
+    # a table groups options (issue 19: torchtitan-style configs); a table inside a table is an error naming both
     path = _write(tmp_path, "run.toml", "[train]\nbatch = 8\n")
+    assert Options.from_mapping(load_config_file(path), source=path).batch_size == 8
+    path = _write(tmp_path, "deep.toml", "[train]\n[train.optim]\nlr = 1e-4\n")
     with pytest.raises(OptionsError) as ei:
-        Options.from_mapping(load_config_file(path), source=path)
-    assert path in str(ei.value) and "train" in str(ei.value)
+        load_config_file(path)
+    assert path in str(ei.value) and "[train.optim]" in str(ei.value)
 
 
 def test_every_field_has_a_type_the_loaders_understand():

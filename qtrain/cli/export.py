@@ -2,19 +2,25 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Sequence
 
 from qtrain.train.export import export_checkpoint
 
-HELP = "training checkpoint -> Hugging Face model directory"
+HELP = "training checkpoint -> Hugging Face model directory (weights, tokenizer, generation config)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint-dir", required=True)
-    p.add_argument("--out-dir", required=True)
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--checkpoint-dir", required=True, help="a run's checkpoint directory (ckpt/NAME), or one step_N")
+    p.add_argument("--out-dir", required=True, help="HF model directory to write (replaced atomically)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    p.add_argument("--tokenizer", default="",
+                   help="qwen2 | gpt2 | tokenizer.json | model directory (default: the one the run recorded)")
 
 
 def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
-    export_checkpoint(ns.checkpoint_dir, ns.out_dir, step=ns.step)
+    r = export_checkpoint(ns.checkpoint_dir, ns.out_dir, step=ns.step, tokenizer=ns.tokenizer)
+    print(f"exported {r.checkpoint} -> {r.out_dir} (tokenizer: {r.tokenizer or 'none recorded; pass --tokenizer'})")
+    if r.caveat:
+        print(f"note: {r.caveat}", file=sys.stderr)
     return 0

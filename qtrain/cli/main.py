@@ -6,6 +6,7 @@
     torchrun --nproc-per-node 8 -m qtrain.cli.main train ...   # launcher-provided ranks (one or more nodes)
     qtrain tokenize --tokenizer qwen2 --out-dir data/mine docs/*.txt
     qtrain export --checkpoint-dir ckpt/run --out-dir output/run
+    qtrain generate --model output/run --prompt "Once upon a time"
     qtrain plan --model Qwen2.5-7B --gpu-memory 80GiB --seq-len 1024 [--gpus 8]
 
 Each subcommand is a module of this package with `HELP`, `add_arguments(parser)` and `run(ns, argv)`.
@@ -17,20 +18,54 @@ import importlib
 import sys
 from typing import Sequence
 
+from qtrain import __version__
+from qtrain.options import closest
+
 # subcommand -> module of this package; `allow_abbrev` is off for those with many long flags
-SUBCOMMANDS = {"train": "train", "tokenize": "tokenize", "export": "export", "plan": "plan", "eval": "evaluate",
-               "plot": "plot", "export-wandb": "wandb"}
+SUBCOMMANDS = {"train": "train", "tokenize": "tokenize", "export": "export", "generate": "generate",
+               "plan": "plan", "eval": "evaluate", "plot": "plot", "export-wandb": "wandb"}
 NO_ABBREV = {"train", "plan"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qtrain", description="Fast, memory-lean training of Llama-family LMs")
-    sub = parser.add_subparsers(dest="command", required=True)
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each argument's default, except where there is none (None) or the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with "did you mean ...?" for unknown flags, suggested from the subcommand's own flags."""
+
+    subcommands: dict[str, argparse.ArgumentParser]
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None):
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            sub = getattr(self, "subcommands", {}).get(getattr(ns, "command", None) or "", self)
+            flags = [o for a in sub._actions for o in a.option_strings]
+            words = []
+            for x in extras:
+                match = closest(x.split("=", 1)[0], flags) if x.startswith("--") else None
+                words.append(f"{x} (did you mean {match}?)" if match else x)
+            sub.error("unrecognized arguments: " + " ".join(words))
+        return ns
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="qtrain", description="Fast, memory-lean training of Llama-family LMs")
+    parser.add_argument("--version", action="version", version=f"qtrain {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.subcommands = {}
     for name, module in SUBCOMMANDS.items():
         mod = importlib.import_module(f"qtrain.cli.{module}")
-        p = sub.add_parser(name, help=mod.HELP, **({"allow_abbrev": False} if name in NO_ABBREV else {}))
+        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP, formatter_class=HelpFormatter,
+                           **({"allow_abbrev": False} if name in NO_ABBREV else {}))
         mod.add_arguments(p)
         p.set_defaults(func=mod.run)
+        parser.subcommands[name] = p
     return parser
 
 

@@ -10,15 +10,31 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import sys
 import typing
 from typing import Any
 
 from qtrain import options as options_module
 from qtrain.cli.config_file import load_config_file
-from qtrain.options import Options, normalize_mapping
+from qtrain.options import CHOICES, Options, normalize_mapping
 
-# llm.q spellings accepted besides the field names
-EXTRA_FLAGS = {"batch_size": ["--batch"], "seq_len": ["--seq-length"], "learning_rate": ["--lr"]}
+# llm.q spellings accepted besides the field names (`--persist-quants` is how llm.q's README spells it)
+EXTRA_FLAGS = {"batch_size": ["--batch"], "seq_len": ["--seq-length"], "learning_rate": ["--lr"],
+               "persistent_quants": ["--persist-quants"]}
+
+# llm.q switches that choose between its own CUDA/threads implementations; qtrain accepts them so llm.q command
+# lines run unchanged, and says in one line what it does instead.
+LLMQ_IMPLEMENTATION_FLAGS = {
+    "--custom-matmul": "qtrain's matmuls are torch's cuBLAS(Lt) GEMMs (FP8: torch._scaled_mm), llm.q's hand-written "
+                       "mma kernel does not exist here; --custom-matmul has no effect",
+    "--memcpy-all-gather": "qtrain runs one process per GPU and all-gathers weights with NCCL (torch.distributed); "
+                           "llm.q's threads-mode peer memcpy does not apply; --memcpy-all-gather has no effect",
+    "--memcpy-send-recv": "qtrain exchanges gradient slices with NCCL all_to_all_single (torch.distributed); "
+                          "llm.q's threads-mode peer memcpy does not apply; --memcpy-send-recv has no effect",
+    "--write-combined": "qtrain pins offloaded state with torch's ordinary pinned allocator (no write-combined "
+                        "mapping); --write-combined has no effect",
+}
+LLMQ_FLAG_ALIASES = {"--write-combined": ["--use-write-combined"]}  # README spelling
 
 
 def _collect_field_docs() -> dict[str, str]:
@@ -42,6 +58,14 @@ def _field_help(name: str) -> str:
     return " ".join(doc.split()).replace("%", "%%")  # argparse %-formats help strings (`%n` in a path)
 
 
+def _default_text(name: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if name.endswith("_seed"):
+        return hex(value)
+    return repr(value) if value == "" else str(value)
+
+
 def _int(s: str) -> int:
     return int(s, 0)  # accepts 0x83b45442 like llm.q's seeds
 
@@ -52,12 +76,17 @@ _int.__name__ = "int"  # argparse names the type in "invalid int value: 'abc'"
 def add_train_args(p: argparse.ArgumentParser) -> None:
     """--config and one flag per `Options` field; nothing is set unless given (argparse.SUPPRESS), so the
     precedence of `options_from_args` holds."""
-    p.add_argument("--config", help="TOML or YAML file of options; flags given here override it")
+    p.add_argument("--config", help="TOML or YAML file of options (flat, or with one level of [sections]); "
+                                    "flags given here override it")
     hints = typing.get_type_hints(Options)
     for f in dataclasses.fields(Options):
         flag = "--" + f.name.replace("_", "-")
         names = [flag] + EXTRA_FLAGS.get(f.name, [])
         help_ = _field_help(f.name)
+        if f.name in CHOICES:
+            help_ += " Choices: " + ", ".join(CHOICES[f.name]) + "."
+        if f.name != "continue_from":
+            help_ += f" (default: {_default_text(f.name, f.default)})".replace("%", "%%")
         if f.name == "continue_from":
             p.add_argument("--continue", dest=f.name, nargs="?", const="latest", default=argparse.SUPPRESS,
                            help=help_)
@@ -68,15 +97,28 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                            help=help_)
         else:
             conv: Any = {int: _int, float: float}.get(typ, str)
-            p.add_argument(*names, dest=f.name, type=conv, default=argparse.SUPPRESS, metavar=f.name.upper(),
+            metavar = "{" + ",".join(CHOICES[f.name]) + "}" if f.name in CHOICES else f.name.upper()
+            p.add_argument(*names, dest=f.name, type=conv, default=argparse.SUPPRESS, metavar=metavar,
                            help=help_)
+    g = p.add_argument_group("llm.q implementation switches (accepted, no effect in qtrain)")
+    for flag, note in LLMQ_IMPLEMENTATION_FLAGS.items():
+        g.add_argument(flag, *LLMQ_FLAG_ALIASES.get(flag, []), dest="llmq_" + flag[2:].replace("-", "_"),
+                       action="store_true", default=argparse.SUPPRESS, help=note.replace("%", "%%"))
 
 
-def embedded_defaults() -> dict[str, Any]:
+def llmq_notes(ns: argparse.Namespace) -> list[str]:
+    """One line per llm.q implementation switch given on the command line: what qtrain does instead."""
+    return [f"note: {note}" for flag, note in LLMQ_IMPLEMENTATION_FLAGS.items()
+            if getattr(ns, "llmq_" + flag[2:].replace("-", "_"), False)]
+
+
+def embedded_defaults(steps: int = -1) -> dict[str, Any]:
     """Settings for the embedded default run (no --model): a tiny model from scratch needs a far larger
-    learning rate than llm.q's fine-tuning default, and short sequences keep a CPU run to a few minutes."""
+    learning rate than llm.q's fine-tuning default, and short sequences keep a CPU run to a few minutes.
+    The warmup (10 steps) shrinks to a tenth of a shorter `--steps`, so `--steps 1` just works."""
     import torch
-    return dict(learning_rate=3e-3, warmup=10, lr_schedule="cosine", final_lr_fraction=0.1, seq_len=256,
+    warmup = 10 if steps <= 0 else min(10, steps // 10)
+    return dict(learning_rate=3e-3, warmup=warmup, lr_schedule="cosine", final_lr_fraction=0.1, seq_len=256,
                 batch_size=8, grad_accumulation=1, epochs=1, eval_every_n_steps=50, eval_num_steps=20,
                 model_dtype="bf16" if torch.cuda.is_available() else "fp32", name="qtrain-default")
 
@@ -91,5 +133,15 @@ def options_from_args(ns: argparse.Namespace) -> Options:
         base = normalize_mapping(load_config_file(ns.config), source=f"--config {ns.config}")
     merged = {**base, **given}
     if not merged.get("model"):
-        merged = {**embedded_defaults(), **merged}
-    return Options(**merged).validate()
+        merged = {**embedded_defaults(int(merged.get("steps", -1))), **merged}
+    opts = Options(**merged).validate()
+    if opts.tokenizer:  # an explicit export tokenizer must exist: say so now, not after training
+        from qtrain.data.hf_tokenizer import export_tokenizer
+        export_tokenizer(explicit=opts.tokenizer)
+    for line in llmq_notes(ns) + ([USE_CUDA_GRAPHS_NOTE] if opts.use_cuda_graphs else []):
+        print(line, file=sys.stderr)
+    return opts
+
+
+USE_CUDA_GRAPHS_NOTE = ("note: --use-cuda-graphs is accepted and recorded in the run log, but qtrain does not "
+                        "capture CUDA graphs yet: the run is the same as without it")

@@ -15,7 +15,7 @@ HELP = "plot run logs: loss + eval, lr, grad norm, tokens/s vs steps and tokens"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("logs", nargs="+", metavar="LOG", help="JSON Lines log(s) of qtrain runs (--log-file)")
+    p.add_argument("logs", nargs="+", metavar="LOG", help="run log(s): qtrain's JSON Lines (--log-file) or llm.q's JSON")
     p.add_argument("--out", "-o", default="plot.png", help="PNG to write (default: plot.png)")
     p.add_argument("--smooth", type=int, default=21, help="moving-average window in steps (default 21; 1 = none)")
     p.add_argument("--title", default=None, help="figure title")

@@ -1,19 +1,21 @@
-"""`qtrain tokenize`: text / JSONL / Parquet files -> llm.q token files (`qtrain.data.tokenize`)."""
+"""`qtrain tokenize`: text / JSONL / Parquet files -> llm.q token files (`qtrain.data.tokenize`), optionally
+with loss masks for chat / SFT records (`qtrain.data.sft`)."""
 from __future__ import annotations
 
 import argparse
 import os
 from typing import Sequence
 
+from qtrain.data.sft import SFTFormat
 from qtrain.data.tokenize import tokenize_files
 
-HELP = "text / JSONL / Parquet -> token files"
+HELP = "text / JSONL / Parquet -> token files (with loss masks for chat / SFT data)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("inputs", nargs="+", help="input .txt/.jsonl/.parquet files, directories or globs")
     parser.add_argument("--out-dir", required=True, help="directory for train*.bin / eval*.bin")
-    parser.add_argument("--tokenizer", default="qwen2", help="qwen2 | gpt2 | tokenizer.json | HF model dir (default qwen2)")
+    parser.add_argument("--tokenizer", default="qwen2", help="qwen2 | gpt2 | tokenizer.json | HF model directory")
     parser.add_argument("--eval-inputs", nargs="+", default=[], help="separate eval documents (instead of --eval-fraction)")
     parser.add_argument("--eval-fraction", type=float, default=None, help="hold out whole documents for this fraction of the tokens (default 0.05 without --eval-inputs)")
     parser.add_argument("--text-field", default="text", help="jsonl field / parquet column holding the text")
@@ -21,11 +23,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens-per-file", type=int, default=100_000_000, help="split outputs into NAME-000.bin... beyond this")
     parser.add_argument("--workers", type=int, default=max(1, min((os.cpu_count() or 2) // 2, 8)), help="tokenizer processes")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sft = parser.add_argument_group("chat / SFT data: the loss covers only the responses (files carry loss masks)")
+    sft.add_argument("--prompt-field", default=None, help="field / column with the prompt (with --response-field)")
+    sft.add_argument("--response-field", default=None, help="field / column with the response the model learns")
+    sft.add_argument("--messages-field", default=None,
+                     help="field / column with a chat: a list of {role, content}, rendered as ChatML; the loss "
+                          "covers the assistant messages (needs a tokenizer with <|im_start|>, e.g. qwen2)")
+    sft.add_argument("--pad-to", type=int, default=None,
+                     help="make every example exactly N tokens (cut or padded with EOS, not trained on); use "
+                          "N = --seq-len of training so each sequence is one whole example")
     return parser
 
 
 def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     fraction = ns.eval_fraction if ns.eval_fraction is not None else (0.0 if ns.eval_inputs else 0.05)
+    sft = None
+    if ns.prompt_field or ns.response_field or ns.messages_field or ns.pad_to is not None:
+        sft = SFTFormat(prompt_field=ns.prompt_field, response_field=ns.response_field,
+                        messages_field=ns.messages_field, pad_to=ns.pad_to).validate()
     res = tokenize_files(
         ns.inputs,
         ns.out_dir,
@@ -37,10 +52,12 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         max_tokens_per_file=ns.max_tokens_per_file,
         workers=ns.workers,
         progress=not ns.no_progress,
+        sft=sft,
     )
     print(
         f"{res.documents:,} documents -> {res.train_tokens:,} train tokens in {len(res.train_files)} file(s), "
         f"{res.eval_tokens:,} eval tokens in {len(res.eval_files)} file(s) "
-        f"[{res.tokenizer}, vocab {res.vocab_size}, eos {res.eos_id}] in {res.seconds:.1f} s -> {ns.out_dir}"
+        f"[{res.tokenizer}, vocab {res.vocab_size}, eos {res.eos_id}{', loss masks' if sft else ''}] "
+        f"in {res.seconds:.1f} s -> {ns.out_dir}"
     )
     return 0

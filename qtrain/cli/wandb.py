@@ -10,7 +10,7 @@ HELP = "replay a run log into a Weights & Biases run (offline by default)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("log", metavar="LOG", help="JSON Lines log of a qtrain run (--log-file)")
+    p.add_argument("log", metavar="LOG", help="run log: qtrain's JSON Lines (--log-file) or llm.q's JSON")
     p.add_argument("--project", required=True, help="W&B project")
     p.add_argument("--name", default=None, help="run name (default: the run's name option)")
     p.add_argument("--entity", default=None, help="W&B entity (user or team)")

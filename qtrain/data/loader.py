@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
-from qtrain.data.token_files import IGNORE_INDEX, DataError, PathLike, TokenFile, expand_files
+from qtrain.data.token_files import IGNORE_INDEX, DataError, PathLike, TokenFile, common_vocab_size, expand_files
 
 if TYPE_CHECKING:  # torch is imported where batches are made, so tokenizer workers start fast
     import torch
@@ -61,13 +61,10 @@ class TokenLoader:
         self.shuffle = shuffle
         self.files = [TokenFile(p) for p in expand_files(pattern_or_files)]
 
-        vocabs = {f.header.vocab_size for f in self.files if f.header.vocab_size is not None}
-        if len(vocabs) > 1:
-            desc = ", ".join(f"{f.path} ({f.header.vocab_size})" for f in self.files)
-            raise DataError(f"token files have different vocab sizes: {desc}")
-        self.vocab_size: int | None = vocabs.pop() if vocabs else None
+        # files of one tokenizer may label their vocab differently (llm.q vs qtrain): see VOCAB_FAMILIES
+        self.vocab_size: int | None = common_vocab_size([f.header for f in self.files])
         if model_vocab_size is not None and self.vocab_size is not None and self.vocab_size > model_vocab_size:
-            bad = next(f for f in self.files if f.header.vocab_size == self.vocab_size)
+            bad = max(self.files, key=lambda f: f.header.vocab_size or 0)
             raise DataError(
                 f"{bad.path}: token file vocab size {self.vocab_size} exceeds the model's vocab size {model_vocab_size}"
             )

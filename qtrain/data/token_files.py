@@ -5,6 +5,8 @@ File format (byte-compatible with llm.q, ``reference/llmq.md`` §2.1), little-en
     header   1024 bytes = 256 x int32
              [0:2] magic b"BIN.TOK\\n"   [2] version (1 or 2; we write 2)   [3] bytes per token (4)
              [4] number of tokens N      [5] vocab size (v2 only)          [6] has-masks flag
+             bytes 512.. (qtrain's writer only): b"tokenizer=" NAME b"\0", the tokenizer that made the file
+             (llm.q leaves bytes 28..1023 unused, so its reader ignores this, and files without it read as before)
     tokens   N x int32
     masks    ceil(N/8) bytes, present iff has-masks; bit i (LSB-first in each byte) = 1 keeps token i
              as a training target.
@@ -27,6 +29,14 @@ WRITE_VERSION = 2
 BYTES_PER_TOKEN = 4
 MAX_TOKENS_PER_FILE = 2**31 - 1  # N is stored as int32
 IGNORE_INDEX = -100  # target value that the loss skips (torch's cross_entropy default)
+TOKENIZER_TAG, TOKENIZER_TAG_OFFSET = b"tokenizer=", 512  # see the format above
+MAX_TOKENIZER_NAME = HEADER_BYTES - TOKENIZER_TAG_OFFSET - len(TOKENIZER_TAG) - 1
+
+# The vocab field of one tokenizer's files differs between writers: llm.q stores HF's `tokenizer.vocab_size`,
+# which leaves out the added special tokens (151643 for Qwen2), qtrain one past the largest id the tokenizer
+# can produce (151665 with Qwen2.5's specials; 151646 with Qwen2's three). Files whose fields fall in one
+# family were made by the same tokenizer and mix; any other difference is a real mismatch.
+VOCAB_FAMILIES = {"qwen2": (151643, 151646, 151665), "gpt2": (50257,), "llama3": (128000, 128256)}
 
 PathLike = str | os.PathLike[str]
 
@@ -45,6 +55,7 @@ class TokenFileHeader:
     num_tokens: int
     vocab_size: int | None
     has_masks: bool
+    tokenizer: str | None = None  # the tokenizer that wrote it, when recorded (qtrain's writer)
 
     @property
     def mask_bytes(self) -> int:
@@ -60,7 +71,7 @@ class TokenFileHeader:
 # Writing
 
 
-def _header_bytes(num_tokens: int, vocab_size: int, has_masks: bool) -> bytes:
+def _header_bytes(num_tokens: int, vocab_size: int, has_masks: bool, tokenizer: str | None = None) -> bytes:
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[0:2] = np.frombuffer(MAGIC, dtype="<i4")
     header[2] = WRITE_VERSION
@@ -68,7 +79,37 @@ def _header_bytes(num_tokens: int, vocab_size: int, has_masks: bool) -> bytes:
     header[4] = num_tokens
     header[5] = vocab_size
     header[6] = int(has_masks)
-    return header.tobytes()
+    raw = bytearray(header.tobytes())
+    if tokenizer:
+        tag = TOKENIZER_TAG + tokenizer.encode("utf-8") + b"\0"
+        raw[TOKENIZER_TAG_OFFSET:TOKENIZER_TAG_OFFSET + len(tag)] = tag
+    return bytes(raw)
+
+
+def _tokenizer_tag(raw: bytes) -> str | None:
+    field = raw[TOKENIZER_TAG_OFFSET:]
+    if not field.startswith(TOKENIZER_TAG) or b"\0" not in field:
+        return None
+    return field[len(TOKENIZER_TAG):field.index(b"\0")].decode("utf-8", errors="replace") or None
+
+
+def tokenizer_family(vocab_size: int | None) -> str | None:
+    """The VOCAB_FAMILIES name a file's vocab field belongs to, if any."""
+    return next((name for name, sizes in VOCAB_FAMILIES.items() if vocab_size in sizes), None)
+
+
+def common_vocab_size(headers: Sequence["TokenFileHeader"]) -> int | None:
+    """The vocab size that files meant to be read together need from the model (None: no file records one).
+    Equal fields, or fields of one tokenizer family (VOCAB_FAMILIES: then the family's largest, since the
+    files may hold any of its ids), are fine; anything else raises DataError naming every file."""
+    sizes = {h.vocab_size for h in headers if h.vocab_size is not None}
+    if len(sizes) <= 1:
+        return sizes.pop() if sizes else None
+    families = {tokenizer_family(v) for v in sizes}
+    if len(families) == 1 and None not in families:
+        return max(VOCAB_FAMILIES[families.pop()])
+    desc = ", ".join(f"{h.path} ({h.vocab_size})" for h in headers)
+    raise DataError(f"token files have different vocab sizes, so different tokenizers made them: {desc}")
 
 
 class TokenFileWriter:
@@ -80,9 +121,13 @@ class TokenFileWriter:
     ``abort()`` removes the temporary file. Use as a context manager to get exactly that.
     """
 
-    def __init__(self, path: PathLike, *, vocab_size: int, with_masks: bool = False) -> None:
+    def __init__(self, path: PathLike, *, vocab_size: int, with_masks: bool = False,
+                 tokenizer: str | None = None) -> None:
         if vocab_size <= 0 or vocab_size > MAX_TOKENS_PER_FILE:
             raise DataError(f"{path}: invalid vocab_size {vocab_size}")
+        if tokenizer is not None and (len(tokenizer.encode("utf-8")) > MAX_TOKENIZER_NAME or "\0" in tokenizer):
+            tokenizer = None  # a path too long for the header: the file stays valid, just unlabelled
+        self.tokenizer = tokenizer
         self.path = str(path)
         self.vocab_size = int(vocab_size)
         self.with_masks = with_masks
@@ -117,7 +162,7 @@ class TokenFileWriter:
             bits = np.concatenate(self._masks) if self._masks else np.zeros(0, dtype=bool)
             self._f.write(np.packbits(bits, bitorder="little").tobytes())
         self._f.seek(0)
-        self._f.write(_header_bytes(self.num_tokens, self.vocab_size, self.with_masks))
+        self._f.write(_header_bytes(self.num_tokens, self.vocab_size, self.with_masks, self.tokenizer))
         self._f.close()
         os.replace(self._tmp, self.path)
         return self.path
@@ -144,9 +189,11 @@ def write_token_file(
     *,
     vocab_size: int,
     masks: Sequence[bool] | np.ndarray | None = None,
+    tokenizer: str | None = None,
 ) -> str:
-    """Write one token file (version 2) atomically; ``masks[i]`` true keeps token i as a target."""
-    with TokenFileWriter(path, vocab_size=vocab_size, with_masks=masks is not None) as w:
+    """Write one token file (version 2) atomically; ``masks[i]`` true keeps token i as a target; ``tokenizer``
+    (a name or path) is recorded in the header."""
+    with TokenFileWriter(path, vocab_size=vocab_size, with_masks=masks is not None, tokenizer=tokenizer) as w:
         w.write(tokens, masks)
     return str(path)
 
@@ -184,6 +231,7 @@ def read_token_file_header(path: PathLike) -> TokenFileHeader:
         num_tokens=n,
         vocab_size=int(h[5]) if version >= 2 else None,
         has_masks=bool(h[6]),
+        tokenizer=_tokenizer_tag(raw),
     )
     if size != header.file_size:
         what = "truncated" if size < header.file_size else "oversized"

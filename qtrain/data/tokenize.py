@@ -37,6 +37,7 @@ from typing import Any, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 
+from qtrain.data.sft import SFTFormat, encode_example, iter_records, record_text
 from qtrain.data.token_files import DataError, TokenFileWriter
 
 QWEN2_PATTERN = (
@@ -64,6 +65,12 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
+    def encode_prompt(self, text: str) -> list[int]:
+        """Text to continue (`qtrain generate`): `encode` plus the BOS token where the tokenizer adds one."""
+        ...
+    def special_id(self, token: str) -> int | None:
+        """The id of a special (added) token such as ``<|im_start|>``, or None if the tokenizer has none."""
+        ...
 
 
 @dataclass
@@ -85,6 +92,12 @@ class TiktokenTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.encoding.decode([int(i) for i in ids])
 
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text)  # Qwen2 and GPT-2 add no BOS
+
+    def special_id(self, token: str) -> int | None:
+        return self.encoding._special_tokens.get(token)
+
 
 @dataclass
 class HFTokenizer:
@@ -101,6 +114,12 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=True).ids  # the post-processor adds BOS where due
+
+    def special_id(self, token: str) -> int | None:
+        return next((i for i, t in self.tok.get_added_tokens_decoder().items() if t.content == token), None)
 
 
 def _package_file(package: str, *parts: str) -> str:
@@ -216,28 +235,11 @@ def iter_documents(path: Path, *, text_field: str = "text", split_lines: bool = 
             yield from (line for line in text.splitlines() if line.strip())
         else:
             yield text
-    elif path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    value = json.loads(line)[text_field]
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(f"{path}:{lineno}: no string field '{text_field}' ({e})") from e
-                if not isinstance(value, str):
-                    raise ValueError(f"{path}:{lineno}: field '{text_field}' is {type(value).__name__}, not a string")
-                yield value
-    elif path.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as e:
-            raise RuntimeError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from e
-        pf = pq.ParquetFile(path)
-        if text_field not in pf.schema_arrow.names:
-            raise ValueError(f"{path}: no column '{text_field}' (columns: {', '.join(pf.schema_arrow.names)})")
-        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-            yield from (v for v in batch.column(0).to_pylist() if v is not None)
+    elif path.suffix in (".jsonl", ".parquet"):
+        for rec in iter_records(path, (text_field,)):
+            if rec[text_field] is None and path.suffix == ".parquet":
+                continue  # a missing value in a column
+            yield record_text(rec, text_field)
     else:
         raise ValueError(f"{path}: unsupported input type")
 
@@ -246,21 +248,25 @@ def iter_documents(path: Path, *, text_field: str = "text", split_lines: bool = 
 # Encoding (optionally in worker processes)
 
 _worker_tok: Tokenizer | None = None
+_worker_sft: SFTFormat | None = None
+Encoded = tuple[np.ndarray, "np.ndarray | None"]  # one document's int32 tokens and its keep-mask (SFT) or None
 
 
-def _init_worker(spec: str) -> None:
-    global _worker_tok
-    _worker_tok = get_tokenizer(spec)
+def _init_worker(spec: str, sft: SFTFormat | None = None) -> None:
+    global _worker_tok, _worker_sft
+    _worker_tok, _worker_sft = get_tokenizer(spec), sft
 
 
-def _encode_docs(tok: Tokenizer, docs: list[str]) -> list[np.ndarray]:
-    """Documents -> one int32 array per document: its ids followed by EOS."""
-    return [np.asarray([*tok.encode(d), tok.eos_id], dtype=np.int32) for d in docs]
+def _encode_docs(tok: Tokenizer, docs: list[Any], sft: SFTFormat | None = None) -> list[Encoded]:
+    """Documents -> their ids followed by EOS; SFT records -> (ids, mask) as `qtrain.data.sft` says."""
+    if sft is not None:
+        return [encode_example(tok, rec, sft) for rec in docs]
+    return [(np.asarray([*tok.encode(d), tok.eos_id], dtype=np.int32), None) for d in docs]
 
 
-def _encode_in_worker(docs: list[str]) -> list[np.ndarray]:
+def _encode_in_worker(docs: list[Any]) -> list[Encoded]:
     assert _worker_tok is not None
-    return _encode_docs(_worker_tok, docs)
+    return _encode_docs(_worker_tok, docs, _worker_sft)
 
 
 def _batched(docs: Iterable[str], n: int) -> Iterator[list[str]]:
@@ -274,16 +280,17 @@ def _batched(docs: Iterable[str], n: int) -> Iterator[list[str]]:
         yield batch
 
 
-def encode_stream(spec: str, docs: Iterable[str], *, workers: int = 1, docs_per_task: int = 64) -> Iterator[np.ndarray]:
-    """Each document's tokens (incl. EOS), in input order whatever the number of workers."""
+def encode_stream(spec: str, docs: Iterable[Any], *, workers: int = 1, docs_per_task: int = 64,
+                  sft: SFTFormat | None = None) -> Iterator[Encoded]:
+    """Each document's (tokens incl. EOS, mask or None), in input order whatever the number of workers."""
     batches = _batched(docs, docs_per_task)
     if workers <= 1:
         tok = get_tokenizer(spec)
         for b in batches:
-            yield from _encode_docs(tok, b)
+            yield from _encode_docs(tok, b, sft)
         return
     # spawn: never fork a process that may already run tokenizer/torch threads.
-    with mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+    with mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(spec, sft)) as pool:
         for arrs in pool.imap(_encode_in_worker, batches, chunksize=4):
             yield from arrs
 
@@ -298,29 +305,40 @@ class ShardedWriter:
     The token stream is cut exactly at ``max_tokens`` (documents may straddle files: the loader ignores
     document boundaries anyway). Shards are written to temporary names and only get their final names
     in ``close()``, when the count is known; stale shards of an earlier run with the same name go.
+
+    SFT data (``with_masks``): masks go along with the tokens. With ``align=T`` (examples padded to T tokens)
+    the cap is rounded down to whole examples and each file ends with one ``tail`` token under mask 0, so its
+    (N-1)//T loader chunks are exactly its examples, the last one included.
     """
 
-    def __init__(self, out_dir: Path, name: str, *, vocab_size: int, max_tokens: int) -> None:
+    def __init__(self, out_dir: Path, name: str, *, vocab_size: int, max_tokens: int, with_masks: bool = False,
+                 tokenizer: str | None = None, align: int | None = None, tail: int | None = None) -> None:
         self.out_dir, self.name = out_dir, name
-        self.vocab_size, self.max_tokens = vocab_size, max_tokens
+        self.vocab_size = vocab_size
+        self.max_tokens = max_tokens if not align else max(align, max_tokens // align * align)
+        self.with_masks, self.tokenizer, self.tail = with_masks, tokenizer, tail if align else None
         self.num_tokens = 0
         self._parts: list[Path] = []
         self._w: TokenFileWriter | None = None
 
-    def write(self, tokens: np.ndarray) -> None:
+    def write(self, tokens: np.ndarray, masks: np.ndarray | None = None) -> None:
         while tokens.size:
             if self._w is None or self._w.num_tokens >= self.max_tokens:
                 self._finish_part()
                 part = self.out_dir / f".{self.name}-part{len(self._parts):03d}.bin"
                 self._parts.append(part)
-                self._w = TokenFileWriter(part, vocab_size=self.vocab_size)
+                self._w = TokenFileWriter(part, vocab_size=self.vocab_size, with_masks=self.with_masks,
+                                          tokenizer=self.tokenizer)
             take = min(tokens.size, self.max_tokens - self._w.num_tokens)
-            self._w.write(tokens[:take])
+            self._w.write(tokens[:take], None if masks is None else masks[:take])
             self.num_tokens += take
             tokens = tokens[take:]
+            masks = None if masks is None else masks[take:]
 
     def _finish_part(self) -> None:
         if self._w is not None:
+            if self.tail is not None:
+                self._w.write(np.asarray([self.tail], dtype=np.int32), np.zeros(1, dtype=bool))
             self._w.close()
             self._w = None
 
@@ -421,13 +439,19 @@ def tokenize_files(
     max_tokens_per_file: int = 100_000_000,
     workers: int = 1,
     progress: bool = True,
+    sft: SFTFormat | None = None,
 ) -> TokenizeResult:
     """Tokenize documents into ``train*.bin`` (and ``eval*.bin``) under ``out_dir``.
 
     Eval documents come from ``eval_inputs`` or, if none, are whole documents held out for about
     ``eval_fraction`` of the tokens (``HoldOut``). Output is deterministic for a given input and tokenizer,
-    whatever the number of workers.
+    whatever the number of workers. ``sft``: the inputs are prompt/response or chat records and the files
+    carry loss masks (``qtrain.data.sft``). The files record the tokenizer in their header (a built-in's name
+    or the absolute path of a tokenizer file / directory), so an export of a model trained on them can
+    include it.
     """
+    if sft is not None:
+        sft.validate()
     if eval_inputs and eval_fraction:
         raise ValueError("give either eval inputs or an eval fraction, not both")
     if not 0 <= eval_fraction < 1:
@@ -440,12 +464,17 @@ def tokenize_files(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    def docs(paths: list[Path]) -> Iterator[str]:
+    def docs(paths: list[Path]) -> Iterator[Any]:
         for p in paths:
-            yield from iter_documents(p, text_field=text_field, split_lines=split_lines)
+            if sft is not None:
+                yield from iter_records(p, sft.fields)
+            else:
+                yield from iter_documents(p, text_field=text_field, split_lines=split_lines)
 
+    label = tokenizer if tokenizer in BUILTIN_TOKENIZERS else str(Path(tokenizer).resolve())
     writers = {
-        name: ShardedWriter(out, name, vocab_size=tok.vocab_size, max_tokens=max_tokens_per_file)
+        name: ShardedWriter(out, name, vocab_size=tok.vocab_size, max_tokens=max_tokens_per_file,
+                            with_masks=sft is not None, tokenizer=label, align=sft and sft.pad_to, tail=tok.eos_id)
         for name in ("train", "eval")
     }
     bar = _Progress(progress)
@@ -453,9 +482,9 @@ def tokenize_files(
     try:
         hold_out = HoldOut(eval_fraction)
         for source, paths in (("train", train_paths), ("eval", eval_paths)):
-            for arr in encode_stream(tokenizer, docs(paths), workers=workers):
+            for arr, mask in encode_stream(tokenizer, docs(paths), workers=workers, sft=sft):
                 held_out = source == "eval" or hold_out.is_eval(arr.size)
-                writers["eval" if held_out else "train"].write(arr)
+                writers["eval" if held_out else "train"].write(arr, mask)
                 n_docs += 1
                 bar.update(1, writers["train"].num_tokens + writers["eval"].num_tokens)
         if writers["train"].num_tokens == 0:

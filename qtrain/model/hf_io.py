@@ -28,8 +28,10 @@ from qtrain.model.config import ModelConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"
+# the files of a HF model directory that belong to its tokenizer and its generation defaults
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
-                   "added_tokens.json", "chat_template.jinja", "generation_config.json", "tokenizer.model")
+                   "added_tokens.json", "chat_template.jinja", GENERATION_CONFIG, "tokenizer.model")
 
 
 class WeightsError(ValueError):
@@ -158,9 +160,12 @@ def _write_json(path: Path, obj: object) -> None:
 
 def save_hf_model(out_dir: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, torch.Tensor], *,
                   dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 2**30,
-                  tokenizer_src: str | os.PathLike | None = None) -> Path:
+                  tokenizer_src: str | os.PathLike | None = None,
+                  extra_files: Mapping[str, bytes] | None = None) -> Path:
     """Write a HF checkpoint directory atomically: all of it at `out_dir`, or (on any error) nothing new.
-    An existing `out_dir` is replaced only after the new one is complete and synced."""
+    An existing `out_dir` is replaced only after the new one is complete and synced. `tokenizer_src`: a
+    directory whose tokenizer files are copied; `extra_files`: {file name: bytes} written alongside (the
+    tokenizer and generation config an export carries, `qtrain.data.hf_tokenizer.export_files`)."""
     _check_params(cfg, params)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -188,6 +193,10 @@ def save_hf_model(out_dir: str | os.PathLike, cfg: ModelConfig, params: Mapping[
                                            "weight_map": dict(sorted(weight_map.items()))})
         if tokenizer_src is not None:
             copy_tokenizer_files(tokenizer_src, tmp)
+        for fname, data in (extra_files or {}).items():
+            if Path(fname).name != fname or fname in ("config.json", INDEX_FILE) or fname.endswith(".safetensors"):
+                raise WeightsError(f"{fname!r}: not a file name an export may add")
+            (tmp / fname).write_bytes(data)
         for p in tmp.iterdir():
             fsync_path(p)
         fsync_path(tmp)
@@ -225,3 +234,18 @@ def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike,
             shutil.copyfile(s, Path(dst) / fname)
             copied.append(fname)
     return copied
+
+
+def stop_token_ids(model_dir: str | os.PathLike, cfg: ModelConfig) -> list[int]:
+    """The ids that end generation: generation_config.json's `eos_token_id` (an id or a list), else config.json's."""
+    path = Path(model_dir) / GENERATION_CONFIG
+    eos: Any = None
+    if path.is_file():
+        try:
+            eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+        except (ValueError, AttributeError) as e:
+            raise WeightsError(f"{path}: not a valid generation config ({e})") from None
+    if eos is None:
+        eos = cfg.eos_token_id
+    ids = eos if isinstance(eos, list) else [eos]
+    return [int(i) for i in ids if isinstance(i, int)]

@@ -78,10 +78,12 @@ def resolve_model_dir(spec: str) -> Path:
 
 
 # The embedded default model: small enough to train on a CPU in minutes, with the GPT-2 BPE vocabulary of
-# the embedded corpus (50257 tokens, padded to a multiple of 64 for efficient GEMMs).
-TINY = ModelConfig(model_type="qwen2", vocab_size=50304, hidden_size=128, intermediate_size=384,
+# the embedded corpus (50257 tokens, padded to a multiple of 64 for efficient GEMMs). Llama layout: transformers
+# >= 5 loads the tokenizer of every qwen2-type model as its Qwen2Tokenizer, which swaps in Qwen's pre-tokenizer
+# and would encode this GPT-2 data differently (digits, contractions); a llama-type export keeps its tokenizer.
+TINY = ModelConfig(model_type="llama", vocab_size=50304, hidden_size=128, intermediate_size=384,
                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                   rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=True,
+                   rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
                    bos_token_id=50256, eos_token_id=50256)
 
 
@@ -92,15 +94,25 @@ class ModelSource:
     tokenizer_dir: str | None  # where tokenizer files to copy along with exports live
 
 
+def _is_preset(model: str) -> bool:
+    """`--model` names a built-in preset (case-insensitive; an `org/` prefix is ignored, e.g. Qwen/Qwen2.5-7B)."""
+    key = model.rsplit("/", 1)[-1].lower()
+    return any(k.lower() == key for k in PRESETS)
+
+
 def resolve_model(model: str, *, from_scratch: bool = False) -> ModelSource:
     """`--model` as llm.q reads it: empty (or "qtrain-tiny") -> the embedded tiny model; a preset name with
     `from_scratch`; else a directory or `org/name` in the local HF cache (never downloaded)."""
     if not model or model == TINY_NAME:
         return ModelSource(TINY, None, None)
-    if from_scratch and not os.path.isdir(model):
-        key = model.rsplit("/", 1)[-1].lower()
-        if any(k.lower() == key for k in PRESETS):
-            return ModelSource(preset(model), None, None)
-    d = resolve_model_dir(model)
+    if from_scratch and not os.path.isdir(model) and _is_preset(model):
+        return ModelSource(preset(model), None, None)
+    try:
+        d = resolve_model_dir(model)
+    except ModelNotFoundError as e:
+        if not from_scratch and _is_preset(model):
+            raise ModelNotFoundError(f"{e}\n{model!r} is also a built-in preset: add --from-scratch to train it from "
+                                     f"random weights (presets have no weights to load)") from None
+        raise
     cfg = load_model_config(d)
     return ModelSource(cfg, None if from_scratch else str(d), str(d))

@@ -1,6 +1,7 @@
-"""Tools that read a run's JSON Lines log (`qtrain.observe.log`): `plot` (PNG figure) and `wandb_export`
-(replay into a Weights & Biases run). This module holds what both need: `load_run`, which turns a log into
-the per-step series of one run.
+"""Tools that read a run's log: `plot` (PNG figure) and `wandb_export` (replay into a Weights & Biases run).
+This module holds what both need: `read_events`, which reads qtrain's JSON Lines log (`qtrain.observe.log`) or
+llm.q's JSON array (`qtrain.observe.llmq_log`), and `load_run`, which turns a log into the per-step series of
+one run.
 
 Resumed runs. `qtrain train --continue` appends to the same log, and a run resumed from a checkpoint at
 step S logs steps S, S+1, ... again, although the first run may have logged steps past S before it was
@@ -22,7 +23,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-__all__ = ["LogError", "RunHistory", "load_run", "history_from_events", "finite_or_nan"]
+__all__ = ["LogError", "RunHistory", "load_run", "read_events", "history_from_events", "finite_or_nan"]
 
 
 class LogError(ValueError):
@@ -138,16 +139,28 @@ def _stem(path: str) -> str:
     return base or "run"
 
 
-def load_run(path: str | os.PathLike, *, name: str | None = None) -> RunHistory:
-    """Read a qtrain JSON Lines log (`qtrain.observe.log.read_log`) into a RunHistory. The run's name is
-    `name`, else its `name` option, else the file name without extension."""
+def read_events(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The objects of a run log, qtrain's (JSON Lines, `qtrain.observe.log.read_log`) or llm.q's (a JSON array,
+    `qtrain.observe.llmq_log`); LogError naming the file if it cannot be read."""
+    from qtrain.observe.llmq_log import is_llmq_log, parse_llmq_log
     from qtrain.observe.log import read_log
 
     p = os.fspath(path)
     try:
-        events = read_log(p)
+        with open(p, encoding="utf-8") as f:
+            head = f.read(4096)
+        if is_llmq_log(head):
+            with open(p, encoding="utf-8") as f:
+                return parse_llmq_log(f.read(), p)
+        return read_log(p)
     except OSError as e:
         raise LogError(f"{p}: cannot read log ({e.strerror or e})") from None
-    except ValueError as e:
-        raise LogError(str(e)) from None
-    return history_from_events(events, path=p, name=name)
+    except ValueError as e:  # includes UnicodeDecodeError
+        raise LogError(f"{p}: {e}" if p not in str(e) else str(e)) from None
+
+
+def load_run(path: str | os.PathLike, *, name: str | None = None) -> RunHistory:
+    """Read a run log (`read_events`) into a RunHistory. The run's name is `name`, else its `name` option,
+    else the file name without extension."""
+    p = os.fspath(path)
+    return history_from_events(read_events(p), path=p, name=name)

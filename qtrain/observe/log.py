@@ -8,12 +8,18 @@ which only matters if the machine itself goes down, runs at most every `fsync_in
 eval, warnings and close, so it costs nothing per step.
 
 Every object has `log` (its type), `time` (ISO 8601, local time with UTC offset, milliseconds) and
-`step`. Types: cmd, options, dataset, gpu-model, sol, step, eval, memory, message, abs-maxes. Ratios
+`step`. Types: cmd, options, dataset, gpu-model, sol, step, eval, memory, message, abs-maxes, gpu (GPU
+telemetry, llm.q's fields and units: `qtrain.observe.gpu`), time-breakdown (`qtrain.observe.timing`),
+allocations (`qtrain.observe.allocations`), outputs (where the export, checkpoint and log went). Ratios
 (`sol`, `mfu`) are fractions, not percent. A NaN/inf value is written as Python's `NaN`/`Infinity`
 token (what `json.loads`, pandas and llm.q's own readers accept) rather than silently turned into null.
 
 Only rank 0 writes or prints. Every rank keeps the loss/norm `OutlierDetector`s (cheap), so their
 state is the same everywhere and any rank can put it in a checkpoint.
+
+Sinks (`add_sink`): objects with `on_event(obj)` (and optionally `close()`) that get every object this
+logger writes, as it is written: live W&B (`qtrain.observe.wandb.WandbSink`), the GPU telemetry sampler, ...
+A sink that raises is dropped with a warning, so a dashboard outage never stops a run.
 
 Console verbosity (as llm.q's EVerbosity): -2 silent, -1 eval lines and warnings only, 0 default
 (adds step lines and startup summaries), 1 verbose (adds info messages and full tables).
@@ -141,8 +147,10 @@ class RunLogger:
         self._bar_shown = False
         self._last_fsync = time.monotonic()
         self._file: IO[str] | None = None
+        self.path = os.fspath(path) if path is not None else None
         if rank == 0 and path is not None:
             self._file = self._open(os.fspath(path))
+        self._sinks: list[Any] = []
 
     # ---- file ----
     @staticmethod
@@ -167,9 +175,24 @@ class RunLogger:
             if sync or time.monotonic() - self._last_fsync >= self.fsync_interval_s:
                 os.fsync(self._file.fileno())
                 self._last_fsync = time.monotonic()
+        for sink in list(self._sinks):
+            try:
+                sink.on_event(obj)
+            except Exception as e:  # noqa: BLE001 -- a dashboard must not end a training run
+                self._sinks.remove(sink)
+                self.message(f"{type(sink).__name__} stopped: {type(e).__name__}: {e}", level="warning")
         return obj
 
+    def add_sink(self, sink: Any) -> None:
+        """Forward every later object to `sink.on_event(obj)` (rank 0 only; other ranks drop it)."""
+        if self.rank == 0:
+            self._sinks.append(sink)
+
     def close(self) -> None:
+        for sink in self._sinks:
+            if hasattr(sink, "close"):
+                sink.close()
+        self._sinks = []
         self._clear_bar()
         if self._file is not None:
             self._file.flush()
@@ -209,9 +232,11 @@ class RunLogger:
         self.stream.flush()
         self._bar_shown = True
 
-    def _progress(self, step: int, epoch: float | None) -> str:
+    def _progress(self, done: int, epoch: float | None) -> str:
+        """`done` optimizer steps of the run as a percentage (never above 100: the final evaluation runs after the
+        last step), else the position in the epoch."""
         if self.total_steps:
-            return f" [{100.0 * (step + 1) / self.total_steps:5.1f}%]"
+            return f" [{100.0 * min(max(done, 0), self.total_steps) / self.total_steps:5.1f}%]"
         if epoch is not None:
             return f" [{100.0 * (epoch % 1.0):5.1f}%]"
         return ""
@@ -275,7 +300,7 @@ class RunLogger:
         if duration_ms > 0:
             self._step_ms_ema = duration_ms if self._step_ms_ema is None else \
                 0.9 * self._step_ms_ema + 0.1 * duration_ms
-        line = (f"[T] step {step:5d}{self._progress(step, epoch)} | time: {format_duration_ms(duration_ms)} | "
+        line = (f"[T] step {step:5d}{self._progress(step + 1, epoch)} | time: {format_duration_ms(duration_ms)} | "
                 f"norm {norm:8.4f} | loss {loss:8.4f} | tps {format_tokens_per_s(tps or 0.0)}")
         if sol is not None:
             line += f" | sol {100 * sol:4.1f}%"
@@ -306,6 +331,7 @@ class RunLogger:
                        train_avg=train_avg, **({"epoch": epoch} if epoch is not None else {}), **extra, sync=True)
         tps = eval_tokens * 1000.0 / duration_ms if duration_ms > 0 else 0.0
         train = f"{train_avg:8.4f}" if train_avg is not None else "       -"
+        # an evaluation logged at step s runs before step s: s steps are done
         self._print(f"[V] step {step:5d}{self._progress(step, epoch)} | time: {format_duration_ms(duration_ms)} | "
                     f"eval loss {loss:8.4f} | ppl {ppl:9.3f} | train avg {train} | "
                     f"tps {format_tokens_per_s(tps)}", level=QUIET)
@@ -324,6 +350,23 @@ class RunLogger:
         warn = level == "warning"
         self.log("message", step=step, level=level, message=text, sync=warn, **extra)
         self._print(("[!] " if warn else "[I] ") + text, level=QUIET if warn else VERBOSE)
+
+    def log_gpu(self, sample: Mapping[str, Any], *, step: int | None = None) -> None:
+        """One GPU telemetry sample (`qtrain.observe.gpu.GpuMonitor.sample`: llm.q's `gpu` fields and units)."""
+        self.log("gpu", step=step, **sample)
+        mw = sample.get("power")
+        self._print(f"[GPU {sample.get('id', 0)}] util {sample.get('gpu_util', '?')}% | "
+                    f"power {'?' if mw is None else f'{mw / 1000:.0f}'} W | clock {sample.get('clock', '?')} MHz | "
+                    f"{sample.get('temperature', '?')} C | throttle {sample.get('throttle') or 'none'}", level=VERBOSE)
+
+    def log_outputs(self, **where: str | None) -> None:
+        """Where the run's results are (export=..., checkpoint=..., log_file=...): logged, and printed at the end of
+        a run. Empty values are left out."""
+        if {"log", "time", "step"} & where.keys():
+            raise ValueError(f"log_outputs: {sorted({'log', 'time', 'step'} & where.keys())} are log object fields")
+        found = {k: v for k, v in where.items() if v}
+        self.log("outputs", sync=True, **found)
+        self._print("[Done] " + " | ".join(f"{k.replace('_', ' ')}: {v}" for k, v in found.items()), level=QUIET)
 
     def log_abs_maxes(self, step: int, abs_maxes: Mapping[str, float]) -> None:
         self.log("abs-maxes", step=step, abs_maxes=[{"name": k, "value": float(v)} for k, v in abs_maxes.items()])

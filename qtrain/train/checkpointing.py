@@ -65,6 +65,7 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
             "logger": log.state_dict(),
             "options": {k: getattr(trainer.opts, k) for k in _MUST_MATCH},
             "model": trainer.cfg.to_hf_dict(),
+            "tokenizer": trainer.tokenizer,  # what `qtrain export` puts beside the weights
         }
         cio.commit(tmp, final, meta)
         removed = cio.clean_old_checkpoints(ckpt_dir, keep_n, major) if keep_n >= 0 else []

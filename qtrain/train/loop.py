@@ -14,6 +14,8 @@ import torch
 
 from qtrain.data.corpus import ensure_default_dataset
 from qtrain.data.loader import TokenLoader
+from qtrain.data.hf_tokenizer import recorded_tokenizer, transformers_caveat
+from qtrain.observe.live import attach_observers
 from qtrain.observe.log import RunLogger
 from qtrain.observe.metrics import device_peaks, model_flops_per_token, ns_per_token, peak_tflops, sol_ops
 from qtrain.options import Options
@@ -86,8 +88,8 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
             tb.on_event(obj)
         return loss
 
-    def save_checkpoint() -> None:
-        checkpointing.save(ckpt_dir, trainer, train, log, keep_n=opts.ckpt_keep_n, major=opts.ckpt_major)
+    def save_checkpoint() -> str:
+        return checkpointing.save(ckpt_dir, trainer, train, log, keep_n=opts.ckpt_keep_n, major=opts.ckpt_major)
 
     for step in range(start, total_steps):
         if step % opts.ckpt_interval == 0 and step > start:
@@ -113,8 +115,12 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
                        peak=torch.cuda.max_memory_allocated())
     trainer.export(out_dir)
     log.message(f"exported HF model to {out_dir}", level="info")
+    final_ckpt = None
     if opts.save_training_state:
-        save_checkpoint()
+        final_ckpt = save_checkpoint()
+    log.log_outputs(export=out_dir, checkpoint=final_ckpt or (ckpt_dir if os.path.isdir(ckpt_dir) else None),
+                    log_file=log.path,
+                    tensorboard=opts.expand(opts.tensorboard) if opts.tensorboard else None)
     if tb is not None:
         tb.close()
     log.close()
@@ -135,6 +141,14 @@ def _log_run_header(log: RunLogger, trainer: Trainer, train: TokenLoader, evals:
     T, W = opts.seq_len, ctx.world
     log.log_cmd(argv if argv is not None else sys.argv)
     log.log_options(opts.to_dict())
+    attach_observers(opts, log, trainer, ctx.device)  # --wandb, --log-gpu-util, --debug-* (qtrain.observe.live)
+    if trainer.tokenizer is None:  # nothing explicit and no model directory: the tokenizer the data was made with
+        trainer.tokenizer = recorded_tokenizer([f.header for f in train.files])
+    log.message(f"export tokenizer: {trainer.tokenizer}" if trainer.tokenizer else
+                "no tokenizer is known for the export (no model directory files, none recorded in the token "
+                "files): pass --tokenizer", level="info" if trainer.tokenizer else "warning")
+    if caveat := transformers_caveat(trainer.tokenizer, cfg):
+        log.message(caveat, level="warning")
     log.log_dataset("train", files=len(train.files), tokens=train.num_tokens, seed=opts.train_seed)
     if evals is not None:
         log.log_dataset("eval", files=len(evals.files), tokens=evals.num_tokens, seed=opts.eval_seed)

@@ -20,6 +20,7 @@ from typing import Iterable
 
 import torch
 
+from qtrain.data.hf_tokenizer import export_files, export_tokenizer
 from qtrain.model.hf_io import save_hf_model
 from qtrain.model.layers import resolve_sdpa_backend
 from qtrain.model.loss import IGNORE_INDEX
@@ -49,6 +50,8 @@ class Trainer:
         if opts.use_zero_copy and self.device.type == "cuda":
             raise OptionsError(ZERO_COPY_CUDA)
         self.source = resolve_model(opts.model, from_scratch=opts.from_scratch)
+        # the tokenizer exports carry (None: unknown so far; the run loop may take it from the token files)
+        self.tokenizer = export_tokenizer(explicit=opts.tokenizer, model_dir=self.source.tokenizer_dir)
         self.cfg = self.source.cfg
         self.dtype = DTYPES[opts.model_dtype]
         self.layout = FlatLayout(self.cfg, self.ctx.world)  # one flat buffer per group (parallel/layout.py)
@@ -214,11 +217,12 @@ class Trainer:
         return {n: p.detach() for n, p in self.params.items()}
 
     def export(self, out_dir: str) -> None:
-        """Write a HF model directory (config.json + safetensors [+ tokenizer files]); rank 0 writes. Every
-        rank must call it (sharded weights are gathered on all ranks)."""
+        """Write a HF model directory (config.json + safetensors + generation_config.json [+ the tokenizer files of
+        `self.tokenizer`]); rank 0 writes. Every rank must call it (sharded weights are gathered on all ranks)."""
         params = self.full_params() if (self.ctx.is_main or self.sharded_weights) else None
         if self.ctx.is_main:
-            save_hf_model(out_dir, self.cfg, params, dtype=self.dtype, tokenizer_src=self.source.tokenizer_dir)
+            save_hf_model(out_dir, self.cfg, params, dtype=self.dtype,
+                          extra_files=export_files(self.tokenizer, self.cfg))
         self.ctx.barrier()
 
     # ---- checkpoint state (files written by train/checkpointing.py) ----

@@ -207,7 +207,9 @@ def test_help_lists_every_option_with_field_docstring(capsys, monkeypatch):
 def test_field_docs_collected():
     # the docstring under each field, not the one of the next field
     assert cli._FIELD_DOCS["batch_size"] == "Micro-batch per GPU (sequences)."
-    assert "seq_len" not in cli._FIELD_DOCS
+    assert cli._FIELD_DOCS["seq_len"].startswith("Tokens per sequence")
+    # every option is documented (its docstring is its --help text)
+    assert [f.name for f in dataclasses.fields(Options) if not cli._FIELD_DOCS.get(f.name)] == []
     assert cli._FIELD_DOCS["continue_from"].startswith("`--continue [STEP|PATH]`")
 
 
@@ -352,3 +354,75 @@ def test_main_hands_validated_options_and_argv_to_the_worker(monkeypatch, tmp_pa
     [(opts, got_argv)] = seen
     assert isinstance(opts, Options) and got_argv == ["qtrain", *argv]
     assert (opts.batch_size, opts.learning_rate, opts.continue_from, opts.device) == (8, 3e-4, "latest", "cpu")
+
+
+# ---- issue 19: --version, help text with defaults and choices, "did you mean" -------------------------------
+def test_version(capsys):
+    import qtrain
+    with pytest.raises(SystemExit) as ei:
+        main(["--version"])
+    assert ei.value.code == 0
+    assert capsys.readouterr().out.strip() == f"qtrain {qtrain.__version__}"
+    assert qtrain.__version__.count(".") == 2 and all(p.isdigit() for p in qtrain.__version__.split("."))
+
+
+def _subcommand_actions():
+    import argparse
+    parser = build_parser()
+    for name, sub in parser.subcommands.items():
+        for a in sub._actions:
+            if not isinstance(a, argparse._HelpAction):
+                yield name, sub, a
+
+
+def test_every_flag_of_every_subcommand_has_help_with_its_default(capsys, monkeypatch):
+    import argparse
+    from qtrain.options import CHOICES
+    monkeypatch.setenv("COLUMNS", "100000")
+    checked = 0
+    for name, sub, a in _subcommand_actions():
+        flag = a.option_strings[0] if a.option_strings else a.dest
+        assert a.help and len(a.help) > 10, f"qtrain {name} {flag}: no help text"
+        text = sub.formatter_class(prog="x")._expand_help(a) if a.help else ""
+        if a.option_strings and a.default not in (None, argparse.SUPPRESS) or name in ("train", "plan") and \
+                a.dest in Options.field_names() and a.dest != "continue_from":
+            assert "default" in text, f"qtrain {name} {flag}: help does not show the default: {text!r}"
+        if a.dest in CHOICES and name in ("train", "plan"):
+            assert all(c in text for c in CHOICES[a.dest]), f"qtrain {name} {flag}: choices missing: {text!r}"
+        if a.choices:
+            assert a.metavar is None or "{" in str(a.metavar)
+        checked += 1
+    assert checked > 150
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--model-dtype {fp32,bf16}" in out and "Choices: fp32, bf16. (default: bf16)" in out
+    assert "--train-seed TRAIN_SEED" in out and "(default: 0x83b45442)" in out
+    assert "--use-cuda-graphs, --no-use-cuda-graphs" in out and "--custom-matmul" in out
+
+
+@pytest.mark.parametrize("argv,suggestion", [
+    (["train", "--stesp", "3"], "--stesp (did you mean --steps?)"),
+    (["train", "--lerning-rate=1e-3"], "--lerning-rate=1e-3 (did you mean --learning-rate?)"),
+    (["train", "--recompute-swigl"], "(did you mean --recompute-swiglu?)"),
+    (["tokenize", "x.txt", "--out-dir", "o", "--tokeniser", "gpt2"], "(did you mean --tokenizer?)"),
+    (["export-wandb", "log.jsonl", "--project", "p", "--entitiy", "me"], "(did you mean --entity?)"),
+])
+def test_unknown_flag_gets_the_closest_match(argv, suggestion, capsys):
+    with pytest.raises(SystemExit) as ei:
+        main(argv)
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments" in err and suggestion in err, err
+
+
+def test_far_off_flag_gets_no_suggestion(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--frobnicate"])
+    assert "did you mean" not in capsys.readouterr().err
+
+
+def test_unknown_config_key_gets_the_closest_match(tmp_path):
+    path = _write(tmp_path, "run.toml", "batch = 2\nlearning-rat = 1e-4\n")
+    with pytest.raises(OptionsError, match=r"'learning-rat' -> 'learning_rate'"):
+        parse("--config", path)

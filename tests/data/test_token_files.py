@@ -253,6 +253,41 @@ def test_no_matching_files_and_mixed_vocab(tmp_path: Path) -> None:
     assert a in str(info.value) and b in str(info.value)
 
 
+def test_tokenizer_tag_round_trip_and_what_llmq_reads(tmp_path: Path) -> None:
+    toks = np.arange(30)
+    plain = write_token_file(tmp_path / "plain.bin", toks, vocab_size=151665)
+    tagged = write_token_file(tmp_path / "tagged.bin", toks, vocab_size=151665, tokenizer="qwen2")
+    assert read_token_file_header(tagged).tokenizer == "qwen2" and read_token_file_header(plain).tokenizer is None
+    a, b = Path(plain).read_bytes(), Path(tagged).read_bytes()
+    assert a[:512] == b[:512] and a[HEADER_BYTES:] == b[HEADER_BYTES:]  # llm.q reads ints 0..6 and the tokens only
+    assert b[512:530] == b"tokenizer=qwen2\0\0\0"
+    star = write_raw(tmp_path / "star.bin", toks, filler=b"*")  # llm.q's writer: '*' filler, no tag
+    assert read_token_file_header(star).tokenizer is None
+    long = write_token_file(tmp_path / "long.bin", toks, vocab_size=100, tokenizer="/x" * 400)
+    assert read_token_file_header(long).tokenizer is None  # too long for the header: unlabelled, still valid
+    assert read_token_file(long)[0].tolist() == toks.tolist()
+
+
+def test_files_of_one_tokenizer_from_llmq_and_qtrain_mix(tmp_path: Path) -> None:
+    # llm.q labels Qwen2 files 151643 (HF's tokenizer.vocab_size, without the specials), qtrain 151665; both hold
+    # EOS = 151643
+    llmq = write_raw(tmp_path / "train-llmq.bin", np.r_[np.arange(20), 151643, np.arange(20)], vocab=151643,
+                     filler=b"*")
+    ours = write_token_file(tmp_path / "train-qtrain.bin", np.r_[np.arange(100, 140), 151643], vocab_size=151665,
+                            tokenizer="qwen2")
+    loader = TokenLoader(str(tmp_path / "train-*.bin"), 8, model_vocab_size=151936, shuffle=False)
+    assert loader.vocab_size == 151665  # the family's largest: any of its ids may occur
+    x = torch.cat([b for b, _ in loader.iterate_eval_batches(4)])
+    assert {int(v) for v in x.flatten()} >= {0, 100, 151643}  # batches from both files
+    with pytest.raises(DataError, match="exceeds the model's vocab size 151000"):
+        TokenLoader(str(tmp_path / "train-*.bin"), 8, model_vocab_size=151000)
+    # a real mismatch (GPT-2 and Qwen2 files) is still refused, naming every file
+    gpt2 = write_token_file(tmp_path / "train-zgpt2.bin", np.arange(40), vocab_size=50257)
+    with pytest.raises(DataError, match="different vocab sizes") as info:
+        TokenLoader(str(tmp_path / "train-*.bin"), 8)
+    assert all(str(p) in str(info.value) for p in (llmq, ours, gpt2))
+
+
 def test_glob_is_sorted(tmp_path: Path) -> None:
     for name, base in (("train-002.bin", 200), ("train-000.bin", 0), ("train-001.bin", 100)):
         write_token_file(tmp_path / name, np.arange(base, base + 9), vocab_size=1000)

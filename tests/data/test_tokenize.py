@@ -172,7 +172,7 @@ def test_tokenize_errors(tmp_path: Path) -> None:
         tokenize_files([str(tmp_path / "one.txt")], tmp_path / "out", tokenizer="gpt2", eval_fraction=0.05, progress=False)
     assert not list((tmp_path / "out").iterdir())  # nothing half-written
     (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: no string field 'text'"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: no field 'text'"):
         tokenize_files([str(tmp_path / "bad.jsonl")], tmp_path / "out", tokenizer="gpt2", progress=False)
     with pytest.raises(FileNotFoundError, match="missing"):
         tokenize_files([str(tmp_path / "missing.txt")], tmp_path / "out", tokenizer="gpt2", progress=False)

@@ -77,3 +77,15 @@ def test_plain_missing_path(caches, tmp_path):
     with pytest.raises(ModelNotFoundError) as e:
         resolve_model_dir(str(tmp_path / "nope"))
     assert str(tmp_path / "nope") in str(e.value) and "models--" not in str(e.value)
+
+
+def test_preset_name_without_from_scratch_gets_a_hint(caches):
+    from qtrain.model.resolve import resolve_model
+    for spec in ("Qwen2.5-7B", "Qwen/Qwen2.5-7B", "llama-3.2-1b"):
+        with pytest.raises(ModelNotFoundError, match="add --from-scratch") as ei:
+            resolve_model(spec)
+        assert "not found" in str(ei.value)  # the search is still listed
+        assert resolve_model(spec, from_scratch=True).weights_dir is None  # and with the flag it is the preset
+    with pytest.raises(ModelNotFoundError) as ei:
+        resolve_model("Qwen2.5-8B")  # not a preset: no hint
+    assert "--from-scratch" not in str(ei.value)

@@ -68,9 +68,9 @@ def test_console_lines_llmq_style(tmp_path):
     log.log_step(13, step_tokens=1512, duration_ms=123.0, norm=1.0, loss=3.0433, lr=1e-3)
     assert out.getvalue().splitlines()[-1].startswith(
         "[T] step    13 [  1.4%] | time:  123 ms | norm   1.0000 | loss   3.0433 | tps  12.3k | sol")
-    log.log_eval(13, loss=2.5, eval_tokens=2048, duration_ms=2048.0)
+    log.log_eval(13, loss=2.5, eval_tokens=2048, duration_ms=2048.0)  # before step 13: 13 of 1000 steps done
     assert out.getvalue().splitlines()[-1] == (
-        "[V] step    13 [  1.4%] | time: 2048 ms | eval loss   2.5000 | ppl    12.182 | train avg   3.2500 | "
+        "[V] step    13 [  1.3%] | time: 2048 ms | eval loss   2.5000 | ppl    12.182 | train avg   3.2500 | "
         "tps   1.0k")
     log.close()
 
@@ -188,3 +188,47 @@ def test_killed_process_leaves_valid_log(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT)
     assert r.returncode != 0
     assert [o["step"] for o in read_log(p)] == list(range(50))
+
+
+def test_progress_never_exceeds_100_percent(tmp_path):
+    # a 3-step run: the final evaluation is logged at step 3, after the last step (it showed 133% before)
+    log, out = make(tmp_path, total_steps=3)
+    for s in range(3):
+        log.log_step(s, step_tokens=10, duration_ms=1.0, norm=1.0, loss=1.0, lr=1.0)
+    log.log_eval(3, loss=1.0, eval_tokens=10, duration_ms=1.0)
+    log.close()
+    shown = [line.split("[", 2)[2].split("%")[0].strip() for line in out.getvalue().splitlines()
+             if line.startswith(("[T]", "[V]"))]
+    assert shown == ["33.3", "66.7", "100.0", "100.0"]
+
+
+def test_outputs_are_logged_and_printed(tmp_path):
+    log, out = make(tmp_path, verbosity=-1)  # shown even when quiet: it is where the results are
+    log.log_outputs(export="output/run", checkpoint="ckpt/run/step_00000010", log_file="logs/run.jsonl",
+                    tensorboard=None)
+    log.close()
+    assert out.getvalue().splitlines()[-1] == \
+        "[Done] export: output/run | checkpoint: ckpt/run/step_00000010 | log file: logs/run.jsonl"
+    [obj] = [e for e in read_log(tmp_path / "logs" / "run.jsonl") if e["log"] == "outputs"]
+    assert obj["export"] == "output/run" and "tensorboard" not in obj
+    with pytest.raises(ValueError, match="log object fields"):
+        log.log_outputs(log="x")
+
+
+def test_a_failing_sink_is_dropped_with_a_warning(tmp_path):
+    seen = []
+
+    class Flaky:
+        def on_event(self, obj):
+            seen.append(obj["log"])
+            if obj["log"] == "step":
+                raise ConnectionError("dashboard down")
+
+    log, out = make(tmp_path)
+    log.add_sink(Flaky())
+    log.log_step(0, step_tokens=1, duration_ms=1.0, norm=1.0, loss=1.0, lr=1.0)
+    log.log_step(1, step_tokens=1, duration_ms=1.0, norm=1.0, loss=1.0, lr=1.0)  # still logged, sink gone
+    log.close()
+    assert seen == ["step"]
+    assert [e["step"] for e in read_log(tmp_path / "logs" / "run.jsonl") if e["log"] == "step"] == [0, 1]
+    assert "Flaky stopped: ConnectionError: dashboard down" in out.getvalue()

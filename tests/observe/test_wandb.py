@@ -200,3 +200,43 @@ def test_qtrain_export_wandb_command(offline_env, capsys):
     run = offline_run(run_dir)
     assert run["run"].display_name == "via-cli" and run["history"][6]["eval/loss"] == 3.5
     assert main(["export-wandb", "missing.jsonl", "--project", "p"]) == 2
+
+
+def test_live_wandb_logging_of_a_training_run(offline_env):
+    """`qtrain train --wandb PROJECT` (WANDB_MODE=offline): every step and evaluation reaches the live run as it
+    trains, under the same names as the replay, with the options as config."""
+    import numpy as np
+
+    from qtrain.cli.main import main
+    from qtrain.data.token_files import write_token_file
+    from qtrain.model.config import ModelConfig
+    from qtrain.observe.log import read_log
+
+    cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    os.makedirs("tiny")
+    with open("tiny/config.json", "w") as f:
+        json.dump(cfg.to_hf_dict(), f)
+    rng = np.random.default_rng(0)
+    write_token_file("train.bin", rng.integers(0, 256, 2000), vocab_size=256)
+    write_token_file("eval.bin", rng.integers(0, 256, 200), vocab_size=256)
+    assert main(["train", "--model", "tiny", "--from-scratch", "--train-file", "train.bin", "--eval-file", "eval.bin",
+                 "--steps", "4", "--eval-every-n-steps", "2", "--eval-num-steps", "1", "--seq-len", "16",
+                 "--batch-size", "2", "--grad-accumulation", "2", "--model-dtype", "fp32", "--name", "live-run",
+                 "--wandb", "qtrain-live", "--debug-time-breakdown", "--no-save-training-state",
+                 "--log-file", "run.jsonl"]) == 0
+    wandb.teardown()  # the offline run's files are complete once wandb's service has stopped
+    (run_dir,) = glob.glob(os.path.join(os.environ["WANDB_DIR"], "wandb", "offline-run-*"))
+    run = offline_run(run_dir)
+    assert run["run"].display_name == "live-run" and run["run"].project == "qtrain-live"
+    assert run["config"]["wandb"] == "qtrain-live" and run["config"]["batch_size"] == 2
+    h = run["history"]
+    steps = [e for e in read_log("run.jsonl") if e["log"] == "step"]
+    assert sorted(h) == [0, 1, 2, 3, 4]
+    for e in steps:
+        row = h[e["step"]]
+        assert row["train/loss"] == e["loss"] and row["train/norm"] == e["norm"] and row["train/lr"] == e["lr"]
+        assert row["train/tokens"] == 64 * e["step"] and len([k for k in row if k.startswith("time/")]) >= 2
+    evals = {e["step"]: e["loss"] for e in read_log("run.jsonl") if e["log"] == "eval"}
+    assert {s: h[s]["eval/loss"] for s in (2, 4)} == evals  # the periodic eval and the final one
+    assert [m["message"] for m in read_log("run.jsonl") if m["log"] == "message" and "W&B run" in m["message"]]

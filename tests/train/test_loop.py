@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from qtrain.cli.main import main
 from qtrain.data.loader import TokenLoader
+from qtrain.data.tokenize import get_tokenizer
 from qtrain.observe.log import read_log
 
 COMMON = ["--model-dtype", "fp32", "--batch-size", "4", "--seq-len", "64", "--grad-accumulation", "2",
@@ -67,6 +68,12 @@ def test_train_export_and_eval_match_transformers(tmp_path, monkeypatch):
     from safetensors.torch import load_file
     a, b = load_file("out/model.safetensors"), load_file("out2/model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # both carry the tokenizer the embedded corpus was made with (GPT-2: its files' vocab field says so)
+    tok = transformers.AutoTokenizer.from_pretrained("out")
+    text = "Return the number of items in a container."
+    assert tok(text)["input_ids"] == get_tokenizer("gpt2").encode(text) and tok.eos_token_id == 50256
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert open(f"out/{name}", "rb").read() == open(f"out2/{name}", "rb").read(), name
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -1,0 +1,146 @@
+"""Supervised fine-tuning (chat / instruction) data for `qtrain tokenize`: records -> tokens plus a keep-mask, so
+the loss covers only what the model should learn to write (llm.q's masked datasets, `scripts/tokenize_data.py`).
+
+Two record shapes (JSONL lines or Parquet rows):
+
+* prompt / response (`SFTFormat(prompt_field=..., response_field=...)`): tokens = prompt, response, EOS;
+  mask 0 on the prompt, 1 on the response and its EOS (the model learns to stop).
+* chat (`SFTFormat(messages_field=...)`): a list of {"role", "content"} messages rendered in ChatML,
+  `<|im_start|>ROLE\\nCONTENT<|im_end|>\\n` per message (the format of Qwen2's chat template), then EOS. Mask 1
+  on each assistant message's content and its `<|im_end|>`, 0 on everything else (system and user messages,
+  role headers, the newlines between messages, the final EOS). Needs a tokenizer with the ChatML special
+  tokens (qwen2, or a Qwen tokenizer.json).
+
+The text of each part is encoded on its own (special-token strings inside it stay plain text), so the mask
+boundaries are exact token boundaries. With `pad_to=T` each example becomes exactly T tokens (cut at T-1
+keeping its last token, e.g. EOS, or padded with EOS under mask 0), so that with `--seq-len T` every
+training sequence is one whole example that sees its own prompt. The loader reads a mask bit at the *target*
+position (`qtrain.data.loader`), so mask 1 means "this token is a training target".
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from qtrain.data.tokenize import Tokenizer
+
+CHATML_START, CHATML_END = "<|im_start|>", "<|im_end|>"
+
+
+class SFTError(ValueError):
+    """A record or setting the SFT encoder cannot use; the message names the file / line or the setting."""
+
+
+@dataclass(frozen=True)
+class SFTFormat:
+    prompt_field: str | None = None
+    response_field: str | None = None
+    messages_field: str | None = None
+    pad_to: int | None = None
+
+    def validate(self) -> "SFTFormat":
+        pr = (self.prompt_field, self.response_field)
+        if self.messages_field and any(pr):
+            raise SFTError("give either --messages-field or --prompt-field/--response-field, not both")
+        if not self.messages_field and not all(pr):
+            raise SFTError("--prompt-field and --response-field go together (or use --messages-field)")
+        if self.pad_to is not None and self.pad_to < 2:
+            raise SFTError(f"--pad-to must be >= 2 tokens, got {self.pad_to}")
+        return self
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return (self.messages_field,) if self.messages_field else (self.prompt_field, self.response_field)
+
+
+def iter_records(path: Path, fields: tuple[str, ...]) -> Iterator[dict[str, Any]]:
+    """The records of a .jsonl or .parquet file, each with `fields` (checked here, naming file and line); each
+    record carries `_where` ("file:line") for later messages. Plain-text documents use it too
+    (`qtrain.data.tokenize.iter_documents`)."""
+    if path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SFTError(f"{path}:{lineno}: not JSON ({e})") from None
+                missing = [k for k in fields if not isinstance(rec, dict) or k not in rec]
+                if missing:
+                    raise SFTError(f"{path}:{lineno}: no field {', '.join(map(repr, missing))}")
+                yield {**rec, "_where": f"{path}:{lineno}"}
+    elif path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise RuntimeError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from e
+        pf = pq.ParquetFile(path)
+        missing = [k for k in fields if k not in pf.schema_arrow.names]
+        if missing:
+            raise SFTError(f"{path}: no column {', '.join(map(repr, missing))} "
+                           f"(columns: {', '.join(pf.schema_arrow.names)})")
+        row = 0
+        for batch in pf.iter_batches(columns=list(fields), batch_size=1024):
+            for rec in batch.to_pylist():
+                row += 1
+                yield {**rec, "_where": f"{path}: row {row}"}
+    else:
+        raise SFTError(f"{path}: SFT records come from .jsonl or .parquet files")
+
+
+def record_text(rec: dict[str, Any], key: str) -> str:
+    v = rec.get(key)
+    if not isinstance(v, str):
+        raise SFTError(f"{rec.get('_where', 'record')}: field {key!r} is {type(v).__name__}, not a string")
+    return v
+
+
+def _chatml_ids(tok: "Tokenizer", where: str) -> tuple[int, int]:
+    ids = tok.special_id(CHATML_START), tok.special_id(CHATML_END)
+    if None in ids:
+        raise SFTError(f"{where}: chat records need a tokenizer with the ChatML tokens {CHATML_START} and "
+                       f"{CHATML_END} (qwen2, or a Qwen tokenizer.json); {tok.name} has none: use "
+                       f"--prompt-field/--response-field")
+    return ids  # type: ignore[return-value]
+
+
+def encode_example(tok: "Tokenizer", rec: dict[str, Any], fmt: SFTFormat) -> tuple[np.ndarray, np.ndarray]:
+    """One record -> (int32 tokens, bool keep-mask) as the module docstring describes."""
+    parts: list[tuple[list[int], bool]] = []  # (ids, trained)
+    if fmt.messages_field:
+        where = str(rec.get("_where", "record"))
+        start, end = _chatml_ids(tok, where)
+        messages = rec.get(fmt.messages_field)
+        if not isinstance(messages, list) or not messages:
+            raise SFTError(f"{where}: {fmt.messages_field!r} must be a non-empty list of messages")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise SFTError(f"{where}: each message needs string 'role' and 'content', got {m!r:.80}")
+            assistant = m["role"] == "assistant"
+            parts.append(([start, *tok.encode(m["role"] + "\n")], False))
+            parts.append(([*tok.encode(m["content"]), end], assistant))
+            parts.append((tok.encode("\n"), False))
+        parts.append(([tok.eos_id], False))
+    else:
+        parts.append((tok.encode(record_text(rec, fmt.prompt_field)), False))
+        parts.append(([*tok.encode(record_text(rec, fmt.response_field)), tok.eos_id], True))
+    tokens = np.asarray([t for ids, _ in parts for t in ids], dtype=np.int32)
+    mask = np.asarray([keep for ids, keep in parts for _ in ids], dtype=bool)
+    if fmt.pad_to is not None:
+        tokens, mask = _fit(tokens, mask, fmt.pad_to, tok.eos_id)
+    return tokens, mask
+
+
+def _fit(tokens: np.ndarray, mask: np.ndarray, n: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Exactly n tokens: too long -> the first n-1 and the last one (the EOS stays); too short -> padded."""
+    if tokens.size > n:
+        keep = np.r_[0:n - 1, tokens.size - 1]
+        return tokens[keep], mask[keep]
+    pad = n - tokens.size
+    return np.r_[tokens, np.full(pad, pad_id, np.int32)], np.r_[mask, np.zeros(pad, bool)]

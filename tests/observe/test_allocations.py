@@ -1,0 +1,58 @@
+"""`--debug-log-allocations MIB` (`qtrain.observe.allocations`): CUDA only (a CPU run says so once and records
+nothing); on a GPU the live allocations of at least MIB after the first step, each with the qtrain code that
+made it."""
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from qtrain.observe.allocations import live_allocations, make_allocation_sink
+from qtrain.observe.log import RunLogger, read_log
+
+
+def test_cpu_run_says_it_records_nothing(tmp_path):
+    log = RunLogger(tmp_path / "log.jsonl", stream=io.StringIO())
+    assert make_allocation_sink(log, torch.device("cpu"), 64) is None
+    assert make_allocation_sink(log, torch.device("cpu"), -1) is None  # off: not even a message
+    log.close()
+    [msg] = [e for e in read_log(tmp_path / "log.jsonl") if e["log"] == "message"]
+    assert msg["level"] == "warning" and "--debug-log-allocations" in msg["message"] and "CUDA" in msg["message"]
+
+
+def test_live_allocations_of_a_snapshot():
+    # the structure torch.cuda.memory._snapshot() returns (segments -> blocks with state, size, frames)
+    frames = [{"filename": "/usr/lib/python3/site-packages/torch/nn/functional.py", "line": 10, "name": "linear"},
+              {"filename": "/work/qtrain/qtrain/model/transformer.py", "line": 123, "name": "forward_backward"}]
+    snap = {"segments": [{"blocks": [
+        {"state": "active_allocated", "size": 64 << 20, "frames": frames},
+        {"state": "inactive", "size": 256 << 20, "frames": frames},
+        {"state": "active_allocated", "size": 300 << 20, "frames": []},
+        {"state": "active_allocated", "size": 1 << 20, "frames": frames}]}]}
+    assert live_allocations(snap, 2 << 20) == [
+        {"bytes": 300 << 20, "where": "before recording"},
+        {"bytes": 64 << 20, "where": "qtrain/model/transformer.py:123 forward_backward"}]
+
+
+@pytest.mark.gpu
+def test_gpu_run_reports_allocations_after_the_first_step(tmp_path, monkeypatch):
+    import numpy as np
+
+    from qtrain.cli.main import main
+    from qtrain.data.token_files import write_token_file
+    from tests.cli.test_llmq_command_lines import TINY
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY.to_hf_dict()))
+    write_token_file("train.bin", np.random.default_rng(0).integers(0, 500, 20000), vocab_size=512)
+    assert main(["train", "--model", "tiny", "--from-scratch", "--train-file", "train.bin", "--steps", "2",
+                 "--seq-len", "64", "--batch-size", "4", "--debug-log-allocations", "1", "--compile", "off",
+                 "--no-save-training-state", "--log-file", "log.jsonl"]) == 0
+    [rep] = [e for e in read_log("log.jsonl") if e["log"] == "allocations"]
+    assert rep["step"] == 0 and rep["min_bytes"] == 1 << 20 and rep["allocations"]
+    assert all(a["bytes"] >= 1 << 20 for a in rep["allocations"])
+    assert rep["total_bytes"] == sum(a["bytes"] for a in rep["allocations"])
+    assert any(a["where"].startswith("qtrain/") for a in rep["allocations"])  # made by the first step, located
