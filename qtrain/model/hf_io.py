@@ -201,14 +201,14 @@ def export_manifest(out_dir: str | os.PathLike) -> dict[str, Any] | None:
     return man if isinstance(man, dict) and isinstance(man.get("files"), list) else None
 
 
-def _is_export_name(name: str) -> bool:
+def is_export_name(name: str) -> bool:
     return bool(_EXPORT_NAME.match(name)) or name in TOKENIZER_FILES
 
 
-def _manifest_files(man: dict[str, Any] | None) -> set[str]:
+def manifest_files(man: dict[str, Any] | None) -> set[str]:
     """The files a manifest lists, restricted to names an export writes (a hand-edited manifest can never
     make qtrain delete anything else)."""
-    return {n for n in (man or {}).get("files", []) if isinstance(n, str) and _is_export_name(n)}
+    return {n for n in (man or {}).get("files", []) if isinstance(n, str) and is_export_name(n)}
 
 
 def foreign_export_files(out_dir: str | os.PathLike) -> list[str]:
@@ -216,8 +216,8 @@ def foreign_export_files(out_dir: str | os.PathLike) -> list[str]:
     out = Path(out_dir)
     if not out.is_dir():
         return []
-    ours = _manifest_files(export_manifest(out))
-    return sorted(p.name for p in out.iterdir() if _is_export_name(p.name) and p.name not in ours)
+    ours = manifest_files(export_manifest(out))
+    return sorted(p.name for p in out.iterdir() if is_export_name(p.name) and p.name not in ours)
 
 
 def save_hf_model(out_dir: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, torch.Tensor], *,
@@ -288,7 +288,7 @@ def _publish(out: Path, temps: Mapping[str, Path], owner: dict[str, Any]) -> Non
     """Rename the staged files in, between a manifest that says the export is incomplete (listing old and new
     files, so an interrupted export's files are all known) and one that says it is complete; then remove the
     previous export's files that this one no longer has."""
-    old = _manifest_files(export_manifest(out))
+    old = manifest_files(export_manifest(out))
     new = sorted(temps)
     head = {"format": 1, "writer": "qtrain", **owner}
     atomic_write_json(out / MANIFEST, {**head, "complete": False, "files": sorted(old | set(new))},
