@@ -109,13 +109,13 @@ class DistContext:
         dist.all_gather_object(out, obj, group=self.control)
         return out
 
-    def any_flag(self, flag: bool) -> bool:
-        """True on every rank when it is True on any (e.g. a stop request that reached only some ranks)."""
+    def max_int(self, value: int) -> int:
+        """The largest `value` over the ranks, on every rank (host-side; e.g. a signal that reached only some)."""
         if self.world == 1:
-            return flag
-        t = torch.tensor([int(flag)], dtype=torch.int32)
+            return value
+        t = torch.tensor([int(value)], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
-        return bool(t.item())
+        return int(t.item())
 
     # ---- failure handling ----
     def mark_progress(self, step: int) -> None:
@@ -123,9 +123,11 @@ class DistContext:
         if self.store is not None:
             self.store.set(f"{_KEY}progress/{self.rank}", str(step))
 
-    def stop_requested(self) -> bool:
-        """Whether the launcher asked the workers to stop (it got SIGINT / SIGTERM)."""
-        return self.store is not None and self.store.check([f"{_KEY}stop"])
+    def stop_signal(self) -> int | None:
+        """The signal the launcher got (SIGINT / SIGTERM) when it asked the workers to stop, else None."""
+        if self.store is None or not self.store.check([f"{_KEY}stop"]):
+            return None
+        return int(self.store.get(f"{_KEY}stop").decode())
 
     def diagnose(self, error: BaseException) -> RankFailure:
         """A RankFailure naming the ranks that stopped answering (stale heartbeat) or fell behind."""
@@ -137,17 +139,19 @@ def describe_failure(store: Any, rank: int, world: int, error: BaseException) ->
     what = re.sub(r"^\[[^\]]*\]\s*", "", what)[:200]
     if store is None:
         return f"rank {rank}: a collective operation failed ({what})"
-    now = time.time()
     silent, progress = [], {}
+    deadline = time.monotonic() + 5 * HEARTBEAT_S  # a peer that just died: wait until its heartbeat is stale
     try:
+        while True:
+            now = time.time()
+            silent = [r for r in range(world) if r != rank and _stale(store, r, now)]
+            if silent or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         for r in range(world):
-            if r == rank:
-                continue
-            beat = _get(store, f"{_KEY}alive/{r}")
-            if beat is None or now - float(beat) > 4 * HEARTBEAT_S:
-                silent.append(r)
-            p = _get(store, f"{_KEY}progress/{r}")
-            progress[r] = int(p) if p is not None else -1
+            if r != rank:
+                p = _get(store, f"{_KEY}progress/{r}")
+                progress[r] = int(p) if p is not None else -1
     except Exception:  # the store itself is gone (its host died)
         return f"rank {rank}: a collective operation failed and the rendezvous store does not answer ({what})"
     mine = _get(store, f"{_KEY}progress/{rank}")
@@ -163,6 +167,11 @@ def describe_failure(store: Any, rank: int, world: int, error: BaseException) ->
     return f"rank {rank}: a collective operation failed at step {mine} ({what})"
 
 
+def _stale(store: Any, r: int, now: float) -> bool:
+    beat = _get(store, f"{_KEY}alive/{r}")
+    return beat is None or now - float(beat) > 4 * HEARTBEAT_S
+
+
 def _get(store: Any, key: str) -> str | None:
     if not store.check([key]):
         return None
@@ -174,7 +183,7 @@ def is_collective_error(e: BaseException) -> bool:
     if isinstance(e, getattr(dist, "DistError", ())):
         return True
     return isinstance(e, RuntimeError) and bool(re.search(
-        r"gloo|nccl|timed out|connection (closed|reset|refused)|broken pipe", str(e), re.I))
+        r"gloo|nccl|timed out|timeout|connection (closed|reset|refused)|broken pipe|pair closure", str(e), re.I))
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -349,14 +358,17 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, grace_s: float
                     break
         finally:
             _restore_signals(signals)
-            for p in procs:
+            killed = set()
+            for r, p in enumerate(procs):
                 if p.exitcode is None:
                     p.kill()
+                    killed.add(r)
                 p.join(30)
-        _raise_first_failure(procs, errdir)
+        _raise_first_failure(procs, errdir, killed)
 
 
-def _raise_first_failure(procs: list, errdir: str) -> None:
+def _raise_first_failure(procs: list, errdir: str, killed: set[int]) -> None:
+    """Raise the first failure of the workers (see launch_local); `killed` are the ranks the launcher ended."""
     if all(p.exitcode == 0 for p in procs):
         return
     reports = {}
@@ -365,19 +377,23 @@ def _raise_first_failure(procs: list, errdir: str) -> None:
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 reports[r] = json.load(f)
-    # a user error first (it is the cause; what other ranks report follows from it), then rank order
-    for r, rep in sorted(reports.items(), key=lambda kv: (kv[1]["code"] != USER_ERROR_EXIT, kv[0])):
+    # the cause first: a user error (the rest follows from it), then a rank that died without a word (the
+    # others only report losing it), then the reports in rank order
+    for r, rep in sorted(reports.items()):
         if rep["code"] == USER_ERROR_EXIT:
             raise LaunchError(rep["message"])
+    for r, p in enumerate(procs):
+        if r not in reports and r not in killed and p.exitcode is not None and p.exitcode < 0:
+            raise RankFailure(f"rank {r} was killed by {signal.Signals(-p.exitcode).name}"
+                              + (" (out of memory?)" if -p.exitcode == signal.SIGKILL else ""))
+    for r, rep in sorted(reports.items()):
         if rep["expected"]:
             raise ReportedExit(rep["message"], rep["code"], rep["label"])
         raise RankFailure(f"rank {r} failed: {rep['message'] or 'unexpected error'} (its traceback is above)")
-    dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (0, None)]
-    r, code = dead[0]
-    if code < 0:
-        raise RankFailure(f"rank {r} was killed by {signal.Signals(-code).name}"
-                          + (" (out of memory?)" if -code == signal.SIGKILL else ""))
-    raise RankFailure(f"rank {r} exited with code {code}")
+    r, code = next(((r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0 and r not in killed),
+                   next((r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0))
+    raise RankFailure(f"rank {r} exited with code {code}" if code >= 0 else
+                      f"rank {r} was killed by {signal.Signals(-code).name}")
 
 
 def _forward_signals(server: Any, procs: list) -> dict[str, Any]:

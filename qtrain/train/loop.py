@@ -75,7 +75,10 @@ def _build_trainer(opts: Options, ctx: DistContext) -> Trainer:
 
 def _stop_requested(signals: StopSignals, ctx: DistContext) -> bool:
     """Whether any rank got a signal, or the launcher asked to stop (the same answer on every rank)."""
-    return ctx.any_flag(signals.requested is not None or ctx.stop_requested())
+    signum = ctx.max_int(signals.requested or ctx.stop_signal() or 0)
+    if signum:
+        signals.requested = signum
+    return bool(signum)
 
 
 def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared | None,
