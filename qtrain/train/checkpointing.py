@@ -15,7 +15,6 @@ change the run.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from qtrain.data.loader import TokenLoader
