@@ -13,8 +13,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", required=True)
     p.add_argument("--out-dir", required=True)
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an export of another run in --out-dir (files qtrain did not write are never replaced)")
 
 
 def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
-    export_checkpoint(ns.checkpoint_dir, ns.out_dir, step=ns.step)
+    path = export_checkpoint(ns.checkpoint_dir, ns.out_dir, step=ns.step, overwrite=ns.overwrite)
+    print(f"exported {path} to {ns.out_dir}")
     return 0

@@ -148,6 +148,6 @@ def load_run(path: str | os.PathLike, *, name: str | None = None) -> RunHistory:
         events = read_log(p)
     except OSError as e:
         raise LogError(f"{p}: cannot read log ({e.strerror or e})") from None
-    except ValueError as e:
-        raise LogError(str(e)) from None
+    except ValueError as e:  # a corrupt line names itself; undecodable bytes do not: name the file
+        raise LogError(str(e) if str(p) in str(e) else f"{p}: not a qtrain log ({e})") from None
     return history_from_events(events, path=p, name=name)

@@ -8,10 +8,11 @@ from __future__ import annotations
 import torch
 
 from qtrain.model.config import ModelConfig
-from qtrain.model.hf_io import save_hf_model
+from qtrain.model.hf_io import export_manifest, save_hf_model
 from qtrain.parallel.layout import FlatLayout
 from qtrain.train import checkpoint_io as cio
-from qtrain.train.checkpointing import CheckpointError, _stem
+from qtrain.train.checkpoint_io import CheckpointError
+from qtrain.train.checkpointing import _stem
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -32,10 +33,23 @@ def checkpoint_params(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], 
     return cfg, layout.views(buffers), meta.get("options", {}).get("model_dtype", "bf16")
 
 
-def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None) -> str:
+def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, overwrite: bool = False) -> str:
+    """Export the checkpoint of `step` (default: the newest) in `ckpt_dir` to `out_dir`. An export of another
+    run already there is replaced only with `overwrite`; files no qtrain export wrote never are."""
     path = cio.find_checkpoint(ckpt_dir, step)
     if path is None:
-        raise CheckpointError(f"--checkpoint-dir {ckpt_dir}: no checkpoint" + (f" for step {step}" if step else ""))
+        have = [s for s, _ in cio.list_checkpoints(ckpt_dir)]
+        raise CheckpointError(f"--checkpoint-dir {ckpt_dir}: no checkpoint" + (f" of step {step}" if step is not None
+                              else "") + (f" (it has steps {', '.join(map(str, have[-8:]))})" if have else ""))
+    meta, _ = cio.read_checkpoint(path)
+    run_id = (meta.get("run") or {}).get("id")
+    man = export_manifest(out_dir)
+    theirs = (man or {}).get("run_id")
+    if theirs and theirs != run_id and not overwrite:
+        raise CheckpointError(f"--out-dir {out_dir}: holds the export of another run ({theirs[:8]}, step "
+                              f"{man.get('step')}); choose another --out-dir, or pass --overwrite to replace it")
     cfg, params, dtype = checkpoint_params(str(path))
-    save_hf_model(out_dir, cfg, params, dtype=DTYPES[dtype])
+    owner = {"run_id": run_id, "name": (meta.get("run") or {}).get("name"), "step": meta.get("step"),
+             "checkpoint": str(path)}
+    save_hf_model(out_dir, cfg, params, dtype=DTYPES[dtype], owner={k: v for k, v in owner.items() if v is not None})
     return str(path)

@@ -84,10 +84,9 @@ def _stop_requested(signals: StopSignals, ctx: DistContext) -> bool:
 def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared | None,
          signals: StopSignals) -> dict:
     prep = prep or shared_preflight(opts, ctx)
-    notes = _claim(prep, opts, ctx)
     train_pattern, eval_pattern = prep.train_pattern, prep.eval_pattern
-
     trainer = _build_trainer(opts, ctx)
+    notes = _claim(prep, opts, ctx)  # after the model is built: a run that fails to start writes nothing
     cfg, B, T, GA, W = trainer.cfg, opts.batch_size, opts.seq_len, opts.grad_accumulation, ctx.world
     train = TokenLoader(train_pattern, T, rank=ctx.rank, world=W, seed=opts.train_seed, model_vocab_size=cfg.vocab_size)
     evals = (TokenLoader(eval_pattern, T, rank=ctx.rank, world=W, seed=opts.eval_seed,
