@@ -66,6 +66,13 @@ class DiskSpaceError(FileSystemError):
     """Not enough free space for a write; the message names the path, the bytes needed and the bytes free."""
 
 
+def describe_write_error(e: BaseException) -> str:
+    """The cause of a failed write in a few words (an OSError's strerror; what safetensors' own error wraps)."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return re.sub(r"^Error while serializing: (I/O error: )?", "", str(e)).replace(" (os error ", " (errno ")
+
+
 def format_bytes(n: int | float) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= scale:

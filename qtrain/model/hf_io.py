@@ -26,8 +26,8 @@ import safetensors.torch as st
 import torch
 from safetensors import SafetensorError, safe_open
 
-from qtrain.fsio import (atomic_write_json, ensure_free_space, fault_point, fsync_path, read_json, sweep_temp_files,
-                         temp_path)
+from qtrain.fsio import (FileSystemError, atomic_write_json, describe_write_error, ensure_free_space, fault_point,
+                         fsync_path, read_json, sweep_temp_files, temp_path)
 from qtrain.model import weights
 from qtrain.model.config import ModelConfig
 
@@ -272,7 +272,7 @@ def save_hf_model(out_dir: str | os.PathLike, cfg: ModelConfig, params: Mapping[
             fsync_path(tmp)
         fault_point("export.staged")
         _publish(out, temps, dict(owner or {}))
-    except BaseException:
+    except BaseException as e:
         for tmp in temps.values():
             tmp.unlink(missing_ok=True)
         if created:
@@ -280,6 +280,8 @@ def save_hf_model(out_dir: str | os.PathLike, cfg: ModelConfig, params: Mapping[
                 out.rmdir()  # only if still empty: the directory this call made
             except OSError:
                 pass
+        if isinstance(e, (OSError, SafetensorError)):
+            raise FileSystemError(f"writing the export to {out} failed: {describe_write_error(e)}") from e
         raise
     return out
 

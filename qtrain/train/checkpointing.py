@@ -18,7 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 from qtrain.data.loader import TokenLoader
-from qtrain.fsio import ensure_free_space, fault_point, owner_tag
+from safetensors import SafetensorError
+
+from qtrain.fsio import describe_write_error, ensure_free_space, fault_point, owner_tag
 from qtrain.model.config import ConfigError, ModelConfig
 from qtrain.observe.log import RunLogger
 from qtrain.train import checkpoint_io as cio
@@ -97,8 +99,8 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
     try:
         tmp = cio.begin(ckpt_dir, step, tag=tag)
         cio.write_files(tmp, files)
-    except OSError as e:
-        err = f"writing the checkpoint of step {step} to {tmp or ckpt_dir} failed: {e.strerror or e}"
+    except (OSError, SafetensorError) as e:
+        err = f"writing the checkpoint of step {step} to {tmp or ckpt_dir} failed: {describe_write_error(e)}"
     if (err := _agree(ctx, err)) is not None:
         if ctx.is_main and tmp is not None:
             cio.remove_tree_quietly(tmp)
@@ -119,7 +121,7 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
             cio.commit(tmp, final, meta)
         except OSError as e:
             cio.remove_tree_quietly(tmp)
-            err = f"committing the checkpoint of step {step} to {final} failed: {e.strerror or e}"
+            err = f"committing the checkpoint of step {step} to {final} failed: {describe_write_error(e)}"
     if (err := _agree(ctx, err)) is not None:
         raise CheckpointError(err)
     if ctx.is_main:

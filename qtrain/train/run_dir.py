@@ -191,7 +191,7 @@ def claim(paths: RunPaths, found: Found, *, run_id: str, name: str, start_over: 
     """Rank 0, after the checks: sweep leftovers of dead processes, carry out --start-over, write the marker.
     Returns what was done, one message each."""
     notes = []
-    swept = cio.remove_stale(paths.ckpt_dir) + sweep_temp_files(paths.out_dir)
+    swept = cio.remove_stale(paths.ckpt_dir) + sweep_temp_files(paths.ckpt_dir) + sweep_temp_files(paths.out_dir)
     if paths.log_file:
         swept += sweep_temp_files(Path(paths.log_file).parent if Path(paths.log_file).parent != Path("") else ".")
     if swept:

@@ -271,12 +271,12 @@ def test_failed_save_leaves_old_dir_intact(hf_dirs, tmp_path, monkeypatch):
 
     monkeypatch.setattr(st, "save_file", flaky_save)
     zeros = {k: torch.zeros_like(v) for k, v in params.items()}
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(hf_io.FileSystemError, match="writing the export to .* failed: disk full"):
         save_hf_model(out, cfg, zeros, dtype=torch.float32, max_shard_bytes=40_000)
     assert len(calls) == 2
     assert _snapshot(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp dir left behind
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(hf_io.FileSystemError, match="disk full"):
         calls.clear()
         save_hf_model(tmp_path / "fresh", cfg, zeros, dtype=torch.float32, max_shard_bytes=40_000)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
