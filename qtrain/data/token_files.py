@@ -281,7 +281,7 @@ def scan_token_ids(path: PathLike) -> tuple[int, int] | None:
     """(smallest, largest) token id of a token file, None when it holds no tokens. The file is memory-mapped
     and reduced in vectorized chunks (no copy of it is made); the result is cached per file under
     `token_cache_dir()`, keyed by path, size, mtime and inode, so an unchanged file is scanned once."""
-    from qtrain.fsio import atomic_write_json, read_json
+    from qtrain.fsio import atomic_write_json, read_json, sweep_temp_files
 
     f = TokenFile(path)
     try:
@@ -299,6 +299,7 @@ def scan_token_ids(path: PathLike) -> tuple[int, int] | None:
     if cache is not None:
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
+            sweep_temp_files(cache.parent)  # what a killed writer left
             atomic_write_json(cache, {**ident, "min": lo, "max": hi}, point="token-cache")
         except OSError:
             pass  # an unwritable cache only costs a rescan next time
