@@ -7,12 +7,14 @@ available (MemAvailable, capped by a cgroup memory limit when there is one).
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import Any
 
 from qtrain.options import OptionsError
 
 GiB = 1 << 30
+MMAP_THRESHOLD = 256 << 10  # bytes: blocks at least this large are mapped and unmapped on their own
 
 
 class HostMemoryError(OptionsError):
@@ -83,3 +85,15 @@ def check_host_memory(plan: Any, procs: int, *, available: int | None = None, ba
             f"host memory: the {where} needs {need / GiB:.2f} GiB ({procs} process(es) x {per / GiB:.2f} GiB: "
             f"{plan.summary()}), but {available / GiB:.2f} GiB are available; use a smaller --batch-size or "
             f"model, recomputation (`qtrain plan` proposes settings), or --no-memory-check to try anyway")
+
+
+def return_freed_memory() -> bool:
+    """Make glibc give freed blocks of >= 256 KiB back to the OS at once (mallopt M_MMAP_THRESHOLD, which also
+    stops it from raising that threshold as the run goes). Without it a CPU run's resident memory grows past
+    what the plan counts, by heap fragmentation (measured on a 20M-parameter model: +22% of the plan, +93%
+    with --recompute-block); with it the peak RSS is the plan's within 10% (tests/plan/test_host.py), at no
+    measurable cost per step. Linux / glibc only; elsewhere it returns False and changes nothing."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD))  # M_MMAP_THRESHOLD = -3
+    except (OSError, AttributeError):
+        return False

@@ -19,6 +19,7 @@ from qtrain.observe.log import RunLogger
 from qtrain.observe.metrics import device_peaks, model_flops_per_token, ns_per_token, peak_tflops, sol_ops
 from qtrain.options import Options
 from qtrain.parallel.dist import DistContext, init_distributed, is_collective_error
+from qtrain.plan.host import return_freed_memory
 from qtrain.plan.memory import plan_for_trainer
 from qtrain.train import checkpointing, run_dir
 from qtrain.train.preflight import Prepared, shared_preflight
@@ -42,6 +43,8 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
     the preflight's result when the caller (the --gpus launcher) ran it already."""
     opts.validate()
     ctx = ctx or init_distributed(opts.device, timeout_s=opts.collective_timeout)
+    if ctx.device.type == "cpu":
+        return_freed_memory()  # so the host memory the plan checked is what the run holds
     with StopSignals() as signals:
         try:
             return _run(opts, argv, ctx, prep, signals)
