@@ -364,6 +364,9 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, grace_s: float
                     p.kill()
                     killed.add(r)
                 p.join(30)
+        if signals["count"] >= 2:
+            raise ReportedExit("stopped at once by a second signal; the last checkpoint written resumes the run with "
+                               "--continue", 128 + signal.SIGINT, "stopped")
         _raise_first_failure(procs, errdir, killed)
 
 

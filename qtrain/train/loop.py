@@ -45,7 +45,7 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
     ctx = ctx or init_distributed(opts.device, timeout_s=opts.collective_timeout)
     if ctx.device.type == "cpu":
         return_freed_memory()  # so the host memory the plan checked is what the run holds
-    with StopSignals() as signals:
+    with StopSignals(announce=ctx.is_main) as signals:
         try:
             return _run(opts, argv, ctx, prep, signals)
         except Exception as e:  # a hung or dead rank: name it instead of a backend's message

@@ -33,17 +33,18 @@ class StopSignals:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, stream: Any = None) -> None:
+    def __init__(self, *, announce: bool = True) -> None:
         self.requested: int | None = None
-        self.stream = stream
+        self.announce = announce  # rank 0 says what happens; the other ranks stay quiet
         self._old: dict[int, Any] = {}
 
     def _handler(self, signum: int, frame: Any) -> None:
         self.requested = signum
         for s in self.SIGNALS:  # a second signal: the default action, i.e. the process ends at once
             signal.signal(s, signal.SIG_DFL)
-        print(f"qtrain: {signal.Signals(signum).name}: finishing the current step, then writing a checkpoint "
-              f"(send it again to stop at once)", file=self.stream or sys.stderr, flush=True)
+        if self.announce:
+            print(f"qtrain: {signal.Signals(signum).name}: finishing the current step, then writing a checkpoint "
+                  f"(send it again to stop at once)", file=sys.stderr, flush=True)
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
