@@ -66,7 +66,9 @@ def _build_trainer(opts: Options, ctx: DistContext) -> Trainer:
     """The Trainer; running out of memory while it allocates is reported with the plan's numbers."""
     try:
         return Trainer(opts, ctx)
-    except torch.OutOfMemoryError as e:
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise
         from qtrain.model.resolve import resolve_model
         from qtrain.plan.host import HostMemoryError
         from qtrain.plan.memory import plan_memory
