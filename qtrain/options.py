@@ -7,6 +7,8 @@ YAML) both fill this object; `validate()` is the single place where combinations
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Iterable
 
@@ -137,7 +139,8 @@ class Options:
     ckpt_interval: int = 100
     """Write a checkpoint every N optimizer steps."""
     ckpt_keep_n: int = -1
-    """Keep only the newest N checkpoints (-1 = keep all); see --ckpt-major."""
+    """Keep the newest N checkpoints (besides --ckpt-major ones); -1 keeps all. The newest checkpoint written
+    after a finite step is never deleted. 0 is refused: it would delete each checkpoint right after writing it."""
     ckpt_major: int = -1
     """Checkpoints at steps divisible by N are never deleted by --ckpt-keep-n (-1 = none)."""
     save_training_state: bool = True
@@ -146,6 +149,12 @@ class Options:
     """`--continue [STEP|PATH]`: resume from the latest checkpoint, a step, or a path."""
     new_data: bool = False
     """With --continue: do not restore the data loader position."""
+    start_over: bool = False
+    """Start a new run where an earlier one left checkpoints, an export or a log (without it qtrain refuses, and
+    --continue resumes that run): its checkpoints are deleted, its export files replaced, its log kept aside."""
+    max_nonfinite_steps: int = 10
+    """Stop the run (exit code 3) after this many steps in a row with a non-finite loss or gradient norm; each
+    is skipped and reported, and the newest finite checkpoint is kept (0 = never stop)."""
     log_file: str = "logs/%n.jsonl"
     """JSON Lines run log (`qtrain plot`, `qtrain export-wandb`); '' = none; %n = --name."""
     tensorboard: str = ""
@@ -180,6 +189,12 @@ class Options:
     faster at 1.5B (BENCHMARKS.md, session 5). --no-compile-tuning for quick starts."""
     gpus: int = 0
     """Local worker processes to start (0 = all visible GPUs, or 1 on CPU). Under torchrun: the launcher's."""
+    collective_timeout: float = 600.0
+    """Seconds a collective waits for the other ranks before the run fails with an error naming the rank that
+    stopped answering (raise it for exports or checkpoints on slow storage)."""
+    memory_check: bool = True
+    """Refuse a run whose memory plan does not fit the host's available memory (CPU runs, offloaded
+    buffers) before allocating anything (--no-memory-check to try anyway)."""
     zero_level: int = 1
     """ZeRO level: 1 shards the Adam state, 2 also the gradients, 3 also the weights (0 acts as 1)."""
     shard_gradients: bool = False
@@ -259,6 +274,14 @@ class Options:
             if value not in allowed:
                 raise err(f"--{opt}={value!r}: must be one of {', '.join(allowed)}")
 
+        for f in fields(self):  # NaN / inf pass every comparison below (nan < 0 is False): refuse them first
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise err(f"--{f.name.replace('_', '-')} must be a finite number, got {v}")
+        check_run_name(self.name)
+        for opt, v in (("out-dir", self.out_dir), ("checkpoint-dir", self.checkpoint_dir)):
+            if not v.strip():
+                raise err(f"--{opt} must not be empty")
         for name, allowed in CHOICES.items():
             value = getattr(self, name)
             if value or name not in EMPTY_MEANS_DEFAULT:
@@ -349,6 +372,18 @@ class Options:
             raise err(f"--log-gpu-util must be >= 0 (0 = off), got {self.log_gpu_util}")
         if self.debug_log_allocations < -1 or self.debug_log_allocations == 0:
             raise err(f"--debug-log-allocations takes a size in MiB >= 1 (-1 = off), got {self.debug_log_allocations}")
+        if self.ckpt_keep_n == 0:
+            raise err("--ckpt-keep-n 0 would delete each checkpoint right after writing it; use 1 to keep only the "
+                      "newest, or -1 (the default) to keep all")
+        if self.ckpt_keep_n < -1:
+            raise err(f"--ckpt-keep-n must be -1 (keep all) or >= 1, got {self.ckpt_keep_n}")
+        if self.max_nonfinite_steps < 0:
+            raise err(f"--max-nonfinite-steps must be >= 0 (0 = never stop), got {self.max_nonfinite_steps}")
+        if self.collective_timeout <= 0:
+            raise err(f"--collective-timeout must be > 0 seconds, got {self.collective_timeout}")
+        if self.start_over and self.continue_from is not None:
+            raise err("--start-over and --continue exclude each other: --continue resumes the earlier run, "
+                      "--start-over replaces it")
         return self
 
     # ---- config files ----
@@ -362,6 +397,18 @@ class Options:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+
+
+def check_run_name(name: str) -> None:
+    """A run name is one path component (it replaces %n in --out-dir, --checkpoint-dir and --log-file), so
+    it can never point outside them: no '/', no '..', no leading '.', no spaces or control characters."""
+    if not _RUN_NAME.match(name) or ".." in name:
+        safe = re.sub(r"[^A-Za-z0-9._+-]+", "_", name).strip("._") or "run"
+        raise OptionsError(f"--name {name!r}: a run name is one path component of letters, digits and '._+-' "
+                           f"(it replaces %n in --out-dir, --checkpoint-dir and --log-file); e.g. --name {safe}")
 
 
 ALIASES = {"batch": "batch_size", "seq_length": "seq_len", "lr": "learning_rate", "continue": "continue_from",

@@ -6,6 +6,9 @@ Helpers that spawned worker processes must import (`run_distributed`, batches, m
 """
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
 from tests.dist_utils import write_model_dir
@@ -16,3 +19,17 @@ def model_dir(request, tmp_path_factory) -> str:
     """A directory holding only the test module's `CFG` (a tiny ModelConfig) as an HF config.json, for
     `Options(model=..., from_scratch=True)` runs."""
     return write_model_dir(tmp_path_factory.mktemp("tiny-model"), request.module.CFG)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _token_scan_cache():
+    """Token-id scan results (data/token_files.py) go to a cache of this session, not the user's ~/.cache;
+    subprocesses inherit it through the environment."""
+    old = os.environ.get("QTRAIN_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="qtrain-test-cache-") as d:
+        os.environ["QTRAIN_CACHE_DIR"] = d
+        yield d
+    if old is None:
+        os.environ.pop("QTRAIN_CACHE_DIR", None)
+    else:
+        os.environ["QTRAIN_CACHE_DIR"] = old

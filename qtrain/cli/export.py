@@ -12,14 +12,17 @@ HELP = "training checkpoint -> Hugging Face model directory (weights, tokenizer,
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", required=True, help="a run's checkpoint directory (ckpt/NAME), or one step_N")
-    p.add_argument("--out-dir", required=True, help="HF model directory to write (replaced atomically)")
+    p.add_argument("--out-dir", required=True,
+                   help="HF model directory to write (only the export's own files in it are written)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--tokenizer", default="",
                    help="qwen2 | gpt2 | tokenizer.json | model directory (default: the one the run recorded)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an export of another run in --out-dir (files qtrain did not write are never replaced)")
 
 
 def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
-    r = export_checkpoint(ns.checkpoint_dir, ns.out_dir, step=ns.step, tokenizer=ns.tokenizer)
+    r = export_checkpoint(ns.checkpoint_dir, ns.out_dir, step=ns.step, tokenizer=ns.tokenizer, overwrite=ns.overwrite)
     print(f"exported {r.checkpoint} -> {r.out_dir} (tokenizer: {r.tokenizer or 'none recorded; pass --tokenizer'})")
     if r.caveat:
         print(f"note: {r.caveat}", file=sys.stderr)

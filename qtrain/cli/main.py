@@ -76,10 +76,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return ns.func(ns, ["qtrain", *argv])
     except ValueError as e:  # qtrain's own errors (options, config, weights, data, checkpoints) are ValueErrors
-        if not type(e).__module__.startswith("qtrain."):
+        if not _ours(e):
             raise
-        print(f"qtrain: error: {e}", file=sys.stderr)
-        return 2
+        return _fail("error", e, 2)
+    except OSError as e:  # a path the user gave that cannot be read or written (missing, read-only, full)
+        return _fail("error", f"{e.filename}: {e.strerror}" if e.filename and e.strerror else e, 2)
+    except KeyboardInterrupt:
+        return _fail("stopped", "interrupted", 130)
+    except Exception as e:  # a run that stopped on purpose, or a failed rank: their message and exit code
+        if not (_ours(e) and hasattr(e, "exit_code")):
+            raise
+        return _fail(getattr(e, "label", "error"), e, int(e.exit_code))
+
+
+def _ours(e: BaseException) -> bool:
+    return type(e).__module__.startswith("qtrain.")
+
+
+def _fail(label: str, msg: object, code: int) -> int:
+    """One line on stderr, and the exit code: no traceback for what the user can fix or chose."""
+    print(f"qtrain: {label}: {msg}", file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":

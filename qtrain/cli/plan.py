@@ -38,7 +38,7 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = (), out=None) -> int:
     world = opts.gpus
     gpu_memory = getattr(ns, "plan_gpu_memory", None)
     if gpu_memory is not None:
-        gpu_memory = parse_bytes(gpu_memory)
+        gpu_memory = _bytes("--gpu-memory", gpu_memory)
     else:
         import torch
         if not torch.cuda.is_available():
@@ -47,7 +47,7 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = (), out=None) -> int:
         world = world or torch.cuda.device_count()
     world = max(1, world)
     reserve = getattr(ns, "plan_reserve", None)
-    reserve = None if reserve is None else parse_bytes(reserve)
+    reserve = None if reserve is None else _bytes("--reserve", reserve)
     plan = plan_memory(cfg, opts, world=world, gpu_memory=gpu_memory, reserve=reserve, model_name=name)
     proposals = (propose(cfg, opts, gpu_memory, world, max_batch=getattr(ns, "plan_max_batch", 64), reserve=reserve,
                          model_name=name) if getattr(ns, "plan_propose", True) else [])
@@ -80,6 +80,13 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = (), out=None) -> int:
     best = proposals[best_i][1]
     out.write("\n" + best.format() + "\n")
     return 0
+
+
+def _bytes(opt: str, s: str) -> int:
+    try:
+        return parse_bytes(s)
+    except ValueError as e:
+        raise OptionsError(f"{opt}: {e}") from None
 
 
 def _flag(k: str, v: Any) -> str:

@@ -17,7 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     opts = options_from_args(ns)
-    from qtrain.parallel.dist import launch_local, under_launcher
+    from qtrain.parallel.dist import check_device, launch_local, under_launcher
+    check_device(opts.device)
     nprocs = opts.gpus
     if nprocs == 0:
         import torch
@@ -25,15 +26,17 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     if under_launcher() or nprocs == 1:
         run_worker(opts, list(argv))
     else:
-        launch_local(run_worker, nprocs, opts, list(argv))
+        from qtrain.train.preflight import preflight
+        prep = preflight(opts, world=nprocs)  # every check once, here, before any worker starts
+        launch_local(run_worker, nprocs, opts, list(argv), prep)
     return 0
 
 
-def run_worker(opts: Options, argv: list[str]) -> None:
+def run_worker(opts: Options, argv: list[str], prep=None) -> None:
     """One rank's whole run (also the entry point of spawned workers)."""
     from qtrain.parallel.dist import shutdown
     from qtrain.train.loop import run_training
     try:
-        run_training(opts, argv)
+        run_training(opts, argv, prep=prep)
     finally:
         shutdown()

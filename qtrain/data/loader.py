@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
-from qtrain.data.token_files import IGNORE_INDEX, DataError, PathLike, TokenFile, common_vocab_size, expand_files
+from qtrain.data.token_files import (IGNORE_INDEX, DataError, PathLike, TokenFile, check_token_ids, common_vocab_size,
+                                      expand_files)
 
 if TYPE_CHECKING:  # torch is imported where batches are made, so tokenizer workers start fast
     import torch
@@ -68,6 +69,9 @@ class TokenLoader:
             raise DataError(
                 f"{bad.path}: token file vocab size {self.vocab_size} exceeds the model's vocab size {model_vocab_size}"
             )
+        if model_vocab_size is not None:  # every id must index the embedding (scan cached per file)
+            for f in self.files:
+                check_token_ids(f.path, model_vocab_size)
         for f in self.files:
             if len(f) < seq_len + 1:
                 raise DataError(

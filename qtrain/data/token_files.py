@@ -291,3 +291,81 @@ def expand_files(pattern_or_files: PathLike | Sequence[PathLike]) -> list[str]:
             raise DataError(f"{p}: no token files match")
         files.extend(h for h in hits if h not in files)
     return files
+
+
+# ----------------------------------------------------------------------------------------------
+# Token id range check (run before the model is built), with a per-file cache of the scan
+
+SCAN_CHUNK_TOKENS = 1 << 24  # tokens per vectorized min/max pass: 64 MiB of int32 at a time
+_SCAN_CACHE_VERSION = 1
+
+
+def token_cache_dir() -> Path:
+    """Where per-file scan results live: $QTRAIN_CACHE_DIR, else $XDG_CACHE_HOME/qtrain, else ~/.cache/qtrain."""
+    if os.environ.get("QTRAIN_CACHE_DIR"):
+        return Path(os.environ["QTRAIN_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "qtrain"
+
+
+def _scan_key(path: str) -> tuple[Path, dict[str, Any]]:
+    """(cache file, identity of the file's current contents): path, size, mtime and inode."""
+    import hashlib
+
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    ident = {"path": real, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino,
+             "version": _SCAN_CACHE_VERSION}
+    name = hashlib.sha256(real.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+    return token_cache_dir() / "token-ids" / f"{name}.json", ident
+
+
+def _chunks(f: TokenFile) -> Any:
+    for start in range(0, len(f), SCAN_CHUNK_TOKENS):
+        yield start, np.asarray(f.tokens[start:start + SCAN_CHUNK_TOKENS])
+
+
+def scan_token_ids(path: PathLike) -> tuple[int, int] | None:
+    """(smallest, largest) token id of a token file, None when it holds no tokens. The file is memory-mapped
+    and reduced in vectorized chunks (no copy of it is made); the result is cached per file under
+    `token_cache_dir()`, keyed by path, size, mtime and inode, so an unchanged file is scanned once."""
+    from qtrain.fsio import atomic_write_json, read_json, sweep_temp_files
+
+    f = TokenFile(path)
+    try:
+        cache, ident = _scan_key(f.path)
+        hit = read_json(cache)
+    except OSError:
+        cache, ident, hit = None, None, None
+    if isinstance(hit, dict) and {k: hit.get(k) for k in ident} == ident and "min" in hit:
+        return None if hit["min"] is None else (int(hit["min"]), int(hit["max"]))
+    lo = hi = None
+    for _, chunk in _chunks(f):
+        cmin, cmax = int(chunk.min()), int(chunk.max())
+        lo = cmin if lo is None else min(lo, cmin)
+        hi = cmax if hi is None else max(hi, cmax)
+    if cache is not None:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            sweep_temp_files(cache.parent)  # what a killed writer left
+            atomic_write_json(cache, {**ident, "min": lo, "max": hi}, point="token-cache")
+        except OSError:
+            pass  # an unwritable cache only costs a rescan next time
+    return None if lo is None else (lo, hi)
+
+
+def check_token_ids(path: PathLike, vocab_size: int) -> None:
+    """DataError naming the file, the id and its offset when a token id lies outside [0, vocab_size): an id
+    the embedding cannot look up would otherwise fail mid-run (a device assert on CUDA) naming nothing."""
+    found = scan_token_ids(path)
+    if found is None or (found[0] >= 0 and found[1] < vocab_size):
+        return
+    f = TokenFile(path)
+    for start, chunk in _chunks(f):
+        bad = np.flatnonzero((chunk < 0) | (chunk >= vocab_size))
+        if bad.size:
+            i = start + int(bad[0])
+            n_bad = int(bad.size) + sum(int(((c < 0) | (c >= vocab_size)).sum()) for s, c in _chunks(f) if s > start)
+            raise DataError(f"{f.path}: token id {int(chunk[bad[0]])} at token offset {i} (byte "
+                            f"{HEADER_BYTES + BYTES_PER_TOKEN * i}) is outside the model's vocabulary [0, {vocab_size})"
+                            f"; {n_bad} such id(s) in the file (ids range over [{found[0]}, {found[1]}])")

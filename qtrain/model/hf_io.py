@@ -1,19 +1,23 @@
 """Load and save Hugging Face checkpoints (config.json + safetensors) as qtrain's flat parameter dict.
 
-Loading checks every tensor's presence and shape from the safetensors headers alone, before reading or
-allocating anything large, so a wrong or broken checkpoint fails in a second with a message naming the
-file and the tensor rather than after minutes of loading (or, worse, silently). Saving writes the HF
-layout (`transformers.from_pretrained` reads it) into a temporary sibling directory and renames it into
-place, so a crash never leaves a half-written model where a good one was.
+Loading checks every tensor's presence, shape and dtype from the safetensors headers alone
+(`check_hf_weights`, which the training preflight runs before the model is built), so a wrong or broken
+checkpoint fails in a second with a message naming the file and the tensor rather than after minutes of
+loading (or, worse, silently); NaN / inf values are refused as each tensor is read.
+
+Saving writes the HF layout (`transformers.from_pretrained` reads it) into the output directory and touches
+nothing else there: each file is written under a temp name first, and only when all are written are they
+renamed into place. `qtrain-export.json` lists the files an export wrote (and for which run); a later
+export replaces exactly those, removes the ones it no longer writes, and refuses to overwrite a file that no
+qtrain export wrote (a user's model, say). While the renames run the manifest says `"complete": false`.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import shutil
-import tempfile
-import uuid
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -22,7 +26,8 @@ import safetensors.torch as st
 import torch
 from safetensors import SafetensorError, safe_open
 
-from qtrain.fsio import fsync_path
+from qtrain.fsio import (FileSystemError, atomic_write_json, describe_write_error, ensure_free_space, fault_point,
+                         fsync_path, read_json, sweep_temp_files, temp_path)
 from qtrain.model import weights
 from qtrain.model.config import ModelConfig
 
@@ -32,6 +37,12 @@ GENERATION_CONFIG = "generation_config.json"
 # the files of a HF model directory that belong to its tokenizer and its generation defaults
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", GENERATION_CONFIG, "tokenizer.model")
+MANIFEST = "qtrain-export.json"
+# names an export may write: what a later export may replace (if a manifest lists it) or must not (if none does)
+_EXPORT_NAME = re.compile(r"^(config\.json|model\.safetensors|model\.safetensors\.index\.json|"
+                          r"model-\d{5}-of-\d{5}\.safetensors)$")
+# safetensors dtypes that hold weights; integer / bool tensors would be cast silently into nonsense
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 class WeightsError(ValueError):
@@ -69,6 +80,9 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[Path]:
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise WeightsError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from None
         for s in shards:
+            if not isinstance(s, str) or Path(s).name != s or s in (".", "..") or "\\" in s:
+                raise WeightsError(f"{index}: shard name {s!r} is not a file name in the model directory; an index "
+                                   f"may only name files beside it")
             if not (d / s).is_file():
                 raise WeightsError(f"{d / s}: shard named by {index} does not exist")
         return [d / s for s in shards]
@@ -84,36 +98,57 @@ def _open(path: Path, stack: ExitStack):
         raise WeightsError(f"{path}: not a readable safetensors file (corrupt or truncated?): {e}") from None
 
 
+def _index(files: list[Path], cfg: ModelConfig, stack: ExitStack) -> dict[str, tuple[Path, Any]]:
+    """Where each tensor lives, validated against `cfg` from the headers alone: presence, shape, dtype."""
+    expected = expected_hf_shapes(cfg)
+    where: dict[str, tuple[Path, Any]] = {}
+    for path in files:
+        f = _open(path, stack)
+        for k in f.keys():
+            if k in where:
+                raise WeightsError(f"tensor {k!r} appears in both {where[k][0]} and {path}")
+            where[k] = (path, f)
+    searched = ", ".join(str(p) for p in files)
+    for hf, shape in expected.items():
+        if hf not in where:
+            raise WeightsError(f"tensor {hf!r} missing; searched {searched}")
+        path, f = where[hf]
+        try:
+            sl = f.get_slice(hf)
+            found, dtype = tuple(sl.get_shape()), sl.get_dtype()
+        except SafetensorError as e:
+            raise WeightsError(f"{path}: cannot read the header of tensor {hf!r}: {e}") from None
+        if found != shape:
+            raise WeightsError(f"{path}: tensor {hf!r} has shape {list(found)}, expected {list(shape)} "
+                               f"for this config")
+        if dtype not in FLOAT_DTYPES:
+            raise WeightsError(f"{path}: tensor {hf!r} has dtype {dtype}; weights must be floating point "
+                               f"({', '.join(FLOAT_DTYPES)})")
+    extra = sorted(k for k in where if k not in expected and not _ignored_extra(cfg, k))
+    if extra:
+        raise WeightsError(f"unexpected tensor(s) {extra[:5]}{' ...' if len(extra) > 5 else ''} in "
+                           f"{where[extra[0]][0]}; the checkpoint does not match config.json")
+    return where
+
+
+def check_hf_weights(model_dir: str | os.PathLike, cfg: ModelConfig) -> list[Path]:
+    """Validate a HF checkpoint against `cfg` from its headers (files, index, names, shapes, dtypes) without
+    reading any tensor data; returns its files. What `load_hf_weights` checks first, for the preflight."""
+    files = checkpoint_files(model_dir)
+    with ExitStack() as stack:
+        _index(files, cfg, stack)
+    return files
+
+
 def load_hf_weights(model_dir: str | os.PathLike, cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Read a HF checkpoint into internal names (fused qkv / up), cast to `dtype` on `device`."""
+    """Read a HF checkpoint into internal names (fused qkv / up), cast to `dtype` on `device`. Headers are
+    validated before any data is read; a tensor holding NaN or inf is refused by name."""
     files = checkpoint_files(model_dir)
-    expected = expected_hf_shapes(cfg)
     with ExitStack() as stack:
-        # 1) headers only: where each tensor lives and its shape
-        where: dict[str, tuple[Path, Any]] = {}
-        for path in files:
-            f = _open(path, stack)
-            for k in f.keys():
-                if k in where:
-                    raise WeightsError(f"tensor {k!r} appears in both {where[k][0]} and {path}")
-                where[k] = (path, f)
-        searched = ", ".join(str(p) for p in files)
-        # 2) validate before reading any data
-        for hf, shape in expected.items():
-            if hf not in where:
-                raise WeightsError(f"tensor {hf!r} missing; searched {searched}")
-            path, f = where[hf]
-            found = tuple(f.get_slice(hf).get_shape())
-            if found != shape:
-                raise WeightsError(f"{path}: tensor {hf!r} has shape {list(found)}, expected {list(shape)} "
-                                   f"for this config")
-        extra = sorted(k for k in where if k not in expected and not _ignored_extra(cfg, k))
-        if extra:
-            raise WeightsError(f"unexpected tensor(s) {extra[:5]}{' ...' if len(extra) > 5 else ''} in "
-                               f"{where[extra[0]][0]}; the checkpoint does not match config.json")
+        where = _index(files, cfg, stack)
 
-        # 3) stream tensors one by one. get_tensor returns a view of a private mmap of the file: copy it,
+        # stream tensors one by one. get_tensor returns a view of a private mmap of the file: copy it,
         # so the params never change (or SIGBUS) when someone later rewrites or truncates the file in place.
         def get(hf: str) -> torch.Tensor:
             path, f = where[hf]
@@ -121,6 +156,10 @@ def load_hf_weights(model_dir: str | os.PathLike, cfg: ModelConfig, *, dtype: to
                 t = f.get_tensor(hf)
             except SafetensorError as e:
                 raise WeightsError(f"{path}: cannot read tensor {hf!r}: {e}") from None
+            bad = t.numel() - int(torch.isfinite(t).sum())
+            if bad:
+                raise WeightsError(f"{path}: tensor {hf!r} holds {bad} NaN/inf value(s) of {t.numel()}; refusing to "
+                                   f"train from non-finite weights")
             return t.to(device=device, dtype=dtype, copy=True)
 
         return dict(weights.hf_to_internal(cfg, get))
@@ -158,82 +197,121 @@ def _write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
 
 
+def export_manifest(out_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The manifest of the qtrain export in `out_dir` (which files it wrote, for which run), or None."""
+    man = read_json(Path(out_dir) / MANIFEST)
+    return man if isinstance(man, dict) and isinstance(man.get("files"), list) else None
+
+
+def is_export_name(name: str) -> bool:
+    return bool(_EXPORT_NAME.match(name)) or name in TOKENIZER_FILES
+
+
+def manifest_files(man: dict[str, Any] | None) -> set[str]:
+    """The files a manifest lists, restricted to names an export writes (a hand-edited manifest can never
+    make qtrain delete anything else)."""
+    return {n for n in (man or {}).get("files", []) if isinstance(n, str) and is_export_name(n)}
+
+
+def foreign_export_files(out_dir: str | os.PathLike) -> list[str]:
+    """Files in `out_dir` an export would overwrite but no qtrain export wrote (absent from the manifest)."""
+    out = Path(out_dir)
+    if not out.is_dir():
+        return []
+    ours = manifest_files(export_manifest(out))
+    return sorted(p.name for p in out.iterdir() if is_export_name(p.name) and p.name not in ours)
+
+
 def save_hf_model(out_dir: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, torch.Tensor], *,
                   dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 2**30,
-                  tokenizer_src: str | os.PathLike | None = None,
-                  extra_files: Mapping[str, bytes] | None = None) -> Path:
-    """Write a HF checkpoint directory atomically: all of it at `out_dir`, or (on any error) nothing new.
-    An existing `out_dir` is replaced only after the new one is complete and synced. `tokenizer_src`: a
-    directory whose tokenizer files are copied; `extra_files`: {file name: bytes} written alongside (the
-    tokenizer and generation config an export carries, `qtrain.data.hf_tokenizer.export_files`)."""
+                  tokenizer_src: str | os.PathLike | None = None, extra_files: Mapping[str, bytes] | None = None,
+                  owner: Mapping[str, Any] | None = None) -> Path:
+    """Write a HF checkpoint into `out_dir` (created if needed), touching only its own files (see the module
+    docstring). All files are written under temp names first; on an error before they are renamed in,
+    nothing in `out_dir` has changed. `tokenizer_src`: a directory whose tokenizer files are copied;
+    `extra_files`: {file name: bytes} written alongside (the tokenizer and generation config an export
+    carries, `qtrain.data.hf_tokenizer.export_files`); `owner` (e.g. the run id and step) goes into the manifest."""
     _check_params(cfg, params)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise WeightsError(f"{out}: exists and is not a directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    foreign = foreign_export_files(out)
+    if foreign:
+        raise WeightsError(f"{out}: {', '.join(foreign[:4])}{' ...' if len(foreign) > 4 else ''} exist(s) and no "
+                           f"qtrain export wrote them; qtrain does not overwrite them: choose another output "
+                           f"directory (or move them away)")
     hf = weights.internal_to_hf(cfg, {n: params[n] for n in weights.param_shapes(cfg)})  # views, canonical order
     itemsize = torch.empty((), dtype=dtype).element_size()
     sizes = {k: math.prod(t.shape) * itemsize for k, t in hf.items()}
     shards = plan_shards(sizes, max_shard_bytes)
+    ensure_free_space(out, sum(sizes.values()) + (1 << 20), f"the export to {out}")
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    sweep_temp_files(out)
+    temps: dict[str, Path] = {}
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    def stage(name: str) -> Path:
+        temps[name] = temp_path(out / name)
+        return temps[name]
+
     try:
-        os.chmod(tmp, 0o755)
-        _write_json(tmp / "config.json", cfg.to_hf_dict(dtype=str(dtype).removeprefix("torch.")))
+        _write_json(stage("config.json"), cfg.to_hf_dict(dtype=str(dtype).removeprefix("torch.")))
         names = [SINGLE_FILE] if len(shards) == 1 else [
             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
         for fname, keys in zip(names, shards):
             # contiguous copies, one shard at a time: split views share storage, which safetensors refuses
             tensors = {k: hf[k].detach().to(device="cpu", dtype=dtype, copy=True).contiguous() for k in keys}
-            st.save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            st.save_file(tensors, str(stage(fname)), metadata={"format": "pt"})
             del tensors
+            fault_point("export.write")
         if len(shards) > 1:
             weight_map = {k: fname for fname, keys in zip(names, shards) for k in keys}
-            _write_json(tmp / INDEX_FILE, {"metadata": {"total_size": sum(sizes.values())},
-                                           "weight_map": dict(sorted(weight_map.items()))})
+            _write_json(stage(INDEX_FILE), {"metadata": {"total_size": sum(sizes.values())},
+                                            "weight_map": dict(sorted(weight_map.items()))})
         if tokenizer_src is not None:
-            copy_tokenizer_files(tokenizer_src, tmp)
+            for fname in TOKENIZER_FILES:
+                src = Path(tokenizer_src) / fname
+                if src.is_file():
+                    shutil.copyfile(src, stage(fname))
         for fname, data in (extra_files or {}).items():
-            if Path(fname).name != fname or fname in ("config.json", INDEX_FILE) or fname.endswith(".safetensors"):
-                raise WeightsError(f"{fname!r}: not a file name an export may add")
-            (tmp / fname).write_bytes(data)
-        for p in tmp.iterdir():
-            fsync_path(p)
-        fsync_path(tmp)
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+            if fname not in TOKENIZER_FILES:
+                raise WeightsError(f"{fname!r}: not a file name an export may add (one of {', '.join(TOKENIZER_FILES)})")
+            stage(fname).write_bytes(data)
+        for tmp in temps.values():
+            fsync_path(tmp)
+        fault_point("export.staged")
+        _publish(out, temps, dict(owner or {}))
+    except BaseException as e:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
+        if created:
+            try:
+                out.rmdir()  # only if still empty: the directory this call made
+            except OSError:
+                pass
+        if isinstance(e, (OSError, SafetensorError)):
+            raise FileSystemError(f"writing the export to {out} failed: {describe_write_error(e)}") from e
         raise
     return out
 
 
-def _replace_dir(new: Path, out: Path) -> None:
-    """Rename `new` to `out`; an existing `out` is moved aside first and deleted only once `new` is in."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(out, old)
-    try:
-        os.rename(new, out)
-    except BaseException:
-        if old is not None:
-            os.rename(old, out)
-        raise
-    fsync_path(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike,
-                         names: Iterable[str] = TOKENIZER_FILES) -> list[str]:
-    """Copy the tokenizer / generation files present in `src` into `dst`; returns the names copied."""
-    copied = []
-    for fname in names:
-        s = Path(src) / fname
-        if s.is_file():
-            shutil.copyfile(s, Path(dst) / fname)
-            copied.append(fname)
-    return copied
+def _publish(out: Path, temps: Mapping[str, Path], owner: dict[str, Any]) -> None:
+    """Rename the staged files in, between a manifest that says the export is incomplete (listing old and new
+    files, so an interrupted export's files are all known) and one that says it is complete; then remove the
+    previous export's files that this one no longer has."""
+    old = manifest_files(export_manifest(out))
+    new = sorted(temps)
+    head = {"format": 1, "writer": "qtrain", **owner}
+    atomic_write_json(out / MANIFEST, {**head, "complete": False, "files": sorted(old | set(new))},
+                      point="export.manifest")
+    for name in new:
+        os.replace(temps[name], out / name)
+        fault_point("export.rename")
+    fsync_path(out)
+    atomic_write_json(out / MANIFEST, {**head, "complete": True, "files": new}, point="export.manifest")
+    for name in sorted(old - set(new)):
+        (out / name).unlink(missing_ok=True)
+        fault_point("export.unlink")
 
 
 def stop_token_ids(model_dir: str | os.PathLike, cfg: ModelConfig) -> list[int]:

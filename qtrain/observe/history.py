@@ -155,8 +155,8 @@ def read_events(path: str | os.PathLike) -> list[dict[str, Any]]:
         return read_log(p)
     except OSError as e:
         raise LogError(f"{p}: cannot read log ({e.strerror or e})") from None
-    except ValueError as e:  # includes UnicodeDecodeError
-        raise LogError(f"{p}: {e}" if p not in str(e) else str(e)) from None
+    except ValueError as e:  # a corrupt line names itself; undecodable bytes do not: name the file
+        raise LogError(str(e) if p in str(e) else f"{p}: not a qtrain log ({e})") from None
 
 
 def load_run(path: str | os.PathLike, *, name: str | None = None) -> RunHistory:

@@ -66,7 +66,7 @@ class TimeBreakdown:
         micro = [m.ms() for m in self._micro]
         update = t.ms()
         self._micro.clear()
-        step = int(self.trainer.step) - 1  # update() has counted the step it finished
+        step = int(self.trainer.steps_done) - 1  # update() has counted the step it finished
         self.log.log("time-breakdown", step=step, micro_steps=micro, update=update, total=sum(micro) + update)
         self.log._print(f"[Time] step {step:5d} | micro-steps {' '.join(f'{m:.1f}' for m in micro)} ms | "
                         f"update {update:.1f} ms")

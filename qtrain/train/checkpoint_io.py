@@ -23,6 +23,11 @@ Multi-rank protocol (each rank writes its own shards; no tensor moves between ra
   barrier()
 
 `write_checkpoint` is the one-process version of the same sequence.
+
+Temp and half-deleted directories carry their writer's `HOST-PID` tag (`qtrain.fsio.owner_tag`);
+`remove_stale` sweeps those of dead writers at the next start, and puts back a checkpoint that a kill left
+renamed aside (`.old-`) while it was being replaced. Each file operation is a `qtrain.fsio.fault_point`
+(`ckpt.*`), where the fault-injection suite kills the writer.
 """
 from __future__ import annotations
 
@@ -31,17 +36,22 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from qtrain.fsio import fsync_path
+from qtrain.fsio import fault_point, fsync_path, is_stale, owner_tag, remove_tree
 
 META_FILE = "checkpoint.json"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_LEFTOVER = re.compile(r"^(?P<final>step_\d{8,})\.(?P<kind>tmp|old|del)-(?P<tag>.+)$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written, read, resumed or exported as asked; the message names the path."""
 
 
 def checkpoint_path(ckpt_dir: str | os.PathLike, step: int) -> Path:
@@ -59,10 +69,11 @@ def checkpoint_step(path: str | os.PathLike) -> int | None:
 
 def begin(ckpt_dir: str | os.PathLike, step: int, *, tag: str | int | None = None) -> Path:
     """Create (or join) the temp directory for `step`. Ranks must pass the same `tag` (default: this
-    process id, fine for one process); that is how they end up writing into one directory."""
-    tag = os.getpid() if tag is None else tag
+    process's `HOST-PID`, fine for one process); that is how they end up writing into one directory."""
+    tag = owner_tag() if tag is None else tag
     tmp = Path(ckpt_dir) / f"step_{step:08d}.tmp-{tag}"
     tmp.mkdir(parents=True, exist_ok=True)
+    fault_point("ckpt.begin")
     return tmp
 
 
@@ -75,6 +86,7 @@ def write_files(tmp_path: str | os.PathLike, files: Mapping[str, Mapping[str, to
         path = Path(tmp_path) / f"{name}.safetensors"
         save_file({k: _standalone(v) for k, v in tensors.items()}, str(path))
         fsync_path(path)
+        fault_point("ckpt.shard")
         written.append(path)
     return written
 
@@ -92,7 +104,8 @@ def commit(tmp_path: str | os.PathLike, final_path: str | os.PathLike, meta: Map
     """Write the meta and publish the directory under its final name (rank 0, after a barrier).
 
     An existing checkpoint of the same step is replaced: it is first renamed aside (no longer a
-    checkpoint name), then the new one is renamed in, then the old one removed.
+    checkpoint name), then the new one is renamed in, then the old one removed (a kill in between leaves
+    the old one aside, and `remove_stale` puts it back).
     """
     tmp, final = Path(tmp_path), Path(final_path)
     meta_tmp = tmp / (META_FILE + ".part")
@@ -101,16 +114,20 @@ def commit(tmp_path: str | os.PathLike, final_path: str | os.PathLike, meta: Map
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
+    fault_point("ckpt.meta")
     os.replace(meta_tmp, tmp / META_FILE)
     fsync_path(tmp)
+    fault_point("ckpt.sealed")
     old = None
     if final.exists():
-        old = final.with_name(f"{final.name}.old-{os.getpid()}")
+        old = final.with_name(f"{final.name}.old-{owner_tag()}")
         os.replace(final, old)
+        fault_point("ckpt.aside")
     os.replace(tmp, final)
     fsync_path(final.parent)
+    fault_point("ckpt.commit")
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_tree(old, point="ckpt.old")
     return final
 
 
@@ -127,15 +144,28 @@ def write_checkpoint(ckpt_dir: str | os.PathLike, step: int, files: Mapping[str,
 
 
 def remove_stale(ckpt_dir: str | os.PathLike) -> list[Path]:
-    """Delete leftovers of crashed writes or deletions (`*.tmp-*`, `*.old-*`, `*.del-*`). Call on rank 0
-    before a run starts writing, never while another writer may be active in the same directory."""
+    """Sweep what dead writers left (`step_N.tmp-TAG` half-written, `.del-TAG` half-deleted, `.old-TAG` renamed
+    aside while being replaced): each is deleted, except an `.old-` checkpoint whose step has no checkpoint
+    any more, which is renamed back. Leftovers of a live writer (its tag's process runs) are kept. Call on
+    rank 0 before a run writes. Returns the paths removed."""
     removed = []
     root = Path(ckpt_dir)
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.is_dir() and re.match(r"^step_\d{8,}\.(tmp|old|del)-", p.name):
-                shutil.rmtree(p, ignore_errors=True)
-                removed.append(p)
+    if not root.is_dir():
+        return removed
+    for p in sorted(root.iterdir()):
+        m = _LEFTOVER.match(p.name)
+        if not (m and p.is_dir() and not p.is_symlink() and is_stale(m.group("tag"))):
+            continue
+        final = root / m.group("final")
+        if m.group("kind") == "old" and not final.exists() and (p / META_FILE).is_file():
+            os.replace(p, final)  # the replacement never arrived: the old checkpoint is still the one
+            fsync_path(root)
+            continue
+        doomed = p if m.group("kind") == "del" else p.with_name(f"{m.group('final')}.del-{owner_tag()}")
+        if doomed != p:
+            os.replace(p, doomed)
+        remove_tree(doomed, point="ckpt.sweep")
+        removed.append(p)
     return removed
 
 
@@ -157,20 +187,25 @@ class CheckpointFiles:
     def _file(self, name: str) -> Path:
         p = self.path / f"{name}.safetensors"
         if not p.is_file():
-            raise FileNotFoundError(f"checkpoint {self.path}: no file {p.name} (has: {', '.join(self.names)})")
+            raise CheckpointError(f"checkpoint {self.path}: no file {p.name} (has: {', '.join(self.names)})")
         return p
 
+    def _read(self, name: str, device: str, fn):
+        path = self._file(name)
+        try:
+            with safe_open(str(path), framework="pt", device=device) as f:
+                return fn(f)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{path}: unreadable checkpoint file (corrupt or truncated?): {e}") from None
+
     def keys(self, name: str) -> list[str]:
-        with safe_open(str(self._file(name)), framework="pt") as f:
-            return list(f.keys())
+        return self._read(name, "cpu", lambda f: list(f.keys()))
 
     def get(self, name: str, key: str, *, device: str = "cpu") -> torch.Tensor:
-        with safe_open(str(self._file(name)), framework="pt", device=device) as f:
-            return f.get_tensor(key)
+        return self._read(name, device, lambda f: f.get_tensor(key))
 
     def load(self, name: str, *, device: str = "cpu") -> dict[str, torch.Tensor]:
-        with safe_open(str(self._file(name)), framework="pt", device=device) as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
+        return self._read(name, device, lambda f: {k: f.get_tensor(k) for k in f.keys()})
 
     def __call__(self, name: str, *, device: str = "cpu") -> dict[str, torch.Tensor]:
         return self.load(name, device=device)
@@ -181,9 +216,14 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], Checkpoint
     path = Path(path)
     meta_file = path / META_FILE
     if not meta_file.is_file():
-        raise FileNotFoundError(f"{path}: not a complete checkpoint (no {META_FILE})")
-    with open(meta_file, encoding="utf-8") as f:
-        meta = json.load(f)
+        raise CheckpointError(f"{path}: not a complete checkpoint (no {META_FILE})")
+    try:
+        with open(meta_file, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{meta_file}: unreadable ({e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_file}: not a JSON object")
     return meta, CheckpointFiles(path)
 
 
@@ -230,21 +270,34 @@ def find_checkpoint(ckpt_dir: str | os.PathLike, spec: str | int | os.PathLike |
     return _latest(p)
 
 
-def _delete(path: Path) -> None:
+def delete_checkpoint(path: str | os.PathLike) -> None:
     """Rename out of the checkpoint namespace first, so a crash mid-delete leaves no half checkpoint."""
-    doomed = path.with_name(f"{path.name}.del-{os.getpid()}")
+    path = Path(path)
+    doomed = path.with_name(f"{path.name}.del-{owner_tag()}")
     os.replace(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    fault_point("ckpt.delete")
+    remove_tree(doomed, point="ckpt.delete")
 
 
-def clean_old_checkpoints(ckpt_dir: str | os.PathLike, keep_n: int, major: int = -1) -> list[Path]:
+def clean_old_checkpoints(ckpt_dir: str | os.PathLike, keep_n: int, major: int = -1,
+                          protect: Iterable[str | os.PathLike] = ()) -> list[Path]:
     """llm.q's `--ckpt-keep-n` / `--ckpt-major`: keep the newest `keep_n` checkpoints whose step is not a
     multiple of `major`; those "major" ones are never deleted and do not count towards `keep_n`.
-    keep_n < 0 keeps everything; major <= 0 means no majors. Returns the deleted paths."""
+    keep_n < 0 keeps everything; major <= 0 means no majors. Paths in `protect` (the newest checkpoint
+    written after a finite step) are never deleted. Returns the deleted paths."""
     if keep_n < 0:
         return []
+    keep = {Path(p).resolve() for p in protect}
     minors = [(s, p) for s, p in list_checkpoints(ckpt_dir) if not (major > 0 and s % major == 0)]
-    doomed = [p for _, p in minors[:max(len(minors) - keep_n, 0)]]
+    doomed = [p for _, p in minors[:max(len(minors) - keep_n, 0)] if p.resolve() not in keep]
     for p in doomed:
-        _delete(p)
+        delete_checkpoint(p)
     return doomed
+
+
+def remove_tree_quietly(path: str | os.PathLike) -> None:
+    """Remove a temp directory after a failed write; errors are ignored (the next start sweeps it)."""
+    try:
+        remove_tree(path, point="ckpt.abort")
+    except OSError:
+        pass

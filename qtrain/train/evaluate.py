@@ -36,11 +36,21 @@ def resolve_dtype(dtype: "torch.dtype | str | None", device: "torch.device | Non
 
 
 def resolve_device(device: "str | torch.device") -> "torch.device":
-    """"auto" -> CUDA when available, else the CPU."""
+    """"auto" -> CUDA when available, else the CPU; a device that is not there is a DeviceError."""
     import torch
+
+    from qtrain.parallel.dist import DeviceError
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise DeviceError(f"--device {device}: not a device (auto, cpu, cuda or cuda:N)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise DeviceError(f"--device {device}: only cpu and cuda are supported")
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise DeviceError(f"--device {device}: no such CUDA device is visible ({torch.cuda.device_count()} are)")
+    return dev
 
 
 def evaluate_model(model_dir: str | os.PathLike, eval_file: str | os.PathLike | list, *, seq_len: int,

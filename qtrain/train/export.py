@@ -11,10 +11,11 @@ import torch
 
 from qtrain.data.hf_tokenizer import TokenizerExportError, export_files, export_tokenizer, transformers_caveat
 from qtrain.model.config import ModelConfig
-from qtrain.model.hf_io import save_hf_model
+from qtrain.model.hf_io import export_manifest, save_hf_model
 from qtrain.parallel.layout import FlatLayout
 from qtrain.train import checkpoint_io as cio
-from qtrain.train.checkpointing import CheckpointError, _stem
+from qtrain.train.checkpoint_io import CheckpointError
+from qtrain.train.checkpointing import _stem
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -42,15 +43,30 @@ class ExportResult(NamedTuple):
     caveat: str | None = None  # how transformers may load that tokenizer differently (`transformers_caveat`)
 
 
-def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, tokenizer: str = "") -> ExportResult:
-    """Write the checkpoint (latest, or `step`) as a HF model directory, with the tokenizer the run recorded
-    in it (or `tokenizer`: qwen2 | gpt2 | tokenizer.json | directory) and a generation_config.json."""
+def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, tokenizer: str = "",
+                      overwrite: bool = False) -> ExportResult:
+    """Write the checkpoint of `step` (default: the newest) in `ckpt_dir` as a HF model directory in `out_dir`,
+    with the tokenizer the run recorded in it (or `tokenizer`: qwen2 | gpt2 | tokenizer.json | directory) and a
+    generation_config.json. An export of another run already there is replaced only with `overwrite`; files no
+    qtrain export wrote never are."""
     path = cio.find_checkpoint(ckpt_dir, step)
     if path is None:
-        raise CheckpointError(f"--checkpoint-dir {ckpt_dir}: no checkpoint" + (f" for step {step}" if step else ""))
+        have = [s for s, _ in cio.list_checkpoints(ckpt_dir)]
+        raise CheckpointError(f"--checkpoint-dir {ckpt_dir}: no checkpoint" + (f" of step {step}" if step is not None
+                              else "") + (f" (it has steps {', '.join(map(str, have[-8:]))})" if have else ""))
+    meta, _ = cio.read_checkpoint(path)
+    run_id = (meta.get("run") or {}).get("id")
+    man = export_manifest(out_dir)
+    theirs = (man or {}).get("run_id")
+    if theirs and theirs != run_id and not overwrite:
+        raise CheckpointError(f"--out-dir {out_dir}: holds the export of another run ({theirs[:8]}, step "
+                              f"{man.get('step')}); choose another --out-dir, or pass --overwrite to replace it")
     cfg, params, dtype = checkpoint_params(str(path))
     spec = export_tokenizer(explicit=tokenizer or (checkpoint_tokenizer(str(path)) or ""))
-    save_hf_model(out_dir, cfg, params, dtype=DTYPES[dtype], extra_files=export_files(spec, cfg))
+    owner = {"run_id": run_id, "name": (meta.get("run") or {}).get("name"), "step": meta.get("step"),
+             "checkpoint": str(path)}
+    save_hf_model(out_dir, cfg, params, dtype=DTYPES[dtype], extra_files=export_files(spec, cfg),
+                  owner={k: v for k, v in owner.items() if v is not None})
     return ExportResult(str(path), str(out_dir), spec, transformers_caveat(spec, cfg))
 
 

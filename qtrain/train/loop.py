@@ -1,8 +1,12 @@
 """`qtrain train`: the whole run around a Trainer: data, schedule, logs, evaluation, checkpoints, export.
 
-Per step (llm.q's order): checkpoint if due, evaluate if due, one `Trainer.step` on the next
-grad_accumulation micro-batches (the step's math, loss scale included, is the Trainer's), log.
-After the loop: evaluation over the whole eval file, HF export to --out-dir, final checkpoint.
+Before the model is built: every check that can be made (`preflight`), then rank 0 claims the output
+paths (`run_dir.claim`: sweeps leftovers of dead processes, writes the run marker).
+Per step (llm.q's order): stop if asked (a signal: checkpoint, exit), checkpoint if due, evaluate if due,
+one `Trainer.step` on the next grad_accumulation micro-batches (the step's math, loss scale included, is the
+Trainer's), log; a streak of non-finite steps stops the run (`stop.py`).
+After the loop: the final checkpoint first (a failure later loses nothing), then evaluation over the whole
+eval file, then the HF export to --out-dir.
 """
 from __future__ import annotations
 
@@ -12,28 +16,20 @@ import time
 
 import torch
 
-from qtrain.data.corpus import ensure_default_dataset
 from qtrain.data.loader import TokenLoader
 from qtrain.data.hf_tokenizer import recorded_tokenizer, transformers_caveat
 from qtrain.observe.live import attach_observers
 from qtrain.observe.log import RunLogger
 from qtrain.observe.metrics import device_peaks, model_flops_per_token, ns_per_token, peak_tflops, sol_ops
 from qtrain.options import Options
-from qtrain.parallel.dist import DistContext, init_distributed
+from qtrain.parallel.dist import DistContext, init_distributed, is_collective_error
+from qtrain.plan.host import return_freed_memory
 from qtrain.plan.memory import plan_for_trainer
-from qtrain.train import checkpointing
+from qtrain.train import checkpointing, run_dir
+from qtrain.train.preflight import Prepared, shared_preflight
 from qtrain.train.schedule import LRSchedule
+from qtrain.train.stop import NonFiniteGuard, StopSignals, stopped_after_last_step, stopped_by_signal
 from qtrain.train.trainer import Trainer
-
-DEFAULT_DATA_DIR = os.path.join("data", "qtrain-default")
-
-
-def data_files(opts: Options) -> tuple[str, str | None]:
-    """(train pattern, eval pattern or None). No --train-file: the embedded corpus (built on first use)."""
-    if opts.train_file:
-        return opts.train_file, opts.eval_file or None
-    train, evals = ensure_default_dataset(DEFAULT_DATA_DIR)
-    return train, opts.eval_file or evals
 
 
 def _device_name(device: torch.device) -> str:
@@ -45,27 +41,74 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext | None = None) -> dict:
-    """Train as the options say; returns a summary (final eval loss, steps, out_dir) on every rank."""
+def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext | None = None,
+                 prep: Prepared | None = None) -> dict:
+    """Train as the options say; returns a summary (final eval loss, steps, out_dir) on every rank. `prep` is
+    the preflight's result when the caller (the --gpus launcher) ran it already."""
     opts.validate()
-    ctx = ctx or init_distributed(opts.device)
-    train_pattern, eval_pattern = _data_files_on_every_rank(opts, ctx)
+    ctx = ctx or init_distributed(opts.device, timeout_s=opts.collective_timeout)
+    if ctx.device.type == "cpu":
+        return_freed_memory()  # so the host memory the plan checked is what the run holds
+    with StopSignals(announce=ctx.is_main) as signals:
+        try:
+            return _run(opts, argv, ctx, prep, signals)
+        except Exception as e:  # a hung or dead rank: name it instead of a backend's message
+            if ctx.distributed and is_collective_error(e):
+                raise ctx.diagnose(e) from e
+            raise
 
-    trainer = Trainer(opts, ctx)
+
+def _claim(prep: Prepared, opts: Options, ctx: DistContext) -> list[str]:
+    """Rank 0 takes the output paths for this run (sweep, --start-over, marker); the others wait for it."""
+    notes = (run_dir.claim(prep.paths, prep.found, run_id=prep.run_id, name=opts.name, start_over=prep.start_over)
+             if ctx.is_main else [])
+    ctx.barrier()
+    return notes
+
+
+def _build_trainer(opts: Options, ctx: DistContext) -> Trainer:
+    """The Trainer; running out of memory while it allocates is reported with the plan's numbers."""
+    try:
+        return Trainer(opts, ctx)
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise
+        from qtrain.model.resolve import resolve_model
+        from qtrain.plan.host import HostMemoryError
+        from qtrain.plan.memory import plan_memory
+        plan = plan_memory(resolve_model(opts.model, from_scratch=True).cfg, opts, world=ctx.world,
+                           device=ctx.device.type)
+        raise HostMemoryError(f"out of {ctx.device.type} memory while building the model ({plan.summary()}): "
+                              f"{str(e).splitlines()[0]}") from None
+
+
+def _stop_requested(signals: StopSignals, ctx: DistContext) -> bool:
+    """Whether any rank got a signal, or the launcher asked to stop (the same answer on every rank)."""
+    signum = ctx.max_int(signals.requested or ctx.stop_signal() or 0)
+    if signum:
+        signals.requested = signum
+    return bool(signum)
+
+
+def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared | None,
+         signals: StopSignals) -> dict:
+    prep = prep or shared_preflight(opts, ctx)
+    train_pattern, eval_pattern = prep.train_pattern, prep.eval_pattern
+    trainer = _build_trainer(opts, ctx)
+    notes = _claim(prep, opts, ctx)  # after the model is built: a run that fails to start writes nothing
     cfg, B, T, GA, W = trainer.cfg, opts.batch_size, opts.seq_len, opts.grad_accumulation, ctx.world
     train = TokenLoader(train_pattern, T, rank=ctx.rank, world=W, seed=opts.train_seed, model_vocab_size=cfg.vocab_size)
     evals = (TokenLoader(eval_pattern, T, rank=ctx.rank, world=W, seed=opts.eval_seed,
                          model_vocab_size=cfg.vocab_size, shuffle=False) if eval_pattern else None)
-    steps_per_epoch = train.chunks_per_epoch // (B * GA)
-    if steps_per_epoch == 0:
-        raise ValueError(f"--train-file {train_pattern}: {train.chunks_per_epoch} sequences per rank are fewer than "
-                         f"one step needs (batch {B} x grad-accumulation {GA})")
-    total_steps = opts.steps if opts.steps > 0 else opts.epochs * steps_per_epoch
+    total_steps = prep.total_steps
     schedule = LRSchedule(peak_lr=opts.learning_rate, total_steps=total_steps, warmup=opts.warmup,
                           cooldown=opts.cooldown, final_lr_fraction=opts.final_lr_fraction, kind=opts.lr_schedule)
-    ckpt_dir, out_dir = opts.expand(opts.checkpoint_dir), opts.expand(opts.out_dir)
+    ckpt_dir, out_dir = prep.paths.ckpt_dir, prep.paths.out_dir
 
-    log = RunLogger(opts.expand(opts.log_file) if opts.log_file else None, rank=ctx.rank, total_steps=total_steps)
+    log = RunLogger(prep.paths.log_file, rank=ctx.rank, total_steps=total_steps)
+    log.log("run", run_id=prep.run_id, name=opts.name, resume=prep.resume)  # a new log's first line: its owner
+    for note in notes + ([prep.note] if prep.note else []):
+        log.message(note, level="warning")
     tb = None  # --tensorboard DIR: the same metrics as TensorBoard scalars (rank 0)
     if opts.tensorboard and ctx.is_main:
         from qtrain.observe.tensorboard import TensorBoardSink
@@ -74,8 +117,9 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
     _log_run_header(log, trainer, train, evals, total_steps, argv)
 
     start = 0
-    if opts.continue_from is not None:
-        start = _resume(opts, trainer, train, log, ckpt_dir)
+    if prep.resume is not None:
+        start = checkpointing.load(prep.resume, trainer, train_loader=None if opts.new_data else train, logger=log)
+        log.message(f"resumed from {prep.resume} at step {start}", level="warning")
 
     def evaluate(step: int, max_batches: int | None) -> float | None:
         if evals is None:
@@ -88,10 +132,18 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
             tb.on_event(obj)
         return loss
 
-    def save_checkpoint() -> str:
-        return checkpointing.save(ckpt_dir, trainer, train, log, keep_n=opts.ckpt_keep_n, major=opts.ckpt_major)
+    guard = NonFiniteGuard(opts.max_nonfinite_steps)
+    run = {"id": prep.run_id, "name": opts.name}
 
+    def save_checkpoint() -> str:
+        return checkpointing.save(ckpt_dir, trainer, train, log, keep_n=opts.ckpt_keep_n, major=opts.ckpt_major,
+                                  run=run, nonfinite_streak=guard.streak)
+
+    step_tokens = B * T * GA * W
     for step in range(start, total_steps):
+        if _stop_requested(signals, ctx):  # after a signal: this step's state is saved, then the run exits
+            raise stopped_by_signal(signals.requested, step, save_checkpoint() if step > start else None)
+        ctx.mark_progress(step)
         if step % opts.ckpt_interval == 0 and step > start:
             save_checkpoint()
         if step % opts.eval_every_n_steps == 0 and step > 0 and opts.eval_num_steps > 0:
@@ -99,39 +151,52 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
         t0 = time.perf_counter()
         stats = trainer.step([train.next_batch(B) for _ in range(GA)], lr=schedule(step))
         _sync(ctx.device)
-        obj = log.log_step(step, step_tokens=B * T * GA * W, duration_ms=1000 * (time.perf_counter() - t0),
-                           norm=stats["norm"], loss=stats["loss"], lr=stats["lr"], epoch=train.progress)
+        dt_ms = 1000 * (time.perf_counter() - t0)
+        obj = log.log_step(step, step_tokens=step_tokens, duration_ms=dt_ms, norm=stats["norm"], loss=stats["loss"],
+                           lr=stats["lr"], epoch=train.progress)
         if tb is not None:
             tb.on_event(obj)
         if trainer.abs_maxes is not None:
             log.log_abs_maxes(step, trainer.abs_maxes)
             trainer.abs_maxes = None
-        if stats["skipped"]:
-            log.message(f"step {step}: non-finite gradient norm, update skipped", step=step, level="warning")
+        _check_finite(guard, step, stats, log, ckpt_dir)
 
-    final = evaluate(total_steps, None)
-    if ctx.device.type == "cuda":
-        log.log_memory(allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved(),
-                       peak=torch.cuda.max_memory_allocated())
-    trainer.export(out_dir)
-    log.message(f"exported HF model to {out_dir}", level="info")
-    final_ckpt = None
-    if opts.save_training_state:
-        final_ckpt = save_checkpoint()
-    log.log_outputs(export=out_dir, checkpoint=final_ckpt or (ckpt_dir if os.path.isdir(ckpt_dir) else None),
-                    log_file=log.path,
-                    tensorboard=opts.expand(opts.tensorboard) if opts.tensorboard else None)
+    final = _finish(opts, ctx, trainer, log, save_checkpoint, evaluate, signals, start, total_steps, run)
     if tb is not None:
         tb.close()
     log.close()
     return {"final_eval_loss": final, "steps": total_steps, "out_dir": out_dir, "checkpoint_dir": ckpt_dir}
 
 
-def _data_files_on_every_rank(opts: Options, ctx: DistContext) -> tuple[str, str | None]:
-    """`data_files`; rank 0 builds the embedded corpus (if needed) before the others look for it."""
-    files = data_files(opts) if ctx.is_main else None
-    ctx.barrier()
-    return files if files is not None else data_files(opts)
+def _check_finite(guard: NonFiniteGuard, step: int, stats: dict, log: RunLogger, ckpt_dir: str) -> None:
+    """Report a non-finite step; stop the run after --max-nonfinite-steps of them in a row."""
+    warning = guard.update(step, stats["loss"], stats["norm"])
+    if warning:
+        log.message(warning, step=step, level="warning")
+    if guard.exceeded:
+        raise guard.error(step, checkpointing.newest_finite(ckpt_dir))
+
+
+def _finish(opts: Options, ctx: DistContext, trainer: Trainer, log: RunLogger, save_checkpoint,
+            evaluate, signals: StopSignals, start: int, total_steps: int, run: dict) -> float | None:
+    """The end of a run, in the order that loses nothing: the final checkpoint, then the final evaluation
+    (a bad eval file or a full disk later cannot cost the training), then the export."""
+    path = None
+    if opts.save_training_state and total_steps > start:
+        path = save_checkpoint()
+    if _stop_requested(signals, ctx):
+        raise stopped_after_last_step(signals.requested, path)
+    final = evaluate(total_steps, None)
+    if ctx.device.type == "cuda":
+        log.log_memory(allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved(),
+                       peak=torch.cuda.max_memory_allocated())
+    out_dir = opts.expand(opts.out_dir)
+    trainer.export(out_dir, owner={"run_id": run["id"], "name": run["name"], "step": total_steps})
+    log.message(f"exported HF model to {out_dir}", level="info")
+    ckpt_dir = opts.expand(opts.checkpoint_dir)
+    log.log_outputs(export=out_dir, checkpoint=path or (ckpt_dir if os.path.isdir(ckpt_dir) else None),
+                    log_file=log.path, tensorboard=opts.expand(opts.tensorboard) if opts.tensorboard else None)
+    return final
 
 
 def _log_run_header(log: RunLogger, trainer: Trainer, train: TokenLoader, evals: TokenLoader | None,
@@ -169,15 +234,3 @@ def _log_run_header(log: RunLogger, trainer: Trainer, train: TokenLoader, evals:
                     level="warning")
     log.message(f"model {cfg.model_type}: {cfg.num_params() / 1e6:.1f}M parameters, {total_steps} steps of "
                 f"{opts.batch_size * T * opts.grad_accumulation * W} tokens", level="info")
-
-
-def _resume(opts: Options, trainer: Trainer, train: TokenLoader, log: RunLogger, ckpt_dir: str) -> int:
-    """--continue: restore the checkpoint it names (and the data position unless --new-data); returns the
-    step to continue from (0 when there is none)."""
-    path = checkpointing.find(ckpt_dir, opts.continue_from)
-    if path is None:
-        log.message(f"--continue: no checkpoint found in {ckpt_dir}; starting from scratch", level="warning")
-        return 0
-    start = checkpointing.load(path, trainer, train_loader=None if opts.new_data else train, logger=log)
-    log.message(f"resumed from {path} at step {start}", level="warning")
-    return start

@@ -21,6 +21,7 @@ from typing import Iterable
 import torch
 
 from qtrain.data.hf_tokenizer import export_files, export_tokenizer
+from qtrain.fsio import FileSystemError
 from qtrain.model.hf_io import save_hf_model
 from qtrain.model.layers import resolve_sdpa_backend
 from qtrain.model.loss import IGNORE_INDEX
@@ -216,14 +217,21 @@ class Trainer:
             return self.weights.gather_full()
         return {n: p.detach() for n, p in self.params.items()}
 
-    def export(self, out_dir: str) -> None:
+    def export(self, out_dir: str, *, owner: dict | None = None) -> None:
         """Write a HF model directory (config.json + safetensors + generation_config.json [+ the tokenizer files of
-        `self.tokenizer`]); rank 0 writes. Every rank must call it (sharded weights are gathered on all ranks)."""
+        `self.tokenizer`]); rank 0 writes. Every rank must call it (sharded weights are gathered on all ranks);
+        every rank raises rank 0's error. `owner` (run id, step) goes into the export's manifest."""
         params = self.full_params() if (self.ctx.is_main or self.sharded_weights) else None
+        err: Exception | None = None
         if self.ctx.is_main:
-            save_hf_model(out_dir, self.cfg, params, dtype=self.dtype,
-                          extra_files=export_files(self.tokenizer, self.cfg))
-        self.ctx.barrier()
+            try:
+                save_hf_model(out_dir, self.cfg, params, dtype=self.dtype,
+                              extra_files=export_files(self.tokenizer, self.cfg), owner=owner)
+            except (ValueError, OSError) as e:
+                err = e if isinstance(e, ValueError) else FileSystemError(f"export to {out_dir} failed: {e}")
+        err = self.ctx.broadcast_object(err)
+        if err is not None:
+            raise err
 
     # ---- checkpoint state (files written by train/checkpointing.py) ----
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:

@@ -174,7 +174,7 @@ def test_tokenize_errors(tmp_path: Path) -> None:
     (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: no field 'text'"):
         tokenize_files([str(tmp_path / "bad.jsonl")], tmp_path / "out", tokenizer="gpt2", progress=False)
-    with pytest.raises(FileNotFoundError, match="missing"):
+    with pytest.raises(DataError, match="missing"):
         tokenize_files([str(tmp_path / "missing.txt")], tmp_path / "out", tokenizer="gpt2", progress=False)
 
 

@@ -271,24 +271,68 @@ def test_failed_save_leaves_old_dir_intact(hf_dirs, tmp_path, monkeypatch):
 
     monkeypatch.setattr(st, "save_file", flaky_save)
     zeros = {k: torch.zeros_like(v) for k, v in params.items()}
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(hf_io.FileSystemError, match="writing the export to .* failed: disk full"):
         save_hf_model(out, cfg, zeros, dtype=torch.float32, max_shard_bytes=40_000)
     assert len(calls) == 2
     assert _snapshot(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp dir left behind
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(hf_io.FileSystemError, match="disk full"):
         calls.clear()
         save_hf_model(tmp_path / "fresh", cfg, zeros, dtype=torch.float32, max_shard_bytes=40_000)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-def test_save_replaces_existing_dir(hf_dirs, tmp_path):
+def test_save_replaces_its_own_files_only(hf_dirs, tmp_path):
     cfg, params = _load(hf_dirs["qwen2"][0])
     out = save_hf_model(tmp_path / "out", cfg, params, dtype=torch.float32, max_shard_bytes=40_000)
-    (out / "marker.txt").write_text("old")
+    assert json.loads((out / hf_io.MANIFEST).read_text())["complete"] is True
+    (out / "marker.txt").write_text("the user's")
+    (out / "notes").mkdir()
+    (out / "notes" / "a.txt").write_text("also the user's")
     zeros = {k: torch.zeros_like(v) for k, v in params.items()}
     save_hf_model(out, cfg, zeros, dtype=torch.float32)  # single file now: stale shards must not survive
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "marker.txt", "model.safetensors", "notes",
+                                                    hf_io.MANIFEST]
+    assert (out / "marker.txt").read_text() == "the user's" and (out / "notes" / "a.txt").read_text() == "also the user's"
+    man = json.loads((out / hf_io.MANIFEST).read_text())
+    assert man["complete"] is True and man["files"] == ["config.json", "model.safetensors"]
     _assert_equal(_load(out)[1], zeros)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert oct(os.stat(out).st_mode & 0o777) == oct(0o755)
+
+
+def test_save_refuses_files_it_did_not_write(hf_dirs, tmp_path):
+    """A model directory of the user (written by transformers, no manifest) is never overwritten."""
+    src = hf_dirs["llama"][0]
+    cfg, params = _load(src)
+    before = _snapshot(src)
+    with pytest.raises(WeightsError, match="no qtrain export wrote them"):
+        save_hf_model(src, cfg, params)
+    assert _snapshot(src) == before
+
+
+def test_index_entries_stay_inside_the_model_dir(sharded_copy, tmp_path):
+    d, cfg = sharded_copy
+    (tmp_path / "outside.safetensors").write_bytes(sorted(d.glob("model-*.safetensors"))[0].read_bytes())
+    index = json.loads((d / hf_io.INDEX_FILE).read_text())
+    first = next(iter(index["weight_map"]))
+    for bad in ("../outside.safetensors", str(tmp_path / "outside.safetensors"), "sub/x.safetensors"):
+        index["weight_map"][first] = bad
+        (d / hf_io.INDEX_FILE).write_text(json.dumps(index))
+        with pytest.raises(WeightsError, match="not a file name in the model directory"):
+            load_hf_weights(d, cfg)
+
+
+def test_integer_and_non_finite_weights_are_refused(qwen2_copy):
+    d, cfg, tensors = qwen2_copy
+    name = "model.layers.0.mlp.down_proj.weight"
+    _rewrite(d, {**tensors, name: tensors[name].to(torch.int32)})
+    with pytest.raises(WeightsError, match=f"{name}.*dtype I32"):
+        hf_io.check_hf_weights(d, cfg)
+    for bad in (float("nan"), float("inf")):
+        t = tensors[name].clone()
+        t[0, 3] = bad
+        _rewrite(d, {**tensors, name: t})
+        hf_io.check_hf_weights(d, cfg)  # headers are fine
+        with pytest.raises(WeightsError, match=f"{name}.*1 NaN/inf"):
+            load_hf_weights(d, cfg)

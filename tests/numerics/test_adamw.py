@@ -159,6 +159,24 @@ def test_sharded_update_with_offsets_is_bit_identical(dtypes, cuts):
     assert max(x.item() for x in amaxes) == amax_full.item()
 
 
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 4, (torch.bfloat16,) * 4,
+                                    (torch.bfloat16, torch.bfloat16, E4M3, torch.bfloat16)])
+def test_twin_in_pieces_is_bit_identical_to_one_call(dtypes, monkeypatch):
+    """On the CPU the twin runs in TWIN_CHUNK pieces (its temporaries are host memory): same bits, same
+    abs-max, for fp32, bf16-SR and e4m3 m (pieces are multiples of the 128-element blocks)."""
+    from qtrain.kernels import adamw as kernel
+    n, hp = 5003, AdamWHyper(lr=1e-2, step=3, grad_scale=0.8)
+    state = make_state(n, *dtypes, seed=5)
+    whole, pieces = clone_all(state), clone_all(state)
+    amax_whole = adamw_update_(*whole[:4], hp=hp, decay=True, key=11, offset=77, m_scales=whole[4])
+    monkeypatch.setattr(kernel, "TWIN_CHUNK", 256)
+    amax_pieces = adamw_update_(*pieces[:4], hp=hp, decay=True, key=11, offset=77, m_scales=pieces[4])
+    for x, y in zip(whole, pieces):
+        if x is not None:
+            assert torch.equal(bits(x), bits(y))
+    assert amax_pieces.item() == amax_whole.item()
+
+
 # ------------------------------------------------------------------------------- the tiny-lr stall
 def test_bf16_sr_tracks_fp32_where_round_to_nearest_stalls():
     """Constant gradient: Adam moves every param by lr = 1e-4 per step, far below half a bf16 ulp in [1, 2)

@@ -39,7 +39,8 @@ def test_export_of_sharded_checkpoint_equals_final_export(tmp_path):
     write_token_file(tmp_path / "t.bin", np.random.default_rng(1).integers(0, 96, 3000, dtype=np.int32), vocab_size=96)
     run_distributed(_train, 2, str(tmp_path))
     ckpts = sorted(os.listdir(tmp_path / "ckpt"))
-    assert ckpts == ["step_00000003"]
+    assert ckpts == ["qtrain-run.json", "step_00000003"]  # the run's marker and its final checkpoint
+    ckpts = ckpts[1:]
     assert sorted(f for f in os.listdir(tmp_path / "ckpt" / ckpts[0]) if f.startswith("weights")) == [
         "weights.shard_000_of_002.safetensors", "weights.shard_001_of_002.safetensors"]
     assert main(["export", "--checkpoint-dir", str(tmp_path / "ckpt"), "--out-dir", str(tmp_path / "exported")]) == 0

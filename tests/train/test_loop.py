@@ -94,3 +94,24 @@ def test_resume_is_bitwise_equal(tmp_path, monkeypatch, dtype):
     from safetensors.torch import load_file
     a, b = load_file("full/model.safetensors"), load_file("resumed/model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_plain_continue_with_no_checkpoint_starts_fresh_and_says_so(tmp_path, capsys):
+    """llm.q's behaviour: `--continue` with nothing to resume is a fresh start, with a warning; the run id,
+    the marker, each checkpoint's meta and the log's first line all name the same run."""
+    import json
+
+    from tests.run_utils import make_run_root, train_argv
+    root = make_run_root(tmp_path)
+    assert main(train_argv(root, steps=2) + ["--continue"]) == 0
+    out = capsys.readouterr().out
+    assert f"--continue: no checkpoint in {root / 'ckpt' / 'run'} yet; starting from scratch" in out
+    run_id = json.loads((root / "ckpt" / "run" / "qtrain-run.json").read_text())["run_id"]
+    meta = json.loads((root / "ckpt" / "run" / "step_00000002" / "checkpoint.json").read_text())
+    assert meta["run"] == {"id": run_id, "name": "run"} and meta["nonfinite_streak"] == 0
+    assert read_log(root / "logs" / "run.jsonl")[0] == {**read_log(root / "logs" / "run.jsonl")[0], "log": "run",
+                                                         "run_id": run_id}
+    assert json.loads((root / "out" / "run" / "qtrain-export.json").read_text())["run_id"] == run_id
+    # the same command again resumes that run (at its end: final evaluation and export only)
+    assert main(train_argv(root, steps=2) + ["--continue"]) == 0
+    assert [e["run_id"] for e in read_log(root / "logs" / "run.jsonl") if e["log"] == "run"] == [run_id, run_id]

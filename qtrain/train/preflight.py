@@ -1,0 +1,156 @@
+"""Everything about a training run that can be checked before the model is built, in one pass.
+
+    prep = preflight(opts, world=2)    # raises a ValueError of qtrain naming the option / file / tensor
+
+checks, in order, what would otherwise fail late (after minutes of loading, or at the final evaluation):
+options and their combinations; the device; the model's config.json and the weight files' headers (names,
+shapes, dtypes; no tensor data is read); that --seq-len fits the model's positions; the output paths
+(writable, not on top of each other, not another run's: `run_dir`); the token files (header, size, each
+id within the model's vocabulary: scanned memory-mapped and cached per file); the checkpoint `--continue`
+names and whether it fits this run; and the host memory the plan needs. Nothing large is allocated.
+
+`qtrain train --gpus N` runs it once in the launcher, before starting any worker; a run under torchrun
+runs it on rank 0 and hands the result (or the error) to the other ranks.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from qtrain.data.corpus import ensure_default_dataset
+from qtrain.data.loader import TokenLoader
+from qtrain.model.config import ModelConfig
+from qtrain.model.hf_io import check_hf_weights
+from qtrain.model.resolve import resolve_model
+from qtrain.options import Options, OptionsError
+from qtrain.parallel.dist import DeviceError, check_device
+from qtrain.train import checkpoint_io as cio
+from qtrain.train import checkpointing, run_dir
+
+DEFAULT_DATA_DIR = os.path.join("data", "qtrain-default")
+
+
+@dataclass
+class Prepared:
+    """What the preflight found: enough to start the run without looking again."""
+    run_id: str
+    resume: str | None  # checkpoint to load (None: fresh start)
+    note: str | None  # a message for the log (e.g. "--continue found no checkpoint, starting fresh")
+    train_pattern: str
+    eval_pattern: str | None
+    total_steps: int
+    paths: run_dir.RunPaths
+    found: run_dir.Found
+    start_over: bool
+
+
+def data_files(opts: Options) -> tuple[str, str | None]:
+    """(train pattern, eval pattern or None). No --train-file: the embedded corpus (built on first use)."""
+    if opts.train_file:
+        return opts.train_file, opts.eval_file or None
+    train, evals = ensure_default_dataset(DEFAULT_DATA_DIR)
+    return train, opts.eval_file or evals
+
+
+def _device_type(opts: Options) -> str:
+    import torch
+    return "cuda" if opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def check_model(opts: Options) -> ModelConfig:
+    """The model's config and, when weights are loaded, their headers; and what the options ask of it."""
+    source = resolve_model(opts.model, from_scratch=opts.from_scratch)
+    cfg = source.cfg
+    if source.weights_dir is not None:
+        check_hf_weights(source.weights_dir, cfg)
+    if opts.seq_len > cfg.max_position_embeddings:
+        raise OptionsError(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings "
+                           f"{cfg.max_position_embeddings}")
+    return cfg
+
+
+def check_data(opts: Options, cfg: ModelConfig, world: int) -> tuple[str, str | None, int]:
+    """(train pattern, eval pattern, total steps) once the token files passed every check (TokenLoader:
+    headers, sizes, vocabulary field, id range, enough sequences for each rank and for one step)."""
+    train_pattern, eval_pattern = data_files(opts)
+    train = TokenLoader(train_pattern, opts.seq_len, world=world, seed=opts.train_seed, model_vocab_size=cfg.vocab_size)
+    if eval_pattern:
+        TokenLoader(eval_pattern, opts.seq_len, world=world, seed=opts.eval_seed, model_vocab_size=cfg.vocab_size,
+                    shuffle=False)
+    B, GA = opts.batch_size, opts.grad_accumulation
+    steps_per_epoch = train.chunks_per_epoch // (B * GA)
+    if steps_per_epoch == 0:
+        raise OptionsError(f"--train-file {train_pattern}: {train.chunks_per_epoch} sequences per rank are fewer than "
+                           f"one step needs (batch {B} x grad-accumulation {GA})")
+    total = opts.steps if opts.steps > 0 else opts.epochs * steps_per_epoch
+    if opts.steps <= 0 and opts.warmup + opts.cooldown > total:
+        raise OptionsError(f"--warmup ({opts.warmup}) + --cooldown ({opts.cooldown}) exceed the {total} steps of "
+                           f"--epochs {opts.epochs}")
+    return train_pattern, eval_pattern, total
+
+
+def check_resume(opts: Options, cfg: ModelConfig, world: int, paths: run_dir.RunPaths,
+                 found: run_dir.Found) -> tuple[str, str | None, str | None]:
+    """(run id, checkpoint to resume or None, note): --continue resolved and checked against this run, and the
+    output paths' owners checked against the run that will write them."""
+    if opts.continue_from is None:
+        run_dir.check_ownership(paths, found, run_id=None, start_over=opts.start_over)
+        return run_dir.new_run_id(), None, None
+    path = checkpointing.find(paths.ckpt_dir, opts.continue_from)
+    if path is None:
+        run_id = found.ckpt_run if found.ckpt_run not in (None, run_dir.LEGACY) else run_dir.new_run_id()
+        note = f"--continue: no checkpoint in {paths.ckpt_dir} yet; starting from scratch"
+    else:
+        meta, _ = cio.read_checkpoint(path)
+        checkpointing.check_compatible(path, meta, cfg, opts, world)
+        run_id = (meta.get("run") or {}).get("id") or (
+            found.ckpt_run if found.ckpt_run not in (None, run_dir.LEGACY) else run_dir.new_run_id())
+        note = None
+    run_dir.check_ownership(paths, found, run_id=run_id)
+    return run_id, path, note
+
+
+def check_memory(opts: Options, cfg: ModelConfig, world: int, procs: int) -> None:
+    """Refuse a plan that cannot fit the host (CPU runs; pinned offload buffers on CUDA)."""
+    if not opts.memory_check:
+        return
+    from qtrain.plan.host import check_host_memory, process_rss
+    from qtrain.plan.memory import plan_memory
+    plan = plan_memory(cfg, opts, world=world, device=_device_type(opts))
+    check_host_memory(plan, procs, baseline=process_rss())
+
+
+def preflight(opts: Options, *, world: int, local_procs: int | None = None) -> Prepared:
+    """Run every check (see the module docstring); `local_procs` is the processes of this machine (default
+    `world`). Raises the first problem found as a ValueError of qtrain."""
+    opts.validate()
+    check_device(opts.device)
+    if _device_type(opts) == "cuda":
+        import torch
+        if local_procs and local_procs > torch.cuda.device_count():
+            raise DeviceError(f"--gpus {local_procs}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    cfg = check_model(opts)
+    paths = run_dir.RunPaths.of(opts)
+    run_dir.check_paths(paths)
+    found = run_dir.inspect(paths)
+    train_pattern, eval_pattern, total = check_data(opts, cfg, world)
+    run_id, resume, note = check_resume(opts, cfg, world, paths, found)
+    check_memory(opts, cfg, world, local_procs or world)
+    return Prepared(run_id=run_id, resume=resume, note=note, train_pattern=train_pattern, eval_pattern=eval_pattern,
+                    total_steps=total, paths=paths, found=found, start_over=opts.start_over)
+
+
+def shared_preflight(opts: Options, ctx: Any) -> Prepared:
+    """Rank 0 runs the preflight and hands every rank the result, or the error to raise (so no rank waits
+    for a rank that already failed)."""
+    result: Any = None
+    if ctx.is_main:
+        try:
+            result = preflight(opts, world=ctx.world, local_procs=int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world)))
+        except ValueError as e:
+            result = e
+    result = ctx.broadcast_object(result)
+    if isinstance(result, BaseException):
+        raise result
+    return result

@@ -1,0 +1,104 @@
+"""Why a run stops before its last step, and how it tells the user: a signal, or a streak of non-finite steps.
+
+* SIGINT (Ctrl-C) and SIGTERM (a cluster's preemption notice): the first one lets the current step finish,
+  the run writes a checkpoint and exits with a message that says how to resume (exit code 128 + signal).
+  The handlers are reset to the default at once, so a second signal ends the process immediately.
+* A non-finite loss or gradient norm: the step's update is skipped (the trainer does that) and reported;
+  after `--max-nonfinite-steps` of them in a row the run stops with exit code 3. Checkpoints record the
+  streak they were written in, and keep-n never deletes the newest one written after a finite step.
+"""
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import threading
+from typing import Any
+
+NONFINITE_EXIT = 3
+
+
+class RunStopped(Exception):
+    """The run stopped early on purpose; the message says what happened and how to go on."""
+
+    def __init__(self, message: str, exit_code: int, label: str = "stopped") -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.label = label
+
+
+class StopSignals:
+    """Installs the SIGINT / SIGTERM handlers for the span of a run (main thread only; elsewhere a no-op).
+    `requested` is the first signal's number, or None."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, *, announce: bool = True) -> None:
+        self.requested: int | None = None
+        self.announce = announce  # rank 0 says what happens; the other ranks stay quiet
+        self._old: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.requested = signum
+        for s in self.SIGNALS:  # a second signal: the default action, i.e. the process ends at once
+            signal.signal(s, signal.SIG_DFL)
+        if self.announce:
+            print(f"qtrain: {signal.Signals(signum).name}: finishing the current step, then writing a checkpoint "
+                  f"(send it again to stop at once)", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._old[s] = signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        self._old.clear()
+
+
+def stopped_by_signal(signum: int | None, step: int, checkpoint: str | None) -> RunStopped:
+    name = signal.Signals(signum).name if signum else "a stop request"
+    where = (f"checkpoint {checkpoint} written; resume with the same command and --continue" if checkpoint else
+             "no step was done since the start, so there is nothing new to save; run the same command again")
+    return RunStopped(f"{name} at step {step}: {where}", 128 + int(signum or signal.SIGTERM))
+
+
+def stopped_after_last_step(signum: int | None, checkpoint: str | None) -> RunStopped:
+    name = signal.Signals(signum).name if signum else "a stop request"
+    saved = f"the final checkpoint {checkpoint} is written; " if checkpoint else ""
+    return RunStopped(f"{name} after the last step: {saved}run the same command with --continue for the final "
+                      f"evaluation and export", 128 + int(signum or signal.SIGTERM))
+
+
+class NonFiniteGuard:
+    """Counts steps in a row whose loss or gradient norm is not finite."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit  # 0: never stop
+        self.streak = 0
+        self.first_bad: int | None = None
+
+    def update(self, step: int, loss: float, norm: float) -> str | None:
+        """A warning for a non-finite step (None for a finite one, which ends a streak)."""
+        if math.isfinite(loss) and math.isfinite(norm):
+            self.streak, self.first_bad = 0, None
+            return None
+        self.streak += 1
+        if self.first_bad is None:
+            self.first_bad = step
+        return (f"step {step}: non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} (loss {loss}, "
+                f"norm {norm}), update skipped ({self.streak} in a row"
+                + (f", the run stops at {self.limit})" if self.limit else ")"))
+
+    @property
+    def exceeded(self) -> bool:
+        return self.limit > 0 and self.streak >= self.limit
+
+    def error(self, step: int, newest_finite: str | None) -> RunStopped:
+        keep = (f"the newest checkpoint written after a finite step is {newest_finite}; resume from it with "
+                f"--continue {newest_finite}" if newest_finite else "no checkpoint of a finite step exists")
+        return RunStopped(f"{self.streak} steps in a row with a non-finite loss or gradient norm (steps "
+                          f"{self.first_bad}..{step}); {keep}, perhaps with a lower --lr or --grad-clip "
+                          f"(--max-nonfinite-steps sets the limit)", NONFINITE_EXIT, label="error")

@@ -1,0 +1,110 @@
+"""Runs that stop early (qtrain/train/stop.py), end to end on a tiny model: SIGINT / SIGTERM finish the step,
+write a checkpoint, exit with a message that says how to resume, and the resumed run ends bit-identical to
+an uninterrupted one; a second signal ends the process at once; a streak of non-finite steps stops with
+exit code 3 and the newest finite checkpoint kept through keep-n."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qtrain.cli.main import main
+from qtrain.observe.log import read_log
+from qtrain.train.stop import NonFiniteGuard
+from tests.run_utils import make_run_root, qtrain_popen, train_argv
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run of 8 steps: its export and per-step losses."""
+    root = make_run_root(tmp_path_factory.mktemp("ref"))
+    assert main(train_argv(root, steps=8, name="ref")) == 0
+    steps = {e["step"]: e for e in read_log(root / "logs" / "ref.jsonl") if e["log"] == "step"}
+    return root, load_file(root / "out" / "ref" / "model.safetensors"), steps
+
+
+def _signal_when_logged(log, step: int, signum: int) -> threading.Thread:
+    """Send `signum` to this process once `log` shows `step` (the loop then finishes the step it is in)."""
+    def watch():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if os.path.exists(log) and any(e.get("log") == "step" and e["step"] >= step for e in read_log(log)):
+                os.kill(os.getpid(), signum)
+                return
+            time.sleep(0.01)
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_checkpoints_and_resume_is_bitwise_equal(tmp_path, capsys, reference, signum):
+    ref_root, ref_weights, ref_steps = reference
+    root = make_run_root(tmp_path)
+    argv = train_argv(root, steps=8, name="run", ckpt_interval=100)  # no periodic checkpoint: the signal's only
+    t = _signal_when_logged(root / "logs" / "run.jsonl", 2, signum)
+    rc = main(argv)
+    t.join()
+    err = capsys.readouterr().err
+    assert rc == 128 + signum
+    stopped = [e["step"] for e in read_log(root / "logs" / "run.jsonl") if e["log"] == "step"][-1] + 1
+    ckpt = root / "ckpt" / "run" / f"step_{stopped:08d}"
+    assert f"{signal.Signals(signum).name} at step {stopped}: checkpoint {ckpt} written; resume with the same " \
+           f"command and --continue" in err
+    assert (ckpt / "checkpoint.json").is_file() and not (root / "out" / "run").exists()
+    assert main(argv + ["--continue"]) == 0
+    steps = {e["step"]: e for e in read_log(root / "logs" / "run.jsonl") if e["log"] == "step"}
+    assert sorted(steps) == list(range(8))
+    for s in range(8):
+        assert steps[s]["loss"] == ref_steps[s]["loss"] and steps[s]["norm"] == ref_steps[s]["norm"], s
+    got = load_file(root / "out" / "run" / "model.safetensors")
+    assert got.keys() == ref_weights.keys() and all(torch.equal(got[k], ref_weights[k]) for k in got)
+
+
+def test_second_signal_exits_at_once(tmp_path):
+    root = make_run_root(tmp_path, tokens=40000)
+    p = qtrain_popen(train_argv(root, steps=100000, name="run", ckpt_interval=100000), cwd=root)
+    log = root / "logs" / "run.jsonl"
+    deadline = time.monotonic() + 300
+    while not (log.exists() and any(e["log"] == "step" for e in read_log(log))):
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    first = p.stderr.readline()  # the handler has run once it says so
+    assert "SIGINT: finishing the current step" in first
+    p.send_signal(signal.SIGINT)  # the first one reset the handler: the default action ends the process
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGINT, (p.returncode, err[-2000:])
+    assert "Traceback" not in err
+
+
+def test_nonfinite_streak_stops_and_keeps_the_newest_finite_checkpoint(tmp_path, capsys):
+    """--lr 1e30 blows the weights up after step 0: every later step is non-finite and skipped. With
+    --ckpt-keep-n 1 the checkpoint of step 1 (written after the last finite step) survives the rotation."""
+    root = make_run_root(tmp_path)
+    rc = main(train_argv(root, steps=20, lr=1e30, ckpt_interval=1, ckpt_keep_n=1, max_nonfinite_steps=3))
+    err = capsys.readouterr().err
+    assert rc == 3
+    finite = root / "ckpt" / "run" / "step_00000001"
+    assert "3 steps in a row with a non-finite loss or gradient norm (steps 1..3)" in err
+    assert f"resume from it with --continue {finite}" in err
+    assert sorted(os.listdir(root / "ckpt" / "run")) == ["qtrain-run.json", "step_00000001", "step_00000003"]
+    warnings = [e for e in read_log(root / "logs" / "run.jsonl") if e["log"] == "message" and "non-finite" in e["message"]]
+    assert len(warnings) == 3  # each one reported
+
+
+def test_nonfinite_guard_counts_streaks():
+    g = NonFiniteGuard(2)
+    assert g.update(0, 1.0, 1.0) is None
+    assert "1 in a row" in g.update(1, float("nan"), 1.0)
+    assert g.update(2, 1.0, 1.0) is None and g.streak == 0  # a finite step ends the streak
+    g.update(3, 1.0, float("inf"))
+    assert not g.exceeded
+    g.update(4, float("nan"), float("nan"))
+    assert g.exceeded and g.first_bad == 3
+    assert not NonFiniteGuard(0).exceeded  # 0: never stop
