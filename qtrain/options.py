@@ -27,11 +27,11 @@ DEFAULT_MODEL = "qtrain-tiny"  # the embedded default: a small model trained on 
 
 # fields with a fixed set of values (validate() checks them; the CLI lists them in --help)
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model_dtype": DTYPES, "matmul_dtype": MATMUL_DTYPES, "gradient_dtype": GRADIENT_DTYPES,
+    "model_dtype": DTYPES, "master_dtype": DTYPES, "matmul_dtype": MATMUL_DTYPES, "gradient_dtype": GRADIENT_DTYPES,
     "opt_m_dtype": OPT_M_DTYPES, "opt_v_dtype": OPT_V_DTYPES, "lr_schedule": SCHEDULES,
     "device": ("auto", "cpu", "cuda"), "compile": ("auto", "on", "off"), "sdpa_backend": SDPA_BACKENDS,
 }
-EMPTY_MEANS_DEFAULT = ("matmul_dtype", "gradient_dtype")  # '' = follow the model / matmul dtype
+EMPTY_MEANS_DEFAULT = ("matmul_dtype", "gradient_dtype", "master_dtype")  # '' = follow the model / matmul dtype
 
 
 def closest(name: str, candidates: Iterable[str]) -> str | None:
@@ -60,7 +60,12 @@ class Options:
     seed: int = 42
     """Seed of the from-scratch initialisation and of stochastic rounding."""
     model_dtype: str = "bf16"
-    """Master weights, activations and weight gradients: fp32 or bf16 (bf16 has no fp32 master copy)."""
+    """Weights the model computes with, activations and weight gradients: fp32 or bf16. They are also the
+    master weights the optimizer updates unless --master-dtype differs (bf16 then has no fp32 copy)."""
+    master_dtype: str = ""
+    """Master weights, their gradient accumulation and the optimizer's weights: '' = the model dtype; fp32 with
+    --model-dtype bf16 keeps fp32 master weights and fp32 gradient sums while the model runs in bf16 (a bf16
+    copy of the master made once per optimizer step; docs/precision.md). llm.q's Python-only master_dtype."""
     matmul_dtype: str = ""
     """Dtype of the four block linears; '' = model dtype; e4m3 = FP8."""
     gradient_dtype: str = ""
@@ -247,6 +252,16 @@ class Options:
         return self.matmul_dtype or self.model_dtype
 
     @property
+    def effective_master_dtype(self) -> str:
+        """The dtype of the master weights (and of the gradient buffers and the optimizer's weights)."""
+        return self.master_dtype or self.model_dtype
+
+    @property
+    def separate_master(self) -> bool:
+        """--master-dtype fp32 with --model-dtype bf16: the model runs on a bf16 copy of fp32 master weights."""
+        return self.effective_master_dtype != self.model_dtype
+
+    @property
     def recompute(self) -> frozenset[str]:
         """The --recompute-* switches that are on, with what they imply (the set the model runs with)."""
         return resolve_flags(f for f in RECOMPUTE_FLAGS if getattr(self, f"recompute_{f}"))
@@ -261,6 +276,21 @@ class Options:
         if self.shard_gradients or self.zero_level >= 2:
             return "all-to-all" if self.all_to_all_reduce else "reduce-scatter"
         return "unsharded"
+
+    def _validate_master(self, err) -> None:
+        """--master-dtype: only fp32 master weights under a bf16 model are a separate copy (docs/precision.md)."""
+        if not self.separate_master:
+            return
+        if self.model_dtype != "bf16":
+            raise err(f"--master-dtype {self.master_dtype} with --model-dtype {self.model_dtype}: a separate master "
+                      "copy is fp32 under a bf16 model (--model-dtype bf16 --master-dtype fp32); for all-fp32 "
+                      "training use --model-dtype fp32 alone")
+        if self.opt_m_dtype != "fp32" or self.opt_v_dtype != "fp32":
+            raise err("--master-dtype fp32 needs --opt-m-dtype fp32 and --opt-v-dtype fp32 (low-precision moments "
+                      "with fp32 master weights are not a supported combination)")
+        if self.weights_sharded:
+            raise err("--master-dtype fp32 is not supported with sharded weights (--shard-weights / --zero-level 3) "
+                      "yet: use replicated weights (ZeRO-1/2) or --model-dtype bf16 alone")
 
     def expand(self, path: str) -> str:
         return path.replace("%n", self.name)
@@ -291,6 +321,7 @@ class Options:
         if self.model_dtype == "fp32" and (self.opt_m_dtype != "fp32" or self.opt_v_dtype != "fp32"):
             raise err("--model-dtype fp32 needs --opt-m-dtype fp32 and --opt-v-dtype fp32 "
                       "(low-precision moments with fp32 weights are not a supported combination)")
+        self._validate_master(err)
         if self.opt_m_dtype == "e4m3" and self.opt_v_dtype != "bf16":
             raise err("--opt-m-dtype e4m3 needs --opt-v-dtype bf16 (llm.q's only e4m3 combination)")
         if self.opt_m_dtype == "e4m3" and not self.stochastic_rounding:

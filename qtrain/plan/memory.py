@@ -8,7 +8,7 @@ allocated (llm.q prints the same table at startup, reference/llmq.md §4).
 
 The plan re-derives nothing: each row is the memory statement of the component that allocates it, evaluated
 for the options without building the component (docs/memory.md has the details):
-  - weights: `weights.replicated.replicated_footprint` or `ShardedWeights.footprint_of` (shards, gather
+  - weights: `weights.replicated.replicated_footprint` (+ `CastWeights`' compute copy under fp32 master weights) or `ShardedWeights.footprint_of` (shards, gather
     buffers, persistent e4m3 shards); Adam m / v and the staging slots: `ShardedAdamW.footprint_of`; gradients:
     `gradients.gradient_footprint`. Exact: tests/plan/test_components.py checks each row, byte for byte,
     against the storages real components hold, for every configuration the plan tests cover.
@@ -33,6 +33,7 @@ from qtrain.parallel.gradients import gradient_footprint
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.optimizer import DTYPES, ShardedAdamW
 from qtrain.parallel.staging import STAGING_SLOTS
+from qtrain.parallel.weights.cast import CastWeights
 from qtrain.parallel.weights.quantized import QuantizedWeights
 from qtrain.parallel.weights.replicated import replicated_footprint
 from qtrain.parallel.weights.sharded import ShardedWeights
@@ -108,7 +109,9 @@ class MemoryPlan:
     def format(self) -> str:
         """The startup table: one row per buffer kind, device | host (GiB, or MiB for small runs)."""
         s = self.settings
-        head = (f"[Memory plan] {self.model} | {s['model_dtype']}, matmul {s['matmul_dtype']} | B={self.batch_size} "
+        master = s.get("master_dtype", s["model_dtype"])
+        dtypes = s["model_dtype"] + (f" on {master} master" if master != s["model_dtype"] else "")
+        head = (f"[Memory plan] {self.model} | {dtypes}, matmul {s['matmul_dtype']} | B={self.batch_size} "
                 f"T={self.seq_len} | world {self.world} | grads {s['gradients']} | recompute {s['recompute']}"
                 f"{' | compiled blocks' if s['compiled'] else ''}")
         unit, scale = ("GiB", GiB) if max(self.device_total, self.host_total, self.budget or 0) >= GiB else ("MiB", MiB)
@@ -163,9 +166,16 @@ def _weight_rows(cfg: ModelConfig, opts: Options, layout: FlatLayout, persistent
     """The trainer's replicated buffers (+ `QuantizedWeights`' e4m3 copies), or `ShardedWeights` (+ its persistent
     e4m3 shards); the e4m3 weights are a row of their own."""
     dtype, world, L = DTYPES[opts.model_dtype], layout.world, cfg.num_hidden_layers
-    if not opts.weights_sharded:
+    if not opts.weights_sharded and opts.separate_master:  # --master-dtype fp32: master + the model's copy
+        master = opts.effective_master_dtype
+        rows = [_row(f"weights ({master}, master)", replicated_footprint(layout, DTYPES[master]),
+                     f"{_count(cfg.num_params())} parameters; what the optimizer updates"),
+                _row(f"weights ({opts.model_dtype}, compute copy)", CastWeights.footprint_of(layout, dtype),
+                     "what the model computes with; cast from the master once per step")]
+    elif not opts.weights_sharded:
         rows = [_row(f"weights ({opts.model_dtype})", replicated_footprint(layout, dtype),
                      f"{_count(cfg.num_params())} parameters; also the master (no separate copy)")]
+    if not opts.weights_sharded:
         if persistent_quants:
             rows.append(_row("fp8 weights (e4m3, cached)", QuantizedWeights.footprint_of(cfg),
                              "e4m3 copies of every block matrix, made once per step"))
@@ -187,7 +197,7 @@ def _weight_rows(cfg: ModelConfig, opts: Options, layout: FlatLayout, persistent
 
 def _optimizer_rows(opts: Options, layout: FlatLayout, *, grads_staged: bool) -> list[Item]:
     """Adam m and v (this rank's shards) and the device slots offloaded state streams through."""
-    dtype = DTYPES[opts.model_dtype]
+    dtype = DTYPES[opts.effective_master_dtype]  # the weights it updates and the gradients it reads
     fp = ShardedAdamW.footprint_of(layout, param_dtype=dtype, m_dtype=opts.opt_m_dtype, v_dtype=opts.opt_v_dtype,
                                    offload_params=opts.offload_master and opts.weights_sharded,
                                    offload_m=opts.offload_opt_m, offload_v=opts.offload_opt_v,
@@ -204,10 +214,11 @@ def _optimizer_rows(opts: Options, layout: FlatLayout, *, grads_staged: bool) ->
 def _gradient_row(opts: Options, layout: FlatLayout, device: str) -> Item:
     kind = opts.gradient_manager_kind
     off = opts.offload_gradients and kind != "unsharded"
-    fp = gradient_footprint(kind, layout, dtype=DTYPES[opts.model_dtype], device=device, offload=off)
+    dtype = opts.effective_master_dtype  # fp32 sums of the bf16 gradients under fp32 master weights
+    fp = gradient_footprint(kind, layout, dtype=DTYPES[dtype], device=device, offload=off)
     detail = ("full, replicated (ZeRO-1)" if kind == "unsharded" else
               f"non-block full, block shards 1/{layout.world}{' on host' if off else ''}, 2 staging blocks")
-    return _row(f"gradients ({kind}, {opts.model_dtype})", fp, detail)
+    return _row(f"gradients ({kind}, {dtype})", fp, detail)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -267,7 +278,7 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
                           detail=(f"{_gib(reserve)} CUDA context/libraries + " if reserve else "")
                           + f"{int(100 * FRAGMENTATION)}% fragmentation"))
 
-    settings = {"model_dtype": opts.model_dtype, "matmul_dtype": matmul, "opt_m_dtype": opts.opt_m_dtype,
+    settings = {"model_dtype": opts.model_dtype, "master_dtype": opts.effective_master_dtype, "matmul_dtype": matmul, "opt_m_dtype": opts.opt_m_dtype,
                 "opt_v_dtype": opts.opt_v_dtype, "gradients": opts.gradient_manager_kind,
                 "offload_gradients": opts.offload_gradients, "shard_weights": opts.weights_sharded,
                 "recompute": recompute_label(rc), "offload_residual": acts.offload_residual,

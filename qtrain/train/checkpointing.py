@@ -31,7 +31,7 @@ __all__ = ["CheckpointError", "FORMAT_VERSION", "find", "save", "load", "check_c
 
 FORMAT_VERSION = 1
 # options that must match for a resume to continue the same run
-_MUST_MATCH = ("model_dtype", "opt_m_dtype", "opt_v_dtype", "seed")
+_MUST_MATCH = ("model_dtype", "master_dtype", "opt_m_dtype", "opt_v_dtype", "seed")
 META_SLACK = 1 << 20  # bytes on top of the tensors for checkpoint.json and safetensors headers
 
 

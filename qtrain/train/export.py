@@ -21,7 +21,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def checkpoint_params(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
-    """(model config, full parameters by internal name, model dtype name) from a checkpoint directory."""
+    """(model config, full parameters by internal name, master dtype name) from a checkpoint directory."""
     meta, files = cio.read_checkpoint(path)
     cfg = ModelConfig.from_hf_dict(meta["model"], source=f"{path}/checkpoint.json")
     world = int(meta["distributed"]["world"])
@@ -33,7 +33,8 @@ def checkpoint_params(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], 
         if any(p.numel() != g.shard_size(world) for p in parts):
             raise CheckpointError(f"{path}: weight shard of {g.key} has the wrong size for world {world}")
         buffers[g.key] = torch.cat(parts)
-    return cfg, layout.views(buffers), meta.get("options", {}).get("model_dtype", "bf16")
+    opts = meta.get("options", {})
+    return cfg, layout.views(buffers), opts.get("master_dtype") or opts.get("model_dtype", "bf16")
 
 
 class ExportResult(NamedTuple):

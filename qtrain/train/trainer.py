@@ -54,21 +54,24 @@ class Trainer:
         # the tokenizer exports carry (None: unknown so far; the run loop may take it from the token files)
         self.tokenizer = export_tokenizer(explicit=opts.tokenizer, model_dir=self.source.tokenizer_dir)
         self.cfg = self.source.cfg
-        self.dtype = DTYPES[opts.model_dtype]
+        self.dtype = DTYPES[opts.model_dtype]  # what the model computes with
+        # the master weights, their gradient sums and what the optimizer updates: fp32 under a bf16 model with
+        # --master-dtype fp32 (the model then reads a bf16 copy made once per step: parallel/weights/cast.py)
+        self.master_dtype = DTYPES[opts.effective_master_dtype]
         self.layout = FlatLayout(self.cfg, self.ctx.world)  # one flat buffer per group (parallel/layout.py)
         self.comm = Communicator(device=self.device) if self.ctx.distributed else Communicator.solo(self.device)
 
         # replicated weights: `params` are views into the full `param_buffers`; sharded weights
         # (--shard-weights / --zero-level 3): only this rank's shards, and both are None
-        w = build_weights(self.layout, comm=self.comm, dtype=self.dtype, device=self.device,
-                          sharded=opts.weights_sharded, offload=opts.offload_master,
+        w = build_weights(self.layout, comm=self.comm, dtype=self.master_dtype, compute_dtype=self.dtype,
+                          device=self.device, sharded=opts.weights_sharded, offload=opts.offload_master,
                           quantized=self._persistent_quants(opts), offload_quants=opts.offload_quants,
                           weights_dir=self.source.weights_dir, seed=opts.seed,
                           init_proj_to_zero=opts.init_proj_to_zero)
         self.weights, self.params, self.param_buffers, self.sharded_weights = w.source, w.params, w.buffers, w.sharded
         self.model = Transformer(self.cfg, self._run_options(opts))
         self.grads = make_gradient_manager(opts.gradient_manager_kind, self.layout, comm=self.comm,
-                                           dtype=self.dtype, device=self.device, seed=opts.seed,
+                                           dtype=self.master_dtype, device=self.device, seed=opts.seed,
                                            offload=opts.offload_gradients)
         self.optimizer = ShardedAdamW(self.layout, **w.optimizer_weights(), comm=self.comm, device=self.device,
                                       m_dtype=opts.opt_m_dtype, v_dtype=opts.opt_v_dtype, seed=opts.seed,
@@ -211,7 +214,7 @@ class Trainer:
 
     # ---- weights out ----
     def full_params(self) -> dict[str, torch.Tensor]:
-        """Full parameters by internal name: detached views of the replicated weights, or, with sharded
+        """Full (master) parameters by internal name: detached views of the replicated weights, or, with sharded
         weights, gathered copies in host memory -- then a collective that every rank must call."""
         if self.sharded_weights:
             return self.weights.gather_full()
@@ -225,7 +228,7 @@ class Trainer:
         err: Exception | None = None
         if self.ctx.is_main:
             try:
-                save_hf_model(out_dir, self.cfg, params, dtype=self.dtype,
+                save_hf_model(out_dir, self.cfg, params, dtype=self.master_dtype,
                               extra_files=export_files(self.tokenizer, self.cfg), owner=owner)
             except (ValueError, OSError) as e:
                 err = e if isinstance(e, ValueError) else FileSystemError(f"export to {out_dir} failed: {e}")

@@ -2,7 +2,9 @@
 
     replicated (default; ZeRO-1/2)     full group buffers (parallel/layout.py), parameters are views into them;
                                        `ParamWeights`, wrapped in `QuantizedWeights` when `quantized` names
-                                       block matrices whose FP8 copies are kept for a whole step
+                                       block matrices whose FP8 copies are kept for a whole step; with a
+                                       `compute_dtype` other than `dtype` the buffers are the master and the
+                                       model reads `CastWeights`, a copy in the compute dtype (cast.py)
     sharded (ZeRO-3, --shard-weights)  `ShardedWeights`: this rank's shard of every group buffer, blocks
                                        gathered just in time; `quantized` matrices kept as e4m3 shards
 
@@ -20,6 +22,7 @@ from qtrain.model.hf_io import load_hf_weights
 from qtrain.model.init import init_params
 from qtrain.parallel.comm import Communicator
 from qtrain.parallel.layout import FlatLayout
+from qtrain.parallel.weights.cast import CastWeights
 from qtrain.parallel.weights.quantized import QuantizedWeights
 from qtrain.parallel.weights.replicated import ParamWeights
 from qtrain.parallel.weights.sharded import ShardedWeights
@@ -28,9 +31,9 @@ from qtrain.parallel.weights.sharded import ShardedWeights
 @dataclass(frozen=True)
 class RankWeights:
     """This rank's weights: what the model reads (`source`) and what the optimizer updates in place."""
-    source: ParamWeights | QuantizedWeights | ShardedWeights
-    buffers: dict[str, torch.Tensor] | None  # replicated: group key -> full flat buffer; None when sharded
-    params: dict[str, torch.Tensor] | None  # replicated: name -> full parameter (a view into `buffers`)
+    source: ParamWeights | CastWeights | QuantizedWeights | ShardedWeights
+    buffers: dict[str, torch.Tensor] | None  # replicated: group key -> full flat buffer (the master); None when sharded
+    params: dict[str, torch.Tensor] | None  # replicated: name -> full master parameter (a view into `buffers`)
 
     @property
     def sharded(self) -> bool:
@@ -47,19 +50,22 @@ class RankWeights:
 def build_weights(layout: FlatLayout, *, comm: Communicator, dtype: torch.dtype, device: torch.device,
                   sharded: bool, offload: bool = False, quantized: tuple[str, ...] = (),
                   offload_quants: bool = False, weights_dir: str | None = None, seed: int = 0,
-                  init_proj_to_zero: bool = False) -> RankWeights:
-    """Allocate and fill this rank's weights (module docstring). offload: sharded master weights in host
-    memory; quantized: block matrices kept as FP8 copies made once per step (offload_quants: sharded ones
-    in host memory); weights_dir: HF safetensors to load, or None for the from-scratch init (seed,
-    init_proj_to_zero)."""
+                  init_proj_to_zero: bool = False, compute_dtype: torch.dtype | None = None) -> RankWeights:
+    """Allocate and fill this rank's weights (module docstring). dtype: the master weights'; compute_dtype: what
+    the model computes with (None: the same); offload: sharded master weights in host memory; quantized: block
+    matrices kept as FP8 copies made once per step (offload_quants: sharded ones in host memory); weights_dir:
+    HF safetensors to load, or None for the from-scratch init (seed, init_proj_to_zero)."""
+    cast = compute_dtype is not None and compute_dtype != dtype
+    if cast and sharded:
+        raise ValueError("sharded weights keep no separate master copy: compute_dtype must equal dtype")
     if sharded:
         source = ShardedWeights(layout, comm=comm, dtype=dtype, device=device, offload=offload,
                                 quantized=quantized, offload_quants=offload_quants)
         weights = RankWeights(source, buffers=None, params=None)
     else:
         buffers = layout.allocate(dtype=dtype, device=device)
-        params = {n: v.requires_grad_(True) for n, v in layout.views(buffers).items()}
-        plain = ParamWeights(layout.cfg, params)
+        params = {n: v.requires_grad_(not cast) for n, v in layout.views(buffers).items()}
+        plain = CastWeights(layout, buffers, compute_dtype) if cast else ParamWeights(layout.cfg, params)
         weights = RankWeights(QuantizedWeights(plain, quantized) if quantized else plain, buffers, params)
     loaded = load_hf_weights(weights_dir, layout.cfg, dtype=dtype, device="cpu") if weights_dir is not None else None
     shards = weights.source.shards if isinstance(weights.source, ShardedWeights) else None
