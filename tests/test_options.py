@@ -100,6 +100,19 @@ def test_dtype_combinations_that_pass():
     assert Options(model_dtype="fp32", matmul_dtype="bf16").effective_matmul_dtype == "bf16"
 
 
+def test_fp32_master_under_a_bf16_model():
+    o = Options(model_dtype="bf16", master_dtype="fp32").validate()
+    assert o.separate_master and o.effective_master_dtype == "fp32"
+    assert not Options(model_dtype="bf16", master_dtype="bf16").validate().separate_master
+    assert Options(model_dtype="fp32").effective_master_dtype == "fp32"
+    Options(master_dtype="fp32", matmul_dtype="e4m3", persistent_quants=True, zero_level=2).validate()
+    _bad(("--master-dtype bf16", "--model-dtype fp32"), model_dtype="fp32", master_dtype="bf16")
+    _bad(("--master-dtype fp32", "--opt-m-dtype"), master_dtype="fp32", opt_m_dtype="bf16")
+    _bad(("--master-dtype fp32", "--opt-v-dtype"), master_dtype="fp32", opt_v_dtype="bf16")
+    _bad(("--master-dtype fp32", "sharded weights"), master_dtype="fp32", zero_level=3)
+    _bad(("--master-dtype", "'fp16'", "must be one of"), master_dtype="fp16")
+
+
 def test_e4m3_first_moment_needs_bf16_second_moment():
     _bad(("--opt-m-dtype e4m3", "--opt-v-dtype bf16"), opt_m_dtype="e4m3", opt_v_dtype="fp32")
     Options(model_dtype="bf16", opt_m_dtype="e4m3", opt_v_dtype="bf16").validate()  # wired (tests/test_opt_m_e4m3.py)

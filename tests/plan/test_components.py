@@ -34,6 +34,7 @@ from qtrain.parallel.dist import DistContext
 from qtrain.parallel.gradients import make_gradient_manager
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.optimizer import DTYPES, ShardedAdamW
+from qtrain.parallel.weights.cast import CastWeights
 from qtrain.parallel.weights.sharded import ShardedWeights
 from qtrain.plan.memory import plan_for_trainer, plan_memory
 from qtrain.train.trainer import Trainer
@@ -54,6 +55,9 @@ VARIANTS = {
     "all-to-all offload grads": dict(zero_level=2, all_to_all_reduce=True, offload_gradients=True),
     "bf16 m v": dict(opt_m_dtype="bf16", opt_v_dtype="bf16"),
     "fp32": dict(model_dtype="fp32"),
+    "fp32 master": dict(master_dtype="fp32"),
+    "fp32 master e4m3 cached quants reduce-scatter": dict(master_dtype="fp32", matmul_dtype="e4m3",
+                                                          persistent_quants=True, shard_gradients=True),
     "offload m v": dict(offload_opt_m=True, offload_opt_v=True),
     "sharded": dict(shard_weights=True),
     "offload master m": dict(shard_weights=True, offload_master=True, offload_opt_m=True),
@@ -144,10 +148,14 @@ def component_parts(tr: Trainer) -> dict[str, dict[str, int]]:
     if not opt["staging"]:
         del opt["staging"]  # the plan has no staging row then
     weights = tr.weights.memory() if isinstance(tr.weights, ShardedWeights) else None
-    if weights is None:  # replicated: the trainer's buffers (+ QuantizedWeights' copies)
+    if weights is None:  # replicated: the trainer's buffers (+ CastWeights' compute copy, QuantizedWeights' copies)
+        from qtrain.parallel.weights.cast import CastWeights
         from qtrain.parallel.weights.quantized import QuantizedWeights
         from qtrain.parallel.weights.replicated import replicated_footprint
-        weights = dict(replicated_footprint(tr.layout, tr.dtype).parts)
+        weights = dict(replicated_footprint(tr.layout, tr.master_dtype).parts)
+        source = tr.weights.source if isinstance(tr.weights, QuantizedWeights) else tr.weights
+        if isinstance(source, CastWeights):
+            weights.update(source.footprint_of(tr.layout, tr.dtype).parts)
         if isinstance(tr.weights, QuantizedWeights):
             weights.update(tr.weights.footprint_of(tr.cfg).parts)
     return {"weights": weights, "optimizer": opt, "gradients": tr.grads.memory()}
@@ -199,7 +207,7 @@ class RankOf4:
 
 def build_on_meta(opts: Options):
     """The components as the Trainer builds them, on a `meta` compute device (host buffers stay CPU tensors)."""
-    layout, dtype, dev = FlatLayout(CFG, 4), DTYPES[opts.model_dtype], torch.device("meta")
+    layout, dtype, dev = FlatLayout(CFG, 4), DTYPES[opts.effective_master_dtype], torch.device("meta")
     if opts.weights_sharded:
         weights = ShardedWeights(layout, comm=RankOf4(), dtype=dtype, device=dev, offload=opts.offload_master,
                                  quantized=FP8_MATRICES if opts.persistent_quants else (),
@@ -208,6 +216,8 @@ def build_on_meta(opts: Options):
     else:
         weights = layout.allocate(dtype=dtype, device=dev)  # the trainer's replicated buffers
         held_weights = dict(params=weights)
+        if opts.separate_master:  # the model's copy of the master (--master-dtype fp32)
+            weights = CastWeights(layout, weights, DTYPES[opts.model_dtype])
     grads = make_gradient_manager(opts.gradient_manager_kind, layout, comm=RankOf4(), dtype=dtype, device=dev, seed=0,
                                   offload=opts.offload_gradients)
     opt = ShardedAdamW(layout, **held_weights, rank=1, device=dev, m_dtype=opts.opt_m_dtype,

@@ -76,12 +76,15 @@ def test_train_export_and_eval_match_transformers(tmp_path, monkeypatch):
         assert open(f"out/{name}", "rb").read() == open(f"out2/{name}", "rb").read(), name
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp32-master"])
 def test_resume_is_bitwise_equal(tmp_path, monkeypatch, dtype):
     monkeypatch.chdir(tmp_path)
-    opts = [*COMMON[2:], "--model-dtype", dtype, "--steps", "8", "--ckpt-interval", "4", "--no-save-training-state"]
+    model_dtype = "bf16" if dtype == "fp32-master" else dtype
+    opts = [*COMMON[2:], "--model-dtype", model_dtype, "--steps", "8", "--ckpt-interval", "4", "--no-save-training-state"]
     if dtype == "bf16":
         opts += ["--opt-m-dtype", "bf16", "--opt-v-dtype", "bf16"]
+    if dtype == "fp32-master":  # the checkpoint holds the fp32 master; the bf16 copy is remade from it
+        opts += ["--master-dtype", "fp32"]
     assert main(["train", *opts, "--out-dir", "full", "--checkpoint-dir", "ckpt", "--log-file", "full.jsonl"]) == 0
     assert os.path.isdir("ckpt/step_00000004")
     assert main(["train", *opts, "--out-dir", "resumed", "--checkpoint-dir", "ckpt", "--log-file", "resumed.jsonl",
@@ -94,6 +97,7 @@ def test_resume_is_bitwise_equal(tmp_path, monkeypatch, dtype):
     from safetensors.torch import load_file
     a, b = load_file("full/model.safetensors"), load_file("resumed/model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(t.dtype == (torch.bfloat16 if dtype == "bf16" else torch.float32) for t in a.values())
 
 
 def test_plain_continue_with_no_checkpoint_starts_fresh_and_says_so(tmp_path, capsys):
