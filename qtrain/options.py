@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Iterable
 
+from qtrain.model.fp8_policy import DEFAULT_MIN_SIZE as DEFAULT_FP8_MIN_SIZE
+from qtrain.model.fp8_policy import FP8_POLICIES
 from qtrain.model.layers import SDPA_BACKENDS
 from qtrain.model.recompute import FLAGS as RECOMPUTE_FLAGS
 from qtrain.model.recompute import resolve_flags
@@ -27,7 +29,7 @@ DEFAULT_MODEL = "qtrain-tiny"  # the embedded default: a small model trained on 
 
 # fields with a fixed set of values (validate() checks them; the CLI lists them in --help)
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model_dtype": DTYPES, "master_dtype": DTYPES, "matmul_dtype": MATMUL_DTYPES, "gradient_dtype": GRADIENT_DTYPES,
+    "model_dtype": DTYPES, "master_dtype": DTYPES, "fp8_policy": FP8_POLICIES, "matmul_dtype": MATMUL_DTYPES, "gradient_dtype": GRADIENT_DTYPES,
     "opt_m_dtype": OPT_M_DTYPES, "opt_v_dtype": OPT_V_DTYPES, "lr_schedule": SCHEDULES,
     "device": ("auto", "cpu", "cuda"), "compile": ("auto", "on", "off"), "sdpa_backend": SDPA_BACKENDS,
 }
@@ -68,6 +70,13 @@ class Options:
     copy of the master made once per optimizer step; docs/precision.md). llm.q's Python-only master_dtype."""
     matmul_dtype: str = ""
     """Dtype of the four block linears; '' = model dtype; e4m3 = FP8."""
+    fp8_policy: str = "all"
+    """With --matmul-dtype e4m3: which block linears run in FP8. all = the four (QKV, attention out, MLP up and
+    down); auto = only those whose GEMM is large enough for FP8 to pay (--fp8-min-size; the others stay in the
+    model dtype; the choice is logged at start; docs/precision.md)."""
+    fp8_min_size: int = DEFAULT_FP8_MIN_SIZE
+    """--fp8-policy auto's threshold on a linear's GEMM size M*N*K/(M*K+M*N+N*K) (M = batch x seq tokens, N, K its
+    output / input features): FP8 at or above it."""
     gradient_dtype: str = ""
     """FP8 format of activation gradients with --matmul-dtype e4m3 (e4m3 or e5m2); '' = e4m3."""
     opt_m_dtype: str = "fp32"
@@ -316,6 +325,10 @@ class Options:
             value = getattr(self, name)
             if value or name not in EMPTY_MEANS_DEFAULT:
                 choice(name.replace("_", "-"), value, allowed)
+        if self.fp8_policy != "all" and self.effective_matmul_dtype != "e4m3":
+            raise err(f"--fp8-policy {self.fp8_policy} only applies with --matmul-dtype e4m3")
+        if self.fp8_min_size < 0:
+            raise err(f"--fp8-min-size must be >= 0, got {self.fp8_min_size}")
         if self.gradient_dtype and self.effective_matmul_dtype != "e4m3":
             raise err("--gradient-dtype only applies with --matmul-dtype e4m3")
         if self.model_dtype == "fp32" and (self.opt_m_dtype != "fp32" or self.opt_v_dtype != "fp32"):

@@ -113,6 +113,13 @@ def test_fp32_master_under_a_bf16_model():
     _bad(("--master-dtype", "'fp16'", "must be one of"), master_dtype="fp16")
 
 
+def test_fp8_policy():
+    Options(matmul_dtype="e4m3", fp8_policy="auto", fp8_min_size=0).validate()
+    _bad(("--fp8-policy auto", "--matmul-dtype e4m3"), fp8_policy="auto")
+    _bad(("--fp8-policy", "'some'", "must be one of"), matmul_dtype="e4m3", fp8_policy="some")
+    _bad(("--fp8-min-size", "-1"), matmul_dtype="e4m3", fp8_policy="auto", fp8_min_size=-1)
+
+
 def test_e4m3_first_moment_needs_bf16_second_moment():
     _bad(("--opt-m-dtype e4m3", "--opt-v-dtype bf16"), opt_m_dtype="e4m3", opt_v_dtype="fp32")
     Options(model_dtype="bf16", opt_m_dtype="e4m3", opt_v_dtype="bf16").validate()  # wired (tests/test_opt_m_e4m3.py)

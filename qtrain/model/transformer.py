@@ -78,7 +78,8 @@ class GradientSink(Protocol):
 
 def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: frozenset[str] = frozenset(),
                   attn_chunks: int = 1, compiled: bool = False, fused_swiglu: bool = False,
-                  mlp: Mlp | None = None, sdpa_backend: str = "auto") -> BlockFn:
+                  mlp: Mlp | None = None, sdpa_backend: str = "auto",
+                  linears: dict[str, Linear] | None = None) -> BlockFn:
     """One pre-norm decoder block as a function of (x, weights, cos, sin), so one compiled graph serves
     every layer (weights are inputs, not captured constants).
 
@@ -91,7 +92,8 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     sdpa_backend: the attention kernel (layers.SDPA_BACKENDS; 'auto' = torch's choice).
     mlp: the whole MLP after LN2 as one function (FP8's `fp8_swiglu_mlp`, which keeps the SwiGLU output in
     FP8 only) instead of linear -> SwiGLU -> linear; ignored when the 'up' or 'swiglu' step is recomputed,
-    since those need the steps separately."""
+    since those need the steps separately.
+    linears: per-linear replacements of `linear` by block matrix name (the FP8 policy's bf16 linears)."""
     nh, nkv, hs, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
     q_dim, kv_dim, qk_norm, gqa = cfg.q_dim, cfg.kv_dim, cfg.qk_norm, nh != nkv
     swiglu_fn = swiglu_fused if fused_swiglu else swiglu
@@ -100,6 +102,8 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     def project(h: torch.Tensor, w: dict[str, torch.Tensor], name: str, bias: str | None = None) -> torch.Tensor:
         """h @ w[name]^T (+ w[bias]), with the source's FP8 copy of the weight when there is one."""
         b = w.get(bias) if bias else None
+        if linears and name in linears:  # a model-dtype linear: no FP8 copy applies
+            return linears[name](h, w[name], b)
         q = quantized_weight(w, name)
         return linear(h, w[name], b) if q is None else linear(h, w[name], b, q)
 
@@ -186,6 +190,8 @@ class RunOptions:
     compile: bool = False  # torch.compile the block function (GPU)
     compile_tuning: bool = False  # with compile: inductor's coordinate-descent tuning of its kernels
     matmul_dtype: str = ""  # the four block linears: '' (model dtype) or 'e4m3' (FP8, matmul.py)
+    fp8_linears: tuple[str, ...] = FP8_MATRICES  # with e4m3: the block linears in FP8, the others in the model
+    # dtype (model/fp8_policy.py chooses them)
     fp8_grad_dtype: str = "e4m3"  # with e4m3 matmuls: the output gradients' FP8 format, e4m3 or e5m2
     wrap_linear: Callable[[Linear], Linear] | None = None  # instrumentation around the block linears
     # (--debug-log-abs-max); with it the MLP runs as separate linears, which the wrapper sees
@@ -208,20 +214,23 @@ class Transformer:
         self.run = run or RunOptions()
         run = self.run
         linear = block_linear(run.matmul_dtype, run.fp8_grad_dtype)
+        plain = [n for n in FP8_MATRICES if n not in run.fp8_linears] if run.matmul_dtype == "e4m3" else []
+        linears = {n: F.linear for n in plain}  # the FP8 policy's model-dtype linears
         if run.wrap_linear is not None:
             linear, mlp = run.wrap_linear(linear), None
-        else:
-            mlp = block_mlp(run.matmul_dtype, run.fp8_grad_dtype)
+            linears = {n: run.wrap_linear(f) for n, f in linears.items()}
+        else:  # the fused FP8 MLP needs both of its linears in FP8
+            mlp = block_mlp(run.matmul_dtype, run.fp8_grad_dtype) if not {"up", "down"} & set(plain) else None
         fn = make_block_fn(cfg, linear, recompute=block_steps(run.recompute), attn_chunks=run.attn_bwd_chunks,
                            compiled=run.compile, fused_swiglu=run.compile, mlp=mlp if run.compile else None,
-                           sdpa_backend=run.sdpa_backend)
+                           sdpa_backend=run.sdpa_backend, linears=linears)
         tuning = {"coordinate_descent_tuning": True} if run.compile_tuning else None
         self.block_fn: BlockFn = torch.compile(fn, dynamic=False, options=tuning) if run.compile else fn
         self._eager_block_fn: BlockFn = fn
         if run.compile:  # the compiled flavour of the recompute mechanism differs; eager needs its own
             self._eager_block_fn = make_block_fn(cfg, linear, recompute=block_steps(run.recompute),
                                                  attn_chunks=run.attn_bwd_chunks, compiled=False,
-                                                 sdpa_backend=run.sdpa_backend)
+                                                 sdpa_backend=run.sdpa_backend, linears=linears)
         self._stash = ResidualStash(offload=run.offload_residual)  # block inputs with recompute_block
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from qtrain.model.activations import activation_memory, workspace_phases
 from qtrain.model.config import ModelConfig
+from qtrain.model.fp8_policy import choose_fp8
 from qtrain.model.recompute import recompute_label, resolve_flags
 from qtrain.model.transformer import FP8_MATRICES
 from qtrain.options import Options
@@ -162,9 +163,10 @@ def _row(name: str, fp: Footprint, detail: str = "") -> Item:
 
 # ---------------------------------------------------------------------------------------------------------
 # the rows of persistent state: each component's own statement
-def _weight_rows(cfg: ModelConfig, opts: Options, layout: FlatLayout, persistent_quants: bool) -> list[Item]:
+def _weight_rows(cfg: ModelConfig, opts: Options, layout: FlatLayout, quants: tuple[str, ...]) -> list[Item]:
     """The trainer's replicated buffers (+ `QuantizedWeights`' e4m3 copies), or `ShardedWeights` (+ its persistent
-    e4m3 shards); the e4m3 weights are a row of their own."""
+    e4m3 shards); the e4m3 weights (of the block matrices `quants`) are a row of their own."""
+    persistent_quants = bool(quants)
     dtype, world, L = DTYPES[opts.model_dtype], layout.world, cfg.num_hidden_layers
     if not opts.weights_sharded and opts.separate_master:  # --master-dtype fp32: master + the model's copy
         master = opts.effective_master_dtype
@@ -177,11 +179,11 @@ def _weight_rows(cfg: ModelConfig, opts: Options, layout: FlatLayout, persistent
                      f"{_count(cfg.num_params())} parameters; also the master (no separate copy)")]
     if not opts.weights_sharded:
         if persistent_quants:
-            rows.append(_row("fp8 weights (e4m3, cached)", QuantizedWeights.footprint_of(cfg),
+            rows.append(_row("fp8 weights (e4m3, cached)", QuantizedWeights.footprint_of(cfg, quants),
                              "e4m3 copies of every block matrix, made once per step"))
         return rows
     fp = ShardedWeights.footprint_of(layout, dtype=dtype, offload=opts.offload_master,
-                                     quantized=FP8_MATRICES if persistent_quants else (),
+                                     quantized=quants,
                                      offload_quants=opts.offload_quants)
     on_host = " on host" if opts.offload_master else ""
     rows = [_row(f"weights ({opts.model_dtype}, sharded)",
@@ -243,25 +245,33 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
     rc = resolve_flags(recompute if recompute is not None else opts.recompute)
     # e4m3 block matrices kept for the step (llm.q's --persistent-quants): the trainer's weight source makes them
     # (ShardedWeights' shards, or QuantizedWeights around replicated weights, which --debug-log-abs-max bypasses)
-    persistent_quants = (opts.persistent_quants and matmul == "e4m3" and L > 0
-                         and (opts.weights_sharded or not opts.debug_log_abs_max))
+    # --fp8-policy: the block linears in FP8 (model/fp8_policy.py); the others run as in the model dtype
+    fp8 = choose_fp8(cfg, N, opts.fp8_policy, opts.fp8_min_size).fp8 if matmul == "e4m3" else ()
+    quants = fp8 if (opts.persistent_quants and L > 0 and (opts.weights_sharded or not opts.debug_log_abs_max)) else ()
+    persistent_quants = bool(quants)
 
     grads = _gradient_row(opts, layout, device)
     grads_staged = grads.host > 0 and device != "cpu"  # host gradient shards stream through the update too
-    items = [*_weight_rows(cfg, opts, layout, persistent_quants),
+    items = [*_weight_rows(cfg, opts, layout, quants),
              *_optimizer_rows(opts, layout, grads_staged=grads_staged), grads]
 
     # ---- activations kept for backward, and the transient phases of a micro-step (model/activations.py) ----
     attn_chunks = max(1, attn_chunks or opts.attn_bwd_chunks or 1)
     chunks = max(1, opts.lmhead_chunks)
-    kw = dict(model_dtype=opts.model_dtype, matmul_dtype=matmul, compiled=compiled, attn_chunks=attn_chunks,
-              fp8_weight_copies=not persistent_quants)
+    kw = dict(model_dtype=opts.model_dtype, matmul_dtype=matmul if fp8 or matmul != "e4m3" else "",
+              compiled=compiled, attn_chunks=attn_chunks, fp8_weight_copies=not persistent_quants)
     acts = activation_memory(cfg, N, recompute=rc, offload_residual=opts.offload_residual, **kw)
+    phases = workspace_phases(cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc, **kw)
+    if 0 < len(fp8) < len(FP8_MATRICES):  # some linears in FP8, some not: the larger of the two (an upper bound)
+        kw_plain = {**kw, "matmul_dtype": ""}
+        plain = activation_memory(cfg, N, recompute=rc, offload_residual=opts.offload_residual, **kw_plain)
+        acts = max(acts, plain, key=lambda a: a.device)
+        phases = {k: max(v, p) for (k, v), p in zip(phases.items(), workspace_phases(
+            cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc, **kw_plain).values())}
     items.append(Item(f"activations ({L} layers)", device=acts.device, host=acts.host, kind="activations",
                       parts={"per_layer": acts.per_layer, "inputs": L * acts.input, "output": acts.input},
                       detail=f"{_mib(acts.per_layer + acts.input)} per layer; recompute {recompute_label(rc)}"
                              + ("; block inputs on host" if acts.offload_residual else "")))
-    phases = workspace_phases(cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc, **kw)
     peak_phase = max(phases, key=phases.get)
     workspace = phases[peak_phase]
     items.append(Item("workspace", device=workspace, kind="workspace", parts=dict(phases),
@@ -278,7 +288,8 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
                           detail=(f"{_gib(reserve)} CUDA context/libraries + " if reserve else "")
                           + f"{int(100 * FRAGMENTATION)}% fragmentation"))
 
-    settings = {"model_dtype": opts.model_dtype, "master_dtype": opts.effective_master_dtype, "matmul_dtype": matmul, "opt_m_dtype": opts.opt_m_dtype,
+    settings = {"model_dtype": opts.model_dtype, "master_dtype": opts.effective_master_dtype, "matmul_dtype": matmul,
+                "fp8_linears": list(fp8), "opt_m_dtype": opts.opt_m_dtype,
                 "opt_v_dtype": opts.opt_v_dtype, "gradients": opts.gradient_manager_kind,
                 "offload_gradients": opts.offload_gradients, "shard_weights": opts.weights_sharded,
                 "recompute": recompute_label(rc), "offload_residual": acts.offload_residual,

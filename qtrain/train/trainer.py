@@ -22,6 +22,7 @@ import torch
 
 from qtrain.data.hf_tokenizer import export_files, export_tokenizer
 from qtrain.fsio import FileSystemError
+from qtrain.model.fp8_policy import Fp8Choice, choose_fp8
 from qtrain.model.hf_io import save_hf_model
 from qtrain.model.layers import resolve_sdpa_backend
 from qtrain.model.loss import IGNORE_INDEX
@@ -61,11 +62,14 @@ class Trainer:
         self.layout = FlatLayout(self.cfg, self.ctx.world)  # one flat buffer per group (parallel/layout.py)
         self.comm = Communicator(device=self.device) if self.ctx.distributed else Communicator.solo(self.device)
 
+        # --matmul-dtype e4m3: which block linears run in FP8 for this micro-batch shape (--fp8-policy)
+        self.fp8 = choose_fp8(self.cfg, opts.batch_size * opts.seq_len, opts.fp8_policy, opts.fp8_min_size) \
+            if opts.effective_matmul_dtype == "e4m3" else None
         # replicated weights: `params` are views into the full `param_buffers`; sharded weights
         # (--shard-weights / --zero-level 3): only this rank's shards, and both are None
         w = build_weights(self.layout, comm=self.comm, dtype=self.master_dtype, compute_dtype=self.dtype,
                           device=self.device, sharded=opts.weights_sharded, offload=opts.offload_master,
-                          quantized=self._persistent_quants(opts), offload_quants=opts.offload_quants,
+                          quantized=self._persistent_quants(opts, self.fp8), offload_quants=opts.offload_quants,
                           weights_dir=self.source.weights_dir, seed=opts.seed,
                           init_proj_to_zero=opts.init_proj_to_zero)
         self.weights, self.params, self.param_buffers, self.sharded_weights = w.source, w.params, w.buffers, w.sharded
@@ -83,12 +87,13 @@ class Trainer:
         self._loss = torch.zeros((), dtype=torch.float32, device=self.device)
 
     @staticmethod
-    def _persistent_quants(opts: Options) -> tuple[str, ...]:
-        """--persistent-quants: the block matrices whose FP8 copies are made once per step. Sharded weights
-        keep e4m3 shards and gather those; replicated ones cache copies of the full matrices, except under
-        --debug-log-abs-max, whose recorder watches the linears quantize their weights themselves."""
-        if opts.persistent_quants and (opts.weights_sharded or not opts.debug_log_abs_max):
-            return FP8_MATRICES
+    def _persistent_quants(opts: Options, fp8: Fp8Choice | None) -> tuple[str, ...]:
+        """--persistent-quants: the block matrices whose FP8 copies are made once per step (those the FP8 policy
+        puts in FP8). Sharded weights keep e4m3 shards and gather those; replicated ones cache copies of the full
+        matrices, except under --debug-log-abs-max, whose recorder watches the linears quantize their weights
+        themselves."""
+        if fp8 is not None and opts.persistent_quants and (opts.weights_sharded or not opts.debug_log_abs_max):
+            return tuple(n for n in FP8_MATRICES if n in fp8.fp8)
         return ()
 
     def _run_options(self, opts: Options) -> RunOptions:
@@ -99,6 +104,7 @@ class Trainer:
             recompute=opts.recompute,
             offload_residual=opts.offload_residual, compile=use_compile, compile_tuning=opts.compile_tuning,
             matmul_dtype=opts.effective_matmul_dtype, fp8_grad_dtype=opts.gradient_dtype or "e4m3",
+            fp8_linears=self.fp8.fp8 if self.fp8 is not None else FP8_MATRICES,
             wrap_linear=self._abs_max_wrapper(opts))
 
     def _abs_max_wrapper(self, opts: Options):

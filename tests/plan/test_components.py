@@ -28,7 +28,7 @@ import torch
 
 from tests.dist_utils import random_batch, run_distributed
 from qtrain.model.config import ModelConfig
-from qtrain.model.transformer import FP8_MATRICES
+from qtrain.model.fp8_policy import choose_fp8
 from qtrain.options import Options
 from qtrain.parallel.dist import DistContext
 from qtrain.parallel.gradients import make_gradient_manager
@@ -70,6 +70,10 @@ VARIANTS = {
     "offload quants": dict(zero_level=3, matmul_dtype="e4m3", persistent_quants=True, offload_quants=True,
                            offload_master=True),
     "cached quants": dict(matmul_dtype="e4m3", persistent_quants=True),
+    # --fp8-policy auto with qkv and up in FP8 at this shape (GEMM sizes: qkv 18.3, o 16, up 17.5, down 14.8)
+    "auto fp8 cached quants": dict(matmul_dtype="e4m3", persistent_quants=True, fp8_policy="auto", fp8_min_size=17),
+    "auto fp8 persistent quants": dict(shard_weights=True, matmul_dtype="e4m3", persistent_quants=True,
+                                       fp8_policy="auto", fp8_min_size=17),
     "recompute block": dict(zero_level=2, recompute_block=True, offload_residual=True, model_dtype="fp32"),
 }
 ROWS = ("weights", "adam m", "adam v", "optimizer staging", "gradients")
@@ -157,7 +161,7 @@ def component_parts(tr: Trainer) -> dict[str, dict[str, int]]:
         if isinstance(source, CastWeights):
             weights.update(source.footprint_of(tr.layout, tr.dtype).parts)
         if isinstance(tr.weights, QuantizedWeights):
-            weights.update(tr.weights.footprint_of(tr.cfg).parts)
+            weights.update(tr.weights.footprint_of(tr.cfg, tr.weights.names).parts)
     return {"weights": weights, "optimizer": opt, "gradients": tr.grads.memory()}
 
 
@@ -209,8 +213,9 @@ def build_on_meta(opts: Options):
     """The components as the Trainer builds them, on a `meta` compute device (host buffers stay CPU tensors)."""
     layout, dtype, dev = FlatLayout(CFG, 4), DTYPES[opts.effective_master_dtype], torch.device("meta")
     if opts.weights_sharded:
+        fp8 = choose_fp8(CFG, opts.batch_size * opts.seq_len, opts.fp8_policy, opts.fp8_min_size).fp8
         weights = ShardedWeights(layout, comm=RankOf4(), dtype=dtype, device=dev, offload=opts.offload_master,
-                                 quantized=FP8_MATRICES if opts.persistent_quants else (),
+                                 quantized=fp8 if opts.persistent_quants else (),
                                  offload_quants=opts.offload_quants)
         held_weights = dict(shards=weights.shards)
     else:
