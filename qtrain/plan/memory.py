@@ -112,7 +112,10 @@ class MemoryPlan:
         s = self.settings
         master = s.get("master_dtype", s["model_dtype"])
         dtypes = s["model_dtype"] + (f" on {master} master" if master != s["model_dtype"] else "")
-        head = (f"[Memory plan] {self.model} | {dtypes}, matmul {s['matmul_dtype']} | B={self.batch_size} "
+        matmul = s["matmul_dtype"]
+        if matmul == "e4m3" and len(s.get("fp8_linears", FP8_MATRICES)) < len(FP8_MATRICES):  # --fp8-policy auto
+            matmul += f" for {'/'.join(s['fp8_linears']) or 'none'}"
+        head = (f"[Memory plan] {self.model} | {dtypes}, matmul {matmul} | B={self.batch_size} "
                 f"T={self.seq_len} | world {self.world} | grads {s['gradients']} | recompute {s['recompute']}"
                 f"{' | compiled blocks' if s['compiled'] else ''}")
         unit, scale = ("GiB", GiB) if max(self.device_total, self.host_total, self.budget or 0) >= GiB else ("MiB", MiB)

@@ -370,3 +370,22 @@ def test_step_cost_counts_offloaded_master_gathers_per_micro_step():
     assert master > 0
     c = step_cost(cfg, o, plan)
     assert c.transfer_s == pytest.approx(master / PCIE_RATE + 8 * 2 * master / PCIE_ONE_WAY)
+
+
+def test_fp32_master_and_fp8_policy_in_the_plan():
+    """--master-dtype fp32: master, bf16 compute copy and fp32 gradients as rows; --fp8-policy auto: the header
+    names the FP8 linears, and a mixed choice plans the larger activations of all-FP8 and no FP8."""
+    cfg = preset("Qwen2.5-1.5B")
+    mixed = plan_memory(cfg, Options(master_dtype="fp32", batch_size=4), gpu_memory=parse_bytes("141GiB"))
+    n = FlatLayout(cfg, 1).total_numel()
+    assert mixed.item("weights (fp32, master)").device == 4 * n
+    assert mixed.item("weights (bf16, compute copy)").device == 2 * n
+    assert mixed.item("gradients").name == "gradients (unsharded, fp32)" and mixed.item("gradients").device == 4 * n
+    plain = plan_memory(cfg, Options(batch_size=4), gpu_memory=parse_bytes("141GiB"))
+    assert mixed.device_total - plain.device_total == 2 * n + 2 * n + 2 * n  # master 4 vs 2 bytes, the copy, fp32 grads
+    assert "bf16 on fp32 master" in mixed.format()
+    fp8 = {p: plan_memory(cfg, Options(matmul_dtype="e4m3", fp8_policy=p, batch_size=4, fp8_min_size=m))
+           for p, m in (("all", 800), ("auto", 800))}
+    assert "matmul e4m3 for up/down |" in fp8["auto"].format() and "matmul e4m3 |" in fp8["all"].format()
+    acts = fp8["auto"].item("activations").device
+    assert acts >= fp8["all"].item("activations").device and acts >= plain.item("activations").device
