@@ -10,7 +10,8 @@ model_dtype, opt_m_dtype, opt_v_dtype, matmul_dtype, recompute_swiglu, offload_o
 `compile` defaults to "on"). Result: tps, step_ms, host_ms (host time spent queuing the micro-steps of one
 step: close to step_ms means the host, not the GPU, sets the pace), loss, mfu, peak_gib (the allocator's
 peak), plan_gib (what the memory plan, `qtrain plan`, predicts for the same run without its fixed reserve
-for the CUDA context), plan_err (their relative difference), reserved_gib.
+for the CUDA context), plan_err (their relative difference), reserved_gib; with e4m3 matmuls fp8 (the block
+linears --fp8-policy put in FP8).
 
 Runs against qtrain before the restructure (dac8680) too (bench/compat.py), so a suite can compare the two.
 """
@@ -78,6 +79,8 @@ def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, warmup:
     res = dict(system="qtrain", tps=round(tps), step_ms=round(dt * 1000, 1),
                host_ms=round(1000 * sum(host) / len(host), 1), loss=round(stats["loss"], 4),
                plan_gib=round(plan_bytes / 2**30, 2))
+    if getattr(tr, "fp8", None) is not None:  # --matmul-dtype e4m3: the linears --fp8-policy put in FP8
+        res["fp8"] = "/".join(tr.fp8.fp8) or "none"
     if cuda:
         peak = torch.cuda.max_memory_allocated()
         mfu = qtrain("mfu_bf16")(tps, tr.cfg, seq, torch.cuda.get_device_name())

@@ -16,7 +16,7 @@ class Kind:
 
 
 TRAIN_COLUMNS = (("tps", "tok/s"), ("step_ms", "step ms"), ("host_ms", "host ms"), ("mfu", "MFU"),
-                 ("peak_gib", "peak GiB"), ("plan_gib", "plan GiB"), ("plan_err", "plan err"))
+                 ("peak_gib", "peak GiB"), ("plan_gib", "plan GiB"), ("plan_err", "plan err"), ("fp8", "fp8 linears"))
 
 KINDS: dict[str, Kind] = {
     "train": Kind("bench.bench_train", "qtrain's training throughput through the Trainer API, random tokens, one "
@@ -44,6 +44,10 @@ KINDS: dict[str, Kind] = {
     "swiglu-fp8": Kind("bench.bench_swiglu_fp8", "the FP8-MLP Triton kernels and their tile variants"),
     "profile": Kind("bench.profile_step", "GPU time per kernel category of one training step, top kernels, gaps",
                     (("wall_ms", "wall ms"), ("busy_ms", "busy ms"))),
+    "fidelity": Kind("bench.fidelity", "a precision mode's training quality: Qwen2.5-0.5B from a shared init on real "
+                     "text through `qtrain train`, eval losses (issue 21)",
+                     (("final_eval", "final eval"), ("max_loss_after_warmup", "max loss after warmup"),
+                      ("max_norm", "max norm"), ("tps", "tok/s"))),
     "recompute-saved": Kind("bench.probe_recompute_saved", "bytes per token a compiled block saves for backward, per "
                             "recompute switch, against the memory plan"),
 }
