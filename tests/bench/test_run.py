@@ -22,7 +22,7 @@ from bench.pytest_run import parse_summary as pytest_summary
 from bench.report import ratio_lines, table
 from bench.suite import REPO_ROOT, Ratio, SuiteError, load, suite_names
 
-REQUIRED = {"regress-1p5b", "sizes", "precision", "gemm-ceiling", "gpu-tests"}
+REQUIRED = {"regress-1p5b", "sizes", "precision", "fidelity", "gemm-ceiling", "gpu-tests"}
 BEFORE_RESTRUCTURE = "dac8680"  # the layout the regress-1p5b baseline has (qtrain.train.options, ...)
 
 

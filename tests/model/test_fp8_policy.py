@@ -103,3 +103,17 @@ def test_sharded_persistent_quants_of_a_mixed_choice(model_dir, runs):
                  zero_level=3)
     assert tr.weights.quants.names == ("qkv", "up")
     assert same(train(tr), runs["mixed"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_mixed_choice_compiled(model_dir):
+    """Compiled blocks with qkv/up in FP8 and o/down in bf16 (the MLP as two linears, FP8 up then bf16 down): the
+    same losses as the eager blocks, to compile's rounding, and the chosen linears really quantize (the run
+    differs from the bf16 one by more than that)."""
+    kw = dict(device="cuda", matmul_dtype="e4m3", fp8_policy="auto", fp8_min_size=MIXED)
+    compiled, eager = train(trainer(model_dir, compile="on", **kw)), train(trainer(model_dir, compile="off", **kw))
+    bf16 = train(trainer(model_dir, device="cuda", compile="off"))
+    for c, e, b in zip(compiled["stats"], eager["stats"], bf16["stats"]):
+        assert abs(c["loss"] - e["loss"]) <= 2e-3 * abs(e["loss"]), (c, e)
+    assert any(e["loss"] != b["loss"] for e, b in zip(eager["stats"], bf16["stats"]))
