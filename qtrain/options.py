@@ -297,9 +297,9 @@ class Options:
         if self.opt_m_dtype != "fp32" or self.opt_v_dtype != "fp32":
             raise err("--master-dtype fp32 needs --opt-m-dtype fp32 and --opt-v-dtype fp32 (low-precision moments "
                       "with fp32 master weights are not a supported combination)")
-        if self.weights_sharded:
-            raise err("--master-dtype fp32 is not supported with sharded weights (--shard-weights / --zero-level 3) "
-                      "yet: use replicated weights (ZeRO-1/2) or --model-dtype bf16 alone")
+        if self.offload_master:
+            raise err("--master-dtype fp32 with --offload-master is not supported yet: the offloaded shards are "
+                      "gathered in their own dtype (drop one of them)")
 
     def expand(self, path: str) -> str:
         return path.replace("%n", self.name)

@@ -109,7 +109,8 @@ def test_fp32_master_under_a_bf16_model():
     _bad(("--master-dtype bf16", "--model-dtype fp32"), model_dtype="fp32", master_dtype="bf16")
     _bad(("--master-dtype fp32", "--opt-m-dtype"), master_dtype="fp32", opt_m_dtype="bf16")
     _bad(("--master-dtype fp32", "--opt-v-dtype"), master_dtype="fp32", opt_v_dtype="bf16")
-    _bad(("--master-dtype fp32", "sharded weights"), master_dtype="fp32", zero_level=3)
+    Options(master_dtype="fp32", zero_level=3).validate()
+    _bad(("--master-dtype fp32", "--offload-master"), master_dtype="fp32", zero_level=3, offload_master=True)
     _bad(("--master-dtype", "'fp16'", "must be one of"), master_dtype="fp16")
 
 

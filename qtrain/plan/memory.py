@@ -185,11 +185,12 @@ def _weight_rows(cfg: ModelConfig, opts: Options, layout: FlatLayout, quants: tu
             rows.append(_row("fp8 weights (e4m3, cached)", QuantizedWeights.footprint_of(cfg, quants),
                              "e4m3 copies of every block matrix, made once per step"))
         return rows
-    fp = ShardedWeights.footprint_of(layout, dtype=dtype, offload=opts.offload_master,
-                                     quantized=quants,
-                                     offload_quants=opts.offload_quants)
+    fp = ShardedWeights.footprint_of(layout, dtype=DTYPES[opts.effective_master_dtype], offload=opts.offload_master,
+                                     quantized=quants, offload_quants=opts.offload_quants, compute_dtype=dtype)
     on_host = " on host" if opts.offload_master else ""
-    rows = [_row(f"weights ({opts.model_dtype}, sharded)",
+    master = f"{opts.effective_master_dtype} master shards, {opts.model_dtype} gathers" if opts.separate_master \
+        else opts.model_dtype
+    rows = [_row(f"weights ({master}, sharded)",
                  fp.select("shards", "block_buffers", "small_index", "non_block_buffers"),
                  f"shards 1/{world}{on_host} (= master) + {min(2, L)} gathered blocks"
                  f"{' (small tensors)' if persistent_quants else ''} + non-block groups")]

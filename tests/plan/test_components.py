@@ -56,6 +56,9 @@ VARIANTS = {
     "bf16 m v": dict(opt_m_dtype="bf16", opt_v_dtype="bf16"),
     "fp32": dict(model_dtype="fp32"),
     "fp32 master": dict(master_dtype="fp32"),
+    "fp32 master zero3": dict(master_dtype="fp32", zero_level=3),
+    "fp32 master e4m3 persistent quants sharded": dict(master_dtype="fp32", shard_weights=True, matmul_dtype="e4m3",
+                                                       persistent_quants=True),
     "fp32 master e4m3 cached quants reduce-scatter": dict(master_dtype="fp32", matmul_dtype="e4m3",
                                                           persistent_quants=True, shard_gradients=True),
     "offload m v": dict(offload_opt_m=True, offload_opt_v=True),
@@ -215,6 +218,7 @@ def build_on_meta(opts: Options):
     if opts.weights_sharded:
         fp8 = choose_fp8(CFG, opts.batch_size * opts.seq_len, opts.fp8_policy, opts.fp8_min_size).fp8
         weights = ShardedWeights(layout, comm=RankOf4(), dtype=dtype, device=dev, offload=opts.offload_master,
+                                 compute_dtype=DTYPES[opts.model_dtype],
                                  quantized=fp8 if opts.persistent_quants else (),
                                  offload_quants=opts.offload_quants)
         held_weights = dict(shards=weights.shards)

@@ -7,6 +7,7 @@ What must hold, each against an independent path:
 - the copy is cast once per optimizer step, not per micro-step, and follows the master after each update;
 - one optimizer step updates the fp32 master as a hand-written fp32 AdamW fed those fp32 gradients (to the last
   bit or two: the kernel orders some fp32 ops differently);
+- sharded weights (ZeRO-3: fp32 master shards, gathers cast to bf16) train bit for bit as replicated ones;
 - export writes the fp32 master (resume from checkpoints: tests/train/test_loop.py `test_resume_is_bitwise_equal`,
   plan rows: tests/plan/test_components.py, options: tests/test_options.py).
 The same equalities on CUDA with compiled blocks and cuDNN attention: `test_gpu_*` (marked gpu).
@@ -128,6 +129,20 @@ def test_update_is_fp32_adamw_on_the_master(model_dir):
         copy = mixed.weights.non_block()["embed"]
         assert torch.equal(copy, mixed.params["embed"].to(torch.bfloat16)) and mixed.weights.casts == step + 2
     assert not math.isnan(float(mixed.params["norm"].sum()))
+
+
+@pytest.mark.parametrize("extra", [{}, {"matmul_dtype": "e4m3", "persistent_quants": True}], ids=["bf16", "e4m3"])
+def test_sharded_master_equals_replicated(model_dir, extra):
+    """ZeRO-3: fp32 master shards, each gather casts them into the bf16 buffers (and persistent e4m3 shards are
+    made from the bf16-rounded values): the same training, bit for bit, as replicated fp32 master weights."""
+    runs = []
+    for layout in ({}, {"zero_level": 3}):
+        tr = Trainer(options(model_dir, grad_accumulation=2, master_dtype="fp32", **extra, **layout))
+        stats = [tr.step([random_batch(CFG.vocab_size, B, T, s, m, 0) for m in range(2)], lr=LR) for s in range(2)]
+        runs.append((stats, {n: p.clone() for n, p in tr.full_params().items()}))
+    (a, wa), (b, wb) = runs
+    assert a == b
+    assert all(wa[n].dtype == torch.float32 and torch.equal(wa[n], wb[n]) for n in wa)
 
 
 def test_export_writes_the_fp32_master(model_dir, tmp_path):

@@ -6,7 +6,8 @@
                                        `compute_dtype` other than `dtype` the buffers are the master and the
                                        model reads `CastWeights`, a copy in the compute dtype (cast.py)
     sharded (ZeRO-3, --shard-weights)  `ShardedWeights`: this rank's shard of every group buffer, blocks
-                                       gathered just in time; `quantized` matrices kept as e4m3 shards
+                                       gathered just in time; `quantized` matrices kept as e4m3 shards; with a
+                                       `compute_dtype` the shards are the master and each gather casts them
 
 Filling, group by group: a full group buffer is filled from the HF checkpoint (`weights_dir`) or by the
 from-scratch initialisation, and with sharded weights only this rank's slice of it is kept. Initialisation
@@ -56,11 +57,9 @@ def build_weights(layout: FlatLayout, *, comm: Communicator, dtype: torch.dtype,
     matrices kept as FP8 copies made once per step (offload_quants: sharded ones in host memory); weights_dir:
     HF safetensors to load, or None for the from-scratch init (seed, init_proj_to_zero)."""
     cast = compute_dtype is not None and compute_dtype != dtype
-    if cast and sharded:
-        raise ValueError("sharded weights keep no separate master copy: compute_dtype must equal dtype")
-    if sharded:
+    if sharded:  # the shards are the master; each gather casts them to the compute dtype
         source = ShardedWeights(layout, comm=comm, dtype=dtype, device=device, offload=offload,
-                                quantized=quantized, offload_quants=offload_quants)
+                                quantized=quantized, offload_quants=offload_quants, compute_dtype=compute_dtype)
         weights = RankWeights(source, buffers=None, params=None)
     else:
         buffers = layout.allocate(dtype=dtype, device=device)

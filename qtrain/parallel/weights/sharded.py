@@ -211,8 +211,10 @@ class _PersistentQuants:
             pos += p.numel
 
     def _on_device(self, shard: torch.Tensor) -> torch.Tensor:
-        """The shard's values where the kernels run (an offloaded master shard: a stream-ordered copy)."""
-        return shard if shard.device == self.device else shard.to(self.device, non_blocking=True)
+        """The shard's values where the kernels run (an offloaded master shard: a stream-ordered copy), in the
+        compute dtype (an fp32 master shard: rounded as the gathered weights are)."""
+        shard = shard if shard.device == self.device else shard.to(self.device, non_blocking=True)
+        return shard if shard.dtype == self.dtype else shard.to(self.dtype)
 
     @torch.no_grad()
     def refresh(self, shards: dict[str, torch.Tensor], version: int, comm: Communicator) -> None:
@@ -266,8 +268,10 @@ class ShardedWeights:
 
     def __init__(self, layout: FlatLayout, *, comm: Communicator, dtype: torch.dtype,
                  device: torch.device | str, offload: bool = False, quantized: tuple[str, ...] = (),
-                 offload_quants: bool = False):
-        """quantized: block matrices kept as persistent e4m3 shards (--persistent-quants: the four linears);
+                 offload_quants: bool = False, compute_dtype: torch.dtype | None = None):
+        """dtype: the shards' (the master); compute_dtype: the gathered weights' (None: the same; bf16 under fp32
+        master shards, which each gather casts into the rank's own slice of the buffer first);
+        quantized: block matrices kept as persistent e4m3 shards (--persistent-quants: the four linears);
         offload_quants: those shards in (pinned) host memory."""
         if layout.world != comm.world:
             raise ValueError(f"layout was built for world {layout.world}, communicator has world {comm.world}")
@@ -275,6 +279,10 @@ class ShardedWeights:
             raise ValueError("offload_quants needs quantized block matrices "
                              "(--offload-quants needs --persistent-quants)")
         self.layout, self.comm, self.dtype = layout, comm, dtype
+        self.compute_dtype = compute_dtype or dtype
+        if self.compute_dtype != dtype and offload:
+            raise ValueError("offloaded master shards are gathered in their own dtype: offload needs compute_dtype "
+                             "== dtype")
         self.device = torch.device(device)
         self.rank, self.world = comm.rank, comm.world
         self.num_layers = layout.cfg.num_hidden_layers
@@ -284,7 +292,8 @@ class ShardedWeights:
         self.shards: dict[str, torch.Tensor] = {
             g.key: torch.zeros(g.shard_size(self.world), dtype=dtype, device=shard_device, pin_memory=pin)
             for g in layout.groups}
-        self.quants = (_PersistentQuants(layout, tuple(quantized), rank=self.rank, world=self.world, dtype=dtype,
+        self.quants = (_PersistentQuants(layout, tuple(quantized), rank=self.rank, world=self.world,
+                                         dtype=self.compute_dtype,
                                          device=self.device, offload=offload_quants)
                        if quantized and self.num_layers else None)
         self.offload_quants = offload_quants
@@ -311,7 +320,7 @@ class ShardedWeights:
         self._saving = 0
 
     def _buffer(self, n: int, group: Group, *, block: bool) -> _Buffer:
-        buf = torch.zeros(n, dtype=self.dtype, device=self.device)
+        buf = torch.zeros(n, dtype=self.compute_dtype, device=self.device)
         views = {}
         for s in group.segments:
             name = s.short if block else s.name
@@ -323,12 +332,12 @@ class ShardedWeights:
         matrix a zero-stride leaf over one zero element (the gradient's target; it holds no weights)."""
         q = self.quants
         codes = torch.zeros(group.padded_numel, dtype=torch.uint8, device=self.device)
-        small = torch.zeros(q.small_numel, dtype=self.dtype, device=self.device)
-        exchange = torch.zeros(self.world * q.slot, dtype=self.dtype, device=self.device)
+        small = torch.zeros(q.small_numel, dtype=self.compute_dtype, device=self.device)
+        exchange = torch.zeros(self.world * q.slot, dtype=self.compute_dtype, device=self.device)
         views, fp8 = {}, {}
         for s in group.segments:
             if s.short in q.names:
-                views[s.short] = torch.empty_strided(s.shape, (0,) * len(s.shape), dtype=self.dtype,
+                views[s.short] = torch.empty_strided(s.shape, (0,) * len(s.shape), dtype=self.compute_dtype,
                                                      device=self.device).zero_().requires_grad_(True)
                 fp8[s.short] = codes[s.start:s.start + s.numel].view(E4M3).view(s.shape)
             else:
@@ -350,6 +359,9 @@ class ShardedWeights:
                 shard = self.shards[group.key]
                 if self._staged:
                     shard = self._stage(b, group, shard)
+                elif shard.dtype != b.buf.dtype:  # fp32 master: cast into the rank's own slice, gather in place
+                    lo, hi = group.shard_range(self.rank, self.world)
+                    shard = b.buf[lo:hi].copy_(shard)
                 b.pending = [self.comm.all_gather(b.buf, shard)]
                 self.gathered_bytes["block" if group.layer is not None else "non_block"] += _nbytes(b.buf)
         b.key, b.version = group.key, self.version
@@ -506,16 +518,18 @@ class ShardedWeights:
     # ---- memory ----
     @staticmethod
     def footprint_of(layout: FlatLayout, *, dtype: torch.dtype, offload: bool = False,
-                     quantized: tuple[str, ...] = (), offload_quants: bool = False) -> Footprint:
+                     quantized: tuple[str, ...] = (), offload_quants: bool = False,
+                     compute_dtype: torch.dtype | None = None) -> Footprint:
         """Bytes of persistent weight state per rank, by buffer kind, without allocating it: the model-dtype
         `shards` (the master; host with `offload`), two full `block_buffers` and the `non_block_buffers`. With
         persistent quants (`quantized`) the block buffers are only the small tensors, their exchange slots and
         the matrices' one-element leaves (+ the int64 `small_index` that unpacks the exchange); `quant_buffers`
         are the two e4m3 block buffers, `quant_shards` the e4m3 shards (host with `offload_quants`),
-        `quant_scales` their inverse scales."""
-        E, world, L = dtype.itemsize, layout.world, layout.cfg.num_hidden_layers
+        `quant_scales` their inverse scales. The shards are in `dtype`, every buffer in `compute_dtype` (None: the
+        same)."""
+        E, world, L = (compute_dtype or dtype).itemsize, layout.world, layout.cfg.num_hidden_layers
         slots = min(2, L)
-        parts = {"shards": sum(g.shard_size(world) for g in layout.groups) * E,
+        parts = {"shards": sum(g.shard_size(world) for g in layout.groups) * dtype.itemsize,
                  "non_block_buffers": sum(g.padded_numel for g in layout.non_block_groups()) * E}
         host = {"shards"} if offload else set()
         if quantized and L:
@@ -533,7 +547,8 @@ class ShardedWeights:
 
     def footprint(self) -> Footprint:
         return self.footprint_of(self.layout, dtype=self.dtype, offload=self.offload,
-                                 quantized=self.quants.names if self.quants else (), offload_quants=self.offload_quants)
+                                 quantized=self.quants.names if self.quants else (), offload_quants=self.offload_quants,
+                                 compute_dtype=self.compute_dtype)
 
     def memory(self) -> dict[str, int]:
         """Bytes of persistent weight state on this rank, by buffer kind (`footprint_of`)."""
