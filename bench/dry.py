@@ -14,10 +14,12 @@ TINY_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hid
 """bf16 matmuls are slow on a CPU (the 50k-vocab LM head of qtrain-tiny takes seconds): keep every dim small."""
 
 
-def tiny_model_dir(model: str) -> str:
+def tiny_model_dir(model: str, **overrides) -> str:
     """A model directory (config.json only, for --from-scratch) of `model`'s family (bias, tied embeddings,
-    qk-norm, rope scaling) at TINY_SHAPE; written once per family under the temp dir."""
-    cfg = model_config(model if model and model != "qtrain-tiny" else "Qwen2.5-0.5B").replace(**TINY_SHAPE)
+    qk-norm, rope scaling) at TINY_SHAPE (with `overrides`, e.g. the real vocab_size); written once per family
+    under the temp dir."""
+    cfg = model_config(model if model and model != "qtrain-tiny" else "Qwen2.5-0.5B").replace(**{**TINY_SHAPE,
+                                                                                              **overrides})
     text = json.dumps(cfg.to_hf_dict(), sort_keys=True)
     d = os.path.join(tempfile.gettempdir(), "qtrain-bench-tiny", hashlib.sha1(text.encode()).hexdigest()[:12])
     path = os.path.join(d, "config.json")

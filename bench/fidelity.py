@@ -8,7 +8,7 @@ Shared inputs, made by the first case that needs them and reused by the others (
   tokens/   `qtrain tokenize TEXT --eval-fraction 0.02` (qwen2 tokenizer): train*.bin + eval*.bin. TEXT is local
             text carried to the device in the git-ignored `data/fidelity/text` (made here with
             `python3 -m bench.fidelity --prepare-text data/fidelity/text`: the Python standard library's
-            modules, one document each, ~20 MiB, ~4.7 characters per token).
+            modules and then its tests, one document each, 20 MiB).
   init/     the shared init: `Trainer(--from-scratch --seed SEED, fp32)` exported as a HF directory in fp32, so the
             fp32-master run starts from it exactly and bf16 runs from its round-to-nearest bf16 copy.
 
@@ -16,8 +16,8 @@ MODES (flags on top of the recipe): fp32-master (`--model-dtype bf16 --master-dt
 reference), bf16-sr (bf16 weights and states, stochastic rounding), e4m3 (+ `--matmul-dtype e4m3`), e4m3-m
 (+ `--opt-m-dtype e4m3`), bf16-rn (bf16 with `--no-stochastic-rounding`: what SR buys).
 
-Recipe (defaults): 300 steps of 16 x 512 tokens x 2 micro-batches (16k tokens per step, 4.9M tokens: about one
-epoch of the text), AdamW lr 3e-4, beta2 0.95, weight decay 0.1, clip 1.0, warmup 100 steps (a third of the run:
+Recipe (defaults): 300 steps of 16 x 512 tokens x 2 micro-batches (16k tokens per step, 4.9M tokens: ~1.1 epochs
+of the text's ~4.4M training tokens at ~4.7 bytes per token), AdamW lr 3e-4, beta2 0.95, weight decay 0.1, clip 1.0, warmup 100 steps (a third of the run:
 issue 21's runs with warmup 10 spiked to loss 10.8 in their first 20 steps), cosine to 10%, eval every 50 steps
 on 20 batches and over the whole eval split at the end. At ~120k tokens/s (0.5B bf16 at M = 8k tokens) a bf16 run
 trains in ~45 s; the five runs with start-up and two cold compiles (bf16, e4m3) fit ~7-8 minutes.
@@ -54,11 +54,13 @@ def out_root() -> Path:
 
 # ---- inputs ------------------------------------------------------------------------------------------------
 def prepare_text(dest: str, max_bytes: int = TEXT_BYTES) -> int:
-    """Copy the standard library's modules (no tests, no site-packages), sorted by path, as .txt documents into
-    `dest` until `max_bytes`; returns the bytes written. Real text available on every machine with Python."""
+    """Copy the standard library's modules (no site-packages), the library first and then its tests, each sorted
+    by path, as .txt documents into `dest` until `max_bytes`; returns the bytes written. Real text available on
+    every machine with Python (3.11 here: 11.6 MiB of library, 18.5 MiB of tests)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if not ({"test", "tests", "site-packages", "idle_test"}
-                                                          & set(p.relative_to(root).parts)))
+    tests = {"test", "tests", "idle_test"}
+    files = sorted((p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts),
+                   key=lambda p: (bool(tests & set(p.relative_to(root).parts)), p))
     out = Path(dest)
     out.mkdir(parents=True, exist_ok=True)
     total = 0
@@ -145,7 +147,9 @@ def run(mode: str, steps: int = 300, batch: int = 16, seq: int = 512, accum: int
 
 
 def dry_run(params: dict) -> dict:
-    """A tiny model of the same family on a few of qtrain's own source files, on the CPU, uncompiled: 4 steps."""
+    """A tiny model of the same family (with the real vocabulary: the token files are qwen2's) on a few of qtrain's
+    own source files, on the CPU, uncompiled: 4 steps."""
+    from bench.compat import model_config
     from bench.dry import tiny_model_dir
     work = out_root() / "fidelity-dry"
     text = work / "text"
@@ -153,7 +157,8 @@ def dry_run(params: dict) -> dict:
         text.mkdir(parents=True)
         for p in sorted(Path(__file__).resolve().parent.parent.joinpath("qtrain", "model").glob("*.py"))[:6]:
             (text / (p.name + ".txt")).write_bytes(p.read_bytes())
-    return {**params, "model": tiny_model_dir(params.get("model", "Qwen2.5-0.5B")), "steps": 4, "batch": 2,
+    model = params.get("model", "Qwen2.5-0.5B")
+    return {**params, "model": tiny_model_dir(model, vocab_size=model_config(model).vocab_size), "steps": 4, "batch": 2,
             "seq": 32, "accum": 1, "warmup": 1, "eval_every": 2, "eval_batches": 2, "device": "cpu",
             "text": str(text), "work": str(work), "flags": ["--compile", "off"]}
 
