@@ -148,18 +148,19 @@ def run(mode: str, steps: int = 300, batch: int = 16, seq: int = 512, accum: int
 
 def dry_run(params: dict) -> dict:
     """A tiny model of the same family (with the real vocabulary: the token files are qwen2's) on a few of qtrain's
-    own source files, on the CPU, uncompiled: 4 steps."""
+    own source files, on the CPU, uncompiled: 2 steps."""
     from bench.compat import model_config
     from bench.dry import tiny_model_dir
     work = out_root() / "fidelity-dry"
     text = work / "text"
     if not text.exists():
         text.mkdir(parents=True)
-        for p in sorted(Path(__file__).resolve().parent.parent.joinpath("qtrain", "model").glob("*.py"))[:6]:
+        src = sorted(Path(__file__).resolve().parent.parent.joinpath("qtrain").rglob("*.py"))
+        for p in [p for p in src if 1000 < p.stat().st_size < 3000][:8]:  # short documents: a short final eval
             (text / (p.name + ".txt")).write_bytes(p.read_bytes())
     model = params.get("model", "Qwen2.5-0.5B")
-    return {**params, "model": tiny_model_dir(model, vocab_size=model_config(model).vocab_size), "steps": 4, "batch": 2,
-            "seq": 32, "accum": 1, "warmup": 1, "eval_every": 2, "eval_batches": 2, "device": "cpu",
+    return {**params, "model": tiny_model_dir(model, vocab_size=model_config(model).vocab_size), "steps": 2, "batch": 2,
+            "seq": 16, "accum": 1, "warmup": 1, "eval_every": 1, "eval_batches": 1, "device": "cpu",
             "text": str(text), "work": str(work), "flags": ["--compile", "off"]}
 
 
