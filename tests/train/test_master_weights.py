@@ -131,18 +131,22 @@ def test_update_is_fp32_adamw_on_the_master(model_dir):
     assert not math.isnan(float(mixed.params["norm"].sum()))
 
 
+def sharded_equals_replicated(model_dir: str, device: str = "cpu", **extra) -> None:
+    runs = []
+    for layout in ({}, {"zero_level": 3}):
+        tr = Trainer(options(model_dir, device, grad_accumulation=2, master_dtype="fp32", **extra, **layout))
+        stats = [tr.step([random_batch(CFG.vocab_size, B, T, s, m, 0) for m in range(2)], lr=LR) for s in range(2)]
+        runs.append((stats, {n: p.detach().cpu().clone() for n, p in tr.full_params().items()}))
+    (a, wa), (b, wb) = runs
+    assert a == b
+    assert all(wa[n].dtype == torch.float32 and torch.equal(wa[n], wb[n]) for n in wa)
+
+
 @pytest.mark.parametrize("extra", [{}, {"matmul_dtype": "e4m3", "persistent_quants": True}], ids=["bf16", "e4m3"])
 def test_sharded_master_equals_replicated(model_dir, extra):
     """ZeRO-3: fp32 master shards, each gather casts them into the bf16 buffers (and persistent e4m3 shards are
     made from the bf16-rounded values): the same training, bit for bit, as replicated fp32 master weights."""
-    runs = []
-    for layout in ({}, {"zero_level": 3}):
-        tr = Trainer(options(model_dir, grad_accumulation=2, master_dtype="fp32", **extra, **layout))
-        stats = [tr.step([random_batch(CFG.vocab_size, B, T, s, m, 0) for m in range(2)], lr=LR) for s in range(2)]
-        runs.append((stats, {n: p.clone() for n, p in tr.full_params().items()}))
-    (a, wa), (b, wb) = runs
-    assert a == b
-    assert all(wa[n].dtype == torch.float32 and torch.equal(wa[n], wb[n]) for n in wa)
+    sharded_equals_replicated(model_dir, **extra)
 
 
 def test_export_writes_the_fp32_master(model_dir, tmp_path):
@@ -181,3 +185,10 @@ def test_gpu_update_is_fp32_adamw_on_the_master(model_dir):
         z = torch.zeros_like(p)
         want = adamw_reference(before[n], grads[n], z, z.clone(), t=1, decay=is_decayed(n), o=mixed.opts)
         torch.testing.assert_close(p, want, rtol=2e-6, atol=1e-8, msg=n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("extra", [{}, {"matmul_dtype": "e4m3", "persistent_quants": True}], ids=["bf16", "e4m3"])
+def test_gpu_sharded_master_equals_replicated(model_dir, extra):
+    sharded_equals_replicated(model_dir, "cuda", compile="on", **extra)
