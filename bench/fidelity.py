@@ -103,12 +103,13 @@ def ensure_init(model: str, seed: int, work: Path, device: str) -> Path:
 
 
 # ---- one mode ------------------------------------------------------------------------------------------------
-def summarize(log: Path, warmup: int) -> dict:
+def summarize(log: Path, warmup: int, total_steps: int) -> dict:
+    """A finished run's log -> the kind's result (the final evaluation is the last eval record at `total_steps`)."""
     events = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     steps = [e for e in events if e.get("log") == "step"]
     evals = [e for e in events if e.get("log") == "eval"]
-    if not steps or not evals:
-        raise RuntimeError(f"{log}: no step or eval records")
+    if not steps or not evals or evals[-1]["step"] < total_steps:
+        raise RuntimeError(f"{log}: unfinished (no final evaluation at step {total_steps})")
     tps = [e["step_tokens"] / (e["duration_ms"] / 1000) for e in steps[len(steps) // 4:] if e.get("duration_ms")]
     after = [e["loss"] for e in steps if e["step"] >= warmup]
     return {"final_eval": round(evals[-1]["loss"], 5), "evals": {int(e["step"]): round(e["loss"], 5) for e in evals},
@@ -140,7 +141,7 @@ def run(mode: str, steps: int = 300, batch: int = 16, seq: int = 512, accum: int
             "--log-file", str(log), *MODES[mode], *(flags or [])]
     print("qtrain " + " ".join(argv), flush=True)
     _qtrain(argv)
-    res = summarize(log, warmup)
+    res = summarize(log, warmup, steps)
     print(f"{mode}: final eval {res['final_eval']}, evals {res['evals']}, max norm {res['max_norm']}, "
           f"max loss after warmup {res['max_loss_after_warmup']}, {res['tps']} tokens/s", flush=True)
     return res

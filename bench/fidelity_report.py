@@ -18,8 +18,14 @@ from bench.fidelity import MODES, summarize
 REFERENCE = "fp32-master"
 
 
-def table(logdir: Path, warmup: int = 100) -> str:
-    res = {m: summarize(logdir / f"{m}.jsonl", warmup) for m in MODES if (logdir / f"{m}.jsonl").exists()}
+def table(logdir: Path, warmup: int = 100, steps: int = 300) -> tuple[str, list[str]]:
+    """(the Markdown table, the modes in it: those whose log is complete)."""
+    res = {}
+    for m in MODES:
+        try:
+            res[m] = summarize(logdir / f"{m}.jsonl", warmup, steps)
+        except (OSError, RuntimeError, ValueError) as e:  # missing or unfinished (a run the deadline cut)
+            print(f"skipped {m}: {e}", file=sys.stderr)
     if REFERENCE not in res:
         raise SystemExit(f"{logdir}: no {REFERENCE}.jsonl (the reference run)")
     steps = sorted({s for r in res.values() for s in r["evals"]})
@@ -30,10 +36,10 @@ def table(logdir: Path, warmup: int = 100) -> str:
     for m, r in res.items():
         rel = f"{100 * (r['final_eval'] / ref - 1):+.2f}%"
         cells = [m, *(f"{r['evals'].get(s, float('nan')):.4f}" for s in steps[:-1]), f"{r['final_eval']:.4f}",
-                 "-" if m == REFERENCE else rel, f"{r['max_norm']:.2f}", f"{r['max_loss_after_warmup']:.3f}",
+                 "-" if m == REFERENCE else rel, f"{r['max_norm']:.2f}", "-" if r["max_loss_after_warmup"] is None else f"{r['max_loss_after_warmup']:.3f}",
                  f"{r['tps'] / 1000:.1f}k" if r["tps"] else "-"]
         rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+    return "\n".join(rows), list(res)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,11 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("logdir", type=Path)
     p.add_argument("--figure", default=None, help="PNG to write with `qtrain plot` (e.g. docs/img/fidelity.png)")
     p.add_argument("--warmup", type=int, default=100, help="the suite's warmup steps (spikes are looked for after)")
+    p.add_argument("--steps", type=int, default=300, help="the suite's steps (a log without its final eval is skipped)")
     a = p.parse_args(argv)
-    print(table(a.logdir, a.warmup))
+    text, found = table(a.logdir, a.warmup, a.steps)
+    print(text)
     if a.figure:
         from qtrain.cli.main import main as qtrain
-        found = [m for m in MODES if (a.logdir / f"{m}.jsonl").exists()]
         logs = [str(a.logdir / f"{m}.jsonl") for m in found]
         names = [x for m in found for x in ("--name", m)]
         return qtrain(["plot", *logs, "--out", a.figure, "--title", "Qwen2.5-0.5B, one init, 300 steps: precision "
