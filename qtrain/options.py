@@ -29,11 +29,11 @@ DEFAULT_MODEL = "qtrain-tiny"  # the embedded default: a small model trained on 
 
 # fields with a fixed set of values (validate() checks them; the CLI lists them in --help)
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model_dtype": DTYPES, "master_dtype": DTYPES, "fp8_policy": FP8_POLICIES, "matmul_dtype": MATMUL_DTYPES, "gradient_dtype": GRADIENT_DTYPES,
+    "model_dtype": DTYPES, "master_dtype": DTYPES, "grad_accum_dtype": DTYPES, "fp8_policy": FP8_POLICIES, "matmul_dtype": MATMUL_DTYPES, "gradient_dtype": GRADIENT_DTYPES,
     "opt_m_dtype": OPT_M_DTYPES, "opt_v_dtype": OPT_V_DTYPES, "lr_schedule": SCHEDULES,
     "device": ("auto", "cpu", "cuda"), "compile": ("auto", "on", "off"), "sdpa_backend": SDPA_BACKENDS,
 }
-EMPTY_MEANS_DEFAULT = ("matmul_dtype", "gradient_dtype", "master_dtype")  # '' = follow the model / matmul dtype
+EMPTY_MEANS_DEFAULT = ("matmul_dtype", "gradient_dtype", "master_dtype", "grad_accum_dtype")  # '' = follow the model / matmul dtype
 
 
 def closest(name: str, candidates: Iterable[str]) -> str | None:
@@ -70,6 +70,9 @@ class Options:
     copy of the master made once per optimizer step; docs/precision.md). llm.q's Python-only master_dtype."""
     matmul_dtype: str = ""
     """Dtype of the four block linears; '' = model dtype; e4m3 = FP8."""
+    grad_accum_dtype: str = ""
+    """Weight-gradient buffers (the sums over micro-steps the optimizer reads): '' = the master dtype; bf16 with
+    --master-dtype fp32 halves their bytes and adds stochastically rounded (the first micro-step's copy is exact)."""
     fp8_policy: str = "all"
     """With --matmul-dtype e4m3: which block linears run in FP8. all = the four (QKV, attention out, MLP up and
     down); auto = only those whose GEMM is large enough for FP8 to pay (--fp8-min-size; the others stay in the
@@ -266,6 +269,11 @@ class Options:
         return self.master_dtype or self.model_dtype
 
     @property
+    def effective_grad_accum_dtype(self) -> str:
+        """The dtype of the gradient buffers (--grad-accum-dtype, else the master dtype)."""
+        return self.grad_accum_dtype or self.effective_master_dtype
+
+    @property
     def separate_master(self) -> bool:
         """--master-dtype fp32 with --model-dtype bf16: the model runs on a bf16 copy of fp32 master weights."""
         return self.effective_master_dtype != self.model_dtype
@@ -288,6 +296,9 @@ class Options:
 
     def _validate_master(self, err) -> None:
         """--master-dtype: only fp32 master weights under a bf16 model are a separate copy (docs/precision.md)."""
+        if self.grad_accum_dtype and self.grad_accum_dtype != self.effective_master_dtype and not self.separate_master:
+            raise err(f"--grad-accum-dtype {self.grad_accum_dtype} only applies with --master-dtype fp32 (otherwise the "
+                      "gradient buffers are in the model dtype)")
         if not self.separate_master:
             return
         if self.model_dtype != "bf16":

@@ -112,6 +112,10 @@ def test_fp32_master_under_a_bf16_model():
     Options(master_dtype="fp32", zero_level=3).validate()
     _bad(("--master-dtype fp32", "--offload-master"), master_dtype="fp32", zero_level=3, offload_master=True)
     _bad(("--master-dtype", "'fp16'", "must be one of"), master_dtype="fp16")
+    assert Options(master_dtype="fp32", grad_accum_dtype="bf16").validate().effective_grad_accum_dtype == "bf16"
+    assert Options(master_dtype="fp32").effective_grad_accum_dtype == "fp32"
+    _bad(("--grad-accum-dtype bf16", "--master-dtype fp32"), model_dtype="fp32", grad_accum_dtype="bf16")
+    _bad(("--grad-accum-dtype fp32", "--master-dtype fp32"), grad_accum_dtype="fp32")
 
 
 def test_fp8_policy():

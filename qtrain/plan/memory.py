@@ -207,7 +207,8 @@ def _optimizer_rows(opts: Options, layout: FlatLayout, *, grads_staged: bool) ->
     fp = ShardedAdamW.footprint_of(layout, param_dtype=dtype, m_dtype=opts.opt_m_dtype, v_dtype=opts.opt_v_dtype,
                                    offload_params=opts.offload_master and opts.weights_sharded,
                                    offload_m=opts.offload_opt_m, offload_v=opts.offload_opt_v,
-                                   zero_copy=opts.use_zero_copy, grad_dtype=dtype if grads_staged else None)
+                                   zero_copy=opts.use_zero_copy,
+                                   grad_dtype=DTYPES[opts.effective_grad_accum_dtype] if grads_staged else None)
     moments = (("m", opts.opt_m_dtype, opts.offload_opt_m), ("v", opts.opt_v_dtype, opts.offload_opt_v))
     rows = [_row(f"adam {w} ({dt}, 1/{layout.world})", fp.select(f"adam.{w}"), "offloaded" if off else "")
             for w, dt, off in moments]
@@ -220,7 +221,7 @@ def _optimizer_rows(opts: Options, layout: FlatLayout, *, grads_staged: bool) ->
 def _gradient_row(opts: Options, layout: FlatLayout, device: str) -> Item:
     kind = opts.gradient_manager_kind
     off = opts.offload_gradients and kind != "unsharded"
-    dtype = opts.effective_master_dtype  # fp32 sums of the bf16 gradients under fp32 master weights
+    dtype = opts.effective_grad_accum_dtype  # fp32 sums of the bf16 gradients under fp32 master weights
     fp = gradient_footprint(kind, layout, dtype=DTYPES[dtype], device=device, offload=off)
     detail = ("full, replicated (ZeRO-1)" if kind == "unsharded" else
               f"non-block full, block shards 1/{layout.world}{' on host' if off else ''}, 2 staging blocks")

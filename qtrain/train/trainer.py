@@ -75,7 +75,7 @@ class Trainer:
         self.weights, self.params, self.param_buffers, self.sharded_weights = w.source, w.params, w.buffers, w.sharded
         self.model = Transformer(self.cfg, self._run_options(opts))
         self.grads = make_gradient_manager(opts.gradient_manager_kind, self.layout, comm=self.comm,
-                                           dtype=self.master_dtype, device=self.device, seed=opts.seed,
+                                           dtype=DTYPES[opts.effective_grad_accum_dtype], device=self.device, seed=opts.seed,
                                            offload=opts.offload_gradients)
         self.optimizer = ShardedAdamW(self.layout, **w.optimizer_weights(), comm=self.comm, device=self.device,
                                       m_dtype=opts.opt_m_dtype, v_dtype=opts.opt_v_dtype, seed=opts.seed,

@@ -57,6 +57,7 @@ VARIANTS = {
     "fp32": dict(model_dtype="fp32"),
     "fp32 master": dict(master_dtype="fp32"),
     "fp32 master zero3": dict(master_dtype="fp32", zero_level=3),
+    "fp32 master bf16 grads reduce-scatter": dict(master_dtype="fp32", grad_accum_dtype="bf16", shard_gradients=True),
     "fp32 master e4m3 persistent quants sharded": dict(master_dtype="fp32", shard_weights=True, matmul_dtype="e4m3",
                                                        persistent_quants=True),
     "fp32 master e4m3 cached quants reduce-scatter": dict(master_dtype="fp32", matmul_dtype="e4m3",
@@ -227,7 +228,8 @@ def build_on_meta(opts: Options):
         held_weights = dict(params=weights)
         if opts.separate_master:  # the model's copy of the master (--master-dtype fp32)
             weights = CastWeights(layout, weights, DTYPES[opts.model_dtype])
-    grads = make_gradient_manager(opts.gradient_manager_kind, layout, comm=RankOf4(), dtype=dtype, device=dev, seed=0,
+    grads = make_gradient_manager(opts.gradient_manager_kind, layout, comm=RankOf4(),
+                                  dtype=DTYPES[opts.effective_grad_accum_dtype], device=dev, seed=0,
                                   offload=opts.offload_gradients)
     opt = ShardedAdamW(layout, **held_weights, rank=1, device=dev, m_dtype=opts.opt_m_dtype,
                        v_dtype=opts.opt_v_dtype, offload_params=opts.offload_master, offload_m=opts.offload_opt_m,

@@ -149,6 +149,33 @@ def test_sharded_master_equals_replicated(model_dir, extra):
     sharded_equals_replicated(model_dir, **extra)
 
 
+def test_bf16_gradient_sums(model_dir):
+    """--grad-accum-dtype bf16: one micro-step's bf16 gradients land exactly, so with one micro-step per update
+    training equals fp32 sums bit for bit; with several the sums are stochastically rounded to bf16 (close, not
+    equal)."""
+    def train(ga: int, **kw) -> tuple[list[dict], dict[str, torch.Tensor]]:
+        tr = Trainer(options(model_dir, grad_accumulation=ga, master_dtype="fp32", **kw))
+        stats = [tr.step([random_batch(CFG.vocab_size, B, T, s, m, 0) for m in range(ga)], lr=LR) for s in range(2)]
+        dtypes = {g.dtype for g in tr.grads.grad_shards().values()}
+        assert dtypes == {torch.bfloat16 if kw else torch.float32}
+        return stats, {n: p.clone() for n, p in tr.params.items()}
+
+    (a, wa), (b, wb) = train(1, grad_accum_dtype="bf16"), train(1)
+    assert a == b and all(torch.equal(wa[n], wb[n]) for n in wa)
+    sums = {}
+    for kw in ({"grad_accum_dtype": "bf16"}, {}):  # three micro-steps: the sums, rounded to bf16 or not
+        tr = Trainer(options(model_dir, grad_accumulation=3, master_dtype="fp32", **kw))
+        for m in range(3):
+            tr.micro_step(*random_batch(CFG.vocab_size, B, T, 0, m, 0), loss_scale=1.0 / (3 * B * T))
+        sums[bool(kw)] = {k: g.float() for k, g in tr.grads.grad_shards().items()}
+    for k, g in sums[True].items():
+        exact = sums[False][k]
+        assert not torch.equal(g, exact), k
+        # two stochastically rounded adds, each off by under one bf16 unit in the last place of its partial sum
+        # (partial sums may exceed the result: bound by the group's largest value)
+        assert ((g - exact).abs() <= 2 * 2.0 ** -7 * exact.abs().max()).all(), k
+
+
 def test_export_writes_the_fp32_master(model_dir, tmp_path):
     from safetensors.torch import load_file
     _, mixed = pair(model_dir, 1)
