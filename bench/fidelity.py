@@ -4,7 +4,8 @@ One case per mode; all of them train Qwen2.5-0.5B from ONE shared random init on
 in the same data order, with `qtrain train` (the real run loop: schedule, clipping, periodic and final
 evaluation), and the suite's ratios compare each mode's final eval loss with the fp32-master run's.
 
-Shared inputs, made by the first case that needs them and reused by the others (under `work`):
+Shared inputs, made by the first case that needs them and reused by the others (under `work`, by default the
+git-ignored output/fidelity-work of the checkout: not under $OUT, whose files travel back from the device):
   tokens/   `qtrain tokenize TEXT --eval-fraction 0.02` (qwen2 tokenizer): train*.bin + eval*.bin. TEXT is local
             text carried to the device in the git-ignored `data/fidelity/text` (made here with
             `python3 -m bench.fidelity --prepare-text data/fidelity/text`: the Python standard library's
@@ -124,7 +125,8 @@ def run(mode: str, steps: int = 300, batch: int = 16, seq: int = 512, accum: int
         ) -> dict:
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
-    work_dir = Path(work) if work else out_root() / "fidelity-work"
+    # tokens, the init and the runs' exports (GBs): in the checkout, not under $OUT (which travels back)
+    work_dir = Path(work) if work else Path("output/fidelity-work")
     tokens = ensure_tokens(text, work_dir)
     init = ensure_init(model, seed, work_dir, device)
     logs = out_root() / "fidelity"
@@ -152,7 +154,7 @@ def dry_run(params: dict) -> dict:
     own source files, on the CPU, uncompiled: 2 steps."""
     from bench.compat import model_config
     from bench.dry import tiny_model_dir
-    work = out_root() / "fidelity-dry"
+    work = Path("output/fidelity-dry")
     text = work / "text"
     if not text.exists():
         text.mkdir(parents=True)
