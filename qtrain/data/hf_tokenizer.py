@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from qtrain.data.token_files import TokenFileHeader, tokenizer_family
-from qtrain.data.tokenize import BUILTIN_TOKENIZERS, QWEN2_PATTERN, TiktokenTokenizer, Tokenizer, get_tokenizer
+from qtrain.data.tokenize import (BUILTIN_TOKENIZERS, QWEN2_PATTERN, TiktokenTokenizer, TokenizeError, Tokenizer,
+                                   get_tokenizer)
 from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import GENERATION_CONFIG, TOKENIZER_FILES
 
@@ -167,6 +168,19 @@ def recorded_tokenizer(headers: Sequence[TokenFileHeader]) -> str | None:
     families = {tokenizer_family(h.vocab_size) for h in headers}
     if len(families) == 1 and (family := families.pop()) in BUILTIN_TOKENIZERS:
         return family
+    return None
+
+
+def unavailable_reason(spec: str | None) -> str | None:
+    """Why the export could not write `spec`'s files on this machine (a built-in whose package is not
+    installed), else None: checked when a run starts, so a missing package costs the tokenizer files, not the
+    run's export at its end."""
+    if spec not in BUILTIN_TOKENIZERS:
+        return None
+    try:
+        get_tokenizer(spec)
+    except TokenizeError as e:
+        return str(e)
     return None
 
 

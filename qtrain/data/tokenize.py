@@ -232,9 +232,18 @@ def expand_inputs(inputs: Sequence[str]) -> list[Path]:
 
 
 def iter_documents(path: Path, *, text_field: str = "text", split_lines: bool = False) -> Iterator[str]:
-    """Documents of one input file: a .txt file is one document (or one per non-empty line)."""
+    """Documents of one input file: a .txt file is one document (or one per non-empty line). Text that is not
+    UTF-8 is a TokenizeError naming the file (not a traceback halfway through the tokenization)."""
+    try:
+        yield from _documents(path, text_field=text_field, split_lines=split_lines)
+    except UnicodeDecodeError as e:
+        where = f" at byte {e.start}" if path.suffix == ".txt" else ""
+        raise TokenizeError(f"{path}: not UTF-8 text ({e.reason}{where}); convert it to UTF-8 or leave it out") from None
+
+
+def _documents(path: Path, *, text_field: str, split_lines: bool) -> Iterator[str]:
     if path.suffix == ".txt":
-        text = path.read_text(encoding="utf-8")
+        text = path.read_bytes().decode("utf-8")
         if split_lines:
             yield from (line for line in text.splitlines() if line.strip())
         else:

@@ -17,7 +17,7 @@ import time
 import torch
 
 from qtrain.data.loader import TokenLoader
-from qtrain.data.hf_tokenizer import recorded_tokenizer, transformers_caveat
+from qtrain.data.hf_tokenizer import recorded_tokenizer, transformers_caveat, unavailable_reason
 from qtrain.observe.live import attach_observers
 from qtrain.observe.log import RunLogger
 from qtrain.observe.metrics import device_peaks, model_flops_per_token, ns_per_token, peak_tflops, sol_ops
@@ -209,6 +209,9 @@ def _log_run_header(log: RunLogger, trainer: Trainer, train: TokenLoader, evals:
     attach_observers(opts, log, trainer, ctx.device)  # --wandb, --log-gpu-util, --debug-* (qtrain.observe.live)
     if trainer.tokenizer is None:  # nothing explicit and no model directory: the tokenizer the data was made with
         trainer.tokenizer = recorded_tokenizer([f.header for f in train.files])
+    if reason := unavailable_reason(trainer.tokenizer):
+        log.message(f"the export will carry no tokenizer files: {reason}", level="warning")
+        trainer.tokenizer = None
     log.message(f"export tokenizer: {trainer.tokenizer}" if trainer.tokenizer else
                 "no tokenizer is known for the export (no model directory files, none recorded in the token "
                 "files): pass --tokenizer", level="info" if trainer.tokenizer else "warning")

@@ -176,6 +176,14 @@ def test_tokenize_errors(tmp_path: Path) -> None:
         tokenize_files([str(tmp_path / "bad.jsonl")], tmp_path / "out", tokenizer="gpt2", progress=False)
     with pytest.raises(DataError, match="missing"):
         tokenize_files([str(tmp_path / "missing.txt")], tmp_path / "out", tokenizer="gpt2", progress=False)
+    # text that is not UTF-8 (seen: two Latin-1 files in the Python sources): the file and the byte, no traceback
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1.txt: not UTF-8 text \(invalid continuation byte at byte 3\)"):
+        tokenize_files([str(tmp_path / "latin1.txt")], tmp_path / "out", tokenizer="gpt2", progress=False)
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl: not UTF-8 text"):
+        tokenize_files([str(tmp_path / "latin1.jsonl")], tmp_path / "out", tokenizer="gpt2", progress=False)
+    assert not list((tmp_path / "out").iterdir())
 
 
 # ------------------------------------------------------------------------------------------------

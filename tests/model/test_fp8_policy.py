@@ -82,7 +82,7 @@ def runs(model_dir) -> dict:
 
 def test_nothing_chosen_is_the_bf16_run(model_dir, runs):
     tr = trainer(model_dir, matmul_dtype="e4m3", fp8_policy="auto")
-    assert tr.fp8.fp8 == () and tr.model.run.fp8_linears == ()
+    assert tr.fp8.fp8 == () and tr.model.run.fp8_linears == () and tr.model.run.matmul_dtype == ""  # the bf16 model
     assert same(train(tr), runs["bf16"])
 
 

