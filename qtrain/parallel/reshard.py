@@ -23,7 +23,7 @@ import torch
 
 from qtrain.kernels.adamw import E4M3_MAX, M_BLOCK
 from qtrain.parallel.layout import FlatLayout, Group
-from qtrain.parallel.optimizer import group_m_scales, piece_blocks
+from qtrain.parallel.optimizer import SCALES_SUFFIX, group_m_scales, piece_blocks
 
 ShardReader = Callable[[int], torch.Tensor]  # old rank -> its shard of one group (read on demand)
 _TINY = 2.0 ** -100  # the update's floor for a block abs-max (kernels/adamw.py _TINY_BITS)
@@ -123,3 +123,32 @@ def e4m3_requant_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The most a requantized element may differ from its value `x`, given its new block `scale`
     (= amax / 448): half an e4m3 step, 2^-4 of |x| for normals, 2^-10 * scale for subnormals."""
     return torch.maximum(x.abs() * 2.0 ** -4, scale * 2.0 ** -10)
+
+
+StateReader = Callable[[str, int, str], torch.Tensor]  # (file kind, old rank, group key) -> that old shard
+
+
+def reshard_state(src: FlatLayout, dst: FlatLayout, rank: int, kinds: tuple[str, ...],
+                  read: StateReader) -> dict[str, dict[str, torch.Tensor]]:
+    """Rank `rank`'s state in layout `dst` (kind -> group key -> shard, the form of `Trainer.state_tensors`)
+    from the shards of layout `src` that `read` returns. A kind whose shards are float8_e4m3fn is an e4m3 m:
+    its scales are read and written under `<group>.scales`. Each old shard is read at most once per key."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for kind in kinds:
+        out[kind] = {}
+        for g in dst.groups:
+            cache: dict[tuple[int, str], torch.Tensor] = {}
+
+            def one(q: int, key: str, kind: str = kind, cache: dict = cache) -> torch.Tensor:
+                if (q, key) not in cache:
+                    cache[q, key] = read(kind, q, key)
+                return cache[q, key]
+
+            dtype = one(0, g.key).dtype
+            if dtype == torch.float8_e4m3fn:
+                scales_key = g.key + SCALES_SUFFIX
+                out[kind][g.key], out[kind][scales_key] = reshard_e4m3_m(
+                    src, dst, g.key, rank, lambda q: one(q, g.key), lambda q: one(q, scales_key))
+            else:
+                out[kind][g.key] = reshard_flat(src, dst, g.key, rank, lambda q: one(q, g.key), dtype)
+    return out
