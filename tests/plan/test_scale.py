@@ -39,6 +39,8 @@ def test_calibration_fits_every_measured_run_within_5_percent():
     none = {m: 0.0 for m in MODES}
     assert max(abs(e) for _, _, e in scale.calibration_error(none)) > 0.05
     assert "error: mean" in scale.format_calibration(exposed)
+    loo = scale.leave_one_out_error()  # out of sample: each run predicted by a fit on the others
+    assert max(loo) < 0.05 and sum(loo) / len(loo) < 0.02
 
 
 def test_communication_by_hand():
