@@ -118,8 +118,9 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
     the checkpoint's size first; a failed write removes its temp directory. Errors are agreed across ranks,
     so every rank raises the same CheckpointError instead of waiting for the others."""
     ctx, step = trainer.ctx, trainer.steps_done
+    shard, shards = trainer.comm.rank, trainer.comm.world  # hybrid sharding: the shard group's rank and size
     tag = ctx.broadcast_object(owner_tag())
-    files = {_stem(kind, ctx.rank, ctx.world): {k: t.detach().contiguous().cpu() for k, t in tensors.items()}
+    files = {_stem(kind, shard, shards): {k: t.detach().contiguous().cpu() for k, t in tensors.items()}
              for kind, tensors in trainer.state_tensors().items()}
     nbytes = sum(t.numel() * t.element_size() for f in files.values() for t in f.values())
     need = (sum(ctx.all_gather_object(nbytes)) if ctx.world > 1 else nbytes) + META_SLACK
@@ -136,12 +137,20 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
         tmp = cio.begin(ckpt_dir, step, tag=tag)
         if ctx.world > 1:
             (tmp / _MARKER.format(ctx.rank)).touch()
-        cio.write_files(tmp, files)
-    except (OSError, SafetensorError) as e:
+    except OSError as e:
         err = f"writing the checkpoint of step {step} to {tmp or ckpt_dir} failed: {describe_write_error(e)}"
-    err = _agree(ctx, err)  # also the point after which every rank's marker is there
+    err = _agree(ctx, err)  # the point after which every rank's marker is there
     here = _directory_sharers(tmp, ctx) if ctx.world > 1 else [0]
     committer = ctx.rank == min(here, default=ctx.rank)
+    # a shard is written once per directory: by the lowest rank there holding it (hybrid: several do)
+    if err is None and not any(r < ctx.rank and r % shards == shard for r in here):
+        try:
+            cio.write_files(tmp, files)
+        except (OSError, SafetensorError) as e:
+            err = f"writing the checkpoint of step {step} to {tmp} failed: {describe_write_error(e)}"
+        err = _agree(ctx, err)
+    elif err is None:
+        err = _agree(ctx, None)
     if err is not None:
         if committer and tmp is not None:
             cio.remove_tree_quietly(tmp)
@@ -153,7 +162,6 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
             "step": step,
             "run": dict(run or {}),
             "nonfinite_streak": int(nonfinite_streak),
-            "distributed": {"world": ctx.world},
             "data_loader": loader.state_dict(),
             "logger": log.state_dict(),
             "options": {k: getattr(trainer.opts, k) for k in _MUST_MATCH},
@@ -162,8 +170,12 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
         }
     meta = ctx.broadcast_object(meta)
     if committer:
-        if len(here) < ctx.world:  # a directory not shared by all ranks: say whose shards it holds
-            meta["distributed"] = {"world": ctx.world, "ranks": here, "host": socket.gethostname()}
+        meta["distributed"] = {"world": shards}
+        if ctx.world > shards:
+            meta["distributed"]["replicas"] = ctx.world // shards
+        held = sorted({r % shards for r in here})
+        if len(held) < shards:  # a directory not shared by all ranks: say whose shards it holds
+            meta["distributed"].update(ranks=held, host=socket.gethostname())
         try:
             for r in here:
                 (tmp / _MARKER.format(r)).unlink(missing_ok=True)
@@ -246,15 +258,15 @@ def load(path: str, trainer: Trainer, *, train_loader: TokenLoader | None, logge
     """Restore trainer state (and loader / logger state when given); returns the step to continue from.
     A checkpoint of another world size is resharded (module docstring)."""
     meta, files = cio.read_checkpoint(path)
-    ctx = trainer.ctx
-    check_compatible(path, meta, trainer.cfg, trainer.opts, ctx.world)
-    if (err := _agree(ctx, missing_files(path, meta, ctx.rank, ctx.world))) is not None:
+    ctx, shard, shards = trainer.ctx, trainer.comm.rank, trainer.comm.world
+    check_compatible(path, meta, trainer.cfg, trainer.opts, shards)
+    if (err := _agree(ctx, missing_files(path, meta, shard, shards))) is not None:
         raise CheckpointError(err)
     world = meta["distributed"]["world"]
-    if world == ctx.world:
-        state = {kind: files.load(_stem(kind, ctx.rank, world)) for kind in STATE_KINDS}
+    if world == shards:
+        state = {kind: files.load(_stem(kind, shard, world)) for kind in STATE_KINDS}
     else:
-        state = reshard_state(FlatLayout(trainer.cfg, world), trainer.layout, ctx.rank, STATE_KINDS,
+        state = reshard_state(FlatLayout(trainer.cfg, world), trainer.layout, shard, STATE_KINDS,
                               lambda kind, q, key: files.get(_stem(kind, q, world), key))
     trainer.load_state_tensors(state, int(meta["step"]))
     skipped = 0
@@ -262,8 +274,8 @@ def load(path: str, trainer: Trainer, *, train_loader: TokenLoader | None, logge
         skipped = train_loader.load_state_dict(meta["data_loader"])
     if logger is not None and "logger" in meta:
         logger.load_state_dict(meta["logger"])
-    if logger is not None and world != ctx.world:
-        logger.message(f"resumed a checkpoint of {world} rank(s) on {ctx.world}: weights and Adam state resharded"
+    if logger is not None and world != shards:
+        logger.message(f"resumed a checkpoint sharded {world} way(s) on {shards}: weights and Adam state resharded"
                        + (f"; the data position was rounded up to the new world size ({skipped} sequence(s) "
                           f"skipped)" if skipped else ""), step=int(meta["step"]))
     return int(meta["step"])

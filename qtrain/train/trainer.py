@@ -29,7 +29,7 @@ from qtrain.model.resolve import resolve_model
 from qtrain.model.transformer import FP8_MATRICES, RunOptions, Transformer
 from qtrain.observe.absmax import AbsMaxRecorder, weight_abs_maxes
 from qtrain.options import Options, OptionsError
-from qtrain.parallel.comm import Communicator
+from qtrain.parallel.groups import make_shard_groups
 from qtrain.parallel.dist import DistContext, init_distributed
 from qtrain.parallel.gradients import make_gradient_manager
 from qtrain.parallel.layout import FlatLayout
@@ -55,8 +55,14 @@ class Trainer:
         self.tokenizer = export_tokenizer(explicit=opts.tokenizer, model_dir=self.source.tokenizer_dir)
         self.cfg = self.source.cfg
         self.dtype = DTYPES[opts.model_dtype]
-        self.layout = FlatLayout(self.cfg, self.ctx.world)  # one flat buffer per group (parallel/layout.py)
-        self.comm = Communicator(device=self.device) if self.ctx.distributed else Communicator.solo(self.device)
+        # the ranks the state is sharded across: all (flat), or groups of --shard-group-size (parallel/groups.py)
+        if opts.shard_group_size and opts.shard_group_size != self.ctx.world and opts.offload_gradients:
+            raise OptionsError("--offload-gradients with --shard-group-size below the number of ranks is not "
+                               "supported yet (the gradient shards are averaged across groups on the device)")
+        self.groups = make_shard_groups(opts.shard_group_size, rank=self.ctx.rank, world=self.ctx.world,
+                                        device=self.device)
+        self.comm = self.groups.shard
+        self.layout = FlatLayout(self.cfg, self.comm.world)  # one flat buffer per group (parallel/layout.py)
 
         # replicated weights: `params` are views into the full `param_buffers`; sharded weights
         # (--shard-weights / --zero-level 3): only this rank's shards, and both are None
@@ -177,6 +183,7 @@ class Trainer:
         if self.micro != o.grad_accumulation:
             raise RuntimeError(f"update() after {self.micro} micro-steps; expected --grad-accumulation="
                                f"{o.grad_accumulation}")
+        self.groups.reduce_replicas(self.layout, self.grads)  # hybrid sharding: average the shards across groups
         norm_t = self.optimizer.grad_norm(self.grads)
         loss_t = self.ctx.all_reduce_sum(self._loss.clone()) / self.ctx.world
         # The update is queued before the host reads the norm: clipping factor and the skip on a non-finite
@@ -250,7 +257,9 @@ class Trainer:
             if src.shape != dst.shape:
                 raise ValueError(f"checkpoint weights[{g.key}]: shape {tuple(src.shape)} != {tuple(dst.shape)}")
             dst.copy_(src)
-            if self.ctx.distributed and not self.sharded_weights:
+            if self.groups.hybrid and not self.sharded_weights:
+                self.comm.all_gather(self.param_buffers[g.key], dst.clone()).wait()
+            elif self.ctx.distributed and not self.sharded_weights:
                 self.ctx.all_gather_into_tensor(self.param_buffers[g.key], dst)
         self.weights.invalidate()
         self.optimizer.load_state_tensors({k: state[k] for k in ("adam.m", "adam.v")}, step)
