@@ -10,6 +10,9 @@ static rendezvous on 127.0.0.1), each launcher starting two `qtrain train` ranks
   `distributed.ranks` in the meta; the run's losses are bit-identical to the shared-directory run (where
   checkpoints go changes nothing else); resuming such a checkpoint on another world size is refused naming the
   ranks the directory holds, and a rank that needs a file the directory lacks is told which, and why.
+* Hybrid sharding with one shard group per node (--shard-group-size 2) and node-local directories: each node
+  holds a whole copy of the state, so each node's directory is a complete checkpoint (one process resumes
+  from node 1's), and the run trains like the flat one (losses within 1e-6: a hierarchical reduction).
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from qtrain.train import checkpoint_io as cio
 from qtrain.train import checkpointing
 from tests.run_utils import make_run_root, qtrain_run, subprocess_env, train_argv
 
-pytestmark = pytest.mark.slow  # two 2x2 torchrun pairs and two single processes: about a minute on 2 cores
+pytestmark = pytest.mark.slow  # three 2x2 torchrun pairs, three single processes: ~2 minutes on 2 cores
 
 STEPS, EVERY = 4, 2
 KINDS = ("weights", "adam.m", "adam.v")
@@ -60,6 +63,12 @@ def runs(tmp_path_factory):
     for n in nodes:
         n.mkdir()
     _torchrun_pair(train_argv(root, name="local", batch_size=1, checkpoint_dir="ckpt", **common), nodes)
+    _torchrun_pair(train_argv(root, name="hybrid", batch_size=1, checkpoint_dir="ckpt_h", shard_group_size=2,
+                              **common), nodes)
+    hybrid_resumed = qtrain_run(train_argv(root, name="hybrid", batch_size=4, checkpoint_dir="ckpt_h",
+                                           log_file=root / "logs" / "hybrid-resumed.jsonl",
+                                           extra=("--continue", str(EVERY)), **common), cwd=nodes[1])
+    assert hybrid_resumed.returncode == 0, hybrid_resumed.stderr[-4000:]
     resumed = qtrain_run(train_argv(root, name="shared", batch_size=4, log_file=root / "logs" / "resumed.jsonl",
                                     extra=("--continue", str(EVERY)), **common), cwd=root)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
@@ -112,3 +121,18 @@ def test_node_local_checkpoint_at_another_world_size_is_refused(runs):
     assert r.returncode == 2, r.stderr[-4000:]
     assert "written by 4 rank(s) into a checkpoint directory local to each node" in r.stderr
     assert "holds the shards of ranks 0-1 only" in r.stderr and "this run has 1" in r.stderr
+
+
+def test_hybrid_sharding_per_node_makes_each_local_directory_complete(runs):
+    flat, hybrid = _losses(runs / "logs" / "shared.jsonl"), _losses(runs / "logs" / "hybrid.jsonl")
+    assert sorted(hybrid) == sorted(flat)
+    for s in flat:
+        assert hybrid[s] == pytest.approx(flat[s], rel=1e-6), f"step {s}"
+    for node in (0, 1):
+        meta, files = cio.read_checkpoint(runs / f"node{node}" / "ckpt_h" / f"step_{EVERY:08d}")
+        assert meta["distributed"] == {"world": 2, "replicas": 2}
+        assert files.names == sorted(f"{k}.shard_{r:03d}_of_002" for k in KINDS for r in range(2))
+    solo, resumed = _losses(runs / "logs" / "solo.jsonl"), _losses(runs / "logs" / "hybrid-resumed.jsonl")
+    assert sorted(resumed) == list(range(EVERY, STEPS))
+    for s in resumed:
+        assert resumed[s] == pytest.approx(solo[s], rel=1e-5), f"step {s} after resuming node 1's copy on 1 rank"
