@@ -22,12 +22,20 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from qtrain.data.tokenize import Tokenizer
+
+class Tokenizer(Protocol):
+    """What encoding a record needs of a tokenizer (`qtrain.data.tokenize.Tokenizer` has it); a protocol, so
+    this module, which tokenize.py reads records through, does not import it back."""
+    name: str
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def special_id(self, token: str) -> int | None: ...
 
 CHATML_START, CHATML_END = "<|im_start|>", "<|im_end|>"
 
@@ -101,7 +109,7 @@ def record_text(rec: dict[str, Any], key: str) -> str:
     return v
 
 
-def _chatml_ids(tok: "Tokenizer", where: str) -> tuple[int, int]:
+def _chatml_ids(tok: Tokenizer, where: str) -> tuple[int, int]:
     ids = tok.special_id(CHATML_START), tok.special_id(CHATML_END)
     if None in ids:
         raise SFTError(f"{where}: chat records need a tokenizer with the ChatML tokens {CHATML_START} and "
@@ -110,7 +118,7 @@ def _chatml_ids(tok: "Tokenizer", where: str) -> tuple[int, int]:
     return ids  # type: ignore[return-value]
 
 
-def encode_example(tok: "Tokenizer", rec: dict[str, Any], fmt: SFTFormat) -> tuple[np.ndarray, np.ndarray]:
+def encode_example(tok: Tokenizer, rec: dict[str, Any], fmt: SFTFormat) -> tuple[np.ndarray, np.ndarray]:
     """One record -> (int32 tokens, bool keep-mask) as the module docstring describes."""
     parts: list[tuple[list[int], bool]] = []  # (ids, trained)
     if fmt.messages_field:

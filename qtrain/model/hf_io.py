@@ -20,7 +20,7 @@ import re
 import shutil
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import safetensors.torch as st
 import torch

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from qtrain.kernels import cross_entropy
-from qtrain.kernels.cross_entropy import IGNORE_INDEX
+from qtrain.kernels.cross_entropy import IGNORE_INDEX  # noqa: F401  (re-exported: the model's ignore label)
 from qtrain.kernels.cross_entropy import chunk_loss_and_dlogits as _chunk_loss_and_dlogits  # noqa: F401
 
 _compiled_loss_fn = None
