@@ -220,6 +220,10 @@ class Options:
     """With sharded gradients: reduce with an all-to-all exchange instead of a reduce-scatter."""
     offload_gradients: bool = False
     """Keep the sharded gradient shards in pinned host memory (needs sharded gradients)."""
+    shard_group_size: int = 0
+    """Hybrid sharding: cut optimizer state, gradients and (sharded) weights across groups of this many
+    consecutive ranks (e.g. one node's GPUs) and replicate them across the groups; gradients are reduced inside
+    a group, then their shards across groups. 0 = all ranks (flat sharding); must divide the number of ranks."""
     recompute_block: bool = False
     """Keep only each block's input, rerun the whole block in backward (implies att, ffn, norm)."""
     recompute_swiglu: bool = False
@@ -393,6 +397,8 @@ class Options:
             raise err("--zero-level and --shard-weights are mutually exclusive (--zero-level 3 implies it)")
         if self.all_to_all_reduce and self.gradient_manager_kind == "unsharded":
             raise err("--all-to-all-reduce needs sharded gradients (--shard-gradients or --zero-level 2)")
+        if self.shard_group_size < 0:
+            raise err(f"--shard-group-size must be >= 0 (0: all ranks), got {self.shard_group_size}")
         if self.offload_gradients and self.gradient_manager_kind == "unsharded":
             raise err("--offload-gradients needs sharded gradients (--shard-gradients or --zero-level 2): "
                       "unsharded gradients cannot be offloaded")

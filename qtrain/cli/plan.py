@@ -28,6 +28,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-propose", dest="plan_propose", action="store_false",
                    help="only print the plan of the given options")
     p.add_argument("--json", dest="plan_json", action="store_true", help="print the plan(s) as JSON")
+    g = p.add_argument_group("scale model (qtrain/plan/scale.py): with --nodes, predict tokens/s on 1, 2, 4 ... "
+                             "K nodes of --gpus GPUs each, flat and hybrid sharding")
+    g.add_argument("--nodes", dest="plan_nodes", type=int, default=None,
+                   help="the most nodes to predict for (--gpus is then GPUs per node, default 8)")
+    g.add_argument("--nvlink-bandwidth", dest="plan_nvlink_bw", default=None,
+                   help="intra-node bytes/s per GPU each way as NCCL reaches it (default 360GB: NVLink 4)")
+    g.add_argument("--nvlink-latency", dest="plan_nvlink_lat", type=float, default=None,
+                   help="seconds per ring step inside a node (default 1e-05)")
+    g.add_argument("--ib-bandwidth", dest="plan_ib_bw", default=None,
+                   help="inter-node bytes/s per GPU each way (default 45GB: one 400 Gb/s NIC per GPU)")
+    g.add_argument("--ib-latency", dest="plan_ib_lat", type=float, default=None,
+                   help="seconds per ring step across nodes (default 2e-05)")
 
 
 def run(ns: argparse.Namespace, argv: Sequence[str] = (), out=None) -> int:
@@ -35,6 +47,8 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = (), out=None) -> int:
     out = out or sys.stdout
     opts = options_from_args(ns)
     cfg, name = resolve_model(opts.model, from_scratch=True).cfg, opts.model or TINY_NAME
+    if getattr(ns, "plan_nodes", None) is not None:
+        return _scale(ns, opts, cfg, name, out)
     world = opts.gpus
     gpu_memory = getattr(ns, "plan_gpu_memory", None)
     if gpu_memory is not None:
@@ -79,6 +93,41 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = (), out=None) -> int:
                   f"est. {est:>5}  {flags}{other}\n")
     best = proposals[best_i][1]
     out.write("\n" + best.format() + "\n")
+    return 0
+
+
+def _scale(ns: argparse.Namespace, opts: Any, cfg: Any, name: str, out) -> int:
+    """`qtrain plan --gpus G --nodes K`: the scale model's predictions for this configuration."""
+    from qtrain.plan import scale
+    nodes, per_node = ns.plan_nodes, opts.gpus or 8
+    if nodes < 1 or per_node < 1:
+        raise OptionsError(f"--nodes {nodes} --gpus {per_node}: both must be at least 1")
+    links = {}
+    for which, default, bw, lat in (("intra", scale.NVLINK, "nvlink_bw", "nvlink_lat"),
+                                    ("inter", scale.IB_400G, "ib_bw", "ib_lat")):
+        flag = "--" + bw.split("_")[0]
+        b, t = getattr(ns, "plan_" + bw, None), getattr(ns, "plan_" + lat, None)
+        if t is not None and not t >= 0:
+            raise OptionsError(f"{flag}-latency {t}: must be >= 0 seconds")
+        bandwidth = _bytes(f"{flag}-bandwidth", b) if b else default.bandwidth
+        if bandwidth <= 0:
+            raise OptionsError(f"{flag}-bandwidth {b}: must be more than 0 bytes/s")
+        links[which] = scale.Link(bandwidth, default.latency if t is None else t)
+    mode = scale.mode_of(opts)
+    exposed = scale.calibrate()
+    rows = scale.scale_table(cfg, matmul=opts.effective_matmul_dtype, batch=opts.batch_size,
+                             accum=opts.grad_accumulation, seq_len=opts.seq_len, gpus_per_node=per_node,
+                             max_nodes=nodes, modes=[mode], exposed=exposed, **links)
+    if getattr(ns, "plan_json", False):
+        json.dump({"model": name, "mode": mode, "exposed": exposed,
+                   "rows": [{"flat": vars(f), "hybrid": vars(h)} for f, h in rows]}, out, indent=1)
+        out.write("\n")
+        return 0
+    out.write(f"[Scale model] {name}, {opts.effective_matmul_dtype} matmuls, {mode}, batch {opts.batch_size} x "
+              f"grad-accumulation {opts.grad_accumulation} x seq {opts.seq_len} per GPU; {per_node} GPUs per node "
+              f"(NVLink {links['intra'].bandwidth / 1e9:.0f} GB/s), nodes over "
+              f"{links['inter'].bandwidth / 1e9:.0f} GB/s per GPU\n")
+    out.write(scale.format_table(rows) + "\n\n" + scale.format_calibration(exposed) + "\n")
     return 0
 
 

@@ -217,17 +217,31 @@ class TokenLoader:
             "world": self.world,
         }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore a position; the seed comes from the state (as in llm.q), the world size must match."""
-        if int(state.get("world", self.world)) != self.world:
-            raise DataError(
-                f"{self.files[0].path}: loader state was saved with world size {state['world']}, "
-                f"cannot resume with {self.world}"
-            )
+    def load_state_dict(self, state: dict[str, int]) -> int:
+        """Restore a position; the seed comes from the state (as in llm.q). Returns the sequences skipped.
+
+        Across world sizes (a checkpoint of N ranks resumed on M) the position carried over is the *global*
+        one: (epoch, file position, sequences of the current file consumed by all ranks together = chunk
+        index x N). Rank r of W serves the file's shuffled chunks r, r+W, ..., so the first k*W chunks of the
+        shuffled order are exactly what W ranks consumed after k each, whatever W: resuming at chunk index
+        k*N/M on M ranks continues with the same global batches (the same sequences, spread over other
+        ranks). When k*N is not a multiple of M (a batch that ended inside a file boundary), the position is
+        rounded up to the next multiple and the few sequences in between (< M) are skipped: the count is
+        returned. What stays world-dependent is only the tail each file drops so ranks stay in step (its
+        last C mod W chunks): from the next file on, the M-rank run drops C mod M instead of C mod N.
+        """
         file_pos, chunk_pos = int(state["file_index"]), int(state["chunk_index"])
         if not 0 <= file_pos <= len(self.files):
             raise DataError(f"{self.files[0].path}: loader state file_index {file_pos} out of range")
+        if chunk_pos < 0:
+            raise DataError(f"{self.files[0].path}: loader state chunk_index {chunk_pos} is negative")
+        saved_world = int(state.get("world", self.world))
+        if saved_world < 1:
+            raise DataError(f"{self.files[0].path}: loader state world {saved_world} is not a world size")
+        consumed = chunk_pos * saved_world  # sequences of the current file all ranks consumed
+        chunk_pos = -(-consumed // self.world)
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
         self._file_pos, self._chunk_pos = file_pos, chunk_pos
         self._order_cache = {}
+        return chunk_pos * self.world - consumed

@@ -85,14 +85,14 @@ E4M3_M_NEEDS_SR = (
     "baseline has no block-scaled e4m3 writer")
 
 
-def _piece_blocks(p: Piece) -> int:
+def piece_blocks(p: Piece) -> int:
     """e4m3 m blocks (scales) of a piece: the 128-element tensor blocks it touches."""
     return -(-(p.tensor_offset + p.numel) // M_BLOCK) - p.tensor_offset // M_BLOCK
 
 
 def group_m_scales(group: Group, world: int) -> int:
     """fp32 scales an e4m3 m shard of `group` has on every rank: the most any rank needs."""
-    return max(sum(_piece_blocks(p) for p in group.shard_pieces(r, world)) for r in range(world))
+    return max(sum(piece_blocks(p) for p in group.shard_pieces(r, world)) for r in range(world))
 
 
 def staging_capacity(layout: FlatLayout, m_dtype: str = "fp32") -> int:
@@ -269,7 +269,7 @@ class ShardedAdamW:
     def _item(self, g: Group, pieces: list[Piece], lo: int, hi: int, last: bool) -> _Item:
         calls, s_off = [], 0
         for p in pieces:
-            nblk = _piece_blocks(p) if self.m_e4m3 else 0
+            nblk = piece_blocks(p) if self.m_e4m3 else 0
             a, b = max(p.shard_offset, lo), min(p.shard_offset + p.numel, hi)
             if a < b:
                 cuts = [a, b]

@@ -241,7 +241,9 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
     built with)."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
-    layout = layout if layout is not None and layout.world == world else FlatLayout(cfg, world)
+    # hybrid sharding (--shard-group-size): state is cut across the shard group, not the world
+    shards = opts.shard_group_size if 0 < opts.shard_group_size <= world else world
+    layout = layout if layout is not None and layout.world == shards else FlatLayout(cfg, shards)
     if compiled is None:
         compiled = opts.compile == "on" or (opts.compile == "auto" and device == "cuda")
     matmul = opts.effective_matmul_dtype

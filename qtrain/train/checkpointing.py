@@ -8,13 +8,28 @@ the options that change the math. Stochastic rounding needs no saved state: its 
 
 An e4m3 first moment (--opt-m-dtype e4m3) is saved as it is kept: the float8 codes under the group keys and
 the fp32 block scales under `<group>.scales`, both in the `adam.m` file (`ShardedAdamW.state_tensors`); the
-resumed run reads back the same bits. A checkpoint only resumes with the world size that wrote it (weights
-and moments are per-rank shards); for an e4m3 m that would stay so even with resharding, because its
-blocks are cut by the shard boundaries (`parallel/optimizer.py`): re-quantizing m for other cuts would
-change the run.
+resumed run reads back the same bits.
+
+Another world size (a checkpoint of N ranks resumed on M, `parallel/reshard.py`): the shards are resharded on
+load. Weights and fp32/bf16 moments are exact (the group content does not depend on the world size, only its
+padding does); an e4m3 m keeps every block whose extent is unchanged bit for bit and requantizes the blocks a
+shard boundary of either world size cuts (within half an e4m3 step). The loader's position is carried as the
+global number of sequences consumed (`TokenLoader.load_state_dict`), so the same global batch (batch x
+grad-accumulation x ranks) continues with the same sequences. Resharding reads the shards of every old rank.
+
+Where the shard files go (multi-node): every rank writes its own shards into the step's temp directory and
+leaves a marker there; once all have written, each rank lists the markers it sees. Ranks that see each other
+share a directory: the lowest of them commits it (meta + rename). With a checkpoint directory shared by all
+nodes that is rank 0 alone and the checkpoint is complete; with a directory local to each node, each node
+commits its own copy, holding its ranks' shards (`distributed.ranks` in the meta says which). Such a
+checkpoint resumes only with the same ranks on the same nodes (each rank reads its own files); on load every
+rank checks the files it needs and a missing one is reported with the rank, host and the way out (copy the
+nodes' shard files into one directory).
 """
 from __future__ import annotations
 
+import socket
+from pathlib import Path
 from typing import Any
 
 from qtrain.data.loader import TokenLoader
@@ -23,11 +38,14 @@ from safetensors import SafetensorError
 from qtrain.fsio import describe_write_error, ensure_free_space, fault_point, owner_tag
 from qtrain.model.config import ConfigError, ModelConfig
 from qtrain.observe.log import RunLogger
+from qtrain.parallel.layout import FlatLayout
+from qtrain.parallel.reshard import reshard_state
 from qtrain.train import checkpoint_io as cio
 from qtrain.train.checkpoint_io import CheckpointError
 from qtrain.train.trainer import Trainer
 
-__all__ = ["CheckpointError", "FORMAT_VERSION", "find", "save", "load", "check_compatible", "newest_finite"]
+__all__ = ["CheckpointError", "FORMAT_VERSION", "find", "save", "load", "check_compatible", "missing_files",
+           "newest_finite"]
 
 FORMAT_VERSION = 1
 # options that must match for a resume to continue the same run
@@ -76,14 +94,33 @@ def _agree(ctx, err: str | None) -> str | None:
     return next((e for e in errs if e), None)
 
 
+def _shard_files(kinds: tuple[str, ...], ranks: range | list[int], world: int) -> list[str]:
+    return [_stem(kind, r, world) for kind in kinds for r in ranks]
+
+
+STATE_KINDS = ("weights", "adam.m", "adam.v")
+_MARKER = ".rank_{:03d}"  # left by each rank in the temp directory: who can see whose files
+
+
+def _directory_sharers(tmp: Any, ctx) -> list[int]:
+    """The ranks whose markers this rank sees in `tmp` (after every rank has left its own): the ranks that
+    share this checkpoint directory."""
+    try:
+        return sorted(int(p.name[len(".rank_"):]) for p in tmp.glob(".rank_*")) if tmp is not None else [ctx.rank]
+    except (OSError, ValueError):
+        return [ctx.rank]
+
+
 def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *, keep_n: int = -1,
          major: int = -1, run: dict[str, Any] | None = None, nonfinite_streak: int = 0) -> str:
-    """Write this step's checkpoint (every rank its shards, rank 0 the meta), then apply keep-n. Free space is
-    checked against the checkpoint's size first; a failed write removes its temp directory. Errors are
-    agreed across ranks, so every rank raises the same CheckpointError instead of waiting for the others."""
+    """Write this step's checkpoint (every rank its shards; in each directory the lowest rank writing there
+    the meta: rank 0 alone when the directory is shared), then apply keep-n. Free space is checked against
+    the checkpoint's size first; a failed write removes its temp directory. Errors are agreed across ranks,
+    so every rank raises the same CheckpointError instead of waiting for the others."""
     ctx, step = trainer.ctx, trainer.steps_done
+    shard, shards = trainer.comm.rank, trainer.comm.world  # hybrid sharding: the shard group's rank and size
     tag = ctx.broadcast_object(owner_tag())
-    files = {_stem(kind, ctx.rank, ctx.world): {k: t.detach().contiguous().cpu() for k, t in tensors.items()}
+    files = {_stem(kind, shard, shards): {k: t.detach().contiguous().cpu() for k, t in tensors.items()}
              for kind, tensors in trainer.state_tensors().items()}
     nbytes = sum(t.numel() * t.element_size() for f in files.values() for t in f.values())
     need = (sum(ctx.all_gather_object(nbytes)) if ctx.world > 1 else nbytes) + META_SLACK
@@ -98,52 +135,82 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
     tmp = None
     try:
         tmp = cio.begin(ckpt_dir, step, tag=tag)
-        cio.write_files(tmp, files)
-    except (OSError, SafetensorError) as e:
+        if ctx.world > 1:
+            (tmp / _MARKER.format(ctx.rank)).touch()
+    except OSError as e:
         err = f"writing the checkpoint of step {step} to {tmp or ckpt_dir} failed: {describe_write_error(e)}"
-    if (err := _agree(ctx, err)) is not None:
-        if ctx.is_main and tmp is not None:
+    err = _agree(ctx, err)  # the point after which every rank's marker is there
+    here = _directory_sharers(tmp, ctx) if ctx.world > 1 else [0]
+    committer = ctx.rank == min(here, default=ctx.rank)
+    # a shard is written once per directory: by the lowest rank there holding it (hybrid: several do)
+    if err is None and not any(r < ctx.rank and r % shards == shard for r in here):
+        try:
+            cio.write_files(tmp, files)
+        except (OSError, SafetensorError) as e:
+            err = f"writing the checkpoint of step {step} to {tmp} failed: {describe_write_error(e)}"
+        err = _agree(ctx, err)
+    elif err is None:
+        err = _agree(ctx, None)
+    if err is not None:
+        if committer and tmp is not None:
             cio.remove_tree_quietly(tmp)
         raise CheckpointError(err)
+    meta = None
     if ctx.is_main:
         meta = {
             "version": FORMAT_VERSION,
             "step": step,
             "run": dict(run or {}),
             "nonfinite_streak": int(nonfinite_streak),
-            "distributed": {"world": ctx.world},
             "data_loader": loader.state_dict(),
             "logger": log.state_dict(),
             "options": {k: getattr(trainer.opts, k) for k in _MUST_MATCH},
             "model": trainer.cfg.to_hf_dict(),
             "tokenizer": trainer.tokenizer,  # what `qtrain export` puts beside the weights
         }
+    meta = ctx.broadcast_object(meta)
+    if committer:
+        meta["distributed"] = {"world": shards}
+        if ctx.world > shards:
+            meta["distributed"]["replicas"] = ctx.world // shards
+        held = sorted({r % shards for r in here})
+        if len(held) < shards:  # a directory not shared by all ranks: say whose shards it holds
+            meta["distributed"].update(ranks=held, host=socket.gethostname())
         try:
+            for r in here:
+                (tmp / _MARKER.format(r)).unlink(missing_ok=True)
             cio.commit(tmp, final, meta)
         except OSError as e:
             cio.remove_tree_quietly(tmp)
             err = f"committing the checkpoint of step {step} to {final} failed: {describe_write_error(e)}"
     if (err := _agree(ctx, err)) is not None:
         raise CheckpointError(err)
-    if ctx.is_main:
+    if committer:
         protect = [p] if (p := newest_finite(ckpt_dir)) else []
         removed = cio.clean_old_checkpoints(ckpt_dir, keep_n, major, protect=protect) if keep_n >= 0 else []
         fault_point("ckpt.saved")
-        log.message(f"saved checkpoint {final}" + (f" (removed {len(removed)} old)" if removed else ""), step=step)
+        if ctx.is_main:
+            log.message(f"saved checkpoint {final}" + (f" (removed {len(removed)} old)" if removed else ""),
+                        step=step)
     ctx.barrier()
     return str(final)
 
 
 def check_compatible(path: str, meta: dict[str, Any], cfg: ModelConfig, opts: Any, world: int) -> None:
     """Whether the checkpoint at `path` (its meta) can resume a run of `cfg` with `opts` on `world` ranks;
-    CheckpointError naming the difference otherwise. Needs no model: the preflight calls it."""
-    written = meta.get("distributed", {}).get("world")
-    if written != world:
-        why = ("resharding across world sizes is not supported yet" + (
-            "; with --opt-m-dtype e4m3 it could not be bit-exact either: m's block scales are cut by the shard "
-            "boundaries of the world size that wrote them" if opts.opt_m_dtype == "e4m3" else ""))
-        raise CheckpointError(f"{path}: written by {written} rank(s), this run has {world}; resume with --gpus "
-                              f"{written} ({why})")
+    CheckpointError naming the difference otherwise. Needs no model: the preflight calls it. Another world
+    size is fine (resharding) when the directory holds every rank's shards."""
+    dist_meta = meta.get("distributed", {})
+    written = dist_meta.get("world")
+    if not isinstance(written, int) or written < 1:
+        raise CheckpointError(f"{path}: {cio.META_FILE} has no world size (distributed.world)")
+    if written != world and "ranks" in dist_meta:
+        raise CheckpointError(
+            f"{path}: written by {written} rank(s) into a checkpoint directory local to each node (this one, on "
+            f"{dist_meta.get('host', '?')}, holds the shards of ranks {_ranges(dist_meta['ranks'])} only); this "
+            f"run has {world}: resharding reads every rank's shards. Copy the other nodes' "
+            f"{Path(path).name}/*.safetensors into this directory (and drop \"ranks\" from {cio.META_FILE}), "
+            f"or resume with {written} ranks on the same nodes")
     for k, v in meta.get("options", {}).items():
         if getattr(opts, k, v) != v:
             raise CheckpointError(f"{path}: checkpoint has --{k.replace('_', '-')}={v!r}, this run "
@@ -158,16 +225,57 @@ def check_compatible(path: str, meta: dict[str, Any], cfg: ModelConfig, opts: An
             raise CheckpointError(f"{path}: written for another model ({', '.join(diff)} differ from --model's config)")
 
 
+def _ranges(ranks: list[int]) -> str:
+    """'0-1, 4' for [0, 1, 4]."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(f"{start}-{r}" if r > start else str(r))
+            start = None
+    return ", ".join(out)
+
+
+def missing_files(path: str, meta: dict[str, Any], rank: int, world: int) -> str | None:
+    """None when the checkpoint directory holds every shard file rank `rank` of `world` reads (its own at the
+    same world size, every rank's when resharding); else the message naming what is missing and why."""
+    written = meta["distributed"]["world"]
+    ranks = [rank] if written == world else range(written)
+    missing = [f + ".safetensors" for f in _shard_files(STATE_KINDS, ranks, written)
+               if not (Path(path) / f"{f}.safetensors").is_file()]
+    if not missing:
+        return None
+    held = meta["distributed"].get("ranks")
+    why = (f"this directory holds the shards of ranks {_ranges(held)} (a checkpoint directory local to each node)"
+           if held is not None else "files deleted, or a checkpoint directory that is not shared by the nodes")
+    return (f"{path} on {socket.gethostname()}: rank {rank} of {world} needs {', '.join(missing[:4])}"
+            f"{f' and {len(missing) - 4} more' if len(missing) > 4 else ''}, which it does not have: {why}. Give "
+            f"every node the same directory (a shared filesystem), or copy the missing shard files there")
+
+
 def load(path: str, trainer: Trainer, *, train_loader: TokenLoader | None, logger: RunLogger | None) -> int:
-    """Restore trainer state (and loader / logger state when given); returns the step to continue from."""
+    """Restore trainer state (and loader / logger state when given); returns the step to continue from.
+    A checkpoint of another world size is resharded (module docstring)."""
     meta, files = cio.read_checkpoint(path)
-    ctx = trainer.ctx
-    check_compatible(path, meta, trainer.cfg, trainer.opts, ctx.world)
+    ctx, shard, shards = trainer.ctx, trainer.comm.rank, trainer.comm.world
+    check_compatible(path, meta, trainer.cfg, trainer.opts, shards)
+    if (err := _agree(ctx, missing_files(path, meta, shard, shards))) is not None:
+        raise CheckpointError(err)
     world = meta["distributed"]["world"]
-    state = {kind: files.load(_stem(kind, ctx.rank, world)) for kind in ("weights", "adam.m", "adam.v")}
+    if world == shards:
+        state = {kind: files.load(_stem(kind, shard, world)) for kind in STATE_KINDS}
+    else:
+        state = reshard_state(FlatLayout(trainer.cfg, world), trainer.layout, shard, STATE_KINDS,
+                              lambda kind, q, key: files.get(_stem(kind, q, world), key))
     trainer.load_state_tensors(state, int(meta["step"]))
+    skipped = 0
     if train_loader is not None:
-        train_loader.load_state_dict(meta["data_loader"])
+        skipped = train_loader.load_state_dict(meta["data_loader"])
     if logger is not None and "logger" in meta:
         logger.load_state_dict(meta["logger"])
+    if logger is not None and world != shards:
+        logger.message(f"resumed a checkpoint sharded {world} way(s) on {shards}: weights and Adam state resharded"
+                       + (f"; the data position was rounded up to the new world size ({skipped} sequence(s) "
+                          f"skipped)" if skipped else ""), step=int(meta["step"]))
     return int(meta["step"])

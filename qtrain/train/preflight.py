@@ -25,6 +25,7 @@ from qtrain.model.hf_io import check_hf_weights
 from qtrain.model.resolve import resolve_model
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.dist import DeviceError, check_device
+from qtrain.parallel.groups import check_group_size
 from qtrain.train import checkpoint_io as cio
 from qtrain.train import checkpointing, run_dir
 
@@ -103,7 +104,7 @@ def check_resume(opts: Options, cfg: ModelConfig, world: int, paths: run_dir.Run
         note = f"--continue: no checkpoint in {paths.ckpt_dir} yet; starting from scratch"
     else:
         meta, _ = cio.read_checkpoint(path)
-        checkpointing.check_compatible(path, meta, cfg, opts, world)
+        checkpointing.check_compatible(path, meta, cfg, opts, check_group_size(opts.shard_group_size, world))
         run_id = (meta.get("run") or {}).get("id") or (
             found.ckpt_run if found.ckpt_run not in (None, run_dir.LEGACY) else run_dir.new_run_id())
         note = None
@@ -125,6 +126,7 @@ def preflight(opts: Options, *, world: int, local_procs: int | None = None) -> P
     """Run every check (see the module docstring); `local_procs` is the processes of this machine (default
     `world`). Raises the first problem found as a ValueError of qtrain."""
     opts.validate()
+    check_group_size(opts.shard_group_size, world)
     check_device(opts.device)
     if _device_type(opts) == "cuda":
         import torch

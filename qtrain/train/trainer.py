@@ -30,7 +30,7 @@ from qtrain.model.resolve import resolve_model
 from qtrain.model.transformer import FP8_MATRICES, RunOptions, Transformer
 from qtrain.observe.absmax import AbsMaxRecorder, weight_abs_maxes
 from qtrain.options import Options, OptionsError
-from qtrain.parallel.comm import Communicator
+from qtrain.parallel.groups import make_shard_groups
 from qtrain.parallel.dist import DistContext, init_distributed
 from qtrain.parallel.gradients import make_gradient_manager
 from qtrain.parallel.layout import FlatLayout
@@ -59,8 +59,14 @@ class Trainer:
         # the master weights, their gradient sums and what the optimizer updates: fp32 under a bf16 model with
         # --master-dtype fp32 (the model then reads a bf16 copy made once per step: parallel/weights/cast.py)
         self.master_dtype = DTYPES[opts.effective_master_dtype]
-        self.layout = FlatLayout(self.cfg, self.ctx.world)  # one flat buffer per group (parallel/layout.py)
-        self.comm = Communicator(device=self.device) if self.ctx.distributed else Communicator.solo(self.device)
+        # the ranks the state is sharded across: all (flat), or groups of --shard-group-size (parallel/groups.py)
+        if opts.shard_group_size and opts.shard_group_size != self.ctx.world and opts.offload_gradients:
+            raise OptionsError("--offload-gradients with --shard-group-size below the number of ranks is not "
+                               "supported yet (the gradient shards are averaged across groups on the device)")
+        self.groups = make_shard_groups(opts.shard_group_size, rank=self.ctx.rank, world=self.ctx.world,
+                                        device=self.device)
+        self.comm = self.groups.shard
+        self.layout = FlatLayout(self.cfg, self.comm.world)  # one flat buffer per group (parallel/layout.py)
 
         # --matmul-dtype e4m3: which block linears run in FP8 for this micro-batch shape (--fp8-policy)
         self.fp8 = choose_fp8(self.cfg, opts.batch_size * opts.seq_len, opts.fp8_policy, opts.fp8_min_size) \
@@ -189,6 +195,7 @@ class Trainer:
         if self.micro != o.grad_accumulation:
             raise RuntimeError(f"update() after {self.micro} micro-steps; expected --grad-accumulation="
                                f"{o.grad_accumulation}")
+        self.groups.reduce_replicas(self.layout, self.grads)  # hybrid sharding: average the shards across groups
         norm_t = self.optimizer.grad_norm(self.grads)
         loss_t = self.ctx.all_reduce_sum(self._loss.clone()) / self.ctx.world
         # The update is queued before the host reads the norm: clipping factor and the skip on a non-finite
@@ -262,7 +269,9 @@ class Trainer:
             if src.shape != dst.shape:
                 raise ValueError(f"checkpoint weights[{g.key}]: shape {tuple(src.shape)} != {tuple(dst.shape)}")
             dst.copy_(src)
-            if self.ctx.distributed and not self.sharded_weights:
+            if self.groups.hybrid and not self.sharded_weights:
+                self.comm.all_gather(self.param_buffers[g.key], dst.clone()).wait()
+            elif self.ctx.distributed and not self.sharded_weights:
                 self.ctx.all_gather_into_tensor(self.param_buffers[g.key], dst)
         self.weights.invalidate()
         self.optimizer.load_state_tensors({k: state[k] for k in ("adam.m", "adam.v")}, step)

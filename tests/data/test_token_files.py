@@ -186,8 +186,43 @@ def test_state_dict_resume_gives_identical_batches(tmp_path: Path) -> None:
     assert resumed.seed == 3 and resumed.progress == pytest.approx(progress) and 0 < progress < 1
     for ex, got in zip(expected, (resumed.next_batch(3) for _ in range(12))):
         assert torch.equal(ex[0], got[0]) and torch.equal(ex[1], got[1])
-    with pytest.raises(DataError, match="world size"):
-        TokenLoader(files, 8, world=1).load_state_dict(state)
+    with pytest.raises(DataError, match="chunk_index -1 is negative"):
+        TokenLoader(files, 8, world=1).load_state_dict({**state, "chunk_index": -1})
+
+
+def _global_batches(files: list[str], world: int, global_batch: int, steps: int, state: dict | None = None
+                    ) -> tuple[list[set[int]], dict, int]:
+    """The global batches (sets of chunk first tokens) that `world` ranks serve in `steps` steps, each rank
+    taking global_batch / world sequences a step (from `state` if given); also rank 0's state after them and
+    the sequences the resume skipped."""
+    loaders = [TokenLoader(files, 8, seed=3, rank=r, world=world) for r in range(world)]
+    skipped = {ld.load_state_dict(dict(state)) for ld in loaders} if state is not None else {0}
+    out = []
+    for _ in range(steps):
+        out.append({int(x) for ld in loaders for x in ld.next_batch(global_batch // world)[0][:, 0]})
+    return out, loaders[0].state_dict(), skipped.pop()
+
+
+@pytest.mark.parametrize("old,new", [(2, 1), (1, 2), (2, 4), (4, 2)], ids=lambda x: str(x))
+def test_position_carries_across_world_sizes_as_global_sequences(tmp_path: Path, old: int, new: int) -> None:
+    """A state saved by `old` ranks resumed on `new`: the same global batches as the uninterrupted `old`-rank
+    run until its current file ends (one big file here: 60 chunks, 12 steps of 4), and `skipped` is 0."""
+    files = _files(tmp_path, [8 * 60 + 1])
+    ref, _, _ = _global_batches(files, old, 4, 12)
+    _, state, _ = _global_batches(files, old, 4, 5)
+    assert state["world"] == old and state["chunk_index"] == 5 * 4 // old
+    resumed, _, skipped = _global_batches(files, new, 4, 7, state)
+    assert skipped == 0 and resumed == ref[5:]
+    # and the batches are the shuffled order's next runs of 4 (not the same batch again, not a gap)
+    assert len(set().union(*ref)) == 48
+
+
+def test_position_not_on_the_new_world_grid_skips_fewer_than_world(tmp_path: Path) -> None:
+    """3 ranks stopped after 1 sequence each of a file (3 consumed); 2 ranks resume at 4: one skipped."""
+    files = _files(tmp_path, [8 * 30 + 1])
+    loader = TokenLoader(files, 8, seed=3, rank=0, world=2)
+    assert loader.load_state_dict({"seed": 3, "epoch": 0, "file_index": 0, "chunk_index": 1, "world": 3}) == 1
+    assert loader.state_dict()["chunk_index"] == 2
 
 
 def test_eval_iteration_in_order(tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ kernel so that every call starts on a block. Claims checked here, bit for bit:
   in the cut blocks they may differ (each part has its own scale) -- the one place the world size shows;
 * a run resumed from a checkpoint (codes and scales in the `adam.m` file) gives bit-identical losses and
   weights to an uninterrupted one, in 1 process (`qtrain train --continue`) and in 2 (Trainer API, sharded
-  weights and offloaded state); a different world size is refused naming --opt-m-dtype e4m3.
+  weights and offloaded state); a checkpoint claiming more ranks than it has files for is refused naming
+  the missing files (resharding to another world size: tests/parallel/test_reshard.py).
 The convergence check (final eval loss within 2% of fp32 states) lives in tests/test_numerics_convergence.py;
 Trainer-level offload equality in 1 and 2 processes in tests/test_offload_optimizer.py.
 """
@@ -373,8 +374,8 @@ def test_two_process_resume_is_bitwise_equal(gloo):
     assert m0["block.0"].dtype == torch.float8_e4m3fn and m0["block.0" + SCALES_SUFFIX].dtype == torch.float32
 
 
-# ---- (d) resume, one process, through the CLI; another world size is refused -----------------------------
-def test_cli_resume_is_bitwise_equal_and_other_world_refused(tmp_path, monkeypatch):
+# ---- (d) resume, one process, through the CLI; missing shard files are refused -------------------------------
+def test_cli_resume_is_bitwise_equal_and_missing_shards_refused(tmp_path, monkeypatch):
     from qtrain.cli.main import main
     from qtrain.data.token_files import write_token_file
     from qtrain.observe.log import read_log
@@ -399,7 +400,8 @@ def test_cli_resume_is_bitwise_equal_and_other_world_refused(tmp_path, monkeypat
     a, b = load_file("full/model.safetensors"), load_file("resumed/model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
-    # the same checkpoint claimed by 2 ranks: refused before anything is read, naming the option
+    # the same checkpoint claimed by 2 ranks (resharding would read rank 1's files, which are not there):
+    # refused before anything is read, naming the missing files
     meta_path = tmp_path / "ckpt" / "step_00000003" / "checkpoint.json"
     meta = json.loads(meta_path.read_text())
     meta["distributed"]["world"] = 2
@@ -407,7 +409,7 @@ def test_cli_resume_is_bitwise_equal_and_other_world_refused(tmp_path, monkeypat
     opt = Options(model="model", from_scratch=True, device="cpu", compile="off", seed=5, model_dtype="bf16",
                   opt_m_dtype="e4m3", opt_v_dtype="bf16", batch_size=2, seq_len=32, grad_accumulation=2)
     tr = Trainer(opt.validate())
-    with pytest.raises(checkpointing.CheckpointError, match="--opt-m-dtype e4m3") as e:
+    with pytest.raises(checkpointing.CheckpointError, match="needs weights.shard_000_of_002.safetensors") as e:
         checkpointing.load(str(meta_path.parent), tr, train_loader=None, logger=None)
-    assert "written by 2 rank(s)" in str(e.value) and "--gpus 2" in str(e.value)
+    assert "rank 0 of 1" in str(e.value) and "adam.m.shard_001_of_002.safetensors" in str(e.value)
     assert os.path.isdir(tmp_path / "ckpt" / "step_00000003")

@@ -518,8 +518,11 @@ RUN_CASES = [
          r"step_00000004: written for another model \(intermediate_size differ",
          lambda root: (shutil.copytree(root / "model", root / "model2"),
                        _edit_json(root / "model2" / "config.json", intermediate_size=128))),
-    Case("continue-other-world", train(**DONE, extra=("--continue", "--gpus", "2")),
-         r"step_00000004: written by 1 rank\(s\), this run has 2; resume with --gpus 1"),
+    Case("continue-other-world-local-dir", train(**DONE, extra=("--continue",)),
+         r"step_00000004: written by 2 rank\(s\) into a checkpoint directory local to each node \(this one, on "
+         r"nodeA, holds the shards of ranks 0 only\); this run has 1: resharding reads every rank's shards",
+         lambda root: _edit_json(root / "ckpt" / "done" / "step_00000004" / "checkpoint.json",
+                                 distributed={"world": 2, "ranks": [0], "host": "nodeA"})),
     Case("export-missing-step", cmd("export", "--checkpoint-dir", "{root}/ckpt/done", "--out-dir", "{root}/x", "--step",
                                     "3"), r"--checkpoint-dir .*done: no checkpoint of step 3 \(it has steps 2, 4\)"),
     Case("export-missing-dir", cmd("export", "--checkpoint-dir", "{root}/nope", "--out-dir", "{root}/x"),

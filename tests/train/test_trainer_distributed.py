@@ -15,8 +15,9 @@ that sees the same GLOBAL batch:
 Checks: the same losses, gradient norms and final weights as the single process (tolerances below);
 identical weights on every rank after every step; the sharded state per rank is 1/W of the unsharded
 (gradient manager `memory()`/`shard_nbytes()`, optimizer `state_nbytes()`); a 2- or 4-rank run resumed from
-a checkpoint it wrote gives bit-identical losses, norms and weights to the uninterrupted run; resuming with
-another world size and --offload-gradients without sharding are refused with messages that say why.
+a checkpoint it wrote gives bit-identical losses, norms and weights to the uninterrupted run; one process
+resumes it with the global batch (resharding) like the single process; --offload-gradients without sharding is
+refused with a message that says why.
 
 Everything of one world size runs in one spawn (process start-up dominates the cost); the single-process
 references run on rank 0 of that spawn (one intra-op thread, like the ranks), before the others start.
@@ -211,14 +212,21 @@ def _rel_norm(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], w0: dict[s
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_trains_like_one_process_on_the_global_batch(dist_runs, dtype, manager):
     world, results = dist_runs
-    ref, wrong = results[0]["ref"][dtype], results[0]["wrong"][dtype]
+    ref = results[0]["ref"][dtype]
     run = results[0]["runs"][(dtype, *manager)]
     assert all(torch.equal(ref["w0"][k], run["w0"][k]) for k in ref["w0"]), "initial weights differ"
+    _check_like_reference(run["steps"], run["final"], ref, results[0]["wrong"][dtype], dtype)
+
+
+def _check_like_reference(steps: list[dict], final: dict[str, torch.Tensor], ref: dict, wrong: dict, dtype: str,
+                          first: int = 0) -> None:
+    """Losses and norms of `steps` (steps first, first+1, ...) and the `final` weights against the single
+    process on the global batch `ref`, to the tolerances of the module docstring."""
     loss_rtol, norm_rtol = (2e-5, 2e-5) if dtype == "fp32" else (2 ** -7, 3e-2)
-    for s, (a, r) in enumerate(zip(run["steps"], ref["steps"])):
+    for s, (a, r) in enumerate(zip(steps, ref["steps"][first:]), start=first):
         assert a["loss"] == pytest.approx(r["loss"], rel=loss_rtol), f"step {s} loss"
         assert a["norm"] == pytest.approx(r["norm"], rel=norm_rtol), f"step {s} gradient norm"
-    final, want, w0 = run["final"], ref["final"], ref["w0"]
+    want, w0 = ref["final"], ref["w0"]
     if dtype == "fp32":
         for k in want:
             err = float((final[k] - want[k]).norm())
@@ -298,14 +306,28 @@ def test_resume_under_sharding_is_bitwise_equal(dist_runs):
             assert all(torch.equal(resumed["final"][k], full["final"][k]) for k in full["final"])
 
 
-def test_resume_with_another_world_size_is_refused(dist_runs, model_dir):
+def _named(flat: torch.Tensor, world: int) -> dict[str, torch.Tensor]:
+    """Tensors by name from `flat_weights` of a `world`-rank trainer (its groups padded for that world)."""
+    layout = FlatLayout(CFG, world)
+    return layout.views(dict(zip([g.key for g in layout.groups], flat.split([g.padded_numel for g in layout.groups]))))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_resume_on_one_rank_reshards(dist_runs, model_dir, dtype):
+    """W -> 1: one process resumes the W-rank checkpoint (sharded gradients) with the global batch: the weights
+    it loads are the W-rank run's bit for bit, and it continues like the single process on the global batch
+    (to the same tolerances as the W-rank run: fp32 sums in another order, so not bit for bit)."""
     world, results = dist_runs
-    path = results[0]["runs"][("bf16", "reduce-scatter", False)]["checkpoint"]
-    tr = Trainer(options(model_dir, "bf16", "reduce-scatter"), DistContext(rank=0, world=1, local_rank=0, device=CPU))
-    with pytest.raises(checkpointing.CheckpointError) as e:
-        checkpointing.load(path, tr, train_loader=None, logger=None)
-    msg = str(e.value)
-    assert f"written by {world} rank(s)" in msg and "this run has 1" in msg and f"--gpus {world}" in msg, msg
+    ranks = list(range(world))
+    run = results[0]["runs"][(dtype, "reduce-scatter", False)]
+    tr = Trainer(options(model_dir, dtype, "reduce-scatter", batch=B * world),
+                 DistContext(rank=0, world=1, local_rank=0, device=CPU))
+    assert checkpointing.load(run["checkpoint"], tr, train_loader=None, logger=None) == CKPT_AT
+    saved = _named(run["steps"][CKPT_AT - 1]["weights"], world)
+    assert all(torch.equal(p.float(), saved[k]) for k, p in tr.full_params().items())
+    steps = run_steps(tr, range(CKPT_AT, STEPS), ranks, ranks)
+    _check_like_reference(steps, named_weights(tr), results[0]["ref"][dtype], results[0]["wrong"][dtype], dtype,
+                          first=CKPT_AT)
 
 
 def test_offload_needs_sharded_gradients(model_dir):
