@@ -20,7 +20,7 @@ CFG = dict(model_type="qwen2", vocab_size=32000, hidden_size=256, intermediate_s
            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
 
 MEASURE = r"""
-import json, resource, sys
+import json, sys
 import torch
 torch.set_num_threads(1)
 from qtrain.model.config import ModelConfig
@@ -38,7 +38,9 @@ for step in range(2):
         x = torch.randint(0, cfg_d["vocab_size"], (tr.opts.batch_size, tr.opts.seq_len + 1), generator=g)
         tr.micro_step(x[:, :-1], x[:, 1:])
     tr.update(lr=1e-4)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM: this process image's peak (ru_maxrss would carry the forking parent's peak across exec: a large pytest
+# process made every measurement its own size in a full run)
+peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 print(json.dumps({"base": base, "plan": host_bytes(plan_for_trainer(tr)), "peak": peak}))
 """
 
