@@ -40,8 +40,10 @@ from pathlib import Path
 MODES: dict[str, list[str]] = {
     "fp32-master": ["--model-dtype", "bf16", "--master-dtype", "fp32"],
     "bf16-sr": ["--model-dtype", "bf16", "--opt-m-dtype", "bf16", "--opt-v-dtype", "bf16"],
-    "e4m3": ["--model-dtype", "bf16", "--opt-m-dtype", "bf16", "--opt-v-dtype", "bf16", "--matmul-dtype", "e4m3"],
-    "e4m3-m": ["--model-dtype", "bf16", "--opt-m-dtype", "e4m3", "--opt-v-dtype", "bf16", "--matmul-dtype", "e4m3"],
+    "e4m3": ["--model-dtype", "bf16", "--opt-m-dtype", "bf16", "--opt-v-dtype", "bf16", "--matmul-dtype", "e4m3",
+             "--fp8-policy", "all"],
+    "e4m3-m": ["--model-dtype", "bf16", "--opt-m-dtype", "e4m3", "--opt-v-dtype", "bf16", "--matmul-dtype", "e4m3",
+               "--fp8-policy", "all"],
     "bf16-rn": ["--model-dtype", "bf16", "--opt-m-dtype", "bf16", "--opt-v-dtype", "bf16",
                 "--no-stochastic-rounding"],
 }
