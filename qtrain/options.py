@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Iterable
 
+from qtrain.model.fp8_policy import DEFAULT_MIN_BLOCK_GFLOP as DEFAULT_FP8_MIN_BLOCK_GFLOP
 from qtrain.model.fp8_policy import DEFAULT_MIN_SIZE as DEFAULT_FP8_MIN_SIZE
 from qtrain.model.fp8_policy import FP8_POLICIES
 from qtrain.model.layers import SDPA_BACKENDS
@@ -73,13 +74,18 @@ class Options:
     grad_accum_dtype: str = ""
     """Weight-gradient buffers (the sums over micro-steps the optimizer reads): '' = the master dtype; bf16 with
     --master-dtype fp32 halves their bytes and adds stochastically rounded (the first micro-step's copy is exact)."""
-    fp8_policy: str = "all"
-    """With --matmul-dtype e4m3: which block linears run in FP8. all = the four (QKV, attention out, MLP up and
-    down); auto = only those whose GEMM is large enough for FP8 to pay (--fp8-min-size; the others stay in the
-    model dtype; the choice is logged at start; docs/precision.md)."""
+    fp8_policy: str = "auto"
+    """With --matmul-dtype e4m3: which block linears run in FP8. auto = only where FP8 pays: none when a block's
+    GEMMs per micro-step are too small to keep the GPU the bottleneck (--fp8-min-block-gflop: FP8's extra kernels
+    would slow a host-bound step), else those whose GEMM is large enough (--fp8-min-size); the others stay in the
+    model dtype and the choice is logged at start (docs/precision.md). all = the four (QKV, attention out, MLP up
+    and down) whatever the layout."""
     fp8_min_size: int = DEFAULT_FP8_MIN_SIZE
     """--fp8-policy auto's threshold on a linear's GEMM size M*N*K/(M*K+M*N+N*K) (M = batch x seq tokens, N, K its
     output / input features): FP8 at or above it."""
+    fp8_min_block_gflop: float = DEFAULT_FP8_MIN_BLOCK_GFLOP
+    """--fp8-policy auto's threshold on the GFLOP of one block's four linears per micro-step (6 x tokens x their
+    weights): below it no linear runs in FP8 (model/fp8_policy.py)."""
     gradient_dtype: str = ""
     """FP8 format of activation gradients with --matmul-dtype e4m3 (e4m3 or e5m2); '' = e4m3."""
     opt_m_dtype: str = "fp32"
@@ -340,10 +346,10 @@ class Options:
             value = getattr(self, name)
             if value or name not in EMPTY_MEANS_DEFAULT:
                 choice(name.replace("_", "-"), value, allowed)
-        if self.fp8_policy != "all" and self.effective_matmul_dtype != "e4m3":
-            raise err(f"--fp8-policy {self.fp8_policy} only applies with --matmul-dtype e4m3")
         if self.fp8_min_size < 0:
             raise err(f"--fp8-min-size must be >= 0, got {self.fp8_min_size}")
+        if not self.fp8_min_block_gflop >= 0:
+            raise err(f"--fp8-min-block-gflop must be >= 0, got {self.fp8_min_block_gflop}")
         if self.gradient_dtype and self.effective_matmul_dtype != "e4m3":
             raise err("--gradient-dtype only applies with --matmul-dtype e4m3")
         if self.model_dtype == "fp32" and (self.opt_m_dtype != "fp32" or self.opt_v_dtype != "fp32"):

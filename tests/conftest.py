@@ -33,3 +33,15 @@ def _token_scan_cache():
         os.environ.pop("QTRAIN_CACHE_DIR", None)
     else:
         os.environ["QTRAIN_CACHE_DIR"] = old
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_caches(request):
+    """GPU tests compare compiled runs bit for bit; torch.compile's per-function cache (8 entries by default)
+    fills up across a session's Trainers of different dtypes and options, after which dynamo runs the block
+    eagerly without a word, and one run of a pair would be compiled while the other is not. Each GPU test
+    starts with an empty cache, so its runs compile alike whatever ran before."""
+    if request.node.get_closest_marker("gpu") is not None:
+        import torch
+        torch._dynamo.reset()
+    yield

@@ -120,9 +120,12 @@ def test_fp32_master_under_a_bf16_model():
 
 def test_fp8_policy():
     Options(matmul_dtype="e4m3", fp8_policy="auto", fp8_min_size=0).validate()
-    _bad(("--fp8-policy auto", "--matmul-dtype e4m3"), fp8_policy="auto")
+    assert Options().fp8_policy == "auto"  # a policy without e4m3 matmuls is simply unused
+    Options(fp8_policy="all").validate()
     _bad(("--fp8-policy", "'some'", "must be one of"), matmul_dtype="e4m3", fp8_policy="some")
     _bad(("--fp8-min-size", "-1"), matmul_dtype="e4m3", fp8_policy="auto", fp8_min_size=-1)
+    _bad(("--fp8-min-block-gflop", "-1"), matmul_dtype="e4m3", fp8_min_block_gflop=-1.0)
+    _bad(("--fp8-min-block-gflop", "nan"), matmul_dtype="e4m3", fp8_min_block_gflop=float("nan"))
 
 
 def test_e4m3_first_moment_needs_bf16_second_moment():

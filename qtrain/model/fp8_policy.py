@@ -15,12 +15,28 @@ a micro-batch (batch x seq), N and K the linear's output and input features. Onc
 K the size depends on N and K only: small models' matrices (hidden 896 at Qwen2.5-0.5B) stay below the
 threshold however long the micro-batch, and a tiny micro-batch pulls every size down.
 
-`--fp8-policy all` (the default: every --matmul-dtype e4m3 run before this option) puts all four block linears
-in FP8; `auto` only those whose size reaches `--fp8-min-size` (default `DEFAULT_MIN_SIZE`), the others in the
-model dtype. The default threshold is set from the measurements of issue 21 (BENCHMARKS.md, `precision` suite):
-at M = 16384, e4m3 was 27% slower than bf16 at Qwen2.5-0.5B (sizes 436-781) and 22% faster at 1.5B
-(735-1303). It is a cost model with one constant: re-tune it from the suite's per-linear GEMM rows
-(`fp8-gemm` cases) and its whole-step rows. The trainer logs the choice at start (`Fp8Choice.describe`).
+The GEMM size is not the whole story. FP8 also adds host work: every FP8 linear launches quantization and
+abs-max kernels beside its GEMMs, and at small micro-batches the host, not the GPU, sets the step's pace (one
+H200, issue 21: Qwen2.5-1.5B at 4 x 1024 tokens spends 684 of 716 ms per step queueing work). There FP8 saves
+GPU time nobody waits for and adds host time everybody waits for: e4m3 with all four linears in FP8 ran 0.67x
+bf16 at 1.5B b4 and 0.79x at 0.5B b8, although the same linears ran 1.09x (0.5B) and 1.23x (1.5B) at b32. What
+separates the layouts that gain from those that lose is the GPU work one block does per micro-step, the
+*block GFLOP* `6 * M * sum(N * K)` over the four linears (forward and the two backward GEMMs): the host's cost
+per block is about constant (its launches), the GPU's grows with it. Measured (BENCHMARKS.md, issue 21):
+0.5B b16 1466 (all FP8 0.90x bf16), 1.5B b4 1150 (0.67x), 1.5B b8 2300, 0.5B b32 2931 (1.09x), 1.5B b16 4601
+(1.23x in session 4), 1.5B b32 9202 (1.23x); 7B at b4 already does 5730 per block.
+
+`--fp8-policy auto` (the default) therefore puts a linear in FP8 when both hold:
+  - the block's GFLOP per micro-step reach `--fp8-min-block-gflop` (default `DEFAULT_MIN_BLOCK_GFLOP`): the GPU,
+    not the host, is the bottleneck, so a faster GEMM shortens the step; otherwise no linear is in FP8 and the
+    run is the model-dtype run itself;
+  - its GEMM size reaches `--fp8-min-size` (default `DEFAULT_MIN_SIZE`): its GEMM saves more than its
+    quantization passes cost. At 0.5B b32 all four linears (sizes 442-800) gained together, so the default
+    keeps only matrices smaller than any measured model's (tiny models) out of FP8.
+`--fp8-policy all` puts all four block linears in FP8 whatever the layout (every --matmul-dtype e4m3 run before
+this option did) and says at start which ones `auto` would keep in bf16. Both constants were measured on one
+H200 with its host (a faster host moves the block threshold down): re-tune them from the `precision-1gpu`
+suite's whole-step rows. The trainer logs the choice at start (`Fp8Choice.describe`).
 """
 from __future__ import annotations
 
@@ -29,7 +45,8 @@ from dataclasses import dataclass
 from qtrain.model.config import ModelConfig
 
 FP8_POLICIES = ("all", "auto")
-DEFAULT_MIN_SIZE = 800
+DEFAULT_MIN_SIZE = 400
+DEFAULT_MIN_BLOCK_GFLOP = 2000
 LINEARS = ("qkv", "o", "up", "down")  # = transformer.FP8_MATRICES (kept here so this module imports no model code)
 
 
@@ -45,6 +62,12 @@ def gemm_size(m: int, n: int, k: int) -> float:
     return m * n * k / (m * k + m * n + n * k)
 
 
+def block_gflop(cfg: ModelConfig, tokens: int) -> float:
+    """GFLOP of one block's four linears per micro-step of `tokens` tokens: forward, input and weight gradients
+    (6 * M * N * K each linear; attention's own matmuls are left out, the same in bf16 and FP8)."""
+    return 6 * sum(m * n * k for m, n, k in gemm_shapes(cfg, tokens).values()) / 1e9
+
+
 @dataclass(frozen=True)
 class Fp8Choice:
     """The block linears in FP8 (`fp8`) and in the model dtype (`plain`) for one micro-batch shape."""
@@ -54,29 +77,40 @@ class Fp8Choice:
     tokens: int
     policy: str
     min_size: int
+    gflop: float = 0.0  # block_gflop of this micro-batch
+    min_gflop: float = 0.0
 
     def describe(self) -> str:
         """One line for the run's start: what runs in FP8 and why the others do not."""
         head = f"fp8 policy {self.policy}: e4m3 for {'/'.join(self.fp8) or 'none of the block linears'}"
         if self.policy == "all":
+            if self.gflop < self.min_gflop:
+                return head + (f" (--fp8-policy auto would run none in FP8: a block's linears do {self.gflop:.0f} "
+                               f"GFLOP per micro-step, below --fp8-min-block-gflop {self.min_gflop:g})")
             low = [n for n in LINEARS if self.sizes[n] < self.min_size]
             return head + (f" (--fp8-policy auto would keep {'/'.join(low)} in bf16: GEMM size "
                            f"{', '.join(f'{self.sizes[n]:.0f}' for n in low)} < --fp8-min-size {self.min_size} "
                            f"at {self.tokens} tokens per micro-batch)" if low else "")
         if not self.plain:
             return head
+        if self.gflop < self.min_gflop:
+            return (head + f": a block's linears do {self.gflop:.0f} GFLOP per micro-step of {self.tokens} tokens, "
+                    f"below --fp8-min-block-gflop {self.min_gflop:g}: the host, not the GPU, sets the pace there, "
+                    f"so FP8's extra kernels would slow the step; the run is the model-dtype run")
         return (head + f"; bf16 for {'/'.join(self.plain)} because their GEMM size (MNK/(MK+MN+NK): "
                 f"{', '.join(f'{self.sizes[n]:.0f}' for n in self.plain)}) is below --fp8-min-size "
                 f"{self.min_size} at {self.tokens} tokens per micro-batch: quantizing would cost more than the "
                 f"FP8 GEMM saves")
 
 
-def choose_fp8(cfg: ModelConfig, tokens: int, policy: str = "all", min_size: int = DEFAULT_MIN_SIZE) -> Fp8Choice:
+def choose_fp8(cfg: ModelConfig, tokens: int, policy: str = "auto", min_size: int = DEFAULT_MIN_SIZE,
+               min_block_gflop: float = DEFAULT_MIN_BLOCK_GFLOP) -> Fp8Choice:
     """Which block linears run in FP8 under `policy` ('all' or 'auto', module docstring) for micro-batches of
     `tokens` tokens."""
     if policy not in FP8_POLICIES:
         raise ValueError(f"fp8 policy must be one of {', '.join(FP8_POLICIES)}, got {policy!r}")
     sizes = {n: gemm_size(*s) for n, s in gemm_shapes(cfg, tokens).items()}
-    fp8 = tuple(n for n in LINEARS if policy == "all" or sizes[n] >= min_size)
+    gflop = block_gflop(cfg, tokens)
+    fp8 = tuple(n for n in LINEARS if policy == "all" or (gflop >= min_block_gflop and sizes[n] >= min_size))
     return Fp8Choice(fp8=fp8, plain=tuple(n for n in LINEARS if n not in fp8), sizes=sizes, tokens=tokens,
-                     policy=policy, min_size=min_size)
+                     policy=policy, min_size=min_size, gflop=gflop, min_gflop=min_block_gflop)

@@ -69,7 +69,8 @@ class Trainer:
         self.layout = FlatLayout(self.cfg, self.comm.world)  # one flat buffer per group (parallel/layout.py)
 
         # --matmul-dtype e4m3: which block linears run in FP8 for this micro-batch shape (--fp8-policy)
-        self.fp8 = choose_fp8(self.cfg, opts.batch_size * opts.seq_len, opts.fp8_policy, opts.fp8_min_size) \
+        self.fp8 = choose_fp8(self.cfg, opts.batch_size * opts.seq_len, opts.fp8_policy, opts.fp8_min_size,
+                              opts.fp8_min_block_gflop) \
             if opts.effective_matmul_dtype == "e4m3" else None
         # replicated weights: `params` are views into the full `param_buffers`; sharded weights
         # (--shard-weights / --zero-level 3): only this rank's shards, and both are None

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qtrain.model.config import ModelConfig
-from qtrain.model.fp8_policy import choose_fp8, gemm_shapes, gemm_size
+from qtrain.model.fp8_policy import block_gflop, choose_fp8, gemm_shapes, gemm_size
 from qtrain.options import Options
 from qtrain.parallel.weights.quantized import QuantizedWeights
 from qtrain.train.trainer import Trainer
@@ -32,17 +32,35 @@ def test_gemm_sizes_and_the_rule():
     assert gemm_size(64, 64, 64) == pytest.approx(64 / 3)
     assert gemm_size(64, 128, 64) == 64 * 128 * 64 / (64 * 64 + 64 * 128 + 128 * 64)
     assert choose_fp8(CFG, B * T, "all").fp8 == ("qkv", "o", "up", "down")
-    c = choose_fp8(CFG, B * T, "auto", MIXED)
+    c = choose_fp8(CFG, B * T, "auto", MIXED, 0)
     assert c.fp8 == ("qkv", "up") and c.plain == ("o", "down")
-    assert choose_fp8(CFG, B * T, "auto", 24).fp8 == ("qkv", "up", "down")  # a size equal to the threshold: FP8
-    assert choose_fp8(CFG, B * T, "auto", 0).fp8 == ("qkv", "o", "up", "down")
-    assert choose_fp8(CFG, B * T, "auto").fp8 == ()  # the default threshold: far above a tiny model's GEMMs
+    assert choose_fp8(CFG, B * T, "auto", 24, 0).fp8 == ("qkv", "up", "down")  # a size equal to the threshold: FP8
+    assert choose_fp8(CFG, B * T, "auto", 0, 0).fp8 == ("qkv", "o", "up", "down")
+    assert choose_fp8(CFG, B * T, "auto", MIXED).fp8 == ()  # the default block threshold: far above a tiny model's
+    assert choose_fp8(CFG, B * T).fp8 == ()  # auto is the default
     text = c.describe()
     assert "e4m3 for qkv/up" in text and "bf16 for o/down" in text and "21, 24" in text and "--fp8-min-size 25" in text
-    hint = choose_fp8(CFG, B * T, "all", MIXED).describe()
+    hint = choose_fp8(CFG, B * T, "all", MIXED, 0).describe()
     assert "e4m3 for qkv/o/up/down" in hint and "would keep o/down in bf16" in hint
     with pytest.raises(ValueError, match="fp8 policy"):
         choose_fp8(CFG, B * T, "some")
+
+
+def test_the_block_threshold_on_real_shapes():
+    """Qwen2.5-1.5B: a block's four linears hold 2048x1536 + 1536x1536 + 17920x1536 + 1536x8960 = 46,792,704
+    weights, 6 x 4096 x that = 1150 GFLOP per micro-step of 4 x 1024 tokens (host-bound on the H200: none in
+    FP8), 2300 at 8 x 1024 (all four: every GEMM size is above 400). 0.5B at 16 x 1024: 1466, none."""
+    from qtrain.model.config import preset
+    q15, q05 = preset("Qwen2.5-1.5B"), preset("Qwen2.5-0.5B")
+    assert block_gflop(q15, 4096) == pytest.approx(6 * 4096 * 46_792_704 / 1e9)
+    assert block_gflop(q15, 8192) == pytest.approx(2 * block_gflop(q15, 4096))
+    low, high = choose_fp8(q15, 4096), choose_fp8(q15, 8192)
+    assert low.fp8 == () and low.plain == ("qkv", "o", "up", "down")
+    assert high.fp8 == ("qkv", "o", "up", "down")
+    assert "1150 GFLOP" in low.describe() and "--fp8-min-block-gflop 2000" in low.describe()
+    assert "would run none in FP8" in choose_fp8(q15, 4096, "all").describe()
+    assert choose_fp8(q05, 16384).fp8 == () and choose_fp8(q05, 32768).fp8 == ("qkv", "o", "up", "down")
+    assert choose_fp8(q15, 4096, "auto", min_block_gflop=block_gflop(q15, 4096)).fp8 == ("qkv", "o", "up", "down")  # at: FP8
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +94,8 @@ def same(a: dict, b: dict) -> bool:
 @pytest.fixture(scope="module")
 def runs(model_dir) -> dict:
     return {"bf16": train(trainer(model_dir)),
-            "all": train(trainer(model_dir, matmul_dtype="e4m3")),
-            "mixed": train(trainer(model_dir, matmul_dtype="e4m3", fp8_policy="auto", fp8_min_size=MIXED))}
+            "all": train(trainer(model_dir, matmul_dtype="e4m3", fp8_policy="all")),
+            "mixed": train(trainer(model_dir, matmul_dtype="e4m3", fp8_policy="auto", fp8_min_size=MIXED, fp8_min_block_gflop=0))}
 
 
 def test_nothing_chosen_is_the_bf16_run(model_dir, runs):
@@ -87,11 +105,12 @@ def test_nothing_chosen_is_the_bf16_run(model_dir, runs):
 
 
 def test_everything_chosen_is_the_all_policy(model_dir, runs):
-    assert same(train(trainer(model_dir, matmul_dtype="e4m3", fp8_policy="auto", fp8_min_size=0)), runs["all"])
+    assert same(train(trainer(model_dir, matmul_dtype="e4m3", fp8_policy="auto", fp8_min_size=0,
+                                     fp8_min_block_gflop=0)), runs["all"])
 
 
 def test_a_mixed_choice_quantizes_exactly_the_chosen_matrices(model_dir, runs):
-    cached = trainer(model_dir, matmul_dtype="e4m3", fp8_policy="auto", fp8_min_size=MIXED, persistent_quants=True)
+    cached = trainer(model_dir, matmul_dtype="e4m3", fp8_policy="auto", fp8_min_size=MIXED, fp8_min_block_gflop=0, persistent_quants=True)
     assert isinstance(cached.weights, QuantizedWeights) and cached.weights.names == ("qkv", "up")
     assert same(train(cached), runs["mixed"])  # once-per-step copies of qkv/up == quantizing them in every call
     assert cached.weights.cache.misses == 2 * CFG.num_hidden_layers * STEPS  # two matrices per layer per step
@@ -99,7 +118,7 @@ def test_a_mixed_choice_quantizes_exactly_the_chosen_matrices(model_dir, runs):
 
 
 def test_sharded_persistent_quants_of_a_mixed_choice(model_dir, runs):
-    tr = trainer(model_dir, matmul_dtype="e4m3", fp8_policy="auto", fp8_min_size=MIXED, persistent_quants=True,
+    tr = trainer(model_dir, matmul_dtype="e4m3", fp8_policy="auto", fp8_min_size=MIXED, fp8_min_block_gflop=0, persistent_quants=True,
                  zero_level=3)
     assert tr.weights.quants.names == ("qkv", "up")
     assert same(train(tr), runs["mixed"])
@@ -111,7 +130,7 @@ def test_gpu_mixed_choice_compiled(model_dir):
     """Compiled blocks with qkv/up in FP8 and o/down in bf16 (the MLP as two linears, FP8 up then bf16 down): the
     same losses as the eager blocks, to compile's rounding, and the chosen linears really quantize (the run
     differs from the bf16 one by more than that)."""
-    kw = dict(device="cuda", matmul_dtype="e4m3", fp8_policy="auto", fp8_min_size=MIXED)
+    kw = dict(device="cuda", matmul_dtype="e4m3", fp8_policy="auto", fp8_min_size=MIXED, fp8_min_block_gflop=0)
     compiled, eager = train(trainer(model_dir, compile="on", **kw)), train(trainer(model_dir, compile="off", **kw))
     bf16 = train(trainer(model_dir, device="cuda", compile="off"))
     for c, e, b in zip(compiled["stats"], eager["stats"], bf16["stats"]):

@@ -75,9 +75,10 @@ VARIANTS = {
                            offload_master=True),
     "cached quants": dict(matmul_dtype="e4m3", persistent_quants=True),
     # --fp8-policy auto with qkv and up in FP8 at this shape (GEMM sizes: qkv 18.3, o 16, up 17.5, down 14.8)
-    "auto fp8 cached quants": dict(matmul_dtype="e4m3", persistent_quants=True, fp8_policy="auto", fp8_min_size=17),
+    "auto fp8 cached quants": dict(matmul_dtype="e4m3", persistent_quants=True, fp8_policy="auto", fp8_min_size=17,
+                                   fp8_min_block_gflop=0),
     "auto fp8 persistent quants": dict(shard_weights=True, matmul_dtype="e4m3", persistent_quants=True,
-                                       fp8_policy="auto", fp8_min_size=17),
+                                       fp8_policy="auto", fp8_min_size=17, fp8_min_block_gflop=0),
     "recompute block": dict(zero_level=2, recompute_block=True, offload_residual=True, model_dtype="fp32"),
 }
 ROWS = ("weights", "adam m", "adam v", "optimizer staging", "gradients")
@@ -217,7 +218,8 @@ def build_on_meta(opts: Options):
     """The components as the Trainer builds them, on a `meta` compute device (host buffers stay CPU tensors)."""
     layout, dtype, dev = FlatLayout(CFG, 4), DTYPES[opts.effective_master_dtype], torch.device("meta")
     if opts.weights_sharded:
-        fp8 = choose_fp8(CFG, opts.batch_size * opts.seq_len, opts.fp8_policy, opts.fp8_min_size).fp8
+        fp8 = choose_fp8(CFG, opts.batch_size * opts.seq_len, opts.fp8_policy, opts.fp8_min_size,
+                         opts.fp8_min_block_gflop).fp8
         weights = ShardedWeights(layout, comm=RankOf4(), dtype=dtype, device=dev, offload=opts.offload_master,
                                  compute_dtype=DTYPES[opts.model_dtype],
                                  quantized=fp8 if opts.persistent_quants else (),

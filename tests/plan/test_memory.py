@@ -384,7 +384,8 @@ def test_fp32_master_and_fp8_policy_in_the_plan():
     plain = plan_memory(cfg, Options(batch_size=4), gpu_memory=parse_bytes("141GiB"))
     assert mixed.device_total - plain.device_total == 2 * n + 2 * n + 2 * n  # master 4 vs 2 bytes, the copy, fp32 grads
     assert "bf16 on fp32 master" in mixed.format()
-    fp8 = {p: plan_memory(cfg, Options(matmul_dtype="e4m3", fp8_policy=p, batch_size=4, fp8_min_size=m))
+    fp8 = {p: plan_memory(cfg, Options(matmul_dtype="e4m3", fp8_policy=p, batch_size=4, fp8_min_size=m,
+                                   fp8_min_block_gflop=0))
            for p, m in (("all", 800), ("auto", 800))}
     assert "matmul e4m3 for up/down |" in fp8["auto"].format() and "matmul e4m3 |" in fp8["all"].format()
     acts = fp8["auto"].item("activations").device
