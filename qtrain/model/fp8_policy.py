@@ -22,9 +22,11 @@ GPU time nobody waits for and adds host time everybody waits for: e4m3 with all 
 bf16 at 1.5B b4 and 0.79x at 0.5B b8, although the same linears ran 1.09x (0.5B) and 1.23x (1.5B) at b32. What
 separates the layouts that gain from those that lose is the GPU work one block does per micro-step, the
 *block GFLOP* `6 * M * sum(N * K)` over the four linears (forward and the two backward GEMMs): the host's cost
-per block is about constant (its launches), the GPU's grows with it. Measured (BENCHMARKS.md, issue 21):
-0.5B b16 1466 (all FP8 0.90x bf16), 1.5B b4 1150 (0.67x), 1.5B b8 2300, 0.5B b32 2931 (1.09x), 1.5B b16 4601
-(1.23x in session 4), 1.5B b32 9202 (1.23x); 7B at b4 already does 5730 per block.
+per block is about constant (its launches), the GPU's grows with it. Measured on one H200 (BENCHMARKS.md,
+issue 21; all-FP8 e4m3 / bf16 tokens/s in the same call): 0.5B b4 366 GFLOP (0.59x), 0.5B b8 733 (0.79x),
+1.5B b4 1150 (0.67x), 0.5B b16 1466 (0.90x), 1.5B b8 2300 (0.98x and 1.00x: no gain), 0.5B b32 2931 (1.09x),
+1.5B b16 4600 (1.22x), 1.5B b32 9200 (1.23x); 7B at b4 already does 5727 per block. The threshold sits
+between the last layout that did not gain and the first that did.
 
 `--fp8-policy auto` (the default) therefore puts a linear in FP8 when both hold:
   - the block's GFLOP per micro-step reach `--fp8-min-block-gflop` (default `DEFAULT_MIN_BLOCK_GFLOP`): the GPU,
@@ -46,7 +48,7 @@ from qtrain.model.config import ModelConfig
 
 FP8_POLICIES = ("all", "auto")
 DEFAULT_MIN_SIZE = 400
-DEFAULT_MIN_BLOCK_GFLOP = 2000
+DEFAULT_MIN_BLOCK_GFLOP = 2600
 LINEARS = ("qkv", "o", "up", "down")  # = transformer.FP8_MATRICES (kept here so this module imports no model code)
 
 

@@ -133,6 +133,8 @@ def tiny(cmd: str, tmp_path, gpus: int = 1) -> list[str]:
                       ("--train-file",)):
         if not flags & set(spellings):  # llm.q's default for it is not tiny
             out.append(f"{spellings[0]}={values[spellings[0]]}")
+    if any(a.startswith("--matmul-dtype") and "e4m3" in a for a in out):
+        out.append("--fp8-policy=all")  # the tiny matrices would stay bf16 under auto: keep the FP8 path llm.q runs
     # no --device: auto (the CPU here); an explicit --device cpu would refuse --use-cuda-graphs
     return ["train", *out, "--compile", "off", "--out-dir", str(tmp_path / "out"),
             "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-file", str(tmp_path / "log.jsonl")]

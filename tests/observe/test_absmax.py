@@ -31,7 +31,7 @@ def model_dir(tmp_path):
 def run_one_step(model_dir, **kw) -> tuple[Trainer, torch.Tensor]:
     opts = Options(model=model_dir, from_scratch=True, model_dtype="fp32", batch_size=2, seq_len=16,
                    grad_accumulation=1, learning_rate=1e-3, device="cpu", compile="off", debug_log_abs_max=1,
-                   matmul_dtype="e4m3", **kw)
+                   matmul_dtype="e4m3", fp8_policy="all", **kw)
     tr = Trainer(opts)
     x = torch.randint(0, CFG.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     tr.micro_step(x[:, :-1], x[:, 1:])
@@ -63,7 +63,8 @@ def test_loop_logs_abs_max_events(model_dir, tmp_path):
     import numpy as np
     from qtrain.data.token_files import write_token_file
     write_token_file(tmp_path / "t.bin", np.random.default_rng(0).integers(0, 64, 4000, dtype=np.int32), vocab_size=64)
-    run_training(Options(model=model_dir, from_scratch=True, model_dtype="fp32", matmul_dtype="e4m3", batch_size=2,
+    run_training(Options(model=model_dir, from_scratch=True, model_dtype="fp32", matmul_dtype="e4m3",
+                         fp8_policy="all", batch_size=2,
                          seq_len=16, grad_accumulation=1, steps=4, debug_log_abs_max=2, device="cpu", compile="off",
                          train_file=str(tmp_path / "t.bin"), out_dir=str(tmp_path / "o"),
                          checkpoint_dir=str(tmp_path / "c"), log_file=str(tmp_path / "log.jsonl"),

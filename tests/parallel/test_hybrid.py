@@ -29,7 +29,7 @@ from tests.train.test_trainer_distributed import B, BETAS, CFG, GA, LR, STEPS, T
 
 WORLD, G = 4, 2
 __all__ = ["CFG"]  # the model of `model_dir` (tests/conftest.py)
-pytestmark = pytest.mark.slow  # one 4-rank spawn, ten trainers: about a minute on the 2-core CI machine
+# in CI (issue 20): one 4-rank spawn, ten trainers, about a minute on 2 cores
 CPU = torch.device("cpu")
 CONFIGS = {
     "zero1": dict(),

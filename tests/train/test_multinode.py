@@ -29,7 +29,7 @@ from qtrain.train import checkpoint_io as cio
 from qtrain.train import checkpointing
 from tests.run_utils import make_run_root, qtrain_run, subprocess_env, train_argv
 
-pytestmark = pytest.mark.slow  # three 2x2 torchrun pairs, three single processes: ~2 minutes on 2 cores
+# in CI (issue 20): three 2x2 torchrun pairs, three single processes, ~2 minutes on 2 cores
 
 STEPS, EVERY = 4, 2
 KINDS = ("weights", "adam.m", "adam.v")

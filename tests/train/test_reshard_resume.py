@@ -119,7 +119,7 @@ def _worker(rank: int, world: int, model_dir: str, work: str, resumes: dict[str,
     return out
 
 
-pytestmark = pytest.mark.slow  # three spawns (2, 4, 2 ranks): about a minute on the 2-core CI machine
+# in CI (issue 20): three spawns (2, 4, 2 ranks), about a minute on 2 cores
 
 
 @pytest.fixture(scope="module")

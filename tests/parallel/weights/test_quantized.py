@@ -31,8 +31,8 @@ def model_dir(tmp_path_factory):
 
 def _trainer(**kw) -> Trainer:
     return Trainer(Options(model=MODEL_DIR, from_scratch=True, batch_size=B, seq_len=T, grad_accumulation=ACCUM, device="cpu", learning_rate=3e-3,
-                           matmul_dtype="e4m3", model_dtype="bf16", opt_m_dtype="bf16", opt_v_dtype="bf16",
-                           compile="off", seed=5, **kw))
+                           matmul_dtype="e4m3", fp8_policy="all", model_dtype="bf16", opt_m_dtype="bf16",
+                           opt_v_dtype="bf16", compile="off", seed=5, **kw))
 
 
 def _train(tr: Trainer) -> list[dict]:
@@ -94,7 +94,7 @@ def test_only_with_persistent_quants_without_debug_instrumentation():
     assert not isinstance(_trainer(persistent_quants=True, debug_log_abs_max=1).weights, QuantizedWeights)
     assert isinstance(Trainer(Options(model=MODEL_DIR, from_scratch=True, device="cpu", compile="off",
                                       batch_size=1, seq_len=16, grad_accumulation=1, matmul_dtype="e4m3",
-                                      model_dtype="bf16", persistent_quants=True)).weights, QuantizedWeights)
+                                      fp8_policy="all", model_dtype="bf16", persistent_quants=True)).weights, QuantizedWeights)
     assert quantized_weight({"qkv": torch.zeros(1)}, "qkv") is None
 
 

@@ -70,7 +70,7 @@ def options(model_dir: str, dtype: str, **kw) -> Options:
     name, model_dtype, matmul = next(d for d in DTYPES if d[0] == dtype)
     low = "bf16" if model_dtype == "bf16" else "fp32"
     return Options(model=model_dir, from_scratch=True, device="cpu", compile="off", seed=5, model_dtype=model_dtype,
-                   matmul_dtype=matmul, opt_m_dtype=low, opt_v_dtype=low, batch_size=B, seq_len=T,
+                   matmul_dtype=matmul, fp8_policy="all", opt_m_dtype=low, opt_v_dtype=low, batch_size=B, seq_len=T,
                    grad_accumulation=GA, learning_rate=3e-3, **kw)
 
 
@@ -298,7 +298,8 @@ def test_options():
     # persistent quants: FP8 matmuls; their host offload needs sharded weights (either way of sharding them)
     _refused(r"--offload-quants needs sharded weights \(--shard-weights or --zero-level 3\)",
              persistent_quants=True, offload_quants=True, matmul_dtype="e4m3")
-    _refused("--offload-quants needs --persistent-quants", offload_quants=True, shard_weights=True, matmul_dtype="e4m3")
+    _refused("--offload-quants needs --persistent-quants", offload_quants=True, shard_weights=True,
+             matmul_dtype="e4m3")
     _refused("only apply with --matmul-dtype e4m3", persistent_quants=True, shard_weights=True)
     _refused("only apply with --matmul-dtype e4m3", persistent_quants=True, offload_quants=True, zero_level=3)
     _refused("--offload-master needs sharded weights.*no separate master copy", offload_master=True)

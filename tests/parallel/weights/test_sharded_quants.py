@@ -62,8 +62,8 @@ PAIRS = (("sharded", "persistent"), ("sharded", "persistent+offload"),
 
 def options(model_dir: str, **kw) -> Options:
     return Options(model=model_dir, from_scratch=True, device="cpu", compile="off", seed=5, model_dtype="bf16",
-                   matmul_dtype="e4m3", opt_m_dtype="bf16", opt_v_dtype="bf16", batch_size=B, seq_len=T,
-                   grad_accumulation=GA, learning_rate=3e-3, **kw)
+                   matmul_dtype="e4m3", fp8_policy="all", opt_m_dtype="bf16", opt_v_dtype="bf16", batch_size=B,
+                   seq_len=T, grad_accumulation=GA, learning_rate=3e-3, **kw)
 
 
 def batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -433,7 +433,7 @@ def test_plan_activations_keep_no_per_layer_fp8_weights():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(x, blk, cos, sin)
     measured = sum(seen.values())
-    kw = dict(model_dtype="bf16", matmul_dtype="e4m3")
+    kw = dict(model_dtype="bf16", matmul_dtype="e4m3", fp8_policy="all")
     assert layer_activation_bytes(CFG, Bm * Tm, fp8_weight_copies=False, **kw) == pytest.approx(measured, rel=0.10)
     assert layer_activation_bytes(CFG, Bm * Tm, **kw) > 1.15 * measured
 
@@ -447,13 +447,13 @@ class _FakeComm:
 def test_plan_equals_allocation_world4(offload):
     world = 4
     layout = FlatLayout(CFG, world)
-    opts = Options(zero_level=3, matmul_dtype="e4m3", persistent_quants=True, offload_quants=offload)
+    opts = Options(zero_level=3, matmul_dtype="e4m3", fp8_policy="all", persistent_quants=True, offload_quants=offload)
     plan = plan_memory(CFG, opts, world=world, device="cpu")
     w = ShardedWeights(layout, comm=_FakeComm(), dtype=torch.bfloat16, device=CPU, quantized=FP8_MATRICES,
                        offload_quants=offload)
     assert _plan_parts(plan) == w.memory()
     assert plan.item("fp8 weights").host == (w.memory()["quant_shards"] if offload else 0)
     # without the option, the plan has no such row and the bf16 block buffers are full size
-    plain = plan_memory(CFG, Options(zero_level=3, matmul_dtype="e4m3"), world=world, device="cpu")
+    plain = plan_memory(CFG, Options(zero_level=3, matmul_dtype="e4m3", fp8_policy="all"), world=world, device="cpu")
     assert all(not i.name.startswith("fp8 weights") for i in plain.items)
     assert plain.item("weights").parts["block_buffers"] == 2 * 2 * layout.block(0).padded_numel
