@@ -22,11 +22,14 @@ definition. Both give the same bits (tested, interpreter and GPU).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from qtrain.kernels.dispatch import jit, tl, use_triton
 
-__all__ = ["kernel_key", "key_state", "random_u32", "random_u32_triton", "random_u32_twin", "rng_key"]
+__all__ = ["KeySlot", "KeyTable", "kernel_key", "key_state", "launch_key", "random_u32", "random_u32_triton",
+           "random_u32_twin", "random_u32_of_twin", "rng_key"]
 
 _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF
@@ -82,6 +85,11 @@ def _as_i32(x: int) -> int:
     return x - (1 << 32) if x >= 1 << 31 else x
 
 
+def _hi_absorbed(offset: int, n: int) -> bool:
+    """Whether every counter of ``[offset, offset + n)`` has the same high 32-bit word."""
+    return n == 0 or offset >> 32 == (offset + n - 1) >> 32
+
+
 def kernel_key(key: int, offset: int, n: int) -> tuple[int, bool]:
     """Kernel arguments for counters ``[offset, offset + n)``: (state as int32 bits, HI_ABSORBED).
 
@@ -89,9 +97,72 @@ def kernel_key(key: int, offset: int, n: int) -> tuple[int, bool]:
     2**32) that word is absorbed here and the kernel hashes only the low word.
     """
     ks = key_state(key)
-    if n == 0 or offset >> 32 == (offset + n - 1) >> 32:
+    if _hi_absorbed(offset, n):
         return _as_i32(_murmur_round_int(ks, offset >> 32)), True
     return _as_i32(ks), False
+
+
+# ------------------------------------------------------------------------------ keys in a device table
+class KeySlot(NamedTuple):
+    """A key that a kernel reads from ``table[index]`` (int32 kernel states, see ``KeyTable``) when it runs,
+    instead of a scalar argument baked into the launch: what a kernel replayed from a CUDA graph needs."""
+    table: torch.Tensor
+    index: int
+
+
+class KeyTable:
+    """The kernel key states of a fixed set of launches, in a device int32 table the host refills.
+
+    A CUDA graph bakes scalar kernel arguments in, so a stochastic-rounding launch replayed at another
+    (step, micro-step) would reuse the random bits of the capture. Launches that take a ``KeySlot`` read
+    their state from this table instead. Every launch is known up front as a recipe ``(ids, offset, n)``:
+    its key is ``rng_key(seed, *prefix, *ids)`` for the ``prefix`` given to ``fill`` (e.g. step and
+    micro-step), its counters ``[offset, offset + n)``; the table entry is ``kernel_key(key, offset, n)[0]``,
+    so a table launch draws the same bits as the scalar launch with that key (HI_ABSORBED depends only on
+    offset and n and stays a launch constant).
+
+    ``fill`` computes the states on the host and queues ONE stream-ordered copy into the table (from pinned
+    memory on CUDA; torch's caching host allocator keeps that buffer until the copy has run), so every
+    kernel queued after it, eagerly or by a graph replay, reads the new keys and none queued before does.
+    """
+
+    def __init__(self, recipes: list[tuple[tuple[int, ...], int, int]], *, device: torch.device | str):
+        self.recipes = list(recipes)
+        self._index = {r: i for i, r in enumerate(self.recipes)}
+        if len(self._index) != len(self.recipes):
+            raise ValueError("KeyTable: a launch recipe (ids, offset, n) is listed twice")
+        self.table = torch.zeros(max(len(self.recipes), 1), dtype=torch.int32, device=device)
+
+    def slot(self, ids: tuple[int, ...], offset: int, n: int) -> KeySlot:
+        """The slot of launch ``(ids, offset, n)``, which must be one of the recipes given at construction."""
+        i = self._index.get((tuple(ids), offset, n))
+        if i is None:
+            raise KeyError(f"KeyTable: no slot for launch ids={ids} offset={offset} n={n}; the table lists every "
+                           f"launch up front ({len(self.recipes)} recipes)")
+        return KeySlot(self.table, i)
+
+    def states(self, seed: int, *prefix: int) -> list[int]:
+        """The table's contents for ``prefix``: one int32 kernel state per recipe."""
+        return [kernel_key(rng_key(seed, *prefix, *ids), offset, n)[0] for ids, offset, n in self.recipes]
+
+    def fill(self, seed: int, *prefix: int) -> None:
+        """Queue the table's refill for keys ``rng_key(seed, *prefix, *ids)``; does not block the host."""
+        if not self.recipes:
+            return
+        host = torch.tensor(self.states(seed, *prefix), dtype=torch.int32)
+        if self.table.is_cuda:
+            self.table.copy_(host.pin_memory(), non_blocking=True)
+        else:
+            self.table.copy_(host)
+
+
+def launch_key(key: int | KeySlot, offset: int, n: int) -> tuple[int, torch.Tensor | None, bool]:
+    """Kernel arguments for ``key`` over counters ``[offset, offset + n)``: (kstate or table index, the
+    table or None, HI_ABSORBED). A kernel given a table loads its state from ``table[index]``."""
+    if isinstance(key, KeySlot):
+        return key.index, key.table, _hi_absorbed(offset, n)
+    kstate, hi_absorbed = kernel_key(key, offset, n)
+    return kstate, None, hi_absorbed
 
 
 # ---------------------------------------------------------------------------------------------- twin
@@ -118,9 +189,23 @@ def random_u32_twin(key: int, index: torch.Tensor) -> torch.Tensor:
     """Twin (specification): uint32 hash of (key, index), as int64 in [0, 2**32), same shape as ``index``."""
     if index.dtype != torch.int64:
         raise TypeError(f"random_u32: index must be int64, got {index.dtype}")
+    return _hash_twin(key_state(key), False, index)
+
+
+def random_u32_of_twin(key: int | KeySlot, index: torch.Tensor, offset: int, n: int) -> torch.Tensor:
+    """Twin of a kernel's ``hash_u32`` for a launch over counters ``[offset, offset + n)`` with ``key``, scalar
+    or a ``KeySlot`` (whose state is read from the table, as the kernel does): ``random_u32_twin(key, index)``
+    for a scalar key, and for a slot filled by ``KeyTable.fill`` the same bits."""
+    kstate, table, hi_absorbed = launch_key(key, offset, n)
+    if table is not None:
+        kstate = int(table[kstate])
+    return _hash_twin(kstate & _M32, hi_absorbed, index)
+
+
+def _hash_twin(kstate: int, hi_absorbed: bool, index: torch.Tensor) -> torch.Tensor:
+    """``hash_u32`` in int64 arithmetic: ``kstate`` has absorbed the key (and the high word if ``hi_absorbed``)."""
     i_lo = index & _M32
-    i_hi = (index >> 32) & _M32
-    h = _murmur_round_t(key_state(key), i_hi)
+    h = kstate if hi_absorbed else _murmur_round_t(kstate, (index >> 32) & _M32)
     h = _murmur_round_t(h, i_lo)
     h = h ^ _MSG_LEN
     # fmix32

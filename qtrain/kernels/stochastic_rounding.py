@@ -24,6 +24,10 @@ the subnormal grid onto the mantissa of ``[2**-6, 2**-5)``, and apply the same r
 fp32 add drops bits below 2**-29, a bias of < 2**-20 of one e4m3 step. llm.q uses RN there instead.
 Results above 448 saturate to 448 (0x7E, like ``cvt.satfinite``), inf too; NaN gives 0x7F.
 
+Keys: an int, or a ``KeySlot`` (``qtrain.kernels.rng.KeyTable``) whose kernel state the kernel loads from a device
+table when it runs, so a launch replayed from a CUDA graph draws the bits of the key the host put in the table
+for this replay; with the same key, both give the same bits (tested against the twin).
+
 Kernels store bf16 as int16 and e4m3 as uint8 bit patterns and load them the same way (Triton's
 interpreter does not convert those dtypes reliably); all arithmetic is fp32, bit work is uint32.
 """
@@ -35,7 +39,7 @@ import struct
 import torch
 
 from qtrain.kernels.dispatch import jit, tl, use_triton
-from qtrain.kernels.rng import hash_u32, kernel_key, random_u32_twin, triton_cdiv
+from qtrain.kernels.rng import KeySlot, hash_u32, launch_key, random_u32_of_twin, random_u32_twin, triton_cdiv
 
 __all__ = [
     "round_to_bf16_sr",
@@ -126,26 +130,31 @@ def _check(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- twin
-def _sr_twin(dst: torch.Tensor, src: torch.Tensor, key: int, scale: float, offset: int, add: bool) -> torch.Tensor:
+Key = int | KeySlot  # a scalar key, or a slot of a device key table (see the module docstring)
+
+
+def _sr_twin(dst: torch.Tensor, src: torch.Tensor, key: Key, scale: float, offset: int, add: bool) -> torch.Tensor:
     y = _load_f32_twin(src) * fp32(scale)
     if add:
         y = _load_f32_twin(dst) + y
     flat = dst.view(-1)
     if dst.dtype == torch.bfloat16:
         idx = torch.arange(offset, offset + flat.numel(), dtype=torch.int64, device=dst.device)
-        flat.copy_(bf16_bits_to_f32_twin(sr_bf16_bits_twin(y, random_u32_twin(key, idx))))
+        rand = (random_u32_of_twin(key, idx, offset, flat.numel()) if isinstance(key, KeySlot)
+                else random_u32_twin(key, idx))
+        flat.copy_(bf16_bits_to_f32_twin(sr_bf16_bits_twin(y, rand)))
     else:
         flat.copy_(y)
     return dst
 
 
-def sr_add_twin(dst, src, *, key: int, scale: float = 1.0, offset: int = 0) -> torch.Tensor:
+def sr_add_twin(dst, src, *, key: Key, scale: float = 1.0, offset: int = 0) -> torch.Tensor:
     """Twin (specification) of ``sr_add_``."""
     _check(dst, src, "sr_add_")
     return _sr_twin(dst, src, key, scale, offset, add=True)
 
 
-def sr_copy_twin(dst, src, *, key: int, scale: float = 1.0, offset: int = 0) -> torch.Tensor:
+def sr_copy_twin(dst, src, *, key: Key, scale: float = 1.0, offset: int = 0) -> torch.Tensor:
     """Twin (specification) of ``sr_copy_``."""
     _check(dst, src, "sr_copy_")
     return _sr_twin(dst, src, key, scale, offset, add=False)
@@ -158,7 +167,7 @@ def _check_sum(dst: torch.Tensor, parts: torch.Tensor) -> None:
     _check(dst, parts[0], "sr_sum_")
 
 
-def sr_sum_twin(dst, parts, *, key: int, scale: float = 1.0, offset: int = 0, add: bool = False) -> torch.Tensor:
+def sr_sum_twin(dst, parts, *, key: Key, scale: float = 1.0, offset: int = 0, add: bool = False) -> torch.Tensor:
     """Twin (specification) of ``sr_sum_``: the fp32 sum in the fixed order (dst,) parts[0], ..., parts[W-1],
     one fp32 rounding per add, then ``sr_copy_``'s scale-and-round."""
     _check_sum(dst, parts)
@@ -250,12 +259,13 @@ def e4m3_bits_to_f32(c):
 
 # -------------------------------------------------------------------------------------------- triton
 @jit(do_not_specialize=["offset", "kstate"])
-def _sr_kernel(dst_ptr, src_ptr, n, offset, kstate, scale,
+def _sr_kernel(dst_ptr, src_ptr, n, offset, kstate, key_ptr, scale,
                ADD: tl.constexpr, DST_KIND: tl.constexpr, SRC_KIND: tl.constexpr, HI_ABSORBED: tl.constexpr,
-               BLOCK: tl.constexpr):
+               KEY_IN_TABLE: tl.constexpr, BLOCK: tl.constexpr):
     """dst[i] = round(dst[i] * ADD + scale * src[i]); SR with counter offset + i when dst is bf16.
 
-    DST_KIND / SRC_KIND as in ``load_f32`` (dst: 0 fp32, 1 bf16 as int16).
+    DST_KIND / SRC_KIND as in ``load_f32`` (dst: 0 fp32, 1 bf16 as int16). KEY_IN_TABLE: ``kstate`` is an
+    index into the int32 table ``key_ptr`` (a ``KeySlot``), loaded when the kernel runs.
 
     fp32 throughout: y = scale * src (one rounding), then y = dst + y (one rounding); no FMA (the
     launcher turns fp fusion off so the bits match the twin, which runs the two ops separately).
@@ -266,6 +276,8 @@ def _sr_kernel(dst_ptr, src_ptr, n, offset, kstate, scale,
     if ADD:
         y = load_f32(dst_ptr + offs, mask, DST_KIND) + y
     if DST_KIND == 1:
+        if KEY_IN_TABLE:
+            kstate = tl.load(key_ptr + kstate)
         rand = hash_u32(kstate, offset + offs, HI_ABSORBED)
         tl.store(dst_ptr + offs, sr_bf16_bits(y, rand), mask=mask)
     else:
@@ -273,9 +285,9 @@ def _sr_kernel(dst_ptr, src_ptr, n, offset, kstate, scale,
 
 
 @jit(do_not_specialize=["offset", "kstate", "part_stride"])
-def _sr_sum_kernel(dst_ptr, parts_ptr, n, part_stride, offset, kstate, scale,
+def _sr_sum_kernel(dst_ptr, parts_ptr, n, part_stride, offset, kstate, key_ptr, scale,
                    W: tl.constexpr, ADD: tl.constexpr, DST_KIND: tl.constexpr, SRC_KIND: tl.constexpr,
-                   HI_ABSORBED: tl.constexpr, BLOCK: tl.constexpr):
+                   HI_ABSORBED: tl.constexpr, KEY_IN_TABLE: tl.constexpr, BLOCK: tl.constexpr):
     """dst[i] = round(scale * (dst[i] * ADD + parts[0][i] + ... + parts[W-1][i])), fp32 adds in that order
     (no FMA: see ``_sr_kernel``); part j starts part_stride elements after part j-1."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -289,6 +301,8 @@ def _sr_sum_kernel(dst_ptr, parts_ptr, n, part_stride, offset, kstate, scale,
         acc = acc + load_f32(ptrs, mask, SRC_KIND)
     y = acc * scale
     if DST_KIND == 1:
+        if KEY_IN_TABLE:
+            kstate = tl.load(key_ptr + kstate)
         rand = hash_u32(kstate, offset + offs, HI_ABSORBED)
         tl.store(dst_ptr + offs, sr_bf16_bits(y, rand), mask=mask)
     else:
@@ -303,33 +317,35 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-def _sr_triton(dst: torch.Tensor, src: torch.Tensor, key: int, scale: float, offset: int, add: bool) -> torch.Tensor:
+def _sr_triton(dst: torch.Tensor, src: torch.Tensor, key: Key, scale: float, offset: int, add: bool) -> torch.Tensor:
     n = dst.numel()
     if n:
-        kstate, hi_absorbed = kernel_key(key, offset, n)
+        kstate, table, hi_absorbed = launch_key(key, offset, n)
         _sr_kernel[(triton_cdiv(n, _BLOCK),)](
-            _bits(dst), _bits(src), n, offset, kstate, fp32(scale),
+            _bits(dst), _bits(src), n, offset, kstate, table, fp32(scale),
             ADD=add, DST_KIND=int(dst.dtype == torch.bfloat16), SRC_KIND=_SRC_KINDS[src.dtype],
-            HI_ABSORBED=hi_absorbed, BLOCK=_BLOCK, num_warps=8, enable_fp_fusion=False,
+            HI_ABSORBED=hi_absorbed, KEY_IN_TABLE=table is not None, BLOCK=_BLOCK, num_warps=8,
+            enable_fp_fusion=False,
         )
     return dst
 
 
-def _sr_sum_triton(dst: torch.Tensor, parts: torch.Tensor, key: int, scale: float, offset: int, add: bool
+def _sr_sum_triton(dst: torch.Tensor, parts: torch.Tensor, key: Key, scale: float, offset: int, add: bool
                    ) -> torch.Tensor:
     n = dst.numel()
     if n:
-        kstate, hi_absorbed = kernel_key(key, offset, n)
+        kstate, table, hi_absorbed = launch_key(key, offset, n)
         _sr_sum_kernel[(triton_cdiv(n, _BLOCK),)](
-            _bits(dst), _bits(parts), n, parts.stride(0), offset, kstate, fp32(scale),
+            _bits(dst), _bits(parts), n, parts.stride(0), offset, kstate, table, fp32(scale),
             W=parts.shape[0], ADD=add, DST_KIND=int(dst.dtype == torch.bfloat16), SRC_KIND=_SRC_KINDS[parts.dtype],
-            HI_ABSORBED=hi_absorbed, BLOCK=_BLOCK, num_warps=8, enable_fp_fusion=False,
+            HI_ABSORBED=hi_absorbed, KEY_IN_TABLE=table is not None, BLOCK=_BLOCK, num_warps=8,
+            enable_fp_fusion=False,
         )
     return dst
 
 
 # ---------------------------------------------------------------------------------------------- public
-def sr_add_(dst: torch.Tensor, src: torch.Tensor, *, key: int, scale: float = 1.0, offset: int = 0) -> torch.Tensor:
+def sr_add_(dst: torch.Tensor, src: torch.Tensor, *, key: Key, scale: float = 1.0, offset: int = 0) -> torch.Tensor:
     """dst <- round(dst + scale*src), computed in fp32; stochastic when dst is bf16, exact fp32 add when fp32.
 
     In place, returns dst. dst and src: same numel, contiguous; src fp32, bf16 or fp16.
@@ -340,7 +356,7 @@ def sr_add_(dst: torch.Tensor, src: torch.Tensor, *, key: int, scale: float = 1.
     return _sr_twin(dst, src, key, scale, offset, add=True)
 
 
-def sr_copy_(dst: torch.Tensor, src: torch.Tensor, *, key: int, scale: float = 1.0, offset: int = 0) -> torch.Tensor:
+def sr_copy_(dst: torch.Tensor, src: torch.Tensor, *, key: Key, scale: float = 1.0, offset: int = 0) -> torch.Tensor:
     """dst <- round(scale*src); stochastic when dst is bf16. In place, returns dst."""
     _check(dst, src, "sr_copy_")
     if use_triton(dst):
@@ -348,7 +364,7 @@ def sr_copy_(dst: torch.Tensor, src: torch.Tensor, *, key: int, scale: float = 1
     return _sr_twin(dst, src, key, scale, offset, add=False)
 
 
-def sr_sum_(dst: torch.Tensor, parts: torch.Tensor, *, key: int, scale: float = 1.0, offset: int = 0,
+def sr_sum_(dst: torch.Tensor, parts: torch.Tensor, *, key: Key, scale: float = 1.0, offset: int = 0,
             add: bool = False) -> torch.Tensor:
     """dst <- round(scale * ((dst if add) + parts[0] + ... + parts[W-1])), the sum in fp32 in that fixed order
     (bit-reproducible); stochastic when dst is bf16. One pass over the W parts instead of an fp32 buffer

@@ -12,7 +12,7 @@ import torch
 
 from tests.triton_interp import ROOT, interp_only, interpreter_subprocess_test, needs_cuda
 from qtrain.kernels import dispatch
-from qtrain.kernels.rng import random_u32_twin, rng_key
+from qtrain.kernels.rng import KeySlot, KeyTable, random_u32_of_twin, random_u32_twin, rng_key
 from qtrain.kernels.stochastic_rounding import (
     e4m3_bits_to_f32_twin,
     round_to_bf16_sr,
@@ -266,10 +266,83 @@ def test_sr_sum_is_the_fixed_order_fp32_sum_then_sr():
         sr_sum_(dst[:250].clone(), parts[:, ::2], key=1)
 
 
+def _table_for(cases, seed: int, device) -> KeyTable:
+    """A key table with one slot per case (ids = the case's position), filled for prefix (seed,)."""
+    table = KeyTable([((i,), offset, n) for i, (offset, n) in enumerate(cases)], device=device)
+    table.fill(seed, 4, 2)  # e.g. step 4, micro-step 2
+    return table
+
+
+def _check_key_table_vs_scalar(device, seed, *, triton: bool):
+    """A launch whose key is a KeySlot gives the bits of the scalar launch with the key the table was filled
+    for, for sr_add_, sr_copy_ and sr_sum_, at counter offsets whose high word is absorbed or not; the
+    reference is always the scalar twin (the specification)."""
+    torch.manual_seed(seed)
+    cases = [c[4:] for c in _sr_cases(device)] + [(2**32 - 5, 4097)]
+    table = _table_for(cases, seed, device)
+    backend = "triton" if triton else "twin"
+    for i, (dst_dt, src_dt, add, scale, offset, n) in enumerate(_sr_cases(device)):
+        key = rng_key(seed, 4, 2, i)
+        src = (torch.randn(n, device=device) * 4).to(src_dt)
+        dst = torch.randn(n, device=device).to(dst_dt)
+        fn, twin = (sr_add_, sr_add_twin) if add else (sr_copy_, sr_copy_twin)
+        with dispatch.backend(backend):
+            a = fn(dst.clone(), src, key=table.slot((i,), offset, n), scale=scale, offset=offset)
+        b = twin(dst.clone(), src, key=key, scale=scale, offset=offset)
+        view = torch.int16 if dst_dt == torch.bfloat16 else torch.int32
+        assert torch.equal(a.view(view), b.view(view)), (i, dst_dt, src_dt, add)
+    i = len(cases) - 1
+    parts = (torch.randn(3, 9000, device=device) * 3).to(torch.bfloat16)[:, 123:123 + 4097]
+    dst = torch.randn(4097, device=device).to(torch.bfloat16)
+    with dispatch.backend(backend):
+        a = sr_sum_(dst.clone(), parts, key=table.slot((i,), 2**32 - 5, 4097), scale=0.5, offset=2**32 - 5, add=True)
+    b = sr_sum_twin(dst.clone(), parts, key=rng_key(seed, 4, 2, i), scale=0.5, offset=2**32 - 5, add=True)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_key_table_twin_matches_scalar_twin():
+    _check_key_table_vs_scalar("cpu", seed=5, triton=False)
+
+
+def test_key_table_refill_changes_the_bits_and_matches_the_new_key():
+    """The same slot after a refill for another (step, micro-step) draws that key's bits: what a graph
+    replayed at another micro-step needs."""
+    x = torch.randn(3000) * 3
+    table = KeyTable([((0, 1), 0, 3000)], device="cpu")
+    slot = table.slot((0, 1), 0, 3000)
+    outs = []
+    for step, micro in ((0, 0), (0, 1), (7, 0)):
+        table.fill(11, step, micro)
+        got = sr_copy_(torch.empty(3000, dtype=torch.bfloat16), x, key=slot)
+        want = sr_copy_twin(torch.empty(3000, dtype=torch.bfloat16), x, key=rng_key(11, step, micro, 0, 1))
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        outs.append(got.view(torch.int16))
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+    idx = torch.arange(2**32 - 3, 2**32 + 3)  # straddles a high word: the kernel hashes both words
+    table = KeyTable([((), 2**32 - 3, 6)], device="cpu")
+    table.fill(3)
+    assert torch.equal(random_u32_of_twin(table.slot((), 2**32 - 3, 6), idx, 2**32 - 3, 6),
+                       random_u32_twin(rng_key(3), idx))
+
+
+def test_key_table_lists_every_launch_up_front():
+    table = KeyTable([((1, 2), 0, 10)], device="cpu")
+    assert table.slot((1, 2), 0, 10) == KeySlot(table.table, 0)
+    with pytest.raises(KeyError, match="no slot for launch ids=\\(1, 3\\)"):
+        table.slot((1, 3), 0, 10)
+    with pytest.raises(ValueError, match="listed twice"):
+        KeyTable([((1,), 0, 5), ((1,), 0, 5)], device="cpu")
+
+
 @interp_only
 def test_interp_triton_matches_twin():
     _check_triton_vs_twin("cpu", seed=0)
     _check_sum_triton_vs_twin("cpu", seed=0)
+
+
+@interp_only
+def test_interp_key_table_matches_scalar_twin():
+    _check_key_table_vs_scalar("cpu", seed=0, triton=True)
 
 
 @pytest.mark.gpu
@@ -277,6 +350,7 @@ def test_interp_triton_matches_twin():
 def test_gpu_triton_matches_twin():
     _check_triton_vs_twin("cuda", seed=1)
     _check_sum_triton_vs_twin("cuda", seed=1)
+    _check_key_table_vs_scalar("cuda", seed=1, triton=True)
     x = torch.randn(3 * 2**20 + 5, device="cuda")
     a = round_to_bf16_sr(x, key=3, offset=11)  # dispatch: Triton
     b = sr_copy_twin(torch.empty_like(x, dtype=torch.bfloat16), x, key=3, offset=11)
