@@ -262,8 +262,10 @@ class Options:
     use_zero_copy: bool = False
     """Update offloaded state in place instead of staging it through the device (CPU only; refused on CUDA)."""
     use_cuda_graphs: bool = False
-    """Capture the block bodies in CUDA graphs (llm.q's --use-cuda-graphs). Accepted and logged; qtrain does
-    not capture graphs yet, so it currently runs without them (refused with --device cpu)."""
+    """Replay each micro-step's forward and backward from CUDA graphs (llm.q's --use-cuda-graphs), one per phase
+    of a step, captured after one eager warm-up micro-step of each: the host stops setting the pace at small
+    sizes, same bits. One process, replicated weights, unsharded gradients, no offload, no --persistent-quants
+    (train/cuda_graphs.py refuses the rest); refused with --device cpu, no effect without a CUDA device."""
 
     # ---------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:

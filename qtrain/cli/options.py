@@ -138,10 +138,6 @@ def options_from_args(ns: argparse.Namespace) -> Options:
     if opts.tokenizer:  # an explicit export tokenizer must exist: say so now, not after training
         from qtrain.data.hf_tokenizer import export_tokenizer
         export_tokenizer(explicit=opts.tokenizer)
-    for line in llmq_notes(ns) + ([USE_CUDA_GRAPHS_NOTE] if opts.use_cuda_graphs else []):
+    for line in llmq_notes(ns):
         print(line, file=sys.stderr)
     return opts
-
-
-USE_CUDA_GRAPHS_NOTE = ("note: --use-cuda-graphs is accepted and recorded in the run log, but qtrain does not "
-                        "capture CUDA graphs yet: the run is the same as without it")

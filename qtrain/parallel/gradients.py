@@ -33,6 +33,13 @@ Random bits. Every SR of tensor t (position `t` in its group) of group g at (ste
 element whatever the world size. llm.q reuses one key for every micro-step of a step (a quirk); we
 include the micro-step.
 
+Key table (CUDA graphs, `use_key_table`). A micro-step replayed from a CUDA graph cannot take its SR keys as
+kernel scalars (the capture bakes them in). In this mode every SR launch of the manager reads its key from a
+device table (`qtrain.kernels.rng.KeyTable`, one slot per tensor of every group) that `start_micro_step`
+refills for (step, micro-step) with one stream-ordered copy: the same keys, so the same bits, as the scalar
+path. After a replay, `replayed()` stands in for the accumulate calls the graph's kernels did.
+Unsharded gradients on one rank only (the collectives of the other kinds stay outside this round).
+
 Asynchrony (see `comm.py`). Calls never block the host on CUDA: collectives and the work chained after
 them run on the communicator's side stream, bracketed by events, and "wait" means the compute stream
 waits. On CPU (gloo) collectives are async work handles and the host blocks at the point of need.
@@ -52,7 +59,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qtrain.kernels.rng import rng_key
+from qtrain.kernels.rng import KeySlot, KeyTable, rng_key
 from qtrain.kernels.stochastic_rounding import sr_add_, sr_copy_, sr_sum_
 from qtrain.parallel.comm import Communicator, Handle
 from qtrain.parallel.footprint import Footprint
@@ -100,6 +107,7 @@ class GradientManager(ABC):
         self._open = False  # between start_micro_step and end_micro_step
         self._final = False  # shards hold the finished gradient of step `_step`
         self._seen: set[str] = set()
+        self._keys: KeyTable | None = None  # SR keys from a device table (use_key_table)
 
     def _zeros(self, n: int, *, device: torch.device | str | None = None, pin: bool = False) -> torch.Tensor:
         return torch.zeros(n, dtype=self.dtype, device=device or self.device, pin_memory=pin)
@@ -129,6 +137,27 @@ class GradientManager(ABC):
         self._step, self._micro, self._num_micro = step, micro_step, num_micro_steps
         self._open, self._seen = True, set()
         self._final = False
+        if self._keys is not None:
+            self._keys.fill(self.seed, step, micro_step)  # before any of this micro-step's SR kernels
+
+    def use_key_table(self) -> None:
+        """From now on every SR launch reads its key from a device table refilled by `start_micro_step`, so
+        the micro-step's kernels can be captured in a CUDA graph and replayed at any (step, micro-step)
+        (see the module docstring). Same keys, same bits as without it."""
+        if self.kind != "unsharded" or self.world != 1:
+            raise ValueError(f"the SR key table (--use-cuda-graphs) needs unsharded gradients on one rank, this "
+                             f"manager is {self.kind!r} on {self.world} ranks")
+        recipes = [((g.index, t), 0, seg.numel) for g in self.layout.groups for t, seg in enumerate(g.segments)]
+        self._keys = KeyTable(recipes, device=self.device)
+
+    def replayed(self) -> None:
+        """A CUDA graph captured from an earlier micro-step of the same phase (first / middle / last) has
+        queued this micro-step's accumulation: count every group as received (key table mode only)."""
+        if self._keys is None:
+            raise RuntimeError("replayed: only a manager using the SR key table (use_key_table) can be replayed")
+        if not self._open or self._seen:
+            raise RuntimeError("replayed: call it once, right after start_micro_step, instead of the accumulate calls")
+        self._seen = {g.key for g in self.layout.groups}
 
     def accumulate_non_block(self, grads: dict[str, torch.Tensor]) -> None:
         """Take this micro-step's gradients of non-block groups ('embed', 'norm', 'lm_head'). Does not
@@ -225,7 +254,13 @@ class GradientManager(ABC):
     def _key(self, group: Group, tensor_index: int, step: int, micro: int, *extra: int) -> int:
         return rng_key(self.seed, step, micro, group.index, tensor_index, *extra)
 
-    def _set(self, dst: torch.Tensor, src: torch.Tensor, *, key: int, scale: float = 1.0, offset: int = 0) -> None:
+    def _full_key(self, group: Group, tensor_index: int, n: int, extra: tuple[int, ...]) -> int | KeySlot:
+        """The key of a whole tensor's SR in the current micro-step: its table slot in key table mode."""
+        if self._keys is not None:
+            return self._keys.slot((group.index, tensor_index, *extra), 0, n)
+        return self._key(group, tensor_index, self._step, self._micro, *extra)
+
+    def _set(self, dst: torch.Tensor, src: torch.Tensor, *, key: int | KeySlot, scale: float = 1.0, offset: int = 0) -> None:
         """dst <- scale*src: a plain copy when that is exact, else rounded (SR into bf16)."""
         if scale == 1.0 and src.dtype == dst.dtype:
             dst.view(src.shape).copy_(src)
@@ -241,7 +276,7 @@ class GradientManager(ABC):
             if tuple(src.shape) != seg.shape:
                 raise ValueError(f"gradient of {seg.name} has shape {tuple(src.shape)}, expected {seg.shape}")
             dst = buf[seg.start:seg.start + seg.numel]
-            key = self._key(group, t, self._step, self._micro, *extra)
+            key = self._full_key(group, t, seg.numel, extra)
             if add:
                 sr_add_(dst, src, key=key)
             else:

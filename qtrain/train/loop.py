@@ -25,7 +25,7 @@ from qtrain.options import Options
 from qtrain.parallel.dist import DistContext, init_distributed, is_collective_error
 from qtrain.plan.host import return_freed_memory
 from qtrain.plan.memory import plan_for_trainer
-from qtrain.train import checkpointing, run_dir
+from qtrain.train import checkpointing, cuda_graphs, run_dir
 from qtrain.train.preflight import Prepared, shared_preflight
 from qtrain.train.schedule import LRSchedule
 from qtrain.train.stop import NonFiniteGuard, StopSignals, stopped_after_last_step, stopped_by_signal
@@ -109,6 +109,9 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
     log.log("run", run_id=prep.run_id, name=opts.name, resume=prep.resume)  # a new log's first line: its owner
     for note in notes + ([prep.note] if prep.note else []):
         log.message(note, level="warning")
+    graphs_note = cuda_graphs.status(opts, trainer.device.type)
+    if graphs_note:
+        log.message(graphs_note, level="info")
     tb = None  # --tensorboard DIR: the same metrics as TensorBoard scalars (rank 0)
     if opts.tensorboard and ctx.is_main:
         from qtrain.observe.tensorboard import TensorBoardSink

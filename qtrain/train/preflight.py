@@ -3,11 +3,12 @@
     prep = preflight(opts, world=2)    # raises a ValueError of qtrain naming the option / file / tensor
 
 checks, in order, what would otherwise fail late (after minutes of loading, or at the final evaluation):
-options and their combinations; the device; the model's config.json and the weight files' headers (names,
-shapes, dtypes; no tensor data is read); that --seq-len fits the model's positions; the output paths
-(writable, not on top of each other, not another run's: `run_dir`); the token files (header, size, each
-id within the model's vocabulary: scanned memory-mapped and cached per file); the checkpoint `--continue`
-names and whether it fits this run; and the host memory the plan needs. Nothing large is allocated.
+options and their combinations (and what --use-cuda-graphs cannot capture: train/cuda_graphs.py); the device;
+the model's config.json and the weight files' headers (names, shapes, dtypes; no tensor data is read); that
+--seq-len fits the model's positions; the output paths (writable, not on top of each other, not another run's:
+`run_dir`); the token files (header, size, each id within the model's vocabulary: scanned memory-mapped and
+cached per file); the checkpoint `--continue` names and whether it fits this run; and the host memory the
+plan needs. Nothing large is allocated.
 
 `qtrain train --gpus N` runs it once in the launcher, before starting any worker; a run under torchrun
 runs it on rank 0 and hands the result (or the error) to the other ranks.
@@ -28,6 +29,7 @@ from qtrain.parallel.dist import DeviceError, check_device
 from qtrain.parallel.groups import check_group_size
 from qtrain.train import checkpoint_io as cio
 from qtrain.train import checkpointing, run_dir
+from qtrain.train.cuda_graphs import check_cuda_graphs
 
 DEFAULT_DATA_DIR = os.path.join("data", "qtrain-default")
 
@@ -127,6 +129,7 @@ def preflight(opts: Options, *, world: int, local_procs: int | None = None) -> P
     `world`). Raises the first problem found as a ValueError of qtrain."""
     opts.validate()
     check_group_size(opts.shard_group_size, world)
+    check_cuda_graphs(opts, world=world, device_type=_device_type(opts))
     check_device(opts.device)
     if _device_type(opts) == "cuda":
         import torch

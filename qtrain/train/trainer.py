@@ -36,6 +36,7 @@ from qtrain.parallel.gradients import make_gradient_manager
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.optimizer import ZERO_COPY_CUDA, ShardedAdamW, clip_scale
 from qtrain.parallel.weights import build_weights
+from qtrain.train.cuda_graphs import MicroStepGraphs, check_cuda_graphs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -51,6 +52,7 @@ class Trainer:
         self.device = self.ctx.device
         if opts.use_zero_copy and self.device.type == "cuda":
             raise OptionsError(ZERO_COPY_CUDA)
+        check_cuda_graphs(opts, world=self.ctx.world, device_type=self.device.type)
         self.source = resolve_model(opts.model, from_scratch=opts.from_scratch)
         # the tokenizer exports carry (None: unknown so far; the run loop may take it from the token files)
         self.tokenizer = export_tokenizer(explicit=opts.tokenizer, model_dir=self.source.tokenizer_dir)
@@ -89,6 +91,11 @@ class Trainer:
                                       stochastic_rounding=opts.stochastic_rounding,
                                       offload_params=opts.offload_master, offload_m=opts.offload_opt_m,
                                       offload_v=opts.offload_opt_v, zero_copy=opts.use_zero_copy)
+        # --use-cuda-graphs (train/cuda_graphs.py): micro-steps replayed from CUDA graphs, SR keys from a device table
+        self.graphs = None
+        if opts.use_cuda_graphs and self.device.type == "cuda":
+            self.grads.use_key_table()
+            self.graphs = MicroStepGraphs(self.device, (opts.batch_size, opts.seq_len))
         self.steps_done = 0  # completed optimizer steps (skipped updates included)
         self.micro = 0  # micro-steps done in the current step
         self._loss = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -178,9 +185,19 @@ class Trainer:
         debug = self._debug_step()
         if debug:
             self.absmax.start()
-        with self._saving(), (self.model.eager() if debug else contextlib.nullcontext()):
-            loss = self.model.forward_backward(self.weights, inputs, targets, grads=self.grads,
+        def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return self.model.forward_backward(self.weights, inputs, targets, grads=self.grads,
                                                loss_scale=loss_scale, z_loss=self.opts.z_loss)
+
+        if self.graphs is not None:
+            self.weights.non_block()  # a per-step refresh of the weights (CastWeights) stays outside the graphs
+            loss, replayed = self.graphs.run(forward_backward, inputs, targets, first=self.grads.first,
+                                             last=self.grads.last, loss_scale=loss_scale)
+            if replayed:
+                self.grads.replayed()
+        else:
+            with self._saving(), (self.model.eager() if debug else contextlib.nullcontext()):
+                loss = forward_backward(inputs, targets)
         if debug:
             self.abs_maxes = {**self.absmax.stop(), **weight_abs_maxes(self.full_params())}
         self.grads.end_micro_step()

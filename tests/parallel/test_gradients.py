@@ -362,3 +362,49 @@ def test_protocol_errors_are_reported():
         mgr.grad_shard("embed")
     with pytest.raises(RuntimeError, match="was not ended"):
         mgr.start_micro_step(step=0, micro_step=1, num_micro_steps=2)
+
+
+# ---- the SR key table (CUDA graphs) ---------------------------------------------------------------
+@pytest.mark.parametrize("cfg_name", list(CONFIGS))
+def test_key_table_gives_the_scalar_paths_bits(cfg_name):
+    """`use_key_table`: every SR launch reads its key from the device table that start_micro_step refills;
+    fp32 gradients into bf16 buffers round on every micro-step (SR copy, then SR adds), and the shards
+    are bitwise those of the scalar-key path. A table refilled for the wrong micro-step gives other bits,
+    so the kernels really read it."""
+    cfg = config(cfg_name)
+
+    def manager(table: bool):
+        mgr = make_gradient_manager("unsharded", FlatLayout(cfg, 1), comm=Communicator.solo("cpu"),
+                                    dtype=torch.bfloat16, device="cpu", seed=99)
+        if table:
+            mgr.use_key_table()
+        return mgr
+
+    want = train_grads(manager(False), cfg, 0, torch.float32)
+    check_same_bits([{"x": {"shards": want}}], [{"x": {"shards": train_grads(manager(True), cfg, 0, torch.float32)}}],
+                    "x", "x", "key table vs scalar keys")
+    wrong = manager(True)
+    fill = wrong._keys.fill
+    wrong._keys.fill = lambda seed, step, micro: fill(seed, step, 0)  # every micro-step gets micro-step 0's keys
+    got = train_grads(wrong, cfg, 0, torch.float32)
+    assert any(not torch.equal(v, want[s][k]) for s in range(STEPS) for k, v in got[s].items())
+
+
+def test_key_table_scope_and_replayed_protocol():
+    cfg = config("qwen2-tied")
+    for kind in ("reduce-scatter", "all-to-all"):
+        mgr = make_gradient_manager(kind, FlatLayout(cfg, 1), comm=Communicator.solo("cpu"), dtype=torch.bfloat16,
+                                    device="cpu", seed=0)
+        with pytest.raises(ValueError, match="needs unsharded gradients on one rank"):
+            mgr.use_key_table()
+    mgr = make_gradient_manager("unsharded", FlatLayout(cfg, 1), comm=Communicator.solo("cpu"), dtype=torch.bfloat16,
+                                device="cpu", seed=0)
+    mgr.start_micro_step(step=0, micro_step=0, num_micro_steps=1)
+    with pytest.raises(RuntimeError, match="only a manager using the SR key table"):
+        mgr.replayed()
+    mgr.use_key_table()
+    mgr.replayed()  # a graph queued the accumulation: every group counts as received
+    with pytest.raises(RuntimeError, match="call it once"):
+        mgr.replayed()
+    mgr.end_micro_step()
+    assert set(mgr.grad_shards()) == {g.key for g in mgr.layout.groups}

@@ -1,0 +1,143 @@
+"""--use-cuda-graphs: the micro-step's forward and backward replayed from CUDA graphs, so that the host stops
+setting the pace at small sizes (Qwen2.5-0.5B at micro-batch 4 spent 487 of 509 ms per step queueing kernels).
+
+    graphs = MicroStepGraphs(device, (B, T))
+    loss, replayed = graphs.run(fn, inputs, targets, first=..., last=..., loss_scale=...)  # fn(inputs, targets)
+
+One graph per phase of a step, at most three: (first, last) of the micro-step decide what the gradient manager
+queues (copy on the first micro-step, SR-add on the others; the last one completes the step's gradients), and
+the graph replays exactly what was queued at capture. A phase's first micro-step runs eagerly on the capture
+stream (warm-up: torch.compile compiles and autotunes, Triton kernels load, cuBLAS gets its workspace for that
+stream); its second is captured and then replayed; later ones replay. Inputs and targets are copied into static
+buffers first. What must differ between replays of one graph comes from device memory written before the
+replay: the batch (static buffers) and the SR keys (the gradient manager's key table,
+`GradientManager.use_key_table`, refilled by `start_micro_step`).
+
+The loss scale (world / valid targets of the step) is a GEMM alpha inside the LM head's backward
+(model/loss.py) and a GEMM takes alpha from the host: a device scalar would change the rounding, and so the
+bits, against a run without graphs. The graphs are therefore captured for one loss scale, the first one seen,
+which is every step's scale when no targets are masked (pretraining); a micro-step with another scale (masked
+targets) runs eagerly, with the same bits, and is counted in `eager_other_scale`.
+
+Bits: a replay runs the kernels of the capture on the same buffers, so losses and weights are bitwise those of
+a run without graphs (the GPU tests in tests/train/test_cuda_graphs.py compare them).
+
+Memory: the graphs share one private memory pool, which holds what one micro-step allocates (its activations,
+gradients on their way to the manager, workspaces): about the peak of a micro-step without graphs, since the
+phases never run at once. The allocator's own cache is emptied before each capture. A micro-step that runs
+eagerly after the capture (another loss scale) allocates outside the pool, so such runs can reserve up to two
+micro-steps' activations; the memory plan assumes the common case (one).
+
+Scope of this round (`check_cuda_graphs`, before the model is built): one process, replicated weights (fp32
+master through a bf16 copy included), unsharded gradients, nothing offloaded, no --persistent-quants, no
+--debug-log-abs-max. On a machine without CUDA (--device auto) the option does nothing (`status` says so).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from qtrain.options import Options, OptionsError
+
+__all__ = ["MicroStepGraphs", "check_cuda_graphs", "cuda_graph_blockers", "status"]
+
+MicroStepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cuda_graph_blockers(opts: Options, *, world: int) -> list[str]:
+    """The options (or run shape) of `opts` that --use-cuda-graphs cannot capture yet."""
+    out = []
+    if world > 1:
+        out.append(f"{world} processes (--gpus, torchrun): graphs run on one process for now")
+    if opts.weights_sharded:
+        out.append("sharded weights (--shard-weights, --zero-level 3)")
+    if opts.gradient_manager_kind != "unsharded":
+        out.append("sharded gradients (--shard-gradients, --zero-level 2, --all-to-all-reduce)")
+    offload = [f"--{n.replace('_', '-')}" for n in ("offload_master", "offload_opt_m", "offload_opt_v",
+                                                     "offload_gradients", "offload_quants", "offload_residual",
+                                                     "use_zero_copy") if getattr(opts, n)]
+    if offload:
+        out.append(f"offloading ({', '.join(offload)})")
+    if opts.persistent_quants:
+        out.append("--persistent-quants (its per-step FP8 weight cache is host-side logic)")
+    if opts.debug_log_abs_max:
+        out.append("--debug-log-abs-max (it records values on the host during the micro-step)")
+    return out
+
+
+def check_cuda_graphs(opts: Options, *, world: int, device_type: str) -> None:
+    """Refuse --use-cuda-graphs with what it cannot capture yet, when graphs would be used (a CUDA device)."""
+    if not opts.use_cuda_graphs or device_type != "cuda":
+        return
+    blockers = cuda_graph_blockers(opts, world=world)
+    if blockers:
+        raise OptionsError("--use-cuda-graphs does not support " + "; ".join(blockers) + " yet. Drop "
+                           "--use-cuda-graphs (or add --no-use-cuda-graphs), or those options.")
+
+
+def status(opts: Options, device_type: str) -> str | None:
+    """The log line that says what --use-cuda-graphs does in this run (None without the option)."""
+    if not opts.use_cuda_graphs:
+        return None
+    if device_type != "cuda":
+        return "--use-cuda-graphs: no CUDA device, the run does not use CUDA graphs"
+    return ("--use-cuda-graphs: the micro-steps' forward and backward are captured in CUDA graphs (one per phase of a "
+            "step, after one eager warm-up micro-step of each) and replayed")
+
+
+class MicroStepGraphs:
+    """Captures and replays a micro-step function per phase (see the module docstring)."""
+
+    def __init__(self, device: torch.device, batch_shape: tuple[int, int]):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)  # warm-up and capture stream
+        self.pool = torch.cuda.graph_pool_handle()  # shared by the phases: they never run at once
+        self.inputs = torch.zeros(batch_shape, dtype=torch.int64, device=device)
+        self.targets = torch.zeros(batch_shape, dtype=torch.int64, device=device)
+        self.graphs: dict[tuple[bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.warm: set[tuple[bool, bool]] = set()  # phases that ran their eager warm-up
+        self.loss_scale: float | None = None  # the scale every graph was captured with
+        self.captures = self.replays = self.eager_other_scale = 0
+
+    def run(self, fn: MicroStepFn, inputs: torch.Tensor, targets: torch.Tensor, *, first: bool, last: bool,
+            loss_scale: float) -> tuple[torch.Tensor, bool]:
+        """Queue one micro-step: `fn(inputs, targets)` eagerly (warm-up, or another loss scale) or captured,
+        or a replay of its phase's graph. Returns (the micro-step's loss, whether it was a replay: then `fn`
+        was not called and the caller tells the gradient manager `replayed()`)."""
+        phase = (first, last)
+        if tuple(inputs.shape) != tuple(self.inputs.shape) or tuple(targets.shape) != tuple(self.targets.shape):
+            raise ValueError(f"--use-cuda-graphs: micro-batch of shape {tuple(inputs.shape)}, the graphs take "
+                             f"{tuple(self.inputs.shape)} (batch size x sequence length)")
+        if phase not in self.warm:
+            self.warm.add(phase)
+            return self._on_stream(fn, inputs, targets), False
+        if self.loss_scale is None:
+            self.loss_scale = loss_scale
+        if loss_scale != self.loss_scale:
+            self.eager_other_scale += 1
+            return fn(inputs, targets), False
+        self.inputs.copy_(inputs, non_blocking=True)
+        self.targets.copy_(targets, non_blocking=True)
+        if phase in self.graphs:
+            graph, loss = self.graphs[phase]
+            graph.replay()
+            self.replays += 1
+            return loss, True
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):  # synchronizes first
+            loss = fn(self.inputs, self.targets)
+        self.graphs[phase] = (graph, loss)
+        self.captures += 1
+        graph.replay()  # capturing queued nothing: run it
+        return loss, False
+
+    def _on_stream(self, fn: MicroStepFn, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """`fn` on the capture stream, ordered after and before the caller's stream's work."""
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            loss = fn(inputs, targets)
+        caller.wait_stream(self.stream)
+        loss.record_stream(caller)  # the caller uses it; the allocator must not hand it out on our stream before
+        return loss
