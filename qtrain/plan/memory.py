@@ -15,6 +15,7 @@ for the options without building the component (docs/memory.md has the details):
   - activations and workspace: `model.activations` (what autograd keeps per layer and token, term by term from
     the ops of the block, eager and compiled; the transient phases of a micro-step, the LM head's from
     `model.loss`). Activations are exact on CPU; workspace is an upper bound of the measured peak.
+  - with --use-cuda-graphs, the evaluation's LM head beside the graphs' private pool (train/cuda_graphs.py).
   - a reserve (CUDA context, libraries) and 5% of activations + workspace for allocator fragmentation.
 """
 from __future__ import annotations
@@ -286,6 +287,11 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
                       detail=f"largest transient: {peak_phase.replace('_', ' ')} (lm-head {_mib(phases['lm_head'])}, "
                              f"{chunks} chunk{'s' if chunks > 1 else ''}; block backward "
                              f"{_mib(phases['block_backward'])})"))
+
+    if opts.use_cuda_graphs and device == "cuda":  # train/cuda_graphs.py: the graphs keep a private pool
+        items.append(Item("cuda graphs", device=phases["lm_head"], kind="workspace",
+                          detail="the graphs' pool holds a micro-step's activations and workspace; evaluation and "
+                                 "the update allocate beside it (bound: the LM head's transient)"))
 
     # ---- reserve ----
     if reserve is None:

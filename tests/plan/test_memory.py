@@ -390,3 +390,16 @@ def test_fp32_master_and_fp8_policy_in_the_plan():
     assert "matmul e4m3 for up/down |" in fp8["auto"].format() and "matmul e4m3 |" in fp8["all"].format()
     acts = fp8["auto"].item("activations").device
     assert acts >= fp8["all"].item("activations").device and acts >= plain.item("activations").device
+
+
+def test_cuda_graphs_row_is_the_lm_head_transient_beside_the_graph_pool():
+    """--use-cuda-graphs: evaluation and the update allocate outside the graphs' private pool, bounded by the LM
+    head's transient; nothing changes on the CPU (no graphs there)."""
+    cfg = preset("Qwen2.5-0.5B")
+    base = Options(model="Qwen2.5-0.5B", seq_len=1024, batch_size=4)
+    graphs = dataclasses.replace(base, use_cuda_graphs=True)
+    plain, with_graphs = plan_memory(cfg, base), plan_memory(cfg, graphs)
+    row = with_graphs.item("cuda graphs")
+    assert row.device == with_graphs.phases["lm_head"] > 0
+    assert with_graphs.device_total == plain.device_total + row.device
+    assert plan_memory(cfg, graphs, device="cpu").device_total == plan_memory(cfg, base, device="cpu").device_total
