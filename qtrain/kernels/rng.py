@@ -54,10 +54,14 @@ def rng_key(seed: int, *ids: int) -> int:
     Order matters (``rng_key(s, 1, 2) != rng_key(s, 2, 1)``) and so does the number of ids. Negative ints
     are taken modulo 2**64.
     """
-    h = _splitmix64(seed & _M64)
+    return _absorb(_splitmix64(seed & _M64), ids) >> 2
+
+
+def _absorb(h: int, ids: tuple[int, ...]) -> int:
+    """``rng_key``'s 64-bit state after folding ``ids`` into state ``h``."""
     for i in ids:
         h = _splitmix64(h ^ (i & _M64))
-    return h >> 2
+    return h
 
 
 # ------------------------------------------------------------------------- scalar Murmur (host side)
@@ -143,7 +147,8 @@ class KeyTable:
 
     def states(self, seed: int, *prefix: int) -> list[int]:
         """The table's contents for ``prefix``: one int32 kernel state per recipe."""
-        return [kernel_key(rng_key(seed, *prefix, *ids), offset, n)[0] for ids, offset, n in self.recipes]
+        h = _absorb(_splitmix64(seed & _M64), prefix)  # rng_key(seed, *prefix, *ids), the prefix folded once
+        return [kernel_key(_absorb(h, ids) >> 2, offset, n)[0] for ids, offset, n in self.recipes]
 
     def fill(self, seed: int, *prefix: int) -> None:
         """Queue the table's refill for keys ``rng_key(seed, *prefix, *ids)``; does not block the host."""

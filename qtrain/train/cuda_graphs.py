@@ -106,9 +106,7 @@ class MicroStepGraphs:
         or a replay of its phase's graph. Returns (the micro-step's loss, whether it was a replay: then `fn`
         was not called and the caller tells the gradient manager `replayed()`)."""
         phase = (first, last)
-        if tuple(inputs.shape) != tuple(self.inputs.shape) or tuple(targets.shape) != tuple(self.targets.shape):
-            raise ValueError(f"--use-cuda-graphs: micro-batch of shape {tuple(inputs.shape)}, the graphs take "
-                             f"{tuple(self.inputs.shape)} (batch size x sequence length)")
+        self.check_batch(inputs, targets)
         if phase not in self.warm:
             self.warm.add(phase)
             return self._on_stream(fn, inputs, targets), False
@@ -131,6 +129,12 @@ class MicroStepGraphs:
         self.captures += 1
         graph.replay()  # capturing queued nothing: run it
         return loss, False
+
+    def check_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """The graphs take micro-batches of one shape (their static buffers')."""
+        if tuple(inputs.shape) != tuple(self.inputs.shape) or tuple(targets.shape) != tuple(self.targets.shape):
+            raise ValueError(f"--use-cuda-graphs: micro-batch of shape {tuple(inputs.shape)} / {tuple(targets.shape)}, "
+                             f"the graphs take {tuple(self.inputs.shape)} (batch size x sequence length)")
 
     def _on_stream(self, fn: MicroStepFn, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """`fn` on the capture stream, ordered after and before the caller's stream's work."""

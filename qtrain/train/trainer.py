@@ -179,12 +179,15 @@ class Trainer:
             raise RuntimeError(f"micro_step called more than --grad-accumulation={ga} times before update()")
         if loss_scale is None:
             loss_scale = self.loss_scale(int((targets != IGNORE_INDEX).sum()) * ga * self.ctx.world)
+        if self.graphs is not None:
+            self.graphs.check_batch(inputs, targets)
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         self.grads.start_micro_step(step=self.steps_done, micro_step=self.micro, num_micro_steps=ga)
         debug = self._debug_step()
         if debug:
             self.absmax.start()
+
         def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             return self.model.forward_backward(self.weights, inputs, targets, grads=self.grads,
                                                loss_scale=loss_scale, z_loss=self.opts.z_loss)
