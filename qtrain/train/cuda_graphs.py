@@ -130,6 +130,11 @@ class MicroStepGraphs:
         graph.replay()  # capturing queued nothing: run it
         return loss, False
 
+    def summary(self) -> str:
+        """One line for the run log: how the micro-steps ran."""
+        return (f"--use-cuda-graphs: {self.captures} graphs captured, {self.replays} micro-steps replayed, "
+                f"{self.eager_other_scale} run eagerly for another loss scale (masked targets)")
+
     def check_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         """The graphs take micro-batches of one shape (their static buffers')."""
         if tuple(inputs.shape) != tuple(self.inputs.shape) or tuple(targets.shape) != tuple(self.targets.shape):

@@ -190,6 +190,8 @@ def _finish(opts: Options, ctx: DistContext, trainer: Trainer, log: RunLogger, s
     if _stop_requested(signals, ctx):
         raise stopped_after_last_step(signals.requested, path)
     final = evaluate(total_steps, None)
+    if trainer.graphs is not None:
+        log.message(trainer.graphs.summary(), level="info")
     if ctx.device.type == "cuda":
         log.log_memory(allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved(),
                        peak=torch.cuda.max_memory_allocated())
