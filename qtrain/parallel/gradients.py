@@ -260,7 +260,8 @@ class GradientManager(ABC):
             return self._keys.slot((group.index, tensor_index, *extra), 0, n)
         return self._key(group, tensor_index, self._step, self._micro, *extra)
 
-    def _set(self, dst: torch.Tensor, src: torch.Tensor, *, key: int | KeySlot, scale: float = 1.0, offset: int = 0) -> None:
+    def _set(self, dst: torch.Tensor, src: torch.Tensor, *, key: int | KeySlot, scale: float = 1.0,
+             offset: int = 0) -> None:
         """dst <- scale*src: a plain copy when that is exact, else rounded (SR into bf16)."""
         if scale == 1.0 and src.dtype == dst.dtype:
             dst.view(src.shape).copy_(src)

@@ -151,3 +151,36 @@ def test_gpu_another_loss_scale_runs_eagerly_with_the_same_bits(model_dir):
     got = train(tr, 6, masked=True)
     assert tr.graphs.eager_other_scale > 0 and tr.graphs.replays > 0, vars(tr.graphs)
     assert_bitwise(want, got, "masked")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_cli_run_with_evaluations_logs_how_the_micro_steps_ran(model_dir, tmp_path, monkeypatch):
+    """`qtrain train --use-cuda-graphs` end to end: evaluations and the time breakdown between replayed steps,
+    the log says graphs are on and how many micro-steps replayed, and the losses are those of the same run
+    without graphs."""
+    import numpy as np
+
+    from qtrain.cli.main import main
+    from qtrain.data.token_files import write_token_file
+    from qtrain.observe.log import read_log
+
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    write_token_file("train.bin", rng.integers(0, CFG.vocab_size, 4000), vocab_size=CFG.vocab_size)
+    write_token_file("eval.bin", rng.integers(0, CFG.vocab_size, 400), vocab_size=CFG.vocab_size)
+    common = ["train", "--model", model_dir, "--from-scratch", "--train-file", "train.bin", "--eval-file", "eval.bin",
+              "--steps", "6", "--eval-every-n-steps", "2", "--eval-num-steps", "1", "--seq-len", str(T),
+              "--batch-size", str(B), "--grad-accumulation", "2", "--device", "cuda", "--gpus", "1",
+              "--debug-time-breakdown", "--no-save-training-state"]
+    logs = {}
+    for name, extra in (("eager", []), ("graphs", ["--use-cuda-graphs"])):
+        assert main([*common, *extra, "--log-file", f"{name}.jsonl", "--out-dir", f"out-{name}",
+                     "--checkpoint-dir", f"ckpt-{name}"]) == 0
+        logs[name] = read_log(f"{name}.jsonl")
+    losses = {n: [(e["step"], e["loss"]) for e in ev if e["log"] in ("step", "eval")] for n, ev in logs.items()}
+    assert losses["graphs"] == losses["eager"] and len(losses["eager"]) >= 6
+    messages = [e["message"] for e in logs["graphs"] if e["log"] == "message"]
+    assert any("captured in CUDA graphs" in m for m in messages)
+    assert any("2 graphs captured, 8 micro-steps replayed, 0 run eagerly" in m for m in messages), messages
+    assert not any("--use-cuda-graphs" in e["message"] for e in logs["eager"] if e["log"] == "message")
