@@ -14,7 +14,8 @@ from typing import Any, Iterable
 
 from qtrain.model.fp8_policy import DEFAULT_MIN_BLOCK_GFLOP as DEFAULT_FP8_MIN_BLOCK_GFLOP
 from qtrain.model.fp8_policy import DEFAULT_MIN_SIZE as DEFAULT_FP8_MIN_SIZE
-from qtrain.model.fp8_policy import FP8_POLICIES
+from qtrain.model.config import ModelConfig
+from qtrain.model.fp8_policy import FP8_POLICIES, Fp8Choice, choose_fp8
 from qtrain.model.layers import SDPA_BACKENDS
 from qtrain.model.recompute import FLAGS as RECOMPUTE_FLAGS
 from qtrain.model.recompute import resolve_flags
@@ -274,6 +275,14 @@ class Options:
     @property
     def effective_matmul_dtype(self) -> str:
         return self.matmul_dtype or self.model_dtype
+
+    def fp8_choice(self, cfg: ModelConfig) -> Fp8Choice | None:
+        """Which block linears run in FP8 at this micro-batch shape (--fp8-policy and its thresholds); None
+        without --matmul-dtype e4m3."""
+        if self.effective_matmul_dtype != "e4m3":
+            return None
+        return choose_fp8(cfg, self.batch_size * self.seq_len, self.fp8_policy, self.fp8_min_size,
+                          self.fp8_min_block_gflop)
 
     @property
     def effective_master_dtype(self) -> str:

@@ -82,6 +82,11 @@ class Fp8Choice:
     gflop: float = 0.0  # block_gflop of this micro-batch
     min_gflop: float = 0.0
 
+    @property
+    def keeps_bf16(self) -> bool:
+        """Some block linear runs (auto) or would run (all) in the model dtype: the start of the run warns."""
+        return bool(self.plain) or self.gflop < self.min_gflop or any(v < self.min_size for v in self.sizes.values())
+
     def describe(self) -> str:
         """One line for the run's start: what runs in FP8 and why the others do not."""
         head = f"fp8 policy {self.policy}: e4m3 for {'/'.join(self.fp8) or 'none of the block linears'}"

@@ -26,7 +26,6 @@ from typing import Any
 
 from qtrain.model.activations import activation_memory, workspace_phases
 from qtrain.model.config import ModelConfig
-from qtrain.model.fp8_policy import choose_fp8
 from qtrain.model.recompute import recompute_label, resolve_flags
 from qtrain.model.transformer import FP8_MATRICES
 from qtrain.options import Options
@@ -254,8 +253,8 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
     # e4m3 block matrices kept for the step (llm.q's --persistent-quants): the trainer's weight source makes them
     # (ShardedWeights' shards, or QuantizedWeights around replicated weights, which --debug-log-abs-max bypasses)
     # --fp8-policy: the block linears in FP8 (model/fp8_policy.py); the others run as in the model dtype
-    fp8 = choose_fp8(cfg, N, opts.fp8_policy, opts.fp8_min_size,
-                     opts.fp8_min_block_gflop).fp8 if matmul == "e4m3" else ()
+    choice = opts.fp8_choice(cfg)
+    fp8 = choice.fp8 if choice is not None else ()
     quants = fp8 if (opts.persistent_quants and L > 0 and (opts.weights_sharded or not opts.debug_log_abs_max)) else ()
     persistent_quants = bool(quants)
 

@@ -241,7 +241,6 @@ def _log_run_header(log: RunLogger, trainer: Trainer, train: TokenLoader, evals:
         log.message(f"memory plan: {plan.summary()}; `qtrain plan` proposes a configuration that fits",
                     level="warning")
     if trainer.fp8 is not None:  # shown (as a warning) whenever a block linear does or would run in bf16
-        mixed = any(trainer.fp8.sizes[n] < trainer.fp8.min_size for n in trainer.fp8.sizes)
-        log.message(trainer.fp8.describe(), level="warning" if mixed else "info")
+        log.message(trainer.fp8.describe(), level="warning" if trainer.fp8.keeps_bf16 else "info")
     log.message(f"model {cfg.model_type}: {cfg.num_params() / 1e6:.1f}M parameters, {total_steps} steps of "
                 f"{opts.batch_size * T * opts.grad_accumulation * W} tokens", level="info")

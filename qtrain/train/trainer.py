@@ -22,7 +22,7 @@ import torch
 
 from qtrain.data.hf_tokenizer import export_files, export_tokenizer
 from qtrain.fsio import FileSystemError
-from qtrain.model.fp8_policy import Fp8Choice, choose_fp8
+from qtrain.model.fp8_policy import Fp8Choice
 from qtrain.model.hf_io import save_hf_model
 from qtrain.model.layers import resolve_sdpa_backend
 from qtrain.model.loss import IGNORE_INDEX
@@ -71,9 +71,7 @@ class Trainer:
         self.layout = FlatLayout(self.cfg, self.comm.world)  # one flat buffer per group (parallel/layout.py)
 
         # --matmul-dtype e4m3: which block linears run in FP8 for this micro-batch shape (--fp8-policy)
-        self.fp8 = choose_fp8(self.cfg, opts.batch_size * opts.seq_len, opts.fp8_policy, opts.fp8_min_size,
-                              opts.fp8_min_block_gflop) \
-            if opts.effective_matmul_dtype == "e4m3" else None
+        self.fp8 = opts.fp8_choice(self.cfg)
         # replicated weights: `params` are views into the full `param_buffers`; sharded weights
         # (--shard-weights / --zero-level 3): only this rank's shards, and both are None
         w = build_weights(self.layout, comm=self.comm, dtype=self.master_dtype, compute_dtype=self.dtype,

@@ -60,6 +60,8 @@ def test_the_block_threshold_on_real_shapes():
     assert choose_fp8(q15, 8192).fp8 == () and choose_fp8(q15, 16384).fp8 == ("qkv", "o", "up", "down")
     assert "1150 GFLOP" in low.describe() and "--fp8-min-block-gflop 2600" in low.describe()
     assert "would run none in FP8" in choose_fp8(q15, 4096, "all").describe()
+    assert low.keeps_bf16 and choose_fp8(q15, 4096, "all").keeps_bf16  # the run's start warns
+    assert not choose_fp8(q15, 16384).keeps_bf16 and not choose_fp8(q15, 16384, "all").keeps_bf16
     assert choose_fp8(q05, 16384).fp8 == () and choose_fp8(q05, 32768).fp8 == ("qkv", "o", "up", "down")
     assert choose_fp8(q15, 4096, "auto", min_block_gflop=block_gflop(q15, 4096)).fp8 == ("qkv", "o", "up", "down")
 

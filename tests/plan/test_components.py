@@ -28,7 +28,6 @@ import torch
 
 from tests.dist_utils import random_batch, run_distributed
 from qtrain.model.config import ModelConfig
-from qtrain.model.fp8_policy import choose_fp8
 from qtrain.options import Options
 from qtrain.parallel.dist import DistContext
 from qtrain.parallel.gradients import make_gradient_manager
@@ -218,8 +217,7 @@ def build_on_meta(opts: Options):
     """The components as the Trainer builds them, on a `meta` compute device (host buffers stay CPU tensors)."""
     layout, dtype, dev = FlatLayout(CFG, 4), DTYPES[opts.effective_master_dtype], torch.device("meta")
     if opts.weights_sharded:
-        fp8 = choose_fp8(CFG, opts.batch_size * opts.seq_len, opts.fp8_policy, opts.fp8_min_size,
-                         opts.fp8_min_block_gflop).fp8
+        fp8 = opts.fp8_choice(CFG).fp8 if opts.persistent_quants else ()
         weights = ShardedWeights(layout, comm=RankOf4(), dtype=dtype, device=dev, offload=opts.offload_master,
                                  compute_dtype=DTYPES[opts.model_dtype],
                                  quantized=fp8 if opts.persistent_quants else (),

@@ -28,6 +28,22 @@ def steps_of(log_path: str) -> list[dict]:
     return [e for e in read_log(log_path) if e["log"] == "step"]
 
 
+def embedded_data(eval_tokens: int = 0) -> tuple[str, str | None]:
+    """The embedded corpus' train file (built here, in the cwd, as `qtrain train` would) and, with
+    `eval_tokens`, an eval file of the first that many tokens of its eval split: the final evaluation covers the
+    whole eval file, and the full split (115 batches of 4 x 64) costs more CPU time than the training itself."""
+    from qtrain.data.corpus import ensure_default_dataset
+    from qtrain.data.token_files import read_token_file, read_token_file_header, write_token_file
+    from qtrain.train.preflight import DEFAULT_DATA_DIR
+    train, evals = ensure_default_dataset(DEFAULT_DATA_DIR)
+    if not eval_tokens:
+        return train, None
+    head = read_token_file_header(evals)
+    tokens, _ = read_token_file(evals)
+    return train, write_token_file("eval-head.bin", tokens[:eval_tokens], vocab_size=head.vocab_size,
+                                   tokenizer=head.tokenizer)
+
+
 def hf_eval_loss(model_dir: str, eval_file: str, seq_len: int, batch: int) -> float:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     total, n = 0.0, 0
@@ -42,8 +58,9 @@ def hf_eval_loss(model_dir: str, eval_file: str, seq_len: int, batch: int) -> fl
 
 def test_train_export_and_eval_match_transformers(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    rc = main(["train", *COMMON, "--steps", "40", "--out-dir", "out", "--checkpoint-dir", "ckpt",
-               "--log-file", "log.jsonl"])
+    _, eval_bin = embedded_data(eval_tokens=16 * 4 * 65)  # 16 eval batches
+    rc = main(["train", *COMMON, "--eval-file", eval_bin, "--steps", "40", "--out-dir", "out", "--checkpoint-dir",
+               "ckpt", "--log-file", "log.jsonl"])
     assert rc == 0
     steps = steps_of("log.jsonl")
     assert len(steps) == 40
@@ -54,8 +71,6 @@ def test_train_export_and_eval_match_transformers(tmp_path, monkeypatch):
     final_eval = [e for e in read_log("log.jsonl") if e["log"] == "eval"][-1]
     eval_file = [e for e in read_log("log.jsonl") if e["log"] == "dataset" and e["split"] == "eval"]
     assert eval_file
-    eval_path = os.path.join("data", "qtrain-default")
-    eval_bin = next(os.path.join(r, f) for r, _, fs in os.walk(eval_path) for f in fs if f == "eval.bin")
     ref = hf_eval_loss("out", eval_bin, 64, 4)
     assert abs(final_eval["loss"] - ref) <= 1e-5 * ref, (final_eval["loss"], ref)
     # `qtrain eval` on the export gives the trainer's final eval loss (same model code, fp32)
@@ -80,18 +95,20 @@ def test_train_export_and_eval_match_transformers(tmp_path, monkeypatch):
 def test_resume_is_bitwise_equal(tmp_path, monkeypatch, dtype):
     monkeypatch.chdir(tmp_path)
     model_dtype = "bf16" if dtype == "fp32-master" else dtype
-    opts = [*COMMON[2:], "--model-dtype", model_dtype, "--steps", "8", "--ckpt-interval", "4", "--no-save-training-state"]
+    train_bin, _ = embedded_data()  # and no eval file: no final evaluation, which this test does not look at
+    opts = [*COMMON[2:], "--model-dtype", model_dtype, "--train-file", train_bin, "--steps", "4", "--ckpt-interval",
+            "2", "--no-save-training-state"]
     if dtype == "bf16":
         opts += ["--opt-m-dtype", "bf16", "--opt-v-dtype", "bf16"]
     if dtype == "fp32-master":  # the checkpoint holds the fp32 master; the bf16 copy is remade from it
         opts += ["--master-dtype", "fp32"]
     assert main(["train", *opts, "--out-dir", "full", "--checkpoint-dir", "ckpt", "--log-file", "full.jsonl"]) == 0
-    assert os.path.isdir("ckpt/step_00000004")
+    assert os.path.isdir("ckpt/step_00000002")
     assert main(["train", *opts, "--out-dir", "resumed", "--checkpoint-dir", "ckpt", "--log-file", "resumed.jsonl",
-                 "--continue", "4"]) == 0
+                 "--continue", "2"]) == 0
     full = {s["step"]: s for s in steps_of("full.jsonl")}
     resumed = {s["step"]: s for s in steps_of("resumed.jsonl")}
-    assert sorted(resumed) == [4, 5, 6, 7]
+    assert sorted(resumed) == [2, 3]
     for k in resumed:
         assert resumed[k]["loss"] == full[k]["loss"] and resumed[k]["norm"] == full[k]["norm"], k
     from safetensors.torch import load_file
