@@ -15,7 +15,7 @@ from typing import Any, Iterable
 from qtrain.model.fp8_policy import DEFAULT_MIN_BLOCK_GFLOP as DEFAULT_FP8_MIN_BLOCK_GFLOP
 from qtrain.model.fp8_policy import DEFAULT_MIN_SIZE as DEFAULT_FP8_MIN_SIZE
 from qtrain.model.config import ModelConfig
-from qtrain.model.fp8_policy import FP8_POLICIES, Fp8Choice, choose_fp8
+from qtrain.model.fp8_policy import FP8_POLICIES, Fp8Choice, block_gflop, choose_fp8
 from qtrain.model.layers import SDPA_BACKENDS
 from qtrain.model.recompute import FLAGS as RECOMPUTE_FLAGS
 from qtrain.model.recompute import resolve_flags
@@ -35,6 +35,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "opt_m_dtype": OPT_M_DTYPES, "opt_v_dtype": OPT_V_DTYPES, "lr_schedule": SCHEDULES,
     "device": ("auto", "cpu", "cuda"), "compile": ("auto", "on", "off"), "sdpa_backend": SDPA_BACKENDS,
 }
+# --use-cuda-graphs unset (auto) turns graphs on up to this much GEMM work per block and micro-step: where the
+# host sets the pace. Measured on one H200 (BENCHMARKS.md, session 9), Qwen2.5-0.5B bf16: 366 GFLOP (4 x 1024)
+# 2.90x, 1466 (16 x 1024) 1.027x, 2931 (32 x 1024) 1.009x; larger blocks were not measured with graphs.
+CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP = 3000.0
 EMPTY_MEANS_DEFAULT = ("matmul_dtype", "gradient_dtype", "master_dtype", "grad_accum_dtype")  # '' = follow the model / matmul dtype
 
 
@@ -262,11 +266,13 @@ class Options:
     """Adam second-moment shards in pinned host memory, streamed through the device for the update."""
     use_zero_copy: bool = False
     """Update offloaded state in place instead of staging it through the device (CPU only; refused on CUDA)."""
-    use_cuda_graphs: bool = False
+    use_cuda_graphs: bool | None = None
     """Replay each micro-step's forward and backward from CUDA graphs (llm.q's --use-cuda-graphs), one per phase
     of a step, captured after one eager warm-up micro-step of each: the host stops setting the pace at small
     sizes, same bits. One process, replicated weights, unsharded gradients, no offload, no --persistent-quants
-    (train/cuda_graphs.py refuses the rest); refused with --device cpu, no effect without a CUDA device."""
+    (train/cuda_graphs.py refuses the rest); refused with --device cpu, no effect without a CUDA device.
+    Unset (auto): on where it was measured faster, i.e. on a CUDA device where nothing blocks it, no block
+    linear runs in FP8 and a block's GEMM work per micro-step is at most CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP."""
 
     # ---------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
@@ -283,6 +289,40 @@ class Options:
             return None
         return choose_fp8(cfg, self.batch_size * self.seq_len, self.fp8_policy, self.fp8_min_size,
                           self.fp8_min_block_gflop)
+
+    def cuda_graph_blockers(self, *, world: int) -> list[str]:
+        """What --use-cuda-graphs cannot capture yet in this run (train/cuda_graphs.py): empty if nothing."""
+        out = []
+        if world > 1:
+            out.append(f"{world} processes (--gpus, torchrun): graphs run on one process for now")
+        if self.weights_sharded:
+            out.append("sharded weights (--shard-weights, --zero-level 3)")
+        if self.gradient_manager_kind != "unsharded":
+            out.append("sharded gradients (--shard-gradients, --zero-level 2, --all-to-all-reduce)")
+        offload = [f"--{n.replace('_', '-')}" for n in ("offload_master", "offload_opt_m", "offload_opt_v",
+                                                         "offload_gradients", "offload_quants", "offload_residual",
+                                                         "use_zero_copy") if getattr(self, n)]
+        if offload:
+            out.append(f"offloading ({', '.join(offload)})")
+        if self.persistent_quants:
+            out.append("--persistent-quants (its per-step FP8 weight cache is host-side logic)")
+        if self.debug_log_abs_max:
+            out.append("--debug-log-abs-max (it records values on the host during the micro-step)")
+        return out
+
+    def cuda_graphs_on(self, cfg: ModelConfig, *, world: int, device_type: str) -> bool:
+        """Whether this run's micro-steps replay from CUDA graphs: --use-cuda-graphs as given (on a CUDA
+        device); unset, only where they were measured faster (BENCHMARKS.md, session 9: Qwen2.5-0.5B at 4 x 8
+        2.90x, 16 x 2 1.027x, 32 x 4 1.009x), i.e. nothing blocks them, no linear runs in FP8 (a cold-compile
+        hang with FP8 under capture is not understood yet) and the block's GEMM work per micro-step is at most
+        CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP: above it the GPU, not the host, sets the pace."""
+        if device_type != "cuda" or self.use_cuda_graphs is False:
+            return False
+        if self.use_cuda_graphs:
+            return True
+        fp8 = self.fp8_choice(cfg)
+        return (not self.cuda_graph_blockers(world=world) and not (fp8 is not None and fp8.fp8)
+                and block_gflop(cfg, self.batch_size * self.seq_len) <= CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP)
 
     @property
     def effective_master_dtype(self) -> str:
@@ -512,6 +552,12 @@ def _coerce(key: str, value: Any, source: str, spelled: str = "") -> Any:
     if typ is bool:
         if not isinstance(value, bool):
             raise bad("true or false")
+        return value
+    if typ == bool | None:  # unset = auto
+        if value is None or value == "auto":
+            return None
+        if not isinstance(value, bool):
+            raise bad('true, false or "auto"')
         return value
     if typ is int:
         if isinstance(value, int) and not isinstance(value, bool):

@@ -61,6 +61,8 @@ def _field_help(name: str) -> str:
 def _default_text(name: str, value: Any) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
+    if value is None:
+        return "auto"
     if name.endswith("_seed"):
         return hex(value)
     return repr(value) if value == "" else str(value)
@@ -92,7 +94,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                            help=help_)
             continue
         typ = hints[f.name]
-        if typ is bool:
+        if typ in (bool, bool | None):
             p.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                            help=help_)
         else:

@@ -287,7 +287,7 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
                              f"{chunks} chunk{'s' if chunks > 1 else ''}; block backward "
                              f"{_mib(phases['block_backward'])})"))
 
-    if opts.use_cuda_graphs and device == "cuda":  # train/cuda_graphs.py: the graphs keep a private pool
+    if opts.cuda_graphs_on(cfg, world=world, device_type=device):  # train/cuda_graphs.py: the graphs keep a private pool
         items.append(Item("cuda graphs", device=phases["lm_head"], kind="workspace",
                           detail="the graphs' pool holds a micro-step's activations and workspace; evaluation and "
                                  "the update allocate beside it (bound: the LM head's transient)"))

@@ -17,7 +17,8 @@ The loss scale (world / valid targets of the step) is a GEMM alpha inside the LM
 (model/loss.py) and a GEMM takes alpha from the host: a device scalar would change the rounding, and so the
 bits, against a run without graphs. The graphs are therefore captured for one loss scale, the first one seen,
 which is every step's scale when no targets are masked (pretraining); a micro-step with another scale (masked
-targets) runs eagerly, with the same bits, and is counted in `eager_other_scale`.
+targets) runs eagerly, with the same bits, and is counted in `eager_other_scale`; so does a micro-batch of
+another shape than the first (the static buffers'), counted in `eager_other_shape`.
 
 Bits: a replay runs the kernels of the capture on the same buffers, so losses and weights are bitwise those of
 a run without graphs (the GPU tests in tests/train/test_cuda_graphs.py compare them).
@@ -28,9 +29,11 @@ phases never run at once. The allocator's own cache is emptied before each captu
 eagerly after the capture (another loss scale) allocates outside the pool, so such runs can reserve up to two
 micro-steps' activations; the memory plan assumes the common case (one).
 
-Scope of this round (`check_cuda_graphs`, before the model is built): one process, replicated weights (fp32
-master through a bf16 copy included), unsharded gradients, nothing offloaded, no --persistent-quants, no
---debug-log-abs-max. On a machine without CUDA (--device auto) the option does nothing (`status` says so).
+Scope of this round (`Options.cuda_graph_blockers`, refused by `check_cuda_graphs` before the model is built
+when the option is given): one process, replicated weights (fp32 master through a bf16 copy included),
+unsharded gradients, nothing offloaded, no --persistent-quants, no --debug-log-abs-max. On a machine without
+CUDA (--device auto) the option does nothing (`status` says so). Unset, the option is on where it was measured
+faster (`Options.cuda_graphs_on`): nothing blocks it, no linear in FP8, a host-bound micro-step.
 """
 from __future__ import annotations
 
@@ -40,50 +43,33 @@ import torch
 
 from qtrain.options import Options, OptionsError
 
-__all__ = ["MicroStepGraphs", "check_cuda_graphs", "cuda_graph_blockers", "status"]
+__all__ = ["MicroStepGraphs", "check_cuda_graphs", "status"]
 
 MicroStepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def cuda_graph_blockers(opts: Options, *, world: int) -> list[str]:
-    """The options (or run shape) of `opts` that --use-cuda-graphs cannot capture yet."""
-    out = []
-    if world > 1:
-        out.append(f"{world} processes (--gpus, torchrun): graphs run on one process for now")
-    if opts.weights_sharded:
-        out.append("sharded weights (--shard-weights, --zero-level 3)")
-    if opts.gradient_manager_kind != "unsharded":
-        out.append("sharded gradients (--shard-gradients, --zero-level 2, --all-to-all-reduce)")
-    offload = [f"--{n.replace('_', '-')}" for n in ("offload_master", "offload_opt_m", "offload_opt_v",
-                                                     "offload_gradients", "offload_quants", "offload_residual",
-                                                     "use_zero_copy") if getattr(opts, n)]
-    if offload:
-        out.append(f"offloading ({', '.join(offload)})")
-    if opts.persistent_quants:
-        out.append("--persistent-quants (its per-step FP8 weight cache is host-side logic)")
-    if opts.debug_log_abs_max:
-        out.append("--debug-log-abs-max (it records values on the host during the micro-step)")
-    return out
 
 
 def check_cuda_graphs(opts: Options, *, world: int, device_type: str) -> None:
     """Refuse --use-cuda-graphs with what it cannot capture yet, when graphs would be used (a CUDA device)."""
     if not opts.use_cuda_graphs or device_type != "cuda":
         return
-    blockers = cuda_graph_blockers(opts, world=world)
+    blockers = opts.cuda_graph_blockers(world=world)
     if blockers:
         raise OptionsError("--use-cuda-graphs does not support " + "; ".join(blockers) + " yet. Drop "
                            "--use-cuda-graphs (or add --no-use-cuda-graphs), or those options.")
 
 
-def status(opts: Options, device_type: str) -> str | None:
-    """The log line that says what --use-cuda-graphs does in this run (None without the option)."""
-    if not opts.use_cuda_graphs:
+def status(opts: Options, device_type: str, *, on: bool, fp8_linears: bool = False) -> str | None:
+    """The log line that says what --use-cuda-graphs does in this run (`on`: Options.cuda_graphs_on). None
+    when the option is unset and the graphs are off (the bf16 runs above CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP)."""
+    if opts.use_cuda_graphs is False or (opts.use_cuda_graphs is None and not on):
         return None
     if device_type != "cuda":
         return "--use-cuda-graphs: no CUDA device, the run does not use CUDA graphs"
-    return ("--use-cuda-graphs: the micro-steps' forward and backward are captured in CUDA graphs (one per phase of a "
-            "step, after one eager warm-up micro-step of each) and replayed")
+    how = "given" if opts.use_cuda_graphs else "auto: one process, a host-bound micro-step, no FP8 linear"
+    return (f"--use-cuda-graphs ({how}): the micro-steps' forward and backward are captured in CUDA graphs (one "
+            "per phase of a step, after one eager warm-up micro-step of each) and replayed; --no-use-cuda-graphs "
+            "turns them off" + (". FP8 linears under capture: one cold-compile start hung on the H200 (BENCHMARKS.md, "
+                                 "session 9); if step 0 never comes, run without graphs" if fp8_linears else ""))
 
 
 class MicroStepGraphs:
@@ -98,7 +84,7 @@ class MicroStepGraphs:
         self.graphs: dict[tuple[bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.warm: set[tuple[bool, bool]] = set()  # phases that ran their eager warm-up
         self.loss_scale: float | None = None  # the scale every graph was captured with
-        self.captures = self.replays = self.eager_other_scale = 0
+        self.captures = self.replays = self.eager_other_scale = self.eager_other_shape = 0
 
     def run(self, fn: MicroStepFn, inputs: torch.Tensor, targets: torch.Tensor, *, first: bool, last: bool,
             loss_scale: float) -> tuple[torch.Tensor, bool]:
@@ -106,7 +92,9 @@ class MicroStepGraphs:
         or a replay of its phase's graph. Returns (the micro-step's loss, whether it was a replay: then `fn`
         was not called and the caller tells the gradient manager `replayed()`)."""
         phase = (first, last)
-        self.check_batch(inputs, targets)
+        if not self.fits(inputs, targets):  # the static buffers take one shape: another one runs eagerly
+            self.eager_other_shape += 1
+            return fn(inputs, targets), False
         if phase not in self.warm:
             self.warm.add(phase)
             return self._on_stream(fn, inputs, targets), False
@@ -133,13 +121,12 @@ class MicroStepGraphs:
     def summary(self) -> str:
         """One line for the run log: how the micro-steps ran."""
         return (f"--use-cuda-graphs: {self.captures} graphs captured, {self.replays} micro-steps replayed, "
-                f"{self.eager_other_scale} run eagerly for another loss scale (masked targets)")
+                f"{self.eager_other_scale + self.eager_other_shape} run eagerly ({self.eager_other_scale} for another "
+                f"loss scale: masked targets; {self.eager_other_shape} for another micro-batch shape)")
 
-    def check_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        """The graphs take micro-batches of one shape (their static buffers')."""
-        if tuple(inputs.shape) != tuple(self.inputs.shape) or tuple(targets.shape) != tuple(self.targets.shape):
-            raise ValueError(f"--use-cuda-graphs: micro-batch of shape {tuple(inputs.shape)} / {tuple(targets.shape)}, "
-                             f"the graphs take {tuple(self.inputs.shape)} (batch size x sequence length)")
+    def fits(self, inputs: torch.Tensor, targets: torch.Tensor) -> bool:
+        """Whether a micro-batch has the static buffers' shape (batch size x sequence length)."""
+        return tuple(inputs.shape) == tuple(self.inputs.shape) and tuple(targets.shape) == tuple(self.targets.shape)
 
     def _on_stream(self, fn: MicroStepFn, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """`fn` on the capture stream, ordered after and before the caller's stream's work."""

@@ -109,7 +109,8 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
     log.log("run", run_id=prep.run_id, name=opts.name, resume=prep.resume)  # a new log's first line: its owner
     for note in notes + ([prep.note] if prep.note else []):
         log.message(note, level="warning")
-    graphs_note = cuda_graphs.status(opts, trainer.device.type)
+    graphs_note = cuda_graphs.status(opts, trainer.device.type, on=trainer.graphs is not None,
+                                     fp8_linears=bool(trainer.fp8 is not None and trainer.fp8.fp8))
     if graphs_note:
         log.message(graphs_note, level="info")
     tb = None  # --tensorboard DIR: the same metrics as TensorBoard scalars (rank 0)

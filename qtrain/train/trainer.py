@@ -91,7 +91,7 @@ class Trainer:
                                       offload_v=opts.offload_opt_v, zero_copy=opts.use_zero_copy)
         # --use-cuda-graphs (train/cuda_graphs.py): micro-steps replayed from CUDA graphs, SR keys from a device table
         self.graphs = None
-        if opts.use_cuda_graphs and self.device.type == "cuda":
+        if opts.cuda_graphs_on(self.cfg, world=self.ctx.world, device_type=self.device.type):
             self.grads.use_key_table()
             self.graphs = MicroStepGraphs(self.device, (opts.batch_size, opts.seq_len))
         self.steps_done = 0  # completed optimizer steps (skipped updates included)
@@ -177,8 +177,6 @@ class Trainer:
             raise RuntimeError(f"micro_step called more than --grad-accumulation={ga} times before update()")
         if loss_scale is None:
             loss_scale = self.loss_scale(int((targets != IGNORE_INDEX).sum()) * ga * self.ctx.world)
-        if self.graphs is not None:
-            self.graphs.check_batch(inputs, targets)
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         self.grads.start_micro_step(step=self.steps_done, micro_step=self.micro, num_micro_steps=ga)

@@ -128,7 +128,7 @@ def test_every_field_has_its_llmq_flag():
         flag = "--continue" if f.name == "continue_from" else "--" + f.name.replace("_", "-")
         if f.name == "continue_from":
             assert getattr(namespace(flag, "9"), f.name) == "9"
-        elif hints[f.name] is bool:
+        elif hints[f.name] in (bool, bool | None):
             assert getattr(namespace(flag), f.name) is True, flag
             assert getattr(namespace("--no-" + flag[2:]), f.name) is False, flag
         else:

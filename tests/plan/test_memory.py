@@ -396,8 +396,13 @@ def test_cuda_graphs_row_is_the_lm_head_transient_beside_the_graph_pool():
     """--use-cuda-graphs: evaluation and the update allocate outside the graphs' private pool, bounded by the LM
     head's transient; nothing changes on the CPU (no graphs there)."""
     cfg = preset("Qwen2.5-0.5B")
-    base = Options(model="Qwen2.5-0.5B", seq_len=1024, batch_size=4)
+    base = Options(model="Qwen2.5-0.5B", seq_len=1024, batch_size=4, use_cuda_graphs=False)
     graphs = dataclasses.replace(base, use_cuda_graphs=True)
+    unset = dataclasses.replace(base, use_cuda_graphs=None)  # on at 0.5B micro-batch 4 (a host-bound step)
+    assert plan_memory(cfg, unset).device_total == plan_memory(cfg, graphs).device_total
+    big = dataclasses.replace(unset, batch_size=64)  # off at 64 x 1024: no row
+    with pytest.raises(KeyError):
+        plan_memory(cfg, big).item("cuda graphs")
     plain, with_graphs = plan_memory(cfg, base), plan_memory(cfg, graphs)
     row = with_graphs.item("cuda graphs")
     assert row.device == with_graphs.phases["lm_head"] > 0

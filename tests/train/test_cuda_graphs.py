@@ -73,9 +73,64 @@ def test_preflight_refuses_before_anything_is_built(tmp_path):
 
 
 def test_status_line():
-    assert status(Options(model="m"), "cuda") is None
-    assert "no CUDA device" in status(Options(model="m", use_cuda_graphs=True), "cpu")
-    assert "captured in CUDA graphs" in status(Options(model="m", use_cuda_graphs=True), "cuda")
+    assert status(Options(model="m"), "cuda", on=False) is None  # unset and off (a GPU-bound micro-step)
+    assert status(Options(model="m", use_cuda_graphs=False), "cuda", on=False) is None
+    assert "no CUDA device" in status(Options(model="m", use_cuda_graphs=True), "cpu", on=False)
+    given = status(Options(model="m", use_cuda_graphs=True), "cuda", on=True)
+    assert "(given)" in given and "captured in CUDA graphs" in given and "hung" not in given
+    auto = status(Options(model="m"), "cuda", on=True)
+    assert "(auto:" in auto and "--no-use-cuda-graphs" in auto
+    assert "cold-compile start hung" in status(Options(model="m", use_cuda_graphs=True), "cuda", on=True,
+                                               fp8_linears=True)
+
+
+# ---- the default: on where graphs were measured faster -----------------------------------------------------
+def graphs_on(size: str, batch: int, *, world: int = 1, device_type: str = "cuda", **kw) -> bool:
+    from qtrain.model.config import preset
+    opts = Options(model=f"Qwen2.5-{size}", seq_len=1024, batch_size=batch, **kw).validate()
+    return opts.cuda_graphs_on(preset(f"Qwen2.5-{size}"), world=world, device_type=device_type)
+
+
+def test_unset_turns_graphs_on_only_where_they_were_measured_faster():
+    """Unset, graphs run where the session-9 runs measured them faster: one process, nothing blocking them, no
+    FP8 linear, a block's GEMM work per micro-step at most CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP (Qwen2.5-0.5B at
+    micro-batch 4, 16 and 32 x 1024: 366, 1466 and 2931 GFLOP, measured 2.90x, 1.027x, 1.009x)."""
+    from qtrain.model.config import preset
+    from qtrain.model.fp8_policy import block_gflop
+    from qtrain.options import CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP as LIMIT
+    gflop = {(s, b): block_gflop(preset(f"Qwen2.5-{s}"), b * 1024) for s, b in
+             (("0.5B", 4), ("0.5B", 32), ("0.5B", 64), ("1.5B", 4), ("1.5B", 32))}
+    assert gflop[("0.5B", 32)] <= LIMIT < gflop[("0.5B", 64)] and gflop[("1.5B", 4)] <= LIMIT < gflop[("1.5B", 32)]
+    assert graphs_on("0.5B", 4) and graphs_on("0.5B", 32) and graphs_on("1.5B", 4)
+    assert not graphs_on("0.5B", 64) and not graphs_on("1.5B", 32)  # the GPU sets the pace there: not measured
+    assert not graphs_on("0.5B", 4, device_type="cpu")
+    assert not graphs_on("0.5B", 4, world=2)
+    assert not graphs_on("0.5B", 4, offload_opt_m=True) and not graphs_on("0.5B", 4, zero_level=3)
+    assert not graphs_on("0.5B", 4, use_cuda_graphs=False)
+    # e4m3: off where a linear runs in FP8 (0.5B at 32 x 1024 puts all four there), on where auto keeps bf16
+    assert not graphs_on("0.5B", 32, matmul_dtype="e4m3") and graphs_on("0.5B", 4, matmul_dtype="e4m3")
+    # given: on wherever it can run (what it cannot capture is refused by check_cuda_graphs, not turned off)
+    assert graphs_on("1.5B", 32, use_cuda_graphs=True) and graphs_on("0.5B", 32, matmul_dtype="e4m3",
+                                                                       use_cuda_graphs=True)
+    assert not graphs_on("1.5B", 32, use_cuda_graphs=True, device_type="cpu")
+
+
+def test_the_option_parses_as_on_off_or_unset(tmp_path):
+    from qtrain.cli.main import build_parser
+    from qtrain.cli.options import options_from_args
+    def parse(*a: str) -> Options:
+        return options_from_args(build_parser().parse_args(["train", *a]))
+    assert parse().use_cuda_graphs is None
+    assert parse("--use-cuda-graphs").use_cuda_graphs is True
+    assert parse("--no-use-cuda-graphs").use_cuda_graphs is False
+    for text, want in (("true", True), ("false", False), ('"auto"', None)):
+        cfg = tmp_path / f"c-{want}.toml"
+        cfg.write_text(f"use_cuda_graphs = {text}\n")
+        assert parse("--config", str(cfg)).use_cuda_graphs is want
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('use_cuda_graphs = "yes"\n')
+    with pytest.raises(OptionsError, match=r"bad.toml: option 'use_cuda_graphs' must be true, false or \"auto\""):
+        parse("--config", str(cfg))
 
 
 # ---- training: key table (CPU) and graphs (GPU) -----------------------------------------------------------
@@ -88,10 +143,14 @@ def batch(step: int, micro: int, *, masked: bool) -> tuple[torch.Tensor, torch.T
     return inputs, targets
 
 
-def train(tr: Trainer, steps: int, *, masked: bool = False) -> list[dict]:
+def train(tr: Trainer, steps: int, *, masked: bool = False, short: tuple[int, ...] = ()) -> list[dict]:
+    """`steps` steps; those in `short` on half-length sequences."""
     out = []
     for s in range(steps):
-        stats = tr.step([batch(s, m, masked=masked) for m in range(tr.opts.grad_accumulation)], lr=LR)
+        micro = [batch(s, m, masked=masked) for m in range(tr.opts.grad_accumulation)]
+        if s in short:
+            micro = [(x[:, :T // 2].contiguous(), y[:, :T // 2].contiguous()) for x, y in micro]
+        stats = tr.step(micro, lr=LR)
         out.append({"loss": stats["loss"], "norm": stats["norm"], "weights": full_params_cpu(tr)})
     return out
 
@@ -133,7 +192,7 @@ GPU_CASES = {
 def test_gpu_graphs_train_bitwise_like_eager(model_dir, name):
     ctx = DistContext(rank=0, world=1, local_rank=0, device=torch.device("cuda"))
     kw = {"device": "cuda", **GPU_CASES[name]}
-    want = train(Trainer(options(model_dir, **kw), ctx), 5)
+    want = train(Trainer(options(model_dir, use_cuda_graphs=False, **kw), ctx), 5)
     tr = Trainer(options(model_dir, use_cuda_graphs=True, **kw), ctx)
     got = train(tr, 5)
     phases = min(tr.opts.grad_accumulation, 3)
@@ -146,7 +205,7 @@ def test_gpu_graphs_train_bitwise_like_eager(model_dir, name):
 def test_gpu_another_loss_scale_runs_eagerly_with_the_same_bits(model_dir):
     """Masked targets change the loss scale (a GEMM alpha the graphs bake in): those micro-steps run eagerly."""
     ctx = DistContext(rank=0, world=1, local_rank=0, device=torch.device("cuda"))
-    want = train(Trainer(options(model_dir, device="cuda"), ctx), 6, masked=True)
+    want = train(Trainer(options(model_dir, device="cuda", use_cuda_graphs=False), ctx), 6, masked=True)
     tr = Trainer(options(model_dir, device="cuda", use_cuda_graphs=True), ctx)
     got = train(tr, 6, masked=True)
     assert tr.graphs.eager_other_scale > 0 and tr.graphs.replays > 0, vars(tr.graphs)
@@ -174,7 +233,7 @@ def test_gpu_cli_run_with_evaluations_logs_how_the_micro_steps_ran(model_dir, tm
               "--batch-size", str(B), "--grad-accumulation", "2", "--device", "cuda", "--gpus", "1",
               "--debug-time-breakdown", "--no-save-training-state"]
     logs = {}
-    for name, extra in (("eager", []), ("graphs", ["--use-cuda-graphs"])):
+    for name, extra in (("eager", ["--no-use-cuda-graphs"]), ("graphs", ["--use-cuda-graphs"])):
         assert main([*common, *extra, "--log-file", f"{name}.jsonl", "--out-dir", f"out-{name}",
                      "--checkpoint-dir", f"ckpt-{name}"]) == 0
         logs[name] = read_log(f"{name}.jsonl")
@@ -184,3 +243,17 @@ def test_gpu_cli_run_with_evaluations_logs_how_the_micro_steps_ran(model_dir, tm
     assert any("captured in CUDA graphs" in m for m in messages)
     assert any("2 graphs captured, 8 micro-steps replayed, 0 run eagerly" in m for m in messages), messages
     assert not any("--use-cuda-graphs" in e["message"] for e in logs["eager"] if e["log"] == "message")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_unset_runs_graphs_and_another_shape_eagerly_with_the_same_bits(model_dir):
+    """Unset on a tiny model (a host-bound micro-step) the graphs are on; a step of shorter sequences runs
+    eagerly beside them (the static buffers keep their shape) and every step has the bits of a run without."""
+    ctx = DistContext(rank=0, world=1, local_rank=0, device=torch.device("cuda"))
+    want = train(Trainer(options(model_dir, device="cuda", use_cuda_graphs=False), ctx), 5, short=(3,))
+    tr = Trainer(options(model_dir, device="cuda"), ctx)
+    assert tr.graphs is not None
+    got = train(tr, 5, short=(3,))
+    assert tr.graphs.eager_other_shape == 3 and tr.graphs.replays > 0, vars(tr.graphs)
+    assert_bitwise(want, got, "short step")
