@@ -172,22 +172,30 @@ def launch_key(key: int | KeySlot, offset: int, n: int) -> tuple[int, torch.Tens
 
 # ---------------------------------------------------------------------------------------------- twin
 def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
-    """(a * c) mod 2**32 for 0 <= a < 2**32 in int64, without int64 overflow (products < 2**48)."""
+    """(a * c) mod 2**32 for 0 <= a, c < 2**32 in int64. The product can pass 2**63: torch's int64 multiply
+    wraps mod 2**64 (two's complement, as the hardware does), which keeps the low 32 bits exact; the test
+    `test_mul32_wraps_like_the_exact_split_product` checks it against the overflow-free split product on
+    this machine. 3x faster than the split product, and these hashes were most of a bf16 CPU step."""
+    return a.mul(c).bitwise_and_(_M32)
+
+
+def _mul32_split(a: torch.Tensor, c: int) -> torch.Tensor:
+    """(a * c) mod 2**32 without int64 overflow (products < 2**48): what `_mul32` must equal."""
     lo = a * (c & 0xFFFF)
     hi = ((a * (c >> 16)) & 0xFFFF) << 16
     return (lo + hi) & _M32
 
 
 def _rotl32_t(x: torch.Tensor, r: int) -> torch.Tensor:
-    return ((x << r) & _M32) | (x >> (32 - r))
+    return (x << r).bitwise_and_(_M32).bitwise_or_(x >> (32 - r))
 
 
 def _murmur_round_t(h: torch.Tensor | int, k: torch.Tensor) -> torch.Tensor:
-    k = _mul32(k, _C1)
-    k = _rotl32_t(k, 15)
-    k = _mul32(k, _C2)
-    h = _rotl32_t(k ^ h, 13)
-    return (_mul32(h, 5) + _N) & _M32
+    # in-place where the tensor is this function's own: the twin runs over whole parameter tensors on the CPU,
+    # where every fresh int64 temporary costs page faults
+    k = _rotl32_t(_mul32(k, _C1), 15)
+    k.mul_(_C2).bitwise_and_(_M32).bitwise_xor_(h)
+    return _rotl32_t(k, 13).mul_(5).add_(_N).bitwise_and_(_M32)
 
 
 def random_u32_twin(key: int, index: torch.Tensor) -> torch.Tensor:
@@ -211,14 +219,11 @@ def _hash_twin(kstate: int, hi_absorbed: bool, index: torch.Tensor) -> torch.Ten
     """``hash_u32`` in int64 arithmetic: ``kstate`` has absorbed the key (and the high word if ``hi_absorbed``)."""
     i_lo = index & _M32
     h = kstate if hi_absorbed else _murmur_round_t(kstate, (index >> 32) & _M32)
-    h = _murmur_round_t(h, i_lo)
-    h = h ^ _MSG_LEN
-    # fmix32
-    h = h ^ (h >> 16)
-    h = _mul32(h, _F1)
-    h = h ^ (h >> 13)
-    h = _mul32(h, _F2)
-    return h ^ (h >> 16)
+    h = _murmur_round_t(h, i_lo).bitwise_xor_(_MSG_LEN)
+    # fmix32 (h is this function's own tensor: in place)
+    h.bitwise_xor_(h >> 16).mul_(_F1).bitwise_and_(_M32)
+    h.bitwise_xor_(h >> 13).mul_(_F2).bitwise_and_(_M32)
+    return h.bitwise_xor_(h >> 16)
 
 
 # -------------------------------------------------------------------------------------------- triton

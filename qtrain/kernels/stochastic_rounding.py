@@ -81,10 +81,10 @@ def sr_bf16_bits_twin(x: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
     """SR of fp32 ``x`` to bf16 with random words ``rand`` (int64 u32); returns bf16 patterns as int64."""
     b = f32_bits_twin(x)
     a = b & 0x7FFFFFFF
-    sr = (b + (rand & 0xFFFF)) >> 16
-    rn = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    sr = (rand & 0xFFFF).add_(b).bitwise_right_shift_(16)  # in place on fresh temporaries: fewer page faults
+    rn = ((b >> 16) & 1).add_(b).add_(0x7FFF).bitwise_right_shift_(16)
     out = torch.where((a >> 16) == 0x7F7F, rn, sr)
-    return torch.where(a > 0x7F800000, 0x7FC0, out) & 0xFFFF
+    return torch.where(a > 0x7F800000, 0x7FC0, out).bitwise_and_(0xFFFF)
 
 
 def sr_e4m3_bits_twin(x: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:

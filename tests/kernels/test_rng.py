@@ -129,3 +129,16 @@ def test_gpu_triton_matches_twin(key):
 def test_key_state_rejects_out_of_range():
     with pytest.raises(ValueError):
         rng.key_state(-1)
+
+
+def test_mul32_wraps_like_the_exact_split_product():
+    """The twin's `_mul32` relies on torch's int64 multiply wrapping mod 2**64 (products reach 2**64 - 2**33):
+    on this machine it must give the overflow-free split product's low 32 bits for every constant it is used
+    with, at the extremes and on random values."""
+    from qtrain.kernels import rng
+    a = torch.cat([torch.tensor([0, 1, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1], dtype=torch.int64),
+                   torch.randint(0, 2**32, (100_000,), generator=torch.Generator().manual_seed(3), dtype=torch.int64)])
+    for c in (rng._C1, rng._C2, rng._F1, rng._F2, 5, 2**32 - 1):
+        got, want = rng._mul32(a, c), rng._mul32_split(a, c)
+        assert torch.equal(got, want), c
+        assert int(got.min()) >= 0 and int(got.max()) < 2**32
