@@ -137,6 +137,11 @@ class KeyTable:
             raise ValueError("KeyTable: a launch recipe (ids, offset, n) is listed twice")
         self.table = torch.zeros(max(len(self.recipes), 1), dtype=torch.int32, device=device)
 
+    @staticmethod
+    def nbytes(n_recipes: int) -> int:
+        """Device bytes of a table of `n_recipes` launches (what the constructor allocates)."""
+        return 4 * max(n_recipes, 1)
+
     def slot(self, ids: tuple[int, ...], offset: int, n: int) -> KeySlot:
         """The slot of launch ``(ids, offset, n)``, which must be one of the recipes given at construction."""
         i = self._index.get((tuple(ids), offset, n))

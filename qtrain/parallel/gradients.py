@@ -147,8 +147,7 @@ class GradientManager(ABC):
         if self.kind != "unsharded" or self.world != 1:
             raise ValueError(f"the SR key table (--use-cuda-graphs) needs unsharded gradients on one rank, this "
                              f"manager is {self.kind!r} on {self.world} ranks")
-        recipes = [((g.index, t), 0, seg.numel) for g in self.layout.groups for t, seg in enumerate(g.segments)]
-        self._keys = KeyTable(recipes, device=self.device)
+        self._keys = KeyTable(_key_recipes(self.layout), device=self.device)
 
     def replayed(self) -> None:
         """A CUDA graph captured from an earlier micro-step of the same phase (first / middle / last) has
@@ -224,7 +223,8 @@ class GradientManager(ABC):
         allocating it (what the constructor allocates)."""
 
     def footprint(self) -> Footprint:
-        return self.footprint_of(self.layout, dtype=self.dtype, device=self.device, offload=self.offload)
+        fp = self.footprint_of(self.layout, dtype=self.dtype, device=self.device, offload=self.offload)
+        return _with_key_table(fp, self.layout) if self._keys is not None else fp
 
     def memory(self) -> dict[str, int]:
         """Bytes of persistent gradient state on this rank, by buffer kind (`footprint_of`)."""
@@ -527,6 +527,17 @@ def make_gradient_manager(kind: str, layout: FlatLayout, *, comm: Communicator, 
 
 
 def gradient_footprint(kind: str, layout: FlatLayout, *, dtype: torch.dtype, device: torch.device | str,
-                       offload: bool = False) -> Footprint:
-    """What `make_gradient_manager` with these arguments allocates per rank, without allocating it."""
-    return _manager_class(kind, offload).footprint_of(layout, dtype=dtype, device=device, offload=offload)
+                       offload: bool = False, key_table: bool = False) -> Footprint:
+    """What `make_gradient_manager` with these arguments allocates per rank, without allocating it
+    (`key_table`: and `use_key_table`, which CUDA graphs call)."""
+    fp = _manager_class(kind, offload).footprint_of(layout, dtype=dtype, device=device, offload=offload)
+    return _with_key_table(fp, layout) if key_table else fp
+
+
+def _key_recipes(layout: FlatLayout) -> list[tuple[tuple[int, int], int, int]]:
+    """The SR launches of an unsharded manager, one per tensor of every group: (ids, offset, n)."""
+    return [((g.index, t), 0, seg.numel) for g in layout.groups for t, seg in enumerate(g.segments)]
+
+
+def _with_key_table(fp: Footprint, layout: FlatLayout) -> Footprint:
+    return Footprint({**fp.parts, "sr_key_table": KeyTable.nbytes(len(_key_recipes(layout)))}, fp.host_keys)

@@ -218,11 +218,12 @@ def _optimizer_rows(opts: Options, layout: FlatLayout, *, grads_staged: bool) ->
     return rows
 
 
-def _gradient_row(opts: Options, layout: FlatLayout, device: str) -> Item:
+def _gradient_row(opts: Options, layout: FlatLayout, device: str, *, graphs: bool) -> Item:
     kind = opts.gradient_manager_kind
     off = opts.offload_gradients and kind != "unsharded"
     dtype = opts.effective_grad_accum_dtype  # fp32 sums of the bf16 gradients under fp32 master weights
-    fp = gradient_footprint(kind, layout, dtype=DTYPES[dtype], device=device, offload=off)
+    fp = gradient_footprint(kind, layout, dtype=DTYPES[dtype], device=device, offload=off,
+                            key_table=graphs)  # CUDA graphs read the SR keys from a device table
     detail = ("full, replicated (ZeRO-1)" if kind == "unsharded" else
               f"non-block full, block shards 1/{layout.world}{' on host' if off else ''}, 2 staging blocks")
     return _row(f"gradients ({kind}, {dtype})", fp, detail)
@@ -258,7 +259,8 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
     quants = fp8 if (opts.persistent_quants and L > 0 and (opts.weights_sharded or not opts.debug_log_abs_max)) else ()
     persistent_quants = bool(quants)
 
-    grads = _gradient_row(opts, layout, device)
+    graphs = opts.cuda_graphs_on(cfg, world=world, device_type=device)  # train/cuda_graphs.py
+    grads = _gradient_row(opts, layout, device, graphs=graphs)
     grads_staged = grads.host > 0 and device != "cpu"  # host gradient shards stream through the update too
     items = [*_weight_rows(cfg, opts, layout, quants),
              *_optimizer_rows(opts, layout, grads_staged=grads_staged), grads]
@@ -287,7 +289,7 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
                              f"{chunks} chunk{'s' if chunks > 1 else ''}; block backward "
                              f"{_mib(phases['block_backward'])})"))
 
-    if opts.cuda_graphs_on(cfg, world=world, device_type=device):  # train/cuda_graphs.py: the graphs keep a private pool
+    if graphs:  # the graphs keep a private pool
         items.append(Item("cuda graphs", device=phases["lm_head"], kind="workspace",
                           detail="the graphs' pool holds a micro-step's activations and workspace; evaluation and "
                                  "the update allocate beside it (bound: the LM head's transient)"))

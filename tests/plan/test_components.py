@@ -262,6 +262,21 @@ def test_device_and_host_bytes_equal_the_plan_of_a_gpu_run(variant):
     assert (sum(h for _, h in want.values()) > 0) == offloaded
 
 
+def test_the_sr_key_table_is_in_the_gradients_footprint(model_dir):
+    """CUDA graphs make the gradient manager read its SR keys from a device table (`use_key_table`): the
+    manager's footprint, `gradient_footprint(key_table=True)` and so the plan's gradients row (which asks
+    `Options.cuda_graphs_on`) count that table, which a real manager then holds byte for byte."""
+    from qtrain.parallel.gradients import gradient_footprint
+    tr = Trainer(options(model_dir), DistContext(rank=0, world=1, local_rank=0, device=CPU))
+    total = lambda: sum(n for n, _ in held(tr.grads).values())  # noqa: E731
+    before = total()
+    assert before == tr.grads.footprint().total
+    tr.grads.use_key_table()
+    fp = gradient_footprint("unsharded", tr.layout, dtype=tr.grads.dtype, device=CPU, key_table=True)
+    assert total() == tr.grads.footprint().total == fp.total
+    assert total() - before == fp.parts["sr_key_table"] == 4 * sum(len(g.segments) for g in tr.layout.groups) > 0
+
+
 def test_host_gradient_shards_stage_through_the_update():
     """Offloaded gradient shards on a GPU's host: the update streams them through its slots, made at the first
     step; then the optimizer holds what the plan's staging row says (m, v and weights on the device here: the

@@ -406,5 +406,7 @@ def test_cuda_graphs_row_is_the_lm_head_transient_beside_the_graph_pool():
     plain, with_graphs = plan_memory(cfg, base), plan_memory(cfg, graphs)
     row = with_graphs.item("cuda graphs")
     assert row.device == with_graphs.phases["lm_head"] > 0
-    assert with_graphs.device_total == plain.device_total + row.device
+    keys = with_graphs.item("gradients").parts["sr_key_table"]  # the SR keys the graphs read from the device
+    assert 0 < keys < 2**20 and "sr_key_table" not in plain.item("gradients").parts
+    assert with_graphs.device_total == plain.device_total + row.device + keys
     assert plan_memory(cfg, graphs, device="cpu").device_total == plan_memory(cfg, base, device="cpu").device_total
