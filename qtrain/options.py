@@ -199,6 +199,9 @@ class Options:
     debug_time_breakdown: bool = False
     """Log how long each micro-step (forward + backward) and the update take, timed with device events;
     costs a device sync per step."""
+    debug_stack_dump_after: int = 0
+    """Seconds a step (with its evaluation and checkpoint) may take before every thread's Python stack is written
+    to stderr (faulthandler), once per step, while the run goes on: where a stalled run waits. 0 = off."""
     debug_log_allocations: int = -1
     """Record device memory allocations and, after the first step, log every live one of at least this many
     MiB with the code that made it (-1 = off; CUDA only)."""
@@ -480,6 +483,8 @@ class Options:
                       "device, so offloaded state is streamed through staging buffers (leave it off)")
         if self.effective_matmul_dtype == "fp32" and self.model_dtype == "bf16":
             raise err("--matmul-dtype fp32 with --model-dtype bf16 is not supported")
+        if self.debug_stack_dump_after < 0:
+            raise err(f"--debug-stack-dump-after must be >= 0 seconds (0 = off), got {self.debug_stack_dump_after}")
         if self.debug_log_abs_max < 0:
             raise err(f"--debug-log-abs-max must be >= 0, got {self.debug_log_abs_max}")
         if self.gpus < 0:

@@ -28,7 +28,7 @@ from qtrain.plan.memory import plan_for_trainer
 from qtrain.train import checkpointing, cuda_graphs, run_dir
 from qtrain.train.preflight import Prepared, shared_preflight
 from qtrain.train.schedule import LRSchedule
-from qtrain.train.stop import NonFiniteGuard, StopSignals, stopped_after_last_step, stopped_by_signal
+from qtrain.train.stop import NonFiniteGuard, StackDump, StopSignals, stopped_after_last_step, stopped_by_signal
 from qtrain.train.trainer import Trainer
 
 
@@ -144,26 +144,31 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
                                   run=run, nonfinite_streak=guard.streak)
 
     step_tokens = B * T * GA * W
-    for step in range(start, total_steps):
-        if _stop_requested(signals, ctx):  # after a signal: this step's state is saved, then the run exits
-            raise stopped_by_signal(signals.requested, step, save_checkpoint() if step > start else None)
-        ctx.mark_progress(step)
-        if step % opts.ckpt_interval == 0 and step > start:
-            save_checkpoint()
-        if step % opts.eval_every_n_steps == 0 and step > 0 and opts.eval_num_steps > 0:
-            evaluate(step, opts.eval_num_steps)
-        t0 = time.perf_counter()
-        stats = trainer.step([train.next_batch(B) for _ in range(GA)], lr=schedule(step))
-        _sync(ctx.device)
-        dt_ms = 1000 * (time.perf_counter() - t0)
-        obj = log.log_step(step, step_tokens=step_tokens, duration_ms=dt_ms, norm=stats["norm"], loss=stats["loss"],
-                           lr=stats["lr"], epoch=train.progress)
-        if tb is not None:
-            tb.on_event(obj)
-        if trainer.abs_maxes is not None:
-            log.log_abs_maxes(step, trainer.abs_maxes)
-            trainer.abs_maxes = None
-        _check_finite(guard, step, stats, log, ckpt_dir)
+    stacks = StackDump(opts.debug_stack_dump_after)
+    try:  # a stall anywhere in a step leaves a stack dump behind (--debug-stack-dump-after)
+        for step in range(start, total_steps):
+            stacks.arm()
+            if _stop_requested(signals, ctx):  # after a signal: this step's state is saved, then the run exits
+                raise stopped_by_signal(signals.requested, step, save_checkpoint() if step > start else None)
+            ctx.mark_progress(step)
+            if step % opts.ckpt_interval == 0 and step > start:
+                save_checkpoint()
+            if step % opts.eval_every_n_steps == 0 and step > 0 and opts.eval_num_steps > 0:
+                evaluate(step, opts.eval_num_steps)
+            t0 = time.perf_counter()
+            stats = trainer.step([train.next_batch(B) for _ in range(GA)], lr=schedule(step))
+            _sync(ctx.device)
+            dt_ms = 1000 * (time.perf_counter() - t0)
+            obj = log.log_step(step, step_tokens=step_tokens, duration_ms=dt_ms, norm=stats["norm"],
+                               loss=stats["loss"], lr=stats["lr"], epoch=train.progress)
+            if tb is not None:
+                tb.on_event(obj)
+            if trainer.abs_maxes is not None:
+                log.log_abs_maxes(step, trainer.abs_maxes)
+                trainer.abs_maxes = None
+            _check_finite(guard, step, stats, log, ckpt_dir)
+    finally:
+        stacks.disarm()
 
     final = _finish(opts, ctx, trainer, log, save_checkpoint, evaluate, signals, start, total_steps, run)
     if tb is not None:

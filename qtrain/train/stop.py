@@ -6,8 +6,12 @@
 * A non-finite loss or gradient norm: the step's update is skipped (the trainer does that) and reported;
   after `--max-nonfinite-steps` of them in a row the run stops with exit code 3. Checkpoints record the
   streak they were written in, and keep-n never deletes the newest one written after a finite step.
+* A step that does not end (`--debug-stack-dump-after SECONDS`, `StackDump`): the run does not stop, but every
+  thread's Python stack goes to stderr once the step has run that long, so a stall says where it waits.
 """
 from __future__ import annotations
+
+import faulthandler
 
 import math
 import signal
@@ -102,3 +106,21 @@ class NonFiniteGuard:
         return RunStopped(f"{self.streak} steps in a row with a non-finite loss or gradient norm (steps "
                           f"{self.first_bad}..{step}); {keep}, perhaps with a lower --lr or --grad-clip "
                           f"(--max-nonfinite-steps sets the limit)", NONFINITE_EXIT, label="error")
+
+
+class StackDump:
+    """--debug-stack-dump-after: `arm` before a step (re)starts faulthandler's timer, which writes every thread's
+    Python stack to stderr if the step is still running `seconds` later (the run goes on); `disarm` stops it.
+    A stall in native code (a CUDA graph capture, a compile worker, a collective) shows the Python call it is
+    in. One timer per process (faulthandler has one)."""
+
+    def __init__(self, seconds: int):
+        self.seconds = seconds
+
+    def arm(self) -> None:
+        if self.seconds > 0:
+            faulthandler.dump_traceback_later(self.seconds, repeat=False, file=sys.stderr)
+
+    def disarm(self) -> None:
+        if self.seconds > 0:
+            faulthandler.cancel_dump_traceback_later()

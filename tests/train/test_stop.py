@@ -108,3 +108,38 @@ def test_nonfinite_guard_counts_streaks():
     g.update(4, float("nan"), float("nan"))
     assert g.exceeded and g.first_bad == 3
     assert not NonFiniteGuard(0).exceeded  # 0: never stop
+
+
+# ---- --debug-stack-dump-after: a stalled step says where it waits -------------------------------------------
+def _stall_here_for(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_a_step_past_its_time_writes_every_threads_stack_and_goes_on(capfd):
+    """faulthandler writes to file descriptor 2 from its own thread while the step is still running; the stack
+    names the function the main thread waits in."""
+    from qtrain.train.stop import StackDump
+    dump = StackDump(1)
+    dump.arm()
+    _stall_here_for(1.6)
+    dump.disarm()
+    err = capfd.readouterr().err
+    assert "most recent call first" in err and "_stall_here_for" in err, err[-2000:]
+
+
+def test_a_step_in_time_writes_nothing_and_zero_is_off(capfd):
+    from qtrain.train.stop import StackDump
+    dump = StackDump(1)
+    dump.arm()
+    dump.disarm()  # the step ended in time
+    off = StackDump(0)
+    off.arm()  # off: no timer
+    _stall_here_for(1.3)
+    off.disarm()
+    assert "most recent call first" not in capfd.readouterr().err
+
+
+def test_the_option_is_validated():
+    from qtrain.options import Options, OptionsError
+    with pytest.raises(OptionsError, match="--debug-stack-dump-after must be >= 0 seconds"):
+        Options(debug_stack_dump_after=-1).validate()
