@@ -325,6 +325,7 @@ class Options:
             return True
         fp8 = self.fp8_choice(cfg)
         return (not self.cuda_graph_blockers(world=world) and not (fp8 is not None and fp8.fp8)
+                and self.debug_log_allocations < 0  # it locates the first step's allocations: keep them eager
                 and block_gflop(cfg, self.batch_size * self.seq_len) <= CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP)
 
     @property

@@ -107,6 +107,7 @@ def test_unset_turns_graphs_on_only_where_they_were_measured_faster():
     assert not graphs_on("0.5B", 4, world=2)
     assert not graphs_on("0.5B", 4, offload_opt_m=True) and not graphs_on("0.5B", 4, zero_level=3)
     assert not graphs_on("0.5B", 4, use_cuda_graphs=False)
+    assert not graphs_on("0.5B", 4, debug_log_allocations=64)  # a debugging run that locates allocations
     # e4m3: off where a linear runs in FP8 (0.5B at 32 x 1024 puts all four there), on where auto keeps bf16
     assert not graphs_on("0.5B", 32, matmul_dtype="e4m3") and graphs_on("0.5B", 4, matmul_dtype="e4m3")
     # given: on wherever it can run (what it cannot capture is refused by check_cuda_graphs, not turned off)
