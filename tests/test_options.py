@@ -472,4 +472,4 @@ def test_every_field_has_a_type_the_loaders_understand():
     import typing
     hints = typing.get_type_hints(Options)
     for f in dataclasses.fields(Options):
-        assert f.name == "continue_from" or hints[f.name] in (bool, int, float, str), f.name
+        assert f.name == "continue_from" or hints[f.name] in (bool, bool | None, int, float, str), f.name

@@ -88,7 +88,7 @@ def _addmm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float,
         return
     acc = torch.mm(a.float(), b.float()).mul_(alpha)
     if beta:
-        acc.add_(out.float(), alpha=beta)
+        acc.add_(out, alpha=beta)  # promoted into the fp32 sum: no fp32 copy of `out`
     out.copy_(acc)
 
 
@@ -119,7 +119,10 @@ def head_workspace_bytes(tokens: int, hidden: int, vocab: int, *, dtype_bytes: i
         per_logit = (2 * E + 4) if cuda else (E + 12 if E != 4 else 12)
         if chunks > 1:
             per_logit += E  # the previous chunk's d(logits) is still referenced while the next one is computed
-    return rows * (vocab * per_logit + 32) + tokens * hidden * E + vocab * hidden * E
+    chunk = rows * (vocab * per_logit + 32)  # the loss's moment
+    if not cuda and E != 4:  # `_addmm_`'s moment on the CPU: d(logits), its fp32 copy, the weight's, the product
+        chunk = max(chunk, rows * vocab * (E + 4) + vocab * hidden * 4 + rows * hidden * 4)
+    return chunk + tokens * hidden * E + vocab * hidden * E
 
 
 class _NoGradCtx:
