@@ -48,13 +48,14 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
 
     Eager (exact; tests measure it): RMSNorm keeps its fp32 upcast of a bf16 input, rstd and the
     normalized value, and the next linear keeps the gain product (its input); SDPA keeps q and k after
-    RoPE, the fused QKV buffer (v is a view of it), its output and the log-sum-exp (B, nh, T) fp32; SwiGLU
+    RoPE, v (copied out of the fused QKV buffer, which is then freed, except under an fp32 qk-norm that saves
+    views of it), its output and the log-sum-exp (B, nh, T) fp32; SwiGLU
     keeps the up/gate output, silu(gate), and the down linear keeps the product. A recomputed step drops
     what it saved and its result where later ops save it; its inputs stay (recompute.Recomputer).
 
     Compiled (torch.compile; measured with AOTAutograd's min-cut partitioner, the one inductor uses): the
-    norm outputs + rstd, QKV, q/k after RoPE, attention output + LSE, the residual after attention, the
-    up/gate and SwiGLU outputs -- llm.q's set (§4.5), except that RoPE is not in place. Recomputed steps are
+    norm outputs + rstd, v (the fused QKV buffer with qk-norm), q/k after RoPE, attention output + LSE, the
+    residual after attention, the up/gate and SwiGLU outputs -- llm.q's set (§4.5) with its in-place RoPE'd QKV. Recomputed steps are
     checkpoint regions whose inputs stay: LN1's output with --recompute-qkv/att, q and k after RoPE with
     --recompute-att, and --recompute-ffn keeps one more (B, T, C) tensor than its steps' inputs.
 
@@ -75,19 +76,26 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
     chunked = attn_chunks > 1 and not fp8  # SDPA slices' outputs + their concatenation (the projection input)
     blk = "block" not in rc
     T = ActTerm
+
+    def qkv_term(fused_kept: bool) -> ActTerm:
+        """v, which SDPA saves, is copied out of the fused QKV output (transformer.qkv_rope), so the fused buffer
+        (pre-RoPE q and k) is freed after RoPE unless something else saves views of it."""
+        what = "fused QKV output" if fused_kept else "v, copied out of the fused QKV output (SDPA input)"
+        return T("qkv", E * (qkv if fused_kept else kv) + f8 * C, "qkv" not in rc,
+                 what + (" + e4m3 copy of the QKV input" if fp8 else ""))
     t = [T("input", E * C, True, "block input (residual stream)")]
     if compiled:
         t += [T("ln1", 4, not ("norm" in rc or "att" in rc), "RMSNorm-1 rstd"),
               T("ln1_out", 0 if (fp8 and "qkv" not in rc) else E * C, blk and ("qkv" in rc or "norm" not in rc),
                 "RMSNorm-1 output" + (" (input of the recomputed QKV step)" if "qkv" in rc else "")),
-              T("qkv", E * qkv + f8 * C, "qkv" not in rc, "fused QKV output (v is a view)")]
+              qkv_term(cfg.qk_norm)]  # the partitioner keeps the fused buffer for the compiled qk-norm's backward
         if cfg.qk_norm:
             t.append(T("qk_norm", 4 * (nh + nkv), "qkv" not in rc, "q/k RMSNorm rstd"))
         t.append(T("rope", E * (q + kv), blk and ("att" in rc or "qkv" not in rc), "q, k after RoPE (SDPA inputs)"))
     else:
         t += [T("ln1", up * C + 4 + E * C + lin * C, not ("norm" in rc or "att" in rc),
                 "RMSNorm-1 fp32 copy, rstd, normalized, output"),
-              T("qkv", E * qkv + f8 * C, "qkv" not in rc, "fused QKV output (v is a view)")]
+              qkv_term(cfg.qk_norm and up == 0)]  # fp32 qk-norm saves its input: views of the fused buffer
         if cfg.qk_norm:
             t.append(T("qk_norm", up * (q + kv) + 4 * (nh + nkv) + E * (q + kv), "qkv" not in rc, "q/k RMSNorm state"))
         t.append(T("rope", E * (q + kv), "qkv" not in rc, "q, k after RoPE (SDPA inputs)"))

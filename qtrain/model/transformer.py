@@ -113,7 +113,8 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
         B, T, _ = h.shape
         qkv = project(h, w, "qkv", "qkv_bias")  # (B, T, q_dim + 2 kv_dim)
         q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
-        q, k, v = q.view(B, T, nh, hs), k.view(B, T, nkv, hs), v.view(B, T, nkv, hs)
+        # v copied out: SDPA saves v, and a view would keep the whole fused buffer (pre-RoPE q and k) alive
+        q, k, v = q.view(B, T, nh, hs), k.view(B, T, nkv, hs), v.contiguous().view(B, T, nkv, hs)
         if qk_norm:
             q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, hs)

@@ -118,9 +118,10 @@ def test_recompute_terms_and_implications():
     assert sizes[()] > sizes[("norm",)] > sizes[("block",)]
     assert resolve_flags(["block"]) == {"swiglu", "norm", "ffn", "qkv", "att", "block"}
     assert "swiglu" in resolve_flags(["ffn"]) and "qkv" in resolve_flags(["att"])
-    # compiled blocks keep llm.q's set: per token 6C + 2qkv + 4q + 2kv + 6F bytes (+ rstd, LSE) in bf16
+    # compiled blocks keep llm.q's set, its one RoPE'd QKV being q, k after RoPE and v copied out of the fused
+    # buffer: per token 6C + 4q + 4kv + 6F bytes (+ rstd, LSE) in bf16
     C, F = cfg.hidden_size, cfg.intermediate_size
-    want = 2 * (3 * C + cfg.qkv_dim + 2 * cfg.q_dim + cfg.kv_dim + 3 * F) + 8 + 4 * cfg.num_attention_heads
+    want = 2 * (3 * C + 2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * F) + 8 + 4 * cfg.num_attention_heads
     assert sizes[()] == 4096 * want
     names = [a.name for a in activation_terms(cfg, matmul_dtype="e4m3")]
     assert "fp8_w_qkv" in names and "down_in_fp8" in names
