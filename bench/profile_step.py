@@ -16,10 +16,13 @@ from bench.kinds import Skip
 from qtrain.kernels import cross_entropy
 
 CATEGORIES = [  # first match wins; names as CUDA kernels appear in the profiler
+    # attention first: cuDNN's kernels are named "..._sdpa_sm90_flash_bprop_wgmma_f16_..." (before 2026-12-02
+    # they matched "wgmma" and were counted as GEMMs)
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
     ("gemm-fp8", ("f8", "e4m3", "fp8")),
     ("gemm", ("gemm", "nvjet", "sm90_xmma", "cutlass", "cublas", "wgmma")),
-    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
     ("cross-entropy", ("cross_entropy", "_ce_",)),
+    ("swiglu", ("swiglu", "silu")),
     ("adamw/sr", ("adamw", "_sr_", "stochastic", "sr_add", "sr_copy")),
     ("norm/reduce", ("reduce", "norm")),
     ("inductor-fused", ("triton_",)),

@@ -91,7 +91,7 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
               qkv_term(cfg.qk_norm)]  # the partitioner keeps the fused buffer for the compiled qk-norm's backward
         if cfg.qk_norm:
             t.append(T("qk_norm", 4 * (nh + nkv), "qkv" not in rc, "q/k RMSNorm rstd"))
-        t.append(T("rope", E * (q + kv), blk and ("att" in rc or "qkv" not in rc), "q, k after RoPE (SDPA inputs)"))
+        t.append(T("rope", E * (q + kv), blk and "qkv" not in rc, "q, k after RoPE (SDPA inputs)"))
     else:
         t += [T("ln1", up * C + 4 + E * C + lin * C, not ("norm" in rc or "att" in rc),
                 "RMSNorm-1 fp32 copy, rstd, normalized, output"),

@@ -81,7 +81,8 @@ def rope_tables(cfg: ModelConfig, seq_len: int, device: torch.device | str, dtyp
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, nh, T, hs); cos/sin: (T, hs). Rotates pairs (d, d + hs/2)."""
+    """x: (..., hs) with cos/sin broadcasting to it: (B, nh, T, hs) with (T, hs), or (B, T, nh, hs) with
+    (T, 1, hs). Rotates pairs (d, d + hs/2)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
