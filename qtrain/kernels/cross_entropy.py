@@ -50,7 +50,6 @@ IGNORE_INDEX = -100
 # 1.1-1.2 ms (~3 TB/s for its read, read and write), 1.7% of a Qwen2.5-1.5B step.
 BLOCK_V = 4096
 NUM_WARPS = 8
-PROGRAMS = 0  # one program per row
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -101,18 +100,9 @@ def _load_row_f32(ptr, mask, KIND: tl.constexpr):
 
 
 @jit
-def _ce_fwd_bwd_kernel(logits_ptr, targets_ptr, loss_ptr, lse_ptr, n, V, stride_row, z_loss,
+def _ce_fwd_bwd_kernel(logits_ptr, targets_ptr, loss_ptr, lse_ptr, V, stride_row, z_loss,
                        KIND: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
-    """Rows pid, pid + programs, ...: with fewer programs than rows, fewer rows are in flight, so a row's
-    second read (pass 2) can still find it in L2."""
-    for row in range(tl.program_id(0), n, tl.num_programs(0)):
-        _ce_row(logits_ptr, targets_ptr, loss_ptr, lse_ptr, row, V, stride_row, z_loss, KIND, WRITE_GRAD, BLOCK)
-
-
-@jit
-def _ce_row(logits_ptr, targets_ptr, loss_ptr, lse_ptr, row, V, stride_row, z_loss,
-            KIND: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.cast(row, tl.int64)  # the loop variable (a Python int in the interpreter)
+    row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row  # int64: n * V passes 2**31 for big chunks of a 152k vocabulary
     cols = tl.arange(0, BLOCK)
     tgt = tl.load(targets_ptr + row).to(tl.int64)
@@ -149,12 +139,10 @@ def _ce_row(logits_ptr, targets_ptr, loss_ptr, lse_ptr, row, V, stride_row, z_lo
 def cross_entropy_fwd_bwd_inplace_triton(logits: torch.Tensor, targets: torch.Tensor, *, z_loss: float,
                                          need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the fused kernel (see module docstring); d(logits) overwrites ``logits`` and is returned."""
-    return _launch(logits, targets, z_loss=z_loss, need_grad=need_grad, block=BLOCK_V, num_warps=NUM_WARPS,
-                   programs=PROGRAMS)
+    return _launch(logits, targets, z_loss=z_loss, need_grad=need_grad, block=BLOCK_V, num_warps=NUM_WARPS)
 
 
-def _launch(logits, targets, *, z_loss, need_grad, block, num_warps, programs=0):
-    """programs: 0 = one per row, else at most that many, each looping over rows."""
+def _launch(logits, targets, *, z_loss, need_grad, block, num_warps):
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"logits must be (n, V) and targets (n,), got {tuple(logits.shape)} and {tuple(targets.shape)}")
     if logits.dtype not in _KINDS:
@@ -167,8 +155,7 @@ def _launch(logits, targets, *, z_loss, need_grad, block, num_warps, programs=0)
     kind = _KINDS[logits.dtype]
     buf = logits.view(torch.int16) if kind == 1 else logits
     if n:
-        grid = (min(n, programs) if programs else n,)
-        _ce_fwd_bwd_kernel[grid](buf, targets.contiguous(), loss, lse, n, v, logits.stride(0), float(z_loss),
+        _ce_fwd_bwd_kernel[(n,)](buf, targets.contiguous(), loss, lse, v, logits.stride(0), float(z_loss),
                                  KIND=kind, WRITE_GRAD=bool(need_grad), BLOCK=block, num_warps=num_warps)
     return loss.sum(), lse, (logits if need_grad else None)
 

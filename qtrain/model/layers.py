@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from qtrain.kernels.rope import rope_qkv_backward
 from qtrain.kernels.swiglu import swiglu_backward
 from qtrain.model.config import ModelConfig
 
@@ -106,6 +107,34 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, dout: torch.Tensor) -> torch.Tensor:
         (up_gate,) = ctx.saved_tensors
         return swiglu_backward(dout.contiguous(), up_gate)
+
+
+class _QKVRope(torch.autograd.Function):
+    """The fused QKV output (B, T, q + 2 kv) -> q, k rotated and v copied out, each (B, T, heads, hs), as
+    `apply_rope` computes them; the backward is one kernel that also assembles d(qkv)
+    (`qtrain::rope_qkv_backward`; qtrain/kernels/rope.py says why)."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nh: int, nkv: int, hs: int):
+        B, T, _ = qkv.shape
+        q, k, v = qkv.split([nh * hs, nkv * hs, nkv * hs], dim=-1)
+        c, s = cos[:, None], sin[:, None]  # (T, 1, hs)
+        ctx.save_for_backward(cos, sin)
+        return (apply_rope(q.view(B, T, nh, hs), c, s), apply_rope(k.view(B, T, nkv, hs), c, s),
+                v.contiguous().view(B, T, nkv, hs))
+
+    @staticmethod
+    def backward(ctx, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return rope_qkv_backward(dq.contiguous(), dk.contiguous(), dv.contiguous(), cos, sin), None, None, None, None, None
+
+
+def qkv_rope_fused(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nh: int, nkv: int, hs: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) in (B, T, heads, hs) from the fused QKV output: RoPE'd q and k, v copied out. The forward
+    is plain torch (the compiler fuses it); the backward is the fused kernel, computed in fp32 from the
+    stored gradients and rounded once, so it can differ from autograd's by a unit in the last place."""
+    return _QKVRope.apply(qkv, cos, sin, nh, nkv, hs)
 
 
 def swiglu_fused(up_gate: torch.Tensor) -> torch.Tensor:

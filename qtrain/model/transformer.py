@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from qtrain.kernels.attention import causal_attention
 from qtrain.model.config import ModelConfig
-from qtrain.model.layers import SDPA_BACKENDS, apply_rope, rms_norm, rope_tables, sdpa_backends, swiglu, swiglu_fused
+from qtrain.model.layers import (SDPA_BACKENDS, apply_rope, qkv_rope_fused, rms_norm, rope_tables, sdpa_backends, swiglu,
+                                 swiglu_fused)
 from qtrain.model.loss import IGNORE_INDEX, chunked_lm_head_loss
 from qtrain.model.matmul import block_linear, block_mlp
 from qtrain.model.recompute import CheckpointSteps, Recomputer, ResidualStash, block_steps, resolve_flags, run_step
@@ -79,7 +80,7 @@ class GradientSink(Protocol):
 def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: frozenset[str] = frozenset(),
                   attn_chunks: int = 1, compiled: bool = False, fused_swiglu: bool = False,
                   mlp: Mlp | None = None, sdpa_backend: str = "auto",
-                  linears: dict[str, Linear] | None = None) -> BlockFn:
+                  linears: dict[str, Linear] | None = None, fused_rope: bool = False) -> BlockFn:
     """One pre-norm decoder block as a function of (x, weights, cos, sin), so one compiled graph serves
     every layer (weights are inputs, not captured constants).
 
@@ -87,6 +88,8 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     are rerun in backward instead of kept; `compiled` picks the mechanism that works under torch.compile.
     fused_swiglu: SwiGLU's backward as one kernel (`layers.swiglu_fused`), used by the compiled GPU path;
     inductor's own version of it runs at half the memory bandwidth.
+    fused_rope: RoPE's backward (with the assembly of d(qkv)) as one kernel (`layers.qkv_rope_fused`), used by
+    the compiled GPU path where there is no qk-norm; inductor's version ran at 0.5-2 TB/s.
     attn_chunks: run attention, forward and backward, as that many independent calls over batch slices
     (see `attention`).
     sdpa_backend: the attention kernel (layers.SDPA_BACKENDS; 'auto' = torch's choice).
@@ -112,6 +115,9 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
         """Fused QKV projection -> (qk-norm) -> RoPE: (B, T, C) -> q (B, nh, T, hs), k, v (B, nkv, T, hs)."""
         B, T, _ = h.shape
         qkv = project(h, w, "qkv", "qkv_bias")  # (B, T, q_dim + 2 kv_dim)
+        if fused_rope and not qk_norm:  # the same values; the backward is one kernel (layers.qkv_rope_fused)
+            q, k, v = qkv_rope_fused(qkv, cos, sin, nh, nkv, hs)
+            return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
         # v copied out: SDPA saves v, and a view would keep the whole fused buffer (pre-RoPE q and k) alive
         q, k, v = q.view(B, T, nh, hs), k.view(B, T, nkv, hs), v.contiguous().view(B, T, nkv, hs)
@@ -226,7 +232,8 @@ class Transformer:
         else:  # the fused FP8 MLP needs both of its linears in FP8
             mlp = block_mlp(run.matmul_dtype, run.fp8_grad_dtype) if not {"up", "down"} & set(plain) else None
         fn = make_block_fn(cfg, linear, recompute=block_steps(run.recompute), attn_chunks=run.attn_bwd_chunks,
-                           compiled=run.compile, fused_swiglu=run.compile, mlp=mlp if run.compile else None,
+                           compiled=run.compile, fused_swiglu=run.compile, fused_rope=run.compile,
+                           mlp=mlp if run.compile else None,
                            sdpa_backend=run.sdpa_backend, linears=linears)
         tuning = {"coordinate_descent_tuning": True} if run.compile_tuning else None
         self.block_fn: BlockFn = torch.compile(fn, dynamic=False, options=tuning) if run.compile else fn

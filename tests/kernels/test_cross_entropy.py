@@ -239,17 +239,3 @@ def test_gpu_chunked_lm_head_loss_with_fused_ce(monkeypatch, z_loss):
     torch.testing.assert_close(eb, ea, rtol=1e-5, atol=0)
     for a, b in ((dha, dhb), (dwa, dwb)):
         assert float((b - a).norm() / a.norm()) < 1e-2
-
-
-@interp_only
-@pytest.mark.parametrize("programs", [1, 3, 7, 50])
-def test_interp_fewer_programs_than_rows_give_the_same_bits(programs):
-    """With `programs` < rows each program loops over rows pid, pid + programs, ...: every row runs the same
-    instructions as with one program per row, so loss, lse and d(logits) are bitwise those (and programs
-    > rows launches only one per row)."""
-    x, t = make_case(7, 1000, seed=17)
-    t[2] = IGNORE_INDEX
-    a, b = x.clone(), x.clone()
-    la, sa, da = ce._launch(a, t, z_loss=1e-3, need_grad=True, block=128, num_warps=4)
-    lb, sb, db = ce._launch(b, t, z_loss=1e-3, need_grad=True, block=128, num_warps=4, programs=programs)
-    assert torch.equal(sa, sb) and torch.equal(da, db) and torch.equal(la, lb)

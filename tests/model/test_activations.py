@@ -26,10 +26,12 @@ def small_cfg(model_type: str = "qwen2", *, vocab: int = 512, tied: bool = True,
                        head_dim=32 if model_type == "qwen3" else 0, tie_word_embeddings=tied)
 
 
-def measure_block(cfg: ModelConfig, dtype: str, *, flags=(), fp8=False, attn_chunks=1, compiled=False, B=2, T=32):
-    """Bytes one block call saves for backward (its input, the weights and RoPE tables excluded)."""
+def measure_block(cfg: ModelConfig, dtype: str, *, flags=(), fp8=False, attn_chunks=1, compiled=False, B=2, T=32,
+                  fused=False):
+    """Bytes one block call saves for backward (its input, the weights and RoPE tables excluded). fused: the
+    compiled GPU path's SwiGLU and RoPE backward kernels (their twins here)."""
     fn = make_block_fn(cfg, block_linear("e4m3" if fp8 else ""), recompute=block_steps(flags),
-                       attn_chunks=attn_chunks, compiled=compiled)
+                       attn_chunks=attn_chunks, compiled=compiled, fused_swiglu=fused, fused_rope=fused)
     if compiled:
         torch._dynamo.reset()
         # AOTAutograd with the min-cut partitioner (inductor's), without generating kernels
@@ -98,6 +100,15 @@ def test_block_terms_match_saved_tensors_compiled(model_type, flags):
     assert planned == pytest.approx(measured, rel=0.10)
     eager = layer_activation_bytes(cfg, tokens, model_dtype="bf16", recompute=resolve_flags(flags))
     assert planned < eager if not flags else planned <= eager
+
+
+@pytest.mark.parametrize("flags", [(), ("att",), ("norm", "swiglu")])
+def test_block_terms_match_with_the_fused_backward_kernels(flags):
+    """The compiled GPU path's Functions (SwiGLU, RoPE + d(qkv)) save what the plain ops' partition does."""
+    cfg = small_cfg("qwen2")
+    measured, tokens = measure_block(cfg, "bf16", flags=flags, compiled=True, fused=True)
+    assert layer_activation_bytes(cfg, tokens, model_dtype="bf16", compiled=True,
+                                  recompute=resolve_flags(flags)) == measured
 
 
 def test_block_terms_fp8_compiled_is_an_upper_bound():
