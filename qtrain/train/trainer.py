@@ -152,10 +152,10 @@ class Trainer:
                                f"finish it with update() first")
         if len(batches) != ga:
             raise ValueError(f"step() got {len(batches)} micro-batches; --grad-accumulation is {ga}")
-        valid = torch.tensor([float(sum(int((t != IGNORE_INDEX).sum()) for _, t in batches))],
-                             dtype=torch.float64, device=self.device)
-        self.ctx.all_reduce_sum(valid)
-        scale = self.loss_scale(valid.item())
+        valid = float(sum(int((t != IGNORE_INDEX).sum()) for _, t in batches))
+        if self.ctx.world > 1:  # one process needs no device round trip (it would wait for the last update)
+            valid = self.ctx.all_reduce_sum(torch.tensor([valid], dtype=torch.float64, device=self.device)).item()
+        scale = self.loss_scale(valid)
         for inputs, targets in batches:
             self.micro_step(inputs, targets, loss_scale=scale)
         return self.update(lr=lr)
