@@ -28,7 +28,7 @@ from qtrain.kernels.stochastic_rounding import load_f32, store_f32
 __all__ = ["rope_qkv_backward", "rope_qkv_backward_triton", "rope_qkv_backward_twin"]
 
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-BLOCK, NUM_WARPS = 1024, 4  # a streaming shape: 1024 elements of d(qkv) per program
+ROWS, BLOCK_C, NUM_WARPS = 4, 256, 4  # a streaming tile: 4 tokens x 256 columns of d(qkv) per program
 
 
 def _check(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -63,13 +63,15 @@ def rope_qkv_backward_twin(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
 
 # -------------------------------------------------------------------------------------------- triton
 @jit
-def _rope_qkv_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, out_ptr, N, T: tl.constexpr,
+def _rope_qkv_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, out_ptr, rows, T: tl.constexpr,
                          QD: tl.constexpr, KD: tl.constexpr, HS: tl.constexpr, KIND: tl.constexpr,
-                         TAB_KIND: tl.constexpr, BLOCK: tl.constexpr):
-    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # element of d(qkv), (rows, QD + 2 KD)
-    mask = e < N
-    row = e // (QD + 2 * KD)
-    c = e % (QD + 2 * KD)
+                         TAB_KIND: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One [ROWS tokens, BLOCK_C columns] tile of d(qkv) (rows, QD + 2 KD). Row and column come from the
+    program ids, so no element index is divided (a first version divided an int64 flat index by the row
+    width: 0.35 ms per call at 0.5B shapes, 0.86 TB/s)."""
+    row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]  # [ROWS, 1]
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]  # [1, BLOCK_C]
+    mask = (row < rows) & (c < QD + 2 * KD)
     in_q = c < QD
     in_k = (c >= QD) & (c < QD + KD)
     in_v = c >= QD + KD
@@ -87,7 +89,7 @@ def _rope_qkv_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, out_ptr, N, T
     z = gp * sn
     dx = g * cs + tl.where(lo, z, -z)
     gv = load_f32(dv_ptr + row * KD + (c - QD - KD), mask & in_v, KIND)
-    store_f32(out_ptr + e, tl.where(in_v, gv, dx), mask, KIND)
+    store_f32(out_ptr + row * (QD + 2 * KD) + c, tl.where(in_v, gv, dx), mask, KIND)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -102,12 +104,13 @@ def rope_qkv_backward_triton(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tenso
     nkv = dk.shape[2]
     dq, dk, dv, cos, sin = (t.contiguous() for t in (dq, dk, dv, cos, sin))
     out = torch.empty(B, T, (nh + 2 * nkv) * hs, dtype=dq.dtype, device=dq.device)
-    n = out.numel()
-    if n:
-        _rope_qkv_bwd_kernel[(triton.cdiv(n, BLOCK),)](
-            _bits(dq), _bits(dk), _bits(dv), _bits(cos), _bits(sin), _bits(out), n, T=T, QD=nh * hs, KD=nkv * hs,
-            HS=hs, KIND=_KINDS[dq.dtype], TAB_KIND=_KINDS[cos.dtype], BLOCK=BLOCK, num_warps=NUM_WARPS,
-            enable_fp_fusion=False)
+    rows, width = B * T, out.shape[-1]
+    if out.numel():
+        grid = (triton.cdiv(rows, ROWS), triton.cdiv(width, BLOCK_C))
+        _rope_qkv_bwd_kernel[grid](
+            _bits(dq), _bits(dk), _bits(dv), _bits(cos), _bits(sin), _bits(out), rows, T=T, QD=nh * hs,
+            KD=nkv * hs, HS=hs, KIND=_KINDS[dq.dtype], TAB_KIND=_KINDS[cos.dtype], ROWS=ROWS, BLOCK_C=BLOCK_C,
+            num_warps=NUM_WARPS, enable_fp_fusion=False)
     return out
 
 
