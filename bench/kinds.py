@@ -36,8 +36,8 @@ KINDS: dict[str, Kind] = {
                           "GEMMs, then one GEMM under sustained load (clock, power)"),
     "attention": Kind("bench.bench_attention", "causal attention backends (flash, cuDNN, qtrain's op), eager and "
                       "compiled, against flash"),
-    "cross-entropy": Kind("bench.bench_ce", "the fused cross-entropy kernel by launch shape (programs, block, "
-                          "warps), GB/s against the read+write floor"),
+    "cross-entropy": Kind("bench.bench_ce", "the fused cross-entropy kernel by launch shape (block, warps), "
+                          "GB/s against the read+write floor"),
     "adamw": Kind("bench.bench_adamw", "qtrain's fused AdamW kernel against torch._fused_adamw_"),
     "fp8-gemm": Kind("bench.bench_fp8_gemm", "bf16 matmul vs FP8 scaled_mm for the block linears, per GEMM and per "
                      "layer (eager and CUDA graph)"),
