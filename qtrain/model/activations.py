@@ -55,9 +55,9 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
 
     Compiled (torch.compile; measured with AOTAutograd's min-cut partitioner, the one inductor uses): the
     norm outputs + rstd, v (the fused QKV buffer with qk-norm), q/k after RoPE, attention output + LSE, the
-    residual after attention, the up/gate and SwiGLU outputs -- llm.q's set (§4.5) with its in-place RoPE'd QKV. Recomputed steps are
-    checkpoint regions whose inputs stay: LN1's output with --recompute-qkv/att, q and k after RoPE with
-    --recompute-att, and --recompute-ffn keeps one more (B, T, C) tensor than its steps' inputs.
+    residual after attention, the up/gate and SwiGLU outputs -- llm.q's set (§4.5) with its in-place RoPE'd
+    QKV. Recomputed steps are checkpoint regions whose inputs stay: LN1's output with --recompute-qkv/att,
+    and --recompute-ffn keeps one more (B, T, C) tensor than its steps' inputs.
 
     FP8 (--matmul-dtype e4m3): each linear keeps an e4m3 copy of its input instead of the model-dtype one,
     and its e4m3 weight (per layer; rebuilt when the linear is inside a recomputed step) -- unless

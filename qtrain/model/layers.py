@@ -109,6 +109,14 @@ class _SwiGLU(torch.autograd.Function):
         return swiglu_backward(dout.contiguous(), up_gate)
 
 
+def split_qkv(qkv: torch.Tensor, nh: int, nkv: int, hs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused QKV output (B, T, q + 2 kv) -> q, k (views) and v (a copy), each (B, T, heads, hs). v is
+    copied out because attention saves it: a view would keep the whole fused buffer (pre-RoPE q and k) alive."""
+    B, T, _ = qkv.shape
+    q, k, v = qkv.split([nh * hs, nkv * hs, nkv * hs], dim=-1)
+    return q.view(B, T, nh, hs), k.view(B, T, nkv, hs), v.contiguous().view(B, T, nkv, hs)
+
+
 class _QKVRope(torch.autograd.Function):
     """The fused QKV output (B, T, q + 2 kv) -> q, k rotated and v copied out, each (B, T, heads, hs), as
     `apply_rope` computes them; the backward is one kernel that also assembles d(qkv)
@@ -116,17 +124,16 @@ class _QKVRope(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nh: int, nkv: int, hs: int):
-        B, T, _ = qkv.shape
-        q, k, v = qkv.split([nh * hs, nkv * hs, nkv * hs], dim=-1)
+        q, k, v = split_qkv(qkv, nh, nkv, hs)
         c, s = cos[:, None], sin[:, None]  # (T, 1, hs)
         ctx.save_for_backward(cos, sin)
-        return (apply_rope(q.view(B, T, nh, hs), c, s), apply_rope(k.view(B, T, nkv, hs), c, s),
-                v.contiguous().view(B, T, nkv, hs))
+        return apply_rope(q, c, s), apply_rope(k, c, s), v
 
     @staticmethod
     def backward(ctx, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        return rope_qkv_backward(dq.contiguous(), dk.contiguous(), dv.contiguous(), cos, sin), None, None, None, None, None
+        dqkv = rope_qkv_backward(dq.contiguous(), dk.contiguous(), dv.contiguous(), cos, sin)
+        return dqkv, None, None, None, None, None
 
 
 def qkv_rope_fused(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nh: int, nkv: int, hs: int

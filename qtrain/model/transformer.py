@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 from qtrain.kernels.attention import causal_attention
 from qtrain.model.config import ModelConfig
-from qtrain.model.layers import (SDPA_BACKENDS, apply_rope, qkv_rope_fused, rms_norm, rope_tables, sdpa_backends, swiglu,
-                                 swiglu_fused)
+from qtrain.model.layers import (SDPA_BACKENDS, apply_rope, qkv_rope_fused, rms_norm, rope_tables, sdpa_backends,
+                                 split_qkv, swiglu, swiglu_fused)
 from qtrain.model.loss import IGNORE_INDEX, chunked_lm_head_loss
 from qtrain.model.matmul import block_linear, block_mlp
 from qtrain.model.recompute import CheckpointSteps, Recomputer, ResidualStash, block_steps, resolve_flags, run_step
@@ -98,7 +98,7 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     since those need the steps separately.
     linears: per-linear replacements of `linear` by block matrix name (the FP8 policy's bf16 linears)."""
     nh, nkv, hs, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
-    q_dim, kv_dim, qk_norm, gqa = cfg.q_dim, cfg.kv_dim, cfg.qk_norm, nh != nkv
+    q_dim, qk_norm, gqa = cfg.q_dim, cfg.qk_norm, nh != nkv
     swiglu_fn = swiglu_fused if fused_swiglu else swiglu
     fused_mlp = mlp if not ({"up", "swiglu"} & recompute) else None
 
@@ -113,18 +113,14 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     def qkv_rope(h: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fused QKV projection -> (qk-norm) -> RoPE: (B, T, C) -> q (B, nh, T, hs), k, v (B, nkv, T, hs)."""
-        B, T, _ = h.shape
         qkv = project(h, w, "qkv", "qkv_bias")  # (B, T, q_dim + 2 kv_dim)
         if fused_rope and not qk_norm:  # the same values; the backward is one kernel (layers.qkv_rope_fused)
             q, k, v = qkv_rope_fused(qkv, cos, sin, nh, nkv, hs)
             return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
-        # v copied out: SDPA saves v, and a view would keep the whole fused buffer (pre-RoPE q and k) alive
-        q, k, v = q.view(B, T, nh, hs), k.view(B, T, nkv, hs), v.contiguous().view(B, T, nkv, hs)
+        q, k, v = split_qkv(qkv, nh, nkv, hs)
         if qk_norm:
             q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
-        # RoPE in the (B, T, heads, hs) layout the projection wrote, then the transposed views: inductor's
-        # RoPE backward over transposed views ran at 0.5 TB/s at Qwen2.5-0.5B's hs = 64 (30 ms per step)
+        # RoPE in the (B, T, heads, hs) layout the projection wrote (as the fused path), then the transposed views
         cos, sin = cos[:, None], sin[:, None]  # (T, 1, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, hs)

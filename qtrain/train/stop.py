@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import faulthandler
-
 import math
 import signal
 import sys
