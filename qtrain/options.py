@@ -257,8 +257,9 @@ class Options:
     persistent_quants: bool = False
     """Keep e4m3 copies of the four block matrices from the first micro-step of an optimizer step to the
     update, reused by every micro-step (needs --matmul-dtype e4m3). Sharded weights: each rank's shard in
-    e4m3, gathered instead of the bf16 matrices (half the bytes); replicated weights: a copy of every layer
-    on the device (+1 byte per block parameter at the peak). Without it each linear quantizes its weight."""
+    e4m3, gathered instead of the bf16 matrices (half the bytes); replicated weights: a copy of every layer and
+    its transpose on the device (2 bytes per block parameter; the linears' saved per-layer copies, 1 byte, go
+    away). Without it each linear quantizes its weight and its backward transposes it, every micro-step."""
     offload_quants: bool = False
     """Keep the persistent e4m3 weight shards in pinned host memory (needs --persistent-quants and sharded weights)."""
     offload_master: bool = False

@@ -4,7 +4,8 @@ as one function, in the model dtype or in FP8 (`--matmul-dtype e4m3`, `numerics.
 A model setting (`RunOptions.matmul_dtype`), not a trainer concern: the block function is built with what
 these return. With FP8, a weight is quantized in the call (per-tensor current scaling) unless the weight
 source passes its FP8 copy, made once per optimizer step (`--persistent-quants`): `QuantizedWeights` for
-replicated weights, `ShardedWeights` for sharded ones (which then gathers only that copy of the matrices).
+replicated weights (the copy and its transpose), `ShardedWeights` for sharded ones (which then gathers only
+that copy of the matrices; the backward transposes it).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def block_linear(matmul_dtype: str = "", grad_dtype: str = "e4m3"):
     gd = FP8_GRAD_DTYPES[grad_dtype or "e4m3"]
 
     def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-               w_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               w_fp8: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         return fp8_linear(x, w, b, grad_dtype=gd, weight_fp8=w_fp8).to(x.dtype)
 
     return linear

@@ -47,8 +47,8 @@ BlockFn = Callable[[torch.Tensor, dict, torch.Tensor, torch.Tensor], torch.Tenso
 class WeightSource(Protocol):
     """Where the model gets its weights. `block(l)` / `non_block()` return tensors that require grad (the
     model differentiates with respect to exactly these), and `block(l)` may add, for a block matrix `name`,
-    an FP8 copy as the two entries `FP8_WEIGHT.format(name)` / `FP8_INV_SCALE.format(name)` (no grad), which
-    the block hands to its linear. `release_block(l)` says block l is no longer needed in this pass (a
+    an FP8 copy as the two entries `FP8_WEIGHT.format(name)` / `FP8_INV_SCALE.format(name)` (no grad), and its
+    transpose as `FP8_WEIGHT_T.format(name)`, which the block hands to its linear. `release_block(l)` says block l is no longer needed in this pass (a
     sharded source may free or reuse its buffer); `invalidate()` says the weights changed (an update, a
     load): drop anything derived from them."""
 
@@ -61,12 +61,17 @@ class WeightSource(Protocol):
 FP8_MATRICES = ("qkv", "o", "up", "down")  # the four block linears that run in FP8 (--matmul-dtype e4m3)
 FP8_WEIGHT = "{}.fp8"  # an e4m3 copy of block matrix {} (N, K), contiguous
 FP8_INV_SCALE = "{}.fp8_inv"  # its inverse scale, a 0-dim fp32 tensor
+FP8_WEIGHT_T = "{}.fp8_t"  # optional: the e4m3 copy transposed, (K, N) contiguous (the input gradient's operand)
 
 
-def quantized_weight(w: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(weight_fp8, inv_scale) of block matrix `name` when the weight source provided one, else None."""
+def quantized_weight(w: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, ...] | None:
+    """(weight_fp8, inv_scale[, weight_fp8_t]) of block matrix `name` when the weight source provided them, else
+    None; the transpose only when the source made it too."""
     q = w.get(FP8_WEIGHT.format(name))
-    return None if q is None else (q, w[FP8_INV_SCALE.format(name)])
+    if q is None:
+        return None
+    qt = w.get(FP8_WEIGHT_T.format(name))
+    return (q, w[FP8_INV_SCALE.format(name)]) if qt is None else (q, w[FP8_INV_SCALE.format(name)], qt)
 
 
 class GradientSink(Protocol):

@@ -189,6 +189,7 @@ class _CacheEntry:
     shape: torch.Size
     w_fp8: Tensor
     inv_scale: Tensor
+    w_fp8_t: Tensor | None = None  # (K, N) contiguous: the input-gradient GEMM's operand, made on request
 
 
 class Fp8WeightCache:
@@ -213,9 +214,8 @@ class Fp8WeightCache:
     def get(self, weight: Tensor) -> tuple[Tensor, Tensor]:
         """(w_fp8, inv_scale) for `weight`, quantizing to e4m3 on a miss."""
         key = id(weight)
-        e = self._entries.get(key)
-        if (e is not None and e.ref() is weight and e.version == weight._version
-                and e.data_ptr == weight.data_ptr() and e.shape == weight.shape):
+        e = self._valid_entry(weight)
+        if e is not None:
             self.hits += 1
             return e.w_fp8, e.inv_scale
         self.misses += 1
@@ -225,6 +225,26 @@ class Fp8WeightCache:
         self._entries[key] = _CacheEntry(weakref.ref(weight, lambda _: entries.pop(key, None)),
                                          weight._version, weight.data_ptr(), weight.shape, w_fp8, inv_scale)
         return w_fp8, inv_scale
+
+    def transposed(self, weight: Tensor) -> Tensor:
+        """The e4m3 copy of `weight` in the other major order, (K, N) contiguous, made once per entry: the input
+        gradient's GEMM needs it (cuBLASLt multiplies only row-major by column-major), and without the cache
+        every backward makes it again (1 byte read and written per parameter per micro-step)."""
+        e = self._valid_entry(weight)
+        if e is None:  # not asked for its copy yet (a miss, counted as one)
+            self.get(weight)
+            e = self._entries[id(weight)]
+        if e.w_fp8_t is None:
+            with torch.no_grad():
+                e.w_fp8_t = e.w_fp8.t().contiguous()
+        return e.w_fp8_t
+
+    def _valid_entry(self, weight: Tensor) -> _CacheEntry | None:
+        e = self._entries.get(id(weight))
+        if (e is not None and e.ref() is weight and e.version == weight._version
+                and e.data_ptr == weight.data_ptr() and e.shape == weight.shape):
+            return e
+        return None
 
     def invalidate(self, weight: Tensor) -> None:
         """Forget `weight`'s entry; the next `get` re-quantizes."""
@@ -265,14 +285,15 @@ class _Fp8Linear(torch.autograd.Function):
       forward  y  (M, N) = x_q (M, K)            @ W_q.t()                       W_q (N, K) as stored
       dgrad    dX (M, K) = dY_q (M, N)           @ W_q^T.t()  (W_q^T = explicit (K, N) copy)
       wgrad    dW (N, K) = dY_q^T (N, M)         @ x_q^T.t()  (both explicit copies, made by the quantizer)
-    Saved for backward: x_q^T (fp8) and its inverse scale, W_q and its inverse scale -- not the bf16 x.
+    Saved for backward: x_q^T (fp8) and its inverse scale, W_q and its inverse scale -- not the bf16 x -- and
+    W_q^T when the weight source made it (`Fp8WeightCache.transposed`), else the backward makes it.
     The forward uses fast accumulation, the backward GEMMs do not (torchao's default split: gradients
     see the larger K = M in wgrad and are the more sensitive).
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, grad_dtype: torch.dtype,
-                w_fp8: Tensor | None, w_inv_scale: Tensor | None, need_dw: bool) -> Tensor:
+                w_fp8: Tensor | None, w_inv_scale: Tensor | None, w_fp8_t: Tensor | None, need_dw: bool) -> Tensor:
         N, K = weight.shape
         x2 = x.reshape(-1, K)  # (M, K); a view when x is contiguous, and the quantizer reads any strides
         x_fp8, x_fp8_t, x_inv = fp8_quantize(x2, E4M3, transpose=need_dw)
@@ -281,7 +302,7 @@ class _Fp8Linear(torch.autograd.Function):
         b = None if bias is None else bias.detach().to(torch.bfloat16)  # cuBLASLt epilogue wants bf16
         y = scaled_mm(x_fp8, w_fp8.t(), x_inv, w_inv_scale, out_dtype=torch.bfloat16, bias=b,
                       use_fast_accum=True)
-        ctx.save_for_backward(x_fp8_t, x_inv, w_fp8, w_inv_scale)
+        ctx.save_for_backward(x_fp8_t, x_inv, w_fp8, w_inv_scale, w_fp8_t)
         ctx.grad_dtype = grad_dtype
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -289,7 +310,7 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        x_fp8_t, x_inv, w_fp8, w_inv = ctx.saved_tensors
+        x_fp8_t, x_inv, w_fp8, w_inv, w_fp8_t = ctx.saved_tensors
         N, K = w_fp8.shape
         need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         dy2 = dy.reshape(-1, N)  # (M, N)
@@ -297,7 +318,7 @@ class _Fp8Linear(torch.autograd.Function):
         if need_dx or need_dw:
             dy_fp8, dy_fp8_t, dy_inv = fp8_quantize(dy2, ctx.grad_dtype, transpose=need_dw)
         if need_dx:
-            w_fp8_t = w_fp8.t().contiguous()  # (K, N): the weight in the other major order
+            w_fp8_t = _transposed(w_fp8, w_fp8_t)  # (K, N): the weight in the other major order
             dx = scaled_mm(dy_fp8, w_fp8_t.t(), dy_inv, w_inv, out_dtype=_gemm_out_dtype(ctx.x_dtype))
             dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
         if need_dw:
@@ -306,7 +327,12 @@ class _Fp8Linear(torch.autograd.Function):
         if need_db:
             # From the unquantized dY, summed in fp32: exact up to fp32 summation order (llm.q [quirk]).
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
+
+
+def _transposed(w_fp8: Tensor, w_fp8_t: Tensor | None) -> Tensor:
+    """W_q^T (K, N) contiguous: the cached one when the weight source made it, else a copy made here."""
+    return w_fp8.t().contiguous() if w_fp8_t is None else w_fp8_t
 
 
 def _gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -314,33 +340,42 @@ def _gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in _OUT_DTYPES else torch.bfloat16
 
 
+WeightFp8 = tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]  # (W_q (N, K), inv_scale[, W_q^T (K, N)])
+
+
 def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, grad_dtype: torch.dtype = E4M3,
-               weight_fp8: tuple[Tensor, Tensor] | None = None) -> Tensor:
+               weight_fp8: WeightFp8 | None = None) -> Tensor:
     """y = x @ weight^T + bias with FP8 GEMMs; y is bf16 with shape (..., N).
 
     x (..., K); weight (N, K) (the bf16 master; receives the gradient); bias (N,) or None.
     grad_dtype: format of the quantized output gradient dY (e4m3 default as in llm.q, or e5m2).
-    weight_fp8: a cached (W_fp8 (N, K) e4m3, inv_scale) for this weight, e.g. `Fp8WeightCache.get(weight)`;
-    None quantizes the weight here. K and N must be multiples of 16, and so must the token count
+    weight_fp8: a cached (W_fp8 (N, K) e4m3, inv_scale) for this weight, e.g. `Fp8WeightCache.get(weight)`,
+    optionally with its (K, N) contiguous transpose as a third entry (`Fp8WeightCache.transposed`); None
+    quantizes the weight here. K and N must be multiples of 16, and so must the token count
     M = x.numel() / K when the weight needs a gradient (checked here, before any work).
     """
     if grad_dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_linear: grad_dtype must be float8_e4m3fn or float8_e5m2, got {grad_dtype}")
     need_dw = weight.requires_grad and torch.is_grad_enabled()
     _check_linear_shapes(x, weight, bias, need_dw)
-    w_fp8, w_inv = _checked_weight_fp8(weight, weight_fp8, "fp8_linear: weight_fp8")
-    return _Fp8Linear.apply(x, weight, bias, grad_dtype, w_fp8, w_inv, need_dw)
+    w_fp8, w_inv, w_fp8_t = _checked_weight_fp8(weight, weight_fp8, "fp8_linear: weight_fp8")
+    return _Fp8Linear.apply(x, weight, bias, grad_dtype, w_fp8, w_inv, w_fp8_t, need_dw)
 
 
-def _checked_weight_fp8(weight: Tensor, weight_fp8: tuple[Tensor, Tensor] | None, arg: str
-                        ) -> tuple[Tensor, Tensor] | tuple[None, None]:
+def _checked_weight_fp8(weight: Tensor, weight_fp8: WeightFp8 | None, arg: str
+                        ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     if weight_fp8 is None:
-        return None, None
-    w_fp8, w_inv = weight_fp8
+        return None, None, None
+    w_fp8, w_inv, w_fp8_t = (*weight_fp8, None) if len(weight_fp8) == 2 else weight_fp8
     if w_fp8.dtype != E4M3 or w_fp8.shape != weight.shape or not w_fp8.is_contiguous():
         raise ValueError(f"{arg} must be a contiguous e4m3 copy of shape {tuple(weight.shape)}, "
                          f"got {w_fp8.dtype} {tuple(w_fp8.shape)}")
-    return w_fp8, w_inv
+    if w_fp8_t is not None and (w_fp8_t.dtype != E4M3 or w_fp8_t.shape != weight.shape[::-1]
+                                or not w_fp8_t.is_contiguous()):
+        raise ValueError(f"{arg}'s third entry must be the contiguous e4m3 transpose, shape "
+                         f"{tuple(weight.shape[::-1])}, got {w_fp8_t.dtype} {tuple(w_fp8_t.shape)} "
+                         f"(contiguous: {w_fp8_t.is_contiguous()})")
+    return w_fp8, w_inv, w_fp8_t
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -353,12 +388,14 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
     SwiGLU output h exists only as e4m3 (h_q, h_q^T from `swiglu_fp8`), and du = d(up-projection output)
     is quantized with the abs-max reduced by the SwiGLU backward kernel (`swiglu_backward_amax`) and
     transposed by one Triton op. Saved for backward: x_q^T, u (the up projection's output, which the
-    SwiGLU backward needs, as in the composition), h_q^T, the two e4m3 weights and the inverse scales.
+    SwiGLU backward needs, as in the composition), h_q^T, the two e4m3 weights and the inverse scales (and the
+    weights' e4m3 transposes when the weight source made them).
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, w_up: Tensor, w_down: Tensor, grad_dtype: torch.dtype, need_dw: bool,
-                wu_q: Tensor | None, wu_inv: Tensor | None, wd_q: Tensor | None, wd_inv: Tensor | None) -> Tensor:
+                wu_q: Tensor | None, wu_inv: Tensor | None, wu_qt: Tensor | None,
+                wd_q: Tensor | None, wd_inv: Tensor | None, wd_qt: Tensor | None) -> Tensor:
         C = x.shape[-1]
         x2 = x.reshape(-1, C)
         x_q, x_qt, x_inv = fp8_quantize(x2, E4M3, transpose=need_dw)
@@ -369,14 +406,14 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
         if wd_q is None:
             wd_q, wd_inv = quantize_fp8(w_down.detach(), E4M3)
         y = scaled_mm(h_q, wd_q.t(), h_inv, wd_inv, out_dtype=torch.bfloat16, use_fast_accum=True)
-        ctx.save_for_backward(x_qt, x_inv, wu_q, wu_inv, u, h_qt, h_inv, wd_q, wd_inv)
+        ctx.save_for_backward(x_qt, x_inv, wu_q, wu_inv, wu_qt, u, h_qt, h_inv, wd_q, wd_inv, wd_qt)
         ctx.grad_dtype, ctx.x_shape, ctx.x_dtype = grad_dtype, x.shape, x.dtype
         ctx.w_dtypes = (w_up.dtype, w_down.dtype)
         return y.view(*x.shape[:-1], w_down.shape[0])
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        x_qt, x_inv, wu_q, wu_inv, u, h_qt, h_inv, wd_q, wd_inv = ctx.saved_tensors
+        x_qt, x_inv, wu_q, wu_inv, wu_qt, u, h_qt, h_inv, wd_q, wd_inv, wd_qt = ctx.saved_tensors
         need_dx, need_dwu, need_dwd = ctx.needs_input_grad[:3]
         gd, x_dtype = ctx.grad_dtype, ctx.x_dtype
         dy2 = dy.reshape(-1, wd_q.shape[0])  # (M, C)
@@ -386,21 +423,20 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
             dwd = scaled_mm(dy_qt, h_qt.t(), dy_inv, h_inv, out_dtype=_gemm_out_dtype(ctx.w_dtypes[1]))
             dwd = dwd.to(ctx.w_dtypes[1])
         if need_dx or need_dwu:
-            dh = scaled_mm(dy_q, wd_q.t().contiguous().t(), dy_inv, wd_inv, out_dtype=_gemm_out_dtype(x_dtype))
+            dh = scaled_mm(dy_q, _transposed(wd_q, wd_qt).t(), dy_inv, wd_inv, out_dtype=_gemm_out_dtype(x_dtype))
             du, du_amax = swiglu_backward_amax(dh.to(x_dtype), u)
             du_q, du_qt, du_inv = fp8_quantize_transposed(du, du_amax, gd)
             if need_dx:
-                dx = scaled_mm(du_q, wu_q.t().contiguous().t(), du_inv, wu_inv, out_dtype=_gemm_out_dtype(x_dtype))
+                dx = scaled_mm(du_q, _transposed(wu_q, wu_qt).t(), du_inv, wu_inv, out_dtype=_gemm_out_dtype(x_dtype))
                 dx = dx.view(ctx.x_shape).to(x_dtype)
             if need_dwu:
                 dwu = scaled_mm(du_qt, x_qt.t(), du_inv, x_inv, out_dtype=_gemm_out_dtype(ctx.w_dtypes[0]))
                 dwu = dwu.to(ctx.w_dtypes[0])
-        return dx, dwu, dwd, None, None, None, None, None, None
+        return dx, dwu, dwd, None, None, None, None, None, None, None, None
 
 
 def fp8_swiglu_mlp(x: Tensor, w_up: Tensor, w_down: Tensor, *, grad_dtype: torch.dtype = E4M3,
-                   up_fp8: tuple[Tensor, Tensor] | None = None, down_fp8: tuple[Tensor, Tensor] | None = None
-                   ) -> Tensor:
+                   up_fp8: WeightFp8 | None = None, down_fp8: WeightFp8 | None = None) -> Tensor:
     """The SwiGLU MLP with FP8 GEMMs: x (..., C), w_up (2F, C) with rows [up; gate], w_down (C, F) -> (..., C)
     in x's dtype. up_fp8 / down_fp8: cached (e4m3 copy, inv_scale) of the weights, as `fp8_linear`'s
     weight_fp8. Shapes are checked as `fp8_linear` checks them (multiples of 16), before any work."""
@@ -412,6 +448,6 @@ def fp8_swiglu_mlp(x: Tensor, w_up: Tensor, w_down: Tensor, *, grad_dtype: torch
     need_dw = (w_up.requires_grad or w_down.requires_grad) and torch.is_grad_enabled()
     _check_linear_shapes(x, w_up, None, need_dw)
     _check_linear_shapes(x.new_empty(0, w_down.shape[1]), w_down, None, False)
-    wu_q, wu_inv = _checked_weight_fp8(w_up, up_fp8, "fp8_swiglu_mlp: up_fp8")
-    wd_q, wd_inv = _checked_weight_fp8(w_down, down_fp8, "fp8_swiglu_mlp: down_fp8")
-    return _Fp8SwiGLUMLP.apply(x, w_up, w_down, grad_dtype, need_dw, wu_q, wu_inv, wd_q, wd_inv).to(x.dtype)
+    wu = _checked_weight_fp8(w_up, up_fp8, "fp8_swiglu_mlp: up_fp8")
+    wd = _checked_weight_fp8(w_down, down_fp8, "fp8_swiglu_mlp: down_fp8")
+    return _Fp8SwiGLUMLP.apply(x, w_up, w_down, grad_dtype, need_dw, *wu, *wd).to(x.dtype)

@@ -183,7 +183,7 @@ def _weight_rows(cfg: ModelConfig, opts: Options, layout: FlatLayout, quants: tu
     if not opts.weights_sharded:
         if persistent_quants:
             rows.append(_row("fp8 weights (e4m3, cached)", QuantizedWeights.footprint_of(cfg, quants),
-                             "e4m3 copies of every block matrix, made once per step"))
+                             "e4m3 copies of every block matrix and their transposes, made once per step"))
         return rows
     fp = ShardedWeights.footprint_of(layout, dtype=DTYPES[opts.effective_master_dtype], offload=opts.offload_master,
                                      quantized=quants, offload_quants=opts.offload_quants, compute_dtype=dtype)

@@ -76,6 +76,22 @@ def test_mlp_equals_composition_bitwise(dtype, grad_dtype):
         assert 1e-3 < rel_err(a, r) < 0.15, name
 
 
+def test_mlp_with_cached_weights_and_transposes_is_identical():
+    """The weight source's e4m3 copies (`Fp8WeightCache.get`) with or without their cached transposes
+    (`.transposed`, what --persistent-quants hands the block) give the numbers of quantizing in the call."""
+    from qtrain.numerics.fp8 import Fp8WeightCache
+    x, w_up, w_down, dy = _mlp_inputs(torch.bfloat16, seed=2)
+    plain = _run(fp8_swiglu_mlp, x, w_up, w_down, dy)
+    cache = Fp8WeightCache()
+    pairs = {"up_fp8": cache.get(w_up), "down_fp8": cache.get(w_down)}
+    triples = {"up_fp8": (*cache.get(w_up), cache.transposed(w_up)),
+               "down_fp8": (*cache.get(w_down), cache.transposed(w_down))}
+    for kw in (pairs, triples):
+        got = _run(lambda a, wu, wd: fp8_swiglu_mlp(a, wu, wd, **kw), x, w_up, w_down, dy)
+        for name, a, b in zip(("y", "dx", "dw_up", "dw_down"), got, plain):
+            assert torch.equal(bits(a), bits(b)), name
+
+
 def test_mlp_frozen_weights_and_no_grad():
     x, w_up, w_down, dy = _mlp_inputs(torch.bfloat16, seed=1)
     xi = x.clone().requires_grad_(True)

@@ -434,6 +434,31 @@ def test_fp8_linear_with_cached_weight_is_identical():
         fp8_linear(x, w, b, weight_fp8=(cache.get(w)[0].t(), cache.get(w)[1]))
 
 
+def test_weight_cache_transposed_copy_is_made_once_and_used_by_the_backward():
+    """`Fp8WeightCache.transposed`: the e4m3 copy in the other major order, bit for bit the copy's transpose,
+    made once per entry (no extra miss or hit), dropped with the entry; `fp8_linear` given it as the third
+    entry of `weight_fp8` computes the same numbers, and its input-gradient GEMM reads that tensor (a zeroed
+    stand-in zeroes dx and nothing else) instead of transposing the copy again."""
+    x, w, b, dy = _linear_inputs()
+    cache = Fp8WeightCache()
+    qt = cache.transposed(w)  # asked first: quantizes (one miss)
+    q, inv = cache.get(w)
+    assert (cache.misses, cache.hits) == (1, 1)
+    assert qt.is_contiguous() and qt.shape == (w.shape[1], w.shape[0]) and torch.equal(bits(qt), bits(q.t()))
+    assert cache.transposed(w) is qt and (cache.misses, cache.hits) == (1, 1)
+    plain = _run_fp8(x, w, b, dy)
+    for a, c in zip(plain, _run_fp8(x, w, b, dy, weight_fp8=(q, inv, qt))):
+        assert torch.equal(a, c)
+    y, dx, dw, db = _run_fp8(x, w, b, dy, weight_fp8=(q, inv, torch.zeros_like(qt)))
+    assert torch.equal(y, plain[0]) and torch.equal(dw, plain[2]) and torch.equal(db, plain[3])
+    assert dx.abs().max() == 0 and plain[1].abs().max() > 0
+    with pytest.raises(ValueError, match="third entry"):
+        fp8_linear(x, w, b, weight_fp8=(q, inv, q.t()))  # the transposed view, not a contiguous transpose
+    with torch.no_grad():
+        w.mul_(2.0)
+    assert cache.transposed(w) is not qt and cache.misses == 2
+
+
 # ----------------------------------------------------------------------------------------------------
 # GPU: the same checks through torch._scaled_mm and the Triton quantizer
 # ----------------------------------------------------------------------------------------------------

@@ -111,9 +111,11 @@ def test_the_plan_counts_the_cached_copies_once():
     with torch.no_grad():
         blocks = [tr.weights.block(layer) for layer in range(CFG.num_hidden_layers)]
     entries = tr.weights.cache._entries.values()
-    cached = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for e in entries for t in (e.w_fp8, e.inv_scale)}
+    cached = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for e in entries
+              for t in (e.w_fp8, e.inv_scale, e.w_fp8_t)}
     row = plan_for_trainer(tr).item("fp8 weights")
-    assert row.device == row.parts["quant_copies"] + row.parts["quant_scales"] == sum(cached.values())
+    assert row.device == sum(row.parts.values()) == sum(cached.values())
+    assert row.parts["quant_transposes"] == row.parts["quant_copies"]
     x = torch.randn(B, T, CFG.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     cos, sin = rope_tables(CFG, T, "cpu", torch.bfloat16)
     skip = {t.untyped_storage().data_ptr() for t in (x, cos, sin, *blocks[0].values())}
