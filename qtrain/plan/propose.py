@@ -14,7 +14,7 @@ from qtrain.model.config import ModelConfig
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.layout import FlatLayout
 from qtrain.plan.memory import MemoryPlan, plan_memory
-from qtrain.plan.step_cost import StepCost, step_cost
+from qtrain.plan.step_cost import StepCost, fp8_weight_params, step_cost
 
 MIN_CHUNK_ROWS = 1024  # propose() splits the LM head into chunks of at least this many tokens (GEMM efficiency)
 
@@ -76,7 +76,8 @@ def propose(cfg: ModelConfig, base_options: Options, gpu_bytes: int, world: int 
     Each first fit is pruned of earlier switches it does not need, and of the two the one `step_cost`
     finds cheaper at the base options' sequences per optimizer step is kept. When the micro-batch changes,
     `--grad-accumulation` changes with it so that the sequences per step stay the same (at least one
-    micro-step)."""
+    micro-step). With FP8 linears and several micro-steps, `--persistent-quants` is added where it still fits
+    and the step model finds it faster (`_with_persistent_quants`)."""
     layout = FlatLayout(cfg, world)
     kw = dict(world=world, gpu_memory=gpu_bytes, device=device, compiled=compiled, reserve=reserve, layout=layout,
               model_name=model_name)
@@ -92,9 +93,29 @@ def propose(cfg: ModelConfig, base_options: Options, gpu_bytes: int, world: int 
         if accum != base_options.grad_accumulation:  # re-planned, so the plan's settings say it too
             found = [({**c, "grad_accumulation": accum}, _try(cfg, base_options, {**c, "grad_accumulation": accum},
                                                               **kw)) for c, _ in found]
-        out.append(min(found, key=lambda f: _cost(cfg, base_options, f).seconds_per_token))
+        best = min(found, key=lambda f: _cost(cfg, base_options, f).seconds_per_token)
+        out.append(_with_persistent_quants(cfg, base_options, best, kw) or best)
     out.reverse()
     return out
+
+
+def _with_persistent_quants(cfg: ModelConfig, base: Options, proposal: tuple[dict[str, Any], MemoryPlan],
+                            kw) -> tuple[dict[str, Any], MemoryPlan] | None:
+    """`proposal` with --persistent-quants where it pays: FP8 linears, several micro-steps per optimizer step
+    and replicated weights (the e4m3 weights and their transposes made once per step instead of in every
+    micro-step: +2.1% at Qwen2.5-7B 8 x 8, BENCHMARKS.md session 11), if the plan with the copies still fits and
+    the step model finds it cheaper; else None. Sharded weights are left alone: there the option changes what the
+    gathers move, and on one GPU it measured no faster (session 4)."""
+    changes, _ = proposal
+    o = dataclasses.replace(base, **changes)
+    if o.persistent_quants or o.weights_sharded or o.grad_accumulation < 2 or not fp8_weight_params(cfg, o):
+        return None
+    trial = {**changes, "persistent_quants": True}
+    plan = _try(cfg, base, trial, **kw)
+    if plan is None or not plan.fits:
+        return None
+    faster = _cost(cfg, base, (trial, plan)).seconds_per_token < _cost(cfg, base, proposal).seconds_per_token
+    return (trial, plan) if faster else None
 
 
 def _cost(cfg: ModelConfig, base: Options, proposal: tuple[dict[str, Any], MemoryPlan]) -> StepCost:

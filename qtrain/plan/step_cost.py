@@ -14,7 +14,9 @@ The model: time per step = micro-steps x (matmul and attention FLOPs / MATMUL_RA
 (offloaded state, both directions at once, PCIE_RATE) + the offloaded weight shards that block gathers copy in
 on the compute stream (forward and backward: twice per micro-step, PCIE_ONE_WAY; the FP8 shards instead with
 --persistent-quants) + the other per-micro-step transfers (offloaded gradients, residuals) where they exceed
-the compute they overlap. The rates are what a 14B step reaches on an H200 (model FLOPs per second, not peak) and
+the compute they overlap + with FP8 linears, the quantization of their weights (abs-max, e4m3 copy and its
+transpose: in every micro-step, or once per step with --persistent-quants, FP8_WEIGHT_QUANT_RATE). The rates are
+what a 14B step reaches on an H200 (model FLOPs per second, not peak) and
 the pinned copy rate measured there; another GPU has other rates, but the ranking depends mostly on their
 ratios. Elementwise work, the update's own kernels and the LM head's memory traffic are the same for every
 candidate and left out: `overhead` compares candidates, it does not predict tokens/s.
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qtrain.model.config import ModelConfig
+from qtrain.model.fp8_policy import gemm_shapes
 from qtrain.model.recompute import resolve_flags
 from qtrain.options import Options
 
@@ -32,6 +35,10 @@ MATMUL_RATE = {"bf16": 560e12, "fp16": 560e12, "fp32": 50e12, "e4m3": 770e12}  #
 PCIE_RATE = 48e9  # bytes/s each way with both directions busy (pinned, H200)
 PCIE_ONE_WAY = 55e9  # bytes/s of one direction alone (pinned, H200)
 HBM_RATE = 3.1e12  # bytes/s of the stochastic-rounding gradient accumulation pass (H200)
+# FP8 block-matrix parameters per second that a micro-step's weight quantization gets through (abs-max, e4m3
+# copy, transposed copy), H200: Qwen2.5-7B e4m3 at 8 x 8 ran 3346.7 ms per step, 3278.6 with --persistent-quants
+# (BENCHMARKS.md, session 11): 68.1 ms for 7 of 8 quantizations of 6.53e9 parameters, 9.7 ms each.
+FP8_WEIGHT_QUANT_RATE = 6.7e11
 
 
 @dataclass(frozen=True)
@@ -42,10 +49,11 @@ class StepCost:
     recompute_s: float  # the forward work recomputation adds
     accumulate_s: float  # gradient accumulation passes (per micro-step)
     transfer_s: float  # host <-> device traffic not hidden behind compute
+    quantize_s: float = 0.0  # FP8 weight quantization: every micro-step, or once per step (--persistent-quants)
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.recompute_s + self.accumulate_s + self.transfer_s
+        return self.compute_s + self.recompute_s + self.accumulate_s + self.transfer_s + self.quantize_s
 
     @property
     def seconds_per_token(self) -> float:
@@ -57,7 +65,8 @@ class StepCost:
 
     def to_dict(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "compute_s": self.compute_s, "recompute_s": self.recompute_s,
-                "accumulate_s": self.accumulate_s, "transfer_s": self.transfer_s, "total_s": self.total_s}
+                "accumulate_s": self.accumulate_s, "transfer_s": self.transfer_s, "quantize_s": self.quantize_s,
+                "total_s": self.total_s}
 
 
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> tuple[dict[str, float], float]:
@@ -100,9 +109,21 @@ def step_cost(cfg: ModelConfig, opts: Options, plan: Any, *, sequences_per_step:
     host = {i.name.split(" (")[0]: i.host for i in plan.items if i.host}
     per_update = sum(v for k, v in host.items() if k in ("adam m", "adam v", "weights"))  # both ways, overlapped
     per_update += host.get("gradients", 0)  # read once by the update
-    gathered = host.get("fp8 weights", 0) if getattr(opts, "persistent_quants", False) else host.get("weights", 0)
+    gathered = host.get("fp8 weights", 0) if opts.persistent_quants else host.get("weights", 0)
     overlapped = host.get("gradients", 0) + 2 * host.get("activations", 0)
     micro_compute = (compute + recompute) / micro
     transfer = (per_update / PCIE_RATE + micro * 2 * gathered / PCIE_ONE_WAY
                 + micro * max(0.0, overlapped / PCIE_RATE - micro_compute))
-    return StepCost(tokens, compute, recompute, accumulate, transfer)
+    quantizations = 1 if opts.persistent_quants else micro
+    quantize = quantizations * fp8_weight_params(cfg, opts) / FP8_WEIGHT_QUANT_RATE
+    return StepCost(tokens, compute, recompute, accumulate, transfer, quantize)
+
+
+def fp8_weight_params(cfg: ModelConfig, opts: Options) -> int:
+    """Parameters of the block matrices that run in FP8 at these options (the linears --fp8-policy picks), all
+    layers: what each quantization of the weights reads."""
+    fp8 = opts.fp8_choice(cfg)
+    if fp8 is None:
+        return 0
+    shapes = gemm_shapes(cfg, opts.batch_size * opts.seq_len)
+    return cfg.num_hidden_layers * sum(shapes[name][1] * shapes[name][2] for name in fp8.fp8)
