@@ -4,8 +4,10 @@ block, against the memory plan's per-layer terms. `recompute.CheckpointSteps` ta
 MUST_RECOMPUTE (a selective-checkpoint policy); `sac=False` rows swap in a plain non-reentrant checkpoint
 (what it did before, when inductor's partitioner on CUDA kept the SwiGLU output).
 
-Parameters: model (preset, 14B; one layer of its widths), B (2), T (512). Result: `rows`, saved and planned
-bytes per token per (sac, flags).
+Parameters: model (preset, 14B; one layer of its widths), B (2), T (512), matmul_dtype ("bf16"; "e4m3": the
+block's FP8 linears and fused FP8 MLP, each linear quantizing its weight in the call, so the per-layer e4m3
+weight copies count too). Result: `rows`, saved and planned bytes per token per (sac, flags) (the plan's
+per-layer bytes spread over the B x T tokens).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from bench.kinds import Skip
 from qtrain.model import recompute as rc
 from qtrain.model.config import preset
 from qtrain.model.layers import rope_tables
+from qtrain.model.matmul import block_linear, block_mlp
 from qtrain.model.recompute import block_steps, resolve_flags
 from qtrain.model.transformer import make_block_fn
 from qtrain.model.weights import block_shapes
@@ -30,9 +33,10 @@ def plain_call(self, step, fn, *args):
     return checkpoint(fn, *args, use_reentrant=False)
 
 
-def saved_per_token(cfg, flags, B=2, T=512) -> float:
+def saved_per_token(cfg, flags, B=2, T=512, matmul_dtype="bf16") -> float:
     torch._dynamo.reset()
-    fn = make_block_fn(cfg, recompute=block_steps(flags), compiled=True, fused_swiglu=True, sdpa_backend="cudnn")
+    fn = make_block_fn(cfg, block_linear(matmul_dtype), recompute=block_steps(flags), compiled=True,
+                       fused_swiglu=True, sdpa_backend="cudnn", mlp=block_mlp(matmul_dtype))
     fn = torch.compile(fn, dynamic=False)
     g = torch.Generator(device="cuda").manual_seed(0)
     w = {n: (0.02 * torch.randn(s, generator=g, device="cuda")).bfloat16().requires_grad_()
@@ -55,7 +59,7 @@ def saved_per_token(cfg, flags, B=2, T=512) -> float:
     return sum(seen.values()) / (B * T)
 
 
-def run(model: str = "Qwen2.5-14B", B: int = 2, T: int = 512) -> dict:
+def run(model: str = "Qwen2.5-14B", B: int = 2, T: int = 512, matmul_dtype: str = "bf16") -> dict:
     cfg = dataclasses.replace(preset(model), num_hidden_layers=1)
     sac_call = rc.CheckpointSteps.__call__
     rows = []
@@ -63,14 +67,15 @@ def run(model: str = "Qwen2.5-14B", B: int = 2, T: int = 512) -> dict:
         rc.CheckpointSteps.__call__ = sac_call if sac else plain_call
         for flags in [(), ("swiglu",), ("norm", "swiglu"), ("ffn",), ("att",)] if sac else [("norm", "swiglu")]:
             try:
-                got = saved_per_token(cfg, flags, B=B, T=T)
+                got = saved_per_token(cfg, flags, B=B, T=T, matmul_dtype=matmul_dtype)
             except Exception as e:  # noqa: BLE001 - one variant must not hide the others
                 print(f"sac={sac} {flags}: {repr(e)[:300]}", flush=True)
                 rows.append(dict(sac=sac, flags=list(flags), error=repr(e)[:300]))
                 continue
-            plan = layer_activation_bytes(cfg, 1, model_dtype="bf16", compiled=True, recompute=resolve_flags(flags))
-            print(f"sac={sac} flags={flags}: saved {got:.0f} B/token, plan {plan} ({got / plan - 1:+.1%})", flush=True)
-            rows.append(dict(sac=sac, flags=list(flags), saved=round(got), plan=plan, err=round(got / plan - 1, 4)))
+            plan = layer_activation_bytes(cfg, B * T, model_dtype="bf16", matmul_dtype=matmul_dtype, compiled=True,
+                                          recompute=resolve_flags(flags)) / (B * T)
+            print(f"sac={sac} flags={flags}: saved {got:.0f} B/token, plan {plan:.0f} ({got / plan - 1:+.1%})", flush=True)
+            rows.append(dict(sac=sac, flags=list(flags), saved=round(got), plan=round(plan), err=round(got / plan - 1, 4)))
     rc.CheckpointSteps.__call__ = sac_call
     return {"rows": rows, "summary": " ".join(f"{'+'.join(r['flags']) or 'none'}{'' if r['sac'] else '(plain)'} "
                                               + (f"{r['err']:+.1%}" if "err" in r else "failed") for r in rows)}
