@@ -355,6 +355,13 @@ class Options:
         return self.shard_weights or self.zero_level == 3
 
     @property
+    def weights_quantized_once(self) -> bool:
+        """--persistent-quants in effect: the FP8 weights are made once per optimizer step (sharded weights: e4m3
+        shards; replicated: cached copies, except under --debug-log-abs-max, whose recorder watches the linears
+        quantize their weights themselves). Whether any linear runs in FP8 is the FP8 policy's to say."""
+        return self.persistent_quants and (self.weights_sharded or not self.debug_log_abs_max)
+
+    @property
     def gradient_manager_kind(self) -> str:
         if self.shard_gradients or self.zero_level >= 2:
             return "all-to-all" if self.all_to_all_reduce else "reduce-scatter"

@@ -36,10 +36,10 @@ from qtrain.model.matmul import block_linear, block_mlp
 from qtrain.model.recompute import CheckpointSteps, Recomputer, ResidualStash, block_steps, resolve_flags, run_step
 from qtrain.model.weights import param_shapes
 
-# (x, weight, bias[, (weight_fp8, inv_scale)]) -> x @ weight^T + bias; the 4th argument only when the weight
-# source provides a quantized copy (see `quantized_weight`)
+# (x, weight, bias[, (weight_fp8, inv_scale[, weight_fp8_t])]) -> x @ weight^T + bias; the 4th argument only when
+# the weight source provides a quantized copy (see `quantized_weight`)
 Linear = Callable[..., torch.Tensor]
-# (ln2 output, w_up, w_down, up_fp8, down_fp8) -> out; the fp8 pairs are None without quantized copies
+# (ln2 output, w_up, w_down, up_fp8, down_fp8) -> out; the fp8 tuples are None without quantized copies
 Mlp = Callable[..., torch.Tensor]
 BlockFn = Callable[[torch.Tensor, dict, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -48,9 +48,9 @@ class WeightSource(Protocol):
     """Where the model gets its weights. `block(l)` / `non_block()` return tensors that require grad (the
     model differentiates with respect to exactly these), and `block(l)` may add, for a block matrix `name`,
     an FP8 copy as the two entries `FP8_WEIGHT.format(name)` / `FP8_INV_SCALE.format(name)` (no grad), and its
-    transpose as `FP8_WEIGHT_T.format(name)`, which the block hands to its linear. `release_block(l)` says block l is no longer needed in this pass (a
-    sharded source may free or reuse its buffer); `invalidate()` says the weights changed (an update, a
-    load): drop anything derived from them."""
+    transpose as `FP8_WEIGHT_T.format(name)`, which the block hands to its linear. `release_block(l)` says
+    block l is no longer needed in this pass (a sharded source may free or reuse its buffer); `invalidate()`
+    says the weights changed (an update, a load): drop anything derived from them."""
 
     def block(self, layer: int) -> dict[str, torch.Tensor]: ...
     def non_block(self) -> dict[str, torch.Tensor]: ...

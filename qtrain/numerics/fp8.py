@@ -438,8 +438,8 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
 def fp8_swiglu_mlp(x: Tensor, w_up: Tensor, w_down: Tensor, *, grad_dtype: torch.dtype = E4M3,
                    up_fp8: WeightFp8 | None = None, down_fp8: WeightFp8 | None = None) -> Tensor:
     """The SwiGLU MLP with FP8 GEMMs: x (..., C), w_up (2F, C) with rows [up; gate], w_down (C, F) -> (..., C)
-    in x's dtype. up_fp8 / down_fp8: cached (e4m3 copy, inv_scale) of the weights, as `fp8_linear`'s
-    weight_fp8. Shapes are checked as `fp8_linear` checks them (multiples of 16), before any work."""
+    in x's dtype. up_fp8 / down_fp8: cached (e4m3 copy, inv_scale[, its transpose]) of the weights, as
+    `fp8_linear`'s weight_fp8. Shapes are checked as `fp8_linear` checks them (multiples of 16), before any work."""
     if grad_dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_swiglu_mlp: grad_dtype must be float8_e4m3fn or float8_e5m2, got {grad_dtype}")
     if w_up.dim() != 2 or w_down.dim() != 2 or w_up.shape[0] != 2 * w_down.shape[1]:

@@ -256,7 +256,7 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
     # --fp8-policy: the block linears in FP8 (model/fp8_policy.py); the others run as in the model dtype
     choice = opts.fp8_choice(cfg)
     fp8 = choice.fp8 if choice is not None else ()
-    quants = fp8 if (opts.persistent_quants and L > 0 and (opts.weights_sharded or not opts.debug_log_abs_max)) else ()
+    quants = fp8 if (opts.weights_quantized_once and L > 0) else ()
     persistent_quants = bool(quants)
 
     graphs = opts.cuda_graphs_on(cfg, world=world, device_type=device)  # train/cuda_graphs.py

@@ -105,10 +105,12 @@ def _with_persistent_quants(cfg: ModelConfig, base: Options, proposal: tuple[dic
     and replicated weights (the e4m3 weights and their transposes made once per step instead of in every
     micro-step: +2.1% at Qwen2.5-7B 8 x 8, BENCHMARKS.md session 11), if the plan with the copies still fits and
     the step model finds it cheaper; else None. Sharded weights are left alone: there the option changes what the
-    gathers move, and on one GPU it measured no faster (session 4)."""
+    gathers move, and on one GPU it measured no faster (session 4). Nor with --use-cuda-graphs asked for (the
+    graphs cannot capture the per-step cache) or --debug-log-abs-max (it bypasses the cache)."""
     changes, _ = proposal
     o = dataclasses.replace(base, **changes)
-    if o.persistent_quants or o.weights_sharded or o.grad_accumulation < 2 or not fp8_weight_params(cfg, o):
+    if (o.persistent_quants or o.weights_sharded or o.use_cuda_graphs or o.debug_log_abs_max or o.grad_accumulation < 2
+            or not fp8_weight_params(cfg, o)):
         return None
     trial = {**changes, "persistent_quants": True}
     plan = _try(cfg, base, trial, **kw)

@@ -15,8 +15,8 @@ The model: time per step = micro-steps x (matmul and attention FLOPs / MATMUL_RA
 on the compute stream (forward and backward: twice per micro-step, PCIE_ONE_WAY; the FP8 shards instead with
 --persistent-quants) + the other per-micro-step transfers (offloaded gradients, residuals) where they exceed
 the compute they overlap + with FP8 linears, the quantization of their weights (abs-max, e4m3 copy and its
-transpose: in every micro-step, or once per step with --persistent-quants, FP8_WEIGHT_QUANT_RATE). The rates are
-what a 14B step reaches on an H200 (model FLOPs per second, not peak) and
+transpose: in every micro-step, or once per step with --persistent-quants, FP8_WEIGHT_QUANT_RATE, measured at
+7B in session 11). The other rates are what a 14B step reaches on an H200 (model FLOPs per second, not peak) and
 the pinned copy rate measured there; another GPU has other rates, but the ranking depends mostly on their
 ratios. Elementwise work, the update's own kernels and the LM head's memory traffic are the same for every
 candidate and left out: `overhead` compares candidates, it does not predict tokens/s.
@@ -109,19 +109,21 @@ def step_cost(cfg: ModelConfig, opts: Options, plan: Any, *, sequences_per_step:
     host = {i.name.split(" (")[0]: i.host for i in plan.items if i.host}
     per_update = sum(v for k, v in host.items() if k in ("adam m", "adam v", "weights"))  # both ways, overlapped
     per_update += host.get("gradients", 0)  # read once by the update
-    gathered = host.get("fp8 weights", 0) if opts.persistent_quants else host.get("weights", 0)
+    gathered = host.get("fp8 weights", 0) if opts.weights_quantized_once else host.get("weights", 0)
     overlapped = host.get("gradients", 0) + 2 * host.get("activations", 0)
     micro_compute = (compute + recompute) / micro
     transfer = (per_update / PCIE_RATE + micro * 2 * gathered / PCIE_ONE_WAY
                 + micro * max(0.0, overlapped / PCIE_RATE - micro_compute))
-    quantizations = 1 if opts.persistent_quants else micro
+    quantizations = 1 if opts.weights_quantized_once else micro
     quantize = quantizations * fp8_weight_params(cfg, opts) / FP8_WEIGHT_QUANT_RATE
     return StepCost(tokens, compute, recompute, accumulate, transfer, quantize)
 
 
 def fp8_weight_params(cfg: ModelConfig, opts: Options) -> int:
     """Parameters of the block matrices that run in FP8 at these options (the linears --fp8-policy picks), all
-    layers: what each quantization of the weights reads."""
+    layers: what each quantization of the weights reads. (With sharded weights and --persistent-quants a rank
+    quantizes only its shard once per step but transposes the gathered copies in every backward; the model
+    counts them as replicated ones, and `propose` adds the option only to replicated weights.)"""
     fp8 = opts.fp8_choice(cfg)
     if fp8 is None:
         return 0

@@ -104,7 +104,7 @@ class Trainer:
         puts in FP8). Sharded weights keep e4m3 shards and gather those; replicated ones cache copies of the full
         matrices, except under --debug-log-abs-max, whose recorder watches the linears quantize their weights
         themselves."""
-        if fp8 is not None and opts.persistent_quants and (opts.weights_sharded or not opts.debug_log_abs_max):
+        if fp8 is not None and opts.weights_quantized_once:
             return tuple(n for n in FP8_MATRICES if n in fp8.fp8)
         return ()
 

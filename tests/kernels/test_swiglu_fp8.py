@@ -90,6 +90,14 @@ def test_mlp_with_cached_weights_and_transposes_is_identical():
         got = _run(lambda a, wu, wd: fp8_swiglu_mlp(a, wu, wd, **kw), x, w_up, w_down, dy)
         for name, a, b in zip(("y", "dx", "dw_up", "dw_down"), got, plain):
             assert torch.equal(bits(a), bits(b)), name
+    # the backward reads the transposes it is given: zeroed stand-ins zero what flows through them only
+    zero_up = {**triples, "up_fp8": (*cache.get(w_up), torch.zeros_like(cache.transposed(w_up)))}
+    y, dx, dwu, dwd = _run(lambda a, wu, wd: fp8_swiglu_mlp(a, wu, wd, **zero_up), x, w_up, w_down, dy)
+    assert dx.abs().max() == 0 and torch.equal(bits(dwu), bits(plain[2])) and torch.equal(bits(dwd), bits(plain[3]))
+    zero_down = {**triples, "down_fp8": (*cache.get(w_down), torch.zeros_like(cache.transposed(w_down)))}
+    y, dx, dwu, dwd = _run(lambda a, wu, wd: fp8_swiglu_mlp(a, wu, wd, **zero_down), x, w_up, w_down, dy)
+    assert dx.abs().max() == 0 and dwu.abs().max() == 0 and torch.equal(bits(dwd), bits(plain[3]))
+    assert torch.equal(bits(y), bits(plain[0])) and plain[1].abs().max() > 0 and plain[2].abs().max() > 0
 
 
 def test_mlp_frozen_weights_and_no_grad():

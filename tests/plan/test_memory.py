@@ -395,6 +395,8 @@ def test_step_cost_counts_fp8_weight_quantization_per_micro_step_or_once():
     assert once.total_s - once.quantize_s == pytest.approx(per_micro.total_s - per_micro.quantize_s)
     bf16 = dataclasses.replace(o, matmul_dtype="bf16")
     assert step_cost(cfg, bf16, plan_memory(cfg, bf16)).quantize_s == 0
+    bypassed = dataclasses.replace(pq, debug_log_abs_max=1)  # its recorder makes the linears quantize per call
+    assert step_cost(cfg, bypassed, plan_memory(cfg, bypassed)).quantize_s == pytest.approx(per_micro.quantize_s)
 
 
 def test_propose_adds_persistent_quants_where_it_fits():
@@ -420,7 +422,8 @@ def test_propose_adds_persistent_quants_where_it_fits():
     one = {p.batch_size: c for c, p in propose(cfg, dataclasses.replace(base, grad_accumulation=1), budget, 1,
                                                 max_batch=8)}
     assert one[8] == {} and one[4].get("persistent_quants")  # 8 sequences per step: 1 micro-step at B=8, 2 at B=4
-    for other in (dataclasses.replace(base, matmul_dtype="bf16"), dataclasses.replace(base, shard_weights=True)):
+    for other in (dataclasses.replace(base, matmul_dtype="bf16"), dataclasses.replace(base, shard_weights=True),
+                  dataclasses.replace(base, use_cuda_graphs=True), dataclasses.replace(base, debug_log_abs_max=1)):
         assert not any(c.get("persistent_quants") for c, _ in propose(cfg, other, budget, 1, max_batch=8))
 
 

@@ -131,3 +131,43 @@ def test_the_plan_counts_the_cached_copies_once():
     kw = dict(model_dtype="bf16", matmul_dtype="e4m3")
     assert layer_activation_bytes(CFG, B * T, fp8_weight_copies=False, **kw) == pytest.approx(sum(seen.values()),
                                                                                               rel=0.10)
+
+
+def test_a_compiled_block_reads_the_cached_transposes():
+    """Under torch.compile (AOTAutograd, as the trainer compiles blocks; `aot_eager` on the CPU) a block given
+    the e4m3 copies with their transposes (what `QuantizedWeights.block` hands it) computes what it computes
+    from the copies alone and eagerly, bit for bit; and it does read them: zeroed transposes change dx."""
+    from qtrain.model.layers import rope_tables
+    from qtrain.model.matmul import block_linear, block_mlp
+    from qtrain.model.transformer import FP8_WEIGHT_T, make_block_fn
+    from qtrain.model.weights import block_shapes
+    from qtrain.numerics.fp8 import Fp8WeightCache
+    g = torch.Generator().manual_seed(0)
+    w = {n: (0.05 * torch.randn(s, generator=g)).bfloat16().requires_grad_() for n, s in block_shapes(CFG).items()}
+    x = torch.randn(B, T, CFG.hidden_size, generator=g).bfloat16().requires_grad_()
+    dy = torch.randn(B, T, CFG.hidden_size, generator=g).bfloat16()
+    cos, sin = rope_tables(CFG, T, "cpu", torch.bfloat16)
+    cache = Fp8WeightCache()
+
+    def weights(transposes: str) -> dict[str, torch.Tensor]:
+        d = dict(w)
+        for n in FP8_MATRICES:
+            d[FP8_WEIGHT.format(n)], d[FP8_INV_SCALE.format(n)] = cache.get(w[n])
+            if transposes:
+                t = cache.transposed(w[n])
+                d[FP8_WEIGHT_T.format(n)] = t if transposes == "cached" else torch.zeros_like(t)
+        return d
+
+    fn = make_block_fn(CFG, block_linear("e4m3"), compiled=True, mlp=block_mlp("e4m3"))
+    compiled = torch.compile(fn, backend="aot_eager", dynamic=False)
+
+    def run(f, transposes):
+        y = f(x, weights(transposes), cos, sin)
+        return [y.detach(), *torch.autograd.grad(y, [x, *w.values()], dy)]
+
+    eager = run(fn, "")
+    for f, transposes in ((fn, "cached"), (compiled, "cached"), (compiled, "")):
+        for a, b in zip(eager, run(f, transposes)):
+            assert torch.equal(a, b)
+    zeroed = run(compiled, "zeroed")
+    assert torch.equal(zeroed[0], eager[0]) and not torch.equal(zeroed[1], eager[1])
