@@ -218,6 +218,12 @@ class Options:
     """With compiled blocks, let inductor tune its generated kernels' launch configurations (coordinate
     descent): about 1.5 min more for the first compile of a shape on a machine (cached after that), e4m3 1.4%
     faster at 1.5B (BENCHMARKS.md, session 5). --no-compile-tuning for quick starts."""
+    compile_autotune_gemm: bool = False
+    """With compiled blocks, let inductor time its Triton GEMM templates against cuBLAS for every block GEMM
+    shape and keep the faster (inductor's max_autotune_gemm), fusing the pointwise work after a GEMM into a
+    Triton one. At Qwen2.5-14B shapes the templates ran 769/746/797 TFLOP/s against cuBLAS's 788/765/733 (MLP
+    up forward/dgrad/wgrad, BENCHMARKS.md session 6). Minutes more for the first compile of a shape (cached
+    after that); not yet measured in training, so off unless asked."""
     gpus: int = 0
     """Local worker processes to start (0 = all visible GPUs, or 1 on CPU). Under torchrun: the launcher's."""
     collective_timeout: float = 600.0

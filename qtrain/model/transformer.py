@@ -200,6 +200,7 @@ class RunOptions:
     offload_residual: bool = False  # with recompute 'block': keep the block inputs in (pinned) host memory
     compile: bool = False  # torch.compile the block function (GPU)
     compile_tuning: bool = False  # with compile: inductor's coordinate-descent tuning of its kernels
+    compile_autotune_gemm: bool = False  # with compile: inductor's Triton GEMM templates timed against cuBLAS
     matmul_dtype: str = ""  # the four block linears: '' (model dtype) or 'e4m3' (FP8, matmul.py)
     fp8_linears: tuple[str, ...] = FP8_MATRICES  # with e4m3: the block linears in FP8, the others in the model
     # dtype (model/fp8_policy.py chooses them)
@@ -215,6 +216,14 @@ class RunOptions:
         self.recompute = resolve_flags(self.recompute)
         if self.offload_residual and "block" not in self.recompute:
             raise ValueError("offload_residual needs recompute 'block' (only block inputs are offloaded)")
+
+    def inductor_options(self) -> dict[str, bool] | None:
+        """torch.compile's inductor options for the block: coordinate-descent tuning of its kernels' launch
+        configurations (compile_tuning) and its Triton GEMM templates timed against cuBLAS per GEMM shape, the
+        faster kept (compile_autotune_gemm: inductor's max_autotune_gemm)."""
+        options = {**({"coordinate_descent_tuning": True} if self.compile_tuning else {}),
+                   **({"max_autotune_gemm": True} if self.compile_autotune_gemm else {})}
+        return options or None
 
 
 class Transformer:
@@ -236,8 +245,7 @@ class Transformer:
                            compiled=run.compile, fused_swiglu=run.compile, fused_rope=run.compile,
                            mlp=mlp if run.compile else None,
                            sdpa_backend=run.sdpa_backend, linears=linears)
-        tuning = {"coordinate_descent_tuning": True} if run.compile_tuning else None
-        self.block_fn: BlockFn = torch.compile(fn, dynamic=False, options=tuning) if run.compile else fn
+        self.block_fn: BlockFn = torch.compile(fn, dynamic=False, options=run.inductor_options()) if run.compile else fn
         self._eager_block_fn: BlockFn = fn
         if run.compile:  # the compiled flavour of the recompute mechanism differs; eager needs its own
             self._eager_block_fn = make_block_fn(cfg, linear, recompute=block_steps(run.recompute),

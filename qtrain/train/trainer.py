@@ -115,6 +115,7 @@ class Trainer:
             sdpa_backend=resolve_sdpa_backend(opts.sdpa_backend, self.device, self.dtype),
             recompute=opts.recompute,
             offload_residual=opts.offload_residual, compile=use_compile, compile_tuning=opts.compile_tuning,
+            compile_autotune_gemm=opts.compile_autotune_gemm,
             # an FP8 policy that keeps every block linear in bf16 runs the bf16 model itself (measured on the H200:
             # the e4m3 path with no FP8 linear still cost 17% host time at 0.5B, micro-batch 4)
             matmul_dtype=opts.effective_matmul_dtype if self.fp8 is None or self.fp8.fp8 else "",

@@ -122,6 +122,52 @@ def test_recompute_block_is_bitwise_equal():
         assert torch.equal(out[0][1][k], out[1][1][k]), k
 
 
+def test_compile_autotune_gemm_flag_reaches_the_model(tmp_path):
+    """`--compile-autotune-gemm` (one flag per Options field) is off unless given, and the trainer hands it to
+    the model's run options."""
+    import argparse
+    from qtrain.cli.options import add_train_args, options_from_args
+    from qtrain.options import Options
+    from qtrain.train.trainer import Trainer
+    from tests.dist_utils import write_model_dir
+    parser = argparse.ArgumentParser()
+    add_train_args(parser)
+    model_dir = write_model_dir(tmp_path, tiny_cfg("qwen2", True))
+    for flags, want in (([], False), (["--compile-autotune-gemm"], True)):
+        opts = options_from_args(parser.parse_args(["--model", str(model_dir), *flags]))
+        assert opts.compile_autotune_gemm is want
+        tr = Trainer(Options(model=str(model_dir), from_scratch=True, device="cpu", compile="off", batch_size=1,
+                             seq_len=16, compile_autotune_gemm=want))
+        assert tr.model.run.compile_autotune_gemm is want
+
+
+def test_compile_options_reach_inductor_and_keep_the_numbers():
+    """--compile-tuning / --compile-autotune-gemm become inductor options of the compiled block (real config
+    keys of this torch, so a rename fails here rather than as an unknown-option error on the GPU machine), and a
+    block compiled with both computes what the eager one does (fp32 on the CPU: reduction order only)."""
+    import torch._inductor.config as inductor_config
+    assert RunOptions().inductor_options() is None
+    assert RunOptions(compile_tuning=True).inductor_options() == {"coordinate_descent_tuning": True}
+    both = RunOptions(compile_tuning=True, compile_autotune_gemm=True).inductor_options()
+    assert both == {"coordinate_descent_tuning": True, "max_autotune_gemm": True}
+    assert all(hasattr(inductor_config, k) for k in both)
+    cfg = tiny_cfg("qwen2", False)
+    hf = hf_model(cfg, seed=3)
+    sd = dict(hf.state_dict())
+    params = {n: t.detach().clone().requires_grad_(True) for n, t in hf_to_internal(cfg, lambda k: sd[k])}
+    g = torch.Generator().manual_seed(4)
+    inputs, targets = (torch.randint(0, cfg.vocab_size, (2, 32), generator=g) for _ in range(2))
+    out = []
+    for run in (RunOptions(), RunOptions(compile=True, compile_tuning=True, compile_autotune_gemm=True)):
+        sink = Collect()
+        loss = Transformer(cfg, run).forward_backward(ParamWeights(cfg, params), inputs, targets, grads=sink,
+                                                    loss_scale=1 / 64)
+        out.append((loss, sink.grads))
+    assert out[1][0].item() == pytest.approx(out[0][0].item(), rel=1e-5)
+    for k, ref in out[0][1].items():
+        assert cosine(out[1][1][k], ref) >= 0.99999, k
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("model_type", ["qwen2", "llama", "qwen3"])
