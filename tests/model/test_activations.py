@@ -112,12 +112,16 @@ def test_block_terms_match_with_the_fused_backward_kernels(flags):
 
 
 def test_block_terms_fp8_compiled_is_an_upper_bound():
+    """Compiled e4m3 blocks: the plan is an upper bound (the partitioner recomputes some e4m3 copies the terms
+    count). With SwiGLU recomputed it also recomputes the e4m3 copy of the down projection's input, which the
+    plan no longer counts: there the bound is within 10% (6.7% at this shape; counting that copy made it 15%,
+    and over-predicted Qwen2.5-14B e4m3 with SwiGLU + norm recomputed by 14 GiB on the H200, session 11)."""
     cfg = small_cfg()
-    for flags in [(), ("ffn",)]:
+    for flags in [(), ("ffn",), ("swiglu",), ("norm", "swiglu")]:
         measured, tokens = measure_block(cfg, "bf16", flags=flags, fp8=True, compiled=True)
         planned = layer_activation_bytes(cfg, tokens, model_dtype="bf16", matmul_dtype="e4m3", compiled=True,
                                          recompute=resolve_flags(flags))
-        assert measured <= planned <= 1.25 * measured
+        assert measured <= planned <= (1.10 if "swiglu" in resolve_flags(flags) else 1.25) * measured, flags
 
 
 def test_recompute_terms_and_implications():
