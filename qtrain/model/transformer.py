@@ -70,8 +70,8 @@ def quantized_weight(w: dict[str, torch.Tensor], name: str) -> tuple[torch.Tenso
     q = w.get(FP8_WEIGHT.format(name))
     if q is None:
         return None
-    qt = w.get(FP8_WEIGHT_T.format(name))
-    return (q, w[FP8_INV_SCALE.format(name)]) if qt is None else (q, w[FP8_INV_SCALE.format(name)], qt)
+    pair, qt = (q, w[FP8_INV_SCALE.format(name)]), w.get(FP8_WEIGHT_T.format(name))
+    return pair if qt is None else (*pair, qt)
 
 
 class GradientSink(Protocol):

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from qtrain.model.config import ModelConfig
-from qtrain.model.fp8_policy import gemm_shapes
 from qtrain.model.recompute import resolve_flags
+from qtrain.model.weights import block_shapes
 from qtrain.options import Options
 
 MATMUL_RATE = {"bf16": 560e12, "fp16": 560e12, "fp32": 50e12, "e4m3": 770e12}  # model FLOP/s of a 14B step, H200
@@ -127,5 +127,5 @@ def fp8_weight_params(cfg: ModelConfig, opts: Options) -> int:
     fp8 = opts.fp8_choice(cfg)
     if fp8 is None:
         return 0
-    shapes = gemm_shapes(cfg, opts.batch_size * opts.seq_len)
-    return cfg.num_hidden_layers * sum(shapes[name][1] * shapes[name][2] for name in fp8.fp8)
+    shapes = block_shapes(cfg)
+    return cfg.num_hidden_layers * sum(shapes[name][0] * shapes[name][1] for name in fp8.fp8)
