@@ -63,8 +63,9 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
     and its e4m3 weight (per layer; rebuilt when the linear is inside a recomputed step) -- unless
     `fp8_weight_copies` is False (--persistent-quants): then the weight it keeps is a view of the gathered
     e4m3 block, which `ShardedWeights.saving()` keeps as a handle (the bytes are the plan's fp8 weights
-    row). For compiled blocks this is an upper bound: where the quantization is traceable the partitioner
-    recomputes the e4m3 copies of the norm and SwiGLU outputs instead (CPU measurement: ~12% less)."""
+    row). Compiled, the partitioner rebuilds the e4m3 copies of the two norm outputs (and of the attention output
+    with --recompute-att) from what it keeps instead; the terms are then what it keeps for the compiled GPU path,
+    whose MLP is one FP8 Function (`numerics.fp8.fp8_swiglu_mlp`), measured on the CPU term for term."""
     E = DTYPE_BYTES[model_dtype]
     fp8 = (matmul_dtype or model_dtype) == "e4m3"
     rc = resolve_flags(recompute)  # `block` implies every other switch: only the block input stays
@@ -77,16 +78,26 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
     blk = "block" not in rc
     T = ActTerm
 
+    # compiled, the partitioner recomputes the e4m3 copies of the two norm outputs (the QKV and MLP-up inputs) from
+    # the residual and the kept rstd instead of keeping them (measured on the CPU with inductor's partitioner)
+    f8_norm_out = 0 if compiled else f8
+
     def qkv_term(fused_kept: bool) -> ActTerm:
         """v, which SDPA saves, is copied out of the fused QKV output (transformer.qkv_rope), so the fused buffer
         (pre-RoPE q and k) is freed after RoPE unless something else saves views of it."""
         what = "fused QKV output" if fused_kept else "v, copied out of the fused QKV output (SDPA input)"
-        return T("qkv", E * (qkv if fused_kept else kv) + f8 * C, "qkv" not in rc,
-                 what + (" + e4m3 copy of the QKV input" if fp8 else ""))
+        if fused_kept and compiled:  # the compiled qk-norm's backward keeps the buffer, and SDPA the copy of v
+            what, per_token = what + " + v copied out of it", E * (qkv + kv)
+        else:
+            per_token = E * (qkv if fused_kept else kv)
+        return T("qkv", per_token + f8_norm_out * C, "qkv" not in rc,
+                 what + (" + e4m3 copy of the QKV input" if f8_norm_out else ""))
     t = [T("input", E * C, True, "block input (residual stream)")]
     if compiled:
         t += [T("ln1", 4, not ("norm" in rc or "att" in rc), "RMSNorm-1 rstd"),
-              T("ln1_out", 0 if (fp8 and "qkv" not in rc) else E * C, blk and ("qkv" in rc or "norm" not in rc),
+              # e4m3: the partitioner rebuilds LN1's output from the residual and rstd where rstd is kept; where LN1
+              # is recomputed itself (--recompute-att, --recompute-norm) the output, the QKV region's input, is kept
+              T("ln1_out", E * C if (not fp8 or "att" in rc or "norm" in rc) else 0, blk and ("qkv" in rc or "norm" not in rc),
                 "RMSNorm-1 output" + (" (input of the recomputed QKV step)" if "qkv" in rc else "")),
               qkv_term(cfg.qk_norm)]  # the partitioner keeps the fused buffer for the compiled qk-norm's backward
         if cfg.qk_norm:
@@ -101,14 +112,14 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
         t.append(T("rope", E * (q + kv), "qkv" not in rc, "q, k after RoPE (SDPA inputs)"))
     t.append(T("attention", E * q + 4 * nh + (E * q if chunked else 0), "att" not in rc,
                "SDPA output + log-sum-exp (fp32)" + (" + concatenated slices" if chunked else "")))
-    if fp8:
-        t.append(T("o_in_fp8", q, blk, "e4m3 copy of the attention projection's input"))
+    if fp8:  # compiled with --recompute-att the partitioner rebuilds it with the attention output
+        t.append(T("o_in_fp8", q, blk and not (compiled and "att" in rc), "e4m3 copy of the attention projection's input"))
     ln2_dropped = "norm" in rc or "ffn" in rc
     if compiled:
         t += [T("res_att", E * C, blk, "residual after attention"),
               T("ffn_extra", E * C, blk and "ffn" in rc, "kept by the partitioner with --recompute-ffn"),
               T("ln2", 4 + (0 if fp8 else E * C), not ln2_dropped, "RMSNorm-2 rstd + output"),
-              T("mlp_up", 2 * Fi * E + f8 * C, "ffn" not in rc, "fused up/gate output (B, T, 2F)"),
+              T("mlp_up", 2 * Fi * E, "ffn" not in rc, "fused up/gate output (B, T, 2F)"),
               T("swiglu", 0 if fp8 else E * Fi, "swiglu" not in rc, "SwiGLU output")]
     else:
         # eager RMSNorm-2 keeps an fp32 copy of the residual; when it is recomputed the residual itself stays
