@@ -86,7 +86,7 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
         """v, which SDPA saves, is copied out of the fused QKV output (transformer.qkv_rope), so the fused buffer
         (pre-RoPE q and k) is freed after RoPE unless something else saves views of it."""
         what = "fused QKV output" if fused_kept else "v, copied out of the fused QKV output (SDPA input)"
-        if fused_kept and compiled:  # the compiled qk-norm's backward keeps the buffer, and SDPA the copy of v
+        if fused_kept:  # the qk-norm's backward keeps the buffer (compiled, or eager fp32), and SDPA the copy of v
             what, per_token = what + " + v copied out of it", E * (qkv + kv)
         else:
             per_token = E * (qkv if fused_kept else kv)
@@ -104,7 +104,8 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
             t.append(T("qk_norm", 4 * (nh + nkv), "qkv" not in rc, "q/k RMSNorm rstd"))
         t.append(T("rope", E * (q + kv), blk and "qkv" not in rc, "q, k after RoPE (SDPA inputs)"))
     else:
-        t += [T("ln1", up * C + 4 + E * C + lin * C, not ("norm" in rc or "att" in rc),
+        # e4m3 with --recompute-qkv: the recomputed step keeps its input, the model-dtype output, not an e4m3 copy
+        t += [T("ln1", up * C + 4 + E * C + (E if fp8 and "qkv" in rc else lin) * C, not ("norm" in rc or "att" in rc),
                 "RMSNorm-1 fp32 copy, rstd, normalized, output"),
               qkv_term(cfg.qk_norm and up == 0)]  # fp32 qk-norm saves its input: views of the fused buffer
         if cfg.qk_norm:

@@ -74,19 +74,23 @@ def test_block_terms_match_saved_tensors_eager(model_type, dtype):
     for flags in EAGER_FLAGS:
         measured, tokens = measure_block(cfg, dtype, flags=flags)
         planned = layer_activation_bytes(cfg, tokens, model_dtype=dtype, recompute=resolve_flags(flags))
-        assert planned == pytest.approx(measured, rel=0.10), (flags, planned, measured)
+        # exact up to 0-dim tensors (16 bytes per layer); a 10% tolerance here hid fp32 qwen3's copy of v until
+        # session 12 (an under-prediction)
+        assert abs(planned - measured) <= 16, (flags, planned, measured)
 
 
-@pytest.mark.parametrize("flags", [(), ("ffn",), ("att",), ("qkv", "swiglu")])
+@pytest.mark.parametrize("flags", [(), ("ffn",), ("att",), ("qkv",), ("qkv", "swiglu"), ("norm", "swiglu")])
 def test_block_terms_fp8_and_attention_chunks_eager(flags):
+    """Exact up to 0-dim tensors. With --recompute-qkv an e4m3 block keeps LN1's model-dtype output (the recomputed
+    step's input), not the e4m3 copy the QKV linear would keep (planned short until session 12)."""
     cfg = small_cfg()
     measured, tokens = measure_block(cfg, "bf16", flags=flags, fp8=True)
     planned = layer_activation_bytes(cfg, tokens, model_dtype="bf16", matmul_dtype="e4m3",
                                      recompute=resolve_flags(flags))
-    assert planned == pytest.approx(measured, rel=0.10)
+    assert abs(planned - measured) <= 16, (planned, measured)
     measured, tokens = measure_block(cfg, "bf16", flags=flags, attn_chunks=2)
     planned = layer_activation_bytes(cfg, tokens, model_dtype="bf16", recompute=resolve_flags(flags), attn_chunks=2)
-    assert planned == pytest.approx(measured, rel=0.10)
+    assert abs(planned - measured) <= 16, (planned, measured)
 
 
 @pytest.mark.parametrize("model_type,flags", [("qwen2", ()), ("qwen3", ()), ("qwen2", ("norm", "swiglu")),
