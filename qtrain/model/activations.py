@@ -78,18 +78,16 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
     blk = "block" not in rc
     T = ActTerm
 
-    # compiled, the partitioner recomputes the e4m3 copies of the two norm outputs (the QKV and MLP-up inputs) from
-    # the residual and the kept rstd instead of keeping them (measured on the CPU with inductor's partitioner)
+    # e4m3 copies of the two norm outputs (the QKV and MLP-up inputs): compiled, the partitioner rebuilds them
     f8_norm_out = 0 if compiled else f8
 
     def qkv_term(fused_kept: bool) -> ActTerm:
         """v, which SDPA saves, is copied out of the fused QKV output (transformer.qkv_rope), so the fused buffer
         (pre-RoPE q and k) is freed after RoPE unless something else saves views of it."""
-        what = "fused QKV output" if fused_kept else "v, copied out of the fused QKV output (SDPA input)"
         if fused_kept:  # the qk-norm's backward keeps the buffer (compiled, or eager fp32), and SDPA the copy of v
-            what, per_token = what + " + v copied out of it", E * (qkv + kv)
+            what, per_token = "fused QKV output + v copied out of it", E * (qkv + kv)
         else:
-            per_token = E * (qkv if fused_kept else kv)
+            what, per_token = "v, copied out of the fused QKV output (SDPA input)", E * kv
         return T("qkv", per_token + f8_norm_out * C, "qkv" not in rc,
                  what + (" + e4m3 copy of the QKV input" if f8_norm_out else ""))
     t = [T("input", E * C, True, "block input (residual stream)")]
