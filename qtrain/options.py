@@ -266,6 +266,12 @@ class Options:
     e4m3, gathered instead of the bf16 matrices (half the bytes); replicated weights: a copy of every layer and
     its transpose on the device (2 bytes per block parameter; the linears' saved per-layer copies, 1 byte, go
     away). Without it each linear quantizes its weight and its backward transposes it, every micro-step."""
+    fp8_keep_transposes: bool = False
+    """With --matmul-dtype e4m3 and a compiled block: keep the e4m3 transposed copy of each block linear's input
+    for its weight gradient (1 byte per element, as an eager block does) instead of letting torch.compile rebuild
+    it in backward, where inductor writes transposes at 1-2 TB/s; every transposed quantization then runs the
+    Triton kernel (~4.8 TB/s on an H200). Same numbers; costs memory (the plan counts it): two hidden-size
+    rows per token and layer, more under --recompute-att / --recompute-swiglu, whose inputs' copies it keeps."""
     offload_quants: bool = False
     """Keep the persistent e4m3 weight shards in pinned host memory (needs --persistent-quants and sharded weights)."""
     offload_master: bool = False
@@ -487,6 +493,9 @@ class Options:
         if self.persistent_quants and self.effective_matmul_dtype != "e4m3":
             raise err("--persistent-quants (and --offload-quants) only apply with --matmul-dtype e4m3: they keep "
                       "FP8 copies of the weights")
+        if self.fp8_keep_transposes and self.effective_matmul_dtype != "e4m3":
+            raise err("--fp8-keep-transposes only applies with --matmul-dtype e4m3: it keeps the e4m3 transposes "
+                      "of the block linears' inputs")
         if self.offload_master and not self.weights_sharded:
             raise err("--offload-master needs sharded weights (--shard-weights or --zero-level 3): qtrain keeps no "
                       "separate master copy (the model-dtype weights are the master), and replicated weights must "

@@ -42,7 +42,7 @@ class ActTerm:
 
 def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtype: str = "", compiled: bool = False,
                      recompute: frozenset[str] = frozenset(), attn_chunks: int = 1,
-                     fp8_weight_copies: bool = True) -> list[ActTerm]:
+                     fp8_weight_copies: bool = True, fp8_keep_transposes: bool = False) -> list[ActTerm]:
     """What autograd keeps per layer for backward, term by term, for the ops of `transformer.make_block_fn`
     and its recompute steps (ln1, qkv [+ qk-norm + RoPE], attention, ln2, up, swiglu).
 
@@ -65,7 +65,10 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
     e4m3 block, which `ShardedWeights.saving()` keeps as a handle (the bytes are the plan's fp8 weights
     row). Compiled, the partitioner rebuilds the e4m3 copies of the two norm outputs (and of the attention output
     with --recompute-att) from what it keeps instead; the terms are then what it keeps for the compiled GPU path,
-    whose MLP is one FP8 Function (`numerics.fp8.fp8_swiglu_mlp`), measured on the CPU term for term."""
+    whose MLP is one FP8 Function (`numerics.fp8.fp8_swiglu_mlp`), measured on the CPU term for term. With
+    `fp8_keep_transposes` (--fp8-keep-transposes) a compiled block keeps, as eager does, the e4m3 copy (its
+    transpose) of every linear input made outside a recomputed step: the two norm outputs, the attention output
+    under --recompute-att and the SwiGLU output under --recompute-swiglu."""
     E = DTYPE_BYTES[model_dtype]
     fp8 = (matmul_dtype or model_dtype) == "e4m3"
     rc = resolve_flags(recompute)  # `block` implies every other switch: only the block input stays
@@ -78,8 +81,9 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
     blk = "block" not in rc
     T = ActTerm
 
-    # e4m3 copies of the two norm outputs (the QKV and MLP-up inputs): compiled, the partitioner rebuilds them
-    f8_norm_out = 0 if compiled else f8
+    # e4m3 copies of the linears' inputs: compiled, the partitioner rebuilds those it can (not the opaque op's)
+    kt = compiled and fp8 and fp8_keep_transposes
+    f8_norm_out = f8 if (kt or not compiled) else 0  # the two norm outputs (the QKV and MLP-up inputs)
 
     def qkv_term(fused_kept: bool) -> ActTerm:
         """v, which SDPA saves, is copied out of the fused QKV output (transformer.qkv_rope), so the fused buffer
@@ -112,13 +116,15 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
     t.append(T("attention", E * q + 4 * nh + (E * q if chunked else 0), "att" not in rc,
                "SDPA output + log-sum-exp (fp32)" + (" + concatenated slices" if chunked else "")))
     if fp8:  # compiled with --recompute-att the partitioner rebuilds it with the attention output
-        t.append(T("o_in_fp8", q, blk and not (compiled and "att" in rc), "e4m3 copy of the attention projection's input"))
+        t.append(T("o_in_fp8", q, blk and not (compiled and "att" in rc and not kt),
+                   "e4m3 copy of the attention projection's input"))
     ln2_dropped = "norm" in rc or "ffn" in rc
     if compiled:
         t += [T("res_att", E * C, blk, "residual after attention"),
               T("ffn_extra", E * C, blk and "ffn" in rc, "kept by the partitioner with --recompute-ffn"),
               T("ln2", 4 + (0 if fp8 else E * C), not ln2_dropped, "RMSNorm-2 rstd + output"),
-              T("mlp_up", 2 * Fi * E, "ffn" not in rc, "fused up/gate output (B, T, 2F)"),
+              T("mlp_up", 2 * Fi * E + f8_norm_out * C, "ffn" not in rc,
+                "fused up/gate output (B, T, 2F)" + (" + e4m3 copy of the MLP input" if f8_norm_out else "")),
               T("swiglu", 0 if fp8 else E * Fi, "swiglu" not in rc, "SwiGLU output")]
     else:
         # eager RMSNorm-2 keeps an fp32 copy of the residual; when it is recomputed the residual itself stays
@@ -132,7 +138,8 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
         w8 = 1 if fp8_weight_copies else 0  # persistent quants: views of the gathered e4m3 block, not copies
         # compiled, with SwiGLU recomputed, the partitioner recomputes its e4m3 copy too (the quantization is
         # traceable): measured on the CPU (AOT's partitioner) and on the H200 (14B e4m3, session 11)
-        t += [T("down_in_fp8", Fi, blk and not (compiled and "swiglu" in rc), "e4m3 copy of the down projection's input"),
+        t += [T("down_in_fp8", Fi, blk and not (compiled and "swiglu" in rc and not kt),
+                "e4m3 copy of the down projection's input"),
               T("fp8_w_qkv", 0, "qkv" not in rc, "e4m3 QKV weight", per_layer=w8 * (C * qkv + 8)),
               T("fp8_w_o", 0, blk, "e4m3 attention-projection weight", per_layer=w8 * (q * C + 8)),
               T("fp8_w_up", 0, "ffn" not in rc, "e4m3 up/gate weight", per_layer=w8 * (2 * Fi * C + 8)),

@@ -17,29 +17,32 @@ from qtrain.numerics.fp8 import E4M3, E5M2, fp8_linear, fp8_swiglu_mlp
 FP8_GRAD_DTYPES = {"e4m3": E4M3, "e5m2": E5M2}
 
 
-def block_linear(matmul_dtype: str = "", grad_dtype: str = "e4m3"):
+def block_linear(matmul_dtype: str = "", grad_dtype: str = "e4m3", keep_transposes: bool = False):
     """The function the four block linears run through: F.linear, or FP8 with matmul_dtype "e4m3" (e4m3
-    forward; output gradients in `grad_dtype`, e4m3 or e5m2)."""
+    forward; output gradients in `grad_dtype`, e4m3 or e5m2; `keep_transposes`: a compiled block keeps each input's
+    e4m3 transpose for backward instead of rebuilding it, `numerics.fp8.quantize_for_gemms`)."""
     if matmul_dtype != "e4m3":
         return F.linear
     gd = FP8_GRAD_DTYPES[grad_dtype or "e4m3"]
 
     def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                w_fp8: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        return fp8_linear(x, w, b, grad_dtype=gd, weight_fp8=w_fp8).to(x.dtype)
+        return fp8_linear(x, w, b, grad_dtype=gd, weight_fp8=w_fp8, keep_transposes=keep_transposes).to(x.dtype)
 
     return linear
 
 
-def block_mlp(matmul_dtype: str = "", grad_dtype: str = "e4m3"):
+def block_mlp(matmul_dtype: str = "", grad_dtype: str = "e4m3", keep_transposes: bool = False):
     """The MLP as one function with matmul_dtype "e4m3" (`fp8_swiglu_mlp`: the SwiGLU output exists only in
     FP8, its gradient is quantized with an abs-max fused into the SwiGLU backward), else None (the block
-    runs linear -> SwiGLU -> linear). Compiled blocks use it (as they do the fused SwiGLU backward)."""
+    runs linear -> SwiGLU -> linear). Compiled blocks use it (as they do the fused SwiGLU backward).
+    `keep_transposes` as `block_linear`'s."""
     if matmul_dtype != "e4m3":
         return None
     gd = FP8_GRAD_DTYPES[grad_dtype or "e4m3"]
 
     def mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, up_fp8=None, down_fp8=None) -> torch.Tensor:
-        return fp8_swiglu_mlp(x, w_up, w_down, grad_dtype=gd, up_fp8=up_fp8, down_fp8=down_fp8)
+        return fp8_swiglu_mlp(x, w_up, w_down, grad_dtype=gd, up_fp8=up_fp8, down_fp8=down_fp8,
+                              keep_transposes=keep_transposes)
 
     return mlp

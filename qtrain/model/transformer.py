@@ -205,6 +205,7 @@ class RunOptions:
     fp8_linears: tuple[str, ...] = FP8_MATRICES  # with e4m3: the block linears in FP8, the others in the model
     # dtype (model/fp8_policy.py chooses them)
     fp8_grad_dtype: str = "e4m3"  # with e4m3 matmuls: the output gradients' FP8 format, e4m3 or e5m2
+    fp8_keep_transposes: bool = False  # with e4m3 and compile: keep the inputs' e4m3 transposes (numerics.fp8)
     wrap_linear: Callable[[Linear], Linear] | None = None  # instrumentation around the block linears
     # (--debug-log-abs-max); with it the MLP runs as separate linears, which the wrapper sees
 
@@ -233,14 +234,15 @@ class Transformer:
         self.cfg = cfg
         self.run = run or RunOptions()
         run = self.run
-        linear = block_linear(run.matmul_dtype, run.fp8_grad_dtype)
+        linear = block_linear(run.matmul_dtype, run.fp8_grad_dtype, run.fp8_keep_transposes)
         plain = [n for n in FP8_MATRICES if n not in run.fp8_linears] if run.matmul_dtype == "e4m3" else []
         linears = {n: F.linear for n in plain}  # the FP8 policy's model-dtype linears
         if run.wrap_linear is not None:
             linear, mlp = run.wrap_linear(linear), None
             linears = {n: run.wrap_linear(f) for n, f in linears.items()}
         else:  # the fused FP8 MLP needs both of its linears in FP8
-            mlp = block_mlp(run.matmul_dtype, run.fp8_grad_dtype) if not {"up", "down"} & set(plain) else None
+            mlp = (block_mlp(run.matmul_dtype, run.fp8_grad_dtype, run.fp8_keep_transposes)
+                   if not {"up", "down"} & set(plain) else None)
         fn = make_block_fn(cfg, linear, recompute=block_steps(run.recompute), attn_chunks=run.attn_bwd_chunks,
                            compiled=run.compile, fused_swiglu=run.compile, fused_rope=run.compile,
                            mlp=mlp if run.compile else None,

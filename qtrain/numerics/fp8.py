@@ -48,6 +48,19 @@ def quantize_fp8(x: Tensor, dtype: torch.dtype = E4M3, amax: Tensor | None = Non
     return q, inv_scale
 
 
+def quantize_for_gemms(x: Tensor, dtype: torch.dtype, transpose: bool, *, opaque: bool = True
+                       ) -> tuple[Tensor, Tensor | None, Tensor]:
+    """(q, q^T or None, inv_scale) of a 2-D GEMM operand: `fp8_quantize`, except with a transposed copy inside a
+    graph torch.compile traces with `opaque`: there the abs-max is a traced reduction and the quantization one
+    opaque op running the Triton kernel (`fp8_quantize_transposed`, ~4.8 TB/s counting both writes on the H200),
+    where inductor's own code for the transposed write ran at 1-2 TB/s (the 3B e4m3 profile, session 12). An
+    opaque op cannot be rebuilt by the partitioner, so a forward's q^T is kept for backward (1 byte per element,
+    as eager keeps it) instead of re-made in backward: `--fp8-keep-transposes`. Same numbers either way."""
+    if transpose and opaque and torch.compiler.is_compiling():
+        return fp8_quantize_transposed(x, torch.linalg.vector_norm(x, float("inf")), dtype)
+    return fp8_quantize(x, dtype, transpose=transpose)
+
+
 # ----------------------------------------------------------------------------------------------------
 # scaled_mm: the FP8 GEMM entry point
 # ----------------------------------------------------------------------------------------------------
@@ -293,10 +306,11 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, grad_dtype: torch.dtype,
-                w_fp8: Tensor | None, w_inv_scale: Tensor | None, w_fp8_t: Tensor | None, need_dw: bool) -> Tensor:
+                w_fp8: Tensor | None, w_inv_scale: Tensor | None, w_fp8_t: Tensor | None, need_dw: bool,
+                keep_t: bool) -> Tensor:
         N, K = weight.shape
         x2 = x.reshape(-1, K)  # (M, K); a view when x is contiguous, and the quantizer reads any strides
-        x_fp8, x_fp8_t, x_inv = fp8_quantize(x2, E4M3, transpose=need_dw)
+        x_fp8, x_fp8_t, x_inv = quantize_for_gemms(x2, E4M3, need_dw, opaque=keep_t)
         if w_fp8 is None:
             w_fp8, w_inv_scale = quantize_fp8(weight.detach(), E4M3)
         b = None if bias is None else bias.detach().to(torch.bfloat16)  # cuBLASLt epilogue wants bf16
@@ -316,7 +330,7 @@ class _Fp8Linear(torch.autograd.Function):
         dy2 = dy.reshape(-1, N)  # (M, N)
         dx = dw = db = None
         if need_dx or need_dw:
-            dy_fp8, dy_fp8_t, dy_inv = fp8_quantize(dy2, ctx.grad_dtype, transpose=need_dw)
+            dy_fp8, dy_fp8_t, dy_inv = quantize_for_gemms(dy2, ctx.grad_dtype, need_dw)
         if need_dx:
             w_fp8_t = _transposed(w_fp8, w_fp8_t)  # (K, N): the weight in the other major order
             dx = scaled_mm(dy_fp8, w_fp8_t.t(), dy_inv, w_inv, out_dtype=_gemm_out_dtype(ctx.x_dtype))
@@ -327,7 +341,7 @@ class _Fp8Linear(torch.autograd.Function):
         if need_db:
             # From the unquantized dY, summed in fp32: exact up to fp32 summation order (llm.q [quirk]).
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def _transposed(w_fp8: Tensor, w_fp8_t: Tensor | None) -> Tensor:
@@ -344,7 +358,7 @@ WeightFp8 = tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]  # (W_q (N, K)
 
 
 def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, grad_dtype: torch.dtype = E4M3,
-               weight_fp8: WeightFp8 | None = None) -> Tensor:
+               weight_fp8: WeightFp8 | None = None, keep_transposes: bool = False) -> Tensor:
     """y = x @ weight^T + bias with FP8 GEMMs; y is bf16 with shape (..., N).
 
     x (..., K); weight (N, K) (the bf16 master; receives the gradient); bias (N,) or None.
@@ -353,13 +367,15 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, grad_dt
     optionally with its (K, N) contiguous transpose as a third entry (`Fp8WeightCache.transposed`); None
     quantizes the weight here. K and N must be multiples of 16, and so must the token count
     M = x.numel() / K when the weight needs a gradient (checked here, before any work).
+    keep_transposes: in a torch.compile'd graph, quantize x with the Triton op, which keeps x_q^T for backward
+    (`quantize_for_gemms`); no effect elsewhere.
     """
     if grad_dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_linear: grad_dtype must be float8_e4m3fn or float8_e5m2, got {grad_dtype}")
     need_dw = weight.requires_grad and torch.is_grad_enabled()
     _check_linear_shapes(x, weight, bias, need_dw)
     w_fp8, w_inv, w_fp8_t = _checked_weight_fp8(weight, weight_fp8, "fp8_linear: weight_fp8")
-    return _Fp8Linear.apply(x, weight, bias, grad_dtype, w_fp8, w_inv, w_fp8_t, need_dw)
+    return _Fp8Linear.apply(x, weight, bias, grad_dtype, w_fp8, w_inv, w_fp8_t, need_dw, keep_transposes)
 
 
 def _checked_weight_fp8(weight: Tensor, weight_fp8: WeightFp8 | None, arg: str
@@ -395,10 +411,10 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w_up: Tensor, w_down: Tensor, grad_dtype: torch.dtype, need_dw: bool,
                 wu_q: Tensor | None, wu_inv: Tensor | None, wu_qt: Tensor | None,
-                wd_q: Tensor | None, wd_inv: Tensor | None, wd_qt: Tensor | None) -> Tensor:
+                wd_q: Tensor | None, wd_inv: Tensor | None, wd_qt: Tensor | None, keep_t: bool) -> Tensor:
         C = x.shape[-1]
         x2 = x.reshape(-1, C)
-        x_q, x_qt, x_inv = fp8_quantize(x2, E4M3, transpose=need_dw)
+        x_q, x_qt, x_inv = quantize_for_gemms(x2, E4M3, need_dw, opaque=keep_t)
         if wu_q is None:
             wu_q, wu_inv = quantize_fp8(w_up.detach(), E4M3)
         u = scaled_mm(x_q, wu_q.t(), x_inv, wu_inv, out_dtype=torch.bfloat16, use_fast_accum=True).to(x.dtype)
@@ -418,7 +434,7 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
         gd, x_dtype = ctx.grad_dtype, ctx.x_dtype
         dy2 = dy.reshape(-1, wd_q.shape[0])  # (M, C)
         dx = dwu = dwd = None
-        dy_q, dy_qt, dy_inv = fp8_quantize(dy2, gd, transpose=need_dwd)
+        dy_q, dy_qt, dy_inv = quantize_for_gemms(dy2, gd, need_dwd)
         if need_dwd:
             dwd = scaled_mm(dy_qt, h_qt.t(), dy_inv, h_inv, out_dtype=_gemm_out_dtype(ctx.w_dtypes[1]))
             dwd = dwd.to(ctx.w_dtypes[1])
@@ -432,14 +448,15 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
             if need_dwu:
                 dwu = scaled_mm(du_qt, x_qt.t(), du_inv, x_inv, out_dtype=_gemm_out_dtype(ctx.w_dtypes[0]))
                 dwu = dwu.to(ctx.w_dtypes[0])
-        return dx, dwu, dwd, None, None, None, None, None, None, None, None
+        return dx, dwu, dwd, None, None, None, None, None, None, None, None, None
 
 
 def fp8_swiglu_mlp(x: Tensor, w_up: Tensor, w_down: Tensor, *, grad_dtype: torch.dtype = E4M3,
-                   up_fp8: WeightFp8 | None = None, down_fp8: WeightFp8 | None = None) -> Tensor:
+                   up_fp8: WeightFp8 | None = None, down_fp8: WeightFp8 | None = None,
+                   keep_transposes: bool = False) -> Tensor:
     """The SwiGLU MLP with FP8 GEMMs: x (..., C), w_up (2F, C) with rows [up; gate], w_down (C, F) -> (..., C)
     in x's dtype. up_fp8 / down_fp8: cached (e4m3 copy, inv_scale[, its transpose]) of the weights, as
-    `fp8_linear`'s weight_fp8. Shapes are checked as `fp8_linear` checks them (multiples of 16), before any work."""
+    `fp8_linear`'s weight_fp8; keep_transposes as `fp8_linear`'s. Shapes are checked as `fp8_linear` checks them (multiples of 16), before any work."""
     if grad_dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_swiglu_mlp: grad_dtype must be float8_e4m3fn or float8_e5m2, got {grad_dtype}")
     if w_up.dim() != 2 or w_down.dim() != 2 or w_up.shape[0] != 2 * w_down.shape[1]:
@@ -450,4 +467,4 @@ def fp8_swiglu_mlp(x: Tensor, w_up: Tensor, w_down: Tensor, *, grad_dtype: torch
     _check_linear_shapes(x.new_empty(0, w_down.shape[1]), w_down, None, False)
     wu = _checked_weight_fp8(w_up, up_fp8, "fp8_swiglu_mlp: up_fp8")
     wd = _checked_weight_fp8(w_down, down_fp8, "fp8_swiglu_mlp: down_fp8")
-    return _Fp8SwiGLUMLP.apply(x, w_up, w_down, grad_dtype, need_dw, *wu, *wd).to(x.dtype)
+    return _Fp8SwiGLUMLP.apply(x, w_up, w_down, grad_dtype, need_dw, *wu, *wd, keep_transposes).to(x.dtype)

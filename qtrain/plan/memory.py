@@ -269,7 +269,8 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
     attn_chunks = max(1, attn_chunks or opts.attn_bwd_chunks or 1)
     chunks = max(1, opts.lmhead_chunks)
     kw = dict(model_dtype=opts.model_dtype, matmul_dtype=matmul if fp8 or matmul != "e4m3" else "",
-              compiled=compiled, attn_chunks=attn_chunks, fp8_weight_copies=not persistent_quants)
+              compiled=compiled, attn_chunks=attn_chunks, fp8_weight_copies=not persistent_quants,
+              fp8_keep_transposes=opts.fp8_keep_transposes)
     acts = activation_memory(cfg, N, recompute=rc, offload_residual=opts.offload_residual, **kw)
     phases = workspace_phases(cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc, **kw)
     if 0 < len(fp8) < len(FP8_MATRICES):  # some linears in FP8, some not: the larger of the two (an upper bound)

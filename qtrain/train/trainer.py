@@ -119,7 +119,7 @@ class Trainer:
             # an FP8 policy that keeps every block linear in bf16 runs the bf16 model itself (measured on the H200:
             # the e4m3 path with no FP8 linear still cost 17% host time at 0.5B, micro-batch 4)
             matmul_dtype=opts.effective_matmul_dtype if self.fp8 is None or self.fp8.fp8 else "",
-            fp8_grad_dtype=opts.gradient_dtype or "e4m3",
+            fp8_grad_dtype=opts.gradient_dtype or "e4m3", fp8_keep_transposes=opts.fp8_keep_transposes,
             fp8_linears=self.fp8.fp8 if self.fp8 is not None else FP8_MATRICES,
             wrap_linear=self._abs_max_wrapper(opts))
 

@@ -27,10 +27,12 @@ def small_cfg(model_type: str = "qwen2", *, vocab: int = 512, tied: bool = True,
 
 
 def measure_block(cfg: ModelConfig, dtype: str, *, flags=(), fp8=False, attn_chunks=1, compiled=False, B=2, T=32,
-                  fused=False, mlp=None):
+                  fused=False, mlp=None, keep_transposes=False):
     """Bytes one block call saves for backward (its input, the weights and RoPE tables excluded). fused: the
-    compiled GPU path's SwiGLU and RoPE backward kernels (their twins here); mlp: its FP8 MLP (`block_mlp`)."""
-    fn = make_block_fn(cfg, block_linear("e4m3" if fp8 else ""), recompute=block_steps(flags),
+    compiled GPU path's SwiGLU and RoPE backward kernels (their twins here); mlp: its FP8 MLP (`block_mlp`);
+    keep_transposes: the FP8 linears' (--fp8-keep-transposes)."""
+    linear = block_linear("e4m3" if fp8 else "", keep_transposes=keep_transposes)
+    fn = make_block_fn(cfg, linear, recompute=block_steps(flags),
                        attn_chunks=attn_chunks, compiled=compiled, fused_swiglu=fused, fused_rope=fused, mlp=mlp)
     if compiled:
         torch._dynamo.reset()
@@ -115,20 +117,24 @@ def test_block_terms_match_with_the_fused_backward_kernels(flags):
                                   recompute=resolve_flags(flags)) == measured
 
 
+@pytest.mark.parametrize("keep_transposes", [False, True])
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
-def test_block_terms_fp8_compiled_match_the_gpu_path(model_type):
+def test_block_terms_fp8_compiled_match_the_gpu_path(model_type, keep_transposes):
     """Compiled e4m3 blocks as the GPU runs them (the MLP as one FP8 Function, `block_mlp`): the terms are what the
     partitioner keeps, term for term. It rebuilds the e4m3 copies of the two norm outputs from the residual and the
     kept rstd, LN1's output too unless LN1 is recomputed, and with --recompute-att the attention output's copy
     (the plan counted all of them until session 12: 3B e4m3 32 x 2 planned 123.7 GiB, peaked at 111.7 on the H200).
+    With --fp8-keep-transposes the quantizations are opaque ops and it keeps every e4m3 transpose made outside a
+    recomputed step (e.g. the SwiGLU output's under --recompute-swiglu, which then saves nothing).
     Tolerance: 16 bytes per layer (0-dim scales and abs-maxes whose dtype the terms do not follow)."""
     cfg = small_cfg(model_type)
-    mlp = block_mlp("e4m3")
+    mlp = block_mlp("e4m3", keep_transposes=keep_transposes)
     for flags in [(), ("norm",), ("swiglu",), ("ffn",), ("qkv",), ("att",), ("norm", "swiglu"), ("qkv", "ffn"),
                   ("att", "ffn"), ("norm", "qkv")]:
-        measured, tokens = measure_block(cfg, "bf16", flags=flags, fp8=True, compiled=True, fused=True, mlp=mlp)
+        measured, tokens = measure_block(cfg, "bf16", flags=flags, fp8=True, compiled=True, fused=True, mlp=mlp,
+                                         keep_transposes=keep_transposes)
         planned = layer_activation_bytes(cfg, tokens, model_dtype="bf16", matmul_dtype="e4m3", compiled=True,
-                                         recompute=resolve_flags(flags))
+                                         recompute=resolve_flags(flags), fp8_keep_transposes=keep_transposes)
         assert abs(planned - measured) <= 16, (flags, planned, measured)
 
 

@@ -523,6 +523,86 @@ def test_gpu_fp8_linear(grad_dtype, tol):
     assert 0.01 < rel_err(got[1], xr.grad) < tol and 0.01 < rel_err(got[2], wr.grad) < tol
 
 
+def _block_runner(device: str, T: int = 128):
+    """(cfg, run): run(block_fn) -> [y, dx, d(each block weight)] of one Qwen2 block (hidden 256) on fixed
+    bf16 inputs; `_block_runner.names` are the weights' names in that order."""
+    from qtrain.model.config import ModelConfig
+    from qtrain.model.init import init_params
+    from qtrain.model.layers import rope_tables
+    from qtrain.model.transformer import allocate_params
+
+    cfg = ModelConfig(model_type="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
+                      tie_word_embeddings=True, attention_bias=True)
+    params = allocate_params(cfg, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        init_params(cfg, params, seed=0)
+    w = {k.split(".", 2)[2]: v for k, v in params.items() if k.startswith("layers.0.")}
+    _block_runner.names = list(w)
+    cos, sin = rope_tables(cfg, T, device, torch.bfloat16)
+    g = torch.Generator(device).manual_seed(0)
+    x = torch.randn(4, T, 256, device=device, dtype=torch.bfloat16, generator=g)
+    dy = torch.randn(x.shape, device=device, dtype=torch.bfloat16, generator=g)
+
+    def run(fn):
+        xi = x.clone().requires_grad_(True)
+        y = fn(xi, w, cos, sin)
+        return [y.detach()] + list(torch.autograd.grad(y, [xi] + list(w.values()), dy))
+
+    return cfg, run
+
+
+def _fp8_lin(keep_transposes: bool = False):
+    def lin(a, wt, b):
+        return fp8_linear(a, wt, b, grad_dtype=E4M3, keep_transposes=keep_transposes).to(a.dtype)
+    return lin
+
+
+@pytest.mark.parametrize("fused_mlp", [False, True])
+def test_keep_transposes_compiled_block_same_numbers(fused_mlp):
+    """--fp8-keep-transposes only changes who makes the e4m3 transposes (one opaque op, kept for backward, instead
+    of traced code the partitioner re-runs in backward): a compiled block's output and every gradient are the
+    same bits, with the linears and with the fused FP8 MLP (the partitioner inductor uses, on the CPU; the
+    quantizations are the twin either way, so nothing may differ). That the option really keeps more is
+    tests/model/test_activations.py's (the saved bytes, term for term)."""
+    from qtrain.model.matmul import block_mlp
+    from qtrain.model.transformer import make_block_fn
+
+    cfg, run = _block_runner("cpu", T=32)
+    out = {}
+    for keep in (False, True):
+        torch._dynamo.reset()
+        fn = make_block_fn(cfg, _fp8_lin(keep), compiled=True, fused_swiglu=True,
+                           mlp=block_mlp("e4m3", keep_transposes=keep) if fused_mlp else None)
+        out[keep] = run(torch.compile(fn, dynamic=False, backend="aot_eager_decomp_partition"))
+    for name, a, b in zip(["y", "dx"] + _block_runner.names, out[False], out[True]):
+        assert torch.equal(a, b), name
+    assert out[True][2].abs().sum() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_keep_transposes_compiled_block():
+    """On the GPU the kept transposes come from the Triton kernel, the rebuilt ones from inductor's code: the same
+    quantization up to how each rounds the scale's division (the kernel is IEEE-exact, inductor's may differ by
+    an ulp, which can flip an e4m3 rounding: 6-12% of that one element). Bars: output and d(input) within 2^-7
+    norm-wise of the run without the option, the weight gradients within 1% (a transposed copy in the wrong
+    order, or a stale one, is off by ~100%)."""
+    from qtrain.model.matmul import block_mlp
+    from qtrain.model.transformer import make_block_fn
+
+    cfg, run = _block_runner("cuda")
+    out = {}
+    for keep in (False, True):
+        torch._dynamo.reset()
+        fn = make_block_fn(cfg, _fp8_lin(keep), compiled=True, fused_swiglu=True, fused_rope=True,
+                           mlp=block_mlp("e4m3", keep_transposes=keep))
+        out[keep] = run(torch.compile(fn, dynamic=False))
+    for name, a, b in zip(["y", "dx"] + _block_runner.names, out[False], out[True]):
+        assert rel_err(b, a) < (2.0**-7 if name in ("y", "dx") else 0.01), (name, rel_err(b, a))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_gpu_fp8_block_compiled_matches_eager():
@@ -538,36 +618,13 @@ def test_gpu_fp8_block_compiled_matches_eager():
     GEMM plus the quantized inputs); the output and d(input), where the residual path dilutes FP8 error,
     agree between compiled and eager within 2^-5; the four linears' weight gradients differ from bf16 by
     > 0.5% (FP8 really ran)."""
-    from qtrain.model.config import ModelConfig
-    from qtrain.model.init import init_params
-    from qtrain.model.layers import rope_tables
-    from qtrain.model.transformer import allocate_params, make_block_fn
+    from qtrain.model.transformer import make_block_fn
 
-    cfg = ModelConfig(model_type="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512,
-                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
-                      tie_word_embeddings=True, attention_bias=True)
-    params = allocate_params(cfg, dtype=torch.bfloat16, device="cuda")
-    with torch.no_grad():
-        init_params(cfg, params, seed=0)
-    w = {k.split(".", 2)[2]: v for k, v in params.items() if k.startswith("layers.0.")}
-    cos, sin = rope_tables(cfg, 128, "cuda", torch.bfloat16)
-    torch.manual_seed(0)
-    x = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn_like(x)
-
-    def lin(a, wt, b):
-        return fp8_linear(a, wt, b, grad_dtype=E4M3).to(a.dtype)
-
-    def run(fn):
-        xi = x.clone().requires_grad_(True)
-        y = fn(xi, w, cos, sin)
-        return [y.detach()] + list(torch.autograd.grad(y, [xi] + list(w.values()), dy))
-
+    cfg, run = _block_runner("cuda")
     ref = run(make_block_fn(cfg, F.linear))
-    eager = run(make_block_fn(cfg, lin))
-    comp = run(torch.compile(make_block_fn(cfg, lin, compiled=True), dynamic=False))
-    names = ["y", "dx"] + list(w)
+    eager = run(make_block_fn(cfg, _fp8_lin()))
+    comp = run(torch.compile(make_block_fn(cfg, _fp8_lin(), compiled=True), dynamic=False))
+    names = ["y", "dx"] + list(_block_runner.names)
     errs = {n: (round(rel_err(c, e), 5), round(rel_err(c, r), 5), round(rel_err(e, r), 5))
             for n, r, e, c in zip(names, ref, eager, comp)}  # (compiled vs eager, compiled vs bf16, eager vs bf16)
     for n, (ce, cr, er) in errs.items():
