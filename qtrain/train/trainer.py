@@ -119,9 +119,19 @@ class Trainer:
             # an FP8 policy that keeps every block linear in bf16 runs the bf16 model itself (measured on the H200:
             # the e4m3 path with no FP8 linear still cost 17% host time at 0.5B, micro-batch 4)
             matmul_dtype=opts.effective_matmul_dtype if self.fp8 is None or self.fp8.fp8 else "",
-            fp8_grad_dtype=opts.gradient_dtype or "e4m3", fp8_keep_transposes=opts.fp8_keep_transposes,
+            fp8_grad_dtype=opts.gradient_dtype or "e4m3", fp8_keep_transposes=self._keep_transposes(opts, use_compile),
             fp8_linears=self.fp8.fp8 if self.fp8 is not None else FP8_MATRICES,
             wrap_linear=self._abs_max_wrapper(opts))
+
+    def _keep_transposes(self, opts: Options, compiled: bool) -> bool:
+        """--fp8-keep-transposes as given, else as the memory plan resolves it for this device (auto: on where the
+        plan with the kept e4m3 transposes fits the GPU; off without one)."""
+        if opts.fp8_keep_transposes is not None or self.device.type != "cuda":
+            return bool(opts.fp8_keep_transposes)
+        from qtrain.plan.memory import plan_memory
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        plan = plan_memory(self.cfg, opts, world=self.ctx.world, gpu_memory=total, device="cuda", compiled=compiled)
+        return plan.settings["fp8_keep_transposes"]
 
     def _abs_max_wrapper(self, opts: Options):
         """--debug-log-abs-max: the recorder that wraps the block linears (None when off; with

@@ -466,3 +466,34 @@ def test_cuda_graphs_row_is_the_lm_head_transient_beside_the_graph_pool():
     assert 0 < keys < 2**20 and "sr_key_table" not in plain.item("gradients").parts
     assert with_graphs.device_total == plain.device_total + row.device + keys
     assert plan_memory(cfg, graphs, device="cpu").device_total == plan_memory(cfg, base, device="cpu").device_total
+
+
+def test_fp8_keep_transposes_auto_where_the_plan_fits():
+    """--fp8-keep-transposes unset: the plan keeps the e4m3 input transposes of compiled FP8 blocks where the plan
+    with them fits the budget, and is the plan without them otherwise (never a plan that fits only without them
+    turned into one that does not); as given when set; never without FP8 linears, a compiled block or a budget.
+    The kept bytes are the activation terms' (tests/model/test_activations.py): 2 hidden-size rows per token and
+    layer without recompute."""
+    cfg = preset("Qwen2.5-3B")
+    base = Options(model="Qwen2.5-3B", seq_len=1024, batch_size=32, grad_accumulation=4, opt_m_dtype="bf16",
+                   opt_v_dtype="bf16", matmul_dtype="e4m3", lmhead_chunks=4, persistent_quants=True)
+
+    def plan(o, gib=141, **kw):
+        return plan_memory(cfg, o, gpu_memory=None if gib is None else int(gib * GiB), device="cuda", **{
+            "compiled": True, **kw})
+
+    on, off = (plan(dataclasses.replace(base, fp8_keep_transposes=v)) for v in (True, False))
+    kept = on.item("activations").device - off.item("activations").device
+    assert kept == cfg.num_hidden_layers * 2 * cfg.hidden_size * 32 * 1024
+    assert on.settings["fp8_keep_transposes"] and not off.settings["fp8_keep_transposes"]
+    assert plan(base).settings["fp8_keep_transposes"] and plan(base).device_total == on.device_total
+    between = (on.device_total + off.device_total) / 2 / GiB  # fits only without the copies
+    auto = plan(base, gib=between)
+    assert auto.fits and not auto.settings["fp8_keep_transposes"] and auto.device_total == off.device_total
+    assert not plan(dataclasses.replace(base, fp8_keep_transposes=True), gib=between).fits  # as given
+    assert not plan(base, gib=None).settings["fp8_keep_transposes"]  # no budget: off
+    assert not plan(base, compiled=False).settings["fp8_keep_transposes"]  # eager keeps them anyway
+    bf16 = dataclasses.replace(base, matmul_dtype="", persistent_quants=False)
+    assert not plan(bf16).settings["fp8_keep_transposes"]
+    with pytest.raises(ValueError, match="--fp8-keep-transposes"):
+        dataclasses.replace(bf16, fp8_keep_transposes=True).validate()
