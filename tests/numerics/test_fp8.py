@@ -457,6 +457,17 @@ def test_weight_cache_transposed_copy_is_made_once_and_used_by_the_backward():
     with torch.no_grad():
         w.mul_(2.0)
     assert cache.transposed(w) is not qt and cache.misses == 2
+    # asked after the copy (an entry without its transpose): made then, the same bits, still no extra miss
+    cache2 = Fp8WeightCache()
+    q2, _ = cache2.get(w)
+    assert torch.equal(bits(cache2.transposed(w)), bits(q2.t())) and (cache2.misses, cache2.hits) == (1, 0)
+    # both at once (QuantizedWeights' ask): one miss, then one hit, the same tensors as the two calls return
+    cache3 = Fp8WeightCache()
+    q3, inv3, qt3 = cache3.get_with_transpose(w)
+    assert (cache3.misses, cache3.hits) == (1, 0) and torch.equal(bits(qt3), bits(q3.t()))
+    assert all(a is b for a, b in zip(cache3.get_with_transpose(w), (q3, inv3, qt3)))
+    assert (cache3.misses, cache3.hits) == (1, 1)
+    assert torch.equal(bits(q3), bits(q2)) and torch.equal(inv3, cache2.get(w)[1])
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -44,8 +44,8 @@ class QuantizedWeights:
         w = self.source.block(layer)
         out = dict(w)
         for n in self.names:
-            out[FP8_WEIGHT.format(n)], out[FP8_INV_SCALE.format(n)] = self.cache.get(w[n])
-            out[FP8_WEIGHT_T.format(n)] = self.cache.transposed(w[n])
+            q, inv, qt = self.cache.get_with_transpose(w[n])
+            out[FP8_WEIGHT.format(n)], out[FP8_INV_SCALE.format(n)], out[FP8_WEIGHT_T.format(n)] = q, inv, qt
         return out
 
     def non_block(self) -> dict[str, torch.Tensor]:
