@@ -10,8 +10,10 @@ import triton
 
 from bench.kinds import Skip
 
+from qtrain.kernels import fp8_quant as fq
 from qtrain.kernels import swiglu as sw
-from qtrain.kernels.fp8_quant import fp8_quantize_triton
+from qtrain.kernels import swiglu_fp8 as sf
+from qtrain.kernels.fp8_quant import fp8_quantize_torch, fp8_quantize_triton
 from qtrain.kernels.swiglu_fp8 import swiglu_forward_amax_triton, swiglu_fp8_triton
 
 E4M3 = torch.float8_e4m3fn
@@ -44,10 +46,27 @@ def run(M: int = 16384, F: int = 8960) -> dict:
     sw.BLOCK_M, sw.BLOCK_F, sw.NUM_WARPS = 16, 256, 4
     line("swiglu forward + amax (pass 1)", ms(lambda: swiglu_forward_amax_triton(u)), ub + M * F * 2)
     line("swiglu_fp8 (both passes)", ms(lambda: swiglu_fp8_triton(u, E4M3)), ub + 2 * M * F * 2 + 2 * M * F)
+    default = sf.BLOCK_M, sf.BLOCK_F, sf.NUM_WARPS
+    for bm, bf, w in FWD_TILES:
+        sf.BLOCK_M, sf.BLOCK_F, sf.NUM_WARPS = bm, bf, w
+        line(f"swiglu forward + amax tile {bm}x{bf} w{w}", ms(lambda: swiglu_forward_amax_triton(u)), ub + M * F * 2)
+    sf.BLOCK_M, sf.BLOCK_F, sf.NUM_WARPS = default
     amax = u.float().abs().max()
-    line("fp8_quantize_triton(du, amax, transpose)", ms(lambda: fp8_quantize_triton(u, E4M3, amax, transpose=True)),
-         ub + u.numel() * 2)
+    want = [t.view(torch.uint8) for t in fp8_quantize_torch(u, E4M3, amax, transpose=True)[:2]]
+    default = fq.QUANT_BLOCK_M, fq.QUANT_BLOCK_N, fq.QUANT_WARPS
+    for bm, bn, w in QUANT_TILES:  # the tile changes no number: each variant is checked against the twin
+        fq.QUANT_BLOCK_M, fq.QUANT_BLOCK_N, fq.QUANT_WARPS = bm, bn, w
+        got = [t.view(torch.uint8) for t in fp8_quantize_triton(u, E4M3, amax, transpose=True)[:2]]
+        ok = all(torch.equal(g, r) for g, r in zip(got, want))
+        line(f"fp8_quantize_triton(du, amax, transpose) {bm}x{bn} w{w}{'' if ok else ' WRONG'}",
+             ms(lambda: fp8_quantize_triton(u, E4M3, amax, transpose=True)), ub + u.numel() * 2)
+    fq.QUANT_BLOCK_M, fq.QUANT_BLOCK_N, fq.QUANT_WARPS = default
     return {"rows": list(ROWS), "summary": f"{len(ROWS)} kernels timed"}
+
+
+# launch shapes tried (the first of each is the kernel's default)
+FWD_TILES = ((16, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (32, 128, 4))
+QUANT_TILES = ((64, 256, 8), (64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 128, 4), (128, 128, 4))
 
 
 def dry_run(params: dict) -> dict:

@@ -33,6 +33,10 @@ FP8_MAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.float8_e5
 # enough that FMAX / AMAX_FLOOR (<= 5.7e34) and its inverse (>= 1.7e-35) stay normal fp32 numbers.
 # llm.q uses 1e-10, which flushes every tensor with amax < ~1e-12 to zero.
 AMAX_FLOOR = 1e-30
+# The quantize kernel's tile and warps (module attributes: bench/bench_swiglu_fp8.py sweeps them). H200, the
+# 3B up projection's output gradient (32768 x 22016 bf16 -> e4m3 + transpose): 64 x 256 with 8 warps 0.761 ms,
+# 64 x 64 with 4 warps (before session 13) 0.824 ms, a bf16 copy of the same bytes 0.677 ms (BENCHMARKS.md).
+QUANT_BLOCK_M, QUANT_BLOCK_N, QUANT_WARPS = 64, 256, 8
 
 QuantResult = tuple[Tensor, Tensor | None, Tensor]  # (q, q^T contiguous or None, inv_scale fp32 0-dim)
 
@@ -125,11 +129,11 @@ def fp8_quantize_triton(x: Tensor, dtype: torch.dtype = torch.float8_e4m3fn, ama
     q = torch.empty((M, N), dtype=dtype, device=x.device)
     qt = torch.empty((N, M), dtype=dtype, device=x.device) if transpose else q  # dummy ptr when unused
     inv_scale = torch.empty((), dtype=torch.float32, device=x.device)
-    BLOCK_M, BLOCK_N = 64, 64
+    BLOCK_M, BLOCK_N = QUANT_BLOCK_M, QUANT_BLOCK_N
     grid = (max(triton.cdiv(M, BLOCK_M), 1), max(triton.cdiv(N, BLOCK_N), 1))
     _quantize_kernel[grid](x2, q, qt, amax_buf, inv_scale, M, N, x2.stride(0), x2.stride(1),
                            FMAX=FP8_MAX[dtype], AMAX_FLOOR=AMAX_FLOOR, TRANSPOSE=transpose,
-                           BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4)
+                           BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=QUANT_WARPS)
     return q.view(x.shape), (qt if transpose else None), inv_scale
 
 
