@@ -141,6 +141,27 @@ def test_compile_autotune_gemm_flag_reaches_the_model(tmp_path):
         assert tr.model.run.compile_autotune_gemm is want
 
 
+def test_fp8_keep_transposes_flag_reaches_the_model(tmp_path):
+    """`--fp8-keep-transposes` / `--no-fp8-keep-transposes` / unset parse to True / False / None; the trainer hands
+    the model what was given, and resolves unset through the memory plan, which needs a GPU's memory: off on the
+    CPU (no budget to fit)."""
+    import argparse
+    from qtrain.cli.options import add_train_args, options_from_args
+    from qtrain.options import Options
+    from qtrain.train.trainer import Trainer
+    from tests.dist_utils import write_model_dir
+    parser = argparse.ArgumentParser()
+    add_train_args(parser)
+    model_dir = write_model_dir(tmp_path, tiny_cfg("qwen2", True))
+    for flags, given, want in (([], None, False), (["--fp8-keep-transposes"], True, True),
+                               (["--no-fp8-keep-transposes"], False, False)):
+        args = ["--model", str(model_dir), "--matmul-dtype", "e4m3", *flags]
+        assert options_from_args(parser.parse_args(args)).fp8_keep_transposes is given
+        tr = Trainer(Options(model=str(model_dir), from_scratch=True, device="cpu", compile="off", batch_size=1,
+                             seq_len=16, matmul_dtype="e4m3", fp8_policy="all", fp8_keep_transposes=given))
+        assert tr.model.run.fp8_keep_transposes is want
+
+
 def test_compile_options_reach_inductor_and_keep_the_numbers():
     """--compile-tuning / --compile-autotune-gemm become inductor options of the compiled block (real config
     keys of this torch, so a rename fails here rather than as an unknown-option error on the GPU machine), and a
