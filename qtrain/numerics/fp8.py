@@ -55,7 +55,8 @@ def quantize_for_gemms(x: Tensor, dtype: torch.dtype, transpose: bool, *, opaque
     opaque op running the Triton kernel (`fp8_quantize_transposed`, ~4.8 TB/s counting both writes on the H200),
     where inductor's own code for the transposed write ran at 1-2 TB/s (the 3B e4m3 profile, session 12). An
     opaque op cannot be rebuilt by the partitioner, so a forward's q^T is kept for backward (1 byte per element,
-    as eager keeps it) instead of re-made in backward: `--fp8-keep-transposes`. Same numbers either way."""
+    as eager keeps it) instead of re-made in backward: `--fp8-keep-transposes`. The same quantization either way
+    (on the CPU the same bits; on the GPU the kernel and inductor's code may round an element differently)."""
     if transpose and opaque and torch.compiler.is_compiling():
         return fp8_quantize_transposed(x, torch.linalg.vector_norm(x, float("inf")), dtype)
     return fp8_quantize(x, dtype, transpose=transpose)
@@ -475,7 +476,8 @@ def fp8_swiglu_mlp(x: Tensor, w_up: Tensor, w_down: Tensor, *, grad_dtype: torch
                    keep_transposes: bool = False) -> Tensor:
     """The SwiGLU MLP with FP8 GEMMs: x (..., C), w_up (2F, C) with rows [up; gate], w_down (C, F) -> (..., C)
     in x's dtype. up_fp8 / down_fp8: cached (e4m3 copy, inv_scale[, its transpose]) of the weights, as
-    `fp8_linear`'s weight_fp8; keep_transposes as `fp8_linear`'s. Shapes are checked as `fp8_linear` checks them (multiples of 16), before any work."""
+    `fp8_linear`'s weight_fp8; keep_transposes as `fp8_linear`'s. Shapes are checked as `fp8_linear` checks them
+    (multiples of 16), before any work."""
     if grad_dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_swiglu_mlp: grad_dtype must be float8_e4m3fn or float8_e5m2, got {grad_dtype}")
     if w_up.dim() != 2 or w_down.dim() != 2 or w_up.shape[0] != 2 * w_down.shape[1]:
