@@ -271,8 +271,8 @@ class Options:
     for its weight gradient (1 byte per element, as an eager block does) instead of letting torch.compile rebuild
     it in backward, where inductor writes transposes at 1-2 TB/s; every transposed quantization then runs the
     Triton kernel (~4.8 TB/s on an H200). The same quantization; costs memory (the plan counts it): two
-    hidden-size rows per token and layer, more under --recompute-att / --recompute-swiglu, whose inputs' copies
-    it keeps. Unset (auto): on where the memory plan with the copies fits the device (measured 1.4% faster at
+    hidden-size rows of e4m3 per token and layer (the norm outputs' copies; the attention and SwiGLU outputs'
+    stay rebuilt where --recompute-att / --recompute-swiglu rebuild those outputs). Unset (auto): on where the memory plan with the copies fits the device (measured 1.4% faster at
     Qwen2.5-3B, 0.5% at 1.5B on an H200), else off."""
     offload_quants: bool = False
     """Keep the persistent e4m3 weight shards in pinned host memory (needs --persistent-quants and sharded weights)."""

@@ -66,9 +66,9 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
     row). Compiled, the partitioner rebuilds the e4m3 copies of the two norm outputs (and of the attention output
     with --recompute-att) from what it keeps instead; the terms are then what it keeps for the compiled GPU path,
     whose MLP is one FP8 Function (`numerics.fp8.fp8_swiglu_mlp`), measured on the CPU term for term. With
-    `fp8_keep_transposes` (--fp8-keep-transposes) a compiled block keeps, as eager does, the e4m3 copy (its
-    transpose) of every linear input made outside a recomputed step: the two norm outputs, the attention output
-    under --recompute-att and the SwiGLU output under --recompute-swiglu."""
+    `fp8_keep_transposes` (--fp8-keep-transposes) a compiled block keeps, as eager does, the e4m3 copies (their
+    transposes) of the two norm outputs; the attention and SwiGLU outputs' copies it keeps anyway, except where a
+    recomputed step rebuilds them (`transformer.REBUILT_BY`: those linears do not keep theirs)."""
     E = DTYPE_BYTES[model_dtype]
     fp8 = (matmul_dtype or model_dtype) == "e4m3"
     rc = resolve_flags(recompute)  # `block` implies every other switch: only the block input stays
@@ -116,8 +116,7 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
     t.append(T("attention", E * q + 4 * nh + (E * q if chunked else 0), "att" not in rc,
                "SDPA output + log-sum-exp (fp32)" + (" + concatenated slices" if chunked else "")))
     if fp8:  # compiled with --recompute-att the partitioner rebuilds it with the attention output
-        t.append(T("o_in_fp8", q, blk and not (compiled and "att" in rc and not kt),
-                   "e4m3 copy of the attention projection's input"))
+        t.append(T("o_in_fp8", q, blk and not (compiled and "att" in rc), "e4m3 copy of the attention projection's input"))
     ln2_dropped = "norm" in rc or "ffn" in rc
     if compiled:
         t += [T("res_att", E * C, blk, "residual after attention"),
@@ -138,8 +137,7 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
         w8 = 1 if fp8_weight_copies else 0  # persistent quants: views of the gathered e4m3 block, not copies
         # compiled, with SwiGLU recomputed, the partitioner recomputes its e4m3 copy too (the quantization is
         # traceable): measured on the CPU (AOT's partitioner) and on the H200 (14B e4m3, session 11)
-        t += [T("down_in_fp8", Fi, blk and not (compiled and "swiglu" in rc and not kt),
-                "e4m3 copy of the down projection's input"),
+        t += [T("down_in_fp8", Fi, blk and not (compiled and "swiglu" in rc), "e4m3 copy of the down projection's input"),
               T("fp8_w_qkv", 0, "qkv" not in rc, "e4m3 QKV weight", per_layer=w8 * (C * qkv + 8)),
               T("fp8_w_o", 0, blk, "e4m3 attention-projection weight", per_layer=w8 * (q * C + 8)),
               T("fp8_w_up", 0, "ffn" not in rc, "e4m3 up/gate weight", per_layer=w8 * (2 * Fi * C + 8)),

@@ -59,6 +59,9 @@ class WeightSource(Protocol):
 
 
 FP8_MATRICES = ("qkv", "o", "up", "down")  # the four block linears that run in FP8 (--matmul-dtype e4m3)
+# the recompute step whose rerun rebuilds a linear's input, by block matrix: the attention output and the SwiGLU
+# output (the two norm outputs, in e4m3 blocks, are re-made from the residual whether or not LN is recomputed)
+REBUILT_BY = {"o": "attention", "down": "swiglu"}
 FP8_WEIGHT = "{}.fp8"  # an e4m3 copy of block matrix {} (N, K), contiguous
 FP8_INV_SCALE = "{}.fp8_inv"  # its inverse scale, a 0-dim fp32 tensor
 FP8_WEIGHT_T = "{}.fp8_t"  # optional: the e4m3 copy transposed, (K, N) contiguous (the input gradient's operand)
@@ -85,7 +88,8 @@ class GradientSink(Protocol):
 def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: frozenset[str] = frozenset(),
                   attn_chunks: int = 1, compiled: bool = False, fused_swiglu: bool = False,
                   mlp: Mlp | None = None, sdpa_backend: str = "auto",
-                  linears: dict[str, Linear] | None = None, fused_rope: bool = False) -> BlockFn:
+                  linears: dict[str, Linear] | None = None, fused_rope: bool = False,
+                  rebuilt_input_linear: Linear | None = None) -> BlockFn:
     """One pre-norm decoder block as a function of (x, weights, cos, sin), so one compiled graph serves
     every layer (weights are inputs, not captured constants).
 
@@ -101,19 +105,26 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     mlp: the whole MLP after LN2 as one function (FP8's `fp8_swiglu_mlp`, which keeps the SwiGLU output in
     FP8 only) instead of linear -> SwiGLU -> linear; ignored when the 'up' or 'swiglu' step is recomputed,
     since those need the steps separately.
-    linears: per-linear replacements of `linear` by block matrix name (the FP8 policy's bf16 linears)."""
+    linears: per-linear replacements of `linear` by block matrix name (the FP8 policy's bf16 linears).
+    rebuilt_input_linear: instead of `linear` for a linear whose input a recomputed step rebuilds (the attention
+    output under 'attention', the SwiGLU output under 'swiglu'): FP8 without --fp8-keep-transposes, so that what
+    the linear keeps is rebuilt with the step instead of undoing its saving."""
     nh, nkv, hs, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
     q_dim, qk_norm, gqa = cfg.q_dim, cfg.qk_norm, nh != nkv
     swiglu_fn = swiglu_fused if fused_swiglu else swiglu
     fused_mlp = mlp if not ({"up", "swiglu"} & recompute) else None
+    rebuilt = {n for n, step in REBUILT_BY.items() if step in recompute}
 
     def project(h: torch.Tensor, w: dict[str, torch.Tensor], name: str, bias: str | None = None) -> torch.Tensor:
         """h @ w[name]^T (+ w[bias]), with the source's FP8 copy of the weight when there is one."""
         b = w.get(bias) if bias else None
         if linears and name in linears:  # a model-dtype linear: no FP8 copy applies
             return linears[name](h, w[name], b)
+        fn = linear
+        if rebuilt_input_linear is not None and name in rebuilt:
+            fn = rebuilt_input_linear
         q = quantized_weight(w, name)
-        return linear(h, w[name], b) if q is None else linear(h, w[name], b, q)
+        return fn(h, w[name], b) if q is None else fn(h, w[name], b, q)
 
     def qkv_rope(h: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -235,10 +246,12 @@ class Transformer:
         self.run = run or RunOptions()
         run = self.run
         linear = block_linear(run.matmul_dtype, run.fp8_grad_dtype, run.fp8_keep_transposes)
+        rebuilt = block_linear(run.matmul_dtype, run.fp8_grad_dtype) if run.fp8_keep_transposes else None
         plain = [n for n in FP8_MATRICES if n not in run.fp8_linears] if run.matmul_dtype == "e4m3" else []
         linears = {n: F.linear for n in plain}  # the FP8 policy's model-dtype linears
         if run.wrap_linear is not None:
             linear, mlp = run.wrap_linear(linear), None
+            rebuilt = run.wrap_linear(rebuilt) if rebuilt is not None else None
             linears = {n: run.wrap_linear(f) for n, f in linears.items()}
         else:  # the fused FP8 MLP needs both of its linears in FP8
             mlp = (block_mlp(run.matmul_dtype, run.fp8_grad_dtype, run.fp8_keep_transposes)
@@ -246,7 +259,7 @@ class Transformer:
         fn = make_block_fn(cfg, linear, recompute=block_steps(run.recompute), attn_chunks=run.attn_bwd_chunks,
                            compiled=run.compile, fused_swiglu=run.compile, fused_rope=run.compile,
                            mlp=mlp if run.compile else None,
-                           sdpa_backend=run.sdpa_backend, linears=linears)
+                           sdpa_backend=run.sdpa_backend, linears=linears, rebuilt_input_linear=rebuilt)
         self.block_fn: BlockFn = torch.compile(fn, dynamic=False, options=run.inductor_options()) if run.compile else fn
         self._eager_block_fn: BlockFn = fn
         if run.compile:  # the compiled flavour of the recompute mechanism differs; eager needs its own

@@ -32,7 +32,8 @@ def measure_block(cfg: ModelConfig, dtype: str, *, flags=(), fp8=False, attn_chu
     compiled GPU path's SwiGLU and RoPE backward kernels (their twins here); mlp: its FP8 MLP (`block_mlp`);
     keep_transposes: the FP8 linears' (--fp8-keep-transposes)."""
     linear = block_linear("e4m3" if fp8 else "", keep_transposes=keep_transposes)
-    fn = make_block_fn(cfg, linear, recompute=block_steps(flags),
+    rebuilt = block_linear("e4m3") if keep_transposes else None  # as transformer.Transformer passes it
+    fn = make_block_fn(cfg, linear, recompute=block_steps(flags), rebuilt_input_linear=rebuilt,
                        attn_chunks=attn_chunks, compiled=compiled, fused_swiglu=fused, fused_rope=fused, mlp=mlp)
     if compiled:
         torch._dynamo.reset()
@@ -124,8 +125,9 @@ def test_block_terms_fp8_compiled_match_the_gpu_path(model_type, keep_transposes
     partitioner keeps, term for term. It rebuilds the e4m3 copies of the two norm outputs from the residual and the
     kept rstd, LN1's output too unless LN1 is recomputed, and with --recompute-att the attention output's copy
     (the plan counted all of them until session 12: 3B e4m3 32 x 2 planned 123.7 GiB, peaked at 111.7 on the H200).
-    With --fp8-keep-transposes the quantizations are opaque ops and it keeps every e4m3 transpose made outside a
-    recomputed step (e.g. the SwiGLU output's under --recompute-swiglu, which then saves nothing).
+    With --fp8-keep-transposes the quantizations are opaque ops and it keeps the norm outputs' e4m3 transposes; the
+    linears whose input a recomputed step rebuilds (the attention and SwiGLU outputs) do not keep theirs, or
+    --recompute-att / --recompute-swiglu would save less.
     Tolerance: 16 bytes per layer (0-dim scales and abs-maxes whose dtype the terms do not follow)."""
     cfg = small_cfg(model_type)
     mlp = block_mlp("e4m3", keep_transposes=keep_transposes)
