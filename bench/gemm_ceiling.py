@@ -1,5 +1,5 @@
-"""Kind `gemm-ceiling`: the bf16 GEMM ceiling of a training step: how many tokens/s a model could reach if its
-step did nothing but the block and LM-head GEMMs (forward, dgrad, wgrad) at the rate cuBLAS gives for its shapes.
+"""Kind `gemm-ceiling`: the GEMM ceiling of a training step: how many tokens/s a model could reach if its step did
+nothing but the block and LM-head GEMMs (forward, dgrad, wgrad) at the rate cuBLAS gives for its shapes.
 
 Per micro-batch of M tokens and per block linear (QKV, O, gate+up, down) it times, as autograd issues them,
   fwd  y = x @ W^T (M, N)     dgrad  dX = dY @ W (M, K)     wgrad  dW = dY^T @ x (N, K)
@@ -7,8 +7,12 @@ and the LM head the same way (in `lmhead_chunks` row chunks, as qtrain runs it).
 M / (layers * block GEMM time + head GEMM time); the gap between it and a measured step is everything else
 (attention, norms, SwiGLU, gradient accumulation, the update).
 
+With matmul_dtype "e4m3" the block linears' GEMMs are FP8 (`torch._scaled_mm` through qtrain's `scaled_mm`, in
+the layouts and accumulation modes `numerics.fp8` uses: fast accumulation in the forward only; operands already
+quantized, since quantization is not GEMM time) and the LM head stays bf16, as qtrain trains it.
+
 Parameters: model (preset or directory), tokens (M per micro-batch: one number or a list), lmhead_chunks (4),
-samples (10). One token count puts its row's numbers in the result (tokens, gemm_ms, tflops, ceiling_tps);
+samples (10), matmul_dtype ("" = bf16, or "e4m3"). One token count puts its row's numbers in the result (tokens, gemm_ms, tflops, ceiling_tps);
 every count's row is in `rows`.
 """
 from __future__ import annotations
@@ -34,20 +38,41 @@ def linear_ms(M: int, K: int, N: int, *, samples: int, dev: str = "cuda") -> dic
     return out
 
 
+def fp8_linear_ms(M: int, K: int, N: int, *, samples: int, dev: str = "cuda") -> dict[str, float]:
+    """Milliseconds of the three e4m3 GEMMs of one block linear (`numerics.fp8._Fp8Linear`'s calls)."""
+    from qtrain.numerics.fp8 import quantize_fp8, scaled_mm
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=g)
+    w = torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=g) * K ** -0.5
+    dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16, generator=g)
+    (xq, xi), (wq, wi), (dq, di) = quantize_fp8(x), quantize_fp8(w), quantize_fp8(dy)
+    xqt, wqt, dqt = xq.t().contiguous(), wq.t().contiguous(), dq.t().contiguous()
+    bf16 = torch.bfloat16
+    return {"fwd": time_ms(lambda: scaled_mm(xq, wq.t(), xi, wi, out_dtype=bf16, use_fast_accum=True),
+                           samples=samples, warmup=3, device=dev),
+            "dgrad": time_ms(lambda: scaled_mm(dq, wqt.t(), di, wi, out_dtype=bf16), samples=samples, warmup=3,
+                             device=dev),
+            "wgrad": time_ms(lambda: scaled_mm(dqt, xqt.t(), di, xi, out_dtype=bf16), samples=samples, warmup=3,
+                             device=dev)}
+
+
 def run(model: str, tokens: int | list[int] = (2048, 4096, 8192, 16384), lmhead_chunks: int = 4, samples: int = 10,
-        device: str = "cuda") -> dict:
+        device: str = "cuda", matmul_dtype: str = "") -> dict:
     cfg = model_config(model)
     C, F_, H, KV, D = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
                        cfg.num_key_value_heads, cfg.head_dim)
     linears = {"qkv": (C, (H + 2 * KV) * D), "o": (H * D, C), "up": (C, 2 * F_), "down": (F_, C)}
+    if matmul_dtype not in ("", "bf16", "e4m3"):
+        raise ValueError(f"gemm-ceiling: matmul_dtype must be '', 'bf16' or 'e4m3', got {matmul_dtype!r}")
+    block_linear_ms = fp8_linear_ms if matmul_dtype == "e4m3" else linear_ms
     name = torch.cuda.get_device_name() if device == "cuda" else device
-    print(name, torch.__version__, model, flush=True)
+    print(name, torch.__version__, model, f"block linears {matmul_dtype or 'bf16'}, LM head bf16", flush=True)
     rows = []
     for M in ([tokens] if isinstance(tokens, int) else list(tokens)):
         block_ms, flops = 0.0, 0.0
         parts = {}
         for lin, (K, N) in linears.items():
-            t = linear_ms(M, K, N, samples=samples, dev=device)
+            t = block_linear_ms(M, K, N, samples=samples, dev=device)
             parts[lin] = round(sum(t.values()), 3)
             block_ms += sum(t.values())
             flops += 6 * M * K * N

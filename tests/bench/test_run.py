@@ -261,3 +261,17 @@ def test_summary_lines_of_llmq_and_pytest():
     assert pytest_summary(["..", "== 1 failed, 73 passed, 2 skipped, 5 deselected in 100.1s =="]) == dict(
         failed=1, passed=73, skipped=2, deselected=5, summary="1 failed, 73 passed, 2 skipped, 5 deselected in 100.1s")
     assert pytest_summary(["5/300 tests collected (295 deselected) in 3.0s"])["collected"] == 5
+
+
+def test_gemm_ceiling_e4m3_block_linears_use_cuda_legal_layouts():
+    """The e4m3 ceiling times the block GEMMs through qtrain's `scaled_mm`, whose checks are CUDA's layout rules
+    (row-major x column-major, multiples of 16), so a layout the GPU would reject fails here; the LM head stays
+    bf16. A bad matmul_dtype is refused by name."""
+    from bench import gemm_ceiling
+    from bench.dry import tiny_model_dir
+    model = tiny_model_dir("Qwen2.5-0.5B")
+    out = gemm_ceiling.run(model, tokens=64, lmhead_chunks=2, samples=1, device="cpu", matmul_dtype="e4m3")
+    assert out["tokens"] == 64 and out["gemm_ms"] > 0 and out["ceiling_tps"] > 0
+    assert set(out["rows"][0]["parts"]) == {"qkv", "o", "up", "down"}
+    with pytest.raises(ValueError, match="matmul_dtype"):
+        gemm_ceiling.run(model, tokens=64, samples=1, device="cpu", matmul_dtype="e5m2")
