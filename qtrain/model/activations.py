@@ -131,7 +131,7 @@ def activation_terms(cfg: ModelConfig, *, model_dtype: str = "bf16", matmul_dtyp
         t += [T("res_att", res, blk,
                 "residual after attention" + ("" if res == E * C else " (as RMSNorm-2's fp32 copy)")),
               T("ln2", 4 + E * C + lin * C, not ln2_dropped, "RMSNorm-2 rstd, normalized, output"),
-              T("mlp_up", 2 * Fi * E + f8 * C, "ffn" not in rc, "fused up/gate output (B, T, 2F)"),
+              T("mlp_up", 2 * Fi * E + f8_norm_out * C, "ffn" not in rc, "fused up/gate output (B, T, 2F)"),
               T("swiglu", E * Fi + lin * Fi, "swiglu" not in rc, "silu(gate), SwiGLU output")]
     if fp8:  # each linear keeps its e4m3 weight and two scales; those inside a recomputed step are rebuilt
         w8 = 1 if fp8_weight_copies else 0  # persistent quants: views of the gathered e4m3 block, not copies

@@ -248,11 +248,11 @@ class Fp8WeightCache:
     def get_with_transpose(self, weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(w_fp8, inv_scale, w_fp8^T): `get` and `transposed` as one ask (one hit or one miss), both copies made
         by one pass of the kernel on a miss."""
-        if self._valid_entry(weight) is None:
-            self._quantize(weight, transpose=True)
+        e = self._valid_entry(weight)
+        if e is None:
+            e = self._quantize(weight, transpose=True)
         else:
             self.hits += 1
-        e = self._entries[id(weight)]
         return e.w_fp8, e.inv_scale, self.transposed(weight)
 
     def transposed(self, weight: Tensor) -> Tensor:

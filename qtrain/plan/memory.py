@@ -268,6 +268,7 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
             if kept.fits:
                 return kept
         opts = dataclasses.replace(opts, fp8_keep_transposes=False)
+    keep_t = bool(opts.fp8_keep_transposes and compiled and fp8)  # the e4m3 input transposes kept (activations)
 
     graphs = opts.cuda_graphs_on(cfg, world=world, device_type=device)  # train/cuda_graphs.py
     grads = _gradient_row(opts, layout, device, graphs=graphs)
@@ -280,7 +281,7 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
     chunks = max(1, opts.lmhead_chunks)
     kw = dict(model_dtype=opts.model_dtype, matmul_dtype=matmul if fp8 or matmul != "e4m3" else "",
               compiled=compiled, attn_chunks=attn_chunks, fp8_weight_copies=not persistent_quants,
-              fp8_keep_transposes=bool(opts.fp8_keep_transposes))
+              fp8_keep_transposes=keep_t)
     acts = activation_memory(cfg, N, recompute=rc, offload_residual=opts.offload_residual, **kw)
     phases = workspace_phases(cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc, **kw)
     if 0 < len(fp8) < len(FP8_MATRICES):  # some linears in FP8, some not: the larger of the two (an upper bound)
@@ -292,7 +293,7 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
     items.append(Item(f"activations ({L} layers)", device=acts.device, host=acts.host, kind="activations",
                       parts={"per_layer": acts.per_layer, "inputs": L * acts.input, "output": acts.input},
                       detail=f"{_mib(acts.per_layer + acts.input)} per layer; recompute {recompute_label(rc)}"
-                             + ("; e4m3 input transposes kept" if opts.fp8_keep_transposes and compiled and fp8 else "")
+                             + ("; e4m3 input transposes kept" if keep_t else "")
                              + ("; block inputs on host" if acts.offload_residual else "")))
     peak_phase = max(phases, key=phases.get)
     workspace = phases[peak_phase]
@@ -323,7 +324,7 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
                 "offload_master": opts.offload_master, "offload_opt_m": opts.offload_opt_m,
                 "offload_opt_v": opts.offload_opt_v, "lmhead_chunks": chunks, "attn_bwd_chunks": attn_chunks,
                 "grad_accumulation": opts.grad_accumulation, "compiled": compiled, "device": device,
-                "fp8_keep_transposes": bool(opts.fp8_keep_transposes and compiled and fp8)}
+                "fp8_keep_transposes": keep_t}
     breakdown = [{"name": a.name, "bytes": a.nbytes(N), "kept": a.kept, "what": a.what} for a in acts.terms]
     name = model_name or opts.model or "qtrain-tiny"
     return MemoryPlan(model=name, world=world, batch_size=B, seq_len=T, settings=settings, items=items,
