@@ -274,6 +274,14 @@ class Options:
     hidden-size rows of e4m3 per token and layer (the norm outputs' copies; the attention and SwiGLU outputs'
     stay rebuilt where --recompute-att / --recompute-swiglu rebuild those outputs). Unset (auto): on where the memory plan with the copies fits the device (measured 1.4% faster at
     Qwen2.5-3B, 0.5% at 1.5B on an H200), else off."""
+    fp8_swiglu_onepass: bool = False
+    """With --matmul-dtype e4m3: write the SwiGLU output and its gradient (the MLP's two largest tensors) to e4m3
+    in one pass each, with power-of-two scales predicted from the layer's previous micro-step and re-done where
+    the prediction missed, instead of a bf16 pass and a quantize pass with the exact scale (6 and 10 bytes per
+    element of the intermediate size moved, instead of 10 and 18). The result never depends on the prediction;
+    the scale of those two tensors is 2^e (their largest element lands between FMAX/2 and FMAX). Applies where
+    the MLP runs as one compiled FP8 function (torch.compile on, no --recompute-swiglu / --recompute-ffn);
+    eager blocks quantize as without it."""
     offload_quants: bool = False
     """Keep the persistent e4m3 weight shards in pinned host memory (needs --persistent-quants and sharded weights)."""
     offload_master: bool = False
@@ -498,6 +506,12 @@ class Options:
         if self.fp8_keep_transposes and self.effective_matmul_dtype != "e4m3":
             raise err("--fp8-keep-transposes only applies with --matmul-dtype e4m3: it keeps the e4m3 transposes "
                       "of the block linears' inputs")
+        if self.fp8_swiglu_onepass and self.effective_matmul_dtype != "e4m3":
+            raise err("--fp8-swiglu-onepass only applies with --matmul-dtype e4m3: it writes the SwiGLU output and "
+                      "its gradient in e4m3")
+        if self.fp8_swiglu_onepass and {"swiglu", "ffn"} & set(self.recompute):
+            raise err("--fp8-swiglu-onepass needs the MLP as one FP8 function, which --recompute-swiglu / "
+                      "--recompute-ffn split into separate steps: drop one of them")
         if self.offload_master and not self.weights_sharded:
             raise err("--offload-master needs sharded weights (--shard-weights or --zero-level 3): qtrain keeps no "
                       "separate master copy (the model-dtype weights are the master), and replicated weights must "

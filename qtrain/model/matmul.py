@@ -32,17 +32,20 @@ def block_linear(matmul_dtype: str = "", grad_dtype: str = "e4m3", keep_transpos
     return linear
 
 
-def block_mlp(matmul_dtype: str = "", grad_dtype: str = "e4m3", keep_transposes: bool = False):
+def block_mlp(matmul_dtype: str = "", grad_dtype: str = "e4m3", keep_transposes: bool = False,
+              onepass: bool = False):
     """The MLP as one function with matmul_dtype "e4m3" (`fp8_swiglu_mlp`: the SwiGLU output exists only in
     FP8, its gradient is quantized with an abs-max fused into the SwiGLU backward), else None (the block
     runs linear -> SwiGLU -> linear). Compiled blocks use it (as they do the fused SwiGLU backward).
-    `keep_transposes` as `block_linear`'s."""
+    `keep_transposes` as `block_linear`'s; `onepass` (--fp8-swiglu-onepass): h and du in one pass each with
+    power-of-two scales, predicted by the hint the block passes (the layer's, kept by the Transformer)."""
     if matmul_dtype != "e4m3":
         return None
     gd = FP8_GRAD_DTYPES[grad_dtype or "e4m3"]
 
-    def mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, up_fp8=None, down_fp8=None) -> torch.Tensor:
+    def mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, up_fp8=None, down_fp8=None,
+            scale_hint: torch.Tensor | None = None) -> torch.Tensor:
         return fp8_swiglu_mlp(x, w_up, w_down, grad_dtype=gd, up_fp8=up_fp8, down_fp8=down_fp8,
-                              keep_transposes=keep_transposes)
+                              keep_transposes=keep_transposes, onepass=onepass, scale_hint=scale_hint)
 
     return mlp

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from qtrain.kernels.attention import causal_attention
+from qtrain.kernels.swiglu_fp8_onepass import new_scale_hint
 from qtrain.model.config import ModelConfig
 from qtrain.model.layers import (SDPA_BACKENDS, apply_rope, qkv_rope_fused, rms_norm, rope_tables, sdpa_backends,
                                  split_qkv, swiglu, swiglu_fused)
@@ -65,6 +66,9 @@ REBUILT_BY = {"o": "attention", "down": "swiglu"}
 FP8_WEIGHT = "{}.fp8"  # an e4m3 copy of block matrix {} (N, K), contiguous
 FP8_INV_SCALE = "{}.fp8_inv"  # its inverse scale, a 0-dim fp32 tensor
 FP8_WEIGHT_T = "{}.fp8_t"  # optional: the e4m3 copy transposed, (K, N) contiguous (the input gradient's operand)
+# with --fp8-swiglu-onepass: the layer's int32 (2,) scale hints of h and du (kernels/swiglu_fp8_onepass.py), which
+# the Transformer adds to the block's weights for the fused FP8 MLP (no grad; a hint changes no result)
+SCALE_HINT = "mlp.fp8_scale_hint"
 
 
 def quantized_weight(w: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, ...] | None:
@@ -178,7 +182,8 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
         # 2) MLP: norm -> fused up/gate projection -> SwiGLU -> down projection
         h = step("ln2", rms_norm, x, w["ln2"], eps)
         if fused_mlp is not None:
-            return x + fused_mlp(h, w["up"], w["down"], quantized_weight(w, "up"), quantized_weight(w, "down"))
+            return x + fused_mlp(h, w["up"], w["down"], quantized_weight(w, "up"), quantized_weight(w, "down"),
+                                 w.get(SCALE_HINT))
         u = step("up", project, h, w, "up")  # (B, T, 2F)
         return x + project(step("swiglu", swiglu_fn, u), w, "down")
 
@@ -217,6 +222,7 @@ class RunOptions:
     # dtype (model/fp8_policy.py chooses them)
     fp8_grad_dtype: str = "e4m3"  # with e4m3 matmuls: the output gradients' FP8 format, e4m3 or e5m2
     fp8_keep_transposes: bool = False  # with e4m3 and compile: keep the inputs' e4m3 transposes (numerics.fp8)
+    fp8_swiglu_onepass: bool = False  # with e4m3 and the fused MLP: h and du in one pass, power-of-two scales
     wrap_linear: Callable[[Linear], Linear] | None = None  # instrumentation around the block linears
     # (--debug-log-abs-max); with it the MLP runs as separate linears, which the wrapper sees
 
@@ -254,7 +260,7 @@ class Transformer:
             rebuilt = run.wrap_linear(rebuilt) if rebuilt is not None else None
             linears = {n: run.wrap_linear(f) for n, f in linears.items()}
         else:  # the fused FP8 MLP needs both of its linears in FP8
-            mlp = (block_mlp(run.matmul_dtype, run.fp8_grad_dtype, run.fp8_keep_transposes)
+            mlp = (block_mlp(run.matmul_dtype, run.fp8_grad_dtype, run.fp8_keep_transposes, run.fp8_swiglu_onepass)
                    if not {"up", "down"} & set(plain) else None)
         fn = make_block_fn(cfg, linear, recompute=block_steps(run.recompute), attn_chunks=run.attn_bwd_chunks,
                            compiled=run.compile, fused_swiglu=run.compile, fused_rope=run.compile,
@@ -268,6 +274,7 @@ class Transformer:
                                                  sdpa_backend=run.sdpa_backend, linears=linears)
         self._stash = ResidualStash(offload=run.offload_residual)  # block inputs with recompute_block
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._scale_hints: dict[tuple[int, str], torch.Tensor] = {}  # (layer, device) -> SCALE_HINT's tensor
 
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
@@ -284,6 +291,17 @@ class Transformer:
         if key not in self._rope:
             self._rope[key] = rope_tables(self.cfg, T, device, dtype)
         return self._rope[key]
+
+    def _with_scale_hint(self, w: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
+        """The block's weights plus the layer's scale hints under --fp8-swiglu-onepass (one tensor per layer,
+        made once, so every micro-step and CUDA-graph replay reads and updates the same one), else w."""
+        if not self.run.fp8_swiglu_onepass:
+            return w
+        device = next(iter(w.values())).device
+        key = (layer, str(device))
+        if key not in self._scale_hints:
+            self._scale_hints[key] = new_scale_hint(device)
+        return {**w, SCALE_HINT: self._scale_hints[key]}
 
     def _head_weight(self, nb: dict[str, torch.Tensor]) -> torch.Tensor:
         return nb["embed"] if self.cfg.tie_word_embeddings else nb["lm_head"]
@@ -306,7 +324,7 @@ class Transformer:
         x = F.embedding(inputs, embed.detach())  # (B, T, C)
         graphs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (block input, block output)
         for layer in range(L):
-            w = weights.block(layer)
+            w = self._with_scale_hint(weights.block(layer), layer)
             x_in = x.detach().requires_grad_(True)
             if recompute_block:
                 with torch.no_grad():
@@ -337,8 +355,8 @@ class Transformer:
 
         # backward through the blocks, last to first; each block's weight gradients leave immediately
         for layer in reversed(range(L)):
-            w = weights.block(layer)
-            names = [n for n, t in w.items() if t.requires_grad]  # not the FP8 copies
+            w = self._with_scale_hint(weights.block(layer), layer)
+            names = [n for n, t in w.items() if t.requires_grad]  # not the FP8 copies or the scale hints
             if recompute_block:
                 x_in = stash.load(layer).requires_grad_(True)
                 stash.prefetch(layer - 1)  # the next block's input travels while this one runs

@@ -6,6 +6,8 @@ within 1e-4 relative, per tensor.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -236,3 +238,37 @@ def test_bf16_on_gpu_is_as_accurate_as_transformers(model_type, compile_):
         worst.append((e_ours, e_hf, name))
         assert e_ours <= 1.5 * e_hf + 1e-3, f"{name}: ours {e_ours:.2e} vs transformers bf16 {e_hf:.2e}"
     print("worst gradient errors (ours, transformers):", sorted(worst, reverse=True)[:3])
+
+
+def test_fp8_swiglu_onepass_reaches_the_model_and_trains(tmp_path):
+    """`--fp8-swiglu-onepass`: parsed, refused without e4m3 or with a recompute that splits the MLP (before the
+    model is built), handed to the model, which keeps one scale hint per layer across steps; a compiled CPU run
+    (twins) trains to the exact-scale run's losses within FP8's error (only the two tensors' scales differ)."""
+    import argparse
+    from qtrain.cli.options import add_train_args, options_from_args
+    from qtrain.options import Options, OptionsError
+    from qtrain.train.trainer import Trainer
+    from tests.dist_utils import write_model_dir
+    parser = argparse.ArgumentParser()
+    add_train_args(parser)
+    model_dir = str(write_model_dir(tmp_path, tiny_cfg("qwen2", True)))
+    args = ["--model", model_dir, "--matmul-dtype", "e4m3"]
+    assert options_from_args(parser.parse_args(args + ["--fp8-swiglu-onepass"])).fp8_swiglu_onepass is True
+    assert options_from_args(parser.parse_args(args)).fp8_swiglu_onepass is False
+    base = dict(model=model_dir, from_scratch=True, device="cpu", compile="on", batch_size=2, seq_len=32,
+                grad_accumulation=1,
+                matmul_dtype="e4m3", fp8_policy="all", model_dtype="bf16", seed=3)
+    with pytest.raises(OptionsError, match="--fp8-swiglu-onepass only applies with --matmul-dtype e4m3"):
+        Options(**{**base, "matmul_dtype": "bf16"}, fp8_swiglu_onepass=True).validate()
+    with pytest.raises(OptionsError, match="--recompute-swiglu"):
+        Options(**base, fp8_swiglu_onepass=True, recompute_ffn=True).validate()
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 128, (2, 33), generator=g) for _ in range(3)]
+    losses = {}
+    for onepass in (False, True):
+        tr = Trainer(Options(**base, fp8_swiglu_onepass=onepass))
+        assert tr.model.run.fp8_swiglu_onepass is onepass
+        losses[onepass] = [tr.step([(x[:, :-1], x[:, 1:])], lr=3e-3)["loss"] for x in batches]
+        assert len(tr.model._scale_hints) == (tr.model.cfg.num_hidden_layers if onepass else 0)
+    for a, b in zip(losses[False], losses[True]):
+        assert math.isfinite(b) and abs(a - b) <= 2e-2 * abs(a), (losses)

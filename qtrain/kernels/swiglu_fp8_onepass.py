@@ -1,0 +1,256 @@
+"""SwiGLU forward and backward straight to FP8 in one pass, with power-of-two scales predicted per layer.
+
+In an FP8 MLP the SwiGLU output h (M, F) and the up projection's output gradient du (M, 2F) exist only to be
+quantized (q and its transpose q^T, for the two GEMMs that read each). With per-tensor current scaling the
+scale needs max |x| before any element is scaled, so today each is two passes (kernels/swiglu_fp8.py,
+kernels/swiglu.py + the quantize kernel): the SwiGLU kernel writes x in bf16 and reduces its abs-max, then the
+quantize kernel reads x back and writes q and q^T. Per element of F that is 10 bytes moved forward (u 4, h 2,
+h again 2, q and q^T 2) and 18 backward (u 4, dout 2, du 4, du again 4, q and q^T 4). Here one pass writes q and
+q^T straight from the inputs: 6 and 10 bytes.
+
+What makes one pass possible is a scale known in advance. The scale is a power of two,
+
+    e     = floor(log2(FMAX / max(amax, AMAX_FLOOR)))      (the largest e with amax * 2^e <= FMAX, up to the
+    scale = 2^e,  inv_scale = 2^-e                           rounding of the one division)
+
+a function of amax's binade only, and the kernel takes it from the exponent this tensor had at the same layer in
+the previous call (`hint`, an int32 the caller keeps per layer). The pass also reduces the true amax; a second
+launch then checks the exponent: where it differs from the hint, that launch recomputes the tile from the inputs
+and writes q and q^T again with the true exponent; where it matches, every program exits without touching
+memory. The hint is then set to the true exponent. So the result is always the current-scaling result with a
+power-of-two scale, whatever the hint held (a stale, wrong or never-set hint costs one more pass, never a
+different bit): the output depends on the inputs alone, which keeps CUDA-graph replays, resumed runs and
+recomputation bitwise equal to a plain run. The hint is written behind torch.compile's back (the ops declare no
+mutation): nothing the compiler could reorder or cache about it can change a result, only the speed.
+
+A power-of-two scale leaves the largest element between FMAX/2 and FMAX (the exact scale puts it at FMAX): the
+tensor's dynamic range loses at most one binade at the bottom, and scaling itself is exact (no rounding of
+x * scale before the cast). Rounding of the SwiGLU values is the existing kernels': h and du are rounded to u's
+dtype first, as the two-pass path stores them, so the twins below are the two-pass twins with the scale rule
+swapped (`pow2_scale`).
+
+Layout (STYLE.md "Kernels and their twins"): scale rule, twins (the specification), Triton kernels, launchers,
+custom ops (a torch.compile'd block calls them as opaque steps).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from qtrain.kernels.dispatch import jit, tl, triton, use_triton
+from qtrain.kernels.fp8_quant import AMAX_FLOOR, FP8_DTYPES, FP8_MAX, store_fp8_tile
+from qtrain.kernels.stochastic_rounding import load_f32, round_f32
+from qtrain.kernels.swiglu import swiglu_backward_twin
+
+__all__ = ["HINT_UNSET", "new_scale_hint", "pow2_scale", "swiglu_backward_fp8_onepass",
+           "swiglu_backward_fp8_onepass_twin", "swiglu_fp8_onepass", "swiglu_fp8_onepass_twin"]
+
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+HINT_UNSET = -1000  # no exponent is ever this: the first call of a layer takes the second pass
+# Tiles (module attributes, for a kernels-suite sweep): a program covers BLOCK_M rows x BLOCK_F columns of F;
+# BLOCK_M bytes per row of q^T per store, as the quantize kernel's 64.
+FWD_BLOCK_M, FWD_BLOCK_F, FWD_WARPS = 64, 128, 8
+BWD_BLOCK_M, BWD_BLOCK_F, BWD_WARPS = 64, 64, 8
+
+Result = tuple[Tensor, Tensor, Tensor]  # (q (M, N), q^T (N, M), inv_scale 0-dim fp32)
+
+
+def _check(u: Tensor, dtype: torch.dtype, dout: Tensor | None = None) -> None:
+    if u.dim() != 2 or u.shape[1] % 2:
+        raise ValueError(f"swiglu one-pass FP8: u must be (M, 2F), got shape {tuple(u.shape)}")
+    if u.dtype not in _KINDS:
+        raise TypeError(f"swiglu one-pass FP8: u must be one of {list(_KINDS)}, got {u.dtype}")
+    if dtype not in FP8_DTYPES:
+        raise TypeError(f"swiglu one-pass FP8: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
+    if dout is not None and (dout.shape != (u.shape[0], u.shape[1] // 2) or dout.dtype != u.dtype):
+        raise ValueError(f"swiglu one-pass FP8: dout must be (M, F) in u's dtype, got {tuple(dout.shape)} "
+                         f"{dout.dtype} for u {tuple(u.shape)} {u.dtype}")
+
+
+def new_scale_hint(device: torch.device | str, slots: int = 2) -> Tensor:
+    """Fresh hints: `slots` int32 exponents (a layer's h and du), unset (the first call takes both passes)."""
+    return torch.full((slots,), HINT_UNSET, dtype=torch.int32, device=device)
+
+
+# ------------------------------------------------------------------------------------------ scale rule
+def pow2_scale(amax: Tensor, fmax: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(scale, inv_scale, e) for an fp32 amax: scale = 2^e, e = floor(log2(fmax / max(amax, AMAX_FLOOR))).
+    torch's division is correctly rounded, as the kernels' div_rn; frexp reads the binade exactly."""
+    r = torch.full((), fmax, dtype=torch.float32, device=amax.device) / amax.float().reshape(()).clamp_min(AMAX_FLOOR)
+    e = torch.frexp(r).exponent.to(torch.int32) - 1  # r = m * 2^k with m in [0.5, 1): floor(log2 r) = k - 1
+    one = torch.ones((), dtype=torch.float32, device=amax.device)
+    return torch.ldexp(one, e), torch.ldexp(one, -e), e
+
+
+def _quantize_pow2(x: Tensor, dtype: torch.dtype) -> Result:
+    """q, q^T, inv_scale of x (already in its stored dtype) with the power-of-two scale of its abs-max."""
+    fmax = FP8_MAX[dtype]
+    amax = torch.linalg.vector_norm(x, float("inf")) if x.numel() else x.new_zeros(())
+    scale, inv_scale, _ = pow2_scale(amax, fmax)
+    q = (x.float() * scale).clamp_(-fmax, fmax).to(dtype).contiguous()
+    return q, q.t().contiguous(), inv_scale
+
+
+# ---------------------------------------------------------------------------------------------- twins
+def swiglu_fp8_onepass_twin(u: Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> Result:
+    """The specification of the forward: h = up * silu(gate) in u's dtype (`layers.swiglu`'s rounding), quantized
+    with the power-of-two scale of max |h|: (h_q (M, F), h_q^T (F, M), inv_scale)."""
+    _check(u, dtype)
+    up, gate = u.chunk(2, dim=-1)
+    return _quantize_pow2(F.silu(gate) * up, dtype)
+
+
+def swiglu_backward_fp8_onepass_twin(dout: Tensor, u: Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> Result:
+    """The specification of the backward: du = `swiglu_backward_twin(dout, u)` (in u's dtype), quantized with the
+    power-of-two scale of max |du|: (du_q (M, 2F), du_q^T (2F, M), inv_scale)."""
+    _check(u, dtype, dout)
+    return _quantize_pow2(swiglu_backward_twin(dout, u), dtype)
+
+
+# -------------------------------------------------------------------------------------------- triton
+@jit
+def _pow2_exponent(amax_ptr, FMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
+    """`pow2_scale`'s e from the one fp32 amax: the exponent field of the correctly rounded FMAX / amax."""
+    amax = tl.maximum(tl.load(amax_ptr).to(tl.float32), AMAX_FLOOR)
+    r = tl.math.div_rn(tl.full((), FMAX, tl.float32), amax)
+    return ((r.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+
+
+@jit
+def _exp2_f32(e):
+    """2^e as fp32, exactly (e within the normal range, as every exponent here is)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@jit
+def _pass_exponent(hint_ptr, amax_ptr, REDO: tl.constexpr, FMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
+    """(e, go): pass 1 writes with the hinted exponent; pass 2 with the true one, and only where they differ."""
+    e_hint = tl.load(hint_ptr)
+    if REDO:
+        e = _pow2_exponent(amax_ptr, FMAX, AMAX_FLOOR)
+        return e, e != e_hint
+    return e_hint, e_hint == e_hint
+
+
+@jit
+def _swiglu_fwd_fp8_kernel(u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr, inv_scale_ptr, M, F,
+                           KIND: tl.constexpr, FMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, REDO: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+    """h = round(round(silu(gate)) * up) for the tile (as `swiglu_fp8`'s pass 1), written as e4m3/e5m2 q and q^T
+    with scale 2^e (`_pass_exponent`); pass 1 also stores the tile's max |h| in partial_ptr[program]. A pass-2
+    program whose exponent matched masks every load and store off (a mask, not a branch on the loaded value)."""
+    e, go = _pass_exponent(hint_ptr, amax_ptr, REDO, FMAX, AMAX_FLOOR)
+    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rf = (tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
+    mask = (rm[:, None] < M) & (rf[None, :] < F) & go
+    off = rm[:, None] * (2 * F) + rf[None, :]
+    up = load_f32(u_ptr + off, mask, KIND)
+    gate = load_f32(u_ptr + off + F, mask, KIND)
+    h = round_f32(round_f32(gate / (1.0 + tl.exp(-gate)), KIND) * up, KIND)  # masked lanes: 0
+    store_fp8_tile(q_ptr, qt_ptr, inv_scale_ptr, h, _exp2_f32(e), rm, rf, M, F, mask, FMAX, True)
+    if not REDO:  # rounding is monotone and odd: the max of the rounded values is what the twin reduces
+        tl.store(partial_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
+                 tl.max(tl.max(tl.abs(h), axis=1), axis=0))
+
+
+@jit
+def _swiglu_bwd_fp8_kernel(dout_ptr, u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr, inv_scale_ptr, M, F,
+                           KIND: tl.constexpr, FMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, REDO: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+    """du = [d_up, d_gate] for the tile (`swiglu._swiglu_bwd_kernel`'s arithmetic, rounded to u's dtype), written
+    as q (M, 2F) and q^T (2F, M) with scale 2^e: d_up at columns rf, d_gate at F + rf. Passes as the forward's."""
+    e, go = _pass_exponent(hint_ptr, amax_ptr, REDO, FMAX, AMAX_FLOOR)
+    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rf = (tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
+    mask = (rm[:, None] < M) & (rf[None, :] < F) & go
+    up_off = rm[:, None] * (2 * F) + rf[None, :]
+    up = load_f32(u_ptr + up_off, mask, KIND)
+    gate = load_f32(u_ptr + up_off + F, mask, KIND)
+    d = load_f32(dout_ptr + rm[:, None] * F + rf[None, :], mask, KIND)
+    s = 1.0 / (1.0 + tl.exp(-gate))
+    d_up = round_f32(d * gate * s, KIND)
+    d_gate = round_f32(d * up * s * (1.0 + gate * (1.0 - s)), KIND)
+    scale = _exp2_f32(e)
+    store_fp8_tile(q_ptr, qt_ptr, inv_scale_ptr, d_up, scale, rm, rf, M, 2 * F, mask, FMAX, True)
+    store_fp8_tile(q_ptr, qt_ptr, inv_scale_ptr, d_gate, scale, rm, rf + F, M, 2 * F, mask, FMAX, True)
+    if not REDO:
+        tl.store(partial_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
+                 tl.max(tl.max(tl.maximum(tl.abs(d_up), tl.abs(d_gate)), axis=1), axis=0))
+
+
+def _bits(t: Tensor) -> Tensor:
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _launch_two_passes(kernel, inputs: tuple[Tensor, ...], M: int, N: int, F: int, kind: int, dtype: torch.dtype,
+                       hint: Tensor, block: tuple[int, int, int]) -> Result:
+    """Pass 1 with the hinted exponent, the abs-max, pass 2 where the exponent missed, the hint updated."""
+    q = torch.empty((M, N), dtype=dtype, device=hint.device)
+    qt = torch.empty((N, M), dtype=dtype, device=hint.device)
+    inv_scale = torch.empty((), dtype=torch.float32, device=hint.device)
+    if not M * N:
+        inv_scale.copy_(pow2_scale(torch.zeros((), device=hint.device), FP8_MAX[dtype])[1])  # the twin's
+        return q, qt, inv_scale
+    bm, bf, warps = block
+    grid = (triton.cdiv(M, bm), triton.cdiv(F, bf))
+    partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=hint.device)
+    const = dict(KIND=kind, FMAX=FP8_MAX[dtype], AMAX_FLOOR=AMAX_FLOOR, BLOCK_M=bm, BLOCK_F=bf, num_warps=warps)
+    kernel[grid](*inputs, q, qt, hint, partial, partial, inv_scale, M, F, REDO=False, **const)
+    amax = partial.amax()
+    kernel[grid](*inputs, q, qt, hint, amax, partial, inv_scale, M, F, REDO=True, **const)
+    hint.copy_(pow2_scale(amax, FP8_MAX[dtype])[2].reshape(1))
+    return q, qt, inv_scale
+
+
+def swiglu_fp8_onepass_triton(u: Tensor, dtype: torch.dtype, hint: Tensor) -> Result:
+    """Host launcher of the forward; same contract as the twin, whatever `hint` holds (which it updates)."""
+    _check(u, dtype)
+    u = u.contiguous()
+    M, F = u.shape[0], u.shape[1] // 2
+    return _launch_two_passes(_swiglu_fwd_fp8_kernel, (_bits(u),), M, F, F, _KINDS[u.dtype], dtype, hint,
+                              (FWD_BLOCK_M, FWD_BLOCK_F, FWD_WARPS))
+
+
+def swiglu_backward_fp8_onepass_triton(dout: Tensor, u: Tensor, dtype: torch.dtype, hint: Tensor) -> Result:
+    """Host launcher of the backward; same contract as the twin, whatever `hint` holds (which it updates)."""
+    _check(u, dtype, dout)
+    u, dout = u.contiguous(), dout.contiguous()
+    M, F = dout.shape
+    return _launch_two_passes(_swiglu_bwd_fp8_kernel, (_bits(dout), _bits(u)), M, 2 * F, F, _KINDS[u.dtype], dtype,
+                              hint, (BWD_BLOCK_M, BWD_BLOCK_F, BWD_WARPS))
+
+
+# ---------------------------------------------------------------------------------------------- public
+# The hint is an argument, not a declared mutation: the results do not depend on it (module docstring).
+@torch.library.custom_op("qtrain::swiglu_fp8_onepass", mutates_args=())
+def swiglu_fp8_onepass(u: Tensor, dtype: torch.dtype, hint: Tensor, slot: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(h_q, h_q^T, inv_scale) for h = swiglu(u), power-of-two scale; Triton (one pass where hint[slot] holds the
+    exponent) or the twin per dispatch."""
+    if use_triton(u):
+        return swiglu_fp8_onepass_triton(u, dtype, hint[slot:slot + 1])
+    return swiglu_fp8_onepass_twin(u, dtype)
+
+
+@swiglu_fp8_onepass.register_fake
+def _(u: Tensor, dtype: torch.dtype, hint: Tensor, slot: int) -> tuple[Tensor, Tensor, Tensor]:
+    _check(u, dtype)
+    M, F = u.shape[0], u.shape[1] // 2
+    return u.new_empty((M, F), dtype=dtype), u.new_empty((F, M), dtype=dtype), u.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("qtrain::swiglu_backward_fp8_onepass", mutates_args=())
+def swiglu_backward_fp8_onepass(dout: Tensor, u: Tensor, dtype: torch.dtype, hint: Tensor, slot: int
+                                ) -> tuple[Tensor, Tensor, Tensor]:
+    """(du_q, du_q^T, inv_scale) for du = d swiglu(u) / du given dout, power-of-two scale; Triton (hint[slot])
+    or the twin."""
+    if use_triton(u):
+        return swiglu_backward_fp8_onepass_triton(dout, u, dtype, hint[slot:slot + 1])
+    return swiglu_backward_fp8_onepass_twin(dout, u, dtype)
+
+
+@swiglu_backward_fp8_onepass.register_fake
+def _(dout: Tensor, u: Tensor, dtype: torch.dtype, hint: Tensor, slot: int) -> tuple[Tensor, Tensor, Tensor]:
+    _check(u, dtype, dout)
+    M, N = u.shape
+    return u.new_empty((M, N), dtype=dtype), u.new_empty((N, M), dtype=dtype), u.new_empty((), dtype=torch.float32)
