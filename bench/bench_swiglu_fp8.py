@@ -2,8 +2,10 @@
 with tile variants, against a device copy of the same bytes, to choose the tiles in qtrain/kernels/swiglu_fp8.py
 and swiglu.py.
 
-Parameters: M, F. Prints one line per variant: ms per call and the bytes it must move / time; the result has
-them as `rows`.
+Parameters: M, F, onepass (time `kernels/swiglu_fp8_onepass.py` instead: the forward and backward straight to
+e4m3 with a right and a missed scale hint, against the two-pass pipelines they replace, over tiles, every variant
+checked bit for bit against the default tile). Prints one line per variant: ms per call and the bytes it must
+move / time; the result has them as `rows`.
 """
 import torch
 import triton
@@ -31,10 +33,12 @@ def line(name: str, t: float, nbytes: float) -> None:
     ROWS.append(dict(kernel=name, ms=round(t, 4), tbs=round(nbytes / t / 1e9, 2)))
 
 
-def run(M: int = 16384, F: int = 8960) -> dict:
+def run(M: int = 16384, F: int = 8960, onepass: bool = False) -> dict:
     ROWS.clear()
     u = (torch.randn(M, 2 * F, device="cuda") * 3).bfloat16()
     d = torch.randn(M, F, device="cuda").bfloat16()
+    if onepass:
+        return run_onepass(u, d)
     ub = u.numel() * 2
     dst = torch.empty_like(u)
     line("copy u (read+write 2 x M*2F bf16)", ms(lambda: dst.copy_(u)), 2 * ub)
@@ -64,7 +68,43 @@ def run(M: int = 16384, F: int = 8960) -> dict:
     return {"rows": list(ROWS), "summary": f"{len(ROWS)} kernels timed"}
 
 
+def run_onepass(u: torch.Tensor, d: torch.Tensor) -> dict:
+    """The one-pass kernels: per call with the hint right (pass 1, pass 2 skipping) and missed (both passes), next
+    to the two-pass pipelines of today (SwiGLU kernel + quantize kernel)."""
+    from qtrain.kernels import swiglu_fp8_onepass as op
+    M, F = d.shape
+    fwd_bytes, bwd_bytes = u.numel() * 2 + 2 * M * F, u.numel() * 2 + d.numel() * 2 + 2 * u.numel()
+    line("two-pass forward: swiglu_fp8", ms(lambda: swiglu_fp8_triton(u, E4M3)), fwd_bytes)
+
+    def two_pass_backward():
+        du, amax = sw.swiglu_backward_triton(d, u, amax=True)
+        return fp8_quantize_triton(du, E4M3, amax, transpose=True)
+
+    line("two-pass backward: swiglu_backward + amax, quantize", ms(two_pass_backward), bwd_bytes)
+    cases = (("forward", op.swiglu_fp8_onepass_triton, (u,), fwd_bytes, "FWD", FWD_ONEPASS_TILES),
+             ("backward", op.swiglu_backward_fp8_onepass_triton, (d, u), bwd_bytes, "BWD", BWD_ONEPASS_TILES))
+    for name, fn, args, nbytes, prefix, tiles in cases:
+        hint = op.new_scale_hint("cuda", 1)
+        want = [t.view(torch.uint8) for t in fn(*args, E4M3, hint)[:2]]  # leaves the true exponent in the hint
+        e_true = int(hint)
+        default = tuple(getattr(op, f"{prefix}_{k}") for k in ("BLOCK_M", "BLOCK_F", "WARPS"))
+        for bm, bf, w in tiles:
+            for k, v in zip(("BLOCK_M", "BLOCK_F", "WARPS"), (bm, bf, w)):
+                setattr(op, f"{prefix}_{k}", v)
+            for label, value in (("hint right", e_true), ("hint missed", e_true + 1)):
+                def call():
+                    hint.fill_(value)
+                    return fn(*args, E4M3, hint)
+                ok = all(torch.equal(g.view(torch.uint8), r) for g, r in zip(call()[:2], want))
+                line(f"one-pass {name} {bm}x{bf} w{w}, {label}{'' if ok else ' WRONG'}", ms(call), nbytes)
+        for k, v in zip(("BLOCK_M", "BLOCK_F", "WARPS"), default):
+            setattr(op, f"{prefix}_{k}", v)
+    return {"rows": list(ROWS), "summary": f"{len(ROWS)} kernels timed"}
+
+
 # launch shapes tried (the first of each is the kernel's default)
+FWD_ONEPASS_TILES = ((64, 128, 8), (64, 64, 4), (64, 256, 8), (128, 64, 8), (32, 128, 4))
+BWD_ONEPASS_TILES = ((64, 64, 8), (64, 64, 4), (64, 128, 8), (128, 64, 8), (32, 128, 4))
 FWD_TILES = ((16, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (32, 128, 4))
 QUANT_TILES = ((64, 256, 8), (64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 128, 4), (128, 128, 4))
 
