@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qtrain.kernels.dispatch import jit, tl, triton, use_triton
-from qtrain.kernels.fp8_quant import AMAX_FLOOR, FP8_DTYPES, FP8_MAX, store_fp8_tile
+from qtrain.kernels.fp8_quant import AMAX_FLOOR, FP8_DTYPES, FP8_MAX
 from qtrain.kernels.stochastic_rounding import load_f32, round_f32
 from qtrain.kernels.swiglu import swiglu_backward_twin
 
@@ -124,13 +124,16 @@ def _exp2_f32(e):
 
 
 @jit
-def _pass_exponent(hint_ptr, amax_ptr, REDO: tl.constexpr, FMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
-    """(e, go): pass 1 writes with the hinted exponent; pass 2 with the true one, and only where they differ."""
-    e_hint = tl.load(hint_ptr)
-    if REDO:
-        e = _pow2_exponent(amax_ptr, FMAX, AMAX_FLOOR)
-        return e, e != e_hint
-    return e_hint, e_hint == e_hint
+def _store_q_and_qt(q_ptr, qt_ptr, inv_scale_ptr, x, e, rm, rn, M, N, n_end, go, FMAX: tl.constexpr):
+    """q[m, n] = cast_rn(clamp(x[m, n] * 2^e, +-FMAX)) and q^T[n, m] for the tile (rm, rn) of an (M, N) q, at
+    m < M and n < n_end (the tile's column range ends there), where `go`; the first program writes inv_scale = 2^-e whatever `go`. As `fp8_quant.store_fp8_tile`, with the
+    transposed store's mask built from the indices rather than transposed."""
+    y = x * _exp2_f32(e)
+    q = tl.minimum(tl.maximum(y, -FMAX), FMAX).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=(rm[:, None] < M) & (rn[None, :] < n_end) & go)
+    tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q), mask=(rn[:, None] < n_end) & (rm[None, :] < M) & go)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(inv_scale_ptr, _exp2_f32(-e))
 
 
 @jit
@@ -138,9 +141,15 @@ def _swiglu_fwd_fp8_kernel(u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr
                            KIND: tl.constexpr, FMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, REDO: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
     """h = round(round(silu(gate)) * up) for the tile (as `swiglu_fp8`'s pass 1), written as e4m3/e5m2 q and q^T
-    with scale 2^e (`_pass_exponent`); pass 1 also stores the tile's max |h| in partial_ptr[program]. A pass-2
+    with scale 2^e; pass 1 also stores the tile's max |h| in partial_ptr[program]. A pass-2
     program whose exponent matched masks every load and store off (a mask, not a branch on the loaded value)."""
-    e, go = _pass_exponent(hint_ptr, amax_ptr, REDO, FMAX, AMAX_FLOOR)
+    # pass 1 writes with the hinted exponent; pass 2 with the true one, and only where the two differ
+    e = tl.load(hint_ptr)
+    go = e == e
+    if REDO:
+        e_true = _pow2_exponent(amax_ptr, FMAX, AMAX_FLOOR)
+        go = e_true != e
+        e = e_true
     rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rf = (tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
     mask = (rm[:, None] < M) & (rf[None, :] < F) & go
@@ -148,7 +157,7 @@ def _swiglu_fwd_fp8_kernel(u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr
     up = load_f32(u_ptr + off, mask, KIND)
     gate = load_f32(u_ptr + off + F, mask, KIND)
     h = round_f32(round_f32(gate / (1.0 + tl.exp(-gate)), KIND) * up, KIND)  # masked lanes: 0
-    store_fp8_tile(q_ptr, qt_ptr, inv_scale_ptr, h, _exp2_f32(e), rm, rf, M, F, mask, FMAX, True)
+    _store_q_and_qt(q_ptr, qt_ptr, inv_scale_ptr, h, e, rm, rf, M, F, F, go, FMAX)
     if not REDO:  # rounding is monotone and odd: the max of the rounded values is what the twin reduces
         tl.store(partial_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
                  tl.max(tl.max(tl.abs(h), axis=1), axis=0))
@@ -160,7 +169,13 @@ def _swiglu_bwd_fp8_kernel(dout_ptr, u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, p
                            BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
     """du = [d_up, d_gate] for the tile (`swiglu._swiglu_bwd_kernel`'s arithmetic, rounded to u's dtype), written
     as q (M, 2F) and q^T (2F, M) with scale 2^e: d_up at columns rf, d_gate at F + rf. Passes as the forward's."""
-    e, go = _pass_exponent(hint_ptr, amax_ptr, REDO, FMAX, AMAX_FLOOR)
+    # pass 1 writes with the hinted exponent; pass 2 with the true one, and only where the two differ
+    e = tl.load(hint_ptr)
+    go = e == e
+    if REDO:
+        e_true = _pow2_exponent(amax_ptr, FMAX, AMAX_FLOOR)
+        go = e_true != e
+        e = e_true
     rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rf = (tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
     mask = (rm[:, None] < M) & (rf[None, :] < F) & go
@@ -171,9 +186,8 @@ def _swiglu_bwd_fp8_kernel(dout_ptr, u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, p
     s = 1.0 / (1.0 + tl.exp(-gate))
     d_up = round_f32(d * gate * s, KIND)
     d_gate = round_f32(d * up * s * (1.0 + gate * (1.0 - s)), KIND)
-    scale = _exp2_f32(e)
-    store_fp8_tile(q_ptr, qt_ptr, inv_scale_ptr, d_up, scale, rm, rf, M, 2 * F, mask, FMAX, True)
-    store_fp8_tile(q_ptr, qt_ptr, inv_scale_ptr, d_gate, scale, rm, rf + F, M, 2 * F, mask, FMAX, True)
+    _store_q_and_qt(q_ptr, qt_ptr, inv_scale_ptr, d_up, e, rm, rf, M, 2 * F, F, go, FMAX)
+    _store_q_and_qt(q_ptr, qt_ptr, inv_scale_ptr, d_gate, e, rm, rf + F, M, 2 * F, 2 * F, go, FMAX)
     if not REDO:
         tl.store(partial_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
                  tl.max(tl.max(tl.maximum(tl.abs(d_up), tl.abs(d_gate)), axis=1), axis=0))

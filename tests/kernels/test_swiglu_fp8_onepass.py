@@ -141,10 +141,24 @@ def _check_hint_independence(device, shapes):
                     e_true = int(pow2_scale(x.float().abs().max(), FP8_MAX[fp8])[2])
                     for kind in HINTS:
                         hint = _hint_for(kind, e_true, device)
+                        e_hint = int(hint)
                         got = fn(*args, fp8, hint)
                         where = (fn.__name__, dtype, fp8, M, Fd, kind)
-                        assert same(got, want), where
+                        assert same(got, want), (where, _explain(got, want, x, fp8, e_hint, e_true))
                         assert int(hint) == e_true, where
+
+
+def _explain(got, want, x, fp8, e_hint, e_true) -> str:
+    """What a mismatch looks like: how many codes of q and q^T differ, and whether q is x quantized with the
+    hinted exponent instead (a second pass that did not write)."""
+    fmax = FP8_MAX[fp8]
+    with_hint = fp8_quantize_torch(x, fp8, torch.tensor(fmax * 2.0 ** -e_hint), transpose=True)
+    n_q = int((bits(got[0]) != bits(want[0])).sum())
+    n_qt = int((bits(got[1]) != bits(want[1])).sum())
+    idx = (bits(got[1]) != bits(want[1])).nonzero()[:4].tolist()
+    return (f"q differs at {n_q} of {want[0].numel()}, q^T at {n_qt} (first {idx}); q equals x at the hinted "
+            f"exponent: {torch.equal(bits(got[0]), bits(with_hint[0].to(got[0].device)))}; inv {float(got[2])} "
+            f"vs {float(want[2])}; hint {e_hint} true {e_true}")
 
 
 @interp_only
