@@ -99,7 +99,31 @@ def run_onepass(u: torch.Tensor, d: torch.Tensor) -> dict:
                 line(f"one-pass {name} {bm}x{bf} w{w}, {label}{'' if ok else ' WRONG'}", ms(call), nbytes)
         for k, v in zip(("BLOCK_M", "BLOCK_F", "WARPS"), default):
             setattr(op, f"{prefix}_{k}", v)
+        _time_passes(op, name, args, nbytes, prefix, e_true)
     return {"rows": list(ROWS), "summary": f"{len(ROWS)} kernels timed"}
+
+
+def _time_passes(op, name: str, args: tuple, nbytes: float, prefix: str, e_true: int) -> None:
+    """Each launch of a one-pass call alone, default tile: pass 1, pass 2 when the hint was right (every program
+    masks itself off) and when it missed (the whole tile again)."""
+    kernel = op._swiglu_fwd_fp8_kernel if prefix == "FWD" else op._swiglu_bwd_fp8_kernel
+    bm, bf, warps = (getattr(op, f"{prefix}_{k}") for k in ("BLOCK_M", "BLOCK_F", "WARPS"))
+    u = args[-1]
+    M, F = u.shape[0], u.shape[1] // 2
+    N = F if prefix == "FWD" else 2 * F
+    q = torch.empty((M, N), dtype=E4M3, device="cuda")
+    qt = torch.empty((N, M), dtype=E4M3, device="cuda")
+    inv = torch.empty((), dtype=torch.float32, device="cuda")
+    grid = (triton.cdiv(M, bm), triton.cdiv(F, bf))
+    partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device="cuda")
+    amax = torch.full((), 448.0 * 2.0 ** -e_true, device="cuda")  # pow2_scale's e of it is e_true
+    const = dict(KIND=1, FMAX=448.0, AMAX_FLOOR=1e-30, BLOCK_M=bm, BLOCK_F=bf, num_warps=warps)
+    ins = tuple(op._bits(t) for t in args)
+    for label, hint_value, redo in (("pass 1", e_true, False), ("pass 2, hint right", e_true, True),
+                                    ("pass 2, hint missed", e_true + 1, True)):
+        hint = torch.full((1,), hint_value, dtype=torch.int32, device="cuda")
+        line(f"one-pass {name}: {label}",
+             ms(lambda: kernel[grid](*ins, q, qt, hint, amax, partial, inv, M, F, REDO=redo, **const)), nbytes)
 
 
 # launch shapes tried (the first of each is the kernel's default)
