@@ -83,20 +83,31 @@ def run_onepass(u: torch.Tensor, d: torch.Tensor) -> dict:
     line("two-pass backward: swiglu_backward + amax, quantize", ms(two_pass_backward), bwd_bytes)
     cases = (("forward", op.swiglu_fp8_onepass_triton, (u,), fwd_bytes, "FWD", FWD_ONEPASS_TILES),
              ("backward", op.swiglu_backward_fp8_onepass_triton, (d, u), bwd_bytes, "BWD", BWD_ONEPASS_TILES))
-    for name, fn, args, nbytes, prefix, tiles in cases:
+    h, _ = swiglu_forward_amax_triton(u)
+    du, _ = sw.swiglu_backward_triton(d, u, amax=True)
+    for (name, fn, args, nbytes, prefix, tiles), x in zip(cases, (h, du)):
+        # the reference: the two-pass kernels' values quantized with the power-of-two scale (pow2_scale's 2^e
+        # through the exact-scale quantizer given amax = 448 * 2^-e)
+        e_true = int(op.pow2_scale(x.float().abs().max(), 448.0)[2])
+        want = [t.view(torch.uint8) for t in fp8_quantize_triton(x, E4M3, torch.tensor(448.0 * 2.0 ** -e_true,
+                                                                                       device="cuda"),
+                                                                 transpose=True)[:2]]
         hint = op.new_scale_hint("cuda", 1)
-        want = [t.view(torch.uint8) for t in fn(*args, E4M3, hint)[:2]]  # leaves the true exponent in the hint
-        e_true = int(hint)
         default = tuple(getattr(op, f"{prefix}_{k}") for k in ("BLOCK_M", "BLOCK_F", "WARPS"))
         for bm, bf, w in tiles:
             for k, v in zip(("BLOCK_M", "BLOCK_F", "WARPS"), (bm, bf, w)):
                 setattr(op, f"{prefix}_{k}", v)
-            for label, value in (("hint right", e_true), ("hint missed", e_true + 1)):
+            for label, value, strided in (("hint right", e_true, False), ("hint missed", e_true + 1, False),
+                                          ("hint missed, strided q^T", e_true + 1, True)):
                 def call():
                     hint.fill_(value)
                     return fn(*args, E4M3, hint)
-                ok = all(torch.equal(g.view(torch.uint8), r) for g, r in zip(call()[:2], want))
-                line(f"one-pass {name} {bm}x{bf} w{w}, {label}{'' if ok else ' WRONG'}", ms(call), nbytes)
+                op.REDO_STRIDED_QT = strided
+                got = call()[:2]
+                bad = [int((g.view(torch.uint8) != r).sum()) for g, r in zip(got, want)]
+                line(f"one-pass {name} {bm}x{bf} w{w}, {label}{'' if not any(bad) else f' WRONG {bad}'}", ms(call),
+                     nbytes)
+                op.REDO_STRIDED_QT = False
         for k, v in zip(("BLOCK_M", "BLOCK_F", "WARPS"), default):
             setattr(op, f"{prefix}_{k}", v)
         _time_passes(op, name, args, nbytes, prefix, e_true)
@@ -119,11 +130,13 @@ def _time_passes(op, name: str, args: tuple, nbytes: float, prefix: str, e_true:
     amax = torch.full((), 448.0 * 2.0 ** -e_true, device="cuda")  # pow2_scale's e of it is e_true
     const = dict(KIND=1, FMAX=448.0, AMAX_FLOOR=1e-30, BLOCK_M=bm, BLOCK_F=bf, num_warps=warps)
     ins = tuple(op._bits(t) for t in args)
-    for label, hint_value, redo in (("pass 1", e_true, False), ("pass 2, hint right", e_true, True),
-                                    ("pass 2, hint missed", e_true + 1, True)):
+    for label, hint_value, redo, strided in (("pass 1", e_true, False, False),
+                                             ("pass 2, hint right", e_true, True, False),
+                                             ("pass 2, hint missed", e_true + 1, True, False),
+                                             ("pass 2, hint missed, strided q^T", e_true + 1, True, True)):
         hint = torch.full((1,), hint_value, dtype=torch.int32, device="cuda")
-        line(f"one-pass {name}: {label}",
-             ms(lambda: kernel[grid](*ins, q, qt, hint, amax, partial, inv, M, F, REDO=redo, **const)), nbytes)
+        line(f"one-pass {name}: {label}", ms(lambda: kernel[grid](*ins, q, qt, hint, amax, partial, inv, M, F,
+                                                                   REDO=redo, STRIDED_QT=strided, **const)), nbytes)
 
 
 # launch shapes tried (the first of each is the kernel's default)

@@ -52,6 +52,8 @@ HINT_UNSET = -1000  # no exponent is ever this: the first call of a layer takes 
 # BLOCK_M bytes per row of q^T per store, as the quantize kernel's 64.
 FWD_BLOCK_M, FWD_BLOCK_F, FWD_WARPS = 64, 128, 8
 BWD_BLOCK_M, BWD_BLOCK_F, BWD_WARPS = 64, 64, 8
+# pass 2 (rare: a missed hint) writes q^T with plain strided stores instead of through a transposed tile
+REDO_STRIDED_QT = False
 
 Result = tuple[Tensor, Tensor, Tensor]  # (q (M, N), q^T (N, M), inv_scale 0-dim fp32)
 
@@ -124,14 +126,23 @@ def _exp2_f32(e):
 
 
 @jit
-def _store_q_and_qt(q_ptr, qt_ptr, inv_scale_ptr, x, e, rm, rn, M, N, n_end, go, FMAX: tl.constexpr):
+def _store_q_and_qt(q_ptr, qt_ptr, inv_scale_ptr, x, e, rm, rn, M, N, n_end, go, FMAX: tl.constexpr,
+                    REDO: tl.constexpr, STRIDED_QT: tl.constexpr):
     """q[m, n] = cast_rn(clamp(x[m, n] * 2^e, +-FMAX)) and q^T[n, m] for the tile (rm, rn) of an (M, N) q, at
-    m < M and n < n_end (the tile's column range ends there), where `go`; the first program writes inv_scale = 2^-e whatever `go`. As `fp8_quant.store_fp8_tile`, with the
-    transposed store's mask built from the indices rather than transposed."""
+    m < M and n < n_end (the tile's column range ends there), and in pass 2 (REDO) only where `go`; the first
+    program writes inv_scale = 2^-e whatever `go`. As `fp8_quant.store_fp8_tile`, with the transposed store's
+    mask built from the indices rather than transposed, and pass 1's masks free of any loaded value."""
     y = x * _exp2_f32(e)
     q = tl.minimum(tl.maximum(y, -FMAX), FMAX).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=(rm[:, None] < M) & (rn[None, :] < n_end) & go)
-    tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q), mask=(rn[:, None] < n_end) & (rm[None, :] < M) & go)
+    q_mask = (rm[:, None] < M) & (rn[None, :] < n_end)
+    qt_mask = (rn[:, None] < n_end) & (rm[None, :] < M)
+    if REDO:
+        q_mask, qt_mask = q_mask & go, qt_mask & go
+    tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=q_mask)
+    if STRIDED_QT:  # q's own layout, one byte per store
+        tl.store(qt_ptr + rn[None, :] * M + rm[:, None], q, mask=q_mask)
+    else:
+        tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q), mask=qt_mask)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(inv_scale_ptr, _exp2_f32(-e))
 
@@ -139,25 +150,26 @@ def _store_q_and_qt(q_ptr, qt_ptr, inv_scale_ptr, x, e, rm, rn, M, N, n_end, go,
 @jit
 def _swiglu_fwd_fp8_kernel(u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr, inv_scale_ptr, M, F,
                            KIND: tl.constexpr, FMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, REDO: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, STRIDED_QT: tl.constexpr = False):
     """h = round(round(silu(gate)) * up) for the tile (as `swiglu_fp8`'s pass 1), written as e4m3/e5m2 q and q^T
     with scale 2^e; pass 1 also stores the tile's max |h| in partial_ptr[program]. A pass-2
     program whose exponent matched masks every load and store off (a mask, not a branch on the loaded value)."""
     # pass 1 writes with the hinted exponent; pass 2 with the true one, and only where the two differ
     e = tl.load(hint_ptr)
-    go = e == e
+    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rf = (tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
+    mask = (rm[:, None] < M) & (rf[None, :] < F)
+    go = e == e  # pass 1: every program (unused: its masks carry no loaded value)
     if REDO:
         e_true = _pow2_exponent(amax_ptr, FMAX, AMAX_FLOOR)
         go = e_true != e
         e = e_true
-    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rf = (tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
-    mask = (rm[:, None] < M) & (rf[None, :] < F) & go
+        mask = mask & go
     off = rm[:, None] * (2 * F) + rf[None, :]
     up = load_f32(u_ptr + off, mask, KIND)
     gate = load_f32(u_ptr + off + F, mask, KIND)
     h = round_f32(round_f32(gate / (1.0 + tl.exp(-gate)), KIND) * up, KIND)  # masked lanes: 0
-    _store_q_and_qt(q_ptr, qt_ptr, inv_scale_ptr, h, e, rm, rf, M, F, F, go, FMAX)
+    _store_q_and_qt(q_ptr, qt_ptr, inv_scale_ptr, h, e, rm, rf, M, F, F, go, FMAX, REDO, STRIDED_QT)
     if not REDO:  # rounding is monotone and odd: the max of the rounded values is what the twin reduces
         tl.store(partial_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
                  tl.max(tl.max(tl.abs(h), axis=1), axis=0))
@@ -166,19 +178,20 @@ def _swiglu_fwd_fp8_kernel(u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr
 @jit
 def _swiglu_bwd_fp8_kernel(dout_ptr, u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr, inv_scale_ptr, M, F,
                            KIND: tl.constexpr, FMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, REDO: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, STRIDED_QT: tl.constexpr = False):
     """du = [d_up, d_gate] for the tile (`swiglu._swiglu_bwd_kernel`'s arithmetic, rounded to u's dtype), written
     as q (M, 2F) and q^T (2F, M) with scale 2^e: d_up at columns rf, d_gate at F + rf. Passes as the forward's."""
     # pass 1 writes with the hinted exponent; pass 2 with the true one, and only where the two differ
     e = tl.load(hint_ptr)
-    go = e == e
+    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rf = (tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
+    mask = (rm[:, None] < M) & (rf[None, :] < F)
+    go = e == e  # pass 1: every program (unused: its masks carry no loaded value)
     if REDO:
         e_true = _pow2_exponent(amax_ptr, FMAX, AMAX_FLOOR)
         go = e_true != e
         e = e_true
-    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rf = (tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
-    mask = (rm[:, None] < M) & (rf[None, :] < F) & go
+        mask = mask & go
     up_off = rm[:, None] * (2 * F) + rf[None, :]
     up = load_f32(u_ptr + up_off, mask, KIND)
     gate = load_f32(u_ptr + up_off + F, mask, KIND)
@@ -186,8 +199,8 @@ def _swiglu_bwd_fp8_kernel(dout_ptr, u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, p
     s = 1.0 / (1.0 + tl.exp(-gate))
     d_up = round_f32(d * gate * s, KIND)
     d_gate = round_f32(d * up * s * (1.0 + gate * (1.0 - s)), KIND)
-    _store_q_and_qt(q_ptr, qt_ptr, inv_scale_ptr, d_up, e, rm, rf, M, 2 * F, F, go, FMAX)
-    _store_q_and_qt(q_ptr, qt_ptr, inv_scale_ptr, d_gate, e, rm, rf + F, M, 2 * F, 2 * F, go, FMAX)
+    _store_q_and_qt(q_ptr, qt_ptr, inv_scale_ptr, d_up, e, rm, rf, M, 2 * F, F, go, FMAX, REDO, STRIDED_QT)
+    _store_q_and_qt(q_ptr, qt_ptr, inv_scale_ptr, d_gate, e, rm, rf + F, M, 2 * F, 2 * F, go, FMAX, REDO, STRIDED_QT)
     if not REDO:
         tl.store(partial_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
                  tl.max(tl.max(tl.maximum(tl.abs(d_up), tl.abs(d_gate)), axis=1), axis=0))
@@ -212,7 +225,7 @@ def _launch_two_passes(kernel, inputs: tuple[Tensor, ...], M: int, N: int, F: in
     const = dict(KIND=kind, FMAX=FP8_MAX[dtype], AMAX_FLOOR=AMAX_FLOOR, BLOCK_M=bm, BLOCK_F=bf, num_warps=warps)
     kernel[grid](*inputs, q, qt, hint, partial, partial, inv_scale, M, F, REDO=False, **const)
     amax = partial.amax()
-    kernel[grid](*inputs, q, qt, hint, amax, partial, inv_scale, M, F, REDO=True, **const)
+    kernel[grid](*inputs, q, qt, hint, amax, partial, inv_scale, M, F, REDO=True, STRIDED_QT=REDO_STRIDED_QT, **const)
     hint.copy_(pow2_scale(amax, FP8_MAX[dtype])[2].reshape(1))
     return q, qt, inv_scale
 

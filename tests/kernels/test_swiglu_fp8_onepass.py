@@ -123,9 +123,18 @@ def _hint_for(kind: str, e_true: int, device) -> torch.Tensor:
     return torch.full((1,), value, dtype=torch.int32, device=device)
 
 
-def _check_hint_independence(device, shapes):
+def _check_hint_independence(device, shapes, strided_qt=False):
     """Every hint gives the bits of the two-pass Triton path with the power-of-two scale, and leaves the true
-    exponent in the hint."""
+    exponent in the hint (with pass 2's q^T through a transposed tile, or strided stores)."""
+    from qtrain.kernels import swiglu_fp8_onepass as op
+    default, op.REDO_STRIDED_QT = op.REDO_STRIDED_QT, strided_qt
+    try:
+        _check_hints(device, shapes)
+    finally:
+        op.REDO_STRIDED_QT = default
+
+
+def _check_hints(device, shapes):
     from qtrain.kernels.swiglu_fp8 import swiglu_forward_amax_triton
     from qtrain.kernels.swiglu import swiglu_backward_triton
     from qtrain.kernels.fp8_quant import fp8_quantize_triton
@@ -162,15 +171,17 @@ def _explain(got, want, x, fp8, e_hint, e_true) -> str:
 
 
 @interp_only
-def test_interp_hint_independence():
-    _check_hint_independence("cpu", [(1, 16), (19, 100), (70, 96)])
+@pytest.mark.parametrize("strided_qt", [False, True])
+def test_interp_hint_independence(strided_qt):
+    _check_hint_independence("cpu", [(1, 16), (19, 100), (70, 96)], strided_qt)
 
 
 # -------------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_hint_independence():
-    _check_hint_independence("cuda", [(1, 16), (19, 100), (333, 400), (4096, 8960)])
+@pytest.mark.parametrize("strided_qt", [False, True])
+def test_gpu_hint_independence(strided_qt):
+    _check_hint_independence("cuda", [(1, 16), (19, 100), (333, 400), (4096, 8960)], strided_qt)
 
 
 @pytest.mark.gpu
