@@ -131,6 +131,7 @@ def _time_passes(op, name: str, args: tuple, nbytes: float, prefix: str, e_true:
     const = dict(KIND=1, FMAX=448.0, AMAX_FLOOR=1e-30, BLOCK_M=bm, BLOCK_F=bf, num_warps=warps)
     ins = tuple(op._bits(t) for t in args)
     for label, hint_value, redo, strided in (("pass 1", e_true, False, False),
+                                             ("pass 1, strided q^T", e_true, False, True),
                                              ("pass 2, hint right", e_true, True, False),
                                              ("pass 2, hint missed", e_true + 1, True, False),
                                              ("pass 2, hint missed, strided q^T", e_true + 1, True, True)):
