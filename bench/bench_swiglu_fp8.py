@@ -69,8 +69,9 @@ def run(M: int = 16384, F: int = 8960, onepass: bool = False) -> dict:
 
 
 def run_onepass(u: torch.Tensor, d: torch.Tensor) -> dict:
-    """The one-pass kernels: per call with the hint right (pass 1, pass 2 skipping) and missed (both passes), next
-    to the two-pass pipelines of today (SwiGLU kernel + quantize kernel)."""
+    """The one-pass kernels: per call with the hint right (pass 1; pass 2's programs branch off) and missed (both
+    passes), next to the two-pass pipelines of today (SwiGLU kernel + quantize kernel), for each variant of the
+    module's switches (ONEPASS_VARIANTS) at its default tile, then the default variant over tiles."""
     from qtrain.kernels import swiglu_fp8_onepass as op
     M, F = d.shape
     fwd_bytes, bwd_bytes = u.numel() * 2 + 2 * M * F, u.numel() * 2 + d.numel() * 2 + 2 * u.numel()
@@ -85,64 +86,39 @@ def run_onepass(u: torch.Tensor, d: torch.Tensor) -> dict:
              ("backward", op.swiglu_backward_fp8_onepass_triton, (d, u), bwd_bytes, "BWD", BWD_ONEPASS_TILES))
     h, _ = swiglu_forward_amax_triton(u)
     du, _ = sw.swiglu_backward_triton(d, u, amax=True)
+    saved = {k: getattr(op, k) for v in ONEPASS_VARIANTS.values() for k in v}
     for (name, fn, args, nbytes, prefix, tiles), x in zip(cases, (h, du)):
         # the reference: the two-pass kernels' values quantized with the power-of-two scale (pow2_scale's 2^e
         # through the exact-scale quantizer given amax = 448 * 2^-e)
         e_true = int(op.pow2_scale(x.float().abs().max(), 448.0)[2])
-        want = [t.view(torch.uint8) for t in fp8_quantize_triton(x, E4M3, torch.tensor(448.0 * 2.0 ** -e_true,
-                                                                                       device="cuda"),
-                                                                 transpose=True)[:2]]
+        ref_amax = torch.tensor(448.0 * 2.0 ** -e_true, device="cuda")
+        want = [t.view(torch.uint8) for t in fp8_quantize_triton(x, E4M3, ref_amax, transpose=True)[:2]]
         hint = op.new_scale_hint("cuda", 1)
-        default = tuple(getattr(op, f"{prefix}_{k}") for k in ("BLOCK_M", "BLOCK_F", "WARPS"))
-        for bm, bf, w in tiles:
-            for k, v in zip(("BLOCK_M", "BLOCK_F", "WARPS"), (bm, bf, w)):
-                setattr(op, f"{prefix}_{k}", v)
-            for label, value, strided in (("hint right", e_true, False), ("hint missed", e_true + 1, False),
-                                          ("hint missed, strided q^T", e_true + 1, True)):
+        tile_keys = tuple(f"{prefix}_{k}" for k in ("BLOCK_M", "BLOCK_F", "WARPS"))
+        default_tile = tuple(getattr(op, k) for k in tile_keys)
+        runs = [(v, default_tile) for v in ONEPASS_VARIANTS] + [("default", t) for t in tiles[1:]]
+        for variant, tile in runs:
+            for k, v in {**saved, **ONEPASS_VARIANTS[variant], **dict(zip(tile_keys, tile))}.items():
+                setattr(op, k, v)
+            for label, value in (("hint right", e_true), ("hint missed", e_true + 1)):
                 def call():
                     hint.fill_(value)
                     return fn(*args, E4M3, hint)
-                op.REDO_STRIDED_QT = strided
-                got = call()[:2]
-                bad = [int((g.view(torch.uint8) != r).sum()) for g, r in zip(got, want)]
-                line(f"one-pass {name} {bm}x{bf} w{w}, {label}{'' if not any(bad) else f' WRONG {bad}'}", ms(call),
-                     nbytes)
-                op.REDO_STRIDED_QT = False
-        for k, v in zip(("BLOCK_M", "BLOCK_F", "WARPS"), default):
-            setattr(op, f"{prefix}_{k}", v)
-        _time_passes(op, name, args, nbytes, prefix, e_true)
+                bad = [int((g.view(torch.uint8) != r).sum()) for g, r in zip(call()[:2], want)]
+                line(f"one-pass {name} {variant} {'x'.join(map(str, tile))}, {label}"
+                     f"{'' if not any(bad) else f' WRONG {bad}'}", ms(call), nbytes)
+        for k, v in {**saved, **dict(zip(tile_keys, default_tile))}.items():
+            setattr(op, k, v)
     return {"rows": list(ROWS), "summary": f"{len(ROWS)} kernels timed"}
 
 
-def _time_passes(op, name: str, args: tuple, nbytes: float, prefix: str, e_true: int) -> None:
-    """Each launch of a one-pass call alone, default tile: pass 1, pass 2 when the hint was right (every program
-    masks itself off) and when it missed (the whole tile again)."""
-    kernel = op._swiglu_fwd_fp8_kernel if prefix == "FWD" else op._swiglu_bwd_fp8_kernel
-    bm, bf, warps = (getattr(op, f"{prefix}_{k}") for k in ("BLOCK_M", "BLOCK_F", "WARPS"))
-    u = args[-1]
-    M, F = u.shape[0], u.shape[1] // 2
-    N = F if prefix == "FWD" else 2 * F
-    q = torch.empty((M, N), dtype=E4M3, device="cuda")
-    qt = torch.empty((N, M), dtype=E4M3, device="cuda")
-    inv = torch.empty((), dtype=torch.float32, device="cuda")
-    grid = (triton.cdiv(M, bm), triton.cdiv(F, bf))
-    partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device="cuda")
-    amax = torch.full((), 448.0 * 2.0 ** -e_true, device="cuda")  # pow2_scale's e of it is e_true
-    const = dict(KIND=1, FMAX=448.0, AMAX_FLOOR=1e-30, BLOCK_M=bm, BLOCK_F=bf, num_warps=warps)
-    ins = tuple(op._bits(t) for t in args)
-    for label, hint_value, redo, strided in (("pass 1", e_true, False, False),
-                                             ("pass 1, strided q^T", e_true, False, True),
-                                             ("pass 2, hint right", e_true, True, False),
-                                             ("pass 2, hint missed", e_true + 1, True, False),
-                                             ("pass 2, hint missed, strided q^T", e_true + 1, True, True)):
-        hint = torch.full((1,), hint_value, dtype=torch.int32, device="cuda")
-        line(f"one-pass {name}: {label}", ms(lambda: kernel[grid](*ins, q, qt, hint, amax, partial, inv, M, F,
-                                                                   REDO=redo, STRIDED_QT=strided, **const)), nbytes)
-
-
+ONEPASS_VARIANTS = {"default": {}, "e4m3-tile-T": dict(QT_MODE=0), "codes-T": dict(QT_MODE=2),
+                    "bits": dict(NATIVE_LOADS=False, FAST_ROUND=False),
+                    "bits e4m3-tile-T": dict(NATIVE_LOADS=False, FAST_ROUND=False, QT_MODE=0),
+                    "native bit-round": dict(FAST_ROUND=False)}
 # launch shapes tried (the first of each is the kernel's default)
-FWD_ONEPASS_TILES = ((64, 128, 8), (64, 64, 4), (64, 256, 8), (128, 64, 8), (32, 128, 4))
-BWD_ONEPASS_TILES = ((64, 64, 8), (64, 64, 4), (64, 128, 8), (128, 64, 8), (32, 128, 4))
+FWD_ONEPASS_TILES = ((64, 128, 8), (64, 64, 4), (64, 256, 8), (32, 128, 4))
+BWD_ONEPASS_TILES = ((64, 64, 8), (64, 64, 4), (64, 128, 8), (32, 128, 4))
 FWD_TILES = ((16, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (32, 128, 4))
 QUANT_TILES = ((64, 256, 8), (64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 128, 4), (128, 128, 4))
 

@@ -52,8 +52,9 @@ HINT_UNSET = -1000  # no exponent is ever this: the first call of a layer takes 
 # BLOCK_M bytes per row of q^T per store, as the quantize kernel's 64.
 FWD_BLOCK_M, FWD_BLOCK_F, FWD_WARPS = 64, 128, 8
 BWD_BLOCK_M, BWD_BLOCK_F, BWD_WARPS = 64, 64, 8
-# pass 2 (rare: a missed hint) writes q^T with plain strided stores instead of through a transposed tile
-REDO_STRIDED_QT = False
+# How q^T's tile is transposed (`_store_q_and_qt`), whether u and dout are read natively (bf16) or as int16 bits,
+# and whether bf16 rounding uses the hardware conversion: variants the kernels suite times and checks bit for bit
+QT_MODE, NATIVE_LOADS, FAST_ROUND = 1, True, True
 
 Result = tuple[Tensor, Tensor, Tensor]  # (q (M, N), q^T (N, M), inv_scale 0-dim fp32)
 
@@ -126,84 +127,96 @@ def _exp2_f32(e):
 
 
 @jit
-def _store_q_and_qt(q_ptr, qt_ptr, inv_scale_ptr, x, e, rm, rn, M, N, n_end, go, FMAX: tl.constexpr,
-                    REDO: tl.constexpr, STRIDED_QT: tl.constexpr):
+def _round(x, KIND: tl.constexpr, FAST_ROUND: tl.constexpr):
+    """x rounded to KIND as `round_f32` does; FAST_ROUND: bf16 through the hardware conversion (the same value for
+    every finite x)."""
+    if FAST_ROUND and KIND == 1:
+        return x.to(tl.bfloat16).to(tl.float32)
+    return round_f32(x, KIND)
+
+
+@jit
+def _store_q_and_qt(q_ptr, qt_ptr, x, e, rm, rn, M, N, n_end, FMAX: tl.constexpr, QT_MODE: tl.constexpr):
     """q[m, n] = cast_rn(clamp(x[m, n] * 2^e, +-FMAX)) and q^T[n, m] for the tile (rm, rn) of an (M, N) q, at
-    m < M and n < n_end (the tile's column range ends there), and in pass 2 (REDO) only where `go`; the first
-    program writes inv_scale = 2^-e whatever `go`. As `fp8_quant.store_fp8_tile`, with the transposed store's
-    mask built from the indices rather than transposed, and pass 1's masks free of any loaded value."""
-    y = x * _exp2_f32(e)
-    q = tl.minimum(tl.maximum(y, -FMAX), FMAX).to(q_ptr.dtype.element_ty)
-    q_mask = (rm[:, None] < M) & (rn[None, :] < n_end)
+    m < M and n < n_end (the tile's column range ends there). QT_MODE, how the tile is transposed for q^T's store:
+    0 the e4m3 tile (as `fp8_quant.store_fp8_tile`), 1 the fp32 tile before the cast, 2 the codes as uint8."""
+    y = tl.minimum(tl.maximum(x * _exp2_f32(e), -FMAX), FMAX)
+    q = y.to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=(rm[:, None] < M) & (rn[None, :] < n_end))
+    qt_off = rn[:, None] * M + rm[None, :]
     qt_mask = (rn[:, None] < n_end) & (rm[None, :] < M)
-    if REDO:
-        q_mask, qt_mask = q_mask & go, qt_mask & go
-    tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=q_mask)
-    if STRIDED_QT:  # q's own layout, one byte per store
-        tl.store(qt_ptr + rn[None, :] * M + rm[:, None], q, mask=q_mask)
+    if QT_MODE == 1:
+        tl.store(qt_ptr + qt_off, tl.trans(y).to(qt_ptr.dtype.element_ty), mask=qt_mask)
+    elif QT_MODE == 2:
+        tl.store(qt_ptr.to(tl.pointer_type(tl.uint8)) + qt_off, tl.trans(q.to(tl.uint8, bitcast=True)), mask=qt_mask)
     else:
-        tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q), mask=qt_mask)
+        tl.store(qt_ptr + qt_off, tl.trans(q), mask=qt_mask)
+
+
+@jit
+def _pass_setup(hint_ptr, amax_ptr, inv_scale_ptr, FMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+                REDO: tl.constexpr):
+    """(e, go): pass 1 writes with the hinted exponent, every program; pass 2 with the true one, only where the two
+    differ (`go`, a loaded value: the caller branches on it, so a matched program reads and computes nothing).
+    The first program writes inv_scale = 2^-e (pass 2's is final)."""
+    e = tl.load(hint_ptr)
+    go = e == e
+    if REDO:
+        e_true = _pow2_exponent(amax_ptr, FMAX, AMAX_FLOOR)
+        go = e_true != e
+        e = e_true
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(inv_scale_ptr, _exp2_f32(-e))
+    return e, go
 
 
 @jit
 def _swiglu_fwd_fp8_kernel(u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr, inv_scale_ptr, M, F,
-                           KIND: tl.constexpr, FMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, REDO: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, STRIDED_QT: tl.constexpr = False):
+                           KIND: tl.constexpr, LOAD_KIND: tl.constexpr, FMAX: tl.constexpr,
+                           AMAX_FLOOR: tl.constexpr, REDO: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_F: tl.constexpr, QT_MODE: tl.constexpr, FAST_ROUND: tl.constexpr):
     """h = round(round(silu(gate)) * up) for the tile (as `swiglu_fp8`'s pass 1), written as e4m3/e5m2 q and q^T
-    with scale 2^e; pass 1 also stores the tile's max |h| in partial_ptr[program]. A pass-2
-    program whose exponent matched masks every load and store off (a mask, not a branch on the loaded value)."""
-    # pass 1 writes with the hinted exponent; pass 2 with the true one, and only where the two differ
-    e = tl.load(hint_ptr)
-    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rf = (tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
-    mask = (rm[:, None] < M) & (rf[None, :] < F)
-    go = e == e  # pass 1: every program (unused: its masks carry no loaded value)
-    if REDO:
-        e_true = _pow2_exponent(amax_ptr, FMAX, AMAX_FLOOR)
-        go = e_true != e
-        e = e_true
-        mask = mask & go
-    off = rm[:, None] * (2 * F) + rf[None, :]
-    up = load_f32(u_ptr + off, mask, KIND)
-    gate = load_f32(u_ptr + off + F, mask, KIND)
-    h = round_f32(round_f32(gate / (1.0 + tl.exp(-gate)), KIND) * up, KIND)  # masked lanes: 0
-    _store_q_and_qt(q_ptr, qt_ptr, inv_scale_ptr, h, e, rm, rf, M, F, F, go, FMAX, REDO, STRIDED_QT)
-    if not REDO:  # rounding is monotone and odd: the max of the rounded values is what the twin reduces
-        tl.store(partial_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                 tl.max(tl.max(tl.abs(h), axis=1), axis=0))
+    with scale 2^e; pass 1 also stores the tile's max |h| in partial_ptr[program]. LOAD_KIND: how u is read
+    (`load_f32`; 0 with a bf16 u loads it natively)."""
+    e, go = _pass_setup(hint_ptr, amax_ptr, inv_scale_ptr, FMAX, AMAX_FLOOR, REDO)
+    if go:
+        rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rf = (tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
+        mask = (rm[:, None] < M) & (rf[None, :] < F)
+        off = rm[:, None] * (2 * F) + rf[None, :]
+        up = load_f32(u_ptr + off, mask, LOAD_KIND)
+        gate = load_f32(u_ptr + off + F, mask, LOAD_KIND)
+        h = _round(_round(gate / (1.0 + tl.exp(-gate)), KIND, FAST_ROUND) * up, KIND, FAST_ROUND)  # masked: 0
+        _store_q_and_qt(q_ptr, qt_ptr, h, e, rm, rf, M, F, F, FMAX, QT_MODE)
+        if not REDO:  # rounding is monotone and odd: the max of the rounded values is what the twin reduces
+            tl.store(partial_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
+                     tl.max(tl.max(tl.abs(h), axis=1), axis=0))
 
 
 @jit
 def _swiglu_bwd_fp8_kernel(dout_ptr, u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr, inv_scale_ptr, M, F,
-                           KIND: tl.constexpr, FMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, REDO: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, STRIDED_QT: tl.constexpr = False):
+                           KIND: tl.constexpr, LOAD_KIND: tl.constexpr, FMAX: tl.constexpr,
+                           AMAX_FLOOR: tl.constexpr, REDO: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_F: tl.constexpr, QT_MODE: tl.constexpr, FAST_ROUND: tl.constexpr):
     """du = [d_up, d_gate] for the tile (`swiglu._swiglu_bwd_kernel`'s arithmetic, rounded to u's dtype), written
     as q (M, 2F) and q^T (2F, M) with scale 2^e: d_up at columns rf, d_gate at F + rf. Passes as the forward's."""
-    # pass 1 writes with the hinted exponent; pass 2 with the true one, and only where the two differ
-    e = tl.load(hint_ptr)
-    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rf = (tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
-    mask = (rm[:, None] < M) & (rf[None, :] < F)
-    go = e == e  # pass 1: every program (unused: its masks carry no loaded value)
-    if REDO:
-        e_true = _pow2_exponent(amax_ptr, FMAX, AMAX_FLOOR)
-        go = e_true != e
-        e = e_true
-        mask = mask & go
-    up_off = rm[:, None] * (2 * F) + rf[None, :]
-    up = load_f32(u_ptr + up_off, mask, KIND)
-    gate = load_f32(u_ptr + up_off + F, mask, KIND)
-    d = load_f32(dout_ptr + rm[:, None] * F + rf[None, :], mask, KIND)
-    s = 1.0 / (1.0 + tl.exp(-gate))
-    d_up = round_f32(d * gate * s, KIND)
-    d_gate = round_f32(d * up * s * (1.0 + gate * (1.0 - s)), KIND)
-    _store_q_and_qt(q_ptr, qt_ptr, inv_scale_ptr, d_up, e, rm, rf, M, 2 * F, F, go, FMAX, REDO, STRIDED_QT)
-    _store_q_and_qt(q_ptr, qt_ptr, inv_scale_ptr, d_gate, e, rm, rf + F, M, 2 * F, 2 * F, go, FMAX, REDO, STRIDED_QT)
-    if not REDO:
-        tl.store(partial_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                 tl.max(tl.max(tl.maximum(tl.abs(d_up), tl.abs(d_gate)), axis=1), axis=0))
+    e, go = _pass_setup(hint_ptr, amax_ptr, inv_scale_ptr, FMAX, AMAX_FLOOR, REDO)
+    if go:
+        rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rf = (tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
+        mask = (rm[:, None] < M) & (rf[None, :] < F)
+        up_off = rm[:, None] * (2 * F) + rf[None, :]
+        up = load_f32(u_ptr + up_off, mask, LOAD_KIND)
+        gate = load_f32(u_ptr + up_off + F, mask, LOAD_KIND)
+        d = load_f32(dout_ptr + rm[:, None] * F + rf[None, :], mask, LOAD_KIND)
+        s = 1.0 / (1.0 + tl.exp(-gate))
+        d_up = _round(d * gate * s, KIND, FAST_ROUND)
+        d_gate = _round(d * up * s * (1.0 + gate * (1.0 - s)), KIND, FAST_ROUND)
+        _store_q_and_qt(q_ptr, qt_ptr, d_up, e, rm, rf, M, 2 * F, F, FMAX, QT_MODE)
+        _store_q_and_qt(q_ptr, qt_ptr, d_gate, e, rm, rf + F, M, 2 * F, 2 * F, FMAX, QT_MODE)
+        if not REDO:
+            tl.store(partial_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
+                     tl.max(tl.max(tl.maximum(tl.abs(d_up), tl.abs(d_gate)), axis=1), axis=0))
 
 
 def _bits(t: Tensor) -> Tensor:
@@ -222,10 +235,12 @@ def _launch_two_passes(kernel, inputs: tuple[Tensor, ...], M: int, N: int, F: in
     bm, bf, warps = block
     grid = (triton.cdiv(M, bm), triton.cdiv(F, bf))
     partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=hint.device)
-    const = dict(KIND=kind, FMAX=FP8_MAX[dtype], AMAX_FLOOR=AMAX_FLOOR, BLOCK_M=bm, BLOCK_F=bf, num_warps=warps)
-    kernel[grid](*inputs, q, qt, hint, partial, partial, inv_scale, M, F, REDO=False, **const)
+    const = dict(KIND=kind, LOAD_KIND=0 if NATIVE_LOADS else kind, FMAX=FP8_MAX[dtype], AMAX_FLOOR=AMAX_FLOOR,
+                 BLOCK_M=bm, BLOCK_F=bf, QT_MODE=QT_MODE, FAST_ROUND=FAST_ROUND, num_warps=warps)
+    ins = inputs if NATIVE_LOADS else tuple(_bits(t) for t in inputs)
+    kernel[grid](*ins, q, qt, hint, partial, partial, inv_scale, M, F, REDO=False, **const)
     amax = partial.amax()
-    kernel[grid](*inputs, q, qt, hint, amax, partial, inv_scale, M, F, REDO=True, STRIDED_QT=REDO_STRIDED_QT, **const)
+    kernel[grid](*ins, q, qt, hint, amax, partial, inv_scale, M, F, REDO=True, **const)
     hint.copy_(pow2_scale(amax, FP8_MAX[dtype])[2].reshape(1))
     return q, qt, inv_scale
 
@@ -235,7 +250,7 @@ def swiglu_fp8_onepass_triton(u: Tensor, dtype: torch.dtype, hint: Tensor) -> Re
     _check(u, dtype)
     u = u.contiguous()
     M, F = u.shape[0], u.shape[1] // 2
-    return _launch_two_passes(_swiglu_fwd_fp8_kernel, (_bits(u),), M, F, F, _KINDS[u.dtype], dtype, hint,
+    return _launch_two_passes(_swiglu_fwd_fp8_kernel, (u,), M, F, F, _KINDS[u.dtype], dtype, hint,
                               (FWD_BLOCK_M, FWD_BLOCK_F, FWD_WARPS))
 
 
@@ -244,7 +259,7 @@ def swiglu_backward_fp8_onepass_triton(dout: Tensor, u: Tensor, dtype: torch.dty
     _check(u, dtype, dout)
     u, dout = u.contiguous(), dout.contiguous()
     M, F = dout.shape
-    return _launch_two_passes(_swiglu_bwd_fp8_kernel, (_bits(dout), _bits(u)), M, 2 * F, F, _KINDS[u.dtype], dtype,
+    return _launch_two_passes(_swiglu_bwd_fp8_kernel, (dout, u), M, 2 * F, F, _KINDS[u.dtype], dtype,
                               hint, (BWD_BLOCK_M, BWD_BLOCK_F, BWD_WARPS))
 
 

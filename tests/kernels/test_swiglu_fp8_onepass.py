@@ -123,15 +123,24 @@ def _hint_for(kind: str, e_true: int, device) -> torch.Tensor:
     return torch.full((1,), value, dtype=torch.int32, device=device)
 
 
-def _check_hint_independence(device, shapes, strided_qt=False):
+BITS = dict(NATIVE_LOADS=False, FAST_ROUND=False)  # integer-bit loads and rounding (what the interpreter runs right)
+VARIANTS = {"default": {}, "e4m3 tile transposed": dict(QT_MODE=0), "codes transposed": dict(QT_MODE=2),
+            "bits": BITS, "bits, e4m3 tile transposed": dict(BITS, QT_MODE=0),
+            "bits, codes transposed": dict(BITS, QT_MODE=2), "bits, fp32 tile transposed": dict(BITS, QT_MODE=1)}
+
+
+def _check_hint_independence(device, shapes, variant="default"):
     """Every hint gives the bits of the two-pass Triton path with the power-of-two scale, and leaves the true
-    exponent in the hint (with pass 2's q^T through a transposed tile, or strided stores)."""
+    exponent in the hint (for each kernel variant of `swiglu_fp8_onepass`'s module switches)."""
     from qtrain.kernels import swiglu_fp8_onepass as op
-    default, op.REDO_STRIDED_QT = op.REDO_STRIDED_QT, strided_qt
+    saved = {k: getattr(op, k) for k in VARIANTS[variant]}
     try:
+        for k, v in VARIANTS[variant].items():
+            setattr(op, k, v)
         _check_hints(device, shapes)
     finally:
-        op.REDO_STRIDED_QT = default
+        for k, v in saved.items():
+            setattr(op, k, v)
 
 
 def _check_hints(device, shapes):
@@ -171,17 +180,18 @@ def _explain(got, want, x, fp8, e_hint, e_true) -> str:
 
 
 @interp_only
-@pytest.mark.parametrize("strided_qt", [False, True])
-def test_interp_hint_independence(strided_qt):
-    _check_hint_independence("cpu", [(1, 16), (19, 100), (70, 96)], strided_qt)
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.startswith("bits")])
+def test_interp_hint_independence(variant):
+    """The interpreter runs the integer-bit loads and rounding (its bf16 arithmetic is not the GPU's)."""
+    _check_hint_independence("cpu", [(1, 16), (19, 100), (70, 96)], variant)
 
 
 # -------------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("strided_qt", [False, True])
-def test_gpu_hint_independence(strided_qt):
-    _check_hint_independence("cuda", [(1, 16), (19, 100), (333, 400), (4096, 8960)], strided_qt)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpu_hint_independence(variant):
+    _check_hint_independence("cuda", [(1, 16), (19, 100), (333, 400), (4096, 8960)], variant)
 
 
 @pytest.mark.gpu
