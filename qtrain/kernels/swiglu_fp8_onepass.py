@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from qtrain.kernels.dispatch import jit, tl, triton, use_triton
+from qtrain.kernels.dispatch import INTERPRET, jit, tl, triton, use_triton
 from qtrain.kernels.fp8_quant import AMAX_FLOOR, FP8_DTYPES, FP8_MAX
 from qtrain.kernels.stochastic_rounding import load_f32, round_f32
 from qtrain.kernels.swiglu import swiglu_backward_twin
@@ -52,9 +52,8 @@ HINT_UNSET = -1000  # no exponent is ever this: the first call of a layer takes 
 # BLOCK_M bytes per row of q^T per store, as the quantize kernel's 64.
 FWD_BLOCK_M, FWD_BLOCK_F, FWD_WARPS = 64, 128, 8
 BWD_BLOCK_M, BWD_BLOCK_F, BWD_WARPS = 64, 64, 8
-# How q^T's tile is transposed (`_store_q_and_qt`), whether u and dout are read natively (bf16) or as int16 bits,
-# and whether bf16 rounding uses the hardware conversion: variants the kernels suite times and checks bit for bit
-QT_MODE, NATIVE_LOADS, FAST_ROUND = 1, True, True
+# How q^T's tile is transposed (`_store_q_and_qt`; all three modes measured equal in time and bits on the H200)
+QT_MODE = 1
 
 Result = tuple[Tensor, Tensor, Tensor]  # (q (M, N), q^T (N, M), inv_scale 0-dim fp32)
 
@@ -235,9 +234,14 @@ def _launch_two_passes(kernel, inputs: tuple[Tensor, ...], M: int, N: int, F: in
     bm, bf, warps = block
     grid = (triton.cdiv(M, bm), triton.cdiv(F, bf))
     partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=hint.device)
-    const = dict(KIND=kind, LOAD_KIND=0 if NATIVE_LOADS else kind, FMAX=FP8_MAX[dtype], AMAX_FLOOR=AMAX_FLOOR,
-                 BLOCK_M=bm, BLOCK_F=bf, QT_MODE=QT_MODE, FAST_ROUND=FAST_ROUND, num_warps=warps)
-    ins = inputs if NATIVE_LOADS else tuple(_bits(t) for t in inputs)
+    # On the GPU bf16 is read natively and rounded by the hardware conversion (the same values as the integer-bit
+    # `load_f32` / `round_f32`): with the int16-bit loads Triton 3.6 wrote ~25% of q^T wrong on the H200, whatever
+    # the transposition (BENCHMARKS.md, session 14). The interpreter, whose bf16 conversions are not the GPU's,
+    # runs the integer-bit ones.
+    native = not INTERPRET
+    const = dict(KIND=kind, LOAD_KIND=0 if native else kind, FMAX=FP8_MAX[dtype], AMAX_FLOOR=AMAX_FLOOR,
+                 BLOCK_M=bm, BLOCK_F=bf, QT_MODE=QT_MODE, FAST_ROUND=native, num_warps=warps)
+    ins = inputs if native else tuple(_bits(t) for t in inputs)
     kernel[grid](*ins, q, qt, hint, partial, partial, inv_scale, M, F, REDO=False, **const)
     amax = partial.amax()
     kernel[grid](*ins, q, qt, hint, amax, partial, inv_scale, M, F, REDO=True, **const)
@@ -268,8 +272,9 @@ def swiglu_backward_fp8_onepass_triton(dout: Tensor, u: Tensor, dtype: torch.dty
 @torch.library.custom_op("qtrain::swiglu_fp8_onepass", mutates_args=())
 def swiglu_fp8_onepass(u: Tensor, dtype: torch.dtype, hint: Tensor, slot: int) -> tuple[Tensor, Tensor, Tensor]:
     """(h_q, h_q^T, inv_scale) for h = swiglu(u), power-of-two scale; Triton (one pass where hint[slot] holds the
-    exponent) or the twin per dispatch."""
-    if use_triton(u):
+    exponent) or the twin per dispatch. The kernels are validated on the GPU for bf16 u (what FP8 training runs);
+    other dtypes take the twin there (an fp32 u gave wrong q^T codes at M = 1 on the H200)."""
+    if use_triton(u) and (u.dtype == torch.bfloat16 or INTERPRET):
         return swiglu_fp8_onepass_triton(u, dtype, hint[slot:slot + 1])
     return swiglu_fp8_onepass_twin(u, dtype)
 
@@ -286,7 +291,7 @@ def swiglu_backward_fp8_onepass(dout: Tensor, u: Tensor, dtype: torch.dtype, hin
                                 ) -> tuple[Tensor, Tensor, Tensor]:
     """(du_q, du_q^T, inv_scale) for du = d swiglu(u) / du given dout, power-of-two scale; Triton (hint[slot])
     or the twin."""
-    if use_triton(u):
+    if use_triton(u) and (u.dtype == torch.bfloat16 or INTERPRET):
         return swiglu_backward_fp8_onepass_triton(dout, u, dtype, hint[slot:slot + 1])
     return swiglu_backward_fp8_onepass_twin(dout, u, dtype)
 

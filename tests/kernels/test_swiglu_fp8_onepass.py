@@ -123,13 +123,11 @@ def _hint_for(kind: str, e_true: int, device) -> torch.Tensor:
     return torch.full((1,), value, dtype=torch.int32, device=device)
 
 
-BITS = dict(NATIVE_LOADS=False, FAST_ROUND=False)  # integer-bit loads and rounding (what the interpreter runs right)
-VARIANTS = {"default": {}, "e4m3 tile transposed": dict(QT_MODE=0), "codes transposed": dict(QT_MODE=2),
-            "bits": BITS, "bits, e4m3 tile transposed": dict(BITS, QT_MODE=0),
-            "bits, codes transposed": dict(BITS, QT_MODE=2), "bits, fp32 tile transposed": dict(BITS, QT_MODE=1)}
+VARIANTS = {"fp32 tile transposed": dict(QT_MODE=1), "e4m3 tile transposed": dict(QT_MODE=0),
+            "codes transposed": dict(QT_MODE=2)}
 
 
-def _check_hint_independence(device, shapes, variant="default"):
+def _check_hint_independence(device, shapes, variant, dtypes):
     """Every hint gives the bits of the two-pass Triton path with the power-of-two scale, and leaves the true
     exponent in the hint (for each kernel variant of `swiglu_fp8_onepass`'s module switches)."""
     from qtrain.kernels import swiglu_fp8_onepass as op
@@ -137,17 +135,17 @@ def _check_hint_independence(device, shapes, variant="default"):
     try:
         for k, v in VARIANTS[variant].items():
             setattr(op, k, v)
-        _check_hints(device, shapes)
+        _check_hints(device, shapes, dtypes)
     finally:
         for k, v in saved.items():
             setattr(op, k, v)
 
 
-def _check_hints(device, shapes):
+def _check_hints(device, shapes, dtypes):
     from qtrain.kernels.swiglu_fp8 import swiglu_forward_amax_triton
     from qtrain.kernels.swiglu import swiglu_backward_triton
     from qtrain.kernels.fp8_quant import fp8_quantize_triton
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in dtypes:
         for fp8 in (E4M3, E5M2):
             for M, Fd in shapes:
                 d, u = _u_and_dout(M, Fd, dtype, device, seed=M + Fd)
@@ -180,10 +178,10 @@ def _explain(got, want, x, fp8, e_hint, e_true) -> str:
 
 
 @interp_only
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.startswith("bits")])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_interp_hint_independence(variant):
-    """The interpreter runs the integer-bit loads and rounding (its bf16 arithmetic is not the GPU's)."""
-    _check_hint_independence("cpu", [(1, 16), (19, 100), (70, 96)], variant)
+    """The interpreter runs the integer-bit loads and rounding (its bf16 conversions are not the GPU's)."""
+    _check_hint_independence("cpu", [(1, 16), (19, 100), (70, 96)], variant, (torch.bfloat16, torch.float32))
 
 
 # -------------------------------------------------------------------------------------------------- GPU
@@ -191,7 +189,8 @@ def test_interp_hint_independence(variant):
 @needs_cuda
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_gpu_hint_independence(variant):
-    _check_hint_independence("cuda", [(1, 16), (19, 100), (333, 400), (4096, 8960)], variant)
+    """bf16 (what FP8 training runs; the ops send other dtypes to the twin on the GPU, `test_gpu_twin_agrees`)."""
+    _check_hint_independence("cuda", [(1, 16), (19, 100), (333, 400), (4096, 8960)], variant, (torch.bfloat16,))
 
 
 @pytest.mark.gpu
@@ -206,6 +205,11 @@ def test_gpu_twin_agrees():
         assert torch.equal(got[2], want[2])
         assert (bits(got[0]) != bits(want[0])).float().mean().item() < 1e-3
         assert torch.equal(bits(got[1]), bits(got[0].t().contiguous()))
+    # an fp32 u takes the twin on the GPU (the kernels are validated for bf16)
+    d32, u32 = _u_and_dout(1, 16, torch.float32, "cuda")
+    assert same(swiglu_fp8_onepass(u32, E4M3, new_scale_hint("cuda"), 0), swiglu_fp8_onepass_twin(u32, E4M3))
+    assert same(swiglu_backward_fp8_onepass(d32, u32, E4M3, new_scale_hint("cuda"), 1),
+                swiglu_backward_fp8_onepass_twin(d32, u32, E4M3))
 
 
 @pytest.mark.gpu
