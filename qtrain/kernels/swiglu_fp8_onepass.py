@@ -91,7 +91,8 @@ def _quantize_pow2(x: Tensor, dtype: torch.dtype) -> Result:
     amax = torch.linalg.vector_norm(x, float("inf")) if x.numel() else x.new_zeros(())
     scale, inv_scale, _ = pow2_scale(amax, fmax)
     q = (x.float() * scale).clamp_(-fmax, fmax).to(dtype).contiguous()
-    return q, q.t().contiguous(), inv_scale
+    # a copy always (with one row, q.t() is already contiguous: a custom op may not return aliased outputs)
+    return q, q.t().clone(memory_format=torch.contiguous_format), inv_scale
 
 
 # ---------------------------------------------------------------------------------------------- twins

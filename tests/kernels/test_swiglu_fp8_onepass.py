@@ -80,8 +80,11 @@ def test_twins_are_two_pass_with_pow2_scale(dtype, fp8):
     assert FP8_MAX[fp8] / 2 <= top <= FP8_MAX[fp8]
 
 
-def test_ops_dispatch_to_twins_on_cpu_and_ignore_the_hint():
-    d, u = _u_and_dout(16, 32, torch.bfloat16)
+@pytest.mark.parametrize("M", [16, 1])
+def test_ops_dispatch_to_twins_on_cpu_and_ignore_the_hint(M):
+    """One row too: q^T is then a copy, never q itself (the GPU found a twin returning an alias, which custom ops
+    refuse)."""
+    d, u = _u_and_dout(M, 32, torch.bfloat16)
     for hint_value in (HINT_UNSET, 0, 7, -40):
         hint = torch.full((2,), hint_value, dtype=torch.int32)
         assert same(swiglu_fp8_onepass(u, E4M3, hint, 0), swiglu_fp8_onepass_twin(u, E4M3))
