@@ -155,7 +155,7 @@ def fp8_quantize_torch(x: Tensor, dtype: torch.dtype = torch.float8_e4m3fn, amax
     amax32 = amax.to(device=x.device, dtype=torch.float32).reshape(())
     scale = torch.full((), fmax, dtype=torch.float32, device=x.device) / amax32.clamp_min(AMAX_FLOOR)
     q = (x.float() * scale).clamp_(-fmax, fmax).to(dtype).contiguous()
-    qt = q.t().contiguous() if transpose else None
+    qt = q.t().clone(memory_format=torch.contiguous_format) if transpose else None  # a copy even for one row
     return q, qt, scale.reciprocal()
 
 

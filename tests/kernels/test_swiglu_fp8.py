@@ -183,13 +183,16 @@ def test_swiglu_fp8_twin_is_swiglu_then_quantize():
     assert qt.shape == (48, 24) and torch.equal(bits(qt), bits(q.t().contiguous()))
 
 
-def test_quantize_transposed_op_equals_twin():
-    x = torch.randn(40, 32).bfloat16()
+@pytest.mark.parametrize("M", [40, 1])
+def test_quantize_transposed_op_equals_twin(M):
+    """One row too: its q^T must be a copy (q.t() is contiguous there, and a custom op may not return aliases)."""
+    x = torch.randn(M, 32).bfloat16()
     amax = torch.tensor(2.5)  # values above it saturate, as the twin says
     for dtype in (E4M3, E5M2):
         got = fp8_quantize_transposed(x, amax, dtype)
         want = fp8_quantize_torch(x, dtype, amax, transpose=True)
         assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want))
+        assert got[0].data_ptr() != got[1].data_ptr()
 
 
 def _check_triton_amax(device):
