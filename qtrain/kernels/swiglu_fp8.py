@@ -26,19 +26,21 @@ from qtrain.kernels.dispatch import jit, tl, triton, use_triton
 from qtrain.kernels.fp8_quant import FP8_DTYPES, fp8_quantize_torch, fp8_quantize_triton
 from qtrain.kernels.stochastic_rounding import load_f32, round_f32, store_f32
 
-__all__ = ["swiglu_fp8", "swiglu_fp8_triton", "swiglu_fp8_twin", "swiglu_forward_amax_triton"]
+__all__ = ["DTYPE_KINDS", "check_swiglu_fp8_args", "swiglu_fp8", "swiglu_fp8_triton", "swiglu_fp8_twin",
+           "swiglu_forward_amax_triton"]
 
-_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # load_f32 / round_f32 KIND of each input dtype
 BLOCK_M, BLOCK_F, NUM_WARPS = 16, 256, 4  # a streaming tile, as the SwiGLU backward kernel's
 
 
-def _check(u: torch.Tensor, dtype: torch.dtype) -> None:
+def check_swiglu_fp8_args(u: torch.Tensor, dtype: torch.dtype, who: str = "swiglu_fp8") -> None:
+    """u (M, 2F) in a dtype the kernels read, an FP8 output dtype (also kernels/swiglu_fp8_onepass.py's check)."""
     if u.dim() != 2 or u.shape[1] % 2:
-        raise ValueError(f"swiglu_fp8: u must be (M, 2F), got shape {tuple(u.shape)}")
-    if u.dtype not in _KINDS:
-        raise TypeError(f"swiglu_fp8: u must be one of {list(_KINDS)}, got {u.dtype}")
+        raise ValueError(f"{who}: u must be (M, 2F), got shape {tuple(u.shape)}")
+    if u.dtype not in DTYPE_KINDS:
+        raise TypeError(f"{who}: u must be one of {list(DTYPE_KINDS)}, got {u.dtype}")
     if dtype not in FP8_DTYPES:
-        raise TypeError(f"swiglu_fp8: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
+        raise TypeError(f"{who}: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
 
 
 # ---------------------------------------------------------------------------------------------- twin
@@ -46,7 +48,7 @@ def swiglu_fp8_twin(u: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The specification: (h_q (M, F), h_q^T (F, M), inv_scale) for h = up * silu(gate) in u's dtype
     (`qtrain.model.layers.swiglu`'s formula and rounding)."""
-    _check(u, dtype)
+    check_swiglu_fp8_args(u, dtype)
     up, gate = u.chunk(2, dim=-1)
     q, qt, inv_scale = fp8_quantize_torch(F.silu(gate) * up, dtype, transpose=True)
     return q, qt, inv_scale
@@ -82,7 +84,7 @@ def swiglu_forward_amax_triton(u: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(F, BLOCK_F))
     partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=u.device)
     bits = (lambda t: t.view(torch.int16)) if u.dtype == torch.bfloat16 else (lambda t: t)
-    _swiglu_fwd_amax_kernel[grid](bits(u), bits(h), partial, M, F, KIND=_KINDS[u.dtype], BLOCK_M=BLOCK_M,
+    _swiglu_fwd_amax_kernel[grid](bits(u), bits(h), partial, M, F, KIND=DTYPE_KINDS[u.dtype], BLOCK_M=BLOCK_M,
                                   BLOCK_F=BLOCK_F, num_warps=NUM_WARPS)
     return h, partial.amax()
 
@@ -90,7 +92,7 @@ def swiglu_forward_amax_triton(u: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 def swiglu_fp8_triton(u: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Host launcher (pass 1 here, pass 2 the quantize kernel); same contract as the twin."""
-    _check(u, dtype)
+    check_swiglu_fp8_args(u, dtype)
     h, amax = swiglu_forward_amax_triton(u)
     q, qt, inv_scale = fp8_quantize_triton(h, dtype, amax, transpose=True)
     return q, qt, inv_scale
@@ -107,6 +109,6 @@ def swiglu_fp8(u: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch
 
 @swiglu_fp8.register_fake
 def _(u: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check(u, dtype)
+    check_swiglu_fp8_args(u, dtype)
     M, F = u.shape[0], u.shape[1] // 2
     return u.new_empty((M, F), dtype=dtype), u.new_empty((F, M), dtype=dtype), u.new_empty((), dtype=torch.float32)

@@ -46,14 +46,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qtrain.kernels.dispatch import INTERPRET, jit, tl, triton, use_triton
-from qtrain.kernels.fp8_quant import AMAX_FLOOR, FP8_DTYPES, FP8_MAX
+from qtrain.kernels.fp8_quant import AMAX_FLOOR, FP8_MAX
 from qtrain.kernels.stochastic_rounding import load_f32, round_f32
 from qtrain.kernels.swiglu import swiglu_backward_twin
+from qtrain.kernels.swiglu_fp8 import DTYPE_KINDS, check_swiglu_fp8_args
 
 __all__ = ["HINT_UNSET", "new_scale_hint", "pow2_scale", "swiglu_backward_fp8_onepass",
            "swiglu_backward_fp8_onepass_twin", "swiglu_fp8_onepass", "swiglu_fp8_onepass_twin"]
 
-_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 HINT_UNSET = -1000  # no exponent is ever this: the first call of a layer takes the second pass
 # Tiles (module attributes, for a kernels-suite sweep): a program covers BLOCK_M rows x BLOCK_F columns of F;
 # BLOCK_M bytes per row of q^T per store, as the quantize kernel's 64.
@@ -66,12 +66,7 @@ Result = tuple[Tensor, Tensor, Tensor]  # (q (M, N), q^T (N, M), inv_scale 0-dim
 
 
 def _check(u: Tensor, dtype: torch.dtype, dout: Tensor | None = None) -> None:
-    if u.dim() != 2 or u.shape[1] % 2:
-        raise ValueError(f"swiglu one-pass FP8: u must be (M, 2F), got shape {tuple(u.shape)}")
-    if u.dtype not in _KINDS:
-        raise TypeError(f"swiglu one-pass FP8: u must be one of {list(_KINDS)}, got {u.dtype}")
-    if dtype not in FP8_DTYPES:
-        raise TypeError(f"swiglu one-pass FP8: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
+    check_swiglu_fp8_args(u, dtype, "swiglu one-pass FP8")
     if dout is not None and (dout.shape != (u.shape[0], u.shape[1] // 2) or dout.dtype != u.dtype):
         raise ValueError(f"swiglu one-pass FP8: dout must be (M, F) in u's dtype, got {tuple(dout.shape)} "
                          f"{dout.dtype} for u {tuple(u.shape)} {u.dtype}")
@@ -262,7 +257,7 @@ def swiglu_fp8_onepass_triton(u: Tensor, dtype: torch.dtype, hint: Tensor) -> Re
     _check(u, dtype)
     u = u.contiguous()
     M, F = u.shape[0], u.shape[1] // 2
-    return _launch_two_passes(_swiglu_fwd_fp8_kernel, (u,), M, F, F, _KINDS[u.dtype], dtype, hint,
+    return _launch_two_passes(_swiglu_fwd_fp8_kernel, (u,), M, F, F, DTYPE_KINDS[u.dtype], dtype, hint,
                               (FWD_BLOCK_M, FWD_BLOCK_F, FWD_WARPS))
 
 
@@ -271,7 +266,7 @@ def swiglu_backward_fp8_onepass_triton(dout: Tensor, u: Tensor, dtype: torch.dty
     _check(u, dtype, dout)
     u, dout = u.contiguous(), dout.contiguous()
     M, F = dout.shape
-    return _launch_two_passes(_swiglu_bwd_fp8_kernel, (dout, u), M, 2 * F, F, _KINDS[u.dtype], dtype,
+    return _launch_two_passes(_swiglu_bwd_fp8_kernel, (dout, u), M, 2 * F, F, DTYPE_KINDS[u.dtype], dtype,
                               hint, (BWD_BLOCK_M, BWD_BLOCK_F, BWD_WARPS))
 
 

@@ -40,7 +40,8 @@ from qtrain.model.weights import param_shapes
 # (x, weight, bias[, (weight_fp8, inv_scale[, weight_fp8_t])]) -> x @ weight^T + bias; the 4th argument only when
 # the weight source provides a quantized copy (see `quantized_weight`)
 Linear = Callable[..., torch.Tensor]
-# (ln2 output, w_up, w_down, up_fp8, down_fp8) -> out; the fp8 tuples are None without quantized copies
+# (ln2 output, w_up, w_down, up_fp8, down_fp8, scale_hint) -> out; the fp8 tuples are None without quantized copies,
+# scale_hint (SCALE_HINT) None unless the Transformer keeps hints (--fp8-swiglu-onepass)
 Mlp = Callable[..., torch.Tensor]
 BlockFn = Callable[[torch.Tensor, dict, torch.Tensor, torch.Tensor], torch.Tensor]
 

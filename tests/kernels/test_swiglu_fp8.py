@@ -142,7 +142,7 @@ def test_block_with_fused_mlp_equals_unfused_block():
     g = torch.Generator().manual_seed(0)
     x, dy = (torch.randn(2, 16, 64, generator=g).bfloat16() for _ in range(2))
     lin = lambda a, wt, b: fp8_linear(a, wt, b).to(a.dtype)  # noqa: E731
-    mlp = lambda a, wu, wd, qu=None, qd=None: fp8_swiglu_mlp(a, wu, wd, up_fp8=qu, down_fp8=qd)  # noqa: E731
+    mlp = lambda a, wu, wd, qu=None, qd=None, hint=None: fp8_swiglu_mlp(a, wu, wd, up_fp8=qu, down_fp8=qd)  # noqa: E731
 
     def run(fn):
         xi = x.clone().requires_grad_(True)
