@@ -119,7 +119,7 @@ ONEPASS_VARIANTS = {"default": {}, "e4m3-tile-T": dict(QT_MODE=0), "codes-T": di
 
 # launch shapes tried (the first of each is the kernel's default)
 FWD_ONEPASS_TILES = ((64, 128, 8), (64, 64, 4), (64, 256, 8), (32, 128, 4))
-BWD_ONEPASS_TILES = ((32, 128, 4), (64, 64, 8), (32, 128, 8), (32, 256, 8), (16, 256, 4), (32, 64, 4))
+BWD_ONEPASS_TILES = ((32, 128, 8), (64, 64, 8), (32, 128, 4), (32, 256, 8), (16, 256, 4), (32, 64, 4))
 FWD_TILES = ((16, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (32, 128, 4))
 QUANT_TILES = ((64, 256, 8), (64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 128, 4), (128, 128, 4))
 
