@@ -274,15 +274,17 @@ class Options:
     hidden-size rows of e4m3 per token and layer (the norm outputs' copies; the attention and SwiGLU outputs'
     stay rebuilt where --recompute-att / --recompute-swiglu rebuild those outputs). Unset (auto): on where the memory plan with the copies fits the device (measured 1.4% faster at
     Qwen2.5-3B, 0.5% at 1.5B on an H200), else off."""
-    fp8_swiglu_onepass: bool = False
+    fp8_swiglu_onepass: bool | None = None
     """With --matmul-dtype e4m3: write the SwiGLU output and its gradient (the MLP's two largest tensors) to e4m3
     in one pass each, with power-of-two scales predicted from the layer's previous micro-step and re-done where
     the prediction missed, instead of a bf16 pass and a quantize pass with the exact scale (6 and 10 bytes per
     element of the intermediate size moved, instead of 10 and 18). The result never depends on the prediction;
     the scale of those two tensors is 2^e (their largest element lands between FMAX/2 and FMAX). Applies where
     the MLP runs as one compiled FP8 function (torch.compile on, no --recompute-swiglu / --recompute-ffn);
-    eager blocks quantize as without it. Measured +3.2% at Qwen2.5-1.5B on an H200; its quality cost is not yet
-    measured (the fidelity suite's e4m3-onepass mode)."""
+    eager blocks quantize as without it. Measured on an H200 against llm.q's bf16 (BENCHMARKS.md, sessions 14-15):
+    +3.2% at Qwen2.5-1.5B, +1.3% at 3B; the fidelity suite's 0.5B e4m3 runs with and without it evaluate within
+    0.25% of each other over 250 steps. Unset (auto): on with --matmul-dtype e4m3 unless --recompute-swiglu /
+    --recompute-ffn split the MLP; --no-fp8-swiglu-onepass keeps the exact abs-max scales."""
     offload_quants: bool = False
     """Keep the persistent e4m3 weight shards in pinned host memory (needs --persistent-quants and sharded weights)."""
     offload_master: bool = False
@@ -308,6 +310,13 @@ class Options:
     @property
     def effective_matmul_dtype(self) -> str:
         return self.matmul_dtype or self.model_dtype
+
+    @property
+    def effective_fp8_swiglu_onepass(self) -> bool:
+        """--fp8-swiglu-onepass as given, else (auto) on with e4m3 matmuls where no recompute splits the MLP."""
+        if self.fp8_swiglu_onepass is not None:
+            return self.fp8_swiglu_onepass
+        return self.effective_matmul_dtype == "e4m3" and not ({"swiglu", "ffn"} & set(self.recompute))
 
     def fp8_choice(self, cfg: ModelConfig) -> Fp8Choice | None:
         """Which block linears run in FP8 at this micro-batch shape (--fp8-policy and its thresholds); None

@@ -241,8 +241,8 @@ def test_bf16_on_gpu_is_as_accurate_as_transformers(model_type, compile_):
 
 
 def test_fp8_swiglu_onepass_reaches_the_model_and_trains(tmp_path):
-    """`--fp8-swiglu-onepass`: parsed, refused without e4m3 or with a recompute that splits the MLP (before the
-    model is built), handed to the model, which keeps one scale hint per layer across steps; a compiled CPU run
+    """`--fp8-swiglu-onepass`: parsed (unset: on with e4m3 unless a recompute splits the MLP), refused without e4m3
+    or with a recompute that splits the MLP (before the model is built), handed to the model, which keeps one scale hint per layer across steps; a compiled CPU run
     (twins) trains to the exact-scale run's losses within FP8's error (only the two tensors' scales differ)."""
     import argparse
     from qtrain.cli.options import add_train_args, options_from_args
@@ -254,7 +254,11 @@ def test_fp8_swiglu_onepass_reaches_the_model_and_trains(tmp_path):
     model_dir = str(write_model_dir(tmp_path, tiny_cfg("qwen2", True)))
     args = ["--model", model_dir, "--matmul-dtype", "e4m3"]
     assert options_from_args(parser.parse_args(args + ["--fp8-swiglu-onepass"])).fp8_swiglu_onepass is True
-    assert options_from_args(parser.parse_args(args)).fp8_swiglu_onepass is False
+    assert options_from_args(parser.parse_args(args + ["--no-fp8-swiglu-onepass"])).fp8_swiglu_onepass is False
+    unset = options_from_args(parser.parse_args(args))
+    assert unset.fp8_swiglu_onepass is None and unset.effective_fp8_swiglu_onepass is True  # auto: on with e4m3
+    for auto_off in (args[:2], args + ["--recompute-swiglu"], args + ["--recompute-ffn"]):  # bf16; a split MLP
+        assert options_from_args(parser.parse_args(auto_off)).effective_fp8_swiglu_onepass is False
     base = dict(model=model_dir, from_scratch=True, device="cpu", compile="on", batch_size=2, seq_len=32,
                 grad_accumulation=1,
                 matmul_dtype="e4m3", fp8_policy="all", model_dtype="bf16", seed=3)
@@ -266,7 +270,7 @@ def test_fp8_swiglu_onepass_reaches_the_model_and_trains(tmp_path):
     batches = [torch.randint(0, 128, (2, 33), generator=g) for _ in range(3)]
     losses = {}
     for onepass in (False, True):
-        tr = Trainer(Options(**base, fp8_swiglu_onepass=onepass))
+        tr = Trainer(Options(**base, fp8_swiglu_onepass=None if onepass else False))  # the default is on
         assert tr.model.run.fp8_swiglu_onepass is onepass
         losses[onepass] = [tr.step([(x[:, :-1], x[:, 1:])], lr=3e-3)["loss"] for x in batches]
         assert len(tr.model._scale_hints) == (tr.model.cfg.num_hidden_layers if onepass else 0)
