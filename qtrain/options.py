@@ -272,7 +272,8 @@ class Options:
     it in backward, where inductor writes transposes at 1-2 TB/s; every transposed quantization then runs the
     Triton kernel (~4.8 TB/s on an H200). The same quantization; costs memory (the plan counts it): two
     hidden-size rows of e4m3 per token and layer (the norm outputs' copies; the attention and SwiGLU outputs'
-    stay rebuilt where --recompute-att / --recompute-swiglu rebuild those outputs). Unset (auto): on where the memory plan with the copies fits the device (measured 1.4% faster at
+    stay rebuilt where --recompute-att / --recompute-swiglu rebuild those outputs). Unset (auto): on where the memory plan with the copies fits the device with 4% of activations + workspace to
+    spare (plan/memory.AUTO_MARGIN: fragmentation can exceed the plan's 5%) (measured 1.4% faster at
     Qwen2.5-3B, 0.5% at 1.5B on an H200), else off."""
     fp8_swiglu_onepass: bool | None = None
     """With --matmul-dtype e4m3: write the SwiGLU output and its gradient (the MLP's two largest tensors) to e4m3

@@ -126,7 +126,7 @@ class Trainer:
 
     def _keep_transposes(self, opts: Options, compiled: bool) -> bool:
         """--fp8-keep-transposes as given, else as the memory plan resolves it for this device (auto: on where the
-        plan with the kept e4m3 transposes fits the GPU; off without one)."""
+        plan with the kept e4m3 transposes fits the GPU with plan.AUTO_MARGIN to spare; off without one)."""
         if opts.fp8_keep_transposes is not None or self.device.type != "cuda":
             return bool(opts.fp8_keep_transposes)
         from qtrain.plan.memory import plan_memory
