@@ -3,7 +3,8 @@ time, then the top kernels and the GPU's idle gaps, to see where time goes.
 
 Parameters: model, batch, accum, top (kernels listed, 22), fused_ce (true) and any `Options` field, as the
 train kind. GPU busy time well under wall time means gaps (host-bound). Result: wall_ms, busy_ms,
-`categories` (ms each), `top` (kernels), `gaps`.
+`categories` (ms each), `top` (kernels), `gaps`, and with the one-pass SwiGLU FP8 kernels `onepass_hint_misses`
+(missed, calls per direction, counted over two more steps).
 """
 import time
 
@@ -73,11 +74,28 @@ def run(model: str, batch: int, accum: int, top: int = 22, fused_ce: bool = True
     for e in tops:
         print(f"  {e.device_time_total / 1e3:8.2f} ms {e.count:5d}x  {category(e.key):14s} {e.key[:170]}")
     gaps = print_gaps(prof, top)
-    return {"wall_ms": round(wall, 1), "busy_ms": round(busy, 1),
+    misses = hint_misses(step, tr.model.run.fp8_swiglu_onepass)
+    return {"wall_ms": round(wall, 1), "busy_ms": round(busy, 1), "onepass_hint_misses": misses,
             "categories": {k: round(v, 2) for k, v in sorted(sums.items(), key=lambda kv: -kv[1])},
             "top": [dict(ms=round(e.device_time_total / 1e3, 3), count=e.count, category=category(e.key),
                          kernel=e.key[:170]) for e in tops], "gaps": gaps,
             "summary": " ".join(f"{k} {v:.0f}" for k, v in sorted(sums.items(), key=lambda kv: -kv[1])[:4]) + " ms"}
+
+
+def hint_misses(step, onepass: bool, steps: int = 2) -> dict | None:
+    """With the one-pass SwiGLU FP8 kernels: how many of their calls missed the scale hint (and took the second
+    pass) over `steps` more steps, counted apart from the timed and profiled ones (the counting adds small kernels)."""
+    if not onepass:
+        return None
+    from qtrain.kernels.swiglu_fp8_onepass import count_hint_misses
+    counts = count_hint_misses("cuda")
+    for _ in range(steps):
+        step()
+    (fwd_calls, fwd_missed), (bwd_calls, bwd_missed) = counts.tolist()
+    count_hint_misses(None)
+    print(f"one-pass SwiGLU FP8 over {steps} more steps: forward missed the hint in {fwd_missed} of {fwd_calls} calls, "
+          f"backward in {bwd_missed} of {bwd_calls}")
+    return {"steps": steps, "forward": [fwd_missed, fwd_calls], "backward": [bwd_missed, bwd_calls]}
 
 
 def dry_run(params: dict) -> dict:

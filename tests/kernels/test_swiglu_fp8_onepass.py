@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tests.triton_interp import interp_only, interpreter_subprocess_test, needs_cuda
 from qtrain.kernels.fp8_quant import FP8_MAX, fp8_quantize_torch
 from qtrain.kernels.swiglu import swiglu_backward_twin
-from qtrain.kernels.swiglu_fp8_onepass import (HINT_UNSET, new_scale_hint, pow2_scale, swiglu_backward_fp8_onepass,
+from qtrain.kernels.swiglu_fp8_onepass import (HINT_UNSET, count_hint_misses, new_scale_hint, pow2_scale, swiglu_backward_fp8_onepass,
                                                swiglu_backward_fp8_onepass_triton, swiglu_backward_fp8_onepass_twin,
                                                swiglu_fp8_onepass, swiglu_fp8_onepass_triton,
                                                swiglu_fp8_onepass_twin)
@@ -185,6 +185,27 @@ def _explain(got, want, x, fp8, e_hint, e_true) -> str:
 def test_interp_hint_independence(variant):
     """The interpreter runs the integer-bit loads and rounding (its bf16 conversions are not the GPU's)."""
     _check_hint_independence("cpu", [(1, 16), (19, 100), (70, 96)], variant, (torch.bfloat16, torch.float32))
+
+
+@interp_only
+def test_interp_hint_misses_are_counted_only_when_asked():
+    """`count_hint_misses` (the profile suite's diagnostic): each Triton call counts once per direction, a miss
+    when the hint was not the tensor's exponent (unset, or a stale one), nothing when the hint held; without it
+    nothing is counted."""
+    d, u = _u_and_dout(19, 100, torch.bfloat16)
+    hint = new_scale_hint("cpu", 2)
+    swiglu_fp8_onepass_triton(u, E4M3, hint[0:1])  # not counting: the first call learns the exponent
+    try:
+        counts = count_hint_misses("cpu")
+        swiglu_fp8_onepass_triton(u, E4M3, hint[0:1])  # right
+        swiglu_fp8_onepass_triton(u * 4, E4M3, hint[0:1])  # exponent 2 lower: missed
+        swiglu_backward_fp8_onepass_triton(d, u, E4M3, hint[1:2])  # unset: missed
+        swiglu_backward_fp8_onepass_triton(d, u, E4M3, hint[1:2])  # right
+        assert counts.tolist() == [[2, 1], [2, 1]]
+    finally:
+        count_hint_misses(None)
+    swiglu_fp8_onepass_triton(u, E4M3, hint[0:1])
+    assert counts.tolist() == [[2, 1], [2, 1]]
 
 
 # -------------------------------------------------------------------------------------------------- GPU
