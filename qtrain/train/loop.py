@@ -28,7 +28,8 @@ from qtrain.plan.memory import plan_for_trainer
 from qtrain.train import checkpointing, cuda_graphs, run_dir
 from qtrain.train.preflight import Prepared, shared_preflight
 from qtrain.train.schedule import LRSchedule
-from qtrain.train.stop import NonFiniteGuard, StackDump, StopSignals, stopped_after_last_step, stopped_by_signal
+from qtrain.train.stop import (NonFiniteGuard, StackDump, StopSignals, out_of_memory, stopped_after_last_step,
+                               stopped_by_signal)
 from qtrain.train.trainer import Trainer
 
 
@@ -155,7 +156,10 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
             # draining the update too would leave the GPU idle while the host starts the next step (the CLI's
             # 0.5B step took 883 ms where the same step through the API took 862, 2026-12-02). So a step's time
             # is from its start to its norm, and the update's GPU time lands in the next step's.
-            stats = trainer.step([train.next_batch(B) for _ in range(GA)], lr=schedule(step))
+            try:
+                stats = trainer.step([train.next_batch(B) for _ in range(GA)], lr=schedule(step))
+            except torch.OutOfMemoryError as e:
+                raise _out_of_memory(step, e, trainer, ckpt_dir) from None
             dt_ms = 1000 * (time.perf_counter() - t0)
             obj = log.log_step(step, step_tokens=step_tokens, duration_ms=dt_ms, norm=stats["norm"],
                                loss=stats["loss"], lr=stats["lr"], epoch=train.progress)
@@ -173,6 +177,16 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
         tb.close()
     log.close()
     return {"final_eval_loss": final, "steps": total_steps, "out_dir": out_dir, "checkpoint_dir": ckpt_dir}
+
+
+def _out_of_memory(step: int, error: BaseException, trainer: Trainer, ckpt_dir: str) -> Exception:
+    """A step that ran out of device memory: the report with the plan, the allocator's fragments and the newest
+    checkpoint (nothing is written: the step's state is half-updated)."""
+    fragments = None
+    if trainer.device.type == "cuda":
+        fragments = torch.cuda.memory_reserved(trainer.device) - torch.cuda.memory_allocated(trainer.device)
+    return out_of_memory(step, error, plan_for_trainer(trainer).summary(), fragments,
+                         checkpointing.newest_finite(ckpt_dir))
 
 
 def _check_finite(guard: NonFiniteGuard, step: int, stats: dict, log: RunLogger, ckpt_dir: str) -> None:

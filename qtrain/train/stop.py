@@ -6,6 +6,9 @@
 * A non-finite loss or gradient norm: the step's update is skipped (the trainer does that) and reported;
   after `--max-nonfinite-steps` of them in a row the run stops with exit code 3. Checkpoints record the
   streak they were written in, and keep-n never deletes the newest one written after a finite step.
+* A step that runs out of device memory (`out_of_memory`): the run stops with exit code 4 and one message that
+  names the newest checkpoint (the step's state is not saved: it ended half-done), the plan's numbers and how much
+  the allocator held in fragments, and what to change.
 * A step that does not end (`--debug-stack-dump-after SECONDS`, `StackDump`): the run does not stop, but every
   thread's Python stack goes to stderr once the step has run that long, so a stall says where it waits.
 """
@@ -19,6 +22,7 @@ import threading
 from typing import Any
 
 NONFINITE_EXIT = 3
+OUT_OF_MEMORY_EXIT = 4
 
 
 class RunStopped(Exception):
@@ -73,6 +77,22 @@ def stopped_after_last_step(signum: int | None, checkpoint: str | None) -> RunSt
     saved = f"the final checkpoint {checkpoint} is written; " if checkpoint else ""
     return RunStopped(f"{name} after the last step: {saved}run the same command with --continue for the final "
                       f"evaluation and export", 128 + int(signum or signal.SIGTERM))
+
+
+def out_of_memory(step: int, error: BaseException, plan: str, fragments: int | None,
+                  checkpoint: str | None) -> RunStopped:
+    """The report of a step that ran out of device memory. `plan`: the memory plan's summary; `fragments`: bytes the
+    allocator held reserved but unallocated when it failed (None: unknown). Measured on an H200 (BENCHMARKS.md,
+    session 15): a plan right about the allocated peak, and 8.3% of activations + workspace held in fragments."""
+    gib = 1 << 30
+    frag = (f"; the allocator held {fragments / gib:.2f} GiB reserved but unallocated (fragments): "
+            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may give it back" if fragments else "")
+    resume = (f"the newest checkpoint is {checkpoint}: resume from it with --continue and one of those changes"
+              if checkpoint else "no checkpoint was written yet")
+    return RunStopped(f"out of device memory in step {step} ({str(error).splitlines()[0][:200]}); memory plan "
+                      f"{plan}{frag}. Use less: more --lmhead-chunks, a smaller --batch-size with more "
+                      f"--grad-accumulation, --recompute-*, --no-fp8-keep-transposes, or offload (`qtrain plan` "
+                      f"shows each choice's bytes); {resume}", OUT_OF_MEMORY_EXIT, label="out of memory")
 
 
 class NonFiniteGuard:

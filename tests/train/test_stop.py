@@ -98,6 +98,39 @@ def test_nonfinite_streak_stops_and_keeps_the_newest_finite_checkpoint(tmp_path,
     assert len(warnings) == 3  # each one reported
 
 
+def test_a_step_out_of_device_memory_stops_with_the_plan_and_the_newest_checkpoint(tmp_path, capsys, monkeypatch):
+    """A step that runs out of device memory (raised here by the allocation torch makes for step 3's batch: a CPU
+    run has no device allocator to exhaust) ends the run with exit code 4 and one line: the step, torch's message,
+    the memory plan, what to change and the newest checkpoint to resume from; that checkpoint and the rest of the
+    run's files stay as they were, and nothing is written for the half-done step (no checkpoint, no export)."""
+    from qtrain.train.trainer import Trainer
+    root = make_run_root(tmp_path)
+    real_step = Trainer.step
+
+    def step(self, batches, lr):
+        if self.steps_done == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.27 GiB. GPU 0 has a total capacity "
+                                         "of 139.80 GiB of which 6.26 GiB is free.\nmore lines")
+        return real_step(self, batches, lr=lr)
+
+    monkeypatch.setattr(Trainer, "step", step)
+    rc = main(train_argv(root, steps=6))
+    err = capsys.readouterr().err
+    newest = root / "ckpt" / "run" / "step_00000002"
+    assert rc == 4, err
+    assert "qtrain: out of memory: out of device memory in step 3 (CUDA out of memory. Tried to allocate 9.27 GiB." \
+           in err and "more lines" not in err
+    assert "); memory plan " in err and " B=2 T=16 world 1: " in err  # the plan's summary, its numbers
+    assert "--lmhead-chunks" in err and "--grad-accumulation" in err
+    assert f"the newest checkpoint is {newest}: resume from it with --continue and one of those changes" in err
+    assert sorted(os.listdir(root / "ckpt" / "run")) == ["qtrain-run.json", "step_00000002"]
+    assert not (root / "out" / "run").exists() or not any((root / "out" / "run").iterdir())
+    # the checkpoint is whole: the same run resumes from it (the step no longer fails) and finishes
+    monkeypatch.setattr(Trainer, "step", real_step)
+    assert main(train_argv(root, steps=6, extra=("--continue",))) == 0
+    assert [e["step"] for e in read_log(root / "logs" / "run.jsonl") if e["log"] == "step"] == [0, 1, 2, 2, 3, 4, 5]
+
+
 def test_nonfinite_guard_counts_streaks():
     g = NonFiniteGuard(2)
     assert g.update(0, 1.0, 1.0) is None
