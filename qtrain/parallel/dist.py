@@ -389,6 +389,11 @@ def _raise_first_failure(procs: list, errdir: str, killed: set[int]) -> None:
         if r not in reports and r not in killed and p.exitcode is not None and p.exitcode < 0:
             raise RankFailure(f"rank {r} was killed by {signal.Signals(-p.exitcode).name}"
                               + (" (out of memory?)" if -p.exitcode == signal.SIGKILL else ""))
+    # a rank's own stop (out of memory, a non-finite streak, a signal) before the reports of losing a rank (code 1):
+    # the others' RankFailure can reach the launcher first and would hide the cause
+    for r, rep in sorted(reports.items()):
+        if rep["expected"] and rep["code"] != RankFailure.exit_code:
+            raise ReportedExit(rep["message"], rep["code"], rep["label"])
     for r, rep in sorted(reports.items()):
         if rep["expected"]:
             raise ReportedExit(rep["message"], rep["code"], rep["label"])

@@ -185,8 +185,9 @@ def _out_of_memory(step: int, error: BaseException, trainer: Trainer, ckpt_dir: 
     fragments = None
     if trainer.device.type == "cuda":
         fragments = torch.cuda.memory_reserved(trainer.device) - torch.cuda.memory_allocated(trainer.device)
+    rank = trainer.ctx.rank if trainer.ctx.world > 1 else None
     return out_of_memory(step, error, plan_for_trainer(trainer).summary(), fragments,
-                         checkpointing.newest_finite(ckpt_dir))
+                         checkpointing.newest_finite(ckpt_dir), rank=rank)
 
 
 def _check_finite(guard: NonFiniteGuard, step: int, stats: dict, log: RunLogger, ckpt_dir: str) -> None:

@@ -80,16 +80,19 @@ def stopped_after_last_step(signum: int | None, checkpoint: str | None) -> RunSt
 
 
 def out_of_memory(step: int, error: BaseException, plan: str, fragments: int | None,
-                  checkpoint: str | None) -> RunStopped:
+                  checkpoint: str | None, rank: int | None = None) -> RunStopped:
     """The report of a step that ran out of device memory. `plan`: the memory plan's summary; `fragments`: bytes the
     allocator held reserved but unallocated when it failed (None: unknown). Measured on an H200 (BENCHMARKS.md,
-    session 15): a plan right about the allocated peak, and 8.3% of activations + workspace held in fragments."""
+    session 15): a plan right about the allocated peak, and 8.3% of activations + workspace held in fragments.
+    `rank`: which rank ran out, when there are several."""
     gib = 1 << 30
     frag = (f"; the allocator held {fragments / gib:.2f} GiB reserved but unallocated (fragments): "
             f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may give it back" if fragments else "")
     resume = (f"the newest checkpoint is {checkpoint}: resume from it with --continue and one of those changes"
               if checkpoint else "no checkpoint was written yet")
-    return RunStopped(f"out of device memory in step {step} ({str(error).splitlines()[0][:200]}); memory plan "
+    what = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    who = f"rank {rank} ran " if rank is not None else ""
+    return RunStopped(f"{who}out of device memory in step {step} ({what}); memory plan "
                       f"{plan}{frag}. Use less: more --lmhead-chunks, a smaller --batch-size with more "
                       f"--grad-accumulation, --recompute-*, --no-fp8-keep-transposes, or offload (`qtrain plan` "
                       f"shows each choice's bytes); {resume}", OUT_OF_MEMORY_EXIT, label="out of memory")

@@ -30,6 +30,22 @@ def _crash_on_rank_0() -> None:
     time.sleep(60)  # rank 1 would wait: the launcher must not
 
 
+def _oom_on_rank_1_after_rank_0_reports_losing_it() -> None:
+    from qtrain.train.stop import OUT_OF_MEMORY_EXIT, RunStopped
+    if os.environ["RANK"] == "0":  # what a rank's diagnosis says when its peer stopped answering: first to arrive
+        raise dist.RankFailure("rank 1 stopped responding")
+    time.sleep(0.5)
+    raise RunStopped("rank 1 ran out of device memory in step 3", OUT_OF_MEMORY_EXIT, label="out of memory")
+
+
+def test_launcher_prefers_a_ranks_own_stop_to_the_reports_of_losing_it():
+    """A rank that ran out of memory (or stopped on a non-finite streak) is the cause; the others' RankFailure
+    (exit code 1) follows from it and may reach the launcher first: the launcher reports the cause, its code."""
+    with pytest.raises(dist.ReportedExit, match="rank 1 ran out of device memory in step 3") as e:
+        dist.launch_local(_oom_on_rank_1_after_rank_0_reports_losing_it, 2, grace_s=10)
+    assert e.value.exit_code == 4 and e.value.label == "out of memory"
+
+
 def test_launcher_reports_a_workers_user_error_once():
     with pytest.raises(dist.LaunchError, match="a user error seen by rank 1"):
         dist.launch_local(_raise_on_rank_1, 2, grace_s=2)
