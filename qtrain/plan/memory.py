@@ -271,7 +271,7 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
             kept = plan_memory(cfg, keep, world=world, gpu_memory=gpu_memory, device=device, compiled=compiled,
                                reserve=reserve, layout=layout, model_name=model_name, recompute=recompute,
                                attn_chunks=attn_chunks)
-            margin = AUTO_MARGIN * sum(i.device for i in kept.items if i.kind in ("activations", "workspace"))
+            margin = AUTO_MARGIN * (kept.item("activations").device + kept.item("workspace").device)
             if kept.fits and kept.headroom >= margin:
                 return kept
         opts = dataclasses.replace(opts, fp8_keep_transposes=False)
@@ -364,8 +364,8 @@ def parse_bytes(s: str | int) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(s))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a memory size: {s!r} (examples: 80GiB, 24GB, 141e9)")
-    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if not m.group(2) and 0 < n < 1 << 20:
-        raise ValueError(f"not a memory size: {s!r} has no unit, so it is {n} bytes; write {s.strip()}GiB or "
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not m.group(2) and 0 < value < 1 << 20:
+        raise ValueError(f"not a memory size: {s!r} has no unit, so it is {value:g} bytes; write {s.strip()}GiB or "
                          f"{s.strip()}GB")
-    return n
+    return int(value)

@@ -247,6 +247,8 @@ def test_parse_bytes():
     assert parse_bytes("0") == 0 and parse_bytes("1048576") == 1 << 20  # bare numbers are bytes
     with pytest.raises(ValueError, match="'141' has no unit, so it is 141 bytes; write 141GiB or 141GB"):
         parse_bytes("141")  # what `--gpu-memory 141` meant is 141 GiB or GB, never 141 bytes
+    with pytest.raises(ValueError, match="so it is 0.5 bytes"):
+        parse_bytes("0.5")
     with pytest.raises(ValueError):
         parse_bytes("lots")
 
