@@ -74,7 +74,7 @@ def run(model: str, batch: int, accum: int, top: int = 22, fused_ce: bool = True
     for e in tops:
         print(f"  {e.device_time_total / 1e3:8.2f} ms {e.count:5d}x  {category(e.key):14s} {e.key[:170]}")
     gaps = print_gaps(prof, top)
-    misses = hint_misses(step, tr.model.run.fp8_swiglu_onepass)
+    misses = hint_misses(step, tr.model.run.fp8_swiglu_onepass, tr.device)
     return {"wall_ms": round(wall, 1), "busy_ms": round(busy, 1), "onepass_hint_misses": misses,
             "categories": {k: round(v, 2) for k, v in sorted(sums.items(), key=lambda kv: -kv[1])},
             "top": [dict(ms=round(e.device_time_total / 1e3, 3), count=e.count, category=category(e.key),
@@ -82,17 +82,20 @@ def run(model: str, batch: int, accum: int, top: int = 22, fused_ce: bool = True
             "summary": " ".join(f"{k} {v:.0f}" for k, v in sorted(sums.items(), key=lambda kv: -kv[1])[:4]) + " ms"}
 
 
-def hint_misses(step, onepass: bool, steps: int = 2) -> dict | None:
+def hint_misses(step, onepass: bool, device: torch.device, steps: int = 2) -> dict | None:
     """With the one-pass SwiGLU FP8 kernels: how many of their calls missed the scale hint (and took the second
     pass) over `steps` more steps, counted apart from the timed and profiled ones (the counting adds small kernels)."""
     if not onepass:
         return None
     from qtrain.kernels.swiglu_fp8_onepass import count_hint_misses
-    counts = count_hint_misses("cuda")
+    counts = count_hint_misses(device)
     for _ in range(steps):
         step()
     (fwd_calls, fwd_missed), (bwd_calls, bwd_missed) = counts.tolist()
     count_hint_misses(None)
+    if not fwd_calls + bwd_calls:  # e.g. eager blocks, or CUDA graphs replaying without the launchers' Python
+        print(f"one-pass SwiGLU FP8: no kernel call counted over {steps} steps (the MLP does not run them here)")
+        return None
     print(f"one-pass SwiGLU FP8 over {steps} more steps: forward missed the hint in {fwd_missed} of {fwd_calls} calls, "
           f"backward in {bwd_missed} of {bwd_calls}")
     return {"steps": steps, "forward": [fwd_missed, fwd_calls], "backward": [bwd_missed, bwd_calls]}
