@@ -18,7 +18,7 @@ from qtrain.model.config import ModelConfig
 from qtrain.model.fp8_policy import FP8_POLICIES, Fp8Choice, block_gflop, choose_fp8
 from qtrain.model.layers import SDPA_BACKENDS
 from qtrain.model.recompute import FLAGS as RECOMPUTE_FLAGS
-from qtrain.model.recompute import resolve_flags
+from qtrain.model.recompute import block_steps, resolve_flags
 
 DTYPES = ("fp32", "bf16")
 MATMUL_DTYPES = ("fp32", "bf16", "e4m3")
@@ -281,8 +281,8 @@ class Options:
     the prediction missed, instead of a bf16 pass and a quantize pass with the exact scale (6 and 10 bytes per
     element of the intermediate size moved, instead of 10 and 18). The result never depends on the prediction;
     the scale of those two tensors is 2^e (their largest element lands between FMAX/2 and FMAX). Applies where
-    the MLP runs as one compiled FP8 function (torch.compile on, no --recompute-swiglu / --recompute-ffn);
-    eager blocks quantize as without it. Measured on an H200 against llm.q's bf16 (BENCHMARKS.md, sessions 14-15):
+    the MLP runs as one compiled FP8 function (torch.compile on, no --recompute-swiglu / --recompute-ffn; with
+    --recompute-block, which reruns the whole block, it applies); eager blocks quantize as without it. Measured on an H200 against llm.q's bf16 (BENCHMARKS.md, sessions 14-15):
     +3.2% at Qwen2.5-1.5B, +1.3% at 3B; the fidelity suite's 0.5B e4m3 runs with and without it evaluate within
     0.25% of each other over 250 steps. Unset (auto): on with --matmul-dtype e4m3 unless --recompute-swiglu /
     --recompute-ffn split the MLP; --no-fp8-swiglu-onepass keeps the exact abs-max scales."""
@@ -313,11 +313,18 @@ class Options:
         return self.matmul_dtype or self.model_dtype
 
     @property
+    def mlp_split_by_recompute(self) -> bool:
+        """Whether a recompute switch reruns the up projection or SwiGLU as steps of their own inside the block, so
+        that the MLP is not one function (--recompute-swiglu, --recompute-ffn; not --recompute-block, which reruns
+        the whole block, MLP function included)."""
+        return bool({"up", "swiglu"} & block_steps(self.recompute))
+
+    @property
     def effective_fp8_swiglu_onepass(self) -> bool:
         """--fp8-swiglu-onepass as given, else (auto) on with e4m3 matmuls where no recompute splits the MLP."""
         if self.fp8_swiglu_onepass is not None:
             return self.fp8_swiglu_onepass
-        return self.effective_matmul_dtype == "e4m3" and not ({"swiglu", "ffn"} & set(self.recompute))
+        return self.effective_matmul_dtype == "e4m3" and not self.mlp_split_by_recompute
 
     def fp8_choice(self, cfg: ModelConfig) -> Fp8Choice | None:
         """Which block linears run in FP8 at this micro-batch shape (--fp8-policy and its thresholds); None
@@ -520,7 +527,7 @@ class Options:
         if self.fp8_swiglu_onepass and self.effective_matmul_dtype != "e4m3":
             raise err("--fp8-swiglu-onepass only applies with --matmul-dtype e4m3: it writes the SwiGLU output and "
                       "its gradient in e4m3")
-        if self.fp8_swiglu_onepass and {"swiglu", "ffn"} & set(self.recompute):
+        if self.fp8_swiglu_onepass and self.mlp_split_by_recompute:
             raise err("--fp8-swiglu-onepass needs the MLP as one FP8 function, which --recompute-swiglu / "
                       "--recompute-ffn split into separate steps: drop one of them")
         if self.offload_master and not self.weights_sharded:
