@@ -263,6 +263,10 @@ class Transformer:
         else:  # the fused FP8 MLP needs both of its linears in FP8
             mlp = (block_mlp(run.matmul_dtype, run.fp8_grad_dtype, run.fp8_keep_transposes, run.fp8_swiglu_onepass)
                    if not {"up", "down"} & set(plain) else None)
+        # whether the one-pass SwiGLU FP8 kernels run (and the layers need scale hints): the fused FP8 MLP, compiled,
+        # not split into steps by a recompute switch (make_block_fn's rule)
+        self.swiglu_onepass = bool(run.fp8_swiglu_onepass and mlp is not None and run.compile
+                                   and not {"up", "swiglu"} & block_steps(run.recompute))
         fn = make_block_fn(cfg, linear, recompute=block_steps(run.recompute), attn_chunks=run.attn_bwd_chunks,
                            compiled=run.compile, fused_swiglu=run.compile, fused_rope=run.compile,
                            mlp=mlp if run.compile else None,
@@ -294,9 +298,9 @@ class Transformer:
         return self._rope[key]
 
     def _with_scale_hint(self, w: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
-        """The block's weights plus the layer's scale hints under --fp8-swiglu-onepass (one tensor per layer,
-        made once, so every micro-step and CUDA-graph replay reads and updates the same one), else w."""
-        if not self.run.fp8_swiglu_onepass:
+        """The block's weights plus the layer's scale hints where the one-pass SwiGLU FP8 kernels run (one tensor per
+        layer, made once, so every micro-step and CUDA-graph replay reads and updates the same one), else w."""
+        if not self.swiglu_onepass:
             return w
         device = next(iter(w.values())).device
         key = (layer, str(device))

@@ -261,5 +261,9 @@ def _log_run_header(log: RunLogger, trainer: Trainer, train: TokenLoader, evals:
                     level="warning")
     if trainer.fp8 is not None:  # shown (as a warning) whenever a block linear does or would run in bf16
         log.message(trainer.fp8.describe(), level="warning" if trainer.fp8.keeps_bf16 else "info")
+    if trainer.model.swiglu_onepass:
+        log.message("fp8: the SwiGLU output and its gradient take power-of-two scales, in one pass each "
+                    "(--fp8-swiglu-onepass, on by default with e4m3; --no-fp8-swiglu-onepass keeps every tensor's "
+                    "exact abs-max scale)", level="info")
     log.message(f"model {cfg.model_type}: {cfg.num_params() / 1e6:.1f}M parameters, {total_steps} steps of "
                 f"{opts.batch_size * T * opts.grad_accumulation * W} tokens", level="info")

@@ -273,7 +273,7 @@ def test_fp8_swiglu_onepass_reaches_the_model_and_trains(tmp_path):
     losses = {}
     for onepass in (False, True):
         tr = Trainer(Options(**base, fp8_swiglu_onepass=None if onepass else False))  # the default is on
-        assert tr.model.run.fp8_swiglu_onepass is onepass
+        assert tr.model.run.fp8_swiglu_onepass is onepass and tr.model.swiglu_onepass is onepass
         losses[onepass] = [tr.step([(x[:, :-1], x[:, 1:])], lr=3e-3)["loss"] for x in batches]
         assert len(tr.model._scale_hints) == (tr.model.cfg.num_hidden_layers if onepass else 0)
     for a, b in zip(losses[False], losses[True]):
@@ -281,7 +281,12 @@ def test_fp8_swiglu_onepass_reaches_the_model_and_trains(tmp_path):
     # under --recompute-block the block's forward runs twice a micro-step (each call updates the hint) and trains as
     # without it, to the compiled graphs' rounding (the no-grad forward fuses differently: the exact-scale runs with
     # and without --recompute-block differ by ~1e-4 relative here too)
+    # where the kernels do not run (eager blocks; a split MLP) the model says so and keeps no hints
+    for off in (dict(compile="off"), dict(recompute_ffn=True)):
+        tr = Trainer(Options(**{**base, **off}))
+        tr.step([(batches[0][:, :-1], batches[0][:, 1:])], lr=3e-3)
+        assert not tr.model.swiglu_onepass and not tr.model._scale_hints
     tr = Trainer(Options(**base, recompute_block=True))
-    assert tr.model.run.fp8_swiglu_onepass
+    assert tr.model.run.fp8_swiglu_onepass and tr.model.swiglu_onepass
     for a, b in zip(losses[True], [tr.step([(x[:, :-1], x[:, 1:])], lr=3e-3)["loss"] for x in batches]):
         assert abs(a - b) <= 2e-3 * abs(a), (a, b)
