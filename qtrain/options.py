@@ -18,7 +18,7 @@ from qtrain.model.config import ModelConfig
 from qtrain.model.fp8_policy import FP8_POLICIES, Fp8Choice, block_gflop, choose_fp8
 from qtrain.model.layers import SDPA_BACKENDS
 from qtrain.model.recompute import FLAGS as RECOMPUTE_FLAGS
-from qtrain.model.recompute import block_steps, resolve_flags
+from qtrain.model.recompute import resolve_flags, splits_mlp
 
 DTYPES = ("fp32", "bf16")
 MATMUL_DTYPES = ("fp32", "bf16", "e4m3")
@@ -272,9 +272,10 @@ class Options:
     it in backward, where inductor writes transposes at 1-2 TB/s; every transposed quantization then runs the
     Triton kernel (~4.8 TB/s on an H200). The same quantization; costs memory (the plan counts it): two
     hidden-size rows of e4m3 per token and layer (the norm outputs' copies; the attention and SwiGLU outputs'
-    stay rebuilt where --recompute-att / --recompute-swiglu rebuild those outputs). Unset (auto): on where the memory plan with the copies fits the device with 4% of activations + workspace to
-    spare (plan/memory.AUTO_MARGIN: fragmentation can exceed the plan's 5%) (measured 1.4% faster at
-    Qwen2.5-3B, 0.5% at 1.5B on an H200), else off."""
+    stay rebuilt where --recompute-att / --recompute-swiglu rebuild those outputs). Unset (auto): on where the
+    memory plan with the copies fits the device with 4% of activations + workspace to spare (plan/memory.AUTO_MARGIN:
+    fragmentation can exceed the plan's 5%) (measured 1.4% faster at Qwen2.5-3B, 0.5% at 1.5B on an H200), else
+    off."""
     fp8_swiglu_onepass: bool | None = None
     """With --matmul-dtype e4m3: write the SwiGLU output and its gradient (the MLP's two largest tensors) to e4m3
     in one pass each, with power-of-two scales predicted from the layer's previous micro-step and re-done where
@@ -282,10 +283,11 @@ class Options:
     element of the intermediate size moved, instead of 10 and 18). The result never depends on the prediction;
     the scale of those two tensors is 2^e (their largest element lands between FMAX/2 and FMAX). Applies where
     the MLP runs as one compiled FP8 function (torch.compile on, no --recompute-swiglu / --recompute-ffn; with
-    --recompute-block, which reruns the whole block, it applies); eager blocks quantize as without it. Measured on an H200 against llm.q's bf16 (BENCHMARKS.md, sessions 14-15):
-    +3.2% at Qwen2.5-1.5B, +1.3% at 3B; the fidelity suite's 0.5B e4m3 runs with and without it evaluate within
-    0.25% of each other over 250 steps. Unset (auto): on with --matmul-dtype e4m3 unless --recompute-swiglu /
-    --recompute-ffn split the MLP; --no-fp8-swiglu-onepass keeps the exact abs-max scales."""
+    --recompute-block, which reruns the whole block, it applies); eager blocks quantize as without it. Measured on
+    an H200 against llm.q's bf16 (BENCHMARKS.md, sessions 14-15): +3.2% at Qwen2.5-1.5B, +1.3% at 3B; the fidelity
+    suite's 0.5B e4m3 runs with and without it evaluate within 0.25% of each other over 250 steps. Unset (auto): on
+    with --matmul-dtype e4m3 unless --recompute-swiglu / --recompute-ffn split the MLP; --no-fp8-swiglu-onepass
+    keeps the exact abs-max scales."""
     offload_quants: bool = False
     """Keep the persistent e4m3 weight shards in pinned host memory (needs --persistent-quants and sharded weights)."""
     offload_master: bool = False
@@ -313,18 +315,11 @@ class Options:
         return self.matmul_dtype or self.model_dtype
 
     @property
-    def mlp_split_by_recompute(self) -> bool:
-        """Whether a recompute switch reruns the up projection or SwiGLU as steps of their own inside the block, so
-        that the MLP is not one function (--recompute-swiglu, --recompute-ffn; not --recompute-block, which reruns
-        the whole block, MLP function included)."""
-        return bool({"up", "swiglu"} & block_steps(self.recompute))
-
-    @property
     def effective_fp8_swiglu_onepass(self) -> bool:
         """--fp8-swiglu-onepass as given, else (auto) on with e4m3 matmuls where no recompute splits the MLP."""
         if self.fp8_swiglu_onepass is not None:
             return self.fp8_swiglu_onepass
-        return self.effective_matmul_dtype == "e4m3" and not self.mlp_split_by_recompute
+        return self.effective_matmul_dtype == "e4m3" and not splits_mlp(self.recompute)
 
     def fp8_choice(self, cfg: ModelConfig) -> Fp8Choice | None:
         """Which block linears run in FP8 at this micro-batch shape (--fp8-policy and its thresholds); None
@@ -527,7 +522,7 @@ class Options:
         if self.fp8_swiglu_onepass and self.effective_matmul_dtype != "e4m3":
             raise err("--fp8-swiglu-onepass only applies with --matmul-dtype e4m3: it writes the SwiGLU output and "
                       "its gradient in e4m3")
-        if self.fp8_swiglu_onepass and self.mlp_split_by_recompute:
+        if self.fp8_swiglu_onepass and splits_mlp(self.recompute):
             raise err("--fp8-swiglu-onepass needs the MLP as one FP8 function, which --recompute-swiglu / "
                       "--recompute-ffn split into separate steps: drop one of them")
         if self.offload_master and not self.weights_sharded:

@@ -69,6 +69,16 @@ def block_steps(flags: Iterable[str]) -> frozenset[str]:
     return frozenset(s for f in flags for s in STEPS[f])
 
 
+MLP_STEPS = frozenset({"up", "swiglu"})  # recomputing either runs the MLP as separate steps, not one function
+
+
+def splits_mlp(flags: Iterable[str]) -> bool:
+    """Whether these switches rerun the up projection or SwiGLU as steps of their own inside the block, so that
+    the MLP cannot be one function (--recompute-swiglu, --recompute-ffn; not --recompute-block, which reruns the
+    whole block, MLP function included)."""
+    return bool(MLP_STEPS & block_steps(flags))
+
+
 # ---------------------------------------------------------------------------------------------------
 # Measuring: bytes kept for backward
 # ---------------------------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ from qtrain.model.layers import (SDPA_BACKENDS, apply_rope, qkv_rope_fused, rms_
                                  split_qkv, swiglu, swiglu_fused)
 from qtrain.model.loss import IGNORE_INDEX, chunked_lm_head_loss
 from qtrain.model.matmul import block_linear, block_mlp
-from qtrain.model.recompute import CheckpointSteps, Recomputer, ResidualStash, block_steps, resolve_flags, run_step
+from qtrain.model.recompute import (MLP_STEPS, CheckpointSteps, Recomputer, ResidualStash, block_steps, resolve_flags,
+                                   run_step, splits_mlp)
 from qtrain.model.weights import param_shapes
 
 # (x, weight, bias[, (weight_fp8, inv_scale[, weight_fp8_t])]) -> x @ weight^T + bias; the 4th argument only when
@@ -117,7 +118,7 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     nh, nkv, hs, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
     q_dim, qk_norm, gqa = cfg.q_dim, cfg.qk_norm, nh != nkv
     swiglu_fn = swiglu_fused if fused_swiglu else swiglu
-    fused_mlp = mlp if not ({"up", "swiglu"} & recompute) else None
+    fused_mlp = mlp if not (MLP_STEPS & recompute) else None
     rebuilt = {n for n, step in REBUILT_BY.items() if step in recompute}
 
     def project(h: torch.Tensor, w: dict[str, torch.Tensor], name: str, bias: str | None = None) -> torch.Tensor:
@@ -266,7 +267,7 @@ class Transformer:
         # whether the one-pass SwiGLU FP8 kernels run (and the layers need scale hints): the fused FP8 MLP, compiled,
         # not split into steps by a recompute switch (make_block_fn's rule)
         self.swiglu_onepass = bool(run.fp8_swiglu_onepass and mlp is not None and run.compile
-                                   and not {"up", "swiglu"} & block_steps(run.recompute))
+                                   and not splits_mlp(run.recompute))
         fn = make_block_fn(cfg, linear, recompute=block_steps(run.recompute), attn_chunks=run.attn_bwd_chunks,
                            compiled=run.compile, fused_swiglu=run.compile, fused_rope=run.compile,
                            mlp=mlp if run.compile else None,
