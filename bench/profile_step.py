@@ -20,10 +20,14 @@ CATEGORIES = [  # first match wins; names as CUDA kernels appear in the profiler
     # attention first: cuDNN's kernels are named "..._sdpa_sm90_flash_bprop_wgmma_f16_..." (before 2026-12-02
     # they matched "wgmma" and were counted as GEMMs)
     ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
-    ("gemm-fp8", ("f8", "e4m3", "fp8")),
+    # before the GEMMs: the one-pass SwiGLU FP8 kernels' names contain "fp8" (before 2026-12-03 they were counted
+    # as FP8 GEMMs); cuBLAS's FP8 GEMMs are "nvjet_sm90_qqtst_..." (bf16: "nvjet_sm90_tst_...")
+    ("swiglu", ("swiglu", "silu")),
+    ("quantize", ("_quantize_kernel", "_abs_max_kernel")),
+    ("rope", ("rope",)),
+    ("gemm-fp8", ("qqtst", "f8f8", "e4m3")),
     ("gemm", ("gemm", "nvjet", "sm90_xmma", "cutlass", "cublas", "wgmma")),
     ("cross-entropy", ("cross_entropy", "_ce_",)),
-    ("swiglu", ("swiglu", "silu")),
     ("adamw/sr", ("adamw", "_sr_", "stochastic", "sr_add", "sr_copy")),
     ("norm/reduce", ("reduce", "norm")),
     ("inductor-fused", ("triton_",)),
@@ -47,8 +51,13 @@ def run(model: str, batch: int, accum: int, top: int = 22, fused_ce: bool = True
     x = torch.randint(0, tr.cfg.vocab_size, (batch, 1025), device="cuda")
     inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
-    def step():
+    def step(fresh: bool = False):
+        """One optimizer step on the fixed batch, or with `fresh` a new random batch each micro-step (as a run)."""
         for _ in range(accum):
+            if fresh:
+                y = torch.randint(0, tr.cfg.vocab_size, (batch, 1025), device="cuda")
+                inp.copy_(y[:, :-1])
+                tgt.copy_(y[:, 1:])
             tr.micro_step(inp, tgt, loss_scale=1.0 / (batch * 1024 * accum))
         tr.update(lr=1e-4)
 
@@ -74,7 +83,7 @@ def run(model: str, batch: int, accum: int, top: int = 22, fused_ce: bool = True
     for e in tops:
         print(f"  {e.device_time_total / 1e3:8.2f} ms {e.count:5d}x  {category(e.key):14s} {e.key[:170]}")
     gaps = print_gaps(prof, top)
-    misses = hint_misses(step, tr.model.run.fp8_swiglu_onepass, tr.device)
+    misses = hint_misses(step, tr.model.swiglu_onepass, tr.device)
     return {"wall_ms": round(wall, 1), "busy_ms": round(busy, 1), "onepass_hint_misses": misses,
             "categories": {k: round(v, 2) for k, v in sorted(sums.items(), key=lambda kv: -kv[1])},
             "top": [dict(ms=round(e.device_time_total / 1e3, 3), count=e.count, category=category(e.key),
@@ -84,21 +93,26 @@ def run(model: str, batch: int, accum: int, top: int = 22, fused_ce: bool = True
 
 def hint_misses(step, onepass: bool, device: torch.device, steps: int = 2) -> dict | None:
     """With the one-pass SwiGLU FP8 kernels: how many of their calls missed the scale hint (and took the second
-    pass) over `steps` more steps, counted apart from the timed and profiled ones (the counting adds small kernels)."""
+    pass) over `steps` more steps, counted apart from the timed and profiled ones (the counting adds small kernels):
+    first on the profiled batch again, then on fresh random batches (a run's case: each batch's abs-max differs)."""
     if not onepass:
         return None
     from qtrain.kernels.swiglu_fp8_onepass import count_hint_misses
-    counts = count_hint_misses(device)
-    for _ in range(steps):
-        step()
-    (fwd_calls, fwd_missed), (bwd_calls, bwd_missed) = counts.tolist()
-    count_hint_misses(None)
-    if not fwd_calls + bwd_calls:  # e.g. eager blocks, or CUDA graphs replaying without the launchers' Python
-        print(f"one-pass SwiGLU FP8: no kernel call counted over {steps} steps (the MLP does not run them here)")
-        return None
-    print(f"one-pass SwiGLU FP8 over {steps} more steps: forward missed the hint in {fwd_missed} of {fwd_calls} calls, "
-          f"backward in {bwd_missed} of {bwd_calls}")
-    return {"steps": steps, "forward": [fwd_missed, fwd_calls], "backward": [bwd_missed, bwd_calls]}
+    out = {"steps": steps}
+    for fresh in (False, True):
+        counts = count_hint_misses(device)
+        for _ in range(steps):
+            step(fresh)
+        (fwd_calls, fwd_missed), (bwd_calls, bwd_missed) = counts.tolist()
+        count_hint_misses(None)
+        if not fwd_calls + bwd_calls:  # e.g. eager blocks, or CUDA graphs replaying without the launchers' Python
+            print(f"one-pass SwiGLU FP8: no kernel call counted over {steps} steps (the MLP does not run them here)")
+            return None
+        batches = "fresh random batches" if fresh else "the profiled batch"
+        print(f"one-pass SwiGLU FP8 over {steps} more steps on {batches}: forward missed the hint in {fwd_missed} of "
+              f"{fwd_calls} calls, backward in {bwd_missed} of {bwd_calls}")
+        out["fresh" if fresh else "same"] = {"forward": [fwd_missed, fwd_calls], "backward": [bwd_missed, bwd_calls]}
+    return out
 
 
 def dry_run(params: dict) -> dict:

@@ -8,24 +8,34 @@ quantize kernel reads x back and writes q and q^T. Per element of F that is 10 b
 h again 2, q and q^T 2) and 18 backward (u 4, dout 2, du 4, du again 4, q and q^T 4). Here one pass writes q and
 q^T straight from the inputs: 6 and 10 bytes.
 
-What makes one pass possible is a scale known in advance. The scale is a power of two,
+What makes one pass possible is a scale known in advance. The scale is a power of two, 2^e, with e chosen from
+the tensor's own exponent
 
-    e     = floor(log2(FMAX / max(amax, AMAX_FLOOR)))      (the largest e with amax * 2^e <= FMAX, up to the
-    scale = 2^e,  inv_scale = 2^-e                           rounding of the one division)
+    e_own = floor(log2(FMAX / max(amax, AMAX_FLOOR)))      (the largest e with amax * 2^e <= FMAX, up to the
+                                                             rounding of the one division)
 
-a function of amax's binade only, and the kernel takes it from the exponent this tensor had at the same layer in
-the previous call (`hint`, an int32 the caller keeps per layer). The pass also reduces the true amax; a second
-launch then checks the exponent: where it differs from the hint, that launch recomputes the tile from the inputs
-and writes q and q^T again with the true exponent; where it matches, every program exits without touching
-memory. The hint is then set to the true exponent. So the result is always the current-scaling result with a
-power-of-two scale, whatever the hint held (a stale, wrong or never-set hint costs one more pass, never a
-different bit): the output depends on the inputs alone, which keeps CUDA-graph replays, resumed runs and
-recomputation bitwise equal to a plain run. The hint is written behind torch.compile's back (the ops declare no
-mutation): nothing the compiler could reorder or cache about it can change a result, only the speed.
+and the exponent this tensor had at the same layer in the previous call (`hint`, an int32 the caller keeps per
+layer): the hint is kept when it fits and wastes at most KEEP_BINADES binade, e_own - KEEP_BINADES <= hint <= e_own,
+else e = e_own (`scale_exponent`). The kernel writes with the hinted exponent and reduces the true amax; a second
+launch then checks the rule: where the hint is not kept, that launch recomputes the tile from the inputs and writes
+q and q^T again with e_own; where it is kept, every program exits without touching memory. The hint is then set
+to e. The window is what keeps the second pass rare: with e = e_own exactly, a gradient whose abs-max hovers
+around a power of two missed in 16-21% of the backward calls (Qwen2.5-1.5B, BENCHMARKS.md session 16), each a
+second pass; with it, only an abs-max that leaves the two binades costs one.
 
-A power-of-two scale leaves the largest element between FMAX/2 and FMAX (the exact scale puts it at FMAX): the
-tensor's dynamic range loses at most one binade at the bottom, and scaling itself is exact (no rounding of
-x * scale before the cast). Rounding of the SwiGLU values is the existing kernels': h and du are rounded to u's
+The result is x quantized at 2^e for the e the rule picks, so it depends on the inputs and the hint, and nothing
+else: a stale, wrong or unset hint costs one more pass and gives the e_own result. The rule is idempotent (after a
+call the hint is e; the same inputs again keep it), so a rerun of the same forward (recompute, a CUDA-graph
+replay, a compiled graph that rematerializes the op) gives the same bits. Across steps the hints are run state:
+the Transformer keeps one (2,) tensor per layer and checkpoints save them, so a resumed run continues bit for bit.
+The hint is written behind torch.compile's back (the ops declare no mutation; declaring it would make the compiler
+copy the hint around the op): no other op reads or writes it, and by idempotence a reordered or repeated call
+changes nothing.
+
+A power-of-two scale leaves the largest element between FMAX/2 and FMAX at e_own (the exact scale puts it at FMAX),
+between FMAX/4 and FMAX with a kept hint: the tensor's dynamic range loses at most two binades at the bottom (of
+e4m3's 17; delayed scaling, which takes the largest abs-max of a long history, routinely gives up more), and
+scaling itself is exact (no rounding of x * scale before the cast). Rounding of the SwiGLU values is the existing kernels': h and du are rounded to u's
 dtype first, as the two-pass path stores them, so the twins below are the two-pass twins with the scale rule
 swapped (`pow2_scale`).
 
@@ -51,10 +61,12 @@ from qtrain.kernels.stochastic_rounding import load_f32, round_f32
 from qtrain.kernels.swiglu import swiglu_backward_twin
 from qtrain.kernels.swiglu_fp8 import DTYPE_KINDS, check_swiglu_fp8_args
 
-__all__ = ["HINT_UNSET", "count_hint_misses", "new_scale_hint", "pow2_scale", "swiglu_backward_fp8_onepass",
+__all__ = ["HINT_UNSET", "KEEP_BINADES", "count_hint_misses", "new_scale_hint", "pow2_scale", "scale_exponent",
+           "swiglu_backward_fp8_onepass",
            "swiglu_backward_fp8_onepass_twin", "swiglu_fp8_onepass", "swiglu_fp8_onepass_twin"]
 
 HINT_UNSET = -1000  # no exponent is ever this: the first call of a layer takes the second pass
+KEEP_BINADES = 1  # a hint up to this many binades below the tensor's own exponent is kept (`scale_exponent`)
 # Tiles (module attributes, for a kernels-suite sweep): a program covers BLOCK_M rows x BLOCK_F columns of F;
 # BLOCK_M bytes per row of q^T per store, as the quantize kernel's 64.
 # H200, 1.5B shapes (session 15, kernels suite): backward 32 x 128 / 8 warps 1.75 ms, / 4 warps 1.85, 64 x 64 / 8
@@ -102,30 +114,46 @@ def pow2_scale(amax: Tensor, fmax: float) -> tuple[Tensor, Tensor, Tensor]:
     return torch.ldexp(one, e), torch.ldexp(one, -e), e
 
 
-def _quantize_pow2(x: Tensor, dtype: torch.dtype) -> Result:
-    """q, q^T, inv_scale of x (already in its stored dtype) with the power-of-two scale of its abs-max."""
+def scale_exponent(e_own: Tensor, hint: Tensor) -> Tensor:
+    """The exponent a call uses (int32, hint's shape): the hint where it fits and wastes at most KEEP_BINADES
+    binade (e_own - KEEP_BINADES <= hint <= e_own), else the tensor's own exponent e_own (`pow2_scale`'s e)."""
+    e_own = e_own.to(torch.int32).reshape(hint.shape)
+    return torch.where((hint <= e_own) & (hint >= e_own - KEEP_BINADES), hint, e_own)
+
+
+def _quantize_pow2(x: Tensor, dtype: torch.dtype, hint: Tensor | None = None) -> Result:
+    """q, q^T, inv_scale of x (already in its stored dtype) with 2^e: e = `scale_exponent` of its abs-max and
+    `hint` (a one-element int32 tensor, set to e), or without a hint the abs-max's own exponent."""
     fmax = FP8_MAX[dtype]
     amax = torch.linalg.vector_norm(x, float("inf")) if x.numel() else x.new_zeros(())
-    scale, inv_scale, _ = pow2_scale(amax, fmax)
+    scale, inv_scale, e = pow2_scale(amax, fmax)
+    if hint is not None:
+        e = scale_exponent(e, hint)
+        hint.copy_(e)
+        one = torch.ones((), dtype=torch.float32, device=x.device)
+        scale, inv_scale = torch.ldexp(one, e.reshape(())), torch.ldexp(one, -e.reshape(()))
     q = (x.float() * scale).clamp_(-fmax, fmax).to(dtype).contiguous()
     # a copy always (with one row, q.t() is already contiguous: a custom op may not return aliased outputs)
     return q, q.t().clone(memory_format=torch.contiguous_format), inv_scale
 
 
 # ---------------------------------------------------------------------------------------------- twins
-def swiglu_fp8_onepass_twin(u: Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> Result:
+def swiglu_fp8_onepass_twin(u: Tensor, dtype: torch.dtype = torch.float8_e4m3fn, hint: Tensor | None = None
+                            ) -> Result:
     """The specification of the forward: h = up * silu(gate) in u's dtype (`layers.swiglu`'s rounding), quantized
-    with the power-of-two scale of max |h|: (h_q (M, F), h_q^T (F, M), inv_scale)."""
+    with 2^e, e = `scale_exponent` of max |h| and `hint` (one int32, set to e; none: max |h|'s own exponent):
+    (h_q (M, F), h_q^T (F, M), inv_scale)."""
     _check(u, dtype)
     up, gate = u.chunk(2, dim=-1)
-    return _quantize_pow2(F.silu(gate) * up, dtype)
+    return _quantize_pow2(F.silu(gate) * up, dtype, hint)
 
 
-def swiglu_backward_fp8_onepass_twin(dout: Tensor, u: Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> Result:
-    """The specification of the backward: du = `swiglu_backward_twin(dout, u)` (in u's dtype), quantized with the
-    power-of-two scale of max |du|: (du_q (M, 2F), du_q^T (2F, M), inv_scale)."""
+def swiglu_backward_fp8_onepass_twin(dout: Tensor, u: Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
+                                     hint: Tensor | None = None) -> Result:
+    """The specification of the backward: du = `swiglu_backward_twin(dout, u)` (in u's dtype), quantized with 2^e
+    as the forward's (max |du| and `hint`): (du_q (M, 2F), du_q^T (2F, M), inv_scale)."""
     _check(u, dtype, dout)
-    return _quantize_pow2(swiglu_backward_twin(dout, u), dtype)
+    return _quantize_pow2(swiglu_backward_twin(dout, u), dtype, hint)
 
 
 # -------------------------------------------------------------------------------------------- triton
@@ -172,16 +200,16 @@ def _store_q_and_qt(q_ptr, qt_ptr, x, e, rm, rn, M, N, n_end, FMAX: tl.constexpr
 
 @jit
 def _pass_setup(hint_ptr, amax_ptr, inv_scale_ptr, FMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-                REDO: tl.constexpr):
-    """(e, go): pass 1 writes with the hinted exponent, every program; pass 2 with the true one, only where the two
-    differ (`go`, a loaded value: the caller branches on it, so a matched program reads and computes nothing).
-    The first program writes inv_scale = 2^-e (pass 2's is final)."""
+                KEEP: tl.constexpr, REDO: tl.constexpr):
+    """(e, go): pass 1 writes with the hinted exponent, every program; pass 2 with the tensor's own exponent, only
+    where `scale_exponent` does not keep the hint (`go`, a loaded value: the caller branches on it, so a program
+    whose hint held reads and computes nothing). The first program writes inv_scale = 2^-e (pass 2's is final)."""
     e = tl.load(hint_ptr)
     go = e == e
     if REDO:
-        e_true = _pow2_exponent(amax_ptr, FMAX, AMAX_FLOOR)
-        go = e_true != e
-        e = e_true
+        e_own = _pow2_exponent(amax_ptr, FMAX, AMAX_FLOOR)
+        go = (e > e_own) | (e < e_own - KEEP)
+        e = tl.where(go, e_own, e)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(inv_scale_ptr, _exp2_f32(-e))
     return e, go
@@ -190,12 +218,12 @@ def _pass_setup(hint_ptr, amax_ptr, inv_scale_ptr, FMAX: tl.constexpr, AMAX_FLOO
 @jit
 def _swiglu_fwd_fp8_kernel(u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr, inv_scale_ptr, M, F,
                            KIND: tl.constexpr, LOAD_KIND: tl.constexpr, FMAX: tl.constexpr,
-                           AMAX_FLOOR: tl.constexpr, REDO: tl.constexpr, BLOCK_M: tl.constexpr,
+                           AMAX_FLOOR: tl.constexpr, KEEP: tl.constexpr, REDO: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_F: tl.constexpr, QT_MODE: tl.constexpr, FAST_ROUND: tl.constexpr):
     """h = round(round(silu(gate)) * up) for the tile (as `swiglu_fp8`'s pass 1), written as e4m3/e5m2 q and q^T
     with scale 2^e; pass 1 also stores the tile's max |h| in partial_ptr[program]. LOAD_KIND: how u is read
     (`load_f32`; 0 with a bf16 u loads it natively)."""
-    e, go = _pass_setup(hint_ptr, amax_ptr, inv_scale_ptr, FMAX, AMAX_FLOOR, REDO)
+    e, go = _pass_setup(hint_ptr, amax_ptr, inv_scale_ptr, FMAX, AMAX_FLOOR, KEEP, REDO)
     if go:
         rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rf = (tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
@@ -213,11 +241,11 @@ def _swiglu_fwd_fp8_kernel(u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr
 @jit
 def _swiglu_bwd_fp8_kernel(dout_ptr, u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr, inv_scale_ptr, M, F,
                            KIND: tl.constexpr, LOAD_KIND: tl.constexpr, FMAX: tl.constexpr,
-                           AMAX_FLOOR: tl.constexpr, REDO: tl.constexpr, BLOCK_M: tl.constexpr,
+                           AMAX_FLOOR: tl.constexpr, KEEP: tl.constexpr, REDO: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_F: tl.constexpr, QT_MODE: tl.constexpr, FAST_ROUND: tl.constexpr):
     """du = [d_up, d_gate] for the tile (`swiglu._swiglu_bwd_kernel`'s arithmetic, rounded to u's dtype), written
     as q (M, 2F) and q^T (2F, M) with scale 2^e: d_up at columns rf, d_gate at F + rf. Passes as the forward's."""
-    e, go = _pass_setup(hint_ptr, amax_ptr, inv_scale_ptr, FMAX, AMAX_FLOOR, REDO)
+    e, go = _pass_setup(hint_ptr, amax_ptr, inv_scale_ptr, FMAX, AMAX_FLOOR, KEEP, REDO)
     if go:
         rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rf = (tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
@@ -242,13 +270,16 @@ def _bits(t: Tensor) -> Tensor:
 
 def _launch_two_passes(kernel, inputs: tuple[Tensor, ...], M: int, N: int, F: int, kind: int, dtype: torch.dtype,
                        hint: Tensor, block: tuple[int, int, int], direction: int) -> Result:
-    """Pass 1 with the hinted exponent, the abs-max, pass 2 where the exponent missed, the hint updated (and, when
-    counting, the call and whether it missed into HINT_MISSES[direction]: 0 forward, 1 backward)."""
+    """Pass 1 with the hinted exponent, the abs-max, pass 2 where `scale_exponent` does not keep the hint, the hint
+    set to the exponent used (and, when counting, the call and whether it missed into HINT_MISSES[direction]:
+    0 forward, 1 backward)."""
     q = torch.empty((M, N), dtype=dtype, device=hint.device)
     qt = torch.empty((N, M), dtype=dtype, device=hint.device)
     inv_scale = torch.empty((), dtype=torch.float32, device=hint.device)
-    if not M * N:
-        inv_scale.copy_(pow2_scale(torch.zeros((), device=hint.device), FP8_MAX[dtype])[1])  # the twin's
+    if not M * N:  # the twin's: amax 0, the hint's rule
+        e = scale_exponent(pow2_scale(torch.zeros((), device=hint.device), FP8_MAX[dtype])[2], hint)
+        hint.copy_(e)
+        inv_scale.copy_(torch.ldexp(torch.ones((), device=hint.device), -e.reshape(())))
         return q, qt, inv_scale
     bm, bf, warps = block
     grid = (triton.cdiv(M, bm), triton.cdiv(F, bf))
@@ -259,12 +290,12 @@ def _launch_two_passes(kernel, inputs: tuple[Tensor, ...], M: int, N: int, F: in
     # runs the integer-bit ones.
     native = not INTERPRET
     const = dict(KIND=kind, LOAD_KIND=0 if native else kind, FMAX=FP8_MAX[dtype], AMAX_FLOOR=AMAX_FLOOR,
-                 BLOCK_M=bm, BLOCK_F=bf, QT_MODE=QT_MODE, FAST_ROUND=native, num_warps=warps)
+                 KEEP=KEEP_BINADES, BLOCK_M=bm, BLOCK_F=bf, QT_MODE=QT_MODE, FAST_ROUND=native, num_warps=warps)
     ins = inputs if native else tuple(_bits(t) for t in inputs)
     kernel[grid](*ins, q, qt, hint, partial, partial, inv_scale, M, F, REDO=False, **const)
     amax = partial.amax()
     kernel[grid](*ins, q, qt, hint, amax, partial, inv_scale, M, F, REDO=True, **const)
-    e = pow2_scale(amax, FP8_MAX[dtype])[2].reshape(1)
+    e = scale_exponent(pow2_scale(amax, FP8_MAX[dtype])[2], hint)
     if HINT_MISSES is not None and HINT_MISSES.device == hint.device:
         HINT_MISSES[direction, 0] += 1
         HINT_MISSES[direction, 1] += (hint != e).sum()
@@ -291,15 +322,16 @@ def swiglu_backward_fp8_onepass_triton(dout: Tensor, u: Tensor, dtype: torch.dty
 
 
 # ---------------------------------------------------------------------------------------------- public
-# The hint is an argument, not a declared mutation: the results do not depend on it (module docstring).
+# The hint is an argument, not a declared mutation: the rule is idempotent and nothing else touches it (module
+# docstring).
 @torch.library.custom_op("qtrain::swiglu_fp8_onepass", mutates_args=())
 def swiglu_fp8_onepass(u: Tensor, dtype: torch.dtype, hint: Tensor, slot: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(h_q, h_q^T, inv_scale) for h = swiglu(u), power-of-two scale; Triton (one pass where hint[slot] holds the
-    exponent) or the twin per dispatch. The kernels are validated on the GPU for bf16 u (what FP8 training runs);
+    """(h_q, h_q^T, inv_scale) for h = swiglu(u), power-of-two scale by `scale_exponent` from hint[slot] (which it
+    updates); Triton (one pass where the hint is kept) or the twin per dispatch. The kernels are validated on the GPU for bf16 u (what FP8 training runs);
     other dtypes take the twin there (an fp32 u gave wrong q^T codes at M = 1 on the H200)."""
     if use_triton(u) and (u.dtype == torch.bfloat16 or INTERPRET):
         return swiglu_fp8_onepass_triton(u, dtype, hint[slot:slot + 1])
-    return swiglu_fp8_onepass_twin(u, dtype)
+    return swiglu_fp8_onepass_twin(u, dtype, hint[slot:slot + 1])
 
 
 @swiglu_fp8_onepass.register_fake
@@ -312,11 +344,11 @@ def _(u: Tensor, dtype: torch.dtype, hint: Tensor, slot: int) -> tuple[Tensor, T
 @torch.library.custom_op("qtrain::swiglu_backward_fp8_onepass", mutates_args=())
 def swiglu_backward_fp8_onepass(dout: Tensor, u: Tensor, dtype: torch.dtype, hint: Tensor, slot: int
                                 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(du_q, du_q^T, inv_scale) for du = d swiglu(u) / du given dout, power-of-two scale; Triton (hint[slot])
-    or the twin."""
+    """(du_q, du_q^T, inv_scale) for du = d swiglu(u) / du given dout, power-of-two scale from hint[slot] as the
+    forward's; Triton or the twin."""
     if use_triton(u) and (u.dtype == torch.bfloat16 or INTERPRET):
         return swiglu_backward_fp8_onepass_triton(dout, u, dtype, hint[slot:slot + 1])
-    return swiglu_backward_fp8_onepass_twin(dout, u, dtype)
+    return swiglu_backward_fp8_onepass_twin(dout, u, dtype, hint[slot:slot + 1])
 
 
 @swiglu_backward_fp8_onepass.register_fake

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from qtrain.kernels.attention import causal_attention
-from qtrain.kernels.swiglu_fp8_onepass import new_scale_hint
+from qtrain.kernels.swiglu_fp8_onepass import HINT_UNSET, new_scale_hint
 from qtrain.model.config import ModelConfig
 from qtrain.model.layers import (SDPA_BACKENDS, apply_rope, qkv_rope_fused, rms_norm, rope_tables, sdpa_backends,
                                  split_qkv, swiglu, swiglu_fused)
@@ -281,6 +281,7 @@ class Transformer:
         self._stash = ResidualStash(offload=run.offload_residual)  # block inputs with recompute_block
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._scale_hints: dict[tuple[int, str], torch.Tensor] = {}  # (layer, device) -> SCALE_HINT's tensor
+        self._loaded_hints: torch.Tensor | None = None  # (layers, 2) from a checkpoint, for hints not made yet
 
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
@@ -307,7 +308,36 @@ class Transformer:
         key = (layer, str(device))
         if key not in self._scale_hints:
             self._scale_hints[key] = new_scale_hint(device)
+            if self._loaded_hints is not None:
+                self._scale_hints[key].copy_(self._loaded_hints[layer])
         return {**w, SCALE_HINT: self._scale_hints[key]}
+
+    def scale_hints(self) -> torch.Tensor | None:
+        """The layers' FP8 scale hints as one (layers, 2) int32 CPU tensor, None where the one-pass SwiGLU kernels do
+        not run. They are run state (the scales a layer picks depend on them within one binade,
+        kernels/swiglu_fp8_onepass.py): checkpoints save them so that a resumed run picks the same scales. A layer
+        that has not run yet reads unset."""
+        if not self.swiglu_onepass:
+            return None
+        out = torch.full((self.cfg.num_hidden_layers, 2), HINT_UNSET, dtype=torch.int32)
+        if self._loaded_hints is not None:
+            out.copy_(self._loaded_hints)
+        for (layer, _), hint in self._scale_hints.items():
+            out[layer] = hint.cpu()
+        return out
+
+    @torch.no_grad()
+    def load_scale_hints(self, hints: torch.Tensor, source: str = "scale hints") -> None:
+        """Continue from `scale_hints()`'s tensor (a checkpoint's); refused, naming `source`, if its shape is not
+        (layers, 2) int32. Without the one-pass kernels there is nothing to continue: ignored."""
+        shape = (self.cfg.num_hidden_layers, 2)
+        if hints.dtype != torch.int32 or tuple(hints.shape) != shape:
+            raise ValueError(f"{source}: expected {shape} int32, got {tuple(hints.shape)} {hints.dtype}")
+        if not self.swiglu_onepass:
+            return
+        self._loaded_hints = hints.detach().cpu().clone()
+        for (layer, _), hint in self._scale_hints.items():
+            hint.copy_(self._loaded_hints[layer])
 
     def _head_weight(self, nb: dict[str, torch.Tensor]) -> torch.Tensor:
         return nb["embed"] if self.cfg.tie_word_embeddings else nb["lm_head"]
