@@ -275,3 +275,21 @@ def test_gemm_ceiling_e4m3_block_linears_use_cuda_legal_layouts():
     assert set(out["rows"][0]["parts"]) == {"qkv", "o", "up", "down"}
     with pytest.raises(ValueError, match="matmul_dtype"):
         gemm_ceiling.run(model, tokens=64, samples=1, device="cpu", matmul_dtype="e5m2")
+
+
+def test_profile_categories_of_the_step_kernels():
+    """The profile suite sorts kernels by name (first match wins); these are the names the H200 profiles show. The
+    one-pass SwiGLU kernels' names contain "fp8" and were counted as FP8 GEMMs until 2026-12-03; cuDNN's attention
+    kernels contain "wgmma" and were counted as GEMMs until 2026-12-02."""
+    from bench.profile_step import category
+    names = {
+        "_swiglu_bwd_fp8_kernel": "swiglu", "_swiglu_fwd_fp8_kernel": "swiglu",
+        "nvjet_sm90_qqtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT": "gemm-fp8",
+        "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT": "gemm",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128": "attention",
+        "_quantize_kernel": "quantize", "_abs_max_kernel": "quantize", "_rope_qkv_bwd_kernel": "rope",
+        "_ce_fwd_bwd_kernel": "cross-entropy", "_adamw_kernel": "adamw/sr",
+        "triton_red_fused__to_copy_add_div_expand_linalg_vector_norm_mul_pow_sum_view_2": "norm/reduce",
+        "triton_poi_fused_add_view_8": "inductor-fused",
+    }
+    assert {n: category(n) for n in names} == names
