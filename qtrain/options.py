@@ -278,10 +278,11 @@ class Options:
     off."""
     fp8_swiglu_onepass: bool | None = None
     """With --matmul-dtype e4m3: write the SwiGLU output and its gradient (the MLP's two largest tensors) to e4m3
-    in one pass each, with power-of-two scales predicted from the layer's previous micro-step and re-done where
-    the prediction missed, instead of a bf16 pass and a quantize pass with the exact scale (6 and 10 bytes per
-    element of the intermediate size moved, instead of 10 and 18). The result never depends on the prediction;
-    the scale of those two tensors is 2^e (their largest element lands between FMAX/2 and FMAX). Applies where
+    in one pass each, with power-of-two scales predicted from the layer's previous micro-step (kept while it fits
+    and wastes at most one binade) and re-done where it does not, instead of a bf16 pass and a quantize pass with
+    the exact scale (6 and 10 bytes per element of the intermediate size moved, instead of 10 and 18). The scale of
+    those two tensors is 2^e (their largest element lands between FMAX/4 and FMAX); the predictions are run state,
+    saved in checkpoints. Applies where
     the MLP runs as one compiled FP8 function (torch.compile on, no --recompute-swiglu / --recompute-ffn; with
     --recompute-block, which reruns the whole block, it applies); eager blocks quantize as without it. Measured on
     an H200 against llm.q's bf16 (BENCHMARKS.md, sessions 14-15): +3.2% at Qwen2.5-1.5B, +1.3% at 3B; the fidelity

@@ -501,7 +501,8 @@ def fp8_swiglu_mlp(x: Tensor, w_up: Tensor, w_down: Tensor, *, grad_dtype: torch
     in x's dtype. up_fp8 / down_fp8: cached (e4m3 copy, inv_scale[, its transpose]) of the weights, as
     `fp8_linear`'s weight_fp8; keep_transposes as `fp8_linear`'s. onepass: the SwiGLU output and its gradient in
     one pass each, with power-of-two scales predicted by `scale_hint` (the layer's int32 (2,) hints, kept by the
-    caller across calls; without one a fresh hint, which costs the second pass and changes no result). Shapes
+    caller across calls and updated here; without one a fresh hint: the second pass and the tensors' own
+    exponents, `swiglu_fp8_onepass.scale_exponent`). Shapes
     are checked as `fp8_linear` checks them (multiples of 16), before any work."""
     if grad_dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_swiglu_mlp: grad_dtype must be float8_e4m3fn or float8_e5m2, got {grad_dtype}")
