@@ -9,7 +9,10 @@ the options that change the math. Stochastic rounding needs no saved state: its 
 With the one-pass SwiGLU FP8 kernels (e4m3's default) the weights file also holds the rank's scale hints
 (`fp8_scale_hints`, (layers, 2) int32; `Transformer.scale_hints`): the scales those kernels pick depend on them
 within one binade, so a resumed run reads them back and continues bit for bit. A checkpoint without them (older,
-or resharded to another world size) starts them unset, which moves a scale by at most one binade.
+or resharded to another world size) starts them unset, which moves a scale by at most one binade. With hybrid
+sharding a shard's file is written once, by the lowest rank holding it: the other replicas resume with that
+rank's hints (their own data may have left theirs a binade apart), so only elements in e4m3's subnormal range can
+round differently from the uninterrupted run there.
 
 An e4m3 first moment (--opt-m-dtype e4m3) is saved as it is kept: the float8 codes under the group keys and
 the fp32 block scales under `<group>.scales`, both in the `adam.m` file (`ShardedAdamW.state_tensors`); the
