@@ -6,13 +6,12 @@ the Adam moment shards of every group (`weights.shard_RRR_of_WWW`, `adam.m...`, 
 the options that change the math. Stochastic rounding needs no saved state: its bits are a function of
 (seed, step, tensor, element), so a resumed run continues bit-exactly.
 
-With the one-pass SwiGLU FP8 kernels (e4m3's default) the weights file also holds the rank's scale hints
-(`fp8_scale_hints`, (layers, 2) int32; `Transformer.scale_hints`): the scales those kernels pick depend on them
-within one binade, so a resumed run reads them back and continues bit for bit. A checkpoint without them (older,
-or resharded to another world size) starts them unset, which moves a scale by at most one binade. With hybrid
-sharding a shard's file is written once, by the lowest rank holding it: the other replicas resume with that
-rank's hints (their own data may have left theirs a binade apart), so only elements in e4m3's subnormal range can
-round differently from the uninterrupted run there.
+With the one-pass SwiGLU FP8 kernels (e4m3's default) `checkpoint.json` also holds every rank's scale hints
+(`fp8_scale_hints`: per global rank, (layers, 2) exponents; `Transformer.scale_hints`). They are per-rank run state,
+not shard data (each rank's follow its own micro-batches, and with hybrid sharding a shard file is written by one
+of the ranks holding it), so they are gathered into the meta. The scales those kernels pick depend on them within
+one binade: a resume on the same ranks reads its own back and continues bit for bit; a checkpoint without them
+(older) or resumed on another number of ranks starts them unset, which moves a scale by at most one binade.
 
 An e4m3 first moment (--opt-m-dtype e4m3) is saved as it is kept: the float8 codes under the group keys and
 the fp32 block scales under `<group>.scales`, both in the `adam.m` file (`ShardedAdamW.state_tensors`); the
@@ -40,6 +39,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import torch
 from qtrain.data.loader import TokenLoader
 from safetensors import SafetensorError
 
@@ -56,6 +56,7 @@ __all__ = ["CheckpointError", "FORMAT_VERSION", "find", "save", "load", "check_c
            "newest_finite"]
 
 FORMAT_VERSION = 1
+HINTS_META = "fp8_scale_hints"  # checkpoint.json: every rank's one-pass SwiGLU FP8 scale hints (module docstring)
 # options that must match for a resume to continue the same run
 _MUST_MATCH = ("model_dtype", "master_dtype", "opt_m_dtype", "opt_v_dtype", "seed")
 META_SLACK = 1 << 20  # bytes on top of the tensors for checkpoint.json and safetensors headers
@@ -139,6 +140,9 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
         err = str(e)
     if (err := _agree(ctx, err)) is not None:
         raise CheckpointError(err)
+    hints = trainer.model.scale_hints()
+    hints = None if hints is None else hints.tolist()
+    all_hints = ctx.all_gather_object(hints) if ctx.world > 1 else [hints]
     final = cio.checkpoint_path(ckpt_dir, step)
     tmp = None
     try:
@@ -176,6 +180,8 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
             "model": trainer.cfg.to_hf_dict(),
             "tokenizer": trainer.tokenizer,  # what `qtrain export` puts beside the weights
         }
+        if any(h is not None for h in all_hints):
+            meta[HINTS_META] = all_hints
     meta = ctx.broadcast_object(meta)
     if committer:
         meta["distributed"] = {"world": shards}
@@ -277,6 +283,17 @@ def load(path: str, trainer: Trainer, *, train_loader: TokenLoader | None, logge
         state = reshard_state(FlatLayout(trainer.cfg, world), trainer.layout, shard, STATE_KINDS,
                               lambda kind, q, key: files.get(_stem(kind, q, world), key))
     trainer.load_state_tensors(state, int(meta["step"]))
+    hints = meta.get(HINTS_META)
+    if isinstance(hints, list) and len(hints) == ctx.world and hints[ctx.rank] is not None:  # else they start unset
+        try:
+            own = torch.tensor(hints[ctx.rank], dtype=torch.int32)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise CheckpointError(f"{path}/{cio.META_FILE}: {HINTS_META}[{ctx.rank}] is not a list of exponent "
+                                  f"pairs ({e})") from None
+        try:
+            trainer.model.load_scale_hints(own, f"{path}/{cio.META_FILE}: {HINTS_META}[{ctx.rank}]")
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
     skipped = 0
     if train_loader is not None:
         skipped = train_loader.load_state_dict(meta["data_loader"])

@@ -39,8 +39,6 @@ from qtrain.parallel.weights import build_weights
 from qtrain.train.cuda_graphs import MicroStepGraphs, check_cuda_graphs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# the weights file's entry for this rank's FP8 scale hints (`Transformer.scale_hints`; not a weight group)
-SCALE_HINTS_KEY = "fp8_scale_hints"
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets): (B, T) int64
 
@@ -285,13 +283,9 @@ class Trainer:
 
     # ---- checkpoint state (files written by train/checkpointing.py) ----
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """This rank's shards: weights and Adam moments, keyed by file stem then group key; with the one-pass SwiGLU
-        FP8 kernels this rank's scale hints beside the weights (`SCALE_HINTS_KEY`)."""
+        """This rank's shards: weights and Adam moments, keyed by file stem then group key."""
         opt = self.optimizer.state_tensors()  # first: waits for copies to offloaded (host) state
         weights = {g.key: self.optimizer.param_shard(g.key) for g in self.layout.groups}
-        hints = self.model.scale_hints()
-        if hints is not None:
-            weights[SCALE_HINTS_KEY] = hints
         return {"weights": weights, **opt}
 
     @torch.no_grad()
@@ -309,7 +303,5 @@ class Trainer:
             elif self.ctx.distributed and not self.sharded_weights:
                 self.ctx.all_gather_into_tensor(self.param_buffers[g.key], dst)
         self.weights.invalidate()
-        if SCALE_HINTS_KEY in state["weights"]:  # else (older checkpoints, resharded ones) hints start unset
-            self.model.load_scale_hints(state["weights"][SCALE_HINTS_KEY], f"checkpoint weights[{SCALE_HINTS_KEY}]")
         self.optimizer.load_state_tensors({k: state[k] for k in ("adam.m", "adam.v")}, step)
         self.steps_done = step

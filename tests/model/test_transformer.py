@@ -335,18 +335,20 @@ def test_gpu_fp8_onepass_under_recompute_block_trains_as_without(tmp_path):
 
 def test_fp8_scale_hints_are_checkpointed_and_a_resume_continues_bit_for_bit(tmp_path):
     """The one-pass kernels' scale hints are run state (a kept hint picks a scale one binade below the tensor's own,
-    kernels/swiglu_fp8_onepass.py): the checkpoint saves each layer's beside the weights, a resumed run starts
-    from them and continues bit for bit (compiled CPU run, the twins, which follow the same rule). A hint forced
-    one binade low before the checkpoint is kept by the resumed run as by the uninterrupted one, and not by a run
-    resumed without hints. (Whether the bits then differ depends on elements reaching e4m3's subnormals: a power-of-
-    two rescale is exact above them; at this size none does, the kernel tests show the codes that change.)
-    Malformed hints are refused, naming the entry."""
+    kernels/swiglu_fp8_onepass.py): the checkpoint's meta holds every rank's, a resumed run starts from its own and
+    continues bit for bit (compiled CPU run, the twins, which follow the same rule). A hint forced one binade low
+    before the checkpoint is kept by the resumed run as by the uninterrupted one, and not by a run resumed without
+    hints. (Whether the bits then differ depends on elements reaching e4m3's subnormals: a power-of-two rescale is
+    exact above them; at this size none does, the kernel tests show the codes that change.) Malformed hints in
+    checkpoint.json are refused, naming the file and the entry."""
     import io
+    import json
 
     from qtrain.observe.log import RunLogger
     from qtrain.options import Options
     from qtrain.train import checkpointing
-    from qtrain.train.trainer import SCALE_HINTS_KEY, Trainer
+    from qtrain.train.checkpoint_io import CheckpointError
+    from qtrain.train.trainer import Trainer
     from tests.dist_utils import write_model_dir
 
     class NoLoader:
@@ -371,6 +373,8 @@ def test_fp8_scale_hints_are_checkpointed_and_a_resume_continues_bit_for_bit(tmp
     tr.model.load_scale_hints(hints)
     log = RunLogger(None, rank=0, total_steps=4, stream=io.StringIO())
     path = checkpointing.save(str(tmp_path / "ckpt"), tr, NoLoader(), log)
+    meta_file = tmp_path / "ckpt" / path.rsplit("/", 1)[1] / "checkpoint.json"
+    assert json.loads(meta_file.read_text())[checkpointing.HINTS_META] == [hints.tolist()]
     full = steps(tr, batches[2:])
     resumed = Trainer(opts)
     assert checkpointing.load(path, resumed, train_loader=None, logger=None) == 2
@@ -384,7 +388,8 @@ def test_fp8_scale_hints_are_checkpointed_and_a_resume_continues_bit_for_bit(tmp
     bare.model._loaded_hints = None
     steps(bare, batches[2:])
     assert int(bare.model.scale_hints()[0, 1]) != int(tr.model.scale_hints()[0, 1])  # the own exponent, not the kept
-    with pytest.raises(ValueError, match=f"checkpoint weights\\[{SCALE_HINTS_KEY}\\]: expected"):
-        state = tr.state_tensors()
-        state["weights"][SCALE_HINTS_KEY] = state["weights"][SCALE_HINTS_KEY][:1]
-        resumed.load_state_tensors(state, 4)
+    meta = json.loads(meta_file.read_text())
+    for bad in ([hints.tolist()[:1]], [[["x", 1]] * 2]):
+        meta_file.write_text(json.dumps({**meta, checkpointing.HINTS_META: bad}))
+        with pytest.raises(CheckpointError, match=f"checkpoint.json: {checkpointing.HINTS_META}\\[0\\]"):
+            checkpointing.load(path, Trainer(opts), train_loader=None, logger=None)
