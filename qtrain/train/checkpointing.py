@@ -237,6 +237,21 @@ def check_compatible(path: str, meta: dict[str, Any], cfg: ModelConfig, opts: An
         if theirs != ModelConfig.from_hf_dict(cfg.to_hf_dict()):
             diff = [f.name for f in theirs.__dataclass_fields__.values() if getattr(theirs, f.name) != getattr(cfg, f.name)]
             raise CheckpointError(f"{path}: written for another model ({', '.join(diff)} differ from --model's config)")
+    _check_hints(path, meta.get(HINTS_META), cfg.num_hidden_layers)
+
+
+def _check_hints(path: str, hints: Any, layers: int) -> None:
+    """`fp8_scale_hints`, when present: a list with one entry per rank, each null or `layers` integer pairs."""
+    if hints is None:
+        return
+    where = f"{path}/{cio.META_FILE}: {HINTS_META}"
+    if not isinstance(hints, list):
+        raise CheckpointError(f"{where} must be a list with one entry per rank, got {type(hints).__name__}")
+    for r, h in enumerate(hints):
+        ok = h is None or (isinstance(h, list) and len(h) == layers and all(
+            isinstance(p, list) and len(p) == 2 and all(type(e) is int and abs(e) < 2 ** 31 for e in p) for p in h))
+        if not ok:
+            raise CheckpointError(f"{where}[{r}] must be null or {layers} pairs of integer exponents (one per layer)")
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -283,17 +298,9 @@ def load(path: str, trainer: Trainer, *, train_loader: TokenLoader | None, logge
         state = reshard_state(FlatLayout(trainer.cfg, world), trainer.layout, shard, STATE_KINDS,
                               lambda kind, q, key: files.get(_stem(kind, q, world), key))
     trainer.load_state_tensors(state, int(meta["step"]))
-    hints = meta.get(HINTS_META)
-    if isinstance(hints, list) and len(hints) == ctx.world and hints[ctx.rank] is not None:  # else they start unset
-        try:
-            own = torch.tensor(hints[ctx.rank], dtype=torch.int32)
-        except (TypeError, ValueError, OverflowError) as e:
-            raise CheckpointError(f"{path}/{cio.META_FILE}: {HINTS_META}[{ctx.rank}] is not a list of exponent "
-                                  f"pairs ({e})") from None
-        try:
-            trainer.model.load_scale_hints(own, f"{path}/{cio.META_FILE}: {HINTS_META}[{ctx.rank}]")
-        except ValueError as e:
-            raise CheckpointError(str(e)) from None
+    hints = meta.get(HINTS_META)  # checked by check_compatible
+    if hints is not None and len(hints) == ctx.world and hints[ctx.rank] is not None:  # else they start unset
+        trainer.model.load_scale_hints(torch.tensor(hints[ctx.rank], dtype=torch.int32))
     skipped = 0
     if train_loader is not None:
         skipped = train_loader.load_state_dict(meta["data_loader"])

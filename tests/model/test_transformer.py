@@ -340,7 +340,8 @@ def test_fp8_scale_hints_are_checkpointed_and_a_resume_continues_bit_for_bit(tmp
     before the checkpoint is kept by the resumed run as by the uninterrupted one, and not by a run resumed without
     hints. (Whether the bits then differ depends on elements reaching e4m3's subnormals: a power-of-two rescale is
     exact above them; at this size none does, the kernel tests show the codes that change.) Malformed hints in
-    checkpoint.json are refused, naming the file and the entry."""
+    checkpoint.json are refused by the check the preflight runs before any model is built, naming the file and
+    the entry."""
     import io
     import json
 
@@ -389,7 +390,10 @@ def test_fp8_scale_hints_are_checkpointed_and_a_resume_continues_bit_for_bit(tmp
     steps(bare, batches[2:])
     assert int(bare.model.scale_hints()[0, 1]) != int(tr.model.scale_hints()[0, 1])  # the own exponent, not the kept
     meta = json.loads(meta_file.read_text())
-    for bad in ([hints.tolist()[:1]], [[["x", 1]] * 2]):
+    for bad, what in (([hints.tolist()[:1]], "\\[0\\] must be null or 2 pairs"),
+                      ([[["x", 1]] * 2], "\\[0\\] must be null or 2 pairs"), ({"0": 1}, " must be a list")):
         meta_file.write_text(json.dumps({**meta, checkpointing.HINTS_META: bad}))
-        with pytest.raises(CheckpointError, match=f"checkpoint.json: {checkpointing.HINTS_META}\\[0\\]"):
+        with pytest.raises(CheckpointError, match=f"checkpoint.json: {checkpointing.HINTS_META}{what}"):
+            checkpointing.check_compatible(path, json.loads(meta_file.read_text()), tr.cfg, opts, 1)  # the preflight's
+        with pytest.raises(CheckpointError, match=f"checkpoint.json: {checkpointing.HINTS_META}{what}"):
             checkpointing.load(path, Trainer(opts), train_loader=None, logger=None)
