@@ -327,12 +327,13 @@ class Transformer:
         return out
 
     @torch.no_grad()
-    def load_scale_hints(self, hints: torch.Tensor, source: str = "scale hints") -> None:
-        """Continue from `scale_hints()`'s tensor (a checkpoint's); refused, naming `source`, if its shape is not
-        (layers, 2) int32. Without the one-pass kernels there is nothing to continue: ignored."""
+    def load_scale_hints(self, hints: torch.Tensor) -> None:
+        """Continue from `scale_hints()`'s tensor (a checkpoint's, checked by `checkpointing.check_compatible`);
+        refused if its shape is not (layers, 2) int32. Without the one-pass kernels there is nothing to continue:
+        ignored."""
         shape = (self.cfg.num_hidden_layers, 2)
         if hints.dtype != torch.int32 or tuple(hints.shape) != shape:
-            raise ValueError(f"{source}: expected {shape} int32, got {tuple(hints.shape)} {hints.dtype}")
+            raise ValueError(f"scale hints: expected {shape} int32, got {tuple(hints.shape)} {hints.dtype}")
         if not self.swiglu_onepass:
             return
         self._loaded_hints = hints.detach().cpu().clone()

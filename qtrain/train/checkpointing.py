@@ -140,9 +140,8 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
         err = str(e)
     if (err := _agree(ctx, err)) is not None:
         raise CheckpointError(err)
-    hints = trainer.model.scale_hints()
-    hints = None if hints is None else hints.tolist()
-    all_hints = ctx.all_gather_object(hints) if ctx.world > 1 else [hints]
+    hints = trainer.model.scale_hints()  # None on every rank alike (the options decide): no collective then
+    all_hints = None if hints is None else ctx.all_gather_object(hints.tolist()) if ctx.world > 1 else [hints.tolist()]
     final = cio.checkpoint_path(ckpt_dir, step)
     tmp = None
     try:
@@ -180,7 +179,7 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
             "model": trainer.cfg.to_hf_dict(),
             "tokenizer": trainer.tokenizer,  # what `qtrain export` puts beside the weights
         }
-        if any(h is not None for h in all_hints):
+        if all_hints is not None:
             meta[HINTS_META] = all_hints
     meta = ctx.broadcast_object(meta)
     if committer:
