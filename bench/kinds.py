@@ -44,6 +44,8 @@ KINDS: dict[str, Kind] = {
     "offload-update": Kind("bench.bench_offload_update", "the offloaded AdamW update alone, by streaming variant, "
                            "against the PCIe ceiling"),
     "swiglu-fp8": Kind("bench.bench_swiglu_fp8", "the FP8-MLP Triton kernels and their tile variants"),
+    "rope": Kind("bench.bench_rope", "the RoPE backward kernel (d(qkv) in one pass) against inductor's code and a "
+                 "copy of its bytes"),
     "profile": Kind("bench.profile_step", "GPU time per kernel category of one training step, top kernels, gaps",
                     (("wall_ms", "wall ms"), ("busy_ms", "busy ms"))),
     "fidelity": Kind("bench.fidelity", "a precision mode's training quality: Qwen2.5-0.5B from a shared init on real "

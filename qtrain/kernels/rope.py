@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import torch
 
-from qtrain.kernels.dispatch import jit, tl, triton, use_triton
+from qtrain.kernels.dispatch import INTERPRET, jit, tl, triton, use_triton
 from qtrain.kernels.stochastic_rounding import load_f32, store_f32
 
 __all__ = ["rope_qkv_backward", "rope_qkv_backward_triton", "rope_qkv_backward_twin"]
 
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-ROWS, BLOCK_C, NUM_WARPS = 4, 256, 4  # a streaming tile: 4 tokens x 256 columns of d(qkv) per program
+ROWS, NUM_WARPS = 16, 4  # a program: 16 tokens of one head
+EVEN_TILES = True  # no masks where the tiles divide the shape (a switch for the kernels suite: no bit changes)
 
 
 def _check(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -63,33 +64,63 @@ def rope_qkv_backward_twin(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
 
 # -------------------------------------------------------------------------------------------- triton
 @jit
+def _load(ptr, mask, KIND: tl.constexpr, EVEN: tl.constexpr):
+    """fp32 from KIND's storage: native loads (KIND -1: any dtype, the GPU's conversion) or `load_f32`'s integer
+    bits (the interpreter, whose bf16 conversions are not the GPU's); unmasked where the tile is inside (EVEN)."""
+    if KIND == -1:
+        if EVEN:
+            return tl.load(ptr).to(tl.float32)
+        return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    return load_f32(ptr, mask, KIND)
+
+
+@jit
+def _store(ptr, x, mask, KIND: tl.constexpr, EVEN: tl.constexpr):
+    """x rounded to the output's dtype: the hardware conversion (KIND -1, round to nearest even, as torch's) or
+    `store_f32`'s integer rounding (the interpreter)."""
+    if KIND == -1:
+        if EVEN:
+            tl.store(ptr, x.to(ptr.dtype.element_ty))
+        else:
+            tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+    else:
+        store_f32(ptr, x, mask, KIND)
+
+
+@jit
 def _rope_qkv_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, out_ptr, rows, T: tl.constexpr,
-                         QD: tl.constexpr, KD: tl.constexpr, HS: tl.constexpr, KIND: tl.constexpr,
-                         TAB_KIND: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
-    """One [ROWS tokens, BLOCK_C columns] tile of d(qkv) (rows, QD + 2 KD). Row and column come from the
-    program ids, so no element index is divided (a first version divided an int64 flat index by the row
-    width: 0.35 ms per call at 0.5B shapes, 0.86 TB/s)."""
-    row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]  # [ROWS, 1]
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]  # [1, BLOCK_C]
-    mask = (row < rows) & (c < QD + 2 * KD)
-    in_q = c < QD
-    in_k = (c >= QD) & (c < QD + KD)
-    in_v = c >= QD + KD
-    local = tl.where(in_q, c, c - QD)  # column within q's or k's row
-    d = local % HS
-    lo = d < HS // 2
-    partner = tl.where(lo, local + HS // 2, local - HS // 2)
-    pd = tl.where(lo, d + HS // 2, d - HS // 2)
-    g = load_f32(dq_ptr + row * QD + local, mask & in_q, KIND) + load_f32(dk_ptr + row * KD + local, mask & in_k, KIND)
-    gp = load_f32(dq_ptr + row * QD + partner, mask & in_q, KIND) + \
-        load_f32(dk_ptr + row * KD + partner, mask & in_k, KIND)
-    t = row % T
-    cs = load_f32(cos_ptr + t * HS + d, mask & ~in_v, TAB_KIND)
-    sn = load_f32(sin_ptr + t * HS + pd, mask & ~in_v, TAB_KIND)
-    z = gp * sn
-    dx = g * cs + tl.where(lo, z, -z)
-    gv = load_f32(dv_ptr + row * KD + (c - QD - KD), mask & in_v, KIND)
-    store_f32(out_ptr + row * (QD + 2 * KD) + c, tl.where(in_v, gv, dx), mask, KIND)
+                         NH: tl.constexpr, NKV: tl.constexpr, HS: tl.constexpr, KIND: tl.constexpr,
+                         TAB_KIND: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, EVEN: tl.constexpr):
+    """ROWS tokens of one head of d(qkv) (rows, (NH + 2 NKV) HS): head program_id(1) is a q head, a k head or a v
+    head, a branch per program, and its two halves are two [ROWS, BLOCK_H] tiles, so each output element is two
+    products and a sum with no gathers or per-element selects (v3; the first versions worked per element of the
+    whole row: v1 divided an int64 flat index, 0.86 TB/s at 0.5B shapes; v2, 2-D tiles of 256 columns, ran at
+    ~2 TB/s, bound by the per-element head arithmetic and the partner gathers)."""
+    HALF: tl.constexpr = HS // 2
+    W: tl.constexpr = (NH + 2 * NKV) * HS
+    head = tl.program_id(1)
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
+    j = tl.arange(0, BLOCK_H)[None, :]  # [1, BLOCK_H]: a column within a half
+    mask = (row < rows) & (j < HALF)
+    out = out_ptr + row.to(tl.int64) * W + head * HS + j
+    if head < NH + NKV:
+        if head < NH:
+            src = dq_ptr + row.to(tl.int64) * (NH * HS) + head * HS + j
+        else:
+            src = dk_ptr + row.to(tl.int64) * (NKV * HS) + (head - NH) * HS + j
+        x1 = _load(src, mask, KIND, EVEN)
+        x2 = _load(src + HALF, mask, KIND, EVEN)
+        tab = (row % T) * HS + j
+        c1 = _load(cos_ptr + tab, mask, TAB_KIND, EVEN)
+        c2 = _load(cos_ptr + tab + HALF, mask, TAB_KIND, EVEN)
+        s1 = _load(sin_ptr + tab, mask, TAB_KIND, EVEN)
+        s2 = _load(sin_ptr + tab + HALF, mask, TAB_KIND, EVEN)
+        _store(out, x1 * c1 + x2 * s2, mask, KIND, EVEN)  # d < h: dy[d] cos[d] + dy[d + h] sin[d + h]
+        _store(out + HALF, x2 * c2 - x1 * s1, mask, KIND, EVEN)  # d >= h: dy[d] cos[d] - dy[d - h] sin[d - h]
+    else:
+        src = dv_ptr + row.to(tl.int64) * (NKV * HS) + (head - NH - NKV) * HS + j
+        _store(out, _load(src, mask, KIND, EVEN), mask, KIND, EVEN)
+        _store(out + HALF, _load(src + HALF, mask, KIND, EVEN), mask, KIND, EVEN)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -104,13 +135,19 @@ def rope_qkv_backward_triton(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tenso
     nkv = dk.shape[2]
     dq, dk, dv, cos, sin = (t.contiguous() for t in (dq, dk, dv, cos, sin))
     out = torch.empty(B, T, (nh + 2 * nkv) * hs, dtype=dq.dtype, device=dq.device)
-    rows, width = B * T, out.shape[-1]
+    rows = B * T
     if out.numel():
-        grid = (triton.cdiv(rows, ROWS), triton.cdiv(width, BLOCK_C))
+        block_h = triton.next_power_of_2(hs // 2)
+        # On the GPU native loads and the hardware's rounding (the same values); the interpreter, whose bf16
+        # conversions are not the GPU's, runs the integer-bit ones on int16 views of bf16 tensors
+        native = not INTERPRET
+        ins = (dq, dk, dv, cos, sin, out) if native else tuple(_bits(t) for t in (dq, dk, dv, cos, sin, out))
+        grid = (triton.cdiv(rows, ROWS), nh + 2 * nkv)
         _rope_qkv_bwd_kernel[grid](
-            _bits(dq), _bits(dk), _bits(dv), _bits(cos), _bits(sin), _bits(out), rows, T=T, QD=nh * hs,
-            KD=nkv * hs, HS=hs, KIND=_KINDS[dq.dtype], TAB_KIND=_KINDS[cos.dtype], ROWS=ROWS, BLOCK_C=BLOCK_C,
-            num_warps=NUM_WARPS, enable_fp_fusion=False)
+            *ins, rows, T=T, NH=nh, NKV=nkv, HS=hs, KIND=-1 if native else _KINDS[dq.dtype],
+            TAB_KIND=-1 if native else _KINDS[cos.dtype], ROWS=ROWS, BLOCK_H=block_h,
+            EVEN=EVEN_TILES and rows % ROWS == 0 and block_h == hs // 2, num_warps=NUM_WARPS,
+            enable_fp_fusion=False)
     return out
 
 

@@ -75,6 +75,11 @@ FWD_BLOCK_M, FWD_BLOCK_F, FWD_WARPS = 64, 128, 8
 BWD_BLOCK_M, BWD_BLOCK_F, BWD_WARPS = 32, 128, 8
 # How q^T's tile is transposed (`_store_q_and_qt`; all three modes measured equal in time and bits on the H200)
 QT_MODE = 1
+# The kernels are bound by instructions as much as by memory (exp, a division, two roundings, two casts and a
+# transposition per element): where the tiles divide the shape, no masks (EVEN), and where every offset fits in
+# int32, 32-bit index arithmetic. Neither changes a bit; the switches exist for the kernels-suite comparison.
+EVEN_TILES = True
+INT32_OFFSETS = True
 
 Result = tuple[Tensor, Tensor, Tensor]  # (q (M, N), q^T (N, M), inv_scale 0-dim fp32)
 
@@ -181,21 +186,51 @@ def _round(x, KIND: tl.constexpr, FAST_ROUND: tl.constexpr):
 
 
 @jit
-def _store_q_and_qt(q_ptr, qt_ptr, x, e, rm, rn, M, N, n_end, FMAX: tl.constexpr, QT_MODE: tl.constexpr):
+def _rows_cols(BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, INT32: tl.constexpr):
+    """The program's row and column indices, int32 where every offset fits (INT32), else int64."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rf = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    if not INT32:
+        rm, rf = rm.to(tl.int64), rf.to(tl.int64)
+    return rm, rf
+
+
+@jit
+def _load(ptr, mask, KIND: tl.constexpr, EVEN: tl.constexpr):
+    """`load_f32`, unmasked where the tiles divide the shape (EVEN)."""
+    if EVEN:
+        if KIND == 1:
+            return (tl.load(ptr).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        return tl.load(ptr).to(tl.float32)
+    return load_f32(ptr, mask, KIND)
+
+
+@jit
+def _store(ptr, x, mask, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(ptr, x)
+    else:
+        tl.store(ptr, x, mask=mask)
+
+
+@jit
+def _store_q_and_qt(q_ptr, qt_ptr, x, e, rm, rn, M, N, n_end, FMAX: tl.constexpr, QT_MODE: tl.constexpr,
+                    EVEN: tl.constexpr):
     """q[m, n] = cast_rn(clamp(x[m, n] * 2^e, +-FMAX)) and q^T[n, m] for the tile (rm, rn) of an (M, N) q, at
-    m < M and n < n_end (the tile's column range ends there). QT_MODE, how the tile is transposed for q^T's store:
-    0 the e4m3 tile (as `fp8_quant.store_fp8_tile`), 1 the fp32 tile before the cast, 2 the codes as uint8."""
+    m < M and n < n_end (the tile's column range ends there; EVEN: the tile is inside). QT_MODE, how the tile is
+    transposed for q^T's store: 0 the e4m3 tile (as `fp8_quant.store_fp8_tile`), 1 the fp32 tile before the cast,
+    2 the codes as uint8."""
     y = tl.minimum(tl.maximum(x * _exp2_f32(e), -FMAX), FMAX)
     q = y.to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=(rm[:, None] < M) & (rn[None, :] < n_end))
+    _store(q_ptr + rm[:, None] * N + rn[None, :], q, (rm[:, None] < M) & (rn[None, :] < n_end), EVEN)
     qt_off = rn[:, None] * M + rm[None, :]
     qt_mask = (rn[:, None] < n_end) & (rm[None, :] < M)
     if QT_MODE == 1:
-        tl.store(qt_ptr + qt_off, tl.trans(y).to(qt_ptr.dtype.element_ty), mask=qt_mask)
+        _store(qt_ptr + qt_off, tl.trans(y).to(qt_ptr.dtype.element_ty), qt_mask, EVEN)
     elif QT_MODE == 2:
-        tl.store(qt_ptr.to(tl.pointer_type(tl.uint8)) + qt_off, tl.trans(q.to(tl.uint8, bitcast=True)), mask=qt_mask)
+        _store(qt_ptr.to(tl.pointer_type(tl.uint8)) + qt_off, tl.trans(q.to(tl.uint8, bitcast=True)), qt_mask, EVEN)
     else:
-        tl.store(qt_ptr + qt_off, tl.trans(q), mask=qt_mask)
+        _store(qt_ptr + qt_off, tl.trans(q), qt_mask, EVEN)
 
 
 @jit
@@ -219,20 +254,20 @@ def _pass_setup(hint_ptr, amax_ptr, inv_scale_ptr, FMAX: tl.constexpr, AMAX_FLOO
 def _swiglu_fwd_fp8_kernel(u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr, inv_scale_ptr, M, F,
                            KIND: tl.constexpr, LOAD_KIND: tl.constexpr, FMAX: tl.constexpr,
                            AMAX_FLOOR: tl.constexpr, KEEP: tl.constexpr, REDO: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_F: tl.constexpr, QT_MODE: tl.constexpr, FAST_ROUND: tl.constexpr):
+                           BLOCK_F: tl.constexpr, QT_MODE: tl.constexpr, FAST_ROUND: tl.constexpr,
+                           EVEN: tl.constexpr, INT32: tl.constexpr):
     """h = round(round(silu(gate)) * up) for the tile (as `swiglu_fp8`'s pass 1), written as e4m3/e5m2 q and q^T
     with scale 2^e; pass 1 also stores the tile's max |h| in partial_ptr[program]. LOAD_KIND: how u is read
-    (`load_f32`; 0 with a bf16 u loads it natively)."""
+    (`load_f32`; 0 with a bf16 u loads it natively). EVEN, INT32: the module's EVEN_TILES, INT32_OFFSETS."""
     e, go = _pass_setup(hint_ptr, amax_ptr, inv_scale_ptr, FMAX, AMAX_FLOOR, KEEP, REDO)
     if go:
-        rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        rf = (tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
+        rm, rf = _rows_cols(BLOCK_M, BLOCK_F, INT32)
         mask = (rm[:, None] < M) & (rf[None, :] < F)
         off = rm[:, None] * (2 * F) + rf[None, :]
-        up = load_f32(u_ptr + off, mask, LOAD_KIND)
-        gate = load_f32(u_ptr + off + F, mask, LOAD_KIND)
+        up = _load(u_ptr + off, mask, LOAD_KIND, EVEN)
+        gate = _load(u_ptr + off + F, mask, LOAD_KIND, EVEN)
         h = _round(_round(gate / (1.0 + tl.exp(-gate)), KIND, FAST_ROUND) * up, KIND, FAST_ROUND)  # masked: 0
-        _store_q_and_qt(q_ptr, qt_ptr, h, e, rm, rf, M, F, F, FMAX, QT_MODE)
+        _store_q_and_qt(q_ptr, qt_ptr, h, e, rm, rf, M, F, F, FMAX, QT_MODE, EVEN)
         if not REDO:  # rounding is monotone and odd: the max of the rounded values is what the twin reduces
             tl.store(partial_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
                      tl.max(tl.max(tl.abs(h), axis=1), axis=0))
@@ -242,23 +277,23 @@ def _swiglu_fwd_fp8_kernel(u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr
 def _swiglu_bwd_fp8_kernel(dout_ptr, u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr, inv_scale_ptr, M, F,
                            KIND: tl.constexpr, LOAD_KIND: tl.constexpr, FMAX: tl.constexpr,
                            AMAX_FLOOR: tl.constexpr, KEEP: tl.constexpr, REDO: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_F: tl.constexpr, QT_MODE: tl.constexpr, FAST_ROUND: tl.constexpr):
+                           BLOCK_F: tl.constexpr, QT_MODE: tl.constexpr, FAST_ROUND: tl.constexpr,
+                           EVEN: tl.constexpr, INT32: tl.constexpr):
     """du = [d_up, d_gate] for the tile (`swiglu._swiglu_bwd_kernel`'s arithmetic, rounded to u's dtype), written
     as q (M, 2F) and q^T (2F, M) with scale 2^e: d_up at columns rf, d_gate at F + rf. Passes as the forward's."""
     e, go = _pass_setup(hint_ptr, amax_ptr, inv_scale_ptr, FMAX, AMAX_FLOOR, KEEP, REDO)
     if go:
-        rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        rf = (tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
+        rm, rf = _rows_cols(BLOCK_M, BLOCK_F, INT32)
         mask = (rm[:, None] < M) & (rf[None, :] < F)
         up_off = rm[:, None] * (2 * F) + rf[None, :]
-        up = load_f32(u_ptr + up_off, mask, LOAD_KIND)
-        gate = load_f32(u_ptr + up_off + F, mask, LOAD_KIND)
-        d = load_f32(dout_ptr + rm[:, None] * F + rf[None, :], mask, LOAD_KIND)
+        up = _load(u_ptr + up_off, mask, LOAD_KIND, EVEN)
+        gate = _load(u_ptr + up_off + F, mask, LOAD_KIND, EVEN)
+        d = _load(dout_ptr + rm[:, None] * F + rf[None, :], mask, LOAD_KIND, EVEN)
         s = 1.0 / (1.0 + tl.exp(-gate))
         d_up = _round(d * gate * s, KIND, FAST_ROUND)
         d_gate = _round(d * up * s * (1.0 + gate * (1.0 - s)), KIND, FAST_ROUND)
-        _store_q_and_qt(q_ptr, qt_ptr, d_up, e, rm, rf, M, 2 * F, F, FMAX, QT_MODE)
-        _store_q_and_qt(q_ptr, qt_ptr, d_gate, e, rm, rf + F, M, 2 * F, 2 * F, FMAX, QT_MODE)
+        _store_q_and_qt(q_ptr, qt_ptr, d_up, e, rm, rf, M, 2 * F, F, FMAX, QT_MODE, EVEN)
+        _store_q_and_qt(q_ptr, qt_ptr, d_gate, e, rm, rf + F, M, 2 * F, 2 * F, FMAX, QT_MODE, EVEN)
         if not REDO:
             tl.store(partial_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
                      tl.max(tl.max(tl.maximum(tl.abs(d_up), tl.abs(d_gate)), axis=1), axis=0))
@@ -289,8 +324,13 @@ def _launch_two_passes(kernel, inputs: tuple[Tensor, ...], M: int, N: int, F: in
     # the transposition (BENCHMARKS.md, session 14). The interpreter, whose bf16 conversions are not the GPU's,
     # runs the integer-bit ones.
     native = not INTERPRET
+    # EVEN: both kernels' columns are F wide (the backward's second half at F + rf); INT32: u (M, 2F) is the largest
+    # operand, every offset below its size
+    even = EVEN_TILES and M % bm == 0 and F % bf == 0
+    int32 = INT32_OFFSETS and M * 2 * F < 2 ** 31
     const = dict(KIND=kind, LOAD_KIND=0 if native else kind, FMAX=FP8_MAX[dtype], AMAX_FLOOR=AMAX_FLOOR,
-                 KEEP=KEEP_BINADES, BLOCK_M=bm, BLOCK_F=bf, QT_MODE=QT_MODE, FAST_ROUND=native, num_warps=warps)
+                 KEEP=KEEP_BINADES, BLOCK_M=bm, BLOCK_F=bf, QT_MODE=QT_MODE, FAST_ROUND=native, EVEN=even,
+                 INT32=int32, num_warps=warps)
     ins = inputs if native else tuple(_bits(t) for t in inputs)
     kernel[grid](*ins, q, qt, hint, partial, partial, inv_scale, M, F, REDO=False, **const)
     amax = partial.amax()

@@ -99,8 +99,9 @@ def test_bad_shapes_and_dtypes_are_refused():
         rope_qkv_backward_twin(dq, dk.double(), dv, cos, sin)
 
 
-# (B, T, nh, nkv, hs): GQA, MHA, elements not a multiple of the block, a head of 2 columns
-INTERP_SHAPES = [(2, 5, 4, 2, 16), (1, 3, 2, 2, 8), (3, 7, 6, 1, 10), (1, 2, 1, 1, 2)]
+# (B, T, nh, nkv, hs): GQA, MHA, tokens not a multiple of the kernel's ROWS, a half head not a power of two, a
+# head of 2 columns, and tiles that divide the shape (the unmasked path)
+INTERP_SHAPES = [(2, 5, 4, 2, 16), (1, 3, 2, 2, 8), (3, 7, 6, 1, 10), (1, 2, 1, 1, 2), (2, 16, 4, 2, 16)]
 
 
 @interp_only

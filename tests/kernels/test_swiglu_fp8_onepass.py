@@ -164,7 +164,8 @@ def _hint_for(kind: str, e_true: int, device) -> torch.Tensor:
 
 
 VARIANTS = {"fp32 tile transposed": dict(QT_MODE=1), "e4m3 tile transposed": dict(QT_MODE=0),
-            "codes transposed": dict(QT_MODE=2)}
+            "codes transposed": dict(QT_MODE=2),
+            "masks and int64 offsets everywhere": dict(EVEN_TILES=False, INT32_OFFSETS=False)}
 
 
 def _check_hint_rule(device, shapes, variant, dtypes):
@@ -223,7 +224,7 @@ def _explain(got, want, x, fp8, e_hint, e_want) -> str:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_interp_hint_rule(variant):
     """The interpreter runs the integer-bit loads and rounding (its bf16 conversions are not the GPU's)."""
-    _check_hint_rule("cpu", [(1, 16), (19, 100), (70, 96)], variant, (torch.bfloat16, torch.float32))
+    _check_hint_rule("cpu", [(1, 16), (19, 100), (70, 96), (64, 128)], variant, (torch.bfloat16, torch.float32))
 
 
 @interp_only
