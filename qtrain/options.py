@@ -222,8 +222,10 @@ class Options:
     """With compiled blocks, let inductor time its Triton GEMM templates against cuBLAS for every block GEMM
     shape and keep the faster (inductor's max_autotune_gemm), fusing the pointwise work after a GEMM into a
     Triton one. At Qwen2.5-14B shapes the templates ran 769/746/797 TFLOP/s against cuBLAS's 788/765/733 (MLP
-    up forward/dgrad/wgrad, BENCHMARKS.md session 6). Minutes more for the first compile of a shape (cached
-    after that); not yet measured in training, so off unless asked."""
+    up forward/dgrad/wgrad, BENCHMARKS.md session 6). In training at Qwen2.5-1.5B (session 17) cuBLAS won every
+    one of the 12 bf16 block GEMM shapes (the best template at 65-92% of its speed) and the 4 e4m3 forward shapes
+    timed (85-95%), so the step ran as without (0.978x llm.q both ways), after minutes of compiling (bf16 ~2 min;
+    e4m3 over 5: 106 candidates per FP8 shape). Off unless asked."""
     gpus: int = 0
     """Local worker processes to start (0 = all visible GPUs, or 1 on CPU). Under torchrun: the launcher's."""
     collective_timeout: float = 600.0
