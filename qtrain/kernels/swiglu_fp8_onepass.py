@@ -39,8 +39,8 @@ scaling itself is exact (no rounding of x * scale before the cast). Rounding of 
 dtype first, as the two-pass path stores them, so the twins below are the two-pass twins with the scale rule
 swapped (`pow2_scale`).
 
-Measured on the H200 (Qwen2.5-1.5B at 64 x 1024 tokens, BENCHMARKS.md session 14): forward 1.03 ms against the
-two-pass 1.50, backward 2.03 against 2.70, with the hint right; a missed hint costs a second pass (1.89 / 3.84 ms).
+Measured on the H200 (Qwen2.5-1.5B at 64 x 1024 tokens, BENCHMARKS.md sessions 14 and 17): forward 1.06 ms against
+the two-pass 1.50, backward 1.68 against 2.70, with the hint right; a missed hint costs a second pass (1.92 / 3.16 ms).
 The kernels are compute-bound more than memory-bound (exp and division per element: a second pass that only
 masked its loads and stores still took ~1 ms, so its programs now branch off on the loaded exponent).
 Validated on the GPU for bf16 inputs, read natively: the integer-bit loads of `load_f32` made Triton 3.6 write
