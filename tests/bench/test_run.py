@@ -36,6 +36,15 @@ def test_every_suite_parses_and_names_known_kinds():
         assert len({r.id for r in s.runs}) == len(s.runs), name
 
 
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_kind_module_imports_with_run_and_dry_run(kind):
+    """A kind's module must import on the CPU (the harness imports it in every run's process, GPU kinds included)
+    and offer the two entry points the harness calls."""
+    import importlib
+    module = importlib.import_module(KINDS[kind].module)
+    assert callable(getattr(module, "run", None)) and callable(getattr(module, "dry_run", None)), kind
+
+
 def test_regress_suite_alternates_base_and_new():
     s = load("regress-1p5b")
     assert s.checkouts["base"].commit == BEFORE_RESTRUCTURE
