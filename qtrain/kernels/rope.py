@@ -64,30 +64,6 @@ def rope_qkv_backward_twin(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
 
 # -------------------------------------------------------------------------------------------- triton
 @jit
-def _load(ptr, mask, KIND: tl.constexpr, EVEN: tl.constexpr):
-    """fp32 from KIND's storage: native loads (KIND -1: any dtype, the GPU's conversion) or `load_f32`'s integer
-    bits (the interpreter, whose bf16 conversions are not the GPU's); unmasked where the tile is inside (EVEN)."""
-    if KIND == -1:
-        if EVEN:
-            return tl.load(ptr).to(tl.float32)
-        return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-    return load_f32(ptr, mask, KIND)
-
-
-@jit
-def _store(ptr, x, mask, KIND: tl.constexpr, EVEN: tl.constexpr):
-    """x rounded to the output's dtype: the hardware conversion (KIND -1, round to nearest even, as torch's) or
-    `store_f32`'s integer rounding (the interpreter)."""
-    if KIND == -1:
-        if EVEN:
-            tl.store(ptr, x.to(ptr.dtype.element_ty))
-        else:
-            tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
-    else:
-        store_f32(ptr, x, mask, KIND)
-
-
-@jit
 def _rope_qkv_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, out_ptr, rows, T: tl.constexpr,
                          NH: tl.constexpr, NKV: tl.constexpr, HS: tl.constexpr, KIND: tl.constexpr,
                          TAB_KIND: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, EVEN: tl.constexpr):
@@ -108,19 +84,19 @@ def _rope_qkv_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, out_ptr, rows
             src = dq_ptr + row.to(tl.int64) * (NH * HS) + head * HS + j
         else:
             src = dk_ptr + row.to(tl.int64) * (NKV * HS) + (head - NH) * HS + j
-        x1 = _load(src, mask, KIND, EVEN)
-        x2 = _load(src + HALF, mask, KIND, EVEN)
+        x1 = load_f32(src, mask, KIND, EVEN)
+        x2 = load_f32(src + HALF, mask, KIND, EVEN)
         tab = (row % T) * HS + j
-        c1 = _load(cos_ptr + tab, mask, TAB_KIND, EVEN)
-        c2 = _load(cos_ptr + tab + HALF, mask, TAB_KIND, EVEN)
-        s1 = _load(sin_ptr + tab, mask, TAB_KIND, EVEN)
-        s2 = _load(sin_ptr + tab + HALF, mask, TAB_KIND, EVEN)
-        _store(out, x1 * c1 + x2 * s2, mask, KIND, EVEN)  # d < h: dy[d] cos[d] + dy[d + h] sin[d + h]
-        _store(out + HALF, x2 * c2 - x1 * s1, mask, KIND, EVEN)  # d >= h: dy[d] cos[d] - dy[d - h] sin[d - h]
+        c1 = load_f32(cos_ptr + tab, mask, TAB_KIND, EVEN)
+        c2 = load_f32(cos_ptr + tab + HALF, mask, TAB_KIND, EVEN)
+        s1 = load_f32(sin_ptr + tab, mask, TAB_KIND, EVEN)
+        s2 = load_f32(sin_ptr + tab + HALF, mask, TAB_KIND, EVEN)
+        store_f32(out, x1 * c1 + x2 * s2, mask, KIND, EVEN)  # d < h: dy[d] cos[d] + dy[d + h] sin[d + h]
+        store_f32(out + HALF, x2 * c2 - x1 * s1, mask, KIND, EVEN)  # d >= h: dy[d] cos[d] - dy[d - h] sin[d - h]
     else:
         src = dv_ptr + row.to(tl.int64) * (NKV * HS) + (head - NH - NKV) * HS + j
-        _store(out, _load(src, mask, KIND, EVEN), mask, KIND, EVEN)
-        _store(out + HALF, _load(src + HALF, mask, KIND, EVEN), mask, KIND, EVEN)
+        store_f32(out, load_f32(src, mask, KIND, EVEN), mask, KIND, EVEN)
+        store_f32(out + HALF, load_f32(src + HALF, mask, KIND, EVEN), mask, KIND, EVEN)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -142,10 +118,11 @@ def rope_qkv_backward_triton(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tenso
         # conversions are not the GPU's, runs the integer-bit ones on int16 views of bf16 tensors
         native = not INTERPRET
         ins = (dq, dk, dv, cos, sin, out) if native else tuple(_bits(t) for t in (dq, dk, dv, cos, sin, out))
+        # KIND 0 reads and writes any dtype natively (`load_f32` / `store_f32`)
         grid = (triton.cdiv(rows, ROWS), nh + 2 * nkv)
         _rope_qkv_bwd_kernel[grid](
-            *ins, rows, T=T, NH=nh, NKV=nkv, HS=hs, KIND=-1 if native else _KINDS[dq.dtype],
-            TAB_KIND=-1 if native else _KINDS[cos.dtype], ROWS=ROWS, BLOCK_H=block_h,
+            *ins, rows, T=T, NH=nh, NKV=nkv, HS=hs, KIND=0 if native else _KINDS[dq.dtype],
+            TAB_KIND=0 if native else _KINDS[cos.dtype], ROWS=ROWS, BLOCK_H=block_h,
             EVEN=EVEN_TILES and rows % ROWS == 0 and block_h == hs // 2, num_warps=NUM_WARPS,
             enable_fp_fusion=False)
     return out

@@ -179,29 +179,46 @@ def sr_sum_twin(dst, parts, *, key: Key, scale: float = 1.0, offset: int = 0, ad
 
 # -------------------------------------------------------------------------------- triton bit helpers
 @jit
-def load_f32(ptr, mask, KIND: tl.constexpr):
-    """Load as fp32. KIND 0: fp32; 1: bf16 given as an int16 pointer (widened by a shift); 2: fp16."""
-    if KIND == 1:
-        h = tl.load(ptr, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
-        return (h << 16).to(tl.float32, bitcast=True)
-    else:
-        return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+def _load(ptr, mask, other, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(ptr)
+    return tl.load(ptr, mask=mask, other=other)
 
 
 @jit
-def store_f32(ptr, x, mask, KIND: tl.constexpr):
-    """Store fp32 ``x`` as KIND (0 fp32; 1 bf16 through an int16 pointer, round to nearest even on the bit
-    pattern, NaN -> 0x7FC0, which is torch's ``.to(torch.bfloat16)`` and runs the same under Triton's
-    interpreter; 2 fp16)."""
+def _store(ptr, x, mask, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(ptr, x)
+    else:
+        tl.store(ptr, x, mask=mask)
+
+
+@jit
+def load_f32(ptr, mask, KIND: tl.constexpr, EVEN: tl.constexpr = False):
+    """Load as fp32. KIND 0: fp32, or any dtype converted natively; 1: bf16 given as an int16 pointer (widened by a
+    shift); 2: fp16. EVEN: the tile lies inside the tensor, so the load is unmasked (fewer instructions in kernels
+    bound by them; the mask is then ignored)."""
+    if KIND == 1:
+        h = _load(ptr, mask, 0, EVEN).to(tl.uint16, bitcast=True).to(tl.uint32)
+        return (h << 16).to(tl.float32, bitcast=True)
+    else:
+        return _load(ptr, mask, 0.0, EVEN).to(tl.float32)
+
+
+@jit
+def store_f32(ptr, x, mask, KIND: tl.constexpr, EVEN: tl.constexpr = False):
+    """Store fp32 ``x`` as KIND (0 as the pointer's dtype, through Triton's conversion, round to nearest even; 1 bf16
+    through an int16 pointer, round to nearest even on the bit pattern, NaN -> 0x7FC0, which is torch's
+    ``.to(torch.bfloat16)`` and runs the same under Triton's interpreter; 2 fp16). EVEN: unmasked, as `load_f32`."""
     if KIND == 1:
         b = x.to(tl.uint32, bitcast=True)
         rn = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
         rn = tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rn)
-        tl.store(ptr, rn.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+        _store(ptr, rn.to(tl.uint16).to(tl.int16, bitcast=True), mask, EVEN)
     elif KIND == 2:
-        tl.store(ptr, x.to(tl.float16), mask=mask)
+        _store(ptr, x.to(tl.float16), mask, EVEN)
     else:
-        tl.store(ptr, x, mask=mask)
+        _store(ptr, x, mask, EVEN)
 
 
 @jit

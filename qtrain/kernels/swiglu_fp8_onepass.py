@@ -57,7 +57,7 @@ from torch import Tensor
 
 from qtrain.kernels.dispatch import INTERPRET, jit, tl, triton, use_triton
 from qtrain.kernels.fp8_quant import AMAX_FLOOR, FP8_MAX
-from qtrain.kernels.stochastic_rounding import load_f32, round_f32
+from qtrain.kernels.stochastic_rounding import load_f32, round_f32, store_f32
 from qtrain.kernels.swiglu import swiglu_backward_twin
 from qtrain.kernels.swiglu_fp8 import DTYPE_KINDS, check_swiglu_fp8_args
 
@@ -196,24 +196,6 @@ def _rows_cols(BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, INT32: tl.constexpr
 
 
 @jit
-def _load(ptr, mask, KIND: tl.constexpr, EVEN: tl.constexpr):
-    """`load_f32`, unmasked where the tiles divide the shape (EVEN)."""
-    if EVEN:
-        if KIND == 1:
-            return (tl.load(ptr).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        return tl.load(ptr).to(tl.float32)
-    return load_f32(ptr, mask, KIND)
-
-
-@jit
-def _store(ptr, x, mask, EVEN: tl.constexpr):
-    if EVEN:
-        tl.store(ptr, x)
-    else:
-        tl.store(ptr, x, mask=mask)
-
-
-@jit
 def _store_q_and_qt(q_ptr, qt_ptr, x, e, rm, rn, M, N, n_end, FMAX: tl.constexpr, QT_MODE: tl.constexpr,
                     EVEN: tl.constexpr):
     """q[m, n] = cast_rn(clamp(x[m, n] * 2^e, +-FMAX)) and q^T[n, m] for the tile (rm, rn) of an (M, N) q, at
@@ -222,15 +204,16 @@ def _store_q_and_qt(q_ptr, qt_ptr, x, e, rm, rn, M, N, n_end, FMAX: tl.constexpr
     2 the codes as uint8."""
     y = tl.minimum(tl.maximum(x * _exp2_f32(e), -FMAX), FMAX)
     q = y.to(q_ptr.dtype.element_ty)
-    _store(q_ptr + rm[:, None] * N + rn[None, :], q, (rm[:, None] < M) & (rn[None, :] < n_end), EVEN)
+    store_f32(q_ptr + rm[:, None] * N + rn[None, :], q, (rm[:, None] < M) & (rn[None, :] < n_end), 0, EVEN)
     qt_off = rn[:, None] * M + rm[None, :]
     qt_mask = (rn[:, None] < n_end) & (rm[None, :] < M)
     if QT_MODE == 1:
-        _store(qt_ptr + qt_off, tl.trans(y).to(qt_ptr.dtype.element_ty), qt_mask, EVEN)
+        store_f32(qt_ptr + qt_off, tl.trans(y).to(qt_ptr.dtype.element_ty), qt_mask, 0, EVEN)
     elif QT_MODE == 2:
-        _store(qt_ptr.to(tl.pointer_type(tl.uint8)) + qt_off, tl.trans(q.to(tl.uint8, bitcast=True)), qt_mask, EVEN)
+        store_f32(qt_ptr.to(tl.pointer_type(tl.uint8)) + qt_off, tl.trans(q.to(tl.uint8, bitcast=True)), qt_mask, 0,
+                  EVEN)
     else:
-        _store(qt_ptr + qt_off, tl.trans(q), qt_mask, EVEN)
+        store_f32(qt_ptr + qt_off, tl.trans(q), qt_mask, 0, EVEN)
 
 
 @jit
@@ -264,8 +247,8 @@ def _swiglu_fwd_fp8_kernel(u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr
         rm, rf = _rows_cols(BLOCK_M, BLOCK_F, INT32)
         mask = (rm[:, None] < M) & (rf[None, :] < F)
         off = rm[:, None] * (2 * F) + rf[None, :]
-        up = _load(u_ptr + off, mask, LOAD_KIND, EVEN)
-        gate = _load(u_ptr + off + F, mask, LOAD_KIND, EVEN)
+        up = load_f32(u_ptr + off, mask, LOAD_KIND, EVEN)
+        gate = load_f32(u_ptr + off + F, mask, LOAD_KIND, EVEN)
         h = _round(_round(gate / (1.0 + tl.exp(-gate)), KIND, FAST_ROUND) * up, KIND, FAST_ROUND)  # masked: 0
         _store_q_and_qt(q_ptr, qt_ptr, h, e, rm, rf, M, F, F, FMAX, QT_MODE, EVEN)
         if not REDO:  # rounding is monotone and odd: the max of the rounded values is what the twin reduces
@@ -286,9 +269,9 @@ def _swiglu_bwd_fp8_kernel(dout_ptr, u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, p
         rm, rf = _rows_cols(BLOCK_M, BLOCK_F, INT32)
         mask = (rm[:, None] < M) & (rf[None, :] < F)
         up_off = rm[:, None] * (2 * F) + rf[None, :]
-        up = _load(u_ptr + up_off, mask, LOAD_KIND, EVEN)
-        gate = _load(u_ptr + up_off + F, mask, LOAD_KIND, EVEN)
-        d = _load(dout_ptr + rm[:, None] * F + rf[None, :], mask, LOAD_KIND, EVEN)
+        up = load_f32(u_ptr + up_off, mask, LOAD_KIND, EVEN)
+        gate = load_f32(u_ptr + up_off + F, mask, LOAD_KIND, EVEN)
+        d = load_f32(dout_ptr + rm[:, None] * F + rf[None, :], mask, LOAD_KIND, EVEN)
         s = 1.0 / (1.0 + tl.exp(-gate))
         d_up = _round(d * gate * s, KIND, FAST_ROUND)
         d_gate = _round(d * up * s * (1.0 + gate * (1.0 - s)), KIND, FAST_ROUND)
