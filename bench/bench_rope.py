@@ -2,8 +2,8 @@
 head layout on the GPU, with tiles masked and unmasked, against torch.compile's code for its twin (what the block
 ran before the kernel) and a device copy of the same bytes, each checked bit for bit against the twin.
 
-Parameters: B, T, nh, nkv, hs (Qwen2.5-1.5B at 64 x 1024 by default). Prints one line per variant: ms per call
-and the bytes it must move / time; the result has them as `rows`.
+Parameters: model (a preset: its head layout and RoPE tables; Qwen2.5-1.5B), B, T (64 x 1024). Prints one line per
+variant: ms per call and the bytes it must move / time; the result has them as `rows`.
 """
 from __future__ import annotations
 
@@ -12,20 +12,21 @@ import torch
 from bench.kinds import Skip
 
 
-def run(B: int = 64, T: int = 1024, nh: int = 12, nkv: int = 2, hs: int = 128) -> dict:
+def run(model: str = "Qwen2.5-1.5B", B: int = 64, T: int = 1024) -> dict:
     import triton
 
     from qtrain.kernels import rope
+    from qtrain.model.config import preset
+    from qtrain.model.layers import rope_tables
+    cfg = preset(model)
+    nh, nkv, hs = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(*shape):
         return torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
 
     dq, dk, dv = randn(B, T, nh, hs), randn(B, T, nkv, hs), randn(B, T, nkv, hs)
-    pos = torch.arange(T, device="cuda", dtype=torch.float32)[:, None]
-    freqs = pos * torch.rand(1, hs // 2, generator=g, device="cuda")
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    cos, sin = rope_tables(cfg, T, "cuda", torch.bfloat16)
     args = (dq, dk, dv, cos, sin)
     want = rope.rope_qkv_backward_twin(*args)
     nbytes = 2 * want.numel() * want.element_size()  # d(qkv) read as dq, dk, dv and written once

@@ -78,12 +78,13 @@ def _rope_qkv_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, out_ptr, rows
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
     j = tl.arange(0, BLOCK_H)[None, :]  # [1, BLOCK_H]: a column within a half
     mask = (row < rows) & (j < HALF)
-    out = out_ptr + row.to(tl.int64) * W + head * HS + j
+    row64 = row.to(tl.int64)  # row offsets can pass 2^31 elements; columns within a row cannot
+    out = out_ptr + row64 * W + head * HS + j
     if head < NH + NKV:
         if head < NH:
-            src = dq_ptr + row.to(tl.int64) * (NH * HS) + head * HS + j
+            src = dq_ptr + row64 * (NH * HS) + head * HS + j
         else:
-            src = dk_ptr + row.to(tl.int64) * (NKV * HS) + (head - NH) * HS + j
+            src = dk_ptr + row64 * (NKV * HS) + (head - NH) * HS + j
         x1 = load_f32(src, mask, KIND, EVEN)
         x2 = load_f32(src + HALF, mask, KIND, EVEN)
         tab = (row % T) * HS + j
@@ -94,7 +95,7 @@ def _rope_qkv_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, out_ptr, rows
         store_f32(out, x1 * c1 + x2 * s2, mask, KIND, EVEN)  # d < h: dy[d] cos[d] + dy[d + h] sin[d + h]
         store_f32(out + HALF, x2 * c2 - x1 * s1, mask, KIND, EVEN)  # d >= h: dy[d] cos[d] - dy[d - h] sin[d - h]
     else:
-        src = dv_ptr + row.to(tl.int64) * (NKV * HS) + (head - NH - NKV) * HS + j
+        src = dv_ptr + row64 * (NKV * HS) + (head - NH - NKV) * HS + j
         store_f32(out, load_f32(src, mask, KIND, EVEN), mask, KIND, EVEN)
         store_f32(out + HALF, load_f32(src + HALF, mask, KIND, EVEN), mask, KIND, EVEN)
 
