@@ -114,10 +114,12 @@ def run_onepass(u: torch.Tensor, d: torch.Tensor) -> dict:
 
 # q^T's transposition (the module's QT_MODE); the first is the default. Session 14 also timed integer-bit loads and
 # rounding here: ~25% of q^T wrong on the H200 in every transposition (BENCHMARKS.md)
-# and the unmasked tiles with 32-bit offsets (on by default where the shape allows) against masks and int64 offsets
+# and the unmasked tiles with 32-bit offsets (on by default where the shape allows) against masks and int64 offsets,
+# and the kernels without the clamp before the cast (CLAMP)
 ONEPASS_VARIANTS = {"default": {}, "e4m3-tile-T": dict(QT_MODE=0), "codes-T": dict(QT_MODE=2),
                     "masked": dict(EVEN_TILES=False), "int64": dict(INT32_OFFSETS=False),
-                    "masked-int64": dict(EVEN_TILES=False, INT32_OFFSETS=False)}
+                    "masked-int64": dict(EVEN_TILES=False, INT32_OFFSETS=False), "no-clamp": dict(CLAMP=False),
+                    "no-clamp-e4m3-tile-T": dict(CLAMP=False, QT_MODE=0)}
 
 
 # launch shapes tried (the first of each is the kernel's default)

@@ -80,6 +80,10 @@ QT_MODE = 1
 # int32, 32-bit index arithmetic. Neither changes a bit; the switches exist for the kernels-suite comparison.
 EVEN_TILES = True
 INT32_OFFSETS = True
+# The clamp to +-FMAX before the cast: only pass 1 with a hint above the tensor's own exponent can overflow, and that
+# pass is then redone with e <= e_own, where max |x| * 2^e <= FMAX; so the written codes never need it (the switch
+# exists for the kernels-suite comparison; with it off an overflowing pass 1 writes what the cast makes of it).
+CLAMP = True
 
 Result = tuple[Tensor, Tensor, Tensor]  # (q (M, N), q^T (N, M), inv_scale 0-dim fp32)
 
@@ -197,12 +201,14 @@ def _rows_cols(BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, INT32: tl.constexpr
 
 @jit
 def _store_q_and_qt(q_ptr, qt_ptr, x, e, rm, rn, M, N, n_end, FMAX: tl.constexpr, QT_MODE: tl.constexpr,
-                    EVEN: tl.constexpr):
+                    EVEN: tl.constexpr, CLAMP: tl.constexpr):
     """q[m, n] = cast_rn(clamp(x[m, n] * 2^e, +-FMAX)) and q^T[n, m] for the tile (rm, rn) of an (M, N) q, at
     m < M and n < n_end (the tile's column range ends there; EVEN: the tile is inside). QT_MODE, how the tile is
     transposed for q^T's store: 0 the e4m3 tile (as `fp8_quant.store_fp8_tile`), 1 the fp32 tile before the cast,
-    2 the codes as uint8."""
-    y = tl.minimum(tl.maximum(x * _exp2_f32(e), -FMAX), FMAX)
+    2 the codes as uint8. CLAMP: the module's."""
+    y = x * _exp2_f32(e)
+    if CLAMP:
+        y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
     q = y.to(q_ptr.dtype.element_ty)
     store_f32(q_ptr + rm[:, None] * N + rn[None, :], q, (rm[:, None] < M) & (rn[None, :] < n_end), 0, EVEN)
     qt_off = rn[:, None] * M + rm[None, :]
@@ -238,7 +244,7 @@ def _swiglu_fwd_fp8_kernel(u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr
                            KIND: tl.constexpr, LOAD_KIND: tl.constexpr, FMAX: tl.constexpr,
                            AMAX_FLOOR: tl.constexpr, KEEP: tl.constexpr, REDO: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_F: tl.constexpr, QT_MODE: tl.constexpr, FAST_ROUND: tl.constexpr,
-                           EVEN: tl.constexpr, INT32: tl.constexpr):
+                           EVEN: tl.constexpr, INT32: tl.constexpr, CLAMP: tl.constexpr):
     """h = round(round(silu(gate)) * up) for the tile (as `swiglu_fp8`'s pass 1), written as e4m3/e5m2 q and q^T
     with scale 2^e; pass 1 also stores the tile's max |h| in partial_ptr[program]. LOAD_KIND: how u is read
     (`load_f32`; 0 with a bf16 u loads it natively). EVEN, INT32: the module's EVEN_TILES, INT32_OFFSETS."""
@@ -250,7 +256,7 @@ def _swiglu_fwd_fp8_kernel(u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr
         up = load_f32(u_ptr + off, mask, LOAD_KIND, EVEN)
         gate = load_f32(u_ptr + off + F, mask, LOAD_KIND, EVEN)
         h = _round(_round(gate / (1.0 + tl.exp(-gate)), KIND, FAST_ROUND) * up, KIND, FAST_ROUND)  # masked: 0
-        _store_q_and_qt(q_ptr, qt_ptr, h, e, rm, rf, M, F, F, FMAX, QT_MODE, EVEN)
+        _store_q_and_qt(q_ptr, qt_ptr, h, e, rm, rf, M, F, F, FMAX, QT_MODE, EVEN, CLAMP)
         if not REDO:  # rounding is monotone and odd: the max of the rounded values is what the twin reduces
             tl.store(partial_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
                      tl.max(tl.max(tl.abs(h), axis=1), axis=0))
@@ -261,7 +267,7 @@ def _swiglu_bwd_fp8_kernel(dout_ptr, u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, p
                            KIND: tl.constexpr, LOAD_KIND: tl.constexpr, FMAX: tl.constexpr,
                            AMAX_FLOOR: tl.constexpr, KEEP: tl.constexpr, REDO: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_F: tl.constexpr, QT_MODE: tl.constexpr, FAST_ROUND: tl.constexpr,
-                           EVEN: tl.constexpr, INT32: tl.constexpr):
+                           EVEN: tl.constexpr, INT32: tl.constexpr, CLAMP: tl.constexpr):
     """du = [d_up, d_gate] for the tile (`swiglu._swiglu_bwd_kernel`'s arithmetic, rounded to u's dtype), written
     as q (M, 2F) and q^T (2F, M) with scale 2^e: d_up at columns rf, d_gate at F + rf. Passes as the forward's."""
     e, go = _pass_setup(hint_ptr, amax_ptr, inv_scale_ptr, FMAX, AMAX_FLOOR, KEEP, REDO)
@@ -275,8 +281,8 @@ def _swiglu_bwd_fp8_kernel(dout_ptr, u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, p
         s = 1.0 / (1.0 + tl.exp(-gate))
         d_up = _round(d * gate * s, KIND, FAST_ROUND)
         d_gate = _round(d * up * s * (1.0 + gate * (1.0 - s)), KIND, FAST_ROUND)
-        _store_q_and_qt(q_ptr, qt_ptr, d_up, e, rm, rf, M, 2 * F, F, FMAX, QT_MODE, EVEN)
-        _store_q_and_qt(q_ptr, qt_ptr, d_gate, e, rm, rf + F, M, 2 * F, 2 * F, FMAX, QT_MODE, EVEN)
+        _store_q_and_qt(q_ptr, qt_ptr, d_up, e, rm, rf, M, 2 * F, F, FMAX, QT_MODE, EVEN, CLAMP)
+        _store_q_and_qt(q_ptr, qt_ptr, d_gate, e, rm, rf + F, M, 2 * F, 2 * F, FMAX, QT_MODE, EVEN, CLAMP)
         if not REDO:
             tl.store(partial_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
                      tl.max(tl.max(tl.maximum(tl.abs(d_up), tl.abs(d_gate)), axis=1), axis=0))
@@ -313,7 +319,7 @@ def _launch_two_passes(kernel, inputs: tuple[Tensor, ...], M: int, N: int, F: in
     int32 = INT32_OFFSETS and M * 2 * F < 2 ** 31
     const = dict(KIND=kind, LOAD_KIND=0 if native else kind, FMAX=FP8_MAX[dtype], AMAX_FLOOR=AMAX_FLOOR,
                  KEEP=KEEP_BINADES, BLOCK_M=bm, BLOCK_F=bf, QT_MODE=QT_MODE, FAST_ROUND=native, EVEN=even,
-                 INT32=int32, num_warps=warps)
+                 INT32=int32, CLAMP=CLAMP, num_warps=warps)
     ins = inputs if native else tuple(_bits(t) for t in inputs)
     kernel[grid](*ins, q, qt, hint, partial, partial, inv_scale, M, F, REDO=False, **const)
     amax = partial.amax()

@@ -165,7 +165,8 @@ def _hint_for(kind: str, e_true: int, device) -> torch.Tensor:
 
 VARIANTS = {"fp32 tile transposed": dict(QT_MODE=1), "e4m3 tile transposed": dict(QT_MODE=0),
             "codes transposed": dict(QT_MODE=2),
-            "masks and int64 offsets everywhere": dict(EVEN_TILES=False, INT32_OFFSETS=False)}
+            "masks and int64 offsets everywhere": dict(EVEN_TILES=False, INT32_OFFSETS=False),
+            "no clamp before the cast": dict(CLAMP=False)}
 
 
 def _check_hint_rule(device, shapes, variant, dtypes):
