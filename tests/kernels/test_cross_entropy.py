@@ -90,6 +90,29 @@ def test_chunked_head_loss_accepts_in_place_dlogits(monkeypatch, z_loss):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_grads_without_autograd_are_the_functions(dtype):
+    """`lm_head_loss_and_grads` (the training micro-step's head, no autograd) returns the loss and the gradients that
+    `chunked_lm_head_loss` gives through backward() (which multiplies them by the upstream 1: exact), bit for bit;
+    without need_grad only the loss, the same."""
+    from qtrain.model.loss import lm_head_loss_and_grads
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(37, 16, generator=g).to(dtype)
+    w = (torch.randn(203, 16, generator=g) * 0.3).to(dtype)
+    t = torch.randint(0, 203, (37,), generator=g)
+    t[::5] = IGNORE_INDEX
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    out = chunked_lm_head_loss(hh, ww, t, chunks=3, z_loss=1e-3, scale=0.1)
+    out.backward()
+    loss, dh, dw = lm_head_loss_and_grads(h, w, t, chunks=3, z_loss=1e-3, scale=0.1)
+    assert torch.equal(loss, out.detach()) and torch.equal(dh, hh.grad) and torch.equal(dw, ww.grad)
+    assert hh.grad.abs().sum() > 0 and ww.grad.abs().sum() > 0
+    only = lm_head_loss_and_grads(h, w, t, chunks=3, z_loss=1e-3, scale=0.1, need_grad=False)
+    assert torch.equal(only[0], loss) and only[1] is None and only[2] is None
+    with pytest.raises(ValueError, match="lmhead-chunks"):
+        lm_head_loss_and_grads(h, w, t, chunks=0, z_loss=0.0, scale=1.0)
+
+
 # --------------------------------------------------------------------------------- Triton vs twin
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     ia, ib = a.view(torch.int16).to(torch.int32), b.view(torch.int16).to(torch.int32)
