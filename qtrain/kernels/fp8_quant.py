@@ -11,6 +11,11 @@ llm.q scales e5m2 to 448 as well, leaving 7 of its binades unused [quirk]; we us
 The clamp makes the cast saturating: a value above the given amax (stale or estimated) becomes +-FMAX,
 never NaN (e4m3fn has no inf) or inf (e5m2).
 
+`fp8_quantize_rmsnorm_transposed` quantizes an RMSNorm's output h = w * round(x * rstd) without h existing in
+memory: it reads the norm's input x, the rows' rstd and the gain w instead, so the compiled block's norm kernel writes
+only what it must keep (the residual stream and rstd) and reduces h's abs-max in registers (BENCHMARKS.md session 18:
+one bf16 write of h fewer per norm feeding an FP8 linear).
+
 The transposed copy exists because cuBLASLt FP8 only multiplies row-major x column-major (TN): the
 weight-gradient GEMM needs dY^T and X^T as contiguous row-major FP8 matrices. Writing them from the
 same tile that produces q saves a full re-read of the FP8 tensor.
@@ -23,7 +28,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qtrain.kernels.dispatch import HAS_TRITON, jit, tl, triton, use_triton
+from qtrain.kernels.dispatch import HAS_TRITON, INTERPRET, jit, tl, triton, use_triton
+from qtrain.kernels.stochastic_rounding import load_f32, round_f32
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Largest finite value of each format (torch.finfo(dtype).max).
@@ -102,6 +108,24 @@ def _quantize_kernel(x_ptr, q_ptr, qt_ptr, amax_ptr, inv_scale_ptr, M, N, stride
     store_fp8_tile(q_ptr, qt_ptr, inv_scale_ptr, x.to(tl.float32), scale, rm, rn, M, N, mask, FMAX, TRANSPOSE)
 
 
+@jit
+def _quantize_rmsnorm_kernel(x_ptr, rstd_ptr, w_ptr, q_ptr, qt_ptr, amax_ptr, inv_scale_ptr, M, N, stride_xm,
+                             KIND: tl.constexpr, LOAD_KIND: tl.constexpr, NATIVE: tl.constexpr, FMAX: tl.constexpr,
+                             AMAX_FLOOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`_quantize_kernel` of h = round(w * round(x * rstd)) for the tile: the RMSNorm's output made from its input
+    (`fp8_quantize_rmsnorm_torch` says how it rounds). LOAD_KIND: how x and w are read (`load_f32`; 0 natively);
+    NATIVE: `round_f32`'s."""
+    scale = fp8_scale(amax_ptr, FMAX, AMAX_FLOOR)
+    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    x = load_f32(x_ptr + rm[:, None] * stride_xm + rn[None, :], mask, LOAD_KIND)
+    rstd = tl.load(rstd_ptr + rm, mask=rm < M, other=0.0)
+    w = load_f32(w_ptr + rn, rn < N, LOAD_KIND)
+    h = round_f32(w[None, :] * round_f32(x * rstd[:, None], KIND, NATIVE), KIND, NATIVE)
+    store_fp8_tile(q_ptr, qt_ptr, inv_scale_ptr, h, scale, rm, rn, M, N, mask, FMAX, True)
+
+
 def fp8_quantize_triton(x: Tensor, dtype: torch.dtype = torch.float8_e4m3fn, amax: Tensor | None = None,
                         *, transpose: bool = False) -> QuantResult:
     """Host launcher; same contract as `fp8_quantize_torch`.
@@ -167,6 +191,56 @@ def fp8_quantize(x: Tensor, dtype: torch.dtype = torch.float8_e4m3fn, amax: Tens
     return fp8_quantize_torch(x, dtype, amax, transpose=transpose)
 
 
+_NORM_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _check_rmsnorm_args(x: Tensor, rstd: Tensor, weight: Tensor, dtype: torch.dtype) -> None:
+    _check_args(x, dtype, True)
+    M, N = x.shape
+    if x.dtype not in _NORM_KINDS or x.stride(1) != 1:
+        raise ValueError(f"fp8_quantize_rmsnorm: x must be fp32/bf16/fp16 with contiguous rows, got {x.dtype} "
+                         f"strides {x.stride()}")
+    if rstd.dtype != torch.float32 or rstd.numel() != M:
+        raise ValueError(f"fp8_quantize_rmsnorm: rstd must be {M} fp32 values (one per row of x), got "
+                         f"{rstd.dtype} {tuple(rstd.shape)}")
+    if weight.shape != (N,) or weight.dtype != x.dtype:
+        raise ValueError(f"fp8_quantize_rmsnorm: weight must be ({N},) in x's dtype {x.dtype}, got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+
+
+def fp8_quantize_rmsnorm_torch(x: Tensor, rstd: Tensor, weight: Tensor, amax: Tensor, dtype: torch.dtype
+                               ) -> tuple[Tensor, Tensor, Tensor]:
+    """The specification: (q, q^T, inv_scale) of h = weight * (x * rstd rounded to x's dtype), rounded to x's
+    dtype (`model.layers.rms_norm`'s operations, given its rstd), quantized with `amax` (`fp8_quantize_torch`).
+    x (M, N), rstd M fp32 values, weight (N,)."""
+    _check_rmsnorm_args(x, rstd, weight, dtype)
+    h = weight * (x.float() * rstd.reshape(-1, 1)).to(x.dtype)
+    q, qt, inv_scale = fp8_quantize_torch(h, dtype, amax, transpose=True)
+    return q, qt, inv_scale
+
+
+def fp8_quantize_rmsnorm_triton(x: Tensor, rstd: Tensor, weight: Tensor, amax: Tensor, dtype: torch.dtype
+                                ) -> tuple[Tensor, Tensor, Tensor]:
+    """Host launcher of `_quantize_rmsnorm_kernel`; the twin's contract. On the GPU x and w are read natively and
+    rounded by the hardware conversion; under the interpreter (whose bf16 conversions are not the GPU's) through
+    their bits, as `swiglu_fp8_onepass` does."""
+    _check_rmsnorm_args(x, rstd, weight, dtype)
+    M, N = x.shape
+    kind = _NORM_KINDS[x.dtype]
+    native = not INTERPRET
+    bits = (lambda t: t) if native or kind != 1 else (lambda t: t.view(torch.int16))
+    amax_buf = amax.reshape(()) if amax.device == x.device else amax.to(x.device).reshape(())
+    q = torch.empty((M, N), dtype=dtype, device=x.device)
+    qt = torch.empty((N, M), dtype=dtype, device=x.device)
+    inv_scale = torch.empty((), dtype=torch.float32, device=x.device)
+    grid = (max(triton.cdiv(M, QUANT_BLOCK_M), 1), max(triton.cdiv(N, QUANT_BLOCK_N), 1))
+    _quantize_rmsnorm_kernel[grid](bits(x), rstd.reshape(-1).contiguous(), bits(weight.contiguous()), q, qt, amax_buf,
+                                   inv_scale, M, N, x.stride(0), KIND=kind, LOAD_KIND=0 if native else kind,
+                                   NATIVE=native, FMAX=FP8_MAX[dtype], AMAX_FLOOR=AMAX_FLOOR, BLOCK_M=QUANT_BLOCK_M,
+                                   BLOCK_N=QUANT_BLOCK_N, num_warps=QUANT_WARPS)
+    return q, qt, inv_scale
+
+
 # ----------------------------------------------------------------------------------------------------
 # Custom op: the Triton kernels inside torch.compile'd code
 # ----------------------------------------------------------------------------------------------------
@@ -186,3 +260,21 @@ def _(x: Tensor, amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tens
     return (x.new_empty((M, N), dtype=dtype), x.new_empty((N, M), dtype=dtype),
             x.new_empty((), dtype=torch.float32))
 
+
+@torch.library.custom_op("qtrain::fp8_quantize_rmsnorm_transposed", mutates_args=())
+def fp8_quantize_rmsnorm_transposed(x: Tensor, rstd: Tensor, weight: Tensor, amax: Tensor, dtype: torch.dtype
+                                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """(q, q^T, inv_scale) of the RMSNorm output h = weight * round(x * rstd) with a known amax (h's), as one opaque
+    op that reads x, rstd and weight instead of h (module docstring): Triton or the twin. The kernel is validated
+    on the GPU for bf16 x (what FP8 training runs); other dtypes take the twin there."""
+    if use_triton(x) and (x.dtype == torch.bfloat16 or INTERPRET):
+        return fp8_quantize_rmsnorm_triton(x, rstd, weight, amax, dtype)
+    return fp8_quantize_rmsnorm_torch(x, rstd, weight, amax, dtype)
+
+
+@fp8_quantize_rmsnorm_transposed.register_fake
+def _(x: Tensor, rstd: Tensor, weight: Tensor, amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    _check_rmsnorm_args(x, rstd, weight, dtype)
+    M, N = x.shape
+    return (x.new_empty((M, N), dtype=dtype), x.new_empty((N, M), dtype=dtype),
+            x.new_empty((), dtype=torch.float32))

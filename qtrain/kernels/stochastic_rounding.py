@@ -222,9 +222,13 @@ def store_f32(ptr, x, mask, KIND: tl.constexpr, EVEN: tl.constexpr = False):
 
 
 @jit
-def round_f32(x, KIND: tl.constexpr):
+def round_f32(x, KIND: tl.constexpr, NATIVE: tl.constexpr = False):
     """fp32 ``x`` rounded to KIND exactly as ``store_f32`` stores it, returned as fp32: the value a later
-    load sees, e.g. for the abs-max of a tensor a kernel writes (an FP8 scale must cover the stored values)."""
+    load sees, e.g. for the abs-max of a tensor a kernel writes (an FP8 scale must cover the stored values).
+    NATIVE: bf16 through the hardware conversion instead of the bit pattern (the same value for every finite x; on
+    the GPU fewer instructions, under the interpreter not the GPU's rounding)."""
+    if NATIVE and KIND == 1:
+        return x.to(tl.bfloat16).to(tl.float32)
     if KIND == 1:
         b = x.to(tl.uint32, bitcast=True)
         rn = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16

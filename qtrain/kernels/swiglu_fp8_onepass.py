@@ -181,15 +181,6 @@ def _exp2_f32(e):
 
 
 @jit
-def _round(x, KIND: tl.constexpr, FAST_ROUND: tl.constexpr):
-    """x rounded to KIND as `round_f32` does; FAST_ROUND: bf16 through the hardware conversion (the same value for
-    every finite x)."""
-    if FAST_ROUND and KIND == 1:
-        return x.to(tl.bfloat16).to(tl.float32)
-    return round_f32(x, KIND)
-
-
-@jit
 def _rows_cols(BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, INT32: tl.constexpr):
     """The program's row and column indices, int32 where every offset fits (INT32), else int64."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -255,7 +246,7 @@ def _swiglu_fwd_fp8_kernel(u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr
         off = rm[:, None] * (2 * F) + rf[None, :]
         up = load_f32(u_ptr + off, mask, LOAD_KIND, EVEN)
         gate = load_f32(u_ptr + off + F, mask, LOAD_KIND, EVEN)
-        h = _round(_round(gate / (1.0 + tl.exp(-gate)), KIND, FAST_ROUND) * up, KIND, FAST_ROUND)  # masked: 0
+        h = round_f32(round_f32(gate / (1.0 + tl.exp(-gate)), KIND, FAST_ROUND) * up, KIND, FAST_ROUND)  # masked: 0
         _store_q_and_qt(q_ptr, qt_ptr, h, e, rm, rf, M, F, F, FMAX, QT_MODE, EVEN, CLAMP)
         if not REDO:  # rounding is monotone and odd: the max of the rounded values is what the twin reduces
             tl.store(partial_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
@@ -279,8 +270,8 @@ def _swiglu_bwd_fp8_kernel(dout_ptr, u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, p
         gate = load_f32(u_ptr + up_off + F, mask, LOAD_KIND, EVEN)
         d = load_f32(dout_ptr + rm[:, None] * F + rf[None, :], mask, LOAD_KIND, EVEN)
         s = 1.0 / (1.0 + tl.exp(-gate))
-        d_up = _round(d * gate * s, KIND, FAST_ROUND)
-        d_gate = _round(d * up * s * (1.0 + gate * (1.0 - s)), KIND, FAST_ROUND)
+        d_up = round_f32(d * gate * s, KIND, FAST_ROUND)
+        d_gate = round_f32(d * up * s * (1.0 + gate * (1.0 - s)), KIND, FAST_ROUND)
         _store_q_and_qt(q_ptr, qt_ptr, d_up, e, rm, rf, M, 2 * F, F, FMAX, QT_MODE, EVEN, CLAMP)
         _store_q_and_qt(q_ptr, qt_ptr, d_gate, e, rm, rf + F, M, 2 * F, 2 * F, FMAX, QT_MODE, EVEN, CLAMP)
         if not REDO:

@@ -48,9 +48,16 @@ def resolve_sdpa_backend(name: str, device: torch.device, dtype: torch.dtype) ->
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = w * (x / sqrt(mean(x^2) + eps)); the normalisation in fp32, cast back before the gain (as HF)."""
+    return rms_norm_and_rstd(x, weight, eps)[0]
+
+
+def rms_norm_and_rstd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`rms_norm`'s output, its rstd = 1 / sqrt(mean(x^2) + eps) in fp32, shape (..., 1)). A compiled FP8 block
+    passes (x, rstd, w) to the next linear (numerics.fp8's `prenorm`), which quantizes the output from them. One
+    fp32 copy of x for both (two would add their gradients in x's dtype: one more rounding)."""
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (xf * rstd).to(x.dtype), rstd
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

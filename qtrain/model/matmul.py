@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qtrain.numerics.fp8 import E4M3, E5M2, fp8_linear, fp8_swiglu_mlp
+from qtrain.numerics.fp8 import E4M3, E5M2, Prenorm, fp8_linear, fp8_swiglu_mlp
 
 FP8_GRAD_DTYPES = {"e4m3": E4M3, "e5m2": E5M2}
 
@@ -20,14 +20,16 @@ FP8_GRAD_DTYPES = {"e4m3": E4M3, "e5m2": E5M2}
 def block_linear(matmul_dtype: str = "", grad_dtype: str = "e4m3", keep_transposes: bool = False):
     """The function the four block linears run through: F.linear, or FP8 with matmul_dtype "e4m3" (e4m3
     forward; output gradients in `grad_dtype`, e4m3 or e5m2; `keep_transposes`: a compiled block keeps each input's
-    e4m3 transpose for backward instead of rebuilding it, `numerics.fp8.quantize_for_gemms`)."""
+    e4m3 transpose for backward instead of rebuilding it, `numerics.fp8.quantize_for_gemms`; the FP8 function takes
+    `prenorm`, the RMSNorm its input comes from, as `fp8_linear` does)."""
     if matmul_dtype != "e4m3":
         return F.linear
     gd = FP8_GRAD_DTYPES[grad_dtype or "e4m3"]
 
     def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-               w_fp8: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        return fp8_linear(x, w, b, grad_dtype=gd, weight_fp8=w_fp8, keep_transposes=keep_transposes).to(x.dtype)
+               w_fp8: tuple[torch.Tensor, ...] | None = None, prenorm: Prenorm | None = None) -> torch.Tensor:
+        return fp8_linear(x, w, b, grad_dtype=gd, weight_fp8=w_fp8, keep_transposes=keep_transposes,
+                          prenorm=prenorm).to(x.dtype)
 
     return linear
 
@@ -44,8 +46,9 @@ def block_mlp(matmul_dtype: str = "", grad_dtype: str = "e4m3", keep_transposes:
     gd = FP8_GRAD_DTYPES[grad_dtype or "e4m3"]
 
     def mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, up_fp8=None, down_fp8=None,
-            scale_hint: torch.Tensor | None = None) -> torch.Tensor:
+            scale_hint: torch.Tensor | None = None, prenorm: Prenorm | None = None) -> torch.Tensor:
         return fp8_swiglu_mlp(x, w_up, w_down, grad_dtype=gd, up_fp8=up_fp8, down_fp8=down_fp8,
-                              keep_transposes=keep_transposes, onepass=onepass, scale_hint=scale_hint)
+                              keep_transposes=keep_transposes, onepass=onepass, scale_hint=scale_hint,
+                              prenorm=prenorm)
 
     return mlp

@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from qtrain.kernels.attention import causal_attention
 from qtrain.kernels.swiglu_fp8_onepass import HINT_UNSET, new_scale_hint
 from qtrain.model.config import ModelConfig
-from qtrain.model.layers import (SDPA_BACKENDS, apply_rope, qkv_rope_fused, rms_norm, rope_tables, sdpa_backends,
-                                 split_qkv, swiglu, swiglu_fused)
-from qtrain.model.loss import IGNORE_INDEX, chunked_lm_head_loss
+from qtrain.model.layers import (SDPA_BACKENDS, apply_rope, qkv_rope_fused, rms_norm, rms_norm_and_rstd,
+                                 rope_tables, sdpa_backends, split_qkv, swiglu, swiglu_fused)
+from qtrain.model.loss import IGNORE_INDEX, chunked_lm_head_loss, lm_head_loss_and_grads
 from qtrain.model.matmul import block_linear, block_mlp
 from qtrain.model.recompute import (MLP_STEPS, CheckpointSteps, Recomputer, ResidualStash, block_steps, resolve_flags,
                                    run_step, splits_mlp)
@@ -95,7 +95,7 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
                   attn_chunks: int = 1, compiled: bool = False, fused_swiglu: bool = False,
                   mlp: Mlp | None = None, sdpa_backend: str = "auto",
                   linears: dict[str, Linear] | None = None, fused_rope: bool = False,
-                  rebuilt_input_linear: Linear | None = None) -> BlockFn:
+                  rebuilt_input_linear: Linear | None = None, norm_fed_fp8: bool = False) -> BlockFn:
     """One pre-norm decoder block as a function of (x, weights, cos, sin), so one compiled graph serves
     every layer (weights are inputs, not captured constants).
 
@@ -114,15 +114,21 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     linears: per-linear replacements of `linear` by block matrix name (the FP8 policy's bf16 linears).
     rebuilt_input_linear: instead of `linear` for a linear whose input a recomputed step rebuilds (the attention
     output under 'attention', the SwiGLU output under 'swiglu'): FP8 without --fp8-keep-transposes, so that what
-    the linear keeps is rebuilt with the step instead of undoing its saving."""
+    the linear keeps is rebuilt with the step instead of undoing its saving.
+    norm_fed_fp8: the FP8 linears (and MLP) after the two norms quantize their input from the norm's input, rstd and
+    gain (`numerics.fp8.quantize_for_gemms`'s prenorm), so the norm's output is never written; for a compiled block
+    with kept transposes and no recomputed step (the Transformer decides)."""
     nh, nkv, hs, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
     q_dim, qk_norm, gqa = cfg.q_dim, cfg.qk_norm, nh != nkv
     swiglu_fn = swiglu_fused if fused_swiglu else swiglu
     fused_mlp = mlp if not (MLP_STEPS & recompute) else None
+    norm_fed_fp8 = norm_fed_fp8 and not recompute  # the norms and their linears are then plain calls, not steps
     rebuilt = {n for n, step in REBUILT_BY.items() if step in recompute}
 
-    def project(h: torch.Tensor, w: dict[str, torch.Tensor], name: str, bias: str | None = None) -> torch.Tensor:
-        """h @ w[name]^T (+ w[bias]), with the source's FP8 copy of the weight when there is one."""
+    def project(h: torch.Tensor, w: dict[str, torch.Tensor], name: str, bias: str | None = None,
+                prenorm: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """h @ w[name]^T (+ w[bias]), with the source's FP8 copy of the weight when there is one (and the norm h
+        comes from, for an FP8 linear, with norm_fed_fp8)."""
         b = w.get(bias) if bias else None
         if linears and name in linears:  # a model-dtype linear: no FP8 copy applies
             return linears[name](h, w[name], b)
@@ -130,12 +136,21 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
         if rebuilt_input_linear is not None and name in rebuilt:
             fn = rebuilt_input_linear
         q = quantized_weight(w, name)
-        return fn(h, w[name], b) if q is None else fn(h, w[name], b, q)
+        extra = {} if prenorm is None else {"prenorm": prenorm}
+        return fn(h, w[name], b, **extra) if q is None else fn(h, w[name], b, q, **extra)
 
-    def qkv_rope(h: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def norm(name: str, x: torch.Tensor, gain: torch.Tensor, step: Callable[..., object]
+             ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """The step's RMSNorm output, and with norm_fed_fp8 (x, rstd, gain) for the FP8 linear it feeds."""
+        if not norm_fed_fp8:
+            return step(name, rms_norm, x, gain, eps), None
+        h, rstd = rms_norm_and_rstd(x, gain, eps)
+        return h, (x, rstd, gain)
+
+    def qkv_rope(h: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                 prenorm: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fused QKV projection -> (qk-norm) -> RoPE: (B, T, C) -> q (B, nh, T, hs), k, v (B, nkv, T, hs)."""
-        qkv = project(h, w, "qkv", "qkv_bias")  # (B, T, q_dim + 2 kv_dim)
+        qkv = project(h, w, "qkv", "qkv_bias", prenorm)  # (B, T, q_dim + 2 kv_dim)
         if fused_rope and not qk_norm:  # the same values; the backward is one kernel (layers.qkv_rope_fused)
             q, k, v = qkv_rope_fused(qkv, cos, sin, nh, nkv, hs)
             return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -177,16 +192,17 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
                    step: Callable[..., object]) -> torch.Tensor:
         """`step(name, fn, *args)` runs fn(*args), keeping or recomputing its results per the policy."""
         # 1) attention: norm -> fused QKV projection (+ qk-norm) + RoPE -> causal SDPA -> output projection
-        h = step("ln1", rms_norm, x, w["ln1"], eps)
-        q, k, v = step("qkv", qkv_rope, h, w, cos, sin)
+        h, pre = norm("ln1", x, w["ln1"], step)
+        q, k, v = step("qkv", qkv_rope, h, w, cos, sin) if pre is None else qkv_rope(h, w, cos, sin, pre)
         att = step("attention", attention, q, k, v)
         x = x + project(att, w, "o")
         # 2) MLP: norm -> fused up/gate projection -> SwiGLU -> down projection
-        h = step("ln2", rms_norm, x, w["ln2"], eps)
+        h, pre = norm("ln2", x, w["ln2"], step)
         if fused_mlp is not None:
+            extra = {} if pre is None else {"prenorm": pre}
             return x + fused_mlp(h, w["up"], w["down"], quantized_weight(w, "up"), quantized_weight(w, "down"),
-                                 w.get(SCALE_HINT))
-        u = step("up", project, h, w, "up")  # (B, T, 2F)
+                                 w.get(SCALE_HINT), **extra)
+        u = step("up", project, h, w, "up") if pre is None else project(h, w, "up", None, pre)  # (B, T, 2F)
         return x + project(step("swiglu", swiglu_fn, u), w, "down")
 
     if not recompute:
@@ -271,13 +287,18 @@ class Transformer:
         fn = make_block_fn(cfg, linear, recompute=block_steps(run.recompute), attn_chunks=run.attn_bwd_chunks,
                            compiled=run.compile, fused_swiglu=run.compile, fused_rope=run.compile,
                            mlp=mlp if run.compile else None,
-                           sdpa_backend=run.sdpa_backend, linears=linears, rebuilt_input_linear=rebuilt)
+                           sdpa_backend=run.sdpa_backend, linears=linears, rebuilt_input_linear=rebuilt,
+                           norm_fed_fp8=bool(run.compile and run.matmul_dtype == "e4m3" and run.fp8_keep_transposes
+                                             and run.wrap_linear is None))
         self.block_fn: BlockFn = torch.compile(fn, dynamic=False, options=run.inductor_options()) if run.compile else fn
         self._eager_block_fn: BlockFn = fn
         if run.compile:  # the compiled flavour of the recompute mechanism differs; eager needs its own
             self._eager_block_fn = make_block_fn(cfg, linear, recompute=block_steps(run.recompute),
                                                  attn_chunks=run.attn_bwd_chunks, compiled=False,
                                                  sdpa_backend=run.sdpa_backend, linears=linears)
+        # the final norm, forward and backward, as inductor's fused kernels where the blocks are compiled: eager it was
+        # several elementwise passes over fp32 copies of the (B*T, C) hidden states, each way, per micro-step
+        self._final_norm = torch.compile(rms_norm, dynamic=False) if run.compile else rms_norm
         self._stash = ResidualStash(offload=run.offload_residual)  # block inputs with recompute_block
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._scale_hints: dict[tuple[int, str], torch.Tensor] = {}  # (layer, device) -> SCALE_HINT's tensor
@@ -379,11 +400,11 @@ class Transformer:
         x_last = x.detach().requires_grad_(True)
         head_w, norm_w = self._head_weight(nb), nb["norm"]
         with torch.enable_grad():
-            h = rms_norm(x_last, norm_w, cfg.rms_norm_eps).view(B * T, C)
-            loss = chunked_lm_head_loss(h, head_w, targets.reshape(-1), chunks=self.run.lmhead_chunks,
-                                        z_loss=z_loss, scale=loss_scale)
-            dx, d_norm, d_head = torch.autograd.grad(loss, [x_last, norm_w, head_w])
-        del h, x, x_last
+            h = self._final_norm(x_last, norm_w, cfg.rms_norm_eps).view(B * T, C)
+        loss, dh, d_head = lm_head_loss_and_grads(h.detach(), head_w.detach(), targets.reshape(-1),
+                                                  chunks=self.run.lmhead_chunks, z_loss=z_loss, scale=loss_scale)
+        dx, d_norm = torch.autograd.grad(h, [x_last, norm_w], dh)
+        del h, dh, x, x_last
         if cfg.tie_word_embeddings:
             grads.accumulate_non_block({"norm": d_norm})
         else:

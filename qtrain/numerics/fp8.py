@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qtrain.kernels.fp8_quant import FP8_DTYPES, FP8_MAX, fp8_quantize, fp8_quantize_transposed
+from qtrain.kernels.fp8_quant import (FP8_DTYPES, FP8_MAX, fp8_quantize, fp8_quantize_rmsnorm_transposed,
+                                      fp8_quantize_transposed)
 from qtrain.kernels.swiglu import swiglu_backward_amax
 from qtrain.kernels.swiglu_fp8 import swiglu_fp8
 from qtrain.kernels.swiglu_fp8_onepass import new_scale_hint, swiglu_backward_fp8_onepass, swiglu_fp8_onepass
@@ -50,8 +51,11 @@ def quantize_fp8(x: Tensor, dtype: torch.dtype = E4M3, amax: Tensor | None = Non
     return q, inv_scale
 
 
-def quantize_for_gemms(x: Tensor, dtype: torch.dtype, transpose: bool, *, opaque: bool = True
-                       ) -> tuple[Tensor, Tensor | None, Tensor]:
+Prenorm = tuple[Tensor, Tensor, Tensor]  # an RMSNorm's (input x, rstd, gain w) whose output a linear quantizes
+
+
+def quantize_for_gemms(x: Tensor, dtype: torch.dtype, transpose: bool, *, opaque: bool = True,
+                       prenorm: Prenorm | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
     """(q, q^T or None, inv_scale) of a 2-D GEMM operand: `fp8_quantize`, except with a transposed copy inside a
     graph torch.compile traces with `opaque`: there the abs-max is a traced reduction and the quantization one
     opaque op running the Triton kernel (`fp8_quantize_transposed`, ~4.8 TB/s counting both writes on the H200),
@@ -63,8 +67,17 @@ def quantize_for_gemms(x: Tensor, dtype: torch.dtype, transpose: bool, *, opaque
     The traced abs-max is written row by row, then over the rows (`_abs_max_by_rows`): the same value (max is
     exact), but inductor's one-shot reduction of a whole 65,536 x 2048 operand (Qwen2.5-1.5B's d(qkv) after the
     RoPE backward) split it into 528 chunks that do not divide it, with a modulo per element: 0.21 ms for 268 MB
-    (1.3 TB/s) where the other abs-max reductions of the step ran at ~3 TB/s (BENCHMARKS.md session 16)."""
+    (1.3 TB/s) where the other abs-max reductions of the step ran at ~3 TB/s (BENCHMARKS.md session 16).
+
+    `prenorm`: x is the RMSNorm output of `prenorm` = (input, rstd, gain) (`model.layers.rms_norm_and_rstd`). Inside the compiled graph the op
+    then quantizes it from the norm's input, rstd and gain (`fp8_quantize_rmsnorm_transposed`, the same values) and
+    x's only other reader is its traced abs-max, which inductor reduces in the norm's own kernel: x is never written
+    (one bf16 write fewer per norm, ~0.05 ms at Qwen2.5-1.5B's 65,536 x 1536)."""
     if transpose and opaque and torch.compiler.is_compiling():
+        if prenorm is not None:
+            x_in, rstd, w = prenorm
+            return fp8_quantize_rmsnorm_transposed(x_in.reshape(-1, x_in.shape[-1]), rstd.reshape(-1), w,
+                                                   _abs_max_by_rows(x), dtype)
         return fp8_quantize_transposed(x, _abs_max_by_rows(x), dtype)
     return fp8_quantize(x, dtype, transpose=transpose)
 
@@ -341,10 +354,11 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, grad_dtype: torch.dtype,
                 w_fp8: Tensor | None, w_inv_scale: Tensor | None, w_fp8_t: Tensor | None, need_dw: bool,
-                keep_t: bool) -> Tensor:
+                keep_t: bool, pre_x: Tensor | None, pre_rstd: Tensor | None, pre_w: Tensor | None) -> Tensor:
         N, K = weight.shape
         x2 = x.reshape(-1, K)  # (M, K); a view when x is contiguous, and the quantizer reads any strides
-        x_fp8, x_fp8_t, x_inv = quantize_for_gemms(x2, E4M3, need_dw, opaque=keep_t)
+        prenorm = None if pre_x is None else (pre_x, pre_rstd, pre_w)
+        x_fp8, x_fp8_t, x_inv = quantize_for_gemms(x2, E4M3, need_dw, opaque=keep_t, prenorm=prenorm)
         if w_fp8 is None:
             w_fp8, w_inv_scale = quantize_fp8(weight.detach(), E4M3)
         b = None if bias is None else bias.detach().to(torch.bfloat16)  # cuBLASLt epilogue wants bf16
@@ -375,7 +389,7 @@ class _Fp8Linear(torch.autograd.Function):
         if need_db:
             # From the unquantized dY, summed in fp32: exact up to fp32 summation order (llm.q [quirk]).
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None
 
 
 def _transposed(w_fp8: Tensor, w_fp8_t: Tensor | None) -> Tensor:
@@ -392,7 +406,8 @@ WeightFp8 = tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]  # (W_q (N, K)
 
 
 def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, grad_dtype: torch.dtype = E4M3,
-               weight_fp8: WeightFp8 | None = None, keep_transposes: bool = False) -> Tensor:
+               weight_fp8: WeightFp8 | None = None, keep_transposes: bool = False,
+               prenorm: Prenorm | None = None) -> Tensor:
     """y = x @ weight^T + bias with FP8 GEMMs; y is bf16 with shape (..., N).
 
     x (..., K); weight (N, K) (the bf16 master; receives the gradient); bias (N,) or None.
@@ -403,13 +418,16 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, grad_dt
     M = x.numel() / K when the weight needs a gradient (checked here, before any work).
     keep_transposes: in a torch.compile'd graph, quantize x with the Triton op, which keeps x_q^T for backward
     (`quantize_for_gemms`); no effect elsewhere.
+    prenorm: x is the RMSNorm output of (input, rstd, gain) = prenorm (`model.layers.rms_norm_and_rstd`); with keep_transposes in a compiled graph x is then
+    quantized from the norm's input (`quantize_for_gemms`); no effect elsewhere.
     """
     if grad_dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_linear: grad_dtype must be float8_e4m3fn or float8_e5m2, got {grad_dtype}")
     need_dw = weight.requires_grad and torch.is_grad_enabled()
     _check_linear_shapes(x, weight, bias, need_dw)
     w_fp8, w_inv, w_fp8_t = _checked_weight_fp8(weight, weight_fp8, "fp8_linear: weight_fp8")
-    return _Fp8Linear.apply(x, weight, bias, grad_dtype, w_fp8, w_inv, w_fp8_t, need_dw, keep_transposes)
+    return _Fp8Linear.apply(x, weight, bias, grad_dtype, w_fp8, w_inv, w_fp8_t, need_dw, keep_transposes,
+                            *(prenorm or (None, None, None)))
 
 
 def _checked_weight_fp8(weight: Tensor, weight_fp8: WeightFp8 | None, arg: str
@@ -450,10 +468,11 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
     def forward(ctx, x: Tensor, w_up: Tensor, w_down: Tensor, grad_dtype: torch.dtype, need_dw: bool,
                 wu_q: Tensor | None, wu_inv: Tensor | None, wu_qt: Tensor | None,
                 wd_q: Tensor | None, wd_inv: Tensor | None, wd_qt: Tensor | None, keep_t: bool,
-                hint: Tensor | None) -> Tensor:
+                hint: Tensor | None, pre_x: Tensor | None, pre_rstd: Tensor | None, pre_w: Tensor | None) -> Tensor:
         C = x.shape[-1]
         x2 = x.reshape(-1, C)
-        x_q, x_qt, x_inv = quantize_for_gemms(x2, E4M3, need_dw, opaque=keep_t)
+        prenorm = None if pre_x is None else (pre_x, pre_rstd, pre_w)
+        x_q, x_qt, x_inv = quantize_for_gemms(x2, E4M3, need_dw, opaque=keep_t, prenorm=prenorm)
         if wu_q is None:
             wu_q, wu_inv = quantize_fp8(w_up.detach(), E4M3)
         u = scaled_mm(x_q, wu_q.t(), x_inv, wu_inv, out_dtype=torch.bfloat16, use_fast_accum=True).to(x.dtype)
@@ -490,19 +509,19 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
             if need_dwu:
                 dwu = scaled_mm(du_qt, x_qt.t(), du_inv, x_inv, out_dtype=_gemm_out_dtype(ctx.w_dtypes[0]))
                 dwu = dwu.to(ctx.w_dtypes[0])
-        return dx, dwu, dwd, None, None, None, None, None, None, None, None, None, None
+        return dx, dwu, dwd, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def fp8_swiglu_mlp(x: Tensor, w_up: Tensor, w_down: Tensor, *, grad_dtype: torch.dtype = E4M3,
                    up_fp8: WeightFp8 | None = None, down_fp8: WeightFp8 | None = None,
-                   keep_transposes: bool = False, onepass: bool = False, scale_hint: Tensor | None = None
-                   ) -> Tensor:
+                   keep_transposes: bool = False, onepass: bool = False, scale_hint: Tensor | None = None,
+                   prenorm: Prenorm | None = None) -> Tensor:
     """The SwiGLU MLP with FP8 GEMMs: x (..., C), w_up (2F, C) with rows [up; gate], w_down (C, F) -> (..., C)
     in x's dtype. up_fp8 / down_fp8: cached (e4m3 copy, inv_scale[, its transpose]) of the weights, as
     `fp8_linear`'s weight_fp8; keep_transposes as `fp8_linear`'s. onepass: the SwiGLU output and its gradient in
     one pass each, with power-of-two scales predicted by `scale_hint` (the layer's int32 (2,) hints, kept by the
     caller across calls and updated here; without one a fresh hint: the second pass and the tensors' own
-    exponents, `swiglu_fp8_onepass.scale_exponent`). Shapes
+    exponents, `swiglu_fp8_onepass.scale_exponent`). prenorm as `fp8_linear`'s. Shapes
     are checked as `fp8_linear` checks them (multiples of 16), before any work."""
     if grad_dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_swiglu_mlp: grad_dtype must be float8_e4m3fn or float8_e5m2, got {grad_dtype}")
@@ -517,4 +536,5 @@ def fp8_swiglu_mlp(x: Tensor, w_up: Tensor, w_down: Tensor, *, grad_dtype: torch
     if onepass and scale_hint is None:
         scale_hint = new_scale_hint(x.device)
     hint = scale_hint if onepass else None
-    return _Fp8SwiGLUMLP.apply(x, w_up, w_down, grad_dtype, need_dw, *wu, *wd, keep_transposes, hint).to(x.dtype)
+    return _Fp8SwiGLUMLP.apply(x, w_up, w_down, grad_dtype, need_dw, *wu, *wd, keep_transposes, hint,
+                               *(prenorm or (None, None, None))).to(x.dtype)

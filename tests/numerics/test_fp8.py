@@ -592,6 +592,53 @@ def test_keep_transposes_compiled_block_same_numbers(fused_mlp):
     assert out[True][2].abs().sum() > 0
 
 
+@pytest.mark.parametrize("fused_mlp", [False, True])
+def test_norm_fed_fp8_compiled_block_same_numbers(fused_mlp, monkeypatch):
+    """With norm_fed_fp8 the QKV linear and the MLP quantize their input from the norm's input, rstd and gain
+    (`fp8_quantize_rmsnorm_transposed`) instead of from the norm's output: both norms go that way (two calls per
+    forward), and the compiled block's output and every gradient are the same bits as without (the partitioner
+    inductor uses, on the CPU: the twin computes the norm as the traced graph does)."""
+    import qtrain.kernels.fp8_quant as fq
+    from qtrain.model.matmul import block_linear, block_mlp
+    from qtrain.model.transformer import make_block_fn
+
+    calls = []
+    twin = fq.fp8_quantize_rmsnorm_torch
+    monkeypatch.setattr(fq, "fp8_quantize_rmsnorm_torch", lambda *a: (calls.append(a[0].shape), twin(*a))[1])
+    cfg, run = _block_runner("cpu", T=32)
+    out = {}
+    for fed in (False, True):
+        torch._dynamo.reset()
+        fn = make_block_fn(cfg, block_linear("e4m3", keep_transposes=True), compiled=True, fused_swiglu=True,
+                           mlp=block_mlp("e4m3", keep_transposes=True) if fused_mlp else None, norm_fed_fp8=fed)
+        out[fed] = run(torch.compile(fn, dynamic=False, backend="aot_eager_decomp_partition"))
+        assert len(calls) == (2 if fed else 0), calls
+    for name, a, b in zip(["y", "dx"] + _block_runner.names, out[False], out[True]):
+        assert torch.equal(a, b), name
+    assert out[True][2].abs().sum() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_norm_fed_fp8_block_agrees():
+    """Inductor on the GPU, as training compiles the block: with and without norm_fed_fp8 the quantized norm outputs
+    may differ where inductor's abs-max (reduced from its unrounded fp32 norm output) and the kernel's rounded h
+    disagree by an ulp, so the bar is closeness, not bits: output and d(input) within 2^-7, every weight gradient
+    within 2% (one e4m3 flip moves an element by 6-12%; a wrong scale or a transposed tile is off by ~100%)."""
+    from qtrain.model.matmul import block_linear, block_mlp
+    from qtrain.model.transformer import make_block_fn
+
+    cfg, run = _block_runner("cuda")
+    out = {}
+    for fed in (False, True):
+        torch._dynamo.reset()
+        fn = make_block_fn(cfg, block_linear("e4m3", keep_transposes=True), compiled=True, fused_swiglu=True,
+                           fused_rope=True, mlp=block_mlp("e4m3", keep_transposes=True), norm_fed_fp8=fed)
+        out[fed] = run(torch.compile(fn, dynamic=False))
+    for name, a, b in zip(["y", "dx"] + _block_runner.names, out[False], out[True]):
+        assert rel_err(b, a) < (2.0**-7 if name in ("y", "dx") else 0.02), (name, rel_err(b, a))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("gpu_path", [False, True])
