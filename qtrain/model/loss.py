@@ -51,7 +51,9 @@ def lm_head_loss_and_grads(h: torch.Tensor, w: torch.Tensor, targets: torch.Tens
         raise ValueError(f"--lmhead-chunks must be >= 1, got {chunks}")
     n = h.shape[0]
     dh = torch.empty_like(h) if need_grad else None
-    dw = torch.zeros_like(w) if need_grad else None
+    # d(w) is written by the first chunk's GEMM (beta 0) and accumulated by the others: no memset of it first
+    dw = (torch.empty_like(w) if n else torch.zeros_like(w)) if need_grad else None
+    beta = 0
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     bounds = [n * i // chunks for i in range(chunks + 1)]
     for lo, hi in zip(bounds[:-1], bounds[1:]):
@@ -64,7 +66,8 @@ def lm_head_loss_and_grads(h: torch.Tensor, w: torch.Tensor, targets: torch.Tens
         loss += ls
         if need_grad:
             _addmm_(dh[lo:hi], dl, w, beta=0, alpha=scale)
-            _addmm_(dw, dl.t(), hc, beta=1, alpha=scale)
+            _addmm_(dw, dl.t(), hc, beta=beta, alpha=scale)
+            beta = 1
         del dl  # free this chunk's d(logits) before the next chunk's logits exist
     return loss * scale, dh, dw
 

@@ -298,7 +298,8 @@ class Transformer:
                                                  sdpa_backend=run.sdpa_backend, linears=linears)
         # the final norm, forward and backward, as inductor's fused kernels where the blocks are compiled: eager it was
         # several elementwise passes over fp32 copies of the (B*T, C) hidden states, each way, per micro-step
-        self._final_norm = torch.compile(rms_norm, dynamic=False) if run.compile else rms_norm
+        self._final_norm = (torch.compile(rms_norm, dynamic=False, options=run.inductor_options()) if run.compile
+                            else rms_norm)
         self._stash = ResidualStash(offload=run.offload_residual)  # block inputs with recompute_block
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._scale_hints: dict[tuple[int, str], torch.Tensor] = {}  # (layer, device) -> SCALE_HINT's tensor

@@ -109,6 +109,8 @@ def test_head_grads_without_autograd_are_the_functions(dtype):
     assert hh.grad.abs().sum() > 0 and ww.grad.abs().sum() > 0
     only = lm_head_loss_and_grads(h, w, t, chunks=3, z_loss=1e-3, scale=0.1, need_grad=False)
     assert torch.equal(only[0], loss) and only[1] is None and only[2] is None
+    none = lm_head_loss_and_grads(h[:0], w, t[:0], chunks=3, z_loss=1e-3, scale=0.1)  # no tokens: d(w) is zero
+    assert float(none[0]) == 0 and none[1].shape == (0, 16) and torch.equal(none[2], torch.zeros_like(w))
     with pytest.raises(ValueError, match="lmhead-chunks"):
         lm_head_loss_and_grads(h, w, t, chunks=0, z_loss=0.0, scale=1.0)
 
