@@ -221,6 +221,22 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     return block
 
 
+class _BackwardFrom(torch.autograd.Function):
+    """A 0-dim stand-in whose backward hands `grad` to `t`: autograd.grad(_BackwardFrom.apply(t, grad), inputs) is
+    autograd.grad(t, inputs, grad), except that once the caller drops its name for `grad` only the engine holds it,
+    which frees it as soon as t's node has used it (the LM head's d(hidden) during the final norm's backward)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(grad)
+        return t.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _one: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (grad,) = ctx.saved_tensors
+        return grad, None
+
+
 @dataclass(kw_only=True)
 class RunOptions:
     """How the model executes (not what it computes)."""
@@ -404,8 +420,10 @@ class Transformer:
             h = self._final_norm(x_last, norm_w, cfg.rms_norm_eps).view(B * T, C)
         loss, dh, d_head = lm_head_loss_and_grads(h.detach(), head_w.detach(), targets.reshape(-1),
                                                   chunks=self.run.lmhead_chunks, z_loss=z_loss, scale=loss_scale)
-        dx, d_norm = torch.autograd.grad(h, [x_last, norm_w], dh)
-        del h, dh, x, x_last
+        start = _BackwardFrom.apply(h, dh)
+        del h, dh, x
+        dx, d_norm = torch.autograd.grad(start, [x_last, norm_w])
+        del start, x_last
         if cfg.tie_word_embeddings:
             grads.accumulate_non_block({"norm": d_norm})
         else:
