@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from qtrain.kernels.dispatch import jit, tl, use_triton
-from qtrain.kernels.stochastic_rounding import store_f32
+from qtrain.kernels.stochastic_rounding import KINDS, store_f32
 
 __all__ = [
     "BLOCK_V",
@@ -50,7 +50,6 @@ IGNORE_INDEX = -100
 # 1.1-1.2 ms (~3 TB/s for its read, read and write), 1.7% of a Qwen2.5-1.5B step.
 BLOCK_V = 4096
 NUM_WARPS = 8
-_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 # ---------------------------------------------------------------------------------------------- twin
@@ -145,14 +144,14 @@ def cross_entropy_fwd_bwd_inplace_triton(logits: torch.Tensor, targets: torch.Te
 def _launch(logits, targets, *, z_loss, need_grad, block, num_warps):
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"logits must be (n, V) and targets (n,), got {tuple(logits.shape)} and {tuple(targets.shape)}")
-    if logits.dtype not in _KINDS:
-        raise TypeError(f"logits dtype must be one of {list(_KINDS)}, got {logits.dtype}")
+    if logits.dtype not in KINDS:
+        raise TypeError(f"logits dtype must be one of {list(KINDS)}, got {logits.dtype}")
     if logits.stride(1) != 1:
         raise ValueError("logits rows must be contiguous (stride(1) == 1): d(logits) is written in place")
     n, v = logits.shape
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-    kind = _KINDS[logits.dtype]
+    kind = KINDS[logits.dtype]
     buf = logits.view(torch.int16) if kind == 1 else logits
     if n:
         _ce_fwd_bwd_kernel[(n,)](buf, targets.contiguous(), loss, lse, v, logits.stride(0), float(z_loss),

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from qtrain.kernels.dispatch import HAS_TRITON, INTERPRET, jit, tl, triton, use_triton
-from qtrain.kernels.stochastic_rounding import load_f32, round_f32
+from qtrain.kernels.stochastic_rounding import KINDS, load_f32, round_f32
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Largest finite value of each format (torch.finfo(dtype).max).
@@ -191,13 +191,12 @@ def fp8_quantize(x: Tensor, dtype: torch.dtype = torch.float8_e4m3fn, amax: Tens
     return fp8_quantize_torch(x, dtype, amax, transpose=transpose)
 
 
-_NORM_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _check_rmsnorm_args(x: Tensor, rstd: Tensor, weight: Tensor, dtype: torch.dtype) -> None:
     _check_args(x, dtype, True)
     M, N = x.shape
-    if x.dtype not in _NORM_KINDS or x.stride(1) != 1:
+    if x.dtype not in KINDS or x.stride(1) != 1:
         raise ValueError(f"fp8_quantize_rmsnorm: x must be fp32/bf16/fp16 with contiguous rows, got {x.dtype} "
                          f"strides {x.stride()}")
     if rstd.dtype != torch.float32 or rstd.numel() != M:
@@ -226,7 +225,7 @@ def fp8_quantize_rmsnorm_triton(x: Tensor, rstd: Tensor, weight: Tensor, amax: T
     their bits, as `swiglu_fp8_onepass` does."""
     _check_rmsnorm_args(x, rstd, weight, dtype)
     M, N = x.shape
-    kind = _NORM_KINDS[x.dtype]
+    kind = KINDS[x.dtype]
     native = not INTERPRET
     bits = (lambda t: t) if native or kind != 1 else (lambda t: t.view(torch.int16))
     amax_buf = amax.reshape(()) if amax.device == x.device else amax.to(x.device).reshape(())

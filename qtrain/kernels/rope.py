@@ -23,11 +23,10 @@ from __future__ import annotations
 import torch
 
 from qtrain.kernels.dispatch import INTERPRET, jit, tl, triton, use_triton
-from qtrain.kernels.stochastic_rounding import load_f32, store_f32
+from qtrain.kernels.stochastic_rounding import KINDS, load_f32, store_f32
 
 __all__ = ["rope_qkv_backward", "rope_qkv_backward_triton", "rope_qkv_backward_twin"]
 
-_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ROWS, NUM_WARPS = 16, 4  # a program: 16 tokens of one head
 EVEN_TILES = True  # no masks where the tiles divide the shape (a switch for the kernels suite: no bit changes)
 
@@ -38,8 +37,8 @@ def _check(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tens
         raise ValueError(f"rope_qkv_backward: dq must be (B, T, nh, hs), dk and dv (B, T, nkv, hs) and cos, sin "
                          f"(T, hs) with hs even, got {tuple(dq.shape)}, {tuple(dk.shape)}, {tuple(dv.shape)}, "
                          f"{tuple(cos.shape)}, {tuple(sin.shape)}")
-    if dq.dtype not in _KINDS or dk.dtype != dq.dtype or dv.dtype != dq.dtype:
-        raise TypeError(f"rope_qkv_backward: dq, dk, dv must share a dtype among {list(_KINDS)}, got {dq.dtype}, "
+    if dq.dtype not in KINDS or dk.dtype != dq.dtype or dv.dtype != dq.dtype:
+        raise TypeError(f"rope_qkv_backward: dq, dk, dv must share a dtype among {list(KINDS)}, got {dq.dtype}, "
                         f"{dk.dtype}, {dv.dtype}")
 
 
@@ -122,8 +121,8 @@ def rope_qkv_backward_triton(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tenso
         # KIND 0 reads and writes any dtype natively (`load_f32` / `store_f32`)
         grid = (triton.cdiv(rows, ROWS), nh + 2 * nkv)
         _rope_qkv_bwd_kernel[grid](
-            *ins, rows, T=T, NH=nh, NKV=nkv, HS=hs, KIND=0 if native else _KINDS[dq.dtype],
-            TAB_KIND=0 if native else _KINDS[cos.dtype], ROWS=ROWS, BLOCK_H=block_h,
+            *ins, rows, T=T, NH=nh, NKV=nkv, HS=hs, KIND=0 if native else KINDS[dq.dtype],
+            TAB_KIND=0 if native else KINDS[cos.dtype], ROWS=ROWS, BLOCK_H=block_h,
             EVEN=EVEN_TILES and rows % ROWS == 0 and block_h == hs // 2, num_warps=NUM_WARPS,
             enable_fp_fusion=False)
     return out

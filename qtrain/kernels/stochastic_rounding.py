@@ -58,7 +58,8 @@ __all__ = [
 ]
 
 _M32 = 0xFFFFFFFF
-_SRC_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # how a kernel loads a source
+# load_f32 / round_f32 / store_f32's KIND of each floating dtype (the kernels' one table of it)
+KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def fp32(x: float) -> float:
@@ -119,7 +120,7 @@ def _load_f32_twin(t: torch.Tensor) -> torch.Tensor:
 def _check(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"{name}: unsupported dtypes. Got dst={dst.dtype}, src={src.dtype}; dst must be fp32 or bf16")
-    if src.dtype not in _SRC_KINDS:
+    if src.dtype not in KINDS:
         raise TypeError(f"{name}: unsupported dtypes. Got dst={dst.dtype}, src={src.dtype}; src must be fp32/bf16/fp16")
     if dst.numel() != src.numel():
         raise ValueError(f"{name}: dst has {dst.numel()} elements, src {src.numel()}")
@@ -344,7 +345,7 @@ def _sr_triton(dst: torch.Tensor, src: torch.Tensor, key: Key, scale: float, off
         kstate, table, hi_absorbed = launch_key(key, offset, n)
         _sr_kernel[(triton_cdiv(n, _BLOCK),)](
             _bits(dst), _bits(src), n, offset, kstate, table, fp32(scale),
-            ADD=add, DST_KIND=int(dst.dtype == torch.bfloat16), SRC_KIND=_SRC_KINDS[src.dtype],
+            ADD=add, DST_KIND=int(dst.dtype == torch.bfloat16), SRC_KIND=KINDS[src.dtype],
             HI_ABSORBED=hi_absorbed, KEY_IN_TABLE=table is not None, BLOCK=_BLOCK, num_warps=8,
             enable_fp_fusion=False,
         )
@@ -358,7 +359,7 @@ def _sr_sum_triton(dst: torch.Tensor, parts: torch.Tensor, key: Key, scale: floa
         kstate, table, hi_absorbed = launch_key(key, offset, n)
         _sr_sum_kernel[(triton_cdiv(n, _BLOCK),)](
             _bits(dst), _bits(parts), n, parts.stride(0), offset, kstate, table, fp32(scale),
-            W=parts.shape[0], ADD=add, DST_KIND=int(dst.dtype == torch.bfloat16), SRC_KIND=_SRC_KINDS[parts.dtype],
+            W=parts.shape[0], ADD=add, DST_KIND=int(dst.dtype == torch.bfloat16), SRC_KIND=KINDS[parts.dtype],
             HI_ABSORBED=hi_absorbed, KEY_IN_TABLE=table is not None, BLOCK=_BLOCK, num_warps=8,
             enable_fp_fusion=False,
         )

@@ -29,11 +29,10 @@ from __future__ import annotations
 import torch
 
 from qtrain.kernels.dispatch import jit, tl, triton, use_triton
-from qtrain.kernels.stochastic_rounding import load_f32, round_f32, store_f32
+from qtrain.kernels.stochastic_rounding import KINDS, load_f32, round_f32, store_f32
 
 __all__ = ["swiglu_backward", "swiglu_backward_amax", "swiglu_backward_triton", "swiglu_backward_twin"]
 
-_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Tile: 16 rows x 256 columns (4096 elements of each half per program, 4 warps): a streaming shape; at
 # F = 8960 a row is 35 tiles, so rows of a program stay within a few KB of each other.
 BLOCK_M, BLOCK_F, NUM_WARPS = 16, 256, 4
@@ -43,8 +42,8 @@ def _check(dout: torch.Tensor, u: torch.Tensor) -> None:
     if u.shape[-1] % 2 or dout.shape[:-1] != u.shape[:-1] or dout.shape[-1] * 2 != u.shape[-1]:
         raise ValueError(f"swiglu_backward: u must be (..., 2F) and dout (..., F), got {tuple(u.shape)} and "
                          f"{tuple(dout.shape)}")
-    if u.dtype not in _KINDS or dout.dtype != u.dtype:
-        raise TypeError(f"swiglu_backward: u and dout must share a dtype among {list(_KINDS)}, got {u.dtype} "
+    if u.dtype not in KINDS or dout.dtype != u.dtype:
+        raise TypeError(f"swiglu_backward: u and dout must share a dtype among {list(KINDS)}, got {u.dtype} "
                         f"and {dout.dtype}")
 
 
@@ -97,7 +96,7 @@ def swiglu_backward_triton(dout: torch.Tensor, u: torch.Tensor, *, amax: bool = 
     partial = torch.empty(n_partial, dtype=torch.float32, device=u.device) if n_partial else \
         torch.zeros(1, dtype=torch.float32, device=u.device)
     if u2.numel():
-        _swiglu_bwd_kernel[grid](_bits(d2), _bits(u2), _bits(du), partial, M, F, KIND=_KINDS[u.dtype], AMAX=amax,
+        _swiglu_bwd_kernel[grid](_bits(d2), _bits(u2), _bits(du), partial, M, F, KIND=KINDS[u.dtype], AMAX=amax,
                                  BLOCK_M=BLOCK_M, BLOCK_F=BLOCK_F, num_warps=NUM_WARPS)
     return (du.view(u.shape), partial.amax()) if amax else du.view(u.shape)
 

@@ -24,12 +24,11 @@ import torch.nn.functional as F
 
 from qtrain.kernels.dispatch import jit, tl, triton, use_triton
 from qtrain.kernels.fp8_quant import FP8_DTYPES, fp8_quantize_torch, fp8_quantize_triton
-from qtrain.kernels.stochastic_rounding import load_f32, round_f32, store_f32
+from qtrain.kernels.stochastic_rounding import KINDS, load_f32, round_f32, store_f32
 
-__all__ = ["DTYPE_KINDS", "check_swiglu_fp8_args", "swiglu_fp8", "swiglu_fp8_triton", "swiglu_fp8_twin",
+__all__ = ["check_swiglu_fp8_args", "swiglu_fp8", "swiglu_fp8_triton", "swiglu_fp8_twin",
            "swiglu_forward_amax_triton"]
 
-DTYPE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # load_f32 / round_f32 KIND of each input dtype
 BLOCK_M, BLOCK_F, NUM_WARPS = 16, 256, 4  # a streaming tile, as the SwiGLU backward kernel's
 
 
@@ -37,8 +36,8 @@ def check_swiglu_fp8_args(u: torch.Tensor, dtype: torch.dtype, who: str = "swigl
     """u (M, 2F) in a dtype the kernels read, an FP8 output dtype (also kernels/swiglu_fp8_onepass.py's check)."""
     if u.dim() != 2 or u.shape[1] % 2:
         raise ValueError(f"{who}: u must be (M, 2F), got shape {tuple(u.shape)}")
-    if u.dtype not in DTYPE_KINDS:
-        raise TypeError(f"{who}: u must be one of {list(DTYPE_KINDS)}, got {u.dtype}")
+    if u.dtype not in KINDS:
+        raise TypeError(f"{who}: u must be one of {list(KINDS)}, got {u.dtype}")
     if dtype not in FP8_DTYPES:
         raise TypeError(f"{who}: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
 
@@ -84,7 +83,7 @@ def swiglu_forward_amax_triton(u: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(F, BLOCK_F))
     partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=u.device)
     bits = (lambda t: t.view(torch.int16)) if u.dtype == torch.bfloat16 else (lambda t: t)
-    _swiglu_fwd_amax_kernel[grid](bits(u), bits(h), partial, M, F, KIND=DTYPE_KINDS[u.dtype], BLOCK_M=BLOCK_M,
+    _swiglu_fwd_amax_kernel[grid](bits(u), bits(h), partial, M, F, KIND=KINDS[u.dtype], BLOCK_M=BLOCK_M,
                                   BLOCK_F=BLOCK_F, num_warps=NUM_WARPS)
     return h, partial.amax()
 

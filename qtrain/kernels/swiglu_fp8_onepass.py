@@ -57,9 +57,9 @@ from torch import Tensor
 
 from qtrain.kernels.dispatch import INTERPRET, jit, tl, triton, use_triton
 from qtrain.kernels.fp8_quant import AMAX_FLOOR, FP8_MAX
-from qtrain.kernels.stochastic_rounding import load_f32, round_f32, store_f32
+from qtrain.kernels.stochastic_rounding import KINDS, load_f32, round_f32, store_f32
 from qtrain.kernels.swiglu import swiglu_backward_twin
-from qtrain.kernels.swiglu_fp8 import DTYPE_KINDS, check_swiglu_fp8_args
+from qtrain.kernels.swiglu_fp8 import check_swiglu_fp8_args
 
 __all__ = ["HINT_UNSET", "KEEP_BINADES", "count_hint_misses", "new_scale_hint", "pow2_scale", "scale_exponent",
            "swiglu_backward_fp8_onepass",
@@ -328,7 +328,7 @@ def swiglu_fp8_onepass_triton(u: Tensor, dtype: torch.dtype, hint: Tensor) -> Re
     _check(u, dtype)
     u = u.contiguous()
     M, F = u.shape[0], u.shape[1] // 2
-    return _launch_two_passes(_swiglu_fwd_fp8_kernel, (u,), M, F, F, DTYPE_KINDS[u.dtype], dtype, hint,
+    return _launch_two_passes(_swiglu_fwd_fp8_kernel, (u,), M, F, F, KINDS[u.dtype], dtype, hint,
                               (FWD_BLOCK_M, FWD_BLOCK_F, FWD_WARPS), 0)
 
 
@@ -337,7 +337,7 @@ def swiglu_backward_fp8_onepass_triton(dout: Tensor, u: Tensor, dtype: torch.dty
     _check(u, dtype, dout)
     u, dout = u.contiguous(), dout.contiguous()
     M, F = dout.shape
-    return _launch_two_passes(_swiglu_bwd_fp8_kernel, (dout, u), M, 2 * F, F, DTYPE_KINDS[u.dtype], dtype,
+    return _launch_two_passes(_swiglu_bwd_fp8_kernel, (dout, u), M, 2 * F, F, KINDS[u.dtype], dtype,
                               hint, (BWD_BLOCK_M, BWD_BLOCK_F, BWD_WARPS), 1)
 
 
