@@ -34,6 +34,8 @@ KINDS: dict[str, Kind] = {
                           ("ceiling_tps", "ceiling tok/s"))),
     "gemm-variants": Kind("bench.gemm_variants", "cuBLAS vs cuBLASLt vs inductor max-autotune for the largest block "
                           "GEMMs, then one GEMM under sustained load (clock, power)"),
+    "head-gemms": Kind("bench.head_gemms", "the LM head's three bf16 GEMMs by chunk rows and formulation "
+                       "(transposed outputs, beta 0, cuBLASLt, a 256-padded vocabulary)"),
     "attention": Kind("bench.bench_attention", "causal attention backends (flash, cuDNN, qtrain's op), eager and "
                       "compiled, against flash"),
     "cross-entropy": Kind("bench.bench_ce", "the fused cross-entropy kernel by launch shape (block, warps), "
