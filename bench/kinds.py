@@ -36,6 +36,8 @@ KINDS: dict[str, Kind] = {
                           "GEMMs, then one GEMM under sustained load (clock, power)"),
     "head-gemms": Kind("bench.head_gemms", "the LM head's three bf16 GEMMs by chunk rows and formulation "
                        "(transposed outputs, beta 0, cuBLASLt, a 256-padded vocabulary)"),
+    "wgrad-split": Kind("bench.wgrad_split", "the block linears' weight-gradient GEMMs as issued and split along "
+                        "their token reduction (bf16 and e4m3)"),
     "attention": Kind("bench.bench_attention", "causal attention backends (flash, cuDNN, qtrain's op), eager and "
                       "compiled, against flash"),
     "cross-entropy": Kind("bench.bench_ce", "the fused cross-entropy kernel by launch shape (block, warps), "
