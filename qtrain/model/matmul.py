@@ -13,19 +13,17 @@ import torch
 import torch.nn.functional as F
 
 from qtrain.numerics.fp8 import E4M3, E5M2, Prenorm, fp8_linear, fp8_swiglu_mlp
-from qtrain.numerics.wgrad import split_wgrad_linear
 
 FP8_GRAD_DTYPES = {"e4m3": E4M3, "e5m2": E5M2}
 
 
 def block_linear(matmul_dtype: str = "", grad_dtype: str = "e4m3", keep_transposes: bool = False):
-    """The function the four block linears run through: F.linear with its weight gradient split along the tokens
-    where that fills the GPU better (`numerics.wgrad`; F.linear itself elsewhere), or FP8 with matmul_dtype "e4m3" (e4m3
+    """The function the four block linears run through: F.linear, or FP8 with matmul_dtype "e4m3" (e4m3
     forward; output gradients in `grad_dtype`, e4m3 or e5m2; `keep_transposes`: a compiled block keeps each input's
     e4m3 transpose for backward instead of rebuilding it, `numerics.fp8.quantize_for_gemms`; the FP8 function takes
     `prenorm`, the RMSNorm its input comes from, as `fp8_linear` does)."""
     if matmul_dtype != "e4m3":
-        return split_wgrad_linear
+        return F.linear
     gd = FP8_GRAD_DTYPES[grad_dtype or "e4m3"]
 
     def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,

@@ -34,7 +34,6 @@ from qtrain.model.layers import (SDPA_BACKENDS, apply_rope, qkv_rope_fused, rms_
                                  rope_tables, sdpa_backends, split_qkv, swiglu, swiglu_fused)
 from qtrain.model.loss import IGNORE_INDEX, chunked_lm_head_loss, lm_head_loss_and_grads
 from qtrain.model.matmul import block_linear, block_mlp
-from qtrain.numerics.wgrad import split_wgrad_linear
 from qtrain.model.recompute import (MLP_STEPS, CheckpointSteps, Recomputer, ResidualStash, block_steps, resolve_flags,
                                    run_step, splits_mlp)
 from qtrain.model.weights import param_shapes
@@ -289,7 +288,7 @@ class Transformer:
         linear = block_linear(run.matmul_dtype, run.fp8_grad_dtype, run.fp8_keep_transposes)
         rebuilt = block_linear(run.matmul_dtype, run.fp8_grad_dtype) if run.fp8_keep_transposes else None
         plain = [n for n in FP8_MATRICES if n not in run.fp8_linears] if run.matmul_dtype == "e4m3" else []
-        linears = {n: split_wgrad_linear for n in plain}  # the FP8 policy's model-dtype linears
+        linears = {n: F.linear for n in plain}  # the FP8 policy's model-dtype linears
         if run.wrap_linear is not None:
             linear, mlp = run.wrap_linear(linear), None
             rebuilt = run.wrap_linear(rebuilt) if rebuilt is not None else None

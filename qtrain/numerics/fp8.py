@@ -32,13 +32,12 @@ from qtrain.kernels.fp8_quant import (FP8_DTYPES, FP8_MAX, fp8_quantize, fp8_qua
 from qtrain.kernels.swiglu import swiglu_backward_amax
 from qtrain.kernels.swiglu_fp8 import swiglu_fp8
 from qtrain.kernels.swiglu_fp8_onepass import new_scale_hint, swiglu_backward_fp8_onepass, swiglu_fp8_onepass
-from qtrain.numerics.wgrad import split_bounds, wgrad_splits
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 
 __all__ = ["E4M3", "E5M2", "FP8_MAX", "quantize_fp8", "check_scaled_mm_args", "scaled_mm",
-           "wgrad_scaled_mm", "Fp8WeightCache", "fp8_linear", "fp8_swiglu_mlp"]
+           "Fp8WeightCache", "fp8_linear", "fp8_swiglu_mlp"]
 
 
 def quantize_fp8(x: Tensor, dtype: torch.dtype = E4M3, amax: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -220,23 +219,6 @@ def scaled_mm(a_fp8: Tensor, b_fp8: Tensor, a_inv_scale: Tensor, b_inv_scale: Te
     return _scaled_mm_emulated(a_fp8, b_fp8, a_inv_scale, b_inv_scale, out_dtype, bias)
 
 
-def wgrad_scaled_mm(dy_t: Tensor, x_t: Tensor, dy_inv: Tensor, x_inv: Tensor, out_dtype: torch.dtype,
-                    splits: int | None = None) -> Tensor:
-    """dW (N, K) = dY^T X in FP8 from the row-major transposes dy_t (N, M) and x_t (K, M) and their inverse
-    scales: one `scaled_mm`, or `splits` (default: `wgrad_splits`) slices of M whose fp32 products are summed and
-    rounded once to out_dtype."""
-    (N, M), K = dy_t.shape, x_t.shape[0]
-    s = wgrad_splits(N, K, M, dy_t.device) if splits is None else splits
-    if s == 1:
-        return scaled_mm(dy_t, x_t.t(), dy_inv, x_inv, out_dtype=out_dtype)
-    b = split_bounds(M, s)
-    acc = scaled_mm(dy_t[:, b[0]:b[1]], x_t[:, b[0]:b[1]].t(), dy_inv, x_inv, out_dtype=torch.float32)
-    for lo, hi in zip(b[1:-1], b[2:]):
-        acc = acc + scaled_mm(dy_t[:, lo:hi], x_t[:, lo:hi].t(), dy_inv, x_inv, out_dtype=torch.float32)
-    return acc.to(out_dtype)
-
-
-
 # ----------------------------------------------------------------------------------------------------
 # Weight cache
 # ----------------------------------------------------------------------------------------------------
@@ -402,7 +384,7 @@ class _Fp8Linear(torch.autograd.Function):
             dx = scaled_mm(dy_fp8, w_fp8_t.t(), dy_inv, w_inv, out_dtype=_gemm_out_dtype(ctx.x_dtype))
             dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
         if need_dw:
-            dw = wgrad_scaled_mm(dy_fp8_t, x_fp8_t, dy_inv, x_inv, _gemm_out_dtype(ctx.w_dtype))
+            dw = scaled_mm(dy_fp8_t, x_fp8_t.t(), dy_inv, x_inv, out_dtype=_gemm_out_dtype(ctx.w_dtype))
             dw = dw.to(ctx.w_dtype)
         if need_db:
             # From the unquantized dY, summed in fp32: exact up to fp32 summation order (llm.q [quirk]).
@@ -512,7 +494,7 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
         dx = dwu = dwd = None
         dy_q, dy_qt, dy_inv = quantize_for_gemms(dy2, gd, need_dwd)
         if need_dwd:
-            dwd = wgrad_scaled_mm(dy_qt, h_qt, dy_inv, h_inv, _gemm_out_dtype(ctx.w_dtypes[1]))
+            dwd = scaled_mm(dy_qt, h_qt.t(), dy_inv, h_inv, out_dtype=_gemm_out_dtype(ctx.w_dtypes[1]))
             dwd = dwd.to(ctx.w_dtypes[1])
         if need_dx or need_dwu:
             dh = scaled_mm(dy_q, _transposed(wd_q, wd_qt).t(), dy_inv, wd_inv, out_dtype=_gemm_out_dtype(x_dtype))
@@ -525,7 +507,7 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
                 dx = scaled_mm(du_q, _transposed(wu_q, wu_qt).t(), du_inv, wu_inv, out_dtype=_gemm_out_dtype(x_dtype))
                 dx = dx.view(ctx.x_shape).to(x_dtype)
             if need_dwu:
-                dwu = wgrad_scaled_mm(du_qt, x_qt, du_inv, x_inv, _gemm_out_dtype(ctx.w_dtypes[0]))
+                dwu = scaled_mm(du_qt, x_qt.t(), du_inv, x_inv, out_dtype=_gemm_out_dtype(ctx.w_dtypes[0]))
                 dwu = dwu.to(ctx.w_dtypes[0])
         return dx, dwu, dwd, None, None, None, None, None, None, None, None, None, None, None, None, None
 
