@@ -19,7 +19,7 @@ import statistics
 import sys
 import tempfile
 
-from bench.compat import model_config, qtrain
+from bench.compat import has_module, model_config, qtrain
 from bench.dry import tiny_model_dir
 from bench.subproc import stream
 
@@ -115,7 +115,9 @@ def run(model: str, batch: int, accum: int, steps: int = 8, gpus: int = 1, seq: 
 
 def dry_run(params: dict) -> dict:
     """The same flags on a tiny model of the family, 2 x 32 tokens, 2 steps (up to 2 processes), on the CPU
-    (less --use-cuda-graphs, which --device cpu refuses)."""
+    (less --use-cuda-graphs, which --device cpu refuses, after checking the case against what a CUDA run of it
+    refuses: `check_cuda_rules`)."""
+    check_cuda_rules(params)
     flags = [f for f in params.get("flags", []) if f not in CUDA_ONLY_FLAGS]
     return {**params, "model": tiny_model_dir(params["model"]), "batch": 2, "seq": 32,
             "accum": min(params["accum"], 2), "steps": 2, "gpus": min(params.get("gpus", 1), 2), "skip": 0,
@@ -123,3 +125,22 @@ def dry_run(params: dict) -> dict:
 
 
 CUDA_ONLY_FLAGS = ("--use-cuda-graphs",)
+
+
+def check_cuda_rules(params: dict) -> None:
+    """Raise what the case's `qtrain train` would refuse on a CUDA device only: --use-cuda-graphs with what graphs
+    cannot capture (`train.cuda_graphs.check_cuda_graphs`, which a CPU run skips and the dry run drops the flag
+    for). A session-19 device call spent a start on a case that asked for graphs with --persistent-quants."""
+    flags = list(params.get("flags", []))
+    if "--use-cuda-graphs" not in flags or not has_module("qtrain.train.cuda_graphs"):
+        return
+    import argparse
+
+    from qtrain.cli.options import add_train_args, options_from_args
+    from qtrain.train.cuda_graphs import check_cuda_graphs
+
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+    ns = p.parse_args(["--model", tiny_model_dir(params["model"]), "--batch-size", str(params["batch"]),
+                       "--grad-accumulation", str(params["accum"]), *flags])
+    check_cuda_graphs(options_from_args(ns), world=params.get("gpus", 1), device_type="cuda")

@@ -36,6 +36,27 @@ def test_every_suite_parses_and_names_known_kinds():
         assert len({r.id for r in s.runs}) == len(s.runs), name
 
 
+def test_cuda_graph_cases_pass_the_rules_a_cuda_run_checks_and_a_refused_one_fails_its_dry_run():
+    """--use-cuda-graphs' blockers are checked only on a CUDA device, and the CPU dry run drops the flag: the dry
+    run checks them first (`cli_train.check_cuda_rules`), so a suite case the GPU run would refuse fails here,
+    not after a device start. Every suite's graph cases pass; graphs with --persistent-quants are refused."""
+    from bench.cli_train import check_cuda_rules
+    from qtrain.options import OptionsError
+
+    checked = 0
+    for name in suite_names():
+        for r in load(name).runs:
+            if r.kind == "cli" and "--use-cuda-graphs" in r.params.get("flags", []):
+                check_cuda_rules(r.params)
+                checked += 1
+    assert checked, "no suite case asks for CUDA graphs: the check above checked nothing"
+    bad = {"model": "Qwen2.5-1.5B", "batch": 4, "accum": 2,
+           "flags": ["--matmul-dtype", "e4m3", "--persistent-quants", "--use-cuda-graphs"]}
+    with pytest.raises(OptionsError, match="--use-cuda-graphs does not support --persistent-quants"):
+        check_cuda_rules(bad)
+    check_cuda_rules({**bad, "flags": ["--matmul-dtype", "e4m3", "--persistent-quants"]})  # no graphs: no check
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_every_kind_module_imports_with_run_and_dry_run(kind):
     """A kind's module must import on the CPU (the harness imports it in every run's process, GPU kinds included)
