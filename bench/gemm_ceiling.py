@@ -18,6 +18,7 @@ every count's row is in `rows`.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import torch
 
@@ -26,42 +27,58 @@ from bench.dry import tiny_model_dir
 from bench.timing import time_ms
 
 
-def linear_ms(M: int, K: int, N: int, *, samples: int, dev: str = "cuda") -> dict[str, float]:
-    """Milliseconds of the three GEMMs of one bf16 linear with M rows, K inputs, N outputs."""
+def linear_gemms(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+    """The three bf16 GEMMs of one linear, as autograd issues them: x (M, K), w (N, K), dy (M, N)."""
+    return {"fwd": lambda: x @ w.t(), "dgrad": lambda: dy @ w, "wgrad": lambda: dy.t() @ x}
+
+
+def fp8_linear_gemms(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor
+                     ) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[str, torch.Tensor]]:
+    """The three e4m3 GEMMs of one block linear (`numerics.fp8._Fp8Linear`'s calls) on operands quantized here
+    (quantization is not GEMM time), and those operands: dqt, xqt (the wgrad's transposed copies), di, xi."""
+    from qtrain.numerics.fp8 import quantize_fp8, scaled_mm
+    (xq, xi), (wq, wi), (dq, di) = quantize_fp8(x), quantize_fp8(w), quantize_fp8(dy)
+    xqt, wqt, dqt = xq.t().contiguous(), wq.t().contiguous(), dq.t().contiguous()
+    bf16 = torch.bfloat16
+    return ({"fwd": lambda: scaled_mm(xq, wq.t(), xi, wi, out_dtype=bf16, use_fast_accum=True),
+             "dgrad": lambda: scaled_mm(dq, wqt.t(), di, wi, out_dtype=bf16),
+             "wgrad": lambda: scaled_mm(dqt, xqt.t(), di, xi, out_dtype=bf16)},
+            {"dqt": dqt, "xqt": xqt, "di": di, "xi": xi})
+
+
+def linear_operands(M: int, K: int, N: int, dev: str = "cuda") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random bf16 x (M, K), w (N, K) scaled by K^-1/2, dy (M, N), the same for every caller (seed 0)."""
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=g)
     w = torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=g) * K ** -0.5
     dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16, generator=g)
-    out = {"fwd": time_ms(lambda: x @ w.t(), samples=samples, warmup=3, device=dev),
-           "dgrad": time_ms(lambda: dy @ w, samples=samples, warmup=3, device=dev),
-           "wgrad": time_ms(lambda: dy.t() @ x, samples=samples, warmup=3, device=dev)}
-    return out
+    return x, w, dy
+
+
+def block_linear_shapes(cfg) -> dict[str, tuple[int, int]]:
+    """(K inputs, N outputs) of the four block linears of a model config."""
+    C, F_, H, KV, D = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+                       cfg.num_key_value_heads, cfg.head_dim)
+    return {"qkv": (C, (H + 2 * KV) * D), "o": (H * D, C), "up": (C, 2 * F_), "down": (F_, C)}
+
+
+def linear_ms(M: int, K: int, N: int, *, samples: int, dev: str = "cuda") -> dict[str, float]:
+    """Milliseconds of the three GEMMs of one bf16 linear with M rows, K inputs, N outputs."""
+    fns = linear_gemms(*linear_operands(M, K, N, dev))
+    return {k: time_ms(fn, samples=samples, warmup=3, device=dev) for k, fn in fns.items()}
 
 
 def fp8_linear_ms(M: int, K: int, N: int, *, samples: int, dev: str = "cuda") -> dict[str, float]:
     """Milliseconds of the three e4m3 GEMMs of one block linear (`numerics.fp8._Fp8Linear`'s calls)."""
-    from qtrain.numerics.fp8 import quantize_fp8, scaled_mm
-    g = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=g)
-    w = torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=g) * K ** -0.5
-    dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16, generator=g)
-    (xq, xi), (wq, wi), (dq, di) = quantize_fp8(x), quantize_fp8(w), quantize_fp8(dy)
-    xqt, wqt, dqt = xq.t().contiguous(), wq.t().contiguous(), dq.t().contiguous()
-    bf16 = torch.bfloat16
-    return {"fwd": time_ms(lambda: scaled_mm(xq, wq.t(), xi, wi, out_dtype=bf16, use_fast_accum=True),
-                           samples=samples, warmup=3, device=dev),
-            "dgrad": time_ms(lambda: scaled_mm(dq, wqt.t(), di, wi, out_dtype=bf16), samples=samples, warmup=3,
-                             device=dev),
-            "wgrad": time_ms(lambda: scaled_mm(dqt, xqt.t(), di, xi, out_dtype=bf16), samples=samples, warmup=3,
-                             device=dev)}
+    fns, _ = fp8_linear_gemms(*linear_operands(M, K, N, dev))
+    return {k: time_ms(fn, samples=samples, warmup=3, device=dev) for k, fn in fns.items()}
 
 
 def run(model: str, tokens: int | list[int] = (2048, 4096, 8192, 16384), lmhead_chunks: int = 4, samples: int = 10,
         device: str = "cuda", matmul_dtype: str = "") -> dict:
     cfg = model_config(model)
-    C, F_, H, KV, D = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
-                       cfg.num_key_value_heads, cfg.head_dim)
-    linears = {"qkv": (C, (H + 2 * KV) * D), "o": (H * D, C), "up": (C, 2 * F_), "down": (F_, C)}
+    C = cfg.hidden_size
+    linears = block_linear_shapes(cfg)
     if matmul_dtype not in ("", "bf16", "e4m3"):
         raise ValueError(f"gemm-ceiling: matmul_dtype must be '', 'bf16' or 'e4m3', got {matmul_dtype!r}")
     block_linear_ms = fp8_linear_ms if matmul_dtype == "e4m3" else linear_ms

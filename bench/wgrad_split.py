@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from bench.gemm_ceiling import block_linear_shapes, fp8_linear_gemms, linear_gemms, linear_operands
 from bench.kinds import Skip
 from bench.timing import time_ms
 from qtrain.model.config import preset
@@ -23,7 +24,8 @@ from qtrain.model.config import preset
 def _bf16_fns(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, splits) -> dict:
     M, N = dy.shape
     K = x.shape[1]
-    fns = {"fwd": lambda: x @ w.t(), "dgrad": lambda: dy @ w, "now": lambda: dy.t() @ x}
+    gemms = linear_gemms(x, w, dy)
+    fns = {"fwd": gemms["fwd"], "dgrad": gemms["dgrad"], "now": gemms["wgrad"]}
     for s in splits:
         a, b = dy.view(s, M // s, N).transpose(1, 2), x.view(s, M // s, K)
         fns[f"s{s}"] = lambda a=a, b=b: torch.bmm(a, b, out_dtype=torch.float32).sum(0).to(torch.bfloat16)
@@ -31,13 +33,11 @@ def _bf16_fns(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, splits) -> dic
 
 
 def _fp8_fns(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, splits) -> dict:
-    from qtrain.numerics.fp8 import quantize_fp8, scaled_mm
-    (xq, xi), (wq, wi), (dq, di) = quantize_fp8(x), quantize_fp8(w), quantize_fp8(dy)
-    xqt, wqt, dqt = xq.t().contiguous(), wq.t().contiguous(), dq.t().contiguous()
-    bf16, M = torch.bfloat16, dy.shape[0]
-    fns = {"fwd": lambda: scaled_mm(xq, wq.t(), xi, wi, out_dtype=bf16, use_fast_accum=True),
-           "dgrad": lambda: scaled_mm(dq, wqt.t(), di, wi, out_dtype=bf16),
-           "now": lambda: scaled_mm(dqt, xqt.t(), di, xi, out_dtype=bf16)}
+    from qtrain.numerics.fp8 import scaled_mm
+    gemms, ops = fp8_linear_gemms(x, w, dy)
+    dqt, xqt, di, xi = ops["dqt"], ops["xqt"], ops["di"], ops["xi"]
+    M = dy.shape[0]
+    fns = {"fwd": gemms["fwd"], "dgrad": gemms["dgrad"], "now": gemms["wgrad"]}
     for s in splits:
         sl = [slice(M * i // s, M * (i + 1) // s) for i in range(s)]
 
@@ -45,27 +45,21 @@ def _fp8_fns(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, splits) -> dict
             acc = scaled_mm(dqt[:, sl[0]], xqt[:, sl[0]].t(), di, xi, out_dtype=torch.float32)
             for part in sl[1:]:
                 acc += scaled_mm(dqt[:, part], xqt[:, part].t(), di, xi, out_dtype=torch.float32)
-            return acc.to(bf16)
+            return acc.to(torch.bfloat16)
         fns[f"s{s}"] = split
     return fns
 
 
 def run(model: str = "Qwen2.5-1.5B", tokens: int = 65536, splits: tuple[int, ...] = (2, 4),
         dtypes: tuple[str, ...] = ("bf16", "e4m3"), samples: int = 10) -> dict:
-    cfg = preset(model)
-    C, F_, H, KV, D = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                       cfg.head_dim)
-    linears = {"qkv": (C, (H + 2 * KV) * D), "o": (H * D, C), "up": (C, 2 * F_), "down": (F_, C)}
+    linears = block_linear_shapes(preset(model))
     M, dev = tokens, "cuda"
-    g = torch.Generator(device=dev).manual_seed(0)
     print(torch.cuda.get_device_name(), torch.__version__, model, f"M={M}", flush=True)
     rows, best_ms = [], {}
     for dtype in dtypes:
         now_total = best_total = 0.0
         for lin, (K, N) in linears.items():
-            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=g)
-            w = torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=g) * K ** -0.5
-            dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16, generator=g)
+            x, w, dy = linear_operands(M, K, N, dev)
             fns = (_fp8_fns if dtype == "e4m3" else _bf16_fns)(dy, x, w, splits)
             ref = fns["now"]().float()
             row = {"dtype": dtype, "linear": lin, "N": N, "K": K}
