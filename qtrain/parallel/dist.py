@@ -237,25 +237,37 @@ def init_distributed(requested_device: str = "auto", *,
     return DistContext(rank=rank, world=world, local_rank=local_rank, device=device, store=store, control=control)
 
 
+_HEARTBEAT: list[tuple[threading.Event, threading.Thread]] = []  # this process's, stopped by `shutdown`
+
+
 def _start_heartbeat(host: str, port: int, rank: int) -> None:
     """A daemon thread that stamps `alive/<rank>` every HEARTBEAT_S through its own store connection: a
-    stopped or dead rank's stamp goes stale."""
+    stopped or dead rank's stamp goes stale. `shutdown` stops and joins it, so no store call of it is in flight
+    while the process tears down its process group and exits."""
     key = f"{_KEY}alive/{rank}"
     store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    stop = threading.Event()
 
     def beat() -> None:
-        while True:
+        while not stop.is_set():
             try:
                 store.set(key, repr(time.time()))
             except Exception:
                 return
-            time.sleep(HEARTBEAT_S)
+            stop.wait(HEARTBEAT_S)
 
     store.set(key, repr(time.time()))
-    threading.Thread(target=beat, name="qtrain-heartbeat", daemon=True).start()
+    thread = threading.Thread(target=beat, name="qtrain-heartbeat", daemon=True)
+    thread.start()
+    _HEARTBEAT.append((stop, thread))
 
 
 def shutdown() -> None:
+    """The end of a rank's run: stop the heartbeat, then leave the process group."""
+    while _HEARTBEAT:
+        stop, thread = _HEARTBEAT.pop()
+        stop.set()
+        thread.join(timeout=2 * HEARTBEAT_S)
     if dist.is_initialized():
         dist.destroy_process_group()
 

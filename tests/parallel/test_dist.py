@@ -154,3 +154,19 @@ def test_sigterm_to_the_launcher_stops_the_workers_with_a_checkpoint(tmp_path):
                                               "adam.v.shard_000_of_002.safetensors", "adam.v.shard_001_of_002.safetensors",
                                               "checkpoint.json", "weights.shard_000_of_002.safetensors",
                                               "weights.shard_001_of_002.safetensors"]
+
+
+def test_shutdown_stops_and_joins_the_heartbeat_before_leaving_the_group():
+    """A rank's heartbeat thread (its own store client) is stopped and joined by `shutdown`, so no store call of it
+    is in flight while the process exits (a torchrun rank 0 once aborted at exit, 'terminate called without an
+    active exception', after a finished run)."""
+    import datetime
+
+    import torch.distributed as tdist
+
+    master = tdist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
+    dist._start_heartbeat("127.0.0.1", master.port, rank=3)
+    stop, thread = dist._HEARTBEAT[-1]
+    assert thread.is_alive() and master.check(["qtrain/alive/3"])
+    dist.shutdown()
+    assert not thread.is_alive() and not dist._HEARTBEAT
