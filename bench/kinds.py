@@ -52,6 +52,8 @@ KINDS: dict[str, Kind] = {
                  "copy of its bytes"),
     "profile": Kind("bench.profile_step", "GPU time per kernel category of one training step, top kernels, gaps",
                     (("wall_ms", "wall ms"), ("busy_ms", "busy ms"))),
+    "llmq-profile": Kind("bench.llmq_profile", "llm.q's kernels of one optimizer step under Nsight Compute, by the "
+                         "profile kind's categories", (("busy_ms", "busy ms"), ("kernels", "kernels"))),
     "fidelity": Kind("bench.fidelity", "a precision mode's training quality: Qwen2.5-0.5B from a shared init on real "
                      "text through `qtrain train`, eval losses (issue 21)",
                      (("final_eval", "final eval"), ("max_loss_after_warmup", "max loss after warmup"),

@@ -27,8 +27,10 @@ CATEGORIES = [  # first match wins; names as CUDA kernels appear in the profiler
     ("rope", ("rope",)),
     ("gemm-fp8", ("qqtst", "f8f8", "e4m3")),
     ("gemm", ("gemm", "nvjet", "sm90_xmma", "cutlass", "cublas", "wgmma")),
-    ("cross-entropy", ("cross_entropy", "_ce_",)),
+    ("cross-entropy", ("cross_entropy", "_ce_", "classifier")),  # llm.q: fused_classifier_kernel5
     ("adamw/sr", ("adamw", "_sr_", "stochastic", "sr_add", "sr_copy")),
+    ("bias-grad", ("backward_bias",)),  # llm.q's matmul_backward_bias_kernel (qtrain's is inductor's)
+    ("embedding", ("encoder_forward", "wte_backward", "embedding")),
     ("norm/reduce", ("reduce", "norm")),
     ("inductor-fused", ("triton_",)),
     ("copy/memset", ("memcpy", "memset", "copy", "cat")),
