@@ -14,44 +14,17 @@ Result: busy_ms (the kept step's kernel time), kernels, `categories` (ms each, t
 """
 from __future__ import annotations
 
-import csv
-import glob
 import os
-import shutil
 import stat
 import tempfile
 from pathlib import Path
 
 from bench.kinds import Skip
 from bench.llmq import script_path, spec
-from bench.profile_step import category
+from bench.ncu import find_ncu, keep_raw, ncu_command, read_kernels, summarize
 from bench.subproc import stream
 
 STEP_END = "adamw_kernel"  # llm.q's update: one launch per parameter tensor, the last kernels of a step
-NS_PER = {"nsecond": 1.0, "ns": 1.0, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6}
-
-
-def find_ncu(ncu: str = "") -> str:
-    found = ncu or shutil.which("ncu") or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"),
-                                                             reverse=True)), "")
-    if not found or not os.access(found, os.X_OK):
-        raise FileNotFoundError(f"Nsight Compute's ncu not found ({ncu or 'PATH, /opt/nvidia/nsight-compute'})")
-    return found
-
-
-def read_kernels(log: Path) -> list[tuple[str, float]]:
-    """(kernel name, ns) in launch order from ncu's `--csv` output; ncu's own `==PROF==` lines are skipped."""
-    rows = [line for line in log.read_text(errors="replace").splitlines() if line.startswith('"')]
-    out: list[tuple[int, str, float]] = []
-    for r in csv.DictReader(rows):
-        if r.get("Metric Name") != "gpu__time_duration.sum":
-            continue
-        unit = r.get("Metric Unit", "nsecond")
-        if unit not in NS_PER:
-            raise ValueError(f"{log}: unknown time unit {unit!r} for kernel {r['Kernel Name'][:80]}")
-        ns = float(r["Metric Value"].replace(",", "")) * NS_PER[unit]
-        out.append((int(r["ID"]), r["Kernel Name"], ns))
-    return [(name, ns) for _, name, ns in sorted(out)]
 
 
 def last_step(kernels: list[tuple[str, float]], end: str = STEP_END, min_between: int = 50
@@ -67,25 +40,6 @@ def last_step(kernels: list[tuple[str, float]], end: str = STEP_END, min_between
     return kernels[step_last[-2] + 1: step_last[-1] + 1]
 
 
-def summarize(kernels: list[tuple[str, float]], top: int) -> dict:
-    sums: dict[str, float] = {}
-    by_name: dict[str, list[float]] = {}
-    for name, ns in kernels:
-        sums[category(name)] = sums.get(category(name), 0.0) + ns / 1e6
-        by_name.setdefault(name, []).append(ns / 1e6)
-    busy = sum(sums.values())
-    print(f"llm.q step under ncu: {len(kernels)} kernels, GPU busy {busy:.1f} ms")
-    for cat, ms in sorted(sums.items(), key=lambda kv: -kv[1]):
-        print(f"  {cat:16s} {ms:8.1f} ms  {100 * ms / busy:5.1f}%")
-    tops = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
-    for name, times in tops:
-        print(f"  {sum(times):8.2f} ms {len(times):5d}x  {category(name):14s} {name[:170]}")
-    return {"busy_ms": round(busy, 1), "kernels": len(kernels),
-            "categories": {k: round(v, 2) for k, v in sorted(sums.items(), key=lambda kv: -kv[1])},
-            "top": [dict(ms=round(sum(t), 3), count=len(t), category=category(n), kernel=n[:170]) for n, t in tops],
-            "summary": " ".join(f"{k} {v:.0f}" for k, v in sorted(sums.items(), key=lambda kv: -kv[1])[:4]) + " ms"}
-
-
 def run(size: str, batch: int, accum: int, steps: int = 2, flags: list[str] = (), top: int = 30,
         script: str = ".llmq/bench_llmq.sh", ncu: str = "") -> dict:
     path = script_path(script)
@@ -95,21 +49,19 @@ def run(size: str, batch: int, accum: int, steps: int = 2, flags: list[str] = ()
     with tempfile.TemporaryDirectory(prefix="llmq-ncu-") as tmp:
         log, wrapper = Path(tmp) / "ncu.csv", Path(tmp) / "train"
         real = path.parent.resolve() / "train"
-        wrapper.write_text("#!/bin/bash\n"
-                           f"exec '{tool}' --clock-control none --cache-control none --metrics gpu__time_duration.sum "
-                           f"--csv --print-units base --log-file '{log}' '{real}' \"$@\"\n")
+        wrapper.write_text("#!/bin/bash\nexec " + " ".join(f"'{a}'" for a in [*ncu_command(tool, log), real])
+                           + ' "$@"\n')
         wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
         env = {**os.environ, "LLMQ_BIN": str(wrapper), "GRAPHS": "", "FINISH": "1", "GPUS": "1"}
         fin = stream(["bash", str(path), spec(size, "bf16", batch, accum, steps, list(flags))], env=env,
                      echo=lambda line: not line.startswith("==PROF==") or "rror" in line)
         if not log.is_file():
             raise RuntimeError(f"ncu wrote no results (exit status {fin.returncode}): {fin.last(3)}")
-        if os.environ.get("OUT"):  # the raw per-kernel times come back with the device call
-            shutil.copy(log, Path(os.environ["OUT"]) / f"llmq-ncu-{size}-{batch}x{accum}.csv")
+        keep_raw(log, f"llmq-ncu-{size}-{batch}x{accum}.csv")
         kernels = read_kernels(log)
     if not kernels:
         raise RuntimeError(f"ncu timed no kernel (exit status {fin.returncode}): {fin.last(3)}")
-    return {"system": "llm.q", **summarize(last_step(kernels), top)}
+    return {"system": "llm.q", **summarize(last_step(kernels), top, f"llm.q {size} {batch} x {accum}")}
 
 
 def dry_run(params: dict) -> dict:

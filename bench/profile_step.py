@@ -5,64 +5,34 @@ Parameters: model, batch, accum, top (kernels listed, 22), fused_ce (true) and a
 train kind. GPU busy time well under wall time means gaps (host-bound). Result: wall_ms, busy_ms,
 `categories` (ms each), `top` (kernels), `gaps`, and with the one-pass SwiGLU FP8 kernels `onepass_hint_misses`
 (missed, calls per direction, counted over two more steps).
+
+With ncu=true the step is timed kernel by kernel under Nsight Compute instead (bench/ncu.py: the same method as
+the `llmq-profile` kind's, so the two systems' kernels compare one for one): this module runs again in a child
+process under ncu, which times only the kernels inside the step's NVTX range. Result: busy_ms, kernels,
+`categories`, `top`.
 """
+import json
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.bench_train import make_options
 from bench.compat import qtrain
+from bench.kernel_categories import category
 from bench.kinds import Skip
 from qtrain.kernels import cross_entropy
 
-CATEGORIES = [  # first match wins; names as CUDA kernels appear in the profiler
-    # attention first: cuDNN's kernels are named "..._sdpa_sm90_flash_bprop_wgmma_f16_..." (before 2026-12-02
-    # they matched "wgmma" and were counted as GEMMs)
-    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
-    # before the GEMMs: the one-pass SwiGLU FP8 kernels' names contain "fp8" (before 2026-12-03 they were counted
-    # as FP8 GEMMs); cuBLAS's FP8 GEMMs are "nvjet_sm90_qqtst_..." (bf16: "nvjet_sm90_tst_...")
-    ("swiglu", ("swiglu", "silu")),
-    ("quantize", ("_quantize_kernel", "_abs_max_kernel")),
-    ("rope", ("rope",)),
-    ("gemm-fp8", ("qqtst", "f8f8", "e4m3")),
-    ("gemm", ("gemm", "nvjet", "sm90_xmma", "cutlass", "cublas", "wgmma")),
-    ("cross-entropy", ("cross_entropy", "_ce_", "classifier")),  # llm.q: fused_classifier_kernel5
-    ("adamw/sr", ("adamw", "_sr_", "stochastic", "sr_add", "sr_copy")),
-    ("bias-grad", ("backward_bias",)),  # llm.q's matmul_backward_bias_kernel (qtrain's is inductor's)
-    ("embedding", ("encoder_forward", "wte_backward", "embedding")),
-    ("norm/reduce", ("reduce", "norm")),
-    ("inductor-fused", ("triton_",)),
-    ("copy/memset", ("memcpy", "memset", "copy", "cat")),
-    ("elementwise", ("elementwise", "vectorized")),
-]
+NVTX_STEP = "qtrain-profiled-step"
 
 
-def category(name: str) -> str:
-    n = name.lower()
-    for cat, keys in CATEGORIES:
-        if any(k in n for k in keys):
-            return cat
-    return "other"
-
-
-def run(model: str, batch: int, accum: int, top: int = 22, fused_ce: bool = True, **p) -> dict:
-    cross_entropy.FUSED_CE_ENABLED = fused_ce
-    p.setdefault("compile", "on")
-    tr = qtrain("Trainer")(make_options(model, batch, accum, 1024, "cuda", p))
-    x = torch.randint(0, tr.cfg.vocab_size, (batch, 1025), device="cuda")
-    inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
-
-    def step(fresh: bool = False):
-        """One optimizer step on the fixed batch, or with `fresh` a new random batch each micro-step (as a run)."""
-        for _ in range(accum):
-            if fresh:
-                y = torch.randint(0, tr.cfg.vocab_size, (batch, 1025), device="cuda")
-                inp.copy_(y[:, :-1])
-                tgt.copy_(y[:, 1:])
-            tr.micro_step(inp, tgt, loss_scale=1.0 / (batch * 1024 * accum))
-        tr.update(lr=1e-4)
-
+def run(model: str, batch: int, accum: int, top: int = 22, fused_ce: bool = True, ncu: bool = False, **p) -> dict:
+    if ncu:
+        return run_under_ncu(model, batch, accum, top, fused_ce, p)
+    tr, step = make_step(model, batch, accum, fused_ce, p)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -93,6 +63,59 @@ def run(model: str, batch: int, accum: int, top: int = 22, fused_ce: bool = True
             "summary": " ".join(f"{k} {v:.0f}" for k, v in sorted(sums.items(), key=lambda kv: -kv[1])[:4]) + " ms"}
 
 
+def make_step(model: str, batch: int, accum: int, fused_ce: bool, p: dict):
+    """The Trainer and a function running one optimizer step on a fixed random batch (or, with `fresh`, a new
+    random batch each micro-step, as a run)."""
+    cross_entropy.FUSED_CE_ENABLED = fused_ce
+    p.setdefault("compile", "on")
+    tr = qtrain("Trainer")(make_options(model, batch, accum, 1024, "cuda", p))
+    x = torch.randint(0, tr.cfg.vocab_size, (batch, 1025), device="cuda")
+    inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+    def step(fresh: bool = False):
+        """One optimizer step on the fixed batch, or with `fresh` a new random batch each micro-step (as a run)."""
+        for _ in range(accum):
+            if fresh:
+                y = torch.randint(0, tr.cfg.vocab_size, (batch, 1025), device="cuda")
+                inp.copy_(y[:, :-1])
+                tgt.copy_(y[:, 1:])
+            tr.micro_step(inp, tgt, loss_scale=1.0 / (batch * 1024 * accum))
+        tr.update(lr=1e-4)
+    return tr, step
+
+
+def run_under_ncu(model: str, batch: int, accum: int, top: int, fused_ce: bool, p: dict) -> dict:
+    """Time the step's kernels under ncu: this module runs in a child process (`main`) that marks the step with
+    an NVTX range; ncu times the kernels inside it only (warm-up and compilation run unprofiled)."""
+    from bench.ncu import find_ncu, keep_raw, ncu_command, read_kernels, summarize
+    from bench.subproc import stream
+    with tempfile.TemporaryDirectory(prefix="qtrain-ncu-") as tmp:
+        log = Path(tmp) / "ncu.csv"
+        args = json.dumps({"model": model, "batch": batch, "accum": accum, "fused_ce": fused_ce, "p": p})
+        fin = stream([*ncu_command(find_ncu(), log, NVTX_STEP), sys.executable, "-m", "bench.profile_step", args],
+                     echo=lambda line: not line.startswith("==PROF==") or "rror" in line)
+        if fin.returncode or not log.is_file():
+            raise RuntimeError(f"the step under ncu failed (exit status {fin.returncode}): {fin.last(3)}")
+        keep_raw(log, f"qtrain-ncu-{Path(model).name}-{batch}x{accum}.csv")
+        kernels = read_kernels(log)
+    if not kernels:
+        raise RuntimeError(f"ncu timed no kernel inside the {NVTX_STEP} range: {fin.last(3)}")
+    return {"system": "qtrain", **summarize(kernels, top, f"qtrain {model} {batch} x {accum} {p}")}
+
+
+def main(args: str) -> None:
+    """The child under ncu: three warm-up steps, then one step inside the NVTX range ncu filters on."""
+    a = json.loads(args)
+    _, step = make_step(a["model"], a["batch"], a["accum"], a["fused_ce"], a["p"])
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push(NVTX_STEP)
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_pop()
+
+
 def hint_misses(step, onepass: bool, device: torch.device, steps: int = 2) -> dict | None:
     """With the one-pass SwiGLU FP8 kernels: how many of their calls missed the scale hint (and took the second
     pass) over `steps` more steps, counted apart from the timed and profiled ones (the counting adds small kernels):
@@ -119,7 +142,7 @@ def hint_misses(step, onepass: bool, device: torch.device, steps: int = 2) -> di
 
 def dry_run(params: dict) -> dict:
     """The options are checked as the GPU run would take them; the profile itself needs CUDA."""
-    options = {k: v for k, v in params.items() if k not in ("model", "batch", "accum", "top", "fused_ce")}
+    options = {k: v for k, v in params.items() if k not in ("model", "batch", "accum", "top", "fused_ce", "ncu")}
     make_options(params["model"], params["batch"], params["accum"], 1024, "cuda", options).validate()
     raise Skip("profiles CUDA kernels: needs a CUDA GPU (options checked)")
 
@@ -143,3 +166,7 @@ def print_gaps(prof, top_n: int) -> dict:
     for name, gaps in sorted(by_next.items(), key=lambda kv: -sum(kv[1]))[:top_n // 2]:
         print(f"  {sum(gaps) / 1e3:7.2f} ms {len(gaps):5d}x max {max(gaps) / 1e3:6.2f} ms  {name}")
     return {"idle_ms": round(total / 1e3, 2), "count": sum(len(v) for v in by_next.values())}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

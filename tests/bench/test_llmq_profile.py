@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.llmq_profile import last_step, read_kernels, summarize
+from bench.llmq_profile import last_step
+from bench.ncu import read_kernels, summarize
 
 HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
           '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
@@ -37,7 +38,7 @@ def test_last_step_keeps_the_kernels_after_the_previous_update():
     kernels = init + step(60, 3, "s1") + step(60, 3, "s2") + [("eval_fwd", 1e6)] * 10
     kept = last_step(kernels)
     assert kept == step(60, 3, "s2")
-    out = summarize(kept, top=5)
+    out = summarize(kept, top=5, label="test")
     assert out["kernels"] == 63 and out["busy_ms"] == pytest.approx(60 + 0.3)
 
 

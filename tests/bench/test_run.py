@@ -311,7 +311,7 @@ def test_profile_categories_of_the_step_kernels():
     """The profile suite sorts kernels by name (first match wins); these are the names the H200 profiles show. The
     one-pass SwiGLU kernels' names contain "fp8" and were counted as FP8 GEMMs until 2026-12-03; cuDNN's attention
     kernels contain "wgmma" and were counted as GEMMs until 2026-12-02."""
-    from bench.profile_step import category
+    from bench.kernel_categories import category
     names = {
         "_swiglu_bwd_fp8_kernel": "swiglu", "_swiglu_fwd_fp8_kernel": "swiglu",
         "nvjet_sm90_qqtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT": "gemm-fp8",

@@ -208,6 +208,29 @@ def test_interp_16bit_through_bit_level_loads(dtype):
     _check_triton_vs_twin(x, t, 1e-3, block=128)
 
 
+def _rows_variant_is_the_per_row_kernel(x, t, z_loss, block, programs, stages, num_warps):
+    """The looping-programs kernel does each row's arithmetic in the per-row kernel's order: the same bits, for
+    any program count (fewer programs than rows, one, more than rows) and with or without d(logits)."""
+    for need_grad in (True, False):
+        want = ce._launch(x.clone(), t, z_loss=z_loss, need_grad=need_grad, block=block, num_warps=num_warps)
+        buf = x.clone()
+        got = ce._launch(buf, t, z_loss=z_loss, need_grad=need_grad, block=block, num_warps=num_warps,
+                         programs=programs, stages=stages)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        if need_grad:
+            assert got[2] is buf and torch.equal(got[2], want[2])
+        else:
+            assert got[2] is None and torch.equal(buf, x), "pass 1 alone leaves the logits untouched"
+
+
+@interp_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("programs", [1, 3, 7, 40])
+def test_interp_rows_kernel_is_the_per_row_kernel(dtype, programs):
+    x, t = make_case(7, 1000, dtype, seed=17)
+    _rows_variant_is_the_per_row_kernel(x, t, 1e-2, block=128, programs=programs, stages=2, num_warps=4)
+
+
 @interp_only
 def test_interp_public_dispatch_uses_default_block():
     x, t = make_case(3, ce.BLOCK_V + 5, seed=13)
@@ -223,6 +246,16 @@ def test_gpu_triton_matches_twin(dtype, v):
     x, t = make_case(64, v, dtype, seed=v, device="cuda")
     _check_triton_vs_twin(x, t, 1e-4)
     _check_triton_vs_twin(x, t, 0.0, need_grad=False)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("programs,stages,num_warps", [(132, 3, 16), (264, 2, 8), (5000, 1, 8)])
+def test_gpu_rows_kernel_is_the_per_row_kernel(programs, stages, num_warps):
+    """On the GPU, with the eviction hints and pipelined loads the interpreter ignores, at Qwen2's vocabulary."""
+    x, t = make_case(300, 151936, torch.bfloat16, seed=3, device="cuda")
+    _rows_variant_is_the_per_row_kernel(x, t, 1e-4, block=8192, programs=programs, stages=stages,
+                                        num_warps=num_warps)
 
 
 @pytest.mark.gpu
