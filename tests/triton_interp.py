@@ -33,3 +33,17 @@ def interpreter_subprocess_test(test_file: str):
         assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
 
     return test_interpreter_subprocess
+
+
+def compile_for_hopper(kernel, signature: dict[str, str], constexprs: dict[str, object], **options) -> str:
+    """Compile a Triton kernel for sm_90 on this machine (no GPU needed: Triton's own ptxas) and return its PTX.
+    The interpreter never compiles, so a kernel the interpreter runs can still fail to build for the GPU (a
+    constexpr default the code generator does not wrap, say): this catches that on the CPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    if INTERPRET:
+        pytest.skip("compiles for the GPU: not under the interpreter")
+    sig = {**signature, **{k: "constexpr" for k in constexprs}}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]

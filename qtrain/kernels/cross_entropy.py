@@ -88,15 +88,36 @@ def cross_entropy_fwd_bwd_inplace_twin(logits: torch.Tensor, targets: torch.Tens
 
 # -------------------------------------------------------------------------------------------- triton
 @jit
-def _load_row_f32(ptr, mask, KIND: tl.constexpr, EVICT: tl.constexpr = ""):
+def _load_row_f32(ptr, mask, KIND: tl.constexpr, EVICT: tl.constexpr):
     """Load as fp32 (masked lanes -inf). KIND 0 fp32; 1 bf16 through an int16 pointer (bits << 16); 2 fp16.
-    EVICT: the L2 eviction hint ("", "evict_last", "evict_first")."""
-    if KIND == 1:
-        h = tl.load(ptr, mask=mask, other=0, eviction_policy=EVICT).to(tl.uint16, bitcast=True).to(tl.uint32)
-        x = (h << 16).to(tl.float32, bitcast=True)
+    EVICT: the L2 hint, 0 none, 1 keep (evict_last), 2 drop (evict_first)."""
+    if EVICT == 1:
+        raw = tl.load(ptr, mask=mask, other=0, eviction_policy="evict_last")
+    elif EVICT == 2:
+        raw = tl.load(ptr, mask=mask, other=0, eviction_policy="evict_first")
     else:
-        x = tl.load(ptr, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        raw = tl.load(ptr, mask=mask, other=0)
+    if KIND == 1:
+        x = (raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = raw.to(tl.float32)
     return tl.where(mask, x, float("-inf"))
+
+
+@jit
+def _online_lse_step(m, s, x):
+    """Fold one block of a row (fp32, masked lanes -inf) into the online max `m` and sum of exp(x - m) `s`."""
+    m_new = tl.maximum(m, tl.max(x, axis=0))  # finite after the first block (it has a real column)
+    s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+    return m_new, s
+
+
+@jit
+def _grad_block(base, offs, x, lse, coef, tgt, valid, V, KIND: tl.constexpr):
+    """Write one block of d(logits) = softmax * (1 + 2 z lse) - onehot(target) over the logits."""
+    d = tl.exp(x - lse) * coef
+    d = tl.where(valid & (offs == tgt), d - 1.0, d)
+    store_f32(base + offs, d, offs < V, KIND)
 
 
 @jit
@@ -113,13 +134,10 @@ def _ce_fwd_bwd_kernel(logits_ptr, targets_ptr, loss_ptr, lse_ptr, V, stride_row
     s = 0.0
     for start in range(0, V, BLOCK):
         offs = start + cols
-        x = _load_row_f32(base + offs, offs < V, KIND)
-        m_new = tl.maximum(m, tl.max(x, axis=0))  # finite after the first block (it has a real column)
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
+        m, s = _online_lse_step(m, s, _load_row_f32(base + offs, offs < V, KIND, 0))
     lse = m + tl.log(s)
     safe_t = tl.where(valid, tgt, 0)
-    x_t = _load_row_f32(base + safe_t, valid, KIND)  # -inf on ignored rows, masked out below
+    x_t = _load_row_f32(base + safe_t, valid, KIND, 0)  # -inf on ignored rows, masked out below
     loss = tl.where(valid, (lse - x_t) + z_loss * (lse * lse), 0.0)
     tl.store(loss_ptr + row, loss)
     tl.store(lse_ptr + row, lse)
@@ -129,52 +147,59 @@ def _ce_fwd_bwd_kernel(logits_ptr, targets_ptr, loss_ptr, lse_ptr, V, stride_row
         coef = tl.where(valid, 1.0 + 2.0 * z_loss * lse, 0.0)
         for start in range(0, V, BLOCK):
             offs = start + cols
-            mask = offs < V
-            x = _load_row_f32(base + offs, mask, KIND)
-            d = tl.exp(x - lse) * coef
-            d = tl.where(valid & (offs == tgt), d - 1.0, d)
-            store_f32(base + offs, d, mask, KIND)
+            _grad_block(base, offs, _load_row_f32(base + offs, offs < V, KIND, 0), lse, coef, tgt, valid, V, KIND)
 
 
 @jit
 def _ce_fwd_bwd_rows_kernel(logits_ptr, targets_ptr, loss_ptr, lse_ptr, n, V, stride_row, z_loss,
                             KIND: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
-                            STAGES: tl.constexpr):
+                            PREFETCH: tl.constexpr):
     """`_ce_fwd_bwd_kernel` with a fixed number of programs, each looping over rows pid, pid + P, ...: with about
     one program per SM, the rows in flight (P x a row) can fit in L2, so a row's second read (pass 2) finds it
-    there and HBM sees one read and one write. Pass 1 asks L2 to keep the row (evict_last), pass 2 to drop it;
-    the loads are software-pipelined (STAGES). Same arithmetic in the same order as `_ce_fwd_bwd_kernel` at the
-    same BLOCK, so the same bits."""
+    there and HBM sees one read and one write. Pass 1 asks L2 to keep the row (evict_last), pass 2 to drop it.
+    PREFETCH: each loop loads block i + 1 before it folds block i (two blocks in flight per program; Triton does
+    not pipeline loads that feed no dot). Same arithmetic in the same order as `_ce_fwd_bwd_kernel` at the same
+    BLOCK, so the same bits."""
     cols = tl.arange(0, BLOCK)
     pid, nprog = tl.program_id(0), tl.num_programs(0)
-    for i in tl.range(0, tl.cdiv(n - pid, nprog)):
+    for i in range(0, tl.cdiv(n - pid, nprog)):
         row = pid.to(tl.int64) + i * nprog
         base = logits_ptr + row * stride_row
         tgt = tl.load(targets_ptr + row).to(tl.int64)
         valid = tgt != -100
         m = float("-inf")
         s = 0.0
-        for start in tl.range(0, V, BLOCK, num_stages=STAGES):
-            offs = start + cols
-            x = _load_row_f32(base + offs, offs < V, KIND, "evict_last")
-            m_new = tl.maximum(m, tl.max(x, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-            m = m_new
+        if PREFETCH:
+            x = _load_row_f32(base + cols, cols < V, KIND, 1)
+            for start in range(BLOCK, V + BLOCK, BLOCK):  # the last load is all masked: no traffic
+                offs = start + cols
+                x_next = _load_row_f32(base + offs, offs < V, KIND, 1)
+                m, s = _online_lse_step(m, s, x)
+                x = x_next
+        else:
+            for start in range(0, V, BLOCK):
+                offs = start + cols
+                m, s = _online_lse_step(m, s, _load_row_f32(base + offs, offs < V, KIND, 1))
         lse = m + tl.log(s)
         safe_t = tl.where(valid, tgt, 0)
-        x_t = _load_row_f32(base + safe_t, valid, KIND)
+        x_t = _load_row_f32(base + safe_t, valid, KIND, 0)
         loss = tl.where(valid, (lse - x_t) + z_loss * (lse * lse), 0.0)
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, lse)
         if WRITE_GRAD:
             coef = tl.where(valid, 1.0 + 2.0 * z_loss * lse, 0.0)
-            for start in tl.range(0, V, BLOCK, num_stages=STAGES):
-                offs = start + cols
-                mask = offs < V
-                x = _load_row_f32(base + offs, mask, KIND, "evict_first")
-                d = tl.exp(x - lse) * coef
-                d = tl.where(valid & (offs == tgt), d - 1.0, d)
-                store_f32(base + offs, d, mask, KIND)
+            if PREFETCH:
+                x = _load_row_f32(base + cols, cols < V, KIND, 2)
+                for start in range(BLOCK, V + BLOCK, BLOCK):
+                    offs = start + cols
+                    x_next = _load_row_f32(base + offs, offs < V, KIND, 2)
+                    _grad_block(base, offs - BLOCK, x, lse, coef, tgt, valid, V, KIND)
+                    x = x_next
+            else:
+                for start in range(0, V, BLOCK):
+                    offs = start + cols
+                    _grad_block(base, offs, _load_row_f32(base + offs, offs < V, KIND, 2), lse, coef, tgt, valid,
+                                V, KIND)
 
 
 def cross_entropy_fwd_bwd_inplace_triton(logits: torch.Tensor, targets: torch.Tensor, *, z_loss: float,
@@ -183,9 +208,9 @@ def cross_entropy_fwd_bwd_inplace_triton(logits: torch.Tensor, targets: torch.Te
     return _launch(logits, targets, z_loss=z_loss, need_grad=need_grad, block=BLOCK_V, num_warps=NUM_WARPS)
 
 
-def _launch(logits, targets, *, z_loss, need_grad, block, num_warps, programs: int = 0, stages: int = 1):
+def _launch(logits, targets, *, z_loss, need_grad, block, num_warps, programs: int = 0, prefetch: bool = False):
     """programs 0: one program per row (`_ce_fwd_bwd_kernel`); else that many looping over rows
-    (`_ce_fwd_bwd_rows_kernel`, loads pipelined over `stages`)."""
+    (`_ce_fwd_bwd_rows_kernel`, with `prefetch` two blocks in flight)."""
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"logits must be (n, V) and targets (n,), got {tuple(logits.shape)} and {tuple(targets.shape)}")
     if logits.dtype not in KINDS:
@@ -200,7 +225,7 @@ def _launch(logits, targets, *, z_loss, need_grad, block, num_warps, programs: i
     if n and programs:
         _ce_fwd_bwd_rows_kernel[(min(n, programs),)](
             buf, targets.contiguous(), loss, lse, n, v, logits.stride(0), float(z_loss), KIND=kind,
-            WRITE_GRAD=bool(need_grad), BLOCK=block, STAGES=stages, num_warps=num_warps)
+            WRITE_GRAD=bool(need_grad), BLOCK=block, PREFETCH=bool(prefetch), num_warps=num_warps)
     elif n:
         _ce_fwd_bwd_kernel[(n,)](buf, targets.contiguous(), loss, lse, v, logits.stride(0), float(z_loss),
                                  KIND=kind, WRITE_GRAD=bool(need_grad), BLOCK=block, num_warps=num_warps)
