@@ -25,6 +25,8 @@ d(logits) into ``logits``, so both paths have the same aliasing. Dispatch: ``qtr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from qtrain.kernels.dispatch import jit, tl, use_triton
@@ -50,6 +52,9 @@ IGNORE_INDEX = -100
 # 1.1-1.2 ms (~3 TB/s for its read, read and write), 1.7% of a Qwen2.5-1.5B step.
 BLOCK_V = 4096
 NUM_WARPS = 8
+# The looping-programs kernel (`_ce_fwd_bwd_rows_kernel`): programs per SM (0: the per-row kernel above), its
+# block, warps and prefetch. Chosen by the `cross-entropy-rows` sweep (bench/suites/kernels.toml).
+ROWS_PER_SM, ROWS_BLOCK, ROWS_WARPS, ROWS_PREFETCH = 0, 16384, 16, True
 
 
 # ---------------------------------------------------------------------------------------------- twin
@@ -205,7 +210,16 @@ def _ce_fwd_bwd_rows_kernel(logits_ptr, targets_ptr, loss_ptr, lse_ptr, n, V, st
 def cross_entropy_fwd_bwd_inplace_triton(logits: torch.Tensor, targets: torch.Tensor, *, z_loss: float,
                                          need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the fused kernel (see module docstring); d(logits) overwrites ``logits`` and is returned."""
+    if ROWS_PER_SM and logits.is_cuda:
+        programs = ROWS_PER_SM * _sm_count(logits.device)
+        return _launch(logits, targets, z_loss=z_loss, need_grad=need_grad, block=ROWS_BLOCK, num_warps=ROWS_WARPS,
+                       programs=programs, prefetch=ROWS_PREFETCH)
     return _launch(logits, targets, z_loss=z_loss, need_grad=need_grad, block=BLOCK_V, num_warps=NUM_WARPS)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _launch(logits, targets, *, z_loss, need_grad, block, num_warps, programs: int = 0, prefetch: bool = False):
