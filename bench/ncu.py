@@ -25,11 +25,13 @@ def find_ncu(ncu: str = "") -> str:
     return found
 
 
-def ncu_command(tool: str, log: Path, nvtx_range: str = "") -> list[str]:
-    """ncu's options before the profiled program; with `nvtx_range` only kernels inside that push/pop range."""
+def ncu_command(tool: str, log: Path, from_start: bool = True) -> list[str]:
+    """ncu's options before the profiled program; without `from_start` only kernels between the program's
+    cudaProfilerStart and cudaProfilerStop (`torch.cuda.profiler.start/stop`), from every thread: an NVTX range
+    would miss the kernels of autograd's backward, which its own thread launches."""
     cmd = [tool, "--clock-control", "none", "--cache-control", "none", "--metrics", METRIC, "--csv",
            "--print-units", "base", "--log-file", str(log)]
-    return cmd + (["--nvtx", "--nvtx-include", f"{nvtx_range}/"] if nvtx_range else [])
+    return cmd + ([] if from_start else ["--profile-from-start", "off"])
 
 
 def keep_raw(log: Path, name: str) -> None:

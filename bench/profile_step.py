@@ -8,8 +8,8 @@ train kind. GPU busy time well under wall time means gaps (host-bound). Result: 
 
 With ncu=true the step is timed kernel by kernel under Nsight Compute instead (bench/ncu.py: the same method as
 the `llmq-profile` kind's, so the two systems' kernels compare one for one): this module runs again in a child
-process under ncu, which times only the kernels inside the step's NVTX range. Result: busy_ms, kernels,
-`categories`, `top`.
+process under ncu, which times only the kernels between the step's cudaProfilerStart and Stop. Result: busy_ms,
+kernels, `categories`, `top`.
 """
 import json
 import sys
@@ -25,9 +25,6 @@ from bench.compat import qtrain
 from bench.kernel_categories import category
 from bench.kinds import Skip
 from qtrain.kernels import cross_entropy
-
-NVTX_STEP = "qtrain-profiled-step"
-
 
 def run(model: str, batch: int, accum: int, top: int = 22, fused_ce: bool = True, ncu: bool = False, **p) -> dict:
     if ncu:
@@ -85,35 +82,35 @@ def make_step(model: str, batch: int, accum: int, fused_ce: bool, p: dict):
 
 
 def run_under_ncu(model: str, batch: int, accum: int, top: int, fused_ce: bool, p: dict) -> dict:
-    """Time the step's kernels under ncu: this module runs in a child process (`main`) that marks the step with
-    an NVTX range; ncu times the kernels inside it only (warm-up and compilation run unprofiled)."""
+    """Time the step's kernels under ncu: this module runs in a child process (`main`) that brackets the step with
+    cudaProfilerStart / Stop; ncu times the kernels between them only (warm-up and compilation run unprofiled)."""
     from bench.ncu import find_ncu, keep_raw, ncu_command, read_kernels, summarize
     from bench.subproc import stream
     with tempfile.TemporaryDirectory(prefix="qtrain-ncu-") as tmp:
         log = Path(tmp) / "ncu.csv"
         args = json.dumps({"model": model, "batch": batch, "accum": accum, "fused_ce": fused_ce, "p": p})
-        fin = stream([*ncu_command(find_ncu(), log, NVTX_STEP), sys.executable, "-m", "bench.profile_step", args],
+        fin = stream([*ncu_command(find_ncu(), log, from_start=False), sys.executable, "-m", "bench.profile_step", args],
                      echo=lambda line: not line.startswith("==PROF==") or "rror" in line)
         if fin.returncode or not log.is_file():
             raise RuntimeError(f"the step under ncu failed (exit status {fin.returncode}): {fin.last(3)}")
         keep_raw(log, f"qtrain-ncu-{Path(model).name}-{batch}x{accum}.csv")
         kernels = read_kernels(log)
     if not kernels:
-        raise RuntimeError(f"ncu timed no kernel inside the {NVTX_STEP} range: {fin.last(3)}")
+        raise RuntimeError(f"ncu timed no kernel between the step's profiler start and stop: {fin.last(3)}")
     return {"system": "qtrain", **summarize(kernels, top, f"qtrain {model} {batch} x {accum} {p}")}
 
 
 def main(args: str) -> None:
-    """The child under ncu: three warm-up steps, then one step inside the NVTX range ncu filters on."""
+    """The child under ncu: three warm-up steps, then one step between cudaProfilerStart and Stop."""
     a = json.loads(args)
     _, step = make_step(a["model"], a["batch"], a["accum"], a["fused_ce"], a["p"])
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    torch.cuda.nvtx.range_push(NVTX_STEP)
+    torch.cuda.profiler.start()
     step()
     torch.cuda.synchronize()
-    torch.cuda.nvtx.range_pop()
+    torch.cuda.profiler.stop()
 
 
 def hint_misses(step, onepass: bool, device: torch.device, steps: int = 2) -> dict | None:

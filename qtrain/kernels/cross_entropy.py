@@ -25,8 +25,6 @@ d(logits) into ``logits``, so both paths have the same aliasing. Dispatch: ``qtr
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from qtrain.kernels.dispatch import jit, tl, use_triton
@@ -52,9 +50,6 @@ IGNORE_INDEX = -100
 # 1.1-1.2 ms (~3 TB/s for its read, read and write), 1.7% of a Qwen2.5-1.5B step.
 BLOCK_V = 4096
 NUM_WARPS = 8
-# The looping-programs kernel (`_ce_fwd_bwd_rows_kernel`): programs per SM (0: the per-row kernel above), its
-# block, warps and prefetch. Chosen by the `cross-entropy-rows` sweep (bench/suites/kernels.toml).
-ROWS_PER_SM, ROWS_BLOCK, ROWS_WARPS, ROWS_PREFETCH = 0, 16384, 16, True
 
 
 # ---------------------------------------------------------------------------------------------- twin
@@ -93,19 +88,13 @@ def cross_entropy_fwd_bwd_inplace_twin(logits: torch.Tensor, targets: torch.Tens
 
 # -------------------------------------------------------------------------------------------- triton
 @jit
-def _load_row_f32(ptr, mask, KIND: tl.constexpr, EVICT: tl.constexpr):
-    """Load as fp32 (masked lanes -inf). KIND 0 fp32; 1 bf16 through an int16 pointer (bits << 16); 2 fp16.
-    EVICT: the L2 hint, 0 none, 1 keep (evict_last), 2 drop (evict_first)."""
-    if EVICT == 1:
-        raw = tl.load(ptr, mask=mask, other=0, eviction_policy="evict_last")
-    elif EVICT == 2:
-        raw = tl.load(ptr, mask=mask, other=0, eviction_policy="evict_first")
-    else:
-        raw = tl.load(ptr, mask=mask, other=0)
+def _load_row_f32(ptr, mask, KIND: tl.constexpr):
+    """Load as fp32 (masked lanes -inf). KIND 0 fp32; 1 bf16 through an int16 pointer (bits << 16); 2 fp16."""
     if KIND == 1:
-        x = (raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        h = tl.load(ptr, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        x = (h << 16).to(tl.float32, bitcast=True)
     else:
-        x = raw.to(tl.float32)
+        x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
     return tl.where(mask, x, float("-inf"))
 
 
@@ -139,10 +128,10 @@ def _ce_fwd_bwd_kernel(logits_ptr, targets_ptr, loss_ptr, lse_ptr, V, stride_row
     s = 0.0
     for start in range(0, V, BLOCK):
         offs = start + cols
-        m, s = _online_lse_step(m, s, _load_row_f32(base + offs, offs < V, KIND, 0))
+        m, s = _online_lse_step(m, s, _load_row_f32(base + offs, offs < V, KIND))
     lse = m + tl.log(s)
     safe_t = tl.where(valid, tgt, 0)
-    x_t = _load_row_f32(base + safe_t, valid, KIND, 0)  # -inf on ignored rows, masked out below
+    x_t = _load_row_f32(base + safe_t, valid, KIND)  # -inf on ignored rows, masked out below
     loss = tl.where(valid, (lse - x_t) + z_loss * (lse * lse), 0.0)
     tl.store(loss_ptr + row, loss)
     tl.store(lse_ptr + row, lse)
@@ -152,79 +141,17 @@ def _ce_fwd_bwd_kernel(logits_ptr, targets_ptr, loss_ptr, lse_ptr, V, stride_row
         coef = tl.where(valid, 1.0 + 2.0 * z_loss * lse, 0.0)
         for start in range(0, V, BLOCK):
             offs = start + cols
-            _grad_block(base, offs, _load_row_f32(base + offs, offs < V, KIND, 0), lse, coef, tgt, valid, V, KIND)
-
-
-@jit
-def _ce_fwd_bwd_rows_kernel(logits_ptr, targets_ptr, loss_ptr, lse_ptr, n, V, stride_row, z_loss,
-                            KIND: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
-                            PREFETCH: tl.constexpr):
-    """`_ce_fwd_bwd_kernel` with a fixed number of programs, each looping over rows pid, pid + P, ...: with about
-    one program per SM, the rows in flight (P x a row) can fit in L2, so a row's second read (pass 2) finds it
-    there and HBM sees one read and one write. Pass 1 asks L2 to keep the row (evict_last), pass 2 to drop it.
-    PREFETCH: each loop loads block i + 1 before it folds block i (two blocks in flight per program; Triton does
-    not pipeline loads that feed no dot). Same arithmetic in the same order as `_ce_fwd_bwd_kernel` at the same
-    BLOCK, so the same bits."""
-    cols = tl.arange(0, BLOCK)
-    pid, nprog = tl.program_id(0), tl.num_programs(0)
-    for i in range(0, tl.cdiv(n - pid, nprog)):
-        row = pid.to(tl.int64) + i * nprog
-        base = logits_ptr + row * stride_row
-        tgt = tl.load(targets_ptr + row).to(tl.int64)
-        valid = tgt != -100
-        m = float("-inf")
-        s = 0.0
-        if PREFETCH:
-            x = _load_row_f32(base + cols, cols < V, KIND, 1)
-            for start in range(BLOCK, V + BLOCK, BLOCK):  # the last load is all masked: no traffic
-                offs = start + cols
-                x_next = _load_row_f32(base + offs, offs < V, KIND, 1)
-                m, s = _online_lse_step(m, s, x)
-                x = x_next
-        else:
-            for start in range(0, V, BLOCK):
-                offs = start + cols
-                m, s = _online_lse_step(m, s, _load_row_f32(base + offs, offs < V, KIND, 1))
-        lse = m + tl.log(s)
-        safe_t = tl.where(valid, tgt, 0)
-        x_t = _load_row_f32(base + safe_t, valid, KIND, 0)
-        loss = tl.where(valid, (lse - x_t) + z_loss * (lse * lse), 0.0)
-        tl.store(loss_ptr + row, loss)
-        tl.store(lse_ptr + row, lse)
-        if WRITE_GRAD:
-            coef = tl.where(valid, 1.0 + 2.0 * z_loss * lse, 0.0)
-            if PREFETCH:
-                x = _load_row_f32(base + cols, cols < V, KIND, 2)
-                for start in range(BLOCK, V + BLOCK, BLOCK):
-                    offs = start + cols
-                    x_next = _load_row_f32(base + offs, offs < V, KIND, 2)
-                    _grad_block(base, offs - BLOCK, x, lse, coef, tgt, valid, V, KIND)
-                    x = x_next
-            else:
-                for start in range(0, V, BLOCK):
-                    offs = start + cols
-                    _grad_block(base, offs, _load_row_f32(base + offs, offs < V, KIND, 2), lse, coef, tgt, valid,
-                                V, KIND)
+            _grad_block(base, offs, _load_row_f32(base + offs, offs < V, KIND), lse, coef, tgt, valid, V, KIND)
 
 
 def cross_entropy_fwd_bwd_inplace_triton(logits: torch.Tensor, targets: torch.Tensor, *, z_loss: float,
                                          need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the fused kernel (see module docstring); d(logits) overwrites ``logits`` and is returned."""
-    if ROWS_PER_SM and logits.is_cuda:
-        programs = ROWS_PER_SM * _sm_count(logits.device)
-        return _launch(logits, targets, z_loss=z_loss, need_grad=need_grad, block=ROWS_BLOCK, num_warps=ROWS_WARPS,
-                       programs=programs, prefetch=ROWS_PREFETCH)
     return _launch(logits, targets, z_loss=z_loss, need_grad=need_grad, block=BLOCK_V, num_warps=NUM_WARPS)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
-
-def _launch(logits, targets, *, z_loss, need_grad, block, num_warps, programs: int = 0, prefetch: bool = False):
-    """programs 0: one program per row (`_ce_fwd_bwd_kernel`); else that many looping over rows
-    (`_ce_fwd_bwd_rows_kernel`, with `prefetch` two blocks in flight)."""
+def _launch(logits, targets, *, z_loss, need_grad, block, num_warps):
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"logits must be (n, V) and targets (n,), got {tuple(logits.shape)} and {tuple(targets.shape)}")
     if logits.dtype not in KINDS:
@@ -236,11 +163,7 @@ def _launch(logits, targets, *, z_loss, need_grad, block, num_warps, programs: i
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
     kind = KINDS[logits.dtype]
     buf = logits.view(torch.int16) if kind == 1 else logits
-    if n and programs:
-        _ce_fwd_bwd_rows_kernel[(min(n, programs),)](
-            buf, targets.contiguous(), loss, lse, n, v, logits.stride(0), float(z_loss), KIND=kind,
-            WRITE_GRAD=bool(need_grad), BLOCK=block, PREFETCH=bool(prefetch), num_warps=num_warps)
-    elif n:
+    if n:
         _ce_fwd_bwd_kernel[(n,)](buf, targets.contiguous(), loss, lse, v, logits.stride(0), float(z_loss),
                                  KIND=kind, WRITE_GRAD=bool(need_grad), BLOCK=block, num_warps=num_warps)
     return loss.sum(), lse, (logits if need_grad else None)
