@@ -1,5 +1,6 @@
 """Kernel categories for step profiles: one table for qtrain's (torch profiler or ncu) and llm.q's kernels (ncu),
 so that the two systems' steps are summed the same way."""
+from collections.abc import Callable
 
 CATEGORIES = [  # first match wins; names as CUDA kernels appear in the profiler
     # attention first: cuDNN's kernels are named "..._sdpa_sm90_flash_bprop_wgmma_f16_..." (before 2026-12-02
@@ -29,3 +30,23 @@ def category(name: str) -> str:
         if any(k in n for k in keys):
             return cat
     return "other"
+
+
+def step_report(per_kernel: dict[str, tuple[float, int]], top: int, header: Callable[[float], str]) -> dict:
+    """Print and return a step's GPU time by category and its `top` kernels, from each kernel name's (total ms,
+    launches). `header(busy)` is printed first, busy being the step's total kernel time (ms)."""
+    sums: dict[str, float] = {}
+    for name, (ms, _) in per_kernel.items():
+        sums[category(name)] = sums.get(category(name), 0.0) + ms
+    busy = sum(sums.values())
+    ranked = sorted(sums.items(), key=lambda kv: -kv[1])
+    print(header(busy))
+    for cat, ms in ranked:
+        print(f"  {cat:16s} {ms:8.1f} ms  {100 * ms / max(busy, 1e-9):5.1f}%")
+    tops = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
+    for name, (ms, count) in tops:
+        print(f"  {ms:8.2f} ms {count:5d}x  {category(name):14s} {name[:170]}")
+    return {"busy_ms": round(busy, 1), "categories": {k: round(v, 2) for k, v in ranked},
+            "top": [dict(ms=round(ms, 3), count=count, category=category(n), kernel=n[:170])
+                    for n, (ms, count) in tops],
+            "summary": " ".join(f"{k} {v:.0f}" for k, v in ranked[:4]) + " ms"}

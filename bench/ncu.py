@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from bench.kernel_categories import category
+from bench.kernel_categories import step_report
 
 METRIC = "gpu__time_duration.sum"
 NS_PER = {"nsecond": 1.0, "ns": 1.0, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6}
@@ -56,19 +56,9 @@ def read_kernels(log: Path) -> list[tuple[str, float]]:
 
 def summarize(kernels: list[tuple[str, float]], top: int, label: str) -> dict:
     """GPU time by the profile kind's categories and the top kernels by total time, printed and returned."""
-    sums: dict[str, float] = {}
-    by_name: dict[str, list[float]] = {}
+    per_kernel: dict[str, tuple[float, int]] = {}
     for name, ns in kernels:
-        sums[category(name)] = sums.get(category(name), 0.0) + ns / 1e6
-        by_name.setdefault(name, []).append(ns / 1e6)
-    busy = sum(sums.values())
-    print(f"{label} under ncu: {len(kernels)} kernels, GPU busy {busy:.1f} ms")
-    for cat, ms in sorted(sums.items(), key=lambda kv: -kv[1]):
-        print(f"  {cat:16s} {ms:8.1f} ms  {100 * ms / max(busy, 1e-9):5.1f}%")
-    tops = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
-    for name, times in tops:
-        print(f"  {sum(times):8.2f} ms {len(times):5d}x  {category(name):14s} {name[:170]}")
-    return {"busy_ms": round(busy, 1), "kernels": len(kernels),
-            "categories": {k: round(v, 2) for k, v in sorted(sums.items(), key=lambda kv: -kv[1])},
-            "top": [dict(ms=round(sum(t), 3), count=len(t), category=category(n), kernel=n[:170]) for n, t in tops],
-            "summary": " ".join(f"{k} {v:.0f}" for k, v in sorted(sums.items(), key=lambda kv: -kv[1])[:4]) + " ms"}
+        ms, count = per_kernel.get(name, (0.0, 0))
+        per_kernel[name] = (ms + ns / 1e6, count + 1)
+    return {"kernels": len(kernels), **step_report(
+        per_kernel, top, lambda busy: f"{label} under ncu: {len(kernels)} kernels, GPU busy {busy:.1f} ms")}

@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.bench_train import make_options
 from bench.compat import qtrain
-from bench.kernel_categories import category
+from bench.kernel_categories import step_report
 from bench.kinds import Skip
 from qtrain.kernels import cross_entropy
 
@@ -40,24 +40,13 @@ def run(model: str, batch: int, accum: int, top: int = 22, fused_ce: bool = True
     with profile(activities=[ProfilerActivity.CUDA]) as prof:  # no CPU tracing: keeps host gaps real
         step()
         torch.cuda.synchronize()
-    sums: dict[str, float] = {}
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    for e in kernels:
-        sums[category(e.key)] = sums.get(category(e.key), 0.0) + e.device_time_total / 1e3
-    busy = sum(sums.values())
-    print(f"{model} b{batch}x{accum} {p}: wall {wall:.1f} ms/step (unprofiled), GPU busy {busy:.1f} ms")
-    for cat, ms in sorted(sums.items(), key=lambda kv: -kv[1]):
-        print(f"  {cat:16s} {ms:8.1f} ms  {100 * ms / busy:5.1f}%")
-    tops = sorted(kernels, key=lambda e: -e.device_time_total)[:top]
-    for e in tops:
-        print(f"  {e.device_time_total / 1e3:8.2f} ms {e.count:5d}x  {category(e.key):14s} {e.key[:170]}")
+    report = step_report({e.key: (e.device_time_total / 1e3, e.count) for e in kernels}, top,
+                         lambda busy: f"{model} b{batch}x{accum} {p}: wall {wall:.1f} ms/step (unprofiled), GPU busy "
+                                      f"{busy:.1f} ms")
     gaps = print_gaps(prof, top)
     misses = hint_misses(step, tr.model.swiglu_onepass, tr.device)
-    return {"wall_ms": round(wall, 1), "busy_ms": round(busy, 1), "onepass_hint_misses": misses,
-            "categories": {k: round(v, 2) for k, v in sorted(sums.items(), key=lambda kv: -kv[1])},
-            "top": [dict(ms=round(e.device_time_total / 1e3, 3), count=e.count, category=category(e.key),
-                         kernel=e.key[:170]) for e in tops], "gaps": gaps,
-            "summary": " ".join(f"{k} {v:.0f}" for k, v in sorted(sums.items(), key=lambda kv: -kv[1])[:4]) + " ms"}
+    return {"wall_ms": round(wall, 1), "onepass_hint_misses": misses, "gaps": gaps, **report}
 
 
 def make_step(model: str, batch: int, accum: int, fused_ce: bool, p: dict):

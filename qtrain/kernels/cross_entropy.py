@@ -99,22 +99,6 @@ def _load_row_f32(ptr, mask, KIND: tl.constexpr):
 
 
 @jit
-def _online_lse_step(m, s, x):
-    """Fold one block of a row (fp32, masked lanes -inf) into the online max `m` and sum of exp(x - m) `s`."""
-    m_new = tl.maximum(m, tl.max(x, axis=0))  # finite after the first block (it has a real column)
-    s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-    return m_new, s
-
-
-@jit
-def _grad_block(base, offs, x, lse, coef, tgt, valid, V, KIND: tl.constexpr):
-    """Write one block of d(logits) = softmax * (1 + 2 z lse) - onehot(target) over the logits."""
-    d = tl.exp(x - lse) * coef
-    d = tl.where(valid & (offs == tgt), d - 1.0, d)
-    store_f32(base + offs, d, offs < V, KIND)
-
-
-@jit
 def _ce_fwd_bwd_kernel(logits_ptr, targets_ptr, loss_ptr, lse_ptr, V, stride_row, z_loss,
                        KIND: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -128,7 +112,10 @@ def _ce_fwd_bwd_kernel(logits_ptr, targets_ptr, loss_ptr, lse_ptr, V, stride_row
     s = 0.0
     for start in range(0, V, BLOCK):
         offs = start + cols
-        m, s = _online_lse_step(m, s, _load_row_f32(base + offs, offs < V, KIND))
+        x = _load_row_f32(base + offs, offs < V, KIND)
+        m_new = tl.maximum(m, tl.max(x, axis=0))  # finite after the first block (it has a real column)
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
     lse = m + tl.log(s)
     safe_t = tl.where(valid, tgt, 0)
     x_t = _load_row_f32(base + safe_t, valid, KIND)  # -inf on ignored rows, masked out below
@@ -141,14 +128,17 @@ def _ce_fwd_bwd_kernel(logits_ptr, targets_ptr, loss_ptr, lse_ptr, V, stride_row
         coef = tl.where(valid, 1.0 + 2.0 * z_loss * lse, 0.0)
         for start in range(0, V, BLOCK):
             offs = start + cols
-            _grad_block(base, offs, _load_row_f32(base + offs, offs < V, KIND), lse, coef, tgt, valid, V, KIND)
+            mask = offs < V
+            x = _load_row_f32(base + offs, mask, KIND)
+            d = tl.exp(x - lse) * coef
+            d = tl.where(valid & (offs == tgt), d - 1.0, d)
+            store_f32(base + offs, d, mask, KIND)
 
 
 def cross_entropy_fwd_bwd_inplace_triton(logits: torch.Tensor, targets: torch.Tensor, *, z_loss: float,
                                          need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the fused kernel (see module docstring); d(logits) overwrites ``logits`` and is returned."""
     return _launch(logits, targets, z_loss=z_loss, need_grad=need_grad, block=BLOCK_V, num_warps=NUM_WARPS)
-
 
 
 def _launch(logits, targets, *, z_loss, need_grad, block, num_warps):
