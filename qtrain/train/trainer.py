@@ -189,7 +189,8 @@ class Trainer:
             raise RuntimeError(f"micro_step called more than --grad-accumulation={ga} times before update()")
         if loss_scale is None:
             loss_scale = self.loss_scale(int((targets != IGNORE_INDEX).sum()) * ga * self.ctx.world)
-        inputs, targets = to_device_async(inputs, self.device), to_device_async(targets, self.device)
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
         self.grads.start_micro_step(step=self.steps_done, micro_step=self.micro, num_micro_steps=ga)
         debug = self._debug_step()
         if debug:
@@ -304,15 +305,3 @@ class Trainer:
         self.weights.invalidate()
         self.optimizer.load_state_tensors({k: state[k] for k in ("adam.m", "adam.v")}, step)
         self.steps_done = step
-
-
-def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` on `device` without the host waiting for the GPU. A copy from pageable host memory is synchronous in
-    CUDA's sense even with non_blocking: the driver first waits for the stream to drain. A micro-step's batch
-    (the loader's numpy arrays) would then stall the host at every micro-batch until the GPU had run everything
-    queued (the previous micro-step's backward, the last step's update), and the GPU would idle while the host
-    launched the next forward from scratch instead of ahead of it. A pageable batch is copied into pinned memory
-    first (PyTorch's caching host allocator: reused, and not before the copy that reads it has run)."""
-    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)

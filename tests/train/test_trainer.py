@@ -151,33 +151,3 @@ def test_step_refuses_a_wrong_number_of_micro_batches(model_dir):
     with pytest.raises(RuntimeError, match="step\\(\\) after 1 micro_step\\(\\) calls of an unfinished step"):
         tr.step([micro_batch(0, m, 0) for m in range(GA)], lr=LR)
     assert tr.micro == 1 and tr.steps_done == 0
-
-
-# ------------------------------------------------------------------------- a micro-batch's copy to the GPU
-def test_to_device_async_leaves_host_tensors_and_cpu_runs_alone():
-    """On a CPU run nothing is pinned (pinning needs CUDA) and the tensor is the same one."""
-    from qtrain.train.trainer import to_device_async
-    x = torch.arange(6).reshape(2, 3)
-    assert to_device_async(x, CPU) is x
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_to_device_async_does_not_wait_for_the_stream():
-    """With a ~1 s kernel queued, the copy of a pageable batch returns while the kernel still runs (the stream
-    is not done), and the data arrives. The control: a plain non_blocking copy of the same pageable tensor
-    returns only after the stream drained, which is CUDA's documented behaviour for pageable memory and what
-    `to_device_async` avoids."""
-    from qtrain.train.trainer import to_device_async
-    dev = torch.device("cuda")
-    x = torch.randint(0, 151936, (64, 1024))  # a micro-batch of token ids, pageable
-    assert not x.is_pinned()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU cycles
-    y = to_device_async(x, dev)
-    assert not torch.cuda.current_stream().query(), "the host waited for the stream"
-    torch.cuda.synchronize()
-    assert torch.equal(y.cpu(), x)
-    torch.cuda._sleep(2_000_000_000)
-    x.to(dev, non_blocking=True)
-    assert torch.cuda.current_stream().query(), "control: a pageable non_blocking copy waits for the stream"
