@@ -19,18 +19,6 @@ the ~10 elementwise passes over fp32 copies of the logits that the plain-torch s
 
 With ``need_grad=False`` the kernel only runs pass 1 and leaves ``logits`` untouched.
 
-**One read per row** (``_ce_split_kernel``, the default with ``need_grad`` on the GPU): the two passes above read
-each row twice from HBM (a 152k-entry bf16 row is 297 KB; the ~1000 rows in flight do not fit in L2). llm.q reads
-it once by holding the row in the shared memory of a cluster of 8 blocks. Triton has no clusters, so the row is
-split into ``cdiv(V, SPLIT_CHUNK)`` parts, one program each, holding its part in registers: each program folds its
-part into (max, sum-exp), publishes the pair, counts itself in by an atomic on the row's counter (release) and
-waits until every part has counted (acquire), combines the pairs into the row's lse and writes d(logits) from the
-registers. The wait needs the parts of a row resident together: they are consecutive program ids, which the GPU
-dispatches in order, and a row has at most a few dozen parts against hundreds of resident programs. Triton's
-interpreter runs programs one after another, so it runs this kernel only where a row is one part (``V <=
-SPLIT_CHUNK``) and takes the two-pass kernel otherwise. Same arithmetic as the two-pass kernel except the order
-in which the row's sum-exp is combined (parts instead of blocks): lse to a few ulps of either.
-
 The plain-torch twin (``cross_entropy_fwd_bwd_inplace_twin``) runs the specification and copies its
 d(logits) into ``logits``, so both paths have the same aliasing. Dispatch: ``qtrain.kernels.dispatch``.
 """
@@ -39,15 +27,13 @@ from __future__ import annotations
 
 import torch
 
-from qtrain.kernels.dispatch import INTERPRET, jit, tl, use_triton
+from qtrain.kernels.dispatch import jit, tl, use_triton
 from qtrain.kernels.stochastic_rounding import KINDS, store_f32
 
 __all__ = [
     "BLOCK_V",
     "FUSED_CE_ENABLED",
     "NUM_WARPS",
-    "SPLIT_CHUNK",
-    "SPLIT_WARPS",
     "cross_entropy_fwd_bwd_inplace_",
     "cross_entropy_fwd_bwd_inplace_triton",
     "cross_entropy_fwd_bwd_inplace_twin",
@@ -64,10 +50,6 @@ IGNORE_INDEX = -100
 # 1.1-1.2 ms (~3 TB/s for its read, read and write), 1.7% of a Qwen2.5-1.5B step.
 BLOCK_V = 4096
 NUM_WARPS = 8
-# One-read kernel: columns per program (a power of two; the row's last part is masked) and warps per program.
-# 16384 fp32 values over 8 warps are 64 registers per thread; see bench/bench_ce.py for the sweep.
-SPLIT_CHUNK = 16384
-SPLIT_WARPS = 8
 
 
 # ---------------------------------------------------------------------------------------------- twin
@@ -153,56 +135,13 @@ def _ce_fwd_bwd_kernel(logits_ptr, targets_ptr, loss_ptr, lse_ptr, V, stride_row
             store_f32(base + offs, d, mask, KIND)
 
 
-@jit
-def _ce_split_kernel(logits_ptr, targets_ptr, loss_ptr, lse_ptr, stats_ptr, count_ptr, V, stride_row, z_loss,
-                     KIND: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, CHUNK: tl.constexpr):
-    """Program (row, part) of the one-read kernel (module docstring): part ``pid % SPLITS`` of row ``pid // SPLITS``.
-    stats_ptr: fp32 (rows, 2, SPLITS) scratch for each part's (max, sum-exp); count_ptr: int32 (rows,) zeros."""
-    pid = tl.program_id(0).to(tl.int64)
-    row = pid // SPLITS
-    part = pid % SPLITS
-    base = logits_ptr + row * stride_row
-    offs = part * CHUNK + tl.arange(0, CHUNK)
-    mask = offs < V
-    x = _load_row_f32(base + offs, mask, KIND)  # held until the gradient is written: the row's only read
-    m = tl.max(x, axis=0)  # finite: every part has a real column
-    s = tl.sum(tl.exp(x - m), axis=0)
-    stats = stats_ptr + row * (2 * SPLITS)
-    tl.store(stats + part, m)
-    tl.store(stats + SPLITS + part, s)
-    tl.debug_barrier()  # every thread's stores issued before the release below publishes them
-    tl.atomic_add(count_ptr + row, 1, sem="release")
-    done = tl.atomic_add(count_ptr + row, 0, sem="acquire")
-    while done < SPLITS:
-        done = tl.atomic_add(count_ptr + row, 0, sem="acquire")
-    parts = tl.arange(0, SPLITS_P2)
-    pm = tl.load(stats + parts, mask=parts < SPLITS, other=float("-inf"), volatile=True)
-    ps = tl.load(stats + SPLITS + parts, mask=parts < SPLITS, other=0.0, volatile=True)
-    m_row = tl.max(pm, axis=0)
-    lse = m_row + tl.log(tl.sum(ps * tl.exp(pm - m_row), axis=0))
-
-    tgt = tl.load(targets_ptr + row).to(tl.int64)
-    valid = tgt != -100
-    if part == 0:
-        x_t = _load_row_f32(base + tl.where(valid, tgt, 0), valid, KIND)
-        tl.store(loss_ptr + row, tl.where(valid, (lse - x_t) + z_loss * (lse * lse), 0.0))
-        tl.store(lse_ptr + row, lse)
-    coef = tl.where(valid, 1.0 + 2.0 * z_loss * lse, 0.0)
-    d = tl.exp(x - lse) * coef
-    d = tl.where(valid & (offs == tgt), d - 1.0, d)
-    store_f32(base + offs, d, mask, KIND)
-
-
 def cross_entropy_fwd_bwd_inplace_triton(logits: torch.Tensor, targets: torch.Tensor, *, z_loss: float,
                                          need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the fused kernel (see module docstring); d(logits) overwrites ``logits`` and is returned."""
-    return _launch(logits, targets, z_loss=z_loss, need_grad=need_grad, block=BLOCK_V, num_warps=NUM_WARPS,
-                   split_chunk=SPLIT_CHUNK, split_warps=SPLIT_WARPS)
+    return _launch(logits, targets, z_loss=z_loss, need_grad=need_grad, block=BLOCK_V, num_warps=NUM_WARPS)
 
 
-def _launch(logits, targets, *, z_loss, need_grad, block, num_warps, split_chunk=0, split_warps=8):
-    """split_chunk > 0: the one-read kernel with parts of that many columns where it can run (with ``need_grad``;
-    under the interpreter only for rows of one part); else, and for the loss alone, the two-pass kernel."""
+def _launch(logits, targets, *, z_loss, need_grad, block, num_warps):
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"logits must be (n, V) and targets (n,), got {tuple(logits.shape)} and {tuple(targets.shape)}")
     if logits.dtype not in KINDS:
@@ -214,15 +153,7 @@ def _launch(logits, targets, *, z_loss, need_grad, block, num_warps, split_chunk
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
     kind = KINDS[logits.dtype]
     buf = logits.view(torch.int16) if kind == 1 else logits
-    splits = -(-v // split_chunk) if split_chunk else 0
-    if n and need_grad and splits and not (INTERPRET and splits > 1):
-        p2 = 1 << max(0, (splits - 1).bit_length())
-        stats = torch.empty(n, 2, splits, dtype=torch.float32, device=logits.device)
-        count = torch.zeros(n, dtype=torch.int32, device=logits.device)
-        _ce_split_kernel[(n * splits,)](buf, targets.contiguous(), loss, lse, stats, count, v, logits.stride(0),
-                                        float(z_loss), KIND=kind, SPLITS=splits, SPLITS_P2=p2, CHUNK=split_chunk,
-                                        num_warps=split_warps)
-    elif n:
+    if n:
         _ce_fwd_bwd_kernel[(n,)](buf, targets.contiguous(), loss, lse, v, logits.stride(0), float(z_loss),
                                  KIND=kind, WRITE_GRAD=bool(need_grad), BLOCK=block, num_warps=num_warps)
     return loss.sum(), lse, (logits if need_grad else None)

@@ -124,7 +124,7 @@ def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((ia - ib).abs().max())
 
 
-def _check_triton_vs_twin(x, t, z_loss, *, block=None, need_grad=True, split_chunk=0, split_warps=4):
+def _check_triton_vs_twin(x, t, z_loss, *, block=None, need_grad=True):
     """Kernel (in place on a copy) vs twin. Tolerances, fp32: the kernel's lse is an online max/sum-exp over
     blocks, the twin's torch.logsumexp is two-pass, so lse agrees to a few ulps (rtol 2e-6, |lse| ~ 10-1000);
     d(logits) = exp(x - lse) inherits that as an absolute error of ~ulp(lse) in the exponent, i.e. a relative
@@ -137,8 +137,7 @@ def _check_triton_vs_twin(x, t, z_loss, *, block=None, need_grad=True, split_chu
         with dispatch.backend("triton"):
             loss, lse, dl = ce.cross_entropy_fwd_bwd_inplace_(buf, t, **kw)
     else:
-        loss, lse, dl = ce._launch(buf, t, **kw, block=block, num_warps=4, split_chunk=split_chunk,
-                                   split_warps=split_warps)
+        loss, lse, dl = ce._launch(buf, t, **kw, block=block, num_warps=4)
     with dispatch.backend("twin"):
         r_loss, r_lse, r_dl = ce.cross_entropy_fwd_bwd_inplace_(x.clone(), t, **kw)
     assert loss.dtype == lse.dtype == torch.float32 and loss.dim() == 0
@@ -215,25 +214,6 @@ def test_interp_public_dispatch_uses_default_block():
     _check_triton_vs_twin(x, t, 1e-3)
 
 
-@interp_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,v,chunk", [(6, 512, 512), (7, 1000, 1024), (5, 77, 128), (3, 1, 16)])
-def test_interp_one_read_kernel_of_one_part(dtype, n, v, chunk):
-    """The one-read kernel where a row is one part (all the interpreter can run: it runs programs one after
-    another, so a part waiting for another would wait forever): its fold, count, wait and gradient against
-    the twin, with ignored rows and targets at both ends. Rows of several parts run on the GPU (below)."""
-    x, t = make_case(n, v, dtype, seed=n + v)
-    _check_triton_vs_twin(x, t, 1e-3, block=128, split_chunk=chunk)
-
-
-@interp_only
-def test_interp_rows_of_several_parts_take_the_two_pass_kernel():
-    """Under the interpreter a row of several parts goes to the two-pass kernel (the one-read kernel would
-    wait forever): the public entry point still matches the twin and returns."""
-    x, t = make_case(4, 3 * 128 + 1, seed=17)
-    _check_triton_vs_twin(x, t, 1e-3, block=128, split_chunk=128)
-
-
 # ------------------------------------------------------------------------- sm_90 build, on the CPU
 CE_SIG = {"logits_ptr": "*i16", "targets_ptr": "*i64", "loss_ptr": "*fp32", "lse_ptr": "*fp32", "V": "i32",
           "stride_row": "i32", "z_loss": "fp32"}
@@ -252,53 +232,7 @@ def test_kernel_builds_for_hopper(kind, write_grad):
     assert stores > (2 if write_grad else 0), "loss and lse per row, and with pass 2 the gradient blocks"
 
 
-SPLIT_SIG = {**CE_SIG, "stats_ptr": "*fp32", "count_ptr": "*i32"}
-
-
-@pytest.mark.skipif(not dispatch.HAS_TRITON, reason="no triton")
-@pytest.mark.parametrize("kind", [0, 1])
-def test_one_read_kernel_builds_for_hopper(kind):
-    """The one-read kernel at the default part size compiles for sm_90 and publishes its (max, sum-exp) with a
-    release atomic after a barrier, then waits with acquire loads: the ordering the exchange relies on."""
-    splits = -(-151936 // ce.SPLIT_CHUNK)
-    sig = {**SPLIT_SIG, "logits_ptr": "*i16" if kind == 1 else "*fp32"}
-    ptx = compile_for_hopper(ce._ce_split_kernel, sig, {"KIND": kind, "SPLITS": splits,
-                                                         "SPLITS_P2": 1 << (splits - 1).bit_length(),
-                                                         "CHUNK": ce.SPLIT_CHUNK}, num_warps=ce.SPLIT_WARPS)
-    release = ptx.index("atom.global.gpu.release.add")
-    assert "bar.sync" in ptx[:release], "a barrier before the release: every thread's stats stored"
-    assert "ld.global.gpu.acquire" in ptx[release:], "the wait reads the row's count with acquire semantics"
-    assert "ld.volatile.global" in ptx[release:], "the parts' stats are read past L1"
-
-
 # --------------------------------------------------------------------------------- GPU
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("chunk,warps", [(8192, 4), (16384, 8), (32768, 16), (65536, 16), (262144, 32)])
-def test_gpu_one_read_kernel_matches_twin(dtype, chunk, warps):
-    """Rows of 19, 10, 5, 3 and 1 parts (152k columns; the last part masked) and a vocabulary that is not a
-    multiple of the part, over 2048 rows so that hundreds of rows wait on their parts at once: the exchange of
-    (max, sum-exp) between programs gives the twin's results to the same tolerances as the two-pass kernel."""
-    for v in (151936, 32000 + 7):
-        x, t = make_case(2048 if chunk < 65536 else 256, v, dtype, seed=v + chunk, device="cuda")
-        _check_triton_vs_twin(x, t, 1e-4, block=ce.BLOCK_V, split_chunk=chunk, split_warps=warps)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_one_read_kernel_is_the_default_with_grads():
-    """With d(logits) asked for, the public entry point runs the one-read kernel at the default part size:
-    its results are that launch's bit for bit (and not always the two-pass kernel's, whose sum-exp is folded
-    in another order)."""
-    x, t = make_case(512, 151936, torch.bfloat16, seed=3, device="cuda")
-    with dispatch.backend("triton"):
-        got = ce.cross_entropy_fwd_bwd_inplace_(x.clone(), t, z_loss=1e-4, need_grad=True)
-    want = ce._launch(x.clone(), t, z_loss=1e-4, need_grad=True, block=ce.BLOCK_V, num_warps=ce.NUM_WARPS,
-                      split_chunk=ce.SPLIT_CHUNK, split_warps=ce.SPLIT_WARPS)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-
-
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
