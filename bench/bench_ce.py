@@ -7,7 +7,10 @@ that they fit in L2 was measured slower twice and removed: 2026-12-02, 8.1 ms at
 8.9-24.8 ms at 1056 down to 132 programs; 2026-12-03 (session 20), with the loads of the next block issued before
 the current one is folded, L2 eviction hints (keep the row in pass 1, drop it in pass 2), 1 or 2 programs per SM,
 blocks of 8192-32768 and 8-32 warps: 9.9-23.4 ms against the default's 8.0 (BENCHMARKS.md). llm.q reads each row
-once (a cluster of 8 blocks holds it in shared memory), which Triton cannot express. Variants vary block and
+once (a cluster of 8 blocks holds it in shared memory), which Triton cannot express. A one-read kernel without
+clusters (session 21: the row split over 5-19 programs that hold their parts in registers and exchange (max,
+sum-exp) through memory, release/acquire on a per-row counter) was slower at all 9 shapes: 8.70-19.05 ms against
+8.02 (git show 7c020f0); its short programs wait on their partners instead of streaming. Variants vary block and
 warps. GB/s counts one read and one write per element (the floor); whether a variant's output equals the default
 launch's bit for bit is shown (another block size sums the row in another order).
 
