@@ -17,7 +17,8 @@ MODES (flags on top of the recipe): fp32-master (`--model-dtype bf16 --master-dt
 reference), bf16-sr (bf16 weights and states, stochastic rounding), e4m3 (+ `--matmul-dtype e4m3`, with the default
 `--fp8-swiglu-onepass`: power-of-two scales for the SwiGLU output and its gradient), e4m3-m (+ `--opt-m-dtype e4m3`),
 bf16-rn (bf16 with `--no-stochastic-rounding`: what SR buys), e4m3-exact (e4m3 with `--no-fp8-swiglu-onepass`: every
-tensor at its exact abs-max scale; session 15 ran it as e4m3-onepass against the then exact-scale e4m3).
+tensor at its exact abs-max scale; session 15 ran it as e4m3-onepass against the then exact-scale e4m3), e4m3-fh (e4m3
+with `--fp8-head-backward`: the LM head's gradient GEMMs in FP8).
 
 Recipe (defaults): 300 steps of 16 x 512 tokens x 2 micro-batches (16k tokens per step, 4.9M tokens: ~1.1 epochs
 of the text's ~4.4M training tokens at ~4.7 bytes per token), AdamW lr 3e-4, beta2 0.95, weight decay 0.1, clip 1.0, warmup 100 steps (a third of the run:
@@ -50,6 +51,8 @@ MODES: dict[str, list[str]] = {
                 "--no-stochastic-rounding"],
     "e4m3-exact": ["--model-dtype", "bf16", "--opt-m-dtype", "bf16", "--opt-v-dtype", "bf16", "--matmul-dtype",
                    "e4m3", "--fp8-policy", "all", "--no-fp8-swiglu-onepass"],
+    "e4m3-fh": ["--model-dtype", "bf16", "--opt-m-dtype", "bf16", "--opt-v-dtype", "bf16", "--matmul-dtype", "e4m3",
+                "--fp8-policy", "all", "--fp8-head-backward"],
 }
 TEXT_DIR = "data/fidelity/text"
 TEXT_BYTES = 20 << 20

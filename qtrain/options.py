@@ -291,6 +291,14 @@ class Options:
     suite's 0.5B e4m3 runs with and without it evaluate within 0.25% of each other over 250 steps. Unset (auto): on
     with --matmul-dtype e4m3 unless --recompute-swiglu / --recompute-ffn split the MLP; --no-fp8-swiglu-onepass
     keeps the exact abs-max scales."""
+    fp8_head_backward: bool = False
+    """With --matmul-dtype e4m3: run the LM head's two gradient GEMMs (d(hidden) and d(W_head)) in FP8, the
+    cross-entropy writing d(logits) straight to e5m2 at a fixed power-of-two scale (and its transpose) and the head
+    weight and final hidden states quantized to e4m3 per micro-step; the logits GEMM, and so the loss, stay in the
+    model dtype. llm.q keeps the whole head in bf16; the head is ~16% of a Qwen2.5-1.5B e4m3 step. Needs the
+    vocabulary and hidden size to be multiples of 16 (cuBLASLt FP8); a micro-batch whose tokens are not a multiple of
+    16 runs its head in bf16. Costs memory (the plan counts it): one byte per logit of a chunk, and the e4m3 copies.
+    See docs/precision.md for its fidelity."""
     offload_quants: bool = False
     """Keep the persistent e4m3 weight shards in pinned host memory (needs --persistent-quants and sharded weights)."""
     offload_master: bool = False
@@ -522,6 +530,9 @@ class Options:
         if self.fp8_keep_transposes and self.effective_matmul_dtype != "e4m3":
             raise err("--fp8-keep-transposes only applies with --matmul-dtype e4m3: it keeps the e4m3 transposes "
                       "of the block linears' inputs")
+        if self.fp8_head_backward and self.effective_matmul_dtype != "e4m3":
+            raise err("--fp8-head-backward only applies with --matmul-dtype e4m3: it runs the LM head's gradient "
+                      "GEMMs in FP8")
         if self.fp8_swiglu_onepass and self.effective_matmul_dtype != "e4m3":
             raise err("--fp8-swiglu-onepass only applies with --matmul-dtype e4m3: it writes the SwiGLU output and "
                       "its gradient in e4m3")

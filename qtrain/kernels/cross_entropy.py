@@ -37,6 +37,7 @@ __all__ = [
     "cross_entropy_fwd_bwd_inplace_",
     "cross_entropy_fwd_bwd_inplace_triton",
     "cross_entropy_fwd_bwd_inplace_twin",
+    "dlogits_f32",
 ]
 
 FUSED_CE_ENABLED: bool = True
@@ -67,12 +68,18 @@ def chunk_loss_and_dlogits(logits: torch.Tensor, targets: torch.Tensor, *, z_los
         loss_sum = loss_sum + z_loss * torch.where(valid, lse * lse, 0.0).sum()
     if not need_grad:
         return loss_sum, lse, None
-    # d(loss_sum)/d(logits) = softmax - onehot (+ 2 z lse softmax), zero on ignored rows. The caller's
-    # `scale` is applied in the two GEMMs (alpha), so it never becomes a compile-time constant here.
+    # The caller's `scale` is applied in the two GEMMs (alpha), so it never becomes a compile-time constant here.
+    return loss_sum, lse, dlogits_f32(lf, lse, targets, z_loss).to(logits.dtype)
+
+
+def dlogits_f32(lf: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, z_loss: float) -> torch.Tensor:
+    """d(loss_sum)/d(logits) in fp32 from fp32 logits and their lse: softmax * (1 + 2 z lse) - onehot(target), zero
+    on ignored rows (the specification's gradient, before it is rounded to the model dtype or quantized)."""
+    valid = targets != IGNORE_INDEX
     coef = torch.where(valid, 1.0 + 2.0 * z_loss * lse, 0.0)
     dl = torch.exp(lf - lse[:, None]) * coef[:, None]
-    dl.scatter_add_(1, safe_t[:, None], torch.where(valid, -1.0, 0.0)[:, None])
-    return loss_sum, lse, dl.to(logits.dtype)
+    dl.scatter_add_(1, torch.where(valid, targets, 0)[:, None], torch.where(valid, -1.0, 0.0)[:, None])
+    return dl
 
 
 def cross_entropy_fwd_bwd_inplace_twin(logits: torch.Tensor, targets: torch.Tensor, *, z_loss: float,

@@ -184,11 +184,11 @@ def activation_memory(cfg: ModelConfig, tokens: int, *, model_dtype: str = "bf16
 
 
 def workspace_phases(cfg: ModelConfig, tokens: int, *, model_dtype: str = "bf16", lmhead_chunks: int = 1,
-                     cuda: bool = True, **kw: Any) -> dict[str, int]:
+                     cuda: bool = True, fp8_head_backward: bool = False, **kw: Any) -> dict[str, int]:
     """Transient bytes of a micro-step's phases beyond the activations (`activation_terms` kwargs), estimates
     checked against a CPU allocation tracker and the H200's peaks:
       lm_head             the final RMSNorm (eager: fp32 copy, normalized value, output, rstd) and the chunked
-                          head and loss (`loss.head_workspace_bytes`);
+                          head and loss (`loss.head_workspace_bytes`, with --fp8-head-backward's operands);
       block_backward      one block's backward: d(input) and the incoming d(output), fresh weight gradients,
                           activation-gradient temporaries (the largest saved tensors come back as gradients),
                           the tied head's gradient (kept for the embedding), and the recomputed steps' saved
@@ -201,7 +201,8 @@ def workspace_phases(cfg: ModelConfig, tokens: int, *, model_dtype: str = "bf16"
     up = 4 if E != 4 else 0
     tied = cfg.tie_word_embeddings
     inp = N * C * E
-    head = N * ((up + 2 * E) * C + 4) + head_workspace_bytes(N, C, V, dtype_bytes=E, chunks=lmhead_chunks, cuda=cuda)
+    head = N * ((up + 2 * E) * C + 4) + head_workspace_bytes(N, C, V, dtype_bytes=E, chunks=lmhead_chunks, cuda=cuda,
+                                                             fp8_backward=fp8_head_backward)
     full_block = layer_activation_bytes(cfg, N, model_dtype=model_dtype, **kw)
     block_numel = sum(math.prod(s) for s in block_shapes(cfg).values()) if cfg.num_hidden_layers else 0
     grad_tmp = N * (E * (cfg.intermediate_size + 2 * C) + 4 * cfg.q_dim // attn_chunks)  # CPU-measured bound

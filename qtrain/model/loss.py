@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 
 from qtrain.kernels import cross_entropy
+from qtrain.kernels.cross_entropy_fp8 import G_SCALE_EXP, cross_entropy_fp8_grads
+from qtrain.numerics.fp8 import E4M3, quantize_fp8_transposed, scaled_mm
 from qtrain.kernels.cross_entropy import IGNORE_INDEX  # noqa: F401  (re-exported: the model's ignore label)
 from qtrain.kernels.cross_entropy import chunk_loss_and_dlogits as _chunk_loss_and_dlogits  # noqa: F401
 
@@ -40,36 +42,92 @@ def _loss_fn(cuda: bool):
     return _compiled_loss_fn
 
 
+def fp8_backward_shapes_ok(rows: int, hidden: int, vocab: int) -> bool:
+    """Whether the FP8 backward GEMMs take this head: cuBLASLt FP8 needs K and N multiples of 16 (the vocabulary and
+    hidden size; the rows, which are d(W)'s K, in chunks of multiples of 16)."""
+    return rows % 16 == 0 and hidden % 16 == 0 and vocab % 16 == 0
+
+
 def lm_head_loss_and_grads(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, *, chunks: int, z_loss: float,
-                           scale: float, need_grad: bool = True
+                           scale: float, need_grad: bool = True, fp8_backward: bool = False
                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(scale * summed token loss, d(h), d(w)) of `h` (N, C) under the head `w` (V, C), chunk by chunk (module
     docstring); the gradients are those of the returned loss, None without `need_grad`. No autograd: a caller that
     starts its backward here (the Transformer's micro-step) uses d(h) and d(w) as they are, with no multiplication
-    by an upstream gradient of 1 (two passes over d(w), 467 MB at Qwen2.5-1.5B, per micro-step)."""
+    by an upstream gradient of 1 (two passes over d(w), 467 MB at Qwen2.5-1.5B, per micro-step).
+
+    `fp8_backward` (--fp8-head-backward): the two gradient GEMMs in FP8 (`_fp8_chunk_grads`) where the shapes allow
+    (`fp8_backward_shapes_ok`, else bf16 as without); the logits and the loss are the same either way."""
     if chunks < 1:
         raise ValueError(f"--lmhead-chunks must be >= 1, got {chunks}")
     n = h.shape[0]
     dh = torch.empty_like(h) if need_grad else None
     # d(w) is written by the first chunk's GEMM (beta 0) and accumulated by the others: no memset of it first
     dw = (torch.empty_like(w) if n else torch.zeros_like(w)) if need_grad else None
-    beta = 0
+    first = True
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
-    bounds = [n * i // chunks for i in range(chunks + 1)]
+    fp8 = _Fp8HeadOperands.of(h, w, scale) if need_grad and fp8_backward and n and fp8_backward_shapes_ok(
+        n, h.shape[1], w.shape[0]) else None
+    step = 16 if fp8 is not None else 1  # FP8: chunks of whole 16-row groups (d(W)'s K and q^T's column offset)
+    bounds = [step * (n // step * i // chunks) for i in range(chunks)] + [n]
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         if hi == lo:
             continue
         hc = h[lo:hi]
         logits = hc @ w.t()  # (n_c, V) in model dtype
+        if fp8 is not None:
+            ls, _, g, g_t = cross_entropy_fp8_grads(logits, targets[lo:hi], z_loss=z_loss)
+            fp8.chunk_grads(g, g_t, lo, hi, dh, dw, first=first)
+            del g, g_t, logits
+            loss += ls
+            first = False
+            continue
         ls, _, dl = _loss_fn(logits.is_cuda)(logits, targets[lo:hi], z_loss=z_loss, need_grad=need_grad)
         del logits
         loss += ls
         if need_grad:
             _addmm_(dh[lo:hi], dl, w, beta=0, alpha=scale)
-            _addmm_(dw, dl.t(), hc, beta=beta, alpha=scale)
-            beta = 1
+            _addmm_(dw, dl.t(), hc, beta=0 if first else 1, alpha=scale)
+            first = False
         del dl  # free this chunk's d(logits) before the next chunk's logits exist
     return loss * scale, dh, dw
+
+
+class _Fp8HeadOperands:
+    """The LM head's backward in FP8 (--fp8-head-backward): d(h) = G W and d(W) = G^T h as e5m2 x e4m3 GEMMs, G the
+    cross-entropy's d(logits) in e5m2 at the fixed scale 2^15 (kernels/cross_entropy_fp8.py says why), W and h in
+    e4m3 with per-tensor abs-max scales, quantized once per call of `lm_head_loss_and_grads` (per micro-step: the
+    weight changes at every update, and a cache keyed on it would miss writes into reused gather buffers). The
+    forward GEMM (the logits) stays in the model dtype, so the loss is unchanged. Why: the head's three GEMMs are
+    ~16% of a Qwen2.5-1.5B e4m3 step (BENCHMARKS.md session 18) and FP8 runs GEMMs at up to twice bf16's rate.
+
+    cuBLASLt multiplies FP8 row-major by column-major only: d(h) takes G (n_c, V) and W^T (C, V); d(W) takes G^T
+    (V, n_c) and h^T (C, n); the quantize kernel writes W^T and h^T, the cross-entropy kernel G and G^T. Memory
+    beyond the bf16 head (`head_workspace_bytes`): G^T (one chunk, 1 byte per logit), W's and h's two e4m3 copies,
+    and with several chunks one fp32 (V, C) product per chunk after the first, added into d(W) (one rounding, as
+    the bf16 path's accumulating GEMM)."""
+
+    def __init__(self, w_t: torch.Tensor, w_inv: torch.Tensor, h_t: torch.Tensor, h_inv: torch.Tensor,
+                 g_inv: torch.Tensor) -> None:
+        self.w_t, self.w_inv, self.h_t, self.h_inv, self.g_inv = w_t, w_inv, h_t, h_inv, g_inv
+
+    @classmethod
+    def of(cls, h: torch.Tensor, w: torch.Tensor, scale: float) -> "_Fp8HeadOperands":
+        w_t, w_inv = quantize_fp8_transposed(w, E4M3)  # (C, V)
+        h_t, h_inv = quantize_fp8_transposed(h, E4M3)  # (C, n)
+        # G's inverse scale times the loss scale: the GEMMs apply both (a fill kernel; CUDA graphs capture it)
+        g_inv = torch.full((), 2.0 ** -G_SCALE_EXP * scale, dtype=torch.float32, device=h.device)
+        return cls(w_t, w_inv, h_t, h_inv, g_inv)
+
+    def chunk_grads(self, g: torch.Tensor, g_t: torch.Tensor, lo: int, hi: int, dh: torch.Tensor, dw: torch.Tensor,
+                    *, first: bool) -> None:
+        """d(h)[lo:hi] = scale G W; d(W) = (first ? 0 : d(W)) + scale G^T h[lo:hi], for one chunk's G (its rows lo:hi)."""
+        scaled_mm(g, self.w_t.t(), self.g_inv, self.w_inv, out_dtype=dh.dtype, out=dh[lo:hi])
+        h_c = self.h_t[:, lo:hi].t()  # (n_c, C), column-major
+        if first:
+            scaled_mm(g_t, h_c, self.g_inv, self.h_inv, out_dtype=dw.dtype, out=dw)
+        else:
+            dw.add_(scaled_mm(g_t, h_c, self.g_inv, self.h_inv, out_dtype=torch.float32))
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -120,14 +178,19 @@ def chunked_lm_head_loss(h: torch.Tensor, w_head: torch.Tensor, targets: torch.T
 
 
 def head_workspace_bytes(tokens: int, hidden: int, vocab: int, *, dtype_bytes: int, chunks: int = 1,
-                        cuda: bool = True) -> int:
+                        cuda: bool = True, fp8_backward: bool = False) -> int:
     """Bytes `chunked_lm_head_loss` holds at its peak in training (an estimate, checked against a CPU allocation
     tracker and the H200's peaks): one chunk's logits with the loss's temporaries per logit, d(hidden) and
     d(W_head). On CUDA the fused cross-entropy (`_loss_fn`) writes d(logits) over the logits, so a logit costs
     one model-dtype value; the compiled loss keeps d(logits) and fp32 temporaries, and the plain CPU function
-    fp32 copies (plus, with several chunks, the previous chunk's d(logits) until the next one exists)."""
+    fp32 copies (plus, with several chunks, the previous chunk's d(logits) until the next one exists).
+    `fp8_backward` (`_Fp8HeadOperands`) adds, at its peak: the chunk's G^T (a byte per logit), the e4m3 copies of W
+    and h (both orders: the quantize kernel writes both), and with several chunks one fp32 (V, C) product."""
     E = dtype_bytes
     rows = -(-tokens // max(1, chunks))
+    if fp8_backward and fp8_backward_shapes_ok(tokens, hidden, vocab):
+        extra = rows * vocab + 2 * (vocab + tokens) * hidden + (4 * vocab * hidden if chunks > 1 else 0)
+        return extra + head_workspace_bytes(tokens, hidden, vocab, dtype_bytes=dtype_bytes, chunks=chunks, cuda=cuda)
     if cuda and cross_entropy.FUSED_CE_ENABLED:
         per_logit = E
     else:

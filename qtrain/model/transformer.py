@@ -257,6 +257,7 @@ class RunOptions:
     fp8_grad_dtype: str = "e4m3"  # with e4m3 matmuls: the output gradients' FP8 format, e4m3 or e5m2
     fp8_keep_transposes: bool = False  # with e4m3 and compile: keep the inputs' e4m3 transposes (numerics.fp8)
     fp8_swiglu_onepass: bool = False  # with e4m3 and the fused MLP: h and du in one pass, power-of-two scales
+    fp8_head_backward: bool = False  # the LM head's gradient GEMMs in FP8 (model/loss.py)
     wrap_linear: Callable[[Linear], Linear] | None = None  # instrumentation around the block linears
     # (--debug-log-abs-max); with it the MLP runs as separate linears, which the wrapper sees
 
@@ -419,7 +420,8 @@ class Transformer:
         with torch.enable_grad():
             h = self._final_norm(x_last, norm_w, cfg.rms_norm_eps).view(B * T, C)
         loss, dh, d_head = lm_head_loss_and_grads(h.detach(), head_w.detach(), targets.reshape(-1),
-                                                  chunks=self.run.lmhead_chunks, z_loss=z_loss, scale=loss_scale)
+                                                  chunks=self.run.lmhead_chunks, z_loss=z_loss, scale=loss_scale,
+                                                  fp8_backward=self.run.fp8_head_backward)
         start = _BackwardFrom.apply(h, dh)
         del h, dh, x
         dx, d_norm = torch.autograd.grad(start, [x_last, norm_w])

@@ -36,7 +36,7 @@ from qtrain.kernels.swiglu_fp8_onepass import new_scale_hint, swiglu_backward_fp
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 
-__all__ = ["E4M3", "E5M2", "FP8_MAX", "quantize_fp8", "check_scaled_mm_args", "scaled_mm",
+__all__ = ["E4M3", "E5M2", "FP8_MAX", "quantize_fp8", "quantize_fp8_transposed", "check_scaled_mm_args", "scaled_mm",
            "Fp8WeightCache", "fp8_linear", "fp8_swiglu_mlp"]
 
 
@@ -49,6 +49,14 @@ def quantize_fp8(x: Tensor, dtype: torch.dtype = E4M3, amax: Tensor | None = Non
     """
     q, _, inv_scale = fp8_quantize(x, dtype, amax)
     return q, inv_scale
+
+
+def quantize_fp8_transposed(x: Tensor, dtype: torch.dtype = E4M3) -> tuple[Tensor, Tensor]:
+    """(q^T contiguous, inv_scale) of a 2-D x with its own abs-max: the operand an FP8 GEMM needs where x's
+    reduction dimension is its first (cuBLASLt takes FP8 only row-major x column-major). One abs-max and one
+    quantize launch; the kernel writes q as well (not returned)."""
+    _, qt, inv_scale = fp8_quantize(x, dtype, transpose=True)
+    return qt, inv_scale
 
 
 Prenorm = tuple[Tensor, Tensor, Tensor]  # an RMSNorm's (input x, rstd, gain w) whose output a linear quantizes
@@ -203,20 +211,26 @@ def _scaled_mm_emulated(mat1: Tensor, mat2: Tensor, scale_a: Tensor, scale_b: Te
 
 def scaled_mm(a_fp8: Tensor, b_fp8: Tensor, a_inv_scale: Tensor, b_inv_scale: Tensor, *,
               out_dtype: torch.dtype = torch.bfloat16, bias: Tensor | None = None,
-              use_fast_accum: bool = False) -> Tensor:
+              use_fast_accum: bool = False, out: Tensor | None = None) -> Tensor:
     """out (M, N) = (a_fp8 * a_inv_scale) @ (b_fp8 * b_inv_scale) + bias, in out_dtype.
 
     a_fp8 (M, K) row-major, b_fp8 (K, N) column-major (b_fp8 = w_fp8.t() for a row-major w_fp8 (N, K)).
     The arguments are checked against CUDA's rules on every device (`check_scaled_mm_args`); on CUDA the
     GEMM is torch._scaled_mm, elsewhere `_scaled_mm_emulated`. `use_fast_accum` trades accuracy for
     speed on Hopper (no periodic promotion of the tensor-core accumulator to fp32); the emulation always
-    accumulates in fp32 and ignores it.
+    accumulates in fp32 and ignores it. `out`: a contiguous (M, N) tensor of out_dtype to write instead of a new one.
     """
     check_scaled_mm_args(a_fp8, b_fp8, a_inv_scale, b_inv_scale, out_dtype=out_dtype, bias=bias)
+    if out is not None and (out.shape != (a_fp8.shape[0], b_fp8.shape[1]) or out.dtype != out_dtype
+                            or not out.is_contiguous()):
+        raise RuntimeError(f"scaled_mm: out must be a contiguous {(a_fp8.shape[0], b_fp8.shape[1])} {out_dtype} "
+                           f"tensor, got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if a_fp8.is_cuda:
+        kwargs = {"out": out} if out is not None else {}
         return torch._scaled_mm(a_fp8, b_fp8, scale_a=a_inv_scale, scale_b=b_inv_scale, bias=bias,
-                                out_dtype=out_dtype, use_fast_accum=use_fast_accum)
-    return _scaled_mm_emulated(a_fp8, b_fp8, a_inv_scale, b_inv_scale, out_dtype, bias)
+                                out_dtype=out_dtype, use_fast_accum=use_fast_accum, **kwargs)
+    result = _scaled_mm_emulated(a_fp8, b_fp8, a_inv_scale, b_inv_scale, out_dtype, bias)
+    return result if out is None else out.copy_(result)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -290,13 +290,16 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
               compiled=compiled, attn_chunks=attn_chunks, fp8_weight_copies=not persistent_quants,
               fp8_keep_transposes=keep_t)
     acts = activation_memory(cfg, N, recompute=rc, offload_residual=opts.offload_residual, **kw)
-    phases = workspace_phases(cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc, **kw)
+    head_fp8 = bool(opts.fp8_head_backward and matmul == "e4m3")
+    phases = workspace_phases(cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc,
+                              fp8_head_backward=head_fp8, **kw)
     if 0 < len(fp8) < len(FP8_MATRICES):  # some linears in FP8, some not: the larger of the two (an upper bound)
         kw_plain = {**kw, "matmul_dtype": ""}
         plain = activation_memory(cfg, N, recompute=rc, offload_residual=opts.offload_residual, **kw_plain)
         acts = max(acts, plain, key=lambda a: a.device)
         phases = {k: max(v, p) for (k, v), p in zip(phases.items(), workspace_phases(
-            cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc, **kw_plain).values())}
+            cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc, fp8_head_backward=head_fp8,
+            **kw_plain).values())}
     items.append(Item(f"activations ({L} layers)", device=acts.device, host=acts.host, kind="activations",
                       parts={"per_layer": acts.per_layer, "inputs": L * acts.input, "output": acts.input},
                       detail=f"{_mib(acts.per_layer + acts.input)} per layer; recompute {recompute_label(rc)}"

@@ -120,7 +120,7 @@ class Trainer:
             # the e4m3 path with no FP8 linear still cost 17% host time at 0.5B, micro-batch 4)
             matmul_dtype=opts.effective_matmul_dtype if self.fp8 is None or self.fp8.fp8 else "",
             fp8_grad_dtype=opts.gradient_dtype or "e4m3", fp8_keep_transposes=self._keep_transposes(opts, use_compile),
-            fp8_swiglu_onepass=opts.effective_fp8_swiglu_onepass,
+            fp8_swiglu_onepass=opts.effective_fp8_swiglu_onepass, fp8_head_backward=opts.fp8_head_backward,
             fp8_linears=self.fp8.fp8 if self.fp8 is not None else FP8_MATRICES,
             wrap_linear=self._abs_max_wrapper(opts))
 

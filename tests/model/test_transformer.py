@@ -292,6 +292,50 @@ def test_fp8_swiglu_onepass_reaches_the_model_and_trains(tmp_path):
         assert abs(a - b) <= 2e-3 * abs(a), (a, b)
 
 
+def test_fp8_head_backward_reaches_the_model_and_trains(tmp_path):
+    """`--fp8-head-backward`: parsed (off by default), refused without e4m3 (options) and for a vocabulary that is not
+    a multiple of 16 (preflight's model check, before the model is built), handed to the model, counted by the memory
+    plan; a CPU run (twin codes, emulated FP8 GEMMs) trains to the e4m3 run's losses within FP8's error: only the
+    head's gradients differ (by ~3% of their norm, tests/kernels/test_cross_entropy_fp8.py), so 3 steps at lr 3e-3
+    move the loss by far less than 2% of itself."""
+    import argparse
+    import dataclasses
+    from qtrain.cli.options import add_train_args, options_from_args
+    from qtrain.options import Options, OptionsError
+    from qtrain.plan.memory import plan_memory
+    from qtrain.train.preflight import check_model
+    from qtrain.train.trainer import Trainer
+    from tests.dist_utils import write_model_dir
+    parser = argparse.ArgumentParser()
+    add_train_args(parser)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "odd").mkdir()
+    model_dir = str(write_model_dir(tmp_path / "m", tiny_cfg("qwen2", True)))
+    args = ["--model", model_dir, "--matmul-dtype", "e4m3"]
+    assert options_from_args(parser.parse_args(args + ["--fp8-head-backward"])).fp8_head_backward is True
+    assert options_from_args(parser.parse_args(args)).fp8_head_backward is False
+    base = dict(model=model_dir, from_scratch=True, device="cpu", compile="off", batch_size=2, seq_len=32,
+                grad_accumulation=1, matmul_dtype="e4m3", fp8_policy="all", model_dtype="bf16", seed=3)
+    with pytest.raises(OptionsError, match="--fp8-head-backward only applies with --matmul-dtype e4m3"):
+        Options(**{**base, "matmul_dtype": "bf16"}, fp8_head_backward=True).validate()
+    odd_dir = str(write_model_dir(tmp_path / "odd", dataclasses.replace(tiny_cfg("qwen2", True), vocab_size=120)))
+    with pytest.raises(OptionsError, match="--fp8-head-backward: the model's vocab_size 120"):
+        check_model(Options(**{**base, "model": odd_dir}, fp8_head_backward=True))
+    cfg = tiny_cfg("qwen2", True)
+    plans = [plan_memory(cfg, Options(**base, fp8_head_backward=fh), world=1, device="cpu") for fh in (False, True)]
+    assert plans[1].item("workspace").device > plans[0].item("workspace").device
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 128, (2, 33), generator=g) for _ in range(3)]
+    losses = {}
+    for fh in (False, True):
+        tr = Trainer(Options(**base, fp8_head_backward=fh))
+        assert tr.model.run.fp8_head_backward is fh
+        losses[fh] = [tr.step([(x[:, :-1], x[:, 1:])], lr=3e-3)["loss"] for x in batches]
+    assert losses[True][0] == losses[False][0], "the first step's loss comes before any gradient: the same bits"
+    for a, b in zip(losses[False], losses[True]):
+        assert math.isfinite(b) and abs(a - b) <= 2e-2 * abs(a), losses
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_fp8_onepass_under_recompute_block_trains_as_without(tmp_path):

@@ -183,6 +183,7 @@ GPU_CASES = {
     "bf16-ga3": {},
     "fp32-master-ga3": {"master_dtype": "fp32"},
     "e4m3-ga3": {"matmul_dtype": "e4m3", "fp8_policy": "all"},
+    "e4m3-ga3-fp8-head": {"matmul_dtype": "e4m3", "fp8_policy": "all", "fp8_head_backward": True},
     "bf16-ga3-recompute-ffn": {"recompute_ffn": True},
 }
 
