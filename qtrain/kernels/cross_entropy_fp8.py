@@ -19,7 +19,8 @@ range (probabilities down to ~1e-9 matter summed over a 152k vocabulary), and e5
 Layouts: q is written over the logits' own bytes, row r's codes in the first V bytes of row r (a view
 ``fp8_grad_view(logits)``, rows padded to the logits' row stride in bytes); each program owns whole rows and reads
 every element before writing the byte it overlaps, so nothing unread is clobbered. q^T is a new (V, n) e5m2 matrix.
-The logits are not readable afterwards. Programs take BLOCK_M rows so that q^T's stores are BLOCK_M-byte runs.
+The logits are not readable afterwards. Programs take BLOCK_M rows so that q^T's stores are BLOCK_M-byte runs. Pass 1
+is the bf16 kernel's own (kernels/cross_entropy.py, without its gradient pass), one program per row.
 
 The plain-torch twin (``cross_entropy_fp8_grads_twin``) is the specification and the CPU path; the Triton kernel
 agrees with it on loss and lse to fp32 rounding and on the codes exactly, except where exp's approximation puts d
@@ -30,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qtrain.kernels.cross_entropy import chunk_loss_and_dlogits, dlogits_f32
+from qtrain.kernels.cross_entropy import chunk_loss_and_dlogits, cross_entropy_fwd_bwd_inplace_triton, dlogits_f32
 from qtrain.kernels.dispatch import INTERPRET, jit, tl, triton, use_triton
 from qtrain.kernels.stochastic_rounding import KINDS, load_f32
 
@@ -40,8 +41,9 @@ __all__ = ["G_DTYPE", "G_SCALE_EXP", "cross_entropy_fp8_grads", "cross_entropy_f
 G_DTYPE = torch.float8_e5m2
 G_SCALE_EXP = 15  # d(logits) is quantized as d * 2^15: the inverse scale the GEMMs take is 2^-15
 _FMAX = 57344.0  # torch.finfo(torch.float8_e5m2).max
-# Tile: BLOCK_M rows x BLOCK_V columns per loop iteration, 8 warps (bench kind `cross-entropy` sweeps them).
-BLOCK_M, BLOCK_V, NUM_WARPS = 32, 256, 8
+# Pass 2's tile: BLOCK_M rows x BLOCK_V columns per loop iteration (bench kind `cross-entropy` sweeps them; H200,
+# 16384 x 151936 bf16 with pass 1 fused, session 22: 64 x 128 / 8 warps 5.71 ms, 32 x 256 5.80, 16 x 512 10.7).
+BLOCK_M, BLOCK_V, NUM_WARPS = 64, 128, 8
 
 FP8Grads = tuple[Tensor, Tensor, Tensor, Tensor]  # (loss_sum, lse, q (n, V) over the logits, q^T (V, n))
 
@@ -73,65 +75,49 @@ def cross_entropy_fp8_grads_twin(logits: Tensor, targets: Tensor, *, z_loss: flo
 
 
 @jit
-def _ce_fp8_kernel(x_ptr, q_ptr, qt_ptr, targets_ptr, loss_ptr, lse_ptr, N, V, stride_x, stride_q, z_loss,
-                   LOAD_KIND: tl.constexpr, SCALE: tl.constexpr, FMAX: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_V: tl.constexpr):
+def _dlogits_fp8_kernel(x_ptr, q_ptr, qt_ptr, targets_ptr, lse_ptr, N, V, stride_x, stride_q, z_loss,
+                        LOAD_KIND: tl.constexpr, SCALE: tl.constexpr, FMAX: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_V: tl.constexpr):
+    """Pass 2 for BLOCK_M rows, given their lse: the codes of d over the rows' own bytes (each element read before
+    the byte that overlaps it is written: one program walks its rows left to right), and transposed into q^T (the fp32
+    tile transposed, then cast: how the one-pass SwiGLU kernels store their q^T correctly on the H200)."""
     rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rmask = rm < N
     tgt = tl.load(targets_ptr + rm, mask=rmask, other=-100).to(tl.int64)
     valid = tgt != -100
-    cols = tl.arange(0, BLOCK_V)
-    rows = x_ptr + rm[:, None] * stride_x
-
-    # pass 1: online max and sum-exp per row; columns past V are -inf, rows past N read zeros (finite, unused)
-    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    s = tl.zeros((BLOCK_M,), tl.float32)
-    for start in range(0, V, BLOCK_V):
-        offs = start + cols
-        cmask = offs[None, :] < V
-        x = load_f32(rows + offs[None, :], rmask[:, None] & cmask, LOAD_KIND)
-        x = tl.where(cmask, x, float("-inf"))
-        m_new = tl.maximum(m, tl.max(x, axis=1))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
-        m = m_new
-    lse = m + tl.log(s)
-    x_t = load_f32(x_ptr + rm * stride_x + tl.where(valid, tgt, 0), rmask & valid, LOAD_KIND)
-    tl.store(loss_ptr + rm, tl.where(valid, (lse - x_t) + z_loss * (lse * lse), 0.0), mask=rmask)
-    tl.store(lse_ptr + rm, lse, mask=rmask)
-
-    # pass 2: the codes of d, over the row's own (already read) bytes, and transposed into q^T
+    lse = tl.load(lse_ptr + rm, mask=rmask, other=0.0)
     coef = tl.where(valid, 1.0 + 2.0 * z_loss * lse, 0.0)
+    cols = tl.arange(0, BLOCK_V).to(tl.int64)  # q^T offsets reach V * N, past 2^31 at 16k rows of a 152k vocabulary
     for start in range(0, V, BLOCK_V):
         offs = start + cols
         mask = rmask[:, None] & (offs[None, :] < V)
-        x = load_f32(rows + offs[None, :], mask, LOAD_KIND)
+        x = load_f32(x_ptr + rm[:, None] * stride_x + offs[None, :], mask, LOAD_KIND)
         d = tl.exp(x - lse[:, None]) * coef[:, None]
         d = tl.where(valid[:, None] & (offs[None, :] == tgt[:, None]), d - 1.0, d)
         y = tl.minimum(tl.maximum(d * SCALE, -FMAX), FMAX)
-        q = y.to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + rm[:, None] * stride_q + offs[None, :], q, mask=mask)
-        tl.store(qt_ptr + offs[:, None] * N + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+        tl.store(q_ptr + rm[:, None] * stride_q + offs[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(qt_ptr + offs[:, None] * N + rm[None, :], tl.trans(y).to(qt_ptr.dtype.element_ty),
+                 mask=(offs[:, None] < V) & rmask[None, :])
 
 
 def cross_entropy_fp8_grads_triton(logits: Tensor, targets: Tensor, *, z_loss: float) -> FP8Grads:
-    """Host launcher of `_ce_fp8_kernel`; the twin's contract. On the GPU the logits are read natively (Triton 3.6
+    """The twin's contract in two launches: pass 1 is the bf16 cross-entropy kernel without its gradient pass (loss
+    and lse, one program per row), pass 2 `_dlogits_fp8_kernel`. On the GPU the logits are read natively (Triton 3.6
     wrote wrong transposed FP8 codes from integer-bit bf16 loads on the H200, BENCHMARKS.md session 14); under the
     interpreter, whose bf16 conversions are not the GPU's, through their bits."""
     _check(logits, targets)
     n, v = logits.shape
-    kind = KINDS[logits.dtype]
-    load_kind = 0 if not INTERPRET else kind
+    targets = targets.contiguous()
+    loss_sum, lse, _ = cross_entropy_fwd_bwd_inplace_triton(logits, targets, z_loss=z_loss, need_grad=False)
+    load_kind = 0 if not INTERPRET else KINDS[logits.dtype]
     x = logits.view(torch.int16) if load_kind == 1 else logits
-    loss = torch.empty(n, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
     q = fp8_grad_view(logits)
     qt = torch.empty((v, n), dtype=G_DTYPE, device=logits.device)
     if n:
-        _ce_fp8_kernel[(triton.cdiv(n, BLOCK_M),)](
-            x, q, qt, targets.contiguous(), loss, lse, n, v, logits.stride(0), q.stride(0), float(z_loss),
-            LOAD_KIND=load_kind, SCALE=float(2.0 ** G_SCALE_EXP), FMAX=_FMAX, BLOCK_M=BLOCK_M, BLOCK_V=BLOCK_V,
-            num_warps=NUM_WARPS)
-    return loss.sum(), lse, q, qt
+        _dlogits_fp8_kernel[(triton.cdiv(n, BLOCK_M),)](
+            x, q, qt, targets, lse, n, v, logits.stride(0), q.stride(0), float(z_loss), LOAD_KIND=load_kind,
+            SCALE=float(2.0 ** G_SCALE_EXP), FMAX=_FMAX, BLOCK_M=BLOCK_M, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
+    return loss_sum, lse, q, qt
 
 
 def cross_entropy_fp8_grads(logits: Tensor, targets: Tensor, *, z_loss: float) -> FP8Grads:
