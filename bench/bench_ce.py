@@ -15,8 +15,8 @@ warps. GB/s counts one read and one write per element (the floor); whether a var
 launch's bit for bit is shown (another block size sums the row in another order).
 
 Parameters: rows (32768), vocab (151936), blocks, warps, samples (10); `fp8` times instead the FP8-gradient kernel
-(kernels/cross_entropy_fp8.py, --fp8-head-backward) by pass 2's tile (`tiles`: rows x columns x warps, the first
-the default) beside the default bf16 kernel, and counts its codes that differ from the twin's (e5m2 codes; the twin computes exp exactly).
+(kernels/cross_entropy_fp8.py, --fp8-head-backward) by pass 2's tile and transposition (`tiles`: rows x columns x
+warps x QT_MODE, the first the default) beside the default bf16 kernel, and counts its codes that differ from the twin's (e5m2 codes; the twin computes exp exactly).
 Result: `rows` (ms, GB/s per variant), `best`.
 """
 from __future__ import annotations
@@ -32,8 +32,9 @@ from qtrain.kernels import cross_entropy as ce
 
 def run(rows: int = 32768, vocab: int = 151936, blocks: tuple[int, ...] = (4096, 8192),
         warps: tuple[int, ...] = (8, 16), samples: int = 10, fp8: bool = False,
-        tiles: tuple[tuple[int, int, int], ...] = ((64, 128, 8), (32, 256, 8), (128, 64, 8), (64, 128, 4),
-                                                  (128, 128, 8), (64, 256, 8))) -> dict:
+        tiles: tuple[tuple[int, int, int, int], ...] = ((64, 128, 8, 1), (64, 128, 8, 0), (64, 128, 8, 2),
+                                                       (64, 128, 4, 2), (32, 256, 8, 2), (128, 64, 8, 2),
+                                                       (64, 256, 8, 2), (32, 128, 4, 2))) -> dict:
     if fp8:
         return run_fp8(rows, vocab, tiles, samples)
     dev = "cuda"
@@ -77,21 +78,21 @@ def run_fp8(rows: int, vocab: int, tiles, samples: int) -> dict:
     print(f"{torch.cuda.get_device_name()} rows {rows} vocab {vocab}: bf16 kernel {bf16_ms:.3f} ms; FP8 kernel:")
     print(f"{'tile':>12s} {'ms':>8s} {'GB/s':>7s} {'codes off':>9s} {'q^T = q.t()':>11s}")
     out = []
-    saved = cf.BLOCK_M, cf.BLOCK_V, cf.NUM_WARPS
+    saved = cf.BLOCK_M, cf.BLOCK_V, cf.NUM_WARPS, cf.QT_MODE
     try:
-        for bm, bv, w in tiles:
-            cf.BLOCK_M, cf.BLOCK_V, cf.NUM_WARPS = bm, bv, w
+        for bm, bv, w, mode in tiles:
+            cf.BLOCK_M, cf.BLOCK_V, cf.NUM_WARPS, cf.QT_MODE = bm, bv, w, mode
             got = cf.cross_entropy_fp8_grads_triton(check.clone(), tc, z_loss=1e-4)
             off = int((got[2].view(torch.uint8) != ref[2].view(torch.uint8)).sum())
             same_t = torch.equal(got[3].view(torch.uint8), got[2].view(torch.uint8).t())
             ms = time_ms(lambda: cf.cross_entropy_fp8_grads_triton(x, t, z_loss=1e-4), samples=samples, warmup=2,
                          target_ms=1.0)
-            row = dict(tile=f"{bm}x{bv}/{w}", ms=round(ms, 3), gbps=round(floor_gb / ms * 1e3), codes_off=off,
+            row = dict(tile=f"{bm}x{bv}/{w} m{mode}", ms=round(ms, 3), gbps=round(floor_gb / ms * 1e3), codes_off=off,
                        loss_rel=float((got[0] - ref[0]).abs() / ref[0].abs()), transpose_ok=same_t)
             out.append(row)
             print(f"{row['tile']:>12s} {ms:8.3f} {row['gbps']:7d} {off:9d} {str(same_t):>11s}", flush=True)
     finally:
-        cf.BLOCK_M, cf.BLOCK_V, cf.NUM_WARPS = saved
+        cf.BLOCK_M, cf.BLOCK_V, cf.NUM_WARPS, cf.QT_MODE = saved
     best = min(out, key=lambda r: r["ms"])
     return {"rows": out, "best": best, "bf16_ms": round(bf16_ms, 3),
             "summary": f"bf16 {bf16_ms:.3f} ms; FP8 default {out[0]['ms']} ms, best {best['ms']} ms ({best['tile']})"}

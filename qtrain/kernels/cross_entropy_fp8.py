@@ -44,6 +44,9 @@ _FMAX = 57344.0  # torch.finfo(torch.float8_e5m2).max
 # Pass 2's tile: BLOCK_M rows x BLOCK_V columns per loop iteration (bench kind `cross-entropy` sweeps them; H200,
 # 16384 x 151936 bf16 with pass 1 fused, session 22: 64 x 128 / 8 warps 5.71 ms, 32 x 256 5.80, 16 x 512 10.7).
 BLOCK_M, BLOCK_V, NUM_WARPS = 64, 128, 8
+# How pass 2 transposes its tile for q^T (the bench sweeps it): 0 the e5m2 codes, 1 the fp32 values before the cast
+# (4 bytes an element through shared memory), 2 the codes as uint8.
+QT_MODE = 1
 
 FP8Grads = tuple[Tensor, Tensor, Tensor, Tensor]  # (loss_sum, lse, q (n, V) over the logits, q^T (V, n))
 
@@ -76,28 +79,42 @@ def cross_entropy_fp8_grads_twin(logits: Tensor, targets: Tensor, *, z_loss: flo
 
 @jit
 def _dlogits_fp8_kernel(x_ptr, q_ptr, qt_ptr, targets_ptr, lse_ptr, N, V, stride_x, stride_q, z_loss,
-                        LOAD_KIND: tl.constexpr, SCALE: tl.constexpr, FMAX: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_V: tl.constexpr):
+                        LOAD_KIND: tl.constexpr, SCALE: tl.constexpr, FMAX: tl.constexpr, QT_MODE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
     """Pass 2 for BLOCK_M rows, given their lse: the codes of d over the rows' own bytes (each element read before
-    the byte that overlaps it is written: one program walks its rows left to right), and transposed into q^T (the fp32
-    tile transposed, then cast: how the one-pass SwiGLU kernels store their q^T correctly on the H200)."""
-    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rmask = rm < N
-    tgt = tl.load(targets_ptr + rm, mask=rmask, other=-100).to(tl.int64)
+    the byte that overlaps it is written: one program walks its rows left to right), and transposed into q^T. Offsets
+    are int32 within a tile and int64 only in the per-program and per-iteration base pointers (q^T's reach V * N, past
+    2^31 at 16k rows of a 152k vocabulary). QT_MODE, how the tile is transposed: 0 the e5m2 tile, 1 the fp32 tile
+    before the cast, 2 the codes as uint8 (`QT_MODE` below)."""
+    row0 = (tl.program_id(0) * BLOCK_M).to(tl.int64)
+    lr = tl.arange(0, BLOCK_M)
+    rmask = row0 + lr < N
+    tgt = tl.load(targets_ptr + row0 + lr, mask=rmask, other=-100).to(tl.int32)
     valid = tgt != -100
-    lse = tl.load(lse_ptr + rm, mask=rmask, other=0.0)
+    lse = tl.load(lse_ptr + row0 + lr, mask=rmask, other=0.0)
     coef = tl.where(valid, 1.0 + 2.0 * z_loss * lse, 0.0)
-    cols = tl.arange(0, BLOCK_V).to(tl.int64)  # q^T offsets reach V * N, past 2^31 at 16k rows of a 152k vocabulary
+    x_rows = x_ptr + row0 * stride_x + lr[:, None] * stride_x
+    q_rows = q_ptr + row0 * stride_q + lr[:, None] * stride_q
+    cols = tl.arange(0, BLOCK_V)
+    qt_cols = qt_ptr + row0  # advanced by BLOCK_V rows of q^T per iteration: 64-bit pointer arithmetic
     for start in range(0, V, BLOCK_V):
         offs = start + cols
         mask = rmask[:, None] & (offs[None, :] < V)
-        x = load_f32(x_ptr + rm[:, None] * stride_x + offs[None, :], mask, LOAD_KIND)
+        x = load_f32(x_rows + offs[None, :], mask, LOAD_KIND)
         d = tl.exp(x - lse[:, None]) * coef[:, None]
         d = tl.where(valid[:, None] & (offs[None, :] == tgt[:, None]), d - 1.0, d)
         y = tl.minimum(tl.maximum(d * SCALE, -FMAX), FMAX)
-        tl.store(q_ptr + rm[:, None] * stride_q + offs[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(qt_ptr + offs[:, None] * N + rm[None, :], tl.trans(y).to(qt_ptr.dtype.element_ty),
-                 mask=(offs[:, None] < V) & rmask[None, :])
+        q = y.to(q_ptr.dtype.element_ty)
+        tl.store(q_rows + offs[None, :], q, mask=mask)
+        qt_tile = qt_cols + cols[:, None] * N + lr[None, :]
+        qt_cols += BLOCK_V * N
+        qt_mask = (offs[:, None] < V) & rmask[None, :]
+        if QT_MODE == 1:
+            tl.store(qt_tile, tl.trans(y).to(qt_ptr.dtype.element_ty), mask=qt_mask)
+        elif QT_MODE == 2:
+            tl.store(qt_tile.to(tl.pointer_type(tl.uint8)), tl.trans(q.to(tl.uint8, bitcast=True)), mask=qt_mask)
+        else:
+            tl.store(qt_tile, tl.trans(q), mask=qt_mask)
 
 
 def cross_entropy_fp8_grads_triton(logits: Tensor, targets: Tensor, *, z_loss: float) -> FP8Grads:
@@ -116,7 +133,8 @@ def cross_entropy_fp8_grads_triton(logits: Tensor, targets: Tensor, *, z_loss: f
     if n:
         _dlogits_fp8_kernel[(triton.cdiv(n, BLOCK_M),)](
             x, q, qt, targets, lse, n, v, logits.stride(0), q.stride(0), float(z_loss), LOAD_KIND=load_kind,
-            SCALE=float(2.0 ** G_SCALE_EXP), FMAX=_FMAX, BLOCK_M=BLOCK_M, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
+            SCALE=float(2.0 ** G_SCALE_EXP), FMAX=_FMAX, QT_MODE=QT_MODE, BLOCK_M=BLOCK_M, BLOCK_V=BLOCK_V,
+            num_warps=NUM_WARPS)
     return loss_sum, lse, q, qt
 
 

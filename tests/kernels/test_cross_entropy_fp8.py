@@ -203,6 +203,7 @@ def test_interp_kernel_matches_twin(n, v, monkeypatch):
     """Small tiles so that rows and columns both span several programs and loop iterations, with ragged edges."""
     monkeypatch.setattr(cf, "BLOCK_M", 16)
     monkeypatch.setattr(cf, "BLOCK_V", 64)
+    monkeypatch.setattr(cf, "QT_MODE", n % 3)  # each transposition mode on one shape
     x, t = make_case(n, v, torch.float32, seed=n + v)
     _check_kernel_vs_twin(x, t, 1e-3, codes=False)
     x, t = make_case(n, v, torch.bfloat16, seed=n)
@@ -216,19 +217,23 @@ def test_kernel_builds_for_hopper():
     conversion)."""
     sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e5", "qt_ptr": "*fp8e5", "targets_ptr": "*i64", "lse_ptr": "*fp32",
            "N": "i32", "V": "i32", "stride_x": "i32", "stride_q": "i32", "z_loss": "fp32"}
-    ptx = compile_for_hopper(cf._dlogits_fp8_kernel, sig, {"LOAD_KIND": 0, "SCALE": 32768.0, "FMAX": 57344.0,
-                                                      "BLOCK_M": cf.BLOCK_M, "BLOCK_V": cf.BLOCK_V},
-                             num_warps=cf.NUM_WARPS)
-    assert "e5m2" in ptx
+    for mode in (0, 1, 2):
+        ptx = compile_for_hopper(cf._dlogits_fp8_kernel, sig, {"LOAD_KIND": 0, "SCALE": 32768.0, "FMAX": 57344.0,
+                                                               "QT_MODE": mode, "BLOCK_M": cf.BLOCK_M,
+                                                               "BLOCK_V": cf.BLOCK_V}, num_warps=cf.NUM_WARPS)
+        assert "e5m2" in ptx
 
 
 # --------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("qt_mode", [0, 1, 2])
 @pytest.mark.parametrize("n,v", [(96, 151936), (96, 32000), (14336, 151936)])
-def test_gpu_kernel_matches_twin(n, v):
+def test_gpu_kernel_matches_twin(n, v, qt_mode, monkeypatch):
     """The last shape puts q^T's offsets (V * n) past 2^31: the first version's int32 column offsets overflowed
-    there (an illegal address in the 1.5B run, session 22)."""
+    there (an illegal address in the 1.5B run, session 22). Every transposition mode (the first version's q^T, the
+    e5m2 tile transposed under a transposed mask, was wrong on the H200)."""
+    monkeypatch.setattr(cf, "QT_MODE", qt_mode)
     x, t = make_case(n, v, seed=v, device="cuda")
     _check_kernel_vs_twin(x, t, 1e-4, codes=True)
 
