@@ -32,9 +32,9 @@ from qtrain.kernels import cross_entropy as ce
 
 def run(rows: int = 32768, vocab: int = 151936, blocks: tuple[int, ...] = (4096, 8192),
         warps: tuple[int, ...] = (8, 16), samples: int = 10, fp8: bool = False,
-        tiles: tuple[tuple[int, int, int, int], ...] = ((64, 128, 8, 1), (64, 128, 8, 0), (64, 128, 8, 2),
-                                                       (64, 128, 4, 2), (32, 256, 8, 2), (128, 64, 8, 2),
-                                                       (64, 256, 8, 2), (32, 128, 4, 2))) -> dict:
+        tiles: tuple[tuple[int, int, int, int], ...] = ((32, 128, 4, 2), (64, 128, 8, 1), (64, 128, 8, 0),
+                                                       (64, 128, 8, 2), (64, 128, 4, 2), (32, 256, 8, 2),
+                                                       (128, 64, 8, 2), (64, 256, 8, 2))) -> dict:
     if fp8:
         return run_fp8(rows, vocab, tiles, samples)
     dev = "cuda"

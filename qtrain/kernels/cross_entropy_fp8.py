@@ -41,12 +41,14 @@ __all__ = ["G_DTYPE", "G_SCALE_EXP", "cross_entropy_fp8_grads", "cross_entropy_f
 G_DTYPE = torch.float8_e5m2
 G_SCALE_EXP = 15  # d(logits) is quantized as d * 2^15: the inverse scale the GEMMs take is 2^-15
 _FMAX = 57344.0  # torch.finfo(torch.float8_e5m2).max
-# Pass 2's tile: BLOCK_M rows x BLOCK_V columns per loop iteration (bench kind `cross-entropy` sweeps them; H200,
-# 16384 x 151936 bf16 with pass 1 fused, session 22: 64 x 128 / 8 warps 5.71 ms, 32 x 256 5.80, 16 x 512 10.7).
-BLOCK_M, BLOCK_V, NUM_WARPS = 64, 128, 8
-# How pass 2 transposes its tile for q^T (the bench sweeps it): 0 the e5m2 codes, 1 the fp32 values before the cast
-# (4 bytes an element through shared memory), 2 the codes as uint8.
-QT_MODE = 1
+# Pass 2's tile: BLOCK_M rows x BLOCK_V columns per loop iteration, and how it transposes the tile for q^T: 0 the
+# e5m2 codes, 1 the fp32 values before the cast, 2 the codes as uint8 (bench kind `cross-entropy`, case
+# cross-entropy-fp8, sweeps them). H200, 16384 x 151936 bf16, both passes, session 22: 32 x 128 / 4 warps, mode 2
+# 9.39 ms; 64 x 128 / 8 warps 9.97-10.02 in all three modes; 64 x 256 / 8 9.55; every variant the same codes. The
+# bf16 kernel takes 4.0 ms for its read, read and write of the same logits: pass 2 runs at ~1 TB/s, the next thing
+# to take (BENCHMARKS.md session 22).
+BLOCK_M, BLOCK_V, NUM_WARPS = 32, 128, 4
+QT_MODE = 2
 
 FP8Grads = tuple[Tensor, Tensor, Tensor, Tensor]  # (loss_sum, lse, q (n, V) over the logits, q^T (V, n))
 
