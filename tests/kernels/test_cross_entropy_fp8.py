@@ -15,6 +15,7 @@ from qtrain.kernels import dispatch
 from qtrain.kernels.cross_entropy import IGNORE_INDEX, chunk_loss_and_dlogits, dlogits_f32
 from qtrain.model import loss as loss_mod
 from qtrain.model.loss import fp8_backward_shapes_ok, head_workspace_bytes, lm_head_loss_and_grads
+from tests.kernels.test_cross_entropy import make_case as _ce_case
 from tests.triton_interp import compile_for_hopper, interp_only, interpreter_subprocess_test, needs_cuda
 
 test_interpreter_subprocess = interpreter_subprocess_test(__file__)
@@ -23,15 +24,8 @@ INV = 2.0 ** -cf.G_SCALE_EXP
 
 
 def make_case(n, v, dtype=torch.bfloat16, seed=0, device="cpu", scale=4.0):
-    """Logits with a trained head's spread (std `scale`), targets at the first and last column, ignored rows."""
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(n, v, generator=g) * scale).to(dtype)
-    t = torch.randint(0, v, (n,), generator=g)
-    t[0] = v - 1
-    if n > 2:
-        t[2] = 0
-    t[1::3] = IGNORE_INDEX
-    return x.to(device), t.to(device)
+    """test_cross_entropy's case (a trained head's spread, targets at both ends, ignored rows), bf16 by default."""
+    return _ce_case(n, v, dtype, seed=seed, device=device, scale=scale)
 
 
 def _deq(q: torch.Tensor) -> torch.Tensor:
