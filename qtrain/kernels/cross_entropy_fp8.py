@@ -55,8 +55,7 @@ FP8Grads = tuple[Tensor, Tensor, Tensor, Tensor]  # (loss_sum, lse, q (n, V) ove
 
 def fp8_grad_view(logits: Tensor) -> Tensor:
     """The (n, V) e5m2 view of the first V bytes of each row of ``logits``: where the codes of d(logits) go."""
-    n, v = logits.shape
-    return logits.view(torch.uint8).view(G_DTYPE)[:, :v]
+    return logits.view(torch.uint8).view(G_DTYPE)[:, :logits.shape[1]]
 
 
 def _check(logits: Tensor, targets: Tensor) -> None:

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 
 from qtrain.kernels import cross_entropy
-from qtrain.kernels.cross_entropy_fp8 import G_SCALE_EXP, cross_entropy_fp8_grads
-from qtrain.numerics.fp8 import E4M3, quantize_fp8_transposed, scaled_mm
 from qtrain.kernels.cross_entropy import IGNORE_INDEX  # noqa: F401  (re-exported: the model's ignore label)
 from qtrain.kernels.cross_entropy import chunk_loss_and_dlogits as _chunk_loss_and_dlogits  # noqa: F401
+from qtrain.kernels.cross_entropy_fp8 import G_SCALE_EXP, cross_entropy_fp8_grads
+from qtrain.numerics.fp8 import E4M3, quantize_fp8_transposed, scaled_mm
 
 _compiled_loss_fn = None
 
@@ -56,7 +56,7 @@ def lm_head_loss_and_grads(h: torch.Tensor, w: torch.Tensor, targets: torch.Tens
     starts its backward here (the Transformer's micro-step) uses d(h) and d(w) as they are, with no multiplication
     by an upstream gradient of 1 (two passes over d(w), 467 MB at Qwen2.5-1.5B, per micro-step).
 
-    `fp8_backward` (--fp8-head-backward): the two gradient GEMMs in FP8 (`_fp8_chunk_grads`) where the shapes allow
+    `fp8_backward` (--fp8-head-backward): the two gradient GEMMs in FP8 (`_Fp8HeadOperands`) where the shapes allow
     (`fp8_backward_shapes_ok`, else bf16 as without); the logits and the loss are the same either way."""
     if chunks < 1:
         raise ValueError(f"--lmhead-chunks must be >= 1, got {chunks}")
@@ -78,18 +78,16 @@ def lm_head_loss_and_grads(h: torch.Tensor, w: torch.Tensor, targets: torch.Tens
         if fp8 is not None:
             ls, _, g, g_t = cross_entropy_fp8_grads(logits, targets[lo:hi], z_loss=z_loss)
             fp8.chunk_grads(g, g_t, lo, hi, dh, dw, first=first)
-            del g, g_t, logits
-            loss += ls
-            first = False
-            continue
-        ls, _, dl = _loss_fn(logits.is_cuda)(logits, targets[lo:hi], z_loss=z_loss, need_grad=need_grad)
-        del logits
+            del g, g_t
+        else:
+            ls, _, dl = _loss_fn(logits.is_cuda)(logits, targets[lo:hi], z_loss=z_loss, need_grad=need_grad)
+            if need_grad:
+                _addmm_(dh[lo:hi], dl, w, beta=0, alpha=scale)
+                _addmm_(dw, dl.t(), hc, beta=0 if first else 1, alpha=scale)
+            del dl
+        del logits  # free this chunk's logits / d(logits) before the next chunk's logits exist
         loss += ls
-        if need_grad:
-            _addmm_(dh[lo:hi], dl, w, beta=0, alpha=scale)
-            _addmm_(dw, dl.t(), hc, beta=0 if first else 1, alpha=scale)
-            first = False
-        del dl  # free this chunk's d(logits) before the next chunk's logits exist
+        first = False
     return loss * scale, dh, dw
 
 
