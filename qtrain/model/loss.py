@@ -77,15 +77,16 @@ def lm_head_loss_and_grads(h: torch.Tensor, w: torch.Tensor, targets: torch.Tens
         logits = hc @ w.t()  # (n_c, V) in model dtype
         if fp8 is not None:
             ls, _, g, g_t = cross_entropy_fp8_grads(logits, targets[lo:hi], z_loss=z_loss)
+            del logits  # g lives in its bytes
             fp8.chunk_grads(g, g_t, lo, hi, dh, dw, first=first)
             del g, g_t
         else:
             ls, _, dl = _loss_fn(logits.is_cuda)(logits, targets[lo:hi], z_loss=z_loss, need_grad=need_grad)
+            del logits  # the CPU's specification returns a new d(logits): the logits go before the GEMMs
             if need_grad:
                 _addmm_(dh[lo:hi], dl, w, beta=0, alpha=scale)
                 _addmm_(dw, dl.t(), hc, beta=0 if first else 1, alpha=scale)
-            del dl
-        del logits  # free this chunk's logits / d(logits) before the next chunk's logits exist
+            del dl  # free this chunk's d(logits) before the next chunk's logits exist
         loss += ls
         first = False
     return loss * scale, dh, dw
