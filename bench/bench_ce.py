@@ -15,8 +15,8 @@ warps. GB/s counts one read and one write per element (the floor); whether a var
 launch's bit for bit is shown (another block size sums the row in another order).
 
 Parameters: rows (32768), vocab (151936), blocks, warps, samples (10); `fp8` times instead the FP8-gradient kernel
-(kernels/cross_entropy_fp8.py, --fp8-head-backward) by pass 2's tile and transposition (`tiles`: rows x columns x
-warps x QT_MODE, the first the default) beside the default bf16 kernel, and counts its codes that differ from the twin's (e5m2 codes; the twin computes exp exactly).
+(kernels/cross_entropy_fp8.py, --fp8-head-backward) by pass 2's tile, transposition and column range and the transpose's tile
+(`tiles`: rows x columns x warps x QT_MODE x COLS x T_BLOCK, the first the default) beside the default bf16 kernel, and counts its codes that differ from the twin's (e5m2 codes; the twin computes exp exactly).
 Result: `rows` (ms, GB/s per variant), `best`.
 """
 from __future__ import annotations
@@ -32,9 +32,10 @@ from qtrain.kernels import cross_entropy as ce
 
 def run(rows: int = 32768, vocab: int = 151936, blocks: tuple[int, ...] = (4096, 8192),
         warps: tuple[int, ...] = (8, 16), samples: int = 10, fp8: bool = False,
-        tiles: tuple[tuple[int, int, int, int], ...] = ((32, 128, 4, 2), (64, 128, 8, 1), (64, 128, 8, 0),
-                                                       (64, 128, 8, 2), (64, 128, 4, 2), (32, 256, 8, 2),
-                                                       (128, 64, 8, 2), (64, 256, 8, 2))) -> dict:
+        tiles: tuple[tuple[int, int, int, int, int, int], ...] = (
+            (32, 128, 4, 2, 2048, 64), (32, 128, 4, 2, 1024, 64), (32, 128, 4, 2, 4096, 64), (32, 128, 4, 2, 2048, 32),
+            (32, 128, 4, 2, 2048, 128), (64, 128, 8, 2, 2048, 64), (32, 128, 4, 0, 2048, 64), (32, 128, 4, 1, 2048, 64),
+            (32, 256, 4, 2, 2048, 64))) -> dict:
     if fp8:
         return run_fp8(rows, vocab, tiles, samples)
     dev = "cuda"
@@ -72,27 +73,28 @@ def run_fp8(rows: int, vocab: int, tiles, samples: int) -> dict:
     t[1::7] = ce.IGNORE_INDEX
     check, tc = x[:1024].clone(), t[:1024]
     ref = cf.cross_entropy_fp8_grads_twin(check.clone(), tc, z_loss=1e-4)
-    floor_gb = x.numel() * (x.element_size() + 2) / 1e9  # one read, two one-byte writes
+    floor_gb = x.numel() * (x.element_size() + 2) / 1e9  # one read, two one-byte writes (the floor of any layout)
     bf16_ms = time_ms(lambda: ce._launch(x, t, z_loss=1e-4, need_grad=True, block=ce.BLOCK_V,
                                          num_warps=ce.NUM_WARPS), samples=samples, warmup=2, target_ms=1.0)
     print(f"{torch.cuda.get_device_name()} rows {rows} vocab {vocab}: bf16 kernel {bf16_ms:.3f} ms; FP8 kernel:")
-    print(f"{'tile':>12s} {'ms':>8s} {'GB/s':>7s} {'codes off':>9s} {'q^T = q.t()':>11s}")
+    print(f"{'tile':>28s} {'ms':>8s} {'GB/s':>7s} {'codes off':>9s} {'q^T = q.t()':>11s}")
     out = []
-    saved = cf.BLOCK_M, cf.BLOCK_V, cf.NUM_WARPS, cf.QT_MODE
+    saved = cf.BLOCK_M, cf.BLOCK_V, cf.NUM_WARPS, cf.QT_MODE, cf.COLS, cf.T_BLOCK
     try:
-        for bm, bv, w, mode in tiles:
-            cf.BLOCK_M, cf.BLOCK_V, cf.NUM_WARPS, cf.QT_MODE = bm, bv, w, mode
+        for bm, bv, w, mode, cols, tb in tiles:
+            cf.BLOCK_M, cf.BLOCK_V, cf.NUM_WARPS, cf.QT_MODE, cf.COLS, cf.T_BLOCK = bm, bv, w, mode, cols, tb
             got = cf.cross_entropy_fp8_grads_triton(check.clone(), tc, z_loss=1e-4)
             off = int((got[2].view(torch.uint8) != ref[2].view(torch.uint8)).sum())
             same_t = torch.equal(got[3].view(torch.uint8), got[2].view(torch.uint8).t())
             ms = time_ms(lambda: cf.cross_entropy_fp8_grads_triton(x, t, z_loss=1e-4), samples=samples, warmup=2,
                          target_ms=1.0)
-            row = dict(tile=f"{bm}x{bv}/{w} m{mode}", ms=round(ms, 3), gbps=round(floor_gb / ms * 1e3), codes_off=off,
+            name = f"{bm}x{bv}/{w} m{mode} c{cols} t{tb}"
+            row = dict(tile=name, ms=round(ms, 3), gbps=round(floor_gb / ms * 1e3), codes_off=off,
                        loss_rel=float((got[0] - ref[0]).abs() / ref[0].abs()), transpose_ok=same_t)
             out.append(row)
-            print(f"{row['tile']:>12s} {ms:8.3f} {row['gbps']:7d} {off:9d} {str(same_t):>11s}", flush=True)
+            print(f"{row['tile']:>28s} {ms:8.3f} {row['gbps']:7d} {off:9d} {str(same_t):>11s}", flush=True)
     finally:
-        cf.BLOCK_M, cf.BLOCK_V, cf.NUM_WARPS, cf.QT_MODE = saved
+        cf.BLOCK_M, cf.BLOCK_V, cf.NUM_WARPS, cf.QT_MODE, cf.COLS, cf.T_BLOCK = saved
     best = min(out, key=lambda r: r["ms"])
     return {"rows": out, "best": best, "bf16_ms": round(bf16_ms, 3),
             "summary": f"bf16 {bf16_ms:.3f} ms; FP8 default {out[0]['ms']} ms, best {best['ms']} ms ({best['tile']})"}

@@ -16,11 +16,15 @@ The scale is fixed, no abs-max needed: |d| <= max(1, 1 + 2 z lse), which 2^15 ma
 range (probabilities down to ~1e-9 matter summed over a 152k vocabulary), and e5m2's subnormals reach 2^-16, i.e.
 |d| down to 2^-31 ~ 4.7e-10 here, where e4m3 at its own scale would flush everything below 2^-17 ~ 7.6e-6 to zero.
 
-Layouts: q is written over the logits' own bytes, row r's codes in the first V bytes of row r (a view
-``fp8_grad_view(logits)``, rows padded to the logits' row stride in bytes); each program owns whole rows and reads
-every element before writing the byte it overlaps, so nothing unread is clobbered. q^T is a new (V, n) e5m2 matrix.
-The logits are not readable afterwards. Programs take BLOCK_M rows so that q^T's stores are BLOCK_M-byte runs. Pass 1
-is the bf16 kernel's own (kernels/cross_entropy.py, without its gradient pass), one program per row.
+Layouts: q^T is a new (V, n) e5m2 matrix; q is written over the logits' own bytes, row r's codes in the first V
+bytes of row r (a view ``fp8_grad_view(logits)``, rows padded to the logits' row stride in bytes), so the head needs
+no memory for q. The logits are not readable afterwards. Three launches: pass 1 is the bf16 kernel's own
+(kernels/cross_entropy.py, without its gradient pass), one program per row; pass 2 a 2-D grid of BLOCK_M rows x
+COLS columns that writes q^T only (BLOCK_M-byte runs); a byte transpose then writes q from q^T over the logits,
+which pass 2 has read by then. Why not q from pass 2 directly: over the logits' bytes a code lands on a logit of
+another column range, so only a program that owns whole rows and walks them in order could write it, and those
+programs are too few to keep HBM busy (one per 32 rows: 10.05 ms at 16384 x 151936, ~1 TB/s, against 5.65 ms this
+way; session 23). One more byte per logit moved buys that, and costs no memory.
 
 The plain-torch twin (``cross_entropy_fp8_grads_twin``) is the specification and the CPU path; the Triton kernel
 agrees with it on loss and lse to fp32 rounding and on the codes exactly, except where exp's approximation puts d
@@ -41,14 +45,14 @@ __all__ = ["G_DTYPE", "G_SCALE_EXP", "cross_entropy_fp8_grads", "cross_entropy_f
 G_DTYPE = torch.float8_e5m2
 G_SCALE_EXP = 15  # d(logits) is quantized as d * 2^15: the inverse scale the GEMMs take is 2^-15
 _FMAX = 57344.0  # torch.finfo(torch.float8_e5m2).max
-# Pass 2's tile: BLOCK_M rows x BLOCK_V columns per loop iteration, and how it transposes the tile for q^T: 0 the
-# e5m2 codes, 1 the fp32 values before the cast, 2 the codes as uint8 (bench kind `cross-entropy`, case
-# cross-entropy-fp8, sweeps them). H200, 16384 x 151936 bf16, both passes, session 22: 32 x 128 / 4 warps, mode 2
-# 9.39 ms; 64 x 128 / 8 warps 9.97-10.02 in all three modes; 64 x 256 / 8 9.55; every variant the same codes. The
-# bf16 kernel takes 4.0 ms for its read, read and write of the same logits: pass 2 runs at ~1 TB/s, the next thing
-# to take (BENCHMARKS.md session 22).
-BLOCK_M, BLOCK_V, NUM_WARPS = 32, 128, 4
+# Pass 2's tile: BLOCK_M rows x BLOCK_V columns per loop iteration, COLS columns per program, and how it transposes
+# the tile for q^T: 0 the e5m2 codes, 1 the fp32 values before the cast, 2 the codes as uint8; the transpose's square
+# tile (bench kind `cross-entropy`, cases cross-entropy-fp8*, sweep them). H200, 16384 x 151936 bf16, all three
+# launches, session 23: 32 x 128 / 4 warps / 2048 columns 5.65 ms, 32 x 256 / 8 warps 6.00 (a q in its own buffer
+# instead of the transpose, 5.33-5.57 ms, would cost a byte per logit of memory); the bf16 kernel 4.10 ms.
+BLOCK_M, BLOCK_V, NUM_WARPS, COLS = 32, 128, 4, 2048
 QT_MODE = 2
+T_BLOCK, T_WARPS = 64, 4
 
 FP8Grads = tuple[Tensor, Tensor, Tensor, Tensor]  # (loss_sum, lse, q (n, V) over the logits, q^T (V, n))
 
@@ -79,15 +83,17 @@ def cross_entropy_fp8_grads_twin(logits: Tensor, targets: Tensor, *, z_loss: flo
 
 
 @jit
-def _dlogits_fp8_kernel(x_ptr, q_ptr, qt_ptr, targets_ptr, lse_ptr, N, V, stride_x, stride_q, z_loss,
-                        LOAD_KIND: tl.constexpr, SCALE: tl.constexpr, FMAX: tl.constexpr, QT_MODE: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Pass 2 for BLOCK_M rows, given their lse: the codes of d over the rows' own bytes (each element read before
-    the byte that overlaps it is written: one program walks its rows left to right), and transposed into q^T. Offsets
-    are int32 within a tile and int64 only in the per-program and per-iteration base pointers (q^T's reach V * N, past
-    2^31 at 16k rows of a 152k vocabulary). QT_MODE, how the tile is transposed: 0 the e5m2 tile, 1 the fp32 tile
-    before the cast, 2 the codes as uint8 (`QT_MODE` below)."""
+def _dlogits_fp8_t_kernel(x_ptr, qt_ptr, targets_ptr, lse_ptr, N, V, stride_x, z_loss, LOAD_KIND: tl.constexpr,
+                          SCALE: tl.constexpr, FMAX: tl.constexpr, QT_MODE: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_V: tl.constexpr, COLS: tl.constexpr):
+    """Pass 2 for BLOCK_M rows and COLS columns (a 2-D grid), given the rows' lse: the codes of d, written transposed
+    into q^T only (q comes from q^T by `_transpose_u8_kernel`, once every logit has been read). Offsets are int32
+    within a tile and int64 only in the per-program and per-iteration base pointers (q^T's reach V * N, past 2^31 at
+    16k rows of a 152k vocabulary). QT_MODE, how the tile is transposed: 0 the e5m2 tile, 1 the fp32 tile before the
+    cast, 2 the codes as uint8."""
     row0 = (tl.program_id(0) * BLOCK_M).to(tl.int64)
+    col0 = tl.program_id(1) * COLS
+    col_end = tl.minimum(col0 + COLS, V)
     lr = tl.arange(0, BLOCK_M)
     rmask = row0 + lr < N
     tgt = tl.load(targets_ptr + row0 + lr, mask=rmask, other=-100).to(tl.int32)
@@ -95,32 +101,40 @@ def _dlogits_fp8_kernel(x_ptr, q_ptr, qt_ptr, targets_ptr, lse_ptr, N, V, stride
     lse = tl.load(lse_ptr + row0 + lr, mask=rmask, other=0.0)
     coef = tl.where(valid, 1.0 + 2.0 * z_loss * lse, 0.0)
     x_rows = x_ptr + row0 * stride_x + lr[:, None] * stride_x
-    q_rows = q_ptr + row0 * stride_q + lr[:, None] * stride_q
     cols = tl.arange(0, BLOCK_V)
-    qt_cols = qt_ptr + row0  # advanced by BLOCK_V rows of q^T per iteration: 64-bit pointer arithmetic
-    for start in range(0, V, BLOCK_V):
+    qt_cols = qt_ptr + row0 + col0.to(tl.int64) * N  # advanced by BLOCK_V rows of q^T per iteration: 64-bit
+    for start in range(col0, col_end, BLOCK_V):
         offs = start + cols
-        mask = rmask[:, None] & (offs[None, :] < V)
-        x = load_f32(x_rows + offs[None, :], mask, LOAD_KIND)
+        x = load_f32(x_rows + offs[None, :], rmask[:, None] & (offs[None, :] < col_end), LOAD_KIND)
         d = tl.exp(x - lse[:, None]) * coef[:, None]
         d = tl.where(valid[:, None] & (offs[None, :] == tgt[:, None]), d - 1.0, d)
         y = tl.minimum(tl.maximum(d * SCALE, -FMAX), FMAX)
-        q = y.to(q_ptr.dtype.element_ty)
-        tl.store(q_rows + offs[None, :], q, mask=mask)
         qt_tile = qt_cols + cols[:, None] * N + lr[None, :]
         qt_cols += BLOCK_V * N
-        qt_mask = (offs[:, None] < V) & rmask[None, :]
+        qt_mask = (offs[:, None] < col_end) & rmask[None, :]
         if QT_MODE == 1:
             tl.store(qt_tile, tl.trans(y).to(qt_ptr.dtype.element_ty), mask=qt_mask)
         elif QT_MODE == 2:
-            tl.store(qt_tile.to(tl.pointer_type(tl.uint8)), tl.trans(q.to(tl.uint8, bitcast=True)), mask=qt_mask)
+            q = y.to(qt_ptr.dtype.element_ty).to(tl.uint8, bitcast=True)
+            tl.store(qt_tile.to(tl.pointer_type(tl.uint8)), tl.trans(q), mask=qt_mask)
         else:
-            tl.store(qt_tile, tl.trans(q), mask=qt_mask)
+            tl.store(qt_tile, tl.trans(y.to(qt_ptr.dtype.element_ty)), mask=qt_mask)
+
+
+@jit
+def _transpose_u8_kernel(src_ptr, dst_ptr, R, C, stride_src, stride_dst, BLOCK_R: tl.constexpr,
+                         BLOCK_C: tl.constexpr):
+    """dst[c, r] = src[r, c] for bytes: q (n, V), over the logits' bytes, from q^T (V, n)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = (r[:, None] < R) & (c[None, :] < C)
+    t = tl.load(src_ptr + r[:, None].to(tl.int64) * stride_src + c[None, :], mask=m)
+    tl.store(dst_ptr + c[:, None].to(tl.int64) * stride_dst + r[None, :], tl.trans(t), mask=tl.trans(m))
 
 
 def cross_entropy_fp8_grads_triton(logits: Tensor, targets: Tensor, *, z_loss: float) -> FP8Grads:
-    """The twin's contract in two launches: pass 1 is the bf16 cross-entropy kernel without its gradient pass (loss
-    and lse, one program per row), pass 2 `_dlogits_fp8_kernel`. On the GPU the logits are read natively (Triton 3.6
+    """The twin's contract in three launches: pass 1 is the bf16 cross-entropy kernel without its gradient pass (loss
+    and lse, one program per row), pass 2 `_dlogits_fp8_t_kernel` (q^T), then `_transpose_u8_kernel` (q). On the GPU the logits are read natively (Triton 3.6
     wrote wrong transposed FP8 codes from integer-bit bf16 loads on the H200, BENCHMARKS.md session 14); under the
     interpreter, whose bf16 conversions are not the GPU's, through their bits."""
     _check(logits, targets)
@@ -132,10 +146,13 @@ def cross_entropy_fp8_grads_triton(logits: Tensor, targets: Tensor, *, z_loss: f
     q = fp8_grad_view(logits)
     qt = torch.empty((v, n), dtype=G_DTYPE, device=logits.device)
     if n:
-        _dlogits_fp8_kernel[(triton.cdiv(n, BLOCK_M),)](
-            x, q, qt, targets, lse, n, v, logits.stride(0), q.stride(0), float(z_loss), LOAD_KIND=load_kind,
+        _dlogits_fp8_t_kernel[(triton.cdiv(n, BLOCK_M), triton.cdiv(v, COLS))](
+            x, qt, targets, lse, n, v, logits.stride(0), float(z_loss), LOAD_KIND=load_kind,
             SCALE=float(2.0 ** G_SCALE_EXP), FMAX=_FMAX, QT_MODE=QT_MODE, BLOCK_M=BLOCK_M, BLOCK_V=BLOCK_V,
-            num_warps=NUM_WARPS)
+            COLS=COLS, num_warps=NUM_WARPS)
+        qb, qtb = q.view(torch.uint8), qt.view(torch.uint8)
+        _transpose_u8_kernel[(triton.cdiv(v, T_BLOCK), triton.cdiv(n, T_BLOCK))](
+            qtb, qb, v, n, qtb.stride(0), qb.stride(0), BLOCK_R=T_BLOCK, BLOCK_C=T_BLOCK, num_warps=T_WARPS)
     return loss_sum, lse, q, qt
 
 

@@ -197,6 +197,8 @@ def test_interp_kernel_matches_twin(n, v, monkeypatch):
     """Small tiles so that rows and columns both span several programs and loop iterations, with ragged edges."""
     monkeypatch.setattr(cf, "BLOCK_M", 16)
     monkeypatch.setattr(cf, "BLOCK_V", 64)
+    monkeypatch.setattr(cf, "COLS", 192)  # a 2-D grid's column range: three tiles, the last one ragged
+    monkeypatch.setattr(cf, "T_BLOCK", 16)
     monkeypatch.setattr(cf, "QT_MODE", n % 3)  # each transposition mode on one shape
     x, t = make_case(n, v, torch.float32, seed=n + v)
     _check_kernel_vs_twin(x, t, 1e-3, codes=False)
@@ -207,15 +209,19 @@ def test_interp_kernel_matches_twin(n, v, monkeypatch):
 # ------------------------------------------------------------------------- sm_90 build, on the CPU
 @pytest.mark.skipif(not dispatch.HAS_TRITON, reason="no triton")
 def test_kernel_builds_for_hopper():
-    """Pass 2 compiles for sm_90 as launched on the GPU (bf16 read natively, e5m2 codes by the hardware's saturating
+    """Pass 2 and the byte transpose compile for sm_90 as launched on the GPU (bf16 read natively, e5m2 codes by the hardware's saturating
     conversion)."""
-    sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e5", "qt_ptr": "*fp8e5", "targets_ptr": "*i64", "lse_ptr": "*fp32",
-           "N": "i32", "V": "i32", "stride_x": "i32", "stride_q": "i32", "z_loss": "fp32"}
+    sig = {"x_ptr": "*bf16", "qt_ptr": "*fp8e5", "targets_ptr": "*i64", "lse_ptr": "*fp32", "N": "i32", "V": "i32",
+           "stride_x": "i32", "z_loss": "fp32"}
     for mode in (0, 1, 2):
-        ptx = compile_for_hopper(cf._dlogits_fp8_kernel, sig, {"LOAD_KIND": 0, "SCALE": 32768.0, "FMAX": 57344.0,
-                                                               "QT_MODE": mode, "BLOCK_M": cf.BLOCK_M,
-                                                               "BLOCK_V": cf.BLOCK_V}, num_warps=cf.NUM_WARPS)
+        ptx = compile_for_hopper(cf._dlogits_fp8_t_kernel, sig, {"LOAD_KIND": 0, "SCALE": 32768.0, "FMAX": 57344.0,
+                                                                 "QT_MODE": mode, "BLOCK_M": cf.BLOCK_M,
+                                                                 "BLOCK_V": cf.BLOCK_V, "COLS": cf.COLS},
+                                 num_warps=cf.NUM_WARPS)
         assert "e5m2" in ptx
+    compile_for_hopper(cf._transpose_u8_kernel, {"src_ptr": "*u8", "dst_ptr": "*u8", "R": "i32", "C": "i32",
+                                                 "stride_src": "i32", "stride_dst": "i32"},
+                       {"BLOCK_R": cf.T_BLOCK, "BLOCK_C": cf.T_BLOCK}, num_warps=cf.T_WARPS)
 
 
 # --------------------------------------------------------------------------------- GPU
