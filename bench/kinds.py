@@ -48,6 +48,10 @@ KINDS: dict[str, Kind] = {
     "offload-update": Kind("bench.bench_offload_update", "the offloaded AdamW update alone, by streaming variant, "
                            "against the PCIe ceiling"),
     "swiglu-fp8": Kind("bench.bench_swiglu_fp8", "the FP8-MLP Triton kernels and their tile variants"),
+    "gemm-swiglu": Kind("bench.gemm_swiglu", "a Triton GEMM with the SwiGLU (forward) or its backward in the epilogue "
+                        "against cuBLAS + qtrain's SwiGLU kernels (fused / separate ms)",
+                        (("fwd_ratio", "fwd fused/base"), ("bwd_ratio", "bwd fused/base"),
+                         ("fwd_honly_ratio", "h-only/base"))),
     "rope": Kind("bench.bench_rope", "the RoPE backward kernel (d(qkv) in one pass) against inductor's code and a "
                  "copy of its bytes"),
     "profile": Kind("bench.profile_step", "GPU time per kernel category of one training step, top kernels, gaps",
