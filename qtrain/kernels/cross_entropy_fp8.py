@@ -23,7 +23,7 @@ no memory for q. The logits are not readable afterwards. Three launches: pass 1 
 COLS columns that writes q^T only (BLOCK_M-byte runs); a byte transpose then writes q from q^T over the logits,
 which pass 2 has read by then. Why not q from pass 2 directly: over the logits' bytes a code lands on a logit of
 another column range, so only a program that owns whole rows and walks them in order could write it, and those
-programs are too few to keep HBM busy (one per 32 rows: 10.05 ms at 16384 x 151936, ~1 TB/s, against 5.65 ms this
+programs are too few to keep HBM busy (one per 32 rows: 10.05 ms at 16384 x 151936, ~1 TB/s, against 5.33 ms this
 way; session 23). One more byte per logit moved buys that, and costs no memory.
 
 The plain-torch twin (``cross_entropy_fp8_grads_twin``) is the specification and the CPU path; the Triton kernel
@@ -48,11 +48,13 @@ _FMAX = 57344.0  # torch.finfo(torch.float8_e5m2).max
 # Pass 2's tile: BLOCK_M rows x BLOCK_V columns per loop iteration, COLS columns per program, and how it transposes
 # the tile for q^T: 0 the e5m2 codes, 1 the fp32 values before the cast, 2 the codes as uint8; the transpose's square
 # tile (bench kind `cross-entropy`, cases cross-entropy-fp8*, sweep them). H200, 16384 x 151936 bf16, all three
-# launches, session 23: 32 x 128 / 4 warps / 2048 columns 5.65 ms, 32 x 256 / 8 warps 6.00 (a q in its own buffer
-# instead of the transpose, 5.33-5.57 ms, would cost a byte per logit of memory); the bf16 kernel 4.10 ms.
+# launches, session 23: 32 x 128 / 4 warps / 2048 columns, transpose 128 x 128: 5.33 ms (transpose 64: 5.59, 32:
+# 6.05; 1024 or 4096 columns, 64 x 128 / 8 warps, 32 x 256, modes 0 and 1: 5.57-5.78); 8192 rows 2.73 ms. The bf16
+# kernel: 4.00 and 2.13 ms. A q in its own buffer instead of the transpose (5.33-5.57 ms at 64) would cost a byte per
+# logit of memory.
 BLOCK_M, BLOCK_V, NUM_WARPS, COLS = 32, 128, 4, 2048
 QT_MODE = 2
-T_BLOCK, T_WARPS = 64, 4
+T_BLOCK, T_WARPS = 128, 4
 
 FP8Grads = tuple[Tensor, Tensor, Tensor, Tensor]  # (loss_sum, lse, q (n, V) over the logits, q^T (V, n))
 
