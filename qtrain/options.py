@@ -298,7 +298,8 @@ class Options:
     model dtype. llm.q keeps the whole head in bf16; the head is ~16% of a Qwen2.5-1.5B e4m3 step. Needs the
     vocabulary and hidden size to be multiples of 16 (cuBLASLt FP8); a micro-batch whose tokens are not a multiple of
     16 runs its head in bf16. Costs memory (the plan counts it): one byte per logit of a chunk, and the e4m3 copies.
-    See docs/precision.md for its fidelity."""
+    Measured on an H200 (BENCHMARKS.md session 23): +2.7% (7B, 8 x 8) to +5.5% (0.5B, 64 x 2); off by default for
+    the memory. See docs/precision.md for its fidelity."""
     offload_quants: bool = False
     """Keep the persistent e4m3 weight shards in pinned host memory (needs --persistent-quants and sharded weights)."""
     offload_master: bool = False
