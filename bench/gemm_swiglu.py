@@ -120,6 +120,14 @@ def _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _grid(M, F, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
+    """(num_pid_m, k_tiles, num_tiles, num_pid_in_group) of an (M, F) output over K, in BM x BN tiles."""
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = F // BN
+    return num_pid_m, tl.cdiv(K, BK), num_pid_m * num_pid_n, GROUP * num_pid_n
+
+
+@triton.jit
 def _mma(a, b, acc, INTERP: tl.constexpr):
     """acc + a @ b; INTERP (Triton's interpreter, whose bf16 tl.dot returns garbage): in fp32."""
     if INTERP:
@@ -184,11 +192,7 @@ def _fwd_kernel(x_desc, w_desc, u_desc, h_desc, u_ptr, h_ptr, M, F, K,
                 FLAT: tl.constexpr, INTERP: tl.constexpr):
     """u = x @ W^T and h = up * silu(gate), persistent: program p takes tiles p, p + NUM_SMS, ... F % BN == 0."""
     start_pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BM)
-    num_pid_n = F // BN
-    k_tiles = tl.cdiv(K, BK)
-    num_tiles = num_pid_m * num_pid_n
-    num_pid_in_group = GROUP * num_pid_n
+    num_pid_m, k_tiles, num_tiles, num_pid_in_group = _grid(M, F, K, BM, BN, BK, GROUP)
     tile_id_c = start_pid - NUM_SMS  # the epilogue's own counter (as Triton's persistent matmul tutorial)
     for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLAT, warp_specialize=WS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP)
@@ -247,11 +251,7 @@ def _bwd_kernel(dy_desc, wd_desc, u_desc, du_desc, u_ptr, du_ptr, M, F, K,
                 INTERP: tl.constexpr):
     """du = swiglu_backward(bf16(dY @ W_down), u), persistent as _fwd_kernel. F % BN == 0."""
     start_pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BM)
-    num_pid_n = F // BN
-    k_tiles = tl.cdiv(K, BK)
-    num_tiles = num_pid_m * num_pid_n
-    num_pid_in_group = GROUP * num_pid_n
+    num_pid_m, k_tiles, num_tiles, num_pid_in_group = _grid(M, F, K, BM, BN, BK, GROUP)
     tile_id_c = start_pid - NUM_SMS
     for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLAT, warp_specialize=WS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP)
