@@ -15,8 +15,9 @@ warps. GB/s counts one read and one write per element (the floor); whether a var
 launch's bit for bit is shown (another block size sums the row in another order).
 
 Parameters: rows (32768), vocab (151936), blocks, warps, samples (10); `fp8` times instead the FP8-gradient kernel
-(kernels/cross_entropy_fp8.py, --fp8-head-backward) by pass 2's tile, transposition and column range and the transpose's tile
-(`tiles`: rows x columns x warps x QT_MODE x COLS x T_BLOCK, the first the default) beside the default bf16 kernel, and counts its codes that differ from the twin's (e5m2 codes; the twin computes exp exactly).
+(kernels/cross_entropy_fp8.py, --fp8-head-backward) by pass 2's tile, transposition and column range and the
+transpose's tile (`tiles`: rows x columns x warps x QT_MODE x COLS x T_BLOCK, the first the default) beside the
+default bf16 kernel, and counts its codes that differ from the twin's (e5m2 codes; the twin computes exp exactly).
 Result: `rows` (ms, GB/s per variant), `best`.
 """
 from __future__ import annotations

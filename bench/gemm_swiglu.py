@@ -30,8 +30,9 @@ from the same bf16 inputs):
       and the h-only build's h bit-equal to the full one's at the same config.
   du: both against swiglu_backward_twin(dh_ref rounded to bf16, u) with dh_ref the fp32 product: the fused max
       error <= 2 x the baseline's (+ 1e-6 abs), or its max relative error (floored at 2^-8 of du's rms)
-      <= 2^-6 (a dh rounded to the other neighbour moves du by 2^-7 at most); the share of du bit-equal to the baseline's is printed (where dh's
-      bf16 rounding flips between the two accumulation orders, du differs by an ulp or two).
+      <= 2^-6 (a dh rounded to the other neighbour moves du by 2^-7 at most); the share of du bit-equal to the
+      baseline's is printed (where dh's bf16 rounding flips between the two accumulation orders, du differs by an ulp
+      or two).
 
 Parameters: M (65536), H (896), F (4864) (defaults: Qwen2.5-0.5B at one micro-batch of 65536 tokens; 1.5B is
 M=32768 H=1536 F=8960, 3B M=32768 H=2048 F=11008, 7B M=8192 H=3584 F=18944; F must be a multiple of the configs'

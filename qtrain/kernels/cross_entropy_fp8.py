@@ -136,9 +136,9 @@ def _transpose_u8_kernel(src_ptr, dst_ptr, R, C, stride_src, stride_dst, BLOCK_R
 
 def cross_entropy_fp8_grads_triton(logits: Tensor, targets: Tensor, *, z_loss: float) -> FP8Grads:
     """The twin's contract in three launches: pass 1 is the bf16 cross-entropy kernel without its gradient pass (loss
-    and lse, one program per row), pass 2 `_dlogits_fp8_t_kernel` (q^T), then `_transpose_u8_kernel` (q). On the GPU the logits are read natively (Triton 3.6
-    wrote wrong transposed FP8 codes from integer-bit bf16 loads on the H200, BENCHMARKS.md session 14); under the
-    interpreter, whose bf16 conversions are not the GPU's, through their bits."""
+    and lse, one program per row), pass 2 `_dlogits_fp8_t_kernel` (q^T), then `_transpose_u8_kernel` (q). On the GPU
+    the logits are read natively (Triton 3.6 wrote wrong transposed FP8 codes from integer-bit bf16 loads on the H200,
+    BENCHMARKS.md session 14); under the interpreter, whose bf16 conversions are not the GPU's, through their bits."""
     _check(logits, targets)
     n, v = logits.shape
     targets = targets.contiguous()
