@@ -26,6 +26,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 from pathlib import Path
 from typing import Any, Callable
 
@@ -198,6 +199,56 @@ def remove_tree(path: str | os.PathLike, *, point: str = "rmtree") -> None:
             else:
                 os.rmdir(p)
     os.rmdir(path)
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+class InputError(ValueError):
+    """An input file qtrain refuses to read (not a regular file, too large, too deeply nested); names it."""
+
+
+SHOWN_CHARS = 200
+
+
+def shorten(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """`value` as text for a one-line message, cut to `limit` characters: a hostile value is never echoed whole."""
+    text = value if isinstance(value, str) else repr(value)
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def check_regular_file(path: str | os.PathLike, what: str) -> Path:
+    """Refuse anything but a regular file (a FIFO or device would block or never end a read; a directory
+    cannot be read); symlinks to regular files are fine. Returns the path."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise InputError(f"{what} {shorten(str(path))}: no such file") from None
+    except OSError as e:
+        raise InputError(f"{what} {shorten(str(path))}: cannot be read ({describe_write_error(e)})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a pipe, socket or device)"
+        raise InputError(f"{what} {shorten(str(path))}: is {kind}")
+    return p
+
+
+def read_bounded(path: str | os.PathLike, what: str, max_bytes: int) -> bytes:
+    """The bytes of a small input file (a config, a manifest), refused when it is not a regular file or is
+    larger than `max_bytes`: a hostile file never makes qtrain read gigabytes or block on a pipe."""
+    p = check_regular_file(path, what)
+    size = os.stat(p).st_size
+    if size > max_bytes:
+        raise InputError(f"{what} {shorten(str(path))}: {format_bytes(size)} is larger than the "
+                         f"{format_bytes(max_bytes)} such a file may have")
+    try:
+        with open(p, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise InputError(f"{what} {shorten(str(path))}: cannot be read ({describe_write_error(e)})") from None
+    if len(data) > max_bytes:
+        raise InputError(f"{what} {shorten(str(path))}: grew past {format_bytes(max_bytes)} while being read")
+    return data
 
 
 # ---------------------------------------------------------------------------------------------- checks
