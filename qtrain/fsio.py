@@ -182,22 +182,36 @@ def read_json(path: str | os.PathLike) -> Any | None:
         return None
 
 
+def find_link(path: str | os.PathLike) -> Path | None:
+    """`path` itself when it is a symbolic link, else the first symbolic link inside it (links are not
+    followed), else None. qtrain never creates links, so one there was made by the user."""
+    path = Path(path)
+    if path.is_symlink():
+        return path
+    for root, dirs, files in os.walk(path):  # os.walk lists a link to a directory in `dirs` but never enters it
+        for name in dirs + files:
+            if os.path.islink(os.path.join(root, name)):
+                return Path(root) / name
+    return None
+
+
 def remove_tree(path: str | os.PathLike, *, point: str = "rmtree") -> None:
     """Delete a directory tree file by file (fault point `<point>.unlink` after each file): callers first
-    rename the tree out of its namespace, so a kill half-way leaves only a name that is swept later."""
+    rename the tree out of its namespace, so a kill half-way leaves only a name that is swept later.
+    A tree that is or holds a symbolic link is refused whole (FileSystemError, nothing deleted): the link is
+    the user's, and deleting through it would delete their files; callers check with `find_link` first."""
     path = Path(path)
-    if not path.exists():
+    if not os.path.lexists(path):
         return
+    if (link := find_link(path)) is not None:
+        raise FileSystemError(f"{path}: not deleted: {link} is a symbolic link, which qtrain neither follows "
+                              f"nor removes")
     for root, dirs, files in os.walk(path, topdown=False):
         for name in files:
             os.unlink(os.path.join(root, name))
             fault_point(f"{point}.unlink")
         for name in dirs:
-            p = os.path.join(root, name)
-            if os.path.islink(p):
-                os.unlink(p)
-            else:
-                os.rmdir(p)
+            os.rmdir(os.path.join(root, name))  # a link made since the check: rmdir refuses it (ENOTDIR)
     os.rmdir(path)
 
 

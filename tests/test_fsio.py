@@ -79,10 +79,24 @@ def test_remove_tree_deletes_everything(tmp_path):
     (d / "a" / "b").mkdir(parents=True)
     (d / "a" / "b" / "f").write_text("1")
     (d / "g").write_text("2")
-    os.symlink(tmp_path / "keep", d / "link")  # a link is removed, never followed
-    (tmp_path / "keep").write_text("outside")
     fsio.remove_tree(d)
-    assert not d.exists() and (tmp_path / "keep").read_text() == "outside"
+    assert not d.exists()
+
+
+@pytest.mark.parametrize("where", ["inside", "dir-inside", "top"])
+def test_remove_tree_refuses_a_tree_with_a_link_and_deletes_nothing(tmp_path, where):
+    """A symbolic link is the user's (qtrain makes none): neither followed nor removed, and nothing around it."""
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / "README").write_text("mine")
+    d = tmp_path / "t"
+    (d / "a").mkdir(parents=True)
+    (d / "a" / "f").write_text("1")
+    target = tmp_path / "t-link" if where == "top" else d / "a" / "link"
+    os.symlink(users / "README" if where == "inside" else users, target)
+    with pytest.raises(fsio.FileSystemError, match="is a symbolic link"):
+        fsio.remove_tree(target if where == "top" else d)
+    assert (users / "README").read_text() == "mine" and os.path.islink(target) and (d / "a" / "f").read_text() == "1"
 
 
 @pytest.mark.parametrize("spec,expect_killed", [("demo.*:2", True), ("demo.b:1", True), ("demo.c:1", False)])

@@ -26,4 +26,6 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     print(f"exported {r.checkpoint} -> {r.out_dir} (tokenizer: {r.tokenizer or 'none recorded; pass --tokenizer'})")
     if r.caveat:
         print(f"note: {r.caveat}", file=sys.stderr)
+    if r.unverified:
+        print(f"warning: {r.unverified}", file=sys.stderr)
     return 0

@@ -28,6 +28,16 @@ Temp and half-deleted directories carry their writer's `HOST-PID` tag (`qtrain.f
 `remove_stale` sweeps those of dead writers at the next start, and puts back a checkpoint that a kill left
 renamed aside (`.old-`) while it was being replaced. Each file operation is a `qtrain.fsio.fault_point`
 (`ckpt.*`), where the fault-injection suite kills the writer.
+
+Integrity: every shard file's digests are computed while it is written (`tensor_file`: each tensor's in the
+file's header, the header's in the meta: `"digests": {file name: "sha256-tree:<hex>"}`); `CheckpointFiles`
+verifies each tensor in the read that loads it, so a flipped bit, a truncated file or two files swapped are
+refused, naming the file and tensor, not trained on.
+Checkpoints written before digests existed have no `digests` and load unverified (`CheckpointFiles.verified`).
+
+Symbolic links: qtrain never makes one, so a link among the checkpoints (a `step_N` that is a link, or one
+holding a link) is the user's. Such a checkpoint may be read (`--continue`, export), but it is never deleted,
+replaced or counted by keep-n, and nothing is deleted through a link (`fsio.remove_tree` refuses).
 """
 from __future__ import annotations
 
@@ -40,11 +50,13 @@ from typing import Any, Iterable, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
-from qtrain.fsio import fault_point, fsync_path, is_stale, owner_tag, remove_tree
+from qtrain.fsio import fault_point, find_link, fsync_path, is_stale, owner_tag, remove_tree
+from qtrain.train import tensor_file
+from qtrain.train.tensor_file import DigestMismatch, TensorFileError
 
 META_FILE = "checkpoint.json"
+DIGESTS = "digests"  # checkpoint.json: {shard file name: "sha256:<hex>"}, computed while writing
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _LEFTOVER = re.compile(r"^(?P<final>step_\d{8,})\.(?P<kind>tmp|old|del)-(?P<tag>.+)$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -77,27 +89,19 @@ def begin(ckpt_dir: str | os.PathLike, step: int, *, tag: str | int | None = Non
     return tmp
 
 
-def write_files(tmp_path: str | os.PathLike, files: Mapping[str, Mapping[str, torch.Tensor]]) -> list[Path]:
-    """Write `files[name]` as `<tmp_path>/<name>.safetensors` and fsync each. Tensors are copied to CPU."""
-    written = []
+def write_files(tmp_path: str | os.PathLike, files: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, str]:
+    """Write `files[name]` as `<tmp_path>/<name>.safetensors` and fsync each. Tensors are copied to CPU.
+    Returns {file name: digest}, the digests hashed on the way (what `commit` records in the meta). Each
+    file's header names the file (`name` in its metadata), so a file renamed or swapped with another rank's
+    shows in its header too."""
+    digests = {}
     for name, tensors in files.items():
         if not _FILE_NAME.match(name) or name in (".", ".."):
             raise ValueError(f"checkpoint file name {name!r}: use letters, digits, '_', '.', '-' only")
         path = Path(tmp_path) / f"{name}.safetensors"
-        save_file({k: _standalone(v) for k, v in tensors.items()}, str(path))
-        fsync_path(path)
+        digests[path.name] = tensor_file.write(path, tensors, {"format": "pt", "name": name})
         fault_point("ckpt.shard")
-        written.append(path)
-    return written
-
-
-def _standalone(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor owning its storage: safetensors refuses tensors that share memory, which
-    views into one flat (e.g. pinned, offloaded) buffer do. Copies only when needed."""
-    t = t.detach().to("cpu").contiguous()
-    if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        t = t.clone()
-    return t
+    return digests
 
 
 def commit(tmp_path: str | os.PathLike, final_path: str | os.PathLike, meta: Mapping[str, Any]) -> Path:
@@ -108,6 +112,9 @@ def commit(tmp_path: str | os.PathLike, final_path: str | os.PathLike, meta: Map
     the old one aside, and `remove_stale` puts it back).
     """
     tmp, final = Path(tmp_path), Path(final_path)
+    if os.path.lexists(final) and (link := find_link(final)) is not None:
+        raise CheckpointError(f"{final}: not replaced by the new checkpoint of this step: {link} is a symbolic "
+                              f"link (qtrain makes none; it is yours); move it away")
     meta_tmp = tmp / (META_FILE + ".part")
     with open(meta_tmp, "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2, allow_nan=True)
@@ -119,7 +126,7 @@ def commit(tmp_path: str | os.PathLike, final_path: str | os.PathLike, meta: Map
     fsync_path(tmp)
     fault_point("ckpt.sealed")
     old = None
-    if final.exists():
+    if os.path.lexists(final):
         old = final.with_name(f"{final.name}.old-{owner_tag()}")
         os.replace(final, old)
         fault_point("ckpt.aside")
@@ -136,8 +143,8 @@ def write_checkpoint(ckpt_dir: str | os.PathLike, step: int, files: Mapping[str,
     """Single-process write: begin, write_files, commit. On any error the temp directory is removed."""
     tmp = begin(ckpt_dir, step)
     try:
-        write_files(tmp, files)
-        return commit(tmp, checkpoint_path(ckpt_dir, step), meta)
+        digests = write_files(tmp, files)
+        return commit(tmp, checkpoint_path(ckpt_dir, step), {**meta, DIGESTS: digests})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -146,18 +153,18 @@ def write_checkpoint(ckpt_dir: str | os.PathLike, step: int, files: Mapping[str,
 def remove_stale(ckpt_dir: str | os.PathLike) -> list[Path]:
     """Sweep what dead writers left (`step_N.tmp-TAG` half-written, `.del-TAG` half-deleted, `.old-TAG` renamed
     aside while being replaced): each is deleted, except an `.old-` checkpoint whose step has no checkpoint
-    any more, which is renamed back. Leftovers of a live writer (its tag's process runs) are kept. Call on
-    rank 0 before a run writes. Returns the paths removed."""
+    any more, which is renamed back. Leftovers of a live writer (its tag's process runs) are kept, and so is
+    one that holds a symbolic link (the user's). Call on rank 0 before a run writes. Returns the paths removed."""
     removed = []
     root = Path(ckpt_dir)
     if not root.is_dir():
         return removed
     for p in sorted(root.iterdir()):
         m = _LEFTOVER.match(p.name)
-        if not (m and p.is_dir() and not p.is_symlink() and is_stale(m.group("tag"))):
+        if not (m and p.is_dir() and is_stale(m.group("tag"))) or find_link(p) is not None:
             continue
         final = root / m.group("final")
-        if m.group("kind") == "old" and not final.exists() and (p / META_FILE).is_file():
+        if m.group("kind") == "old" and not os.path.lexists(final) and (p / META_FILE).is_file():
             os.replace(p, final)  # the replacement never arrived: the old checkpoint is still the one
             fsync_path(root)
             continue
@@ -172,10 +179,19 @@ def remove_stale(ckpt_dir: str | os.PathLike) -> list[Path]:
 # ---- reading ----
 
 class CheckpointFiles:
-    """Lazy access to the safetensors files of one checkpoint; nothing is read until asked for."""
+    """Lazy access to the safetensors files of one checkpoint; nothing is read until asked for. With the
+    meta's `digests` (`verified`), whatever is read is checked against them: a header when it is read, each
+    tensor in the read that loads it (`load`, `get`)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, digests: Mapping[str, str] | None = None) -> None:
         self.path = path
+        self.digests = digests
+        self._headers: dict[str, tensor_file.Header] = {}  # verified headers, for `get`
+
+    @property
+    def verified(self) -> bool:
+        """Whether the checkpoint records digests (those written before qtrain stored them do not)."""
+        return self.digests is not None
 
     @property
     def names(self) -> list[str]:
@@ -190,29 +206,75 @@ class CheckpointFiles:
             raise CheckpointError(f"checkpoint {self.path}: no file {p.name} (has: {', '.join(self.names)})")
         return p
 
-    def _read(self, name: str, device: str, fn):
+    def digest(self, name: str) -> str | None:
+        """The recorded digest of file `name` (None: an unverified checkpoint); CheckpointError when the meta
+        records digests but none for this file."""
+        if self.digests is None:
+            return None
+        file = f"{name}.safetensors"
+        if file not in self.digests:
+            raise CheckpointError(f"{self.path / META_FILE}: {DIGESTS} has no entry for {file}")
+        return self.digests[file]
+
+    def header(self, name: str, *, verify: bool = True) -> tensor_file.Header:
+        """The file's header (names, dtypes, shapes, metadata), verified against the recorded digest unless
+        `verify` is False; reads a few kilobytes."""
+        if name in self._headers:
+            return self._headers[name]
         path = self._file(name)
         try:
-            with safe_open(str(path), framework="pt", device=device) as f:
-                return fn(f)
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{path}: unreadable checkpoint file (corrupt or truncated?): {e}") from None
+            header = tensor_file.read_header(path)
+            if verify and (digest := self.digest(name)) is not None:
+                header.verify(path, digest)
+        except DigestMismatch as e:
+            raise CheckpointError(str(e)) from None
+        except TensorFileError as e:
+            raise CheckpointError(_unreadable(e)) from None
+        if verify:
+            self._headers[name] = header
+        return header
 
     def keys(self, name: str) -> list[str]:
-        return self._read(name, "cpu", lambda f: list(f.keys()))
+        return list(self.header(name).tensors)
 
     def get(self, name: str, key: str, *, device: str = "cpu") -> torch.Tensor:
-        return self._read(name, device, lambda f: f.get_tensor(key))
+        """One tensor (a piecewise read: resharding), verified against its digest in the header."""
+        header, path = self.header(name), self._file(name)
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                t = f.get_tensor(key)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{path}: unreadable checkpoint file (corrupt or truncated?): {e}") from None
+        if self.digests is not None:
+            try:
+                header.check_tensor(path, key, tensor_file.tensor_bytes(t))
+            except DigestMismatch as e:
+                raise CheckpointError(str(e)) from None
+        return t.to(device)
 
     def load(self, name: str, *, device: str = "cpu") -> dict[str, torch.Tensor]:
-        return self._read(name, device, lambda f: {k: f.get_tensor(k) for k in f.keys()})
+        """Every tensor of file `name`, each verified against its digest in the read that loads it."""
+        path = self._file(name)
+        try:
+            tensors, _ = tensor_file.read(path, self.digest(name))
+        except DigestMismatch as e:
+            raise CheckpointError(str(e)) from None
+        except TensorFileError as e:
+            raise CheckpointError(_unreadable(e)) from None
+        return tensors if device == "cpu" else {k: t.to(device) for k, t in tensors.items()}
 
     def __call__(self, name: str, *, device: str = "cpu") -> dict[str, torch.Tensor]:
         return self.load(name, device=device)
 
 
+def _unreadable(e: TensorFileError) -> str:
+    path, _, why = str(e).partition(": ")
+    return f"{path}: unreadable checkpoint file (corrupt or truncated?): {why}"
+
+
 def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], CheckpointFiles]:
-    """(meta, lazy file loader) of a committed checkpoint directory."""
+    """(meta, lazy file loader) of a committed checkpoint directory. The loader verifies the files against
+    the meta's `digests` when it has them."""
     path = Path(path)
     meta_file = path / META_FILE
     if not meta_file.is_file():
@@ -224,7 +286,12 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], Checkpoint
         raise CheckpointError(f"{meta_file}: unreadable ({e})") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{meta_file}: not a JSON object")
-    return meta, CheckpointFiles(path)
+    digests = meta.get(DIGESTS)
+    if digests is not None and not (isinstance(digests, dict) and all(
+            isinstance(k, str) and tensor_file.is_digest(v) for k, v in digests.items())):
+        raise CheckpointError(f"{meta_file}: {DIGESTS} must map file names to \"{tensor_file.FILE_DIGEST}:<hex>\" "
+                              f"digests")
+    return meta, CheckpointFiles(path, digests)
 
 
 # ---- finding and cleaning ----
@@ -270,9 +337,30 @@ def find_checkpoint(ckpt_dir: str | os.PathLike, spec: str | int | os.PathLike |
     return _latest(p)
 
 
+def users_link(path: str | os.PathLike) -> Path | None:
+    """The symbolic link that makes checkpoint `path` the user's (it is one, or holds one), else None."""
+    return find_link(path)
+
+
+def linked_checkpoints(ckpt_dir: str | os.PathLike) -> list[tuple[int, Path, Path]]:
+    """(step, path, link) of every `step_N` entry in `ckpt_dir` that is or holds a symbolic link, oldest first:
+    the ones qtrain reads but never deletes or replaces."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        if (step := checkpoint_step(p)) is not None and (link := users_link(p)) is not None:
+            found.append((step, p, link))
+    return sorted(found)
+
+
 def delete_checkpoint(path: str | os.PathLike) -> None:
-    """Rename out of the checkpoint namespace first, so a crash mid-delete leaves no half checkpoint."""
+    """Rename out of the checkpoint namespace first, so a crash mid-delete leaves no half checkpoint. A
+    checkpoint that is or holds a symbolic link is the user's: CheckpointError, nothing renamed or deleted."""
     path = Path(path)
+    if (link := users_link(path)) is not None:
+        raise CheckpointError(f"{path}: not deleted: {link} is a symbolic link (qtrain makes none; it is yours)")
     doomed = path.with_name(f"{path.name}.del-{owner_tag()}")
     os.replace(path, doomed)
     fault_point("ckpt.delete")
@@ -284,11 +372,13 @@ def clean_old_checkpoints(ckpt_dir: str | os.PathLike, keep_n: int, major: int =
     """llm.q's `--ckpt-keep-n` / `--ckpt-major`: keep the newest `keep_n` checkpoints whose step is not a
     multiple of `major`; those "major" ones are never deleted and do not count towards `keep_n`.
     keep_n < 0 keeps everything; major <= 0 means no majors. Paths in `protect` (the newest checkpoint
-    written after a finite step) are never deleted. Returns the deleted paths."""
+    written after a finite step) are never deleted, and neither are the user's (a checkpoint that is or holds
+    a symbolic link: `users_link`), which do not count towards `keep_n` either. Returns the deleted paths."""
     if keep_n < 0:
         return []
     keep = {Path(p).resolve() for p in protect}
-    minors = [(s, p) for s, p in list_checkpoints(ckpt_dir) if not (major > 0 and s % major == 0)]
+    minors = [(s, p) for s, p in list_checkpoints(ckpt_dir)
+              if not (major > 0 and s % major == 0) and users_link(p) is None]
     doomed = [p for _, p in minors[:max(len(minors) - keep_n, 0)] if p.resolve() not in keep]
     for p in doomed:
         delete_checkpoint(p)

@@ -35,6 +35,7 @@ nodes' shard files into one directory).
 """
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -49,11 +50,12 @@ from qtrain.observe.log import RunLogger
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.reshard import reshard_state
 from qtrain.train import checkpoint_io as cio
+from qtrain.train.checkpoint_checks import KIND_DTYPES, expected_tensors, header_problem, value_problem
 from qtrain.train.checkpoint_io import CheckpointError
 from qtrain.train.trainer import Trainer
 
-__all__ = ["CheckpointError", "FORMAT_VERSION", "find", "save", "load", "check_compatible", "missing_files",
-           "newest_finite"]
+__all__ = ["CheckpointError", "FORMAT_VERSION", "find", "save", "load", "restore_state", "restore_progress",
+           "check_compatible", "check_resumable", "missing_files", "newest_finite", "verify"]
 
 FORMAT_VERSION = 1
 HINTS_META = "fp8_scale_hints"  # checkpoint.json: every rank's one-pass SwiGLU FP8 scale hints (module docstring)
@@ -154,9 +156,10 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
     here = _directory_sharers(tmp, ctx) if ctx.world > 1 else [0]
     committer = ctx.rank == min(here, default=ctx.rank)
     # a shard is written once per directory: by the lowest rank there holding it (hybrid: several do)
+    digests: dict[str, str] = {}
     if err is None and not any(r < ctx.rank and r % shards == shard for r in here):
         try:
-            cio.write_files(tmp, files)
+            digests = cio.write_files(tmp, files)
         except (OSError, SafetensorError) as e:
             err = f"writing the checkpoint of step {step} to {tmp} failed: {describe_write_error(e)}"
         err = _agree(ctx, err)
@@ -166,6 +169,7 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
         if committer and tmp is not None:
             cio.remove_tree_quietly(tmp)
         raise CheckpointError(err)
+    every_digest = ctx.all_gather_object(digests) if ctx.world > 1 else [digests]
     meta = None
     if ctx.is_main:
         meta = {
@@ -189,6 +193,7 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
         held = sorted({r % shards for r in here})
         if len(held) < shards:  # a directory not shared by all ranks: say whose shards it holds
             meta["distributed"].update(ranks=held, host=socket.gethostname())
+        meta[cio.DIGESTS] = {f: d for r in here for f, d in sorted(every_digest[r].items())}  # this directory's files
         try:
             for r in here:
                 (tmp / _MARKER.format(r)).unlink(missing_ok=True)
@@ -196,6 +201,9 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
         except OSError as e:
             cio.remove_tree_quietly(tmp)
             err = f"committing the checkpoint of step {step} to {final} failed: {describe_write_error(e)}"
+        except CheckpointError as e:  # the step's name is the user's link: nothing replaced
+            cio.remove_tree_quietly(tmp)
+            err = str(e)
     if (err := _agree(ctx, err)) is not None:
         raise CheckpointError(err)
     if committer:
@@ -282,24 +290,214 @@ def missing_files(path: str, meta: dict[str, Any], rank: int, world: int) -> str
             f"every node the same directory (a shared filesystem), or copy the missing shard files there")
 
 
-def load(path: str, trainer: Trainer, *, train_loader: TokenLoader | None, logger: RunLogger | None) -> int:
-    """Restore trainer state (and loader / logger state when given); returns the step to continue from.
-    A checkpoint of another world size is resharded (module docstring)."""
+# ---- integrity: what `--continue` and `qtrain export` refuse (checkpoint_checks.py says what is checked) ----
+
+def run_dtypes(opts: Any) -> dict[str, str | None]:
+    """The dtype a run keeps each state kind in (what its checkpoints' files must hold)."""
+    return {"weights": opts.effective_master_dtype, "adam.m": opts.opt_m_dtype, "adam.v": opts.opt_v_dtype}
+
+
+def recorded_dtypes(meta: dict[str, Any]) -> dict[str, str | None]:
+    """The dtypes a checkpoint's meta records (None where it records none: that kind's dtype is not checked)."""
+    o = meta.get("options") if isinstance(meta.get("options"), dict) else {}
+    given = {"weights": o.get("master_dtype") or o.get("model_dtype"), "adam.m": o.get("opt_m_dtype"),
+             "adam.v": o.get("opt_v_dtype")}
+    return {k: v if v in KIND_DTYPES[k] else None for k, v in given.items()}
+
+
+def _written_world(path: str, meta: dict[str, Any]) -> int:
+    world = meta.get("distributed", {}).get("world") if isinstance(meta.get("distributed"), dict) else None
+    if type(world) is not int or world < 1:
+        raise CheckpointError(f"{path}: {cio.META_FILE} has no world size (distributed.world)")
+    return world
+
+
+def _held_ranks(meta: dict[str, Any], world: int) -> list[int]:
+    """The ranks whose shards the directory holds (all, unless written into per-node directories)."""
+    held = meta["distributed"].get("ranks")
+    return [r for r in held if type(r) is int and 0 <= r < world] if isinstance(held, list) else list(range(world))
+
+
+def check_headers(path: str, meta: dict[str, Any], files: cio.CheckpointFiles, cfg: ModelConfig,
+                  dtypes: dict[str, str | None], ranks: list[int]) -> str | None:
+    """The problem with the shard files of `ranks`, found from their headers alone (no tensor data read): a
+    file missing, unreadable, without a recorded digest (when the meta records digests), renamed or swapped,
+    or holding other tensors, dtypes or shapes than this checkpoint's layout; None when there is none."""
+    world = _written_world(path, meta)
+    for kind in STATE_KINDS:
+        expected = expected_tensors(cfg, world, kind, dtypes[kind])
+        for r in ranks:
+            stem = _stem(kind, r, world)
+            try:
+                files.digest(stem)
+                header = files.header(stem, verify=False)
+                problem = header_problem(files.path / f"{stem}.safetensors", kind, expected, header.dtypes_shapes(),
+                                         header.metadata.get("name"))
+                if problem:
+                    return problem
+                files.header(stem)  # its digest (the tensors' are checked as they are read)
+            except CheckpointError as e:
+                return str(e)
+    return None
+
+
+def load_checked(files: cio.CheckpointFiles, kind: str, rank: int, layout: FlatLayout) -> dict[str, torch.Tensor]:
+    """The tensors of rank `rank`'s shard file of `kind`, its digest verified in the read and its values
+    checked (on the CPU); CheckpointError naming the file and tensor otherwise. Headers are checked first
+    (`check_headers`)."""
+    stem = _stem(kind, rank, layout.world)
+    tensors = files.load(stem)
+    for key, t in tensors.items():
+        if problem := value_problem(files.path / f"{stem}.safetensors", kind, key, t, layout, rank):
+            raise CheckpointError(problem)
+    return tensors
+
+
+def verify(path: str, *, cfg: ModelConfig | None = None, dtypes: dict[str, str | None] | None = None,
+           ranks: list[int] | None = None, kinds: tuple[str, ...] = STATE_KINDS) -> str | None:
+    """Why the checkpoint at `path` does not verify, or None: its meta, the headers of every shard file of
+    `ranks` (default: every rank the directory holds), and for `kinds` every file's digest and values. `cfg`
+    and `dtypes` default to what the meta records. Reads the files whole: for export and for finding a
+    checkpoint to name instead of a refused one."""
+    try:
+        meta, files = cio.read_checkpoint(path)
+        world = _written_world(path, meta)
+        if cfg is None:
+            cfg = ModelConfig.from_hf_dict(meta.get("model"), source=f"{path}/{cio.META_FILE}")
+        ranks = _held_ranks(meta, world) if ranks is None else ranks
+        problem = check_headers(path, meta, files, cfg, dtypes or recorded_dtypes(meta), ranks)
+        if problem is None:
+            layout = FlatLayout(cfg, world)
+            for kind in kinds:
+                for r in ranks:
+                    load_checked(files, kind, r, layout)
+        return problem
+    except (CheckpointError, ConfigError) as e:
+        return str(e)
+    except (TypeError, AttributeError, KeyError) as e:  # a meta of the wrong shape
+        return f"{path}/{cio.META_FILE}: malformed ({type(e).__name__}: {e})"
+
+
+def newest_verifying(path: str, problem_of, ctx=None) -> str | None:
+    """The newest checkpoint beside `path` (in its directory, step > 0, `path` itself excluded) for which
+    `problem_of(candidate)` is None: what a refusal names instead of resuming an older one unasked. With
+    several ranks (`ctx`), each rank checks its own files and a candidate counts when every rank agrees."""
+    found = [str(p) for s, p in reversed(cio.list_checkpoints(Path(path).parent))
+             if s > 0 and os.path.abspath(p) != os.path.abspath(path)]
+    if ctx is not None and ctx.world > 1:
+        found = ctx.broadcast_object(found)
+    for candidate in found:
+        problem = problem_of(candidate)
+        if (_agree(ctx, problem) if ctx is not None else problem) is None:
+            return candidate
+    return None
+
+
+def refusal(problem: str, alternative: str | None, hint) -> CheckpointError:
+    """The one-line refusal: the problem (file and tensor), then the newest checkpoint that verifies and how
+    to use it (`hint(path, step)`), or that there is none."""
+    if alternative is None:
+        return CheckpointError(f"{problem}; no other checkpoint beside it verifies")
+    return CheckpointError(f"{problem}; the newest checkpoint that verifies is {alternative}: "
+                           f"{hint(alternative, cio.checkpoint_step(alternative))}")
+
+
+def continue_hint(ckpt_dir: str):
+    """How to resume another checkpoint: `--continue STEP` inside the run's checkpoint directory, else its path."""
+    def hint(path: str, step: int | None) -> str:
+        same = os.path.abspath(Path(path).parent) == os.path.abspath(ckpt_dir)
+        return f"resume it with --continue {step if same and step is not None else path}"
+    return hint
+
+
+def unverified_note(path: str) -> str:
+    return (f"checkpoint {path} records no file digests (written before qtrain stored them): its files are checked "
+            f"for names, dtypes, shapes and finite values, but a changed bit that stays finite cannot be found")
+
+
+def check_resumable(path: str, meta: dict[str, Any], files: cio.CheckpointFiles, cfg: ModelConfig, opts: Any,
+                    ckpt_dir: str) -> None:
+    """The preflight's part (no model, nothing large read): every shard file's header fits this run. A
+    refusal names the newest checkpoint that does verify (fully: that one is read)."""
+    world = _written_world(path, meta)
+    dtypes = run_dtypes(opts)
+    if problem := check_headers(path, meta, files, cfg, dtypes, _held_ranks(meta, world)):
+        def problem_of(c: str) -> str | None:
+            try:
+                m, _ = cio.read_checkpoint(c)
+                check_compatible(c, m, cfg, opts, world)
+            except CheckpointError as e:
+                return str(e)
+            return verify(c, cfg=cfg, dtypes=dtypes)
+        raise refusal(problem, newest_verifying(path, problem_of), continue_hint(ckpt_dir))
+
+
+def _reads(written: int, shard: int, shards: int) -> list[int]:
+    """The ranks of a `written`-rank checkpoint whose files shard `shard` of `shards` reads."""
+    return [shard] if written == shards else list(range(written))
+
+
+def restore_state(path: str, trainer: Trainer) -> dict[str, Any]:
+    """Load the checkpoint's weights, Adam moments and scale hints into `trainer`, verified: each file's digest
+    in the read that loads it, the headers against this run's layout, and the values (finite; v >= 0) where
+    they now live (the trainer's device, or host memory when offloaded). A checkpoint of another world size is
+    resharded (module docstring; its values are checked as they are read). Every rank checks its own files
+    and the ranks agree, so a refusal is the same CheckpointError on every rank, naming the newest checkpoint
+    that verifies. Returns the meta (for `restore_progress`). Writes nothing: called before the run claims
+    its output paths."""
     meta, files = cio.read_checkpoint(path)
-    ctx, shard, shards = trainer.ctx, trainer.comm.rank, trainer.comm.world
-    check_compatible(path, meta, trainer.cfg, trainer.opts, shards)
+    ctx, shard, shards, cfg = trainer.ctx, trainer.comm.rank, trainer.comm.world, trainer.cfg
+    check_compatible(path, meta, cfg, trainer.opts, shards)
     if (err := _agree(ctx, missing_files(path, meta, shard, shards))) is not None:
         raise CheckpointError(err)
-    world = meta["distributed"]["world"]
-    if world == shards:
-        state = {kind: files.load(_stem(kind, shard, world)) for kind in STATE_KINDS}
-    else:
-        state = reshard_state(FlatLayout(trainer.cfg, world), trainer.layout, shard, STATE_KINDS,
-                              lambda kind, q, key: files.get(_stem(kind, q, world), key))
-    trainer.load_state_tensors(state, int(meta["step"]))
+    world, dtypes = meta["distributed"]["world"], run_dtypes(trainer.opts)
+    src = FlatLayout(cfg, world)
+    state = None
+    err = check_headers(path, meta, files, cfg, dtypes, _reads(world, shard, shards))
+    if err is None:
+        try:
+            if world == shards:
+                state = {kind: files.load(_stem(kind, shard, world)) for kind in STATE_KINDS}
+            else:
+                def read(kind: str, q: int, key: str) -> torch.Tensor:
+                    t = files.get(_stem(kind, q, world), key)
+                    if problem := value_problem(files.path / f"{_stem(kind, q, world)}.safetensors", kind, key, t,
+                                                src, q):
+                        raise CheckpointError(problem)
+                    return t
+                state = reshard_state(src, trainer.layout, shard, STATE_KINDS, read)
+        except CheckpointError as e:
+            err = str(e)
+    if (err := _agree(ctx, err)) is None:
+        trainer.load_state_tensors(state, int(meta["step"]))
+        if world == shards:  # where the state now lives, without another copy
+            err = next((p for kind, tensors in trainer.state_tensors().items() for key, t in tensors.items()
+                        if (p := value_problem(files.path / f"{_stem(kind, shard, world)}.safetensors", kind, key, t,
+                                               src, shard))), None)
+        err = _agree(ctx, err)
+    if err is not None:
+        def problem_of(c: str) -> str | None:
+            try:
+                m, _ = cio.read_checkpoint(c)
+                check_compatible(c, m, cfg, trainer.opts, shards)
+                if (missing := missing_files(c, m, shard, shards)) is not None:
+                    return missing
+            except CheckpointError as e:
+                return str(e)
+            return verify(c, cfg=cfg, dtypes=dtypes, ranks=_reads(m["distributed"]["world"], shard, shards))
+        hint = continue_hint(trainer.opts.expand(trainer.opts.checkpoint_dir))
+        raise refusal(err, newest_verifying(path, problem_of, ctx), hint)
     hints = meta.get(HINTS_META)  # checked by check_compatible
     if hints is not None and len(hints) == ctx.world and hints[ctx.rank] is not None:  # else they start unset
         trainer.model.load_scale_hints(torch.tensor(hints[ctx.rank], dtype=torch.int32))
+    return meta
+
+
+def restore_progress(meta: dict[str, Any], trainer: Trainer, *, train_loader: TokenLoader | None,
+                     logger: RunLogger | None) -> int:
+    """Restore the loader and logger state of a checkpoint whose tensors `restore_state` loaded; returns the
+    step to continue from."""
+    world, shards = meta["distributed"]["world"], trainer.comm.world
     skipped = 0
     if train_loader is not None:
         skipped = train_loader.load_state_dict(meta["data_loader"])
@@ -310,3 +508,11 @@ def load(path: str, trainer: Trainer, *, train_loader: TokenLoader | None, logge
                        + (f"; the data position was rounded up to the new world size ({skipped} sequence(s) "
                           f"skipped)" if skipped else ""), step=int(meta["step"]))
     return int(meta["step"])
+
+
+def load(path: str, trainer: Trainer, *, train_loader: TokenLoader | None, logger: RunLogger | None) -> int:
+    """Restore trainer state (and loader / logger state when given); returns the step to continue from.
+    A checkpoint of another world size is resharded (module docstring); every file is verified
+    (`restore_state`)."""
+    meta = restore_state(path, trainer)
+    return restore_progress(meta, trainer, train_loader=train_loader, logger=logger)

@@ -2,6 +2,10 @@
 
 No process group is needed: the weight shards of every rank are concatenated in rank order, which
 restores each group's flat buffer (see parallel/layout.py), and the tensors are views into those.
+
+Nothing is exported from a checkpoint that does not verify (`checkpointing.verify`: every file's digest,
+the headers against the layout, finite weights and moments, v >= 0; the Adam files too, though the export
+does not carry them: they are the same training state); the refusal names the newest checkpoint that does.
 """
 from __future__ import annotations
 
@@ -15,18 +19,28 @@ from qtrain.model.hf_io import export_manifest, save_hf_model
 from qtrain.parallel.layout import FlatLayout
 from qtrain.train import checkpoint_io as cio
 from qtrain.train.checkpoint_io import CheckpointError
+from qtrain.train import checkpointing
 from qtrain.train.checkpointing import _stem
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def checkpoint_params(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
-    """(model config, full parameters by internal name, master dtype name) from a checkpoint directory."""
+    """(model config, full parameters by internal name, master dtype name) from a checkpoint directory, which
+    must verify (CheckpointError naming the file and tensor, and the newest checkpoint beside it that does)."""
     meta, files = cio.read_checkpoint(path)
     cfg = ModelConfig.from_hf_dict(meta["model"], source=f"{path}/checkpoint.json")
     world = int(meta["distributed"]["world"])
     layout = FlatLayout(cfg, world)
-    shards = [files.load(_stem("weights", r, world)) for r in range(world)]
+    # the Adam files first (each read whole, then dropped), then the weights: verified in the read that loads them
+    problem = checkpointing.verify(path, cfg=cfg, ranks=list(range(world)), kinds=("adam.m", "adam.v"))
+    if problem is None:
+        try:
+            shards = [checkpointing.load_checked(files, "weights", r, layout) for r in range(world)]
+        except CheckpointError as e:
+            problem = str(e)
+    if problem is not None:
+        raise checkpointing.refusal(problem, checkpointing.newest_verifying(path, checkpointing.verify), _export_hint)
     buffers = {}
     for g in layout.groups:
         parts = [s[g.key] for s in shards]
@@ -37,11 +51,16 @@ def checkpoint_params(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], 
     return cfg, layout.views(buffers), opts.get("master_dtype") or opts.get("model_dtype", "bf16")
 
 
+def _export_hint(path: str, step: int | None) -> str:
+    return f"export it with --step {step}" if step is not None else f"export it with --checkpoint-dir {path}"
+
+
 class ExportResult(NamedTuple):
     checkpoint: str  # the checkpoint directory exported
     out_dir: str
     tokenizer: str | None  # the tokenizer written beside the weights (None: the run recorded none that exists)
     caveat: str | None = None  # how transformers may load that tokenizer differently (`transformers_caveat`)
+    unverified: str | None = None  # the checkpoint records no digests (`checkpointing.unverified_note`)
 
 
 def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, tokenizer: str = "",
@@ -55,7 +74,7 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, t
         have = [s for s, _ in cio.list_checkpoints(ckpt_dir)]
         raise CheckpointError(f"--checkpoint-dir {ckpt_dir}: no checkpoint" + (f" of step {step}" if step is not None
                               else "") + (f" (it has steps {', '.join(map(str, have[-8:]))})" if have else ""))
-    meta, _ = cio.read_checkpoint(path)
+    meta, files = cio.read_checkpoint(path)
     run_id = (meta.get("run") or {}).get("id")
     man = export_manifest(out_dir)
     theirs = (man or {}).get("run_id")
@@ -68,7 +87,8 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, t
              "checkpoint": str(path)}
     save_hf_model(out_dir, cfg, params, dtype=DTYPES[dtype], extra_files=export_files(spec, cfg),
                   owner={k: v for k, v in owner.items() if v is not None})
-    return ExportResult(str(path), str(out_dir), spec, transformers_caveat(spec, cfg))
+    return ExportResult(str(path), str(out_dir), spec, transformers_caveat(spec, cfg),
+                        None if files.verified else checkpointing.unverified_note(str(path)))
 
 
 def checkpoint_tokenizer(path: str) -> str | None:

@@ -91,6 +91,8 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
     prep = prep or shared_preflight(opts, ctx)
     train_pattern, eval_pattern = prep.train_pattern, prep.eval_pattern
     trainer = _build_trainer(opts, ctx)
+    # the checkpoint's tensors are verified as they load, before anything is written: a refused one changes nothing
+    resumed = checkpointing.restore_state(prep.resume, trainer) if prep.resume is not None else None
     notes = _claim(prep, opts, ctx)  # after the model is built: a run that fails to start writes nothing
     cfg, B, T, GA, W = trainer.cfg, opts.batch_size, opts.seq_len, opts.grad_accumulation, ctx.world
     train = TokenLoader(train_pattern, T, rank=ctx.rank, world=W, seed=opts.train_seed, model_vocab_size=cfg.vocab_size)
@@ -117,8 +119,9 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
     _log_run_header(log, trainer, train, evals, total_steps, argv)
 
     start = 0
-    if prep.resume is not None:
-        start = checkpointing.load(prep.resume, trainer, train_loader=None if opts.new_data else train, logger=log)
+    if resumed is not None:
+        start = checkpointing.restore_progress(resumed, trainer, train_loader=None if opts.new_data else train,
+                                               logger=log)
         log.message(f"resumed from {prep.resume} at step {start}", level="warning")
 
     def evaluate(step: int, max_batches: int | None) -> float | None:

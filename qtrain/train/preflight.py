@@ -101,6 +101,7 @@ def check_resume(opts: Options, cfg: ModelConfig, world: int, paths: run_dir.Run
     """(run id, checkpoint to resume or None, note): --continue resolved and checked against this run, and the
     output paths' owners checked against the run that will write them."""
     if opts.continue_from is None:
+        run_dir.check_links(paths, from_step=0, start_over=opts.start_over)
         run_dir.check_ownership(paths, found, run_id=None, start_over=opts.start_over)
         return run_dir.new_run_id(), None, None
     path = checkpointing.find(paths.ckpt_dir, opts.continue_from)
@@ -108,11 +109,13 @@ def check_resume(opts: Options, cfg: ModelConfig, world: int, paths: run_dir.Run
         run_id = found.ckpt_run if found.ckpt_run not in (None, run_dir.LEGACY) else run_dir.new_run_id()
         note = f"--continue: no checkpoint in {paths.ckpt_dir} yet; starting from scratch"
     else:
-        meta, _ = cio.read_checkpoint(path)
+        meta, files = cio.read_checkpoint(path)
         checkpointing.check_compatible(path, meta, cfg, opts, check_group_size(opts.shard_group_size, world))
+        checkpointing.check_resumable(path, meta, files, cfg, opts, paths.ckpt_dir)
         run_id = (meta.get("run") or {}).get("id") or (
             found.ckpt_run if found.ckpt_run not in (None, run_dir.LEGACY) else run_dir.new_run_id())
-        note = None
+        note = None if files.verified else checkpointing.unverified_note(path)
+    run_dir.check_links(paths, from_step=(cio.checkpoint_step(path) or 0) if path else 0)
     run_dir.check_ownership(paths, found, run_id=run_id)
     return run_id, path, note
 

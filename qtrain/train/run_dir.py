@@ -185,6 +185,22 @@ def check_ownership(paths: RunPaths, found: Found, *, run_id: str | None, start_
                                f"run, or give this one other paths (--name, --checkpoint-dir, --out-dir, --log-file)")
 
 
+def check_links(paths: RunPaths, *, from_step: int, start_over: bool = False) -> None:
+    """Refuse a run that could write a checkpoint over the user's symbolic link (a `step_N` in the checkpoint
+    directory that is or holds one: `checkpoint_io.linked_checkpoints`): one of a step after `from_step` (the
+    step the run starts from), or any with `start_over`. qtrain never deletes or replaces such a link, so the
+    run would fail at that checkpoint; this says so before anything starts."""
+    linked = [(s, p, link) for s, p, link in cio.linked_checkpoints(paths.ckpt_dir) if start_over or s > from_step]
+    if not linked:
+        return
+    s, p, link = linked[0]
+    what = f"is a symbolic link to {os.path.realpath(p)}" if link == p else f"holds a symbolic link ({link.name})"
+    why = ("--start-over deletes only the checkpoints qtrain wrote, and the new run" if start_over
+           else f"this run (from step {from_step})")
+    raise RunConflictError(f"--checkpoint-dir {paths.ckpt_dir}: {p.name} {what}, which qtrain never deletes or "
+                           f"replaces, and {why} could write step {s} there; move it out of the folder first")
+
+
 # ---------------------------------------------------------------------------------------------- claim
 
 def claim(paths: RunPaths, found: Found, *, run_id: str, name: str, start_over: bool) -> list[str]:
@@ -208,20 +224,27 @@ def claim(paths: RunPaths, found: Found, *, run_id: str, name: str, start_over: 
     return notes
 
 
+def _remove_file(p: Path) -> None:
+    """Remove a file qtrain wrote; a symbolic link there is the user's and stays."""
+    if not p.is_symlink():
+        p.unlink(missing_ok=True)
+
+
 def _start_over(paths: RunPaths, found: Found) -> list[str]:
-    """Delete the earlier run's checkpoints and export files (only what qtrain wrote), keep its log aside."""
+    """Delete the earlier run's checkpoints and export files (only what qtrain wrote; never a symbolic link,
+    which `check_links` refused up front), keep its log aside."""
     notes = []
-    ckpts = cio.list_checkpoints(paths.ckpt_dir)
+    ckpts = [(s, p) for s, p in cio.list_checkpoints(paths.ckpt_dir) if cio.users_link(p) is None]
     for _, p in ckpts:
         cio.delete_checkpoint(p)
-    (Path(paths.ckpt_dir) / RUN_MARKER).unlink(missing_ok=True)
+    _remove_file(Path(paths.ckpt_dir) / RUN_MARKER)
     if ckpts:
         notes.append(f"--start-over: deleted {len(ckpts)} checkpoint(s) of the earlier run in {paths.ckpt_dir}")
     man = export_manifest(paths.out_dir)
     if man is not None:
         for n in sorted(manifest_files(man)):
-            (Path(paths.out_dir) / n).unlink(missing_ok=True)
-        (Path(paths.out_dir) / MANIFEST).unlink(missing_ok=True)
+            _remove_file(Path(paths.out_dir) / n)
+        _remove_file(Path(paths.out_dir) / MANIFEST)
         notes.append(f"--start-over: removed the earlier run's export files from {paths.out_dir}")
     if paths.log_file and found.log_run and os.path.exists(paths.log_file):
         stem, ext = os.path.splitext(paths.log_file)

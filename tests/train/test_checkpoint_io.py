@@ -43,7 +43,8 @@ def test_round_trip_bit_exact(tmp_path):
     assert path == tmp_path / "ckpt" / "step_00000100" and checkpoint_step(path) == 100
     assert sorted(p.name for p in path.iterdir()) == sorted([f"{n}.safetensors" for n in files] + ["checkpoint.json"])
     meta, loader = read_checkpoint(path)
-    assert meta == META
+    assert meta == {**META, "digests": meta["digests"]}  # the meta as given, plus every file's digest
+    assert sorted(meta["digests"]) == sorted(f"{n}.safetensors" for n in files) and loader.verified
     assert loader.names == sorted(files) and "rng" in loader and "nope" not in loader
     for name, tensors in files.items():
         assert sorted(loader.keys(name)) == sorted(tensors)
@@ -60,15 +61,15 @@ def test_failure_midway_leaves_nothing(tmp_path, monkeypatch):
     ckpt = tmp_path / "ckpt"
     write_checkpoint(ckpt, 100, {"w": {"a": torch.ones(2)}}, {"step": 100})
     calls = []
-    real_save = cio.save_file
+    real_write = cio.tensor_file.write
 
-    def failing_save(tensors, path):
+    def failing_write(path, tensors, metadata=None):
         calls.append(path)
         if len(calls) == 2:
             raise OSError("disk full")
-        real_save(tensors, path)
+        return real_write(path, tensors, metadata)
 
-    monkeypatch.setattr(cio, "save_file", failing_save)
+    monkeypatch.setattr(cio.tensor_file, "write", failing_write)
     with pytest.raises(OSError, match="disk full"):
         write_checkpoint(ckpt, 200, sample_files(), META)
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000100"]  # temp dir removed too
@@ -119,7 +120,7 @@ def test_rewrite_same_step_replaces(tmp_path):
     write_checkpoint(ckpt, 10, {"w": {"a": torch.zeros(1)}, "old": {"a": torch.zeros(1)}}, {"v": 1})
     write_checkpoint(ckpt, 10, {"w": {"a": torch.ones(1)}}, {"v": 2})
     meta, loader = read_checkpoint(checkpoint_path(ckpt, 10))
-    assert meta == {"v": 2} and loader.names == ["w"] and loader.get("w", "a").item() == 1.0
+    assert meta == {"v": 2, "digests": meta["digests"]} and loader.names == ["w"] and loader.get("w", "a").item() == 1.0
     assert [p.name for p in ckpt.iterdir()] == ["step_00000010"]
 
 

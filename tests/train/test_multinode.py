@@ -108,10 +108,15 @@ def test_node_local_directories_hold_their_nodes_ranks(runs):
         msg = checkpointing.missing_files(str(path), meta, other, 4)
         assert f"rank {other} of 4 needs weights.shard_{other:03d}_of_004.safetensors" in msg
         assert f"holds the shards of ranks {ranks[0]}-{ranks[1]}" in msg and "shared filesystem" in msg
-    # the meta of a node-local copy is the run's: the same step, loader position and options as node 0's
+    # the meta of a node-local copy is the run's: the same step, loader position and options as node 0's; only
+    # where the shards are and their digests (those of the files in that directory) are the node's own
     m0, m1 = (json.loads((runs / f"node{n}" / "ckpt" / f"step_{STEPS:08d}" / cio.META_FILE).read_text())
               for n in (0, 1))
-    assert {k: v for k, v in m0.items() if k != "distributed"} == {k: v for k, v in m1.items() if k != "distributed"}
+    own = ("distributed", cio.DIGESTS)
+    assert {k: v for k, v in m0.items() if k not in own} == {k: v for k, v in m1.items() if k not in own}
+    for node, meta in enumerate((m0, m1)):
+        ranks = (0, 1) if node == 0 else (2, 3)
+        assert sorted(meta[cio.DIGESTS]) == sorted(f"{k}.shard_{r:03d}_of_004.safetensors" for k in KINDS for r in ranks)
 
 
 def test_node_local_checkpoint_at_another_world_size_is_refused(runs):
