@@ -51,7 +51,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from safetensors import SafetensorError, safe_open
 
-from qtrain.fsio import fault_point, find_link, fsync_path, is_stale, owner_tag, remove_tree
+from qtrain.fsio import FileSystemError, fault_point, find_link, fsync_path, is_stale, owner_tag, remove_tree
 from qtrain.train import tensor_file
 from qtrain.train.tensor_file import DigestMismatch, TensorFileError
 
@@ -389,5 +389,5 @@ def remove_tree_quietly(path: str | os.PathLike) -> None:
     """Remove a temp directory after a failed write; errors are ignored (the next start sweeps it)."""
     try:
         remove_tree(path, point="ckpt.abort")
-    except OSError:
+    except (OSError, FileSystemError):  # FileSystemError: it holds a link of the user's, which stays
         pass

@@ -50,7 +50,9 @@ from qtrain.observe.log import RunLogger
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.reshard import reshard_state
 from qtrain.train import checkpoint_io as cio
-from qtrain.train.checkpoint_checks import KIND_DTYPES, expected_tensors, header_problem, value_problem
+from qtrain.train.checkpoint_checks import (STATE_KINDS, check_headers, held_ranks, run_dtypes, value_problem, verify,
+                                            written_world)
+from qtrain.train.checkpoint_checks import shard_stem as _stem
 from qtrain.train.checkpoint_io import CheckpointError
 from qtrain.train.trainer import Trainer
 
@@ -62,10 +64,6 @@ HINTS_META = "fp8_scale_hints"  # checkpoint.json: every rank's one-pass SwiGLU 
 # options that must match for a resume to continue the same run
 _MUST_MATCH = ("model_dtype", "master_dtype", "opt_m_dtype", "opt_v_dtype", "seed")
 META_SLACK = 1 << 20  # bytes on top of the tensors for checkpoint.json and safetensors headers
-
-
-def _stem(kind: str, rank: int, world: int) -> str:
-    return f"{kind}.shard_{rank:03d}_of_{world:03d}"
 
 
 def find(ckpt_dir: str, spec: str | None) -> str | None:
@@ -109,7 +107,6 @@ def _shard_files(kinds: tuple[str, ...], ranks: range | list[int], world: int) -
     return [_stem(kind, r, world) for kind in kinds for r in ranks]
 
 
-STATE_KINDS = ("weights", "adam.m", "adam.v")
 _MARKER = ".rank_{:03d}"  # left by each rank in the temp directory: who can see whose files
 
 
@@ -290,93 +287,7 @@ def missing_files(path: str, meta: dict[str, Any], rank: int, world: int) -> str
             f"every node the same directory (a shared filesystem), or copy the missing shard files there")
 
 
-# ---- integrity: what `--continue` and `qtrain export` refuse (checkpoint_checks.py says what is checked) ----
-
-def run_dtypes(opts: Any) -> dict[str, str | None]:
-    """The dtype a run keeps each state kind in (what its checkpoints' files must hold)."""
-    return {"weights": opts.effective_master_dtype, "adam.m": opts.opt_m_dtype, "adam.v": opts.opt_v_dtype}
-
-
-def recorded_dtypes(meta: dict[str, Any]) -> dict[str, str | None]:
-    """The dtypes a checkpoint's meta records (None where it records none: that kind's dtype is not checked)."""
-    o = meta.get("options") if isinstance(meta.get("options"), dict) else {}
-    given = {"weights": o.get("master_dtype") or o.get("model_dtype"), "adam.m": o.get("opt_m_dtype"),
-             "adam.v": o.get("opt_v_dtype")}
-    return {k: v if v in KIND_DTYPES[k] else None for k, v in given.items()}
-
-
-def _written_world(path: str, meta: dict[str, Any]) -> int:
-    world = meta.get("distributed", {}).get("world") if isinstance(meta.get("distributed"), dict) else None
-    if type(world) is not int or world < 1:
-        raise CheckpointError(f"{path}: {cio.META_FILE} has no world size (distributed.world)")
-    return world
-
-
-def _held_ranks(meta: dict[str, Any], world: int) -> list[int]:
-    """The ranks whose shards the directory holds (all, unless written into per-node directories)."""
-    held = meta["distributed"].get("ranks")
-    return [r for r in held if type(r) is int and 0 <= r < world] if isinstance(held, list) else list(range(world))
-
-
-def check_headers(path: str, meta: dict[str, Any], files: cio.CheckpointFiles, cfg: ModelConfig,
-                  dtypes: dict[str, str | None], ranks: list[int]) -> str | None:
-    """The problem with the shard files of `ranks`, found from their headers alone (no tensor data read): a
-    file missing, unreadable, without a recorded digest (when the meta records digests), renamed or swapped,
-    or holding other tensors, dtypes or shapes than this checkpoint's layout; None when there is none."""
-    world = _written_world(path, meta)
-    for kind in STATE_KINDS:
-        expected = expected_tensors(cfg, world, kind, dtypes[kind])
-        for r in ranks:
-            stem = _stem(kind, r, world)
-            try:
-                files.digest(stem)
-                header = files.header(stem, verify=False)
-                problem = header_problem(files.path / f"{stem}.safetensors", kind, expected, header.dtypes_shapes(),
-                                         header.metadata.get("name"))
-                if problem:
-                    return problem
-                files.header(stem)  # its digest (the tensors' are checked as they are read)
-            except CheckpointError as e:
-                return str(e)
-    return None
-
-
-def load_checked(files: cio.CheckpointFiles, kind: str, rank: int, layout: FlatLayout) -> dict[str, torch.Tensor]:
-    """The tensors of rank `rank`'s shard file of `kind`, its digest verified in the read and its values
-    checked (on the CPU); CheckpointError naming the file and tensor otherwise. Headers are checked first
-    (`check_headers`)."""
-    stem = _stem(kind, rank, layout.world)
-    tensors = files.load(stem)
-    for key, t in tensors.items():
-        if problem := value_problem(files.path / f"{stem}.safetensors", kind, key, t, layout, rank):
-            raise CheckpointError(problem)
-    return tensors
-
-
-def verify(path: str, *, cfg: ModelConfig | None = None, dtypes: dict[str, str | None] | None = None,
-           ranks: list[int] | None = None, kinds: tuple[str, ...] = STATE_KINDS) -> str | None:
-    """Why the checkpoint at `path` does not verify, or None: its meta, the headers of every shard file of
-    `ranks` (default: every rank the directory holds), and for `kinds` every file's digest and values. `cfg`
-    and `dtypes` default to what the meta records. Reads the files whole: for export and for finding a
-    checkpoint to name instead of a refused one."""
-    try:
-        meta, files = cio.read_checkpoint(path)
-        world = _written_world(path, meta)
-        if cfg is None:
-            cfg = ModelConfig.from_hf_dict(meta.get("model"), source=f"{path}/{cio.META_FILE}")
-        ranks = _held_ranks(meta, world) if ranks is None else ranks
-        problem = check_headers(path, meta, files, cfg, dtypes or recorded_dtypes(meta), ranks)
-        if problem is None:
-            layout = FlatLayout(cfg, world)
-            for kind in kinds:
-                for r in ranks:
-                    load_checked(files, kind, r, layout)
-        return problem
-    except (CheckpointError, ConfigError) as e:
-        return str(e)
-    except (TypeError, AttributeError, KeyError) as e:  # a meta of the wrong shape
-        return f"{path}/{cio.META_FILE}: malformed ({type(e).__name__}: {e})"
-
+# ---- integrity: what `--continue` refuses (checkpoint_checks.py says what is checked) ----
 
 def newest_verifying(path: str, problem_of, ctx=None) -> str | None:
     """The newest checkpoint beside `path` (in its directory, step > 0, `path` itself excluded) for which
@@ -387,7 +298,10 @@ def newest_verifying(path: str, problem_of, ctx=None) -> str | None:
     if ctx is not None and ctx.world > 1:
         found = ctx.broadcast_object(found)
     for candidate in found:
-        problem = problem_of(candidate)
+        try:
+            problem = problem_of(candidate)
+        except (ValueError, TypeError, KeyError, AttributeError, OSError) as e:  # a malformed candidate: on one
+            problem = f"{candidate}: {type(e).__name__}: {e}"  # rank only, so say it rather than leave the rest waiting
         if (_agree(ctx, problem) if ctx is not None else problem) is None:
             return candidate
     return None
@@ -416,12 +330,11 @@ def unverified_note(path: str) -> str:
 
 
 def check_resumable(path: str, meta: dict[str, Any], files: cio.CheckpointFiles, cfg: ModelConfig, opts: Any,
-                    ckpt_dir: str) -> None:
-    """The preflight's part (no model, nothing large read): every shard file's header fits this run. A
-    refusal names the newest checkpoint that does verify (fully: that one is read)."""
-    world = _written_world(path, meta)
+                    world: int, ckpt_dir: str) -> None:
+    """The preflight's part (no model, nothing large read): every shard file's header fits this run (of `world`
+    shards). A refusal names the newest checkpoint that does verify (fully: that one is read)."""
     dtypes = run_dtypes(opts)
-    if problem := check_headers(path, meta, files, cfg, dtypes, _held_ranks(meta, world)):
+    if problem := check_headers(path, meta, files, cfg, dtypes, held_ranks(meta, written_world(path, meta))):
         def problem_of(c: str) -> str | None:
             try:
                 m, _ = cio.read_checkpoint(c)

@@ -3,7 +3,7 @@
 No process group is needed: the weight shards of every rank are concatenated in rank order, which
 restores each group's flat buffer (see parallel/layout.py), and the tensors are views into those.
 
-Nothing is exported from a checkpoint that does not verify (`checkpointing.verify`: every file's digest,
+Nothing is exported from a checkpoint that does not verify (`checkpoint_checks.verify`: every file's digest,
 the headers against the layout, finite weights and moments, v >= 0; the Adam files too, though the export
 does not carry them: they are the same training state); the refusal names the newest checkpoint that does.
 """
@@ -19,8 +19,8 @@ from qtrain.model.hf_io import export_manifest, save_hf_model
 from qtrain.parallel.layout import FlatLayout
 from qtrain.train import checkpoint_io as cio
 from qtrain.train.checkpoint_io import CheckpointError
-from qtrain.train import checkpointing
-from qtrain.train.checkpointing import _stem
+from qtrain.train.checkpoint_checks import load_checked, verify
+from qtrain.train.checkpointing import newest_verifying, refusal, unverified_note
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -33,14 +33,14 @@ def checkpoint_params(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], 
     world = int(meta["distributed"]["world"])
     layout = FlatLayout(cfg, world)
     # the Adam files first (each read whole, then dropped), then the weights: verified in the read that loads them
-    problem = checkpointing.verify(path, cfg=cfg, ranks=list(range(world)), kinds=("adam.m", "adam.v"))
+    problem = verify(path, cfg=cfg, ranks=list(range(world)), kinds=("adam.m", "adam.v"))
     if problem is None:
         try:
-            shards = [checkpointing.load_checked(files, "weights", r, layout) for r in range(world)]
+            shards = [load_checked(files, "weights", r, layout) for r in range(world)]
         except CheckpointError as e:
             problem = str(e)
     if problem is not None:
-        raise checkpointing.refusal(problem, checkpointing.newest_verifying(path, checkpointing.verify), _export_hint)
+        raise refusal(problem, newest_verifying(path, verify), _export_hint)
     buffers = {}
     for g in layout.groups:
         parts = [s[g.key] for s in shards]
@@ -88,7 +88,7 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, t
     save_hf_model(out_dir, cfg, params, dtype=DTYPES[dtype], extra_files=export_files(spec, cfg),
                   owner={k: v for k, v in owner.items() if v is not None})
     return ExportResult(str(path), str(out_dir), spec, transformers_caveat(spec, cfg),
-                        None if files.verified else checkpointing.unverified_note(str(path)))
+                        None if files.verified else unverified_note(str(path)))
 
 
 def checkpoint_tokenizer(path: str) -> str | None:

@@ -110,8 +110,9 @@ def check_resume(opts: Options, cfg: ModelConfig, world: int, paths: run_dir.Run
         note = f"--continue: no checkpoint in {paths.ckpt_dir} yet; starting from scratch"
     else:
         meta, files = cio.read_checkpoint(path)
-        checkpointing.check_compatible(path, meta, cfg, opts, check_group_size(opts.shard_group_size, world))
-        checkpointing.check_resumable(path, meta, files, cfg, opts, paths.ckpt_dir)
+        shards = check_group_size(opts.shard_group_size, world)
+        checkpointing.check_compatible(path, meta, cfg, opts, shards)
+        checkpointing.check_resumable(path, meta, files, cfg, opts, shards, paths.ckpt_dir)
         run_id = (meta.get("run") or {}).get("id") or (
             found.ckpt_run if found.ckpt_run not in (None, run_dir.LEGACY) else run_dir.new_run_id())
         note = None if files.verified else checkpointing.unverified_note(path)

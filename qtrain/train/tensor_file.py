@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -31,6 +32,8 @@ FILE_DIGEST = "sha256-tree"  # the label of a file's digest: SHA-256 of a header
 TENSOR_DIGEST = "sha256."  # header metadata key prefix of a tensor's digest
 MAX_HEADER = 100 << 20  # bytes; safetensors' own limit
 _CHUNK = 64 << 20  # bytes per read: large enough that hashing, not the call, is the cost
+# tensors are hashed on this many threads at once (hashlib releases the GIL): one SHA-256 stream runs on one core
+HASH_THREADS = max(1, min(8, (os.cpu_count() or 1)))
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
@@ -114,7 +117,9 @@ def write(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata
             raise TensorFileError(f"{path}: tensor {k!r} has dtype {t.dtype}, which a checkpoint cannot hold")
     order = sorted(ts, key=lambda k: (-ts[k].element_size(), k))
     meta = dict(metadata or {})
-    meta.update({TENSOR_DIGEST + k: hashlib.new(ALGORITHM, _bytes(ts[k])).hexdigest() for k in order})
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        hexes = pool.map(lambda k: hashlib.new(ALGORITHM, _bytes(ts[k])).hexdigest(), order)
+        meta.update({TENSOR_DIGEST + k: h for k, h in zip(order, hexes)})
     header: dict[str, Any] = {"__metadata__": meta}
     offset = 0
     for k in order:
@@ -201,18 +206,20 @@ def read(path: str | os.PathLike, digest: str | None = None) -> tuple[dict[str, 
                 header.verify(path, digest)
             buf = torch.empty(header.data_bytes, dtype=torch.uint8)
             view = memoryview(buf.numpy()) if header.data_bytes else memoryview(bytearray())
-            for key, (_, _, (begin, end)) in sorted(header.tensors.items(), key=lambda kv: kv[1][2]):
-                h = hashlib.new(ALGORITHM) if digest is not None else None
-                pos = begin
-                while pos < end:
-                    got = f.readinto(view[pos:min(end, pos + _CHUNK)])
-                    if not got:
-                        raise TensorFileError(f"{path}: ended after {header.data_start + pos} bytes while being read")
-                    if h is not None:
-                        h.update(view[pos:pos + got])
-                    pos += got
-                if h is not None:
-                    header.check_tensor(path, key, h)
+            with ThreadPoolExecutor(HASH_THREADS) as pool:  # each tensor hashed while the next one is read
+                hashed = {}
+                for key, (_, _, (begin, end)) in sorted(header.tensors.items(), key=lambda kv: kv[1][2]):
+                    pos = begin
+                    while pos < end:
+                        got = f.readinto(view[pos:min(end, pos + _CHUNK)])
+                        if not got:
+                            raise TensorFileError(f"{path}: ended after {header.data_start + pos} bytes while being "
+                                                  f"read")
+                        pos += got
+                    if digest is not None:
+                        hashed[key] = pool.submit(hashlib.new, ALGORITHM, view[begin:end])
+                for key, h in hashed.items():
+                    header.check_tensor(path, key, h.result())
     except OSError as e:
         raise TensorFileError(f"{path}: cannot be read ({e.strerror or e})") from None
     return {k: _view(buf, d, s, b, e) for k, (d, s, (b, e)) in header.tensors.items()}, header
