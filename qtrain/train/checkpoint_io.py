@@ -56,7 +56,7 @@ from qtrain.train import tensor_file
 from qtrain.train.tensor_file import DigestMismatch, TensorFileError
 
 META_FILE = "checkpoint.json"
-DIGESTS = "digests"  # checkpoint.json: {shard file name: "sha256:<hex>"}, computed while writing
+DIGESTS = "digests"  # checkpoint.json: {shard file name: "sha256-tree:<hex>"} (tensor_file), computed while writing
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _LEFTOVER = re.compile(r"^(?P<final>step_\d{8,})\.(?P<kind>tmp|old|del)-(?P<tag>.+)$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
