@@ -99,8 +99,7 @@ def value_problem(file: Path, kind: str, key: str, t: torch.Tensor, layout: Flat
     nonneg = kind == "adam.v" or key.endswith(SCALES_SUFFIX)
     if t.numel() == 0 or not _suspect(t, nonneg):
         return None
-    nan = torch.isnan if t.dtype in _FLOAT8 else lambda x: ~torch.isfinite(x)
-    n, first = _count(t, nan)
+    n, first = _count(t, _float8_nan if t.dtype in _FLOAT8 else lambda x: ~torch.isfinite(x))
     what = "NaN/inf value(s)"
     if not n and nonneg:
         n, first = _count(t, lambda x: x < 0)
@@ -112,13 +111,19 @@ def value_problem(file: Path, kind: str, key: str, t: torch.Tensor, layout: Flat
     return f"{file}: tensor {key} holds {n} {what}, the first at element {first}{where}"
 
 
-_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FLOAT8 = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}  # the bits that are all ones in a NaN (or inf) code
+
+
+def _float8_nan(x: torch.Tensor) -> torch.Tensor:
+    """NaN (e5m2: also inf) codes of a float8 tensor, from its bits: integer ops every device has."""
+    mask = _FLOAT8[x.dtype]
+    return (x.view(torch.uint8) & mask) == mask
 
 
 def _suspect(t: torch.Tensor, nonneg: bool) -> bool:
     """Whether `t` may hold a NaN or inf (or, with `nonneg`, a negative value): one pass, one sync."""
     if t.dtype in _FLOAT8:  # no min/max for float8: its NaN codes, a chunk at a time
-        return _count(t, torch.isnan)[0] > 0
+        return _count(t, _float8_nan)[0] > 0
     lo, hi = torch.stack(list(torch.aminmax(t.reshape(-1)))).float().tolist()
     return not (math.isfinite(lo) and math.isfinite(hi)) or (nonneg and lo < 0)
 
