@@ -2,7 +2,7 @@
 
 In an FP8 MLP the SwiGLU output h (M, F) and the up projection's output gradient du (M, 2F) exist only to be
 quantized (q and its transpose q^T, for the two GEMMs that read each). With per-tensor current scaling the
-scale needs max |x| before any element is scaled, so today each is two passes (kernels/swiglu_fp8.py,
+scale needs max |x| before any element is scaled, so the two-pass path makes each in two (kernels/swiglu_fp8.py,
 kernels/swiglu.py + the quantize kernel): the SwiGLU kernel writes x in bf16 and reduces its abs-max, then the
 quantize kernel reads x back and writes q and q^T. Per element of F that is 10 bytes moved forward (u 4, h 2,
 h again 2, q and q^T 2) and 18 backward (u 4, dout 2, du 4, du again 4, q and q^T 4). Here one pass writes q and
@@ -42,7 +42,7 @@ two-pass twins with the scale rule swapped (`pow2_scale`).
 Measured on the H200 (Qwen2.5-1.5B at 64 x 1024 tokens): forward 1.06 ms against the two-pass 1.50, backward 1.68
 against 2.70, with the hint right; a missed hint costs a second pass (1.92 / 3.16 ms).
 The kernels are compute-bound more than memory-bound (exp and division per element: a second pass that only
-masked its loads and stores still took ~1 ms, so its programs now branch off on the loaded exponent).
+masked its loads and stores still took ~1 ms, so its programs branch off on the loaded exponent).
 Validated on the GPU for bf16 inputs, read natively: the integer-bit loads of `load_f32` made Triton 3.6 write
 ~25% of q^T wrong there (any transposition).
 
