@@ -48,12 +48,15 @@ def same_content(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
 
 
 def describe_change(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
-    """How the file changed between two fingerprints of one path: 'appended to (S -> S' bytes)', 'truncated',
-    'rewritten', 'replaced by another file', 'touched'; None when nothing did."""
+    """How a file changed between two fingerprints (of one path, or of its place in a moved folder): 'appended to
+    (S -> S' bytes)', 'truncated', 'rewritten in place', 'replaced by another file', 'touched'; None when nothing
+    did."""
     if old.get("size") != new.get("size"):
         grew = isinstance(old.get("size"), int) and isinstance(new.get("size"), int) and new["size"] > old["size"]
         return f"{'appended to' if grew else 'truncated'} ({old.get('size')} -> {new.get('size')} bytes)"
     if old.get("digest") != new.get("digest"):
+        if old.get("path") != new.get("path"):  # moved: its inode says nothing
+            return "changed (same size, other content)"
         return ("replaced by another file of the same size" if old.get("inode") != new.get("inode")
                 else "rewritten in place (same size)")
     if old.get("mtime_ns") != new.get("mtime_ns") or old.get("inode") != new.get("inode"):

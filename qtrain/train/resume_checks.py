@@ -89,6 +89,12 @@ def current_data(train_pattern: str) -> list[dict[str, Any]]:
     return [fingerprint(p) for p in expand_files(train_pattern)]
 
 
+def _by_place(files: list[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    """Files by their path below the folder they share: the same data moved elsewhere pairs up file by file."""
+    root = os.path.commonpath([os.path.dirname(f["path"]) for f in files])
+    return {os.path.relpath(f["path"], root): f for f in files}
+
+
 def data_change(old: list[Mapping[str, Any]], new: list[Mapping[str, Any]]) -> tuple[str | None, str | None]:
     """(what changed in the training data that moves the data position, or None; a note on what changed that
     does not: the same bytes at other paths, files touched)."""
@@ -100,13 +106,13 @@ def data_change(old: list[Mapping[str, Any]], new: list[Mapping[str, Any]]) -> t
             [f"{_names(touched)}: touched or copied since the checkpoint (same size and sampled content)"]
             if touched else [])
         return None, "; ".join(notes) or None
-    old_by, new_by = {f["path"]: f for f in old}, {f["path"]: f for f in new}
-    parts = [f"{shorten(p)} was {describe_change(old_by[p], new_by[p])}" for p in sorted(old_by.keys() & new_by.keys())
-             if not same_content(old_by[p], new_by[p])]
+    old_by, new_by = _by_place(old), _by_place(new)
+    parts = [f"{shorten(new_by[k]['path'])} was {describe_change(old_by[k], new_by[k])}"
+             for k in sorted(old_by.keys() & new_by.keys()) if not same_content(old_by[k], new_by[k])]
     parts = parts[:_LISTED] + ([f"{len(parts) - _LISTED} more changed"] if len(parts) > _LISTED else [])
-    if gained := sorted(new_by.keys() - old_by.keys()):
+    if gained := sorted(new_by[k]["path"] for k in new_by.keys() - old_by.keys()):
         parts.append(f"the training files now include {_names(gained)}")
-    if lost := sorted(old_by.keys() - new_by.keys()):
+    if lost := sorted(old_by[k]["path"] for k in old_by.keys() - new_by.keys()):
         parts.append(f"{_names(lost)} {'is' if len(lost) == 1 else 'are'} no longer among the training files")
     return "the training data changed since the checkpoint: " + "; ".join(parts or ["the files are in another order"]), None
 
