@@ -36,10 +36,10 @@ def file_order(seed: int, epoch: int, num_files: int, *, shuffle: bool = True) -
 
 def position_error(state: Mapping[str, Any], file_tokens: Sequence[int], seq_len: int, *,
                    shuffle: bool = True) -> str | None:
-    """Why a saved position (`TokenLoader.state_dict`) is no position in files of these
-    token counts cut into `seq_len` chunks, or None. `chunk_index` counts the sequences of the current file each
-    of the saved `world` ranks consumed: at most that file's chunks per rank (it equals them once the file is
-    done and the next batch has not started the next file yet)."""
+    """Why a saved position (`TokenLoader.state_dict`) is no position in files of these token counts cut into
+    `seq_len` chunks, or None. `chunk_index` counts the sequences of the current file each of the saved `world`
+    ranks consumed: at most that file's chunks per rank (it equals them once the file is done and the next batch
+    has not started the next file yet)."""
     n, fi, ci, world = len(file_tokens), int(state["file_index"]), int(state["chunk_index"]), int(state["world"])
     if fi > n or (fi == n and ci):
         return f"file_index {fi} is past the {n} training file(s)"
@@ -51,7 +51,6 @@ def position_error(state: Mapping[str, Any], file_tokens: Sequence[int], seq_len
         return (f"chunk_index {ci} is past the {per_rank} sequence(s) of {seq_len} tokens each of {world} rank(s) "
                 f"takes from training file {f}")
     return None
-
 
 
 class TokenLoader:

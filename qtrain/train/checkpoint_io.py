@@ -45,7 +45,7 @@ from safetensors.torch import save_file
 from qtrain.fsio import fault_point, fsync_path, is_stale, owner_tag, read_bounded, remove_tree, shorten
 
 META_FILE = "checkpoint.json"
-MAX_META_BYTES = 256 << 20  # far above any real meta (its largest part: FP8 scale hints, 2 ints per layer and rank)
+MAX_META_BYTES = 64 << 20  # far above any real meta (its largest parts: FP8 scale hints, the training files)
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _LEFTOVER = re.compile(r"^(?P<final>step_\d{8,})\.(?P<kind>tmp|old|del)-(?P<tag>.+)$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")

@@ -274,7 +274,11 @@ def _check_tokenizer(c: _Checker, path: str | os.PathLike, spec: Any, version: i
                                        f"{shorten(spec)}")
         own = Path(path) / TOKENIZER_DIR
         if own.is_symlink() or not own.is_dir() or not any((own / n).is_file() for n in TOKENIZER_FILES):
-            raise c.error("tokenizer", f"names the checkpoint's {TOKENIZER_DIR}/ folder, which holds no tokenizer files")
+            raise c.error("tokenizer", f"names the checkpoint's {TOKENIZER_DIR}/ folder, which holds no tokenizer "
+                                       f"files")
+        if linked := [n for n in TOKENIZER_FILES if (own / n).is_symlink()]:  # a copy is never a link out of it
+            raise c.error("tokenizer", f"names the checkpoint's {TOKENIZER_DIR}/ folder, whose {linked[0]} is a "
+                                       f"symbolic link (qtrain copies the tokenizer's files there)")
         return
     # version 1 recorded where the tokenizer was: an absolute path to a tokenizer.json or a model directory
     if not isinstance(spec, str) or not os.path.isabs(spec) or len(spec) > 4096 or "\0" in spec:

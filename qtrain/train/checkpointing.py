@@ -2,8 +2,10 @@
 
 A checkpoint (`checkpoint_io` handles the files and their atomicity) holds, per rank, the weight shard and
 the Adam moment shards of every group (`weights.shard_RRR_of_WWW`, `adam.m...`, `adam.v...`), and in
-`checkpoint.json`: the step, the data loader position, the outlier-detector windows, the world size and
-the options that change the math. Stochastic rounding needs no saved state: its bits are a function of
+`checkpoint.json`: the step, the data loader position, the outlier-detector windows, the world size, every
+option and the training files (what `--continue` compares: `resume_checks.py`), and in `tokenizer/` a copy of the
+tokenizer the export carries; `checkpoint_meta.py` holds the meta's schema, checked before anything is built, and
+`check_shard_files` the shard files' headers. Stochastic rounding needs no saved state: its bits are a function of
 (seed, step, tensor, element), so a resumed run continues bit-exactly.
 
 With the one-pass SwiGLU FP8 kernels (e4m3's default) `checkpoint.json` also holds every rank's scale hints
@@ -297,8 +299,9 @@ def check_shard_files(path: str, meta: dict[str, Any], cfg: ModelConfig, *, kind
         if kind in optional and len(missing) == len(stems):
             continue
         if missing:
+            listed = " it lists in distributed.ranks" if "ranks" in dist else ""
             raise CheckpointError(f"{path}: {missing[0]}.safetensors is missing (a checkpoint of {world} rank(s) holds "
-                                  f"a {kind} file per rank{' it lists in distributed.ranks' if 'ranks' in dist else ''})")
+                                  f"a {kind} file per rank{listed})")
         want = {g.key: ((g.shard_size(world),), _SAFETENSORS_DTYPES[dtypes[kind]]) for g in layout.groups}
         if kind == "adam.m" and dtypes[kind] == "e4m3":
             want.update({g.key + SCALES_SUFFIX: ((group_m_scales(g, world),), "F32") for g in layout.groups})

@@ -98,7 +98,8 @@ def check_data(opts: Options, cfg: ModelConfig, world: int) -> tuple[str, str | 
 
 
 def check_resume(opts: Options, cfg: ModelConfig, world: int, paths: run_dir.RunPaths, found: run_dir.Found, *,
-                 train_pattern: str, total_steps: int) -> tuple[str, str | None, str | None, resume_checks.Review | None]:
+                 train_pattern: str,
+                 total_steps: int) -> tuple[str, str | None, str | None, resume_checks.Review | None]:
     """(run id, checkpoint to resume or None, note, review): --continue resolved and checked against this run (its
     meta's schema, the shard files' headers, the options and data it records: `resume_checks`), and the output
     paths' owners checked against the run that will write them."""

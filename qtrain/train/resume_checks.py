@@ -114,21 +114,17 @@ def data_change(old: list[Mapping[str, Any]], new: list[Mapping[str, Any]]) -> t
         parts.append(f"the training files now include {_names(gained)}")
     if lost := sorted(old_by[k]["path"] for k in old_by.keys() - new_by.keys()):
         parts.append(f"{_names(lost)} {'is' if len(lost) == 1 else 'are'} no longer among the training files")
-    return "the training data changed since the checkpoint: " + "; ".join(parts or ["the files are in another order"]), None
+    return "the training data changed since the checkpoint: " + "; ".join(parts or ["the files are reordered"]), None
 
 
-def _position_problem(state: Mapping[str, Any], data: Mapping[str, Any] | None, train_pattern: str,
-                      seq_len: int) -> list[str]:
-    """[why the saved data position cannot be restored] or []. A position in the recorded files was checked with the
-    meta (`checkpoint_meta.validate`); one without records is checked against the files there are now."""
+def _position_problem(state: Mapping[str, Any], train_pattern: str, seq_len: int) -> list[str]:
+    """[why the saved data position cannot be restored in the training files there are now] or []."""
     if not state:
         return ["the checkpoint records no data position (written without a data loader): pass --new-data to start "
                 "at the beginning of the training data"]
-    if data is not None:
-        return []
     why = position_error(state, [read_token_file_header(p).num_tokens for p in expand_files(train_pattern)], seq_len)
-    return [f"its data_loader position is none in the training files ({why}): pass --new-data to restart at the "
-            f"start of the training data"] if why else []
+    return [f"its data_loader is no position in the training files there are now ({why}): pass --new-data to "
+            f"restart at the start of the training data"] if why else []
 
 
 def _global_batch(o: Mapping[str, Any], world: int) -> int:
@@ -192,7 +188,7 @@ def review(path: str, meta: Mapping[str, Any], opts: Options, *, world: int, tra
                        f"steps with would change mid-run (pass --override-schedule to take them from this command)")
     tail = "; or resume with the checkpoint's values" if refused else ""
     if not opts.new_data and not data_problems:
-        refused += _position_problem(state, data, train_pattern, opts.seq_len)
+        refused += _position_problem(state, train_pattern, opts.seq_len)
     if refused:
         raise ResumeError(f"--continue {path} (step {step}): {'; '.join(refused)}{tail}")
     if not full:

@@ -197,7 +197,8 @@ def _rewrite(n: int = 4000, *, seed: int | None = None, replace: bool = False) -
     """train.bin (make_run_root's 4000 ids, seed 7) rewritten in place: its first `n` ids (more: others appended),
     or `n` other ids (`seed`); with `replace`, as a new file renamed over it."""
     def edit(root: Path) -> None:
-        ids = _tokens(n, seed) if seed is not None else np.concatenate([_tokens(4000, 7), _tokens(max(n - 4000, 0), 99)])[:n]
+        ids = (_tokens(n, seed) if seed is not None
+               else np.concatenate([_tokens(4000, 7), _tokens(max(n - 4000, 0), 99)])[:n])
         path, new = root / "train.bin", root / "train.bin.new"
         write_token_file(new, ids, vocab_size=CFG.vocab_size)
         if replace:
@@ -224,7 +225,8 @@ CHANGE_CASES = {  # name -> (flags, setup, what the one line must say)
                                                        + DATA_HINT),
     "file-truncated": ({}, _rewrite(3600), r"train\.bin was truncated \(17024 -> 15424 bytes\)"),
     "file-rewritten": ({}, _rewrite(seed=8), r"train\.bin was changed \(same size, other content\)"),
-    "glob-gained": ({}, lambda root: write_token_file(root / "train-c.bin", _tokens(2000, 12), vocab_size=CFG.vocab_size),
+    "glob-gained": ({}, lambda root: write_token_file(root / "train-c.bin", _tokens(2000, 12),
+                                                      vocab_size=CFG.vocab_size),
                     r"the training files now include \S+/train-c\.bin"),
     "glob-lost": ({}, lambda root: (root / "train-b.bin").unlink(),
                   r"\S+/train-b\.bin is no longer among the training files"),
@@ -325,6 +327,12 @@ def test_a_checkpoint_of_the_earlier_format_resumes_and_says_what_it_cannot_chec
     capsys.readouterr()
     assert main(resume(root, train_seed=5)) == 2
     assert re.search(r"--train-seed 0x83b45442 -> 0x5", capsys.readouterr().err)
+    meta = json.loads((root / META).read_text())
+    (root / META).write_text(json.dumps({**meta, "data_loader": {**meta["data_loader"], "chunk_index": 10 ** 9}}))
+    assert main(resume(root)) == 2  # no records to check it with: checked against the files there are
+    assert re.search(r"its data_loader is no position in the training files there are now \(chunk_index 1000000000 "
+                     r"is past", capsys.readouterr().err)
+    (root / META).write_text(json.dumps(meta))
     assert main(resume(root, lr=5e-4)) == 0
     out = capsys.readouterr().out
     assert re.search(r"\[!\] checkpoint \S+step_00000004 has format 1: it records 5 options and not the training "
