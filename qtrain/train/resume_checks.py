@@ -146,39 +146,50 @@ def _finished(meta: Mapping[str, Any], out_dir: str) -> tuple[bool, str]:
     return True, ""
 
 
+def _data_problems(meta: Mapping[str, Any], opts: Options, train_pattern: str) -> tuple[list[str], list[str]]:
+    """(changes that move the data position, notes on changes that do not)."""
+    old, state, data = meta["options"], meta["data_loader"], meta.get("data")
+    problems, notes = [], []
+    old_seed = state.get("seed", old.get("train_seed"))  # the seed the saved position was shuffled with
+    if old_seed is not None and old_seed != opts.train_seed:
+        problems.append(f"--train-seed {old_seed:#x} -> {opts.train_seed:#x}")
+    if "seq_len" in old and old["seq_len"] != opts.seq_len:
+        problems.append(f"--seq-len {old['seq_len']} -> {opts.seq_len}")
+    if data is not None:
+        problem, note = data_change(data["files"], current_data(train_pattern))
+        problems += [problem] if problem else []
+        notes += [note] if note else []
+    return problems, notes
+
+
+def _schedule_problems(meta: Mapping[str, Any], opts: Options, world: int) -> list[str]:
+    """Changes of the learning-rate schedule or of the global batch (another split of it, or the same global batch
+    on another number of ranks, is none)."""
+    old, state, dist = meta["options"], meta["data_loader"], meta["distributed"]
+    problems = []
+    if {"batch_size", "grad_accumulation"} <= old.keys():
+        old_world = state.get("world") or dist["world"] * dist.get("replicas", 1)
+        before, now = _global_batch(old, old_world), _global_batch(vars(opts), world)
+        if before != now:
+            problems.append(f"global batch {before} -> {now} sequences per step (--batch-size {old['batch_size']} -> "
+                            f"{opts.batch_size}, --grad-accumulation {old['grad_accumulation']} -> "
+                            f"{opts.grad_accumulation}, {old_world} -> {world} rank(s))")
+    return problems + [f"{_flag(k)} {_show(old[k])} -> {_show(getattr(opts, k))}" for k in SCHEDULE_OPTIONS
+                       if k in old and old[k] != getattr(opts, k)]
+
+
 def review(path: str, meta: Mapping[str, Any], opts: Options, *, world: int, train_pattern: str, total_steps: int,
            out_dir: str) -> Review:
     """Compare this command (`opts` on `world` ranks, its resolved training files and step count) with the
     checkpoint at `path` (its meta, validated); ResumeError for a change the module docstring refuses."""
-    step, old, state = meta["step"], meta["options"], meta["data_loader"]
-    version, data = meta["version"], meta.get("data")
-    rv = Review(step=step)
-    full = version >= 2
-    data_problems, schedule_problems = [], []
+    step, old, state, version = meta["step"], meta["options"], meta["data_loader"], meta["version"]
     if total_steps < step:
         how = f"--steps {opts.steps}" if opts.steps > 0 else f"--epochs {opts.epochs} ({total_steps} steps)"
         raise ResumeError(f"--continue {path}: {how} ends before the checkpoint's step {step}: its weights have "
                           f"trained {step} steps. Resume it with --steps {step} or more, resume an earlier checkpoint "
                           f"(--continue STEP), or export it with `qtrain export`")
-    old_seed = state.get("seed", old.get("train_seed"))  # the seed the saved position was shuffled with
-    if old_seed is not None and old_seed != opts.train_seed:
-        data_problems.append(f"--train-seed {old_seed:#x} -> {opts.train_seed:#x}")
-    if full and old.get("seq_len") != opts.seq_len:
-        data_problems.append(f"--seq-len {old.get('seq_len')} -> {opts.seq_len}")
-    if data is not None:
-        problem, note = data_change(data["files"], current_data(train_pattern))
-        data_problems += [problem] if problem else []
-        rv.notes += [note] if note else []
-    if full and {"batch_size", "grad_accumulation"} <= old.keys():
-        old_world = state.get("world") or meta["distributed"]["world"] * meta["distributed"].get("replicas", 1)
-        before, now = _global_batch(old, old_world), _global_batch(vars(opts), world)
-        if before != now:
-            schedule_problems.append(
-                f"global batch {before} -> {now} sequences per step (--batch-size {old['batch_size']} -> "
-                f"{opts.batch_size}, --grad-accumulation {old['grad_accumulation']} -> {opts.grad_accumulation}, "
-                f"{old_world} -> {world} rank(s))")
-        schedule_problems += [f"{_flag(k)} {_show(old[k])} -> {_show(getattr(opts, k))}" for k in SCHEDULE_OPTIONS
-                              if k in old and old[k] != getattr(opts, k)]
+    data_problems, notes = _data_problems(meta, opts, train_pattern)
+    schedule_problems = _schedule_problems(meta, opts, world)
     refused = []
     if data_problems and not opts.new_data:
         refused.append(f"{', '.join(data_problems)}: the saved data position would serve other sequences than the "
@@ -191,11 +202,13 @@ def review(path: str, meta: Mapping[str, Any], opts: Options, *, world: int, tra
         refused += _position_problem(state, train_pattern, opts.seq_len)
     if refused:
         raise ResumeError(f"--continue {path} (step {step}): {'; '.join(refused)}{tail}")
-    if not full:
+
+    rv = Review(step=step, notes=notes)
+    if version < 2:
         rv.notes.append(f"checkpoint {path} has format {version}: it records {len(old)} options and not the training "
                         f"files, so changes to the other options or to the data cannot be checked (checkpoints "
                         f"written from now on record them)")
-    elif data is None:
+    elif meta.get("data") is None:
         rv.notes.append(f"checkpoint {path} records no training files (written without a data loader): changes to "
                         f"the data cannot be checked")
     if opts.new_data:
@@ -204,9 +217,8 @@ def review(path: str, meta: Mapping[str, Any], opts: Options, *, world: int, tra
         rv.notes.append(f"--new-data: the data position restarts at the start of the training data (the checkpoint "
                         f"was at {where})" + (f"; {', '.join(data_problems)}" if data_problems else ""))
     skip = set(INVOCATION) | set(MUST_MATCH)
-    rv.changes = [Change(k, old[k], getattr(opts, k)) for k in Options.field_names() & old.keys()
-                  if k not in skip and old[k] != getattr(opts, k)]
-    rv.changes.sort(key=lambda c: c.option)
+    rv.changes = sorted((Change(k, old[k], getattr(opts, k)) for k in Options.field_names() & old.keys()
+                         if k not in skip and old[k] != getattr(opts, k)), key=lambda c: c.option)
     if total_steps == step:
         done, why = _finished(meta, out_dir)
         run = meta.get("run") or {}
