@@ -12,7 +12,7 @@ deliberate differences, both documented where they happen:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -26,6 +26,31 @@ if TYPE_CHECKING:  # torch is imported where batches are made, so tokenizer work
 _FILE_ORDER_TAG = 0x73653753
 _CHUNK_ORDER_TAG = 0x636E6B73
 
+
+def file_order(seed: int, epoch: int, num_files: int, *, shuffle: bool = True) -> np.ndarray:
+    """The order an epoch serves the files in: a permutation seeded from (seed, epoch), or as given."""
+    if not shuffle:
+        return np.arange(num_files)
+    return np.random.default_rng([int(seed) % 2**64, int(epoch), _FILE_ORDER_TAG]).permutation(num_files)
+
+
+def position_error(state: Mapping[str, Any], file_tokens: Sequence[int], seq_len: int, *,
+                   shuffle: bool = True) -> str | None:
+    """Why a saved position (`TokenLoader.state_dict`) is no position in files of these token counts cut into
+    `seq_len` chunks, or None. `chunk_index` counts the sequences of the current file each of the saved `world`
+    ranks consumed: at most that file's chunks per rank (it equals them once the file is done and the next batch
+    has not started the next file yet)."""
+    n, fi, ci, world = len(file_tokens), int(state["file_index"]), int(state["chunk_index"]), int(state["world"])
+    if fi > n or (fi == n and ci):
+        return f"file_index {fi} is past the {n} training file(s)"
+    if fi == n:
+        return None
+    f = int(file_order(state["seed"], state["epoch"], n, shuffle=shuffle)[fi])
+    per_rank = max(file_tokens[f] - 1, 0) // seq_len // world
+    if ci > per_rank:
+        return (f"chunk_index {ci} is past the {per_rank} sequence(s) of {seq_len} tokens each of {world} rank(s) "
+                f"takes from training file {f}")
+    return None
 
 
 class TokenLoader:
@@ -110,10 +135,7 @@ class TokenLoader:
         return np.random.default_rng([self.seed % 2**64, *key])
 
     def _file_order(self, epoch: int) -> np.ndarray:
-        n = len(self.files)
-        if not self.shuffle:
-            return np.arange(n)
-        return self._rng(epoch, _FILE_ORDER_TAG).permutation(n)
+        return file_order(self.seed, epoch, len(self.files), shuffle=self.shuffle)
 
     def _rank_chunks(self, epoch: int, file_index: int) -> np.ndarray:
         """This rank's chunk indices of one file in this epoch, in serving order (cached per file)."""
@@ -238,6 +260,9 @@ class TokenLoader:
         saved_world = int(state.get("world", self.world))
         if saved_world < 1:
             raise DataError(f"{self.files[0].path}: loader state world {saved_world} is not a world size")
+        if why := position_error({**state, "world": saved_world}, [len(f) for f in self.files], self.seq_len,
+                                  shuffle=self.shuffle):
+            raise DataError(f"{self.files[0].path}: loader state {why}")
         consumed = chunk_pos * saved_world  # sequences of the current file all ranks consumed
         chunk_pos = -(-consumed // self.world)
         self.seed = int(state["seed"])

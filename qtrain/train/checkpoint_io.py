@@ -42,9 +42,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from qtrain.fsio import fault_point, fsync_path, is_stale, owner_tag, remove_tree
+from qtrain.fsio import fault_point, fsync_path, is_stale, owner_tag, read_bounded, remove_tree, shorten
 
 META_FILE = "checkpoint.json"
+MAX_META_BYTES = 64 << 20  # far above any real meta (its largest parts: FP8 scale hints, the training files)
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _LEFTOVER = re.compile(r"^(?P<final>step_\d{8,})\.(?P<kind>tmp|old|del)-(?P<tag>.+)$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -201,6 +202,11 @@ class CheckpointFiles:
     def keys(self, name: str) -> list[str]:
         return self._read(name, "cpu", lambda f: list(f.keys()))
 
+    def headers(self, name: str) -> dict[str, tuple[tuple[int, ...], str]]:
+        """{key: (shape, safetensors dtype name)} from the file's header alone (no tensor is read)."""
+        return self._read(name, "cpu", lambda f: {k: (tuple((s := f.get_slice(k)).get_shape()), s.get_dtype())
+                                                  for k in f.keys()})
+
     def get(self, name: str, key: str, *, device: str = "cpu") -> torch.Tensor:
         return self._read(name, device, lambda f: f.get_tensor(key))
 
@@ -218,10 +224,9 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], Checkpoint
     if not meta_file.is_file():
         raise CheckpointError(f"{path}: not a complete checkpoint (no {META_FILE})")
     try:
-        with open(meta_file, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{meta_file}: unreadable ({e})") from None
+        meta = json.loads(read_bounded(meta_file, "checkpoint meta", MAX_META_BYTES))
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{meta_file}: unreadable ({shorten(str(e))})") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{meta_file}: not a JSON object")
     return meta, CheckpointFiles(path)

@@ -2,8 +2,10 @@
 
 A checkpoint (`checkpoint_io` handles the files and their atomicity) holds, per rank, the weight shard and
 the Adam moment shards of every group (`weights.shard_RRR_of_WWW`, `adam.m...`, `adam.v...`), and in
-`checkpoint.json`: the step, the data loader position, the outlier-detector windows, the world size and
-the options that change the math. Stochastic rounding needs no saved state: its bits are a function of
+`checkpoint.json`: the step, the data loader position, the outlier-detector windows, the world size, every
+option and the training files (what `--continue` compares: `resume_checks.py`), and in `tokenizer/` a copy of the
+tokenizer the export carries; `checkpoint_meta.py` holds the meta's schema, checked before anything is built, and
+`check_shard_files` the shard files' headers. Stochastic rounding needs no saved state: its bits are a function of
 (seed, step, tensor, element), so a resumed run continues bit-exactly.
 
 With the one-pass SwiGLU FP8 kernels (e4m3's default) `checkpoint.json` also holds every rank's scale hints
@@ -43,22 +45,22 @@ import torch
 from qtrain.data.loader import TokenLoader
 from safetensors import SafetensorError
 
-from qtrain.fsio import describe_write_error, ensure_free_space, fault_point, owner_tag
-from qtrain.model.config import ConfigError, ModelConfig
+from qtrain.fsio import describe_write_error, ensure_free_space, fault_point, owner_tag, shorten
+from qtrain.model.config import ModelConfig
 from qtrain.observe.log import RunLogger
 from qtrain.parallel.layout import FlatLayout
+from qtrain.parallel.optimizer import SCALES_SUFFIX, group_m_scales
 from qtrain.parallel.reshard import reshard_state
 from qtrain.train import checkpoint_io as cio
+from qtrain.train import checkpoint_meta as cmeta
 from qtrain.train.checkpoint_io import CheckpointError
+from qtrain.train.checkpoint_meta import FORMAT_VERSION, HINTS_META, MUST_MATCH
 from qtrain.train.trainer import Trainer
 
 __all__ = ["CheckpointError", "FORMAT_VERSION", "find", "save", "load", "check_compatible", "missing_files",
-           "newest_finite"]
+           "check_shard_files", "newest_finite"]
 
-FORMAT_VERSION = 1
-HINTS_META = "fp8_scale_hints"  # checkpoint.json: every rank's one-pass SwiGLU FP8 scale hints (module docstring)
-# options that must match for a resume to continue the same run
-_MUST_MATCH = ("model_dtype", "master_dtype", "opt_m_dtype", "opt_v_dtype", "seed")
+# checkpoint.json's fields: checkpoint_meta.py; HINTS_META holds every rank's one-pass SwiGLU FP8 scale hints
 META_SLACK = 1 << 20  # bytes on top of the tensors for checkpoint.json and safetensors headers
 
 
@@ -132,7 +134,8 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
     files = {_stem(kind, shard, shards): {k: t.detach().contiguous().cpu() for k, t in tensors.items()}
              for kind, tensors in trainer.state_tensors().items()}
     nbytes = sum(t.numel() * t.element_size() for f in files.values() for t in f.values())
-    need = (sum(ctx.all_gather_object(nbytes)) if ctx.world > 1 else nbytes) + META_SLACK
+    need = (sum(ctx.all_gather_object(nbytes)) if ctx.world > 1 else nbytes) + META_SLACK + _size(
+        cmeta.tokenizer_files(trainer.tokenizer).values())
     err = None
     try:
         ensure_free_space(ckpt_dir, need, f"the checkpoint of step {step} ({ctx.world} rank(s))")
@@ -175,9 +178,10 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
             "nonfinite_streak": int(nonfinite_streak),
             "data_loader": loader.state_dict(),
             "logger": log.state_dict(),
-            "options": {k: getattr(trainer.opts, k) for k in _MUST_MATCH},
+            "options": cmeta.options_record(trainer.opts),
+            "data": cmeta.data_record(loader),
             "model": trainer.cfg.to_hf_dict(),
-            "tokenizer": trainer.tokenizer,  # what `qtrain export` puts beside the weights
+            "tokenizer": cmeta.tokenizer_record(trainer.tokenizer),  # what `qtrain export` puts beside the weights
         }
         if all_hints is not None:
             meta[HINTS_META] = all_hints
@@ -192,6 +196,8 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
         try:
             for r in here:
                 (tmp / _MARKER.format(r)).unlink(missing_ok=True)
+            if not cmeta.write_tokenizer(trainer.tokenizer, tmp):  # its source went away: export without one
+                meta["tokenizer"] = None
             cio.commit(tmp, final, meta)
         except OSError as e:
             cio.remove_tree_quietly(tmp)
@@ -209,14 +215,21 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
     return str(final)
 
 
+def _size(paths: Any) -> int:
+    try:
+        return sum(p.stat().st_size for p in paths)
+    except OSError:
+        return 0
+
+
 def check_compatible(path: str, meta: dict[str, Any], cfg: ModelConfig, opts: Any, world: int) -> None:
     """Whether the checkpoint at `path` (its meta) can resume a run of `cfg` with `opts` on `world` ranks;
     CheckpointError naming the difference otherwise. Needs no model: the preflight calls it. Another world
-    size is fine (resharding) when the directory holds every rank's shards."""
-    dist_meta = meta.get("distributed", {})
-    written = dist_meta.get("world")
-    if not isinstance(written, int) or written < 1:
-        raise CheckpointError(f"{path}: {cio.META_FILE} has no world size (distributed.world)")
+    size is fine (resharding) when the directory holds every rank's shards. The meta is checked against its
+    schema first (`checkpoint_meta.validate`)."""
+    theirs = cmeta.validate(path, meta)
+    dist_meta = meta["distributed"]
+    written = dist_meta["world"]
     if written != world and "ranks" in dist_meta:
         raise CheckpointError(
             f"{path}: written by {written} rank(s) into a checkpoint directory local to each node (this one, on "
@@ -224,33 +237,14 @@ def check_compatible(path: str, meta: dict[str, Any], cfg: ModelConfig, opts: An
             f"run has {world}: resharding reads every rank's shards. Copy the other nodes' "
             f"{Path(path).name}/*.safetensors into this directory (and drop \"ranks\" from {cio.META_FILE}), "
             f"or resume with {written} ranks on the same nodes")
-    for k, v in meta.get("options", {}).items():
+    for k in MUST_MATCH:
+        v = meta["options"][k]
         if getattr(opts, k, v) != v:
             raise CheckpointError(f"{path}: checkpoint has --{k.replace('_', '-')}={v!r}, this run "
                                   f"{getattr(opts, k)!r}")
-    if "model" in meta:
-        try:
-            theirs = ModelConfig.from_hf_dict(meta["model"], source=f"{path}/{cio.META_FILE}")
-        except ConfigError as e:
-            raise CheckpointError(str(e)) from None
-        if theirs != ModelConfig.from_hf_dict(cfg.to_hf_dict()):
-            diff = [f.name for f in theirs.__dataclass_fields__.values() if getattr(theirs, f.name) != getattr(cfg, f.name)]
-            raise CheckpointError(f"{path}: written for another model ({', '.join(diff)} differ from --model's config)")
-    _check_hints(path, meta.get(HINTS_META), cfg.num_hidden_layers)
-
-
-def _check_hints(path: str, hints: Any, layers: int) -> None:
-    """`fp8_scale_hints`, when present: a list with one entry per rank, each null or `layers` integer pairs."""
-    if hints is None:
-        return
-    where = f"{path}/{cio.META_FILE}: {HINTS_META}"
-    if not isinstance(hints, list):
-        raise CheckpointError(f"{where} must be a list with one entry per rank, got {type(hints).__name__}")
-    for r, h in enumerate(hints):
-        ok = h is None or (isinstance(h, list) and len(h) == layers and all(
-            isinstance(p, list) and len(p) == 2 and all(type(e) is int and abs(e) < 2 ** 31 for e in p) for p in h))
-        if not ok:
-            raise CheckpointError(f"{where}[{r}] must be null or {layers} pairs of integer exponents (one per layer)")
+    if theirs != ModelConfig.from_hf_dict(cfg.to_hf_dict()):
+        diff = [f.name for f in theirs.__dataclass_fields__.values() if getattr(theirs, f.name) != getattr(cfg, f.name)]
+        raise CheckpointError(f"{path}: written for another model ({', '.join(diff)} differ from --model's config)")
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -280,6 +274,54 @@ def missing_files(path: str, meta: dict[str, Any], rank: int, world: int) -> str
     return (f"{path} on {socket.gethostname()}: rank {rank} of {world} needs {', '.join(missing[:4])}"
             f"{f' and {len(missing) - 4} more' if len(missing) > 4 else ''}, which it does not have: {why}. Give "
             f"every node the same directory (a shared filesystem), or copy the missing shard files there")
+
+
+_SAFETENSORS_DTYPES = {"fp32": "F32", "bf16": "BF16", "e4m3": "F8_E4M3"}
+
+
+def check_shard_files(path: str, meta: dict[str, Any], cfg: ModelConfig, *, kinds: tuple[str, ...] = STATE_KINDS,
+                      optional: tuple[str, ...] = ()) -> None:
+    """The shard files of the ranks this directory holds (`distributed.ranks`, else all) against the checkpoint's
+    own layout: each there (a kind in `optional` may be absent for every rank: an export needs only the weights),
+    holding exactly its groups' tensors with the shape of a `distributed.world`-way shard and the dtype the
+    options record. Reads the safetensors headers only; CheckpointError naming the file and the tensor. `meta`
+    has passed `checkpoint_meta.validate`, `cfg` is its model."""
+    files = cio.CheckpointFiles(Path(path))
+    dist, opts = meta["distributed"], meta["options"]
+    world = dist["world"]
+    ranks = dist.get("ranks") or range(world)
+    layout = FlatLayout(cfg, world)
+    dtypes = {"weights": opts["master_dtype"] or opts["model_dtype"], "adam.m": opts["opt_m_dtype"],
+              "adam.v": opts["opt_v_dtype"]}
+    for kind in kinds:
+        stems = [_stem(kind, r, world) for r in ranks]
+        missing = [s for s in stems if s not in files]
+        if kind in optional and len(missing) == len(stems):
+            continue
+        if missing:
+            listed = " it lists in distributed.ranks" if "ranks" in dist else ""
+            raise CheckpointError(f"{path}: {missing[0]}.safetensors is missing (a checkpoint of {world} rank(s) holds "
+                                  f"a {kind} file per rank{listed})")
+        want = {g.key: ((g.shard_size(world),), _SAFETENSORS_DTYPES[dtypes[kind]]) for g in layout.groups}
+        if kind == "adam.m" and dtypes[kind] == "e4m3":
+            want.update({g.key + SCALES_SUFFIX: ((group_m_scales(g, world),), "F32") for g in layout.groups})
+        for stem in stems:
+            _check_header(f"{path}/{stem}.safetensors", files.headers(stem), want, world)
+
+
+def _check_header(file: str, have: dict[str, tuple[tuple[int, ...], str]],
+                  want: dict[str, tuple[tuple[int, ...], str]], world: int) -> None:
+    if missing := sorted(want.keys() - have.keys()):
+        raise CheckpointError(f"{file}: no tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if
+                                                                      len(missing) > 1 else ""))
+    if extra := sorted(have.keys() - want.keys()):
+        raise CheckpointError(f"{file}: tensor {shorten(extra[0])!r} is none of the model's groups")
+    for key, (shape, dtype) in want.items():
+        if have[key][0] != shape:
+            raise CheckpointError(f"{file}: tensor {key!r} has shape {list(have[key][0])}, a {world}-way shard of "
+                                  f"the model's layout has {list(shape)}")
+        if have[key][1] != dtype:
+            raise CheckpointError(f"{file}: tensor {key!r} is {have[key][1]}, the checkpoint's options say {dtype}")
 
 
 def load(path: str, trainer: Trainer, *, train_loader: TokenLoader | None, logger: RunLogger | None) -> int:

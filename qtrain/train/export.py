@@ -5,6 +5,7 @@ restores each group's flat buffer (see parallel/layout.py), and the tensors are 
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -14,16 +15,27 @@ from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import export_manifest, save_hf_model
 from qtrain.parallel.layout import FlatLayout
 from qtrain.train import checkpoint_io as cio
+from qtrain.train import checkpoint_meta
 from qtrain.train.checkpoint_io import CheckpointError
-from qtrain.train.checkpointing import _stem
+from qtrain.train.checkpointing import _stem, check_shard_files
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def checked_meta(path: str) -> tuple[dict, ModelConfig]:
+    """(meta, model config) of a checkpoint whose meta has the schema's shape and whose shard files' headers match
+    its layout (the weights must be there; Adam files, if there, must fit too); CheckpointError otherwise. Reads no
+    tensor."""
+    meta, _ = cio.read_checkpoint(path)
+    cfg = checkpoint_meta.validate(path, meta)
+    check_shard_files(path, meta, cfg, optional=("adam.m", "adam.v"))
+    return meta, cfg
+
+
 def checkpoint_params(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
     """(model config, full parameters by internal name, master dtype name) from a checkpoint directory."""
-    meta, files = cio.read_checkpoint(path)
-    cfg = ModelConfig.from_hf_dict(meta["model"], source=f"{path}/checkpoint.json")
+    meta, cfg = checked_meta(path)
+    files = cio.CheckpointFiles(Path(path))
     world = int(meta["distributed"]["world"])
     layout = FlatLayout(cfg, world)
     shards = [files.load(_stem("weights", r, world)) for r in range(world)]
@@ -33,8 +45,8 @@ def checkpoint_params(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], 
         if any(p.numel() != g.shard_size(world) for p in parts):
             raise CheckpointError(f"{path}: weight shard of {g.key} has the wrong size for world {world}")
         buffers[g.key] = torch.cat(parts)
-    opts = meta.get("options", {})
-    return cfg, layout.views(buffers), opts.get("master_dtype") or opts.get("model_dtype", "bf16")
+    opts = meta["options"]
+    return cfg, layout.views(buffers), opts["master_dtype"] or opts["model_dtype"]
 
 
 class ExportResult(NamedTuple):
@@ -55,7 +67,7 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, t
         have = [s for s, _ in cio.list_checkpoints(ckpt_dir)]
         raise CheckpointError(f"--checkpoint-dir {ckpt_dir}: no checkpoint" + (f" of step {step}" if step is not None
                               else "") + (f" (it has steps {', '.join(map(str, have[-8:]))})" if have else ""))
-    meta, _ = cio.read_checkpoint(path)
+    meta, _ = checked_meta(str(path))  # before anything is read or written
     run_id = (meta.get("run") or {}).get("id")
     man = export_manifest(out_dir)
     theirs = (man or {}).get("run_id")
@@ -74,7 +86,8 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, t
 def checkpoint_tokenizer(path: str) -> str | None:
     """The tokenizer a run recorded in its checkpoint, if it still exists (a built-in name or a path)."""
     meta, _ = cio.read_checkpoint(path)
-    spec = meta.get("tokenizer")
+    checkpoint_meta.validate(path, meta)
+    spec = checkpoint_meta.resolve_tokenizer(path, meta)
     if not spec:
         return None
     try:

@@ -89,6 +89,11 @@ def _stop_requested(signals: StopSignals, ctx: DistContext) -> bool:
 def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared | None,
          signals: StopSignals) -> dict:
     prep = prep or shared_preflight(opts, ctx)
+    if prep.review is not None and prep.review.finished:  # --continue of a finished run: nothing is built or written
+        if ctx.is_main:
+            print(f"qtrain: {prep.review.finished}", flush=True)
+        return {"final_eval_loss": None, "steps": prep.total_steps, "out_dir": prep.paths.out_dir,
+                "checkpoint_dir": prep.paths.ckpt_dir}
     train_pattern, eval_pattern = prep.train_pattern, prep.eval_pattern
     trainer = _build_trainer(opts, ctx)
     notes = _claim(prep, opts, ctx)  # after the model is built: a run that fails to start writes nothing
@@ -105,6 +110,8 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
     log.log("run", run_id=prep.run_id, name=opts.name, resume=prep.resume)  # a new log's first line: its owner
     for note in notes + ([prep.note] if prep.note else []):
         log.message(note, level="warning")
+    if prep.review is not None:
+        prep.review.report(log)
     graphs_note = cuda_graphs.status(opts, trainer.device.type, on=trainer.graphs is not None,
                                      fp8_linears=bool(trainer.fp8 is not None and trainer.fp8.fp8))
     if graphs_note:

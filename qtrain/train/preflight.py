@@ -28,7 +28,7 @@ from qtrain.options import Options, OptionsError
 from qtrain.parallel.dist import DeviceError, check_device
 from qtrain.parallel.groups import check_group_size
 from qtrain.train import checkpoint_io as cio
-from qtrain.train import checkpointing, run_dir
+from qtrain.train import checkpointing, resume_checks, run_dir
 from qtrain.train.cuda_graphs import check_cuda_graphs
 
 DEFAULT_DATA_DIR = os.path.join("data", "qtrain-default")
@@ -46,6 +46,7 @@ class Prepared:
     paths: run_dir.RunPaths
     found: run_dir.Found
     start_over: bool
+    review: resume_checks.Review | None = None  # --continue: what changed since the checkpoint, or that it is done
 
 
 def data_files(opts: Options) -> tuple[str, str | None]:
@@ -96,13 +97,16 @@ def check_data(opts: Options, cfg: ModelConfig, world: int) -> tuple[str, str | 
     return train_pattern, eval_pattern, total
 
 
-def check_resume(opts: Options, cfg: ModelConfig, world: int, paths: run_dir.RunPaths,
-                 found: run_dir.Found) -> tuple[str, str | None, str | None]:
-    """(run id, checkpoint to resume or None, note): --continue resolved and checked against this run, and the
-    output paths' owners checked against the run that will write them."""
+def check_resume(opts: Options, cfg: ModelConfig, world: int, paths: run_dir.RunPaths, found: run_dir.Found, *,
+                 train_pattern: str,
+                 total_steps: int) -> tuple[str, str | None, str | None, resume_checks.Review | None]:
+    """(run id, checkpoint to resume or None, note, review): --continue resolved and checked against this run (its
+    meta's schema, the shard files' headers, the options and data it records: `resume_checks`), and the output
+    paths' owners checked against the run that will write them."""
     if opts.continue_from is None:
         run_dir.check_ownership(paths, found, run_id=None, start_over=opts.start_over)
-        return run_dir.new_run_id(), None, None
+        return run_dir.new_run_id(), None, None, None
+    review = None
     path = checkpointing.find(paths.ckpt_dir, opts.continue_from)
     if path is None:
         run_id = found.ckpt_run if found.ckpt_run not in (None, run_dir.LEGACY) else run_dir.new_run_id()
@@ -110,11 +114,14 @@ def check_resume(opts: Options, cfg: ModelConfig, world: int, paths: run_dir.Run
     else:
         meta, _ = cio.read_checkpoint(path)
         checkpointing.check_compatible(path, meta, cfg, opts, check_group_size(opts.shard_group_size, world))
+        checkpointing.check_shard_files(path, meta, cfg)
+        review = resume_checks.review(path, meta, opts, world=world, train_pattern=train_pattern,
+                                      total_steps=total_steps, out_dir=paths.out_dir)
         run_id = (meta.get("run") or {}).get("id") or (
             found.ckpt_run if found.ckpt_run not in (None, run_dir.LEGACY) else run_dir.new_run_id())
         note = None
     run_dir.check_ownership(paths, found, run_id=run_id)
-    return run_id, path, note
+    return run_id, path, note, review
 
 
 def check_memory(opts: Options, cfg: ModelConfig, world: int, procs: int) -> None:
@@ -143,10 +150,11 @@ def preflight(opts: Options, *, world: int, local_procs: int | None = None) -> P
     run_dir.check_paths(paths)
     found = run_dir.inspect(paths)
     train_pattern, eval_pattern, total = check_data(opts, cfg, world)
-    run_id, resume, note = check_resume(opts, cfg, world, paths, found)
+    run_id, resume, note, review = check_resume(opts, cfg, world, paths, found, train_pattern=train_pattern,
+                                                total_steps=total)
     check_memory(opts, cfg, world, local_procs or world)
     return Prepared(run_id=run_id, resume=resume, note=note, train_pattern=train_pattern, eval_pattern=eval_pattern,
-                    total_steps=total, paths=paths, found=found, start_over=opts.start_over)
+                    total_steps=total, paths=paths, found=found, start_over=opts.start_over, review=review)
 
 
 def shared_preflight(opts: Options, ctx: Any) -> Prepared:
