@@ -49,7 +49,8 @@ ALARM_S = 30  # a hang fails the row; every row takes well under a second when i
 def base(tmp_path_factory) -> Path:
     """The tiny model's config (model/), its weights (weights/), token files, and a tiny character tokenizer."""
     root = make_run_root(tmp_path_factory.mktemp("hostile"))
-    params = {n: torch.randn(s, generator=torch.Generator().manual_seed(1)) * 0.02 for n, s in param_shapes(CFG).items()}
+    g = torch.Generator().manual_seed(1)
+    params = {n: torch.randn(s, generator=g) * 0.02 for n, s in param_shapes(CFG).items()}
     save_hf_model(root / "weights", CFG, params, dtype=torch.float32)
     (root / "tokenizer.json").write_text(tiny_tokenizer_json())
     return root
@@ -207,7 +208,8 @@ PREFLIGHT_CASES = [
     Case("model-tokenizer-garbage-with-config", train(model="{root}/tm"), r"tm/tokenizer.json: not a tokenizer.json",
          steps(copy_weights("tm"), write("tm/tokenizer.json", "{}"), write("tm/tokenizer_config.json", "{}"))),
     Case("out-dir-symlink-loop", train(out_dir="{root}/loop"), r"--out-dir .*loop: .*symlink", loop("loop")),
-    Case("out-dir-inside-symlink-loop", train(out_dir="{root}/loop/sub"), r"--out-dir .*loop/sub: .*loop is a symlink loop",
+    Case("out-dir-inside-symlink-loop", train(out_dir="{root}/loop/sub"),
+         r"--out-dir .*loop/sub: .*loop is a symlink loop",
          loop("loop")),
     Case("ckpt-dir-symlink-loop", train(checkpoint_dir="{root}/loop"), r"--checkpoint-dir .*loop: .*symlink",
          loop("loop")),
@@ -217,7 +219,8 @@ PREFLIGHT_CASES = [
          lambda root: os.symlink(root / "nowhere" / "deeper", root / "gone")),
 ] + [
     Case(f"model-json-{name}", train(), match, model_json(**changes)) for name, changes, match in [
-        ("kv-heads-0", {"num_key_value_heads": 0}, r"config.json: num_key_value_heads must be a positive integer, got 0"),
+        ("kv-heads-0", {"num_key_value_heads": 0},
+         r"config.json: num_key_value_heads must be a positive integer, got 0"),
         ("head-dim-0", {"head_dim": 0}, r"config.json: head_dim must be a positive integer, got 0"),
         ("eos-out-of-vocab", {"eos_token_id": 1_000_000}, rf"config.json: eos_token_id 1000000 is not a token id of "
          rf"the vocabulary \(0\.\.{V - 1}\)"),
