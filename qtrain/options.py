@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Iterable
 
+from qtrain.fsio import shorten
 from qtrain.model.fp8_policy import DEFAULT_MIN_BLOCK_GFLOP as DEFAULT_FP8_MIN_BLOCK_GFLOP
 from qtrain.model.fp8_policy import DEFAULT_MIN_SIZE as DEFAULT_FP8_MIN_SIZE
 from qtrain.model.config import ModelConfig
@@ -626,7 +627,7 @@ def _coerce(key: str, value: Any, source: str, spelled: str = "") -> Any:
     import typing
     typ = typing.get_type_hints(Options)[key]
     def bad(what: str) -> OptionsError:
-        return OptionsError(f"{source}: option {spelled or key!r} must be {what}, got {value!r}")
+        return OptionsError(f"{source}: option {spelled or key!r} must be {what}, got {shorten(repr(value))}")
     if key == "continue_from":  # `continue = true` (latest), a step number, or a path
         if value is None or value is False:
             return None
@@ -685,8 +686,8 @@ def normalize_mapping(d: dict[str, Any], *, source: str = "options") -> dict[str
         norm[key] = _coerce(key, v, source, spelled=str(k))
     if unknown:
         spelled = sorted(names | {a for a in ALIASES})
-        hints = [f"{u!r} -> {m!r}" for u in sorted(unknown)
+        hints = [f"{shorten(repr(u), 60)} -> {m!r}" for u in sorted(unknown)[:5]
                  if (m := closest(u.replace("-", "_"), spelled)) is not None]
-        raise OptionsError(f"{source}: unknown option(s) {sorted(unknown)}"
+        raise OptionsError(f"{source}: unknown option(s) {shorten(repr(sorted(unknown)))}"
                            + (f" (did you mean {', '.join(hints)}?)" if hints else ""))
     return norm

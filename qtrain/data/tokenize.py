@@ -39,6 +39,7 @@ import numpy as np
 
 from qtrain.data.sft import SFTFormat, encode_example, iter_records, record_text
 from qtrain.data.token_files import DataError, TokenFileWriter
+from qtrain.fsio import CONFIG_MAX_BYTES, read_bounded, read_json_input, shorten
 
 
 class TokenizeError(DataError):
@@ -165,22 +166,34 @@ def _gpt2() -> TiktokenTokenizer:
     return TiktokenTokenizer("gpt2", enc, eos_id=eos, vocab_size=enc.n_vocab)
 
 
+# a tokenizer.json: tens of megabytes for the largest vocabularies
+TOKENIZER_JSON_MAX_BYTES = 256 << 20
+
+
 def _hf(path: Path) -> HFTokenizer:
     from tokenizers import Tokenizer as _Tok
 
     file = path / "tokenizer.json" if path.is_dir() else path
-    if not file.is_file():
+    if not os.path.lexists(file):
         raise TokenizeError(f"{path}: no tokenizer.json (expected a tokenizer.json file or a model directory)")
-    tok = _Tok.from_file(str(file))
+    data = read_bounded(file, "", TOKENIZER_JSON_MAX_BYTES)  # a FIFO or a huge file is refused by name
+    try:
+        tok = _Tok.from_str(data.decode("utf-8"))  # the Rust parser bounds its nesting (serde_json: 128)
+    except Exception as e:  # tokenizers raises plain Exception for every malformed file
+        raise TokenizeError(f"{file}: not a tokenizer.json qtrain can read ({shorten(str(e))})") from None
     tok.encode_special_tokens = True  # special-token strings in text are plain text, as in llm.q
     vocab = tok.get_vocab(with_added_tokens=True)
 
     def token_name(key: str) -> str | None:
         cfg_file = file.parent / "tokenizer_config.json"
-        if not cfg_file.is_file():
+        if not os.path.lexists(cfg_file):
             return None
-        v = json.loads(cfg_file.read_text(encoding="utf-8")).get(key)
-        return v.get("content") if isinstance(v, dict) else v
+        cfg = read_json_input(cfg_file, "", CONFIG_MAX_BYTES)
+        if not isinstance(cfg, dict):
+            raise TokenizeError(f"{cfg_file}: not a tokenizer config (not a JSON object)")
+        v = cfg.get(key)
+        v = v.get("content") if isinstance(v, dict) else v
+        return v if isinstance(v, str) else None
 
     def pick(key: str, names: Sequence[str]) -> int | None:
         name = token_name(key)

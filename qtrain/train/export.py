@@ -72,7 +72,8 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, t
     man = export_manifest(out_dir)
     theirs = (man or {}).get("run_id")
     if theirs and theirs != run_id and not overwrite:
-        raise CheckpointError(f"--out-dir {out_dir}: holds the export of another run ({theirs[:8]}, step "
+        what = "the export" if man.get("complete") is True else "an interrupted export"  # hf_io's readers refuse it
+        raise CheckpointError(f"--out-dir {out_dir}: holds {what} of another run ({theirs[:8]}, step "
                               f"{man.get('step')}); choose another --out-dir, or pass --overwrite to replace it")
     cfg, params, dtype = checkpoint_params(str(path))
     spec = export_tokenizer(explicit=tokenizer or (checkpoint_tokenizer(str(path)) or ""))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qtrain.data.corpus import ensure_default_dataset
+from qtrain.data.hf_tokenizer import check_export_tokenizer, export_tokenizer
 from qtrain.data.loader import TokenLoader
 from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import check_hf_weights
@@ -63,11 +64,13 @@ def _device_type(opts: Options) -> str:
 
 
 def check_model(opts: Options) -> ModelConfig:
-    """The model's config and, when weights are loaded, their headers; and what the options ask of it."""
+    """The model's config and, when weights are loaded, their headers; the export's tokenizer files; and what
+    the options ask of it."""
     source = resolve_model(opts.model, from_scratch=opts.from_scratch)
     cfg = source.cfg
     if source.weights_dir is not None:
         check_hf_weights(source.weights_dir, cfg)
+    check_export_tokenizer(export_tokenizer(explicit=opts.tokenizer, model_dir=source.tokenizer_dir), cfg)
     if opts.fp8_head_backward and (cfg.vocab_size % 16 or cfg.hidden_size % 16):
         raise OptionsError(f"--fp8-head-backward: the model's vocab_size {cfg.vocab_size} and hidden_size "
                            f"{cfg.hidden_size} must be multiples of 16 (cuBLASLt's FP8 GEMMs); drop the option")
