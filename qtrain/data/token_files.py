@@ -422,7 +422,7 @@ def expand_files(pattern_or_files: PathLike | Sequence[PathLike]) -> list[str]:
     files: list[str] = []
     for p in patterns:
         p = str(p)
-        hits = expand_glob(p, "token files")
+        hits = expand_glob(p, "token file pattern")
         if not hits:
             raise DataError(f"{shorten(p)}: no token files match")
         files.extend(h for h in hits if h not in files)

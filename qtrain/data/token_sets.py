@@ -99,10 +99,10 @@ def read_index(directory: str | os.PathLike) -> Index | None:
 
 # ---------------------------------------------------------------------------------------------- writing
 
-def content_id(shards: Mapping[str, Sequence[TokenFileWriter]]) -> str:
-    """A set's id: a digest of its layout and of every shard's tokens and masks, so the same input and settings
-    give the same files (tokenize is deterministic), and any other output gets another id."""
-    h = hashlib.sha256(b"qtrain-token-set-v1")
+def content_id(shards: Mapping[str, Sequence[TokenFileWriter]], info: Mapping[str, Any]) -> str:
+    """A set's id: a digest of `info` (tokenizer, vocabulary), its layout and every shard's tokens and masks, so
+    the same input and settings give the same files (tokenize is deterministic), and any other output another id."""
+    h = hashlib.sha256(b"qtrain-token-set-v1" + json.dumps(dict(info), sort_keys=True, default=str).encode())
     for split, parts in sorted(shards.items()):
         for i, w in enumerate(parts):
             h.update(f"|{split} {i} {len(parts)} {w.num_tokens} {w.sha256}".encode())
@@ -143,7 +143,7 @@ class TokenSetWriter:
                 if pid is None or is_stale(f"{owner_tag().rsplit('-', 1)[0]}-{pid}"):
                     p.unlink(missing_ok=True)
                     removed.append(p)
-        return removed
+        return sorted(removed)
 
     def _check_claim(self, overwrite: bool) -> set[str]:
         """The names of the earlier output this set replaces; refuses the user's files and, without `overwrite`,
@@ -165,7 +165,7 @@ class TokenSetWriter:
     def publish(self, shards: Mapping[str, Sequence[TokenFileWriter]], **info: Any) -> dict[str, list[str]]:
         """Publish finished, staged shards ({split: writers in order}) as one set; `info` (tokenizer, vocab size)
         goes into the index. Returns {split: published paths}."""
-        set_id = content_id(shards)
+        set_id = content_id(shards, info)
         records, temps = [], {}
         for split, parts in shards.items():
             for i, (w, name) in enumerate(zip(parts, shard_names(split, len(parts)))):
@@ -249,8 +249,10 @@ def _check_shard(f: str, name: str, header: TokenFileHeader, index: Index) -> No
     tag = header.token_set
     what = f"{f}: {tag}" if tag else f"{f}: listed by {index.path}"
     if not index.complete:
-        raise TokenSetError(f"{what}, whose index {index.describe()} says the set is incomplete: a qtrain tokenize "
-                            f"into {index.path.parent} was interrupted (or is running); run it again")
+        earlier = "" if tag and tag.set_id == index.set_id else " (this file is left over from an earlier output)"
+        raise TokenSetError(f"{what}, but its folder's index {index.path} says token set {index.set_id} is "
+                            f"incomplete{earlier}: a qtrain tokenize into {index.path.parent} was interrupted (or is "
+                            f"still running); run it again")
     if tag is None or tag.set_id != index.set_id or name not in index.shards:
         raise TokenSetError(f"{what}, but the index {index.describe()} does not list it as one of its shards: it is "
                             f"left over from an earlier qtrain tokenize there; run qtrain tokenize again")
