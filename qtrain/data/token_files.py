@@ -23,14 +23,13 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from qtrain.fsio import InputError, check_regular_file, expand_glob, fsync_path, shorten, temp_path
+from qtrain.fsio import InputError, check_regular_file, expand_glob, shorten, temp_path
 
 MAGIC = b"BIN.TOK\n"
 HEADER_BYTES = 1024

@@ -500,7 +500,6 @@ def tokenize_files(
     tok = get_tokenizer(tokenizer)
     train_paths, eval_paths = expand_inputs(inputs), expand_inputs(eval_inputs) if eval_inputs else []
     out = Path(out_dir)
-    sets = TokenSetWriter(out, overwrite=overwrite)
 
     def docs(paths: list[Path]) -> Iterator[Any]:
         for p in paths:
@@ -515,6 +514,7 @@ def tokenize_files(
                             with_masks=sft is not None, tokenizer=label, align=sft and sft.pad_to, tail=tok.eos_id)
         for name in ("train", "eval")
     }
+    sets = TokenSetWriter(out, overwrite=overwrite)  # claims out_dir: refuses the user's files, sweeps leftovers
     bar = _Progress(progress)
     n_docs = 0
     try:
