@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import fnmatch
+import glob
 import json
 import os
 import re
@@ -336,6 +337,48 @@ def read_json_input(path: str | os.PathLike, what: str, max_bytes: int, *, max_n
     an InputError naming it when it is not a regular file, larger than `max_bytes`, nested too deeply or not
     JSON: `read_bounded` then `parse_json_input`."""
     return parse_json_input(read_bounded(path, what, max_bytes), _label(what, path), max_nesting=max_nesting)
+
+
+MAX_PATTERN_CHARS = 4096  # PATH_MAX: a longer pattern names no file
+MAX_PATTERN_PART_CHARS = 1024  # one path component (NAME_MAX is 255; character classes make patterns longer)
+MAX_GLOB_ENTRIES = 1_000_000  # directory entries one pattern may look at
+
+
+def expand_glob(pattern: str, what: str) -> list[str]:
+    """The paths a shell pattern (`*`, `?`, `[...]`; no `**` recursion, hidden names only when the pattern's part
+    starts with a dot, as `glob.glob`) matches, sorted. Its cost is bounded, unlike `glob.glob`'s: the pattern is
+    at most MAX_PATTERN_CHARS long (each part MAX_PATTERN_PART_CHARS, which bounds fnmatch's translation, quadratic
+    in a part's length), and the walk looks at most MAX_GLOB_ENTRIES directory entries; beyond either an InputError.
+    A pattern without magic is returned as it is when that path exists."""
+    if len(pattern) > MAX_PATTERN_CHARS or any(len(p) > MAX_PATTERN_PART_CHARS for p in pattern.split(os.sep)):
+        raise InputError(f"{what} {shorten(pattern)}: longer than any path ({MAX_PATTERN_CHARS} characters, "
+                         f"{MAX_PATTERN_PART_CHARS} per folder or file name)")
+    if not glob.has_magic(pattern):
+        return [pattern] if os.path.lexists(pattern) else []
+    head, parts = ("/" if pattern.startswith("/") else ""), [p for p in pattern.split(os.sep) if p]
+    found, seen = [head], 0
+    for i, part in enumerate(parts):
+        last, nxt = i == len(parts) - 1, []
+        if not glob.has_magic(part):
+            nxt = [os.path.join(d, part) for d in found if os.path.lexists(os.path.join(d, part))]
+        else:
+            match = re.compile(fnmatch.translate(part)).match
+            for d in found:
+                try:
+                    with os.scandir(d or ".") as it:
+                        for entry in it:
+                            seen += 1
+                            if seen > MAX_GLOB_ENTRIES:
+                                raise InputError(f"{what} {shorten(pattern)}: looks through more than "
+                                                 f"{MAX_GLOB_ENTRIES:,} directory entries; name fewer files")
+                            if (entry.name.startswith(".") and not part.startswith(".")) or not match(entry.name):
+                                continue
+                            if last or entry.is_dir():
+                                nxt.append(os.path.join(d, entry.name))
+                except (NotADirectoryError, FileNotFoundError, PermissionError):
+                    continue
+        found = nxt
+    return sorted(found)
 
 
 # ---------------------------------------------------------------------------------------------- checks

@@ -8,6 +8,11 @@ deliberate differences, both documented where they happen:
   that trains on the token after EOS and never on the first response token);
 * shuffling uses numpy's PCG64 seeded from ``(seed, epoch, ...)`` instead of libstdc++'s
   ``std::shuffle``: deterministic and platform independent, but not llm.q's exact order.
+
+The files were checked before the run (headers, sizes, every id; `qtrain tokenize` sets against their index:
+`token_sets.py`), but they may change under it: every batch is read with `pread` (a file cut short is a short
+read, not a SIGBUS) and its ids are checked against the vocabulary with one min/max over the batch. Either fault is
+a DataChangedError naming the file and the token offset, which the training loop stops on like a signal.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from qtrain.data.token_files import (IGNORE_INDEX, DataError, PathLike, TokenFile, check_token_ids, common_vocab_size,
-                                      expand_files)
+from qtrain.data.token_files import (IGNORE_INDEX, DataChangedError, DataError, PathLike, TokenFile, check_token_ids,
+                                      common_vocab_size, expand_files)
+from qtrain.data.token_sets import check_token_sets
 
 if TYPE_CHECKING:  # torch is imported where batches are made, so tokenizer workers start fast
     import torch
@@ -85,7 +91,7 @@ class TokenLoader:
         self.rank, self.world = rank, world
         self.seed = int(seed)
         self.shuffle = shuffle
-        self.files = [TokenFile(p) for p in expand_files(pattern_or_files)]
+        self.files = [TokenFile(p) for p in check_token_sets(expand_files(pattern_or_files))]
 
         # files of one tokenizer may label their vocab differently (llm.q vs qtrain): see VOCAB_FAMILIES
         self.vocab_size: int | None = common_vocab_size([f.header for f in self.files])
@@ -97,6 +103,7 @@ class TokenLoader:
         if model_vocab_size is not None:  # every id must index the embedding (scan cached per file)
             for f in self.files:
                 check_token_ids(f.path, model_vocab_size)
+        self._id_limit = model_vocab_size  # what each batch's ids are checked against (negative ones always)
         for f in self.files:
             if len(f) < seq_len + 1:
                 raise DataError(
@@ -150,18 +157,35 @@ class TokenLoader:
             self._order_cache = {key: cached}  # only the current file's order is ever needed again
         return cached
 
-    def _chunk(self, file_index: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
-        f, T = self.files[file_index], self.seq_len
-        start = chunk * T
-        window = np.asarray(f.tokens[start : start + T + 1], dtype=np.int64)
-        inputs, targets = window[:-1], window[1:].copy()
-        if f.masks is not None:
-            # Mask bit at the *target* position: bit (cT+j+1) decides whether target j is trained.
-            # (llm.q reads bit cT+j, an off-by-one; see reference/llmq.md §2.1 [quirk].)
-            targets[~f.mask_bits(start + 1, start + T + 1)] = IGNORE_INDEX
+    def _windows(self, chunks: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, targets) int64 [len(chunks), T] of (file index, chunk) pairs. Chunk c of a file is the window
+        tokens[cT : cT+T+1]: inputs its first T, targets its last T. The windows' ids are checked with one min/max
+        against the vocabulary (the files changed since the preflight's scan otherwise)."""
+        T = self.seq_len
+        windows = np.empty((len(chunks), T + 1), dtype="<i4")
+        for row, (fi, chunk) in enumerate(chunks):
+            self.files[fi].read_into(chunk * T, windows[row])
+        if windows.size and (windows.min() < 0 or (self._id_limit is not None and windows.max() >= self._id_limit)):
+            self._bad_id(windows, chunks)
+        inputs, targets = windows[:, :-1].astype(np.int64), windows[:, 1:].astype(np.int64)
+        for row, (fi, chunk) in enumerate(chunks):
+            f = self.files[fi]
+            if f.header.has_masks:
+                # Mask bit at the *target* position: bit (cT+j+1) decides whether target j is trained.
+                # (llm.q reads bit cT+j, an off-by-one; see reference/llmq.md §2.1 [quirk].)
+                targets[row, ~f.mask_bits(chunk * T + 1, chunk * T + T + 1)] = IGNORE_INDEX
         return inputs, targets
 
-    # -- iteration ------------------------------------------------------------------------------
+    def _bad_id(self, windows: np.ndarray, chunks: Sequence[tuple[int, int]]) -> None:
+        limit = self._id_limit
+        bad = (windows < 0) | (windows >= limit) if limit is not None else windows < 0
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        fi, chunk = chunks[row]
+        offset = chunk * self.seq_len + col
+        raise DataChangedError(f"{self.files[fi].path}: token id {int(windows[row, col])} at token offset {offset} "
+                               f"is outside the vocabulary [0, {limit}): the file changed after the run checked it")
+
+        # -- iteration ------------------------------------------------------------------------------
     def _remaining(self) -> int:
         order = self._file_order(self.epoch)
         return sum(self._per_rank[i] for i in order[self._file_pos :]) - self._chunk_pos
@@ -187,17 +211,27 @@ class TokenLoader:
             )
         if not self.has_next(batch_size):
             self.advance_epoch()
-        inputs = np.empty((batch_size, self.seq_len), dtype=np.int64)
-        targets = np.empty((batch_size, self.seq_len), dtype=np.int64)
         order = self._file_order(self.epoch)
-        for b in range(batch_size):
+        chunks = []
+        for _ in range(batch_size):
             while self._chunk_pos >= self._per_rank[order[self._file_pos]]:
                 self._file_pos += 1
                 self._chunk_pos = 0
             fi = int(order[self._file_pos])
-            inputs[b], targets[b] = self._chunk(fi, int(self._rank_chunks(self.epoch, fi)[self._chunk_pos]))
+            chunks.append((fi, int(self._rank_chunks(self.epoch, fi)[self._chunk_pos])))
             self._chunk_pos += 1
+        inputs, targets = self._windows(chunks)
         return torch.from_numpy(inputs), torch.from_numpy(targets)
+
+    def next_batches(self, batch_size: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`count` batches (one step's micro-batches), all or none: on a DataChangedError the position is back
+        where it was, so a checkpoint written then resumes at this step's first batch."""
+        start = self.state_dict()
+        try:
+            return [self.next_batch(batch_size) for _ in range(count)]
+        except DataChangedError:
+            self.load_state_dict(start)
+            raise
 
     def iterate_eval_batches(
         self, batch_size: int, max_batches: int | None = None, *, drop_last: bool = False
@@ -209,20 +243,19 @@ class TokenLoader:
         """
         import torch
 
-        pending: list[tuple[np.ndarray, np.ndarray]] = []
+        pending: list[tuple[int, int]] = []
         produced = 0
 
         def emit() -> tuple[torch.Tensor, torch.Tensor]:
-            x = torch.from_numpy(np.stack([p[0] for p in pending]))
-            y = torch.from_numpy(np.stack([p[1] for p in pending]))
+            x, y = self._windows(pending)
             pending.clear()
-            return x, y
+            return torch.from_numpy(x), torch.from_numpy(y)
 
         for fi, count in enumerate(self._per_rank):
             for k in range(count):
                 if max_batches is not None and produced >= max_batches:
                     return
-                pending.append(self._chunk(fi, self.rank + k * self.world))
+                pending.append((fi, self.rank + k * self.world))
                 if len(pending) == batch_size:
                     produced += 1
                     yield emit()

@@ -18,6 +18,7 @@ import torch
 
 from qtrain.data.loader import TokenLoader
 from qtrain.data.hf_tokenizer import recorded_tokenizer, transformers_caveat, unavailable_reason
+from qtrain.data.token_files import DataChangedError
 from qtrain.observe.live import attach_observers
 from qtrain.observe.log import RunLogger
 from qtrain.observe.metrics import device_peaks, model_flops_per_token, ns_per_token, peak_tflops, sol_ops
@@ -28,8 +29,8 @@ from qtrain.plan.memory import plan_for_trainer
 from qtrain.train import checkpointing, cuda_graphs, run_dir
 from qtrain.train.preflight import Prepared, shared_preflight
 from qtrain.train.schedule import LRSchedule
-from qtrain.train.stop import (NonFiniteGuard, StackDump, StopSignals, out_of_memory, stopped_after_last_step,
-                               stopped_by_signal)
+from qtrain.train.stop import (NonFiniteGuard, StackDump, StopSignals, data_changed, out_of_memory,
+                               stopped_after_last_step, stopped_by_signal)
 from qtrain.train.trainer import Trainer
 
 
@@ -164,7 +165,7 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
             # 0.5B step took 883 ms where the same step through the API took 862, 2026-12-02). So a step's time
             # is from its start to its norm, and the update's GPU time lands in the next step's.
             try:
-                stats = trainer.step([train.next_batch(B) for _ in range(GA)], lr=schedule(step))
+                stats = trainer.step(train.next_batches(B, GA), lr=schedule(step))
             except torch.OutOfMemoryError as e:
                 raise _out_of_memory(step, e, trainer, ckpt_dir) from None
             dt_ms = 1000 * (time.perf_counter() - t0)
@@ -176,6 +177,8 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
                 log.log_abs_maxes(step, trainer.abs_maxes)
                 trainer.abs_maxes = None
             _check_finite(guard, step, stats, log, ckpt_dir)
+    except DataChangedError as e:  # a token file changed under the run: stop as on a signal, with the last good step
+        raise data_changed(e, step, save_checkpoint() if step > start and not ctx.distributed else None) from None
     finally:
         stacks.disarm()
 
