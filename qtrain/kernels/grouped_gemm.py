@@ -115,6 +115,17 @@ def _zeroes_empty_groups(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
+def _grouped_mm_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`grouped_linear` as one torch._grouped_mm call: mat_b = w^T per group, (G, K, N), a view."""
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+
+
+def _grouped_mm_weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`grouped_weight_grad` as one k-grouped torch._grouped_mm call: mat_a = dy^T (N, M) column-major (a view),
+    mat_b = x (M, K) row-major, both sliced along M by the offsets."""
+    return torch._grouped_mm(dy.t(), x, offs=offsets)
+
+
 # ---------------------------------------------------------------------------------------------- public ops
 @torch.library.custom_op("qtrain::grouped_linear", mutates_args=())
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -123,7 +134,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> t
     if x.shape[0] == 0:
         return x.new_zeros(0, w.shape[1])
     if w.shape[0] < _MAX_GROUPS and _fast_path_ok(x, w):
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+        return _grouped_mm_linear(x, w, offsets)
     return grouped_linear_twin(x, w, offsets)
 
 
@@ -141,7 +152,7 @@ def grouped_weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor
     if x.shape[0] == 0:
         return x.new_zeros(offsets.numel(), dy.shape[1], x.shape[1])
     if offsets.numel() < _MAX_GROUPS and _fast_path_ok(dy, x):
-        dw = torch._grouped_mm(dy.t(), x, offs=offsets)
+        dw = _grouped_mm_weight_grad(dy, x, offsets)
         if not _zeroes_empty_groups(dw.device):
             empty = torch.diff(offsets, prepend=offsets.new_zeros(1)) == 0
             dw.masked_fill_(empty[:, None, None], 0)
