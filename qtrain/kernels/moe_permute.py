@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from qtrain.kernels.dispatch import jit, tl, triton, use_triton
+from qtrain.kernels.dispatch import jit, tl, use_triton
 from qtrain.kernels.stochastic_rounding import KINDS, load_f32, store_f32
 
 __all__ = ["ExpertOrder", "permute", "permute_tokens", "permute_triton", "permute_twin", "sort_by_expert",
