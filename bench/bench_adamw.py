@@ -59,10 +59,18 @@ def make(n: int, p_dt, g_dt, m_dt, v_dt):
     return p, g, m, v, s
 
 
-def bench_ours(n: int, cfg) -> float:
+def bench_ours(n: int, cfg, launch: dict | None = None) -> float:
+    """ms of qtrain's update: `adamw_update_` as training calls it, or with `launch` (rows, num_warps) the kernel's
+    launcher at that launch shape (the same step's scalars, passed directly)."""
     p, g, m, v, s = make(n, *cfg)
     hp = AdamWHyper(lr=1e-4, step=10, weight_decay=0.1)
-    return time_ms(lambda: adamw_update_(p, g, m, v, hp=hp, decay=True, key=1, m_scales=s))
+    if launch is None:
+        return time_ms(lambda: adamw_update_(p, g, m, v, hp=hp, decay=True, key=1, m_scales=s))
+    scalars = dict(lr=hp.lr, beta1=hp.beta1, one_minus_beta1=1.0 - hp.beta1, beta2=hp.beta2,
+                   one_minus_beta2=1.0 - hp.beta2, bias_corr1=1.0 - hp.beta1 ** hp.step,
+                   bias_corr2=1.0 - hp.beta2 ** hp.step, eps=hp.eps, weight_decay=hp.weight_decay,
+                   grad_scale=hp.grad_scale, key_param=1, key_m=2, key_v=3, offset=0)
+    return time_ms(lambda: kadamw.adamw_step_triton(p, g, m, v, s, **scalars, **launch))
 
 
 def bench_torch(n: int, cfg) -> float | None:
@@ -106,17 +114,14 @@ def run(numel: float = 1.5e9, sweep: bool = False) -> dict:
                          torch_ms=round(ref, 3) if ref else None))
     if sweep:
         print("\n| config | ROWS | num_warps | ms | GB/s |\n|---|---:|---:|---:|---:|")
-        default = (kadamw.ROWS, kadamw.NUM_WARPS)
         for name, *cfg in CONFIGS[:2] + CONFIGS[3:]:
             nb = bytes_per_step(n, *cfg)
             for rows_ in (4, 8, 16, 32):
                 for warps in (4, 8):
-                    kadamw.ROWS, kadamw.NUM_WARPS = rows_, warps
-                    ms = bench_ours(n, cfg)
+                    ms = bench_ours(n, cfg, dict(rows=rows_, num_warps=warps))
                     print(f"| {name} | {rows_} | {warps} | {ms:.2f} | {nb / ms / 1e6:.0f} |")
                     sweep_rows.append(dict(config=name, rows=rows_, num_warps=warps, ms=round(ms, 3)))
             torch.cuda.empty_cache()
-        kadamw.ROWS, kadamw.NUM_WARPS = default
     return {"copy_gbs": round(copy), "rows": rows, "sweep_rows": sweep_rows,
             "summary": " ".join(f"{r['config'].split(' (')[0]} {r['qtrain_ms']} ms" for r in rows)}
 

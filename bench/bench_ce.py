@@ -3,20 +3,20 @@
 Each row is read twice (pass 1: log-sum-exp; pass 2: d(logits), written over the row), so a row's second read
 comes from HBM unless it is still in L2 (50 MB on the H200): with one program per row, ~1000 rows of 304 KB
 (Qwen2's 151,936-entry vocabulary in bf16) are in flight. Bounding the programs (each looping over rows) so
-that they fit in L2 was measured slower twice and removed: 2026-12-02, 8.1 ms at one program per row against
-8.9-24.8 ms at 1056 down to 132 programs; 2026-12-03 (session 20), with the loads of the next block issued before
-the current one is folded, L2 eviction hints (keep the row in pass 1, drop it in pass 2), 1 or 2 programs per SM,
-blocks of 8192-32768 and 8-32 warps: 9.9-23.4 ms against the default's 8.0 (BENCHMARKS.md). llm.q reads each row
-once (a cluster of 8 blocks holds it in shared memory), which Triton cannot express. A one-read kernel without
-clusters (session 21: the row split over 5-19 programs that hold their parts in registers and exchange (max,
-sum-exp) through memory, release/acquire on a per-row counter) was slower at all 9 shapes: 8.70-19.05 ms against
-8.02 (git show 7c020f0); its short programs wait on their partners instead of streaming. Variants vary block and
-warps. GB/s counts one read and one write per element (the floor); whether a variant's output equals the default
-launch's bit for bit is shown (another block size sums the row in another order).
+that they fit in L2 was slower on the H200 in every form tried: 8.9-24.8 ms at 1056 down to 132 programs against
+8.1 ms at one program per row; with the loads of the next block issued before the current one is folded, L2
+eviction hints (keep the row in pass 1, drop it in pass 2), 1 or 2 programs per SM, blocks of 8192-32768 and 8-32
+warps: 9.9-23.4 ms against the default's 8.0. llm.q reads each row once (a cluster of 8 blocks holds it in shared
+memory), which Triton cannot express. A one-read kernel without clusters (the row split over 5-19 programs that
+hold their parts in registers and exchange (max, sum-exp) through memory, release/acquire on a per-row counter;
+git show 7c020f0) was slower at all 9 shapes: 8.70-19.05 ms against 8.02; its short programs wait on their
+partners instead of streaming. Variants vary block and warps. GB/s counts one read and one write per element (the
+floor); whether a variant's output equals the default launch's bit for bit is shown (another block size sums the
+row in another order).
 
 Parameters: rows (32768), vocab (151936), blocks, warps, samples (10); `fp8` times instead the FP8-gradient kernel
-(kernels/cross_entropy_fp8.py, --fp8-head-backward) by pass 2's tile, transposition and column range and the
-transpose's tile (`tiles`: rows x columns x warps x QT_MODE x COLS x T_BLOCK, the first the default) beside the
+(kernels/cross_entropy_fp8.py, --fp8-head-backward) by pass 2's tile and column range and the transpose's tile
+(`tiles`: block_m x block_v x warps x cols x t_block, the launcher's parameters, the first its default) beside the
 default bf16 kernel, and counts its codes that differ from the twin's (e5m2 codes; the twin computes exp exactly).
 Result: `rows` (ms, GB/s per variant), `best`.
 """
@@ -33,10 +33,9 @@ from qtrain.kernels import cross_entropy as ce
 
 def run(rows: int = 32768, vocab: int = 151936, blocks: tuple[int, ...] = (4096, 8192),
         warps: tuple[int, ...] = (8, 16), samples: int = 10, fp8: bool = False,
-        tiles: tuple[tuple[int, int, int, int, int, int], ...] = (
-            (32, 128, 4, 2, 2048, 128), (32, 128, 4, 2, 2048, 64), (32, 128, 4, 2, 1024, 128),
-            (32, 128, 4, 2, 4096, 128), (64, 128, 8, 2, 2048, 128), (32, 128, 4, 0, 2048, 128),
-            (32, 128, 4, 1, 2048, 128), (32, 256, 4, 2, 2048, 128))) -> dict:
+        tiles: tuple[tuple[int, int, int, int, int], ...] = (
+            (32, 128, 4, 2048, 128), (32, 128, 4, 2048, 64), (32, 128, 4, 1024, 128), (32, 128, 4, 4096, 128),
+            (64, 128, 8, 2048, 128), (32, 256, 4, 2048, 128))) -> dict:
     if fp8:
         return run_fp8(rows, vocab, tiles, samples)
     dev = "cuda"
@@ -80,22 +79,18 @@ def run_fp8(rows: int, vocab: int, tiles, samples: int) -> dict:
     print(f"{torch.cuda.get_device_name()} rows {rows} vocab {vocab}: bf16 kernel {bf16_ms:.3f} ms; FP8 kernel:")
     print(f"{'tile':>28s} {'ms':>8s} {'GB/s':>7s} {'codes off':>9s} {'q^T = q.t()':>11s}")
     out = []
-    saved = cf.BLOCK_M, cf.BLOCK_V, cf.NUM_WARPS, cf.QT_MODE, cf.COLS, cf.T_BLOCK
-    try:
-        for bm, bv, w, mode, cols, tb in tiles:
-            cf.BLOCK_M, cf.BLOCK_V, cf.NUM_WARPS, cf.QT_MODE, cf.COLS, cf.T_BLOCK = bm, bv, w, mode, cols, tb
-            got = cf.cross_entropy_fp8_grads_triton(check.clone(), tc, z_loss=1e-4)
-            off = int((got[2].view(torch.uint8) != ref[2].view(torch.uint8)).sum())
-            same_t = torch.equal(got[3].view(torch.uint8), got[2].view(torch.uint8).t())
-            ms = time_ms(lambda: cf.cross_entropy_fp8_grads_triton(x, t, z_loss=1e-4), samples=samples, warmup=2,
-                         target_ms=1.0)
-            name = f"{bm}x{bv}/{w} m{mode} c{cols} t{tb}"
-            row = dict(tile=name, ms=round(ms, 3), gbps=round(floor_gb / ms * 1e3), codes_off=off,
-                       loss_rel=float((got[0] - ref[0]).abs() / ref[0].abs()), transpose_ok=same_t)
-            out.append(row)
-            print(f"{row['tile']:>28s} {ms:8.3f} {row['gbps']:7d} {off:9d} {str(same_t):>11s}", flush=True)
-    finally:
-        cf.BLOCK_M, cf.BLOCK_V, cf.NUM_WARPS, cf.QT_MODE, cf.COLS, cf.T_BLOCK = saved
+    for bm, bv, w, cols, tb in tiles:
+        launch = dict(block_m=bm, block_v=bv, num_warps=w, cols=cols, t_block=tb)
+        got = cf.cross_entropy_fp8_grads_triton(check.clone(), tc, z_loss=1e-4, **launch)
+        off = int((got[2].view(torch.uint8) != ref[2].view(torch.uint8)).sum())
+        same_t = torch.equal(got[3].view(torch.uint8), got[2].view(torch.uint8).t())
+        ms = time_ms(lambda: cf.cross_entropy_fp8_grads_triton(x, t, z_loss=1e-4, **launch), samples=samples,
+                     warmup=2, target_ms=1.0)
+        name = f"{bm}x{bv}/{w} c{cols} t{tb}"
+        row = dict(tile=name, ms=round(ms, 3), gbps=round(floor_gb / ms * 1e3), codes_off=off,
+                   loss_rel=float((got[0] - ref[0]).abs() / ref[0].abs()), transpose_ok=same_t)
+        out.append(row)
+        print(f"{row['tile']:>28s} {ms:8.3f} {row['gbps']:7d} {off:9d} {str(same_t):>11s}", flush=True)
     best = min(out, key=lambda r: r["ms"])
     return {"rows": out, "best": best, "bf16_ms": round(bf16_ms, 3),
             "summary": f"bf16 {bf16_ms:.3f} ms; FP8 default {out[0]['ms']} ms, best {best['ms']} ms ({best['tile']})"}

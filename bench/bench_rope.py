@@ -1,6 +1,6 @@
 """Kind `rope`: times the RoPE backward kernel (qtrain/kernels/rope.py, which also assembles d(qkv)) at a model's
-head layout on the GPU, with tiles masked and unmasked, against torch.compile's code for its twin (what the block
-ran before the kernel) and a device copy of the same bytes, each checked bit for bit against the twin.
+head layout on the GPU against torch.compile's code for its twin (what the block would run without the kernel) and
+a device copy of the same bytes, each checked bit for bit against the twin.
 
 Parameters: model (a preset: its head layout and RoPE tables; Qwen2.5-1.5B), B, T (64 x 1024). Prints one line per
 variant: ms per call and the bytes it must move / time; the result has them as `rows`.
@@ -38,12 +38,7 @@ def run(model: str = "Qwen2.5-1.5B", B: int = 64, T: int = 1024) -> dict:
         print(f"{name:44s} {t:7.3f} ms  {nbytes / t / 1e9:6.2f} TB/s{'  WRONG' if same is False else ''}", flush=True)
         rows.append(dict(kernel=name, ms=round(t, 4), tbs=round(nbytes / t / 1e9, 2), same=same))
 
-    saved = rope.EVEN_TILES
-    for even in (True, False):
-        rope.EVEN_TILES = even
-        line(f"kernel, {'unmasked where tiles divide' if even else 'masked'}",
-             lambda: rope.rope_qkv_backward_triton(*args))
-    rope.EVEN_TILES = saved
+    line("kernel", lambda: rope.rope_qkv_backward_triton(*args))
     compiled = torch.compile(rope.rope_qkv_backward_twin, dynamic=False)
     line("torch.compile of the twin", lambda: compiled(*args))
     dst = torch.empty_like(want)

@@ -1,31 +1,34 @@
 """Kind `swiglu-fp8`: times the FP8-MLP kernels at Qwen2.5-1.5B shapes (M = 16384 tokens, F = 8960) on the GPU,
-with tile variants, against a device copy of the same bytes, to choose the tiles in qtrain/kernels/swiglu_fp8.py
-and swiglu.py.
+over launch tiles (the launchers' parameters), against a device copy of the same bytes: how the tiles in
+qtrain/kernels/swiglu.py, swiglu_fp8.py and fp8_quant.py were chosen.
 
 Parameters: M, F, onepass (time `kernels/swiglu_fp8_onepass.py` instead: the forward and backward straight to
-e4m3 with a right and a missed scale hint, against the two-pass pipelines they replace, over tiles, every variant
-checked bit for bit against the default tile). Prints one line per variant: ms per call and the bytes it must
-move / time; the result has them as `rows`.
+e4m3 with a right and a missed scale hint, against the two-pass pipelines they replace, over tiles, every tile
+checked bit for bit against the two-pass kernels' values quantized with the same power-of-two scale). Prints one
+line per variant: ms per call and the bytes it must move / time; the result has them as `rows`.
 """
+from __future__ import annotations
+
 import torch
-import triton
 
 from bench.kinds import Skip
 
-from qtrain.kernels import fp8_quant as fq
-from qtrain.kernels import swiglu as sw
-from qtrain.kernels import swiglu_fp8 as sf
-from qtrain.kernels.fp8_quant import fp8_quantize_torch, fp8_quantize_triton
-from qtrain.kernels.swiglu_fp8 import swiglu_forward_amax_triton, swiglu_fp8_triton
-
 E4M3 = torch.float8_e4m3fn
+
+# launch tiles tried, (block_m, block_f or block_n, num_warps); the first of each is the launcher's default
+BWD_TILES = ((16, 256, 4), (8, 512, 4))
+FWD_TILES = ((16, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (32, 128, 4))
+QUANT_TILES = ((64, 256, 8), (64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 128, 4), (128, 128, 4))
+FWD_ONEPASS_TILES = ((64, 128, 8), (64, 64, 4), (64, 256, 8), (32, 128, 4), (32, 128, 8), (64, 128, 4), (128, 64, 8))
+BWD_ONEPASS_TILES = ((32, 128, 8), (64, 64, 8), (32, 128, 4), (32, 256, 8), (16, 256, 4), (32, 64, 4), (64, 128, 8),
+                     (32, 128, 16))
+
+ROWS: list[dict] = []
 
 
 def ms(fn) -> float:
+    import triton
     return triton.testing.do_bench(fn, warmup=10, rep=60)
-
-
-ROWS: list[dict] = []
 
 
 def line(name: str, t: float, nbytes: float) -> None:
@@ -33,7 +36,15 @@ def line(name: str, t: float, nbytes: float) -> None:
     ROWS.append(dict(kernel=name, ms=round(t, 4), tbs=round(nbytes / t / 1e9, 2)))
 
 
+def tile_kwargs(tile: tuple[int, int, int], columns: str = "block_f") -> dict[str, int]:
+    bm, bc, warps = tile
+    return {"block_m": bm, columns: bc, "num_warps": warps}
+
+
 def run(M: int = 16384, F: int = 8960, onepass: bool = False) -> dict:
+    from qtrain.kernels import swiglu as sw
+    from qtrain.kernels.fp8_quant import fp8_quantize_torch, fp8_quantize_triton
+    from qtrain.kernels.swiglu_fp8 import swiglu_forward_amax_triton, swiglu_fp8_triton
     ROWS.clear()
     u = (torch.randn(M, 2 * F, device="cuda") * 3).bfloat16()
     d = torch.randn(M, F, device="cuda").bfloat16()
@@ -43,36 +54,35 @@ def run(M: int = 16384, F: int = 8960, onepass: bool = False) -> dict:
     dst = torch.empty_like(u)
     line("copy u (read+write 2 x M*2F bf16)", ms(lambda: dst.copy_(u)), 2 * ub)
     line("swiglu_backward", ms(lambda: sw.swiglu_backward_triton(d, u)), 2 * ub + d.numel() * 2)
-    for bm, bf, w in ((16, 256, 4), (8, 512, 4)):
-        sw.BLOCK_M, sw.BLOCK_F, sw.NUM_WARPS = bm, bf, w
-        line(f"swiglu_backward + amax tile {bm}x{bf} w{w}", ms(lambda: sw.swiglu_backward_triton(d, u, amax=True)),
-             2 * ub + d.numel() * 2)
-    sw.BLOCK_M, sw.BLOCK_F, sw.NUM_WARPS = 16, 256, 4
+    for tile in BWD_TILES:
+        kw = tile_kwargs(tile)
+        line(f"swiglu_backward + amax tile {'x'.join(map(str, tile[:2]))} w{tile[2]}",
+             ms(lambda: sw.swiglu_backward_triton(d, u, amax=True, **kw)), 2 * ub + d.numel() * 2)
     line("swiglu forward + amax (pass 1)", ms(lambda: swiglu_forward_amax_triton(u)), ub + M * F * 2)
     line("swiglu_fp8 (both passes)", ms(lambda: swiglu_fp8_triton(u, E4M3)), ub + 2 * M * F * 2 + 2 * M * F)
-    default = sf.BLOCK_M, sf.BLOCK_F, sf.NUM_WARPS
-    for bm, bf, w in FWD_TILES:
-        sf.BLOCK_M, sf.BLOCK_F, sf.NUM_WARPS = bm, bf, w
-        line(f"swiglu forward + amax tile {bm}x{bf} w{w}", ms(lambda: swiglu_forward_amax_triton(u)), ub + M * F * 2)
-    sf.BLOCK_M, sf.BLOCK_F, sf.NUM_WARPS = default
+    for tile in FWD_TILES:
+        kw = tile_kwargs(tile)
+        line(f"swiglu forward + amax tile {'x'.join(map(str, tile[:2]))} w{tile[2]}",
+             ms(lambda: swiglu_forward_amax_triton(u, **kw)), ub + M * F * 2)
     amax = u.float().abs().max()
     want = [t.view(torch.uint8) for t in fp8_quantize_torch(u, E4M3, amax, transpose=True)[:2]]
-    default = fq.QUANT_BLOCK_M, fq.QUANT_BLOCK_N, fq.QUANT_WARPS
-    for bm, bn, w in QUANT_TILES:  # the tile changes no number: each variant is checked against the twin
-        fq.QUANT_BLOCK_M, fq.QUANT_BLOCK_N, fq.QUANT_WARPS = bm, bn, w
-        got = [t.view(torch.uint8) for t in fp8_quantize_triton(u, E4M3, amax, transpose=True)[:2]]
+    for tile in QUANT_TILES:  # the tile changes no number: each variant is checked against the twin
+        kw = tile_kwargs(tile, "block_n")
+        got = [t.view(torch.uint8) for t in fp8_quantize_triton(u, E4M3, amax, transpose=True, **kw)[:2]]
         ok = all(torch.equal(g, r) for g, r in zip(got, want))
-        line(f"fp8_quantize_triton(du, amax, transpose) {bm}x{bn} w{w}{'' if ok else ' WRONG'}",
-             ms(lambda: fp8_quantize_triton(u, E4M3, amax, transpose=True)), ub + u.numel() * 2)
-    fq.QUANT_BLOCK_M, fq.QUANT_BLOCK_N, fq.QUANT_WARPS = default
+        line(f"fp8_quantize_triton(du, amax, transpose) {'x'.join(map(str, tile[:2]))} w{tile[2]}"
+             f"{'' if ok else ' WRONG'}", ms(lambda: fp8_quantize_triton(u, E4M3, amax, transpose=True, **kw)),
+             ub + u.numel() * 2)
     return {"rows": list(ROWS), "summary": f"{len(ROWS)} kernels timed"}
 
 
 def run_onepass(u: torch.Tensor, d: torch.Tensor) -> dict:
     """The one-pass kernels: per call with the hint right (pass 1; pass 2's programs branch off) and missed (both
-    passes), next to the two-pass pipelines of today (SwiGLU kernel + quantize kernel), for each variant of the
-    module's switches (ONEPASS_VARIANTS) at its default tile, then the default variant over tiles."""
+    passes), next to the two-pass pipelines they replace (SwiGLU kernel + quantize kernel), over tiles."""
+    from qtrain.kernels import swiglu as sw
     from qtrain.kernels import swiglu_fp8_onepass as op
+    from qtrain.kernels.fp8_quant import fp8_quantize_triton
+    from qtrain.kernels.swiglu_fp8 import swiglu_forward_amax_triton, swiglu_fp8_triton
     M, F = d.shape
     fwd_bytes, bwd_bytes = u.numel() * 2 + 2 * M * F, u.numel() * 2 + d.numel() * 2 + 2 * u.numel()
     line("two-pass forward: swiglu_fp8", ms(lambda: swiglu_fp8_triton(u, E4M3)), fwd_bytes)
@@ -82,52 +92,27 @@ def run_onepass(u: torch.Tensor, d: torch.Tensor) -> dict:
         return fp8_quantize_triton(du, E4M3, amax, transpose=True)
 
     line("two-pass backward: swiglu_backward + amax, quantize", ms(two_pass_backward), bwd_bytes)
-    cases = (("forward", op.swiglu_fp8_onepass_triton, (u,), fwd_bytes, "FWD", FWD_ONEPASS_TILES),
-             ("backward", op.swiglu_backward_fp8_onepass_triton, (d, u), bwd_bytes, "BWD", BWD_ONEPASS_TILES))
+    cases = (("forward", op.swiglu_fp8_onepass_triton, (u,), fwd_bytes, FWD_ONEPASS_TILES),
+             ("backward", op.swiglu_backward_fp8_onepass_triton, (d, u), bwd_bytes, BWD_ONEPASS_TILES))
     h, _ = swiglu_forward_amax_triton(u)
     du, _ = sw.swiglu_backward_triton(d, u, amax=True)
-    saved = {k: getattr(op, k) for v in ONEPASS_VARIANTS.values() for k in v}
-    for (name, fn, args, nbytes, prefix, tiles), x in zip(cases, (h, du)):
+    for (name, fn, args, nbytes, tiles), x in zip(cases, (h, du)):
         # the reference: the two-pass kernels' values quantized with the power-of-two scale (pow2_scale's 2^e
         # through the exact-scale quantizer given amax = 448 * 2^-e)
         e_true = int(op.pow2_scale(x.float().abs().max(), 448.0)[2])
         ref_amax = torch.tensor(448.0 * 2.0 ** -e_true, device="cuda")
         want = [t.view(torch.uint8) for t in fp8_quantize_triton(x, E4M3, ref_amax, transpose=True)[:2]]
         hint = op.new_scale_hint("cuda", 1)
-        tile_keys = tuple(f"{prefix}_{k}" for k in ("BLOCK_M", "BLOCK_F", "WARPS"))
-        default_tile = tuple(getattr(op, k) for k in tile_keys)
-        runs = [(v, default_tile) for v in ONEPASS_VARIANTS] + [("default", t) for t in tiles[1:]]
-        for variant, tile in runs:
-            for k, v in {**saved, **ONEPASS_VARIANTS[variant], **dict(zip(tile_keys, tile))}.items():
-                setattr(op, k, v)
+        for tile in tiles:
+            kw = tile_kwargs(tile)
             for label, value in (("hint right", e_true), ("hint missed", e_true + 1)):
                 def call():
                     hint.fill_(value)
-                    return fn(*args, E4M3, hint)
+                    return fn(*args, E4M3, hint, **kw)
                 bad = [int((g.view(torch.uint8) != r).sum()) for g, r in zip(call()[:2], want)]
-                line(f"one-pass {name} {variant} {'x'.join(map(str, tile))}, {label}"
+                line(f"one-pass {name} {'x'.join(map(str, tile))}, {label}"
                      f"{'' if not any(bad) else f' WRONG {bad}'}", ms(call), nbytes)
-        for k, v in {**saved, **dict(zip(tile_keys, default_tile))}.items():
-            setattr(op, k, v)
     return {"rows": list(ROWS), "summary": f"{len(ROWS)} kernels timed"}
-
-
-# q^T's transposition (the module's QT_MODE); the first is the default. Session 14 also timed integer-bit loads and
-# rounding here: ~25% of q^T wrong on the H200 in every transposition (BENCHMARKS.md)
-# and the unmasked tiles with 32-bit offsets (on by default where the shape allows) against masks and int64 offsets,
-# and the kernels without the clamp before the cast (CLAMP)
-ONEPASS_VARIANTS = {"default": {}, "e4m3-tile-T": dict(QT_MODE=0), "codes-T": dict(QT_MODE=2),
-                    "masked": dict(EVEN_TILES=False), "int64": dict(INT32_OFFSETS=False),
-                    "masked-int64": dict(EVEN_TILES=False, INT32_OFFSETS=False), "no-clamp": dict(CLAMP=False),
-                    "no-clamp-e4m3-tile-T": dict(CLAMP=False, QT_MODE=0)}
-
-
-# launch shapes tried (the first of each is the kernel's default)
-FWD_ONEPASS_TILES = ((64, 128, 8), (64, 64, 4), (64, 256, 8), (32, 128, 4), (32, 128, 8), (64, 128, 4), (128, 64, 8))
-BWD_ONEPASS_TILES = ((32, 128, 8), (64, 64, 8), (32, 128, 4), (32, 256, 8), (16, 256, 4), (32, 64, 4), (64, 128, 8),
-                     (32, 128, 16))
-FWD_TILES = ((16, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (32, 128, 4))
-QUANT_TILES = ((64, 256, 8), (64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 128, 4), (128, 128, 4))
 
 
 def dry_run(params: dict) -> dict:

@@ -4,14 +4,13 @@ steps (update included) on one batch of random tokens.
 Counts as ../shared/bench/README.md says: tokens/s = batch * seq * grad_accumulation * steps / wall time
 of those steps after warm-up, device synchronised before reading the clock.
 
-Parameters: model, batch, accum, steps; optional seq (1024), warmup (3), fused_ce (false: the compiled
-cross-entropy instead of the Triton kernel), device ("cuda"), and any `Options` field (lmhead_chunks,
-model_dtype, opt_m_dtype, opt_v_dtype, matmul_dtype, recompute_swiglu, offload_opt_m, compile_tuning, ...;
-`compile` defaults to "on"). Result: tps, step_ms, host_ms (host time spent queuing the micro-steps of one
-step: close to step_ms means the host, not the GPU, sets the pace), loss, mfu, peak_gib (the allocator's
-peak), plan_gib (what the memory plan, `qtrain plan`, predicts for the same run without its fixed reserve
-for the CUDA context), plan_err (their relative difference), reserved_gib; with e4m3 matmuls fp8 (the block
-linears --fp8-policy put in FP8).
+Parameters: model, batch, accum, steps; optional seq (1024), warmup (3), device ("cuda"), and any `Options` field
+(lmhead_chunks, model_dtype, opt_m_dtype, opt_v_dtype, matmul_dtype, recompute_swiglu, offload_opt_m,
+compile_tuning, ...; `compile` defaults to "on"). Result: tps, step_ms, host_ms (host time spent queuing the
+micro-steps of one step: close to step_ms means the host, not the GPU, sets the pace), loss, mfu, peak_gib (the
+allocator's peak), plan_gib (what the memory plan, `qtrain plan`, predicts for the same run without its fixed
+reserve for the CUDA context), plan_err (their relative difference), reserved_gib; with e4m3 matmuls fp8 (the
+block linears --fp8-policy put in FP8).
 
 Runs against qtrain before the restructure (dac8680) too (bench/compat.py), so a suite can compare the two.
 """
@@ -24,9 +23,8 @@ import torch
 
 from bench.compat import qtrain
 from bench.dry import divisor_or_one, tiny_model_dir
-from qtrain.kernels import cross_entropy
 
-RUN_KEYS = ("model", "batch", "accum", "steps", "seq", "warmup", "fused_ce", "device")
+RUN_KEYS = ("model", "batch", "accum", "steps", "seq", "warmup", "device")
 
 
 def make_options(model: str, batch: int, accum: int, seq: int, device: str, options: dict):
@@ -40,13 +38,12 @@ def make_options(model: str, batch: int, accum: int, seq: int, device: str, opti
                    learning_rate=1e-4, device=device, **options)
 
 
-def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, warmup: int = 3, fused_ce: bool = True,
-        device: str = "cuda", **options) -> dict:
+def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, warmup: int = 3, device: str = "cuda",
+        **options) -> dict:
     options.setdefault("compile", "on")
     opts = make_options(model, batch, accum, seq, device, options)
     cuda = torch.device(device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    cross_entropy.FUSED_CE_ENABLED = fused_ce
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     tr = qtrain("Trainer")(opts)

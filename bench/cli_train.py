@@ -130,7 +130,7 @@ CUDA_ONLY_FLAGS = ("--use-cuda-graphs",)
 def check_cuda_rules(params: dict) -> None:
     """Raise what the case's `qtrain train` would refuse on a CUDA device only: --use-cuda-graphs with what graphs
     cannot capture (`train.cuda_graphs.check_cuda_graphs`, which a CPU run skips and the dry run drops the flag
-    for). A session-19 device call spent a start on a case that asked for graphs with --persistent-quants."""
+    for): a device start spent on a case that asks for graphs with --persistent-quants finds only the refusal."""
     flags = list(params.get("flags", []))
     if "--use-cuda-graphs" not in flags or not has_module("qtrain.train.cuda_graphs"):
         return

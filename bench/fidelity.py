@@ -17,7 +17,7 @@ MODES (flags on top of the recipe): fp32-master (`--model-dtype bf16 --master-dt
 reference), bf16-sr (bf16 weights and states, stochastic rounding), e4m3 (+ `--matmul-dtype e4m3`, with the default
 `--fp8-swiglu-onepass`: power-of-two scales for the SwiGLU output and its gradient), e4m3-m (+ `--opt-m-dtype e4m3`),
 bf16-rn (bf16 with `--no-stochastic-rounding`: what SR buys), e4m3-exact (e4m3 with `--no-fp8-swiglu-onepass`: every
-tensor at its exact abs-max scale; session 15 ran it as e4m3-onepass against the then exact-scale e4m3), e4m3-fh (e4m3
+tensor at its exact abs-max scale: what the power-of-two scales are measured against), e4m3-fh (e4m3
 with `--fp8-head-backward`: the LM head's gradient GEMMs in FP8).
 
 Recipe (defaults): 300 steps of 16 x 512 tokens x 2 micro-batches (16k tokens per step, 4.9M tokens: ~1.1 epochs

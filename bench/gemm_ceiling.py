@@ -32,22 +32,20 @@ def linear_gemms(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> dict[str
     return {"fwd": lambda: x @ w.t(), "dgrad": lambda: dy @ w, "wgrad": lambda: dy.t() @ x}
 
 
-def fp8_linear_gemms(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor
-                     ) -> tuple[dict[str, Callable[[], torch.Tensor]], dict[str, torch.Tensor]]:
+def fp8_linear_gemms(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
     """The three e4m3 GEMMs of one block linear (`numerics.fp8._Fp8Linear`'s calls) on operands quantized here
-    (quantization is not GEMM time), and those operands: dqt, xqt (the wgrad's transposed copies), di, xi."""
+    (quantization is not GEMM time)."""
     from qtrain.numerics.fp8 import quantize_fp8, scaled_mm
     (xq, xi), (wq, wi), (dq, di) = quantize_fp8(x), quantize_fp8(w), quantize_fp8(dy)
     xqt, wqt, dqt = xq.t().contiguous(), wq.t().contiguous(), dq.t().contiguous()
     bf16 = torch.bfloat16
-    return ({"fwd": lambda: scaled_mm(xq, wq.t(), xi, wi, out_dtype=bf16, use_fast_accum=True),
-             "dgrad": lambda: scaled_mm(dq, wqt.t(), di, wi, out_dtype=bf16),
-             "wgrad": lambda: scaled_mm(dqt, xqt.t(), di, xi, out_dtype=bf16)},
-            {"dqt": dqt, "xqt": xqt, "di": di, "xi": xi})
+    return {"fwd": lambda: scaled_mm(xq, wq.t(), xi, wi, out_dtype=bf16, use_fast_accum=True),
+            "dgrad": lambda: scaled_mm(dq, wqt.t(), di, wi, out_dtype=bf16),
+            "wgrad": lambda: scaled_mm(dqt, xqt.t(), di, xi, out_dtype=bf16)}
 
 
 def linear_operands(M: int, K: int, N: int, dev: str = "cuda") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random bf16 x (M, K), w (N, K) scaled by K^-1/2, dy (M, N), the same for every caller (seed 0)."""
+    """Random bf16 x (M, K), w (N, K) scaled by K^-1/2, dy (M, N), the same every call (seed 0)."""
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=g)
     w = torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=g) * K ** -0.5
@@ -70,7 +68,7 @@ def linear_ms(M: int, K: int, N: int, *, samples: int, dev: str = "cuda") -> dic
 
 def fp8_linear_ms(M: int, K: int, N: int, *, samples: int, dev: str = "cuda") -> dict[str, float]:
     """Milliseconds of the three e4m3 GEMMs of one block linear (`numerics.fp8._Fp8Linear`'s calls)."""
-    fns, _ = fp8_linear_gemms(*linear_operands(M, K, N, dev))
+    fns = fp8_linear_gemms(*linear_operands(M, K, N, dev))
     return {k: time_ms(fn, samples=samples, warmup=3, device=dev) for k, fn in fns.items()}
 
 

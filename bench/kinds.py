@@ -32,12 +32,6 @@ KINDS: dict[str, Kind] = {
     "gemm-ceiling": Kind("bench.gemm_ceiling", "tokens/s if a step were only its bf16 block + LM-head GEMMs",
                          (("tokens", "tokens"), ("gemm_ms", "GEMM ms"), ("tflops", "TFLOP/s"),
                           ("ceiling_tps", "ceiling tok/s"))),
-    "gemm-variants": Kind("bench.gemm_variants", "cuBLAS vs cuBLASLt vs inductor max-autotune for the largest block "
-                          "GEMMs, then one GEMM under sustained load (clock, power)"),
-    "head-gemms": Kind("bench.head_gemms", "the LM head's three bf16 GEMMs by chunk rows and formulation "
-                       "(transposed outputs, beta 0, cuBLASLt, a 256-padded vocabulary)"),
-    "wgrad-split": Kind("bench.wgrad_split", "the block linears' weight-gradient GEMMs as issued and split along "
-                        "their token reduction (bf16 and e4m3)"),
     "attention": Kind("bench.bench_attention", "causal attention backends (flash, cuDNN, qtrain's op), eager and "
                       "compiled, against flash"),
     "cross-entropy": Kind("bench.bench_ce", "the fused cross-entropy kernel by launch shape (block, warps), "
@@ -48,10 +42,6 @@ KINDS: dict[str, Kind] = {
     "offload-update": Kind("bench.bench_offload_update", "the offloaded AdamW update alone, by streaming variant, "
                            "against the PCIe ceiling"),
     "swiglu-fp8": Kind("bench.bench_swiglu_fp8", "the FP8-MLP Triton kernels and their tile variants"),
-    "gemm-swiglu": Kind("bench.gemm_swiglu", "a Triton GEMM with the SwiGLU (forward) or its backward in the epilogue "
-                        "against cuBLAS + qtrain's SwiGLU kernels (fused / separate ms)",
-                        (("fwd_ratio", "fwd fused/base"), ("bwd_ratio", "bwd fused/base"),
-                         ("fwd_honly_ratio", "h-only/base"))),
     "rope": Kind("bench.bench_rope", "the RoPE backward kernel (d(qkv) in one pass) against inductor's code and a "
                  "copy of its bytes"),
     "profile": Kind("bench.profile_step", "GPU time per kernel category of one training step, top kernels, gaps",
@@ -62,8 +52,6 @@ KINDS: dict[str, Kind] = {
                      "text through `qtrain train`, eval losses (issue 21)",
                      (("final_eval", "final eval"), ("max_loss_after_warmup", "max loss after warmup"),
                       ("max_norm", "max norm"), ("tps", "tok/s"))),
-    "recompute-saved": Kind("bench.probe_recompute_saved", "bytes per token a compiled block saves for backward, per "
-                            "recompute switch, against the memory plan"),
 }
 
 

@@ -1,10 +1,10 @@
 """Kind `profile`: one qtrain training step on the GPU: GPU time per kernel category against the step's wall
 time, then the top kernels and the GPU's idle gaps, to see where time goes.
 
-Parameters: model, batch, accum, top (kernels listed, 22), fused_ce (true) and any `Options` field, as the
-train kind. GPU busy time well under wall time means gaps (host-bound). Result: wall_ms, busy_ms,
-`categories` (ms each), `top` (kernels), `gaps`, and with the one-pass SwiGLU FP8 kernels `onepass_hint_misses`
-(missed, calls per direction, counted over two more steps).
+Parameters: model, batch, accum, top (kernels listed, 22) and any `Options` field, as the train kind. GPU busy
+time well under wall time means gaps (host-bound). Result: wall_ms, busy_ms, `categories` (ms each), `top`
+(kernels), `gaps`, and with the one-pass SwiGLU FP8 kernels `onepass_hint_misses` (missed, calls per direction,
+counted over two more steps).
 
 With ncu=true the step is timed kernel by kernel under Nsight Compute instead (bench/ncu.py: the same method as
 the `llmq-profile` kind's, so the two systems' kernels compare one for one): this module runs again in a child
@@ -24,12 +24,12 @@ from bench.bench_train import make_options
 from bench.compat import qtrain
 from bench.kernel_categories import step_report
 from bench.kinds import Skip
-from qtrain.kernels import cross_entropy
 
-def run(model: str, batch: int, accum: int, top: int = 22, fused_ce: bool = True, ncu: bool = False, **p) -> dict:
+
+def run(model: str, batch: int, accum: int, top: int = 22, ncu: bool = False, **p) -> dict:
     if ncu:
-        return run_under_ncu(model, batch, accum, top, fused_ce, p)
-    tr, step = make_step(model, batch, accum, fused_ce, p)
+        return run_under_ncu(model, batch, accum, top, p)
+    tr, step = make_step(model, batch, accum, p)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -49,10 +49,9 @@ def run(model: str, batch: int, accum: int, top: int = 22, fused_ce: bool = True
     return {"wall_ms": round(wall, 1), "onepass_hint_misses": misses, "gaps": gaps, **report}
 
 
-def make_step(model: str, batch: int, accum: int, fused_ce: bool, p: dict):
+def make_step(model: str, batch: int, accum: int, p: dict):
     """The Trainer and a function running one optimizer step on a fixed random batch (or, with `fresh`, a new
     random batch each micro-step, as a run)."""
-    cross_entropy.FUSED_CE_ENABLED = fused_ce
     p.setdefault("compile", "on")
     tr = qtrain("Trainer")(make_options(model, batch, accum, 1024, "cuda", p))
     x = torch.randint(0, tr.cfg.vocab_size, (batch, 1025), device="cuda")
@@ -70,14 +69,14 @@ def make_step(model: str, batch: int, accum: int, fused_ce: bool, p: dict):
     return tr, step
 
 
-def run_under_ncu(model: str, batch: int, accum: int, top: int, fused_ce: bool, p: dict) -> dict:
+def run_under_ncu(model: str, batch: int, accum: int, top: int, p: dict) -> dict:
     """Time the step's kernels under ncu: this module runs in a child process (`main`) that brackets the step with
     cudaProfilerStart / Stop; ncu times the kernels between them only (warm-up and compilation run unprofiled)."""
     from bench.ncu import find_ncu, keep_raw, ncu_command, read_kernels, summarize
     from bench.subproc import stream
     with tempfile.TemporaryDirectory(prefix="qtrain-ncu-") as tmp:
         log = Path(tmp) / "ncu.csv"
-        args = json.dumps({"model": model, "batch": batch, "accum": accum, "fused_ce": fused_ce, "p": p})
+        args = json.dumps({"model": model, "batch": batch, "accum": accum, "p": p})
         fin = stream([*ncu_command(find_ncu(), log, from_start=False), sys.executable, "-m", "bench.profile_step", args],
                      echo=lambda line: not line.startswith("==PROF==") or "rror" in line)
         if fin.returncode or not log.is_file():
@@ -92,7 +91,7 @@ def run_under_ncu(model: str, batch: int, accum: int, top: int, fused_ce: bool, 
 def main(args: str) -> None:
     """The child under ncu: three warm-up steps, then one step between cudaProfilerStart and Stop."""
     a = json.loads(args)
-    _, step = make_step(a["model"], a["batch"], a["accum"], a["fused_ce"], a["p"])
+    _, step = make_step(a["model"], a["batch"], a["accum"], a["p"])
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -128,7 +127,7 @@ def hint_misses(step, onepass: bool, device: torch.device, steps: int = 2) -> di
 
 def dry_run(params: dict) -> dict:
     """The options are checked as the GPU run would take them; the profile itself needs CUDA."""
-    options = {k: v for k, v in params.items() if k not in ("model", "batch", "accum", "top", "fused_ce", "ncu")}
+    options = {k: v for k, v in params.items() if k not in ("model", "batch", "accum", "top", "ncu")}
     make_options(params["model"], params["batch"], params["accum"], 1024, "cuda", options).validate()
     raise Skip("profiles CUDA kernels: needs a CUDA GPU (options checked)")
 

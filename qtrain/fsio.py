@@ -19,7 +19,9 @@ QTRAIN_FAULT_TRACE=FILE appends the name of every point reached to FILE (to enum
 """
 from __future__ import annotations
 
+import errno
 import fnmatch
+import glob
 import json
 import os
 import re
@@ -146,6 +148,21 @@ def sweep_temp_files(directory: str | os.PathLike) -> list[Path]:
 
 # ---------------------------------------------------------------------------------------------- writing
 
+def default_file_mode() -> int:
+    """0666 & ~umask: the permissions of any file this user creates (`open(..., "w")`, `cp`, `touch`). Writers
+    that make their files private on their own (safetensors creates 0600 files) are brought back to it."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:  # Linux >= 4.7: reads the umask without setting it
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None], *, point: str = "file") -> Path:
     """`write(tmp)` creates the temp file; it is fsynced and renamed onto `path`. On any error the temp file
     is removed and `path` is left as it was. Fault points: `<point>.tmp` (written, not yet renamed) and
@@ -173,11 +190,14 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, *, point: str = "file")
     return atomic_write_bytes(path, (json.dumps(obj, indent=2, allow_nan=True) + "\n").encode("utf-8"), point=point)
 
 
+MARKER_MAX_BYTES = 64 << 20  # a marker or manifest qtrain writes is a few kilobytes
+
+
 def read_json(path: str | os.PathLike) -> Any | None:
-    """A JSON file qtrain wrote, or None when it is missing or unreadable (a marker that is not there)."""
+    """A JSON file qtrain wrote, or None when it is missing or unreadable (a marker that is not there): also
+    when it is not a regular file (a FIFO would block the read), too large or nested too deeply to be ours."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return parse_json_input(read_bounded(path, "", MARKER_MAX_BYTES), str(path))
     except (OSError, ValueError):
         return None
 
@@ -222,6 +242,17 @@ class InputError(ValueError):
 
 
 SHOWN_CHARS = 200
+# JSON / YAML / TOML inputs nest a few levels (a config.json's rope_scaling, a config file's sections); deeper
+# nesting is refused before a recursive parser (json, PyYAML's composer, tomllib, repr) can overflow the stack
+MAX_NESTING = 64
+# a config.json, generation_config.json or tokenizer_config.json: kilobytes in practice (a large id2label table
+# makes a few megabytes); anything larger is not one
+CONFIG_MAX_BYTES = 16 << 20
+
+
+def _label(what: str, path: str | os.PathLike) -> str:
+    """How a message names an input: `--config PATH`, or the path alone when it says what the file is."""
+    return f"{what} {shorten(str(path))}" if what else shorten(str(path))
 
 
 def shorten(value: Any, limit: int = SHOWN_CHARS) -> str:
@@ -238,12 +269,12 @@ def check_regular_file(path: str | os.PathLike, what: str) -> Path:
     try:
         st = os.stat(p)
     except FileNotFoundError:
-        raise InputError(f"{what} {shorten(str(path))}: no such file") from None
+        raise InputError(f"{_label(what, path)}: no such file") from None
     except OSError as e:
-        raise InputError(f"{what} {shorten(str(path))}: cannot be read ({describe_write_error(e)})") from None
+        raise InputError(f"{_label(what, path)}: cannot be read ({describe_write_error(e)})") from None
     if not stat.S_ISREG(st.st_mode):
         kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a pipe, socket or device)"
-        raise InputError(f"{what} {shorten(str(path))}: is {kind}")
+        raise InputError(f"{_label(what, path)}: is {kind}")
     return p
 
 
@@ -253,16 +284,115 @@ def read_bounded(path: str | os.PathLike, what: str, max_bytes: int) -> bytes:
     p = check_regular_file(path, what)
     size = os.stat(p).st_size
     if size > max_bytes:
-        raise InputError(f"{what} {shorten(str(path))}: {format_bytes(size)} is larger than the "
+        raise InputError(f"{_label(what, path)}: {format_bytes(size)} is larger than the "
                          f"{format_bytes(max_bytes)} such a file may have")
     try:
         with open(p, "rb") as f:
             data = f.read(max_bytes + 1)
     except OSError as e:
-        raise InputError(f"{what} {shorten(str(path))}: cannot be read ({describe_write_error(e)})") from None
+        raise InputError(f"{_label(what, path)}: cannot be read ({describe_write_error(e)})") from None
     if len(data) > max_bytes:
-        raise InputError(f"{what} {shorten(str(path))}: grew past {format_bytes(max_bytes)} while being read")
+        raise InputError(f"{_label(what, path)}: grew past {format_bytes(max_bytes)} while being read")
     return data
+
+
+# a JSON string, or an unterminated one up to the end of the text: never fails a match, so never backtracks
+# (a text of many unterminated strings would otherwise take quadratic time)
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?', re.S)
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
+
+
+def json_nesting(text: str) -> int:
+    """How deeply arrays and objects nest in JSON text, counted without parsing it (brackets outside strings;
+    linear time, no recursion): what `parse_json_input` checks before the recursive parser runs."""
+    import numpy as np
+
+    brackets = _NOT_BRACKETS.sub("", _JSON_STRING.sub("", text)).encode("ascii")
+    if not brackets:
+        return 0
+    b = np.frombuffer(brackets, dtype=np.uint8)
+    steps = np.where((b == ord("[")) | (b == ord("{")), 1, -1).astype(np.int32)
+    return int(np.cumsum(steps, dtype=np.int32).max(initial=0))
+
+
+def data_nesting(obj: Any, limit: int = MAX_NESTING) -> int:
+    """How deeply lists and dicts nest in parsed data (walked with a stack, not recursion); stops counting
+    past `limit` (returns limit + 1)."""
+    deepest, stack = 0, [(obj, 0)]
+    while stack:
+        x, depth = stack.pop()
+        if isinstance(x, (list, tuple, dict)):
+            depth += 1
+            if depth > limit:
+                return depth
+            deepest = max(deepest, depth)
+            stack.extend((v, depth) for v in (x.values() if isinstance(x, dict) else x))
+    return deepest
+
+
+def parse_json_input(data: bytes, where: str, *, max_nesting: int = MAX_NESTING) -> Any:
+    """JSON bytes from an input file (named `where` in messages) -> the parsed value; InputError for text that
+    is not UTF-8, nests deeper than `max_nesting` (refused before parsing) or is not valid JSON."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if json_nesting(text) > max_nesting:
+        raise InputError(f"{where}: nested more than {max_nesting} levels deep; refusing to read it (no file "
+                         f"of this kind nests so deeply: corrupt or hostile?)")
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise InputError(f"{where}: not valid JSON ({shorten(str(e))})") from None
+
+
+def read_json_input(path: str | os.PathLike, what: str, max_bytes: int, *, max_nesting: int = MAX_NESTING) -> Any:
+    """A small JSON input file (config.json, an index, a generation or tokenizer config) parsed, refused with
+    an InputError naming it when it is not a regular file, larger than `max_bytes`, nested too deeply or not
+    JSON: `read_bounded` then `parse_json_input`."""
+    return parse_json_input(read_bounded(path, what, max_bytes), _label(what, path), max_nesting=max_nesting)
+
+
+MAX_PATTERN_CHARS = 4096  # PATH_MAX: a longer pattern names no file
+MAX_PATTERN_PART_CHARS = 1024  # one path component (NAME_MAX is 255; character classes make patterns longer)
+MAX_GLOB_ENTRIES = 1_000_000  # directory entries one pattern may look at
+
+
+def expand_glob(pattern: str, what: str) -> list[str]:
+    """The paths a shell pattern (`*`, `?`, `[...]`; no `**` recursion, hidden names only when the pattern's part
+    starts with a dot, as `glob.glob`) matches, sorted. Its cost is bounded, unlike `glob.glob`'s: the pattern is
+    at most MAX_PATTERN_CHARS long (each part MAX_PATTERN_PART_CHARS, which bounds fnmatch's translation, quadratic
+    in a part's length), and the walk looks at most MAX_GLOB_ENTRIES directory entries; beyond either an InputError.
+    A pattern without magic is returned as it is when that path exists."""
+    if len(pattern) > MAX_PATTERN_CHARS or any(len(p) > MAX_PATTERN_PART_CHARS for p in pattern.split(os.sep)):
+        raise InputError(f"{what} {shorten(pattern)}: longer than any path ({MAX_PATTERN_CHARS} characters, "
+                         f"{MAX_PATTERN_PART_CHARS} per folder or file name)")
+    if not glob.has_magic(pattern):
+        return [pattern] if os.path.lexists(pattern) else []
+    head, parts = ("/" if pattern.startswith("/") else ""), [p for p in pattern.split(os.sep) if p]
+    found, seen = [head], 0
+    for i, part in enumerate(parts):
+        last, nxt = i == len(parts) - 1, []
+        if not glob.has_magic(part):
+            nxt = [os.path.join(d, part) for d in found if os.path.lexists(os.path.join(d, part))]
+        else:
+            match = re.compile(fnmatch.translate(part)).match
+            for d in found:
+                try:
+                    with os.scandir(d or ".") as it:
+                        for entry in it:
+                            seen += 1
+                            if seen > MAX_GLOB_ENTRIES:
+                                raise InputError(f"{what} {shorten(pattern)}: looks through more than "
+                                                 f"{MAX_GLOB_ENTRIES:,} directory entries; name fewer files")
+                            if (entry.name.startswith(".") and not part.startswith(".")) or not match(entry.name):
+                                continue
+                            if last or entry.is_dir():
+                                nxt.append(os.path.join(d, entry.name))
+                except (NotADirectoryError, FileNotFoundError, PermissionError):
+                    continue
+        found = nxt
+    return sorted(found)
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -292,6 +422,7 @@ def check_writable_dir(path: str | os.PathLike, option: str) -> None:
     """Refuse a directory path qtrain could not create or write into: a file on the way, or no write
     permission where it would be created. Nothing is created here."""
     p = Path(path)
+    _check_no_broken_link(p, option, path)
     if p.exists() and not p.is_dir():
         raise FileSystemError(f"{option} {path}: exists and is not a directory")
     anc = existing_ancestor(p)
@@ -305,6 +436,7 @@ def check_writable_dir(path: str | os.PathLike, option: str) -> None:
 def check_writable_file(path: str | os.PathLike, option: str) -> None:
     """Refuse a file path qtrain could not create or append to (a directory there, or no permission)."""
     p = Path(path)
+    _check_no_broken_link(p, option, path, dangling_ok=True)  # appending through a link creates its target
     if p.is_dir():
         raise FileSystemError(f"{option} {path}: is a directory, not a file")
     if p.exists():
@@ -312,6 +444,29 @@ def check_writable_file(path: str | os.PathLike, option: str) -> None:
             raise FileSystemError(f"{option} {path}: is not writable")
         return
     check_writable_dir(p.parent, f"{option} {path}: its folder")
+
+
+def _check_no_broken_link(p: Path, option: str, path: str | os.PathLike, *, dangling_ok: bool = False) -> None:
+    """Refuse a path that is, or passes through, a symlink leading nowhere (a loop, or a missing target): it
+    looks absent, so the other checks pass, and creating it fails only when the output is written (mkdir of a
+    dangling link: EEXIST). `dangling_ok`: the path itself may be a link to a file not made yet."""
+    p = Path(os.path.abspath(p))
+    for q in [*reversed(p.parents), p]:
+        if not os.path.islink(q):
+            continue
+        try:
+            os.stat(q)
+            continue
+        except OSError as e:
+            loop = e.errno == errno.ELOOP
+        if q == p and dangling_ok and not loop:
+            continue
+        where = "" if q == p else f"{shorten(str(q))} "
+        if loop:
+            raise FileSystemError(f"{option} {shorten(str(path))}: {where}is a symlink loop (following it never "
+                                  f"reaches a file or directory); remove it or point it somewhere")
+        raise FileSystemError(f"{option} {shorten(str(path))}: {where}is a symlink to {shorten(os.readlink(q))}, "
+                              f"which does not exist; create that first, or remove the link")
 
 
 def _can_write(p: Path) -> bool:

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Iterable
 
+from qtrain.fsio import shorten
 from qtrain.model.fp8_policy import DEFAULT_MIN_BLOCK_GFLOP as DEFAULT_FP8_MIN_BLOCK_GFLOP
 from qtrain.model.fp8_policy import DEFAULT_MIN_SIZE as DEFAULT_FP8_MIN_SIZE
 from qtrain.model.config import ModelConfig
@@ -176,7 +177,14 @@ class Options:
     continue_from: str | None = None
     """`--continue [STEP|PATH]`: resume from the latest checkpoint, a step, or a path."""
     new_data: bool = False
-    """With --continue: do not restore the data loader position."""
+    """With --continue: accept training data that changed since the checkpoint (a token file replaced, appended to,
+    truncated or rewritten, a glob that gained or lost a file), another --seq-len or --train-seed; the data position
+    is not restored but restarts at the start of the training data (without it such a resume is refused)."""
+    override_schedule: bool = False
+    """With --continue: take the learning-rate schedule (--lr-schedule, --warmup, --cooldown, --final-lr-fraction)
+    and the global batch (batch x grad-accumulation x ranks) from this command instead of refusing a change of them
+    (Megatron-LM's --override-opt_param-scheduler). Other changed options (--lr, --weight-decay, ...) are always
+    accepted and reported; --steps may grow, never fall below the checkpoint's step."""
     start_over: bool = False
     """Start a new run where an earlier one left checkpoints, an export or a log (without it qtrain refuses, and
     --continue resumes that run): its checkpoints are deleted, its export files replaced, its log kept aside."""
@@ -505,6 +513,8 @@ class Options:
             raise err("--init-proj-to-zero needs --from-scratch")
         if self.new_data and self.continue_from is None:
             raise err("--new-data needs --continue")
+        if self.override_schedule and self.continue_from is None:
+            raise err("--override-schedule needs --continue")
         if self.zero_level not in (0, 1, 2, 3):
             raise err(f"--zero-level must be 0..3, got {self.zero_level}")
         if self.zero_level >= 2 and self.shard_gradients:
@@ -551,6 +561,10 @@ class Options:
                       "device, so offloaded state is streamed through staging buffers (leave it off)")
         if self.effective_matmul_dtype == "fp32" and self.model_dtype == "bf16":
             raise err("--matmul-dtype fp32 with --model-dtype bf16 is not supported")
+        if self.matmul_dtype == "bf16" and self.model_dtype == "fp32":  # the linears would run in fp32 all the same
+            raise err("--matmul-dtype bf16 with --model-dtype fp32 is not supported: the block matmuls run in the "
+                      "model dtype; use --model-dtype bf16 (add --master-dtype fp32 to keep fp32 master weights), "
+                      "or drop --matmul-dtype")
         if self.debug_stack_dump_after < 0:
             raise err(f"--debug-stack-dump-after must be >= 0 seconds (0 = off), got {self.debug_stack_dump_after}")
         if self.debug_log_abs_max < 0:
@@ -613,7 +627,7 @@ def _coerce(key: str, value: Any, source: str, spelled: str = "") -> Any:
     import typing
     typ = typing.get_type_hints(Options)[key]
     def bad(what: str) -> OptionsError:
-        return OptionsError(f"{source}: option {spelled or key!r} must be {what}, got {value!r}")
+        return OptionsError(f"{source}: option {spelled or key!r} must be {what}, got {shorten(repr(value))}")
     if key == "continue_from":  # `continue = true` (latest), a step number, or a path
         if value is None or value is False:
             return None
@@ -672,8 +686,8 @@ def normalize_mapping(d: dict[str, Any], *, source: str = "options") -> dict[str
         norm[key] = _coerce(key, v, source, spelled=str(k))
     if unknown:
         spelled = sorted(names | {a for a in ALIASES})
-        hints = [f"{u!r} -> {m!r}" for u in sorted(unknown)
+        hints = [f"{shorten(repr(u), 60)} -> {m!r}" for u in sorted(unknown)[:5]
                  if (m := closest(u.replace("-", "_"), spelled)) is not None]
-        raise OptionsError(f"{source}: unknown option(s) {sorted(unknown)}"
+        raise OptionsError(f"{source}: unknown option(s) {shorten(repr(sorted(unknown)))}"
                            + (f" (did you mean {', '.join(hints)}?)" if hints else ""))
     return norm

@@ -114,3 +114,40 @@ def test_fault_point_kills_at_the_nth_match(tmp_path, spec, expect_killed):
     else:
         assert r.returncode == 0 and "survived" in r.stdout
         assert trace.read_text().split() == ["demo.a", "demo.b", "demo.a"]
+
+
+@pytest.mark.parametrize("text,depth", [
+    ("", 0), ("1", 0), ("{}", 1), ('[1, [2, {"a": [3]}]]', 4),
+    ('{"a": "[[[[{{{{"}', 1),  # brackets inside strings do not count
+    ('["\\"[[[", [1]]', 2),  # nor after an escaped quote inside a string
+    ('"[[[', 0),  # an unterminated string runs to the end (the parser refuses the text anyway)
+    ("[" * 100_000 + "]" * 100_000, 100_000)])
+def test_json_nesting_counts_brackets_outside_strings(text, depth):
+    assert fsio.json_nesting(text) == depth
+
+
+def test_json_inputs_are_bounded(tmp_path):
+    """Too deep (refused before the recursive parser), too large, not a regular file, not JSON: one InputError
+    each, naming the file; a marker that is any of these reads as missing."""
+    p = tmp_path / "c.json"
+    for text, match in [("[" * 65 + "]" * 65, "nested more than 64 levels"), ("{", "not valid JSON"),
+                        ("x" * 2000, "is larger than")]:
+        p.write_text(text)
+        with pytest.raises(fsio.InputError, match=match):
+            fsio.read_json_input(p, "", 1000)
+        assert fsio.read_json(p) is None
+    p.write_text('{"a": ' * 64 + "1" + "}" * 64)
+    assert fsio.data_nesting(fsio.read_json_input(p, "", 1000)) == 64
+    os.unlink(p)
+    os.mkfifo(p)
+    with pytest.raises(fsio.InputError, match="not a regular file"):
+        fsio.read_json_input(p, "--x", 1000)
+    assert fsio.read_json(p) is None  # never blocks
+
+
+def test_default_file_mode_follows_the_umask():
+    old = os.umask(0o027)
+    try:
+        assert fsio.default_file_mode() == 0o640
+    finally:
+        os.umask(old)

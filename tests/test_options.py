@@ -92,12 +92,17 @@ def test_fp32_model_rejects_low_precision_moments(m, v):
 def test_dtype_combinations_that_pass():
     Options(model_dtype="fp32").validate()
     Options(model_dtype="fp32", matmul_dtype="fp32").validate()
-    Options(model_dtype="fp32", matmul_dtype="bf16").validate()
     for m in ("fp32", "bf16"):
         for v in ("fp32", "bf16"):
             Options(model_dtype="bf16", opt_m_dtype=m, opt_v_dtype=v).validate()
     assert Options(model_dtype="fp32").effective_matmul_dtype == "fp32"
-    assert Options(model_dtype="fp32", matmul_dtype="bf16").effective_matmul_dtype == "bf16"
+
+
+
+def test_bf16_matmuls_under_fp32_weights_are_refused():
+    """The block linears run in the model dtype (or e4m3): bf16 matmuls with fp32 weights would change nothing while
+    the plan and the log header said "matmul bf16" (issue 41), so the combination is refused."""
+    _bad(("--matmul-dtype bf16", "--model-dtype fp32"), model_dtype="fp32", matmul_dtype="bf16")
 
 
 def test_fp32_master_under_a_bf16_model():

@@ -11,6 +11,10 @@ Options may be grouped into sections, one level deep, as torchtitan-style config
 
 Section names are free (they only group); the keys inside are option names. A table inside a section, or
 the same option set twice (in two sections, or at the top and in a section), is an error naming both places.
+
+A config file is an input like any other: it must be a regular file of at most 256 KiB, nest at most 64 levels
+(checked before PyYAML's or tomllib's recursive parts run), and YAML aliases may not expand it past a megabyte
+(a "billion laughs" file of a kilobyte expands to 10^9 values). Values are never echoed whole.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import os
 import sys
 from typing import Any
 
+from qtrain.fsio import MAX_NESTING, data_nesting, read_bounded, shorten
 from qtrain.options import OptionsError
 
 if sys.version_info >= (3, 11):
@@ -26,32 +31,74 @@ else:  # Python 3.10: the same parser, as the `tomli` package (a dependency ther
     import tomli as tomllib
 
 
+CONFIG_FILE_MAX_BYTES = 256 << 10  # an options file is a few hundred bytes; PyYAML reads ~100 KiB a second
+# characters + values once YAML aliases are expanded; an alias-free file stays below twice its size
+YAML_MAX_EXPANDED = 1 << 20
+
+
 def load_config_file(path: str) -> dict[str, Any]:
     """Read a TOML or YAML options file into a flat mapping (option name -> value)."""
-    if not os.path.isfile(path):
-        raise OptionsError(f"--config {path}: file not found")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise OptionsError(f"--config {path}: cannot read ({e.strerror or e})") from None
+    source = f"--config {shorten(path)}"
+    if not os.path.lexists(path):
+        raise OptionsError(f"{source}: file not found")
+    raw = read_bounded(path, "--config", CONFIG_FILE_MAX_BYTES)
     if path.endswith((".yaml", ".yml")):
         try:
             import yaml  # type: ignore[import-not-found]
         except ImportError:
-            raise OptionsError(f"--config {path}: YAML needs PyYAML (pip install pyyaml), or use TOML") from None
+            raise OptionsError(f"{source}: YAML needs PyYAML (pip install pyyaml), or use TOML") from None
         try:
+            check_yaml_size(raw, source)
             data = yaml.safe_load(raw) or {}
         except yaml.YAMLError as e:
-            raise OptionsError(f"--config {path}: invalid YAML ({e})") from None
+            raise OptionsError(f"{source}: invalid YAML ({shorten(str(e))})") from None
     else:
         try:
             data = tomllib.loads(raw.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise OptionsError(f"--config {path}: invalid TOML ({e})") from None
+            raise OptionsError(f"{source}: invalid TOML ({shorten(str(e))})") from None
+        except RecursionError:  # tomllib parses nested arrays and inline tables recursively
+            raise _too_deep(source) from None
+        if data_nesting(data) > MAX_NESTING:
+            raise _too_deep(source)
     if not isinstance(data, dict):
-        raise OptionsError(f"--config {path}: expected a table of options")
-    return flatten_sections(data, source=f"--config {path}")
+        raise OptionsError(f"{source}: expected a table of options")
+    return flatten_sections(data, source=source)
+
+
+def _too_deep(source: str) -> OptionsError:
+    return OptionsError(f"{source}: nested more than {MAX_NESTING} levels deep; options are values, lists or "
+                        f"one level of sections")
+
+
+def check_yaml_size(raw: bytes, source: str) -> None:
+    """Walk the YAML event stream (PyYAML's parser keeps its own stack, it does not recurse) before anything
+    is built from it: refuse nesting deeper than MAX_NESTING, and aliases that would expand the document past
+    YAML_MAX_EXPANDED (each value counts 1 + its length in characters; an alias counts what its anchor does)."""
+    import yaml  # type: ignore[import-not-found]
+
+    anchored: dict[str, int] = {}  # anchor -> expanded size of the node it names
+    open_nodes: list[list[Any]] = [[None, 0]]  # [anchor, expanded size so far] of each open collection
+    for ev in yaml.parse(raw, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's when built
+        if isinstance(ev, yaml.CollectionStartEvent):
+            open_nodes.append([ev.anchor, 1])
+            if len(open_nodes) - 1 > MAX_NESTING:
+                raise _too_deep(source)
+            continue
+        if isinstance(ev, yaml.CollectionEndEvent):
+            anchor, size = open_nodes.pop()
+        elif isinstance(ev, yaml.ScalarEvent):
+            anchor, size = ev.anchor, 1 + len(ev.value)
+        elif isinstance(ev, yaml.AliasEvent):
+            anchor, size = None, anchored.get(ev.anchor, 1)
+        else:
+            continue
+        if anchor is not None:
+            anchored[anchor] = size
+        open_nodes[-1][1] += size
+        if open_nodes[-1][1] > YAML_MAX_EXPANDED:
+            raise OptionsError(f"{source}: its aliases expand to more than {YAML_MAX_EXPANDED:,} characters "
+                               f"(a YAML \"billion laughs\"?); an options file needs a few hundred")
 
 
 def flatten_sections(data: dict[str, Any], *, source: str) -> dict[str, Any]:
@@ -63,8 +110,8 @@ def flatten_sections(data: dict[str, Any], *, source: str) -> dict[str, Any]:
     def put(key: Any, value: Any, place: str) -> None:
         norm = str(key).replace("-", "_")
         if norm in where:
-            raise OptionsError(f"{source}: option {str(key)!r} is set twice ({where[norm]} and {place}); "
-                               f"keep one")
+            raise OptionsError(f"{source}: option {shorten(repr(str(key)))} is set twice ({where[norm]} and "
+                               f"{place}); keep one")
         where[norm] = place
         flat[str(key)] = value
 
@@ -72,9 +119,10 @@ def flatten_sections(data: dict[str, Any], *, source: str) -> dict[str, Any]:
         if isinstance(value, dict):
             for k, v in value.items():
                 if isinstance(v, dict):
-                    raise OptionsError(f"{source}: [{key}.{k}] is a table inside a section; sections are one "
-                                       f"level deep (put {k!r}'s options directly under [{key}])")
-                put(k, v, f"[{key}] {k}")
+                    section, inner = shorten(str(key), 60), shorten(str(k), 60)
+                    raise OptionsError(f"{source}: [{section}.{inner}] is a table inside a section; sections are "
+                                       f"one level deep (put its options directly under [{section}])")
+                put(k, v, f"[{shorten(str(key), 60)}] {shorten(str(k), 60)}")
         else:
-            put(key, value, f"top level {key}")
+            put(key, value, f"top level {shorten(str(key), 60)}")
     return flat

@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens-per-file", type=int, default=100_000_000, help="split outputs into NAME-000.bin... beyond this")
     parser.add_argument("--workers", type=int, default=max(1, min((os.cpu_count() or 2) // 2, 8)), help="tokenizer processes")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier qtrain tokenize output in --out-dir (only the files its index "
+                             "qtrain-tokenize.json lists; files no qtrain tokenize wrote are never overwritten)")
     sft = parser.add_argument_group("chat / SFT data: the loss covers only the responses (files carry loss masks)")
     sft.add_argument("--prompt-field", default=None, help="field / column with the prompt (with --response-field)")
     sft.add_argument("--response-field", default=None, help="field / column with the response the model learns")
@@ -53,7 +56,10 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         workers=ns.workers,
         progress=not ns.no_progress,
         sft=sft,
+        overwrite=ns.overwrite,
     )
+    for path in res.extra.get("swept", []):
+        print(f"removed {path}, left by a qtrain tokenize that was killed")
     print(
         f"{res.documents:,} documents -> {res.train_tokens:,} train tokens in {len(res.train_files)} file(s), "
         f"{res.eval_tokens:,} eval tokens in {len(res.eval_files)} file(s) "

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
 from qtrain.data.token_files import TokenFileHeader, tokenizer_family
-from qtrain.data.tokenize import (BUILTIN_TOKENIZERS, QWEN2_PATTERN, TiktokenTokenizer, TokenizeError, Tokenizer,
-                                   get_tokenizer)
+from qtrain.data.tokenize import (BUILTIN_TOKENIZERS, QWEN2_PATTERN, TOKENIZER_JSON_MAX_BYTES, TiktokenTokenizer,
+                                   TokenizeError, Tokenizer, get_tokenizer)
+from qtrain.fsio import read_bounded, shorten
 from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import GENERATION_CONFIG, TOKENIZER_FILES
 
@@ -125,8 +127,22 @@ def _json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
 
 
+def _read(path: Path) -> bytes:
+    """A tokenizer file to copy into an export: a regular file of bounded size (a FIFO would block the export)."""
+    return read_bounded(path, "", TOKENIZER_JSON_MAX_BYTES)
+
+
+def _text(data: bytes, path: Path) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TokenizerExportError(f"{path}: not a tokenizer.json qtrain can read (not UTF-8: {e.reason} at byte "
+                                   f"{e.start})") from None
+
+
 def tokenizer_files(spec: str, *, model_max_length: int | None = None) -> dict[str, bytes]:
-    """All tokenizer files for an export from a tokenizer spec (see the module docstring)."""
+    """All tokenizer files for an export from a tokenizer spec (see the module docstring). A tokenizer.json is
+    parsed (`get_tokenizer`) unless it is copied beside its own tokenizer_config.json."""
     if spec in BUILTIN_TOKENIZERS:
         text = builtin_tokenizer_json(spec)
         tok = get_tokenizer(spec)
@@ -134,20 +150,21 @@ def tokenizer_files(spec: str, *, model_max_length: int | None = None) -> dict[s
     else:
         path = Path(spec)
         if path.is_dir():
-            files = {n: (path / n).read_bytes() for n in TOKENIZER_FILES if (path / n).is_file()}
+            files = {n: _read(path / n) for n in TOKENIZER_FILES if os.path.lexists(path / n)}
             if not files:
                 raise TokenizerExportError(f"{path}: no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...)")
             if "tokenizer_config.json" in files or "tokenizer.json" not in files:
                 return files
-            text = files["tokenizer.json"].decode("utf-8")
+            text = _text(files["tokenizer.json"], path / "tokenizer.json")
         elif path.is_file():
-            text = path.read_text(encoding="utf-8")
+            text = _text(_read(path), path)
             files = {"tokenizer.json": text.encode("utf-8")}
-            if (path.parent / "tokenizer_config.json").is_file():
-                return {**files, "tokenizer_config.json": (path.parent / "tokenizer_config.json").read_bytes()}
+            if os.path.lexists(path.parent / "tokenizer_config.json"):
+                return {**files, "tokenizer_config.json": _read(path.parent / "tokenizer_config.json")}
         else:
-            raise TokenizerExportError(f"tokenizer {spec!r}: not a built-in ({', '.join(BUILTIN_TOKENIZERS)}), "
-                                       f"nor an existing tokenizer.json or directory")
+            raise TokenizerExportError(f"tokenizer {shorten(repr(spec))}: not a built-in "
+                                       f"({', '.join(BUILTIN_TOKENIZERS)}), nor an existing tokenizer.json or "
+                                       f"directory")
         tok = get_tokenizer(spec)
     cfg = tokenizer_config(tok, text, model_max_length=model_max_length)
     special = {k: cfg[k] for k in ("bos_token", "eos_token", "pad_token") if cfg[k] is not None}
@@ -199,6 +216,14 @@ def export_tokenizer(*, explicit: str = "", model_dir: str | None = None,
     if has_tokenizer_files(model_dir):
         return str(Path(str(model_dir)).resolve())
     return recorded_tokenizer(token_files) if token_files else None
+
+
+def check_export_tokenizer(spec: str | None, cfg: ModelConfig) -> None:
+    """Make the files the export of a run will carry (`export_files`) now, before the model is built: a
+    tokenizer file that cannot be read fails the preflight instead of the export after the last step. The
+    built-ins are qtrain's own (a missing package only costs the files: `unavailable_reason`)."""
+    if spec is not None and spec not in BUILTIN_TOKENIZERS:
+        export_files(spec, cfg)
 
 
 def export_files(spec: str | None, cfg: ModelConfig) -> dict[str, bytes]:

@@ -8,16 +8,22 @@ deliberate differences, both documented where they happen:
   that trains on the token after EOS and never on the first response token);
 * shuffling uses numpy's PCG64 seeded from ``(seed, epoch, ...)`` instead of libstdc++'s
   ``std::shuffle``: deterministic and platform independent, but not llm.q's exact order.
+
+The files were checked before the run (headers, sizes, every id; `qtrain tokenize` sets against their index:
+`token_sets.py`), but they may change under it: every batch is read with `pread` (a file cut short is a short
+read, not a SIGBUS) and its ids are checked against the vocabulary with one min/max over the batch. Either fault is
+a DataChangedError naming the file and the token offset, which the training loop stops on like a signal.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from qtrain.data.token_files import (IGNORE_INDEX, DataError, PathLike, TokenFile, check_token_ids, common_vocab_size,
-                                      expand_files)
+from qtrain.data.token_files import (IGNORE_INDEX, DataChangedError, DataError, PathLike, TokenFile, check_token_ids,
+                                      common_vocab_size, expand_files)
+from qtrain.data.token_sets import check_token_sets
 
 if TYPE_CHECKING:  # torch is imported where batches are made, so tokenizer workers start fast
     import torch
@@ -26,6 +32,31 @@ if TYPE_CHECKING:  # torch is imported where batches are made, so tokenizer work
 _FILE_ORDER_TAG = 0x73653753
 _CHUNK_ORDER_TAG = 0x636E6B73
 
+
+def file_order(seed: int, epoch: int, num_files: int, *, shuffle: bool = True) -> np.ndarray:
+    """The order an epoch serves the files in: a permutation seeded from (seed, epoch), or as given."""
+    if not shuffle:
+        return np.arange(num_files)
+    return np.random.default_rng([int(seed) % 2**64, int(epoch), _FILE_ORDER_TAG]).permutation(num_files)
+
+
+def position_error(state: Mapping[str, Any], file_tokens: Sequence[int], seq_len: int, *,
+                   shuffle: bool = True) -> str | None:
+    """Why a saved position (`TokenLoader.state_dict`) is no position in files of these token counts cut into
+    `seq_len` chunks, or None. `chunk_index` counts the sequences of the current file each of the saved `world`
+    ranks consumed: at most that file's chunks per rank (it equals them once the file is done and the next batch
+    has not started the next file yet)."""
+    n, fi, ci, world = len(file_tokens), int(state["file_index"]), int(state["chunk_index"]), int(state["world"])
+    if fi > n or (fi == n and ci):
+        return f"file_index {fi} is past the {n} training file(s)"
+    if fi == n:
+        return None
+    f = int(file_order(state["seed"], state["epoch"], n, shuffle=shuffle)[fi])
+    per_rank = max(file_tokens[f] - 1, 0) // seq_len // world
+    if ci > per_rank:
+        return (f"chunk_index {ci} is past the {per_rank} sequence(s) of {seq_len} tokens each of {world} rank(s) "
+                f"takes from training file {f}")
+    return None
 
 
 class TokenLoader:
@@ -60,7 +91,7 @@ class TokenLoader:
         self.rank, self.world = rank, world
         self.seed = int(seed)
         self.shuffle = shuffle
-        self.files = [TokenFile(p) for p in expand_files(pattern_or_files)]
+        self.files = [TokenFile(p) for p in check_token_sets(expand_files(pattern_or_files))]
 
         # files of one tokenizer may label their vocab differently (llm.q vs qtrain): see VOCAB_FAMILIES
         self.vocab_size: int | None = common_vocab_size([f.header for f in self.files])
@@ -72,6 +103,7 @@ class TokenLoader:
         if model_vocab_size is not None:  # every id must index the embedding (scan cached per file)
             for f in self.files:
                 check_token_ids(f.path, model_vocab_size)
+        self._id_limit = model_vocab_size  # what each batch's ids are checked against (negative ones always)
         for f in self.files:
             if len(f) < seq_len + 1:
                 raise DataError(
@@ -110,10 +142,7 @@ class TokenLoader:
         return np.random.default_rng([self.seed % 2**64, *key])
 
     def _file_order(self, epoch: int) -> np.ndarray:
-        n = len(self.files)
-        if not self.shuffle:
-            return np.arange(n)
-        return self._rng(epoch, _FILE_ORDER_TAG).permutation(n)
+        return file_order(self.seed, epoch, len(self.files), shuffle=self.shuffle)
 
     def _rank_chunks(self, epoch: int, file_index: int) -> np.ndarray:
         """This rank's chunk indices of one file in this epoch, in serving order (cached per file)."""
@@ -128,18 +157,35 @@ class TokenLoader:
             self._order_cache = {key: cached}  # only the current file's order is ever needed again
         return cached
 
-    def _chunk(self, file_index: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
-        f, T = self.files[file_index], self.seq_len
-        start = chunk * T
-        window = np.asarray(f.tokens[start : start + T + 1], dtype=np.int64)
-        inputs, targets = window[:-1], window[1:].copy()
-        if f.masks is not None:
-            # Mask bit at the *target* position: bit (cT+j+1) decides whether target j is trained.
-            # (llm.q reads bit cT+j, an off-by-one; see reference/llmq.md §2.1 [quirk].)
-            targets[~f.mask_bits(start + 1, start + T + 1)] = IGNORE_INDEX
+    def _windows(self, chunks: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, targets) int64 [len(chunks), T] of (file index, chunk) pairs. Chunk c of a file is the window
+        tokens[cT : cT+T+1]: inputs its first T, targets its last T. The windows' ids are checked with one min/max
+        against the vocabulary (the files changed since the preflight's scan otherwise)."""
+        T = self.seq_len
+        windows = np.empty((len(chunks), T + 1), dtype="<i4")
+        for row, (fi, chunk) in enumerate(chunks):
+            self.files[fi].read_into(chunk * T, windows[row])
+        if windows.size and (windows.min() < 0 or (self._id_limit is not None and windows.max() >= self._id_limit)):
+            self._bad_id(windows, chunks)
+        inputs, targets = windows[:, :-1].astype(np.int64), windows[:, 1:].astype(np.int64)
+        for row, (fi, chunk) in enumerate(chunks):
+            f = self.files[fi]
+            if f.header.has_masks:
+                # Mask bit at the *target* position: bit (cT+j+1) decides whether target j is trained.
+                # (llm.q reads bit cT+j, an off-by-one; see reference/llmq.md §2.1 [quirk].)
+                targets[row, ~f.mask_bits(chunk * T + 1, chunk * T + T + 1)] = IGNORE_INDEX
         return inputs, targets
 
-    # -- iteration ------------------------------------------------------------------------------
+    def _bad_id(self, windows: np.ndarray, chunks: Sequence[tuple[int, int]]) -> None:
+        limit = self._id_limit
+        bad = (windows < 0) | (windows >= limit) if limit is not None else windows < 0
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        fi, chunk = chunks[row]
+        offset = chunk * self.seq_len + col
+        raise DataChangedError(f"{self.files[fi].path}: token id {int(windows[row, col])} at token offset {offset} "
+                               f"is outside the vocabulary [0, {limit}): the file changed after the run checked it")
+
+        # -- iteration ------------------------------------------------------------------------------
     def _remaining(self) -> int:
         order = self._file_order(self.epoch)
         return sum(self._per_rank[i] for i in order[self._file_pos :]) - self._chunk_pos
@@ -165,17 +211,27 @@ class TokenLoader:
             )
         if not self.has_next(batch_size):
             self.advance_epoch()
-        inputs = np.empty((batch_size, self.seq_len), dtype=np.int64)
-        targets = np.empty((batch_size, self.seq_len), dtype=np.int64)
         order = self._file_order(self.epoch)
-        for b in range(batch_size):
+        chunks = []
+        for _ in range(batch_size):
             while self._chunk_pos >= self._per_rank[order[self._file_pos]]:
                 self._file_pos += 1
                 self._chunk_pos = 0
             fi = int(order[self._file_pos])
-            inputs[b], targets[b] = self._chunk(fi, int(self._rank_chunks(self.epoch, fi)[self._chunk_pos]))
+            chunks.append((fi, int(self._rank_chunks(self.epoch, fi)[self._chunk_pos])))
             self._chunk_pos += 1
+        inputs, targets = self._windows(chunks)
         return torch.from_numpy(inputs), torch.from_numpy(targets)
+
+    def next_batches(self, batch_size: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`count` batches (one step's micro-batches), all or none: on a DataChangedError the position is back
+        where it was, so a checkpoint written then resumes at this step's first batch."""
+        start = self.state_dict()
+        try:
+            return [self.next_batch(batch_size) for _ in range(count)]
+        except DataChangedError:
+            self.load_state_dict(start)
+            raise
 
     def iterate_eval_batches(
         self, batch_size: int, max_batches: int | None = None, *, drop_last: bool = False
@@ -187,20 +243,19 @@ class TokenLoader:
         """
         import torch
 
-        pending: list[tuple[np.ndarray, np.ndarray]] = []
+        pending: list[tuple[int, int]] = []
         produced = 0
 
         def emit() -> tuple[torch.Tensor, torch.Tensor]:
-            x = torch.from_numpy(np.stack([p[0] for p in pending]))
-            y = torch.from_numpy(np.stack([p[1] for p in pending]))
+            x, y = self._windows(pending)
             pending.clear()
-            return x, y
+            return torch.from_numpy(x), torch.from_numpy(y)
 
         for fi, count in enumerate(self._per_rank):
             for k in range(count):
                 if max_batches is not None and produced >= max_batches:
                     return
-                pending.append(self._chunk(fi, self.rank + k * self.world))
+                pending.append((fi, self.rank + k * self.world))
                 if len(pending) == batch_size:
                     produced += 1
                     yield emit()
@@ -238,6 +293,9 @@ class TokenLoader:
         saved_world = int(state.get("world", self.world))
         if saved_world < 1:
             raise DataError(f"{self.files[0].path}: loader state world {saved_world} is not a world size")
+        if why := position_error({**state, "world": saved_world}, [len(f) for f in self.files], self.seq_len,
+                                  shuffle=self.shuffle):
+            raise DataError(f"{self.files[0].path}: loader state {why}")
         consumed = chunk_pos * saved_world  # sequences of the current file all ranks consumed
         chunk_pos = -(-consumed // self.world)
         self.seed = int(state["seed"])

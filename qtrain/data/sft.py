@@ -26,6 +26,8 @@ from typing import Any, Iterator, Protocol
 
 import numpy as np
 
+from qtrain.fsio import shorten
+
 
 class Tokenizer(Protocol):
     """What encoding a record needs of a tokenizer (`qtrain.data.tokenize.Tokenizer` has it); a protocol, so
@@ -88,13 +90,28 @@ def iter_records(path: Path, fields: tuple[str, ...]) -> Iterator[dict[str, Any]
             import pyarrow.parquet as pq
         except ImportError as e:
             raise RuntimeError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from e
-        pf = pq.ParquetFile(path)
-        missing = [k for k in fields if k not in pf.schema_arrow.names]
+        import pyarrow as pa
+
+        def unreadable(e: Exception) -> SFTError:  # a garbage file is pyarrow's ArrowInvalid: one line, no traceback
+            return SFTError(f"{path}: not a Parquet file pyarrow can read ({shorten(str(e).splitlines()[0], 160)})")
+
+        try:
+            pf = pq.ParquetFile(path)
+            names = pf.schema_arrow.names
+        except (pa.ArrowException, OSError) as e:
+            raise unreadable(e) from None
+        missing = [k for k in fields if k not in names]
         if missing:
-            raise SFTError(f"{path}: no column {', '.join(map(repr, missing))} "
-                           f"(columns: {', '.join(pf.schema_arrow.names)})")
+            raise SFTError(f"{path}: no column {', '.join(map(repr, missing))} (columns: {shorten(', '.join(names))})")
         row = 0
-        for batch in pf.iter_batches(columns=list(fields), batch_size=1024):
+        batches = pf.iter_batches(columns=list(fields), batch_size=1024)
+        while True:
+            try:
+                batch = next(batches, None)
+            except (pa.ArrowException, OSError) as e:
+                raise unreadable(e) from None
+            if batch is None:
+                break
             for rec in batch.to_pylist():
                 row += 1
                 yield {**rec, "_where": f"{path}: row {row}"}

@@ -5,22 +5,31 @@ File format (byte-compatible with llm.q, ``reference/llmq.md`` §2.1), little-en
     header   1024 bytes = 256 x int32
              [0:2] magic b"BIN.TOK\\n"   [2] version (1 or 2; we write 2)   [3] bytes per token (4)
              [4] number of tokens N      [5] vocab size (v2 only)          [6] has-masks flag
+             bytes 256.. (`qtrain tokenize` only): b"tokenset=" ID " " SPLIT " " I " " N b"\0": shard I of the N
+             of SPLIT (train / eval) in the token set ID, whose index lists them all (`token_sets.py`)
              bytes 512.. (qtrain's writer only): b"tokenizer=" NAME b"\0", the tokenizer that made the file
-             (llm.q leaves bytes 28..1023 unused, so its reader ignores this, and files without it read as before)
+             (llm.q leaves bytes 28..1023 unused, so its reader ignores both, and files without them read as before)
     tokens   N x int32
     masks    ceil(N/8) bytes, present iff has-masks; bit i (LSB-first in each byte) = 1 keeps token i
              as a training target.
+
+Files are read with `os.pread`, not memory-mapped: a file truncated under a running reader gives a short read,
+which `TokenFile.read` turns into a DataChangedError naming the file and offset, where a map would kill the
+process with SIGBUS.
 """
 
 from __future__ import annotations
 
-import glob as _glob
+import hashlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+
+from qtrain.fsio import InputError, check_regular_file, expand_glob, shorten, temp_path
 
 MAGIC = b"BIN.TOK\n"
 HEADER_BYTES = 1024
@@ -31,6 +40,8 @@ MAX_TOKENS_PER_FILE = 2**31 - 1  # N is stored as int32
 IGNORE_INDEX = -100  # target value that the loss skips (torch's cross_entropy default)
 TOKENIZER_TAG, TOKENIZER_TAG_OFFSET = b"tokenizer=", 512  # see the format above
 MAX_TOKENIZER_NAME = HEADER_BYTES - TOKENIZER_TAG_OFFSET - len(TOKENIZER_TAG) - 1
+TOKEN_SET_TAG, TOKEN_SET_TAG_OFFSET = b"tokenset=", 256  # see the format above
+_TOKEN_SET_FIELDS = re.compile(r"^(?P<id>[0-9a-f]{8,64}) (?P<split>[a-z]{1,16}) (?P<index>\d{1,9}) (?P<count>\d{1,9})$")
 
 # The vocab field of one tokenizer's files differs between writers: llm.q stores HF's `tokenizer.vocab_size`,
 # which leaves out the added special tokens (151643 for Qwen2), qtrain one past the largest id the tokenizer
@@ -45,6 +56,28 @@ class DataError(ValueError):
     """A token file (or a set of them) cannot be used; the message names the file."""
 
 
+class DataChangedError(DataError):
+    """A token file changed under a running reader (cut short, or ids written out of range in place); the message
+    names the file and the token offset. The training loop stops on it as on a signal (`train/stop.py`)."""
+
+
+@dataclass(frozen=True)
+class TokenSetTag:
+    """What a `qtrain tokenize` shard says of itself in its header: shard `index` of the `count` of `split` in set
+    `set_id` (`token_sets.py` checks a selection of shards against the set's index)."""
+
+    set_id: str
+    split: str
+    index: int
+    count: int
+
+    def encode(self) -> bytes:
+        return TOKEN_SET_TAG + f"{self.set_id} {self.split} {self.index} {self.count}".encode("ascii") + b"\0"
+
+    def __str__(self) -> str:
+        return f"{self.split} shard {self.index + 1} of {self.count} of token set {self.set_id}"
+
+
 @dataclass(frozen=True)
 class TokenFileHeader:
     """Decoded header of one token file; ``vocab_size`` is None for version-1 files (not recorded)."""
@@ -56,6 +89,7 @@ class TokenFileHeader:
     vocab_size: int | None
     has_masks: bool
     tokenizer: str | None = None  # the tokenizer that wrote it, when recorded (qtrain's writer)
+    token_set: TokenSetTag | None = None  # the `qtrain tokenize` set it belongs to, when it is one's shard
 
     @property
     def mask_bytes(self) -> int:
@@ -93,6 +127,28 @@ def _tokenizer_tag(raw: bytes) -> str | None:
     return field[len(TOKENIZER_TAG):field.index(b"\0")].decode("utf-8", errors="replace") or None
 
 
+def _token_set_tag(raw: bytes) -> TokenSetTag | None:
+    field = raw[TOKEN_SET_TAG_OFFSET:TOKENIZER_TAG_OFFSET]
+    if not field.startswith(TOKEN_SET_TAG) or b"\0" not in field:
+        return None
+    m = _TOKEN_SET_FIELDS.match(field[len(TOKEN_SET_TAG):field.index(b"\0")].decode("ascii", errors="replace"))
+    if m is None or int(m["index"]) >= int(m["count"]):
+        return None
+    return TokenSetTag(m["id"], m["split"], int(m["index"]), int(m["count"]))
+
+
+def stamp_token_set(path: PathLike, tag: TokenSetTag) -> None:
+    """Write a set's tag into the header of a finished (not yet published) token file, and fsync it: a shard's
+    count is known only once the whole set is written."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        field = tag.encode()
+        os.pwrite(fd, field + b"\0" * (TOKENIZER_TAG_OFFSET - TOKEN_SET_TAG_OFFSET - len(field)), TOKEN_SET_TAG_OFFSET)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def tokenizer_family(vocab_size: int | None) -> str | None:
     """The VOCAB_FAMILIES name a file's vocab field belongs to, if any."""
     return next((name for name, sizes in VOCAB_FAMILIES.items() if vocab_size in sizes), None)
@@ -115,10 +171,12 @@ def common_vocab_size(headers: Sequence["TokenFileHeader"]) -> int | None:
 class TokenFileWriter:
     """Streams tokens (and optional masks) into a token file, atomically.
 
-    Tokens go straight to ``<path>.tmp.<pid>`` so a file of 100M tokens never has to be held as a
-    Python list; mask bits (N/8 bytes) are kept in memory because they follow all tokens. ``close()``
-    writes the header and renames onto ``path`` (a crash leaves no half-written ``.bin`` behind);
-    ``abort()`` removes the temporary file. Use as a context manager to get exactly that.
+    Tokens go straight to a hidden temp name (`fsio.temp_path`: `.NAME.tmp-HOST-PID`, swept once its writer is
+    dead) so a file of 100M tokens never has to be held as a Python list; mask bits (N/8 bytes) are kept in memory
+    because they follow all tokens. ``close()`` writes the header, fsyncs and renames onto ``path`` (a crash leaves
+    no half-written ``.bin`` behind); ``finish()`` does the same but leaves the file under its temp name
+    (``temp``), for a caller that publishes several files together (`token_sets.py`); ``abort()`` removes it. Use as
+    a context manager to get exactly that. ``sha256`` is the digest of the bytes after the header (tokens, masks).
     """
 
     def __init__(self, path: PathLike, *, vocab_size: int, with_masks: bool = False,
@@ -133,9 +191,10 @@ class TokenFileWriter:
         self.with_masks = with_masks
         self.num_tokens = 0
         self._masks: list[np.ndarray] = []
-        self._tmp = f"{self.path}.tmp.{os.getpid()}"
+        self._body = hashlib.sha256()
+        self.temp = str(temp_path(self.path))
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self._tmp, "wb")
+        self._f = open(self.temp, "wb")
         self._f.write(b"\0" * HEADER_BYTES)  # placeholder until N is known
 
     def write(self, tokens: Sequence[int] | np.ndarray, masks: Sequence[bool] | np.ndarray | None = None) -> None:
@@ -154,24 +213,38 @@ class TokenFileWriter:
             self._masks.append(np.asarray(masks, dtype=bool))
         elif masks is not None:
             raise DataError(f"{self.path}: masks given to a writer created with with_masks=False")
-        self._f.write(arr.astype("<i4", copy=False).tobytes())
+        data = arr.astype("<i4", copy=False).tobytes()
+        self._f.write(data)
+        self._body.update(data)
         self.num_tokens += arr.size
 
-    def close(self) -> str:
+    @property
+    def sha256(self) -> str:
+        return self._body.hexdigest()
+
+    def finish(self) -> str:
+        """Write the masks and the header, fsync and close; the file stays under its temp name, which is returned."""
         if self.with_masks:
             bits = np.concatenate(self._masks) if self._masks else np.zeros(0, dtype=bool)
-            self._f.write(np.packbits(bits, bitorder="little").tobytes())
+            data = np.packbits(bits, bitorder="little").tobytes()
+            self._f.write(data)
+            self._body.update(data)
         self._f.seek(0)
         self._f.write(_header_bytes(self.num_tokens, self.vocab_size, self.with_masks, self.tokenizer))
+        self._f.flush()
+        os.fsync(self._f.fileno())
         self._f.close()
-        os.replace(self._tmp, self.path)
+        return self.temp
+
+    def close(self) -> str:
+        os.replace(self.finish(), self.path)
         return self.path
 
     def abort(self) -> None:
         if not self._f.closed:
             self._f.close()
-        if os.path.exists(self._tmp):
-            os.remove(self._tmp)
+        if os.path.exists(self.temp):
+            os.remove(self.temp)
 
     def __enter__(self) -> "TokenFileWriter":
         return self
@@ -202,15 +275,35 @@ def write_token_file(
 # Reading
 
 
-def read_token_file_header(path: PathLike) -> TokenFileHeader:
-    """Read and validate a header, including that the file size matches N and the mask flag."""
-    path = str(path)
+def _open_token_file(path: str) -> int:
+    """A read-only descriptor of a token file; anything but a regular file is refused first (a FIFO would block
+    the read forever, a device never end it)."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            raw = f.read(HEADER_BYTES)
+        check_regular_file(path, "token file")
+        return os.open(path, os.O_RDONLY)
+    except InputError as e:  # its wording after the path: "no such file", "is a directory", ...
+        raise DataError(f"{shorten(path)}: cannot read token file ({str(e).rsplit(': ', 1)[-1]})") from None
     except OSError as e:
-        raise DataError(f"{path}: cannot read token file ({e.strerror or e})") from e
+        raise DataError(f"{shorten(path)}: cannot read token file ({e.strerror or e})") from None
+
+
+def _pread_into(fd: int, buf: np.ndarray, offset: int) -> int:
+    """Fill `buf` from byte `offset` of `fd`; returns the bytes read (fewer only at the end of the file)."""
+    view, got = memoryview(buf).cast("B"), 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _header_of(fd: int, path: str) -> TokenFileHeader:
+    """Read and validate the header of an open token file, including that the file size matches N and the mask flag."""
+    size = os.fstat(fd).st_size
+    raw_arr = np.zeros(HEADER_BYTES, dtype=np.uint8)
+    got = _pread_into(fd, raw_arr, 0)
+    raw = raw_arr.tobytes()[:got]
     if len(raw) < HEADER_BYTES:
         raise DataError(f"{path}: truncated token file ({size} bytes, the header alone is {HEADER_BYTES})")
     if raw[:8] != MAGIC:
@@ -232,6 +325,7 @@ def read_token_file_header(path: PathLike) -> TokenFileHeader:
         vocab_size=int(h[5]) if version >= 2 else None,
         has_masks=bool(h[6]),
         tokenizer=_tokenizer_tag(raw),
+        token_set=_token_set_tag(raw),
     )
     if size != header.file_size:
         what = "truncated" if size < header.file_size else "oversized"
@@ -242,62 +336,145 @@ def read_token_file_header(path: PathLike) -> TokenFileHeader:
     return header
 
 
+def read_token_file_header(path: PathLike) -> TokenFileHeader:
+    """Read and validate a header, including that the file size matches N and the mask flag."""
+    path = str(path)
+    fd = _open_token_file(path)
+    try:
+        return _header_of(fd, path)
+    finally:
+        os.close(fd)
+
+
 class TokenFile:
-    """A memory-mapped token file: ``tokens`` (int32, length N) and ``masks`` (packed bits or None)."""
+    """An open token file: ``read(start, stop)`` gives tokens, ``mask_bits`` keep-bits (all ones without masks).
+
+    Reads go through `os.pread` on a descriptor opened once (not a memory map: see the module docstring), so a
+    file replaced by a rename goes on being read whole from its old inode, and one cut short in place gives a
+    DataChangedError naming the file and the token offset instead of a SIGBUS."""
 
     def __init__(self, path: PathLike) -> None:
-        self.header = read_token_file_header(path)
-        n = self.header.num_tokens
+        path = str(path)
+        self._fd = _open_token_file(path)
+        try:
+            self.header = _header_of(self._fd, path)
+        except BaseException:
+            os.close(self._fd)
+            raise
         self.path = self.header.path
-        # np.memmap refuses zero-length maps; an empty file is still a valid (useless) file.
-        self.tokens: np.ndarray = (
-            np.memmap(self.path, dtype="<i4", mode="r", offset=HEADER_BYTES, shape=(n,))
-            if n
-            else np.zeros(0, dtype="<i4")
-        )
-        self.masks: np.ndarray | None = None
-        if self.header.has_masks and n:
-            self.masks = np.memmap(
-                self.path, dtype=np.uint8, mode="r", offset=HEADER_BYTES + 4 * n, shape=(self.header.mask_bytes,)
-            )
 
     def __len__(self) -> int:
         return self.header.num_tokens
 
+    def close(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _read(self, buf: np.ndarray, offset: int, what: str) -> None:
+        got = _pread_into(self._fd, buf, offset)
+        if got < buf.nbytes:
+            size = os.fstat(self._fd).st_size
+            raise DataChangedError(f"{shorten(self.path)}: changed while being read: {what} ends at byte "
+                                   f"{offset + got} of the {self.header.file_size} its header promises (the file "
+                                   f"now has {size} bytes)")
+
+    def read_into(self, start: int, out: np.ndarray) -> np.ndarray:
+        """Tokens [start, start + len(out)) into `out` (an int32 array); a DataChangedError if the file ends first."""
+        if start < 0 or start + len(out) > len(self):
+            raise IndexError(f"{self.path}: tokens [{start}, {start + len(out)}) outside [0, {len(self)})")
+        self._read(out, HEADER_BYTES + BYTES_PER_TOKEN * start, f"token offset {start}")
+        return out
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) as a new int32 array."""
+        return self.read_into(start, np.empty(max(stop - start, 0), dtype="<i4"))
+
     def mask_bits(self, start: int, stop: int) -> np.ndarray:
         """Unpacked keep-bits for tokens [start, stop) (all ones when the file has no masks)."""
-        if self.masks is None:
+        if not self.header.has_masks:
             return np.ones(stop - start, dtype=bool)
         first, last = start // 8, (stop + 7) // 8
-        bits = np.unpackbits(np.asarray(self.masks[first:last]), bitorder="little")
+        packed = np.empty(last - first, dtype=np.uint8)
+        self._read(packed, HEADER_BYTES + BYTES_PER_TOKEN * len(self) + first, f"the mask of token offset {start}")
+        bits = np.unpackbits(packed, bitorder="little")
         return bits[start - 8 * first : stop - 8 * first].astype(bool)
 
 
 def read_token_file(path: PathLike) -> tuple[np.ndarray, np.ndarray | None]:
     """Whole file as (tokens int32, keep-mask bool or None) in memory; for tests and small files."""
     f = TokenFile(path)
-    masks = f.mask_bits(0, len(f)) if f.header.has_masks else None
-    return np.array(f.tokens, dtype=np.int32), masks
+    try:
+        masks = f.mask_bits(0, len(f)) if f.header.has_masks else None
+        return f.read(0, len(f)).astype(np.int32), masks
+    finally:
+        f.close()
 
 
 def expand_files(pattern_or_files: PathLike | Sequence[PathLike]) -> list[str]:
-    """Glob pattern(s) -> sorted list of files; llm.q also expands the pattern inside the program."""
+    """Glob pattern(s) -> sorted list of files (a bounded matcher: `fsio.expand_glob`); llm.q also expands the
+    pattern inside the program."""
     patterns = [pattern_or_files] if isinstance(pattern_or_files, (str, os.PathLike)) else list(pattern_or_files)
     files: list[str] = []
     for p in patterns:
         p = str(p)
-        hits = sorted(_glob.glob(p)) if _glob.has_magic(p) else ([p] if os.path.exists(p) else [])
+        hits = expand_glob(p, "token file pattern")
         if not hits:
-            raise DataError(f"{p}: no token files match")
+            raise DataError(f"{shorten(p)}: no token files match")
         files.extend(h for h in hits if h not in files)
     return files
+
+
+# ----------------------------------------------------------------------------------------------
+# Fingerprints: what identifies a file's contents without reading all of it
+
+SAMPLE_BYTES = 4096  # bytes per sample of the sampled digest
+SAMPLES = 8  # samples between the head (header + first SAMPLE_BYTES) and the last SAMPLE_BYTES
+
+
+def _sampled_digest(fd: int, size: int) -> str:
+    """sha256 of the size, the header and first bytes, SAMPLES blocks at fixed fractions of the size and the last
+    block (the whole file when it is small): ~40 KiB read whatever the size, and any change of the header, of
+    the length, or of the bytes at those places shows."""
+    h = hashlib.sha256(size.to_bytes(8, "little"))
+    whole = HEADER_BYTES + (SAMPLES + 2) * SAMPLE_BYTES
+    spans = ([(0, size)] if size <= whole else
+             [(0, HEADER_BYTES + SAMPLE_BYTES), *((k * size // (SAMPLES + 1), SAMPLE_BYTES) for k in range(1, SAMPLES + 1)),
+              (size - SAMPLE_BYTES, SAMPLE_BYTES)])
+    for offset, n in spans:
+        buf = np.empty(n, dtype=np.uint8)
+        got = _pread_into(fd, buf, offset)
+        h.update(buf[:got].tobytes())
+    return h.hexdigest()
+
+
+def _fingerprint(fd: int) -> dict[str, Any]:
+    st = os.fstat(fd)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino,
+            "dev": st.st_dev, "digest": _sampled_digest(fd, st.st_size)}
+
+
+def file_fingerprint(path: PathLike) -> dict[str, Any]:
+    """What identifies a file's contents, cheaply: `size`, `mtime_ns`, `ctime_ns` (set by the kernel on any
+    change, even one whose mtime was put back with `os.utime`), `ino`, `dev` and `digest` (a sampled sha256, ~40
+    KiB read: see `_sampled_digest`). A copy elsewhere keeps only its size and digest. Raises DataError when the
+    path is not a readable regular file."""
+    path = str(path)
+    fd = _open_token_file(path)
+    try:
+        return _fingerprint(fd)
+    finally:
+        os.close(fd)
 
 
 # ----------------------------------------------------------------------------------------------
 # Token id range check (run before the model is built), with a per-file cache of the scan
 
 SCAN_CHUNK_TOKENS = 1 << 24  # tokens per vectorized min/max pass: 64 MiB of int32 at a time
-_SCAN_CACHE_VERSION = 1
+_SCAN_CACHE_VERSION = 2
 
 
 def token_cache_dir() -> Path:
@@ -308,32 +485,33 @@ def token_cache_dir() -> Path:
     return Path(base) / "qtrain"
 
 
-def _scan_key(path: str) -> tuple[Path, dict[str, Any]]:
-    """(cache file, identity of the file's current contents): path, size, mtime and inode."""
-    import hashlib
-
-    real = os.path.realpath(path)
-    st = os.stat(real)
-    ident = {"path": real, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino,
-             "version": _SCAN_CACHE_VERSION}
+def _scan_key(f: TokenFile | PathLike) -> tuple[Path, dict[str, Any]]:
+    """(cache file, identity of the file's current contents): its real path and `file_fingerprint` (size, mtime,
+    ctime, inode, device and a sampled digest). An edit in place changes the ctime even when the mtime is put
+    back, and the digest when it touches a sampled block, so a cached answer never outlives the bytes it is of."""
+    f = f if isinstance(f, TokenFile) else TokenFile(f)
+    real = os.path.realpath(f.path)
+    ident = {"path": real, **_fingerprint(f._fd), "version": _SCAN_CACHE_VERSION}
     name = hashlib.sha256(real.encode("utf-8", "surrogateescape")).hexdigest()[:32]
     return token_cache_dir() / "token-ids" / f"{name}.json", ident
 
 
 def _chunks(f: TokenFile) -> Any:
+    """(start, tokens) of the whole file, SCAN_CHUNK_TOKENS at a time, read into one reused buffer."""
+    buf = np.empty(min(len(f), SCAN_CHUNK_TOKENS), dtype="<i4")
     for start in range(0, len(f), SCAN_CHUNK_TOKENS):
-        yield start, np.asarray(f.tokens[start:start + SCAN_CHUNK_TOKENS])
+        yield start, f.read_into(start, buf[:min(SCAN_CHUNK_TOKENS, len(f) - start)])
 
 
 def scan_token_ids(path: PathLike) -> tuple[int, int] | None:
-    """(smallest, largest) token id of a token file, None when it holds no tokens. The file is memory-mapped
-    and reduced in vectorized chunks (no copy of it is made); the result is cached per file under
-    `token_cache_dir()`, keyed by path, size, mtime and inode, so an unchanged file is scanned once."""
+    """(smallest, largest) token id of a token file, None when it holds no tokens. The file is read and reduced
+    in vectorized chunks; the result is cached per file under `token_cache_dir()`, keyed by its path and
+    fingerprint (`_scan_key`), so an unchanged file is scanned once."""
     from qtrain.fsio import atomic_write_json, read_json, sweep_temp_files
 
     f = TokenFile(path)
     try:
-        cache, ident = _scan_key(f.path)
+        cache, ident = _scan_key(f)
         hit = read_json(cache)
     except OSError:
         cache, ident, hit = None, None, None

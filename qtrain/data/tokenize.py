@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import base64
 import functools
-import glob as _glob
 import importlib.resources
 import json
 import multiprocessing as mp
@@ -39,6 +38,9 @@ import numpy as np
 
 from qtrain.data.sft import SFTFormat, encode_example, iter_records, record_text
 from qtrain.data.token_files import DataError, TokenFileWriter
+from qtrain.data.token_sets import TokenSetWriter
+from qtrain.fsio import (CONFIG_MAX_BYTES, InputError, check_regular_file, expand_glob, fault_point, read_bounded,
+                         read_json_input, shorten)
 
 
 class TokenizeError(DataError):
@@ -165,22 +167,36 @@ def _gpt2() -> TiktokenTokenizer:
     return TiktokenTokenizer("gpt2", enc, eos_id=eos, vocab_size=enc.n_vocab)
 
 
+TOKENIZER_JSON_MAX_BYTES = 256 << 20  # the largest tokenizer.json files in use are ~35 MB
+
+
 def _hf(path: Path) -> HFTokenizer:
     from tokenizers import Tokenizer as _Tok
 
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
-        raise TokenizeError(f"{path}: no tokenizer.json (expected a tokenizer.json file or a model directory)")
-    tok = _Tok.from_file(str(file))
+        raise TokenizeError(f"{shorten(str(path))}: no tokenizer.json (expected a tokenizer.json file or a model "
+                            f"directory)")
+    try:  # a malformed file is the tokenizers library's exception (a plain Exception): one line naming the file
+        tok = _Tok.from_str(read_bounded(file, "tokenizer", TOKENIZER_JSON_MAX_BYTES).decode("utf-8"))
+    except InputError:
+        raise
+    except Exception as e:
+        raise TokenizeError(f"{shorten(str(file))}: not a tokenizer.json qtrain can read "
+                            f"({shorten(str(e).splitlines()[0] if str(e) else type(e).__name__, 160)})") from None
     tok.encode_special_tokens = True  # special-token strings in text are plain text, as in llm.q
     vocab = tok.get_vocab(with_added_tokens=True)
+    if not vocab:
+        raise TokenizeError(f"{shorten(str(file))}: the tokenizer has an empty vocabulary")
+    cfg_file = file.parent / "tokenizer_config.json"
+    cfg: Any = {}
+    if os.path.lexists(cfg_file):  # a pipe or device there is refused by name, not skipped
+        cfg = read_json_input(cfg_file, "", CONFIG_MAX_BYTES)  # bounded, nesting checked, one line if not JSON
 
     def token_name(key: str) -> str | None:
-        cfg_file = file.parent / "tokenizer_config.json"
-        if not cfg_file.is_file():
-            return None
-        v = json.loads(cfg_file.read_text(encoding="utf-8")).get(key)
-        return v.get("content") if isinstance(v, dict) else v
+        v = cfg.get(key) if isinstance(cfg, dict) else None
+        v = v.get("content") if isinstance(v, dict) else v
+        return v if isinstance(v, str) else None
 
     def pick(key: str, names: Sequence[str]) -> int | None:
         name = token_name(key)
@@ -203,9 +219,13 @@ def get_tokenizer(spec: str) -> Tokenizer:
     if spec in BUILTIN_TOKENIZERS:
         return BUILTIN_TOKENIZERS[spec]()
     path = Path(spec)
-    if path.exists():
+    try:
+        exists = path.exists()
+    except OSError:  # a name too long for a path
+        exists = False
+    if exists:
         return _hf(path)
-    raise TokenizeError(f"unknown tokenizer '{spec}': use {', '.join(BUILTIN_TOKENIZERS)}, a tokenizer.json or a model directory")
+    raise TokenizeError(f"unknown tokenizer '{shorten(spec)}': use {', '.join(BUILTIN_TOKENIZERS)}, a tokenizer.json or a model directory")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,19 +235,20 @@ INPUT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
 def expand_inputs(inputs: Sequence[str]) -> list[Path]:
-    """Files, directories (searched recursively for known suffixes) and glob patterns -> files, sorted."""
+    """Files, directories (searched recursively for known suffixes) and glob patterns (a bounded matcher:
+    `fsio.expand_glob`) -> files, sorted. A named input that is no regular file (a FIFO would block) is refused."""
     out: list[Path] = []
     for spec in inputs:
-        hits = [Path(p) for p in sorted(_glob.glob(spec))] if _glob.has_magic(spec) else [Path(spec)]
+        hits = [Path(p) for p in expand_glob(spec, "input")]
         if not hits or not hits[0].exists():
-            raise TokenizeError(f"{spec}: no such input")
+            raise TokenizeError(f"{shorten(spec)}: no such input")
         for p in hits:
             if p.is_dir():
                 out.extend(sorted(q for q in p.rglob("*") if q.suffix in INPUT_SUFFIXES and q.is_file()))
             elif p.suffix in INPUT_SUFFIXES:
-                out.append(p)
+                out.append(check_regular_file(p, "input"))
             else:
-                raise TokenizeError(f"{p}: unsupported input type (use {', '.join(INPUT_SUFFIXES)})")
+                raise TokenizeError(f"{shorten(str(p))}: unsupported input type (use {', '.join(INPUT_SUFFIXES)})")
     return out
 
 
@@ -313,11 +334,12 @@ def encode_stream(spec: str, docs: Iterable[Any], *, workers: int = 1, docs_per_
 
 
 class ShardedWriter:
-    """Writes ``<name>.bin``, or ``<name>-000.bin``, ``<name>-001.bin``, ... once over the cap.
+    """Cuts one split's token stream into shards of at most ``max_tokens``, each staged under a temp name
+    (`TokenFileWriter.finish`: fsynced, not yet published) until the whole set is published together
+    (`token_sets.TokenSetWriter.publish`, which names them ``<name>.bin`` or ``<name>-000.bin``, ...).
 
     The token stream is cut exactly at ``max_tokens`` (documents may straddle files: the loader ignores
-    document boundaries anyway). Shards are written to temporary names and only get their final names
-    in ``close()``, when the count is known; stale shards of an earlier run with the same name go.
+    document boundaries anyway).
 
     SFT data (``with_masks``): masks go along with the tokens. With ``align=T`` (examples padded to T tokens)
     the cap is rounded down to whole examples and each file ends with one ``tail`` token under mask 0, so its
@@ -331,17 +353,17 @@ class ShardedWriter:
         self.max_tokens = max_tokens if not align else max(align, max_tokens // align * align)
         self.with_masks, self.tokenizer, self.tail = with_masks, tokenizer, tail if align else None
         self.num_tokens = 0
-        self._parts: list[Path] = []
+        self._parts: list[TokenFileWriter] = []
         self._w: TokenFileWriter | None = None
 
     def write(self, tokens: np.ndarray, masks: np.ndarray | None = None) -> None:
         while tokens.size:
             if self._w is None or self._w.num_tokens >= self.max_tokens:
                 self._finish_part()
-                part = self.out_dir / f".{self.name}-part{len(self._parts):03d}.bin"
-                self._parts.append(part)
-                self._w = TokenFileWriter(part, vocab_size=self.vocab_size, with_masks=self.with_masks,
+                self._w = TokenFileWriter(self.out_dir / f"{self.name}-part{len(self._parts):03d}.bin",
+                                          vocab_size=self.vocab_size, with_masks=self.with_masks,
                                           tokenizer=self.tokenizer)
+                self._parts.append(self._w)
             take = min(tokens.size, self.max_tokens - self._w.num_tokens)
             self._w.write(tokens[:take], None if masks is None else masks[:take])
             self.num_tokens += take
@@ -352,27 +374,19 @@ class ShardedWriter:
         if self._w is not None:
             if self.tail is not None:
                 self._w.write(np.asarray([self.tail], dtype=np.int32), np.zeros(1, dtype=bool))
-            self._w.close()
+            self._w.finish()
             self._w = None
+            fault_point("tokenize.write")
 
-    def close(self) -> list[str]:
+    def finish(self) -> list[TokenFileWriter]:
+        """The staged shards, in order, all finished."""
         self._finish_part()
-        for stale in [self.out_dir / f"{self.name}.bin", *self.out_dir.glob(f"{self.name}-[0-9][0-9][0-9].bin")]:
-            stale.unlink(missing_ok=True)
-        if len(self._parts) == 1:
-            final = [self.out_dir / f"{self.name}.bin"]
-        else:
-            final = [self.out_dir / f"{self.name}-{i:03d}.bin" for i in range(len(self._parts))]
-        for src, dst in zip(self._parts, final):
-            os.replace(src, dst)
-        return [str(p) for p in final] if self._parts else []
+        return list(self._parts)
 
     def abort(self) -> None:
-        if self._w is not None:
-            self._w.abort()
-            self._w = None
-        for p in self._parts:
-            p.unlink(missing_ok=True)
+        for w in self._parts:
+            w.abort()
+        self._parts, self._w = [], None
 
 
 class HoldOut:
@@ -453,6 +467,7 @@ def tokenize_files(
     workers: int = 1,
     progress: bool = True,
     sft: SFTFormat | None = None,
+    overwrite: bool = False,
 ) -> TokenizeResult:
     """Tokenize documents into ``train*.bin`` (and ``eval*.bin``) under ``out_dir``.
 
@@ -462,6 +477,10 @@ def tokenize_files(
     carry loss masks (``qtrain.data.sft``). The files record the tokenizer in their header (a built-in's name
     or the absolute path of a tokenizer file / directory), so an export of a model trained on them can
     include it.
+
+    The files form one token set (`qtrain.data.token_sets`): staged, then published with their index
+    ``qtrain-tokenize.json`` as a whole. Files in ``out_dir`` that no qtrain tokenize wrote are never
+    overwritten; an earlier tokenize's output there is replaced only with ``overwrite``.
     """
     if sft is not None:
         sft.validate()
@@ -477,7 +496,6 @@ def tokenize_files(
     tok = get_tokenizer(tokenizer)
     train_paths, eval_paths = expand_inputs(inputs), expand_inputs(eval_inputs) if eval_inputs else []
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
 
     def docs(paths: list[Path]) -> Iterator[Any]:
         for p in paths:
@@ -492,6 +510,7 @@ def tokenize_files(
                             with_masks=sft is not None, tokenizer=label, align=sft and sft.pad_to, tail=tok.eos_id)
         for name in ("train", "eval")
     }
+    sets = TokenSetWriter(out, overwrite=overwrite)  # claims out_dir: refuses the user's files, sweeps leftovers
     bar = _Progress(progress)
     n_docs = 0
     try:
@@ -509,16 +528,18 @@ def tokenize_files(
                 f"{out}: eval split is empty ({n_docs} documents, eval fraction {eval_fraction}); "
                 "use --split-lines, --eval-inputs or --eval-fraction 0"
             )
+        published = sets.publish({name: w.finish() for name, w in writers.items()}, tokenizer=label,
+                                 vocab_size=tok.vocab_size, eos_id=tok.eos_id, masks=sft is not None)
     except BaseException:
         for w in writers.values():
             w.abort()
         raise
     finally:
         bar.close()
-    train_files, eval_files = writers["train"].close(), writers["eval"].close()
+        sets.close()
     return TokenizeResult(
-        train_files=train_files,
-        eval_files=eval_files,
+        train_files=published["train"],
+        eval_files=published["eval"],
         train_tokens=writers["train"].num_tokens,
         eval_tokens=writers["eval"].num_tokens,
         documents=n_docs,
@@ -526,4 +547,5 @@ def tokenize_files(
         vocab_size=tok.vocab_size,
         eos_id=tok.eos_id,
         seconds=time.time() - t0,
+        extra={"swept": [str(p) for p in sets.swept], "replaced": sorted(sets.old)},
     )

@@ -51,8 +51,8 @@ M_BLOCK = 128  # elements per fp32 scale of an e4m3 m
 E4M3_MAX = 448.0
 _TINY_BITS = 0x0D800000  # 2**-100: floor for an e4m3 block abs-max so 448/absmax stays finite
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
-# Launch shape: ROWS*128 elements per program. bench/bench_adamw.py --sweep on H200, 1.5e9 elements
-# (2026-11-30): ROWS=8, 4 warps is within 7% of the best shape for fp32, bf16-SR and e4m3-m states; ROWS>=16
+# Launch shape: ROWS*128 elements per program (`adamw_step_triton` takes others as parameters). On the H200 at
+# 1.5e9 elements, ROWS=8, 4 warps is within 7% of the best shape for fp32, bf16-SR and e4m3-m states; ROWS>=16
 # slows the integer-bound SR variants by 20-80% (bf16: 8.6 ms at 8 rows, 10.6 at 16, 15.4 at 32).
 ROWS = 8
 NUM_WARPS = 4
@@ -229,9 +229,10 @@ def adamw_step_triton(
     param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, m_scales: torch.Tensor | None, *,
     lr: float, beta1: float, one_minus_beta1: float, beta2: float, one_minus_beta2: float,
     bias_corr1: float, bias_corr2: float, eps: float, weight_decay: float, grad_scale: float | torch.Tensor,
-    key_param: int, key_m: int, key_v: int, offset: int,
+    key_param: int, key_m: int, key_v: int, offset: int, rows: int = ROWS, num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
-    """Triton launcher; same contract as ``adamw_step_twin``."""
+    """Triton launcher; same contract as ``adamw_step_twin``. The launch shape (`rows` x 128 elements per program,
+    `num_warps`) changes no bit: each element's random bits come from its own index."""
     n = param.numel()
     amax = torch.zeros((), dtype=torch.int32, device=param.device)
     if n:
@@ -241,13 +242,13 @@ def adamw_step_triton(
         if gs_ptr and (grad_scale.dtype != torch.float32 or grad_scale.numel() != 1 or grad_scale.device != param.device):
             raise ValueError(f"adamw_step: a tensor grad_scale must be one fp32 element on {param.device}, got "
                              f"{grad_scale.dtype} {tuple(grad_scale.shape)} on {grad_scale.device}")
-        _adamw_kernel[(triton_cdiv(n, ROWS * M_BLOCK),)](
+        _adamw_kernel[(triton_cdiv(n, rows * M_BLOCK),)](
             _bits_view(param), _bits_view(grad), _bits_view(m), _bits_view(v), ms, amax, n, offset, ks_p, ks_m, ks_v,
             fp32(lr), fp32(beta1), fp32(one_minus_beta1), fp32(beta2), fp32(one_minus_beta2),
             fp32(bias_corr1), fp32(bias_corr2), fp32(eps), fp32(weight_decay), fp32(1.0 if gs_ptr else grad_scale),
             grad_scale if gs_ptr else amax,
             P_KIND=_KINDS[param.dtype], G_KIND=_KINDS[grad.dtype], M_KIND=_KINDS[m.dtype], V_KIND=_KINDS[v.dtype],
-            HI_ABSORBED=hi_absorbed, ROWS=ROWS, GS_PTR=gs_ptr, num_warps=NUM_WARPS, enable_fp_fusion=False,
+            HI_ABSORBED=hi_absorbed, ROWS=rows, GS_PTR=gs_ptr, num_warps=num_warps, enable_fp_fusion=False,
         )
     return amax.view(torch.float32)
 

@@ -23,8 +23,8 @@ no memory for q. The logits are not readable afterwards. Three launches: pass 1 
 COLS columns that writes q^T only (BLOCK_M-byte runs); a byte transpose then writes q from q^T over the logits,
 which pass 2 has read by then. Why not q from pass 2 directly: over the logits' bytes a code lands on a logit of
 another column range, so only a program that owns whole rows and walks them in order could write it, and those
-programs are too few to keep HBM busy (one per 32 rows: 10.05 ms at 16384 x 151936, ~1 TB/s, against 5.33 ms this
-way; session 23). One more byte per logit moved buys that, and costs no memory.
+programs are too few to keep HBM busy (on the H200 at 16384 x 151936 bf16, one program per 32 rows took 10.05 ms,
+~1 TB/s, against 5.33 ms this way). One more byte per logit moved buys that, and costs no memory.
 
 The plain-torch twin (``cross_entropy_fp8_grads_twin``) is the specification and the CPU path; the Triton kernel
 agrees with it on loss and lse to fp32 rounding and on the codes exactly, except where exp's approximation puts d
@@ -45,15 +45,13 @@ __all__ = ["G_DTYPE", "G_SCALE_EXP", "cross_entropy_fp8_grads", "cross_entropy_f
 G_DTYPE = torch.float8_e5m2
 G_SCALE_EXP = 15  # d(logits) is quantized as d * 2^15: the inverse scale the GEMMs take is 2^-15
 _FMAX = 57344.0  # torch.finfo(torch.float8_e5m2).max
-# Pass 2's tile: BLOCK_M rows x BLOCK_V columns per loop iteration, COLS columns per program, and how it transposes
-# the tile for q^T: 0 the e5m2 codes, 1 the fp32 values before the cast, 2 the codes as uint8; the transpose's square
-# tile (bench kind `cross-entropy`, cases cross-entropy-fp8*, sweep them). H200, 16384 x 151936 bf16, all three
-# launches, session 23: 32 x 128 / 4 warps / 2048 columns, transpose 128 x 128: 5.33 ms (transpose 64: 5.59, 32:
-# 6.05; 1024 or 4096 columns, 64 x 128 / 8 warps, 32 x 256, modes 0 and 1: 5.57-5.78); 8192 rows 2.73 ms. The bf16
-# kernel: 4.00 and 2.13 ms. A q in its own buffer instead of the transpose (5.33-5.57 ms at 64) would cost a byte per
-# logit of memory.
+# Pass 2's tile (BLOCK_M rows x BLOCK_V columns per loop iteration, COLS columns per program) and the byte
+# transpose's square tile; `cross_entropy_fp8_grads_triton` takes others as parameters. On the H200 at 16384 x 151936
+# bf16, all three launches: 32 x 128 / 4 warps / 2048 columns with a 128 x 128 transpose tile take 5.33 ms (a 64
+# transpose tile 5.59, 32: 6.05; 1024 or 4096 columns, 64 x 128 / 8 warps, 32 x 256, or transposing the e5m2 or fp32
+# tile instead of its bytes: 5.57-5.78); 8192 rows 2.73 ms; the bf16 kernel 4.00 and 2.13 ms. A q in its own buffer
+# instead of the transpose (5.33-5.57 ms) would cost a byte per logit of memory.
 BLOCK_M, BLOCK_V, NUM_WARPS, COLS = 32, 128, 4, 2048
-QT_MODE = 2
 T_BLOCK, T_WARPS = 128, 4
 
 FP8Grads = tuple[Tensor, Tensor, Tensor, Tensor]  # (loss_sum, lse, q (n, V) over the logits, q^T (V, n))
@@ -86,13 +84,12 @@ def cross_entropy_fp8_grads_twin(logits: Tensor, targets: Tensor, *, z_loss: flo
 
 @jit
 def _dlogits_fp8_t_kernel(x_ptr, qt_ptr, targets_ptr, lse_ptr, N, V, stride_x, z_loss, LOAD_KIND: tl.constexpr,
-                          SCALE: tl.constexpr, FMAX: tl.constexpr, QT_MODE: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_V: tl.constexpr, COLS: tl.constexpr):
+                          SCALE: tl.constexpr, FMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+                          COLS: tl.constexpr):
     """Pass 2 for BLOCK_M rows and COLS columns (a 2-D grid), given the rows' lse: the codes of d, written transposed
     into q^T only (q comes from q^T by `_transpose_u8_kernel`, once every logit has been read). Offsets are int32
     within a tile and int64 only in the per-program and per-iteration base pointers (q^T's reach V * N, past 2^31 at
-    16k rows of a 152k vocabulary). QT_MODE, how the tile is transposed: 0 the e5m2 tile, 1 the fp32 tile before the
-    cast, 2 the codes as uint8."""
+    16k rows of a 152k vocabulary). The tile is transposed as bytes (the codes as uint8)."""
     row0 = (tl.program_id(0) * BLOCK_M).to(tl.int64)
     col0 = tl.program_id(1) * COLS
     col_end = tl.minimum(col0 + COLS, V)
@@ -114,13 +111,8 @@ def _dlogits_fp8_t_kernel(x_ptr, qt_ptr, targets_ptr, lse_ptr, N, V, stride_x, z
         qt_tile = qt_cols + cols[:, None] * N + lr[None, :]
         qt_cols += BLOCK_V * N
         qt_mask = (offs[:, None] < col_end) & rmask[None, :]
-        if QT_MODE == 1:
-            tl.store(qt_tile, tl.trans(y).to(qt_ptr.dtype.element_ty), mask=qt_mask)
-        elif QT_MODE == 2:
-            q = y.to(qt_ptr.dtype.element_ty).to(tl.uint8, bitcast=True)
-            tl.store(qt_tile.to(tl.pointer_type(tl.uint8)), tl.trans(q), mask=qt_mask)
-        else:
-            tl.store(qt_tile, tl.trans(y.to(qt_ptr.dtype.element_ty)), mask=qt_mask)
+        q = y.to(qt_ptr.dtype.element_ty).to(tl.uint8, bitcast=True)
+        tl.store(qt_tile.to(tl.pointer_type(tl.uint8)), tl.trans(q), mask=qt_mask)
 
 
 @jit
@@ -134,11 +126,14 @@ def _transpose_u8_kernel(src_ptr, dst_ptr, R, C, stride_src, stride_dst, BLOCK_R
     tl.store(dst_ptr + c[:, None].to(tl.int64) * stride_dst + r[None, :], tl.trans(t), mask=tl.trans(m))
 
 
-def cross_entropy_fp8_grads_triton(logits: Tensor, targets: Tensor, *, z_loss: float) -> FP8Grads:
+def cross_entropy_fp8_grads_triton(logits: Tensor, targets: Tensor, *, z_loss: float, block_m: int = BLOCK_M,
+                                   block_v: int = BLOCK_V, num_warps: int = NUM_WARPS, cols: int = COLS,
+                                   t_block: int = T_BLOCK) -> FP8Grads:
     """The twin's contract in three launches: pass 1 is the bf16 cross-entropy kernel without its gradient pass (loss
-    and lse, one program per row), pass 2 `_dlogits_fp8_t_kernel` (q^T), then `_transpose_u8_kernel` (q). On the GPU
-    the logits are read natively (Triton 3.6 wrote wrong transposed FP8 codes from integer-bit bf16 loads on the H200,
-    BENCHMARKS.md session 14); under the interpreter, whose bf16 conversions are not the GPU's, through their bits."""
+    and lse, one program per row), pass 2 `_dlogits_fp8_t_kernel` (q^T) on `block_m` x `block_v` tiles of `cols`
+    columns per program, then `_transpose_u8_kernel` (q) on `t_block` squares; the tiles change no code. On the GPU
+    the logits are read natively (Triton 3.6 wrote wrong transposed FP8 codes from integer-bit bf16 loads on the
+    H200); under the interpreter, whose bf16 conversions are not the GPU's, through their bits."""
     _check(logits, targets)
     n, v = logits.shape
     targets = targets.contiguous()
@@ -148,13 +143,13 @@ def cross_entropy_fp8_grads_triton(logits: Tensor, targets: Tensor, *, z_loss: f
     q = fp8_grad_view(logits)
     qt = torch.empty((v, n), dtype=G_DTYPE, device=logits.device)
     if n:
-        _dlogits_fp8_t_kernel[(triton.cdiv(n, BLOCK_M), triton.cdiv(v, COLS))](
+        _dlogits_fp8_t_kernel[(triton.cdiv(n, block_m), triton.cdiv(v, cols))](
             x, qt, targets, lse, n, v, logits.stride(0), float(z_loss), LOAD_KIND=load_kind,
-            SCALE=float(2.0 ** G_SCALE_EXP), FMAX=_FMAX, QT_MODE=QT_MODE, BLOCK_M=BLOCK_M, BLOCK_V=BLOCK_V,
-            COLS=COLS, num_warps=NUM_WARPS)
+            SCALE=float(2.0 ** G_SCALE_EXP), FMAX=_FMAX, BLOCK_M=block_m, BLOCK_V=block_v, COLS=cols,
+            num_warps=num_warps)
         qb, qtb = q.view(torch.uint8), qt.view(torch.uint8)
-        _transpose_u8_kernel[(triton.cdiv(v, T_BLOCK), triton.cdiv(n, T_BLOCK))](
-            qtb, qb, v, n, qtb.stride(0), qb.stride(0), BLOCK_R=T_BLOCK, BLOCK_C=T_BLOCK, num_warps=T_WARPS)
+        _transpose_u8_kernel[(triton.cdiv(v, t_block), triton.cdiv(n, t_block))](
+            qtb, qb, v, n, qtb.stride(0), qb.stride(0), BLOCK_R=t_block, BLOCK_C=t_block, num_warps=T_WARPS)
     return loss_sum, lse, q, qt
 
 

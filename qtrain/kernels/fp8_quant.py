@@ -13,8 +13,8 @@ never NaN (e4m3fn has no inf) or inf (e5m2).
 
 `fp8_quantize_rmsnorm_transposed` quantizes an RMSNorm's output h = w * round(x * rstd) without h existing in
 memory: it reads the norm's input x, the rows' rstd and the gain w instead, so the compiled block's norm kernel writes
-only what it must keep (the residual stream and rstd) and reduces h's abs-max in registers (BENCHMARKS.md session 18:
-one bf16 write of h fewer per norm feeding an FP8 linear).
+only what it must keep (the residual stream and rstd) and reduces h's abs-max in registers: one bf16 write of h fewer
+per norm feeding an FP8 linear.
 
 The transposed copy exists because cuBLASLt FP8 only multiplies row-major x column-major (TN): the
 weight-gradient GEMM needs dY^T and X^T as contiguous row-major FP8 matrices. Writing them from the
@@ -39,9 +39,9 @@ FP8_MAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.float8_e5
 # enough that FMAX / AMAX_FLOOR (<= 5.7e34) and its inverse (>= 1.7e-35) stay normal fp32 numbers.
 # llm.q uses 1e-10, which flushes every tensor with amax < ~1e-12 to zero.
 AMAX_FLOOR = 1e-30
-# The quantize kernel's tile and warps (module attributes: bench/bench_swiglu_fp8.py sweeps them). H200, the
-# 3B up projection's output gradient (32768 x 22016 bf16 -> e4m3 + transpose): 64 x 256 with 8 warps 0.761 ms,
-# 64 x 64 with 4 warps (before session 13) 0.824 ms, a bf16 copy of the same bytes 0.677 ms (BENCHMARKS.md).
+# The quantize kernels' tile and warps (`fp8_quantize_triton` takes others as parameters). H200, the 3B up
+# projection's output gradient (32768 x 22016 bf16 -> e4m3 + transpose): 64 x 256 with 8 warps 0.761 ms, 64 x 64
+# with 4 warps 0.824 ms, a bf16 copy of the same bytes 0.677 ms.
 QUANT_BLOCK_M, QUANT_BLOCK_N, QUANT_WARPS = 64, 256, 8
 
 QuantResult = tuple[Tensor, Tensor | None, Tensor]  # (q, q^T contiguous or None, inv_scale fp32 0-dim)
@@ -127,8 +127,10 @@ def _quantize_rmsnorm_kernel(x_ptr, rstd_ptr, w_ptr, q_ptr, qt_ptr, amax_ptr, in
 
 
 def fp8_quantize_triton(x: Tensor, dtype: torch.dtype = torch.float8_e4m3fn, amax: Tensor | None = None,
-                        *, transpose: bool = False) -> QuantResult:
-    """Host launcher; same contract as `fp8_quantize_torch`.
+                        *, transpose: bool = False, block_m: int = QUANT_BLOCK_M, block_n: int = QUANT_BLOCK_N,
+                        num_warps: int = QUANT_WARPS) -> QuantResult:
+    """Host launcher; same contract as `fp8_quantize_torch`. The quantize tile (`block_m` x `block_n`, `num_warps`)
+    changes no code.
 
     Abs-max and quantization are two launches (plus a memset) unless amax is given: a grid-wide max
     must finish before any element can be scaled, so "fused" means fused into the producer upstream.
@@ -153,11 +155,10 @@ def fp8_quantize_triton(x: Tensor, dtype: torch.dtype = torch.float8_e4m3fn, ama
     q = torch.empty((M, N), dtype=dtype, device=x.device)
     qt = torch.empty((N, M), dtype=dtype, device=x.device) if transpose else q  # dummy ptr when unused
     inv_scale = torch.empty((), dtype=torch.float32, device=x.device)
-    BLOCK_M, BLOCK_N = QUANT_BLOCK_M, QUANT_BLOCK_N
-    grid = (max(triton.cdiv(M, BLOCK_M), 1), max(triton.cdiv(N, BLOCK_N), 1))
+    grid = (max(triton.cdiv(M, block_m), 1), max(triton.cdiv(N, block_n), 1))
     _quantize_kernel[grid](x2, q, qt, amax_buf, inv_scale, M, N, x2.stride(0), x2.stride(1),
                            FMAX=FP8_MAX[dtype], AMAX_FLOOR=AMAX_FLOOR, TRANSPOSE=transpose,
-                           BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=QUANT_WARPS)
+                           BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     return q.view(x.shape), (qt if transpose else None), inv_scale
 
 

@@ -11,7 +11,7 @@ position t and column d of a head, all in fp32 from the stored values, one round
 for q and k, and dv unchanged, written as d(qkv) (B, T, q + 2 kv) in the gradients' dtype. Why a kernel:
 torch.compile writes this as one pointwise kernel (the rotations' slice backwards and the concatenation);
 on the H200 at Qwen2.5-0.5B shapes (64 x 1024 tokens, 14 + 2 + 2 heads of 64) it moved 0.30 GB in 0.63 ms
-(0.48 TB/s): 30 ms of an 862 ms step (BENCHMARKS.md, 2026-12-02), 1.6-2.1 TB/s at the larger sizes.
+(0.48 TB/s): 30 ms of an 862 ms step; 1.6-2.1 TB/s at the larger sizes.
 
 The plain-torch twin (``rope_qkv_backward_twin``) is the specification. ``rope_qkv_backward`` is the custom
 op ``qtrain::rope_qkv_backward`` so that a torch.compile'd block calls it as an opaque kernel (Triton on
@@ -28,7 +28,6 @@ from qtrain.kernels.stochastic_rounding import KINDS, load_f32, store_f32
 __all__ = ["rope_qkv_backward", "rope_qkv_backward_triton", "rope_qkv_backward_twin"]
 
 ROWS, NUM_WARPS = 16, 4  # a program: 16 tokens of one head
-EVEN_TILES = True  # no masks where the tiles divide the shape (a switch for the kernels suite: no bit changes)
 
 
 def _check(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -68,9 +67,9 @@ def _rope_qkv_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, out_ptr, rows
                          TAB_KIND: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, EVEN: tl.constexpr):
     """ROWS tokens of one head of d(qkv) (rows, (NH + 2 NKV) HS): head program_id(1) is a q head, a k head or a v
     head, a branch per program, and its two halves are two [ROWS, BLOCK_H] tiles, so each output element is two
-    products and a sum with no gathers or per-element selects (v3; the first versions worked per element of the
-    whole row: v1 divided an int64 flat index, 0.86 TB/s at 0.5B shapes; v2, 2-D tiles of 256 columns, ran at
-    ~2 TB/s, bound by the per-element head arithmetic and the partner gathers)."""
+    products and a sum with no gathers or per-element selects: 3.3-3.7 TB/s on the H200, where a kernel working per
+    element of the whole row ran at 0.86 TB/s dividing an int64 flat index per element and at ~2 TB/s in 2-D tiles
+    of 256 columns, bound by the per-element head arithmetic and the partner gathers."""
     HALF: tl.constexpr = HS // 2
     W: tl.constexpr = (NH + 2 * NKV) * HS
     head = tl.program_id(1)
@@ -118,12 +117,13 @@ def rope_qkv_backward_triton(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tenso
         # conversions are not the GPU's, runs the integer-bit ones on int16 views of bf16 tensors
         native = not INTERPRET
         ins = (dq, dk, dv, cos, sin, out) if native else tuple(_bits(t) for t in (dq, dk, dv, cos, sin, out))
-        # KIND 0 reads and writes any dtype natively (`load_f32` / `store_f32`)
+        # KIND 0 reads and writes any dtype natively (`load_f32` / `store_f32`). EVEN: no masks where the tiles
+        # divide the shape (fewer instructions, the same bits)
         grid = (triton.cdiv(rows, ROWS), nh + 2 * nkv)
         _rope_qkv_bwd_kernel[grid](
             *ins, rows, T=T, NH=nh, NKV=nkv, HS=hs, KIND=0 if native else KINDS[dq.dtype],
             TAB_KIND=0 if native else KINDS[cos.dtype], ROWS=ROWS, BLOCK_H=block_h,
-            EVEN=EVEN_TILES and rows % ROWS == 0 and block_h == hs // 2, num_warps=NUM_WARPS,
+            EVEN=rows % ROWS == 0 and block_h == hs // 2, num_warps=NUM_WARPS,
             enable_fp_fusion=False)
     return out
 

@@ -34,7 +34,8 @@ from qtrain.kernels.stochastic_rounding import KINDS, load_f32, round_f32, store
 __all__ = ["swiglu_backward", "swiglu_backward_amax", "swiglu_backward_triton", "swiglu_backward_twin"]
 
 # Tile: 16 rows x 256 columns (4096 elements of each half per program, 4 warps): a streaming shape; at
-# F = 8960 a row is 35 tiles, so rows of a program stay within a few KB of each other.
+# F = 8960 a row is 35 tiles, so rows of a program stay within a few KB of each other. `swiglu_backward_triton`
+# takes others as parameters.
 BLOCK_M, BLOCK_F, NUM_WARPS = 16, 256, 4
 
 
@@ -83,21 +84,23 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-def swiglu_backward_triton(dout: torch.Tensor, u: torch.Tensor, *, amax: bool = False
+def swiglu_backward_triton(dout: torch.Tensor, u: torch.Tensor, *, amax: bool = False, block_m: int = BLOCK_M,
+                           block_f: int = BLOCK_F, num_warps: int = NUM_WARPS
                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher; same contract as the twin (any leading shape; contiguous copies if needed). With
-    amax=True also returns max |du| (0-dim fp32), as `swiglu_backward_amax_twin`."""
+    amax=True also returns max |du| (0-dim fp32), as `swiglu_backward_amax_twin`. The tile (`block_m` rows x
+    `block_f` columns, `num_warps`) changes no bit."""
     _check(dout, u)
     u2, d2 = u.reshape(-1, u.shape[-1]).contiguous(), dout.reshape(-1, dout.shape[-1]).contiguous()
     M, F = d2.shape
     du = torch.empty_like(u2)
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(F, BLOCK_F))
+    grid = (triton.cdiv(M, block_m), triton.cdiv(F, block_f))
     n_partial = grid[0] * grid[1] if amax and u2.numel() else 0
     partial = torch.empty(n_partial, dtype=torch.float32, device=u.device) if n_partial else \
         torch.zeros(1, dtype=torch.float32, device=u.device)
     if u2.numel():
         _swiglu_bwd_kernel[grid](_bits(d2), _bits(u2), _bits(du), partial, M, F, KIND=KINDS[u.dtype], AMAX=amax,
-                                 BLOCK_M=BLOCK_M, BLOCK_F=BLOCK_F, num_warps=NUM_WARPS)
+                                 BLOCK_M=block_m, BLOCK_F=block_f, num_warps=num_warps)
     return (du.view(u.shape), partial.amax()) if amax else du.view(u.shape)
 
 

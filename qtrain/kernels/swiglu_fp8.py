@@ -29,7 +29,7 @@ from qtrain.kernels.stochastic_rounding import KINDS, load_f32, round_f32, store
 __all__ = ["check_swiglu_fp8_args", "swiglu_fp8", "swiglu_fp8_triton", "swiglu_fp8_twin",
            "swiglu_forward_amax_triton"]
 
-BLOCK_M, BLOCK_F, NUM_WARPS = 16, 256, 4  # a streaming tile, as the SwiGLU backward kernel's
+BLOCK_M, BLOCK_F, NUM_WARPS = 16, 256, 4  # a streaming tile, as the SwiGLU backward kernel's (a launch parameter)
 
 
 def check_swiglu_fp8_args(u: torch.Tensor, dtype: torch.dtype, who: str = "swiglu_fp8") -> None:
@@ -73,18 +73,19 @@ def _swiglu_fwd_amax_kernel(u_ptr, h_ptr, partial_ptr, M, F, KIND: tl.constexpr,
              round_f32(tl.max(tl.max(tl.abs(h), axis=1), axis=0), KIND))
 
 
-def swiglu_forward_amax_triton(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pass 1: (h (M, F) in u's dtype, max |h| as a 0-dim fp32 tensor)."""
+def swiglu_forward_amax_triton(u: torch.Tensor, *, block_m: int = BLOCK_M, block_f: int = BLOCK_F,
+                               num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass 1: (h (M, F) in u's dtype, max |h| as a 0-dim fp32 tensor). The tile changes no bit."""
     u = u.contiguous()
     M, F = u.shape[0], u.shape[1] // 2
     h = torch.empty((M, F), dtype=u.dtype, device=u.device)
     if not u.numel():
         return h, torch.zeros((), dtype=torch.float32, device=u.device)
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(F, BLOCK_F))
+    grid = (triton.cdiv(M, block_m), triton.cdiv(F, block_f))
     partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=u.device)
     bits = (lambda t: t.view(torch.int16)) if u.dtype == torch.bfloat16 else (lambda t: t)
-    _swiglu_fwd_amax_kernel[grid](bits(u), bits(h), partial, M, F, KIND=KINDS[u.dtype], BLOCK_M=BLOCK_M,
-                                  BLOCK_F=BLOCK_F, num_warps=NUM_WARPS)
+    _swiglu_fwd_amax_kernel[grid](bits(u), bits(h), partial, M, F, KIND=KINDS[u.dtype], BLOCK_M=block_m,
+                                  BLOCK_F=block_f, num_warps=num_warps)
     return h, partial.amax()
 
 

@@ -2,7 +2,7 @@
 
 In an FP8 MLP the SwiGLU output h (M, F) and the up projection's output gradient du (M, 2F) exist only to be
 quantized (q and its transpose q^T, for the two GEMMs that read each). With per-tensor current scaling the
-scale needs max |x| before any element is scaled, so today each is two passes (kernels/swiglu_fp8.py,
+scale needs max |x| before any element is scaled, so the two-pass path makes each in two (kernels/swiglu_fp8.py,
 kernels/swiglu.py + the quantize kernel): the SwiGLU kernel writes x in bf16 and reduces its abs-max, then the
 quantize kernel reads x back and writes q and q^T. Per element of F that is 10 bytes moved forward (u 4, h 2,
 h again 2, q and q^T 2) and 18 backward (u 4, dout 2, du 4, du again 4, q and q^T 4). Here one pass writes q and
@@ -20,8 +20,8 @@ else e = e_own (`scale_exponent`). The kernel writes with the hinted exponent an
 launch then checks the rule: where the hint is not kept, that launch recomputes the tile from the inputs and writes
 q and q^T again with e_own; where it is kept, every program exits without touching memory. The hint is then set
 to e. The window is what keeps the second pass rare: with e = e_own exactly, a gradient whose abs-max hovers
-around a power of two missed in 16-21% of the backward calls (Qwen2.5-1.5B, BENCHMARKS.md session 16), each a
-second pass; with it, only an abs-max that leaves the two binades costs one.
+around a power of two missed in 16-21% of the backward calls (Qwen2.5-1.5B training on the H200), each a second
+pass; with it, only an abs-max that leaves the two binades costs one.
 
 The result is x quantized at 2^e for the e the rule picks, so it depends on the inputs and the hint, and nothing
 else: a stale, wrong or unset hint costs one more pass and gives the e_own result. The rule is idempotent (after a
@@ -35,14 +35,14 @@ changes nothing.
 A power-of-two scale leaves the largest element between FMAX/2 and FMAX at e_own (the exact scale puts it at FMAX),
 between FMAX/4 and FMAX with a kept hint: the tensor's dynamic range loses at most two binades at the bottom (of
 e4m3's 17; delayed scaling, which takes the largest abs-max of a long history, routinely gives up more), and
-scaling itself is exact (no rounding of x * scale before the cast). Rounding of the SwiGLU values is the existing kernels': h and du are rounded to u's
-dtype first, as the two-pass path stores them, so the twins below are the two-pass twins with the scale rule
-swapped (`pow2_scale`).
+scaling itself is exact (no rounding of x * scale before the cast). Rounding of the SwiGLU values is the existing
+kernels': h and du are rounded to u's dtype first, as the two-pass path stores them, so the twins below are the
+two-pass twins with the scale rule swapped (`pow2_scale`).
 
-Measured on the H200 (Qwen2.5-1.5B at 64 x 1024 tokens, BENCHMARKS.md sessions 14 and 17): forward 1.06 ms against
-the two-pass 1.50, backward 1.68 against 2.70, with the hint right; a missed hint costs a second pass (1.92 / 3.16 ms).
+Measured on the H200 (Qwen2.5-1.5B at 64 x 1024 tokens): forward 1.06 ms against the two-pass 1.50, backward 1.68
+against 2.70, with the hint right; a missed hint costs a second pass (1.92 / 3.16 ms).
 The kernels are compute-bound more than memory-bound (exp and division per element: a second pass that only
-masked its loads and stores still took ~1 ms, so its programs now branch off on the loaded exponent).
+masked its loads and stores still took ~1 ms, so its programs branch off on the loaded exponent).
 Validated on the GPU for bf16 inputs, read natively: the integer-bit loads of `load_f32` made Triton 3.6 write
 ~25% of q^T wrong there (any transposition).
 
@@ -67,23 +67,11 @@ __all__ = ["HINT_UNSET", "KEEP_BINADES", "count_hint_misses", "new_scale_hint", 
 
 HINT_UNSET = -1000  # no exponent is ever this: the first call of a layer takes the second pass
 KEEP_BINADES = 1  # a hint up to this many binades below the tensor's own exponent is kept (`scale_exponent`)
-# Tiles (module attributes, for a kernels-suite sweep): a program covers BLOCK_M rows x BLOCK_F columns of F;
-# BLOCK_M bytes per row of q^T per store, as the quantize kernel's 64.
-# H200, 1.5B shapes (session 15, kernels suite): backward 32 x 128 / 8 warps 1.75 ms, / 4 warps 1.85, 64 x 64 / 8
-# warps (before) 2.03; every tile gives the same bits.
+# Tiles (the launchers take others as parameters; every tile gives the same bits): a program covers BLOCK_M rows x
+# BLOCK_F columns of F; BLOCK_M bytes per row of q^T per store, as the quantize kernel's 64. H200, Qwen2.5-1.5B
+# shapes: backward 32 x 128 / 8 warps 1.75 ms, / 4 warps 1.85, 64 x 64 / 8 warps 2.03.
 FWD_BLOCK_M, FWD_BLOCK_F, FWD_WARPS = 64, 128, 8
 BWD_BLOCK_M, BWD_BLOCK_F, BWD_WARPS = 32, 128, 8
-# How q^T's tile is transposed (`_store_q_and_qt`; all three modes measured equal in time and bits on the H200)
-QT_MODE = 1
-# The kernels are bound by instructions as much as by memory (exp, a division, two roundings, two casts and a
-# transposition per element): where the tiles divide the shape, no masks (EVEN), and where every offset fits in
-# int32, 32-bit index arithmetic. Neither changes a bit; the switches exist for the kernels-suite comparison.
-EVEN_TILES = True
-INT32_OFFSETS = True
-# The clamp to +-FMAX before the cast: only pass 1 with a hint above the tensor's own exponent can overflow, and that
-# pass is then redone with e <= e_own, where max |x| * 2^e <= FMAX; so the written codes never need it (the switch
-# exists for the kernels-suite comparison; with it off an overflowing pass 1 writes what the cast makes of it).
-CLAMP = True
 
 Result = tuple[Tensor, Tensor, Tensor]  # (q (M, N), q^T (N, M), inv_scale 0-dim fp32)
 
@@ -191,26 +179,18 @@ def _rows_cols(BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, INT32: tl.constexpr
 
 
 @jit
-def _store_q_and_qt(q_ptr, qt_ptr, x, e, rm, rn, M, N, n_end, FMAX: tl.constexpr, QT_MODE: tl.constexpr,
-                    EVEN: tl.constexpr, CLAMP: tl.constexpr):
+def _store_q_and_qt(q_ptr, qt_ptr, x, e, rm, rn, M, N, n_end, FMAX: tl.constexpr, EVEN: tl.constexpr):
     """q[m, n] = cast_rn(clamp(x[m, n] * 2^e, +-FMAX)) and q^T[n, m] for the tile (rm, rn) of an (M, N) q, at
-    m < M and n < n_end (the tile's column range ends there; EVEN: the tile is inside). QT_MODE, how the tile is
-    transposed for q^T's store: 0 the e4m3 tile (as `fp8_quant.store_fp8_tile`), 1 the fp32 tile before the cast,
-    2 the codes as uint8. CLAMP: the module's."""
-    y = x * _exp2_f32(e)
-    if CLAMP:
-        y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
+    m < M and n < n_end (the tile's column range ends there; EVEN: the tile is inside). q^T's tile is the fp32 tile
+    transposed before the cast (transposing the e4m3 tile or its bytes instead measured the same in time and bits on
+    the H200). The clamp matters only to a pass 1 whose hint is above the tensor's own exponent, which pass 2 then
+    redoes with e <= e_own (max |x| * 2^e <= FMAX): the codes left in memory never need it."""
+    y = tl.minimum(tl.maximum(x * _exp2_f32(e), -FMAX), FMAX)
     q = y.to(q_ptr.dtype.element_ty)
     store_f32(q_ptr + rm[:, None] * N + rn[None, :], q, (rm[:, None] < M) & (rn[None, :] < n_end), 0, EVEN)
     qt_off = rn[:, None] * M + rm[None, :]
     qt_mask = (rn[:, None] < n_end) & (rm[None, :] < M)
-    if QT_MODE == 1:
-        store_f32(qt_ptr + qt_off, tl.trans(y).to(qt_ptr.dtype.element_ty), qt_mask, 0, EVEN)
-    elif QT_MODE == 2:
-        store_f32(qt_ptr.to(tl.pointer_type(tl.uint8)) + qt_off, tl.trans(q.to(tl.uint8, bitcast=True)), qt_mask, 0,
-                  EVEN)
-    else:
-        store_f32(qt_ptr + qt_off, tl.trans(q), qt_mask, 0, EVEN)
+    store_f32(qt_ptr + qt_off, tl.trans(y).to(qt_ptr.dtype.element_ty), qt_mask, 0, EVEN)
 
 
 @jit
@@ -234,11 +214,11 @@ def _pass_setup(hint_ptr, amax_ptr, inv_scale_ptr, FMAX: tl.constexpr, AMAX_FLOO
 def _swiglu_fwd_fp8_kernel(u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr, inv_scale_ptr, M, F,
                            KIND: tl.constexpr, LOAD_KIND: tl.constexpr, FMAX: tl.constexpr,
                            AMAX_FLOOR: tl.constexpr, KEEP: tl.constexpr, REDO: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_F: tl.constexpr, QT_MODE: tl.constexpr, FAST_ROUND: tl.constexpr,
-                           EVEN: tl.constexpr, INT32: tl.constexpr, CLAMP: tl.constexpr):
+                           BLOCK_F: tl.constexpr, FAST_ROUND: tl.constexpr, EVEN: tl.constexpr,
+                           INT32: tl.constexpr):
     """h = round(round(silu(gate)) * up) for the tile (as `swiglu_fp8`'s pass 1), written as e4m3/e5m2 q and q^T
     with scale 2^e; pass 1 also stores the tile's max |h| in partial_ptr[program]. LOAD_KIND: how u is read
-    (`load_f32`; 0 with a bf16 u loads it natively). EVEN, INT32: the module's EVEN_TILES, INT32_OFFSETS."""
+    (`load_f32`; 0 with a bf16 u loads it natively). EVEN, INT32: `_index_mode`'s."""
     e, go = _pass_setup(hint_ptr, amax_ptr, inv_scale_ptr, FMAX, AMAX_FLOOR, KEEP, REDO)
     if go:
         rm, rf = _rows_cols(BLOCK_M, BLOCK_F, INT32)
@@ -247,7 +227,7 @@ def _swiglu_fwd_fp8_kernel(u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr
         up = load_f32(u_ptr + off, mask, LOAD_KIND, EVEN)
         gate = load_f32(u_ptr + off + F, mask, LOAD_KIND, EVEN)
         h = round_f32(round_f32(gate / (1.0 + tl.exp(-gate)), KIND, FAST_ROUND) * up, KIND, FAST_ROUND)  # masked: 0
-        _store_q_and_qt(q_ptr, qt_ptr, h, e, rm, rf, M, F, F, FMAX, QT_MODE, EVEN, CLAMP)
+        _store_q_and_qt(q_ptr, qt_ptr, h, e, rm, rf, M, F, F, FMAX, EVEN)
         if not REDO:  # rounding is monotone and odd: the max of the rounded values is what the twin reduces
             tl.store(partial_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
                      tl.max(tl.max(tl.abs(h), axis=1), axis=0))
@@ -257,8 +237,8 @@ def _swiglu_fwd_fp8_kernel(u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr
 def _swiglu_bwd_fp8_kernel(dout_ptr, u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, partial_ptr, inv_scale_ptr, M, F,
                            KIND: tl.constexpr, LOAD_KIND: tl.constexpr, FMAX: tl.constexpr,
                            AMAX_FLOOR: tl.constexpr, KEEP: tl.constexpr, REDO: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_F: tl.constexpr, QT_MODE: tl.constexpr, FAST_ROUND: tl.constexpr,
-                           EVEN: tl.constexpr, INT32: tl.constexpr, CLAMP: tl.constexpr):
+                           BLOCK_F: tl.constexpr, FAST_ROUND: tl.constexpr, EVEN: tl.constexpr,
+                           INT32: tl.constexpr):
     """du = [d_up, d_gate] for the tile (`swiglu._swiglu_bwd_kernel`'s arithmetic, rounded to u's dtype), written
     as q (M, 2F) and q^T (2F, M) with scale 2^e: d_up at columns rf, d_gate at F + rf. Passes as the forward's."""
     e, go = _pass_setup(hint_ptr, amax_ptr, inv_scale_ptr, FMAX, AMAX_FLOOR, KEEP, REDO)
@@ -272,8 +252,8 @@ def _swiglu_bwd_fp8_kernel(dout_ptr, u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, p
         s = 1.0 / (1.0 + tl.exp(-gate))
         d_up = round_f32(d * gate * s, KIND, FAST_ROUND)
         d_gate = round_f32(d * up * s * (1.0 + gate * (1.0 - s)), KIND, FAST_ROUND)
-        _store_q_and_qt(q_ptr, qt_ptr, d_up, e, rm, rf, M, 2 * F, F, FMAX, QT_MODE, EVEN, CLAMP)
-        _store_q_and_qt(q_ptr, qt_ptr, d_gate, e, rm, rf + F, M, 2 * F, 2 * F, FMAX, QT_MODE, EVEN, CLAMP)
+        _store_q_and_qt(q_ptr, qt_ptr, d_up, e, rm, rf, M, 2 * F, F, FMAX, EVEN)
+        _store_q_and_qt(q_ptr, qt_ptr, d_gate, e, rm, rf + F, M, 2 * F, 2 * F, FMAX, EVEN)
         if not REDO:
             tl.store(partial_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
                      tl.max(tl.max(tl.maximum(tl.abs(d_up), tl.abs(d_gate)), axis=1), axis=0))
@@ -281,6 +261,14 @@ def _swiglu_bwd_fp8_kernel(dout_ptr, u_ptr, q_ptr, qt_ptr, hint_ptr, amax_ptr, p
 
 def _bits(t: Tensor) -> Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _index_mode(M: int, F: int, bm: int, bf: int) -> tuple[bool, bool]:
+    """(EVEN, INT32) of a launch. The kernels are bound by instructions as much as by memory (exp, a division, two
+    roundings, two casts and a transposition per element), so where the tiles divide the shape they run without
+    masks (both kernels' columns are F wide, the backward's second half at F + rf), and where every offset fits in
+    int32 (u (M, 2F) is the largest operand) with 32-bit index arithmetic. Neither changes a bit."""
+    return M % bm == 0 and F % bf == 0, M * 2 * F < 2 ** 31
 
 
 def _launch_two_passes(kernel, inputs: tuple[Tensor, ...], M: int, N: int, F: int, kind: int, dtype: torch.dtype,
@@ -301,16 +289,12 @@ def _launch_two_passes(kernel, inputs: tuple[Tensor, ...], M: int, N: int, F: in
     partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=hint.device)
     # On the GPU bf16 is read natively and rounded by the hardware conversion (the same values as the integer-bit
     # `load_f32` / `round_f32`): with the int16-bit loads Triton 3.6 wrote ~25% of q^T wrong on the H200, whatever
-    # the transposition (BENCHMARKS.md, session 14). The interpreter, whose bf16 conversions are not the GPU's,
-    # runs the integer-bit ones.
+    # the transposition. The interpreter, whose bf16 conversions are not the GPU's, runs the integer-bit ones.
     native = not INTERPRET
-    # EVEN: both kernels' columns are F wide (the backward's second half at F + rf); INT32: u (M, 2F) is the largest
-    # operand, every offset below its size
-    even = EVEN_TILES and M % bm == 0 and F % bf == 0
-    int32 = INT32_OFFSETS and M * 2 * F < 2 ** 31
+    even, int32 = _index_mode(M, F, bm, bf)
     const = dict(KIND=kind, LOAD_KIND=0 if native else kind, FMAX=FP8_MAX[dtype], AMAX_FLOOR=AMAX_FLOOR,
-                 KEEP=KEEP_BINADES, BLOCK_M=bm, BLOCK_F=bf, QT_MODE=QT_MODE, FAST_ROUND=native, EVEN=even,
-                 INT32=int32, CLAMP=CLAMP, num_warps=warps)
+                 KEEP=KEEP_BINADES, BLOCK_M=bm, BLOCK_F=bf, FAST_ROUND=native, EVEN=even, INT32=int32,
+                 num_warps=warps)
     ins = inputs if native else tuple(_bits(t) for t in inputs)
     kernel[grid](*ins, q, qt, hint, partial, partial, inv_scale, M, F, REDO=False, **const)
     amax = partial.amax()
@@ -323,22 +307,27 @@ def _launch_two_passes(kernel, inputs: tuple[Tensor, ...], M: int, N: int, F: in
     return q, qt, inv_scale
 
 
-def swiglu_fp8_onepass_triton(u: Tensor, dtype: torch.dtype, hint: Tensor) -> Result:
-    """Host launcher of the forward; same contract as the twin, whatever `hint` holds (which it updates)."""
+def swiglu_fp8_onepass_triton(u: Tensor, dtype: torch.dtype, hint: Tensor, *, block_m: int = FWD_BLOCK_M,
+                              block_f: int = FWD_BLOCK_F, num_warps: int = FWD_WARPS) -> Result:
+    """Host launcher of the forward; same contract as the twin, whatever `hint` holds (which it updates). The tile
+    (`block_m` rows x `block_f` columns, `num_warps`) changes no bit."""
     _check(u, dtype)
     u = u.contiguous()
     M, F = u.shape[0], u.shape[1] // 2
     return _launch_two_passes(_swiglu_fwd_fp8_kernel, (u,), M, F, F, KINDS[u.dtype], dtype, hint,
-                              (FWD_BLOCK_M, FWD_BLOCK_F, FWD_WARPS), 0)
+                              (block_m, block_f, num_warps), 0)
 
 
-def swiglu_backward_fp8_onepass_triton(dout: Tensor, u: Tensor, dtype: torch.dtype, hint: Tensor) -> Result:
-    """Host launcher of the backward; same contract as the twin, whatever `hint` holds (which it updates)."""
+def swiglu_backward_fp8_onepass_triton(dout: Tensor, u: Tensor, dtype: torch.dtype, hint: Tensor, *,
+                                       block_m: int = BWD_BLOCK_M, block_f: int = BWD_BLOCK_F,
+                                       num_warps: int = BWD_WARPS) -> Result:
+    """Host launcher of the backward; same contract as the twin, whatever `hint` holds (which it updates). The tile
+    changes no bit."""
     _check(u, dtype, dout)
     u, dout = u.contiguous(), dout.contiguous()
     M, F = dout.shape
     return _launch_two_passes(_swiglu_bwd_fp8_kernel, (dout, u), M, 2 * F, F, KINDS[u.dtype], dtype,
-                              hint, (BWD_BLOCK_M, BWD_BLOCK_F, BWD_WARPS), 1)
+                              hint, (block_m, block_f, num_warps), 1)
 
 
 # ---------------------------------------------------------------------------------------------- public
@@ -347,8 +336,9 @@ def swiglu_backward_fp8_onepass_triton(dout: Tensor, u: Tensor, dtype: torch.dty
 @torch.library.custom_op("qtrain::swiglu_fp8_onepass", mutates_args=())
 def swiglu_fp8_onepass(u: Tensor, dtype: torch.dtype, hint: Tensor, slot: int) -> tuple[Tensor, Tensor, Tensor]:
     """(h_q, h_q^T, inv_scale) for h = swiglu(u), power-of-two scale by `scale_exponent` from hint[slot] (which it
-    updates); Triton (one pass where the hint is kept) or the twin per dispatch. The kernels are validated on the GPU for bf16 u (what FP8 training runs);
-    other dtypes take the twin there (an fp32 u gave wrong q^T codes at M = 1 on the H200)."""
+    updates); Triton (one pass where the hint is kept) or the twin per dispatch. The kernels are validated on the
+    GPU for bf16 u (what FP8 training runs); other dtypes take the twin there (an fp32 u gave wrong q^T codes at
+    M = 1 on the H200)."""
     if use_triton(u) and (u.dtype == torch.bfloat16 or INTERPRET):
         return swiglu_fp8_onepass_triton(u, dtype, hint[slot:slot + 1])
     return swiglu_fp8_onepass_twin(u, dtype, hint[slot:slot + 1])

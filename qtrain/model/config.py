@@ -8,11 +8,12 @@ difference from `transformers`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass
 from typing import Any
+
+from qtrain.fsio import CONFIG_MAX_BYTES, InputError, read_json_input, shorten
 
 MODEL_TYPES = ("qwen2", "llama", "qwen3")
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -120,11 +121,11 @@ class ModelConfig:
         if mt is None:
             raise bad("missing key 'model_type'")
         if mt not in MODEL_TYPES:
-            raise bad(f"unknown model_type {mt!r}; supported: {', '.join(MODEL_TYPES)}")
+            raise bad(f"unknown model_type {shorten(repr(mt))}; supported: {', '.join(MODEL_TYPES)}")
         unknown = sorted(k for k in d if k not in _KNOWN_KEYS and not k.startswith("_"))
         if unknown:
-            raise bad(f"unknown config key(s) {unknown}; qtrain refuses keys it does not understand rather than "
-                      f"train a different model than transformers would load")
+            raise bad(f"unknown config key(s) {shorten(repr(unknown))}; qtrain refuses keys it does not understand "
+                      f"rather than train a different model than transformers would load")
         for k in _REQUIRED_KEYS:
             if k not in d:
                 raise bad(f"missing key {k!r}")
@@ -141,12 +142,16 @@ class ModelConfig:
             if not ok:
                 want = {"int": "an integer", "number": "a finite number", "bool": "true or false",
                         "str": "a string"}[kind]
-                raise bad(f"{key} must be {want}, got {v!r}")
+                raise bad(f"{key} must be {want}, got {shorten(repr(v))}")
             return v
 
         for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "max_position_embeddings", "pretraining_tp"):
             typed(k, "int")
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            if d.get(k) is not None and d[k] <= 0:  # explicit: only an absent key takes the default (head_dim 0)
+                raise bad(f"{k} must be a positive integer, got {d[k]}")
         for k in ("rms_norm_eps", "attention_dropout", "rope_theta", "initializer_range"):
             typed(k, "number")
         for k in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
@@ -156,16 +161,22 @@ class ModelConfig:
             typed(k, "int")
         if isinstance(d.get("eos_token_id"), list):
             if not all(isinstance(x, int) and not isinstance(x, bool) for x in d["eos_token_id"]):
-                raise bad(f"eos_token_id must be an integer or a list of integers, got {d['eos_token_id']!r}")
+                raise bad(f"eos_token_id must be an integer or a list of integers, got "
+                          f"{shorten(repr(d['eos_token_id']))}")
         else:
             typed("eos_token_id", "int")
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            for i in (d[k] if isinstance(d.get(k), list) else [d.get(k)]):
+                if i is not None and d.get("vocab_size") is not None and not 0 <= i < d["vocab_size"]:
+                    raise bad(f"{k} {i} is not a token id of the vocabulary (0..{d['vocab_size'] - 1}); fix it "
+                              f"or remove the key")
         for k in ("rope_parameters", "rope_scaling"):
             if d.get(k) is not None and not isinstance(d[k], dict):
-                raise bad(f"{k} must be an object, got {d[k]!r}")
+                raise bad(f"{k} must be an object, got {shorten(repr(d[k]))}")
         if d.get("layer_types") is not None and not isinstance(d["layer_types"], list):
-            raise bad(f"layer_types must be a list, got {d['layer_types']!r}")
+            raise bad(f"layer_types must be a list, got {shorten(repr(d['layer_types']))}")
         if d.get("hidden_act", "silu") != "silu":
-            raise bad(f"hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
+            raise bad(f"hidden_act={shorten(repr(d['hidden_act']))} is not supported (only 'silu')")
         if d.get("mlp_bias", False):
             raise bad("mlp_bias=true is not supported")
         if d.get("use_sliding_window", False):
@@ -194,7 +205,7 @@ class ModelConfig:
                 typed(k, "number", inner=scaling)
             scaling["rope_type"] = "llama3"
         elif rtype not in ("default", None):
-            raise bad(f"rope_type {rtype!r} is not supported (only 'default' and 'llama3')")
+            raise bad(f"rope_type {shorten(repr(rtype))} is not supported (only 'default' and 'llama3')")
 
         # Absent keys take transformers' class defaults (4.5x and 5.x agree), so both read one model.
         default_bias = {"qwen2": True, "llama": False, "qwen3": False}[mt]
@@ -266,14 +277,14 @@ class ModelConfig:
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "ModelConfig":
+        """Read and validate a config.json; a FIFO, a huge or deeply nested file is refused before parsing."""
         path = os.fspath(path)
+        if not os.path.lexists(path):
+            raise ConfigError(f"{path}: file not found")
         try:
-            with open(path, encoding="utf-8") as f:
-                d = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: file not found") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+            d = read_json_input(path, "", CONFIG_MAX_BYTES)
+        except InputError as e:
+            raise ConfigError(str(e)) from None
         return cls.from_hf_dict(d, source=path)
 
     def replace(self, **changes: Any) -> "ModelConfig":

@@ -9,7 +9,13 @@ Saving writes the HF layout (`transformers.from_pretrained` reads it) into the o
 nothing else there: each file is written under a temp name first, and only when all are written are they
 renamed into place. `qtrain-export.json` lists the files an export wrote (and for which run); a later
 export replaces exactly those, removes the ones it no longer writes, and refuses to overwrite a file that no
-qtrain export wrote (a user's model, say). While the renames run the manifest says `"complete": false`.
+qtrain export wrote (a user's model, say). From before the first rename over the previous export's files until
+after the last of them is removed, the manifest says `"complete": false`, and every reader here refuses such a
+directory (`check_export_complete`): a reader sees the previous export or the new one, never a mix of both,
+whenever the export was killed. A directory without a manifest (any HF model) is read as it is.
+
+Every JSON file read here is bounded in size and nesting and must be a regular file (`qtrain.fsio`), so a
+hostile or broken model directory is one line of error, never a hang, a gigabyte read or a RecursionError.
 """
 from __future__ import annotations
 
@@ -26,8 +32,9 @@ import safetensors.torch as st
 import torch
 from safetensors import SafetensorError, safe_open
 
-from qtrain.fsio import (FileSystemError, atomic_write_json, describe_write_error, ensure_free_space, fault_point,
-                         fsync_path, read_json, sweep_temp_files, temp_path)
+from qtrain.fsio import (CONFIG_MAX_BYTES, FileSystemError, atomic_write_json, check_regular_file, default_file_mode,
+                         describe_write_error, ensure_free_space, fault_point, fsync_path, read_json, read_json_input,
+                         shorten, sweep_temp_files, temp_path)
 from qtrain.model import weights
 from qtrain.model.config import ModelConfig
 
@@ -43,14 +50,40 @@ _EXPORT_NAME = re.compile(r"^(config\.json|model\.safetensors|model\.safetensors
                           r"model-\d{5}-of-\d{5}\.safetensors)$")
 # safetensors dtypes that hold weights; integer / bool tensors would be cast silently into nonsense
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# a safetensors index names each tensor's shard: ~100 bytes per tensor, so megabytes for the largest models.
+# (A safetensors header itself is bounded by the safetensors library: 100 MB.)
+INDEX_MAX_BYTES = 64 << 20
 
 
 class WeightsError(ValueError):
     """A checkpoint whose tensors do not match the config, or a file that cannot be read."""
 
 
+class IncompleteExportError(WeightsError):
+    """A qtrain export that was interrupted (its manifest says incomplete): its files may mix two exports."""
+
+
 def load_model_config(model_dir: str | os.PathLike) -> ModelConfig:
+    """config.json of a model directory; an interrupted qtrain export there is refused first."""
+    check_export_complete(model_dir)
     return ModelConfig.from_json_file(Path(model_dir) / "config.json")
+
+
+def check_export_complete(model_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The manifest of the qtrain export in `model_dir` (None: no qtrain export there, a plain HF directory);
+    IncompleteExportError when it says the export is incomplete, with how to finish it."""
+    man = export_manifest(model_dir)
+    if man is None or man.get("complete") is True:
+        return man
+    d = shorten(str(model_dir))
+    if man.get("checkpoint"):
+        how = f"run `qtrain export --checkpoint-dir {shorten(str(man['checkpoint']))} --out-dir {d}` again"
+    elif man.get("name"):
+        how = f"resume run {shorten(str(man['name']), 60)} (`qtrain train ... --continue`) or re-export it"
+    else:
+        how = "export it again (`qtrain export`) or resume its run with --continue"
+    raise IncompleteExportError(f"{d}: an interrupted export ({MANIFEST} says it is incomplete; its files may mix "
+                                f"two exports), so qtrain does not read it; to finish it, {how}")
 
 
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -73,21 +106,24 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[Path]:
     """The safetensors file(s) of a checkpoint: the shards an index names, else model.safetensors."""
     d = Path(model_dir)
     index = d / INDEX_FILE
-    if index.is_file():
+    if os.path.lexists(index):
+        index_json = read_json_input(index, "", INDEX_MAX_BYTES)
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = index_json["weight_map"]
             shards = sorted(set(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise WeightsError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from None
+            raise WeightsError(f"{index}: not a valid safetensors index ({type(e).__name__}: {shorten(str(e))})"
+                               ) from None
         for s in shards:
             if not isinstance(s, str) or Path(s).name != s or s in (".", "..") or "\\" in s:
-                raise WeightsError(f"{index}: shard name {s!r} is not a file name in the model directory; an index "
-                                   f"may only name files beside it")
-            if not (d / s).is_file():
+                raise WeightsError(f"{index}: shard name {shorten(repr(s))} is not a file name in the model "
+                                   f"directory; an index may only name files beside it")
+            if not os.path.lexists(d / s):
                 raise WeightsError(f"{d / s}: shard named by {index} does not exist")
+            check_regular_file(d / s, "")
         return [d / s for s in shards]
-    if (d / SINGLE_FILE).is_file():
-        return [d / SINGLE_FILE]
+    if os.path.lexists(d / SINGLE_FILE):
+        return [check_regular_file(d / SINGLE_FILE, "")]
     raise WeightsError(f"{d}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)")
 
 
@@ -95,7 +131,8 @@ def _open(path: Path, stack: ExitStack):
     try:
         return stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
     except (SafetensorError, OSError) as e:
-        raise WeightsError(f"{path}: not a readable safetensors file (corrupt or truncated?): {e}") from None
+        raise WeightsError(f"{path}: not a readable safetensors file (corrupt or truncated?): {shorten(str(e))}"
+                           ) from None
 
 
 def _index(files: list[Path], cfg: ModelConfig, stack: ExitStack) -> dict[str, tuple[Path, Any]]:
@@ -134,6 +171,7 @@ def _index(files: list[Path], cfg: ModelConfig, stack: ExitStack) -> dict[str, t
 def check_hf_weights(model_dir: str | os.PathLike, cfg: ModelConfig) -> list[Path]:
     """Validate a HF checkpoint against `cfg` from its headers (files, index, names, shapes, dtypes) without
     reading any tensor data; returns its files. What `load_hf_weights` checks first, for the preflight."""
+    check_export_complete(model_dir)
     files = checkpoint_files(model_dir)
     with ExitStack() as stack:
         _index(files, cfg, stack)
@@ -143,10 +181,16 @@ def check_hf_weights(model_dir: str | os.PathLike, cfg: ModelConfig) -> list[Pat
 def load_hf_weights(model_dir: str | os.PathLike, cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Read a HF checkpoint into internal names (fused qkv / up), cast to `dtype` on `device`. Headers are
-    validated before any data is read; a tensor holding NaN or inf is refused by name."""
+    validated before any data is read; a tensor holding NaN or inf is refused by name. An interrupted qtrain
+    export is refused, and so is one that an export replaced while its files were being opened."""
+    manifest = check_export_complete(model_dir)
     files = checkpoint_files(model_dir)
     with ExitStack() as stack:
         where = _index(files, cfg, stack)
+        # the files are open now: what they hold no longer changes, even when an export renames new ones in
+        if export_manifest(model_dir) != manifest:
+            raise WeightsError(f"{model_dir}: an export was written into it while qtrain opened its files; run "
+                               f"this again once the export has finished")
 
         # stream tensors one by one. get_tensor returns a view of a private mmap of the file: copy it,
         # so the params never change (or SIGBUS) when someone later rewrites or truncates the file in place.
@@ -277,7 +321,9 @@ def save_hf_model(out_dir: str | os.PathLike, cfg: ModelConfig, params: Mapping[
             if fname not in TOKENIZER_FILES:
                 raise WeightsError(f"{fname!r}: not a file name an export may add (one of {', '.join(TOKENIZER_FILES)})")
             stage(fname).write_bytes(data)
+        mode = default_file_mode()
         for tmp in temps.values():
+            os.chmod(tmp, mode)  # all alike, as any file the user makes (safetensors writes its files 0600)
             fsync_path(tmp)
         fault_point("export.staged")
         _publish(out, temps, dict(owner or {}))
@@ -296,9 +342,10 @@ def save_hf_model(out_dir: str | os.PathLike, cfg: ModelConfig, params: Mapping[
 
 
 def _publish(out: Path, temps: Mapping[str, Path], owner: dict[str, Any]) -> None:
-    """Rename the staged files in, between a manifest that says the export is incomplete (listing old and new
-    files, so an interrupted export's files are all known) and one that says it is complete; then remove the
-    previous export's files that this one no longer has."""
+    """Rename the staged files in and remove the previous export's files that this one no longer has (an old
+    index would otherwise still name the old shards), all between a manifest that says the export is incomplete
+    (listing old and new files, so an interrupted export's files are all known) and one that says it is
+    complete: killed anywhere in between, the directory is refused by every reader (`check_export_complete`)."""
     old = manifest_files(export_manifest(out))
     new = sorted(temps)
     head = {"format": 1, "writer": "qtrain", **owner}
@@ -307,22 +354,22 @@ def _publish(out: Path, temps: Mapping[str, Path], owner: dict[str, Any]) -> Non
     for name in new:
         os.replace(temps[name], out / name)
         fault_point("export.rename")
-    fsync_path(out)
-    atomic_write_json(out / MANIFEST, {**head, "complete": True, "files": new}, point="export.manifest")
     for name in sorted(old - set(new)):
         (out / name).unlink(missing_ok=True)
         fault_point("export.unlink")
+    fsync_path(out)
+    atomic_write_json(out / MANIFEST, {**head, "complete": True, "files": new}, point="export.manifest")
 
 
 def stop_token_ids(model_dir: str | os.PathLike, cfg: ModelConfig) -> list[int]:
     """The ids that end generation: generation_config.json's `eos_token_id` (an id or a list), else config.json's."""
     path = Path(model_dir) / GENERATION_CONFIG
     eos: Any = None
-    if path.is_file():
-        try:
-            eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-        except (ValueError, AttributeError) as e:
-            raise WeightsError(f"{path}: not a valid generation config ({e})") from None
+    if os.path.lexists(path):
+        d = read_json_input(path, "", CONFIG_MAX_BYTES)
+        if not isinstance(d, dict):
+            raise WeightsError(f"{path}: not a valid generation config (not a JSON object)")
+        eos = d.get("eos_token_id")
     if eos is None:
         eos = cfg.eos_token_id
     ids = eos if isinstance(eos, list) else [eos]

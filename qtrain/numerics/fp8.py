@@ -67,7 +67,7 @@ def quantize_for_gemms(x: Tensor, dtype: torch.dtype, transpose: bool, *, opaque
     """(q, q^T or None, inv_scale) of a 2-D GEMM operand: `fp8_quantize`, except with a transposed copy inside a
     graph torch.compile traces with `opaque`: there the abs-max is a traced reduction and the quantization one
     opaque op running the Triton kernel (`fp8_quantize_transposed`, ~4.8 TB/s counting both writes on the H200),
-    where inductor's own code for the transposed write ran at 1-2 TB/s (the 3B e4m3 profile, session 12). An
+    where inductor's own code for the transposed write ran at 1-2 TB/s (in a Qwen2.5-3B e4m3 step's profile). An
     opaque op cannot be rebuilt by the partitioner, so a forward's q^T is kept for backward (1 byte per element,
     as eager keeps it) instead of re-made in backward: `--fp8-keep-transposes`. The same quantization either way
     (on the CPU the same bits; on the GPU the kernel and inductor's code may round an element differently).
@@ -75,7 +75,7 @@ def quantize_for_gemms(x: Tensor, dtype: torch.dtype, transpose: bool, *, opaque
     The traced abs-max is written row by row, then over the rows (`_abs_max_by_rows`): the same value (max is
     exact), but inductor's one-shot reduction of a whole 65,536 x 2048 operand (Qwen2.5-1.5B's d(qkv) after the
     RoPE backward) split it into 528 chunks that do not divide it, with a modulo per element: 0.21 ms for 268 MB
-    (1.3 TB/s) where the other abs-max reductions of the step ran at ~3 TB/s (BENCHMARKS.md session 16).
+    (1.3 TB/s) on the H200, where the other abs-max reductions of the step ran at ~3 TB/s.
 
     `prenorm`: x is the RMSNorm output of `prenorm` = (input, rstd, gain) (`model.layers.rms_norm_and_rstd`). Inside the compiled graph the op
     then quantizes it from the norm's input, rstd and gain (`fp8_quantize_rmsnorm_transposed`, the same values) and
@@ -303,7 +303,7 @@ class Fp8WeightCache:
 
         Made by the quantize kernel's transposed store, with the copy itself on a miss (ask for this first): an
         e4m3 `.t().contiguous()` is aten's generic strided copy, ~0.34 TB/s on the H200 (16.4 ms per Qwen2.5-3B
-        step, session 13's profile), the kernel ~4.8 TB/s. The abs-max is exact, so the same bits as q.t()."""
+        step in its profile), the kernel ~4.8 TB/s. The abs-max is exact, so the same bits as q.t()."""
         e = self._valid_entry(weight)
         if e is None:  # not asked for its copy yet (a miss, counted as one)
             self._quantize(weight, transpose=True)

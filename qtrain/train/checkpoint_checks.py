@@ -3,8 +3,11 @@
 A shard file of kind `weights`, `adam.m` or `adam.v` written by `world` ranks holds one 1-D tensor per group of
 `FlatLayout(cfg, world)` (the group's shard: `shard_size(world)` elements) in the run's dtype: the master dtype
 for weights, --opt-m-dtype / --opt-v-dtype for the moments, and with an e4m3 m also the fp32 block scales
-under `<group>.scales`. Anything else (a missing or extra tensor, another dtype or shape, a header naming
-another file) is refused before a byte of tensor data is read (`header_problem`).
+under `<group>.scales`. Anything else (a missing file or tensor, an extra tensor, another dtype or shape, a
+header naming another file, a header or a tokenizer file that is not the one whose digest checkpoint.json
+records) is refused before a byte of tensor data is read (`check_files`, `header_problem`). This is the one
+check of a checkpoint's files against its layout: the preflight of `--continue` and `qtrain export` run it,
+and so does the load itself (`checkpointing.restore_state`), for the files each rank reads.
 
 The values (`value_problem`): weights and moments are finite (a non-finite step is skipped, never applied, so a
 checkpoint never holds a NaN or inf that training put there), and Adam's v and the e4m3 scales are never
@@ -12,21 +15,26 @@ negative (v is a running mean of squares). A checkpoint that breaks one of these
 skipped steps (`norm nan`) or export a broken model.
 
 Each check returns a one-line problem naming the file and the tensor (None when all is well); `verify` runs
-them all over a checkpoint directory. The callers (`checkpointing`, `export`) decide what to refuse and say what
-to do instead.
+them all over a checkpoint directory. They take a meta that passed `checkpoint_meta.validate` (the schema). The
+callers (`checkpointing`, `export`) decide what to refuse and say what to do instead.
 """
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from qtrain.model.config import ConfigError, ModelConfig
+from qtrain.data.tokenize import TOKENIZER_JSON_MAX_BYTES
+from qtrain.fsio import InputError, read_bounded, shorten
+from qtrain.model.config import ModelConfig
+from qtrain.model.hf_io import TOKENIZER_FILES
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.optimizer import DTYPES, SCALES_SUFFIX, group_m_scales
 from qtrain.train import checkpoint_io as cio
+from qtrain.train import checkpoint_meta
 from qtrain.train.checkpoint_io import CheckpointError
 
 STATE_KINDS = ("weights", "adam.m", "adam.v")
@@ -60,14 +68,14 @@ def header_problem(file: Path, kind: str, expected: Expected, found: dict[str, t
     holds (`expected`), or None. `name_in_file`: the file name its writer recorded in the header."""
     stem = file.name.removesuffix(".safetensors")
     if name_in_file is not None and name_in_file != stem:
-        return (f"{file}: holds the shard written as {name_in_file[:80]}.safetensors (files swapped or renamed: "
+        return (f"{file}: holds the shard written as {shorten(name_in_file)}.safetensors (files swapped or renamed: "
                 f"each rank's shard must keep its own name)")
     optional = {k for k in expected if k.endswith(SCALES_SUFFIX) and expected[k.removesuffix(SCALES_SUFFIX)][0] is None}
     missing = sorted(set(expected) - set(found) - optional)
     extra = sorted(set(found) - set(expected))
     if missing or extra:
         what = (f"has no tensor {', '.join(missing[:3])}" if missing else "") + ("; " if missing and extra else "") + (
-            f"has unexpected tensor(s) {', '.join(k[:80] for k in extra[:3])}" if extra else "")
+            f"has unexpected tensor(s) {', '.join(shorten(k) for k in extra[:3])}" if extra else "")
         return f"{file}: {what} (a shard of {kind} holds one tensor per parameter group)"
     allowed = {DTYPES[d] for d in KIND_DTYPES[kind]}
     for key, (dtype, shape) in found.items():
@@ -158,42 +166,41 @@ def _dtype_name(d: torch.dtype | None) -> str:
 
 # ---- a checkpoint directory ----
 
-def run_dtypes(opts: Any) -> dict[str, str | None]:
-    """The dtype a run keeps each state kind in (what its checkpoints' files must hold)."""
-    return {"weights": opts.effective_master_dtype, "adam.m": opts.opt_m_dtype, "adam.v": opts.opt_v_dtype}
-
-
 def recorded_dtypes(meta: dict[str, Any]) -> dict[str, str | None]:
-    """The dtypes a checkpoint's meta records (None where it records none: that kind's dtype is not checked)."""
-    o = meta.get("options") if isinstance(meta.get("options"), dict) else {}
-    given = {"weights": o.get("master_dtype") or o.get("model_dtype"), "adam.m": o.get("opt_m_dtype"),
-             "adam.v": o.get("opt_v_dtype")}
+    """The dtype the checkpoint's options keep each state kind in (what its files must hold; None where it is none
+    a shard can hold: any is accepted then). A resume's options equal them (`checkpointing.check_compatible`)."""
+    o = meta["options"]
+    given = {"weights": o["master_dtype"] or o["model_dtype"], "adam.m": o["opt_m_dtype"], "adam.v": o["opt_v_dtype"]}
     return {k: v if v in KIND_DTYPES[k] else None for k, v in given.items()}
 
 
-def written_world(path: str, meta: dict[str, Any]) -> int:
-    world = meta.get("distributed", {}).get("world") if isinstance(meta.get("distributed"), dict) else None
-    if type(world) is not int or world < 1:
-        raise CheckpointError(f"{path}: {cio.META_FILE} has no world size (distributed.world)")
-    return world
-
-
-def held_ranks(meta: dict[str, Any], world: int) -> list[int]:
+def held_ranks(meta: dict[str, Any]) -> list[int]:
     """The ranks whose shards the directory holds (all, unless written into per-node directories)."""
-    held = meta["distributed"].get("ranks")
-    return [r for r in held if type(r) is int and 0 <= r < world] if isinstance(held, list) else list(range(world))
+    dist = meta["distributed"]
+    return dist.get("ranks") or list(range(dist["world"]))
 
 
-def check_headers(path: str, meta: dict[str, Any], files: cio.CheckpointFiles, cfg: ModelConfig,
-                  dtypes: dict[str, str | None], ranks: list[int]) -> str | None:
-    """The problem with the shard files of `ranks`, found from their headers alone (no tensor data read): a
-    file missing, unreadable, without a recorded digest (when the meta records digests), renamed or swapped,
-    or holding other tensors, dtypes or shapes than this checkpoint's layout; None when there is none."""
-    world = written_world(path, meta)
+def check_files(path: str, meta: dict[str, Any], files: cio.CheckpointFiles, cfg: ModelConfig, *,
+                ranks: list[int] | None = None, optional: tuple[str, ...] = ()) -> str | None:
+    """The problem with the checkpoint's files, found without reading tensor data, or None: a shard file of
+    `ranks` (default: every rank the directory holds) missing (a kind in `optional` may be absent for every rank:
+    an export needs only the weights), unreadable, without a recorded digest (when the meta records digests),
+    renamed or swapped, holding other tensors, dtypes or shapes than the layout of `cfg`, or whose header is not
+    the one written; a file of the tokenizer copy that is not the one written (`copy_problem`)."""
+    dist = meta["distributed"]
+    world, dtypes = dist["world"], recorded_dtypes(meta)
+    ranks = held_ranks(meta) if ranks is None else ranks
     for kind in STATE_KINDS:
+        stems = [shard_stem(kind, r, world) for r in ranks]
+        missing = [s for s in stems if s not in files]
+        if kind in optional and len(missing) == len(stems):
+            continue
+        if missing:
+            listed = " it lists in distributed.ranks" if "ranks" in dist else ""
+            return (f"{path}: {missing[0]}.safetensors is missing (a checkpoint of {world} rank(s) holds a {kind} "
+                    f"file per rank{listed})")
         expected = expected_tensors(cfg, world, kind, dtypes[kind])
-        for r in ranks:
-            stem = shard_stem(kind, r, world)
+        for stem in stems:
             try:
                 files.digest(stem)
                 header = files.header(stem, verify=False)
@@ -204,13 +211,37 @@ def check_headers(path: str, meta: dict[str, Any], files: cio.CheckpointFiles, c
                 files.header(stem)  # its digest (the tensors' are checked as they are read)
             except CheckpointError as e:
                 return str(e)
+    return copy_problem(path, meta)
+
+
+def copy_problem(path: str, meta: dict[str, Any]) -> str | None:
+    """Why the checkpoint's tokenizer copy is not the one written (a file changed, added or removed since), or
+    None. Its files are small (read whole). A checkpoint without digests: not checked."""
+    digests = meta.get(cio.DIGESTS)
+    if digests is None:
+        return None
+    folder, prefix = Path(path) / checkpoint_meta.TOKENIZER_DIR, checkpoint_meta.TOKENIZER_DIR + "/"
+    recorded = {k[len(prefix):]: v for k, v in digests.items() if k.startswith(prefix)}
+    there = {n for n in TOKENIZER_FILES if os.path.lexists(folder / n)}
+    for name in sorted(there | recorded.keys()):
+        f = folder / name
+        if name not in recorded:
+            return f"{f}: not a file of the checkpoint's tokenizer copy ({cio.DIGESTS} records none by that name)"
+        if name not in there:
+            return f"{f}: missing from the checkpoint's tokenizer copy ({cio.DIGESTS} records its digest)"
+        try:
+            data = read_bounded(f, "", TOKENIZER_JSON_MAX_BYTES)
+        except InputError as e:
+            return str(e)
+        if checkpoint_meta.copy_digest(data) != recorded[name]:
+            return f"{f}: differs from the file copied into the checkpoint when it was written (changed since)"
     return None
 
 
 def load_checked(files: cio.CheckpointFiles, kind: str, rank: int, layout: FlatLayout) -> dict[str, torch.Tensor]:
-    """The tensors of rank `rank`'s shard file of `kind`, its digest verified in the read and its values
-    checked (on the CPU); CheckpointError naming the file and tensor otherwise. Headers are checked first
-    (`check_headers`)."""
+    """The tensors of rank `rank`'s shard file of `kind`, its digest verified in the read that loads it and its
+    values checked (on the CPU); CheckpointError naming the file and tensor otherwise. Headers are checked first
+    (`check_files`)."""
     stem = shard_stem(kind, rank, layout.world)
     tensors = files.load(stem)
     for key, t in tensors.items():
@@ -219,26 +250,22 @@ def load_checked(files: cio.CheckpointFiles, kind: str, rank: int, layout: FlatL
     return tensors
 
 
-def verify(path: str, *, cfg: ModelConfig | None = None, dtypes: dict[str, str | None] | None = None,
-           ranks: list[int] | None = None, kinds: tuple[str, ...] = STATE_KINDS) -> str | None:
-    """Why the checkpoint at `path` does not verify, or None: its meta, the headers of every shard file of
-    `ranks` (default: every rank the directory holds), and for `kinds` every file's digest and values. `cfg`
-    and `dtypes` default to what the meta records. Reads the files whole: for export and for finding a
-    checkpoint to name instead of a refused one."""
+def verify(path: str, *, ranks: list[int] | None = None, optional: tuple[str, ...] = (),
+           load: tuple[str, ...] = STATE_KINDS) -> str | None:
+    """Why the checkpoint at `path` does not verify, or None: its meta (the schema), every file `check_files`
+    checks (`ranks`, `optional` as there), and for the kinds in `load` that are there every file's digest and
+    values. Reads the files whole: for export and for finding a checkpoint to name instead of a refused one."""
     try:
         meta, files = cio.read_checkpoint(path)
-        world = written_world(path, meta)
-        if cfg is None:
-            cfg = ModelConfig.from_hf_dict(meta.get("model"), source=f"{path}/{cio.META_FILE}")
-        ranks = held_ranks(meta, world) if ranks is None else ranks
-        problem = check_headers(path, meta, files, cfg, dtypes or recorded_dtypes(meta), ranks)
-        if problem is None:
-            layout = FlatLayout(cfg, world)
-            for kind in kinds:
-                for r in ranks:
+        cfg = checkpoint_meta.validate(path, meta)
+        ranks = held_ranks(meta) if ranks is None else ranks
+        if problem := check_files(path, meta, files, cfg, ranks=ranks, optional=optional):
+            return problem
+        layout = FlatLayout(cfg, meta["distributed"]["world"])
+        for kind in load:
+            for r in ranks:
+                if shard_stem(kind, r, layout.world) in files:
                     load_checked(files, kind, r, layout)
-        return problem
-    except (CheckpointError, ConfigError) as e:
+        return None
+    except CheckpointError as e:
         return str(e)
-    except (TypeError, AttributeError, KeyError) as e:  # a meta of the wrong shape
-        return f"{path}/{cio.META_FILE}: malformed ({type(e).__name__}: {e})"

@@ -2,9 +2,12 @@
 
 A checkpoint (`checkpoint_io` handles the files and their atomicity) holds, per rank, the weight shard and
 the Adam moment shards of every group (`weights.shard_RRR_of_WWW`, `adam.m...`, `adam.v...`), and in
-`checkpoint.json`: the step, the data loader position, the outlier-detector windows, the world size and
-the options that change the math. Stochastic rounding needs no saved state: its bits are a function of
-(seed, step, tensor, element), so a resumed run continues bit-exactly.
+`checkpoint.json`: the step, the data loader position, the outlier-detector windows, the world size, every
+option and the training files (what `--continue` compares: `resume_checks.py`), and in `tokenizer/` a copy of the
+tokenizer the export carries; `checkpoint_meta.py` holds the meta's schema, checked before anything is built, and
+`checkpoint_checks.py` the checks of the files: their headers against the layout and their recorded digests (in the
+preflight), each tensor's digest and values (as it loads, `restore_state`). Stochastic rounding needs no saved
+state: its bits are a function of (seed, step, tensor, element), so a resumed run continues bit-exactly.
 
 With the one-pass SwiGLU FP8 kernels (e4m3's default) `checkpoint.json` also holds every rank's scale hints
 (`fp8_scale_hints`: per global rank, (layers, 2) exponents; `Transformer.scale_hints`). They are per-rank run state,
@@ -45,24 +48,22 @@ from qtrain.data.loader import TokenLoader
 from safetensors import SafetensorError
 
 from qtrain.fsio import describe_write_error, ensure_free_space, fault_point, owner_tag
-from qtrain.model.config import ConfigError, ModelConfig
+from qtrain.model.config import ModelConfig
 from qtrain.observe.log import RunLogger
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.reshard import reshard_state
 from qtrain.train import checkpoint_io as cio
-from qtrain.train.checkpoint_checks import (STATE_KINDS, check_headers, held_ranks, run_dtypes, value_problem, verify,
-                                            written_world)
+from qtrain.train import checkpoint_meta as cmeta
+from qtrain.train.checkpoint_checks import STATE_KINDS, check_files, value_problem, verify
 from qtrain.train.checkpoint_checks import shard_stem as _stem
 from qtrain.train.checkpoint_io import CheckpointError
+from qtrain.train.checkpoint_meta import FORMAT_VERSION, HINTS_META, MUST_MATCH
 from qtrain.train.trainer import Trainer
 
 __all__ = ["CheckpointError", "FORMAT_VERSION", "find", "save", "load", "restore_state", "restore_progress",
            "check_compatible", "check_resumable", "missing_files", "newest_finite", "verify"]
 
-FORMAT_VERSION = 1
-HINTS_META = "fp8_scale_hints"  # checkpoint.json: every rank's one-pass SwiGLU FP8 scale hints (module docstring)
-# options that must match for a resume to continue the same run
-_MUST_MATCH = ("model_dtype", "master_dtype", "opt_m_dtype", "opt_v_dtype", "seed")
+# checkpoint.json's fields: checkpoint_meta.py; HINTS_META holds every rank's one-pass SwiGLU FP8 scale hints
 META_SLACK = 1 << 20  # bytes on top of the tensors for checkpoint.json and safetensors headers
 
 
@@ -131,7 +132,8 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
     files = {_stem(kind, shard, shards): {k: t.detach().contiguous().cpu() for k, t in tensors.items()}
              for kind, tensors in trainer.state_tensors().items()}
     nbytes = sum(t.numel() * t.element_size() for f in files.values() for t in f.values())
-    need = (sum(ctx.all_gather_object(nbytes)) if ctx.world > 1 else nbytes) + META_SLACK
+    need = (sum(ctx.all_gather_object(nbytes)) if ctx.world > 1 else nbytes) + META_SLACK + _size(
+        cmeta.tokenizer_files(trainer.tokenizer).values())
     err = None
     try:
         ensure_free_space(ckpt_dir, need, f"the checkpoint of step {step} ({ctx.world} rank(s))")
@@ -176,9 +178,10 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
             "nonfinite_streak": int(nonfinite_streak),
             "data_loader": loader.state_dict(),
             "logger": log.state_dict(),
-            "options": {k: getattr(trainer.opts, k) for k in _MUST_MATCH},
+            "options": cmeta.options_record(trainer.opts),
+            "data": cmeta.data_record(loader),
             "model": trainer.cfg.to_hf_dict(),
-            "tokenizer": trainer.tokenizer,  # what `qtrain export` puts beside the weights
+            "tokenizer": cmeta.tokenizer_record(trainer.tokenizer),  # what `qtrain export` puts beside the weights
         }
         if all_hints is not None:
             meta[HINTS_META] = all_hints
@@ -194,6 +197,11 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
         try:
             for r in here:
                 (tmp / _MARKER.format(r)).unlink(missing_ok=True)
+            copied = cmeta.write_tokenizer(trainer.tokenizer, tmp)
+            if copied is None:  # its source went away: export without one
+                meta["tokenizer"] = None
+            else:
+                meta[cio.DIGESTS].update(copied)
             cio.commit(tmp, final, meta)
         except OSError as e:
             cio.remove_tree_quietly(tmp)
@@ -214,48 +222,36 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
     return str(final)
 
 
+def _size(paths: Any) -> int:
+    try:
+        return sum(p.stat().st_size for p in paths)
+    except OSError:
+        return 0
+
+
 def check_compatible(path: str, meta: dict[str, Any], cfg: ModelConfig, opts: Any, world: int) -> None:
     """Whether the checkpoint at `path` (its meta) can resume a run of `cfg` with `opts` on `world` ranks;
     CheckpointError naming the difference otherwise. Needs no model: the preflight calls it. Another world
-    size is fine (resharding) when the directory holds every rank's shards."""
-    dist_meta = meta.get("distributed", {})
-    written = dist_meta.get("world")
-    if not isinstance(written, int) or written < 1:
-        raise CheckpointError(f"{path}: {cio.META_FILE} has no world size (distributed.world)")
+    size is fine (resharding) when the directory holds every rank's shards. The meta is checked against its
+    schema first (`checkpoint_meta.validate`)."""
+    theirs = cmeta.validate(path, meta)
+    dist_meta = meta["distributed"]
+    written = dist_meta["world"]
     if written != world and "ranks" in dist_meta:
         raise CheckpointError(
             f"{path}: written by {written} rank(s) into a checkpoint directory local to each node (this one, on "
             f"{dist_meta.get('host', '?')}, holds the shards of ranks {_ranges(dist_meta['ranks'])} only); this "
             f"run has {world}: resharding reads every rank's shards. Copy the other nodes' "
-            f"{Path(path).name}/*.safetensors into this directory (and drop \"ranks\" from {cio.META_FILE}), "
-            f"or resume with {written} ranks on the same nodes")
-    for k, v in meta.get("options", {}).items():
+            f"{Path(path).name}/*.safetensors into this directory (drop \"ranks\" from {cio.META_FILE} and add their "
+            f"\"{cio.DIGESTS}\" entries), or resume with {written} ranks on the same nodes")
+    for k in MUST_MATCH:
+        v = meta["options"][k]
         if getattr(opts, k, v) != v:
             raise CheckpointError(f"{path}: checkpoint has --{k.replace('_', '-')}={v!r}, this run "
                                   f"{getattr(opts, k)!r}")
-    if "model" in meta:
-        try:
-            theirs = ModelConfig.from_hf_dict(meta["model"], source=f"{path}/{cio.META_FILE}")
-        except ConfigError as e:
-            raise CheckpointError(str(e)) from None
-        if theirs != ModelConfig.from_hf_dict(cfg.to_hf_dict()):
-            diff = [f.name for f in theirs.__dataclass_fields__.values() if getattr(theirs, f.name) != getattr(cfg, f.name)]
-            raise CheckpointError(f"{path}: written for another model ({', '.join(diff)} differ from --model's config)")
-    _check_hints(path, meta.get(HINTS_META), cfg.num_hidden_layers)
-
-
-def _check_hints(path: str, hints: Any, layers: int) -> None:
-    """`fp8_scale_hints`, when present: a list with one entry per rank, each null or `layers` integer pairs."""
-    if hints is None:
-        return
-    where = f"{path}/{cio.META_FILE}: {HINTS_META}"
-    if not isinstance(hints, list):
-        raise CheckpointError(f"{where} must be a list with one entry per rank, got {type(hints).__name__}")
-    for r, h in enumerate(hints):
-        ok = h is None or (isinstance(h, list) and len(h) == layers and all(
-            isinstance(p, list) and len(p) == 2 and all(type(e) is int and abs(e) < 2 ** 31 for e in p) for p in h))
-        if not ok:
-            raise CheckpointError(f"{where}[{r}] must be null or {layers} pairs of integer exponents (one per layer)")
+    if theirs != ModelConfig.from_hf_dict(cfg.to_hf_dict()):
+        diff = [f.name for f in theirs.__dataclass_fields__.values() if getattr(theirs, f.name) != getattr(cfg, f.name)]
+        raise CheckpointError(f"{path}: written for another model ({', '.join(diff)} differ from --model's config)")
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -284,7 +280,8 @@ def missing_files(path: str, meta: dict[str, Any], rank: int, world: int) -> str
            if held is not None else "files deleted, or a checkpoint directory that is not shared by the nodes")
     return (f"{path} on {socket.gethostname()}: rank {rank} of {world} needs {', '.join(missing[:4])}"
             f"{f' and {len(missing) - 4} more' if len(missing) > 4 else ''}, which it does not have: {why}. Give "
-            f"every node the same directory (a shared filesystem), or copy the missing shard files there")
+            f"every node the same directory (a shared filesystem), or copy the missing shard files there (with their "
+            f"\"{cio.DIGESTS}\" entries)")
 
 
 # ---- integrity: what `--continue` refuses (checkpoint_checks.py says what is checked) ----
@@ -331,17 +328,17 @@ def unverified_note(path: str) -> str:
 
 def check_resumable(path: str, meta: dict[str, Any], files: cio.CheckpointFiles, cfg: ModelConfig, opts: Any,
                     world: int, ckpt_dir: str) -> None:
-    """The preflight's part (no model, nothing large read): every shard file's header fits this run (of `world`
-    shards). A refusal names the newest checkpoint that does verify (fully: that one is read)."""
-    dtypes = run_dtypes(opts)
-    if problem := check_headers(path, meta, files, cfg, dtypes, held_ranks(meta, written_world(path, meta))):
+    """The preflight's part, after `check_compatible` (no model, no tensor data read): every file of every rank the
+    directory holds is there and its header fits the layout and its recorded digest (`checkpoint_checks.check_files`).
+    A refusal names the newest checkpoint that does verify (fully: that one is read)."""
+    if problem := check_files(path, meta, files, cfg):
         def problem_of(c: str) -> str | None:
             try:
                 m, _ = cio.read_checkpoint(c)
                 check_compatible(c, m, cfg, opts, world)
             except CheckpointError as e:
                 return str(e)
-            return verify(c, cfg=cfg, dtypes=dtypes)
+            return verify(c)
         raise refusal(problem, newest_verifying(path, problem_of), continue_hint(ckpt_dir))
 
 
@@ -363,10 +360,10 @@ def restore_state(path: str, trainer: Trainer) -> dict[str, Any]:
     check_compatible(path, meta, cfg, trainer.opts, shards)
     if (err := _agree(ctx, missing_files(path, meta, shard, shards))) is not None:
         raise CheckpointError(err)
-    world, dtypes = meta["distributed"]["world"], run_dtypes(trainer.opts)
+    world = meta["distributed"]["world"]
     src = FlatLayout(cfg, world)
     state = None
-    err = check_headers(path, meta, files, cfg, dtypes, _reads(world, shard, shards))
+    err = check_files(path, meta, files, cfg, ranks=_reads(world, shard, shards))
     if err is None:
         try:
             if world == shards:
@@ -397,7 +394,7 @@ def restore_state(path: str, trainer: Trainer) -> dict[str, Any]:
                     return missing
             except CheckpointError as e:
                 return str(e)
-            return verify(c, cfg=cfg, dtypes=dtypes, ranks=_reads(m["distributed"]["world"], shard, shards))
+            return verify(c, ranks=_reads(m["distributed"]["world"], shard, shards))
         hint = continue_hint(trainer.opts.expand(trainer.opts.checkpoint_dir))
         raise refusal(err, newest_verifying(path, problem_of, ctx), hint)
     hints = meta.get(HINTS_META)  # checked by check_compatible

@@ -3,9 +3,10 @@
 No process group is needed: the weight shards of every rank are concatenated in rank order, which
 restores each group's flat buffer (see parallel/layout.py), and the tensors are views into those.
 
-Nothing is exported from a checkpoint that does not verify (`checkpoint_checks.verify`: every file's digest,
-the headers against the layout, finite weights and moments, v >= 0; the Adam files too, though the export
-does not carry them: they are the same training state); the refusal names the newest checkpoint that does.
+Nothing is exported from a checkpoint that does not verify (`checkpoint_checks`: its meta's schema, every file's
+header against the layout and its digest before any tensor is read, then each tensor's digest and values: finite
+weights and moments, v >= 0; the Adam files too when there, though the export does not carry them: they are the
+same training state); the refusal names the newest checkpoint that does.
 """
 from __future__ import annotations
 
@@ -18,37 +19,62 @@ from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import export_manifest, save_hf_model
 from qtrain.parallel.layout import FlatLayout
 from qtrain.train import checkpoint_io as cio
+from qtrain.train import checkpoint_meta
 from qtrain.train.checkpoint_io import CheckpointError
-from qtrain.train.checkpoint_checks import load_checked, verify
+from qtrain.train.checkpoint_checks import check_files, load_checked, verify
+from qtrain.train.checkpoint_checks import shard_stem as _stem
 from qtrain.train.checkpointing import newest_verifying, refusal, unverified_note
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ADAM_KINDS = ("adam.m", "adam.v")  # not exported; checked when there (the same training state as the weights)
+
+
+def checked_meta(path: str) -> tuple[dict, ModelConfig, cio.CheckpointFiles]:
+    """(meta, model config, files) of a checkpoint whose meta has the schema's shape and whose files' headers match
+    its layout and their recorded digests (every rank's weights must be there; Adam files, if there, must fit too:
+    `checkpoint_checks.check_files`); CheckpointError otherwise, naming the newest checkpoint beside it that
+    verifies when the files are at fault. Reads no tensor."""
+    meta, files = cio.read_checkpoint(path)
+    cfg = checkpoint_meta.validate(path, meta)
+    world = meta["distributed"]["world"]
+    if problem := check_files(path, meta, files, cfg, ranks=list(range(world)), optional=ADAM_KINDS):
+        raise refusal(problem, newest_verifying(path, _problem), _export_hint)
+    return meta, cfg, files
+
+
+def _problem(path: str) -> str | None:
+    """Why the checkpoint at `path` cannot be exported (its weights and Adam files read whole), or None."""
+    try:
+        meta, _ = cio.read_checkpoint(path)
+        checkpoint_meta.validate(path, meta)
+    except CheckpointError as e:
+        return str(e)
+    return verify(path, ranks=list(range(meta["distributed"]["world"])), optional=ADAM_KINDS)
 
 
 def checkpoint_params(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
     """(model config, full parameters by internal name, master dtype name) from a checkpoint directory, which
     must verify (CheckpointError naming the file and tensor, and the newest checkpoint beside it that does)."""
-    meta, files = cio.read_checkpoint(path)
-    cfg = ModelConfig.from_hf_dict(meta["model"], source=f"{path}/checkpoint.json")
+    meta, cfg, files = checked_meta(path)
     world = int(meta["distributed"]["world"])
     layout = FlatLayout(cfg, world)
     # the Adam files first (each read whole, then dropped), then the weights: verified in the read that loads them
-    problem = verify(path, cfg=cfg, ranks=list(range(world)), kinds=("adam.m", "adam.v"))
-    if problem is None:
-        try:
-            shards = [load_checked(files, "weights", r, layout) for r in range(world)]
-        except CheckpointError as e:
-            problem = str(e)
-    if problem is not None:
-        raise refusal(problem, newest_verifying(path, verify), _export_hint)
+    try:
+        for kind in ADAM_KINDS:
+            for r in range(world):
+                if _stem(kind, r, world) in files:
+                    load_checked(files, kind, r, layout)
+        shards = [load_checked(files, "weights", r, layout) for r in range(world)]
+    except CheckpointError as e:
+        raise refusal(str(e), newest_verifying(path, _problem), _export_hint) from None
     buffers = {}
     for g in layout.groups:
         parts = [s[g.key] for s in shards]
         if any(p.numel() != g.shard_size(world) for p in parts):
             raise CheckpointError(f"{path}: weight shard of {g.key} has the wrong size for world {world}")
         buffers[g.key] = torch.cat(parts)
-    opts = meta.get("options", {})
-    return cfg, layout.views(buffers), opts.get("master_dtype") or opts.get("model_dtype", "bf16")
+    opts = meta["options"]
+    return cfg, layout.views(buffers), opts["master_dtype"] or opts["model_dtype"]
 
 
 def _export_hint(path: str, step: int | None) -> str:
@@ -74,12 +100,13 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, t
         have = [s for s, _ in cio.list_checkpoints(ckpt_dir)]
         raise CheckpointError(f"--checkpoint-dir {ckpt_dir}: no checkpoint" + (f" of step {step}" if step is not None
                               else "") + (f" (it has steps {', '.join(map(str, have[-8:]))})" if have else ""))
-    meta, files = cio.read_checkpoint(path)
+    meta, _, files = checked_meta(str(path))  # before anything is read or written
     run_id = (meta.get("run") or {}).get("id")
     man = export_manifest(out_dir)
     theirs = (man or {}).get("run_id")
     if theirs and theirs != run_id and not overwrite:
-        raise CheckpointError(f"--out-dir {out_dir}: holds the export of another run ({theirs[:8]}, step "
+        what = "the export" if man.get("complete") is True else "an interrupted export"  # hf_io's readers refuse it
+        raise CheckpointError(f"--out-dir {out_dir}: holds {what} of another run ({theirs[:8]}, step "
                               f"{man.get('step')}); choose another --out-dir, or pass --overwrite to replace it")
     cfg, params, dtype = checkpoint_params(str(path))
     spec = export_tokenizer(explicit=tokenizer or (checkpoint_tokenizer(str(path)) or ""))
@@ -94,7 +121,8 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, t
 def checkpoint_tokenizer(path: str) -> str | None:
     """The tokenizer a run recorded in its checkpoint, if it still exists (a built-in name or a path)."""
     meta, _ = cio.read_checkpoint(path)
-    spec = meta.get("tokenizer")
+    checkpoint_meta.validate(path, meta)
+    spec = checkpoint_meta.resolve_tokenizer(path, meta)
     if not spec:
         return None
     try:

@@ -18,6 +18,7 @@ import torch
 
 from qtrain.data.loader import TokenLoader
 from qtrain.data.hf_tokenizer import recorded_tokenizer, transformers_caveat, unavailable_reason
+from qtrain.data.token_files import DataChangedError
 from qtrain.observe.live import attach_observers
 from qtrain.observe.log import RunLogger
 from qtrain.observe.metrics import device_peaks, model_flops_per_token, ns_per_token, peak_tflops, sol_ops
@@ -28,8 +29,8 @@ from qtrain.plan.memory import plan_for_trainer
 from qtrain.train import checkpointing, cuda_graphs, run_dir
 from qtrain.train.preflight import Prepared, shared_preflight
 from qtrain.train.schedule import LRSchedule
-from qtrain.train.stop import (NonFiniteGuard, StackDump, StopSignals, out_of_memory, stopped_after_last_step,
-                               stopped_by_signal)
+from qtrain.train.stop import (NonFiniteGuard, StackDump, StopSignals, data_changed, out_of_memory,
+                               stopped_after_last_step, stopped_by_signal)
 from qtrain.train.trainer import Trainer
 
 
@@ -89,6 +90,11 @@ def _stop_requested(signals: StopSignals, ctx: DistContext) -> bool:
 def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared | None,
          signals: StopSignals) -> dict:
     prep = prep or shared_preflight(opts, ctx)
+    if prep.review is not None and prep.review.finished:  # --continue of a finished run: nothing is built or written
+        if ctx.is_main:
+            print(f"qtrain: {prep.review.finished}", flush=True)
+        return {"final_eval_loss": None, "steps": prep.total_steps, "out_dir": prep.paths.out_dir,
+                "checkpoint_dir": prep.paths.ckpt_dir}
     train_pattern, eval_pattern = prep.train_pattern, prep.eval_pattern
     trainer = _build_trainer(opts, ctx)
     # the checkpoint's tensors are verified as they load, before anything is written: a refused one changes nothing
@@ -107,6 +113,8 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
     log.log("run", run_id=prep.run_id, name=opts.name, resume=prep.resume)  # a new log's first line: its owner
     for note in notes + ([prep.note] if prep.note else []):
         log.message(note, level="warning")
+    if prep.review is not None:
+        prep.review.report(log)
     graphs_note = cuda_graphs.status(opts, trainer.device.type, on=trainer.graphs is not None,
                                      fp8_linears=bool(trainer.fp8 is not None and trainer.fp8.fp8))
     if graphs_note:
@@ -160,7 +168,7 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
             # 0.5B step took 883 ms where the same step through the API took 862, 2026-12-02). So a step's time
             # is from its start to its norm, and the update's GPU time lands in the next step's.
             try:
-                stats = trainer.step([train.next_batch(B) for _ in range(GA)], lr=schedule(step))
+                stats = trainer.step(train.next_batches(B, GA), lr=schedule(step))
             except torch.OutOfMemoryError as e:
                 raise _out_of_memory(step, e, trainer, ckpt_dir) from None
             dt_ms = 1000 * (time.perf_counter() - t0)
@@ -172,6 +180,8 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
                 log.log_abs_maxes(step, trainer.abs_maxes)
                 trainer.abs_maxes = None
             _check_finite(guard, step, stats, log, ckpt_dir)
+    except DataChangedError as e:  # a token file changed under the run: stop as on a signal, with the last good step
+        raise data_changed(e, step, save_checkpoint() if step > start and not ctx.distributed else None) from None
     finally:
         stacks.disarm()
 

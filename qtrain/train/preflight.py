@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qtrain.data.corpus import ensure_default_dataset
+from qtrain.data.hf_tokenizer import check_export_tokenizer, export_tokenizer
 from qtrain.data.loader import TokenLoader
 from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import check_hf_weights
@@ -28,7 +29,7 @@ from qtrain.options import Options, OptionsError
 from qtrain.parallel.dist import DeviceError, check_device
 from qtrain.parallel.groups import check_group_size
 from qtrain.train import checkpoint_io as cio
-from qtrain.train import checkpointing, run_dir
+from qtrain.train import checkpointing, resume_checks, run_dir
 from qtrain.train.cuda_graphs import check_cuda_graphs
 
 DEFAULT_DATA_DIR = os.path.join("data", "qtrain-default")
@@ -46,6 +47,7 @@ class Prepared:
     paths: run_dir.RunPaths
     found: run_dir.Found
     start_over: bool
+    review: resume_checks.Review | None = None  # --continue: what changed since the checkpoint, or that it is done
 
 
 def data_files(opts: Options) -> tuple[str, str | None]:
@@ -62,11 +64,13 @@ def _device_type(opts: Options) -> str:
 
 
 def check_model(opts: Options) -> ModelConfig:
-    """The model's config and, when weights are loaded, their headers; and what the options ask of it."""
+    """The model's config and, when weights are loaded, their headers; the export's tokenizer files; and what
+    the options ask of it."""
     source = resolve_model(opts.model, from_scratch=opts.from_scratch)
     cfg = source.cfg
     if source.weights_dir is not None:
         check_hf_weights(source.weights_dir, cfg)
+    check_export_tokenizer(export_tokenizer(explicit=opts.tokenizer, model_dir=source.tokenizer_dir), cfg)
     if opts.fp8_head_backward and (cfg.vocab_size % 16 or cfg.hidden_size % 16):
         raise OptionsError(f"--fp8-head-backward: the model's vocab_size {cfg.vocab_size} and hidden_size "
                            f"{cfg.hidden_size} must be multiples of 16 (cuBLASLt's FP8 GEMMs); drop the option")
@@ -96,14 +100,18 @@ def check_data(opts: Options, cfg: ModelConfig, world: int) -> tuple[str, str | 
     return train_pattern, eval_pattern, total
 
 
-def check_resume(opts: Options, cfg: ModelConfig, world: int, paths: run_dir.RunPaths,
-                 found: run_dir.Found) -> tuple[str, str | None, str | None]:
-    """(run id, checkpoint to resume or None, note): --continue resolved and checked against this run, and the
-    output paths' owners checked against the run that will write them."""
+def check_resume(opts: Options, cfg: ModelConfig, world: int, paths: run_dir.RunPaths, found: run_dir.Found, *,
+                 train_pattern: str,
+                 total_steps: int) -> tuple[str, str | None, str | None, resume_checks.Review | None]:
+    """(run id, checkpoint to resume or None, note, review): --continue resolved and checked against this run (its
+    meta's schema, its files' headers and recorded digests, the options and data it records: `resume_checks`), and
+    the output paths' owners and the user's links among the checkpoints checked against the run that will write
+    them."""
     if opts.continue_from is None:
         run_dir.check_links(paths, from_step=0, start_over=opts.start_over)
         run_dir.check_ownership(paths, found, run_id=None, start_over=opts.start_over)
-        return run_dir.new_run_id(), None, None
+        return run_dir.new_run_id(), None, None, None
+    review = None
     path = checkpointing.find(paths.ckpt_dir, opts.continue_from)
     if path is None:
         run_id = found.ckpt_run if found.ckpt_run not in (None, run_dir.LEGACY) else run_dir.new_run_id()
@@ -113,12 +121,14 @@ def check_resume(opts: Options, cfg: ModelConfig, world: int, paths: run_dir.Run
         shards = check_group_size(opts.shard_group_size, world)
         checkpointing.check_compatible(path, meta, cfg, opts, shards)
         checkpointing.check_resumable(path, meta, files, cfg, opts, shards, paths.ckpt_dir)
+        review = resume_checks.review(path, meta, opts, world=world, train_pattern=train_pattern,
+                                      total_steps=total_steps, out_dir=paths.out_dir)
         run_id = (meta.get("run") or {}).get("id") or (
             found.ckpt_run if found.ckpt_run not in (None, run_dir.LEGACY) else run_dir.new_run_id())
         note = None if files.verified else checkpointing.unverified_note(path)
     run_dir.check_links(paths, from_step=(cio.checkpoint_step(path) or 0) if path else 0)
     run_dir.check_ownership(paths, found, run_id=run_id)
-    return run_id, path, note
+    return run_id, path, note, review
 
 
 def check_memory(opts: Options, cfg: ModelConfig, world: int, procs: int) -> None:
@@ -147,10 +157,11 @@ def preflight(opts: Options, *, world: int, local_procs: int | None = None) -> P
     run_dir.check_paths(paths)
     found = run_dir.inspect(paths)
     train_pattern, eval_pattern, total = check_data(opts, cfg, world)
-    run_id, resume, note = check_resume(opts, cfg, world, paths, found)
+    run_id, resume, note, review = check_resume(opts, cfg, world, paths, found, train_pattern=train_pattern,
+                                                total_steps=total)
     check_memory(opts, cfg, world, local_procs or world)
     return Prepared(run_id=run_id, resume=resume, note=note, train_pattern=train_pattern, eval_pattern=eval_pattern,
-                    total_steps=total, paths=paths, found=found, start_over=opts.start_over)
+                    total_steps=total, paths=paths, found=found, start_over=opts.start_over, review=review)
 
 
 def shared_preflight(opts: Options, ctx: Any) -> Prepared:

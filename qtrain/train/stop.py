@@ -9,6 +9,9 @@
 * A step that runs out of device memory (`out_of_memory`): the run stops with exit code 4 and one message that
   names the newest checkpoint (the step's state is not saved: it ended half-done), the plan's numbers and how much
   the allocator held in fragments, and what to change.
+* A token file that changes under the run (cut short in place, ids written out of range: the loader's
+  DataChangedError, `data/loader.py`): the run stops as on a signal, with a checkpoint of the last good step and one
+  message naming the file and the token offset (exit code 5).
 * A step that does not end (`--debug-stack-dump-after SECONDS`, `StackDump`): the run does not stop, but every
   thread's Python stack goes to stderr once the step has run that long, so a stall says where it waits.
 """
@@ -23,6 +26,7 @@ from typing import Any
 
 NONFINITE_EXIT = 3
 OUT_OF_MEMORY_EXIT = 4
+DATA_CHANGED_EXIT = 5
 
 
 class RunStopped(Exception):
@@ -96,6 +100,16 @@ def out_of_memory(step: int, error: BaseException, plan: str, fragments: int | N
                       f"{plan}{frag}. Use less: more --lmhead-chunks, a smaller --batch-size with more "
                       f"--grad-accumulation, --recompute-*, --no-fp8-keep-transposes, or offload (`qtrain plan` "
                       f"shows each choice's bytes); {resume}", OUT_OF_MEMORY_EXIT, label="out of memory")
+
+
+def data_changed(error: BaseException, step: int, checkpoint: str | None) -> RunStopped:
+    """The report of a token file that changed under the run at `step` (`error` names the file and offset);
+    `checkpoint`: the one written of the last good step (None: no step since the start, or several ranks)."""
+    where = (f"checkpoint {checkpoint} of the last good step written; restore the file (or point --train-file / "
+             f"--eval-file at a good copy) and resume with --continue" if checkpoint else
+             "no checkpoint written now (no step since the start, or several ranks): restore the file and resume "
+             "from the newest checkpoint with --continue")
+    return RunStopped(f"at step {step}: {error}; {where}", DATA_CHANGED_EXIT)
 
 
 class NonFiniteGuard:

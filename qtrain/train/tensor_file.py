@@ -93,9 +93,10 @@ class Header:
                                  f"written (corrupted since)", key)
 
 
-def is_digest(value: Any) -> bool:
-    """Whether `value` is a file digest as `write` returns it (`sha256-tree:` and 64 lower-case hex digits)."""
-    prefix = FILE_DIGEST + ":"
+def is_digest(value: Any, label: str = FILE_DIGEST) -> bool:
+    """Whether `value` is a digest with `label` (default: a file's as `write` returns it): `<label>:` and 64
+    lower-case hex digits."""
+    prefix = label + ":"
     return (isinstance(value, str) and value.startswith(prefix) and len(value) == len(prefix) + 64
             and all(c in "0123456789abcdef" for c in value[len(prefix):]))
 

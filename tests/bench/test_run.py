@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from bench.llmq import parse_summary as llmq_summary
 from bench.pytest_run import parse_summary as pytest_summary
 from bench.report import ratio_lines, table
 from bench.suite import REPO_ROOT, Ratio, SuiteError, load, suite_names
+from tests.run_utils import subprocess_env
 
 REQUIRED = {"regress-1p5b", "sizes", "precision", "fidelity", "gemm-ceiling", "gpu-tests"}
 BEFORE_RESTRUCTURE = "dac8680"  # the layout the regress-1p5b baseline has (qtrain.train.options, ...)
@@ -64,6 +66,34 @@ def test_every_kind_module_imports_with_run_and_dry_run(kind):
     import importlib
     module = importlib.import_module(KINDS[kind].module)
     assert callable(getattr(module, "run", None)) and callable(getattr(module, "dry_run", None)), kind
+
+
+HIDE_TRITON = """
+import importlib, importlib.abc, sys
+class NoTriton(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "triton":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoTriton())
+"""
+
+
+def test_every_kind_module_imports_without_triton():
+    """The install may lack Triton (qtrain then runs every kernel's twin): every kind module still imports, a kind
+    that times Triton kernels imports triton only when it runs. Checked in a child process where `import triton`
+    fails, whether or not this machine has Triton."""
+    code = HIDE_TRITON + """
+from bench.kinds import KINDS
+from qtrain.kernels import dispatch
+assert not dispatch.HAS_TRITON
+for kind in KINDS:
+    module = importlib.import_module(KINDS[kind].module)
+    assert callable(module.run) and callable(module.dry_run), kind
+print("imported", len(KINDS))
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and f"imported {len(KINDS)}" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
 def test_regress_suite_alternates_base_and_new():

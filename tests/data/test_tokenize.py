@@ -13,6 +13,7 @@ from qtrain.data.corpus import ensure_default_dataset
 from qtrain.data.token_files import DataError, read_token_file, read_token_file_header
 from qtrain.data.loader import TokenLoader
 from qtrain.cli.main import main as cli_main
+from qtrain.data.token_sets import INDEX
 from qtrain.data.tokenize import HoldOut, get_tokenizer, tokenize_files
 
 DOCS = [
@@ -123,16 +124,18 @@ def test_qwen2_split_lines_eval_inputs_and_sharding(tmp_path: Path) -> None:
     (tmp_path / "train.txt").write_text("\n".join(DOCS[:4]) + "\n\n", encoding="utf-8")
     (tmp_path / "eval.txt").write_text(DOCS[4], encoding="utf-8")
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "train-007.bin").write_bytes(b"stale")  # from an earlier, bigger run: must go
+    earlier = tokenize_files([str(tmp_path / "train.txt")], out, tokenizer="qwen2", split_lines=True,
+                             max_tokens_per_file=4, progress=False)  # an earlier run with more shards: they must go
     res = tokenize_files(
         [str(tmp_path / "train.txt")], out, tokenizer="qwen2", eval_inputs=[str(tmp_path / "eval.txt")],
-        split_lines=True, max_tokens_per_file=10, progress=False,
+        split_lines=True, max_tokens_per_file=10, progress=False, overwrite=True,
     )
+    assert len(earlier.train_files) > len(res.train_files)
     tok = get_tokenizer("qwen2")
     lines = [line for d in DOCS[:4] for line in d.splitlines() if line.strip()]
     assert len(res.train_files) > 2 and [os.path.basename(f) for f in res.train_files][:2] == ["train-000.bin", "train-001.bin"]
-    assert sorted(p.name for p in out.iterdir()) == sorted(os.path.basename(f) for f in res.train_files + res.eval_files)
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [INDEX, *(os.path.basename(f) for f in res.train_files + res.eval_files)])
     assert all(read_token_file_header(f).num_tokens <= 10 for f in res.train_files)
     assert read_token_file_header(res.train_files[0]).vocab_size == 151665
     assert _decode_files(tok, res.train_files) == EOS_TEXT.join(lines) + EOS_TEXT

@@ -64,7 +64,7 @@ def test_signatures_are_the_specification_contract():
 
 
 def test_loss_fn_selection(monkeypatch):
-    assert ce.FUSED_CE_ENABLED is True, "on by default since measured on the H200 (BENCHMARKS.md)"
+    assert ce.FUSED_CE_ENABLED is True, "on by default: faster and smaller than the compiled loss on the H200"
     assert loss_mod._loss_fn(False) is _chunk_loss_and_dlogits
     assert loss_mod._loss_fn(True) is ce.cross_entropy_fwd_bwd_inplace_
     assert loss_mod._loss_fn(False) is _chunk_loss_and_dlogits  # the CPU keeps running the specification

@@ -169,15 +169,17 @@ def test_workspace_counts_the_fp8_operands():
 
 
 # --------------------------------------------------------------------------------- interpreter
-def _check_kernel_vs_twin(x, t, z_loss, *, codes: bool):
+def _check_kernel_vs_twin(x, t, z_loss, *, codes: bool, **tiles):
     """Loss and lse to fp32 rounding (the kernel sums in blocks); the codes over the logits, q^T their transpose,
     ignored rows zero. `codes`: on the GPU the codes equal the twin's except where exp's approximation moves d across
     an e5m2 rounding boundary (one step, at most 0.1% of them); the interpreter's fp32 -> fp8 cast is not the GPU's
-    (it misses by a binade at times), so there only the signs of the larger gradients are compared."""
+    (it misses by a binade at times), so there only the signs of the larger gradients are compared. `tiles`: the
+    Triton launcher's tile parameters (default: the dispatched op's launch)."""
     ref = cf.cross_entropy_fp8_grads_twin(x.clone(), t, z_loss=z_loss)
     buf = x.clone()
     with dispatch.backend("triton"):
-        got = cf.cross_entropy_fp8_grads(buf, t, z_loss=z_loss)
+        got = cf.cross_entropy_fp8_grads_triton(buf, t, z_loss=z_loss, **tiles) if tiles else \
+            cf.cross_entropy_fp8_grads(buf, t, z_loss=z_loss)
     torch.testing.assert_close(got[1], ref[1], rtol=2e-6, atol=0)
     torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
     assert got[2].data_ptr() == buf.data_ptr()
@@ -193,17 +195,14 @@ def _check_kernel_vs_twin(x, t, z_loss, *, codes: bool):
 
 @interp_only
 @pytest.mark.parametrize("n,v", [(7, 1000), (40, 300), (3, 33)])
-def test_interp_kernel_matches_twin(n, v, monkeypatch):
-    """Small tiles so that rows and columns both span several programs and loop iterations, with ragged edges."""
-    monkeypatch.setattr(cf, "BLOCK_M", 16)
-    monkeypatch.setattr(cf, "BLOCK_V", 64)
-    monkeypatch.setattr(cf, "COLS", 192)  # a 2-D grid's column range: three tiles, the last one ragged
-    monkeypatch.setattr(cf, "T_BLOCK", 16)
-    monkeypatch.setattr(cf, "QT_MODE", n % 3)  # each transposition mode on one shape
+def test_interp_kernel_matches_twin(n, v):
+    """Small tiles so that rows and columns both span several programs and loop iterations, with ragged edges
+    (cols 192: a 2-D grid's column range of three tiles, the last one ragged)."""
+    tiles = dict(block_m=16, block_v=64, cols=192, t_block=16)
     x, t = make_case(n, v, torch.float32, seed=n + v)
-    _check_kernel_vs_twin(x, t, 1e-3, codes=False)
+    _check_kernel_vs_twin(x, t, 1e-3, codes=False, **tiles)
     x, t = make_case(n, v, torch.bfloat16, seed=n)
-    _check_kernel_vs_twin(x, t, 0.0, codes=False)
+    _check_kernel_vs_twin(x, t, 0.0, codes=False, **tiles)
 
 
 # ------------------------------------------------------------------------- sm_90 build, on the CPU
@@ -213,12 +212,10 @@ def test_kernel_builds_for_hopper():
     conversion)."""
     sig = {"x_ptr": "*bf16", "qt_ptr": "*fp8e5", "targets_ptr": "*i64", "lse_ptr": "*fp32", "N": "i32", "V": "i32",
            "stride_x": "i32", "z_loss": "fp32"}
-    for mode in (0, 1, 2):
-        ptx = compile_for_hopper(cf._dlogits_fp8_t_kernel, sig, {"LOAD_KIND": 0, "SCALE": 32768.0, "FMAX": 57344.0,
-                                                                 "QT_MODE": mode, "BLOCK_M": cf.BLOCK_M,
-                                                                 "BLOCK_V": cf.BLOCK_V, "COLS": cf.COLS},
-                                 num_warps=cf.NUM_WARPS)
-        assert "e5m2" in ptx
+    ptx = compile_for_hopper(cf._dlogits_fp8_t_kernel, sig, {"LOAD_KIND": 0, "SCALE": 32768.0, "FMAX": 57344.0,
+                                                             "BLOCK_M": cf.BLOCK_M, "BLOCK_V": cf.BLOCK_V,
+                                                             "COLS": cf.COLS}, num_warps=cf.NUM_WARPS)
+    assert "e5m2" in ptx
     compile_for_hopper(cf._transpose_u8_kernel, {"src_ptr": "*u8", "dst_ptr": "*u8", "R": "i32", "C": "i32",
                                                  "stride_src": "i32", "stride_dst": "i32"},
                        {"BLOCK_R": cf.T_BLOCK, "BLOCK_C": cf.T_BLOCK}, num_warps=cf.T_WARPS)
@@ -227,13 +224,11 @@ def test_kernel_builds_for_hopper():
 # --------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("qt_mode", [0, 1, 2])
 @pytest.mark.parametrize("n,v", [(96, 151936), (96, 32000), (14336, 151936)])
-def test_gpu_kernel_matches_twin(n, v, qt_mode, monkeypatch):
+def test_gpu_kernel_matches_twin(n, v):
     """The last shape puts q^T's offsets (V * n) past 2^31: the first version's int32 column offsets overflowed
-    there (an illegal address in the 1.5B run, session 22). Every transposition mode (the first version's q^T, the
-    e5m2 tile transposed under a transposed mask, was wrong on the H200)."""
-    monkeypatch.setattr(cf, "QT_MODE", qt_mode)
+    there (an illegal address in a 1.5B run). q^T's tile is transposed as bytes (the first version's q^T, the e5m2
+    tile transposed under a transposed mask, was wrong on the H200)."""
     x, t = make_case(n, v, seed=v, device="cuda")
     _check_kernel_vs_twin(x, t, 1e-4, codes=True)
 

@@ -163,25 +163,19 @@ def _hint_for(kind: str, e_true: int, device) -> torch.Tensor:
     return torch.full((1,), value, dtype=torch.int32, device=device)
 
 
-VARIANTS = {"fp32 tile transposed": dict(QT_MODE=1), "e4m3 tile transposed": dict(QT_MODE=0),
-            "codes transposed": dict(QT_MODE=2),
-            "masks and int64 offsets everywhere": dict(EVEN_TILES=False, INT32_OFFSETS=False),
-            "no clamp before the cast": dict(CLAMP=False)}
+# How the launchers index: as they choose (unmasked where the tiles divide the shape, 32-bit offsets where they fit),
+# or masked with 64-bit offsets everywhere (what a shape that the tiles do not divide, or one past 2^31 elements, runs)
+VARIANTS = {"as launched": None, "masks and int64 offsets everywhere": lambda M, F, bm, bf: (False, False)}
 
 
-def _check_hint_rule(device, shapes, variant, dtypes):
+def _check_hint_rule(device, shapes, variant, dtypes, monkeypatch):
     """Every hint gives the bits of the two-pass Triton path with 2^e for the exponent `scale_exponent` picks (the
     hint one binade below is kept, every other wrong one falls back to the own exponent) and leaves e in the hint
-    (for each kernel variant of `swiglu_fp8_onepass`'s module switches)."""
+    (for each indexing variant)."""
     from qtrain.kernels import swiglu_fp8_onepass as op
-    saved = {k: getattr(op, k) for k in VARIANTS[variant]}
-    try:
-        for k, v in VARIANTS[variant].items():
-            setattr(op, k, v)
-        _check_hints(device, shapes, dtypes)
-    finally:
-        for k, v in saved.items():
-            setattr(op, k, v)
+    if VARIANTS[variant] is not None:
+        monkeypatch.setattr(op, "_index_mode", VARIANTS[variant])
+    _check_hints(device, shapes, dtypes)
 
 
 def _check_hints(device, shapes, dtypes):
@@ -223,12 +217,12 @@ def _explain(got, want, x, fp8, e_hint, e_want) -> str:
 
 @interp_only
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_interp_hint_rule(variant):
+def test_interp_hint_rule(variant, monkeypatch):
     """The interpreter runs the integer-bit loads and rounding (its bf16 conversions are not the GPU's). The default
-    variant over four shapes (one row, odd, rows past a tile, an evenly tiled one); the others, which the GPU test
+    variant over four shapes (one row, odd, rows past a tile, an evenly tiled one); the other, which the GPU test
     runs over all its shapes, over an odd and an evenly tiled one (the interpreter is slow: CI time)."""
     shapes = [(1, 16), (19, 100), (70, 96), (64, 128)] if variant == next(iter(VARIANTS)) else [(19, 100), (64, 128)]
-    _check_hint_rule("cpu", shapes, variant, (torch.bfloat16, torch.float32))
+    _check_hint_rule("cpu", shapes, variant, (torch.bfloat16, torch.float32), monkeypatch)
 
 
 @interp_only
@@ -257,9 +251,9 @@ def test_interp_hint_misses_are_counted_only_when_asked():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_gpu_hint_rule(variant):
+def test_gpu_hint_rule(variant, monkeypatch):
     """bf16 (what FP8 training runs; the ops send other dtypes to the twin on the GPU, `test_gpu_twin_agrees`)."""
-    _check_hint_rule("cuda", [(1, 16), (19, 100), (333, 400), (4096, 8960)], variant, (torch.bfloat16,))
+    _check_hint_rule("cuda", [(1, 16), (19, 100), (333, 400), (4096, 8960)], variant, (torch.bfloat16,), monkeypatch)
 
 
 @pytest.mark.gpu

@@ -321,9 +321,14 @@ def test_gpu_triton_matches_cpu_twin():
 
 
 def test_twin_signature_is_the_kernel_contract():
-    """adamw_step_twin is what the CPU path runs; the Triton launcher has the same keyword contract."""
+    """adamw_step_twin is what the CPU path runs; the Triton launcher has the same keyword contract, plus its launch
+    shape (rows, num_warps: defaults the kernel module's, which change no bit)."""
     import inspect
 
-    from qtrain.kernels.adamw import adamw_step_triton
+    from qtrain.kernels.adamw import NUM_WARPS, ROWS, adamw_step_triton
 
-    assert inspect.signature(adamw_step_twin) == inspect.signature(adamw_step_triton)
+    launcher = inspect.signature(adamw_step_triton)
+    shape = {n: p.default for n, p in launcher.parameters.items() if n in ("rows", "num_warps")}
+    assert shape == {"rows": ROWS, "num_warps": NUM_WARPS}
+    contract = launcher.replace(parameters=[p for n, p in launcher.parameters.items() if n not in shape])
+    assert inspect.signature(adamw_step_twin) == contract

@@ -133,6 +133,8 @@ def test_plain_continue_with_no_checkpoint_starts_fresh_and_says_so(tmp_path, ca
     assert read_log(root / "logs" / "run.jsonl")[0] == {**read_log(root / "logs" / "run.jsonl")[0], "log": "run",
                                                          "run_id": run_id}
     assert json.loads((root / "out" / "run" / "qtrain-export.json").read_text())["run_id"] == run_id
-    # the same command again resumes that run (at its end: final evaluation and export only)
+    # the same command again resumes that run at its end: with its export complete there is nothing to do
+    capsys.readouterr()
     assert main(train_argv(root, steps=2) + ["--continue"]) == 0
-    assert [e["run_id"] for e in read_log(root / "logs" / "run.jsonl") if e["log"] == "run"] == [run_id, run_id]
+    assert f"finished at step 2; its export is in {root / 'out' / 'run'}; nothing to do" in capsys.readouterr().out
+    assert [e["run_id"] for e in read_log(root / "logs" / "run.jsonl") if e["log"] == "run"] == [run_id]

@@ -1,0 +1,76 @@
+"""The sparse MoE MLP, functional and family-independent: route, permute, grouped expert GEMMs, SwiGLU, combine.
+
+One layer, for N tokens of width C, E experts of intermediate size F, top-k routing::
+
+    1) routing (moe_router.route)       logits = x W_r^T (N, E); softmax, top-k, renormalise: in fp32
+    2) permutation (moe_permute)         xs = the k copies of each token in expert order (N*k, C)
+    3) up/gate GEMM (grouped_gemm)      h = xs_g W_ug[g]^T per expert g (N*k, 2F), rows [up; gate]
+    4) SwiGLU (layers.swiglu_fused)     a = up * silu(gate) (N*k, F)
+    5) down GEMM (grouped_gemm)         ys = a_g W_d[g]^T (N*k, C)
+    6) combine (moe_permute)            out[t] = sum_j w[t, j] ys[row of (t, j)] (N, C), fp32 sum
+
+Dropless: every token reaches all k of its experts, whatever the imbalance; nothing is padded to a capacity, so
+the result equals transformers' per-expert loop. An expert that gets no token owns no rows: the grouped GEMMs
+leave its weight gradient exactly zero (never a NaN from an empty mean or an uninitialised buffer).
+
+Weights, per MoE layer (what the family seam stores; the HF names are in the families' mappings):
+  router_weight   (E, C)       <- mlp.gate.weight (Mixtral: block_sparse_moe.gate.weight)
+  experts_up_gate (E, 2F, C)   rows [up; gate] of each expert, qtrain's dense MLP order (model/weights.py)
+                               <- experts.{e}.up_proj / gate_proj (Mixtral: w3 / w1); transformers' own fused
+                               `experts.gate_up_proj` is [gate; up], so its halves swap
+  experts_down    (E, C, F)    <- experts.{e}.down_proj (Mixtral: w2)
+
+Memory kept for backward besides the dense MLP's kinds of tensors: xs (N*k, C), h (N*k, 2F), a (N*k, F) and ys
+(N*k, C) in the activation dtype, the routing (N, E) fp32 probabilities, and the permutation indices
+(2 x N*k int64). Imbalance changes none of these sizes: dropless routing fixes the row count at N*k.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from qtrain.kernels.grouped_gemm import expert_linear
+from qtrain.kernels.moe_permute import ExpertOrder, permute_tokens, sort_by_expert, unpermute_tokens
+from qtrain.model.layers import swiglu_fused
+from qtrain.model.moe_router import RouterStats, route, router_stats
+
+__all__ = ["MoEOutput", "moe_forward"]
+
+
+class MoEOutput(NamedTuple):
+    out: torch.Tensor            # x's shape and dtype
+    router_logits: torch.Tensor  # (N, E) in x's dtype: what transformers returns as `router_logits`
+    stats: RouterStats           # this layer's share of the auxiliary losses (moe_router)
+    plan: ExpertOrder            # the permutation; plan.counts = tokens per expert (observability)
+
+
+def _check(x: torch.Tensor, router_weight: torch.Tensor, experts_up_gate: torch.Tensor,
+           experts_down: torch.Tensor, top_k: int) -> None:
+    E, C = router_weight.shape
+    F2 = experts_up_gate.shape[1] if experts_up_gate.dim() == 3 else -1
+    if x.shape[-1] != C or experts_up_gate.shape != (E, F2, C) or F2 % 2 or \
+            experts_down.shape != (E, C, F2 // 2):
+        raise ValueError(f"moe_forward: expected x (..., C), router (E, C), experts_up_gate (E, 2F, C), "
+                         f"experts_down (E, C, F); got {tuple(x.shape)}, {tuple(router_weight.shape)}, "
+                         f"{tuple(experts_up_gate.shape)}, {tuple(experts_down.shape)}")
+    if not 1 <= top_k <= E:
+        raise ValueError(f"moe_forward: top_k must be in [1, {E}] (the number of experts), got {top_k}")
+
+
+def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, experts_up_gate: torch.Tensor,
+                experts_down: torch.Tensor, *, top_k: int, norm_topk_prob: bool) -> MoEOutput:
+    """The MoE MLP of one layer (module docstring) on x (..., C): weights as listed there, all differentiable.
+    `norm_topk_prob`: renormalise the k kept probabilities to sum to 1 (Qwen3-MoE per config, OLMoE False,
+    Mixtral True). Returns the output and what the auxiliary losses and the logs need."""
+    _check(x, router_weight, experts_up_gate, experts_down, top_k)
+    shape, E = x.shape, router_weight.shape[0]
+    x2 = x.reshape(-1, shape[-1])  # (N, C)
+    r = route(x2, router_weight, top_k=top_k, norm_topk_prob=norm_topk_prob)
+    plan = sort_by_expert(r.ids, E)
+    xs = permute_tokens(x2, plan)  # (N*k, C) in expert order
+    h = expert_linear(xs, experts_up_gate, plan.offsets)  # (N*k, 2F): [up | gate]
+    a = swiglu_fused(h)  # (N*k, F)
+    ys = expert_linear(a, experts_down, plan.offsets)  # (N*k, C)
+    out = unpermute_tokens(ys, r.weights, plan)  # (N, C)
+    return MoEOutput(out.view(shape), r.logits, router_stats(r, E, plan.counts), plan)

@@ -1,0 +1,231 @@
+"""What `--continue` compares: the run a checkpoint records (every option, the training files) against the
+command that resumes it, before anything is built.
+
+Refused (one line naming each option with its old -> new value), because the saved state would then mean
+something else:
+
+* the data position (a chunk index into the shuffled files, `TokenLoader.state_dict`): another --seq-len (the
+  chunks are cut anew: 16 -> 8 re-serves every token trained so far), another --train-seed (another order), a
+  training file replaced, appended to, truncated or rewritten, or a glob that gained or lost a file. `--new-data`
+  accepts them: the data position restarts at the start of the (new) data.
+* the schedule and the optimizer's batch: another --lr-schedule, --warmup, --cooldown, --final-lr-fraction, or
+  global batch (batch x grad-accumulation x ranks; another split of the same global batch is fine, as is another
+  number of ranks with it). `--override-schedule` takes them from the command line (Megatron-LM's
+  --override-opt_param-scheduler).
+* a run shorter than the checkpoint (--steps or --epochs giving fewer steps than it has done): no flag.
+
+Every other changed option is accepted and reported, one line each (`Change`), in the console and the run log.
+A checkpoint of an older qtrain (format 1) records five options and no files: what it lacks cannot be checked,
+and the resume says so. A run whose checkpoint is at its last step and whose export is complete has nothing to
+do (`Review.finished`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from qtrain.data.fingerprint import describe_change, fingerprint, same_content
+from qtrain.data.loader import position_error
+from qtrain.data.token_files import expand_files, read_token_file_header
+from qtrain.fsio import shorten
+from qtrain.model.hf_io import export_manifest, manifest_files
+from qtrain.options import Options
+from qtrain.train.checkpoint_meta import MUST_MATCH
+
+# how this command resumes, not what the run is: never compared
+INVOCATION = ("continue_from", "new_data", "start_over", "override_schedule")
+DATA_OPTIONS = ("seq_len", "train_seed")  # the saved data position means something else with another value
+SCHEDULE_OPTIONS = ("lr_schedule", "warmup", "cooldown", "final_lr_fraction")
+_LISTED = 3  # files named in a message before "and N more"
+
+
+class ResumeError(ValueError):
+    """A --continue whose command changes what the checkpoint's state means; the message names each change."""
+
+
+@dataclass
+class Change:
+    """One accepted option change: `--lr 0.001 -> 0.0005`."""
+    option: str
+    old: Any
+    new: Any
+
+    def text(self, step: int) -> str:
+        return f"--continue: {_flag(self.option)} {_show(self.old)} -> {_show(self.new)} (checkpoint step {step})"
+
+
+@dataclass
+class Review:
+    step: int  # the checkpoint's
+    changes: list[Change] = field(default_factory=list)  # accepted, reported one line each
+    notes: list[str] = field(default_factory=list)  # what else the resume should say (unchecked records, --new-data)
+    finished: str | None = None  # "run X finished at step N; its export is in DIR; nothing to do"
+
+    def report(self, log: Any) -> None:
+        """Into the run log (a `RunLogger`) and onto the console: the notes, then one line per accepted change."""
+        for note in self.notes:
+            log.message(note, level="warning")
+        for c in self.changes:
+            log.message(c.text(self.step), level="warning", step=self.step, option=c.option, old=c.old, new=c.new)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _show(v: Any) -> str:
+    return "''" if v == "" else shorten(v) if isinstance(v, str) else str(v)
+
+
+def _names(paths: list[str]) -> str:
+    shown = ", ".join(shorten(p) for p in paths[:_LISTED])
+    return shown + (f" and {len(paths) - _LISTED} more" if len(paths) > _LISTED else "")
+
+
+def current_data(train_pattern: str) -> list[dict[str, Any]]:
+    """Fingerprints of the files `train_pattern` names now (in the loader's order)."""
+    return [fingerprint(p) for p in expand_files(train_pattern)]
+
+
+def _by_place(files: list[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    """Files by their path below the folder they share: the same data moved elsewhere pairs up file by file."""
+    root = os.path.commonpath([os.path.dirname(f["path"]) for f in files])
+    return {os.path.relpath(f["path"], root): f for f in files}
+
+
+def data_change(old: list[Mapping[str, Any]], new: list[Mapping[str, Any]]) -> tuple[str | None, str | None]:
+    """(what changed in the training data that moves the data position, or None; a note on what changed that
+    does not: the same bytes at other paths, files touched)."""
+    if [(f["size"], f["digest"]) for f in old] == [(f["size"], f["digest"]) for f in new]:
+        moved = [f"{shorten(a['path'])} -> {shorten(b['path'])}" for a, b in zip(old, new) if a["path"] != b["path"]]
+        touched = [b["path"] for a, b in zip(old, new) if a["path"] == b["path"] and describe_change(a, b)]
+        notes = ([f"the training files are at other paths with the same content ({', '.join(moved[:_LISTED])}"
+                  f"{' ...' if len(moved) > _LISTED else ''})"] if moved else []) + (
+            [f"{_names(touched)}: touched or copied since the checkpoint (same size and sampled content)"]
+            if touched else [])
+        return None, "; ".join(notes) or None
+    old_by, new_by = _by_place(old), _by_place(new)
+    parts = [f"{shorten(new_by[k]['path'])} was {describe_change(old_by[k], new_by[k])}"
+             for k in sorted(old_by.keys() & new_by.keys()) if not same_content(old_by[k], new_by[k])]
+    parts = parts[:_LISTED] + ([f"{len(parts) - _LISTED} more changed"] if len(parts) > _LISTED else [])
+    if gained := sorted(new_by[k]["path"] for k in new_by.keys() - old_by.keys()):
+        parts.append(f"the training files now include {_names(gained)}")
+    if lost := sorted(old_by[k]["path"] for k in old_by.keys() - new_by.keys()):
+        parts.append(f"{_names(lost)} {'is' if len(lost) == 1 else 'are'} no longer among the training files")
+    return "the training data changed since the checkpoint: " + "; ".join(parts or ["the files are reordered"]), None
+
+
+def _position_problem(state: Mapping[str, Any], train_pattern: str, seq_len: int) -> list[str]:
+    """[why the saved data position cannot be restored in the training files there are now] or []."""
+    if not state:
+        return ["the checkpoint records no data position (written without a data loader): pass --new-data to start "
+                "at the beginning of the training data"]
+    why = position_error(state, [read_token_file_header(p).num_tokens for p in expand_files(train_pattern)], seq_len)
+    return [f"its data_loader is no position in the training files there are now ({why}): pass --new-data to "
+            f"restart at the start of the training data"] if why else []
+
+
+def _global_batch(o: Mapping[str, Any], world: int) -> int:
+    return int(o["batch_size"]) * int(o["grad_accumulation"]) * world
+
+
+def _finished(meta: Mapping[str, Any], out_dir: str) -> tuple[bool, str]:
+    """(whether the export in `out_dir` is this run's, of the checkpoint's step, complete; why not)."""
+    man = export_manifest(out_dir)
+    run_id = (meta.get("run") or {}).get("id")
+    if man is None:
+        return False, "missing"
+    if man.get("run_id") != run_id:
+        return False, "of another run"
+    if man.get("step") != meta["step"]:
+        return False, f"of step {shorten(man.get('step'))}"
+    if man.get("complete") is not True or not all((Path(out_dir) / n).is_file() for n in manifest_files(man)):
+        return False, "incomplete"
+    return True, ""
+
+
+def _data_problems(meta: Mapping[str, Any], opts: Options, train_pattern: str) -> tuple[list[str], list[str]]:
+    """(changes that move the data position, notes on changes that do not)."""
+    old, state, data = meta["options"], meta["data_loader"], meta.get("data")
+    problems, notes = [], []
+    old_seed = state.get("seed", old.get("train_seed"))  # the seed the saved position was shuffled with
+    if old_seed is not None and old_seed != opts.train_seed:
+        problems.append(f"--train-seed {old_seed:#x} -> {opts.train_seed:#x}")
+    if "seq_len" in old and old["seq_len"] != opts.seq_len:
+        problems.append(f"--seq-len {old['seq_len']} -> {opts.seq_len}")
+    if data is not None:
+        problem, note = data_change(data["files"], current_data(train_pattern))
+        problems += [problem] if problem else []
+        notes += [note] if note else []
+    return problems, notes
+
+
+def _schedule_problems(meta: Mapping[str, Any], opts: Options, world: int) -> list[str]:
+    """Changes of the learning-rate schedule or of the global batch (another split of it, or the same global batch
+    on another number of ranks, is none)."""
+    old, state, dist = meta["options"], meta["data_loader"], meta["distributed"]
+    problems = []
+    if {"batch_size", "grad_accumulation"} <= old.keys():
+        old_world = state.get("world") or dist["world"] * dist.get("replicas", 1)
+        before, now = _global_batch(old, old_world), _global_batch(vars(opts), world)
+        if before != now:
+            problems.append(f"global batch {before} -> {now} sequences per step (--batch-size {old['batch_size']} -> "
+                            f"{opts.batch_size}, --grad-accumulation {old['grad_accumulation']} -> "
+                            f"{opts.grad_accumulation}, {old_world} -> {world} rank(s))")
+    return problems + [f"{_flag(k)} {_show(old[k])} -> {_show(getattr(opts, k))}" for k in SCHEDULE_OPTIONS
+                       if k in old and old[k] != getattr(opts, k)]
+
+
+def review(path: str, meta: Mapping[str, Any], opts: Options, *, world: int, train_pattern: str, total_steps: int,
+           out_dir: str) -> Review:
+    """Compare this command (`opts` on `world` ranks, its resolved training files and step count) with the
+    checkpoint at `path` (its meta, validated); ResumeError for a change the module docstring refuses."""
+    step, old, state, version = meta["step"], meta["options"], meta["data_loader"], meta["version"]
+    if total_steps < step:
+        how = f"--steps {opts.steps}" if opts.steps > 0 else f"--epochs {opts.epochs} ({total_steps} steps)"
+        raise ResumeError(f"--continue {path}: {how} ends before the checkpoint's step {step}: its weights have "
+                          f"trained {step} steps. Resume it with --steps {step} or more, resume an earlier checkpoint "
+                          f"(--continue STEP), or export it with `qtrain export`")
+    data_problems, notes = _data_problems(meta, opts, train_pattern)
+    schedule_problems = _schedule_problems(meta, opts, world)
+    refused = []
+    if data_problems and not opts.new_data:
+        refused.append(f"{', '.join(data_problems)}: the saved data position would serve other sequences than the "
+                       f"run's next ones (pass --new-data to restart it at the start of the training data)")
+    if schedule_problems and not opts.override_schedule:
+        refused.append(f"{', '.join(schedule_problems)}: the learning-rate schedule or the batch the optimizer "
+                       f"steps with would change mid-run (pass --override-schedule to take them from this command)")
+    tail = "; or resume with the checkpoint's values" if refused else ""
+    if not opts.new_data and not data_problems:
+        refused += _position_problem(state, train_pattern, opts.seq_len)
+    if refused:
+        raise ResumeError(f"--continue {path} (step {step}): {'; '.join(refused)}{tail}")
+
+    rv = Review(step=step, notes=notes)
+    if version < 2:
+        rv.notes.append(f"checkpoint {path} has format {version}: it records {len(old)} options and not the training "
+                        f"files, so changes to the other options or to the data cannot be checked (checkpoints "
+                        f"written from now on record them)")
+    elif meta.get("data") is None:
+        rv.notes.append(f"checkpoint {path} records no training files (written without a data loader): changes to "
+                        f"the data cannot be checked")
+    if opts.new_data:
+        where = (f"epoch {state['epoch']}, file {state['file_index']}, sequence {state['chunk_index']}" if state
+                 else "no position")
+        rv.notes.append(f"--new-data: the data position restarts at the start of the training data (the checkpoint "
+                        f"was at {where})" + (f"; {', '.join(data_problems)}" if data_problems else ""))
+    skip = set(INVOCATION) | set(MUST_MATCH)
+    rv.changes = sorted((Change(k, old[k], getattr(opts, k)) for k in Options.field_names() & old.keys()
+                         if k not in skip and old[k] != getattr(opts, k)), key=lambda c: c.option)
+    if total_steps == step:
+        done, why = _finished(meta, out_dir)
+        run = meta.get("run") or {}
+        who = f"run {run.get('name') or '?'} ({str(run.get('id') or '?')[:8]})"
+        if done:
+            rv.finished = f"{who} finished at step {step}; its export is in {out_dir}; nothing to do"
+        else:
+            rv.notes.append(f"{who} finished at step {step}, but its export in {out_dir} is {why}: evaluating and "
+                            f"exporting it")
+    return rv
