@@ -46,12 +46,19 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
     if ctx.device.type == "cpu":
         return_freed_memory()  # so the host memory the plan checked is what the run holds
     with StopSignals(announce=ctx.is_main) as signals:
+        lock = None  # the output paths' lock, when this process took it (rank 0): held until the run ends
         try:
+            if prep is None:
+                prep = shared_preflight(opts, ctx)
+                lock = prep.lock
             return _run(opts, argv, ctx, prep, signals)
         except Exception as e:  # a hung or dead rank: name it instead of a backend's message
             if ctx.distributed and is_collective_error(e):
                 raise ctx.diagnose(e) from e
             raise
+        finally:
+            if lock is not None:
+                lock.release()
 
 
 def _claim(prep: Prepared, opts: Options, ctx: DistContext) -> list[str]:
