@@ -14,6 +14,7 @@ import sys
 import typing
 from typing import Any
 
+from qtrain import console
 from qtrain import options as options_module
 from qtrain.cli.config_file import load_config_file
 from qtrain.options import CHOICES, Options, normalize_mapping, with_derived_name
@@ -141,5 +142,5 @@ def options_from_args(ns: argparse.Namespace) -> Options:
         from qtrain.data.hf_tokenizer import export_tokenizer
         export_tokenizer(explicit=opts.tokenizer)
     for line in llmq_notes(ns):
-        print(line, file=sys.stderr)
+        console.write(line + "\n", sys.stderr)
     return opts

@@ -28,8 +28,8 @@ from qtrain.plan.memory import plan_for_trainer
 from qtrain.train import checkpointing, cuda_graphs, run_dir
 from qtrain.train.preflight import Prepared, shared_preflight
 from qtrain.train.schedule import LRSchedule
-from qtrain.train.stop import (NonFiniteGuard, StackDump, StopSignals, out_of_memory, stopped_after_last_step,
-                               stopped_by_signal)
+from qtrain.train.stop import (NonFiniteGuard, RunStopped, StackDump, StopSignals, checkpoint_on_request,
+                               out_of_memory, stopped_after_last_step, stopped_by_signal)
 from qtrain.train.trainer import Trainer
 
 
@@ -86,11 +86,16 @@ def _build_trainer(opts: Options, ctx: DistContext) -> Trainer:
 
 
 def _stop_requested(signals: StopSignals, ctx: DistContext) -> bool:
-    """Whether any rank got a signal, or the launcher asked to stop (the same answer on every rank)."""
-    signum = ctx.max_int(signals.requested or ctx.stop_signal() or 0)
-    if signum:
-        signals.requested = signum
-    return bool(signum)
+    """Whether any rank got a signal, or the launcher asked to stop (the same answer on every rank); the ranks
+    agree on SIGUSR1's checkpoint requests in the same exchange (`StopSignals.agree`)."""
+    signals.agree(ctx)
+    return bool(signals.requested)
+
+
+def _logged(log: RunLogger, stop: RunStopped) -> RunStopped:
+    """A stop's message goes into the JSON log too (the console may be gone: `qtrain.console`)."""
+    log.message(str(stop), level="warning", on_console=False)
+    return stop
 
 
 def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared | None,
@@ -152,10 +157,14 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
         for step in range(start, total_steps):
             stacks.arm()
             if _stop_requested(signals, ctx):  # after a signal: this step's state is saved, then the run exits
-                raise stopped_by_signal(signals.requested, step, save_checkpoint() if step > start else None)
+                raise _logged(log, stopped_by_signal(signals.requested, step,
+                                                     save_checkpoint() if step > start else None))
             ctx.mark_progress(step)
-            if step % opts.ckpt_interval == 0 and step > start:
-                save_checkpoint()
+            requested = step > start and signals.take_checkpoint_request()  # SIGUSR1: checkpoint, go on
+            if (step % opts.ckpt_interval == 0 or requested) and step > start:
+                saved = save_checkpoint()
+                if requested:
+                    log.message(checkpoint_on_request(step, saved), step=step, level="warning")
             if step % opts.eval_every_n_steps == 0 and step > 0 and opts.eval_num_steps > 0:
                 evaluate(step, opts.eval_num_steps)
             t0 = time.perf_counter()
@@ -214,7 +223,7 @@ def _finish(opts: Options, ctx: DistContext, trainer: Trainer, log: RunLogger, s
     if opts.save_training_state and total_steps > start:
         path = save_checkpoint()
     if _stop_requested(signals, ctx):
-        raise stopped_after_last_step(signals.requested, path)
+        raise _logged(log, stopped_after_last_step(signals.requested, path))
     final = evaluate(total_steps, None)
     if trainer.graphs is not None:
         log.message(trainer.graphs.summary(), level="info")
