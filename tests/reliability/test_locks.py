@@ -125,8 +125,9 @@ def test_a_live_run_refuses_start_over_a_second_continue_and_another_name_in_its
     """The run is stopped part-way (SIGINT, in this process), then resumed with --continue in a subprocess that
     holds still after its first checkpoint. While it lives, each second writer the tester tried is refused naming
     it and changes nothing (before the lock: --start-over deleted the live run's checkpoints and moved its log
-    aside, a second --continue trained into the same checkpoints, another --name replaced its export). Then the
-    run finishes intact: each step once after the resume point, every checkpoint whole, its own export."""
+    aside, a second --continue trained into the same checkpoints, another --name replaced its export), and so is
+    a run that would append to its log. Then the run finishes intact: each step once after the resume point,
+    every checkpoint whole, its own export."""
     root = make_run_root(tmp_path)
     argv = train_argv(root, steps=8, ckpt_interval=2)
     t = _signal_when_logged(root / "logs" / "run.jsonl", 1, signal.SIGINT)
@@ -139,7 +140,9 @@ def test_a_live_run_refuses_start_over_a_second_continue_and_another_name_in_its
     capsys.readouterr()
     seconds = {"--start-over": argv + ["--start-over"], "a second --continue": argv + ["--continue"],
                "another --name into its --out-dir": train_argv(root, steps=8, name="other",
-                                                                 out_dir=root / "out" / "run")}
+                                                                 out_dir=root / "out" / "run"),
+               "another --name into its --log-file": train_argv(root, steps=8, name="other",
+                                                                  log_file=root / "logs" / "run.jsonl")}
     for case, second in seconds.items():
         assert main(second) == 2, case
         err = capsys.readouterr().err.strip().splitlines()
