@@ -611,7 +611,8 @@ def with_derived_name(given: dict[str, Any]) -> dict[str, Any]:
     if "name" in given or "%n" in str(given.get("out_dir", "%n")):
         return given
     last = os.path.basename(os.path.normpath(str(given["out_dir"])))
-    name = re.sub(r"^[^A-Za-z0-9]+", "", re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._+-]+", "_", last)))[:128].rstrip("._-")
+    name = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._+-]+", "_", last))  # as check_run_name's suggestion
+    name = re.sub(r"^[^A-Za-z0-9]+", "", name)[:128].rstrip("._-")
     return {**given, "name": name} if name else given
 
 
