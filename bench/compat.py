@@ -39,8 +39,9 @@ def qtrain(what: str) -> Any:
 
 def model_config(model: str):
     """The ModelConfig of a preset name or of a directory holding config.json."""
-    from qtrain.model.config import ModelConfig, preset
+    from qtrain.model.config import ModelConfig
+    from qtrain.model.registry import config_from_json_file, preset
 
     if os.path.isdir(model):
-        return ModelConfig.from_json_file(os.path.join(model, "config.json"))
+        return config_from_json_file(os.path.join(model, "config.json"))
     return preset(model)

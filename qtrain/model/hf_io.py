@@ -30,6 +30,7 @@ from qtrain.fsio import (FileSystemError, atomic_write_json, describe_write_erro
                          fsync_path, read_json, sweep_temp_files, temp_path)
 from qtrain.model import weights
 from qtrain.model.config import ModelConfig
+from qtrain.model.registry import config_from_json_file
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -50,16 +51,13 @@ class WeightsError(ValueError):
 
 
 def load_model_config(model_dir: str | os.PathLike) -> ModelConfig:
-    return ModelConfig.from_json_file(Path(model_dir) / "config.json")
+    """The config.json of a model directory, as its family's config (model/registry.py)."""
+    return config_from_json_file(Path(model_dir) / "config.json")
 
 
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape for every tensor a checkpoint of `cfg` must hold."""
-    out: dict[str, tuple[int, ...]] = {}
-    for name, shape in weights.param_shapes(cfg).items():
-        for hf, rows in weights.hf_parts(cfg, name):
-            out[hf] = (rows, *shape[1:])
-    return out
+    return {hf: shape for spec in weights.tensor_specs(cfg).values() for hf, shape in spec.hf}
 
 
 def _ignored_extra(cfg: ModelConfig, hf_name: str) -> bool:

@@ -1,8 +1,8 @@
 """Flat buffer layout shared by weights, gradients and optimizer state.
 
 Every parameter belongs to a *group*: each transformer block is one group (all its tensors back to back,
-in `block_tensor_names` order), and each non-block tensor (`embed`, `norm`, `lm_head`) is a group of its
-own. A group lives in one flat 1-D buffer padded to a multiple of `world * ALIGN` elements, so:
+in the order its family's `block_tensors` states them), and each non-block tensor (`embed`, `norm`, `lm_head`) is
+a group of its own. A group lives in one flat 1-D buffer padded to a multiple of `world * ALIGN` elements, so:
   - one collective per group moves a whole block (one reduce-scatter / all-gather instead of seven);
   - rank r's shard is the contiguous slice [r*n/W, (r+1)*n/W) of the buffer, the same slice in the
     weights, the gradients and the Adam moments;
@@ -20,7 +20,7 @@ from typing import Collection
 import torch
 
 from qtrain.model.config import ModelConfig
-from qtrain.model.weights import block_shapes, block_tensor_names, non_block_names, param_shapes
+from qtrain.model.registry import family_of
 
 ALIGN = 64  # elements; keeps every shard start 128-byte aligned in bf16 (vector loads, NCCL)
 
@@ -31,6 +31,7 @@ class Segment:
     name: str  # internal parameter name, e.g. 'layers.3.qkv'
     start: int  # offset in the group buffer
     shape: tuple[int, ...]
+    decay: bool = True  # AdamW weight decay (the family's TensorSpec.decay)
 
     @property
     def numel(self) -> int:
@@ -87,17 +88,16 @@ class Group:
 class FlatLayout:
     def __init__(self, cfg: ModelConfig, world: int = 1):
         self.cfg, self.world = cfg, world
-        shapes = param_shapes(cfg)
+        family = family_of(cfg)
         groups: list[Group] = []
         unit = world * ALIGN
-        for name in non_block_names(cfg):
-            seg = Segment(name, 0, shapes[name])
-            groups.append(Group(name, len(groups), None, (seg,), -(-seg.numel // unit) * unit))
-        bshapes = block_shapes(cfg)
+        for t in family.non_block_tensors(cfg):
+            seg = Segment(t.name, 0, t.shape, t.decay)
+            groups.append(Group(t.name, len(groups), None, (seg,), -(-seg.numel // unit) * unit))
         for layer in range(cfg.num_hidden_layers):
             segs, off = [], 0
-            for n in block_tensor_names(cfg):
-                segs.append(Segment(f"layers.{layer}.{n}", off, bshapes[n]))
+            for t in family.block_tensors(cfg, layer):
+                segs.append(Segment(f"layers.{layer}.{t.name}", off, t.shape, t.decay))
                 off += segs[-1].numel
             groups.append(Group(f"block.{layer}", len(groups), layer, tuple(segs), -(-off // unit) * unit))
         self.groups = groups

@@ -9,7 +9,8 @@ and v only for that slice and updates the weights of that slice from its gradien
     and nothing is gathered -- the next forward gathers what it needs (ZeRO-3).
 With one rank this is plain fused AdamW.
 
-Weight decay is decided per tensor (`weights.is_decayed`), so the update walks the *pieces* of a shard
+Weight decay is decided per tensor (its family's statement, `layout.Segment.decay`), so the update walks the
+*pieces* of a shard
 (the parts of tensors it contains) and runs the fused kernel once per piece. The stochastic-rounding
 counter of an element is its index inside its tensor and the key names (seed, step, group, tensor), so
 an update gives the same bits whatever the number of ranks -- and however a shard is cut into chunks.
@@ -60,7 +61,6 @@ import torch
 
 from qtrain.kernels.adamw import M_BLOCK
 from qtrain.kernels.rng import rng_key
-from qtrain.model.weights import is_decayed
 from qtrain.numerics.adamw import AdamWHyper, adamw_update_
 from qtrain.parallel.comm import Communicator
 from qtrain.parallel.footprint import Footprint
@@ -282,7 +282,7 @@ class ShardedAdamW:
                     t = p.tensor_offset + x - p.shard_offset
                     s = s_off + t // M_BLOCK - p.tensor_offset // M_BLOCK if self.m_e4m3 else 0
                     ns = -(-(y - x) // M_BLOCK) if self.m_e4m3 else 0
-                    calls.append(_Call(seg_index, is_decayed(p.segment.name), x - lo, y - lo, t, s, s + ns))
+                    calls.append(_Call(seg_index, p.segment.decay, x - lo, y - lo, t, s, s + ns))
             s_off += nblk
         s_lo, s_hi = (calls[0].s_lo, calls[-1].s_hi) if calls else (0, 0)
         return _Item(g, lo, hi, last, tuple(calls), s_lo, s_hi)

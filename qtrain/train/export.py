@@ -12,6 +12,7 @@ import torch
 from qtrain.data.hf_tokenizer import TokenizerExportError, export_files, export_tokenizer, transformers_caveat
 from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import export_manifest, save_hf_model
+from qtrain.model.registry import config_from_hf_dict
 from qtrain.parallel.layout import FlatLayout
 from qtrain.train import checkpoint_io as cio
 from qtrain.train.checkpoint_io import CheckpointError
@@ -23,7 +24,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def checkpoint_params(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
     """(model config, full parameters by internal name, master dtype name) from a checkpoint directory."""
     meta, files = cio.read_checkpoint(path)
-    cfg = ModelConfig.from_hf_dict(meta["model"], source=f"{path}/checkpoint.json")
+    cfg = config_from_hf_dict(meta["model"], source=f"{path}/checkpoint.json")
     world = int(meta["distributed"]["world"])
     layout = FlatLayout(cfg, world)
     shards = [files.load(_stem("weights", r, world)) for r in range(world)]

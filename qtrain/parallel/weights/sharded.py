@@ -85,7 +85,7 @@ from typing import Iterator
 
 import torch
 
-from qtrain.model.transformer import FP8_INV_SCALE, FP8_WEIGHT
+from qtrain.model.weight_source import FP8_INV_SCALE, FP8_WEIGHT
 from qtrain.numerics.fp8 import E4M3, quantize_fp8
 from qtrain.parallel.comm import Communicator, Handle
 from qtrain.parallel.footprint import Footprint
