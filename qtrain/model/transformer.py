@@ -284,13 +284,16 @@ class Transformer:
                                                   fp8_backward=self.run.fp8_head_backward)
         start = _BackwardFrom.apply(h, dh)
         del h, dh, x
-        dx, d_norm = torch.autograd.grad(start, [x_last, norm_w])
+        # a frozen tensor (one that does not require grad: parallel/layout.py's frozen groups) gets no gradient
+        dx, *d_norm = torch.autograd.grad(start, [x_last] + ([norm_w] if norm_w.requires_grad else []))
         del start, x_last
-        if cfg.tie_word_embeddings:
-            grads.accumulate_non_block({"norm": d_norm})
-        else:
-            grads.accumulate_non_block({"norm": d_norm, "lm_head": d_head})
+        head = {"norm": d_norm[0]} if d_norm else {}
+        if not cfg.tie_word_embeddings:
+            if head_w.requires_grad:
+                head["lm_head"] = d_head
             d_head = None
+        if head:
+            grads.accumulate_non_block(head)
 
         # backward through the blocks, last to first; each block's weight gradients leave immediately
         for layer in reversed(range(L)):
@@ -310,7 +313,8 @@ class Transformer:
             weights.release_block(layer)
             grads.accumulate_block(layer, dict(zip(names, g[1:])))
 
-        grads.accumulate_non_block({"embed": self._embedding_backward(inputs, dx, embed, d_head)})
+        if embed.requires_grad:
+            grads.accumulate_non_block({"embed": self._embedding_backward(inputs, dx, embed, d_head)})
         return loss.detach()
 
     def _embedding_backward(self, inputs: torch.Tensor, dx: torch.Tensor, embed: torch.Tensor,
