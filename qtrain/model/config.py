@@ -58,6 +58,12 @@ class ModelConfig:
     def kv_dim(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of a head that RoPE rotates, the width of the RoPE tables the loop hands every block: all of
+        them here; a family with partial rotary embeddings says fewer."""
+        return self.head_dim
+
     def validate(self) -> None:
         """The checks of the common fields (a family's `validate` calls this first, then checks its own)."""
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
