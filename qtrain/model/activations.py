@@ -128,7 +128,8 @@ def workspace_phases(cfg: ModelConfig, tokens: int, *, model_dtype: str = "bf16"
         prefix = f"layers.{layer}."
         block_numel = sum(math.prod(s.shape) for n, s in specs.items() if n.startswith(prefix))
         full_block = _kept(activation_terms(cfg, layer=layer, model_dtype=model_dtype, **kw), N)
-        b = 2 * inp + block_numel * E + family.backward_temporaries(cfg, layer, N, settings) + (V * C * E if tied else 0)
+        temporaries = family.backward_temporaries(cfg, layer, N, settings)
+        b = 2 * inp + block_numel * E + temporaries + (V * C * E if tied else 0)
         if "block" in rc:
             b += full_block
         elif rc:  # the dropped steps of one layer are rebuilt

@@ -118,7 +118,8 @@ COMMON_HF_KEYS = frozenset({
 
 _JSON_KINDS = {
     "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
-    "number": ("a finite number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
+    "number": ("a finite number",
+               lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
     "bool": ("true or false", lambda v: isinstance(v, bool)),
     "str": ("a string", lambda v: isinstance(v, str)),
 }

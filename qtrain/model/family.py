@@ -5,7 +5,9 @@ everything qtrain knows about one kind of decoder: its config fields and their H
 (`TensorSpec`: shape, HF names, weight decay, initialisation, expert stacks, layout group), its block function,
 its block matrices' GEMM shapes (`MatmulSpec`: what the FP8 policy, FLOPs/SOL and the step-cost and scale
 models read) and what its block keeps for backward (`ActTerm`, stated beside the block's steps). The rest of
-qtrain asks the family through `ModelFamily` and never names a family's tensors or dimensions:
+qtrain asks the family through `ModelFamily` and names none of a family's block tensors or dimensions (but the
+non-block tensors every decoder has, 'embed', 'norm', 'lm_head', and the matrices 'up' / 'down' that the
+one-function MLP of `BlockOptions.mlp` takes):
 
     model/transformer.py   the per-block loop, embedding, final norm, LM head + loss   (block_fn per layer)
     model/weights.py       parameter names and shapes, HF name mapping                 (non_block/block_tensors)
@@ -17,7 +19,8 @@ qtrain asks the family through `ModelFamily` and never names a family's tensors 
 
 Every block of a model takes (x, weights, cos, sin) and returns x: blocks of one model may differ (a hybrid
 model's linear-attention and full-attention layers hold different tensors), `block_tensors(cfg, layer)` says
-which tensors layer `layer` has, and the one block function tells the kinds apart by the weights it receives. docs/architecture.md, "Adding a model family", walks through a new one.
+which tensors layer `layer` has, and the one block function tells the kinds apart by the weights it receives.
+docs/architecture.md, "Adding a model family", walks through a new one.
 """
 from __future__ import annotations
 

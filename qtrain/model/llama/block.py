@@ -274,7 +274,8 @@ class LlamaBlock:
                                                                   else "")),
                      ActTerm("swiglu", 0 if fp8 else E * Fi, "swiglu" not in rc, "SwiGLU output")]
         else:
-            terms = [ActTerm("mlp_up", 2 * Fi * E + a.f8_norm_out * C, "ffn" not in rc, "fused up/gate output (B, T, 2F)"),
+            terms = [ActTerm("mlp_up", 2 * Fi * E + a.f8_norm_out * C, "ffn" not in rc,
+                             "fused up/gate output (B, T, 2F)"),
                      ActTerm("swiglu", E * Fi + a.lin * Fi, "swiglu" not in rc, "silu(gate), SwiGLU output")]
         if fp8:
             terms.append(ActTerm("down_in_fp8", Fi, a.blk and not (a.s.compiled and "swiglu" in rc),
