@@ -23,7 +23,7 @@ from qtrain.model.family import DTYPE_BYTES, ActivationSettings, ActTerm
 from qtrain.model.loss import head_workspace_bytes
 from qtrain.model.recompute import resolve_flags
 from qtrain.model.registry import family_of
-from qtrain.model.weights import tensor_specs
+from qtrain.model.weights import statements
 
 __all__ = ["DTYPE_BYTES", "ActTerm", "Activations", "activation_terms", "layer_activation_bytes",
            "activation_memory", "workspace_phases"]
@@ -44,24 +44,13 @@ def activation_terms(cfg: ModelConfig, *, layer: int = 0, **kw: Any) -> list[Act
     return family_of(cfg).activation_terms(cfg, layer, _settings(**kw))
 
 
-def _layer_kinds(cfg: ModelConfig) -> dict[tuple, list[int]]:
-    """Layers grouped by the tensors they hold (names and shapes), first layer first."""
-    specs = tensor_specs(cfg)
-    kinds: dict[tuple, list[int]] = {}
-    for layer in range(cfg.num_hidden_layers):
-        prefix = f"layers.{layer}."
-        kind = tuple((n[len(prefix):], s.shape) for n, s in specs.items() if n.startswith(prefix))
-        kinds.setdefault(kind, []).append(layer)
-    return kinds
-
-
 def _kept(terms: list[ActTerm], tokens: int) -> int:
     return sum(a.nbytes(tokens) for a in terms if a.kept and a.name != "input")
 
 
 def layer_activation_bytes(cfg: ModelConfig, tokens: int, **kw: Any) -> int:
     """Bytes the largest layer keeps for backward besides its input (`activation_terms` keywords)."""
-    return max((_kept(activation_terms(cfg, layer=layers[0], **kw), tokens) for layers in _layer_kinds(cfg).values()),
+    return max((_kept(activation_terms(cfg, layer=layers[0], **kw), tokens) for layers in statements(cfg).kinds),
                default=0)
 
 
@@ -93,7 +82,7 @@ def activation_memory(cfg: ModelConfig, tokens: int, *, model_dtype: str = "bf16
     """The activations of a micro-step of `tokens` tokens (`activation_terms` keywords; `offload_residual` only
     counts with the `block` switch)."""
     by_kind = [(len(layers), activation_terms(cfg, layer=layers[0], model_dtype=model_dtype, **kw))
-               for layers in _layer_kinds(cfg).values()]
+               for layers in statements(cfg).kinds]
     kept = [(n, _kept(terms, tokens)) for n, terms in by_kind]
     offload = offload_residual and "block" in resolve_flags(kw.get("recompute", ()))
     return Activations(cfg.num_hidden_layers, blocks=sum(n * b for n, b in kept), per_layer=max(b for _, b in kept),
@@ -121,12 +110,10 @@ def workspace_phases(cfg: ModelConfig, tokens: int, *, model_dtype: str = "bf16"
     inp = N * C * E
     head = N * ((up + 2 * E) * C + 4) + head_workspace_bytes(N, C, V, dtype_bytes=E, chunks=lmhead_chunks, cuda=cuda,
                                                              fp8_backward=fp8_head_backward)
-    specs = tensor_specs(cfg)
-    bwd = 0
-    for layers in _layer_kinds(cfg).values():
+    st, bwd = statements(cfg), 0
+    for layers in st.kinds:
         layer = layers[0]
-        prefix = f"layers.{layer}."
-        block_numel = sum(math.prod(s.shape) for n, s in specs.items() if n.startswith(prefix))
+        block_numel = sum(math.prod(s.shape) for s in st.blocks[layer])
         full_block = _kept(activation_terms(cfg, layer=layer, model_dtype=model_dtype, **kw), N)
         temporaries = family.backward_temporaries(cfg, layer, N, settings)
         b = 2 * inp + block_numel * E + temporaries + (V * C * E if tied else 0)

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 from qtrain.model.config import ModelConfig
 from qtrain.model.registry import family_of
+from qtrain.model.weights import statements, sum_over_layers
 
 FP8_POLICIES = ("all", "auto")
 DEFAULT_MIN_SIZE = 400
@@ -56,7 +57,7 @@ def gemm_shapes(cfg: ModelConfig, tokens: int) -> dict[str, tuple[int, int, int]
     """(M, N, K) of the forward GEMM of each block linear that may run in FP8 (the family's `fp8_matrices`; of the
     first layer that has it) for `tokens` = micro-batch x seq: y (M, N) = x (M, K) W^T."""
     family, shapes = family_of(cfg), {}
-    for layer in range(cfg.num_hidden_layers):
+    for layer in (layers[0] for layers in statements(cfg).kinds):
         for name, mm in family.matmuls(cfg, layer).items():
             if name in family.fp8_matrices and name not in shapes:
                 shapes[name] = mm.shape(tokens)
@@ -74,10 +75,10 @@ def block_gflop(cfg: ModelConfig, tokens: int) -> float:
     """GFLOP of a block's FP8-capable linears per micro-step of `tokens` tokens (the mean over the layers): forward,
     input and weight gradients (6 * M * N * K each GEMM; attention's own matmuls are left out, the same in bf16 and
     FP8)."""
-    family, L = family_of(cfg), cfg.num_hidden_layers
-    total = sum(m.weights_per_token for layer in range(L) for n, m in family.matmuls(cfg, layer).items()
-                if n in family.fp8_matrices)
-    return 6 * tokens * total / L / 1e9
+    family = family_of(cfg)
+    total = sum_over_layers(cfg, lambda layer: sum(m.weights_per_token for n, m in family.matmuls(cfg, layer).items()
+                                                   if n in family.fp8_matrices))
+    return 6 * tokens * total / cfg.num_hidden_layers / 1e9
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ the only places that move between the two layouts.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -20,7 +21,7 @@ from qtrain.model.registry import family_of
 
 def block_tensors(cfg: ModelConfig, layer: int = 0) -> tuple[TensorSpec, ...]:
     """Block `layer`'s tensor statements (its family's)."""
-    return family_of(cfg).block_tensors(cfg, layer)
+    return statements(cfg).blocks[layer]
 
 
 def block_tensor_names(cfg: ModelConfig, layer: int = 0) -> list[str]:
@@ -29,28 +30,54 @@ def block_tensor_names(cfg: ModelConfig, layer: int = 0) -> list[str]:
 
 
 def non_block_names(cfg: ModelConfig) -> list[str]:
-    return [s.name for s in family_of(cfg).non_block_tensors(cfg)]
+    return [s.name for s in statements(cfg).non_block]
 
 
 def block_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]]:
     return {s.name: s.shape for s in block_tensors(cfg, layer)}
 
 
+@dataclass(frozen=True)
+class Statements:
+    """A model's tensors as its family states them: the non-block ones, each layer's, and the layers grouped by
+    kind (layers holding the same tensors, names and shapes: their statements about a block agree)."""
+    non_block: tuple[TensorSpec, ...]
+    blocks: tuple[tuple[TensorSpec, ...], ...]
+    kinds: tuple[tuple[int, ...], ...]  # layer indices of each kind, first layer first
+
+
+def statements(cfg: ModelConfig) -> Statements:
+    """`cfg`'s tensor statements (asked once per config: plans and layouts ask often)."""
+    key = repr(cfg)  # configs are mutable dataclasses (no hash); their repr names the class and every field
+    if key not in _STATEMENTS:
+        family = family_of(cfg)
+        blocks = tuple(family.block_tensors(cfg, i) for i in range(cfg.num_hidden_layers))
+        kinds: dict[tuple, list[int]] = {}
+        for i, specs in enumerate(blocks):
+            kinds.setdefault(tuple((s.name, s.shape) for s in specs), []).append(i)
+        if len(_STATEMENTS) >= 16:
+            _STATEMENTS.pop(next(iter(_STATEMENTS)))
+        _STATEMENTS[key] = Statements(tuple(family.non_block_tensors(cfg)), blocks,
+                                      tuple(tuple(v) for v in kinds.values()))
+    return _STATEMENTS[key]
+
+
+_STATEMENTS: dict[str, Statements] = {}  # a few recent configs'
+
+
+def sum_over_layers(cfg: ModelConfig, f: Callable[[int], float]) -> float:
+    """The sum of f(layer) over the layers, f asked once per kind of layer (`Statements.kinds`): for per-layer
+    statements of a family (FLOPs, bytes), which agree for layers that hold the same tensors."""
+    return sum(len(layers) * f(layers[0]) for layers in statements(cfg).kinds)
+
+
 def tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
     """Every internal parameter name -> its statement, in canonical order (non-block first, then blocks)."""
-    key = repr(cfg)  # configs are mutable dataclasses (no hash); their repr names the class and every field
-    if key not in _SPECS:
-        family = family_of(cfg)
-        specs = [(s.name, s) for s in family.non_block_tensors(cfg)]
-        for i in range(cfg.num_hidden_layers):
-            specs += [(f"layers.{i}.{s.name}", s) for s in family.block_tensors(cfg, i)]
-        if len(_SPECS) >= 16:
-            _SPECS.pop(next(iter(_SPECS)))
-        _SPECS[key] = tuple(specs)
-    return dict(_SPECS[key])
-
-
-_SPECS: dict[str, tuple[tuple[str, TensorSpec], ...]] = {}  # a few recent configs' statements (they are asked often)
+    st = statements(cfg)
+    specs = {s.name: s for s in st.non_block}
+    for i, block in enumerate(st.blocks):
+        specs.update((f"layers.{i}.{s.name}", s) for s in block)
+    return specs
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -61,7 +88,9 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def num_params(cfg: ModelConfig, *, include_embedding: bool = True) -> int:
     """Parameters of the model, tied ones once; without the embedding the untied LM head still counts (it is a real
     matmul)."""
-    return sum(math.prod(s.shape) for n, s in tensor_specs(cfg).items() if include_embedding or n != "embed")
+    st = statements(cfg)
+    blocks = sum(math.prod(s.shape) for block in st.blocks for s in block)
+    return blocks + sum(math.prod(s.shape) for s in st.non_block if include_embedding or s.name != "embed")
 
 
 def split_name(name: str) -> tuple[int | None, str]:

@@ -38,7 +38,7 @@ from typing import Sequence
 
 from qtrain.model.config import ModelConfig
 from qtrain.model.registry import family_of
-from qtrain.model.weights import num_params
+from qtrain.model.weights import num_params, sum_over_layers
 
 DTYPES = ("fp32", "bf16", "fp16", "fp8")
 
@@ -137,9 +137,9 @@ def sol_ops(cfg: ModelConfig, seq_len: int, *, matmul_dtype: object = "bf16",
             model_dtype: object = "bf16") -> SolOps:
     """llm.q's FLOP model of `cfg` from its family's statements: 6 x the block matrices' weights per token, 3 x the
     forward attention FLOPs (`transformer_ops` for the Llama family)."""
-    family, layers = family_of(cfg), range(cfg.num_hidden_layers)
-    weights = sum(m.weights_per_token for layer in layers for m in family.matmuls(cfg, layer).values())
-    attention = sum(family.attention_flops(cfg, layer, seq_len) for layer in layers)
+    family = family_of(cfg)
+    weights = sum_over_layers(cfg, lambda layer: sum(m.weights_per_token for m in family.matmuls(cfg, layer).values()))
+    attention = sum_over_layers(cfg, lambda layer: family.attention_flops(cfg, layer, seq_len))
     return SolOps(blocks=6 * weights, lm_head=6 * cfg.vocab_size * cfg.hidden_size, attention=3 * attention,
                   matmul_dtype=canonical_dtype(matmul_dtype), model_dtype=canonical_dtype(model_dtype))
 
@@ -187,8 +187,7 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True
     if cfg.tie_word_embeddings:
         n_matmul += cfg.vocab_size * cfg.hidden_size  # the tied matrix still runs as the LM head matmul
     family = family_of(cfg)
-    attn = (3 if causal else 6) * sum(family.attention_flops(cfg, layer, seq_len)
-                                      for layer in range(cfg.num_hidden_layers))
+    attn = (3 if causal else 6) * sum_over_layers(cfg, lambda layer: family.attention_flops(cfg, layer, seq_len))
     return 6 * n_matmul + attn
 
 

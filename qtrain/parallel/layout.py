@@ -31,7 +31,7 @@ import torch
 
 from qtrain.model.config import ModelConfig
 from qtrain.model.family import TensorSpec
-from qtrain.model.registry import family_of
+from qtrain.model.weights import statements
 
 ALIGN = 64  # elements; keeps every shard start 128-byte aligned in bf16 (vector loads, NCCL)
 
@@ -153,9 +153,8 @@ class FlatLayout:
                  tensors: tuple[Sequence[TensorSpec], Sequence[Sequence[TensorSpec]]] | None = None):
         self.cfg, self.world = cfg, world
         if tensors is None:
-            family = family_of(cfg)
-            tensors = (family.non_block_tensors(cfg),
-                       [family.block_tensors(cfg, layer) for layer in range(cfg.num_hidden_layers)])
+            st = statements(cfg)
+            tensors = (st.non_block, st.blocks)
         non_block, blocks = tensors
         self.num_layers = len(blocks)
         groups: list[Group] = []

@@ -29,6 +29,7 @@ from typing import Any
 from qtrain.model.config import ModelConfig
 from qtrain.model.recompute import block_steps, resolve_flags
 from qtrain.model.registry import family_of
+from qtrain.model.weights import sum_over_layers
 from qtrain.options import Options
 
 MATMUL_RATE = {"bf16": 560e12, "fp16": 560e12, "fp32": 50e12, "e4m3": 770e12}  # model FLOP/s of a 14B step, H200
@@ -80,8 +81,7 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int, layer: int = 0) -> t
 
 def model_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs per token of the whole model: every block and the LM head."""
-    blocks = sum(sum(forward_flops_per_token(cfg, seq_len, layer)[0].values())
-                 for layer in range(cfg.num_hidden_layers))
+    blocks = sum_over_layers(cfg, lambda layer: sum(forward_flops_per_token(cfg, seq_len, layer)[0].values()))
     return blocks + 2 * cfg.hidden_size * cfg.vocab_size
 
 
@@ -89,15 +89,15 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, flags: set[str] | 
     """Forward FLOPs per token that the recompute switches rerun in backward (elementwise switches: none): the
     GEMMs of the recomputed steps (`MatmulSpec.step`) and, with the attention step, the attention."""
     flags = resolve_flags(flags)
-    steps, family, total = block_steps(flags), family_of(cfg), 0.0
-    for layer in range(cfg.num_hidden_layers):
+    steps, family = block_steps(flags), family_of(cfg)
+
+    def rerun(layer: int) -> float:
         parts, _ = forward_flops_per_token(cfg, seq_len, layer)
         if "block" in flags:
-            total += sum(parts.values())
-            continue
-        total += sum(parts[n] for n, m in family.matmuls(cfg, layer).items() if m.step in steps)
-        total += parts["attention"] if "attention" in steps else 0
-    return total
+            return sum(parts.values())
+        return (sum(parts[n] for n, m in family.matmuls(cfg, layer).items() if m.step in steps)
+                + (parts["attention"] if "attention" in steps else 0))
+    return sum_over_layers(cfg, rerun)
 
 
 def step_cost(cfg: ModelConfig, opts: Options, plan: Any, *, sequences_per_step: int | None = None) -> StepCost:
@@ -136,5 +136,5 @@ def fp8_weight_params(cfg: ModelConfig, opts: Options) -> int:
     if fp8 is None:
         return 0
     family = family_of(cfg)
-    return sum(m.n * m.k * m.count for layer in range(cfg.num_hidden_layers)
-               for name, m in family.matmuls(cfg, layer).items() if name in fp8.fp8)
+    return sum_over_layers(cfg, lambda layer: sum(m.n * m.k * m.count for name, m in family.matmuls(cfg, layer).items()
+                                                  if name in fp8.fp8))
