@@ -21,7 +21,7 @@ import torch
 
 from bench.kinds import Skip
 from bench.timing import time_ms
-from qtrain.model.registry import preset
+from bench.compat import preset
 
 
 def smi(gpu: int) -> str:

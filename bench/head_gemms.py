@@ -19,7 +19,7 @@ import torch
 
 from bench.kinds import Skip
 from bench.timing import time_ms
-from qtrain.model.registry import preset
+from bench.compat import preset
 
 
 def _variants(h: torch.Tensor, w: torch.Tensor, dl: torch.Tensor, dh: torch.Tensor, dw: torch.Tensor,

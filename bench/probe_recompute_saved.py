@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from bench.kinds import Skip
 from qtrain.model import recompute as rc
-from qtrain.model.registry import preset
+from bench.compat import preset
 from qtrain.model.layers import rope_tables
 from qtrain.model.matmul import block_linear, block_mlp
 from qtrain.model.recompute import block_steps, resolve_flags

@@ -18,7 +18,7 @@ import torch
 from bench.gemm_ceiling import block_linear_shapes, fp8_linear_gemms, linear_gemms, linear_operands
 from bench.kinds import Skip
 from bench.timing import time_ms
-from qtrain.model.registry import preset
+from bench.compat import preset
 
 
 def _bf16_fns(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, splits) -> dict:

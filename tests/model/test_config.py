@@ -1,4 +1,4 @@
-"""ModelConfig against real transformers configs: parsing what save_pretrained writes, writing what
+"""The Llama family's config (LlamaConfig) against real transformers configs: parsing what save_pretrained writes, writing what
 from_pretrained reads, defaults, presets, and error messages that name the file and the key."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.hf_fixtures import TINY_KINDS, tiny_hf_config
-from qtrain.model.config import ConfigError, ModelConfig
+from qtrain.model.config import ConfigError
 from qtrain.model.registry import PRESETS, config_from_hf_dict, config_from_json_file, preset
 from qtrain.model.hf_io import expected_hf_shapes
 from qtrain.model.weights import num_params

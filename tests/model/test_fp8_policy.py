@@ -52,8 +52,6 @@ def test_the_block_threshold_on_real_shapes():
     weights, 6 x 4096 x that = 1150 GFLOP per micro-step of 4 x 1024 tokens. Below the default 2600 (1.5B b4 and
     b8, 0.5B up to b16: measured no faster in FP8) no linear is in FP8; at 1.5B b16 and 0.5B b32 (2931) all four
     are (every GEMM size is above 400)."""
-    from qtrain.model.llama import LlamaConfig
-    from qtrain.model.registry import preset
     q15, q05 = preset("Qwen2.5-1.5B"), preset("Qwen2.5-0.5B")
     assert block_gflop(q15, 4096) == pytest.approx(6 * 4096 * 46_792_704 / 1e9)
     assert block_gflop(q15, 8192) == pytest.approx(2 * block_gflop(q15, 4096))

@@ -87,8 +87,6 @@ def test_status_line():
 
 # ---- the default: on where graphs were measured faster -----------------------------------------------------
 def graphs_on(size: str, batch: int, *, world: int = 1, device_type: str = "cuda", **kw) -> bool:
-    from qtrain.model.llama import LlamaConfig
-    from qtrain.model.registry import preset
     opts = Options(model=f"Qwen2.5-{size}", seq_len=1024, batch_size=batch, **kw).validate()
     return opts.cuda_graphs_on(preset(f"Qwen2.5-{size}"), world=world, device_type=device_type)
 
@@ -97,8 +95,6 @@ def test_unset_turns_graphs_on_only_where_they_were_measured_faster():
     """Unset, graphs run where the session-9 runs measured them faster: one process, nothing blocking them, no
     FP8 linear, a block's GEMM work per micro-step at most CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP (Qwen2.5-0.5B at
     micro-batch 4, 16 and 32 x 1024: 366, 1466 and 2931 GFLOP, measured 2.90x, 1.027x, 1.009x)."""
-    from qtrain.model.llama import LlamaConfig
-    from qtrain.model.registry import preset
     from qtrain.model.fp8_policy import block_gflop
     from qtrain.options import CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP as LIMIT
     gflop = {(s, b): block_gflop(preset(f"Qwen2.5-{s}"), b * 1024) for s, b in

@@ -21,8 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 from qtrain.cli.main import main  # noqa: E402
 from qtrain.data.tokenize import get_tokenizer  # noqa: E402
-from qtrain.model.config import ModelConfig  # noqa: E402
-from qtrain.model.llama import LlamaConfig
+from qtrain.model.llama import LlamaConfig  # noqa: E402
 from qtrain.observe.log import read_log  # noqa: E402
 
 TEXT = "The history of the Python language begins in the late 1980s, when"

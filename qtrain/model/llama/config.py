@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from qtrain.model.config import COMMON_HF_KEYS, ConfigError, HfKeys, ModelConfig, check_positive_int, config_error
+from qtrain.model.config import COMMON_HF_KEYS, HfKeys, ModelConfig, check_positive_int, config_error
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 MODEL_TYPES = tuple(ARCHITECTURES)
@@ -140,5 +140,3 @@ PRESETS: dict[str, Callable[[], LlamaConfig]] = {
     "Llama-3.2-3B": lambda: _llama3(3072, 8192, 28, 24, 8, True, 32.0),
     "Llama-3.1-8B": lambda: _llama3(4096, 14336, 32, 32, 8, False, 8.0),
 }
-
-__all__ = ["ARCHITECTURES", "MODEL_TYPES", "LlamaConfig", "PRESETS", "ConfigError"]
