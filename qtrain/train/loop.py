@@ -20,6 +20,7 @@ from qtrain import console
 from qtrain.data.loader import TokenLoader
 from qtrain.data.hf_tokenizer import recorded_tokenizer, transformers_caveat, unavailable_reason
 from qtrain.data.token_files import DataChangedError
+from qtrain.model.weights import num_params
 from qtrain.observe.live import attach_observers
 from qtrain.observe.log import RunLogger
 from qtrain.observe.metrics import device_peaks, model_flops_per_token, ns_per_token, peak_tflops, sol_ops
@@ -293,5 +294,5 @@ def _log_run_header(log: RunLogger, trainer: Trainer, train: TokenLoader, evals:
         log.message("fp8: the SwiGLU output and its gradient take power-of-two scales, in one pass each "
                     "(--fp8-swiglu-onepass, on by default with e4m3; --no-fp8-swiglu-onepass keeps every tensor's "
                     "exact abs-max scale)", level="info")
-    log.message(f"model {cfg.model_type}: {cfg.num_params() / 1e6:.1f}M parameters, {total_steps} steps of "
+    log.message(f"model {cfg.model_type}: {num_params(cfg) / 1e6:.1f}M parameters, {total_steps} steps of "
                 f"{opts.batch_size * T * opts.grad_accumulation * W} tokens", level="info")
