@@ -15,7 +15,7 @@ import torch
 
 from bench.kinds import Skip
 from bench.timing import time_ms
-from qtrain.model.config import preset
+from bench.compat import preset
 from qtrain.kernels.attention import causal_attention
 from qtrain.model.layers import sdpa_backends
 

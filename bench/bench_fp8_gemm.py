@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from bench.kinds import Skip
 from bench.timing import time_ms
 from qtrain.kernels.fp8_quant import fp8_quantize
-from qtrain.model.config import preset
+from bench.compat import preset
 from qtrain.numerics.fp8 import E4M3, E5M2, Fp8WeightCache, fp8_linear, scaled_mm
 
 

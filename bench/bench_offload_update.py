@@ -18,7 +18,7 @@ import time
 import torch
 
 from bench.kinds import Skip
-from qtrain.model.config import preset
+from bench.compat import preset
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.optimizer import ShardedAdamW
 

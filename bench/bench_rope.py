@@ -16,7 +16,7 @@ def run(model: str = "Qwen2.5-1.5B", B: int = 64, T: int = 1024) -> dict:
     import triton
 
     from qtrain.kernels import rope
-    from qtrain.model.config import preset
+    from bench.compat import preset
     from qtrain.model.layers import rope_tables
     cfg = preset(model)
     nh, nkv, hs = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim

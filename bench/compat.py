@@ -16,6 +16,8 @@ LAYOUTS = {  # what -> (module after the restructure, module before it), attribu
     "plan_for_trainer": (("qtrain.plan.memory", "qtrain.train.memory_plan"), "plan_for_trainer"),
     "mfu_bf16": (("qtrain.observe.metrics", "qtrain.train.metrics"), "mfu_bf16"),
     "write_token_file": (("qtrain.data.token_files", "qtrain.train.data"), "write_token_file"),
+    # the model families' registry (issue 42) holds the presets; before it, model/config.py did
+    "preset": (("qtrain.model.registry", "qtrain.model.config"), "preset"),
 }
 
 
@@ -37,10 +39,18 @@ def qtrain(what: str) -> Any:
     raise ImportError(f"qtrain has none of {', '.join(modules)} (for {what}); is this a qtrain checkout?")
 
 
-def model_config(model: str):
-    """The ModelConfig of a preset name or of a directory holding config.json."""
-    from qtrain.model.config import ModelConfig, preset
+def preset(name: str) -> Any:
+    """The model config of a built-in preset, from either layout."""
+    return qtrain("preset")(name)
 
-    if os.path.isdir(model):
-        return ModelConfig.from_json_file(os.path.join(model, "config.json"))
-    return preset(model)
+
+def model_config(model: str):
+    """The model config of a preset name or of a directory holding config.json."""
+    if not os.path.isdir(model):
+        return preset(model)
+    path = os.path.join(model, "config.json")
+    if has_module("qtrain.model.registry"):
+        from qtrain.model.registry import config_from_json_file
+        return config_from_json_file(path)
+    from qtrain.model.config import ModelConfig  # before the model families' registry
+    return ModelConfig.from_json_file(path)

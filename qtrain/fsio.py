@@ -14,7 +14,9 @@ The rules every writer in qtrain follows (checkpoints, HF exports, run markers):
 `fault_point(name)` marks each moment between two file operations. It does nothing unless the test-only
 environment variable QTRAIN_FAULT is set to `PATTERN:N` (an fnmatch pattern of point names and a 1-based
 count): then the process kills itself with SIGKILL at the N-th point whose name matches, which is how the
-fault-injection suite (tests/reliability) stops a run inside each write, rename and unlink window.
+fault-injection suite (tests/reliability) stops a run inside each write, rename and unlink window. With
+QTRAIN_FAULT_ACTION=stop it stops itself with SIGSTOP there instead (a test then holds a live process at that point,
+and lets it go on with SIGCONT).
 QTRAIN_FAULT_TRACE=FILE appends the name of every point reached to FILE (to enumerate the windows).
 """
 from __future__ import annotations
@@ -43,7 +45,8 @@ def _fault_config() -> dict[str, Any]:
         spec = os.environ.get("QTRAIN_FAULT", "")
         pattern, _, n = spec.rpartition(":")
         _fault = {"pattern": pattern if spec else None, "n": int(n) if spec else 0, "hits": 0,
-                  "trace": os.environ.get("QTRAIN_FAULT_TRACE") or None}
+                  "trace": os.environ.get("QTRAIN_FAULT_TRACE") or None,
+                  "signal": signal.SIGSTOP if os.environ.get("QTRAIN_FAULT_ACTION") == "stop" else signal.SIGKILL}
     return _fault
 
 
@@ -56,7 +59,7 @@ def fault_point(name: str) -> None:
     if cfg["pattern"] and fnmatch.fnmatchcase(name, cfg["pattern"]):
         cfg["hits"] += 1
         if cfg["hits"] == cfg["n"]:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), cfg["signal"])
 
 
 # ---------------------------------------------------------------------------------------------- errors

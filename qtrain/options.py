@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, fields
 from typing import Any, Iterable
@@ -160,7 +161,8 @@ class Options:
 
     # ---- output / checkpoints / logging ----
     name: str = "qtrain"
-    """Run name; replaces %n in --out-dir, --checkpoint-dir, --log-file and --tensorboard."""
+    """Run name; replaces %n in --out-dir, --checkpoint-dir, --log-file and --tensorboard. Not given: the last
+    folder of a given --out-dir (so each fine-tune into its own folder has its own checkpoints and log)."""
     out_dir: str = "output/%n"
     """Directory of the final Hugging Face export (config.json, safetensors, tokenizer, generation config)."""
     checkpoint_dir: str = "ckpt/%n"
@@ -614,6 +616,18 @@ def check_run_name(name: str) -> None:
         safe = re.sub(r"[^A-Za-z0-9._+-]+", "_", name).strip("._") or "run"
         raise OptionsError(f"--name {name!r}: a run name is one path component of letters, digits and '._+-' "
                            f"(it replaces %n in --out-dir, --checkpoint-dir and --log-file); e.g. --name {safe}")
+
+
+def with_derived_name(given: dict[str, Any]) -> dict[str, Any]:
+    """Option values as given (flags over config file) with `name` derived from `out_dir` when only the out-dir
+    was given: its last component, made a valid run name. Without that, every run into its own --out-dir would
+    share the default name's checkpoint-dir and log, and a second one would be refused as the first's."""
+    if "name" in given or "%n" in str(given.get("out_dir", "%n")):
+        return given
+    last = os.path.basename(os.path.normpath(str(given["out_dir"])))
+    name = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._+-]+", "_", last))  # as check_run_name's suggestion
+    name = re.sub(r"^[^A-Za-z0-9]+", "", name)[:128].rstrip("._-")
+    return {**given, "name": name} if name else given
 
 
 ALIASES = {"batch": "batch_size", "seq_length": "seq_len", "lr": "learning_rate", "continue": "continue_from",

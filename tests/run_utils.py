@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from qtrain.data.token_files import write_token_file
-from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
 
 REPO = str(Path(__file__).resolve().parents[1])
-CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+CFG = LlamaConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0,
                   tie_word_embeddings=False, attention_bias=False, bos_token_id=0, eos_token_id=0)
 

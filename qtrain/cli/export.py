@@ -5,6 +5,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from qtrain import console
 from qtrain.train.export import export_checkpoint
 
 HELP = "training checkpoint -> Hugging Face model directory (weights, tokenizer, generation config)"
@@ -23,9 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     r = export_checkpoint(ns.checkpoint_dir, ns.out_dir, step=ns.step, tokenizer=ns.tokenizer, overwrite=ns.overwrite)
-    print(f"exported {r.checkpoint} -> {r.out_dir} (tokenizer: {r.tokenizer or 'none recorded; pass --tokenizer'})")
+    console.write(f"exported {r.checkpoint} -> {r.out_dir} (tokenizer: "
+                  f"{r.tokenizer or 'none recorded; pass --tokenizer'})\n")
     if r.caveat:
-        print(f"note: {r.caveat}", file=sys.stderr)
+        console.write(f"note: {r.caveat}\n", sys.stderr)
     if r.unverified:
-        print(f"warning: {r.unverified}", file=sys.stderr)
+        console.write(f"warning: {r.unverified}\n", sys.stderr)
     return 0

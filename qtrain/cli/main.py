@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from typing import Sequence
 
-from qtrain import __version__
+from qtrain import __version__, console
 from qtrain.options import closest
 
 # subcommand -> module of this package; `allow_abbrev` is off for those with many long flags
@@ -74,12 +75,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:
+        return _run(ns, argv)
+    finally:
+        console.flush_standard_streams()  # a console that went away is lost here, not in the interpreter's exit
+
+
+def _run(ns: argparse.Namespace, argv: list[str]) -> int:
+    try:
         return ns.func(ns, ["qtrain", *argv])
     except ValueError as e:  # qtrain's own errors (options, config, weights, data, checkpoints) are ValueErrors
         if not _ours(e):
             raise
         return _fail("error", e, 2)
     except OSError as e:  # a path the user gave that cannot be read or written (missing, read-only, full)
+        if console.is_gone(e):
+            console.flush_standard_streams()
+            if console.lost():  # the console went away (`qtrain plan | head`): no one is left to tell
+                return 128 + signal.SIGPIPE
         return _fail("error", f"{e.filename}: {e.strerror}" if e.filename and e.strerror else e, 2)
     except KeyboardInterrupt:
         return _fail("stopped", "interrupted", 130)
@@ -95,7 +107,7 @@ def _ours(e: BaseException) -> bool:
 
 def _fail(label: str, msg: object, code: int) -> int:
     """One line on stderr, and the exit code: no traceback for what the user can fix or chose."""
-    print(f"qtrain: {label}: {msg}", file=sys.stderr, flush=True)
+    console.write(f"qtrain: {label}: {msg}\n", sys.stderr)
     return code
 
 

@@ -14,9 +14,10 @@ import sys
 import typing
 from typing import Any
 
+from qtrain import console
 from qtrain import options as options_module
 from qtrain.cli.config_file import load_config_file
-from qtrain.options import CHOICES, Options, normalize_mapping
+from qtrain.options import CHOICES, Options, normalize_mapping, with_derived_name
 
 # llm.q spellings accepted besides the field names (`--persist-quants` is how llm.q's README spells it)
 EXTRA_FLAGS = {"batch_size": ["--batch"], "seq_len": ["--seq-length"], "learning_rate": ["--lr"],
@@ -133,7 +134,7 @@ def options_from_args(ns: argparse.Namespace) -> Options:
     base: dict[str, Any] = {}
     if getattr(ns, "config", None):
         base = normalize_mapping(load_config_file(ns.config), source=f"--config {ns.config}")
-    merged = {**base, **given}
+    merged = with_derived_name({**base, **given})
     if not merged.get("model"):
         merged = {**embedded_defaults(int(merged.get("steps", -1))), **merged}
     opts = Options(**merged).validate()
@@ -141,5 +142,5 @@ def options_from_args(ns: argparse.Namespace) -> Options:
         from qtrain.data.hf_tokenizer import export_tokenizer
         export_tokenizer(explicit=opts.tokenizer)
     for line in llmq_notes(ns):
-        print(line, file=sys.stderr)
+        console.write(line + "\n", sys.stderr)
     return opts

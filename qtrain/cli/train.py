@@ -28,7 +28,10 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     else:
         from qtrain.train.preflight import preflight
         prep = preflight(opts, world=nprocs)  # every check once, here, before any worker starts
-        launch_local(run_worker, nprocs, opts, list(argv), prep)
+        try:  # the launcher holds the output paths' lock for the whole job (its workers need none)
+            launch_local(run_worker, nprocs, opts, list(argv), prep.shareable())
+        finally:
+            prep.lock.release()
     return 0
 
 

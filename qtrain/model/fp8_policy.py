@@ -45,18 +45,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qtrain.model.config import ModelConfig
+from qtrain.model.registry import family_of
+from qtrain.model.weights import statements, sum_over_layers
 
 FP8_POLICIES = ("all", "auto")
 DEFAULT_MIN_SIZE = 400
 DEFAULT_MIN_BLOCK_GFLOP = 2600
-LINEARS = ("qkv", "o", "up", "down")  # = transformer.FP8_MATRICES (kept here so this module imports no model code)
 
 
 def gemm_shapes(cfg: ModelConfig, tokens: int) -> dict[str, tuple[int, int, int]]:
-    """(M, N, K) of each block linear's forward GEMM for `tokens` = micro-batch x seq: y (M, N) = x (M, K) W^T."""
-    C, F = cfg.hidden_size, cfg.intermediate_size
-    return {"qkv": (tokens, cfg.qkv_dim, C), "o": (tokens, C, cfg.q_dim), "up": (tokens, 2 * F, C),
-            "down": (tokens, C, F)}
+    """(M, N, K) of the forward GEMM of each block linear that may run in FP8 (the family's `fp8_matrices`; of the
+    first layer that has it) for `tokens` = micro-batch x seq: y (M, N) = x (M, K) W^T."""
+    family, shapes = family_of(cfg), {}
+    for layer in (layers[0] for layers in statements(cfg).kinds):
+        for name, mm in family.matmuls(cfg, layer).items():
+            if name in family.fp8_matrices and name not in shapes:
+                shapes[name] = mm.shape(tokens)
+        if len(shapes) == len(family.fp8_matrices):
+            break
+    return {n: shapes[n] for n in family.fp8_matrices if n in shapes}
 
 
 def gemm_size(m: int, n: int, k: int) -> float:
@@ -65,9 +72,13 @@ def gemm_size(m: int, n: int, k: int) -> float:
 
 
 def block_gflop(cfg: ModelConfig, tokens: int) -> float:
-    """GFLOP of one block's four linears per micro-step of `tokens` tokens: forward, input and weight gradients
-    (6 * M * N * K each linear; attention's own matmuls are left out, the same in bf16 and FP8)."""
-    return 6 * sum(m * n * k for m, n, k in gemm_shapes(cfg, tokens).values()) / 1e9
+    """GFLOP of a block's FP8-capable linears per micro-step of `tokens` tokens (the mean over the layers): forward,
+    input and weight gradients (6 * M * N * K each GEMM; attention's own matmuls are left out, the same in bf16 and
+    FP8)."""
+    family = family_of(cfg)
+    total = sum_over_layers(cfg, lambda layer: sum(m.weights_per_token for n, m in family.matmuls(cfg, layer).items()
+                                                   if n in family.fp8_matrices))
+    return 6 * tokens * total / cfg.num_hidden_layers / 1e9
 
 
 @dataclass(frozen=True)
@@ -94,7 +105,7 @@ class Fp8Choice:
             if self.gflop < self.min_gflop:
                 return head + (f" (--fp8-policy auto would run none in FP8: a block's linears do {self.gflop:.0f} "
                                f"GFLOP per micro-step, below --fp8-min-block-gflop {self.min_gflop:g})")
-            low = [n for n in LINEARS if self.sizes[n] < self.min_size]
+            low = [n for n in self.sizes if self.sizes[n] < self.min_size]
             return head + (f" (--fp8-policy auto would keep {'/'.join(low)} in bf16: GEMM size "
                            f"{', '.join(f'{self.sizes[n]:.0f}' for n in low)} < --fp8-min-size {self.min_size} "
                            f"at {self.tokens} tokens per micro-batch)" if low else "")
@@ -118,6 +129,6 @@ def choose_fp8(cfg: ModelConfig, tokens: int, policy: str = "auto", min_size: in
         raise ValueError(f"fp8 policy must be one of {', '.join(FP8_POLICIES)}, got {policy!r}")
     sizes = {n: gemm_size(*s) for n, s in gemm_shapes(cfg, tokens).items()}
     gflop = block_gflop(cfg, tokens)
-    fp8 = tuple(n for n in LINEARS if policy == "all" or (gflop >= min_block_gflop and sizes[n] >= min_size))
-    return Fp8Choice(fp8=fp8, plain=tuple(n for n in LINEARS if n not in fp8), sizes=sizes, tokens=tokens,
+    fp8 = tuple(n for n in sizes if policy == "all" or (gflop >= min_block_gflop and sizes[n] >= min_size))
+    return Fp8Choice(fp8=fp8, plain=tuple(n for n in sizes if n not in fp8), sizes=sizes, tokens=tokens,
                      policy=policy, min_size=min_size, gflop=gflop, min_gflop=min_block_gflop)

@@ -37,6 +37,7 @@ from qtrain.fsio import (CONFIG_MAX_BYTES, FileSystemError, atomic_write_json, c
                          shorten, sweep_temp_files, temp_path)
 from qtrain.model import weights
 from qtrain.model.config import ModelConfig
+from qtrain.model.registry import config_from_json_file
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -64,9 +65,10 @@ class IncompleteExportError(WeightsError):
 
 
 def load_model_config(model_dir: str | os.PathLike) -> ModelConfig:
-    """config.json of a model directory; an interrupted qtrain export there is refused first."""
+    """The config.json of a model directory, as its family's config (model/registry.py); an interrupted qtrain
+    export there is refused first."""
     check_export_complete(model_dir)
-    return ModelConfig.from_json_file(Path(model_dir) / "config.json")
+    return config_from_json_file(Path(model_dir) / "config.json")
 
 
 def check_export_complete(model_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -88,11 +90,7 @@ def check_export_complete(model_dir: str | os.PathLike) -> dict[str, Any] | None
 
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape for every tensor a checkpoint of `cfg` must hold."""
-    out: dict[str, tuple[int, ...]] = {}
-    for name, shape in weights.param_shapes(cfg).items():
-        for hf, rows in weights.hf_parts(cfg, name):
-            out[hf] = (rows, *shape[1:])
-    return out
+    return {hf: shape for spec in weights.tensor_specs(cfg).values() for hf, shape in spec.hf}
 
 
 def _ignored_extra(cfg: ModelConfig, hf_name: str) -> bool:

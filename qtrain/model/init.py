@@ -1,9 +1,10 @@
-"""From-scratch initialisation, in one place.
+"""From-scratch initialisation, in one place; each family says which scheme each of its tensors takes
+(`TensorSpec.init`).
 
-Scheme (llm.q's, GPT-2 style): embeddings, the untied LM head, QKV and the fused up/gate projection are
-N(0, 0.02); the two projections that write into the residual stream (attention output, MLP down) are
+Scheme (llm.q's, GPT-2 style): embeddings, the untied LM head and the block matrices are N(0, 0.02) ("normal");
+the projections that write into the residual stream (attention output, MLP down: "residual") are
 N(0, 0.02 / sqrt(2 L)) so the residual's variance does not grow with depth, or exactly zero with
-`init_proj_to_zero` (each block then starts as the identity); norm gains are 1 and biases 0.
+`init_proj_to_zero` (each block then starts as the identity); norm gains are 1 ("ones") and biases 0 ("zeros").
 
 Each tensor draws from its own generator seeded by (seed, tensor name), so a tensor's values do not
 depend on the order of initialisation, on which tensors exist, or on the number of ranks.
@@ -16,7 +17,7 @@ import math
 import torch
 
 from qtrain.model.config import ModelConfig
-from qtrain.model.weights import split_name
+from qtrain.model.weights import tensor_specs
 
 INIT_STD = 0.02
 
@@ -26,12 +27,11 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def init_std(cfg: ModelConfig, name: str, *, init_proj_to_zero: bool = False) -> float | None:
-    """Standard deviation for a matrix, or None for tensors filled with a constant (norms 1, biases 0)."""
-    short = split_name(name)[1]
-    if short in ("o", "down"):
+def init_std(cfg: ModelConfig, scheme: str, *, init_proj_to_zero: bool = False) -> float | None:
+    """Standard deviation of a tensor initialised by `scheme`, or None for tensors filled with a constant."""
+    if scheme == "residual":
         return 0.0 if init_proj_to_zero else INIT_STD / math.sqrt(2 * cfg.num_hidden_layers)
-    if short in ("embed", "lm_head", "qkv", "up"):
+    if scheme == "normal":
         return INIT_STD
     return None
 
@@ -40,11 +40,12 @@ def init_std(cfg: ModelConfig, name: str, *, init_proj_to_zero: bool = False) ->
 def init_params(cfg: ModelConfig, params: dict[str, torch.Tensor], *, seed: int = 0,
                 init_proj_to_zero: bool = False) -> None:
     """Fill `params` in place (any dtype/device); sampling happens in fp32 on the tensor's device."""
+    specs = tensor_specs(cfg)
     for name, t in params.items():
-        std = init_std(cfg, name, init_proj_to_zero=init_proj_to_zero)
-        short = split_name(name)[1]
+        scheme = specs[name].init
+        std = init_std(cfg, scheme, init_proj_to_zero=init_proj_to_zero)
         if std is None:
-            t.fill_(0.0 if short == "qkv_bias" else 1.0)
+            t.fill_(0.0 if scheme == "zeros" else 1.0)
         elif std == 0.0:
             t.zero_()
         else:

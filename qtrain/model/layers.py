@@ -1,4 +1,4 @@
-"""The small pieces of a Llama-family block, in plain torch: RMSNorm, RoPE tables and rotation, SwiGLU.
+"""The small pieces the families' blocks share, in plain torch: RMSNorm, RoPE tables and rotation, SwiGLU.
 
 Each follows the operation order of `transformers` (Qwen2/Llama/Qwen3 modeling files) so that fp32
 results agree to rounding and bf16 results round at the same places. On the GPU these run inside a
@@ -61,8 +61,9 @@ def rms_norm_and_rstd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tupl
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies theta^(-2i/hs), with llama3 frequency scaling when configured (fp32)."""
-    hs = cfg.head_dim
+    """Inverse frequencies theta^(-2i/hs), with llama3 frequency scaling when configured (fp32); hs: the rotated
+    dimensions of a head (`ModelConfig.rotary_dim`)."""
+    hs = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hs, 2, dtype=torch.int64).float() / hs))
     sc = cfg.rope_scaling
     if sc:  # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between

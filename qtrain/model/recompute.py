@@ -2,8 +2,10 @@
 
 llm.q's switches (reference/llmq.md §4.5), in one table each:
 - `IMPLIES`: --recompute-ffn => swiglu, --recompute-att => qkv, --recompute-block => att, ffn, norm.
-- `STEPS`: the steps of `transformer.make_block_fn` each switch reruns in backward instead of keeping
-  their results from forward (`norm`: LN1 and LN2; `att`: LN1 and the attention, like llm.q's cuDNN path).
+- `STEPS`: the block steps each switch reruns in backward instead of keeping their results from forward
+  (`norm`: LN1 and LN2; `att`: LN1 and the attention, like llm.q's cuDNN path). These names are the
+  vocabulary every family's block function names its steps in (model/llama/block.py), so the switches mean
+  the same for every family; `MLP_STEPS` are the ones a block's one-function MLP (`BlockOptions.mlp`) covers.
 With --recompute-block the whole block is rerun from its stored input (the explicit loop in
 `Transformer.forward_backward`), so no step inside it is recomputed a second time.
 

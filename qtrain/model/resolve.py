@@ -11,8 +11,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from qtrain.model.config import PRESETS, ModelConfig, preset
+from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import load_model_config
+from qtrain.model.llama import LlamaConfig
+from qtrain.model.registry import PRESETS, preset
 
 TINY_NAME = "qtrain-tiny"
 
@@ -81,7 +83,7 @@ def resolve_model_dir(spec: str) -> Path:
 # the embedded corpus (50257 tokens, padded to a multiple of 64 for efficient GEMMs). Llama layout: transformers
 # >= 5 loads the tokenizer of every qwen2-type model as its Qwen2Tokenizer, which swaps in Qwen's pre-tokenizer
 # and would encode this GPT-2 data differently (digits, contractions); a llama-type export keeps its tokenizer.
-TINY = ModelConfig(model_type="llama", vocab_size=50304, hidden_size=128, intermediate_size=384,
+TINY = LlamaConfig(model_type="llama", vocab_size=50304, hidden_size=128, intermediate_size=384,
                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                    rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
                    bos_token_id=50256, eos_token_id=50256)

@@ -1,8 +1,9 @@
-"""The Llama-family decoder (Qwen2 / Llama 2-3 / Qwen3) with an explicit per-block forward/backward loop.
+"""The decoder of any family, with an explicit per-block forward/backward loop.
 
-Reading order: `make_block_fn` (one pre-norm block, functional) -> `Transformer.forward_backward`
-(embedding -> blocks -> final norm + chunked LM head loss -> blocks backward, one block at a time ->
-embedding backward).
+Reading order: `make_block_fn` (the family's block, functional: model/llama/block.py for the Llama family) ->
+`Transformer.forward_backward` (embedding -> blocks -> final norm + chunked LM head loss -> blocks backward, one
+block at a time -> embedding backward). Nothing here names a family's tensors: the family's block function
+reads them (model/family.py).
 
 Why an explicit loop instead of one autograd graph: the backward of block l ends inside our code, so the
 gradient manager receives that block's weight gradients at once (`GradientSink.accumulate_block`) and can
@@ -22,73 +23,27 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
-from qtrain.kernels.attention import causal_attention
 from qtrain.kernels.swiglu_fp8_onepass import HINT_UNSET, new_scale_hint
 from qtrain.model.config import ModelConfig
-from qtrain.model.layers import (SDPA_BACKENDS, apply_rope, qkv_rope_fused, rms_norm, rms_norm_and_rstd,
-                                 rope_tables, sdpa_backends, split_qkv, swiglu, swiglu_fused)
+from qtrain.model.family import BlockFn, BlockOptions, Linear, Mlp
+from qtrain.model.layers import SDPA_BACKENDS, rms_norm, rope_tables
 from qtrain.model.loss import IGNORE_INDEX, chunked_lm_head_loss, lm_head_loss_and_grads
 from qtrain.model.matmul import block_linear, block_mlp
-from qtrain.model.recompute import (MLP_STEPS, CheckpointSteps, Recomputer, ResidualStash, block_steps, resolve_flags,
-                                   run_step, splits_mlp)
+from qtrain.model.recompute import ResidualStash, block_steps, resolve_flags, splits_mlp
+from qtrain.model.registry import family_of
+from qtrain.model.weight_source import (FP8_INV_SCALE, FP8_WEIGHT, FP8_WEIGHT_T, SCALE_HINT, GradientSink,
+                                        WeightSource, quantized_weight)
 from qtrain.model.weights import param_shapes
 
-# (x, weight, bias[, (weight_fp8, inv_scale[, weight_fp8_t])]) -> x @ weight^T + bias; the 4th argument only when
-# the weight source provides a quantized copy (see `quantized_weight`)
-Linear = Callable[..., torch.Tensor]
-# (ln2 output, w_up, w_down, up_fp8, down_fp8, scale_hint) -> out; the fp8 tuples are None without quantized copies,
-# scale_hint (SCALE_HINT) None unless the Transformer keeps hints (--fp8-swiglu-onepass)
-Mlp = Callable[..., torch.Tensor]
-BlockFn = Callable[[torch.Tensor, dict, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class WeightSource(Protocol):
-    """Where the model gets its weights. `block(l)` / `non_block()` return tensors that require grad (the
-    model differentiates with respect to exactly these), and `block(l)` may add, for a block matrix `name`,
-    an FP8 copy as the two entries `FP8_WEIGHT.format(name)` / `FP8_INV_SCALE.format(name)` (no grad), and its
-    transpose as `FP8_WEIGHT_T.format(name)`, which the block hands to its linear. `release_block(l)` says
-    block l is no longer needed in this pass (a sharded source may free or reuse its buffer); `invalidate()`
-    says the weights changed (an update, a load): drop anything derived from them."""
-
-    def block(self, layer: int) -> dict[str, torch.Tensor]: ...
-    def non_block(self) -> dict[str, torch.Tensor]: ...
-    def release_block(self, layer: int) -> None: ...
-    def invalidate(self) -> None: ...
-
-
-FP8_MATRICES = ("qkv", "o", "up", "down")  # the four block linears that run in FP8 (--matmul-dtype e4m3)
-# the recompute step whose rerun rebuilds a linear's input, by block matrix: the attention output and the SwiGLU
-# output (the two norm outputs, in e4m3 blocks, are re-made from the residual whether or not LN is recomputed)
-REBUILT_BY = {"o": "attention", "down": "swiglu"}
-FP8_WEIGHT = "{}.fp8"  # an e4m3 copy of block matrix {} (N, K), contiguous
-FP8_INV_SCALE = "{}.fp8_inv"  # its inverse scale, a 0-dim fp32 tensor
-FP8_WEIGHT_T = "{}.fp8_t"  # optional: the e4m3 copy transposed, (K, N) contiguous (the input gradient's operand)
-# with --fp8-swiglu-onepass: the layer's int32 (2,) scale hints of h and du (kernels/swiglu_fp8_onepass.py), which
-# the Transformer adds to the block's weights for the fused FP8 MLP (no grad; run state: `Transformer.scale_hints`)
-SCALE_HINT = "mlp.fp8_scale_hint"
-
-
-def quantized_weight(w: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, ...] | None:
-    """(weight_fp8, inv_scale[, weight_fp8_t]) of block matrix `name` when the weight source provided them, else
-    None; the transpose only when the source made it too."""
-    q = w.get(FP8_WEIGHT.format(name))
-    if q is None:
-        return None
-    pair, qt = (q, w[FP8_INV_SCALE.format(name)]), w.get(FP8_WEIGHT_T.format(name))
-    return pair if qt is None else (*pair, qt)
-
-
-class GradientSink(Protocol):
-    """Receives weight gradients of one micro-step as soon as they exist. Tensors handed over are fresh
-    (owned by the sink); names are the short block names or 'embed' / 'norm' / 'lm_head'."""
-
-    def accumulate_block(self, layer: int, grads: dict[str, torch.Tensor]) -> None: ...
-    def accumulate_non_block(self, grads: dict[str, torch.Tensor]) -> None: ...
+# the weight-dict conventions between weight sources and blocks live in weight_source.py; named here too because
+# the loop's callers (parallel/, tests) meet them through this module
+__all__ = ["FP8_INV_SCALE", "FP8_WEIGHT", "FP8_WEIGHT_T", "SCALE_HINT", "GradientSink", "WeightSource",
+           "quantized_weight", "make_block_fn", "RunOptions", "Transformer", "allocate_params"]
 
 
 def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: frozenset[str] = frozenset(),
@@ -96,8 +51,8 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
                   mlp: Mlp | None = None, sdpa_backend: str = "auto",
                   linears: dict[str, Linear] | None = None, fused_rope: bool = False,
                   rebuilt_input_linear: Linear | None = None, norm_fed_fp8: bool = False) -> BlockFn:
-    """One pre-norm decoder block as a function of (x, weights, cos, sin), so one compiled graph serves
-    every layer (weights are inputs, not captured constants).
+    """The block of `cfg`'s family as a function of (x, weights, cos, sin), so one compiled graph serves
+    every layer (weights are inputs, not captured constants); for the Llama family see model/llama/block.py.
 
     recompute: steps ('ln1', 'qkv', 'attention', 'ln2', 'up', 'swiglu'; see recompute.STEPS) whose results
     are rerun in backward instead of kept; `compiled` picks the mechanism that works under torch.compile.
@@ -105,12 +60,11 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     inductor's own version of it runs at half the memory bandwidth.
     fused_rope: RoPE's backward (with the assembly of d(qkv)) as one kernel (`layers.qkv_rope_fused`), used by
     the compiled GPU path where there is no qk-norm; inductor's version ran at 0.5-2 TB/s.
-    attn_chunks: run attention, forward and backward, as that many independent calls over batch slices
-    (see `attention`).
+    attn_chunks: run attention, forward and backward, as that many independent calls over batch slices.
     sdpa_backend: the attention kernel (layers.SDPA_BACKENDS; 'auto' = torch's choice).
     mlp: the whole MLP after LN2 as one function (FP8's `fp8_swiglu_mlp`, which keeps the SwiGLU output in
     FP8 only) instead of linear -> SwiGLU -> linear; ignored when the 'up' or 'swiglu' step is recomputed,
-    since those need the steps separately.
+    since those need the steps separately (recompute.MLP_STEPS).
     linears: per-linear replacements of `linear` by block matrix name (the FP8 policy's bf16 linears).
     rebuilt_input_linear: instead of `linear` for a linear whose input a recomputed step rebuilds (the attention
     output under 'attention', the SwiGLU output under 'swiglu'): FP8 without --fp8-keep-transposes, so that what
@@ -118,107 +72,11 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     norm_fed_fp8: the FP8 linears (and MLP) after the two norms quantize their input from the norm's input, rstd and
     gain (`numerics.fp8.quantize_for_gemms`'s prenorm), so the norm's output is never written; for a compiled block
     with kept transposes and no recomputed step (the Transformer decides)."""
-    nh, nkv, hs, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
-    q_dim, qk_norm, gqa = cfg.q_dim, cfg.qk_norm, nh != nkv
-    swiglu_fn = swiglu_fused if fused_swiglu else swiglu
-    fused_mlp = mlp if not (MLP_STEPS & recompute) else None
-    norm_fed_fp8 = norm_fed_fp8 and not recompute  # the norms and their linears are then plain calls, not steps
-    rebuilt = {n for n, step in REBUILT_BY.items() if step in recompute}
-
-    def project(h: torch.Tensor, w: dict[str, torch.Tensor], name: str, bias: str | None = None,
-                prenorm: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        """h @ w[name]^T (+ w[bias]), with the source's FP8 copy of the weight when there is one (and the norm h
-        comes from, for an FP8 linear, with norm_fed_fp8)."""
-        b = w.get(bias) if bias else None
-        if linears and name in linears:  # a model-dtype linear: no FP8 copy applies
-            return linears[name](h, w[name], b)
-        fn = linear
-        if rebuilt_input_linear is not None and name in rebuilt:
-            fn = rebuilt_input_linear
-        q = quantized_weight(w, name)
-        extra = {} if prenorm is None else {"prenorm": prenorm}
-        return fn(h, w[name], b, **extra) if q is None else fn(h, w[name], b, q, **extra)
-
-    def norm(name: str, x: torch.Tensor, gain: torch.Tensor, step: Callable[..., object]
-             ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """The step's RMSNorm output, and with norm_fed_fp8 (x, rstd, gain) for the FP8 linear it feeds."""
-        if not norm_fed_fp8:
-            return step(name, rms_norm, x, gain, eps), None
-        h, rstd = rms_norm_and_rstd(x, gain, eps)
-        return h, (x, rstd, gain)
-
-    def qkv_rope(h: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                 prenorm: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Fused QKV projection -> (qk-norm) -> RoPE: (B, T, C) -> q (B, nh, T, hs), k, v (B, nkv, T, hs)."""
-        qkv = project(h, w, "qkv", "qkv_bias", prenorm)  # (B, T, q_dim + 2 kv_dim)
-        if fused_rope and not qk_norm:  # the same values; the backward is one kernel (layers.qkv_rope_fused)
-            q, k, v = qkv_rope_fused(qkv, cos, sin, nh, nkv, hs)
-            return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k, v = split_qkv(qkv, nh, nkv, hs)
-        if qk_norm:
-            q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
-        # RoPE in the (B, T, heads, hs) layout the projection wrote (as the fused path), then the transposed views
-        cos, sin = cos[:, None], sin[:, None]  # (T, 1, hs)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, hs)
-
-    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal SDPA: (B, nh|nkv, T, hs) -> (B, T, q_dim). With attn_chunks > 1, one SDPA call per batch
-        slice (llm.q's --attn-bwd-chunks): sequences are independent, so results are bit-identical, and
-        each backward call (with its fp32 workspace) covers B/chunks sequences. The price: the slices'
-        outputs, which their backward keeps, are concatenated into a second copy for the projection."""
-        B, _, T, _ = q.shape
-        if attn_chunks == 1:
-            att = sdpa(q, k, v).transpose(1, 2)
-        else:
-            # slice in the (B, T, nh, hs) layout the projection wrote: the gradients of q, k, v are then
-            # assembled in that layout, as unsliced, so later reductions (qk-norm weights) sum in the same order
-            n = min(attn_chunks, B)
-            slices = zip(*(t.transpose(1, 2).tensor_split(n) for t in (q, k, v)))  # (B/n, T, nh|nkv, hs)
-            att = torch.cat([sdpa(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)).transpose(1, 2)
-                             for qs, ks, vs in slices])  # (B, T, nh, hs) contiguous
-        return att.reshape(B, T, q_dim)
-
-    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """One causal attention call, (B, nh, T, hs) out. cuDNN goes through qtrain's opaque op pair
-        (kernels/attention.py): reached through F.scaled_dot_product_attention inside compiled graphs its
-        gradients were wrong on the H200."""
-        if sdpa_backend == "cudnn":
-            return causal_attention(q, k, v)
-        with sdpa_backends(sdpa_backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-
-    def block_body(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                   step: Callable[..., object]) -> torch.Tensor:
-        """`step(name, fn, *args)` runs fn(*args), keeping or recomputing its results per the policy."""
-        # 1) attention: norm -> fused QKV projection (+ qk-norm) + RoPE -> causal SDPA -> output projection
-        h, pre = norm("ln1", x, w["ln1"], step)
-        q, k, v = step("qkv", qkv_rope, h, w, cos, sin) if pre is None else qkv_rope(h, w, cos, sin, pre)
-        att = step("attention", attention, q, k, v)
-        x = x + project(att, w, "o")
-        # 2) MLP: norm -> fused up/gate projection -> SwiGLU -> down projection
-        h, pre = norm("ln2", x, w["ln2"], step)
-        if fused_mlp is not None:
-            extra = {} if pre is None else {"prenorm": pre}
-            return x + fused_mlp(h, w["up"], w["down"], quantized_weight(w, "up"), quantized_weight(w, "down"),
-                                 w.get(SCALE_HINT), **extra)
-        u = step("up", project, h, w, "up") if pre is None else project(h, w, "up", None, pre)  # (B, T, 2F)
-        return x + project(step("swiglu", swiglu_fn, u), w, "down")
-
-    if not recompute:
-        def block(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-            return block_body(x, w, cos, sin, run_step)
-    elif compiled:
-        policy = CheckpointSteps(recompute)
-
-        def block(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-            return block_body(x, w, cos, sin, policy)
-    else:
-        def block(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-            with Recomputer(recompute) as rc:  # one per call: it holds that call's recompute state
-                return block_body(x, w, cos, sin, rc)
-
-    return block
+    options = BlockOptions(linear=linear, recompute=frozenset(recompute), attn_chunks=attn_chunks, compiled=compiled,
+                           fused_swiglu=fused_swiglu, mlp=mlp, sdpa_backend=sdpa_backend, linears=linears,
+                           fused_rope=fused_rope, rebuilt_input_linear=rebuilt_input_linear,
+                           norm_fed_fp8=norm_fed_fp8)
+    return family_of(cfg).make_block_fn(cfg, options)
 
 
 class _BackwardFrom(torch.autograd.Function):
@@ -252,8 +110,8 @@ class RunOptions:
     compile_tuning: bool = False  # with compile: inductor's coordinate-descent tuning of its kernels
     compile_autotune_gemm: bool = False  # with compile: inductor's Triton GEMM templates timed against cuBLAS
     matmul_dtype: str = ""  # the four block linears: '' (model dtype) or 'e4m3' (FP8, matmul.py)
-    fp8_linears: tuple[str, ...] = FP8_MATRICES  # with e4m3: the block linears in FP8, the others in the model
-    # dtype (model/fp8_policy.py chooses them)
+    fp8_linears: tuple[str, ...] | None = None  # with e4m3: the block linears in FP8, the others in the model
+    # dtype (model/fp8_policy.py chooses them; None: all of the family's `fp8_matrices`)
     fp8_grad_dtype: str = "e4m3"  # with e4m3 matmuls: the output gradients' FP8 format, e4m3 or e5m2
     fp8_keep_transposes: bool = False  # with e4m3 and compile: keep the inputs' e4m3 transposes (numerics.fp8)
     fp8_swiglu_onepass: bool = False  # with e4m3 and the fused MLP: h and du in one pass, power-of-two scales
@@ -288,7 +146,9 @@ class Transformer:
         run = self.run
         linear = block_linear(run.matmul_dtype, run.fp8_grad_dtype, run.fp8_keep_transposes)
         rebuilt = block_linear(run.matmul_dtype, run.fp8_grad_dtype) if run.fp8_keep_transposes else None
-        plain = [n for n in FP8_MATRICES if n not in run.fp8_linears] if run.matmul_dtype == "e4m3" else []
+        fp8_matrices = family_of(cfg).fp8_matrices
+        fp8_linears = fp8_matrices if run.fp8_linears is None else run.fp8_linears
+        plain = [n for n in fp8_matrices if n not in fp8_linears] if run.matmul_dtype == "e4m3" else []
         linears = {n: F.linear for n in plain}  # the FP8 policy's model-dtype linears
         if run.wrap_linear is not None:
             linear, mlp = run.wrap_linear(linear), None
@@ -424,13 +284,16 @@ class Transformer:
                                                   fp8_backward=self.run.fp8_head_backward)
         start = _BackwardFrom.apply(h, dh)
         del h, dh, x
-        dx, d_norm = torch.autograd.grad(start, [x_last, norm_w])
+        # a frozen tensor (one that does not require grad: parallel/layout.py's frozen groups) gets no gradient
+        dx, *d_norm = torch.autograd.grad(start, [x_last] + ([norm_w] if norm_w.requires_grad else []))
         del start, x_last
-        if cfg.tie_word_embeddings:
-            grads.accumulate_non_block({"norm": d_norm})
-        else:
-            grads.accumulate_non_block({"norm": d_norm, "lm_head": d_head})
+        head = {"norm": d_norm[0]} if d_norm else {}
+        if not cfg.tie_word_embeddings:
+            if head_w.requires_grad:
+                head["lm_head"] = d_head
             d_head = None
+        if head:
+            grads.accumulate_non_block(head)
 
         # backward through the blocks, last to first; each block's weight gradients leave immediately
         for layer in reversed(range(L)):
@@ -450,7 +313,8 @@ class Transformer:
             weights.release_block(layer)
             grads.accumulate_block(layer, dict(zip(names, g[1:])))
 
-        grads.accumulate_non_block({"embed": self._embedding_backward(inputs, dx, embed, d_head)})
+        if embed.requires_grad:
+            grads.accumulate_non_block({"embed": self._embedding_backward(inputs, dx, embed, d_head)})
         return loss.detach()
 
     def _embedding_backward(self, inputs: torch.Tensor, dx: torch.Tensor, embed: torch.Tensor,

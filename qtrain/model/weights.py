@@ -1,73 +1,96 @@
-"""Parameter names, shapes and the Hugging Face name mapping, as data.
+"""Parameter names, shapes and the Hugging Face name mapping of a whole model, from its family's tensor statements.
 
-qtrain keeps a model's parameters in one flat `dict[str, Tensor]` with short internal names. The block
-linears are fused the way llm.q fuses them, so each block runs two fewer GEMMs than the HF layout:
-  layers.{i}.qkv       (qkv_dim, C)   rows [q; k; v]       <- q_proj / k_proj / v_proj
-  layers.{i}.qkv_bias  (qkv_dim,)     [q; k; v]            (Qwen2 only)
-  layers.{i}.up        (2F, C)        rows [up; gate]      <- up_proj / gate_proj
-Everything else maps one to one. `hf_to_internal` / `internal_to_hf` are the only places that know
-the HF layout.
+qtrain keeps a model's parameters in one flat `dict[str, Tensor]` with short internal names: the non-block
+tensors by their own names ('embed', 'norm', 'lm_head') and block l's as 'layers.{l}.{short}' (the family's
+`TensorSpec.name`, e.g. 'layers.3.qkv'). Each tensor is its HF tensors' elements back to back (a fused tensor
+concatenates several, `TensorSpec.hf`), so `hf_to_internal` / `internal_to_hf` need no per-family code: they are
+the only places that move between the two layouts.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
 from qtrain.model.config import ModelConfig
-
-# short block-tensor name -> HF suffix(es) under "model.layers.{i}."; a tuple means rows concatenated in order
-_BLOCK_HF: dict[str, str | tuple[str, ...]] = {
-    "ln1": "input_layernorm.weight",
-    "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "qkv_bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-    "q_norm": "self_attn.q_norm.weight",
-    "k_norm": "self_attn.k_norm.weight",
-    "o": "self_attn.o_proj.weight",
-    "ln2": "post_attention_layernorm.weight",
-    "up": ("mlp.up_proj.weight", "mlp.gate_proj.weight"),
-    "down": "mlp.down_proj.weight",
-}
-_NON_BLOCK_HF = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
-
-# Tensors without weight decay (norm gains and biases), by short block name / non-block name.
-NO_DECAY = frozenset({"ln1", "ln2", "q_norm", "k_norm", "qkv_bias", "norm"})
+from qtrain.model.family import TensorSpec
+from qtrain.model.registry import family_of
 
 
-def block_tensor_names(cfg: ModelConfig) -> list[str]:
-    """Short names of one block's tensors, in the fixed order used for buffers and RNG keys."""
-    names = ["ln1", "qkv"]
-    if cfg.attention_bias:
-        names.append("qkv_bias")
-    if cfg.qk_norm:
-        names += ["q_norm", "k_norm"]
-    names += ["o", "ln2", "up", "down"]
-    return names
+def block_tensors(cfg: ModelConfig, layer: int = 0) -> tuple[TensorSpec, ...]:
+    """Block `layer`'s tensor statements (its family's)."""
+    return statements(cfg).blocks[layer]
+
+
+def block_tensor_names(cfg: ModelConfig, layer: int = 0) -> list[str]:
+    """Short names of block `layer`'s tensors, in the fixed order used for buffers and RNG keys."""
+    return [s.name for s in block_tensors(cfg, layer)]
 
 
 def non_block_names(cfg: ModelConfig) -> list[str]:
-    return ["embed", "norm"] + ([] if cfg.tie_word_embeddings else ["lm_head"])
+    return [s.name for s in statements(cfg).non_block]
 
 
-def block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    C, F, hs = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    all_shapes = {
-        "ln1": (C,), "qkv": (cfg.qkv_dim, C), "qkv_bias": (cfg.qkv_dim,), "q_norm": (hs,), "k_norm": (hs,),
-        "o": (C, cfg.q_dim), "ln2": (C,), "up": (2 * F, C), "down": (C, F),
-    }
-    return {n: all_shapes[n] for n in block_tensor_names(cfg)}
+def block_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]]:
+    return {s.name: s.shape for s in block_tensors(cfg, layer)}
+
+
+@dataclass(frozen=True)
+class Statements:
+    """A model's tensors as its family states them: the non-block ones, each layer's, and the layers grouped by
+    kind (layers holding the same tensors, names and shapes: their statements about a block agree)."""
+    non_block: tuple[TensorSpec, ...]
+    blocks: tuple[tuple[TensorSpec, ...], ...]
+    kinds: tuple[tuple[int, ...], ...]  # layer indices of each kind, first layer first
+
+
+def statements(cfg: ModelConfig) -> Statements:
+    """`cfg`'s tensor statements (asked once per config: plans and layouts ask often)."""
+    key = repr(cfg)  # configs are mutable dataclasses (no hash); their repr names the class and every field
+    if key not in _STATEMENTS:
+        family = family_of(cfg)
+        blocks = tuple(family.block_tensors(cfg, i) for i in range(cfg.num_hidden_layers))
+        kinds: dict[tuple, list[int]] = {}
+        for i, specs in enumerate(blocks):
+            kinds.setdefault(tuple((s.name, s.shape) for s in specs), []).append(i)
+        if len(_STATEMENTS) >= 16:
+            _STATEMENTS.pop(next(iter(_STATEMENTS)))
+        _STATEMENTS[key] = Statements(tuple(family.non_block_tensors(cfg)), blocks,
+                                      tuple(tuple(v) for v in kinds.values()))
+    return _STATEMENTS[key]
+
+
+_STATEMENTS: dict[str, Statements] = {}  # a few recent configs'
+
+
+def sum_over_layers(cfg: ModelConfig, f: Callable[[int], float]) -> float:
+    """The sum of f(layer) over the layers, f asked once per kind of layer (`Statements.kinds`): for per-layer
+    statements of a family (FLOPs, bytes), which agree for layers that hold the same tensors."""
+    return sum(len(layers) * f(layers[0]) for layers in statements(cfg).kinds)
+
+
+def tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
+    """Every internal parameter name -> its statement, in canonical order (non-block first, then blocks)."""
+    st = statements(cfg)
+    specs = {s.name: s for s in st.non_block}
+    for i, block in enumerate(st.blocks):
+        specs.update((f"layers.{i}.{s.name}", s) for s in block)
+    return specs
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every internal parameter name -> shape, in canonical order (non-block first, then blocks)."""
-    V, C = cfg.vocab_size, cfg.hidden_size
-    shapes: dict[str, tuple[int, ...]] = {"embed": (V, C), "norm": (C,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (V, C)
-    for i in range(cfg.num_hidden_layers):
-        for n, s in block_shapes(cfg).items():
-            shapes[f"layers.{i}.{n}"] = s
-    return shapes
+    return {n: s.shape for n, s in tensor_specs(cfg).items()}
+
+
+def num_params(cfg: ModelConfig, *, include_embedding: bool = True) -> int:
+    """Parameters of the model, tied ones once; without the embedding the untied LM head still counts (it is a real
+    matmul)."""
+    st = statements(cfg)
+    blocks = sum(math.prod(s.shape) for block in st.blocks for s in block)
+    return blocks + sum(math.prod(s.shape) for s in st.non_block if include_embedding or s.name != "embed")
 
 
 def split_name(name: str) -> tuple[int | None, str]:
@@ -78,48 +101,43 @@ def split_name(name: str) -> tuple[int | None, str]:
     return None, name
 
 
-def is_decayed(name: str) -> bool:
-    return split_name(name)[1] not in NO_DECAY
+def is_decayed(cfg: ModelConfig, name: str) -> bool:
+    """Whether AdamW decays parameter `name` (its family's statement: matrices and embeddings yes, gains no)."""
+    return tensor_specs(cfg)[name].decay
 
 
-def hf_parts(cfg: ModelConfig, name: str) -> list[tuple[str, int]]:
-    """HF tensor names that make up internal tensor `name`, each with its number of dim-0 rows."""
-    layer, short = split_name(name)
-    if layer is None:
-        return [(_NON_BLOCK_HF[short], cfg.vocab_size if short != "norm" else cfg.hidden_size)]
-    spec = _BLOCK_HF[short]
-    prefix = f"model.layers.{layer}."
-    if isinstance(spec, str):
-        return [(prefix + spec, block_shapes(cfg)[short][0])]
-    if short in ("qkv", "qkv_bias"):
-        rows = [cfg.q_dim, cfg.kv_dim, cfg.kv_dim]
-    else:  # up
-        rows = [cfg.intermediate_size, cfg.intermediate_size]
-    return [(prefix + s, r) for s, r in zip(spec, rows)]
+def hf_parts(cfg: ModelConfig, name: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The HF tensors (name, shape) whose elements, back to back, make up internal tensor `name`."""
+    return tensor_specs(cfg)[name].hf
 
 
 def hf_names(cfg: ModelConfig) -> Iterator[str]:
     """All HF tensor names this config expects in a checkpoint."""
-    for name in param_shapes(cfg):
-        for hf, _ in hf_parts(cfg, name):
+    for spec in tensor_specs(cfg).values():
+        for hf, _ in spec.hf:
             yield hf
 
 
 def internal_to_hf(cfg: ModelConfig, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Split fused tensors into HF tensors (views; no copies)."""
+    specs = tensor_specs(cfg)
     out: dict[str, torch.Tensor] = {}
     for name, t in params.items():
-        parts = hf_parts(cfg, name)
-        start = 0
-        for hf, rows in parts:
-            out[hf] = t[start:start + rows] if len(parts) > 1 else t
-            start += rows
+        parts = specs[name].hf
+        if len(parts) == 1:
+            out[parts[0][0]] = t
+            continue
+        flat, start = t.reshape(-1), 0
+        for hf, shape in parts:
+            n = math.prod(shape)
+            out[hf] = flat[start:start + n].view(shape)
+            start += n
     return out
 
 
 def hf_to_internal(cfg: ModelConfig, get: Callable[[str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (internal name, tensor) built from HF tensors fetched one by one through `get(hf_name)`,
     so a loader can stream without holding the whole HF state dict twice."""
-    for name in param_shapes(cfg):
-        parts = [get(hf) for hf, _ in hf_parts(cfg, name)]
-        yield name, parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    for name, spec in tensor_specs(cfg).items():
+        parts = [get(hf) for hf, _ in spec.hf]
+        yield name, parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts]).view(spec.shape)

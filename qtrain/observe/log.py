@@ -22,7 +22,8 @@ logger writes, as it is written: live W&B (`qtrain.observe.wandb.WandbSink`), th
 A sink that raises is dropped with a warning, so a dashboard outage never stops a run.
 
 Console verbosity (as llm.q's EVerbosity): -2 silent, -1 eval lines and warnings only, 0 default
-(adds step lines and startup summaries), 1 verbose (adds info messages and full tables).
+(adds step lines and startup summaries), 1 verbose (adds info messages and full tables). Console lines go through
+`qtrain.console`: when the console goes away (a closed pipe or terminal) they stop, and the file keeps every line.
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ import os
 import sys
 import time
 from typing import IO, Any, Iterable, Mapping
+
+from qtrain import console
 
 SILENT, QUIET, DEFAULT, VERBOSE = -2, -1, 0, 1
 
@@ -210,14 +213,18 @@ class RunLogger:
     def _print(self, line: str, *, level: int = DEFAULT) -> None:
         if self.verbosity < level:
             return
-        self._clear_bar()
-        self.stream.write(line + "\n")
-        self.stream.flush()
+        console.write(self._take_bar() + line + "\n", self.stream)
+
+    def _take_bar(self) -> str:
+        """The escape that erases the progress bar, when one is shown (the next step draws it again)."""
+        if not self._bar_shown:
+            return ""
+        self._bar_shown = False
+        return "\r\x1b[K"
 
     def _clear_bar(self) -> None:
-        if self._bar_shown:
-            self.stream.write("\r\x1b[K")
-            self._bar_shown = False
+        if clear := self._take_bar():
+            console.write(clear, self.stream)
 
     def _draw_bar(self, step: int) -> None:
         if not self.progress or not self.total_steps:
@@ -228,9 +235,8 @@ class RunLogger:
         eta = ""
         if self._step_ms_ema is not None:
             eta = f" | ETA {format_eta(self._step_ms_ema * (self.total_steps - done) / 1000)}"
-        self.stream.write(f"\r\x1b[K[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total_steps}{eta}")
-        self.stream.flush()
-        self._bar_shown = True
+        self._bar_shown = console.write(f"\r\x1b[K[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total_steps}"
+                                        f"{eta}", self.stream)
 
     def _progress(self, done: int, epoch: float | None) -> str:
         """`done` optimizer steps of the run as a percentage (never above 100: the final evaluation runs after the
@@ -345,11 +351,14 @@ class RunLogger:
         self._print(f"[M] allocated {allocated // mib} MiB | reserved {reserved // mib} MiB | "
                     f"peak {peak // mib} MiB", level=VERBOSE)
 
-    def message(self, text: str, *, step: int | None = None, level: str = "info", **extra: Any) -> None:
-        """Free-form message (`level` info | warning); warnings are fsync'ed and shown even when quiet."""
+    def message(self, text: str, *, step: int | None = None, level: str = "info", on_console: bool = True,
+                **extra: Any) -> None:
+        """Free-form message (`level` info | warning); warnings are fsync'ed and shown even when quiet.
+        on_console=False: the log file only (a line the console gets another way)."""
         warn = level == "warning"
         self.log("message", step=step, level=level, message=text, sync=warn, **extra)
-        self._print(("[!] " if warn else "[I] ") + text, level=QUIET if warn else VERBOSE)
+        if on_console:
+            self._print(("[!] " if warn else "[I] ") + text, level=QUIET if warn else VERBOSE)
 
     def log_gpu(self, sample: Mapping[str, Any], *, step: int | None = None) -> None:
         """One GPU telemetry sample (`qtrain.observe.gpu.GpuMonitor.sample`: llm.q's `gpu` fields and units)."""

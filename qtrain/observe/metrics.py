@@ -1,7 +1,8 @@
 """Throughput metrics: llm.q's speed-of-light (SOL) estimate and a BF16-equivalent MFU.
 
 SOL (llm.q `src/utilities/sol.cpp`, reference/llmq.md §6) is the time one token would take if every
-matmul ran at the spec-sheet peak *of the dtype it runs in*. Per-token FLOPs, in three groups:
+matmul ran at the spec-sheet peak *of the dtype it runs in*. Per-token FLOPs, in three groups (the block terms are
+the family's statements, `ModelFamily.matmuls` and `attention_flops`; for the Llama family):
 
   blocks     6·L·C·(3·F + q_dim + qkv_dim)   matmul dtype (fp8 for --matmul-dtype e4m3)
   LM head    6·V·C                            model dtype (once, tied or not: the embedding lookup is no matmul)
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from qtrain.model.config import ModelConfig
+from qtrain.model.registry import family_of
+from qtrain.model.weights import num_params, sum_over_layers
 
 DTYPES = ("fp32", "bf16", "fp16", "fp8")
 
@@ -132,10 +135,13 @@ def transformer_ops(*, n_layers: int, hidden: int, intermediate: int, q_dim: int
 
 def sol_ops(cfg: ModelConfig, seq_len: int, *, matmul_dtype: object = "bf16",
             model_dtype: object = "bf16") -> SolOps:
-    return transformer_ops(n_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
-                           intermediate=cfg.intermediate_size, q_dim=cfg.q_dim, qkv_dim=cfg.qkv_dim,
-                           vocab=cfg.vocab_size, seq_len=seq_len, matmul_dtype=matmul_dtype,
-                           model_dtype=model_dtype)
+    """llm.q's FLOP model of `cfg` from its family's statements: 6 x the block matrices' weights per token, 3 x the
+    forward attention FLOPs (`transformer_ops` for the Llama family)."""
+    family = family_of(cfg)
+    weights = sum_over_layers(cfg, lambda layer: sum(m.weights_per_token for m in family.matmuls(cfg, layer).values()))
+    attention = sum_over_layers(cfg, lambda layer: family.attention_flops(cfg, layer, seq_len))
+    return SolOps(blocks=6 * weights, lm_head=6 * cfg.vocab_size * cfg.hidden_size, attention=3 * attention,
+                  matmul_dtype=canonical_dtype(matmul_dtype), model_dtype=canonical_dtype(model_dtype))
 
 
 def ns_per_token(ops: SolOps | Sequence[tuple[str, int]], device_name: str | None, *, world: int = 1,
@@ -177,10 +183,11 @@ def sol_fraction(ns_per_tok: float | None, step_tokens: int, step_seconds: float
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> int:
     """6·N_matmul + attention. N_matmul = every parameter but the input embedding, LM head counted once."""
-    n_matmul = cfg.num_params(include_embedding=False)
+    n_matmul = num_params(cfg, include_embedding=False)
     if cfg.tie_word_embeddings:
         n_matmul += cfg.vocab_size * cfg.hidden_size  # the tied matrix still runs as the LM head matmul
-    attn = (6 if causal else 12) * cfg.num_hidden_layers * cfg.q_dim * seq_len
+    family = family_of(cfg)
+    attn = (3 if causal else 6) * sum_over_layers(cfg, lambda layer: family.attention_flops(cfg, layer, seq_len))
     return 6 * n_matmul + attn
 
 

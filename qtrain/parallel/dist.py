@@ -14,8 +14,9 @@ What happens when a rank fails (tests/parallel/test_dist.py):
   (`ValueError` of qtrain) as the same one-line message a single process gives, a killed rank by its signal.
 * Workers die with their launcher (Linux `PR_SET_PDEATHSIG`, and a check of the parent at start): killing
   `qtrain train --gpus N` never leaves orphans training on.
-* SIGINT / SIGTERM to the launcher reach the workers through the store (`stop_requested`); a second one
-  kills them at once.
+* SIGINT / SIGTERM / SIGHUP to the launcher reach the workers through the store (`stop_signal`); a second
+  SIGINT or SIGTERM kills them at once. SIGUSR1 asks them for a checkpoint after their step, and they go on
+  (`checkpoint_requests`), as torchelastic's agent forwards signals to its workers.
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from qtrain import console
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 STORE_ENV = "QTRAIN_STORE"  # host:port of a store hosted by `launch_local` (workers connect as clients)
@@ -124,10 +127,16 @@ class DistContext:
             self.store.set(f"{_KEY}progress/{self.rank}", str(step))
 
     def stop_signal(self) -> int | None:
-        """The signal the launcher got (SIGINT / SIGTERM) when it asked the workers to stop, else None."""
+        """The signal the launcher got (SIGINT / SIGTERM / SIGHUP) when it asked the workers to stop, else None."""
         if self.store is None or not self.store.check([f"{_KEY}stop"]):
             return None
         return int(self.store.get(f"{_KEY}stop").decode())
+
+    def checkpoint_requests(self) -> int:
+        """How many SIGUSR1s the launcher got (each asks for a checkpoint after the step; training goes on)."""
+        if self.store is None:
+            return 0
+        return int(self.store.add(f"{_KEY}checkpoint", 0))
 
     def diagnose(self, error: BaseException) -> RankFailure:
         """A RankFailure naming the ranks that stopped answering (stale heartbeat) or fell behind."""
@@ -334,9 +343,8 @@ def _worker(local_rank: int, world: int, store: str, parent: int, errdir: str, f
         with open(os.path.join(errdir, f"rank{local_rank}.json"), "w", encoding="utf-8") as f:
             json.dump(report, f)
         if not report["expected"]:
-            traceback.print_exc()
-    sys.stdout.flush()
-    sys.stderr.flush()
+            console.write(traceback.format_exc(), sys.stderr)
+    console.flush_standard_streams()
     os._exit(code)
 
 
@@ -417,24 +425,38 @@ def _raise_first_failure(procs: list, errdir: str, killed: set[int]) -> None:
 
 
 def _forward_signals(server: Any, procs: list) -> dict[str, Any]:
-    """SIGINT / SIGTERM to the launcher: the first asks the workers to stop after their step (the store key
-    `stop`), the second kills them. Returns what `_restore_signals` needs."""
+    """SIGINT / SIGTERM / SIGHUP to the launcher: the first asks the workers to stop after their step (the store key
+    `stop`), a second SIGINT or SIGTERM kills them (a SIGHUP ignored at the start, `nohup`, stays ignored). SIGUSR1
+    asks them for a checkpoint after their step (the store key `checkpoint` counts them), and they go on. Returns
+    what `_restore_signals` needs."""
     state: dict[str, Any] = {"count": 0, "old": {}}
 
-    def handler(signum: int, frame: Any) -> None:
+    def say(text: str) -> None:
+        console.write(f"qtrain: {text}\n", sys.stderr)
+
+    def stop(signum: int, frame: Any) -> None:
+        if signum == signal.SIGHUP and state["count"]:
+            return  # closing the terminal is no request to hurry
         state["count"] += 1
         if state["count"] == 1:
             server.set(f"{_KEY}stop", str(signum))
-            print(f"qtrain: {signal.Signals(signum).name}: the workers finish their step, write a checkpoint and "
-                  f"exit (send it again to stop at once)", file=sys.stderr, flush=True)
+            say(f"{signal.Signals(signum).name}: the workers finish their step, write a checkpoint and exit"
+                + (" (send it again to stop at once)" if signum != signal.SIGHUP else ""))
         else:
             for p in procs:
                 if p.is_alive():
                     p.kill()
 
+    def checkpoint(signum: int, frame: Any) -> None:
+        server.add(f"{_KEY}checkpoint", 1)
+        say("SIGUSR1: the workers write a checkpoint after their step and go on")
+
     if threading.current_thread() is threading.main_thread():
-        for s in (signal.SIGINT, signal.SIGTERM):
-            state["old"][s] = signal.signal(s, handler)
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            if s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN:
+                continue
+            state["old"][s] = signal.signal(s, stop)
+        state["old"][signal.SIGUSR1] = signal.signal(signal.SIGUSR1, checkpoint)
     return state
 
 

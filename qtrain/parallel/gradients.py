@@ -25,7 +25,8 @@ micro-step of a step *sets* every buffer (copy) and later ones *add* with stocha
 buffers are bf16 (an exact fp32 add otherwise). Nothing is ever zeroed: llm.q zeroes the tensors its
 kernels accumulate into by `+=` from the start (norm weights, biases, the untied embedding), which cannot
 happen here. Group padding is zero from allocation and never written (the first micro-step's piecewise
-copy re-zeroes a shard's padding tail explicitly), so padding contributes nothing to norms.
+copy re-zeroes a shard's padding tail explicitly), so padding contributes nothing to norms. Frozen groups
+(`Group.trainable` False) have no buffers here: the model hands over no gradients for them.
 
 Random bits. Every SR of tensor t (position `t` in its group) of group g at (step, micro-step) uses
 `rng_key(seed, step, micro_step, g.index, t)` with the element's index *in the tensor* as counter
@@ -98,7 +99,8 @@ class GradientManager(ABC):
         self.device = torch.device(device)
         self.offload = False
         self.rank, self.world = comm.rank, comm.world
-        self._nb_full = {g.key: self._zeros(g.padded_numel) for g in layout.non_block_groups()}
+        self._trained = layout.trainable_groups()
+        self._nb_full = {g.key: self._zeros(g.padded_numel) for g in layout.trainable_groups(blocks=False)}
         self._nb_comm: dict[str, Handle] = {}
         # protocol state
         self._step = -1
@@ -156,35 +158,36 @@ class GradientManager(ABC):
             raise RuntimeError("replayed: only a manager using the SR key table (use_key_table) can be replayed")
         if not self._open or self._seen:
             raise RuntimeError("replayed: call it once, right after start_micro_step, instead of the accumulate calls")
-        self._seen = {g.key for g in self.layout.groups}
+        self._seen = {g.key for g in self._trained}
 
     def accumulate_non_block(self, grads: dict[str, torch.Tensor]) -> None:
         """Take this micro-step's gradients of non-block groups ('embed', 'norm', 'lm_head'). Does not
         block; on the last micro-step each group's reduce-scatter starts here."""
         for name, g in grads.items():
             group = self.layout.by_key.get(name)
-            if group is None or group.layer is not None:
-                raise KeyError(f"accumulate_non_block: {name!r} is not a non-block group of this model "
-                               f"(have {[g.key for g in self.layout.non_block_groups()]})")
+            if group is None or group.layer is not None or not group.trainable:
+                raise KeyError(f"accumulate_non_block: {name!r} is not a trainable non-block group of this model "
+                               f"(have {list(self._nb_full)})")
             self._receive(group)
             self._accumulate_full(group, self._nb_full[name], {name: g}, self._nb_comm)
 
     def accumulate_block(self, layer: int, grads: dict[str, torch.Tensor]) -> None:
-        """Take block `layer`'s gradients (short name -> tensor) right after its backward. Does not block
-        the host on CUDA; the block's communication (if any) starts here and overlaps later backward."""
-        group = self.layout.block(layer)
-        self._receive(group)
-        expected = {_short(s.name) for s in group.segments}
+        """Take block `layer`'s gradients (short name -> tensor, of its trainable groups) right after its backward.
+        Does not block the host on CUDA; its communication (if any) starts here and overlaps later backward."""
+        groups = [g for g in self.layout.layer_groups(layer) if g.trainable]
+        expected = {_short(s.name) for g in groups for s in g.segments}
         if set(grads) != expected:
             raise KeyError(f"accumulate_block({layer}): got tensors {sorted(grads)}, expected {sorted(expected)}")
-        self._accumulate_block(group, grads)
+        for group in groups:
+            self._receive(group)
+            self._accumulate_block(group, {_short(s.name): grads[_short(s.name)] for s in group.segments})
 
     def end_micro_step(self) -> None:
         """Close the micro-step. After the last micro-step of a step this waits (CUDA: the current stream
         waits) until every shard is final; before it, it returns without waiting."""
         if not self._open:
             raise RuntimeError("end_micro_step: no micro-step is open (call start_micro_step first)")
-        missing = [g.key for g in self.layout.groups if g.key not in self._seen]
+        missing = [g.key for g in self._trained if g.key not in self._seen]
         if missing:
             raise RuntimeError(f"end_micro_step: no gradients were received for {missing} in micro-step "
                                f"{self._micro} of step {self._step}")
@@ -200,19 +203,21 @@ class GradientManager(ABC):
         """This rank's 1-D slice (`group.shard_size(world)` elements) of group `group_key`'s gradient,
         averaged over ranks and summed over the micro-steps of the finished step. A view of manager state:
         valid until the next step's first micro-step writes it; device memory, or host memory for block
-        groups of an offloading manager."""
+        groups of an offloading manager. A frozen group has none (KeyError)."""
         if not self._final:
             raise RuntimeError("grad_shard: gradients are final only after end_micro_step of a step's last "
                                "micro-step")
         group = self.layout.by_key[group_key]
+        if not group.trainable:
+            raise KeyError(f"grad_shard: group {group_key!r} is frozen: it has no gradient")
         if group.layer is None:
             lo, hi = group.shard_range(self.rank, self.world)
             return self._nb_full[group_key][lo:hi]
         return self._block_shard(group)
 
     def grad_shards(self) -> dict[str, torch.Tensor]:
-        """`grad_shard` of every group, in layout order."""
-        return {g.key: self.grad_shard(g.key) for g in self.layout.groups}
+        """`grad_shard` of every trainable group, in layout order."""
+        return {g.key: self.grad_shard(g.key) for g in self._trained}
 
     # ---- memory ----
     @classmethod
@@ -237,11 +242,6 @@ class GradientManager(ABC):
     def shard_nbytes(self) -> int:
         """All persistent gradient state of this rank, in bytes (device and, when offloading, host)."""
         return sum(self.memory().values())
-
-    def device_nbytes(self) -> int:
-        """The part of `shard_nbytes` that lives on the compute device."""
-        host = self.host_memory_keys()
-        return sum(v for k, v in self.memory().items() if k not in host)
 
     # ---- helpers shared by the strategies ----
     def _receive(self, group: Group) -> None:
@@ -312,12 +312,11 @@ class UnshardedGradients(GradientManager):
 
     def __init__(self, layout: FlatLayout, **kw):
         super().__init__(layout, **kw)
-        self._full = {layer: self._zeros(layout.block(layer).padded_numel)
-                      for layer in range(layout.cfg.num_hidden_layers)}
+        self._full = {g.key: self._zeros(g.padded_numel) for g in layout.trainable_groups(blocks=True)}
         self._comm: dict[str, Handle] = {}
 
     def _accumulate_block(self, group: Group, grads: dict[str, torch.Tensor]) -> None:
-        self._accumulate_full(group, self._full[group.layer], grads, self._comm)
+        self._accumulate_full(group, self._full[group.key], grads, self._comm)
 
     def _finish_blocks(self) -> None:
         for h in self._comm.values():
@@ -326,28 +325,30 @@ class UnshardedGradients(GradientManager):
 
     def _block_shard(self, group: Group) -> torch.Tensor:
         lo, hi = group.shard_range(self.rank, self.world)
-        return self._full[group.layer][lo:hi]
+        return self._full[group.key][lo:hi]
 
     @classmethod
     def footprint_of(cls, layout: FlatLayout, *, dtype: torch.dtype, device: torch.device | str,
                      offload: bool = False) -> Footprint:
-        """Every group full: the non-block groups and the blocks."""
-        blocks = sum(g.padded_numel for g in layout.groups if g.layer is not None)
+        """Every trainable group full: the non-block groups and the blocks."""
+        blocks = sum(g.padded_numel for g in layout.trainable_groups(blocks=True))
         return Footprint({"non_block": _non_block_bytes(layout, dtype), "blocks": blocks * dtype.itemsize})
 
 
 @dataclass
 class _Slot:
     """A full-size block staging buffer (plus a receive buffer for all-to-all) and the work in flight
-    that still reads it: the block's collective and the accumulation chained after it."""
+    that still reads it: the block's collective and the accumulation chained after it. Slots are as large as
+    the largest block; a group uses its first `padded_numel` elements, of which `send[written:]` are zero."""
     send: torch.Tensor
     recv: torch.Tensor | None
     pending: Handle | None = None
+    written: int = 0
 
 
 class _BlockSharded(GradientManager):
-    """ZeRO-2 base: block gradients live only as one persistent shard per layer (on the device, or in
-    host memory with `offload`); each micro-step a block passes through a full-size staging slot
+    """ZeRO-2 base: block gradients live only as one persistent shard per trainable block group (on the device,
+    or in host memory with `offload`); each micro-step a block passes through a full-size staging slot
     (layer % num_slots), is communicated, and the rank's part is accumulated into the shard by work
     chained after the collective (CUDA: queued at once on the side stream; CPU: run when the slot is
     needed again or at the last end_micro_step, like llm.q's deferred `sr_accumulate_layer`)."""
@@ -357,29 +358,34 @@ class _BlockSharded(GradientManager):
 
     def __init__(self, layout: FlatLayout, *, offload: bool = False, **kw):
         super().__init__(layout, **kw)
-        blocks = [layout.block(layer) for layer in range(layout.cfg.num_hidden_layers)]
-        n = blocks[0].padded_numel  # every block has the same layout
-        s = blocks[0].shard_size(self.world)
+        blocks = layout.trainable_groups(blocks=True)
+        n = max((g.padded_numel for g in blocks), default=0)
         self.offload = offload
         pin = offload and torch.cuda.is_available()
-        self._shards = {g.layer: self._zeros(s, device="cpu" if offload else self.device, pin=pin) for g in blocks}
+        self._shards = {g.key: self._zeros(g.shard_size(self.world), device="cpu" if offload else self.device,
+                                           pin=pin) for g in blocks}
         # offloaded shards are accumulated in a device copy (one staging slot) when the compute device is a GPU
         self._staging = (StagingRing(self._scratch_sizes(layout, self.dtype), device=self.device, slots=1,
                                      overlap=False) if _stages(offload, self.device) else None)
         self._slots = [_Slot(self._zeros(n), self._zeros(n) if self.needs_recv else None)
                        for _ in range(self.num_slots)]
-        self._pieces: dict[int, list[tuple[int, Piece]]] = {}
+        self._pieces: dict[str, list[tuple[int, Piece]]] = {}
+        self._pad_start: dict[str, int] = {}  # where each shard's padding tail starts
         for g in blocks:
             index = {seg.name: t for t, seg in enumerate(g.segments)}
-            self._pieces[g.layer] = [(index[p.segment.name], p) for p in g.shard_pieces(self.rank, self.world)]
-        last = self._pieces[0][-1][1] if self._pieces[0] else None
-        self._pad_start = last.shard_offset + last.numel if last else 0  # the shard's padding tail starts here
+            self._pieces[g.key] = [(index[p.segment.name], p) for p in g.shard_pieces(self.rank, self.world)]
+            last = self._pieces[g.key][-1][1] if self._pieces[g.key] else None
+            self._pad_start[g.key] = last.shard_offset + last.numel if last else 0
 
     def _accumulate_block(self, group: Group, grads: dict[str, torch.Tensor]) -> None:
         slot = self._slots[group.layer % self.num_slots]
         if slot.pending is not None:  # the layer that used this slot before must be done with it
             slot.pending.wait()
             slot.pending = None
+        c, n = group.content_numel, group.padded_numel
+        if slot.written > c:  # a larger block's values in this one's padding
+            slot.send[c:min(slot.written, n)].zero_()
+        slot.written = slot.written if slot.written > n else c
         # a copy; it rounds (with bits apart from the shard's) only if the model dtype differs from ours
         self._write_full(slot.send, group, grads, add=False, extra=(1,))
         slot.pending = self._communicate(group, slot, step=self._step, micro=self._micro,
@@ -398,25 +404,26 @@ class _BlockSharded(GradientManager):
                 slot.pending = None
 
     def _block_shard(self, group: Group) -> torch.Tensor:
-        return self._shards[group.layer]
+        return self._shards[group.key]
 
     # offload: the accumulation works on a device copy of the host shard (same PCIe traffic as llm.q's
     # zero-copy kernels, but plain copies on the stream the accumulation runs on: one slot, no overlap)
-    def _shard_in(self, layer: int, *, load: bool) -> torch.Tensor:
+    def _shard_in(self, key: str, *, load: bool) -> torch.Tensor:
+        shard = self._shards[key]
         if self._staging is None:
-            return self._shards[layer]
+            return shard
         if load:
-            self._staging.fetch(0, {"shard": self._shards[layer]})
-        return self._staging.acquire(0)["shard"]
+            self._staging.fetch(0, {"shard": shard})
+        return self._staging.acquire(0)["shard"][:shard.numel()]
 
-    def _shard_out(self, layer: int) -> None:
+    def _shard_out(self, key: str) -> None:
         """`_shard_in`'s tensor back to the host shard (nothing to do when the shard is worked on in place)."""
         if self._staging is not None:
-            self._staging.write_back(0, {"shard": self._shards[layer]})
+            self._staging.write_back(0, {"shard": self._shards[key]})
 
     @staticmethod
     def _scratch_sizes(layout: FlatLayout, dtype: torch.dtype) -> dict[str, tuple[int, torch.dtype]]:
-        return {"shard": (layout.block(0).shard_size(layout.world), dtype)}
+        return {"shard": (max(g.shard_size(layout.world) for g in layout.trainable_groups(blocks=True)), dtype)}
 
     @classmethod
     def footprint_of(cls, layout: FlatLayout, *, dtype: torch.dtype, device: torch.device | str,
@@ -424,8 +431,8 @@ class _BlockSharded(GradientManager):
         """Non-block groups full, one shard per block (host with `offload`), the full-size staging buffers
         (`num_slots`, each with a receive buffer when `needs_recv`) and, offloading to a GPU's host, the
         accumulation's device copy of one shard."""
-        blocks = [g for g in layout.groups if g.layer is not None]
-        n = blocks[0].padded_numel if blocks else 0
+        blocks = layout.trainable_groups(blocks=True)
+        n = max((g.padded_numel for g in blocks), default=0)
         parts = {"non_block": _non_block_bytes(layout, dtype),
                  "block_shards": sum(g.shard_size(layout.world) for g in blocks) * dtype.itemsize,
                  "staging": cls.num_slots * (2 if cls.needs_recv else 1) * n * dtype.itemsize}
@@ -446,18 +453,18 @@ class ReduceScatterGradients(_BlockSharded):
     def _communicate(self, group, slot, *, step, micro, first, last):
         lo, hi = group.shard_range(self.rank, self.world)
         out = slot.send[lo:hi]
-        h = self.comm.reduce_scatter(out, slot.send, op="avg")
+        h = self.comm.reduce_scatter(out, slot.send[:group.padded_numel], op="avg")
         return self.comm.then(h, lambda: self._accumulate(group, out, step=step, micro=micro, first=first))
 
     def _accumulate(self, group: Group, src: torch.Tensor, *, step: int, micro: int, first: bool) -> None:
-        work = self._shard_in(group.layer, load=not first)
+        work = self._shard_in(group.key, load=not first)
         if first:
             work.copy_(src)  # same dtype, exact; padding included (src's padding is a reduction of zeros)
         else:
-            for t, p in self._pieces[group.layer]:
+            for t, p in self._pieces[group.key]:
                 sl = slice(p.shard_offset, p.shard_offset + p.numel)
                 sr_add_(work[sl], src[sl], key=self._key(group, t, step, micro), offset=p.tensor_offset)
-        self._shard_out(group.layer)
+        self._shard_out(group.key)
 
 
 class AllToAllGradients(_BlockSharded):
@@ -479,27 +486,27 @@ class AllToAllGradients(_BlockSharded):
     needs_recv = True
 
     def _communicate(self, group, slot, *, step, micro, first, last):
-        h = self.comm.all_to_all(slot.recv, slot.send)
+        h = self.comm.all_to_all(slot.recv[:group.padded_numel], slot.send[:group.padded_numel])
         scale = 1.0 / self.world if last else 1.0
         return self.comm.then(h, lambda: self._reduce(group, slot.recv, step=step, micro=micro, first=first,
                                                       scale=scale))
 
     def _reduce(self, group: Group, recv: torch.Tensor, *, step: int, micro: int, first: bool,
                 scale: float) -> None:
-        work = self._shard_in(group.layer, load=not first)
-        parts = recv.view(self.world, -1)
+        work = self._shard_in(group.key, load=not first)
+        parts = recv[:group.padded_numel].view(self.world, -1)
         # fixed order (old shard, then ranks 0..W-1): the fp32 sum is bit-reproducible; one pass per piece
-        for t, p in self._pieces[group.layer]:
+        for t, p in self._pieces[group.key]:
             sl = slice(p.shard_offset, p.shard_offset + p.numel)
             sr_sum_(work[sl], parts[:, sl], key=self._key(group, t, step, micro), scale=scale,
                     offset=p.tensor_offset, add=not first)
         if first:
-            work[self._pad_start:].zero_()
-        self._shard_out(group.layer)
+            work[self._pad_start[group.key]:].zero_()
+        self._shard_out(group.key)
 
 
 def _non_block_bytes(layout: FlatLayout, dtype: torch.dtype) -> int:
-    return sum(g.padded_numel for g in layout.non_block_groups()) * dtype.itemsize
+    return sum(g.padded_numel for g in layout.trainable_groups(blocks=False)) * dtype.itemsize
 
 
 def _stages(offload: bool, device: torch.device | str) -> bool:
@@ -535,8 +542,8 @@ def gradient_footprint(kind: str, layout: FlatLayout, *, dtype: torch.dtype, dev
 
 
 def _key_recipes(layout: FlatLayout) -> list[tuple[tuple[int, int], int, int]]:
-    """The SR launches of an unsharded manager, one per tensor of every group: (ids, offset, n)."""
-    return [((g.index, t), 0, seg.numel) for g in layout.groups for t, seg in enumerate(g.segments)]
+    """The SR launches of an unsharded manager, one per tensor of every trainable group: (ids, offset, n)."""
+    return [((g.index, t), 0, seg.numel) for g in layout.trainable_groups() for t, seg in enumerate(g.segments)]
 
 
 def _with_key_table(fp: Footprint, layout: FlatLayout) -> Footprint:

@@ -1,8 +1,8 @@
 """Flat buffer layout shared by weights, gradients and optimizer state.
 
 Every parameter belongs to a *group*: each transformer block is one group (all its tensors back to back,
-in `block_tensor_names` order), and each non-block tensor (`embed`, `norm`, `lm_head`) is a group of its
-own. A group lives in one flat 1-D buffer padded to a multiple of `world * ALIGN` elements, so:
+in the order its family's `block_tensors` states them), and each non-block tensor (`embed`, `norm`, `lm_head`) is
+a group of its own. A group lives in one flat 1-D buffer padded to a multiple of `world * ALIGN` elements, so:
   - one collective per group moves a whole block (one reduce-scatter / all-gather instead of seven);
   - rank r's shard is the contiguous slice [r*n/W, (r+1)*n/W) of the buffer, the same slice in the
     weights, the gradients and the Adam moments;
@@ -10,17 +10,28 @@ own. A group lives in one flat 1-D buffer padded to a multiple of `world * ALIGN
 A shard may cut through a tensor; `shard_pieces` says which part of which tensor a shard holds, which is
 what the optimizer needs (weight decay is per tensor; the SR counter offset is the element's index in
 its tensor, so a sharded update is bit-identical to an unsharded one).
+
+What the next families and training modes need, stated here and nowhere else:
+  - layers may hold different tensors (a hybrid model's linear- and full-attention layers): each layer's groups
+    come from its family's `block_tensors(cfg, layer)`, and nothing assumes that blocks look alike except the
+    sharded weight source, which asks `uniform_block()`;
+  - a tensor may name a group of its own within its layer (`TensorSpec.group`: 'block.{l}.X', e.g. adapters);
+  - a group may be *frozen* (`FlatLayout(..., frozen=keys)`, `Group.trainable` False): it has weights, but the
+    gradient managers, the optimizer and the memory plan allocate nothing for it (a frozen base under adapters);
+  - a tensor may be a stack of identical experts (`Segment.experts`, shape (E, ...)): expert parallelism gives
+    each of its ranks whole experts, `Group.expert_pieces`.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Collection
+from typing import Collection, Sequence
 
 import torch
 
 from qtrain.model.config import ModelConfig
-from qtrain.model.weights import block_shapes, block_tensor_names, non_block_names, param_shapes
+from qtrain.model.family import TensorSpec
+from qtrain.model.weights import statements
 
 ALIGN = 64  # elements; keeps every shard start 128-byte aligned in bf16 (vector loads, NCCL)
 
@@ -31,6 +42,8 @@ class Segment:
     name: str  # internal parameter name, e.g. 'layers.3.qkv'
     start: int  # offset in the group buffer
     shape: tuple[int, ...]
+    decay: bool = True  # AdamW weight decay (the family's TensorSpec.decay)
+    experts: int = 0  # > 0: a stack of that many identical expert tensors along dim 0, expert e at t[e]
 
     @property
     def numel(self) -> int:
@@ -40,6 +53,19 @@ class Segment:
     def short(self) -> str:
         """The name inside its group: 'qkv' for 'layers.3.qkv' (a non-block name is its own)."""
         return self.name.rsplit(".", 1)[-1]
+
+    @property
+    def expert_numel(self) -> int:
+        """Elements of one expert of a stack."""
+        if not self.experts:
+            raise ValueError(f"{self.name} is not a stack of experts")
+        return self.numel // self.experts
+
+    def expert_span(self, first: int, count: int = 1) -> tuple[int, int]:
+        """[start, stop) in the group buffer of experts first .. first + count - 1 of this stack (contiguous)."""
+        if not 0 <= first <= first + count <= self.experts:
+            raise ValueError(f"{self.name}: experts [{first}, {first + count}) outside [0, {self.experts})")
+        return self.start + first * self.expert_numel, self.start + (first + count) * self.expert_numel
 
 
 @dataclass(frozen=True)
@@ -53,11 +79,18 @@ class Piece:
 
 @dataclass(frozen=True)
 class Group:
-    key: str  # 'block.3' or a non-block tensor name
+    key: str  # 'block.3' (or 'block.3.X' for a layer's group X) or a non-block tensor name
     index: int  # position in FlatLayout.groups: used in RNG keys
     layer: int | None
     segments: tuple[Segment, ...]
     padded_numel: int
+    trainable: bool = True  # False: frozen, no gradients and no optimizer state anywhere
+
+    @property
+    def content_numel(self) -> int:
+        """Elements of its tensors (the buffer before the padding that depends on the world size)."""
+        last = self.segments[-1]
+        return last.start + last.numel
 
     def shard_size(self, world: int) -> int:
         return self.padded_numel // world
@@ -68,7 +101,10 @@ class Group:
 
     def shard_pieces(self, rank: int, world: int, names: Collection[str] | None = None) -> list[Piece]:
         """The pieces of rank `rank`'s shard, in buffer order; only of the tensors `names` (short names) if given."""
-        lo, hi = self.shard_range(rank, world)
+        return self.pieces(*self.shard_range(rank, world), names=names)
+
+    def pieces(self, lo: int, hi: int, names: Collection[str] | None = None) -> list[Piece]:
+        """The parts of the tensors in buffer elements [lo, hi), in buffer order (shard_offset: from lo)."""
         pieces = []
         for seg in self.segments:
             if names is not None and seg.short not in names:
@@ -83,41 +119,115 @@ class Group:
         a per-rank slot that can carry every rank's part of them in one equal-split all-gather."""
         return max(sum(p.numel for p in self.shard_pieces(r, world, names)) for r in range(world))
 
+    @property
+    def experts(self) -> int:
+        """The number of experts of the group's stacks (they all have the same), 0 if it holds none."""
+        counts = {s.experts for s in self.segments if s.experts}
+        if len(counts) > 1:
+            raise ValueError(f"group {self.key} holds stacks of {sorted(counts)} experts")
+        return counts.pop() if counts else 0
+
+    def expert_pieces(self, ep_rank: int, ep_world: int) -> list[Piece]:
+        """The parts of the group's expert stacks that expert-parallel rank `ep_rank` of `ep_world` holds: experts
+        [r E/W, (r+1) E/W) of every stack, each a contiguous run (shard_offset: where it goes in the rank's
+        buffer of its experts, stacks back to back in group order)."""
+        E = self.experts
+        if not E or E % ep_world or not 0 <= ep_rank < ep_world:
+            raise ValueError(f"group {self.key}: {E} experts cannot be split evenly over {ep_world} ranks "
+                             f"(rank {ep_rank})")
+        n, out, pos = E // ep_world, [], 0
+        for s in self.segments:
+            if s.experts:
+                a, b = s.expert_span(ep_rank * n, n)
+                out.append(Piece(s, a - s.start, pos, b - a))
+                pos += b - a
+        return out
+
 
 class FlatLayout:
-    def __init__(self, cfg: ModelConfig, world: int = 1):
+    """The groups of a model (`cfg`, its family's tensors) for state sharded over `world` ranks. `frozen`: keys of
+    groups that are not trained. `tensors`: (non-block tensors, each layer's tensors) instead of the family's
+    statements (tests, and families built on another's)."""
+
+    def __init__(self, cfg: ModelConfig, world: int = 1, *, frozen: Collection[str] = (),
+                 tensors: tuple[Sequence[TensorSpec], Sequence[Sequence[TensorSpec]]] | None = None):
         self.cfg, self.world = cfg, world
-        shapes = param_shapes(cfg)
+        if tensors is None:
+            st = statements(cfg)
+            tensors = (st.non_block, st.blocks)
+        non_block, blocks = tensors
+        self.num_layers = len(blocks)
         groups: list[Group] = []
         unit = world * ALIGN
-        for name in non_block_names(cfg):
-            seg = Segment(name, 0, shapes[name])
-            groups.append(Group(name, len(groups), None, (seg,), -(-seg.numel // unit) * unit))
-        bshapes = block_shapes(cfg)
-        for layer in range(cfg.num_hidden_layers):
+        frozen = set(frozen)
+
+        def add(key: str, layer: int | None, specs: Sequence[TensorSpec], prefix: str) -> None:
             segs, off = [], 0
-            for n in block_tensor_names(cfg):
-                segs.append(Segment(f"layers.{layer}.{n}", off, bshapes[n]))
+            for t in specs:
+                segs.append(Segment(prefix + t.name, off, tuple(t.shape), t.decay, t.experts))
                 off += segs[-1].numel
-            groups.append(Group(f"block.{layer}", len(groups), layer, tuple(segs), -(-off // unit) * unit))
+            groups.append(Group(key, len(groups), layer, tuple(segs), -(-off // unit) * unit, key not in frozen))
+
+        for t in non_block:
+            add(t.name, None, [t], "")
+        for layer, specs in enumerate(blocks):
+            names = [t.name for t in specs]
+            if len(set(names)) != len(names):
+                raise ValueError(f"layer {layer}: tensor names repeat: {names}")
+            by_group: dict[str, list[TensorSpec]] = {}
+            for t in specs:
+                by_group.setdefault(t.group, []).append(t)
+            for label, members in by_group.items():
+                add(f"block.{layer}" + (f".{label}" if label else ""), layer, members, f"layers.{layer}.")
         self.groups = groups
         self.by_key = {g.key: g for g in groups}
+        unknown = sorted(frozen - set(self.by_key))
+        if unknown:
+            raise ValueError(f"frozen groups {unknown} are not groups of this model (groups: {list(self.by_key)})")
         self.group_of = {s.name: g for g in groups for s in g.segments}
+        self._layers: dict[int, list[Group]] = {}
+        for g in groups:
+            if g.layer is not None:
+                self._layers.setdefault(g.layer, []).append(g)
 
     def block(self, layer: int) -> Group:
+        """Layer `layer`'s own group ('block.{layer}')."""
         return self.by_key[f"block.{layer}"]
+
+    def layer_groups(self, layer: int) -> list[Group]:
+        """Every group of layer `layer`: its own first, then those its tensors name (`TensorSpec.group`)."""
+        return self._layers.get(layer, [])
 
     def non_block_groups(self) -> list[Group]:
         return [g for g in self.groups if g.layer is None]
+
+    def trainable_groups(self, *, blocks: bool | None = None) -> list[Group]:
+        """The groups that have gradients and optimizer state (all but the frozen ones); only the blocks' (`blocks`
+        True) or only the others (False)."""
+        return [g for g in self.groups if g.trainable and (blocks is None or blocks == (g.layer is not None))]
+
+    def uniform_block(self) -> Group:
+        """Block 0's group, after checking that every layer is one group with the same tensors at the same offsets:
+        what a consumer that handles one block layout for all layers (the sharded weight source) relies on."""
+        first = self.block(0)
+        shape = [(s.short, s.start, s.shape) for s in first.segments]
+        for layer in range(self.num_layers):
+            groups = self.layer_groups(layer)
+            if len(groups) != 1 or [(s.short, s.start, s.shape) for s in groups[0].segments] != shape:
+                raise ValueError(f"block {layer} (groups {[g.key for g in groups]}) is not one group laid out as "
+                                 f"block 0 is: sharded weights need every block alike")
+        return first
 
     def total_numel(self) -> int:
         return sum(g.padded_numel for g in self.groups)
 
     def allocate(self, *, dtype: torch.dtype, device: torch.device | str, shard: bool = False,
-                 rank: int = 0, pin_memory: bool = False) -> dict[str, torch.Tensor]:
-        """Zeroed group buffers keyed by group key: full size, or only this rank's shard (`shard=True`)."""
+                 rank: int = 0, pin_memory: bool = False,
+                 groups: Sequence[Group] | None = None) -> dict[str, torch.Tensor]:
+        """Zeroed group buffers keyed by group key: full size, or only this rank's shard (`shard=True`); of every
+        group, or of `groups`."""
         out = {}
-        for g in self.groups:
+        for g in self.groups if groups is None else groups:
             n = g.shard_size(self.world) if shard else g.padded_numel
             t = torch.zeros(n, dtype=dtype, device=device, pin_memory=pin_memory)
             out[g.key] = t

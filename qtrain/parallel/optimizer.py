@@ -9,7 +9,8 @@ and v only for that slice and updates the weights of that slice from its gradien
     and nothing is gathered -- the next forward gathers what it needs (ZeRO-3).
 With one rank this is plain fused AdamW.
 
-Weight decay is decided per tensor (`weights.is_decayed`), so the update walks the *pieces* of a shard
+Weight decay is decided per tensor (its family's statement, `layout.Segment.decay`), so the update walks the
+*pieces* of a shard
 (the parts of tensors it contains) and runs the fused kernel once per piece. The stochastic-rounding
 counter of an element is its index inside its tensor and the key names (seed, step, group, tensor), so
 an update gives the same bits whatever the number of ranks -- and however a shard is cut into chunks.
@@ -60,7 +61,6 @@ import torch
 
 from qtrain.kernels.adamw import M_BLOCK
 from qtrain.kernels.rng import rng_key
-from qtrain.model.weights import is_decayed
 from qtrain.numerics.adamw import AdamWHyper, adamw_update_
 from qtrain.parallel.comm import Communicator
 from qtrain.parallel.footprint import Footprint
@@ -100,8 +100,8 @@ def staging_capacity(layout: FlatLayout, m_dtype: str = "fp32") -> int:
     non-block shards are cut into chunks of this size), or the largest shard when there are no blocks; at
     least one e4m3 block with an e4m3 m (chunks are cut on block boundaries)."""
     world = layout.world
-    blocks = [g.shard_size(world) for g in layout.groups if g.layer is not None]
-    cap = max(blocks) if blocks else max(g.shard_size(world) for g in layout.groups)
+    blocks = [g.shard_size(world) for g in layout.trainable_groups(blocks=True)]
+    cap = max(blocks) if blocks else max((g.shard_size(world) for g in layout.trainable_groups()), default=0)
     return max(cap, M_BLOCK) if m_dtype == "e4m3" else cap
 
 
@@ -109,7 +109,7 @@ def scale_slot_numel(layout: FlatLayout, capacity: int) -> int:
     """Scales of a staging slot for an offloaded e4m3 m: a chunk of `capacity` elements touches at most
     ceil(capacity/128) blocks, plus one per tensor it starts in (a tensor's last block may be short), plus
     one for a piece starting mid-block."""
-    return -(-capacity // M_BLOCK) + max(len(g.segments) for g in layout.groups) + 1
+    return -(-capacity // M_BLOCK) + max((len(g.segments) for g in layout.trainable_groups()), default=0) + 1
 
 
 def _slot_sizes(layout: FlatLayout, capacity: int,
@@ -196,15 +196,16 @@ class ShardedAdamW:
                 self.shards[g.key] = params[g.key][lo:hi]
         pin = torch.cuda.is_available()
         cpu = torch.device("cpu")
+        self.trained = layout.trainable_groups()  # what it updates: frozen groups have no state and no update
         self.m = layout.allocate(dtype=DTYPES[m_dtype], device=cpu if offload_m else self.device, shard=True,
-                                 pin_memory=offload_m and pin)
+                                 pin_memory=offload_m and pin, groups=self.trained)
         self.v = layout.allocate(dtype=DTYPES[v_dtype], device=cpu if offload_v else self.device, shard=True,
-                                 pin_memory=offload_v and pin)
+                                 pin_memory=offload_v and pin, groups=self.trained)
         # e4m3 m: one fp32 scale per block (module docstring), zero like the codes; they live with m
         self.m_scales: dict[str, torch.Tensor] = {
             g.key: torch.zeros(group_m_scales(g, self.world), dtype=torch.float32,
                                device=cpu if offload_m else self.device, pin_memory=offload_m and pin)
-            for g in layout.groups} if self.m_e4m3 else {}
+            for g in self.trained} if self.m_e4m3 else {}
         self.offloaded = {"param": offload_params, "m": offload_m, "v": offload_v}
         self.zero_copy = zero_copy
         self.m_dtype, self.v_dtype = m_dtype, v_dtype
@@ -241,7 +242,7 @@ class ShardedAdamW:
         if capacity in self._item_cache:
             return self._item_cache[capacity]
         items = []
-        for g in self.layout.groups:
+        for g in self.trained:
             n = g.shard_size(self.world)
             pieces = g.shard_pieces(self.rank, self.world)
             starts = [0]
@@ -282,7 +283,7 @@ class ShardedAdamW:
                     t = p.tensor_offset + x - p.shard_offset
                     s = s_off + t // M_BLOCK - p.tensor_offset // M_BLOCK if self.m_e4m3 else 0
                     ns = -(-(y - x) // M_BLOCK) if self.m_e4m3 else 0
-                    calls.append(_Call(seg_index, is_decayed(p.segment.name), x - lo, y - lo, t, s, s + ns))
+                    calls.append(_Call(seg_index, p.segment.decay, x - lo, y - lo, t, s, s + ns))
             s_off += nblk
         s_lo, s_hi = (calls[0].s_lo, calls[-1].s_hi) if calls else (0, 0)
         return _Item(g, lo, hi, last, tuple(calls), s_lo, s_hi)
@@ -294,7 +295,7 @@ class ShardedAdamW:
     def grad_norm(self, grads: GradShards) -> torch.Tensor:
         """Global L2 norm of the gradient (fp32 device scalar): sum of squares of this rank's shards,
         summed over ranks. Padding is zero, so it does not count."""
-        shards = [grads.grad_shard(g.key) for g in self.layout.groups]
+        shards = [grads.grad_shard(g.key) for g in self.trained]
         sq = torch.stack([torch.linalg.vector_norm(s, dtype=torch.float32).to(self.device)
                           for s in shards]).pow(2).sum()
         if self.comm is not None and self.world > 1:
@@ -311,7 +312,7 @@ class ShardedAdamW:
         t = self.step_count + 1
         hp = AdamWHyper(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=t,
                         grad_scale=grad_scale)
-        gshards = {g.key: grads.grad_shard(g.key) for g in self.layout.groups}
+        gshards = {g.key: grads.grad_shard(g.key) for g in self.trained}
         stage_grads = any(s.device != self.device for s in gshards.values())
         capacity = self._capacity
         if stage_grads and capacity is None:
@@ -421,12 +422,12 @@ class ShardedAdamW:
         m's scales: per group the most any rank needs), 'adam.v' (host with offload_m / offload_v) and
         'staging', the device slots offloaded state streams through (`grad_dtype`: host gradient shards are
         staged too; `capacity`: slot elements, default `staging_capacity`). The weight shards belong to the
-        weights, not here."""
+        weights, not here. Frozen groups have none."""
         world = layout.world
-        numel = sum(g.shard_size(world) for g in layout.groups)
+        numel = sum(g.shard_size(world) for g in layout.trainable_groups())
         m = numel * DTYPES[m_dtype].itemsize
         if m_dtype == "e4m3":
-            m += 4 * sum(group_m_scales(g, world) for g in layout.groups)
+            m += 4 * sum(group_m_scales(g, world) for g in layout.trainable_groups())
         staged = {k: off and not zero_copy for k, off in (("param", offload_params), ("m", offload_m),
                                                           ("v", offload_v))}
         if m_dtype == "e4m3":

@@ -31,8 +31,7 @@ _TINY = 2.0 ** -100  # the update's floor for a block abs-max (kernels/adamw.py 
 
 def content_numel(group: Group) -> int:
     """Elements of a group's tensors (its buffer before the padding that depends on the world size)."""
-    last = group.segments[-1]
-    return last.start + last.numel
+    return group.content_numel
 
 
 def _gather(src: FlatLayout, key: str, lo: int, hi: int, read: ShardReader, dtype: torch.dtype,

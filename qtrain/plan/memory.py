@@ -12,9 +12,10 @@ for the options without building the component (docs/memory.md has the details):
     buffers, persistent e4m3 shards); Adam m / v and the staging slots: `ShardedAdamW.footprint_of`; gradients:
     `gradients.gradient_footprint`. Exact: tests/plan/test_components.py checks each row, byte for byte,
     against the storages real components hold, for every configuration the plan tests cover.
-  - activations and workspace: `model.activations` (what autograd keeps per layer and token, term by term from
-    the ops of the block, eager and compiled; the transient phases of a micro-step, the LM head's from
-    `model.loss`). Activations are exact on CPU; workspace is an upper bound of the measured peak.
+  - activations and workspace: `model.activations` (what autograd keeps per layer and token: the sum of the
+    statements the family's block makes beside its steps, eager and compiled; the transient phases of a
+    micro-step, the LM head's from `model.loss`). Activations are exact on CPU; workspace is an upper bound of the
+    measured peak. Frozen groups (`parallel.layout`) have no gradient or optimizer rows.
   - with --use-cuda-graphs, the evaluation's LM head beside the graphs' private pool (train/cuda_graphs.py).
   - a reserve (CUDA context, libraries) and 5% of activations + workspace for allocator fragmentation.
 """
@@ -28,7 +29,8 @@ from typing import Any
 from qtrain.model.activations import activation_memory, workspace_phases
 from qtrain.model.config import ModelConfig
 from qtrain.model.recompute import recompute_label, resolve_flags
-from qtrain.model.transformer import FP8_MATRICES
+from qtrain.model.registry import family_of
+from qtrain.model.weights import num_params
 from qtrain.options import Options
 from qtrain.parallel.footprint import Footprint
 from qtrain.parallel.gradients import gradient_footprint
@@ -81,6 +83,7 @@ class MemoryPlan:
     activation_breakdown: list[dict[str, Any]] = field(default_factory=list)
     budget: int | None = None  # device bytes available (None: unknown)
     phases: dict[str, int] = field(default_factory=dict)  # transient peaks: lm_head, block_backward, ...
+    fp8_matrices: tuple[str, ...] = ()  # the family's block matrices that may run in FP8 (--fp8-policy keeps some)
 
     # ---- totals ----
     @property
@@ -120,7 +123,7 @@ class MemoryPlan:
         master = s.get("master_dtype", s["model_dtype"])
         dtypes = s["model_dtype"] + (f" on {master} master" if master != s["model_dtype"] else "")
         matmul = s["matmul_dtype"]
-        if matmul == "e4m3" and len(s.get("fp8_linears", FP8_MATRICES)) < len(FP8_MATRICES):  # --fp8-policy auto
+        if matmul == "e4m3" and len(s.get("fp8_linears", self.fp8_matrices)) < len(self.fp8_matrices):  # auto
             matmul += f" for {'/'.join(s['fp8_linears']) or 'none'}"
         head = (f"[Memory plan] {self.model} | {dtypes}, matmul {matmul} | B={self.batch_size} "
                 f"T={self.seq_len} | world {self.world} | grads {s['gradients']} | recompute {s['recompute']}"
@@ -181,12 +184,12 @@ def _weight_rows(cfg: ModelConfig, opts: Options, layout: FlatLayout, quants: tu
     if not opts.weights_sharded and opts.separate_master:  # --master-dtype fp32: master + the model's copy
         master = opts.effective_master_dtype
         rows = [_row(f"weights ({master}, master)", replicated_footprint(layout, DTYPES[master]),
-                     f"{_count(cfg.num_params())} parameters; what the optimizer updates"),
+                     f"{_count(num_params(cfg))} parameters; what the optimizer updates"),
                 _row(f"weights ({opts.model_dtype}, compute copy)", CastWeights.footprint_of(layout, dtype),
                      "what the model computes with; cast from the master once per step")]
     elif not opts.weights_sharded:
         rows = [_row(f"weights ({opts.model_dtype})", replicated_footprint(layout, dtype),
-                     f"{_count(cfg.num_params())} parameters; also the master (no separate copy)")]
+                     f"{_count(num_params(cfg))} parameters; also the master (no separate copy)")]
     if not opts.weights_sharded:
         if persistent_quants:
             rows.append(_row("fp8 weights (e4m3, cached)", QuantizedWeights.footprint_of(cfg, quants),
@@ -293,7 +296,7 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
     head_fp8 = bool(opts.fp8_head_backward and matmul == "e4m3")
     phases = workspace_phases(cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc,
                               fp8_head_backward=head_fp8, **kw)
-    if 0 < len(fp8) < len(FP8_MATRICES):  # some linears in FP8, some not: the larger of the two (an upper bound)
+    if 0 < len(fp8) < len(family_of(cfg).fp8_matrices):  # some linears in FP8, some not: the larger of the two
         kw_plain = {**kw, "matmul_dtype": ""}
         plain = activation_memory(cfg, N, recompute=rc, offload_residual=opts.offload_residual, **kw_plain)
         acts = max(acts, plain, key=lambda a: a.device)
@@ -338,7 +341,8 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
     breakdown = [{"name": a.name, "bytes": a.nbytes(N), "kept": a.kept, "what": a.what} for a in acts.terms]
     name = model_name or opts.model or "qtrain-tiny"
     return MemoryPlan(model=name, world=world, batch_size=B, seq_len=T, settings=settings, items=items,
-                      activation_breakdown=breakdown, budget=gpu_memory, phases=phases)
+                      activation_breakdown=breakdown, budget=gpu_memory, phases=phases,
+                      fp8_matrices=family_of(cfg).fp8_matrices)
 
 
 def plan_for_trainer(trainer: Any, gpu_memory: int | None = None) -> MemoryPlan:

@@ -40,7 +40,7 @@ from typing import Any, Iterable
 from qtrain.model.config import ModelConfig
 from qtrain.model.resolve import resolve_model
 from qtrain.parallel.layout import FlatLayout
-from qtrain.plan.step_cost import MATMUL_RATE, forward_flops_per_token
+from qtrain.plan.step_cost import MATMUL_RATE, model_forward_flops_per_token
 
 MODES = ("zero1", "reduce-scatter", "all-to-all", "zero3")
 
@@ -146,8 +146,7 @@ def comm_seconds(cfg: ModelConfig, mode: str, topo: Topology, micro_steps: int, 
 
 def single_gpu_rate(cfg: ModelConfig, matmul: str, seq_len: int = SEQ) -> float:
     """Tokens/s of one GPU: `step_cost`'s FLOP model (its H200 rates), when nothing was measured."""
-    parts, head = forward_flops_per_token(cfg, seq_len)
-    return MATMUL_RATE.get(matmul, MATMUL_RATE["bf16"]) / (3 * (cfg.num_hidden_layers * sum(parts.values()) + head))
+    return MATMUL_RATE.get(matmul, MATMUL_RATE["bf16"]) / (3 * model_forward_flops_per_token(cfg, seq_len))
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from qtrain.model.config import ModelConfig
-from qtrain.model.recompute import resolve_flags
-from qtrain.model.weights import block_shapes
+from qtrain.model.recompute import block_steps, resolve_flags
+from qtrain.model.registry import family_of
+from qtrain.model.weights import sum_over_layers
 from qtrain.options import Options
 
 MATMUL_RATE = {"bf16": 560e12, "fp16": 560e12, "fp32": 50e12, "e4m3": 770e12}  # model FLOP/s of a 14B step, H200
@@ -69,26 +70,34 @@ class StepCost:
                 "total_s": self.total_s}
 
 
-def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> tuple[dict[str, float], float]:
-    """Forward FLOPs per token of one block, by part (qkv, o, mlp_up, mlp_down, attention; causal attention
-    sees seq_len/2 keys on average), and of the LM head."""
-    C, F, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
-    parts = {"qkv": 2 * C * (H + 2 * KV) * D, "o": 2 * H * D * C, "mlp_up": 2 * C * 2 * F, "mlp_down": 2 * F * C,
-             "attention": 2 * 2 * (seq_len / 2) * H * D}
-    return parts, 2 * C * cfg.vocab_size
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int, layer: int = 0) -> tuple[dict[str, float], float]:
+    """Forward FLOPs per token of block `layer`, by part (its family's matrices, e.g. qkv, o, up, down, and the
+    attention: causal attention sees seq_len/2 keys on average), and of the LM head."""
+    family = family_of(cfg)
+    parts = {n: 2 * m.weights_per_token for n, m in family.matmuls(cfg, layer).items()}
+    parts["attention"] = family.attention_flops(cfg, layer, seq_len)
+    return parts, 2 * cfg.hidden_size * cfg.vocab_size
+
+
+def model_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token of the whole model: every block and the LM head."""
+    blocks = sum_over_layers(cfg, lambda layer: sum(forward_flops_per_token(cfg, seq_len, layer)[0].values()))
+    return blocks + 2 * cfg.hidden_size * cfg.vocab_size
 
 
 def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, flags: set[str] | frozenset[str]) -> float:
-    """Forward FLOPs per token that the recompute switches rerun in backward (elementwise switches: none)."""
-    parts, _ = forward_flops_per_token(cfg, seq_len)
+    """Forward FLOPs per token that the recompute switches rerun in backward (elementwise switches: none): the
+    GEMMs of the recomputed steps (`MatmulSpec.step`) and, with the attention step, the attention."""
     flags = resolve_flags(flags)
-    if "block" in flags:
-        per_layer = sum(parts.values())
-    else:
-        per_layer = ((parts["mlp_up"] if "ffn" in flags else 0) + (parts["qkv"] if "qkv" in flags else 0)
-                     + (parts["attention"] if "att" in flags else 0))
-    return cfg.num_hidden_layers * per_layer
+    steps, family = block_steps(flags), family_of(cfg)
+
+    def rerun(layer: int) -> float:
+        parts, _ = forward_flops_per_token(cfg, seq_len, layer)
+        if "block" in flags:
+            return sum(parts.values())
+        return (sum(parts[n] for n, m in family.matmuls(cfg, layer).items() if m.step in steps)
+                + (parts["attention"] if "attention" in steps else 0))
+    return sum_over_layers(cfg, rerun)
 
 
 def step_cost(cfg: ModelConfig, opts: Options, plan: Any, *, sequences_per_step: int | None = None) -> StepCost:
@@ -99,8 +108,7 @@ def step_cost(cfg: ModelConfig, opts: Options, plan: Any, *, sequences_per_step:
     micro = max(1, -(-seqs // B))
     tokens = micro * B * T
     rate = MATMUL_RATE.get(opts.effective_matmul_dtype, MATMUL_RATE["bf16"])
-    parts, head = forward_flops_per_token(cfg, T)
-    fwd = cfg.num_hidden_layers * sum(parts.values()) + head
+    fwd = model_forward_flops_per_token(cfg, T)
     compute = 3 * fwd * tokens / rate
     recompute = recompute_flops_per_token(cfg, T, opts.recompute) * tokens / rate
     grads = plan.item("gradients")
@@ -127,5 +135,6 @@ def fp8_weight_params(cfg: ModelConfig, opts: Options) -> int:
     fp8 = opts.fp8_choice(cfg)
     if fp8 is None:
         return 0
-    shapes = block_shapes(cfg)
-    return cfg.num_hidden_layers * sum(shapes[name][0] * shapes[name][1] for name in fp8.fp8)
+    family = family_of(cfg)
+    return sum_over_layers(cfg, lambda layer: sum(m.n * m.k * m.count for name, m in family.matmuls(cfg, layer).items()
+                                                  if name in fp8.fp8))

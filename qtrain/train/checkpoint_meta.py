@@ -45,6 +45,7 @@ from qtrain.data.loader import position_error
 from qtrain.data.tokenize import BUILTIN_TOKENIZERS
 from qtrain.fsio import fsync_path, shorten
 from qtrain.model.config import ConfigError, ModelConfig
+from qtrain.model.registry import config_from_hf_dict
 from qtrain.model.hf_io import TOKENIZER_FILES
 from qtrain.options import CHOICES, EMPTY_MEANS_DEFAULT, Options
 from qtrain.train import tensor_file
@@ -218,7 +219,7 @@ def validate(path: str | os.PathLike, meta: Any) -> ModelConfig:
         _check_logger(c, c.dict(meta["logger"], "logger"))
     options = _check_options(c, c.dict(c.get(meta, "options", "options"), "options"))
     try:
-        cfg = ModelConfig.from_hf_dict(c.dict(c.get(meta, "model", "model"), "model"), source=f"{c.file}: model")
+        cfg = config_from_hf_dict(c.dict(c.get(meta, "model", "model"), "model"), source=f"{c.file}: model")
     except ConfigError as e:
         raise MetaError(str(e)) from None
     _check_tokenizer(c, path, meta.get("tokenizer"), version)

@@ -49,6 +49,7 @@ from safetensors import SafetensorError
 
 from qtrain.fsio import describe_write_error, ensure_free_space, fault_point, owner_tag
 from qtrain.model.config import ModelConfig
+from qtrain.model.registry import config_from_hf_dict
 from qtrain.observe.log import RunLogger
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.reshard import reshard_state
@@ -249,7 +250,7 @@ def check_compatible(path: str, meta: dict[str, Any], cfg: ModelConfig, opts: An
         if getattr(opts, k, v) != v:
             raise CheckpointError(f"{path}: checkpoint has --{k.replace('_', '-')}={v!r}, this run "
                                   f"{getattr(opts, k)!r}")
-    if theirs != ModelConfig.from_hf_dict(cfg.to_hf_dict()):
+    if theirs != config_from_hf_dict(cfg.to_hf_dict()):
         diff = [f.name for f in theirs.__dataclass_fields__.values() if getattr(theirs, f.name) != getattr(cfg, f.name)]
         raise CheckpointError(f"{path}: written for another model ({', '.join(diff)} differ from --model's config)")
 

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from qtrain.data.hf_tokenizer import TokenizerExportError, export_files, export_tokenizer, transformers_caveat
+from qtrain.locks import Target, hold
 from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import export_manifest, save_hf_model
 from qtrain.parallel.layout import FlatLayout
@@ -102,18 +103,21 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, t
                               else "") + (f" (it has steps {', '.join(map(str, have[-8:]))})" if have else ""))
     meta, _, files = checked_meta(str(path))  # before anything is read or written
     run_id = (meta.get("run") or {}).get("id")
-    man = export_manifest(out_dir)
-    theirs = (man or {}).get("run_id")
-    if theirs and theirs != run_id and not overwrite:
-        what = "the export" if man.get("complete") is True else "an interrupted export"  # hf_io's readers refuse it
-        raise CheckpointError(f"--out-dir {out_dir}: holds {what} of another run ({theirs[:8]}, step "
-                              f"{man.get('step')}); choose another --out-dir, or pass --overwrite to replace it")
-    cfg, params, dtype = checkpoint_params(str(path))
-    spec = export_tokenizer(explicit=tokenizer or (checkpoint_tokenizer(str(path)) or ""))
-    owner = {"run_id": run_id, "name": (meta.get("run") or {}).get("name"), "step": meta.get("step"),
-             "checkpoint": str(path)}
-    save_hf_model(out_dir, cfg, params, dtype=DTYPES[dtype], extra_files=export_files(spec, cfg),
-                  owner={k: v for k, v in owner.items() if v is not None})
+    # the out-dir is this process's from the check of its manifest to the export's last rename: another export
+    # or a run writing there is refused, naming it (a run holds its own out-dir for its whole life)
+    with hold([Target(out_dir, "--out-dir")]):
+        man = export_manifest(out_dir)
+        theirs = (man or {}).get("run_id")
+        if theirs and theirs != run_id and not overwrite:
+            what = "the export" if man.get("complete") is True else "an interrupted export"  # hf_io's readers refuse it
+            raise CheckpointError(f"--out-dir {out_dir}: holds {what} of another run ({str(theirs)[:8]}, step "
+                                  f"{man.get('step')}); choose another --out-dir, or pass --overwrite to replace it")
+        cfg, params, dtype = checkpoint_params(str(path))
+        spec = export_tokenizer(explicit=tokenizer or (checkpoint_tokenizer(str(path)) or ""))
+        owner = {"run_id": run_id, "name": (meta.get("run") or {}).get("name"), "step": meta.get("step"),
+                 "checkpoint": str(path)}
+        save_hf_model(out_dir, cfg, params, dtype=DTYPES[dtype], extra_files=export_files(spec, cfg),
+                      owner={k: v for k, v in owner.items() if v is not None})
     return ExportResult(str(path), str(out_dir), spec, transformers_caveat(spec, cfg),
                         None if files.verified else unverified_note(str(path)))
 

@@ -16,9 +16,11 @@ import time
 
 import torch
 
+from qtrain import console
 from qtrain.data.loader import TokenLoader
 from qtrain.data.hf_tokenizer import recorded_tokenizer, transformers_caveat, unavailable_reason
 from qtrain.data.token_files import DataChangedError
+from qtrain.model.weights import num_params
 from qtrain.observe.live import attach_observers
 from qtrain.observe.log import RunLogger
 from qtrain.observe.metrics import device_peaks, model_flops_per_token, ns_per_token, peak_tflops, sol_ops
@@ -29,8 +31,8 @@ from qtrain.plan.memory import plan_for_trainer
 from qtrain.train import checkpointing, cuda_graphs, run_dir
 from qtrain.train.preflight import Prepared, shared_preflight
 from qtrain.train.schedule import LRSchedule
-from qtrain.train.stop import (NonFiniteGuard, StackDump, StopSignals, data_changed, out_of_memory,
-                               stopped_after_last_step, stopped_by_signal)
+from qtrain.train.stop import (NonFiniteGuard, RunStopped, StackDump, StopSignals, checkpoint_on_request, data_changed,
+                               out_of_memory, stopped_after_last_step, stopped_by_signal)
 from qtrain.train.trainer import Trainer
 
 
@@ -47,12 +49,19 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
     if ctx.device.type == "cpu":
         return_freed_memory()  # so the host memory the plan checked is what the run holds
     with StopSignals(announce=ctx.is_main) as signals:
+        lock = None  # the output paths' lock, when this process took it (rank 0): held until the run ends
         try:
+            if prep is None:
+                prep = shared_preflight(opts, ctx)
+                lock = prep.lock
             return _run(opts, argv, ctx, prep, signals)
         except Exception as e:  # a hung or dead rank: name it instead of a backend's message
             if ctx.distributed and is_collective_error(e):
                 raise ctx.diagnose(e) from e
             raise
+        finally:
+            if lock is not None:
+                lock.release()
 
 
 def _claim(prep: Prepared, opts: Options, ctx: DistContext) -> list[str]:
@@ -80,11 +89,16 @@ def _build_trainer(opts: Options, ctx: DistContext) -> Trainer:
 
 
 def _stop_requested(signals: StopSignals, ctx: DistContext) -> bool:
-    """Whether any rank got a signal, or the launcher asked to stop (the same answer on every rank)."""
-    signum = ctx.max_int(signals.requested or ctx.stop_signal() or 0)
-    if signum:
-        signals.requested = signum
-    return bool(signum)
+    """Whether any rank got a signal, or the launcher asked to stop (the same answer on every rank); the ranks
+    agree on SIGUSR1's checkpoint requests in the same exchange (`StopSignals.agree`)."""
+    signals.agree(ctx)
+    return bool(signals.requested)
+
+
+def _logged(log: RunLogger, stop: RunStopped) -> RunStopped:
+    """A stop's message goes into the JSON log too (the console may be gone: `qtrain.console`)."""
+    log.message(str(stop), level="warning", on_console=False)
+    return stop
 
 
 def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared | None,
@@ -92,7 +106,7 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
     prep = prep or shared_preflight(opts, ctx)
     if prep.review is not None and prep.review.finished:  # --continue of a finished run: nothing is built or written
         if ctx.is_main:
-            print(f"qtrain: {prep.review.finished}", flush=True)
+            console.write(f"qtrain: {prep.review.finished}\n", sys.stdout)
         return {"final_eval_loss": None, "steps": prep.total_steps, "out_dir": prep.paths.out_dir,
                 "checkpoint_dir": prep.paths.ckpt_dir}
     train_pattern, eval_pattern = prep.train_pattern, prep.eval_pattern
@@ -156,10 +170,14 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
         for step in range(start, total_steps):
             stacks.arm()
             if _stop_requested(signals, ctx):  # after a signal: this step's state is saved, then the run exits
-                raise stopped_by_signal(signals.requested, step, save_checkpoint() if step > start else None)
+                raise _logged(log, stopped_by_signal(signals.requested, step,
+                                                     save_checkpoint() if step > start else None))
             ctx.mark_progress(step)
-            if step % opts.ckpt_interval == 0 and step > start:
-                save_checkpoint()
+            requested = step > start and signals.take_checkpoint_request()  # SIGUSR1: checkpoint, go on
+            if (step % opts.ckpt_interval == 0 or requested) and step > start:
+                saved = save_checkpoint()
+                if requested:
+                    log.message(checkpoint_on_request(step, saved), step=step, level="warning")
             if step % opts.eval_every_n_steps == 0 and step > 0 and opts.eval_num_steps > 0:
                 evaluate(step, opts.eval_num_steps)
             t0 = time.perf_counter()
@@ -181,7 +199,8 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
                 trainer.abs_maxes = None
             _check_finite(guard, step, stats, log, ckpt_dir)
     except DataChangedError as e:  # a token file changed under the run: stop as on a signal, with the last good step
-        raise data_changed(e, step, save_checkpoint() if step > start and not ctx.distributed else None) from None
+        raise _logged(log, data_changed(e, step, save_checkpoint() if step > start and not ctx.distributed else None)) \
+            from None
     finally:
         stacks.disarm()
 
@@ -220,7 +239,7 @@ def _finish(opts: Options, ctx: DistContext, trainer: Trainer, log: RunLogger, s
     if opts.save_training_state and total_steps > start:
         path = save_checkpoint()
     if _stop_requested(signals, ctx):
-        raise stopped_after_last_step(signals.requested, path)
+        raise _logged(log, stopped_after_last_step(signals.requested, path))
     final = evaluate(total_steps, None)
     if trainer.graphs is not None:
         log.message(trainer.graphs.summary(), level="info")
@@ -278,5 +297,5 @@ def _log_run_header(log: RunLogger, trainer: Trainer, train: TokenLoader, evals:
         log.message("fp8: the SwiGLU output and its gradient take power-of-two scales, in one pass each "
                     "(--fp8-swiglu-onepass, on by default with e4m3; --no-fp8-swiglu-onepass keeps every tensor's "
                     "exact abs-max scale)", level="info")
-    log.message(f"model {cfg.model_type}: {cfg.num_params() / 1e6:.1f}M parameters, {total_steps} steps of "
+    log.message(f"model {cfg.model_type}: {num_params(cfg) / 1e6:.1f}M parameters, {total_steps} steps of "
                 f"{opts.batch_size * T * opts.grad_accumulation * W} tokens", level="info")

@@ -6,15 +6,17 @@ checks, in order, what would otherwise fail late (after minutes of loading, or a
 options and their combinations (and what --use-cuda-graphs cannot capture: train/cuda_graphs.py); the device;
 the model's config.json and the weight files' headers (names, shapes, dtypes; no tensor data is read); that
 --seq-len fits the model's positions; the output paths (writable, not on top of each other, not another run's:
-`run_dir`); the token files (header, size, each id within the model's vocabulary: scanned memory-mapped and
-cached per file); the checkpoint `--continue` names and whether it fits this run; and the host memory the
-plan needs. Nothing large is allocated.
+`run_dir`; and locked here for the run's life, so a live run's paths are refused to any other process); the token
+files (header, size, each id within the model's vocabulary: scanned memory-mapped and cached per file); the
+checkpoint `--continue` names and whether it fits this run; and the host memory the plan needs. Nothing large
+is allocated.
 
 `qtrain train --gpus N` runs it once in the launcher, before starting any worker; a run under torchrun
 runs it on rank 0 and hands the result (or the error) to the other ranks.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +24,7 @@ from typing import Any
 from qtrain.data.corpus import ensure_default_dataset
 from qtrain.data.hf_tokenizer import check_export_tokenizer, export_tokenizer
 from qtrain.data.loader import TokenLoader
+from qtrain.locks import Locks
 from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import check_hf_weights
 from qtrain.model.resolve import resolve_model
@@ -48,6 +51,11 @@ class Prepared:
     found: run_dir.Found
     start_over: bool
     review: resume_checks.Review | None = None  # --continue: what changed since the checkpoint, or that it is done
+    lock: Locks | None = dataclasses.field(default=None, repr=False, compare=False)  # the paths, held by this process
+
+    def shareable(self) -> "Prepared":
+        """The same without the lock, to hand to other processes (workers): the lock stays with its holder."""
+        return dataclasses.replace(self, lock=None)
 
 
 def data_files(opts: Options) -> tuple[str, str | None]:
@@ -155,25 +163,37 @@ def preflight(opts: Options, *, world: int, local_procs: int | None = None) -> P
     cfg = check_model(opts)
     paths = run_dir.RunPaths.of(opts)
     run_dir.check_paths(paths)
-    found = run_dir.inspect(paths)
-    train_pattern, eval_pattern, total = check_data(opts, cfg, world)
-    run_id, resume, note, review = check_resume(opts, cfg, world, paths, found, train_pattern=train_pattern,
-                                                total_steps=total)
-    check_memory(opts, cfg, world, local_procs or world)
+    lock = run_dir.lock(paths)  # released by the caller when the run ends, or here when a check fails
+    try:
+        found = run_dir.inspect(paths)
+        train_pattern, eval_pattern, total = check_data(opts, cfg, world)
+        run_id, resume, note, review = check_resume(opts, cfg, world, paths, found,
+                                                    train_pattern=train_pattern, total_steps=total)
+        check_memory(opts, cfg, world, local_procs or world)
+    except BaseException:
+        lock.release()
+        raise
+    note = "; ".join(n for n in [note, *lock.notes] if n) or None
     return Prepared(run_id=run_id, resume=resume, note=note, train_pattern=train_pattern, eval_pattern=eval_pattern,
-                    total_steps=total, paths=paths, found=found, start_over=opts.start_over, review=review)
+                    total_steps=total, paths=paths, found=found, start_over=opts.start_over, review=review,
+                    lock=lock)
 
 
 def shared_preflight(opts: Options, ctx: Any) -> Prepared:
     """Rank 0 runs the preflight and hands every rank the result, or the error to raise (so no rank waits
-    for a rank that already failed)."""
+    for a rank that already failed). Rank 0 holds the paths' lock (the other ranks of the job need none)."""
     result: Any = None
     if ctx.is_main:
         try:
             result = preflight(opts, world=ctx.world, local_procs=int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world)))
         except ValueError as e:
             result = e
-    result = ctx.broadcast_object(result)
-    if isinstance(result, BaseException):
-        raise result
-    return result
+    try:
+        shared = ctx.broadcast_object(result.shareable() if isinstance(result, Prepared) else result)
+    except BaseException:
+        if isinstance(result, Prepared) and result.lock is not None:
+            result.lock.release()
+        raise
+    if isinstance(shared, BaseException):
+        raise shared
+    return result if ctx.is_main else shared

@@ -8,7 +8,10 @@ carry it, so a new run never mixes with an earlier run's files:
     <log-file>                         its first line: {"log": "run", "run_id": ...}
 
 `check_paths` refuses output paths that cannot work (a file where a directory belongs, unwritable, one
-output on top of another). `check_ownership` refuses to start a new run into an earlier run's checkpoints,
+output on top of another). `lock` then takes them for this process (`qtrain.locks`: the checkpoint dir, the
+out-dir and the log file, for the run's whole life), so a live run's paths are refused to any other process,
+naming it, before anything is looked at or changed (a `--start-over` or a second `--continue` included).
+`check_ownership` refuses to start a new run into an earlier run's checkpoints,
 export or log (the message names `--continue`, which resumes it, and `--start-over`, which replaces it), to
 resume into another run's outputs, and ever to overwrite a file that qtrain did not write. `claim` (rank 0,
 once the checks passed) sweeps what dead processes left, carries out `--start-over`, and writes the marker.
@@ -25,6 +28,7 @@ from typing import Any
 
 from qtrain.fsio import (FileSystemError, atomic_write_json, check_writable_dir, check_writable_file, read_json,
                          sweep_temp_files)
+from qtrain.locks import Locks, Target, hold
 from qtrain.model.hf_io import MANIFEST, export_manifest, foreign_export_files, is_export_name, manifest_files
 from qtrain.train import checkpoint_io as cio
 
@@ -100,6 +104,15 @@ def check_paths(paths: RunPaths) -> None:
                                   f"(--out-dir {paths.out_dir})")
         if log.parent == ckpt and (log.name == RUN_MARKER or cio.checkpoint_step(log) is not None):
             raise FileSystemError(f"--log-file {paths.log_file}: collides with the checkpoints' {log.name}")
+
+
+def lock(paths: RunPaths) -> Locks:
+    """Take the run's paths for this process (PathInUseError naming the live process that has them). Creates the
+    folders it locks; a release removes them again while they are empty."""
+    targets = [Target(paths.ckpt_dir, "--checkpoint-dir"), Target(paths.out_dir, "--out-dir")]
+    if paths.log_file:
+        targets.append(Target(paths.log_file, "--log-file", is_file=True))
+    return hold(targets)
 
 
 # ---------------------------------------------------------------------------------------------- ownership

@@ -1,8 +1,14 @@
 """Why a run stops before its last step, and how it tells the user: a signal, or a streak of non-finite steps.
 
-* SIGINT (Ctrl-C) and SIGTERM (a cluster's preemption notice): the first one lets the current step finish,
-  the run writes a checkpoint and exits with a message that says how to resume (exit code 128 + signal).
-  The handlers are reset to the default at once, so a second signal ends the process immediately.
+* SIGINT (Ctrl-C), SIGTERM (a cluster's preemption notice) and SIGHUP (the terminal was closed; torchelastic treats
+  it the same): the first one lets the current step finish, the run writes a checkpoint and exits with a message
+  that says how to resume (exit code 128 + signal). SIGINT and SIGTERM are reset to the default at once, so a second
+  one ends the process immediately; a SIGHUP that is ignored when the run starts (`nohup`) stays ignored.
+* A console that went away (`qtrain train | head`, a `tee` ended by the same Ctrl-C: `qtrain.console`) is a stop
+  request too, reported as SIGPIPE (exit code 141): the step finishes, the checkpoint is written, and the run goes
+  on writing its JSON log only.
+* SIGUSR1 (Slurm's warning before a preemption, `--signal=USR1@90`): the current step finishes, a checkpoint is
+  written, and training goes on.
 * A non-finite loss or gradient norm: the step's update is skipped (the trainer does that) and reported;
   after `--max-nonfinite-steps` of them in a row the run stops with exit code 3. Checkpoints record the
   streak they were written in, and keep-n never deletes the newest one written after a finite step.
@@ -24,6 +30,8 @@ import sys
 import threading
 from typing import Any
 
+from qtrain import console
+
 NONFINITE_EXIT = 3
 OUT_OF_MEMORY_EXIT = 4
 DATA_CHANGED_EXIT = 5
@@ -39,28 +47,56 @@ class RunStopped(Exception):
 
 
 class StopSignals:
-    """Installs the SIGINT / SIGTERM handlers for the span of a run (main thread only; elsewhere a no-op).
-    `requested` is the first signal's number, or None."""
+    """Installs the run's signal handlers for its span (main thread only; elsewhere a no-op): see the module
+    docstring. `requested` is the first stop signal's number (SIGPIPE once the console went away), or None;
+    SIGUSR1s are counted, and `agree` / `take_checkpoint_request` turn them into one checkpoint each."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    STOP = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    ESCALATE = (signal.SIGINT, signal.SIGTERM)  # a second one of these ends the process at once
+    CHECKPOINT = signal.SIGUSR1
 
     def __init__(self, *, announce: bool = True) -> None:
-        self.requested: int | None = None
+        self._requested: int | None = None
+        self.checkpoint_asks = 0  # SIGUSR1s this process got
+        self._asks_agreed = 0  # the most any rank (or the launcher) has seen, as of the last `agree`
+        self._asks_served = 0
         self.announce = announce  # rank 0 says what happens; the other ranks stay quiet
         self._old: dict[int, Any] = {}
 
-    def _handler(self, signum: int, frame: Any) -> None:
-        self.requested = signum
-        for s in self.SIGNALS:  # a second signal: the default action, i.e. the process ends at once
-            signal.signal(s, signal.SIG_DFL)
+    @property
+    def requested(self) -> int | None:
+        return self._requested or (signal.SIGPIPE if console.lost() else None)
+
+    @requested.setter
+    def requested(self, signum: int | None) -> None:
+        self._requested = signum
+
+    def _say(self, text: str) -> None:
         if self.announce:
-            print(f"qtrain: {signal.Signals(signum).name}: finishing the current step, then writing a checkpoint "
-                  f"(send it again to stop at once)", file=sys.stderr, flush=True)
+            console.write(f"qtrain: {text}\n", sys.stderr)
+
+    def _stop(self, signum: int, frame: Any) -> None:
+        if self._requested is None:
+            self._requested = signum
+        if signum not in self.ESCALATE:  # closing the terminal is no request to hurry
+            self._say(f"{signal.Signals(signum).name}: finishing the current step, then writing a checkpoint")
+            return
+        for s in self.ESCALATE:  # a second signal: the default action, i.e. the process ends at once
+            signal.signal(s, signal.SIG_DFL)
+        self._say(f"{signal.Signals(signum).name}: finishing the current step, then writing a checkpoint "
+                  f"(send it again to stop at once)")
+
+    def _checkpoint(self, signum: int, frame: Any) -> None:
+        self.checkpoint_asks += 1
+        self._say("SIGUSR1: writing a checkpoint after the current step; training goes on")
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
-                self._old[s] = signal.signal(s, self._handler)
+            for s in self.STOP:
+                if s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN:
+                    continue  # nohup: the user asked for the run to outlive the terminal
+                self._old[s] = signal.signal(s, self._stop)
+            self._old[self.CHECKPOINT] = signal.signal(self.CHECKPOINT, self._checkpoint)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -68,19 +104,48 @@ class StopSignals:
             signal.signal(s, old)
         self._old.clear()
 
+    def agree(self, ctx: Any) -> None:
+        """Make every rank's view the same, once per step, in one host-side all-reduce (`ctx.max_int`): a stop
+        when any rank got a stop signal or the launcher forwarded one (`ctx.stop_signal()`), and the number of
+        checkpoint requests the job has seen (this process's SIGUSR1s, or the launcher's: `ctx.checkpoint_requests()`;
+        the larger, since Slurm signals the launcher and its workers alike). A stop needs no agreement on requests:
+        it writes a checkpoint anyway."""
+        signum = int(self.requested or ctx.stop_signal() or 0)
+        asks = max(self.checkpoint_asks, ctx.checkpoint_requests())
+        agreed = ctx.max_int(signum << 32 | asks)
+        if agreed >> 32:
+            self._requested = agreed >> 32
+        self._asks_agreed = max(self._asks_agreed, agreed & 0xFFFFFFFF)
+
+    def take_checkpoint_request(self) -> bool:
+        """Whether a SIGUSR1 asks for a checkpoint not written yet (after `agree`: the same answer on every rank);
+        it counts as served from now on."""
+        due = self._asks_agreed > self._asks_served
+        self._asks_served = self._asks_agreed
+        return due
+
+
+def _reason(signum: int | None) -> str:
+    if signum == signal.SIGPIPE:
+        return f"the console went away ({', '.join(console.lost()) or 'broken pipe'})"
+    return signal.Signals(signum).name if signum else "a stop request"
+
 
 def stopped_by_signal(signum: int | None, step: int, checkpoint: str | None) -> RunStopped:
-    name = signal.Signals(signum).name if signum else "a stop request"
     where = (f"checkpoint {checkpoint} written; resume with the same command and --continue" if checkpoint else
              "no step was done since the start, so there is nothing new to save; run the same command again")
-    return RunStopped(f"{name} at step {step}: {where}", 128 + int(signum or signal.SIGTERM))
+    return RunStopped(f"{_reason(signum)} at step {step}: {where}", 128 + int(signum or signal.SIGTERM))
 
 
 def stopped_after_last_step(signum: int | None, checkpoint: str | None) -> RunStopped:
-    name = signal.Signals(signum).name if signum else "a stop request"
     saved = f"the final checkpoint {checkpoint} is written; " if checkpoint else ""
-    return RunStopped(f"{name} after the last step: {saved}run the same command with --continue for the final "
-                      f"evaluation and export", 128 + int(signum or signal.SIGTERM))
+    return RunStopped(f"{_reason(signum)} after the last step: {saved}run the same command with --continue for the "
+                      f"final evaluation and export", 128 + int(signum or signal.SIGTERM))
+
+
+def checkpoint_on_request(step: int, checkpoint: str) -> str:
+    """The log line of a checkpoint that SIGUSR1 asked for."""
+    return f"SIGUSR1: checkpoint {checkpoint} written at step {step}; training goes on"
 
 
 def out_of_memory(step: int, error: BaseException, plan: str, fragments: int | None,

@@ -27,7 +27,7 @@ from qtrain.model.hf_io import save_hf_model
 from qtrain.model.layers import resolve_sdpa_backend
 from qtrain.model.loss import IGNORE_INDEX
 from qtrain.model.resolve import resolve_model
-from qtrain.model.transformer import FP8_MATRICES, RunOptions, Transformer
+from qtrain.model.transformer import RunOptions, Transformer
 from qtrain.observe.absmax import AbsMaxRecorder, weight_abs_maxes
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.groups import make_shard_groups
@@ -105,7 +105,7 @@ class Trainer:
         matrices, except under --debug-log-abs-max, whose recorder watches the linears quantize their weights
         themselves."""
         if fp8 is not None and opts.weights_quantized_once:
-            return tuple(n for n in FP8_MATRICES if n in fp8.fp8)
+            return fp8.fp8
         return ()
 
     def _run_options(self, opts: Options) -> RunOptions:
@@ -121,7 +121,7 @@ class Trainer:
             matmul_dtype=opts.effective_matmul_dtype if self.fp8 is None or self.fp8.fp8 else "",
             fp8_grad_dtype=opts.gradient_dtype or "e4m3", fp8_keep_transposes=self._keep_transposes(opts, use_compile),
             fp8_swiglu_onepass=opts.effective_fp8_swiglu_onepass, fp8_head_backward=opts.fp8_head_backward,
-            fp8_linears=self.fp8.fp8 if self.fp8 is not None else FP8_MATRICES,
+            fp8_linears=self.fp8.fp8 if self.fp8 is not None else None,
             wrap_linear=self._abs_max_wrapper(opts))
 
     def _keep_transposes(self, opts: Options, compiled: bool) -> bool:

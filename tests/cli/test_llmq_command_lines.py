@@ -16,7 +16,7 @@ import pytest
 
 from qtrain.cli.main import build_parser, main
 from qtrain.cli.options import LLMQ_IMPLEMENTATION_FLAGS, options_from_args
-from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
 from qtrain.options import OptionsError
 from tests.data.test_token_files import write_raw
 
@@ -108,7 +108,7 @@ def test_use_cuda_graphs_is_refused_on_an_explicit_cpu_device():
 
 
 # ---- running them at tiny scale ----------------------------------------------------------------------------
-TINY = ModelConfig(model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+TINY = LlamaConfig(model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0,
                    tie_word_embeddings=True, attention_bias=True, bos_token_id=0, eos_token_id=1)
 SIZES = {"--model": None, "--train-file": None, "--eval-file": None, "--seq-len": "16", "--seq-length": "16",

@@ -20,7 +20,7 @@ from qtrain.data.hf_tokenizer import (TokenizerExportError, builtin_tokenizer_js
                                       recorded_tokenizer, tokenizer_files, transformers_caveat)
 from qtrain.data.token_files import read_token_file_header, write_token_file
 from qtrain.data.tokenize import get_tokenizer
-from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
 from tests.data.test_token_files import write_raw
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -67,7 +67,7 @@ def test_transformers_autotokenizer_loads_the_generated_files(name, tmp_path):
 
 
 def test_export_files_generation_config_uses_the_tokenizers_eos():
-    cfg = ModelConfig(vocab_size=50304, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+    cfg = LlamaConfig(vocab_size=50304, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, bos_token_id=151643, eos_token_id=151643)
     files = export_files("gpt2", cfg)  # a Qwen-shaped config trained on GPT-2 tokens: generation stops at 50256
     gen = json.loads(files["generation_config.json"])
@@ -87,7 +87,7 @@ def test_model_directory_files_are_copied_byte_for_byte(tmp_path):
     (src / "README.md").write_text("not a tokenizer file")
     got = tokenizer_files(str(src))
     assert got == {**files, "generation_config.json": (src / "generation_config.json").read_bytes()}
-    cfg = ModelConfig(vocab_size=50304, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+    cfg = LlamaConfig(vocab_size=50304, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2)
     assert export_files(str(src), cfg)["generation_config.json"] == (src / "generation_config.json").read_bytes()
 
@@ -147,9 +147,9 @@ def test_recorded_tokenizer_needs_agreement_and_existence(tmp_path):
 
 def test_transformers_caveat_for_qwen2_models_with_another_tokenizer(tmp_path):
     transformers = pytest.importorskip("transformers")
-    qwen = ModelConfig(model_type="qwen2", vocab_size=50304, hidden_size=64, intermediate_size=96,
+    qwen = LlamaConfig(model_type="qwen2", vocab_size=50304, hidden_size=64, intermediate_size=96,
                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
-    llama = ModelConfig(model_type="llama", vocab_size=50304, hidden_size=64, intermediate_size=96,
+    llama = LlamaConfig(model_type="llama", vocab_size=50304, hidden_size=64, intermediate_size=96,
                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
     assert "Qwen2Tokenizer" in transformers_caveat("gpt2", qwen)
     assert transformers_caveat("qwen2", qwen) is None and transformers_caveat("gpt2", llama) is None

@@ -93,11 +93,11 @@ def test_compiled_block_with_the_op_matches_eager():
     the CPU, against the same block run eagerly: what the compiled graph hands the op (and reads back from
     it) must agree with the op's declared layouts. fp32; inductor may fuse and reassociate the elementwise
     work around the op, so a few fp32 ulps of O(1) values."""
-    from qtrain.model.config import ModelConfig
+    from qtrain.model.llama import LlamaConfig
     from qtrain.model.init import init_params
     from qtrain.model.layers import rope_tables
     from qtrain.model.transformer import allocate_params, make_block_fn
-    cfg = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+    cfg = LlamaConfig(model_type="qwen2", vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
                       tie_word_embeddings=True, attention_bias=True)
     params = allocate_params(cfg, dtype=torch.float32, device="cpu")

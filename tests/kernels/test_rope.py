@@ -15,13 +15,14 @@ from tests.triton_interp import interp_only, interpreter_subprocess_test, needs_
 from qtrain.kernels import dispatch
 from qtrain.kernels.rope import rope_qkv_backward, rope_qkv_backward_triton, rope_qkv_backward_twin
 from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
 from qtrain.model.layers import apply_rope, qkv_rope_fused, rope_tables
 
 test_interpreter_subprocess = interpreter_subprocess_test(__file__)
 
 
 def _cfg(hs: int) -> ModelConfig:
-    return ModelConfig(vocab_size=64, hidden_size=4 * hs, intermediate_size=8 * hs, num_hidden_layers=1,
+    return LlamaConfig(vocab_size=64, hidden_size=4 * hs, intermediate_size=8 * hs, num_hidden_layers=1,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=hs)
 
 

@@ -125,12 +125,12 @@ def test_mlp_validates_shapes():
 def test_block_with_fused_mlp_equals_unfused_block():
     """The model's switch: make_block_fn(mlp=...) gives the block the composition gives (CPU, bf16, bitwise), and
     recomputing the SwiGLU falls back to the separate steps."""
-    from qtrain.model.config import ModelConfig
+    from qtrain.model.llama import LlamaConfig
     from qtrain.model.init import init_params
     from qtrain.model.layers import rope_tables
     from qtrain.model.transformer import allocate_params, make_block_fn
 
-    cfg = ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=96,
+    cfg = LlamaConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=96,
                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6,
                       tie_word_embeddings=True, attention_bias=True)

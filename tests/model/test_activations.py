@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from qtrain.model.activations import activation_terms, layer_activation_bytes
-from qtrain.model.config import ModelConfig, preset
+from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
+from qtrain.model.registry import preset
 from qtrain.model.layers import rope_tables
 from qtrain.model.matmul import block_linear, block_mlp
 from qtrain.model.recompute import block_steps, count_saved_bytes, resolve_flags
@@ -20,7 +22,7 @@ DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def small_cfg(model_type: str = "qwen2", *, vocab: int = 512, tied: bool = True, layers: int = 3) -> ModelConfig:
-    return ModelConfig(model_type=model_type, vocab_size=vocab, hidden_size=64, intermediate_size=160,
+    return LlamaConfig(model_type=model_type, vocab_size=vocab, hidden_size=64, intermediate_size=160,
                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                        attention_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
                        head_dim=32 if model_type == "qwen3" else 0, tie_word_embeddings=tied)

@@ -1,4 +1,4 @@
-"""ModelConfig against real transformers configs: parsing what save_pretrained writes, writing what
+"""The Llama family's config (LlamaConfig) against real transformers configs: parsing what save_pretrained writes, writing what
 from_pretrained reads, defaults, presets, and error messages that name the file and the key."""
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from tests.hf_fixtures import TINY_KINDS, tiny_hf_config
-from qtrain.model.config import PRESETS, ConfigError, ModelConfig, preset
+from qtrain.model.config import ConfigError
+from qtrain.model.registry import PRESETS, config_from_hf_dict, config_from_json_file, preset
 from qtrain.model.hf_io import expected_hf_shapes
+from qtrain.model.weights import num_params
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,7 +36,7 @@ def _write(tmp_path, d: dict) -> str:
 def test_reads_transformers_config_json(kind, tmp_path):
     hf = tiny_hf_config(kind)
     hf.save_pretrained(tmp_path)
-    cfg = ModelConfig.from_json_file(tmp_path / "config.json")
+    cfg = config_from_json_file(tmp_path / "config.json")
     model_type, tied, extra = TINY_KINDS[kind]
     assert (cfg.model_type, cfg.tie_word_embeddings) == (model_type, tied)
     assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (128, 64, 96, 2)
@@ -52,9 +54,9 @@ def test_reads_transformers_config_json(kind, tmp_path):
 
 @pytest.mark.parametrize("kind", TINY_KINDS)
 def test_to_hf_dict_loads_in_transformers(kind, tmp_path):
-    cfg = ModelConfig.from_hf_dict(tiny_hf_config(kind).to_dict())
+    cfg = config_from_hf_dict(tiny_hf_config(kind).to_dict())
     d = cfg.to_hf_dict(dtype="bfloat16")
-    assert ModelConfig.from_hf_dict(d) == cfg
+    assert config_from_hf_dict(d) == cfg
     _write(tmp_path, d)
     hf = transformers.AutoConfig.from_pretrained(tmp_path)
     assert type(hf).__name__.lower().startswith(cfg.model_type)
@@ -73,7 +75,7 @@ def test_absent_keys_take_transformers_defaults(model_type):
     """A sparse config.json must mean the same model to qtrain and to transformers."""
     d = dict(model_type=model_type, vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
-    cfg = ModelConfig.from_hf_dict(d)
+    cfg = config_from_hf_dict(d)
     hf = transformers.AutoConfig.for_model(**d)
     assert (cfg.head_dim, cfg.rms_norm_eps, cfg.tie_word_embeddings, cfg.max_position_embeddings) == (
         getattr(hf, "head_dim", None) or 16, hf.rms_norm_eps, hf.tie_word_embeddings,
@@ -86,14 +88,14 @@ def test_rope_theta_top_level_or_inside_rope_parameters():
                 num_attention_heads=4, num_key_value_heads=2)
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
-    legacy = ModelConfig.from_hf_dict({**base, "rope_theta": 5e5, "rope_scaling": scaling})  # transformers 4.x
-    nested = ModelConfig.from_hf_dict({**base, "rope_parameters": {**scaling, "rope_theta": 5e5}})  # 5.x
+    legacy = config_from_hf_dict({**base, "rope_theta": 5e5, "rope_scaling": scaling})  # transformers 4.x
+    nested = config_from_hf_dict({**base, "rope_parameters": {**scaling, "rope_theta": 5e5}})  # 5.x
     assert legacy == nested
     assert legacy.rope_theta == 5e5 and legacy.rope_scaling == scaling
-    plain = ModelConfig.from_hf_dict({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    plain = config_from_hf_dict({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
     assert plain.rope_theta == 1e4 and plain.rope_scaling is None
     with pytest.raises(ConfigError, match="rope_theta"):
-        ModelConfig.from_hf_dict(base)
+        config_from_hf_dict(base)
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -102,13 +104,13 @@ def test_preset_sizes_match_transformers(name):
     hf = transformers.AutoConfig.for_model(**cfg.to_hf_dict())
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf)
-    assert cfg.num_params() == sum(p.numel() for p in model.parameters())  # tied params counted once
+    assert num_params(cfg) == sum(p.numel() for p in model.parameters())  # tied params counted once
 
 
 def test_preset_lookup():
     assert preset("Qwen/qwen2.5-0.5b") == preset("Qwen2.5-0.5B")
-    assert preset("Qwen2.5-0.5B").num_params() == 494_032_768  # published size
-    assert preset("meta-llama/Llama-3.1-8B").num_params() == 8_030_261_248
+    assert num_params(preset("Qwen2.5-0.5B")) == 494_032_768  # published size
+    assert num_params(preset("meta-llama/Llama-3.1-8B")) == 8_030_261_248
     with pytest.raises(ConfigError, match="unknown model preset 'nope'.*Qwen2.5-0.5B"):
         preset("nope")
 
@@ -128,14 +130,14 @@ def test_errors_name_file_and_key(change, key, tmp_path):
     d.update(change.get("set", {}))
     path = _write(tmp_path, d)
     with pytest.raises(ConfigError) as e:
-        ModelConfig.from_json_file(path)
+        config_from_json_file(path)
     assert path in str(e.value) and key in str(e.value)
 
 
 def test_unreadable_files(tmp_path):
     with pytest.raises(ConfigError, match="file not found"):
-        ModelConfig.from_json_file(tmp_path / "config.json")
+        config_from_json_file(tmp_path / "config.json")
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON") as e:
-        ModelConfig.from_json_file(tmp_path / "config.json")
+        config_from_json_file(tmp_path / "config.json")
     assert str(tmp_path / "config.json") in str(e.value)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
+from qtrain.model.registry import preset
 from qtrain.model.fp8_policy import block_gflop, choose_fp8, gemm_shapes, gemm_size
 from qtrain.options import Options
 from qtrain.parallel.weights.quantized import QuantizedWeights
@@ -19,7 +20,7 @@ from qtrain.train.trainer import Trainer
 from tests.dist_utils import full_params_cpu
 
 STEPS, ACCUM, B, T = 2, 2, 2, 32
-CFG = ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+CFG = LlamaConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0,
                   tie_word_embeddings=True, attention_bias=True)  # FP8 shapes: multiples of 16
 # at M = B*T = 64 tokens: qkv (64, 128, 64) 25.6, o (64, 64, 64) 21.3, up (64, 192, 64) 27.4, down (64, 64, 96) 24.0
@@ -51,7 +52,6 @@ def test_the_block_threshold_on_real_shapes():
     weights, 6 x 4096 x that = 1150 GFLOP per micro-step of 4 x 1024 tokens. Below the default 2600 (1.5B b4 and
     b8, 0.5B up to b16: measured no faster in FP8) no linear is in FP8; at 1.5B b16 and 0.5B b32 (2931) all four
     are (every GEMM size is above 400)."""
-    from qtrain.model.config import preset
     q15, q05 = preset("Qwen2.5-1.5B"), preset("Qwen2.5-0.5B")
     assert block_gflop(q15, 4096) == pytest.approx(6 * 4096 * 46_792_704 / 1e9)
     assert block_gflop(q15, 8192) == pytest.approx(2 * block_gflop(q15, 4096))

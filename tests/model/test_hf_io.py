@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from tests.hf_fixtures import TINY_KINDS, tiny_hf_model
 from qtrain.model import hf_io, weights
-from qtrain.model.config import preset
+from qtrain.model.registry import preset
 from qtrain.model.hf_io import WeightsError, load_hf_weights, load_model_config, save_hf_model
 
 transformers = pytest.importorskip("transformers")

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
 from qtrain.model.init import init_params
 from qtrain.model.recompute import (Recomputer, ResidualStash, block_steps, count_saved_bytes, resolve_flags)
 from qtrain.model.transformer import RunOptions, Transformer, allocate_params, make_block_fn
@@ -52,7 +52,7 @@ class Collect:
 
 
 def make_model(name: str):
-    cfg = ModelConfig(**TINY, **MODELS[name])
+    cfg = LlamaConfig(**TINY, **MODELS[name])
     params = allocate_params(cfg, dtype=torch.float32, device="cpu")
     init_params(cfg, params, seed=0)
     g = torch.Generator().manual_seed(1)

@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
 from qtrain.model.transformer import RunOptions, Transformer
 from qtrain.parallel.weights.replicated import ParamWeights
 from qtrain.model.weights import hf_to_internal, internal_to_hf
@@ -29,7 +30,7 @@ def tiny_cfg(model_type: str, tied: bool) -> ModelConfig:
                                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
     if model_type == "qwen3":
         extra = dict(head_dim=32)  # Qwen3 decouples head_dim from hidden/heads
-    return ModelConfig(model_type=model_type, tie_word_embeddings=tied, attention_bias=(model_type == "qwen2"),
+    return LlamaConfig(model_type=model_type, tie_word_embeddings=tied, attention_bias=(model_type == "qwen2"),
                        qk_norm=(model_type == "qwen3"), rms_norm_eps=1e-6, **TINY, **extra)
 
 
@@ -199,7 +200,7 @@ def test_bf16_on_gpu_is_as_accurate_as_transformers(model_type, compile_):
     """bf16 cannot match bit for bit (different kernels round differently), so the justified bar is: our
     bf16 logits and gradients are no further from the fp32 truth than transformers' own bf16 ones
     (within 1.5x of its error, plus a floor of 1e-3 relative for tensors where both are tiny)."""
-    cfg = ModelConfig(model_type=model_type, tie_word_embeddings=False, attention_bias=(model_type == "qwen2"),
+    cfg = LlamaConfig(model_type=model_type, tie_word_embeddings=False, attention_bias=(model_type == "qwen2"),
                       qk_norm=(model_type == "qwen3"), vocab_size=2048, hidden_size=256, intermediate_size=512,
                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
                       **({"head_dim": 64} if model_type == "qwen3" else {}))
@@ -349,7 +350,7 @@ def test_gpu_fp8_onepass_under_recompute_block_trains_as_without(tmp_path):
     from qtrain.options import Options
     from qtrain.train.trainer import Trainer
     from tests.dist_utils import write_model_dir
-    cfg = ModelConfig(model_type="qwen2", tie_word_embeddings=True, attention_bias=True, vocab_size=2048,
+    cfg = LlamaConfig(model_type="qwen2", tie_word_embeddings=True, attention_bias=True, vocab_size=2048,
                       hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6)
     base = dict(model=str(write_model_dir(tmp_path, cfg)), from_scratch=True, device="cuda", compile="on",

@@ -14,7 +14,7 @@ import json
 import numpy as np
 import pytest
 
-from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
 from qtrain.data.corpus import default_documents
 from qtrain.data.token_files import write_token_file
 from qtrain.train.loop import run_training
@@ -22,7 +22,7 @@ from qtrain.observe.log import read_log
 from qtrain.options import Options
 
 
-BYTE_MODEL = ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=96, intermediate_size=256,
+BYTE_MODEL = LlamaConfig(model_type="qwen2", vocab_size=256, hidden_size=96, intermediate_size=256,
                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=True,
                          bos_token_id=0, eos_token_id=0)

@@ -537,12 +537,12 @@ def test_gpu_fp8_linear(grad_dtype, tol):
 def _block_runner(device: str, T: int = 128):
     """(cfg, run): run(block_fn) -> [y, dx, d(each block weight)] of one Qwen2 block (hidden 256) on fixed
     bf16 inputs; `_block_runner.names` are the weights' names in that order."""
-    from qtrain.model.config import ModelConfig
+    from qtrain.model.llama import LlamaConfig
     from qtrain.model.init import init_params
     from qtrain.model.layers import rope_tables
     from qtrain.model.transformer import allocate_params
 
-    cfg = ModelConfig(model_type="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512,
+    cfg = LlamaConfig(model_type="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512,
                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
                       tie_word_embeddings=True, attention_bias=True)

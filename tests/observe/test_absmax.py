@@ -8,14 +8,14 @@ import json
 import pytest
 import torch
 
-from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
 from qtrain.model.layers import rms_norm
 from qtrain.observe.log import read_log
 from qtrain.train.loop import run_training
 from qtrain.options import Options
 from qtrain.train.trainer import Trainer
 
-CFG = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+CFG = LlamaConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rope_theta=10000.0,
                   tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
 

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from qtrain.model.config import ModelConfig, preset
+from qtrain.model.llama import LlamaConfig
+from qtrain.model.registry import preset
 from qtrain.observe.metrics import (PEAK_TABLE, canonical_dtype, device_peaks, mfu_bf16, model_flops_per_token,
                                   ns_per_token, peak_tflops, sol_fraction, sol_ops, sol_tokens_per_second,
                                   transformer_ops)
@@ -114,7 +115,7 @@ def test_dtype_names():
 
 
 def test_model_flops_and_mfu_by_hand():
-    cfg = ModelConfig(model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=160,
+    cfg = LlamaConfig(model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=160,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, attention_bias=False,
                       tie_word_embeddings=True, rope_theta=1e4)
     # block: qkv 64*(64+2*32) + o 64*64 + mlp 3*64*160 + 2 norms*64 = 8192 + 4096 + 30720 + 128 = 43136

@@ -7,14 +7,14 @@ import io
 
 import pytest
 
-from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
 from qtrain.observe.log import RunLogger, read_log
 from qtrain.observe.timing import TimeBreakdown
 from qtrain.options import Options
 from qtrain.train.trainer import Trainer
 from tests.dist_utils import random_batch
 
-CFG = ModelConfig(model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+CFG = LlamaConfig(model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
 
 

@@ -209,10 +209,10 @@ def test_live_wandb_logging_of_a_training_run(offline_env):
 
     from qtrain.cli.main import main
     from qtrain.data.token_files import write_token_file
-    from qtrain.model.config import ModelConfig
+    from qtrain.model.llama import LlamaConfig
     from qtrain.observe.log import read_log
 
-    cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    cfg = LlamaConfig(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     os.makedirs("tiny")
     with open("tiny/config.json", "w") as f:

@@ -26,6 +26,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
 from qtrain.model.weights import block_tensor_names, param_shapes
 from qtrain.parallel.comm import Communicator
 from qtrain.parallel.gradients import OFFLOAD_NEEDS_SHARDING, make_gradient_manager
@@ -45,7 +46,7 @@ CONFIGS = {
 
 
 def config(name: str) -> ModelConfig:
-    return ModelConfig(**CONFIGS[name])
+    return LlamaConfig(**CONFIGS[name])
 
 
 def fake_grads(cfg: ModelConfig, rank: int, step: int, micro: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

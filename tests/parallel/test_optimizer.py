@@ -22,14 +22,14 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
 from qtrain.parallel.dist import DistContext
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.optimizer import OFFLOAD_MASTER_NEEDS_SHARDED, ZERO_COPY_CUDA, ShardedAdamW
 from qtrain.options import Options, OptionsError
 from qtrain.train.trainer import Trainer
 
-CFG = ModelConfig(model_type="qwen2", vocab_size=997, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+CFG = LlamaConfig(model_type="qwen2", vocab_size=997, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0,
                   tie_word_embeddings=False, attention_bias=True, bos_token_id=None, eos_token_id=None)
 B, T, GA, STEPS = 2, 16, 1, 2
@@ -174,7 +174,7 @@ def test_zero_copy_and_offload_master_refusals():
 
 
 # ---- on the GPU: the streamed update with real copy streams -----------------------------------------------
-GPU_CFG = ModelConfig(model_type="qwen2", vocab_size=32000, hidden_size=512, intermediate_size=1536,
+GPU_CFG = LlamaConfig(model_type="qwen2", vocab_size=32000, hidden_size=512, intermediate_size=1536,
                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                       max_position_embeddings=64, rope_theta=10000.0, tie_word_embeddings=False,
                       attention_bias=True, bos_token_id=None, eos_token_id=None)

@@ -17,12 +17,12 @@ import math
 
 import torch
 
-from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
 from qtrain.parallel.optimizer import clip_scale
 from qtrain.options import Options
 from qtrain.train.trainer import Trainer
 
-CFG = ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+CFG = LlamaConfig(model_type="qwen2", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0,
                   tie_word_embeddings=True, attention_bias=True, bos_token_id=None, eos_token_id=None)
 B, T = 2, 16

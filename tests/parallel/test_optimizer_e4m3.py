@@ -31,7 +31,7 @@ import torch
 from tests.dist_utils import run_distributed
 from qtrain.kernels.adamw import M_BLOCK
 from qtrain.kernels.rng import rng_key
-from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
 from qtrain.model.weights import is_decayed
 from qtrain.numerics.adamw import AdamWHyper, adamw_update_
 from qtrain.parallel.comm import Communicator
@@ -45,7 +45,7 @@ from qtrain.train.trainer import Trainer
 
 # untied head, QKV bias; on 2 ranks every block group is cut inside `up` at element 2240 (mid-block) while
 # the embedding / LM-head cuts fall on a block boundary; the vocab-sized shards are chunked when staged
-CFG = ModelConfig(model_type="qwen2", vocab_size=997, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+CFG = LlamaConfig(model_type="qwen2", vocab_size=997, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0,
                   tie_word_embeddings=False, attention_bias=True, bos_token_id=None, eos_token_id=None)
 SEED, STEPS = 7, 3
@@ -135,7 +135,7 @@ def test_step_equals_direct_adamw_update_per_piece(world, rank):
                 head_calls += bool(head)
                 for a, b, s0, s1 in calls:
                     ref_amax.append(adamw_update_(
-                        P[a:b], G[a:b], M[a:b], V[a:b], m_scales=S[s0:s1], hp=hp, decay=is_decayed(p.segment.name),
+                        P[a:b], G[a:b], M[a:b], V[a:b], m_scales=S[s0:s1], hp=hp, decay=is_decayed(CFG, p.segment.name),
                         key=rng_key(SEED, step + 1, g.index, g.segments.index(p.segment)), offset=p.tensor_offset + a))
         assert same(amax, torch.stack(ref_amax).max()), step
     assert (head_calls > 0) == (world > 1)  # the mid-block case is exercised where it exists

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
 from qtrain.observe.log import RunLogger
 from qtrain.options import Options
 from qtrain.parallel.dist import DistContext
@@ -17,7 +17,7 @@ from qtrain.train import checkpointing
 from qtrain.train.trainer import Trainer
 from tests.dist_utils import run_distributed, write_model_dir
 
-CFG = ModelConfig(model_type="qwen2", tie_word_embeddings=True, attention_bias=True, vocab_size=128, hidden_size=64,
+CFG = LlamaConfig(model_type="qwen2", tie_word_embeddings=True, attention_bias=True, vocab_size=128, hidden_size=64,
                   intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=256, rms_norm_eps=1e-6)
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests.dist_utils import random_batch, run_distributed
-from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
 from qtrain.options import Options
 from qtrain.parallel.dist import DistContext
 from qtrain.parallel.gradients import make_gradient_manager
@@ -39,7 +39,7 @@ from qtrain.plan.memory import plan_for_trainer, plan_memory
 from qtrain.train.trainer import Trainer
 
 # every small tensor kind (ln1, qkv_bias, q_norm, k_norm, ln2); linears' K and N multiples of 16 (FP8); odd vocab
-CFG = ModelConfig(model_type="qwen3", vocab_size=101, hidden_size=64, intermediate_size=48, num_hidden_layers=3,
+CFG = LlamaConfig(model_type="qwen3", vocab_size=101, hidden_size=64, intermediate_size=48, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
                   rope_theta=10000.0, tie_word_embeddings=False, attention_bias=True, qk_norm=True,
                   bos_token_id=None, eos_token_id=None)

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from qtrain.model.config import ModelConfig, preset
+from qtrain.model.llama import LlamaConfig
+from qtrain.model.registry import preset
 from qtrain.options import Options
 from qtrain.plan.host import HostMemoryError, available_host_memory, check_host_memory, host_bytes
 from qtrain.plan.memory import GiB, plan_memory
@@ -23,7 +24,8 @@ MEASURE = r"""
 import json, sys
 import torch
 torch.set_num_threads(1)
-from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
+from qtrain.model.registry import preset
 from qtrain.options import Options
 from qtrain.plan.host import host_bytes, process_rss, return_freed_memory
 from qtrain.plan.memory import plan_for_trainer
@@ -52,7 +54,7 @@ print(json.dumps({"base": base, "plan": host_bytes(plan_for_trainer(tr)), "peak"
     dict(batch_size=4, seq_len=128, recompute_ffn=True, recompute_att=True),
 ], ids=["default", "accumulation", "recompute-block,lmhead-chunks", "recompute-ffn,att"])
 def test_cpu_plan_is_the_peak_rss_within_10_percent(tmp_path, opts):
-    (tmp_path / "config.json").write_text(json.dumps(ModelConfig(**CFG).to_hf_dict()))
+    (tmp_path / "config.json").write_text(json.dumps(LlamaConfig(**CFG).to_hf_dict()))
     opts = {"model_dtype": "fp32", "grad_accumulation": 1, **opts}
     r = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(CFG), json.dumps(opts), str(tmp_path)],
                        env=subprocess_env(), capture_output=True, text=True, timeout=900)

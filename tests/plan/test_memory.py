@@ -24,9 +24,11 @@ import qtrain.model.transformer as tm
 from tests.model.test_activations import DT, small_cfg
 from qtrain.cli.plan import add_arguments as add_plan_args
 from qtrain.cli.plan import run as run_plan
-from qtrain.model.config import ModelConfig, preset
+from qtrain.model.config import ModelConfig
+from qtrain.model.registry import preset
 from qtrain.model.init import init_params
 from qtrain.model.recompute import resolve_flags
+from qtrain.model.weights import num_params
 from qtrain.model.transformer import RunOptions, Transformer, allocate_params
 from qtrain.options import Options
 from qtrain.parallel.layout import FlatLayout
@@ -162,7 +164,7 @@ def test_preset_plans_are_plausible(name):
     cfg = preset(name)
     plan = plan_memory(cfg, Options(model=name, seq_len=1024, batch_size=4), world=1, gpu_memory=80 * GiB)
     w = plan.item("weights").device
-    assert w == pytest.approx(2 * cfg.num_params(), rel=1e-3)  # bf16; padding is < 0.1%
+    assert w == pytest.approx(2 * num_params(cfg), rel=1e-3)  # bf16; padding is < 0.1%
     assert plan.item("adam m").device == pytest.approx(2 * w, rel=1e-6) == plan.item("adam v").device
     grads = plan.item("gradients")  # at 4 x 1024 the 0.5B and 1.5B steps run CUDA graphs: their SR key table
     assert grads.device - grads.parts.get("sr_key_table", 0) == w
@@ -275,9 +277,9 @@ def test_step_cost_recompute_flops_follow_the_switches():
     cfg, T = preset("Qwen2.5-14B"), 1024
     parts, head = forward_flops_per_token(cfg, T)
     L, C, F = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
-    assert parts["mlp_up"] == 2 * C * 2 * F and parts["mlp_down"] == 2 * F * C and head == 2 * C * cfg.vocab_size
+    assert parts["up"] == 2 * C * 2 * F and parts["down"] == 2 * F * C and head == 2 * C * cfg.vocab_size
     assert recompute_flops_per_token(cfg, T, {"swiglu", "norm"}) == 0
-    assert recompute_flops_per_token(cfg, T, {"ffn"}) == L * parts["mlp_up"]
+    assert recompute_flops_per_token(cfg, T, {"ffn"}) == L * parts["up"]
     assert recompute_flops_per_token(cfg, T, {"att"}) == L * (parts["qkv"] + parts["attention"])  # att => qkv
     assert recompute_flops_per_token(cfg, T, {"block"}) == L * sum(parts.values())
     # 14B: recompute-ffn adds ~17% of the step's matmul FLOPs, recompute-block ~32% (the head is not rerun)

@@ -16,13 +16,13 @@ import json
 import pytest
 
 from qtrain.cli.main import main
-from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
 from qtrain.model.resolve import resolve_model
 from qtrain.parallel.layout import FlatLayout
 from qtrain.plan import scale
 from qtrain.plan.scale import IB_400G, MEASURED, MODES, NVLINK, Link, Topology
 
-SMALL = ModelConfig(model_type="qwen2", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+SMALL = LlamaConfig(model_type="qwen2", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0,
                     tie_word_embeddings=False, attention_bias=True, bos_token_id=None, eos_token_id=None)
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
+from qtrain.model.registry import preset
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.dist import DistContext
 from qtrain.train.cuda_graphs import check_cuda_graphs, status
@@ -17,7 +18,7 @@ from qtrain.train.trainer import Trainer
 from tests.dist_utils import full_params_cpu
 from tests.triton_interp import needs_cuda
 
-CFG = ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+CFG = LlamaConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0,
                   tie_word_embeddings=False, attention_bias=True, bos_token_id=None, eos_token_id=None)
 B, T, LR = 2, 16, 3e-3
@@ -86,7 +87,6 @@ def test_status_line():
 
 # ---- the default: on where graphs were measured faster -----------------------------------------------------
 def graphs_on(size: str, batch: int, *, world: int = 1, device_type: str = "cuda", **kw) -> bool:
-    from qtrain.model.config import preset
     opts = Options(model=f"Qwen2.5-{size}", seq_len=1024, batch_size=batch, **kw).validate()
     return opts.cuda_graphs_on(preset(f"Qwen2.5-{size}"), world=world, device_type=device_type)
 
@@ -95,7 +95,6 @@ def test_unset_turns_graphs_on_only_where_they_were_measured_faster():
     """Unset, graphs run where the session-9 runs measured them faster: one process, nothing blocking them, no
     FP8 linear, a block's GEMM work per micro-step at most CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP (Qwen2.5-0.5B at
     micro-batch 4, 16 and 32 x 1024: 366, 1466 and 2931 GFLOP, measured 2.90x, 1.027x, 1.009x)."""
-    from qtrain.model.config import preset
     from qtrain.model.fp8_policy import block_gflop
     from qtrain.options import CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP as LIMIT
     gflop = {(s, b): block_gflop(preset(f"Qwen2.5-{s}"), b * 1024) for s, b in

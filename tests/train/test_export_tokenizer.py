@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 from qtrain.cli.main import main  # noqa: E402
 from qtrain.data.tokenize import get_tokenizer  # noqa: E402
-from qtrain.model.config import ModelConfig  # noqa: E402
+from qtrain.model.llama import LlamaConfig  # noqa: E402
 from qtrain.observe.log import read_log  # noqa: E402
 
 TEXT = "The history of the Python language begins in the late 1980s, when"
@@ -104,7 +104,7 @@ def test_qwen2_tokenized_data_exports_qwen2_tokenizer(tmp_path, monkeypatch):
                                                  for i in range(400)))
     assert main(["tokenize", "docs.txt", "--out-dir", "data", "--tokenizer", "qwen2", "--split-lines",
                  "--no-progress", "--workers", "1"]) == 0
-    cfg = ModelConfig(model_type="qwen2", vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    cfg = LlamaConfig(model_type="qwen2", vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True,
                       attention_bias=True)
     (tmp_path / "tiny").mkdir()
@@ -134,7 +134,7 @@ def test_a_builtin_tokenizer_whose_package_is_missing_costs_only_the_tokenizer_f
     (tmp_path / "docs.txt").write_text("\n".join(f"Line {i}: the quick brown fox {i * i}." for i in range(200)))
     assert main(["tokenize", "docs.txt", "--out-dir", "data", "--tokenizer", "qwen2", "--split-lines",
                  "--no-progress", "--workers", "1"]) == 0
-    cfg = ModelConfig(model_type="llama", vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    cfg = LlamaConfig(model_type="llama", vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True)
     (tmp_path / "tiny").mkdir()
     (tmp_path / "tiny" / "config.json").write_text(json.dumps(cfg.to_hf_dict()))

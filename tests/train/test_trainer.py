@@ -15,13 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
 from qtrain.options import Options
 from qtrain.parallel.dist import DistContext
 from qtrain.train.trainer import Trainer
 from tests.dist_utils import full_params_cpu, run_distributed
 
-CFG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+CFG = LlamaConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, rope_theta=10000.0,
                   tie_word_embeddings=False, attention_bias=True, bos_token_id=None, eos_token_id=None)
 B, T, GA, STEPS, LR = 2, 8, 3, 2, 3e-3

@@ -64,7 +64,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
 from qtrain.parallel.dist import DistContext
 from qtrain.parallel.gradients import OFFLOAD_NEEDS_SHARDING, make_gradient_manager
 from qtrain.parallel.comm import Communicator
@@ -74,7 +74,7 @@ from qtrain.observe.log import RunLogger
 from qtrain.options import Options, OptionsError
 from qtrain.train.trainer import Trainer
 
-CFG = ModelConfig(model_type="qwen2", vocab_size=101, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+CFG = LlamaConfig(model_type="qwen2", vocab_size=101, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0,
                   tie_word_embeddings=False, attention_bias=True, bos_token_id=None, eos_token_id=None)
 B, T, GA, STEPS = 2, 16, 2, 3

@@ -31,7 +31,8 @@ class CastWeights(ParamWeights):
         self.master = master
         device = next(iter(master.values())).device
         self.buffers = layout.allocate(dtype=dtype, device=device)
-        super().__init__(layout.cfg, {n: v.requires_grad_(True) for n, v in layout.views(self.buffers).items()})
+        super().__init__(layout.cfg, {n: v.requires_grad_(layout.group_of[n].trainable)
+                                      for n, v in layout.views(self.buffers).items()})
         self.fresh = False  # the copy holds the master's current values
         self.casts = 0  # refreshes done: one per weights version that the model used
 

@@ -63,7 +63,9 @@ def build_weights(layout: FlatLayout, *, comm: Communicator, dtype: torch.dtype,
         weights = RankWeights(source, buffers=None, params=None)
     else:
         buffers = layout.allocate(dtype=dtype, device=device)
-        params = {n: v.requires_grad_(not cast) for n, v in layout.views(buffers).items()}
+        # the model differentiates what requires grad: not a master under a cast copy, nor a frozen group's tensors
+        params = {n: v.requires_grad_(not cast and layout.group_of[n].trainable)
+                  for n, v in layout.views(buffers).items()}
         plain = CastWeights(layout, buffers, compute_dtype) if cast else ParamWeights(layout.cfg, params)
         weights = RankWeights(QuantizedWeights(plain, quantized) if quantized else plain, buffers, params)
     loaded = load_hf_weights(weights_dir, layout.cfg, dtype=dtype, device="cpu") if weights_dir is not None else None

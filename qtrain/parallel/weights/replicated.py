@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from qtrain.model.config import ModelConfig
-from qtrain.model.weights import block_tensor_names
+from qtrain.model.weights import block_tensor_names, non_block_names
 from qtrain.parallel.footprint import Footprint
 from qtrain.parallel.layout import FlatLayout
 
@@ -15,15 +15,14 @@ class ParamWeights:
 
     def __init__(self, cfg: ModelConfig, params: dict[str, torch.Tensor]):
         self.params = params
-        self._block_names = block_tensor_names(cfg)
-        self._tied = cfg.tie_word_embeddings
+        self._block_names = [block_tensor_names(cfg, layer) for layer in range(cfg.num_hidden_layers)]
+        self._non_block_names = non_block_names(cfg)
 
     def block(self, layer: int) -> dict[str, torch.Tensor]:
-        return {n: self.params[f"layers.{layer}.{n}"] for n in self._block_names}
+        return {n: self.params[f"layers.{layer}.{n}"] for n in self._block_names[layer]}
 
     def non_block(self) -> dict[str, torch.Tensor]:
-        names = ("embed", "norm") if self._tied else ("embed", "norm", "lm_head")
-        return {n: self.params[n] for n in names}
+        return {n: self.params[n] for n in self._non_block_names}
 
     def release_block(self, layer: int) -> None:
         pass

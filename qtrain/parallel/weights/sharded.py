@@ -85,7 +85,7 @@ from typing import Iterator
 
 import torch
 
-from qtrain.model.transformer import FP8_INV_SCALE, FP8_WEIGHT
+from qtrain.model.weight_source import FP8_INV_SCALE, FP8_WEIGHT
 from qtrain.numerics.fp8 import E4M3, quantize_fp8
 from qtrain.parallel.comm import Communicator, Handle
 from qtrain.parallel.footprint import Footprint
@@ -157,7 +157,7 @@ class _PersistentQuants:
 
     def __init__(self, layout: FlatLayout, names: tuple[str, ...], *, rank: int, world: int, dtype: torch.dtype,
                  device: torch.device, offload: bool):
-        g = layout.block(0)
+        g = layout.uniform_block()
         shorts = [s.short for s in g.segments]
         unknown = [n for n in names if n not in shorts]
         if unknown:
@@ -251,14 +251,14 @@ class _PersistentQuants:
     def footprint_of(layout: FlatLayout, names: tuple[str, ...], *, offload: bool) -> Footprint:
         """Bytes: the e4m3 shards (1 per element; host with `offload`) and one fp32 inverse scale per (layer,
         matrix) (made anew with each version, the previous ones freed once no graph refers to them)."""
-        L = layout.cfg.num_hidden_layers
-        parts = {"quant_shards": L * layout.block(0).shard_size(layout.world), "quant_scales": 4 * L * len(names)}
+        L, block = layout.cfg.num_hidden_layers, layout.uniform_block()
+        parts = {"quant_shards": L * block.shard_size(layout.world), "quant_scales": 4 * L * len(names)}
         return Footprint(parts, frozenset({"quant_shards"} if offload else ()))
 
     @staticmethod
     def slot_numel(layout: FlatLayout, names: tuple[str, ...]) -> tuple[int, int]:
         """(elements of the small tensors back to back, elements of one rank's slot of the exchange buffer)."""
-        g = layout.block(0)
+        g = layout.uniform_block()
         small = {s.short for s in g.segments if s.short not in names}
         return sum(s.numel for s in g.segments if s.short in small), g.max_shard_numel(layout.world, small)
 
@@ -297,9 +297,9 @@ class ShardedWeights:
                                          device=self.device, offload=offload_quants)
                        if quantized and self.num_layers else None)
         self.offload_quants = offload_quants
-        slots = min(2, self.num_layers)
-        self._blocks = [self._quant_buffer(layout.block(0)) if self.quants else
-                        self._buffer(layout.block(0).padded_numel, layout.block(0), block=True) for _ in range(slots)]
+        slots, g = min(2, self.num_layers), layout.uniform_block() if self.num_layers else None  # alike, all layers
+        self._blocks = [self._quant_buffer(g) if self.quants else self._buffer(g.padded_numel, g, block=True)
+                        for _ in range(slots)]
         self._non_block = {g.key: self._buffer(g.padded_numel, g, block=False) for g in layout.non_block_groups()}
         # host shards (master with `offload` on a GPU, e4m3 codes with `offload_quants`) are copied into the rank's
         # own slice of the target buffer before the gather: one staging slot per buffer, views, no memory of its own
@@ -324,7 +324,7 @@ class ShardedWeights:
         views = {}
         for s in group.segments:
             name = s.short if block else s.name
-            views[name] = buf[s.start:s.start + s.numel].view(s.shape).requires_grad_(True)
+            views[name] = buf[s.start:s.start + s.numel].view(s.shape).requires_grad_(group.trainable)
         return _Buffer(buf, views, storages=frozenset({buf.untyped_storage().data_ptr()}))
 
     def _quant_buffer(self, group: Group) -> _Buffer:
@@ -338,11 +338,11 @@ class ShardedWeights:
         for s in group.segments:
             if s.short in q.names:
                 views[s.short] = torch.empty_strided(s.shape, (0,) * len(s.shape), dtype=self.compute_dtype,
-                                                     device=self.device).zero_().requires_grad_(True)
+                                                     device=self.device).zero_().requires_grad_(group.trainable)
                 fp8[s.short] = codes[s.start:s.start + s.numel].view(E4M3).view(s.shape)
             else:
                 a = q.small_offsets[s.short]
-                views[s.short] = small[a:a + s.numel].view(s.shape).requires_grad_(True)
+                views[s.short] = small[a:a + s.numel].view(s.shape).requires_grad_(group.trainable)
         storages = frozenset(t.untyped_storage().data_ptr() for t in (codes, small))
         return _Buffer(codes, views, storages=storages, fp8=fp8, small=small, exchange=exchange)
 
@@ -542,7 +542,7 @@ class ShardedWeights:
             parts.update(q.parts)
             host |= q.host_keys
         else:
-            parts["block_buffers"] = slots * (layout.block(0).padded_numel if L else 0) * E
+            parts["block_buffers"] = slots * (layout.uniform_block().padded_numel if L else 0) * E
         return Footprint(parts, frozenset(host))
 
     def footprint(self) -> Footprint:

@@ -11,15 +11,17 @@ import pytest
 import torch
 
 from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
+from qtrain.model.registry import config_from_json_file
 from qtrain.model.hf_io import load_hf_weights
-from qtrain.model.transformer import FP8_MATRICES
+from qtrain.model.llama import FP8_MATRICES
 from qtrain.parallel.comm import Communicator
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.weights import ParamWeights, QuantizedWeights, ShardedWeights, build_weights
 from tests.hf_fixtures import save_tiny_hf_model
 
 CPU = torch.device("cpu")
-CFG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+CFG = LlamaConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, rope_theta=10000.0,
                   tie_word_embeddings=False, attention_bias=True, bos_token_id=None, eos_token_id=None)
 
@@ -72,7 +74,7 @@ def test_from_scratch_fill_is_the_same_replicated_and_sharded(init_proj_to_zero)
 
 def test_hf_checkpoint_fill_is_the_same_replicated_and_sharded(tmp_path):
     model_dir = save_tiny_hf_model("qwen2", tmp_path / "hf")
-    cfg = ModelConfig.from_json_file(model_dir / "config.json")
+    cfg = config_from_json_file(model_dir / "config.json")
     layout = FlatLayout(cfg, 1)
     want = load_hf_weights(model_dir, cfg, dtype=torch.float32)
     for sharded in (False, True):

@@ -9,16 +9,16 @@ import torch
 
 from tests.dist_utils import write_model_dir
 from qtrain.kernels.fp8_quant import fp8_quantize_torch
-from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
 from qtrain.model.transformer import FP8_INV_SCALE, FP8_WEIGHT, quantized_weight
 from qtrain.parallel.weights.replicated import ParamWeights
-from qtrain.model.transformer import FP8_MATRICES
+from qtrain.model.llama import FP8_MATRICES
 from qtrain.parallel.weights.quantized import QuantizedWeights
 from qtrain.options import Options
 from qtrain.train.trainer import Trainer
 
 STEPS, ACCUM, B, T = 3, 2, 2, 32
-CFG = ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+CFG = LlamaConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0,
                   tie_word_embeddings=True, attention_bias=True)  # FP8 shapes: multiples of 16
 

@@ -31,6 +31,8 @@ import torch
 
 from tests.dist_utils import full_params_cpu, random_batch, run_distributed, train_steps
 from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
+from qtrain.model.registry import config_from_hf_dict
 from qtrain.model.transformer import Transformer
 from qtrain.parallel.comm import Communicator
 from qtrain.parallel.dist import DistContext
@@ -42,7 +44,7 @@ from qtrain.options import Options, OptionsError
 from qtrain.train.trainer import Trainer
 
 # K and N of every block linear are multiples of 16 (FP8 runs); odd vocab so shards cut through tensors
-CFG = ModelConfig(model_type="qwen2", vocab_size=101, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+CFG = LlamaConfig(model_type="qwen2", vocab_size=101, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0,
                   tie_word_embeddings=False, attention_bias=True, bos_token_id=None, eos_token_id=None)
 B, T, GA, STEPS, CKPT_AT = 2, 16, 2, 2, 1
@@ -206,7 +208,7 @@ class _Sink:
 
 def test_gathers_per_micro_step_double_buffered_with_prefetch_and_version_skip():
     L = 5
-    cfg = ModelConfig.from_hf_dict({**CFG.to_hf_dict(), "num_hidden_layers": L})
+    cfg = config_from_hf_dict({**CFG.to_hf_dict(), "num_hidden_layers": L})
     w, _ = _solo_weights(cfg)
     model = Transformer(cfg)
     x, y = batch(0, 0, 0)
@@ -329,7 +331,7 @@ def test_fine_grained_recompute_with_sharded_weights(recompute):
     from qtrain.model.transformer import RunOptions
     from qtrain.parallel.weights.replicated import ParamWeights
     L = 4
-    cfg = ModelConfig.from_hf_dict({**CFG.to_hf_dict(), "num_hidden_layers": L})
+    cfg = config_from_hf_dict({**CFG.to_hf_dict(), "num_hidden_layers": L})
     w, layout = _solo_weights(cfg)
     params = w.gather_full()
     ref = ParamWeights(cfg, {n: p.clone().requires_grad_(True) for n, p in params.items()})

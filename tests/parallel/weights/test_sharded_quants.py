@@ -29,18 +29,19 @@ import torch
 import qtrain.numerics.fp8 as fp8
 from tests.dist_utils import full_params_cpu, random_batch, run_distributed, train_steps
 from qtrain.model.config import ModelConfig
+from qtrain.model.llama import LlamaConfig
 from qtrain.model.transformer import FP8_INV_SCALE, FP8_WEIGHT
 from qtrain.parallel.comm import Communicator, Handle
 from qtrain.parallel.dist import DistContext
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.weights.sharded import ShardedWeights, _PersistentQuants
-from qtrain.model.transformer import FP8_MATRICES
+from qtrain.model.llama import FP8_MATRICES
 from qtrain.plan.memory import plan_for_trainer, plan_memory
 from qtrain.options import Options, OptionsError
 from qtrain.train.trainer import Trainer
 
 # every small tensor kind (ln1, qkv_bias, q_norm, k_norm, ln2); K and N of the linears multiples of 16; odd vocab
-CFG = ModelConfig(model_type="qwen3", vocab_size=101, hidden_size=64, intermediate_size=48, num_hidden_layers=3,
+CFG = LlamaConfig(model_type="qwen3", vocab_size=101, hidden_size=64, intermediate_size=48, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
                   rope_theta=10000.0, tie_word_embeddings=False, attention_bias=True, qk_norm=True,
                   bos_token_id=None, eos_token_id=None)

@@ -1,0 +1,98 @@
+"""The model-family registry (`model/registry.py`) and the statements every family makes (`model/family.py`).
+
+Every supported model_type resolves to its family and back to the same config.json; an unknown one is a
+one-line error that lists the supported ones; and each family's statements agree with each other (its HF parts
+hold exactly its tensors' elements, its matrices are tensors of its blocks, its FP8 matrices are matrices, its
+activation terms have distinct names), so the family-independent code can trust them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from qtrain.model.config import ConfigError, ModelConfig
+from qtrain.model.family import ActivationSettings, ModelFamily
+from qtrain.model.llama import LLAMA, LlamaConfig
+from qtrain.model.recompute import FLAGS, STEPS, resolve_flags
+from qtrain.model.registry import (FAMILIES, MODEL_TYPES, PRESETS, config_from_hf_dict, config_from_json_file,
+                                   family_for, family_of, preset)
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, rope_theta=10000.0)
+
+
+def test_the_supported_model_types():
+    assert MODEL_TYPES == ("qwen2", "llama", "qwen3")  # the order error messages list them in
+    assert FAMILIES == (LLAMA,)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_every_model_type_resolves_and_round_trips(model_type):
+    cfg = config_from_hf_dict({"model_type": model_type, **SMALL})
+    family = family_for(model_type)
+    assert family_of(cfg) is family and isinstance(cfg, LlamaConfig) and cfg.model_type == model_type
+    d = cfg.to_hf_dict()
+    assert d["architectures"] == [family.architectures[model_type]]
+    assert config_from_hf_dict(json.loads(json.dumps(d))) == cfg
+
+
+def test_unknown_model_type_is_one_line_listing_the_supported(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "mixtral", **SMALL}))
+    with pytest.raises(ConfigError) as e:
+        config_from_json_file(path)
+    msg = str(e.value)
+    assert "\n" not in msg and msg == f"{path}: unknown model_type 'mixtral'; supported: qwen2, llama, qwen3"
+    with pytest.raises(ConfigError, match=r"^unknown model_type 'gpt2'; supported: qwen2, llama, qwen3$"):
+        family_for("gpt2")
+    with pytest.raises(ConfigError, match="unknown model_type 'olmoe'"):
+        family_of(ModelConfig(model_type="olmoe"))  # the common fields alone name no family
+    with pytest.raises(ConfigError, match="missing key 'model_type'"):
+        config_from_hf_dict({"architectures": ["LlamaForCausalLM"], **SMALL})
+    with pytest.raises(ConfigError, match="expected a JSON object"):
+        config_from_hf_dict([])
+
+
+def test_presets_come_from_the_families():
+    assert set(PRESETS) == {name for f in FAMILIES for name in f.presets}
+    for name in PRESETS:
+        assert family_of(preset(name)).presets[name]().model_type == preset(name).model_type
+
+
+def _small(model_type: str) -> LlamaConfig:
+    return LlamaConfig(model_type=model_type, attention_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
+                       head_dim=32 if model_type == "qwen3" else 0, tie_word_embeddings=False,
+                       **SMALL)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_a_familys_statements_agree(model_type):
+    cfg = _small(model_type)
+    family: ModelFamily = family_of(cfg)
+    specs = [*family.non_block_tensors(cfg), *(t for layer in range(cfg.num_hidden_layers)
+                                                for t in family.block_tensors(cfg, layer))]
+    for t in specs:  # the HF tensors, back to back, are exactly the tensor's elements
+        assert sum(math.prod(shape) for _, shape in t.hf) == math.prod(t.shape), t.name
+    hf = [name for t in specs for name, _ in t.hf]
+    assert len(hf) == len(set(hf))
+    for layer in range(cfg.num_hidden_layers):
+        tensors = {t.name: t for t in family.block_tensors(cfg, layer)}
+        matmuls = family.matmuls(cfg, layer)
+        for name, m in matmuls.items():  # each GEMM is y = x W^T of a block matrix
+            assert tensors[name].shape == (m.n, m.k) and m.step in ("", *(s for f in FLAGS for s in STEPS[f]))
+        assert set(family.fp8_matrices) <= set(matmuls)
+        for flags in ((), ("ffn",), ("att",), ("block",)):
+            s = ActivationSettings(matmul_dtype="e4m3", compiled=True, recompute=resolve_flags(flags))
+            names = [a.name for a in family.activation_terms(cfg, layer, s)]
+            assert len(names) == len(set(names)) and names[0] == "input"
+
+
+def test_the_common_config_names_no_family_fields():
+    """What the family-independent code may read (model/config.py); a family's fields live in its own class."""
+    common = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert {"intermediate_size", "attention_bias", "qk_norm"} & common == set()
+    assert {"vocab_size", "hidden_size", "num_hidden_layers", "tie_word_embeddings", "rope_theta",
+            "bos_token_id", "eos_token_id"} <= common
