@@ -5,7 +5,8 @@ weight, flipped bytes in Adam's m and v, a tensor rewritten in another dtype, tw
 (a `--gpus 2` run), and, in a checkpoint from before digests, one NaN and one negative v. Each is refused by
 `qtrain train --continue` and by `qtrain export` with exit code 2 and one line naming the file and tensor and
 the newest checkpoint that does verify (step 2), and the user's tree is left as it was. A checkpoint from before
-digests (no "digests" in checkpoint.json) still resumes, with a warning, bit for bit like a verified one.
+digests (no "digests" in checkpoint.json) still resumes, with a warning, bit for bit like a verified one. The
+tokenizer copied into each checkpoint is covered by the digests too.
 
 Symbolic links (qtrain makes none, so one among the checkpoints is the user's): `--ckpt-keep-n` neither counts
 nor deletes a linked checkpoint (nor one holding a link), stale sweeps pass leftovers holding a link, a run may
@@ -13,6 +14,7 @@ resume from a linked checkpoint, and `--start-over` (which would write over the 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -26,6 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from qtrain.cli.main import main
 from qtrain.observe.log import read_log
+from tests.reliability.test_resume_checks import _word_tokenizer
 from tests.run_utils import make_run_root, qtrain_run, train_argv
 
 STEP4, STEP2 = "step_00000004", "step_00000002"
@@ -233,6 +236,36 @@ def test_a_checkpoint_without_digests_still_resumes_bit_for_bit(base, tmp_path, 
         assert ("records no file digests" in capsys.readouterr().err) == (kind == "legacy")
     assert finals["verified"].keys() == finals["legacy"].keys()
     assert all(torch.equal(finals["verified"][k], finals["legacy"][k]) for k in finals["verified"])
+
+
+def test_the_tokenizer_copy_is_verified_and_goes_with_its_checkpoint(tmp_path, capsys):
+    """The tokenizer files a checkpoint carries (tokenizer/, what its export writes) have digests like its shard
+    files: one changed or added since is refused by --continue and export, naming step 2; keep-n deletes qtrain's
+    own copies with their checkpoints (a folder of files, no link)."""
+    root = make_run_root(tmp_path / "root")
+    tok = _word_tokenizer(tmp_path / "tok.json")
+    assert main(train_argv(root, steps=4, tokenizer=tok)) == 0
+    ckpt = root / "ckpt" / "run"
+    meta = json.loads((ckpt / STEP4 / "checkpoint.json").read_text())
+    assert meta["digests"]["tokenizer/tokenizer.json"] == "sha256:" + hashlib.sha256(tok.read_bytes()).hexdigest()
+    copy = ckpt / STEP4 / "tokenizer"
+    original = (copy / "tokenizer.json").read_bytes()
+    changes = {"changed": (lambda: (copy / "tokenizer.json").write_bytes(original + b"\n"),
+                           r"tokenizer/tokenizer\.json: differs from the file copied into the checkpoint"),
+               "added": (lambda: (copy / "vocab.json").write_text("{}"),
+                         r"tokenizer/vocab\.json: not a file of the checkpoint's tokenizer copy")}
+    for name, (change, problem) in changes.items():
+        change()
+        where = rf"ckpt/run/{STEP4}/{problem}.*; the newest checkpoint that verifies is \S*ckpt/run/{STEP2}: "
+        err = refused(continue_argv(root, tokenizer=tok), root, capsys)
+        assert re.search(where + r"resume it with --continue 2$", err.strip()), err
+        err = refused(export_argv(root), root, capsys)
+        assert re.search(where + r"export it with --step 2$", err.strip()), err
+        (copy / "vocab.json").unlink(missing_ok=True)
+        (copy / "tokenizer.json").write_bytes(original)
+    assert main(train_argv(root, steps=6, tokenizer=tok, extra=("--continue", "--ckpt-keep-n", "1"))) == 0
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_")) == ["step_00000006"]
+    assert (ckpt / "step_00000006" / "tokenizer" / "tokenizer.json").read_bytes() == original
 
 
 # ---------------------------------------------------------------------------------------------- symbolic links
