@@ -1,8 +1,8 @@
 """What a checkpoint's shard files must hold, and the checks that refuse a state training cannot continue from.
 
 A shard file of kind `weights`, `adam.m` or `adam.v` written by `world` ranks holds one 1-D tensor per group of
-`FlatLayout(cfg, world)` (the group's shard: `shard_size(world)` elements) in the run's dtype: the master dtype
-for weights, --opt-m-dtype / --opt-v-dtype for the moments, and with an e4m3 m also the fp32 block scales
+`FlatLayout(cfg, world)` (the group's shard: `shard_size(world)` elements) in the dtype its options record: the
+master dtype for weights, --opt-m-dtype / --opt-v-dtype for the moments, and with an e4m3 m also the fp32 block scales
 under `<group>.scales`. Anything else (a missing file or tensor, an extra tensor, another dtype or shape, a
 header naming another file, a header or a tokenizer file that is not the one whose digest checkpoint.json
 records) is refused before a byte of tensor data is read (`check_files`, `header_problem`). This is the one
@@ -51,8 +51,8 @@ def shard_stem(kind: str, rank: int, world: int) -> str:
 
 def expected_tensors(cfg: ModelConfig, world: int, kind: str, dtype: str | None) -> Expected:
     """The tensors every rank's shard file of `kind` holds (the same names and shapes on every rank).
-    `dtype` None: not known (a meta without options); any dtype `kind` can have is accepted then, and an
-    e4m3 m's scales are expected when the file holds them."""
+    `dtype` None: not known (the options record none a shard of `kind` can hold); any dtype `kind` can have is
+    accepted then, and an e4m3 m's scales are expected when the file holds them."""
     layout = FlatLayout(cfg, world)
     dt = DTYPES[dtype] if dtype is not None else None
     out: Expected = {g.key: (dt, (g.shard_size(world),)) for g in layout.groups}
