@@ -18,8 +18,11 @@ def tiny_model_dir(model: str, **overrides) -> str:
     """A model directory (config.json only, for --from-scratch) of `model`'s family (bias, tied embeddings,
     qk-norm, rope scaling) at TINY_SHAPE (with `overrides`, e.g. the real vocab_size); written once per family
     under the temp dir."""
-    cfg = model_config(model if model and model != "qtrain-tiny" else "Qwen2.5-0.5B").replace(**{**TINY_SHAPE,
-                                                                                              **overrides})
+    shape = {**TINY_SHAPE, **overrides}
+    cfg = model_config(model if model and model != "qtrain-tiny" else "Qwen2.5-0.5B")
+    ids = {k: shape["vocab_size"] - 1 for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+           if getattr(cfg, k, None) is not None and getattr(cfg, k) >= shape["vocab_size"]}  # inside the small vocab
+    cfg = cfg.replace(**shape, **ids)
     text = json.dumps(cfg.to_hf_dict(), sort_keys=True)
     d = os.path.join(tempfile.gettempdir(), "qtrain-bench-tiny", hashlib.sha1(text.encode()).hexdigest()[:12])
     path = os.path.join(d, "config.json")
