@@ -21,6 +21,7 @@ import argparse
 import os
 import time
 
+from qtrain.model.weights import num_params
 from qtrain.train import checkpointing
 from qtrain.data.corpus import ensure_default_dataset
 from qtrain.data.loader import TokenLoader
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
                    train_file=train_path, eval_file=eval_path)
     trainer = Trainer(opts)
     vocab = trainer.cfg.vocab_size
-    print(f"model: {trainer.cfg.num_params() / 1e6:.1f}M parameters on {trainer.device}")
+    print(f"model: {num_params(trainer.cfg) / 1e6:.1f}M parameters on {trainer.device}")
 
     train = TokenLoader(train_path, T, seed=opts.train_seed, model_vocab_size=vocab)
     evals = TokenLoader(eval_path, T, shuffle=False, model_vocab_size=vocab)

@@ -42,8 +42,8 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None  # llama3 frequency scaling, or None for plain RoPE
     rms_norm_eps: float = 1e-6  # the final norm's (and, in the families so far, every block norm's)
     tie_word_embeddings: bool = True  # LM head shares the embedding matrix
-    bos_token_id: int | None = 151643
-    eos_token_id: int | None = 151643
+    bos_token_id: int | None = None  # the presets and config.json name them; none is assumed
+    eos_token_id: int | None = None
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
@@ -87,6 +87,10 @@ class ModelConfig:
             for k in LLAMA3_ROPE_KEYS:
                 if k not in self.rope_scaling:
                     raise config_error(f"llama3 rope scaling needs {k!r}")
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            i = getattr(self, k)
+            if i is not None and not 0 <= i < self.vocab_size:
+                raise config_error(f"{k} {i} is not a token id of the vocabulary (0..{self.vocab_size - 1})")
 
     def to_hf_dict(self, *, dtype: str = "bfloat16") -> dict[str, Any]:
         """A config.json that transformers loads as this exact model (each family writes its own)."""

@@ -160,7 +160,7 @@ def train(model_dir: str, ctx: DistContext, dtype: str, kind: str = "unsharded",
         rec["steps"] += run_steps(tr, range(STEPS), data_ranks, global_ranks)
     rec["final"] = named_weights(tr)
     rec["memory"] = {"grads": tr.grads.memory(), "grads_total": tr.grads.shard_nbytes(),
-                     "grads_device": tr.grads.device_nbytes(), "host_keys": tr.grads.host_memory_keys(),
+                     "grads_device": tr.grads.footprint().device, "host_keys": tr.grads.host_memory_keys(),
                      "optimizer": tr.optimizer.state_nbytes()}
     return rec
 
