@@ -328,6 +328,14 @@ class Options:
     Unset (auto): on where it was measured faster, i.e. on a CUDA device where nothing blocks it, no block
     linear runs in FP8 and a block's GEMM work per micro-step is at most CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP."""
 
+    # ---- Mixture of Experts (qwen3_moe, olmoe, mixtral) ----
+    router_z_loss: float = 0.0
+    """MoE models: weight of the router z-loss (ST-MoE: the mean over every MoE layer's tokens of logsumexp(router
+    logits)^2), added beside the load-balancing loss the model's config weights (router_aux_loss_coef); 0 = off."""
+    log_router_every: int = 10
+    """MoE models: print the router line (load-balancing loss, z-loss, tokens per expert min / mean / max) every N
+    steps; the JSON log has them at every step."""
+
     # ---------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
         pass
@@ -377,8 +385,8 @@ class Options:
         2.90x, 16 x 2 1.027x, 32 x 4 1.009x), i.e. nothing blocks them, no linear runs in FP8 (a cold-compile
         hang with FP8 under capture is not understood yet) and the block's GEMM work per micro-step is at most
         CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP: above it the GPU, not the host, sets the pace."""
-        if device_type != "cuda" or self.use_cuda_graphs is False:
-            return False
+        if device_type != "cuda" or self.use_cuda_graphs is False or cfg.router is not None:
+            return False  # an MoE model's GEMM shapes change every micro-step (cuda_graphs.check_model_capturable)
         if self.use_cuda_graphs:
             return True
         fp8 = self.fp8_choice(cfg)
@@ -588,6 +596,9 @@ class Options:
             raise err(f"--max-nonfinite-steps must be >= 0 (0 = never stop), got {self.max_nonfinite_steps}")
         if self.collective_timeout <= 0:
             raise err(f"--collective-timeout must be > 0 seconds, got {self.collective_timeout}")
+        if self.router_z_loss < 0 or self.log_router_every < 1:
+            raise err(f"--router-z-loss must be >= 0 and --log-router-every >= 1, got {self.router_z_loss} and "
+                      f"{self.log_router_every}")
         if self.start_over and self.continue_from is not None:
             raise err("--start-over and --continue exclude each other: --continue resumes the earlier run, "
                       "--start-over replaces it")

@@ -74,13 +74,14 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, experts_up_gate: t
                 experts_down: torch.Tensor, *, top_k: int, norm_topk_prob: bool, step=run_step) -> MoEOutput:
     """The MoE MLP of one layer (module docstring) on x (..., C): weights as listed there, all differentiable.
     `norm_topk_prob`: renormalise the k kept probabilities to sum to 1 (Qwen3-MoE per config, OLMoE False,
-    Mixtral True). `step`: the block's step policy ('up', 'swiglu'). Returns the output and what the auxiliary losses and the logs need."""
+    Mixtral True). `step`: the block's step policy ('up', 'swiglu'). Returns the output and what the auxiliary
+    losses and the logs need."""
     _check(x, router_weight, experts_up_gate, experts_down, top_k)
     shape, E = x.shape, router_weight.shape[0]
     x2 = x.reshape(-1, shape[-1])  # (N, C)
     r = route(x2, router_weight, top_k=top_k, norm_topk_prob=norm_topk_prob)
     plan = sort_by_expert(r.ids, E)
-    h = step("up", permuted_up, x2, plan.order, plan.inverse, plan.offsets, experts_up_gate, top_k)  # (N*k, 2F)
+    h = step("up", permuted_up, x2, plan.order, plan.inverse, plan.offsets, experts_up_gate, top_k)  # (N k, 2F)
     a = step("swiglu", swiglu_fused, h)  # (N*k, F)
     ys = expert_linear(a, experts_down, plan.offsets)  # (N*k, C)
     out = unpermute_tokens(ys, r.weights, plan)  # (N, C)

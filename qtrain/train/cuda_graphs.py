@@ -41,9 +41,10 @@ from typing import Callable
 
 import torch
 
+from qtrain.model.config import ModelConfig
 from qtrain.options import Options, OptionsError
 
-__all__ = ["MicroStepGraphs", "check_cuda_graphs", "status"]
+__all__ = ["MicroStepGraphs", "check_cuda_graphs", "check_model_capturable", "status"]
 
 MicroStepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -56,6 +57,15 @@ def check_cuda_graphs(opts: Options, *, world: int, device_type: str) -> None:
     if blockers:
         raise OptionsError("--use-cuda-graphs does not support " + "; ".join(blockers) + " yet. Drop "
                            "--use-cuda-graphs (or add --no-use-cuda-graphs), or those options.")
+
+
+def check_model_capturable(opts: Options, cfg: ModelConfig, *, device_type: str) -> None:
+    """Refuse --use-cuda-graphs for a model whose micro-step a graph cannot replay: an MoE model's (the tokens each
+    expert gets set its grouped GEMMs' row counts anew every micro-step; `Options.cuda_graphs_on` leaves it off)."""
+    if opts.use_cuda_graphs and device_type == "cuda" and cfg.router is not None:
+        raise OptionsError(f"--use-cuda-graphs cannot capture a step of {cfg.model_type} (a Mixture-of-Experts "
+                           "model): the number of tokens each expert gets changes the shapes of its GEMMs from one "
+                           "micro-step to the next, and a CUDA graph replays fixed shapes. Drop --use-cuda-graphs.")
 
 
 def status(opts: Options, device_type: str, *, on: bool, fp8_linears: bool = False) -> str | None:

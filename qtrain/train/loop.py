@@ -30,6 +30,7 @@ from qtrain.plan.host import return_freed_memory
 from qtrain.plan.memory import plan_for_trainer
 from qtrain.train import checkpointing, cuda_graphs, run_dir
 from qtrain.train.preflight import Prepared, shared_preflight
+from qtrain.train.router_metrics import STEP_FIELDS as ROUTER_FIELDS
 from qtrain.train.schedule import LRSchedule
 from qtrain.train.stop import (NonFiniteGuard, RunStopped, StackDump, StopSignals, checkpoint_on_request, data_changed,
                                out_of_memory, stopped_after_last_step, stopped_by_signal)
@@ -123,7 +124,7 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
                           cooldown=opts.cooldown, final_lr_fraction=opts.final_lr_fraction, kind=opts.lr_schedule)
     ckpt_dir, out_dir = prep.paths.ckpt_dir, prep.paths.out_dir
 
-    log = RunLogger(prep.paths.log_file, rank=ctx.rank, total_steps=total_steps)
+    log = RunLogger(prep.paths.log_file, rank=ctx.rank, total_steps=total_steps, router_every=opts.log_router_every)
     log.log("run", run_id=prep.run_id, name=opts.name, resume=prep.resume)  # a new log's first line: its owner
     for note in notes + ([prep.note] if prep.note else []):
         log.message(note, level="warning")
@@ -191,7 +192,8 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
                 raise _out_of_memory(step, e, trainer, ckpt_dir) from None
             dt_ms = 1000 * (time.perf_counter() - t0)
             obj = log.log_step(step, step_tokens=step_tokens, duration_ms=dt_ms, norm=stats["norm"],
-                               loss=stats["loss"], lr=stats["lr"], epoch=train.progress)
+                               loss=stats["loss"], lr=stats["lr"], epoch=train.progress,
+                               **{k: stats[k] for k in ROUTER_FIELDS if k in stats})  # an MoE model's routers
             if tb is not None:
                 tb.on_event(obj)
             if trainer.abs_maxes is not None:

@@ -33,7 +33,8 @@ from qtrain.parallel.dist import DeviceError, check_device
 from qtrain.parallel.groups import check_group_size
 from qtrain.train import checkpoint_io as cio
 from qtrain.train import checkpointing, resume_checks, run_dir
-from qtrain.train.cuda_graphs import check_cuda_graphs
+from qtrain.parallel.layout import FlatLayout
+from qtrain.train.cuda_graphs import check_cuda_graphs, check_model_capturable
 
 DEFAULT_DATA_DIR = os.path.join("data", "qtrain-default")
 
@@ -85,6 +86,14 @@ def check_model(opts: Options) -> ModelConfig:
     if opts.seq_len > cfg.max_position_embeddings:
         raise OptionsError(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings "
                            f"{cfg.max_position_embeddings}")
+    check_model_capturable(opts, cfg, device_type=_device_type(opts))
+    if opts.weights_sharded:  # the sharded weight source gathers one block layout (an MoE layer's experts are a group
+        try:                  # of their own, parallel/layout.py)
+            FlatLayout(cfg, 1).uniform_block()
+        except ValueError as e:
+            raise OptionsError(f"--shard-weights / --zero-level 3 is not supported for this {cfg.model_type} model "
+                               f"yet: {e}; drop it (--shard-gradients / --zero-level 2 still shard the gradients "
+                               f"and the optimizer state)") from None
     return cfg
 
 
