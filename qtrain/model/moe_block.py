@@ -30,6 +30,8 @@ Dimension letters: B batch, T sequence, C hidden, E experts, k experts per token
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from qtrain.model.family import ActTerm, ActivationSettings, BlockFn, BlockOptions, MatmulSpec
@@ -62,6 +64,13 @@ class MoeBlock(LlamaBlock):
         return x + with_router_grads(moe.out, moe.stats, w)
 
     @staticmethod
+    def saved_by_residual_and_ln2(a: _Saved) -> list[ActTerm]:
+        """The Llama block's; compiled with --recompute-ffn the partitioner keeps the experts' up/gate output
+        (`saved_by_moe`) instead of the dense block's extra (B, T, C) tensor (measured on the CPU)."""
+        terms = LlamaBlock.saved_by_residual_and_ln2(a)
+        return [dataclasses.replace(t, kept=False) if t.name == "ffn_extra" else t for t in terms]
+
+    @staticmethod
     def saved_by_moe(a: _Saved) -> list[ActTerm]:
         """Eager, per token: routing (softmax probabilities E fp32, top-k ids k int64, combine weights k fp32 -- with
         norm_topk_prob the top-k values and their sum too, which the division keeps --, logsumexp 1 fp32 for the
@@ -70,15 +79,22 @@ class MoeBlock(LlamaBlock):
         (k C, the combine's, for the weights' gradient); per layer the expert offsets (E int32). In e4m3 the router
         keeps its input, the RMSNorm-2 output, which the dense block's FP8 linear would keep as an e4m3 copy. The
         'up' step (--recompute-ffn) drops the permuted input and the up/gate output, 'swiglu' the SwiGLU output;
-        the routing and the indices stay (the steps' inputs)."""
-        cfg, Eb, rc, blk = a.cfg, a.E, a.rc, a.blk
+        the routing and the indices stay (the steps' inputs).
+        Compiled (AOTAutograd's partitioner, measured on the CPU): the experts' tensors as eager, but with 'ffn' the
+        up/gate output stays (the permutation and grouped GEMM are opaque ops it does not rebuild across the two
+        checkpointed steps); the routing term is an upper bound there: depending on E and k the partitioner keeps
+        the bf16 logits instead of the fp32 probabilities (and rebuilds the softmax), or one (N, k) tensor fewer
+        with norm_topk_prob -- at most 2 E + 4 k + 8 bytes per token less, under 0.5% of a routed layer's bytes at
+        Qwen3-30B-A3B's shape."""
+        cfg, Eb, rc, blk, compiled = a.cfg, a.E, a.rc, a.blk, a.s.compiled
         C, F, X, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
         weights = 8 * k + 4 if cfg.norm_topk_prob else 4 * k
         terms = [ActTerm("moe_routing", 4 * X + 8 * k + weights + 4, blk,
                          "router softmax (fp32), top-k ids, combine weights, logsumexp", per_layer=4 * X),
                  ActTerm("moe_permutation", 16 * k, blk, "permutation indices (order, inverse)"),
                  ActTerm("moe_up_in", Eb * k * C, "ffn" not in rc, "permuted tokens (k copies, expert order)"),
-                 ActTerm("moe_up_out", Eb * k * 2 * F, "ffn" not in rc, "experts' up/gate outputs (k, 2F)"),
+                 ActTerm("moe_up_out", Eb * k * 2 * F, blk and ("ffn" not in rc or compiled),
+                         "experts' up/gate outputs (k, 2F)"),
                  ActTerm("moe_swiglu", Eb * k * F, "swiglu" not in rc, "experts' SwiGLU outputs (k, F)"),
                  ActTerm("moe_down_out", Eb * k * C, blk, "experts' outputs (k, C), for the combine weights")]
         if a.s.fp8:
@@ -96,7 +112,7 @@ class MoeBlock(LlamaBlock):
 # block's; a family whose attention differs passes its own `qkv` statement)
 def statements(qkv=LlamaBlock.saved_by_qkv) -> tuple:
     return (LlamaBlock.saved_by_input, LlamaBlock.saved_by_ln1, qkv, LlamaBlock.saved_by_attention,
-            LlamaBlock.saved_by_residual_and_ln2, MoeBlock.saved_by_moe, MoeBlock.saved_by_fp8_weights)
+            MoeBlock.saved_by_residual_and_ln2, MoeBlock.saved_by_moe, MoeBlock.saved_by_fp8_weights)
 
 
 def activation_terms(cfg: MoeConfig, layer: int, s: ActivationSettings, qkv=LlamaBlock.saved_by_qkv

@@ -43,7 +43,8 @@ class OlmoeBlock(MoeBlock):
     def saved_by_qkv(a: _Saved) -> list[ActTerm]:
         """As the Llama block's with qk-norm (`LlamaBlock.saved_by_qkv`), with one rstd per token for each of q and k
         (not one per head); eager in fp32 the norms keep views of the fused buffer, and so does the clamp of v. The
-        clamp keeps its inputs, the norms' outputs (q, k) and v; the clamped v replaces v's copy."""
+        clamp keeps its inputs, the norms' outputs (q, k) and v; the clamped v replaces v's copy. Compiled (measured on
+        the CPU with AOTAutograd's partitioner): the fused buffer, the two rstd and, with the clamp, v's clamp mask."""
         cfg, E, rc, up = a.cfg, a.E, a.rc, a.up
         q, kv, qkv = cfg.q_dim, cfg.kv_dim, cfg.qkv_dim
         clip = cfg.clip_qkv is not None
@@ -51,8 +52,9 @@ class OlmoeBlock(MoeBlock):
         what = "fused QKV output + v copied out of it" if fused else "v, copied out of the fused QKV output"
         terms = [ActTerm("qkv", E * ((qkv if fused else 0) + kv) + a.f8_norm_out * cfg.hidden_size, "qkv" not in rc,
                          what + (" + e4m3 copy of the QKV input" if a.f8_norm_out else ""))]
-        if a.s.compiled:
-            terms.append(ActTerm("qk_norm", 8, "qkv" not in rc, "q/k RMSNorm rstd"))
+        if a.s.compiled:  # the partitioner keeps the v clamp's mask (1 byte per element), rebuilds q's and k's
+            terms.append(ActTerm("qk_norm", 8 + (kv if clip else 0), "qkv" not in rc,
+                                 "q/k RMSNorm rstd" + (" + v's clamp mask" if clip else "")))
         else:
             terms.append(ActTerm("qk_norm", up * (q + kv) + 8 + E * (q + kv) + (E * (q + kv) if clip else 0),
                                  "qkv" not in rc, "q/k RMSNorm state" + (" + the clamp's inputs" if clip else "")))
