@@ -169,3 +169,27 @@ def test_router_loss_scale_weights_only_the_router_losses(tmp_path):
     for n in grads[1.0]:
         torch.testing.assert_close(grads[0.5][n] * 2 - grads[0.0][n], grads[1.0][n], rtol=1e-4,
                                    atol=1e-6 * grads[1.0][n].abs().max().item())
+
+
+def test_e4m3_runs_the_attention_projections_in_fp8_and_the_experts_in_bf16(tmp_path):
+    """--matmul-dtype e4m3: the families' fp8_matrices are the attention projections (and a dense layer's MLP); the
+    router and the expert stacks stay bf16, which the FP8 policy's start-of-run line says. With none of the FP8
+    matrices in FP8 (the policy's choice) the step is the bf16 step bit for bit, so nothing else went through an FP8
+    linear; with all of them it runs, finite, and moves (e4m3 rounding can flip a routing choice of this random tiny
+    model, so no closeness bound is asserted per tensor)."""
+    from qtrain.model.fp8_policy import choose_fp8
+    _, cfg, params = loaded("qwen3_moe", tmp_path)
+    choice = choose_fp8(cfg, 32, "all")
+    assert choice.fp8 == ("qkv", "o", "up", "down") and choice.never == ("router", "experts_up_gate", "experts_down")
+    assert "router/experts_up_gate/experts_down always in the model dtype" in choice.describe()
+    params = {n: p.detach().to(torch.bfloat16).requires_grad_(True) for n, p in params.items()}
+    inputs, targets = batch(cfg.vocab_size, seed=5)
+    grads = {}
+    for key, run in (("bf16", RunOptions()), ("none", RunOptions(matmul_dtype="e4m3", fp8_linears=())),
+                     ("all", RunOptions(matmul_dtype="e4m3"))):
+        sink = Collect()
+        Transformer(cfg, run).forward_backward(ParamWeights(cfg, params), inputs, targets, grads=sink, loss_scale=1 / 29)
+        grads[key] = sink.grads
+    assert all(torch.equal(grads["none"][n], g) for n, g in grads["bf16"].items())
+    assert all(torch.isfinite(g.float()).all() for g in grads["all"].values())
+    assert not torch.equal(grads["all"]["layers.0.qkv"], grads["bf16"]["layers.0.qkv"])
