@@ -146,9 +146,12 @@ class _WithRouterGrads(torch.autograd.Function):
         return dx, aux_grad.clone(), (None if z_grad is None else z_grad.view(()).clone()), None, None
 
 
+@torch.compiler.disable
 def with_router_grads(x: torch.Tensor, stats: RouterStats, w: dict[str, torch.Tensor]) -> torch.Tensor:
     """x, through a node whose backward adds the router losses' gradients to this layer's statistics (`stats`),
-    from the block's weight dict `w` (`RouterLosses.slot`); x itself where `w` has no such entries (evaluation)."""
+    from the block's weight dict `w` (`RouterLosses.slot`); x itself where `w` has no such entries (evaluation).
+    Outside torch.compile (a graph break in a compiled block): a compiled backward would read the gradients as they
+    were when the forward ran (zeros), not as the Transformer fills them after it (measured on the CPU)."""
     aux = w.get(ROUTER_AUX_GRAD)
     if aux is None or not torch.is_grad_enabled():
         return x
