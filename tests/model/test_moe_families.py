@@ -188,7 +188,8 @@ def test_e4m3_runs_the_attention_projections_in_fp8_and_the_experts_in_bf16(tmp_
     for key, run in (("bf16", RunOptions()), ("none", RunOptions(matmul_dtype="e4m3", fp8_linears=())),
                      ("all", RunOptions(matmul_dtype="e4m3"))):
         sink = Collect()
-        Transformer(cfg, run).forward_backward(ParamWeights(cfg, params), inputs, targets, grads=sink, loss_scale=1 / 29)
+        Transformer(cfg, run).forward_backward(ParamWeights(cfg, params), inputs, targets, grads=sink,
+                                               loss_scale=1 / 29)
         grads[key] = sink.grads
     assert all(torch.equal(grads["none"][n], g) for n, g in grads["bf16"].items())
     assert all(torch.isfinite(g.float()).all() for g in grads["all"].values())

@@ -3,7 +3,8 @@ tests/plan/test_components.py and test_memory.py check the dense families: the e
 and Adam state come from the layout's groups (the experts' group included) byte for byte, for the gradient kinds
 and the optimizer-state offload an MoE run can use; the activation row is what forward_backward holds when the LM
 head starts (the blocks' saved bytes, measured exactly per block in tests/model/test_moe_activations.py), within
-1% (measured: 400 bytes of 0.75 MB; the dense tests allow 10%), and the micro-step's peak stays below activations + workspace."""
+1% (measured: 400 bytes of 0.75 MB; the dense tests allow 10%), and the micro-step's peak stays below
+activations + workspace."""
 from __future__ import annotations
 
 import pytest

@@ -56,7 +56,8 @@ CONFIG_CASES = [  # (name, config.json, the message's regex)
      r"config\.json: num_experts_per_tok must be a positive integer, got 0"),
     ("experts-disagree", with_("mixtral", num_experts=8),
      r"config\.json: num_local_experts=4 and num_experts=8 disagree"),
-    ("string-top-k", with_("qwen3_moe", num_experts_per_tok="8"), r"config\.json: num_experts_per_tok must be an integer"),
+    ("string-top-k", with_("qwen3_moe", num_experts_per_tok="8"),
+     r"config\.json: num_experts_per_tok must be an integer"),
     ("negative-aux-coef", with_("olmoe", router_aux_loss_coef=-0.01), r"router_aux_loss_coef must be >= 0"),
     # a router kind not implemented: qwen2_moe's shared expert is another model type, and its keys are refused by name
     ("qwen2-moe", with_("qwen3_moe", model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"]),

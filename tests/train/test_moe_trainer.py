@@ -187,7 +187,8 @@ def test_qtrain_train_logs_the_routers_and_continues_bitwise(tmp_path):
         assert all(resumed[s][k] == full[s][k] for k in ("loss", "norm", *STEP_FIELDS)), s
     assert full[0]["expert_load_mean"] == B * T * 2 * CFG.num_experts_per_tok / CFG.num_experts  # one MoE layer
     from safetensors.torch import load_file
-    a, b = load_file(root / "out" / "full" / "model.safetensors"), load_file(root / "out" / "resumed" / "model.safetensors")
+    a = load_file(root / "out" / "full" / "model.safetensors")
+    b = load_file(root / "out" / "resumed" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert "model.layers.0.mlp.experts.7.gate_proj.weight" in a
     assert main(["plot", str(root / "logs" / "full.jsonl"), "--out", str(tmp_path / "plot.png")]) == 0
