@@ -2,7 +2,8 @@
 tests/train/test_trainer_distributed.py runs the dense families:
 
 * the three gradient managers on 2 gloo ranks (unsharded, reduce-scatter, all-to-all; one of them with the optimizer
-  state offloaded to the host) train like one process on the same micro-batches (fp32), router fields included;
+  state and the gradient shards offloaded to the host) train like one process on the same micro-batches (fp32),
+  router fields included;
 * a 2-rank checkpoint resumes bit for bit on 2 ranks and reshards onto one process;
 * bf16 weights with stochastic rounding train, close to fp32;
 * `qtrain train` logs the router fields every step, a run continued from its checkpoint repeats the steps, router
@@ -41,7 +42,7 @@ CFG = Qwen3MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=40, moe_in
                      rope_theta=10000.0, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                      mlp_only_layers=(1,), router_aux_loss_coef=0.05, bos_token_id=0, eos_token_id=0)
 B, T, GA, STEPS, CKPT_AT, LR, W = 2, 16, 2, 2, 1, 3e-3, 2
-MANAGERS = (("unsharded", False), ("reduce-scatter", True), ("all-to-all", False))  # True: optimizer state offloaded
+MANAGERS = (("unsharded", False), ("reduce-scatter", True), ("all-to-all", False))  # True: host offload (m, v, grads)
 CPU = torch.device("cpu")
 
 
@@ -50,7 +51,8 @@ def options(model_dir: str, dtype: str = "fp32", kind: str = "unsharded", offloa
     return Options(model=model_dir, from_scratch=True, device="cpu", compile="off", seed=5, model_dtype=dtype,
                    opt_m_dtype=dtype, opt_v_dtype=dtype, batch_size=B, seq_len=T, grad_accumulation=ga,
                    learning_rate=LR, shard_gradients=kind != "unsharded", all_to_all_reduce=kind == "all-to-all",
-                   offload_opt_m=offload, offload_opt_v=offload, router_z_loss=0.01)
+                   offload_opt_m=offload, offload_opt_v=offload, offload_gradients=offload and kind != "unsharded",
+                   router_z_loss=0.01)
 
 
 def micro_batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
