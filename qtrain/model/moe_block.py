@@ -30,8 +30,6 @@ Dimension letters: B batch, T sequence, C hidden, E experts, k experts per token
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from qtrain.model.family import ActTerm, ActivationSettings, BlockFn, BlockOptions, MatmulSpec
@@ -62,13 +60,6 @@ class MoeBlock(LlamaBlock):
                           norm_topk_prob=self.norm_topk_prob, step=step)
         record_router_stats(moe.stats, w)  # training: this layer's row of the step's router statistics
         return x + with_router_grads(moe.out, moe.stats, w)
-
-    @staticmethod
-    def saved_by_residual_and_ln2(a: _Saved) -> list[ActTerm]:
-        """The Llama block's; compiled with --recompute-ffn the partitioner keeps the experts' up/gate output
-        (`saved_by_moe`) instead of the dense block's extra (B, T, C) tensor (measured on the CPU)."""
-        terms = LlamaBlock.saved_by_residual_and_ln2(a)
-        return [dataclasses.replace(t, kept=False) if t.name == "ffn_extra" else t for t in terms]
 
     @staticmethod
     def saved_by_moe(a: _Saved) -> list[ActTerm]:
@@ -112,7 +103,7 @@ class MoeBlock(LlamaBlock):
 # block's; a family whose attention differs passes its own `qkv` statement)
 def statements(qkv=LlamaBlock.saved_by_qkv) -> tuple:
     return (LlamaBlock.saved_by_input, LlamaBlock.saved_by_ln1, qkv, LlamaBlock.saved_by_attention,
-            MoeBlock.saved_by_residual_and_ln2, MoeBlock.saved_by_moe, MoeBlock.saved_by_fp8_weights)
+            LlamaBlock.saved_by_residual_and_ln2, MoeBlock.saved_by_moe, MoeBlock.saved_by_fp8_weights)
 
 
 def activation_terms(cfg: MoeConfig, layer: int, s: ActivationSettings, qkv=LlamaBlock.saved_by_qkv
