@@ -73,7 +73,8 @@ class MoeBlock(LlamaBlock):
         the routing and the indices stay (the steps' inputs).
         Compiled (AOTAutograd's partitioner, measured on the CPU): the experts' tensors as eager, but with 'ffn' the
         up/gate output stays (the permutation and grouped GEMM are opaque ops it does not rebuild across the two
-        checkpointed steps); the routing term is an upper bound there: depending on E and k the partitioner keeps
+        checkpointed steps), and with 'norm' alone the RMSNorm-2 output stays (the block compiles as two graphs
+        around the router losses' node, which is not compiled); the routing term is an upper bound there: depending on E and k the partitioner keeps
         the bf16 logits instead of the fp32 probabilities (and rebuilds the softmax), or one (N, k) tensor fewer
         with norm_topk_prob -- at most 2 E + 4 k + 8 bytes per token less, under 0.5% of a routed layer's bytes at
         Qwen3-30B-A3B's shape."""
@@ -91,6 +92,9 @@ class MoeBlock(LlamaBlock):
         if a.s.fp8:
             terms.append(ActTerm("router_in", Eb * C, not ("norm" in rc or "ffn" in rc),
                                  "the router's input (RMSNorm-2 output, model dtype)"))
+        if compiled:  # the block is two graphs around the router losses' node (`with_router_grads`)
+            terms.append(ActTerm("router_in_kept", Eb * C, blk and "norm" in rc and "ffn" not in rc,
+                                 "RMSNorm-2 output, which the partitioner keeps with --recompute-norm"))
         return terms
 
     @staticmethod

@@ -91,10 +91,11 @@ def test_eager_terms_match_saved_tensors(name):
                 assert abs(plan - measured) <= 16, (dtype, fp8, layer, flags, plan, measured)
 
 
-@pytest.mark.parametrize("name,flags", [("qwen3_moe", ()), ("qwen3_moe", ("ffn",)), ("olmoe-clip", ("swiglu",))])
+@pytest.mark.parametrize("name,flags", [("qwen3_moe", ("ffn",)), ("mixtral", ("norm",)), ("olmoe-clip", ())])
 def test_compiled_terms_bound_what_the_partitioner_keeps(name, flags):
     """What the partitioner keeps is the statements' bytes less at most the routing term (its upper bound): qwen3_moe
-    (renormalised top-k) measured 12 bytes per token below, OLMoE exact."""
+    (renormalised top-k) measured 12 bytes per token below, Mixtral (E = 4) 16, OLMoE exact. (Every switch set of the
+    eager test was measured this way for the four configs, bf16 and fp32 and e4m3; these three keep CI short.)"""
     cfg = CONFIGS[name]
     measured, tokens = measure(cfg, "bf16", flags=flags, compiled=True)
     plan, routing = planned(cfg, tokens, model_dtype="bf16", compiled=True, recompute=resolve_flags(flags))
