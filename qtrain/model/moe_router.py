@@ -180,20 +180,24 @@ class RouterLosses:
     def __init__(self, router: RouterSpec, rows: int, device: torch.device, *, z_loss: bool):
         E = router.experts
         self.router, self.rows = router, rows
-        self.index = {layer: i for i, layer in enumerate(router.layers)}
-        self.stats = torch.zeros(len(router.layers), 2 * E + 1, dtype=torch.float32, device=device)
+        # one tensor per layer, not views of one: a compiled block then sees the same kind of input in every layer
+        self._stats = {layer: torch.zeros(2 * E + 1, dtype=torch.float32, device=device) for layer in router.layers}
         self.aux_grad = torch.zeros(E, dtype=torch.float32, device=device)
         self.z_grad = torch.zeros(1, dtype=torch.float32, device=device) if z_loss else None
 
     def slot(self, layer: int) -> dict[str, torch.Tensor]:
         """The entries block `layer` gets beside its weights (none for a dense layer)."""
-        i = self.index.get(layer)
-        if i is None:
+        if layer not in self._stats:
             return {}
-        out = {ROUTER_STATS: self.stats[i], ROUTER_AUX_GRAD: self.aux_grad}
+        out = {ROUTER_STATS: self._stats[layer], ROUTER_AUX_GRAD: self.aux_grad}
         if self.z_grad is not None:
             out[ROUTER_Z_GRAD] = self.z_grad
         return out
+
+    @property
+    def stats(self) -> torch.Tensor:
+        """(layers, 2E + 1) fp32: the MoE layers' rows, in layer order."""
+        return torch.stack([self._stats[layer] for layer in self.router.layers])
 
     @property
     def total_rows(self) -> int:
@@ -208,7 +212,7 @@ class RouterLosses:
         """After the forward: the gradients of aux_coef * load_balancing_loss + z_coef * router_z_loss over every
         layer's rows (`aux_loss_grads`' formulas from the recorded statistics)."""
         R = self.total_rows
-        f = self.tokens_per_expert.sum(0) / R
+        f = sum(t[:self.router.experts] for t in self._stats.values()) / R
         torch.mul(f, aux_coef * self.router.experts / R, out=self.aux_grad)
         if self.z_grad is not None:
             self.z_grad.fill_(z_coef / R)
