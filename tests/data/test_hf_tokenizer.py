@@ -67,7 +67,7 @@ def test_transformers_autotokenizer_loads_the_generated_files(name, tmp_path):
 
 
 def test_export_files_generation_config_uses_the_tokenizers_eos():
-    cfg = LlamaConfig(vocab_size=50304, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+    cfg = LlamaConfig(vocab_size=151936, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, bos_token_id=151643, eos_token_id=151643)
     files = export_files("gpt2", cfg)  # a Qwen-shaped config trained on GPT-2 tokens: generation stops at 50256
     gen = json.loads(files["generation_config.json"])
