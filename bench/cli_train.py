@@ -11,6 +11,7 @@ event, reserve included), loss (last step), steps_logged.
 """
 from __future__ import annotations
 
+import datetime
 import glob
 import json
 import os
@@ -78,6 +79,16 @@ def summarize(events: list[dict], skip: int) -> dict:
 
 def run(model: str, batch: int, accum: int, steps: int = 8, gpus: int = 1, seq: int = 1024, skip: int = 3,
         flags: list[str] = (), device: str | None = None, train_file: str | None = None) -> dict:
+    events = run_events(model, batch, accum, steps, gpus=gpus, seq=seq, flags=flags, device=device,
+                        train_file=train_file)
+    return summarize(events, skip)
+
+
+def run_events(model: str, batch: int, accum: int, steps: int, *, gpus: int = 1, seq: int = 1024,
+               flags: list[str] = (), device: str | None = None, train_file: str | None = None,
+               env: dict[str, str] | None = None) -> list[dict]:
+    """`qtrain train` on random tokens until its last step and memory are logged; its JSON log's events, plus a
+    `launch` event (the wall-clock time, as the log's `time` stamps, just before the process started)."""
     if not all(isinstance(f, str) for f in flags):
         raise ValueError(f"flags must be strings, e.g. [\"--lmhead-chunks\", \"4\"]; got {list(flags)!r}")
     vocab = model_config(model).vocab_size
@@ -104,11 +115,12 @@ def run(model: str, batch: int, accum: int, steps: int = 8, gpus: int = 1, seq: 
             in_options[0] = line.startswith("[Options]")
         return not in_options[0]
     try:
-        fin = stream(cmd, stop=done, echo=echo)
+        launched = datetime.datetime.now().astimezone().isoformat(timespec="milliseconds")
+        fin = stream(cmd, stop=done, echo=echo, env=None if env is None else {**os.environ, **env})
         events = read_log(log)
         if fin.returncode != 0 and not fin.stopped:
             raise RuntimeError(f"qtrain train exited with status {fin.returncode}: {fin.last(2)}")
-        return summarize(events, skip)
+        return [{"log": "launch", "time": launched}, *events]
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -224,10 +224,16 @@ class Options:
     """auto | cpu | cuda."""
     compile: str = "auto"
     """torch.compile the blocks: auto (on for CUDA) | on | off."""
-    compile_tuning: bool = True
-    """With compiled blocks, let inductor tune its generated kernels' launch configurations (coordinate
-    descent): about 1.5 min more for the first compile of a shape on a machine (cached after that), e4m3 1.4%
-    faster at 1.5B (BENCHMARKS.md, session 5). --no-compile-tuning for quick starts."""
+    compile_tuning: bool = False
+    """With compiled blocks, let inductor tune its generated kernels' launch configurations (coordinate descent).
+    Off by default: on a machine that never compiled the shapes it adds about 75 s to the first step of a 0.5B run
+    (20 of its kernels, 3.7 s each) and 7.5 s even when cached, for e4m3 blocks 1.4% faster at 1.5B and bf16 ones
+    no faster (H100/H200 measurements in BENCHMARKS.md)."""
+    compile_cache: str = "auto"
+    """Folder for compiled code kept between runs (inductor's and Triton's caches), so a second run or --continue
+    of the same shapes starts in seconds: auto = $XDG_CACHE_HOME/qtrain/compile (~/.cache/qtrain/compile); none
+    = torch's own defaults (inductor's in the temp folder); or a folder. TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR
+    set in the environment win. Runs may share it."""
     compile_autotune_gemm: bool = False
     """With compiled blocks, let inductor time its Triton GEMM templates against cuBLAS for every block GEMM
     shape and keep the faster (inductor's max_autotune_gemm), fusing the pointwise work after a GEMM into a
@@ -459,7 +465,8 @@ class Options:
             if isinstance(v, float) and not math.isfinite(v):
                 raise err(f"--{f.name.replace('_', '-')} must be a finite number, got {v}")
         check_run_name(self.name)
-        for opt, v in (("out-dir", self.out_dir), ("checkpoint-dir", self.checkpoint_dir)):
+        for opt, v in (("out-dir", self.out_dir), ("checkpoint-dir", self.checkpoint_dir),
+                       ("compile-cache", self.compile_cache)):
             if not v.strip():
                 raise err(f"--{opt} must not be empty")
         for name, allowed in CHOICES.items():

@@ -22,13 +22,14 @@ from qtrain.data.hf_tokenizer import recorded_tokenizer, transformers_caveat, un
 from qtrain.data.token_files import DataChangedError
 from qtrain.model.weights import num_params
 from qtrain.observe.live import attach_observers
-from qtrain.observe.log import RunLogger
+from qtrain.observe.log import DEFAULT, RunLogger
+from qtrain.observe.startup import Compiling, seconds_since_start
 from qtrain.observe.metrics import device_peaks, model_flops_per_token, ns_per_token, peak_tflops, sol_ops
 from qtrain.options import Options
 from qtrain.parallel.dist import DistContext, init_distributed, is_collective_error
 from qtrain.plan.host import return_freed_memory
 from qtrain.plan.memory import plan_for_trainer
-from qtrain.train import checkpointing, cuda_graphs, run_dir
+from qtrain.train import checkpointing, compile_cache, cuda_graphs, run_dir
 from qtrain.train.preflight import Prepared, shared_preflight
 from qtrain.train.schedule import LRSchedule
 from qtrain.train.stop import (NonFiniteGuard, RunStopped, StackDump, StopSignals, checkpoint_on_request, data_changed,
@@ -48,13 +49,14 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
     ctx = ctx or init_distributed(opts.device, timeout_s=opts.collective_timeout)
     if ctx.device.type == "cpu":
         return_freed_memory()  # so the host memory the plan checked is what the run holds
+    cache_note = compile_cache.use(opts.compile_cache) if _compiles(opts, ctx) else None
     with StopSignals(announce=ctx.is_main) as signals:
         lock = None  # the output paths' lock, when this process took it (rank 0): held until the run ends
         try:
             if prep is None:
                 prep = shared_preflight(opts, ctx)
                 lock = prep.lock
-            return _run(opts, argv, ctx, prep, signals)
+            return _run(opts, argv, ctx, prep, signals, cache_note)
         except Exception as e:  # a hung or dead rank: name it instead of a backend's message
             if ctx.distributed and is_collective_error(e):
                 raise ctx.diagnose(e) from e
@@ -101,8 +103,13 @@ def _logged(log: RunLogger, stop: RunStopped) -> RunStopped:
     return stop
 
 
+def _compiles(opts: Options, ctx: DistContext) -> bool:
+    """Whether the blocks will be torch.compile'd (Trainer's rule), so the compile cache matters."""
+    return opts.compile == "on" or (opts.compile == "auto" and ctx.device.type == "cuda")
+
+
 def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared | None,
-         signals: StopSignals) -> dict:
+         signals: StopSignals, cache_note: str | None = None) -> dict:
     prep = prep or shared_preflight(opts, ctx)
     if prep.review is not None and prep.review.finished:  # --continue of a finished run: nothing is built or written
         if ctx.is_main:
@@ -125,7 +132,7 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
 
     log = RunLogger(prep.paths.log_file, rank=ctx.rank, total_steps=total_steps)
     log.log("run", run_id=prep.run_id, name=opts.name, resume=prep.resume)  # a new log's first line: its owner
-    for note in notes + ([prep.note] if prep.note else []):
+    for note in notes + [n for n in (prep.note, cache_note) if n]:
         log.message(note, level="warning")
     if prep.review is not None:
         prep.review.report(log)
@@ -185,11 +192,16 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
             # draining the update too would leave the GPU idle while the host starts the next step (the CLI's
             # 0.5B step took 883 ms where the same step through the API took 862, 2026-12-02). So a step's time
             # is from its start to its norm, and the update's GPU time lands in the next step's.
+            first = step == start
             try:
-                stats = trainer.step(train.next_batches(B, GA), lr=schedule(step))
+                with Compiling(first and trainer.model.run.compile and log.verbosity >= DEFAULT and ctx.is_main,
+                               "the model for its first step", stream=log.stream):
+                    stats = trainer.step(train.next_batches(B, GA), lr=schedule(step))
             except torch.OutOfMemoryError as e:
                 raise _out_of_memory(step, e, trainer, ckpt_dir) from None
             dt_ms = 1000 * (time.perf_counter() - t0)
+            if first:
+                _log_startup(log, step, dt_ms, compiled=trainer.model.run.compile)
             obj = log.log_step(step, step_tokens=step_tokens, duration_ms=dt_ms, norm=stats["norm"],
                                loss=stats["loss"], lr=stats["lr"], epoch=train.progress)
             if tb is not None:
@@ -209,6 +221,16 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
         tb.close()
     log.close()
     return {"final_eval_loss": final, "steps": total_steps, "out_dir": out_dir, "checkpoint_dir": ckpt_dir}
+
+
+def _log_startup(log: RunLogger, step: int, first_step_ms: float, *, compiled: bool) -> None:
+    """The run log's `startup` event (seconds from the process's start to the end of its first step, and that
+    step's own time, which holds the compile) and one console line."""
+    since = seconds_since_start()
+    log.log("startup", step=step, seconds_to_first_step=round(since, 2), first_step_s=round(first_step_ms / 1000, 2),
+            compiled=compiled)
+    what = " (compiling included)" if compiled else ""
+    log.message(f"first step done {since:.1f} s after the start; the step took {first_step_ms / 1000:.1f} s{what}")
 
 
 def _out_of_memory(step: int, error: BaseException, trainer: Trainer, ckpt_dir: str) -> Exception:

@@ -32,7 +32,7 @@ from qtrain.options import Options, OptionsError
 from qtrain.parallel.dist import DeviceError, check_device
 from qtrain.parallel.groups import check_group_size
 from qtrain.train import checkpoint_io as cio
-from qtrain.train import checkpointing, resume_checks, run_dir
+from qtrain.train import checkpointing, compile_cache, resume_checks, run_dir
 from qtrain.train.cuda_graphs import check_cuda_graphs
 
 DEFAULT_DATA_DIR = os.path.join("data", "qtrain-default")
@@ -163,6 +163,7 @@ def preflight(opts: Options, *, world: int, local_procs: int | None = None) -> P
     cfg = check_model(opts)
     paths = run_dir.RunPaths.of(opts)
     run_dir.check_paths(paths)
+    compile_cache.check(opts.compile_cache)
     lock = run_dir.lock(paths)  # released by the caller when the run ends, or here when a check fails
     try:
         found = run_dir.inspect(paths)
