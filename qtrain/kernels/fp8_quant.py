@@ -326,9 +326,10 @@ def quantize_for_gemms(x: Tensor, dtype: torch.dtype, transpose: bool, *, opaque
     (1.3 TB/s) on the H200, where the other abs-max reductions of the step ran at ~3 TB/s.
 
     `prenorm`: x is the RMSNorm output of `prenorm` = (input, rstd, gain) (`model.layers.rms_norm_and_rstd`). Inside
-    the compiled graph the op then quantizes it from the norm's input, rstd and gain (`fp8_quantize_rmsnorm_transposed`, the same values) and
-    x's only other reader is its traced abs-max, which inductor reduces in the norm's own kernel: x is never written
-    (one bf16 write fewer per norm, ~0.05 ms at Qwen2.5-1.5B's 65,536 x 1536)."""
+    the compiled graph the op then quantizes it from the norm's input, rstd and gain
+    (`fp8_quantize_rmsnorm_transposed`, the same values) and x's only other reader is its traced abs-max, which
+    inductor reduces in the norm's own kernel: x is never written (one bf16 write fewer per norm, ~0.05 ms at
+    Qwen2.5-1.5B's 65,536 x 1536)."""
     if transpose and opaque and torch.compiler.is_compiling():
         if prenorm is not None:
             x_in, rstd, w = prenorm

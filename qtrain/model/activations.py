@@ -95,7 +95,8 @@ def workspace_phases(cfg: ModelConfig, tokens: int, *, model_dtype: str = "bf16"
     """Transient bytes of a micro-step's phases beyond the activations (`activation_terms` keywords), estimates
     checked against a CPU allocation tracker and the H200's peaks:
       lm_head             the final RMSNorm (eager: fp32 copy, normalized value, output, rstd) and the chunked
-                          head and loss (`kernels.cross_entropy.head_workspace_bytes`, with --fp8-head-backward's operands);
+                          head and loss (`kernels.cross_entropy.head_workspace_bytes`, with --fp8-head-backward's
+                          operands);
       block_backward      one block's backward (the largest): d(input) and the incoming d(output), fresh weight
                           gradients, activation-gradient temporaries (the family's `backward_temporaries`), the tied
                           head's gradient (kept for the embedding), and the recomputed steps' saved tensors (with

@@ -199,7 +199,8 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, grad_dt
     keep_transposes: in a torch.compile'd graph, quantize x with the Triton op, which keeps x_q^T for backward
     (`quantize_for_gemms`); no effect elsewhere.
     prenorm: x is the RMSNorm output of (input, rstd, gain) = prenorm (`model.layers.rms_norm_and_rstd`); with
-    keep_transposes in a compiled graph x is then quantized from the norm's input (`quantize_for_gemms`); no effect elsewhere.
+    keep_transposes in a compiled graph x is then quantized from the norm's input (`quantize_for_gemms`); no effect
+    elsewhere.
     """
     if grad_dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_linear: grad_dtype must be float8_e4m3fn or float8_e5m2, got {grad_dtype}")

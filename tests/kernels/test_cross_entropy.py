@@ -1,8 +1,8 @@
 """The fused in-place cross-entropy kernel (qtrain.kernels.cross_entropy.inplace) against its twin and the
 specification, and the chunked LM head around it (qtrain.kernels.cross_entropy.head).
 
-The specification is ``qtrain.kernels.cross_entropy.inplace.chunk_loss_and_dlogits``. ``test_interpreter_subprocess`` re-runs
-this file's ``test_interp_*`` tests with TRITON_INTERPRET=1 (CPU, fp32/bf16/fp16 through bit-level loads);
+The specification is ``qtrain.kernels.cross_entropy.inplace.chunk_loss_and_dlogits``. ``test_interpreter_subprocess``
+re-runs this file's ``test_interp_*`` tests with TRITON_INTERPRET=1 (CPU, fp32/bf16/fp16 through bit-level loads);
 ``gpu``-marked tests need CUDA.
 """
 

@@ -65,7 +65,8 @@ def fp8_grad_view(logits: Tensor) -> Tensor:
 
 def _check(logits: Tensor, targets: Tensor) -> None:
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"logits must be (n, V) and targets (n,), got {tuple(logits.shape)} and {tuple(targets.shape)}")
+        raise ValueError(f"logits must be (n, V) and targets (n,), got {tuple(logits.shape)} and "
+                         f"{tuple(targets.shape)}")
     if logits.dtype not in KINDS:
         raise TypeError(f"logits dtype must be one of {list(KINDS)}, got {logits.dtype}")
     if not logits.is_contiguous():

@@ -111,7 +111,7 @@ class _Fp8HeadOperands:
 
     def chunk_grads(self, g: torch.Tensor, g_t: torch.Tensor, lo: int, hi: int, dh: torch.Tensor, dw: torch.Tensor,
                     *, first: bool) -> None:
-        """d(h)[lo:hi] = scale G W; d(W) = (first ? 0 : d(W)) + scale G^T h[lo:hi], for one chunk's G (its rows lo:hi)."""
+        """d(h)[lo:hi] = scale G W; d(W) = (first ? 0 : d(W)) + scale G^T h[lo:hi], for one chunk's G (rows lo:hi)."""
         scaled_mm(g, self.w_t.t(), self.g_inv, self.w_inv, out_dtype=dh.dtype, out=dh[lo:hi])
         h_c = self.h_t[:, lo:hi].t()  # (n_c, C), column-major
         if first:

@@ -52,7 +52,8 @@ NUM_WARPS = 8
 
 
 # ---------------------------------------------------------------------------------------------- twin
-def chunk_loss_and_dlogits(logits: torch.Tensor, targets: torch.Tensor, *, z_loss: float, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def chunk_loss_and_dlogits(logits: torch.Tensor, targets: torch.Tensor, *, z_loss: float, need_grad: bool
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The specification of the fused kernel (and what CPU runs): logits (n, V) in model dtype, targets (n,).
     Returns (loss_sum fp32, lse (n,), dlogits or None)."""
     lf = logits.float()
@@ -148,7 +149,8 @@ def cross_entropy_fwd_bwd_inplace_triton(logits: torch.Tensor, targets: torch.Te
 
 def _launch(logits, targets, *, z_loss, need_grad, block, num_warps):
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"logits must be (n, V) and targets (n,), got {tuple(logits.shape)} and {tuple(targets.shape)}")
+        raise ValueError(f"logits must be (n, V) and targets (n,), got {tuple(logits.shape)} and "
+                         f"{tuple(targets.shape)}")
     if logits.dtype not in KINDS:
         raise TypeError(f"logits dtype must be one of {list(KINDS)}, got {logits.dtype}")
     if logits.stride(1) != 1:

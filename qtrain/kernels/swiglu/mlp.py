@@ -28,10 +28,10 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
     """y = (swiglu(x @ W_up^T)) @ W_down^T with the four GEMMs of `fp8_linear` per projection.
 
     Equal, number for number, to fp8_linear(swiglu(fp8_linear(x, W_up)), W_down): the SwiGLU output h exists only
-    as e4m3 (h_q, h_q^T from `swiglu_fp8`), and du = d(up-projection output) is quantized with the abs-max reduced by the SwiGLU backward kernel (`swiglu_backward_amax`) and
-    transposed by one Triton op. Saved for backward: x_q^T, u (the up projection's output, which the
-    SwiGLU backward needs, as in the composition), h_q^T, the two e4m3 weights and the inverse scales (and the
-    weights' e4m3 transposes when the weight source made them).
+    as e4m3 (h_q, h_q^T from `swiglu_fp8`), and du = d(up-projection output) is quantized with the abs-max reduced
+    by the SwiGLU backward kernel (`swiglu_backward_amax`) and transposed by one Triton op. Saved for backward: x_q^T,
+    u (the up projection's output, which the SwiGLU backward needs, as in the composition), h_q^T, the two e4m3
+    weights and the inverse scales (and the weights' e4m3 transposes when the weight source made them).
 
     With `hint` (int32 (2,), the layer's scale hints; fp8_onepass.py) h and du are instead made
     in one pass each with power-of-two scales (`swiglu_fp8_onepass`, `swiglu_backward_fp8_onepass`): the same
