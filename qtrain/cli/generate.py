@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
-    from qtrain.data.tokenize import get_tokenizer
+    from qtrain.data.tokenizers import get_tokenizer
     from qtrain.model.generate import Sampling, SamplingError, generate
     from qtrain.model.hf_io import load_hf_weights, load_model_config, stop_token_ids
     from qtrain.model.resolve import resolve_model_dir

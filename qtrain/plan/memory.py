@@ -14,8 +14,8 @@ for the options without building the component (docs/memory.md has the details):
     against the storages real components hold, for every configuration the plan tests cover.
   - activations and workspace: `model.activations` (what autograd keeps per layer and token: the sum of the
     statements the family's block makes beside its steps, eager and compiled; the transient phases of a
-    micro-step, the LM head's from `model.loss`). Activations are exact on CPU; workspace is an upper bound of the
-    measured peak. Frozen groups (`parallel.layout`) have no gradient or optimizer rows.
+    micro-step, the LM head's from `kernels.cross_entropy`). Activations are exact on CPU; workspace is an upper
+    bound of the measured peak. Frozen groups (`parallel.layout`) have no gradient or optimizer rows.
   - with --use-cuda-graphs, the evaluation's LM head beside the graphs' private pool (train/cuda_graphs.py).
   - a reserve (CUDA context, libraries) and 5% of activations + workspace for allocator fragmentation.
 """

@@ -14,8 +14,8 @@ replay: the batch (static buffers) and the SR keys (the gradient manager's key t
 `GradientManager.use_key_table`, refilled by `start_micro_step`).
 
 The loss scale (world / valid targets of the step) is a GEMM alpha inside the LM head's backward
-(model/loss.py) and a GEMM takes alpha from the host: a device scalar would change the rounding, and so the
-bits, against a run without graphs. The graphs are therefore captured for one loss scale, the first one seen,
+(kernels/cross_entropy/head.py) and a GEMM takes alpha from the host: a device scalar would change the rounding, and
+so the bits, against a run without graphs. The graphs are therefore captured for one loss scale, the first one seen,
 which is every step's scale when no targets are masked (pretraining); a micro-step with another scale (masked
 targets) runs eagerly, with the same bits, and is counted in `eager_other_scale`; so does a micro-batch of
 another shape than the first (the static buffers'), counted in `eager_other_shape`.

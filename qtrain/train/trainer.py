@@ -22,10 +22,10 @@ import torch
 
 from qtrain.data.hf_tokenizer import export_files, export_tokenizer
 from qtrain.fsio import FileSystemError
+from qtrain.kernels.cross_entropy import IGNORE_INDEX
 from qtrain.model.fp8_policy import Fp8Choice
 from qtrain.model.hf_io import save_hf_model
 from qtrain.model.layers import resolve_sdpa_backend
-from qtrain.model.loss import IGNORE_INDEX
 from qtrain.model.resolve import resolve_model
 from qtrain.model.transformer import RunOptions, Transformer
 from qtrain.observe.absmax import AbsMaxRecorder, weight_abs_maxes

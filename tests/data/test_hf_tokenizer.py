@@ -19,7 +19,7 @@ import pytest
 from qtrain.data.hf_tokenizer import (TokenizerExportError, builtin_tokenizer_json, export_files, export_tokenizer,
                                       recorded_tokenizer, tokenizer_files, transformers_caveat)
 from qtrain.data.token_files import read_token_file_header, write_token_file
-from qtrain.data.tokenize import get_tokenizer
+from qtrain.data.tokenizers import get_tokenizer
 from qtrain.model.llama import LlamaConfig
 from tests.data.test_token_files import write_raw
 

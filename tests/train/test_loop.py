@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from qtrain.cli.main import main
 from qtrain.data.loader import TokenLoader
-from qtrain.data.tokenize import get_tokenizer
+from qtrain.data.tokenizers import get_tokenizer
 from qtrain.observe.log import read_log
 
 COMMON = ["--model-dtype", "fp32", "--batch-size", "4", "--seq-len", "64", "--grad-accumulation", "2",
