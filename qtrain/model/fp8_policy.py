@@ -22,8 +22,8 @@ GPU time nobody waits for and adds host time everybody waits for: e4m3 with all 
 bf16 at 1.5B b4 and 0.79x at 0.5B b8, although the same linears ran 1.09x (0.5B) and 1.23x (1.5B) at b32. What
 separates the layouts that gain from those that lose is the GPU work one block does per micro-step, the
 *block GFLOP* `6 * M * sum(N * K)` over the four linears (forward and the two backward GEMMs): the host's cost
-per block is about constant (its launches), the GPU's grows with it. Measured on one H200 (BENCHMARKS.md,
-issue 21; all-FP8 e4m3 / bf16 tokens/s in the same call): 0.5B b4 366 GFLOP (0.59x), 0.5B b8 733 (0.79x),
+per block is about constant (its launches), the GPU's grows with it. Measured on one H200 (all-FP8 e4m3 / bf16
+tokens/s in the same call): 0.5B b4 366 GFLOP (0.59x), 0.5B b8 733 (0.79x),
 1.5B b4 1150 (0.67x), 0.5B b16 1466 (0.90x), 1.5B b8 2300 (0.98x and 1.00x: no gain), 0.5B b32 2931 (1.09x),
 1.5B b16 4600 (1.22x), 1.5B b32 9200 (1.23x); 7B at b4 already does 5727 per block. The threshold sits
 between the last layout that did not gain and the first that did.
