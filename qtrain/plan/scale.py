@@ -24,14 +24,12 @@ shard (1/G of the gradients) across the K nodes, one NIC per GPU in parallel.
 
 Calibration (`calibrate`): `exposed[mode]` is fitted (least squares in step time) on the measured 2- and 4-GPU runs
 (MEASURED: H200 runs, docs/benchmarks-history.md), one number per mode; `calibration_error` reports each run's
-predicted against its
-measured tokens/s (in sample: mean 1.2%, worst 4.2%; `leave_one_out_error`, each run predicted by a fit on
-the others: mean 1.4%, worst 4.3%). A fraction above 1 (all-to-all) means that mode's collectives cost more
-than the ring estimate (its fp32 reduction, less overlap). The link parameters are not fitted (2-4 GPUs of one node
-cannot tell bandwidth from
-latency, nor say anything about InfiniBand): they are the hardware's, `NVLINK` and `IB_400G` below, and
-parameters of `predict`. Not modelled: stragglers, congestion of a fat-tree beyond one NIC per GPU, NCCL's
-tree algorithms (lower latency than rings at large n), compute changes with the micro-batch; the fitted
+predicted against its measured tokens/s (in sample: mean 1.2%, worst 4.2%; `leave_one_out_error`, each run predicted
+by a fit on the others: mean 1.4%, worst 4.3%). A fraction above 1 (all-to-all) means that mode's collectives cost
+more than the ring estimate (its fp32 reduction, less overlap). The link parameters are not fitted (2-4 GPUs of one
+node cannot tell bandwidth from latency, nor say anything about InfiniBand): they are the hardware's, `NVLINK` and
+`IB_400G` below, and parameters of `predict`. Not modelled: stragglers, congestion of a fat-tree beyond one NIC per
+GPU, NCCL's tree algorithms (lower latency than rings at large n), compute changes with the micro-batch; the fitted
 overlap is assumed to hold across nodes.
 """
 from __future__ import annotations

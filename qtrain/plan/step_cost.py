@@ -1,14 +1,13 @@
 """A rough model of what recomputation and host offload cost per optimizer step: what `qtrain plan` uses to
 choose among configurations that fit.
 
-Why: the plan fits a batch by switching on recomputation or offload, and the two are paid in different
-currencies. Recomputation adds FLOPs to every micro-step (at Qwen2.5-14B, --recompute-ffn reruns the MLP-up
-GEMM: +17% of the step's matmul FLOPs; --recompute-block a whole block forward: about a third); offloading the Adam
-moments
-or the master weights adds PCIe traffic once per optimizer step (14B m and v: 29.5 GB each, both ways: about
-1.2 s). Which is cheaper depends on the tokens per optimizer step. Measured on one H200: 14B at 256 sequences per
-step, B=8 with offloaded moments 6.80k tokens/s; B=4 with SwiGLU and norm
-recomputed 6.71k (64 per step); B=32 with the block recomputed 5.45k; B=2 with nothing 6.20k (32 per step).
+Why: the plan fits a batch by switching on recomputation or offload, and the two are paid in different currencies.
+Recomputation adds FLOPs to every micro-step (at Qwen2.5-14B, --recompute-ffn reruns the MLP-up GEMM: +17% of the
+step's matmul FLOPs; --recompute-block a whole block forward: about a third); offloading the Adam moments or the
+master weights adds PCIe traffic once per optimizer step (14B m and v: 29.5 GB each, both ways: about 1.2 s). Which
+is cheaper depends on the tokens per optimizer step. Measured on one H200: 14B at 256 sequences per step, B=8 with
+offloaded moments 6.80k tokens/s; B=4 with SwiGLU and norm recomputed 6.71k (64 per step); B=32 with the block
+recomputed 5.45k; B=2 with nothing 6.20k (32 per step).
 
 The model: time per step = micro-steps x (matmul and attention FLOPs / MATMUL_RATE + gradient accumulation,
 3 passes over the device gradients at HBM_RATE, 2 on the first micro-step) + the per-update transfers
