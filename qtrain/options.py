@@ -16,8 +16,7 @@ from typing import Any, Iterable
 from qtrain.fsio import shorten
 from qtrain.model.fp8_policy import DEFAULT_MIN_BLOCK_GFLOP as DEFAULT_FP8_MIN_BLOCK_GFLOP
 from qtrain.model.fp8_policy import DEFAULT_MIN_SIZE as DEFAULT_FP8_MIN_SIZE
-from qtrain.model.config import ModelConfig
-from qtrain.model.fp8_policy import FP8_POLICIES, Fp8Choice, block_gflop, choose_fp8
+from qtrain.model.fp8_policy import FP8_POLICIES
 from qtrain.model.layers import SDPA_BACKENDS
 from qtrain.model.recompute import FLAGS as RECOMPUTE_FLAGS
 from qtrain.model.recompute import resolve_flags, splits_mlp
@@ -37,10 +36,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "opt_m_dtype": OPT_M_DTYPES, "opt_v_dtype": OPT_V_DTYPES, "lr_schedule": SCHEDULES,
     "device": ("auto", "cpu", "cuda"), "compile": ("auto", "on", "off"), "sdpa_backend": SDPA_BACKENDS,
 }
-# --use-cuda-graphs unset (auto) turns graphs on up to this much GEMM work per block and micro-step: where the
-# host sets the pace. Measured on one H200 (BENCHMARKS.md, session 9), Qwen2.5-0.5B bf16: 366 GFLOP (4 x 1024)
-# 2.90x, 1466 (16 x 1024) 1.027x, 2931 (32 x 1024) 1.009x; larger blocks were not measured with graphs.
-CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP = 3000.0
 EMPTY_MEANS_DEFAULT = ("matmul_dtype", "gradient_dtype", "master_dtype", "grad_accum_dtype")  # '' = follow the model / matmul dtype
 
 
@@ -285,9 +280,9 @@ class Options:
     Triton kernel (~4.8 TB/s on an H200). The same quantization; costs memory (the plan counts it): two
     hidden-size rows of e4m3 per token and layer (the norm outputs' copies; the attention and SwiGLU outputs'
     stay rebuilt where --recompute-att / --recompute-swiglu rebuild those outputs). Unset (auto): on where the
-    memory plan with the copies fits the device with 4% of activations + workspace to spare (plan/memory.AUTO_MARGIN:
-    fragmentation can exceed the plan's 5%) (measured 1.4% faster at Qwen2.5-3B, 0.5% at 1.5B on an H200), else
-    off."""
+    memory plan with the copies fits the device with 4% of activations + workspace to spare
+    (plan/resolution.AUTO_MARGIN: fragmentation can exceed the plan's 5%) (measured 1.4% faster at Qwen2.5-3B, 0.5%
+    at 1.5B on an H200), else off."""
     fp8_swiglu_onepass: bool | None = None
     """With --matmul-dtype e4m3: write the SwiGLU output and its gradient (the MLP's two largest tensors) to e4m3
     in one pass each, with power-of-two scales predicted from the layer's previous micro-step (kept while it fits
@@ -335,56 +330,6 @@ class Options:
     @property
     def effective_matmul_dtype(self) -> str:
         return self.matmul_dtype or self.model_dtype
-
-    @property
-    def effective_fp8_swiglu_onepass(self) -> bool:
-        """--fp8-swiglu-onepass as given, else (auto) on with e4m3 matmuls where no recompute splits the MLP."""
-        if self.fp8_swiglu_onepass is not None:
-            return self.fp8_swiglu_onepass
-        return self.effective_matmul_dtype == "e4m3" and not splits_mlp(self.recompute)
-
-    def fp8_choice(self, cfg: ModelConfig) -> Fp8Choice | None:
-        """Which block linears run in FP8 at this micro-batch shape (--fp8-policy and its thresholds); None
-        without --matmul-dtype e4m3."""
-        if self.effective_matmul_dtype != "e4m3":
-            return None
-        return choose_fp8(cfg, self.batch_size * self.seq_len, self.fp8_policy, self.fp8_min_size,
-                          self.fp8_min_block_gflop)
-
-    def cuda_graph_blockers(self, *, world: int) -> list[str]:
-        """What --use-cuda-graphs cannot capture yet in this run (train/cuda_graphs.py): empty if nothing."""
-        out = []
-        if world > 1:
-            out.append(f"{world} processes (--gpus, torchrun): graphs run on one process for now")
-        if self.weights_sharded:
-            out.append("sharded weights (--shard-weights, --zero-level 3)")
-        if self.gradient_manager_kind != "unsharded":
-            out.append("sharded gradients (--shard-gradients, --zero-level 2, --all-to-all-reduce)")
-        offload = [f"--{n.replace('_', '-')}" for n in ("offload_master", "offload_opt_m", "offload_opt_v",
-                                                         "offload_gradients", "offload_quants", "offload_residual",
-                                                         "use_zero_copy") if getattr(self, n)]
-        if offload:
-            out.append(f"offloading ({', '.join(offload)})")
-        if self.persistent_quants:
-            out.append("--persistent-quants (its per-step FP8 weight cache is host-side logic)")
-        if self.debug_log_abs_max:
-            out.append("--debug-log-abs-max (it records values on the host during the micro-step)")
-        return out
-
-    def cuda_graphs_on(self, cfg: ModelConfig, *, world: int, device_type: str) -> bool:
-        """Whether this run's micro-steps replay from CUDA graphs: --use-cuda-graphs as given (on a CUDA
-        device); unset, only where they were measured faster (BENCHMARKS.md, session 9: Qwen2.5-0.5B at 4 x 8
-        2.90x, 16 x 2 1.027x, 32 x 4 1.009x), i.e. nothing blocks them, no linear runs in FP8 (a cold-compile
-        hang with FP8 under capture is not understood yet) and the block's GEMM work per micro-step is at most
-        CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP: above it the GPU, not the host, sets the pace."""
-        if device_type != "cuda" or self.use_cuda_graphs is False:
-            return False
-        if self.use_cuda_graphs:
-            return True
-        fp8 = self.fp8_choice(cfg)
-        return (not self.cuda_graph_blockers(world=world) and not (fp8 is not None and fp8.fp8)
-                and self.debug_log_allocations < 0  # it locates the first step's allocations: keep them eager
-                and block_gflop(cfg, self.batch_size * self.seq_len) <= CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP)
 
     @property
     def effective_master_dtype(self) -> str:

@@ -10,8 +10,9 @@ from typing import Any, Sequence
 from qtrain.cli.options import add_train_args, options_from_args
 from qtrain.model.resolve import TINY_NAME, resolve_model
 from qtrain.options import OptionsError
-from qtrain.plan.memory import _gib, parse_bytes, plan_memory
+from qtrain.plan.memory import _gib, parse_bytes
 from qtrain.plan.propose import _sequences, propose, recommend
+from qtrain.plan.resolution import plan_memory
 
 HELP = "memory plan of the options, and the largest micro-batch that fits a GPU"
 

@@ -36,7 +36,7 @@ from qtrain.parallel.dist import DistContext
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.weights.sharded import ShardedWeights, _PersistentQuants
 from qtrain.model.llama import FP8_MATRICES
-from qtrain.plan.memory import plan_for_trainer, plan_memory
+from qtrain.plan.resolution import plan_for_trainer, plan_memory
 from qtrain.options import Options, OptionsError
 from qtrain.train.trainer import Trainer
 
