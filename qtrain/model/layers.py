@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from qtrain.kernels.rope import rope_qkv_backward
 from qtrain.kernels.swiglu import swiglu_backward
+from qtrain.model.choices import SDPA_BACKENDS  # noqa: F401 (the backends' names, listed by the options)
 from qtrain.model.config import ModelConfig
 
-SDPA_BACKENDS = ("auto", "flash", "cudnn", "math")  # torch's memory-efficient kernel has no GQA: left out
 
 
 @contextlib.contextmanager
