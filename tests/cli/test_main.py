@@ -426,3 +426,43 @@ def test_unknown_config_key_gets_the_closest_match(tmp_path):
     path = _write(tmp_path, "run.toml", "batch = 2\nlearning-rat = 1e-4\n")
     with pytest.raises(OptionsError, match=r"'learning-rat' -> 'learning_rate'"):
         parse("--config", path)
+
+
+# ---- issue 43: listing the subcommands and a subcommand's help import no torch ---------------------------------
+def test_help_imports_no_torch():
+    """`qtrain --help` lists the subcommands from a static table, and `qtrain train --help` builds only the train
+    parser, whose options import no torch (torch's import took 7-13 s of `qtrain --help` on a cold machine)."""
+    import subprocess
+    import sys
+    from tests.run_utils import subprocess_env
+    code = """
+import contextlib, io, sys
+import qtrain.cli.main as m
+m.build_parser([])
+seen = ['torch' in sys.modules]
+for argv in (['--help'], ['train', '--help'], ['plan', '--help']):
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        try:
+            m.main(argv)
+        except SystemExit as e:
+            assert e.code == 0, (argv, e.code)
+    assert 'usage: qtrain' in out.getvalue()
+    seen.append('torch' in sys.modules)
+print(seen)
+"""
+    r = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[False, False, False, False]"
+
+
+def test_a_command_line_builds_its_own_subcommand_only(capsys):
+    from qtrain.cli.main import SUBCOMMANDS, command_of
+    assert command_of(["train", "--steps", "3"]) == "train" and command_of(["--version"]) is None
+    assert command_of(["bogus"]) is None
+    parser = build_parser(["train"])
+    assert parser.subcommands["train"]._actions[-1].option_strings and not \
+        [a for a in parser.subcommands["plan"]._actions if a.option_strings != ["-h", "--help"]]
+    with pytest.raises(SystemExit) as ei:  # an unknown subcommand: argparse lists the known ones
+        main(["bogus"])
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and all(name in err for name in SUBCOMMANDS)
