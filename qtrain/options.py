@@ -31,10 +31,14 @@ __all__ = ["ALIASES", "CHOICES", "DEFAULT_MODEL", "DTYPES", "EMPTY_MEANS_DEFAULT
 
 @dataclass(kw_only=True)
 class Options:
-    # ---- model / dtypes ----
+    """Every setting of a run. The string under each field is its --help text; `SECTIONS` (below) groups the
+    fields by topic for --help."""
+
     model: str = ""
-    """Model directory, `org/name` in the local HF cache, or (with --from-scratch) a preset name.
-    Empty: the embedded default (a tiny model trained from scratch on the embedded corpus)."""
+    """Model directory, `org/name` in the local HF cache, (with --from-scratch) a preset name, or a tiny preset:
+    tiny-gpt2 or tiny-qwen2, the embedded default's shape with the vocabulary of `qtrain tokenize --tokenizer gpt2`
+    or `qwen2` (always from scratch, seconds per step on a CPU). Empty: the embedded default (a tiny model trained
+    from scratch on the embedded corpus)."""
     from_scratch: bool = False
     """Random initialisation instead of loading weights (a preset name or a config.json is enough)."""
     init_proj_to_zero: bool = False
@@ -75,7 +79,6 @@ class Options:
     """Round bf16 weight and Adam-state writes stochastically (--no-stochastic-rounding: to nearest, which
     stalls small updates; for experiments that show why SR matters)."""
 
-    # ---- data / shapes ----
     train_file: str = ""
     """Token file(s) (a glob, quote it); empty = the embedded corpus."""
     eval_file: str = ""
@@ -97,7 +100,6 @@ class Options:
     compute the same function, but each takes only some dtypes and devices (flash and cudnn: bf16/fp16 on
     CUDA; on the CPU, cudnn runs its fp32 specification, which materializes the (B, heads, T, T) scores)."""
 
-    # ---- optimiser / schedule ----
     learning_rate: float = 1e-5
     """Peak learning rate (after warmup)."""
     warmup: int = 0
@@ -130,8 +132,10 @@ class Options:
     """Evaluate every N optimizer steps (and once over the whole eval file at the end)."""
     eval_num_steps: int = 100
     """Batches per periodic evaluation; the final evaluation covers the whole eval file."""
+    eval_at_start: bool = False
+    """Evaluate before the first step too (--eval-num-steps batches, logged as the eval of the step the run starts at:
+    0 for a new run), to see the loss the model starts from."""
 
-    # ---- output / checkpoints / logging ----
     name: str = "qtrain"
     """Run name; replaces %n in --out-dir, --checkpoint-dir, --log-file and --tensorboard. Not given: the last
     folder of a given --out-dir (so each fine-tune into its own folder has its own checkpoints and log)."""
@@ -167,6 +171,11 @@ class Options:
     is skipped and reported, and the newest finite checkpoint is kept (0 = never stop)."""
     log_file: str = "logs/%n.jsonl"
     """JSON Lines run log (`qtrain plot`, `qtrain export-wandb`); '' = none; %n = --name."""
+    verbose: bool = False
+    """Print every option at the start, and the info messages (the run log has them either way)."""
+    quiet: bool = False
+    """Print only warnings, evaluations and the end of the run (where the export, checkpoint and log are); the run
+    log has everything either way."""
     tensorboard: str = ""
     """Directory for live TensorBoard scalars (loss, lr, norm, tokens/s, eval); '' = off."""
     wandb: str = ""
@@ -191,7 +200,6 @@ class Options:
     """Every N steps log the abs-max (= FP8 scale) of each block linear's input, output gradient and weight
     (0 = off); the debug steps run the blocks uncompiled."""
 
-    # ---- execution ----
     device: str = "auto"
     """auto | cpu | cuda."""
     compile: str = "auto"
@@ -362,6 +370,44 @@ class Options:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# The fields by topic, in --help's order (the llm.q implementation switches, which are no fields, follow as a group
+# of their own). Every field is in exactly one section (tests/test_options.py).
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "model": ("model", "from_scratch", "init_proj_to_zero", "seed", "tokenizer"),
+    "data and batch": ("train_file", "eval_file", "train_seed", "eval_seed", "batch_size", "seq_len",
+                       "grad_accumulation", "steps", "epochs", "eval_every_n_steps", "eval_num_steps", "eval_at_start"),
+    "optimizer and schedule": ("learning_rate", "warmup", "cooldown", "final_lr_fraction", "lr_schedule", "beta_1",
+                               "beta_2", "adam_epsilon", "weight_decay", "grad_clip", "z_loss"),
+    "precision": ("model_dtype", "master_dtype", "matmul_dtype", "grad_accum_dtype", "fp8_policy", "fp8_min_size",
+                  "fp8_min_block_gflop", "gradient_dtype", "opt_m_dtype", "opt_v_dtype", "stochastic_rounding",
+                  "persistent_quants", "fp8_keep_transposes", "fp8_swiglu_onepass", "fp8_head_backward"),
+    "memory (recompute, offload, chunking)": (
+        "memory_check", "lmhead_chunks", "attn_bwd_chunks", "recompute_block", "recompute_swiglu", "recompute_norm",
+        "recompute_ffn", "recompute_qkv", "recompute_att", "offload_residual", "offload_master", "offload_opt_m",
+        "offload_opt_v", "offload_quants", "use_zero_copy"),
+    "parallel (GPUs, sharding)": ("gpus", "zero_level", "shard_gradients", "all_to_all_reduce", "offload_gradients",
+                                  "shard_weights", "shard_group_size", "collective_timeout"),
+    "execution (device, compile, kernels)": ("device", "compile", "compile_tuning", "compile_autotune_gemm",
+                                             "sdpa_backend", "use_cuda_graphs"),
+    "outputs and checkpoints": ("name", "out_dir", "checkpoint_dir", "ckpt_interval", "ckpt_keep_n", "ckpt_major",
+                                "save_training_state", "continue_from", "new_data", "override_schedule", "start_over",
+                                "max_nonfinite_steps"),
+    "logging": ("log_file", "verbose", "quiet", "tensorboard", "wandb", "log_gpu_util"),
+    "debugging": ("debug_time_breakdown", "debug_stack_dump_after", "debug_log_allocations", "debug_log_abs_max"),
+}
+
+# Small models trained from scratch (the embedded default, i.e. no --model, and the tiny presets:
+# model/resolve.TINY_MODELS) start from these instead of the dataclass defaults, which are llm.q's fine-tuning ones:
+# a far larger learning rate, short sequences that keep a CPU run to minutes, one micro-batch per step, frequent
+# evaluations, and the model dtype of SMALL_MODEL_DTYPE (fp32 on a CPU, where bf16 has no fast kernels). Given
+# options override them; `cli/options.small_model_defaults` applies them, --help shows them beside the defaults.
+SMALL_MODEL_DEFAULTS: dict[str, Any] = dict(
+    learning_rate=3e-3, warmup=10, lr_schedule="cosine", final_lr_fraction=0.1, seq_len=256, batch_size=8,
+    grad_accumulation=1, epochs=1, eval_every_n_steps=50, eval_num_steps=20)
+SMALL_MODEL_DTYPE = {"cpu": "fp32", "cuda": "bf16"}  # model_dtype, by the device a run will have
+EMBEDDED_NAME = "qtrain-default"  # the run name of the embedded default
 
 
 def normalize_mapping(d: dict[str, Any], *, source: str = "options") -> dict[str, Any]:

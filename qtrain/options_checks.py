@@ -155,6 +155,8 @@ def check_options(opts: Any) -> None:
         raise err(f"--max-nonfinite-steps must be >= 0 (0 = never stop), got {opts.max_nonfinite_steps}")
     if opts.collective_timeout <= 0:
         raise err(f"--collective-timeout must be > 0 seconds, got {opts.collective_timeout}")
+    if opts.verbose and opts.quiet:
+        raise err("--verbose and --quiet exclude each other: pick one")
     if opts.start_over and opts.continue_from is not None:
         raise err("--start-over and --continue exclude each other: --continue resumes the earlier run, "
                   "--start-over replaces it")

@@ -22,7 +22,7 @@ from qtrain.data.hf_tokenizer import recorded_tokenizer, transformers_caveat, un
 from qtrain.data.token_files import DataChangedError
 from qtrain.model.weights import num_params
 from qtrain.observe.live import attach_observers
-from qtrain.observe.log import RunLogger
+from qtrain.observe.log import DEFAULT, QUIET, VERBOSE, RunLogger
 from qtrain.observe.metrics import device_peaks, model_flops_per_token, ns_per_token, peak_tflops, sol_ops
 from qtrain.options import Options
 from qtrain.parallel.dist import DistContext, init_distributed, is_collective_error
@@ -120,7 +120,8 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
                           cooldown=opts.cooldown, final_lr_fraction=opts.final_lr_fraction, kind=opts.lr_schedule)
     ckpt_dir, out_dir = prep.paths.ckpt_dir, prep.paths.out_dir
 
-    log = RunLogger(prep.paths.log_file, rank=ctx.rank, total_steps=total_steps)
+    verbosity = QUIET if opts.quiet else VERBOSE if opts.verbose else DEFAULT  # --quiet / --verbose
+    log = RunLogger(prep.paths.log_file, rank=ctx.rank, total_steps=total_steps, verbosity=verbosity)
     log.log("run", run_id=prep.run_id, name=opts.name, resume=prep.resume)  # a new log's first line: its owner
     for note in notes + ([prep.note] if prep.note else []):
         log.message(note, level="warning")
@@ -156,6 +157,9 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
 
     guard = NonFiniteGuard(opts.max_nonfinite_steps)
     run = {"id": prep.run_id, "name": opts.name}
+    due = start % opts.eval_every_n_steps == 0 and start > 0  # the loop evaluates before its first step anyway
+    if opts.eval_at_start and opts.eval_num_steps > 0 and not due and start < total_steps:
+        evaluate(start, opts.eval_num_steps)  # --eval-at-start: the loss the run starts from
 
     def save_checkpoint() -> str:
         return checkpointing.save(ckpt_dir, trainer, train, log, keep_n=opts.ckpt_keep_n, major=opts.ckpt_major,

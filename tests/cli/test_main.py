@@ -213,6 +213,40 @@ def test_field_docs_collected():
     assert cli._FIELD_DOCS["continue_from"].startswith("`--continue [STEP|PATH]`")
 
 
+def test_help_groups_the_options_by_topic_with_the_defaults_a_run_uses(capsys, monkeypatch):
+    """Issue 43: `train --help` was one group of ~90 options and showed bf16 / batch 4 / seq 1024 / accumulation 4
+    where the embedded default runs fp32 on a CPU / 8 / 256 / 1. Now the topics of `options.SECTIONS`, in order,
+    then llm.q's switches; and both defaults where a small model starts elsewhere (options.SMALL_MODEL_DEFAULTS)."""
+    from qtrain.options import SECTIONS
+    out = _help(capsys, monkeypatch)
+    heads = [line[:-1] for line in out.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert heads == ["options", *(f"{t} options" for t in SECTIONS),
+                     "llm.q implementation switches (accepted, no effect in qtrain)"]
+    assert out.index("\n  --batch-size") > out.index("data and batch options:") > out.index("\n  --model MODEL")
+    small = "for the embedded default and the tiny-* presets)"
+    for flag, text in (("--batch-size", "(default: 4; 8 " + small), ("--seq-len", "(default: 1024; 256 " + small),
+                       ("--grad-accumulation", "(default: 4; 1 " + small),
+                       ("--learning-rate", "(default: 1e-05; 0.003 " + small),
+                       ("--model-dtype", "(default: bf16; fp32 on a CPU " + small)):
+        start = out.index(f"\n  {flag} ")
+        entry = " ".join(out[start:out.index("\n  -", start + 1)].split())  # the flag's help, one line
+        assert text in entry, entry
+    assert "(default: 0.9)" in out and "(default: 0.9;" not in out  # the same for every run: one default
+    assert out.splitlines()[0] == "usage: qtrain train [-h] [--config FILE] [OPTION ...]"
+
+
+def test_tiny_presets_start_from_the_small_model_defaults():
+    small = cli.small_model_defaults()
+    for model in ("tiny-qwen2", "tiny-gpt2", "Tiny-GPT2", "qtrain-tiny"):
+        o = options_from_args(namespace("--model", model))
+        assert {k: getattr(o, k) for k in small} == small and o.name == Options().name, model
+    o = options_from_args(namespace("--model", "tiny-qwen2", "--batch", "2", "--lr", "1e-3"))
+    assert (o.batch_size, o.learning_rate, o.seq_len) == (2, 1e-3, small["seq_len"])
+    assert options_from_args(namespace("--model", "Qwen2.5-0.5B", "--from-scratch")).batch_size == 4  # a preset
+    assert cli.embedded_defaults(device="cpu")["model_dtype"] == "fp32"
+    assert cli.embedded_defaults(steps=30)["warmup"] == 3 and cli.embedded_defaults()["name"] == "qtrain-default"
+
+
 def test_help_survives_percent_in_docstrings(capsys, monkeypatch):
     monkeypatch.setitem(cli._FIELD_DOCS, "out_dir", "Export directory; %n = --name, 100% HF format")
     out = _help(capsys, monkeypatch)
@@ -396,7 +430,8 @@ def test_every_flag_of_every_subcommand_has_help_with_its_default(capsys, monkey
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "--model-dtype {fp32,bf16}" in out and "Choices: fp32, bf16. (default: bf16)" in out
+    assert "--model-dtype {fp32,bf16}" in out and \
+        "Choices: fp32, bf16. (default: bf16; fp32 on a CPU for the embedded default and the tiny-* presets)" in out
     assert "--train-seed TRAIN_SEED" in out and "(default: 0x83b45442)" in out
     assert "--use-cuda-graphs, --no-use-cuda-graphs" in out and "--custom-matmul" in out
 

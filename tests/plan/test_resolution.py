@@ -19,14 +19,20 @@ from tests.run_utils import CFG, make_run_root, train_argv
 def test_a_cpu_start_resolves_and_plans_once(tmp_path, monkeypatch, capsys):
     """Before: the preflight planned (host memory), the log header planned again (and on CUDA the Trainer a third
     time for --fp8-keep-transposes). Now the preflight's record carries the plan to the Trainer and the header."""
+    import qtrain.train.preflight as preflight
+    import qtrain.train.trainer as trainer
     calls = {"resolve_run": 0, "build_plan": 0}
-    for name in calls:
-        real = getattr(resolution, name)
 
-        def counted(*a, _real=real, _name=name, **kw):
-            calls[_name] += 1
-            return _real(*a, **kw)
-        monkeypatch.setattr(resolution, name, counted)
+    def counting(module, name):
+        real = getattr(module, name)
+
+        def counted(*a, **kw):
+            calls[name] += 1
+            return real(*a, **kw)
+        monkeypatch.setattr(module, name, counted)
+    for module in (preflight, trainer):  # who resolves: the preflight, or a Trainer built without it
+        counting(module, "resolve_run")
+    counting(resolution, "build_plan")  # every plan is built there
     root = make_run_root(tmp_path)
     monkeypatch.chdir(root)
     assert main(train_argv(root, steps=2)) == 0
