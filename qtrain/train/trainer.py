@@ -62,10 +62,14 @@ class Trainer:
         # the tokenizer exports carry (None: unknown so far; the run loop may take it from the token files)
         self.tokenizer = export_tokenizer(explicit=opts.tokenizer, model_dir=self.source.tokenizer_dir)
         self.cfg = self.source.cfg
+        if run is None:  # budget: the device's total memory on CUDA, none on CPU
+            total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
+            run = resolve_run(self.cfg, opts, world=self.ctx.world, device=self.device, gpu_memory=total)
+        self.run = run
         self.dtype = DTYPES[opts.model_dtype]  # what the model computes with
         # the master weights, their gradient sums and what the optimizer updates: fp32 under a bf16 model with
         # --master-dtype fp32 (the model then reads a bf16 copy made once per step: parallel/weights/cast.py)
-        self.master_dtype = DTYPES[opts.effective_master_dtype]  # the run's master_dtype
+        self.master_dtype = DTYPES[run.master_dtype]
         # the ranks the state is sharded across: all (flat), or groups of --shard-group-size (parallel/groups.py)
         if opts.shard_group_size and opts.shard_group_size != self.ctx.world and opts.offload_gradients:
             raise OptionsError("--offload-gradients with --shard-group-size below the number of ranks is not "
@@ -74,11 +78,6 @@ class Trainer:
                                         device=self.device)
         self.comm = self.groups.shard
         self.layout = FlatLayout(self.cfg, self.comm.world)  # one flat buffer per group (parallel/layout.py)
-        if run is None:  # budget: the device's total memory on CUDA, none on CPU
-            total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
-            run = resolve_run(self.cfg, opts, world=self.ctx.world, device=self.device, gpu_memory=total,
-                              layout=self.layout)
-        self.run = run
         # --matmul-dtype e4m3: which block linears run in FP8 for this micro-batch shape (--fp8-policy)
         self.fp8 = run.fp8
         # replicated weights: `params` are views into the full `param_buffers`; sharded weights
