@@ -141,15 +141,19 @@ CUDA_ONLY_FLAGS = ("--use-cuda-graphs",)
 
 def check_cuda_rules(params: dict) -> None:
     """Raise what the case's `qtrain train` would refuse on a CUDA device only: --use-cuda-graphs with what graphs
-    cannot capture (`train.cuda_graphs.check_cuda_graphs`, which a CPU run skips and the dry run drops the flag
-    for): a device start spent on a case that asks for graphs with --persistent-quants finds only the refusal."""
+    cannot capture (`plan.resolution.check_cuda_graphs`, earlier in train/cuda_graphs.py, which a CPU run skips and
+    the dry run drops the flag for): a device start spent on a case that asks for graphs with --persistent-quants
+    finds only the refusal."""
     flags = list(params.get("flags", []))
     if "--use-cuda-graphs" not in flags or not has_module("qtrain.train.cuda_graphs"):
         return
     import argparse
 
     from qtrain.cli.options import add_train_args, options_from_args
-    from qtrain.train.cuda_graphs import check_cuda_graphs
+    if has_module("qtrain.plan.resolution"):
+        from qtrain.plan.resolution import check_cuda_graphs
+    else:  # a baseline checkout from before the run's one resolution
+        from qtrain.train.cuda_graphs import check_cuda_graphs  # type: ignore[no-redef]
 
     p = argparse.ArgumentParser()
     add_train_args(p)

@@ -9,8 +9,6 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-HELP = "sample text from an export or Hugging Face model directory"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF model directory (an export), or ORG/NAME in the local HF cache")

@@ -43,13 +43,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qtrain.model.choices import FP8_MIN_BLOCK_GFLOP as DEFAULT_MIN_BLOCK_GFLOP
+from qtrain.model.choices import FP8_MIN_SIZE as DEFAULT_MIN_SIZE
+from qtrain.model.choices import FP8_POLICIES  # noqa: F401 (the policies' names, listed by the options)
 from qtrain.model.config import ModelConfig
 from qtrain.model.registry import family_of
 from qtrain.model.weights import statements, sum_over_layers
 
-FP8_POLICIES = ("all", "auto")
-DEFAULT_MIN_SIZE = 400
-DEFAULT_MIN_BLOCK_GFLOP = 2600
 
 
 def gemm_shapes(cfg: ModelConfig, tokens: int) -> dict[str, tuple[int, int, int]]:

@@ -13,8 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from qtrain.kernels.swiglu import swiglu
-
-SDPA_BACKENDS = ("auto", "flash", "cudnn", "math")  # torch's memory-efficient kernel has no GQA: left out
+from qtrain.model.choices import SDPA_BACKENDS  # noqa: F401 (the backends' names, listed by the options)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,8 @@ from typing import Any
 from qtrain.model.config import ModelConfig
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.layout import FlatLayout
-from qtrain.plan.memory import MemoryPlan, plan_memory
+from qtrain.plan.memory import MemoryPlan
+from qtrain.plan.resolution import plan_memory
 from qtrain.plan.step_cost import StepCost, fp8_weight_params, step_cost
 
 MIN_CHUNK_ROWS = 1024  # propose() splits the LM head into chunks of at least this many tokens (GEMM efficiency)

@@ -31,6 +31,7 @@ from qtrain.model.recompute import block_steps, resolve_flags
 from qtrain.model.registry import family_of
 from qtrain.model.weights import sum_over_layers
 from qtrain.options import Options
+from qtrain.plan.resolution import fp8_choice
 
 MATMUL_RATE = {"bf16": 560e12, "fp16": 560e12, "fp32": 50e12, "e4m3": 770e12}  # model FLOP/s of a 14B step, H200
 PCIE_RATE = 48e9  # bytes/s each way with both directions busy (pinned, H200)
@@ -132,7 +133,7 @@ def fp8_weight_params(cfg: ModelConfig, opts: Options) -> int:
     layers: what each quantization of the weights reads. (With sharded weights and --persistent-quants a rank
     quantizes only its shard once per step but transposes the gathered copies in every backward; the model
     counts them as replicated ones, and `propose` adds the option only to replicated weights.)"""
-    fp8 = opts.fp8_choice(cfg)
+    fp8 = fp8_choice(cfg, opts)
     if fp8 is None:
         return 0
     family = family_of(cfg)

@@ -248,6 +248,7 @@ def test_fp8_swiglu_onepass_reaches_the_model_and_trains(tmp_path):
     import argparse
     from qtrain.cli.options import add_train_args, options_from_args
     from qtrain.options import Options, OptionsError
+    from qtrain.plan.resolution import swiglu_onepass
     from qtrain.train.trainer import Trainer
     from tests.dist_utils import write_model_dir
     parser = argparse.ArgumentParser()
@@ -257,11 +258,11 @@ def test_fp8_swiglu_onepass_reaches_the_model_and_trains(tmp_path):
     assert options_from_args(parser.parse_args(args + ["--fp8-swiglu-onepass"])).fp8_swiglu_onepass is True
     assert options_from_args(parser.parse_args(args + ["--no-fp8-swiglu-onepass"])).fp8_swiglu_onepass is False
     unset = options_from_args(parser.parse_args(args))
-    assert unset.fp8_swiglu_onepass is None and unset.effective_fp8_swiglu_onepass is True  # auto: on with e4m3
+    assert unset.fp8_swiglu_onepass is None and swiglu_onepass(unset) is True  # auto: on with e4m3
     for auto_off in (args[:2], args + ["--recompute-swiglu"], args + ["--recompute-ffn"]):  # bf16; a split MLP
-        assert options_from_args(parser.parse_args(auto_off)).effective_fp8_swiglu_onepass is False
+        assert swiglu_onepass(options_from_args(parser.parse_args(auto_off))) is False
     # --recompute-block reruns the whole block, the MLP as one function included: the option applies
-    assert options_from_args(parser.parse_args(args + ["--recompute-block"])).effective_fp8_swiglu_onepass is True
+    assert swiglu_onepass(options_from_args(parser.parse_args(args + ["--recompute-block"]))) is True
     base = dict(model=model_dir, from_scratch=True, device="cpu", compile="on", batch_size=2, seq_len=32,
                 grad_accumulation=1,
                 matmul_dtype="e4m3", fp8_policy="all", model_dtype="bf16", seed=3)
@@ -303,7 +304,7 @@ def test_fp8_head_backward_reaches_the_model_and_trains(tmp_path):
     import dataclasses
     from qtrain.cli.options import add_train_args, options_from_args
     from qtrain.options import Options, OptionsError
-    from qtrain.plan.memory import plan_memory
+    from qtrain.plan.resolution import plan_memory
     from qtrain.train.preflight import check_model
     from qtrain.train.trainer import Trainer
     from tests.dist_utils import write_model_dir

@@ -106,7 +106,7 @@ def test_the_plan_counts_the_cached_copies_once():
     from qtrain.kernels.rope import rope_tables
     from qtrain.model.matmul import block_linear
     from qtrain.model.transformer import make_block_fn
-    from qtrain.plan.memory import plan_for_trainer
+    from qtrain.plan.resolution import plan_for_trainer
     tr = _trainer(persistent_quants=True)
     with torch.no_grad():
         blocks = [tr.weights.block(layer) for layer in range(CFG.num_hidden_layers)]

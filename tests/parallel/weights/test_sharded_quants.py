@@ -38,7 +38,7 @@ from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.weights.persistent_quants import PersistentQuants
 from qtrain.parallel.weights.sharded import ShardedWeights
 from qtrain.model.llama import FP8_MATRICES
-from qtrain.plan.memory import plan_for_trainer, plan_memory
+from qtrain.plan.resolution import plan_for_trainer, plan_memory
 from qtrain.options import Options, OptionsError
 from qtrain.train.trainer import Trainer
 
