@@ -1,4 +1,4 @@
-"""Kind `cross-entropy`: the fused cross-entropy kernel (kernels/cross_entropy.py) by launch shape.
+"""Kind `cross-entropy`: the fused cross-entropy kernel (kernels/cross_entropy/inplace.py) by launch shape.
 
 Each row is read twice (pass 1: log-sum-exp; pass 2: d(logits), written over the row), so a row's second read
 comes from HBM unless it is still in L2 (50 MB on the H200): with one program per row, ~1000 rows of 304 KB
@@ -15,7 +15,7 @@ floor); whether a variant's output equals the default launch's bit for bit is sh
 row in another order).
 
 Parameters: rows (32768), vocab (151936), blocks, warps, samples (10); `fp8` times instead the FP8-gradient kernel
-(kernels/cross_entropy_fp8.py, --fp8-head-backward) by pass 2's tile and column range and the transpose's tile
+(kernels/cross_entropy/fp8.py, --fp8-head-backward) by pass 2's tile and column range and the transpose's tile
 (`tiles`: block_m x block_v x warps x cols x t_block, the launcher's parameters, the first its default) beside the
 default bf16 kernel, and counts its codes that differ from the twin's (e5m2 codes; the twin computes exp exactly).
 Result: `rows` (ms, GB/s per variant), `best`.
@@ -28,7 +28,7 @@ import torch
 
 from bench.kinds import Skip
 from bench.timing import time_ms
-from qtrain.kernels import cross_entropy as ce
+from qtrain.kernels.cross_entropy import inplace as ce
 
 
 def run(rows: int = 32768, vocab: int = 151936, blocks: tuple[int, ...] = (4096, 8192),
@@ -65,7 +65,7 @@ def run(rows: int = 32768, vocab: int = 151936, blocks: tuple[int, ...] = (4096,
 
 def run_fp8(rows: int, vocab: int, tiles, samples: int) -> dict:
     """The FP8-gradient kernel by tile against the bf16 kernel's default launch, same logits."""
-    from qtrain.kernels import cross_entropy_fp8 as cf
+    from qtrain.kernels.cross_entropy import fp8 as cf
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     x = (torch.randn(rows, vocab, device=dev, generator=g) * 2).to(torch.bfloat16)

@@ -25,9 +25,10 @@ import torch.nn.functional as F
 
 from bench.kinds import Skip
 from bench.timing import time_ms
-from qtrain.kernels.fp8_quant import fp8_quantize
+from qtrain.kernels.fp8_quant import E4M3, E5M2, fp8_quantize
 from bench.compat import preset
-from qtrain.numerics.fp8 import E4M3, E5M2, Fp8WeightCache, fp8_linear, scaled_mm
+from qtrain.kernels.scaled_mm import scaled_mm
+from qtrain.numerics.fp8 import Fp8WeightCache, fp8_linear
 
 
 def graphed_ms(fn: Callable[[], object], *, samples: int, warmup: int) -> float:

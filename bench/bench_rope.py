@@ -17,7 +17,7 @@ def run(model: str = "Qwen2.5-1.5B", B: int = 64, T: int = 1024) -> dict:
 
     from qtrain.kernels import rope
     from bench.compat import preset
-    from qtrain.model.layers import rope_tables
+    from qtrain.kernels.rope import rope_tables
     cfg = preset(model)
     nh, nkv, hs = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     g = torch.Generator(device="cuda").manual_seed(0)

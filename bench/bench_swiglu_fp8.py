@@ -1,8 +1,8 @@
 """Kind `swiglu-fp8`: times the FP8-MLP kernels at Qwen2.5-1.5B shapes (M = 16384 tokens, F = 8960) on the GPU,
 over launch tiles (the launchers' parameters), against a device copy of the same bytes: how the tiles in
-qtrain/kernels/swiglu.py, swiglu_fp8.py and fp8_quant.py were chosen.
+qtrain/kernels/swiglu/activation.py, swiglu/fp8.py and fp8_quant.py were chosen.
 
-Parameters: M, F, onepass (time `kernels/swiglu_fp8_onepass.py` instead: the forward and backward straight to
+Parameters: M, F, onepass (time `kernels/swiglu/fp8_onepass.py` instead: the forward and backward straight to
 e4m3 with a right and a missed scale hint, against the two-pass pipelines they replace, over tiles, every tile
 checked bit for bit against the two-pass kernels' values quantized with the same power-of-two scale). Prints one
 line per variant: ms per call and the bytes it must move / time; the result has them as `rows`.
@@ -42,9 +42,9 @@ def tile_kwargs(tile: tuple[int, int, int], columns: str = "block_f") -> dict[st
 
 
 def run(M: int = 16384, F: int = 8960, onepass: bool = False) -> dict:
-    from qtrain.kernels import swiglu as sw
     from qtrain.kernels.fp8_quant import fp8_quantize_torch, fp8_quantize_triton
-    from qtrain.kernels.swiglu_fp8 import swiglu_forward_amax_triton, swiglu_fp8_triton
+    from qtrain.kernels.swiglu import activation as sw
+    from qtrain.kernels.swiglu.fp8 import swiglu_forward_amax_triton, swiglu_fp8_triton
     ROWS.clear()
     u = (torch.randn(M, 2 * F, device="cuda") * 3).bfloat16()
     d = torch.randn(M, F, device="cuda").bfloat16()
@@ -79,10 +79,10 @@ def run(M: int = 16384, F: int = 8960, onepass: bool = False) -> dict:
 def run_onepass(u: torch.Tensor, d: torch.Tensor) -> dict:
     """The one-pass kernels: per call with the hint right (pass 1; pass 2's programs branch off) and missed (both
     passes), next to the two-pass pipelines they replace (SwiGLU kernel + quantize kernel), over tiles."""
-    from qtrain.kernels import swiglu as sw
-    from qtrain.kernels import swiglu_fp8_onepass as op
     from qtrain.kernels.fp8_quant import fp8_quantize_triton
-    from qtrain.kernels.swiglu_fp8 import swiglu_forward_amax_triton, swiglu_fp8_triton
+    from qtrain.kernels.swiglu import activation as sw
+    from qtrain.kernels.swiglu import fp8_onepass as op
+    from qtrain.kernels.swiglu.fp8 import swiglu_forward_amax_triton, swiglu_fp8_triton
     M, F = d.shape
     fwd_bytes, bwd_bytes = u.numel() * 2 + 2 * M * F, u.numel() * 2 + d.numel() * 2 + 2 * u.numel()
     line("two-pass forward: swiglu_fp8", ms(lambda: swiglu_fp8_triton(u, E4M3)), fwd_bytes)

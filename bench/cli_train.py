@@ -11,6 +11,7 @@ event, reserve included), loss (last step), steps_logged.
 """
 from __future__ import annotations
 
+import datetime
 import glob
 import json
 import os
@@ -78,6 +79,16 @@ def summarize(events: list[dict], skip: int) -> dict:
 
 def run(model: str, batch: int, accum: int, steps: int = 8, gpus: int = 1, seq: int = 1024, skip: int = 3,
         flags: list[str] = (), device: str | None = None, train_file: str | None = None) -> dict:
+    events = run_events(model, batch, accum, steps, gpus=gpus, seq=seq, flags=flags, device=device,
+                        train_file=train_file)
+    return summarize(events, skip)
+
+
+def run_events(model: str, batch: int, accum: int, steps: int, *, gpus: int = 1, seq: int = 1024,
+               flags: list[str] = (), device: str | None = None, train_file: str | None = None,
+               env: dict[str, str] | None = None) -> list[dict]:
+    """`qtrain train` on random tokens until its last step and memory are logged; its JSON log's events, plus a
+    `launch` event (the wall-clock time, as the log's `time` stamps, just before the process started)."""
     if not all(isinstance(f, str) for f in flags):
         raise ValueError(f"flags must be strings, e.g. [\"--lmhead-chunks\", \"4\"]; got {list(flags)!r}")
     vocab = model_config(model).vocab_size
@@ -104,11 +115,12 @@ def run(model: str, batch: int, accum: int, steps: int = 8, gpus: int = 1, seq: 
             in_options[0] = line.startswith("[Options]")
         return not in_options[0]
     try:
-        fin = stream(cmd, stop=done, echo=echo)
+        launched = datetime.datetime.now().astimezone().isoformat(timespec="milliseconds")
+        fin = stream(cmd, stop=done, echo=echo, env=None if env is None else {**os.environ, **env})
         events = read_log(log)
         if fin.returncode != 0 and not fin.stopped:
             raise RuntimeError(f"qtrain train exited with status {fin.returncode}: {fin.last(2)}")
-        return summarize(events, skip)
+        return [{"log": "launch", "time": launched}, *events]
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -129,15 +141,19 @@ CUDA_ONLY_FLAGS = ("--use-cuda-graphs",)
 
 def check_cuda_rules(params: dict) -> None:
     """Raise what the case's `qtrain train` would refuse on a CUDA device only: --use-cuda-graphs with what graphs
-    cannot capture (`train.cuda_graphs.check_cuda_graphs`, which a CPU run skips and the dry run drops the flag
-    for): a device start spent on a case that asks for graphs with --persistent-quants finds only the refusal."""
+    cannot capture (`plan.resolution.check_cuda_graphs`, earlier in train/cuda_graphs.py, which a CPU run skips and
+    the dry run drops the flag for): a device start spent on a case that asks for graphs with --persistent-quants
+    finds only the refusal."""
     flags = list(params.get("flags", []))
     if "--use-cuda-graphs" not in flags or not has_module("qtrain.train.cuda_graphs"):
         return
     import argparse
 
     from qtrain.cli.options import add_train_args, options_from_args
-    from qtrain.train.cuda_graphs import check_cuda_graphs
+    if has_module("qtrain.plan.resolution"):
+        from qtrain.plan.resolution import check_cuda_graphs
+    else:  # a baseline checkout from before the run's one resolution
+        from qtrain.train.cuda_graphs import check_cuda_graphs  # type: ignore[no-redef]
 
     p = argparse.ArgumentParser()
     add_train_args(p)

@@ -13,7 +13,8 @@ from typing import Any
 LAYOUTS = {  # what -> (module after the restructure, module before it), attribute
     "Options": (("qtrain.options", "qtrain.train.options"), "Options"),
     "Trainer": (("qtrain.train.trainer",), "Trainer"),
-    "plan_for_trainer": (("qtrain.plan.memory", "qtrain.train.memory_plan"), "plan_for_trainer"),
+    "plan_for_trainer": (("qtrain.plan.resolution", "qtrain.plan.memory", "qtrain.train.memory_plan"),
+                         "plan_for_trainer"),
     "mfu_bf16": (("qtrain.observe.metrics", "qtrain.train.metrics"), "mfu_bf16"),
     "write_token_file": (("qtrain.data.token_files", "qtrain.train.data"), "write_token_file"),
     # the model families' registry (issue 42) holds the presets; before it, model/config.py did

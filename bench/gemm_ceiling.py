@@ -35,7 +35,8 @@ def linear_gemms(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> dict[str
 def fp8_linear_gemms(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
     """The three e4m3 GEMMs of one block linear (`numerics.fp8._Fp8Linear`'s calls) on operands quantized here
     (quantization is not GEMM time)."""
-    from qtrain.numerics.fp8 import quantize_fp8, scaled_mm
+    from qtrain.kernels.fp8_quant import quantize_fp8
+    from qtrain.kernels.scaled_mm import scaled_mm
     (xq, xi), (wq, wi), (dq, di) = quantize_fp8(x), quantize_fp8(w), quantize_fp8(dy)
     xqt, wqt, dqt = xq.t().contiguous(), wq.t().contiguous(), dq.t().contiguous()
     bf16 = torch.bfloat16

@@ -23,6 +23,8 @@ KINDS: dict[str, Kind] = {
                   "device", TRAIN_COLUMNS),
     "cli": Kind("bench.cli_train", "`qtrain train` on a random-token file (1..N GPUs): median tokens/s of the "
                 "steady steps from its JSON log", TRAIN_COLUMNS),
+    "start": Kind("bench.start", "`qtrain train` from its launch to the end of its first step, cold or warm compile "
+                  "cache", (("start_s", "start s"), ("first_step_s", "1st step s"), ("step_ms", "step ms"))),
     "llmq": Kind("bench.llmq", "llm.q's own trainer through .llmq/bench_llmq.sh (median tokens/s of steady steps)",
                  (("tps", "tok/s"), ("step_ms", "step ms"), ("sol", "SOL %"), ("peak_gib", "peak GiB"))),
     "hf": Kind("bench.hf", "HF transformers + torch AdamW (+ torch.compile) through .devshared/bench/hf_baseline.py",

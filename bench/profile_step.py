@@ -107,7 +107,7 @@ def hint_misses(step, onepass: bool, device: torch.device, steps: int = 2) -> di
     first on the profiled batch again, then on fresh random batches (a run's case: each batch's abs-max differs)."""
     if not onepass:
         return None
-    from qtrain.kernels.swiglu_fp8_onepass import count_hint_misses
+    from qtrain.kernels.swiglu.fp8_onepass import count_hint_misses
     out = {"steps": steps}
     for fresh in (False, True):
         counts = count_hint_misses(device)

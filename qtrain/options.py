@@ -3,66 +3,42 @@
 Field names are llm.q's option names with '-' -> '_' (`--grad-accumulation` -> `grad_accumulation`), so
 data prepared and commands written for llm.q carry over. The CLI (`qtrain.cli`) and config files (TOML or
 YAML) both fill this object; `validate()` is the single place where combinations are checked.
+
+Beside this module, without torch (every `qtrain` command imports them): `options_values` (the values fields take,
+`OptionsError`), `options_checks` (the rules `validate()` applies), `options_names` (llm.q's spellings and aliases,
+config-file values); what a run makes of 'auto' and '' is `qtrain.plan.resolution`'s.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
-import re
+import typing
 from dataclasses import dataclass, fields
-from typing import Any, Iterable
+from typing import Any
 
-from qtrain.fsio import shorten
-from qtrain.model.fp8_policy import DEFAULT_MIN_BLOCK_GFLOP as DEFAULT_FP8_MIN_BLOCK_GFLOP
-from qtrain.model.fp8_policy import DEFAULT_MIN_SIZE as DEFAULT_FP8_MIN_SIZE
-from qtrain.model.config import ModelConfig
-from qtrain.model.fp8_policy import FP8_POLICIES, Fp8Choice, block_gflop, choose_fp8
-from qtrain.model.layers import SDPA_BACKENDS
-from qtrain.model.recompute import FLAGS as RECOMPUTE_FLAGS
-from qtrain.model.recompute import resolve_flags, splits_mlp
+from qtrain.model.choices import FP8_MIN_BLOCK_GFLOP as DEFAULT_FP8_MIN_BLOCK_GFLOP
+from qtrain.model.choices import FP8_MIN_SIZE as DEFAULT_FP8_MIN_SIZE
+from qtrain.model.recompute_flags import FLAGS as RECOMPUTE_FLAGS
+from qtrain.model.recompute_flags import resolve_flags
+from qtrain.options_checks import check_options, check_run_name
+from qtrain.options_names import ALIASES, map_names, with_derived_name
+from qtrain.options_values import (CHOICES, DEFAULT_MODEL, DTYPES, EMPTY_MEANS_DEFAULT, GRADIENT_DTYPES, MATMUL_DTYPES,
+                                   OPT_M_DTYPES, OPT_V_DTYPES, SCHEDULES, OptionsError, closest)
 
-DTYPES = ("fp32", "bf16")
-MATMUL_DTYPES = ("fp32", "bf16", "e4m3")
-GRADIENT_DTYPES = ("e4m3", "e5m2")
-OPT_M_DTYPES = ("fp32", "bf16", "e4m3")
-OPT_V_DTYPES = ("fp32", "bf16")
-SCHEDULES = ("cosine", "linear", "wsd")
-DEFAULT_MODEL = "qtrain-tiny"  # the embedded default: a small model trained on the embedded corpus
-
-
-# fields with a fixed set of values (validate() checks them; the CLI lists them in --help)
-CHOICES: dict[str, tuple[str, ...]] = {
-    "model_dtype": DTYPES, "master_dtype": DTYPES, "grad_accum_dtype": DTYPES, "fp8_policy": FP8_POLICIES, "matmul_dtype": MATMUL_DTYPES, "gradient_dtype": GRADIENT_DTYPES,
-    "opt_m_dtype": OPT_M_DTYPES, "opt_v_dtype": OPT_V_DTYPES, "lr_schedule": SCHEDULES,
-    "device": ("auto", "cpu", "cuda"), "compile": ("auto", "on", "off"), "sdpa_backend": SDPA_BACKENDS,
-}
-# --use-cuda-graphs unset (auto) turns graphs on up to this much GEMM work per block and micro-step: where the
-# host sets the pace. Measured on one H200 (BENCHMARKS.md, session 9), Qwen2.5-0.5B bf16: 366 GFLOP (4 x 1024)
-# 2.90x, 1466 (16 x 1024) 1.027x, 2931 (32 x 1024) 1.009x; larger blocks were not measured with graphs.
-CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP = 3000.0
-EMPTY_MEANS_DEFAULT = ("matmul_dtype", "gradient_dtype", "master_dtype", "grad_accum_dtype")  # '' = follow the model / matmul dtype
-
-
-def closest(name: str, candidates: Iterable[str]) -> str | None:
-    """The candidate most like a mistyped `name`, for "did you mean ...?" hints. The similarity cut-off (difflib
-    ratio 0.7) takes typos (--stesp: 0.86) and cut-off names (--grad-accum: 0.77), not unrelated words
-    (--frobnicate vs --from-scratch: 0.62)."""
-    import difflib
-    found = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.7)
-    return found[0] if found else None
-
-
-class OptionsError(ValueError):
-    """A bad option or combination of options; the message names the option(s) and the fix."""
+__all__ = ["ALIASES", "CHOICES", "DEFAULT_MODEL", "DTYPES", "EMPTY_MEANS_DEFAULT", "GRADIENT_DTYPES", "MATMUL_DTYPES",
+           "OPT_M_DTYPES", "OPT_V_DTYPES", "SCHEDULES", "Options", "OptionsError", "check_run_name", "closest",
+           "normalize_mapping", "with_derived_name"]
 
 
 @dataclass(kw_only=True)
 class Options:
-    # ---- model / dtypes ----
+    """Every setting of a run. The string under each field is its --help text; `SECTIONS` (below) groups the
+    fields by topic for --help."""
+
     model: str = ""
-    """Model directory, `org/name` in the local HF cache, or (with --from-scratch) a preset name.
-    Empty: the embedded default (a tiny model trained from scratch on the embedded corpus)."""
+    """Model directory, `org/name` in the local HF cache, (with --from-scratch) a preset name, or a tiny preset:
+    tiny-gpt2 or tiny-qwen2, the embedded default's shape with the vocabulary of `qtrain tokenize --tokenizer gpt2`
+    or `qwen2` (always from scratch, seconds per step on a CPU). Empty: the embedded default (a tiny model trained
+    from scratch on the embedded corpus)."""
     from_scratch: bool = False
     """Random initialisation instead of loading weights (a preset name or a config.json is enough)."""
     init_proj_to_zero: bool = False
@@ -103,7 +79,6 @@ class Options:
     """Round bf16 weight and Adam-state writes stochastically (--no-stochastic-rounding: to nearest, which
     stalls small updates; for experiments that show why SR matters)."""
 
-    # ---- data / shapes ----
     train_file: str = ""
     """Token file(s) (a glob, quote it); empty = the embedded corpus."""
     eval_file: str = ""
@@ -125,7 +100,6 @@ class Options:
     compute the same function, but each takes only some dtypes and devices (flash and cudnn: bf16/fp16 on
     CUDA; on the CPU, cudnn runs its fp32 specification, which materializes the (B, heads, T, T) scores)."""
 
-    # ---- optimiser / schedule ----
     learning_rate: float = 1e-5
     """Peak learning rate (after warmup)."""
     warmup: int = 0
@@ -158,8 +132,10 @@ class Options:
     """Evaluate every N optimizer steps (and once over the whole eval file at the end)."""
     eval_num_steps: int = 100
     """Batches per periodic evaluation; the final evaluation covers the whole eval file."""
+    eval_at_start: bool = False
+    """Evaluate before the first step too (--eval-num-steps batches, logged as the eval of the step the run starts at:
+    0 for a new run), to see the loss the model starts from."""
 
-    # ---- output / checkpoints / logging ----
     name: str = "qtrain"
     """Run name; replaces %n in --out-dir, --checkpoint-dir, --log-file and --tensorboard. Not given: the last
     folder of a given --out-dir (so each fine-tune into its own folder has its own checkpoints and log)."""
@@ -195,6 +171,11 @@ class Options:
     is skipped and reported, and the newest finite checkpoint is kept (0 = never stop)."""
     log_file: str = "logs/%n.jsonl"
     """JSON Lines run log (`qtrain plot`, `qtrain export-wandb`); '' = none; %n = --name."""
+    verbose: bool = False
+    """Print every option at the start, and the info messages (the run log has them either way)."""
+    quiet: bool = False
+    """Print only warnings, evaluations and the end of the run (where the export, checkpoint and log are); the run
+    log has everything either way."""
     tensorboard: str = ""
     """Directory for live TensorBoard scalars (loss, lr, norm, tokens/s, eval); '' = off."""
     wandb: str = ""
@@ -219,15 +200,20 @@ class Options:
     """Every N steps log the abs-max (= FP8 scale) of each block linear's input, output gradient and weight
     (0 = off); the debug steps run the blocks uncompiled."""
 
-    # ---- execution ----
     device: str = "auto"
     """auto | cpu | cuda."""
     compile: str = "auto"
     """torch.compile the blocks: auto (on for CUDA) | on | off."""
-    compile_tuning: bool = True
-    """With compiled blocks, let inductor tune its generated kernels' launch configurations (coordinate
-    descent): about 1.5 min more for the first compile of a shape on a machine (cached after that), e4m3 1.4%
-    faster at 1.5B (BENCHMARKS.md, session 5). --no-compile-tuning for quick starts."""
+    compile_tuning: bool = False
+    """With compiled blocks, let inductor tune its generated kernels' launch configurations (coordinate descent).
+    Off by default: on a machine that never compiled the shapes it adds about 75 s to the first step of a 0.5B run
+    (20 of its kernels, 3.7 s each) and 7.5 s even when cached, for e4m3 blocks 1.4% faster at 1.5B and bf16 ones
+    no faster (H100/H200 measurements in BENCHMARKS.md)."""
+    compile_cache: str = "auto"
+    """Folder for compiled code kept between runs (inductor's and Triton's caches), so a second run or --continue
+    of the same shapes starts in seconds: auto = $XDG_CACHE_HOME/qtrain/compile (~/.cache/qtrain/compile); none
+    = torch's own defaults (inductor's in the temp folder); or a folder. TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR
+    set in the environment win. Runs may share it."""
     compile_autotune_gemm: bool = False
     """With compiled blocks, let inductor time its Triton GEMM templates against cuBLAS for every block GEMM
     shape and keep the faster (inductor's max_autotune_gemm), fusing the pointwise work after a GEMM into a
@@ -285,9 +271,9 @@ class Options:
     Triton kernel (~4.8 TB/s on an H200). The same quantization; costs memory (the plan counts it): two
     hidden-size rows of e4m3 per token and layer (the norm outputs' copies; the attention and SwiGLU outputs'
     stay rebuilt where --recompute-att / --recompute-swiglu rebuild those outputs). Unset (auto): on where the
-    memory plan with the copies fits the device with 4% of activations + workspace to spare (plan/memory.AUTO_MARGIN:
-    fragmentation can exceed the plan's 5%) (measured 1.4% faster at Qwen2.5-3B, 0.5% at 1.5B on an H200), else
-    off."""
+    memory plan with the copies fits the device with 4% of activations + workspace to spare
+    (plan/resolution.AUTO_MARGIN: fragmentation can exceed the plan's 5%) (measured 1.4% faster at Qwen2.5-3B, 0.5%
+    at 1.5B on an H200), else off."""
     fp8_swiglu_onepass: bool | None = None
     """With --matmul-dtype e4m3: write the SwiGLU output and its gradient (the MLP's two largest tensors) to e4m3
     in one pass each, with power-of-two scales predicted from the layer's previous micro-step (kept while it fits
@@ -337,62 +323,9 @@ class Options:
     steps; the JSON log has them at every step."""
 
     # ---------------------------------------------------------------------------------------------
-    def __post_init__(self) -> None:
-        pass
-
     @property
     def effective_matmul_dtype(self) -> str:
         return self.matmul_dtype or self.model_dtype
-
-    @property
-    def effective_fp8_swiglu_onepass(self) -> bool:
-        """--fp8-swiglu-onepass as given, else (auto) on with e4m3 matmuls where no recompute splits the MLP."""
-        if self.fp8_swiglu_onepass is not None:
-            return self.fp8_swiglu_onepass
-        return self.effective_matmul_dtype == "e4m3" and not splits_mlp(self.recompute)
-
-    def fp8_choice(self, cfg: ModelConfig) -> Fp8Choice | None:
-        """Which block linears run in FP8 at this micro-batch shape (--fp8-policy and its thresholds); None
-        without --matmul-dtype e4m3."""
-        if self.effective_matmul_dtype != "e4m3":
-            return None
-        return choose_fp8(cfg, self.batch_size * self.seq_len, self.fp8_policy, self.fp8_min_size,
-                          self.fp8_min_block_gflop)
-
-    def cuda_graph_blockers(self, *, world: int) -> list[str]:
-        """What --use-cuda-graphs cannot capture yet in this run (train/cuda_graphs.py): empty if nothing."""
-        out = []
-        if world > 1:
-            out.append(f"{world} processes (--gpus, torchrun): graphs run on one process for now")
-        if self.weights_sharded:
-            out.append("sharded weights (--shard-weights, --zero-level 3)")
-        if self.gradient_manager_kind != "unsharded":
-            out.append("sharded gradients (--shard-gradients, --zero-level 2, --all-to-all-reduce)")
-        offload = [f"--{n.replace('_', '-')}" for n in ("offload_master", "offload_opt_m", "offload_opt_v",
-                                                         "offload_gradients", "offload_quants", "offload_residual",
-                                                         "use_zero_copy") if getattr(self, n)]
-        if offload:
-            out.append(f"offloading ({', '.join(offload)})")
-        if self.persistent_quants:
-            out.append("--persistent-quants (its per-step FP8 weight cache is host-side logic)")
-        if self.debug_log_abs_max:
-            out.append("--debug-log-abs-max (it records values on the host during the micro-step)")
-        return out
-
-    def cuda_graphs_on(self, cfg: ModelConfig, *, world: int, device_type: str) -> bool:
-        """Whether this run's micro-steps replay from CUDA graphs: --use-cuda-graphs as given (on a CUDA
-        device); unset, only where they were measured faster (BENCHMARKS.md, session 9: Qwen2.5-0.5B at 4 x 8
-        2.90x, 16 x 2 1.027x, 32 x 4 1.009x), i.e. nothing blocks them, no linear runs in FP8 (a cold-compile
-        hang with FP8 under capture is not understood yet) and the block's GEMM work per micro-step is at most
-        CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP: above it the GPU, not the host, sets the pace."""
-        if device_type != "cuda" or self.use_cuda_graphs is False or cfg.router is not None:
-            return False  # an MoE model's GEMM shapes change every micro-step (cuda_graphs.check_model_capturable)
-        if self.use_cuda_graphs:
-            return True
-        fp8 = self.fp8_choice(cfg)
-        return (not self.cuda_graph_blockers(world=world) and not (fp8 is not None and fp8.fp8)
-                and self.debug_log_allocations < 0  # it locates the first step's allocations: keep them eager
-                and block_gflop(cfg, self.batch_size * self.seq_len) <= CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP)
 
     @property
     def effective_master_dtype(self) -> str:
@@ -432,176 +365,12 @@ class Options:
             return "all-to-all" if self.all_to_all_reduce else "reduce-scatter"
         return "unsharded"
 
-    def _validate_master(self, err) -> None:
-        """--master-dtype: only fp32 master weights under a bf16 model are a separate copy (docs/precision.md)."""
-        if self.grad_accum_dtype and self.grad_accum_dtype != self.effective_master_dtype and not self.separate_master:
-            raise err(f"--grad-accum-dtype {self.grad_accum_dtype} only applies with --master-dtype fp32 (otherwise the "
-                      "gradient buffers are in the model dtype)")
-        if not self.separate_master:
-            return
-        if self.model_dtype != "bf16":
-            raise err(f"--master-dtype {self.master_dtype} with --model-dtype {self.model_dtype}: a separate master "
-                      "copy is fp32 under a bf16 model (--model-dtype bf16 --master-dtype fp32); for all-fp32 "
-                      "training use --model-dtype fp32 alone")
-        if self.opt_m_dtype != "fp32" or self.opt_v_dtype != "fp32":
-            raise err("--master-dtype fp32 needs --opt-m-dtype fp32 and --opt-v-dtype fp32 (low-precision moments "
-                      "with fp32 master weights are not a supported combination)")
-        if self.offload_master:
-            raise err("--master-dtype fp32 with --offload-master is not supported yet: the offloaded shards are "
-                      "gathered in their own dtype (drop one of them)")
-
     def expand(self, path: str) -> str:
         return path.replace("%n", self.name)
 
     def validate(self) -> "Options":
-        """Raise OptionsError naming the option(s) and the fix; return self for chaining."""
-        def err(msg: str) -> OptionsError:
-            return OptionsError(msg)
-
-        def choice(opt: str, value: str, allowed: tuple[str, ...]) -> None:
-            if value not in allowed:
-                raise err(f"--{opt}={value!r}: must be one of {', '.join(allowed)}")
-
-        for f in fields(self):  # NaN / inf pass every comparison below (nan < 0 is False): refuse them first
-            v = getattr(self, f.name)
-            if isinstance(v, float) and not math.isfinite(v):
-                raise err(f"--{f.name.replace('_', '-')} must be a finite number, got {v}")
-        check_run_name(self.name)
-        for opt, v in (("out-dir", self.out_dir), ("checkpoint-dir", self.checkpoint_dir)):
-            if not v.strip():
-                raise err(f"--{opt} must not be empty")
-        for name, allowed in CHOICES.items():
-            value = getattr(self, name)
-            if value or name not in EMPTY_MEANS_DEFAULT:
-                choice(name.replace("_", "-"), value, allowed)
-        if self.fp8_min_size < 0:
-            raise err(f"--fp8-min-size must be >= 0, got {self.fp8_min_size}")
-        if not self.fp8_min_block_gflop >= 0:
-            raise err(f"--fp8-min-block-gflop must be >= 0, got {self.fp8_min_block_gflop}")
-        if self.gradient_dtype and self.effective_matmul_dtype != "e4m3":
-            raise err("--gradient-dtype only applies with --matmul-dtype e4m3")
-        if self.model_dtype == "fp32" and (self.opt_m_dtype != "fp32" or self.opt_v_dtype != "fp32"):
-            raise err("--model-dtype fp32 needs --opt-m-dtype fp32 and --opt-v-dtype fp32 "
-                      "(low-precision moments with fp32 weights are not a supported combination)")
-        self._validate_master(err)
-        if self.opt_m_dtype == "e4m3" and self.opt_v_dtype != "bf16":
-            raise err("--opt-m-dtype e4m3 needs --opt-v-dtype bf16 (llm.q's only e4m3 combination)")
-        if self.opt_m_dtype == "e4m3" and not self.stochastic_rounding:
-            raise err("--opt-m-dtype e4m3 needs stochastic rounding (drop --no-stochastic-rounding): the "
-                      "round-to-nearest baseline has no block-scaled e4m3 writer")
-        for opt, v in (("batch-size", self.batch_size), ("seq-len", self.seq_len),
-                       ("grad-accumulation", self.grad_accumulation), ("lmhead-chunks", self.lmhead_chunks),
-                       ("attn-bwd-chunks", self.attn_bwd_chunks),
-                       ("epochs", self.epochs), ("eval-every-n-steps", self.eval_every_n_steps),
-                       ("ckpt-interval", self.ckpt_interval)):
-            if v < 1:
-                raise err(f"--{opt} must be >= 1, got {v}")
-        if self.steps == 0 or self.steps < -1:
-            raise err(f"--steps must be positive (or -1 for --epochs), got {self.steps}")
-        if (self.batch_size * self.seq_len) % self.lmhead_chunks:
-            raise err(f"--lmhead-chunks={self.lmhead_chunks} must divide batch*seq-len="
-                      f"{self.batch_size * self.seq_len}")
-        if self.batch_size % self.attn_bwd_chunks:
-            raise err(f"--attn-bwd-chunks={self.attn_bwd_chunks} must divide --batch-size={self.batch_size}")
-        if self.offload_residual and not self.recompute_block:
-            raise err("--offload-residual needs --recompute-block (only the block inputs it keeps are offloaded)")
-        if self.eval_num_steps < 0:
-            raise err(f"--eval-num-steps must be >= 0, got {self.eval_num_steps}")
-        if self.learning_rate <= 0:
-            raise err(f"--learning-rate must be positive, got {self.learning_rate}")
-        if not 0 <= self.final_lr_fraction <= 1:
-            raise err(f"--final-lr-fraction must be in [0, 1], got {self.final_lr_fraction}")
-        if self.warmup < 0 or self.cooldown < 0:
-            raise err("--warmup and --cooldown must be >= 0")
-        if self.steps > 0 and self.warmup + self.cooldown > self.steps:
-            raise err(f"--warmup ({self.warmup}) + --cooldown ({self.cooldown}) exceed --steps ({self.steps})")
-        if not (0 <= self.beta_1 < 1 and 0 <= self.beta_2 < 1):
-            raise err("--beta-1 and --beta-2 must be in [0, 1)")
-        if self.adam_epsilon <= 0 or self.weight_decay < 0 or self.z_loss < 0:
-            raise err("--adam-epsilon must be > 0, --weight-decay and --z-loss >= 0")
-        if self.init_proj_to_zero and not self.from_scratch:
-            raise err("--init-proj-to-zero needs --from-scratch")
-        if self.new_data and self.continue_from is None:
-            raise err("--new-data needs --continue")
-        if self.override_schedule and self.continue_from is None:
-            raise err("--override-schedule needs --continue")
-        if self.zero_level not in (0, 1, 2, 3):
-            raise err(f"--zero-level must be 0..3, got {self.zero_level}")
-        if self.zero_level >= 2 and self.shard_gradients:
-            raise err("--zero-level and --shard-gradients are mutually exclusive (--zero-level 2 implies it)")
-        if self.zero_level >= 2 and self.shard_weights:
-            raise err("--zero-level and --shard-weights are mutually exclusive (--zero-level 3 implies it)")
-        if self.all_to_all_reduce and self.gradient_manager_kind == "unsharded":
-            raise err("--all-to-all-reduce needs sharded gradients (--shard-gradients or --zero-level 2)")
-        if self.shard_group_size < 0:
-            raise err(f"--shard-group-size must be >= 0 (0: all ranks), got {self.shard_group_size}")
-        if self.offload_gradients and self.gradient_manager_kind == "unsharded":
-            raise err("--offload-gradients needs sharded gradients (--shard-gradients or --zero-level 2): "
-                      "unsharded gradients cannot be offloaded")
-        # sharded weights, FP8 weight copies, offload (llm.q: --persistent-quants needs the --shard-weights flag
-        # literally, so --zero-level 3 cannot use it [quirk]; here either way of sharding the weights works)
-        if self.offload_quants and not self.persistent_quants:
-            raise err("--offload-quants needs --persistent-quants")
-        if self.offload_quants and not self.weights_sharded:
-            raise err("--offload-quants needs sharded weights (--shard-weights or --zero-level 3): replicated "
-                      "weights keep their e4m3 copies on the device")
-        if self.persistent_quants and self.effective_matmul_dtype != "e4m3":
-            raise err("--persistent-quants (and --offload-quants) only apply with --matmul-dtype e4m3: they keep "
-                      "FP8 copies of the weights")
-        if self.fp8_keep_transposes and self.effective_matmul_dtype != "e4m3":
-            raise err("--fp8-keep-transposes only applies with --matmul-dtype e4m3: it keeps the e4m3 transposes "
-                      "of the block linears' inputs")
-        if self.fp8_head_backward and self.effective_matmul_dtype != "e4m3":
-            raise err("--fp8-head-backward only applies with --matmul-dtype e4m3: it runs the LM head's gradient "
-                      "GEMMs in FP8")
-        if self.fp8_swiglu_onepass and self.effective_matmul_dtype != "e4m3":
-            raise err("--fp8-swiglu-onepass only applies with --matmul-dtype e4m3: it writes the SwiGLU output and "
-                      "its gradient in e4m3")
-        if self.fp8_swiglu_onepass and splits_mlp(self.recompute):
-            raise err("--fp8-swiglu-onepass needs the MLP as one FP8 function, which --recompute-swiglu / "
-                      "--recompute-ffn split into separate steps: drop one of them")
-        if self.offload_master and not self.weights_sharded:
-            raise err("--offload-master needs sharded weights (--shard-weights or --zero-level 3): qtrain keeps no "
-                      "separate master copy (the model-dtype weights are the master), and replicated weights must "
-                      "stay on the device for the forward")
-        if self.use_zero_copy and not (self.offload_master or self.offload_opt_m or self.offload_opt_v):
-            raise err("--use-zero-copy needs offloaded state (--offload-master, --offload-opt-m or --offload-opt-v)")
-        if self.use_zero_copy and self.device == "cuda":
-            raise err("--use-zero-copy is not supported on CUDA: the AdamW update takes all operands on the "
-                      "device, so offloaded state is streamed through staging buffers (leave it off)")
-        if self.effective_matmul_dtype == "fp32" and self.model_dtype == "bf16":
-            raise err("--matmul-dtype fp32 with --model-dtype bf16 is not supported")
-        if self.matmul_dtype == "bf16" and self.model_dtype == "fp32":  # the linears would run in fp32 all the same
-            raise err("--matmul-dtype bf16 with --model-dtype fp32 is not supported: the block matmuls run in the "
-                      "model dtype; use --model-dtype bf16 (add --master-dtype fp32 to keep fp32 master weights), "
-                      "or drop --matmul-dtype")
-        if self.debug_stack_dump_after < 0:
-            raise err(f"--debug-stack-dump-after must be >= 0 seconds (0 = off), got {self.debug_stack_dump_after}")
-        if self.debug_log_abs_max < 0:
-            raise err(f"--debug-log-abs-max must be >= 0, got {self.debug_log_abs_max}")
-        if self.gpus < 0:
-            raise err(f"--gpus must be >= 0, got {self.gpus}")
-        if self.use_cuda_graphs and self.device == "cpu":
-            raise err("--use-cuda-graphs needs a CUDA device (drop it, or --no-use-cuda-graphs, with --device cpu)")
-        if self.log_gpu_util < 0:
-            raise err(f"--log-gpu-util must be >= 0 (0 = off), got {self.log_gpu_util}")
-        if self.debug_log_allocations < -1 or self.debug_log_allocations == 0:
-            raise err(f"--debug-log-allocations takes a size in MiB >= 1 (-1 = off), got {self.debug_log_allocations}")
-        if self.ckpt_keep_n == 0:
-            raise err("--ckpt-keep-n 0 would delete each checkpoint right after writing it; use 1 to keep only the "
-                      "newest, or -1 (the default) to keep all")
-        if self.ckpt_keep_n < -1:
-            raise err(f"--ckpt-keep-n must be -1 (keep all) or >= 1, got {self.ckpt_keep_n}")
-        if self.max_nonfinite_steps < 0:
-            raise err(f"--max-nonfinite-steps must be >= 0 (0 = never stop), got {self.max_nonfinite_steps}")
-        if self.collective_timeout <= 0:
-            raise err(f"--collective-timeout must be > 0 seconds, got {self.collective_timeout}")
-        if self.router_z_loss < 0 or self.log_router_every < 1:
-            raise err(f"--router-z-loss must be >= 0 and --log-router-every >= 1, got {self.router_z_loss} and "
-                      f"{self.log_router_every}")
-        if self.start_over and self.continue_from is not None:
-            raise err("--start-over and --continue exclude each other: --continue resumes the earlier run, "
-                      "--start-over replaces it")
+        """Raise OptionsError naming the option(s) and the fix (`options_checks.check_options`); return self."""
+        check_options(self)
         return self
 
     # ---- config files ----
@@ -617,102 +386,47 @@ class Options:
         return dataclasses.asdict(self)
 
 
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+# The fields by topic, in --help's order (the llm.q implementation switches, which are no fields, follow as a group
+# of their own). Every field is in exactly one section (tests/test_options.py).
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "model": ("model", "from_scratch", "init_proj_to_zero", "seed", "tokenizer"),
+    "data and batch": ("train_file", "eval_file", "train_seed", "eval_seed", "batch_size", "seq_len",
+                       "grad_accumulation", "steps", "epochs", "eval_every_n_steps", "eval_num_steps", "eval_at_start"),
+    "optimizer and schedule": ("learning_rate", "warmup", "cooldown", "final_lr_fraction", "lr_schedule", "beta_1",
+                               "beta_2", "adam_epsilon", "weight_decay", "grad_clip", "z_loss"),
+    "precision": ("model_dtype", "master_dtype", "matmul_dtype", "grad_accum_dtype", "fp8_policy", "fp8_min_size",
+                  "fp8_min_block_gflop", "gradient_dtype", "opt_m_dtype", "opt_v_dtype", "stochastic_rounding",
+                  "persistent_quants", "fp8_keep_transposes", "fp8_swiglu_onepass", "fp8_head_backward"),
+    "memory (recompute, offload, chunking)": (
+        "memory_check", "lmhead_chunks", "attn_bwd_chunks", "recompute_block", "recompute_swiglu", "recompute_norm",
+        "recompute_ffn", "recompute_qkv", "recompute_att", "offload_residual", "offload_master", "offload_opt_m",
+        "offload_opt_v", "offload_quants", "use_zero_copy"),
+    "parallel (GPUs, sharding)": ("gpus", "zero_level", "shard_gradients", "all_to_all_reduce", "offload_gradients",
+                                  "shard_weights", "shard_group_size", "collective_timeout"),
+    "execution (device, compile, kernels)": ("device", "compile", "compile_tuning", "compile_autotune_gemm",
+                                             "sdpa_backend", "use_cuda_graphs"),
+    "mixture of experts": ("router_z_loss", "log_router_every"),
+    "outputs and checkpoints": ("name", "out_dir", "checkpoint_dir", "ckpt_interval", "ckpt_keep_n", "ckpt_major",
+                                "save_training_state", "continue_from", "new_data", "override_schedule", "start_over",
+                                "max_nonfinite_steps"),
+    "logging": ("log_file", "verbose", "quiet", "tensorboard", "wandb", "log_gpu_util"),
+    "debugging": ("debug_time_breakdown", "debug_stack_dump_after", "debug_log_allocations", "debug_log_abs_max"),
+}
 
-
-def check_run_name(name: str) -> None:
-    """A run name is one path component (it replaces %n in --out-dir, --checkpoint-dir and --log-file), so
-    it can never point outside them: no '/', no '..', no leading '.', no spaces or control characters."""
-    if not _RUN_NAME.match(name) or ".." in name:
-        safe = re.sub(r"[^A-Za-z0-9._+-]+", "_", name).strip("._") or "run"
-        raise OptionsError(f"--name {name!r}: a run name is one path component of letters, digits and '._+-' "
-                           f"(it replaces %n in --out-dir, --checkpoint-dir and --log-file); e.g. --name {safe}")
-
-
-def with_derived_name(given: dict[str, Any]) -> dict[str, Any]:
-    """Option values as given (flags over config file) with `name` derived from `out_dir` when only the out-dir
-    was given: its last component, made a valid run name. Without that, every run into its own --out-dir would
-    share the default name's checkpoint-dir and log, and a second one would be refused as the first's."""
-    if "name" in given or "%n" in str(given.get("out_dir", "%n")):
-        return given
-    last = os.path.basename(os.path.normpath(str(given["out_dir"])))
-    name = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._+-]+", "_", last))  # as check_run_name's suggestion
-    name = re.sub(r"^[^A-Za-z0-9]+", "", name)[:128].rstrip("._-")
-    return {**given, "name": name} if name else given
-
-
-ALIASES = {"batch": "batch_size", "seq_length": "seq_len", "lr": "learning_rate", "continue": "continue_from",
-           "use_all_to_all_reduce": "all_to_all_reduce", "offload_grads": "offload_gradients"}
-
-
-def _coerce(key: str, value: Any, source: str, spelled: str = "") -> Any:
-    """A config-file value -> the field's type. Config files are loosely typed (PyYAML reads `3e-4` as a
-    string, a TOML seed may be written "0x83b45442"), so parse strings for numeric fields and reject what
-    does not fit, naming the file and key, instead of failing later with a TypeError."""
-    import typing
-    typ = typing.get_type_hints(Options)[key]
-    def bad(what: str) -> OptionsError:
-        return OptionsError(f"{source}: option {spelled or key!r} must be {what}, got {shorten(repr(value))}")
-    if key == "continue_from":  # `continue = true` (latest), a step number, or a path
-        if value is None or value is False:
-            return None
-        if value is True:
-            return "latest"
-        if isinstance(value, (int, str)):
-            return str(value)
-        raise bad("true, a step number or a path")
-    if typ is bool:
-        if not isinstance(value, bool):
-            raise bad("true or false")
-        return value
-    if typ == bool | None:  # unset = auto
-        if value is None or value == "auto":
-            return None
-        if not isinstance(value, bool):
-            raise bad('true, false or "auto"')
-        return value
-    if typ is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value.strip(), 0)
-            except ValueError:
-                pass
-        raise bad("an integer")
-    if typ is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise bad("a number")
-    if not isinstance(value, str):
-        raise bad("a string")
-    return value
+# Small models trained from scratch (the embedded default, i.e. no --model, and the tiny presets:
+# model/resolve.TINY_MODELS) start from these instead of the dataclass defaults, which are llm.q's fine-tuning ones:
+# a far larger learning rate, short sequences that keep a CPU run to minutes, one micro-batch per step, frequent
+# evaluations, and the model dtype of SMALL_MODEL_DTYPE (fp32 on a CPU, where bf16 has no fast kernels). Given
+# options override them; `cli/options.small_model_defaults` applies them, --help shows them beside the defaults.
+SMALL_MODEL_DEFAULTS: dict[str, Any] = dict(
+    learning_rate=3e-3, warmup=10, lr_schedule="cosine", final_lr_fraction=0.1, seq_len=256, batch_size=8,
+    grad_accumulation=1, epochs=1, eval_every_n_steps=50, eval_num_steps=20)
+SMALL_MODEL_DTYPE = {"cpu": "fp32", "cuda": "bf16"}  # model_dtype, by the device a run will have
+EMBEDDED_NAME = "qtrain-default"  # the run name of the embedded default
 
 
 def normalize_mapping(d: dict[str, Any], *, source: str = "options") -> dict[str, Any]:
-    """Option names (llm.q spellings, '-' or '_', aliases) -> field names, values -> field types.
-    Raises OptionsError naming `source` and the key for unknown, duplicated or ill-typed options."""
-    names = Options.field_names()
-    norm: dict[str, Any] = {}
-    unknown: list[str] = []
-    for k, v in d.items():
-        key = str(k).replace("-", "_")
-        key = ALIASES.get(key, key)
-        if key not in names:
-            unknown.append(str(k))
-            continue
-        if key in norm:
-            raise OptionsError(f"{source}: option {key!r} given twice (as {k!r} and another spelling)")
-        norm[key] = _coerce(key, v, source, spelled=str(k))
-    if unknown:
-        spelled = sorted(names | {a for a in ALIASES})
-        hints = [f"{shorten(repr(u), 60)} -> {m!r}" for u in sorted(unknown)[:5]
-                 if (m := closest(u.replace("-", "_"), spelled)) is not None]
-        raise OptionsError(f"{source}: unknown option(s) {shorten(repr(sorted(unknown)))}"
-                           + (f" (did you mean {', '.join(hints)}?)" if hints else ""))
-    return norm
+    """Option names (llm.q spellings, '-' or '_', aliases) -> field names, values -> field types
+    (`options_names.map_names`). Raises OptionsError naming `source` and the key for unknown, duplicated or
+    ill-typed options."""
+    return map_names(d, typing.get_type_hints(Options), source=source)

@@ -7,11 +7,55 @@ Helpers that spawned worker processes must import (`run_distributed`, batches, m
 from __future__ import annotations
 
 import os
+import re
 import tempfile
+from pathlib import Path
 
 import pytest
 
 from tests.dist_utils import write_model_dir
+
+
+# ------------------------------------------------------------------- unit and integration tests
+# A test is `integration` when it runs qtrain as a user does (the CLI, several processes, a subprocess, a child
+# pytest under Triton's interpreter) or sits in a folder of such tests; every other test is `unit`. Unit tests run
+# first, and in CI (CI set in the environment) a failed unit test skips the integration tests after it: a broken
+# unit fails in seconds, not after the end-to-end runs it breaks. `pytest -m unit` / `-m integration` select them.
+INTEGRATION_FOLDERS = ("reliability", "bench")
+_END_TO_END = re.compile(r"from qtrain\.cli\.main import main|qtrain_subprocess|run_distributed|launch_local|"
+                         r"subprocess\.(run|Popen)|run_training\(")
+_TESTS = Path(__file__).resolve().parent
+_module_kind: dict[Path, bool] = {}
+_failed_units: list[str] = []
+
+
+def _is_integration(item: pytest.Item) -> bool:
+    path = Path(str(item.fspath)).resolve()
+    if item.name.startswith("test_interpreter_subprocess"):
+        return True
+    if path not in _module_kind:
+        folder = path.relative_to(_TESTS).parts[0] if path.is_relative_to(_TESTS) else ""
+        _module_kind[path] = folder in INTEGRATION_FOLDERS or bool(_END_TO_END.search(path.read_text("utf-8")))
+    return _module_kind[path]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker("integration" if _is_integration(item) else "unit")
+    items.sort(key=lambda it: it.get_closest_marker("integration") is not None)  # stable: units first
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if report.failed and item.get_closest_marker("unit") is not None:
+        _failed_units.append(item.nodeid)
+    return report
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if os.environ.get("CI") and _failed_units and item.get_closest_marker("integration") is not None:
+        pytest.skip(f"a unit test failed ({_failed_units[0]}): CI skips the integration tests")
 
 
 @pytest.fixture(scope="module")

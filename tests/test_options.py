@@ -478,3 +478,16 @@ def test_every_field_has_a_type_the_loaders_understand():
     hints = typing.get_type_hints(Options)
     for f in dataclasses.fields(Options):
         assert f.name == "continue_from" or hints[f.name] in (bool, bool | None, int, float, str), f.name
+
+
+def test_every_field_is_in_one_help_section():
+    """--help groups the options by `SECTIONS`: each field in exactly one (a new field needs its topic there)."""
+    from qtrain.options import SECTIONS
+    listed = [n for names in SECTIONS.values() for n in names]
+    assert sorted(listed) == sorted(Options.field_names()), set(listed) ^ Options.field_names()
+
+
+def test_verbose_and_quiet_exclude_each_other():
+    assert Options(verbose=True).validate().verbose and Options(quiet=True).validate().quiet
+    with pytest.raises(OptionsError, match="--verbose and --quiet"):
+        Options(verbose=True, quiet=True).validate()

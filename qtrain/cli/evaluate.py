@@ -8,8 +8,6 @@ from typing import Sequence
 
 from qtrain.train.evaluate import DTYPE_NAMES, evaluate_model, resolve_device, resolve_dtype
 
-HELP = "loss / perplexity of a Hugging Face model directory on token files"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF model directory, or ORG/NAME in the local HF cache")

@@ -8,8 +8,6 @@ from typing import Sequence
 from qtrain import console
 from qtrain.train.export import export_checkpoint
 
-HELP = "training checkpoint -> Hugging Face model directory (weights, tokenizer, generation config)"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", required=True, help="a run's checkpoint directory (ckpt/NAME), or one step_N")

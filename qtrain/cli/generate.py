@@ -9,8 +9,6 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-HELP = "sample text from an export or Hugging Face model directory"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF model directory (an export), or ORG/NAME in the local HF cache")
@@ -31,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
-    from qtrain.data.tokenize import get_tokenizer
+    from qtrain.data.tokenizers import get_tokenizer
     from qtrain.model.generate import Sampling, SamplingError, generate
     from qtrain.model.hf_io import load_hf_weights, load_model_config, stop_token_ids
     from qtrain.model.resolve import resolve_model_dir

@@ -9,7 +9,9 @@
     qtrain generate --model output/run --prompt "Once upon a time"
     qtrain plan --model Qwen2.5-7B --gpu-memory 80GiB --seq-len 1024 [--gpus 8]
 
-Each subcommand is a module of this package with `HELP`, `add_arguments(parser)` and `run(ns, argv)`.
+Each subcommand is a module of this package with `add_arguments(parser)` and `run(ns, argv)`; `SUBCOMMANDS` names
+it and its help line, so that listing the subcommands imports none of them, and a command line builds the parser of
+its own subcommand only (`qtrain --help` and `qtrain train --help` import no torch).
 """
 from __future__ import annotations
 
@@ -17,14 +19,22 @@ import argparse
 import importlib
 import signal
 import sys
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from qtrain import __version__, console
 from qtrain.options import closest
 
-# subcommand -> module of this package; `allow_abbrev` is off for those with many long flags
-SUBCOMMANDS = {"train": "train", "tokenize": "tokenize", "export": "export", "generate": "generate",
-               "plan": "plan", "eval": "evaluate", "plot": "plot", "export-wandb": "wandb"}
+# subcommand -> (module of this package, help line); `allow_abbrev` is off for those with many long flags
+SUBCOMMANDS = {
+    "train": ("train", "train or fine-tune a model"),
+    "tokenize": ("tokenize", "text / JSONL / Parquet -> token files (with loss masks for chat / SFT data)"),
+    "export": ("export", "training checkpoint -> Hugging Face model directory (weights, tokenizer, generation config)"),
+    "generate": ("generate", "sample text from an export or Hugging Face model directory"),
+    "plan": ("plan", "memory plan of the options, and the largest micro-batch that fits a GPU"),
+    "eval": ("evaluate", "loss / perplexity of a Hugging Face model directory on token files"),
+    "plot": ("plot", "plot run logs: loss + eval, lr, grad norm, tokens/s vs steps and tokens"),
+    "export-wandb": ("wandb", "replay a run log into a Weights & Biases run (offline by default)"),
+}
 NO_ABBREV = {"train", "plan"}
 
 
@@ -55,24 +65,36 @@ class Parser(argparse.ArgumentParser):
         return ns
 
 
-def build_parser() -> Parser:
+def build_parser(commands: Iterable[str] | None = None) -> Parser:
+    """The `qtrain` parser. Every subcommand is listed; those in `commands` (default: all) get their arguments,
+    which imports their modules; the others parse nothing and import nothing."""
+    full = set(SUBCOMMANDS if commands is None else commands)
     parser = Parser(prog="qtrain", description="Fast, memory-lean training of Llama-family LMs")
     parser.add_argument("--version", action="version", version=f"qtrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     parser.subcommands = {}
-    for name, module in SUBCOMMANDS.items():
-        mod = importlib.import_module(f"qtrain.cli.{module}")
-        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP, formatter_class=HelpFormatter,
+    for name, (module, help_) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_, formatter_class=HelpFormatter,
                            **({"allow_abbrev": False} if name in NO_ABBREV else {}))
-        mod.add_arguments(p)
-        p.set_defaults(func=mod.run)
+        if name in full:
+            mod = importlib.import_module(f"qtrain.cli.{module}")
+            mod.add_arguments(p)
+            p.set_defaults(func=mod.run)
         parser.subcommands[name] = p
     return parser
 
 
+def command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand a command line names: its first word that is not a flag (the top level's flags take no
+    value), if it is one."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return first if first in SUBCOMMANDS else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    command = command_of(argv)
+    parser = build_parser([command] if command else [])
     ns = parser.parse_args(argv)
     try:
         return _run(ns, argv)

@@ -2,7 +2,8 @@
 function from parsed arguments to a validated `Options` that every subcommand taking them uses
 (`qtrain train`, `qtrain plan`), so both start from the same settings.
 
-Precedence: embedded defaults (only without --model) < --config file < flags.
+Precedence: small-model defaults (without --model, or a tiny preset: `Options.SMALL_MODEL_DEFAULTS`) < --config
+file < flags. --help groups the flags by `options.SECTIONS` and names both defaults where they differ.
 """
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from typing import Any
 from qtrain import console
 from qtrain import options as options_module
 from qtrain.cli.config_file import load_config_file
-from qtrain.options import CHOICES, Options, normalize_mapping, with_derived_name
+from qtrain.options import (CHOICES, EMBEDDED_NAME, SECTIONS, SMALL_MODEL_DEFAULTS, SMALL_MODEL_DTYPE, Options,
+                            normalize_mapping, with_derived_name)
+
+SMALL_MODELS = "the embedded default and the tiny-* presets"  # where SMALL_MODEL_DEFAULTS apply, for --help
 
 # llm.q spellings accepted besides the field names (`--persist-quants` is how llm.q's README spells it)
 EXTRA_FLAGS = {"batch_size": ["--batch"], "seq_len": ["--seq-length"], "learning_rate": ["--lr"],
@@ -69,6 +73,20 @@ def _default_text(name: str, value: Any) -> str:
     return repr(value) if value == "" else str(value)
 
 
+def _default_help(name: str, value: Any) -> str:
+    """' (default: X)', with what a small model starts from instead where that differs (SMALL_MODEL_DEFAULTS)."""
+    text = _default_text(name, value)
+    if name == "model_dtype":
+        where = {"cpu": "on a CPU", "cuda": "on CUDA"}
+        small = ", ".join(f"{v} {where[d]}" for d, v in SMALL_MODEL_DTYPE.items() if v != value)
+    elif name in SMALL_MODEL_DEFAULTS and SMALL_MODEL_DEFAULTS[name] != value:
+        small = _default_text(name, SMALL_MODEL_DEFAULTS[name]) + (" (a tenth of a shorter --steps)"
+                                                                   if name == "warmup" else "")
+    else:
+        small = ""
+    return f" (default: {text}" + (f"; {small} for {SMALL_MODELS}" if small else "") + ")"
+
+
 def _int(s: str) -> int:
     return int(s, 0)  # accepts 0x83b45442 like llm.q's seeds
 
@@ -79,34 +97,52 @@ _int.__name__ = "int"  # argparse names the type in "invalid int value: 'abc'"
 def add_train_args(p: argparse.ArgumentParser) -> None:
     """--config and one flag per `Options` field; nothing is set unless given (argparse.SUPPRESS), so the
     precedence of `options_from_args` holds."""
-    p.add_argument("--config", help="TOML or YAML file of options (flat, or with one level of [sections]); "
-                                    "flags given here override it")
+    p.usage = "%(prog)s [-h] [--config FILE] [OPTION ...]"  # the options, by topic, follow (not a 78-line usage)
+    p.add_argument("--config", metavar="FILE", help="TOML or YAML file of options (flat, or with one level of "
+                                                    "[sections]); flags given here override it")
     hints = typing.get_type_hints(Options)
-    for f in dataclasses.fields(Options):
+    groups = _section_groups(p)
+    by_name = {f.name: f for f in dataclasses.fields(Options)}
+    for f in (by_name[n] for n in groups):  # section by section
         flag = "--" + f.name.replace("_", "-")
         names = [flag] + EXTRA_FLAGS.get(f.name, [])
         help_ = _field_help(f.name)
         if f.name in CHOICES:
             help_ += " Choices: " + ", ".join(CHOICES[f.name]) + "."
         if f.name != "continue_from":
-            help_ += f" (default: {_default_text(f.name, f.default)})".replace("%", "%%")
+            help_ += _default_help(f.name, f.default).replace("%", "%%")
+        g = groups[f.name]
         if f.name == "continue_from":
-            p.add_argument("--continue", dest=f.name, nargs="?", const="latest", default=argparse.SUPPRESS,
+            g.add_argument("--continue", dest=f.name, nargs="?", const="latest", default=argparse.SUPPRESS,
                            help=help_)
             continue
         typ = hints[f.name]
         if typ in (bool, bool | None):
-            p.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+            g.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                            help=help_)
         else:
             conv: Any = {int: _int, float: float}.get(typ, str)
             metavar = "{" + ",".join(CHOICES[f.name]) + "}" if f.name in CHOICES else f.name.upper()
-            p.add_argument(*names, dest=f.name, type=conv, default=argparse.SUPPRESS, metavar=metavar,
+            g.add_argument(*names, dest=f.name, type=conv, default=argparse.SUPPRESS, metavar=metavar,
                            help=help_)
-    g = p.add_argument_group("llm.q implementation switches (accepted, no effect in qtrain)")
+    g = p.add_argument_group("llm.q implementation switches (accepted, no effect in qtrain)")  # after the sections
     for flag, note in LLMQ_IMPLEMENTATION_FLAGS.items():
         g.add_argument(flag, *LLMQ_FLAG_ALIASES.get(flag, []), dest="llmq_" + flag[2:].replace("-", "_"),
                        action="store_true", default=argparse.SUPPRESS, help=note.replace("%", "%%"))
+
+
+def _section_groups(p: argparse.ArgumentParser) -> dict[str, Any]:
+    """Field name -> the --help group of its section (`options.SECTIONS`; a field in none: "other options"), in
+    the sections' order."""
+    out: dict[str, Any] = {}
+    for title, names in SECTIONS.items():
+        g = p.add_argument_group(f"{title} options")
+        out.update({n: g for n in names})
+    rest = [f.name for f in dataclasses.fields(Options) if f.name not in out]
+    if rest:
+        g = p.add_argument_group("other options")
+        out.update({n: g for n in rest})
+    return out
 
 
 def llmq_notes(ns: argparse.Namespace) -> list[str]:
@@ -115,15 +151,21 @@ def llmq_notes(ns: argparse.Namespace) -> list[str]:
             if getattr(ns, "llmq_" + flag[2:].replace("-", "_"), False)]
 
 
-def embedded_defaults(steps: int = -1) -> dict[str, Any]:
-    """Settings for the embedded default run (no --model): a tiny model from scratch needs a far larger
-    learning rate than llm.q's fine-tuning default, and short sequences keep a CPU run to a few minutes.
-    The warmup (10 steps) shrinks to a tenth of a shorter `--steps`, so `--steps 1` just works."""
+def small_model_defaults(steps: int = -1, device: str = "auto") -> dict[str, Any]:
+    """What a small model from scratch starts from (`options.SMALL_MODEL_DEFAULTS`: the embedded default and the
+    tiny presets), for a run of `steps` on `device`: the warmup shrinks to a tenth of a shorter `--steps` (so
+    `--steps 1` just works), the model dtype follows the device (SMALL_MODEL_DTYPE)."""
     import torch
-    warmup = 10 if steps <= 0 else min(10, steps // 10)
-    return dict(learning_rate=3e-3, warmup=warmup, lr_schedule="cosine", final_lr_fraction=0.1, seq_len=256,
-                batch_size=8, grad_accumulation=1, epochs=1, eval_every_n_steps=50, eval_num_steps=20,
-                model_dtype="bf16" if torch.cuda.is_available() else "fp32", name="qtrain-default")
+    warmup = SMALL_MODEL_DEFAULTS["warmup"]
+    if steps > 0:
+        warmup = min(warmup, steps // 10)
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    return {**SMALL_MODEL_DEFAULTS, "warmup": warmup, "model_dtype": SMALL_MODEL_DTYPE["cuda" if cuda else "cpu"]}
+
+
+def embedded_defaults(steps: int = -1, device: str = "auto") -> dict[str, Any]:
+    """Settings for the embedded default run (no --model): the small-model defaults and its run name."""
+    return {**small_model_defaults(steps, device), "name": EMBEDDED_NAME}
 
 
 def options_from_args(ns: argparse.Namespace) -> Options:
@@ -135,8 +177,13 @@ def options_from_args(ns: argparse.Namespace) -> Options:
     if getattr(ns, "config", None):
         base = normalize_mapping(load_config_file(ns.config), source=f"--config {ns.config}")
     merged = with_derived_name({**base, **given})
+    steps, device = int(merged.get("steps", -1)), str(merged.get("device", "auto"))
     if not merged.get("model"):
-        merged = {**embedded_defaults(int(merged.get("steps", -1))), **merged}
+        merged = {**embedded_defaults(steps, device), **merged}
+    else:
+        from qtrain.model.resolve import is_tiny  # imports torch: parsing --help does not come here
+        if is_tiny(str(merged["model"])):
+            merged = {**small_model_defaults(steps, device), **merged}
     opts = Options(**merged).validate()
     if opts.tokenizer:  # an explicit export tokenizer must exist: say so now, not after training
         from qtrain.data.hf_tokenizer import export_tokenizer

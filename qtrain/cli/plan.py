@@ -8,12 +8,7 @@ import sys
 from typing import Any, Sequence
 
 from qtrain.cli.options import add_train_args, options_from_args
-from qtrain.model.resolve import TINY_NAME, resolve_model
 from qtrain.options import OptionsError
-from qtrain.plan.memory import _gib, parse_bytes, plan_memory
-from qtrain.plan.propose import _sequences, propose, recommend
-
-HELP = "memory plan of the options, and the largest micro-batch that fits a GPU"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(ns: argparse.Namespace, argv: Sequence[str] = (), out=None) -> int:
     """`qtrain plan`: print the plan of the given options and the proposal for --gpu-memory."""
+    from qtrain.model.resolve import TINY_NAME, resolve_model  # torch: not for `qtrain plan --help`
+    from qtrain.plan.memory import _gib
+    from qtrain.plan.propose import _sequences, propose, recommend
+    from qtrain.plan.resolution import plan_memory
     out = out or sys.stdout
     opts = options_from_args(ns)
     cfg, name = resolve_model(opts.model, from_scratch=True).cfg, opts.model or TINY_NAME
@@ -132,6 +131,7 @@ def _scale(ns: argparse.Namespace, opts: Any, cfg: Any, name: str, out) -> int:
 
 
 def _bytes(opt: str, s: str) -> int:
+    from qtrain.plan.memory import parse_bytes
     try:
         return parse_bytes(s)
     except ValueError as e:

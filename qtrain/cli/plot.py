@@ -11,8 +11,6 @@ from typing import Sequence
 from qtrain.observe.history import LogError
 from qtrain.observe.plot import plot_logs
 
-HELP = "plot run logs: loss + eval, lr, grad norm, tokens/s vs steps and tokens"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("logs", nargs="+", metavar="LOG", help="run log(s): qtrain's JSON Lines (--log-file) or llm.q's JSON")

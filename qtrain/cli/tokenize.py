@@ -9,8 +9,6 @@ from typing import Sequence
 from qtrain.data.sft import SFTFormat
 from qtrain.data.tokenize import tokenize_files
 
-HELP = "text / JSONL / Parquet -> token files (with loss masks for chat / SFT data)"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("inputs", nargs="+", help="input .txt/.jsonl/.parquet files, directories or globs")

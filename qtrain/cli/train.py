@@ -8,8 +8,6 @@ from typing import Sequence
 from qtrain.cli.options import add_train_args, options_from_args
 from qtrain.options import Options
 
-HELP = "train or fine-tune a model"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_train_args(p)

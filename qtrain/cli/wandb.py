@@ -6,8 +6,6 @@ from typing import Sequence
 
 from qtrain.observe.wandb import export_wandb
 
-HELP = "replay a run log into a Weights & Biases run (offline by default)"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("log", metavar="LOG", help="run log: qtrain's JSON Lines (--log-file) or llm.q's JSON")

@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from qtrain.data.token_files import DataError, read_token_file_header, write_token_file
-from qtrain.data.tokenize import HoldOut, get_tokenizer
+from qtrain.data.tokenize import HoldOut
+from qtrain.data.tokenizers import get_tokenizer
 
 CORPUS_VERSION = 2
 EVAL_FRACTION = 0.05

@@ -1,7 +1,7 @@
 """Tokenizer files for Hugging Face tools: what an export needs so that `AutoTokenizer`, lm-evaluation-harness,
 vLLM and llama.cpp's converter can use it.
 
-* `builtin_tokenizer_json(name)`: the built-in tiktoken tokenizers (`qwen2`, `gpt2`; `qtrain.data.tokenize`)
+* `builtin_tokenizer_json(name)`: the built-in tiktoken tokenizers (`qwen2`, `gpt2`; `qtrain.data.tokenizers`)
   written as a `tokenizers` byte-level BPE that encodes exactly as they do: the same vocabulary (GPT-2's
   byte-to-unicode alphabet, id = tiktoken rank), merges recovered from the ranks (a token of rank r is the
   merge of the two parts that BPE with all lower ranks leaves of its bytes: the conversion transformers'
@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from qtrain.data.token_files import TokenFileHeader, tokenizer_family
-from qtrain.data.tokenize import (BUILTIN_TOKENIZERS, QWEN2_PATTERN, TOKENIZER_JSON_MAX_BYTES, TiktokenTokenizer,
-                                   TokenizeError, Tokenizer, get_tokenizer)
+from qtrain.data.tokenizers import (BUILTIN_TOKENIZERS, QWEN2_PATTERN, TOKENIZER_JSON_MAX_BYTES, TiktokenTokenizer,
+                                    TokenizeError, Tokenizer, get_tokenizer)
 from qtrain.fsio import read_bounded, shorten
 from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import GENERATION_CONFIG, TOKENIZER_FILES

@@ -30,7 +30,7 @@ from qtrain.fsio import shorten
 
 
 class Tokenizer(Protocol):
-    """What encoding a record needs of a tokenizer (`qtrain.data.tokenize.Tokenizer` has it); a protocol, so
+    """What encoding a record needs of a tokenizer (`qtrain.data.tokenizers.Tokenizer` has it); a protocol, so
     this module, which tokenize.py reads records through, does not import it back."""
     name: str
     eos_id: int

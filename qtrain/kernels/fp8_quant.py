@@ -20,8 +20,11 @@ The transposed copy exists because cuBLASLt FP8 only multiplies row-major x colu
 weight-gradient GEMM needs dY^T and X^T as contiguous row-major FP8 matrices. Writing them from the
 same tile that produces q saves a full re-read of the FP8 tensor.
 
-Layout of this file (STYLE.md "Kernels and their twins"): Triton kernels, host launcher, torch twin
-(the specification; the CPU path), and `fp8_quantize`, which asks `qtrain.kernels.dispatch` which to run.
+This is FP8 quantization's one home. Layout (STYLE.md "Kernels and their twins"): Triton kernels, host launcher, torch
+twin (the specification; the CPU path), `fp8_quantize`, which asks `qtrain.kernels.dispatch` which to run, the custom
+ops a compiled graph calls, and the entries the rest of qtrain calls: `quantize_fp8` (q and its inverse scale; the
+FP8 linears and the persistent e4m3 weight shards), `quantize_fp8_transposed` (q^T), `quantize_for_gemms` (a GEMM
+operand with its transposed copy, through the opaque op inside torch.compile'd graphs).
 """
 from __future__ import annotations
 
@@ -31,7 +34,9 @@ from torch import Tensor
 from qtrain.kernels.dispatch import HAS_TRITON, INTERPRET, jit, tl, triton, use_triton
 from qtrain.kernels.stochastic_rounding import KINDS, load_f32, round_f32
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FP8_DTYPES = (E4M3, E5M2)
 # Largest finite value of each format (torch.finfo(dtype).max).
 FP8_MAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 # Lower bound on amax. Any floor keeps an all-zero tensor finite; this one is small enough that tiny
@@ -278,3 +283,64 @@ def _(x: Tensor, rstd: Tensor, weight: Tensor, amax: Tensor, dtype: torch.dtype)
     M, N = x.shape
     return (x.new_empty((M, N), dtype=dtype), x.new_empty((N, M), dtype=dtype),
             x.new_empty((), dtype=torch.float32))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The entries
+# ----------------------------------------------------------------------------------------------------
+def quantize_fp8(x: Tensor, dtype: torch.dtype = E4M3, amax: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Per-tensor current scaling: scale = FMAX / max(amax, floor), saturating round-to-nearest cast.
+
+    Returns (x_fp8, inv_scale): x_fp8 contiguous with x's shape, inv_scale a 0-dim fp32 tensor on x's
+    device such that x ~= x_fp8.float() * inv_scale. Pass `amax` when the producer already computed it
+    (fused into rmsnorm/swiglu, or the optimizer's abs-max of the updated weight); values beyond it saturate.
+    """
+    q, _, inv_scale = fp8_quantize(x, dtype, amax)
+    return q, inv_scale
+
+
+def quantize_fp8_transposed(x: Tensor, dtype: torch.dtype = E4M3) -> tuple[Tensor, Tensor]:
+    """(q^T contiguous, inv_scale) of a 2-D x with its own abs-max: the operand an FP8 GEMM needs where x's
+    reduction dimension is its first (cuBLASLt takes FP8 only row-major x column-major). One abs-max and one
+    quantize launch; the kernel writes q as well (not returned)."""
+    _, qt, inv_scale = fp8_quantize(x, dtype, transpose=True)
+    return qt, inv_scale
+
+
+Prenorm = tuple[Tensor, Tensor, Tensor]  # an RMSNorm's (input x, rstd, gain w) whose output a linear quantizes
+
+
+def quantize_for_gemms(x: Tensor, dtype: torch.dtype, transpose: bool, *, opaque: bool = True,
+                       prenorm: Prenorm | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
+    """(q, q^T or None, inv_scale) of a 2-D GEMM operand: `fp8_quantize`, except with a transposed copy inside a
+    graph torch.compile traces with `opaque`: there the abs-max is a traced reduction and the quantization one
+    opaque op running the Triton kernel (`fp8_quantize_transposed`, ~4.8 TB/s counting both writes on the H200),
+    where inductor's own code for the transposed write ran at 1-2 TB/s (in a Qwen2.5-3B e4m3 step's profile). An
+    opaque op cannot be rebuilt by the partitioner, so a forward's q^T is kept for backward (1 byte per element,
+    as eager keeps it) instead of re-made in backward: `--fp8-keep-transposes`. The same quantization either way
+    (on the CPU the same bits; on the GPU the kernel and inductor's code may round an element differently).
+
+    The traced abs-max is written row by row, then over the rows (`_abs_max_by_rows`): the same value (max is
+    exact), but inductor's one-shot reduction of a whole 65,536 x 2048 operand (Qwen2.5-1.5B's d(qkv) after the
+    RoPE backward) split it into 528 chunks that do not divide it, with a modulo per element: 0.21 ms for 268 MB
+    (1.3 TB/s) on the H200, where the other abs-max reductions of the step ran at ~3 TB/s.
+
+    `prenorm`: x is the RMSNorm output of `prenorm` = (input, rstd, gain) (`model.layers.rms_norm_and_rstd`). Inside
+    the compiled graph the op then quantizes it from the norm's input, rstd and gain
+    (`fp8_quantize_rmsnorm_transposed`, the same values) and x's only other reader is its traced abs-max, which
+    inductor reduces in the norm's own kernel: x is never written (one bf16 write fewer per norm, ~0.05 ms at
+    Qwen2.5-1.5B's 65,536 x 1536)."""
+    if transpose and opaque and torch.compiler.is_compiling():
+        if prenorm is not None:
+            x_in, rstd, w = prenorm
+            return fp8_quantize_rmsnorm_transposed(x_in.reshape(-1, x_in.shape[-1]), rstd.reshape(-1), w,
+                                                   _abs_max_by_rows(x), dtype)
+        return fp8_quantize_transposed(x, _abs_max_by_rows(x), dtype)
+    return fp8_quantize(x, dtype, transpose=transpose)
+
+
+def _abs_max_by_rows(x: Tensor) -> Tensor:
+    """max |x| of a 2-D x as a reduction over each row, then over the rows' maxima (exactly vector_norm(x, inf))."""
+    if not x.numel():
+        return x.new_zeros(())
+    return torch.linalg.vector_norm(x, float("inf"), dim=-1).amax()

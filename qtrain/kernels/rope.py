@@ -1,9 +1,13 @@
-"""RoPE backward fused with the assembly of the QKV projection's output gradient, in one pass.
+"""RoPE's one home: the cos/sin tables, the rotation, and its backward fused with the assembly of the QKV
+projection's output gradient, in one pass.
 
-The block splits its fused QKV projection output (B, T, q + 2 kv) into q, k, v, rotates q and k
-(``qtrain.model.layers.apply_rope``, HF's rotate-half: y[d] = x[d] cos[d] + r[d] sin[d] with r[d] = -x[d + h]
-for d < h, x[d - h] otherwise, h = hs / 2) and hands them to attention. The backward of that, per
-position t and column d of a head, all in fp32 from the stored values, one rounding at the end::
+The entries: `rope_tables(cfg, T, device, dtype)` (positions 0..T-1, llama3 frequency scaling when configured) and
+`qkv_rope(qkv, cos, sin, nh, nkv, hs, mode=..., qk_norm=...)`, which splits the block's fused QKV projection output
+(B, T, q + 2 kv) into q, k, v, rotates q and k (`apply_rope`, HF's rotate-half: y[d] = x[d] cos[d] + r[d] sin[d]
+with r[d] = -x[d + h] for d < h, x[d - h] otherwise, h = hs / 2) and hands them to attention. The tables and the
+rotation follow `transformers`' order of operations, so fp32 results agree with HF to rounding. The backward of the
+split and rotation, per position t and column d of a head, all in fp32 from the stored values, one rounding at the
+end::
 
     dx[d] = dy[d] * cos[t, d] + dy[d + h] * sin[t, d + h]     (d < h)
     dx[d] = dy[d] * cos[t, d] - dy[d - h] * sin[t, d - h]     (d >= h)
@@ -16,16 +20,20 @@ on the H200 at Qwen2.5-0.5B shapes (64 x 1024 tokens, 14 + 2 + 2 heads of 64) it
 The plain-torch twin (``rope_qkv_backward_twin``) is the specification. ``rope_qkv_backward`` is the custom
 op ``qtrain::rope_qkv_backward`` so that a torch.compile'd block calls it as an opaque kernel (Triton on
 CUDA, the twin elsewhere, per ``qtrain.kernels.dispatch``). The kernel runs without FMA contraction, so it
-and the twin agree bit for bit.
+and the twin agree bit for bit. `qkv_rope(mode="kernel")` differentiates through it (`_QKVRope`).
 """
 from __future__ import annotations
+
+import math
+from typing import Callable, Protocol
 
 import torch
 
 from qtrain.kernels.dispatch import INTERPRET, jit, tl, triton, use_triton
 from qtrain.kernels.stochastic_rounding import KINDS, load_f32, store_f32
 
-__all__ = ["rope_qkv_backward", "rope_qkv_backward_triton", "rope_qkv_backward_twin"]
+__all__ = ["MODES", "RopeConfig", "apply_rope", "qkv_rope", "rope_inv_freq", "rope_qkv_backward",
+           "rope_qkv_backward_triton", "rope_qkv_backward_twin", "rope_tables", "split_qkv"]
 
 ROWS, NUM_WARPS = 16, 4  # a program: 16 tokens of one head
 
@@ -143,3 +151,102 @@ def _(dq, dk, dv, cos, sin):
     _check(dq, dk, dv, cos, sin)
     B, T, nh, hs = dq.shape
     return dq.new_empty(B, T, (nh + 2 * dk.shape[2]) * hs)
+
+
+# ---------------------------------------------------------------------------------------------- tables
+class RopeConfig(Protocol):
+    """What the tables read of a model config (`model.config.ModelConfig` has them)."""
+    rotary_dim: int  # the rotated dimensions of a head
+    rope_theta: float
+    rope_scaling: dict | None  # llama3's: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+
+
+def rope_inv_freq(cfg: RopeConfig) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/hs), with llama3 frequency scaling when configured (fp32); hs: the rotated
+    dimensions of a head (`rotary_dim`)."""
+    hs = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hs, 2, dtype=torch.int64).float() / hs))
+    sc = cfg.rope_scaling
+    if sc:  # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old_ctx = sc["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_ctx / lo, old_ctx / hi
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_tables(cfg: RopeConfig, seq_len: int, device: torch.device | str, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (T, hs) in the activation dtype; positions 0..T-1 (HF "rotate-half" layout)."""
+    inv_freq = rope_inv_freq(cfg).to(device)
+    pos = torch.arange(seq_len, device=device, dtype=torch.int64).float()
+    freqs = torch.outer(pos, inv_freq)  # (T, hs/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hs)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------- the rotation
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (..., hs) with cos/sin broadcasting to it: (B, nh, T, hs) with (T, hs), or (B, T, nh, hs) with
+    (T, 1, hs). Rotates pairs (d, d + hs/2)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def split_qkv(qkv: torch.Tensor, nh: int, nkv: int, hs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused QKV output (B, T, q + 2 kv) -> q, k (views) and v (a copy), each (B, T, heads, hs). v is
+    copied out because attention saves it: a view would keep the whole fused buffer (pre-RoPE q and k) alive."""
+    B, T, _ = qkv.shape
+    q, k, v = qkv.split([nh * hs, nkv * hs, nkv * hs], dim=-1)
+    return q.view(B, T, nh, hs), k.view(B, T, nkv, hs), v.contiguous().view(B, T, nkv, hs)
+
+
+class _QKVRope(torch.autograd.Function):
+    """The fused QKV output (B, T, q + 2 kv) -> q, k rotated and v copied out, each (B, T, heads, hs), as
+    `apply_rope` computes them; the backward is one kernel that also assembles d(qkv) (`rope_qkv_backward`)."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nh: int, nkv: int, hs: int):
+        q, k, v = split_qkv(qkv, nh, nkv, hs)
+        c, s = cos[:, None], sin[:, None]  # (T, 1, hs)
+        ctx.save_for_backward(cos, sin)
+        return apply_rope(q, c, s), apply_rope(k, c, s), v
+
+    @staticmethod
+    def backward(ctx, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        dqkv = rope_qkv_backward(dq.contiguous(), dk.contiguous(), dv.contiguous(), cos, sin)
+        return dqkv, None, None, None, None, None
+
+
+MODES = ("autograd", "kernel")  # how `qkv_rope` is differentiated (its docstring)
+QKNorm = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nh: int, nkv: int, hs: int, *,
+             mode: str = "autograd", qk_norm: QKNorm | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) in (B, T, heads, hs) from the fused QKV output (B, T, q + 2 kv): q and k rotated (`apply_rope`, in the
+    layout the projection wrote, before the transposes attention takes), v copied out (`split_qkv`); cos, sin (T, hs).
+    `qk_norm`: (q, k) -> (q, k) between the split and the rotation (Qwen3's q/k RMSNorms).
+
+    `mode` says how it is differentiated: "autograd" (eager blocks): autograd's graph; "kernel" (compiled blocks):
+    the backward as one kernel that also assembles d(qkv) (`rope_qkv_backward`; inductor's version ran at 0.5-2
+    TB/s), computed in fp32 from the stored gradients and rounded once, so it can differ from autograd's by a unit in
+    the last place. The kernel starts from the rotation's inputs straight out of the split, so with a `qk_norm` in
+    between the backward is autograd's in either mode. The forward is the same in all."""
+    if mode not in MODES:
+        raise ValueError(f"qkv_rope: mode must be one of {MODES}, got {mode!r}")
+    if mode == "kernel" and qk_norm is None:
+        return _QKVRope.apply(qkv, cos, sin, nh, nkv, hs)
+    q, k, v = split_qkv(qkv, nh, nkv, hs)
+    if qk_norm is not None:
+        q, k = qk_norm(q, k)
+    cos, sin = cos[:, None], sin[:, None]  # (T, 1, hs)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

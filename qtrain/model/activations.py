@@ -9,7 +9,7 @@ Nothing is derived here: a block's terms are its family's statements, written be
 Llama family, the `saved_by_*` functions of `model/llama/block.py`), and this module adds them up over the
 layers (layers that hold the same tensors keep the same bytes, so each kind of layer is asked once) together
 with what the family-independent loop keeps (the last block's output) and its transients (the LM head,
-`loss.head_workspace_bytes`; the embedding backward). tests/model/test_activations.py and
+`kernels.cross_entropy.head_workspace_bytes`; the embedding backward). tests/model/test_activations.py and
 tests/plan/test_memory.py check the sums against what autograd saves and what a real micro-step holds.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from qtrain.model.config import ModelConfig
 from qtrain.model.family import DTYPE_BYTES, ActivationSettings, ActTerm
-from qtrain.model.loss import head_workspace_bytes
+from qtrain.kernels.cross_entropy import head_workspace_bytes
 from qtrain.model.recompute import resolve_flags
 from qtrain.model.registry import family_of
 from qtrain.model.weights import statements
@@ -95,7 +95,8 @@ def workspace_phases(cfg: ModelConfig, tokens: int, *, model_dtype: str = "bf16"
     """Transient bytes of a micro-step's phases beyond the activations (`activation_terms` keywords), estimates
     checked against a CPU allocation tracker and the H200's peaks:
       lm_head             the final RMSNorm (eager: fp32 copy, normalized value, output, rstd) and the chunked
-                          head and loss (`loss.head_workspace_bytes`, with --fp8-head-backward's operands);
+                          head and loss (`kernels.cross_entropy.head_workspace_bytes`, with --fp8-head-backward's
+                          operands);
       block_backward      one block's backward (the largest): d(input) and the incoming d(output), fresh weight
                           gradients, activation-gradient temporaries (the family's `backward_temporaries`), the tied
                           head's gradient (kept for the embedding), and the recomputed steps' saved tensors (with

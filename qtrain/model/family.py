@@ -110,11 +110,11 @@ class BlockOptions:
     recompute: frozenset[str] = frozenset()  # block steps (recompute.STEPS' names) rerun in backward
     attn_chunks: int = 1
     compiled: bool = False
-    fused_swiglu: bool = False
+    swiglu: str = "autograd"  # the SwiGLU op's mode (kernels/swiglu: "autograd" or "kernel")
     mlp: Mlp | None = None
     sdpa_backend: str = "auto"
     linears: Mapping[str, Linear] | None = None
-    fused_rope: bool = False
+    rope: str = "autograd"  # the RoPE op's mode (kernels/rope.py: "autograd" or "kernel")
     rebuilt_input_linear: Linear | None = None
     norm_fed_fp8: bool = False
 

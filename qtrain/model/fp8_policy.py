@@ -15,18 +15,17 @@ a micro-batch (batch x seq), N and K the linear's output and input features. Onc
 K the size depends on N and K only: small models' matrices (hidden 896 at Qwen2.5-0.5B) stay below the
 threshold however long the micro-batch, and a tiny micro-batch pulls every size down.
 
-The GEMM size is not the whole story. FP8 also adds host work: every FP8 linear launches quantization and
-abs-max kernels beside its GEMMs, and at small micro-batches the host, not the GPU, sets the step's pace (one
-H200, issue 21: Qwen2.5-1.5B at 4 x 1024 tokens spends 684 of 716 ms per step queueing work). There FP8 saves
-GPU time nobody waits for and adds host time everybody waits for: e4m3 with all four linears in FP8 ran 0.67x
-bf16 at 1.5B b4 and 0.79x at 0.5B b8, although the same linears ran 1.09x (0.5B) and 1.23x (1.5B) at b32. What
-separates the layouts that gain from those that lose is the GPU work one block does per micro-step, the
-*block GFLOP* `6 * M * sum(N * K)` over the four linears (forward and the two backward GEMMs): the host's cost
-per block is about constant (its launches), the GPU's grows with it. Measured on one H200 (BENCHMARKS.md,
-issue 21; all-FP8 e4m3 / bf16 tokens/s in the same call): 0.5B b4 366 GFLOP (0.59x), 0.5B b8 733 (0.79x),
-1.5B b4 1150 (0.67x), 0.5B b16 1466 (0.90x), 1.5B b8 2300 (0.98x and 1.00x: no gain), 0.5B b32 2931 (1.09x),
-1.5B b16 4600 (1.22x), 1.5B b32 9200 (1.23x); 7B at b4 already does 5727 per block. The threshold sits
-between the last layout that did not gain and the first that did.
+The GEMM size is not the whole story. FP8 also adds host work: every FP8 linear launches quantization and abs-max
+kernels beside its GEMMs, and at small micro-batches the host, not the GPU, sets the step's pace (one H200, issue
+21: Qwen2.5-1.5B at 4 x 1024 tokens spends 684 of 716 ms per step queueing work). There FP8 saves GPU time nobody
+waits for and adds host time everybody waits for: e4m3 with all four linears in FP8 ran 0.67x bf16 at 1.5B b4 and
+0.79x at 0.5B b8, although the same linears ran 1.09x (0.5B) and 1.23x (1.5B) at b32. What separates the layouts
+that gain from those that lose is the GPU work one block does per micro-step, the *block GFLOP* `6 * M * sum(N * K)`
+over the four linears (forward and the two backward GEMMs): the host's cost per block is about constant (its
+launches), the GPU's grows with it. Measured on one H200 (all-FP8 e4m3 / bf16 tokens/s in the same call): 0.5B b4
+366 GFLOP (0.59x), 0.5B b8 733 (0.79x), 1.5B b4 1150 (0.67x), 0.5B b16 1466 (0.90x), 1.5B b8 2300 (0.98x and 1.00x:
+no gain), 0.5B b32 2931 (1.09x), 1.5B b16 4600 (1.22x), 1.5B b32 9200 (1.23x); 7B at b4 already does 5727 per block.
+The threshold sits between the last layout that did not gain and the first that did.
 
 `--fp8-policy auto` (the default) therefore puts a linear in FP8 when both hold:
   - the block's GFLOP per micro-step reach `--fp8-min-block-gflop` (default `DEFAULT_MIN_BLOCK_GFLOP`): the GPU,
@@ -44,13 +43,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qtrain.model.choices import FP8_MIN_BLOCK_GFLOP as DEFAULT_MIN_BLOCK_GFLOP
+from qtrain.model.choices import FP8_MIN_SIZE as DEFAULT_MIN_SIZE
+from qtrain.model.choices import FP8_POLICIES  # noqa: F401 (the policies' names, listed by the options)
 from qtrain.model.config import ModelConfig
 from qtrain.model.registry import family_of
 from qtrain.model.weights import statements, sum_over_layers
 
-FP8_POLICIES = ("all", "auto")
-DEFAULT_MIN_SIZE = 400
-DEFAULT_MIN_BLOCK_GFLOP = 2600
 
 
 def gemm_shapes(cfg: ModelConfig, tokens: int) -> dict[str, tuple[int, int, int]]:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qtrain.numerics.fp8 import E4M3, E5M2, Prenorm, fp8_linear, fp8_swiglu_mlp
+from qtrain.kernels.fp8_quant import E4M3, E5M2, Prenorm
+from qtrain.kernels.swiglu import fp8_swiglu_mlp
+from qtrain.numerics.fp8 import fp8_linear
 
 FP8_GRAD_DTYPES = {"e4m3": E4M3, "e5m2": E5M2}
 
@@ -20,7 +22,7 @@ FP8_GRAD_DTYPES = {"e4m3": E4M3, "e5m2": E5M2}
 def block_linear(matmul_dtype: str = "", grad_dtype: str = "e4m3", keep_transposes: bool = False):
     """The function the four block linears run through: F.linear, or FP8 with matmul_dtype "e4m3" (e4m3
     forward; output gradients in `grad_dtype`, e4m3 or e5m2; `keep_transposes`: a compiled block keeps each input's
-    e4m3 transpose for backward instead of rebuilding it, `numerics.fp8.quantize_for_gemms`; the FP8 function takes
+    e4m3 transpose for backward instead of rebuilding it, `kernels.fp8_quant.quantize_for_gemms`; the FP8 function takes
     `prenorm`, the RMSNorm its input comes from, as `fp8_linear` does)."""
     if matmul_dtype != "e4m3":
         return F.linear
@@ -36,8 +38,8 @@ def block_linear(matmul_dtype: str = "", grad_dtype: str = "e4m3", keep_transpos
 
 def block_mlp(matmul_dtype: str = "", grad_dtype: str = "e4m3", keep_transposes: bool = False,
               onepass: bool = False):
-    """The MLP as one function with matmul_dtype "e4m3" (`fp8_swiglu_mlp`: the SwiGLU output exists only in
-    FP8, its gradient is quantized with an abs-max fused into the SwiGLU backward), else None (the block
+    """The MLP as one function with matmul_dtype "e4m3" (the SwiGLU op's `fp8_swiglu_mlp`: the SwiGLU output exists
+    only in FP8, its gradient is quantized with an abs-max fused into the SwiGLU backward), else None (the block
     runs linear -> SwiGLU -> linear). Compiled blocks use it (as they do the fused SwiGLU backward).
     `keep_transposes` as `block_linear`'s; `onepass` (--fp8-swiglu-onepass): h and du in one pass each with
     power-of-two scales, predicted by the hint the block passes (the layer's, kept by the Transformer)."""

@@ -1,6 +1,7 @@
 """Activation memory: which block intermediates are recomputed in backward, and where block inputs live.
 
-llm.q's switches (reference/llmq.md §4.5), in one table each:
+llm.q's switches (reference/llmq.md §4.5), in one table each (`recompute_flags.py`, which imports no torch, so the
+options and the CLI can name them):
 - `IMPLIES`: --recompute-ffn => swiglu, --recompute-att => qkv, --recompute-block => att, ffn, norm.
 - `STEPS`: the block steps each switch reruns in backward instead of keeping their results from forward
   (`norm`: LN1 and LN2; `att`: LN1 and the attention, like llm.q's cuDNN path). These names are the
@@ -34,52 +35,8 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-FLAGS = ("swiglu", "norm", "ffn", "qkv", "att", "block")
-IMPLIES = {"ffn": ("swiglu",), "att": ("qkv",), "block": ("att", "ffn", "norm")}
-STEPS = {"norm": ("ln1", "ln2"), "swiglu": ("swiglu",), "qkv": ("qkv",), "att": ("ln1", "attention"),
-         "ffn": ("ln2", "up"), "block": ()}
-
-
-def resolve_flags(flags: Iterable[str]) -> frozenset[str]:
-    """The given recompute switches plus everything they imply (llm.q's post-parse logic)."""
-    out: set[str] = set()
-    todo = list(flags)
-    while todo:
-        f = todo.pop()
-        if f not in FLAGS:
-            raise ValueError(f"unknown recompute switch {f!r}; known: {', '.join(FLAGS)}")
-        if f not in out:
-            out.add(f)
-            todo.extend(IMPLIES.get(f, ()))
-    return frozenset(out)
-
-
-def recompute_label(flags: Iterable[str]) -> str:
-    """A short name of a recompute set for tables and logs: 'none', 'block', or e.g. 'norm+swiglu'."""
-    flags = resolve_flags(flags)
-    if "block" in flags:
-        return "block"
-    on = [f for f in ("norm", "qkv", "att", "swiglu", "ffn") if f in flags]
-    return "+".join(on) if on else "none"
-
-
-def block_steps(flags: Iterable[str]) -> frozenset[str]:
-    """Steps recomputed inside one block call: none with `block` (the loop reruns the whole block)."""
-    flags = resolve_flags(flags)
-    if "block" in flags:
-        return frozenset()
-    return frozenset(s for f in flags for s in STEPS[f])
-
-
-MLP_STEPS = frozenset({"up", "swiglu"})  # recomputing either runs the MLP as separate steps, not one function
-
-
-def splits_mlp(flags: Iterable[str]) -> bool:
-    """Whether these switches rerun the up projection or SwiGLU as steps of their own inside the block, so that
-    the MLP cannot be one function (--recompute-swiglu, --recompute-ffn; not --recompute-block, which reruns the
-    whole block, MLP function included)."""
-    return bool(MLP_STEPS & block_steps(flags))
-
+from qtrain.model.recompute_flags import (FLAGS, IMPLIES, MLP_STEPS, STEPS, block_steps, recompute_label,  # noqa: F401
+                                          resolve_flags, splits_mlp)
 
 # ---------------------------------------------------------------------------------------------------
 # Measuring: bytes kept for backward

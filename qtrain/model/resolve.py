@@ -1,5 +1,5 @@
-"""Turn `--model` (empty, a preset name, a directory, or `org/name`) into a config and the directory its
-weights and tokenizer come from, never downloading.
+"""Turn `--model` (empty, a tiny model's or a preset's name, a directory, or `org/name`) into a config and the
+directory its weights and tokenizer come from, never downloading.
 
 Training machines are often offline, and a silent download of gigabytes is never what a training run
 should do. So `org/name` is only looked up in the local Hugging Face cache, and when it is not there
@@ -7,6 +7,7 @@ the error names every place that was searched, so the user knows where to put it
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,15 @@ TINY = LlamaConfig(model_type="llama", vocab_size=50304, hidden_size=128, interm
                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                    rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
                    bos_token_id=50256, eos_token_id=50256)
+# The tiny presets: that shape with the vocabulary of each tokenizer `qtrain tokenize` has built in, so its token
+# files train a model in seconds a step on a laptop's CPU. gpt2: the embedded default itself. qwen2: Qwen2.5's
+# 151665 tokens (data/tokenize.py, specials included) padded to a multiple of 64 (Qwen pads its embeddings too), a
+# qwen2-type model (QKV bias) so that transformers pairs the export with Qwen's tokenizer; EOS as Qwen2.5's.
+TINY_QWEN2 = dataclasses.replace(TINY, model_type="qwen2", vocab_size=151680, attention_bias=True,
+                                 bos_token_id=151643, eos_token_id=151643)
+# --model names of the tiny models: from scratch always (there are no weights to load, so no --from-scratch is
+# needed), and with the small-model defaults (options.SMALL_MODEL_DEFAULTS) like the embedded default
+TINY_MODELS = {TINY_NAME: TINY, "tiny-gpt2": TINY, "tiny-qwen2": TINY_QWEN2}
 
 
 @dataclass
@@ -96,6 +106,11 @@ class ModelSource:
     tokenizer_dir: str | None  # where tokenizer files to copy along with exports live
 
 
+def is_tiny(model: str) -> bool:
+    """`--model` names the embedded default or a tiny preset (TINY_MODELS, case-insensitive), or is empty."""
+    return not model or model.lower() in TINY_MODELS
+
+
 def _is_preset(model: str) -> bool:
     """`--model` names a built-in preset (case-insensitive; an `org/` prefix is ignored, e.g. Qwen/Qwen2.5-7B)."""
     key = model.rsplit("/", 1)[-1].lower()
@@ -103,10 +118,11 @@ def _is_preset(model: str) -> bool:
 
 
 def resolve_model(model: str, *, from_scratch: bool = False) -> ModelSource:
-    """`--model` as llm.q reads it: empty (or "qtrain-tiny") -> the embedded tiny model; a preset name with
-    `from_scratch`; else a directory or `org/name` in the local HF cache (never downloaded)."""
-    if not model or model == TINY_NAME:
-        return ModelSource(TINY, None, None)
+    """`--model` as llm.q reads it: empty (or "qtrain-tiny") -> the embedded tiny model; a tiny preset (TINY_MODELS,
+    with or without `from_scratch`); a preset name with `from_scratch`; else a directory or `org/name` in the local
+    HF cache (never downloaded)."""
+    if is_tiny(model):
+        return ModelSource(TINY_MODELS[model.lower()] if model else TINY, None, None)
     if from_scratch and not os.path.isdir(model) and _is_preset(model):
         return ModelSource(preset(model), None, None)
     try:

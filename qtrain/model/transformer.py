@@ -28,11 +28,12 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from qtrain.kernels.swiglu_fp8_onepass import HINT_UNSET, new_scale_hint
+from qtrain.kernels.cross_entropy import IGNORE_INDEX, chunked_lm_head_loss, lm_head_loss_and_grads
+from qtrain.kernels.rope import rope_tables
+from qtrain.kernels.swiglu import ScaleHints
 from qtrain.model.config import ModelConfig
 from qtrain.model.family import BlockFn, BlockOptions, Linear, Mlp
-from qtrain.model.layers import SDPA_BACKENDS, rms_norm, rope_tables
-from qtrain.model.loss import IGNORE_INDEX, chunked_lm_head_loss, lm_head_loss_and_grads
+from qtrain.model.layers import SDPA_BACKENDS, rms_norm
 from qtrain.model.matmul import block_linear, block_mlp
 from qtrain.model.moe_router import RouterLosses
 from qtrain.model.recompute import ResidualStash, block_steps, resolve_flags, splits_mlp
@@ -48,19 +49,18 @@ __all__ = ["FP8_INV_SCALE", "FP8_WEIGHT", "FP8_WEIGHT_T", "SCALE_HINT", "Gradien
 
 
 def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: frozenset[str] = frozenset(),
-                  attn_chunks: int = 1, compiled: bool = False, fused_swiglu: bool = False,
+                  attn_chunks: int = 1, compiled: bool = False, swiglu: str = "autograd",
                   mlp: Mlp | None = None, sdpa_backend: str = "auto",
-                  linears: dict[str, Linear] | None = None, fused_rope: bool = False,
+                  linears: dict[str, Linear] | None = None, rope: str = "autograd",
                   rebuilt_input_linear: Linear | None = None, norm_fed_fp8: bool = False) -> BlockFn:
     """The block of `cfg`'s family as a function of (x, weights, cos, sin), so one compiled graph serves
     every layer (weights are inputs, not captured constants); for the Llama family see model/llama/block.py.
 
     recompute: steps ('ln1', 'qkv', 'attention', 'ln2', 'up', 'swiglu'; see recompute.STEPS) whose results
     are rerun in backward instead of kept; `compiled` picks the mechanism that works under torch.compile.
-    fused_swiglu: SwiGLU's backward as one kernel (`layers.swiglu_fused`), used by the compiled GPU path;
-    inductor's own version of it runs at half the memory bandwidth.
-    fused_rope: RoPE's backward (with the assembly of d(qkv)) as one kernel (`layers.qkv_rope_fused`), used by
-    the compiled GPU path where there is no qk-norm; inductor's version ran at 0.5-2 TB/s.
+    swiglu, rope: the SwiGLU and RoPE ops' modes (`kernels.swiglu.swiglu`, `kernels.rope.qkv_rope`): "kernel" (what
+    compiled blocks use) runs each backward as one kernel, where inductor's own versions ran at half the memory
+    bandwidth and at 0.5-2 TB/s; "autograd" differentiates the plain-torch forward.
     attn_chunks: run attention, forward and backward, as that many independent calls over batch slices.
     sdpa_backend: the attention kernel (layers.SDPA_BACKENDS; 'auto' = torch's choice).
     mlp: the whole MLP after LN2 as one function (FP8's `fp8_swiglu_mlp`, which keeps the SwiGLU output in
@@ -71,11 +71,11 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     output under 'attention', the SwiGLU output under 'swiglu'): FP8 without --fp8-keep-transposes, so that what
     the linear keeps is rebuilt with the step instead of undoing its saving.
     norm_fed_fp8: the FP8 linears (and MLP) after the two norms quantize their input from the norm's input, rstd and
-    gain (`numerics.fp8.quantize_for_gemms`'s prenorm), so the norm's output is never written; for a compiled block
+    gain (`kernels.fp8_quant.quantize_for_gemms`'s prenorm), so the norm's output is never written; for a compiled block
     with kept transposes and no recomputed step (the Transformer decides)."""
     options = BlockOptions(linear=linear, recompute=frozenset(recompute), attn_chunks=attn_chunks, compiled=compiled,
-                           fused_swiglu=fused_swiglu, mlp=mlp, sdpa_backend=sdpa_backend, linears=linears,
-                           fused_rope=fused_rope, rebuilt_input_linear=rebuilt_input_linear,
+                           swiglu=swiglu, mlp=mlp, sdpa_backend=sdpa_backend, linears=linears,
+                           rope=rope, rebuilt_input_linear=rebuilt_input_linear,
                            norm_fed_fp8=norm_fed_fp8)
     return family_of(cfg).make_block_fn(cfg, options)
 
@@ -116,7 +116,7 @@ class RunOptions:
     fp8_grad_dtype: str = "e4m3"  # with e4m3 matmuls: the output gradients' FP8 format, e4m3 or e5m2
     fp8_keep_transposes: bool = False  # with e4m3 and compile: keep the inputs' e4m3 transposes (numerics.fp8)
     fp8_swiglu_onepass: bool = False  # with e4m3 and the fused MLP: h and du in one pass, power-of-two scales
-    fp8_head_backward: bool = False  # the LM head's gradient GEMMs in FP8 (model/loss.py)
+    fp8_head_backward: bool = False  # the LM head's gradient GEMMs in FP8 (kernels/cross_entropy)
     wrap_linear: Callable[[Linear], Linear] | None = None  # instrumentation around the block linears
     # (--debug-log-abs-max); with it the MLP runs as separate linears, which the wrapper sees
 
@@ -162,9 +162,9 @@ class Transformer:
         # not split into steps by a recompute switch (make_block_fn's rule)
         self.swiglu_onepass = bool(run.fp8_swiglu_onepass and mlp is not None and run.compile
                                    and not splits_mlp(run.recompute))
+        ops = "kernel" if run.compile else "autograd"  # SwiGLU's and RoPE's backward kernels where inductor is slow
         fn = make_block_fn(cfg, linear, recompute=block_steps(run.recompute), attn_chunks=run.attn_bwd_chunks,
-                           compiled=run.compile, fused_swiglu=run.compile, fused_rope=run.compile,
-                           mlp=mlp if run.compile else None,
+                           compiled=run.compile, swiglu=ops, rope=ops, mlp=mlp if run.compile else None,
                            sdpa_backend=run.sdpa_backend, linears=linears, rebuilt_input_linear=rebuilt,
                            norm_fed_fp8=bool(run.compile and run.matmul_dtype == "e4m3" and run.fp8_keep_transposes
                                              and run.wrap_linear is None))
@@ -180,8 +180,7 @@ class Transformer:
                             else rms_norm)
         self._stash = ResidualStash(offload=run.offload_residual)  # block inputs with recompute_block
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._scale_hints: dict[tuple[int, str], torch.Tensor] = {}  # (layer, device) -> SCALE_HINT's tensor
-        self._loaded_hints: torch.Tensor | None = None  # (layers, 2) from a checkpoint, for hints not made yet
+        self._scale_hints = ScaleHints(cfg.num_hidden_layers)  # SCALE_HINT's tensors, with swiglu_onepass
         self.router_losses: RouterLosses | None = None  # an MoE model's last micro-step: router statistics, losses
 
     @contextlib.contextmanager
@@ -205,13 +204,7 @@ class Transformer:
         layer, made once, so every micro-step and CUDA-graph replay reads and updates the same one), else w."""
         if not self.swiglu_onepass:
             return w
-        device = next(iter(w.values())).device
-        key = (layer, str(device))
-        if key not in self._scale_hints:
-            self._scale_hints[key] = new_scale_hint(device)
-            if self._loaded_hints is not None:
-                self._scale_hints[key].copy_(self._loaded_hints[layer])
-        return {**w, SCALE_HINT: self._scale_hints[key]}
+        return {**w, SCALE_HINT: self._scale_hints.of(layer, next(iter(w.values())).device)}
 
     def _block_weights(self, weights: WeightSource, layer: int, router: RouterLosses | None) -> dict[str, torch.Tensor]:
         """Block `layer`'s weights with what the loop hands a block beside them: the FP8 scale hints, and in training an
@@ -221,31 +214,13 @@ class Transformer:
 
     def scale_hints(self) -> torch.Tensor | None:
         """The layers' FP8 scale hints as one (layers, 2) int32 CPU tensor, None where the one-pass SwiGLU kernels do
-        not run. They are run state (the scales a layer picks depend on them within one binade,
-        kernels/swiglu_fp8_onepass.py): checkpoints save them so that a resumed run picks the same scales. A layer
-        that has not run yet reads unset."""
-        if not self.swiglu_onepass:
-            return None
-        out = torch.full((self.cfg.num_hidden_layers, 2), HINT_UNSET, dtype=torch.int32)
-        if self._loaded_hints is not None:
-            out.copy_(self._loaded_hints)
-        for (layer, _), hint in self._scale_hints.items():
-            out[layer] = hint.cpu()
-        return out
+        not run: run state that checkpoints save (kernels/swiglu/hints.py)."""
+        return self._scale_hints.state() if self.swiglu_onepass else None
 
-    @torch.no_grad()
     def load_scale_hints(self, hints: torch.Tensor) -> None:
         """Continue from `scale_hints()`'s tensor (a checkpoint's, checked by `checkpointing.check_compatible`);
-        refused if its shape is not (layers, 2) int32. Without the one-pass kernels there is nothing to continue:
-        ignored."""
-        shape = (self.cfg.num_hidden_layers, 2)
-        if hints.dtype != torch.int32 or tuple(hints.shape) != shape:
-            raise ValueError(f"scale hints: expected {shape} int32, got {tuple(hints.shape)} {hints.dtype}")
-        if not self.swiglu_onepass:
-            return
-        self._loaded_hints = hints.detach().cpu().clone()
-        for (layer, _), hint in self._scale_hints.items():
-            hint.copy_(self._loaded_hints[layer])
+        refused if its shape is not (layers, 2) int32. Without the one-pass kernels nothing reads them."""
+        self._scale_hints.load(hints)
 
     def _head_weight(self, nb: dict[str, torch.Tensor]) -> torch.Tensor:
         return nb["embed"] if self.cfg.tie_word_embeddings else nb["lm_head"]

@@ -37,7 +37,7 @@ class GradientSink(Protocol):
 FP8_WEIGHT = "{}.fp8"  # an e4m3 copy of block matrix {} (N, K), contiguous
 FP8_INV_SCALE = "{}.fp8_inv"  # its inverse scale, a 0-dim fp32 tensor
 FP8_WEIGHT_T = "{}.fp8_t"  # optional: the e4m3 copy transposed, (K, N) contiguous (the input gradient's operand)
-# with --fp8-swiglu-onepass: the layer's int32 (2,) scale hints of h and du (kernels/swiglu_fp8_onepass.py), which
+# with --fp8-swiglu-onepass: the layer's int32 (2,) scale hints of h and du (kernels/swiglu/hints.py), which
 # the Transformer adds to the block's weights for the fused FP8 MLP (no grad; run state: `Transformer.scale_hints`)
 SCALE_HINT = "mlp.fp8_scale_hint"
 # a routed (MoE) layer's share of the router losses, which the Transformer adds to the block's weights in training

@@ -21,8 +21,9 @@ Sinks (`add_sink`): objects with `on_event(obj)` (and optionally `close()`) that
 logger writes, as it is written: live W&B (`qtrain.observe.wandb.WandbSink`), the GPU telemetry sampler, ...
 A sink that raises is dropped with a warning, so a dashboard outage never stops a run.
 
-Console verbosity (as llm.q's EVerbosity): -2 silent, -1 eval lines and warnings only, 0 default
-(adds step lines and startup summaries), 1 verbose (adds info messages and full tables). Console lines go through
+Console verbosity (as llm.q's EVerbosity): -2 silent, -1 eval lines, warnings and where the results went only
+(`qtrain train --quiet`), 0 default (adds step lines and startup summaries), 1 verbose (`--verbose`: adds info
+messages, every option and full tables). Console lines go through
 `qtrain.console`: when the console goes away (a closed pipe or terminal) they stop, and the file keeps every line.
 """
 from __future__ import annotations
@@ -254,9 +255,10 @@ class RunLogger:
         self.log("cmd", cmd=list(sys.argv if argv is None else argv), sync=True)
 
     def log_options(self, options: Mapping[str, Any]) -> None:
+        """Every option into the log; on the console only when verbose (they are ~90 lines)."""
         opts = dict(options)
         self.log("options", options=opts, sync=True)
-        if opts and self.verbosity >= DEFAULT:
+        if opts and self.verbosity >= VERBOSE:
             width = max(len(k) for k in opts)
             self._print("[Options]\n" + "\n".join(f"  {k:<{width}}: {v}" for k, v in opts.items()) + "\n")
 

@@ -1,12 +1,14 @@
 """The memory plan: what a run will hold on the device and on the host, computed before anything large is
 allocated (llm.q prints the same table at startup, reference/llmq.md §4).
 
-    plan = plan_memory(cfg, opts, world=8, gpu_memory=parse_bytes("80GiB"))
+    plan = plan_memory(cfg, opts, world=8, gpu_memory=parse_bytes("80GiB"))   # plan/resolution.py
     print(plan.format())                      # device | host table in GiB
     plan.to_dict()                            # the `memory-plan` event of the JSON log
     for changes, plan in propose(cfg, opts, parse_bytes("80GiB"), world=8): ...   # plan/propose.py
 
-The plan re-derives nothing: each row is the memory statement of the component that allocates it, evaluated
+The plan decides nothing: `build_plan` takes the run's automatic choices as `plan/resolution.py` made them
+(`resolve_run`, whose record carries the plan; `plan_memory` there is the plan of options alone). It re-derives
+nothing either: each row is the memory statement of the component that allocates it, evaluated
 for the options without building the component (docs/memory.md has the details):
   - weights: `weights.replicated.replicated_footprint` (+ `CastWeights`' compute copy under fp32 master weights) or `ShardedWeights.footprint_of` (shards, gather
     buffers, persistent e4m3 shards); Adam m / v and the staging slots: `ShardedAdamW.footprint_of`; gradients:
@@ -14,14 +16,13 @@ for the options without building the component (docs/memory.md has the details):
     against the storages real components hold, for every configuration the plan tests cover.
   - activations and workspace: `model.activations` (what autograd keeps per layer and token: the sum of the
     statements the family's block makes beside its steps, eager and compiled; the transient phases of a
-    micro-step, the LM head's from `model.loss`). Activations are exact on CPU; workspace is an upper bound of the
-    measured peak. Frozen groups (`parallel.layout`) have no gradient or optimizer rows.
+    micro-step, the LM head's from `kernels.cross_entropy`). Activations are exact on CPU; workspace is an upper
+    bound of the measured peak. Frozen groups (`parallel.layout`) have no gradient or optimizer rows.
   - with --use-cuda-graphs, the evaluation's LM head beside the graphs' private pool (train/cuda_graphs.py).
   - a reserve (CUDA context, libraries) and 5% of activations + workspace for allocator fragmentation.
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,12 +49,6 @@ MiB = 1 << 20
 # fixed device reserve on CUDA (context, cuBLAS/cuDNN workspaces, NCCL buffers) + allocator slack
 CUDA_RESERVE_BYTES = 1 * GiB
 FRAGMENTATION = 0.05  # of activations + workspace: caching-allocator fragmentation
-# What an automatic memory-for-speed choice (--fp8-keep-transposes unset) must leave free besides, as a fraction of
-# activations + workspace: fragmentation can exceed FRAGMENTATION, and a run the user did not ask to spend memory
-# on must not fail for it. Measured (H200, Qwen2.5-1.5B e4m3 64 x 2, lmhead 2, 2026-12-03): the plan put the
-# allocated peak within 0.1 GiB, but the allocator held 9.8 GiB in unusable fragments, 8.3% of activations +
-# workspace, and the first step ran out of memory with the plan's 0.84 GiB free.
-AUTO_MARGIN = 0.04
 
 
 @dataclass
@@ -240,68 +235,47 @@ def _gradient_row(opts: Options, layout: FlatLayout, device: str, *, graphs: boo
 
 
 # ---------------------------------------------------------------------------------------------------------
-def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: int | None = None,
-                device: str = "cuda", compiled: bool | None = None, reserve: int | None = None,
-                layout: FlatLayout | None = None, model_name: str | None = None,
-                recompute: frozenset[str] | None = None, attn_chunks: int | None = None) -> MemoryPlan:
-    """Bytes per rank for `cfg` trained with `opts` on `world` ranks of `device` ('cuda' or 'cpu').
+def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shards: int, compiled: bool,
+               fp8_linears: tuple[str, ...], quants: tuple[str, ...], keep_transposes: bool, fp8_head_backward: bool,
+               cuda_graphs: bool, recompute: frozenset[str], gpu_memory: int | None = None,
+               reserve: int | None = None, layout: FlatLayout | None = None,
+               model_name: str | None = None) -> MemoryPlan:
+    """Bytes per rank for `cfg` trained with `opts` on `world` ranks of `device` ('cuda' or 'cpu'), its state cut
+    across `shards` ranks, with the run's automatic choices as `plan.resolution.resolve_run` made them (this
+    function decides nothing): compiled blocks, the block linears in FP8 and their e4m3 weights made once per
+    step (`quants`), the e4m3 input transposes kept, the LM head's FP8 backward, CUDA graphs, the recompute set.
 
-    compiled: whether blocks run torch.compile'd (None: as `opts.compile` decides on `device`).
-    reserve: fixed device reserve (None: 1 GiB on CUDA, 0 on CPU), plus 5% of activations + workspace for
-    allocator fragmentation. recompute / attn_chunks: override what `opts` says (what a model was actually
-    built with)."""
-    if world < 1:
-        raise ValueError(f"world must be >= 1, got {world}")
-    # hybrid sharding (--shard-group-size): state is cut across the shard group, not the world
-    shards = opts.shard_group_size if 0 < opts.shard_group_size <= world else world
+    gpu_memory: the budget (None: unknown). reserve: fixed device reserve (None: 1 GiB on CUDA, 0 on CPU), plus
+    5% of activations + workspace for allocator fragmentation."""
     layout = layout if layout is not None and layout.world == shards else FlatLayout(cfg, shards)
-    if compiled is None:
-        compiled = opts.compile == "on" or (opts.compile == "auto" and device == "cuda")
     matmul = opts.effective_matmul_dtype
     B, T, L = opts.batch_size, opts.seq_len, cfg.num_hidden_layers
     N = B * T
-    rc = resolve_flags(recompute if recompute is not None else opts.recompute)
-    # e4m3 block matrices kept for the step (llm.q's --persistent-quants): the trainer's weight source makes them
-    # (ShardedWeights' shards, or QuantizedWeights around replicated weights, which --debug-log-abs-max bypasses)
-    # --fp8-policy: the block linears in FP8 (model/fp8_policy.py); the others run as in the model dtype
-    choice = opts.fp8_choice(cfg)
-    fp8 = choice.fp8 if choice is not None else ()
-    quants = fp8 if (opts.weights_quantized_once and L > 0) else ()
+    rc = resolve_flags(recompute)
+    fp8 = fp8_linears  # --fp8-policy: the block linears in FP8 (model/fp8_policy.py); the others as in the model dtype
     persistent_quants = bool(quants)
-    if opts.fp8_keep_transposes is None:  # auto: kept where that fits with a margin (the trainer asks the plan)
-        keep = dataclasses.replace(opts, fp8_keep_transposes=True)
-        if compiled and fp8 and gpu_memory is not None:
-            kept = plan_memory(cfg, keep, world=world, gpu_memory=gpu_memory, device=device, compiled=compiled,
-                               reserve=reserve, layout=layout, model_name=model_name, recompute=recompute,
-                               attn_chunks=attn_chunks)
-            margin = AUTO_MARGIN * (kept.item("activations").device + kept.item("workspace").device)
-            if kept.fits and kept.headroom >= margin:
-                return kept
-        opts = dataclasses.replace(opts, fp8_keep_transposes=False)
-    keep_t = bool(opts.fp8_keep_transposes and compiled and fp8)  # the e4m3 input transposes kept (activations)
+    keep_t = bool(keep_transposes and compiled and fp8)  # the e4m3 input transposes kept (activations)
 
-    graphs = opts.cuda_graphs_on(cfg, world=world, device_type=device)  # train/cuda_graphs.py
-    grads = _gradient_row(opts, layout, device, graphs=graphs)
+    grads = _gradient_row(opts, layout, device, graphs=cuda_graphs)
     grads_staged = grads.host > 0 and device != "cpu"  # host gradient shards stream through the update too
     items = [*_weight_rows(cfg, opts, layout, quants),
              *_optimizer_rows(opts, layout, grads_staged=grads_staged), grads]
 
     # ---- activations kept for backward, and the transient phases of a micro-step (model/activations.py) ----
-    attn_chunks = max(1, attn_chunks or opts.attn_bwd_chunks or 1)
+    attn_chunks = max(1, opts.attn_bwd_chunks or 1)
     chunks = max(1, opts.lmhead_chunks)
     kw = dict(model_dtype=opts.model_dtype, matmul_dtype=matmul if fp8 or matmul != "e4m3" else "",
               compiled=compiled, attn_chunks=attn_chunks, fp8_weight_copies=not persistent_quants,
               fp8_keep_transposes=keep_t)
     acts = activation_memory(cfg, N, recompute=rc, offload_residual=opts.offload_residual, **kw)
-    head_fp8 = bool(opts.fp8_head_backward and matmul == "e4m3")
     phases = workspace_phases(cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc,
-                              fp8_head_backward=head_fp8, **kw)
+                              fp8_head_backward=fp8_head_backward, **kw)
     if 0 < len(fp8) < len(family_of(cfg).fp8_matrices):  # some linears in FP8, some not: the larger of the two
         kw_plain = {**kw, "matmul_dtype": ""}
         plain = activation_memory(cfg, N, recompute=rc, offload_residual=opts.offload_residual, **kw_plain)
         acts = max(acts, plain, key=lambda a: a.device)
         phases = {k: max(v, p) for (k, v), p in zip(phases.items(), workspace_phases(
-            cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc, fp8_head_backward=head_fp8,
+            cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc, fp8_head_backward=fp8_head_backward,
             **kw_plain).values())}
     items.append(Item(f"activations ({L} layers)", device=acts.device, host=acts.host, kind="activations",
                       parts={"per_layer": acts.per_layer, "inputs": L * acts.input, "output": acts.input},
@@ -315,7 +289,7 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
                              f"{chunks} chunk{'s' if chunks > 1 else ''}; block backward "
                              f"{_mib(phases['block_backward'])})"))
 
-    if graphs:  # the graphs keep a private pool
+    if cuda_graphs:  # the graphs keep a private pool
         items.append(Item("cuda graphs", device=phases["lm_head"], kind="workspace",
                           detail="the graphs' pool holds a micro-step's activations and workspace; evaluation and "
                                  "the update allocate beside it (bound: the LM head's transient)"))
@@ -343,18 +317,6 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
     return MemoryPlan(model=name, world=world, batch_size=B, seq_len=T, settings=settings, items=items,
                       activation_breakdown=breakdown, budget=gpu_memory, phases=phases,
                       fp8_matrices=family_of(cfg).fp8_matrices)
-
-
-def plan_for_trainer(trainer: Any, gpu_memory: int | None = None) -> MemoryPlan:
-    """The plan of a constructed `Trainer` (its model, options, world size and device)."""
-    dev = trainer.device.type
-    if gpu_memory is None and dev == "cuda":
-        import torch
-        gpu_memory = torch.cuda.get_device_properties(trainer.device).total_memory
-    run = trainer.model.run
-    return plan_memory(trainer.cfg, trainer.opts, world=trainer.ctx.world, gpu_memory=gpu_memory, device=dev,
-                       compiled=run.compile, layout=trainer.layout, recompute=run.recompute,
-                       attn_chunks=run.attn_bwd_chunks)
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,

@@ -13,7 +13,8 @@ from typing import Any
 from qtrain.model.config import ModelConfig
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.layout import FlatLayout
-from qtrain.plan.memory import MemoryPlan, plan_memory
+from qtrain.plan.memory import MemoryPlan
+from qtrain.plan.resolution import plan_memory
 from qtrain.plan.step_cost import StepCost, fp8_weight_params, step_cost
 
 MIN_CHUNK_ROWS = 1024  # propose() splits the LM head into chunks of at least this many tokens (GEMM efficiency)
@@ -113,9 +114,9 @@ def _with_persistent_quants(cfg: ModelConfig, base: Options, proposal: tuple[dic
                             kw) -> tuple[dict[str, Any], MemoryPlan] | None:
     """`proposal` with --persistent-quants where it pays: FP8 linears, several micro-steps per optimizer step
     and replicated weights (the e4m3 weights and their transposes made once per step instead of in every
-    micro-step: +2.1% at Qwen2.5-7B 8 x 8, BENCHMARKS.md session 11), if the plan with the copies still fits and
+    micro-step: +2.1% at Qwen2.5-7B 8 x 8 on an H200), if the plan with the copies still fits and
     the step model finds it cheaper; else None. Sharded weights are left alone: there the option changes what the
-    gathers move, and on one GPU it measured no faster (session 4). Nor with --use-cuda-graphs asked for (the
+    gathers move, and on one GPU it measured no faster. Nor with --use-cuda-graphs asked for (the
     graphs cannot capture the per-step cache) or --debug-log-abs-max (it bypasses the cache)."""
     changes, _ = proposal
     o = dataclasses.replace(base, **changes)

@@ -6,7 +6,7 @@ Why: only 1, 2 and 4 GPUs could be measured; what 8 to 512 would give has to be 
 dominated by which collectives cross the slow inter-node link, which this makes explicit.
 
 The model. A step of one GPU costs its compute (tokens per GPU / the single-GPU rate: measured where
-BENCHMARKS.md has it, else `step_cost`'s FLOP model) plus the part of its communication not hidden behind the
+a run exists, else `step_cost`'s FLOP model) plus the part of its communication not hidden behind the
 compute: `exposed[mode] x communication`. Communication is the sum over the step's collectives, each a ring
 over n ranks: (n-1)/n x bytes / bandwidth + (n-1) x latency per call (an all-reduce is twice that), with one
 call per parameter group (qtrain reduces and gathers a block at a time) and the link of the slowest hop:
@@ -22,14 +22,14 @@ NVLink inside a node, InfiniBand across (each GPU with its own NIC, as on DGX/HG
 Hybrid: the same collectives over the G ranks of a node, and once per step an all-reduce of the gradient
 shard (1/G of the gradients) across the K nodes, one NIC per GPU in parallel.
 
-Calibration (`calibrate`): `exposed[mode]` is fitted (least squares in step time) on the 2- and 4-GPU runs of
-BENCHMARKS.md (MEASURED), one number per mode; `calibration_error` reports each run's predicted against its
-measured tokens/s (in sample: mean 1.2%, worst 4.2%; `leave_one_out_error`, each run predicted by a fit on
-the others: mean 1.4%, worst 4.3%). A fraction above 1 (all-to-all) means that mode's collectives cost more
-than the ring estimate (its fp32 reduction, less overlap). The link parameters are not fitted (2-4 GPUs of one node cannot tell bandwidth from
-latency, nor say anything about InfiniBand): they are the hardware's, `NVLINK` and `IB_400G` below, and
-parameters of `predict`. Not modelled: stragglers, congestion of a fat-tree beyond one NIC per GPU, NCCL's
-tree algorithms (lower latency than rings at large n), compute changes with the micro-batch; the fitted
+Calibration (`calibrate`): `exposed[mode]` is fitted (least squares in step time) on the measured 2- and 4-GPU runs
+(MEASURED: H200 runs, docs/benchmarks-history.md), one number per mode; `calibration_error` reports each run's
+predicted against its measured tokens/s (in sample: mean 1.2%, worst 4.2%; `leave_one_out_error`, each run predicted
+by a fit on the others: mean 1.4%, worst 4.3%). A fraction above 1 (all-to-all) means that mode's collectives cost
+more than the ring estimate (its fp32 reduction, less overlap). The link parameters are not fitted (2-4 GPUs of one
+node cannot tell bandwidth from latency, nor say anything about InfiniBand): they are the hardware's, `NVLINK` and
+`IB_400G` below, and parameters of `predict`. Not modelled: stragglers, congestion of a fat-tree beyond one NIC per
+GPU, NCCL's tree algorithms (lower latency than rings at large n), compute changes with the micro-batch; the fitted
 overlap is assumed to hold across nodes.
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ IB_400G = Link(45e9, 20e-6)  # one 400 Gb/s NIC per GPU (50 GB/s), ~90% of it in
 
 @dataclass(frozen=True)
 class Run:
-    """One measured multi-GPU run and its single-GPU twin of the same call (BENCHMARKS.md)."""
+    """One measured multi-GPU run and its single-GPU twin of the same call (docs/benchmarks-history.md)."""
     model: str
     matmul: str  # bf16 | e4m3
     batch: int
@@ -71,23 +71,23 @@ class Run:
 
 
 MEASURED = (  # seq 1024; tokens/s of all GPUs
-    Run("Qwen2.5-1.5B", "bf16", 16, 2, 4, "reduce-scatter", 220.6e3, 56.4e3, "session 4, 9709a14"),
-    Run("Qwen2.5-1.5B", "bf16", 16, 2, 4, "zero1", 222.2e3, 56.4e3, "session 4, 9709a14"),
-    Run("Qwen2.5-1.5B", "e4m3", 16, 2, 4, "zero1", 270.0e3, 70.3e3, "session 4, 269d9a4"),
-    Run("Qwen2.5-1.5B", "e4m3", 16, 2, 4, "reduce-scatter", 267.5e3, 70.3e3, "session 4, 269d9a4"),
-    Run("Qwen2.5-1.5B", "e4m3", 16, 2, 2, "reduce-scatter", 130.5e3, 69.3e3, "session 4, 2eb5400"),
-    Run("Qwen2.5-1.5B", "e4m3", 16, 2, 2, "all-to-all", 132.6e3, 69.3e3, "session 4, 2eb5400"),
-    Run("Qwen2.5-1.5B", "e4m3", 16, 2, 2, "zero1", 138.4e3, 69.3e3, "session 4, 2eb5400"),
-    Run("Qwen2.5-1.5B", "e4m3", 16, 2, 2, "zero3", 134.9e3, 69.3e3, "session 4, 2eb5400"),
-    Run("Qwen2.5-1.5B", "e4m3", 16, 2, 4, "all-to-all", 263.7e3, 69.07e3, "session 5 call A, 088350d"),
-    Run("Qwen2.5-1.5B", "e4m3", 16, 2, 4, "zero3", 265.3e3, 69.07e3, "session 5 call A, 088350d"),
-    Run("Qwen2.5-1.5B", "bf16", 16, 2, 4, "all-to-all", 207.0e3, 57.24e3, "session 5 call A, 088350d"),
-    Run("Qwen2.5-1.5B", "bf16", 16, 2, 4, "zero3", 218.3e3, 57.24e3, "session 5 call A, 088350d"),
-    Run("Qwen2.5-7B", "bf16", 8, 4, 2, "zero1", 26.75e3, 13.50e3, "session 5 call C, 3c75d6b"),
-    Run("Qwen2.5-7B", "bf16", 8, 4, 2, "reduce-scatter", 26.32e3, 13.50e3, "session 5 call C, 3c75d6b"),
-    Run("Qwen2.5-7B", "bf16", 8, 4, 2, "all-to-all", 24.92e3, 13.50e3, "session 5 call C, 3c75d6b"),
-    Run("Qwen2.5-7B", "bf16", 8, 4, 2, "zero3", 25.57e3, 13.50e3, "session 5 call C, 3c75d6b"),
-    Run("Qwen2.5-7B", "e4m3", 8, 4, 2, "zero1", 37.00e3, 18.66e3, "session 5 call C, 3c75d6b"),
+    Run("Qwen2.5-1.5B", "bf16", 16, 2, 4, "reduce-scatter", 220.6e3, 56.4e3, "9709a14"),
+    Run("Qwen2.5-1.5B", "bf16", 16, 2, 4, "zero1", 222.2e3, 56.4e3, "9709a14"),
+    Run("Qwen2.5-1.5B", "e4m3", 16, 2, 4, "zero1", 270.0e3, 70.3e3, "269d9a4"),
+    Run("Qwen2.5-1.5B", "e4m3", 16, 2, 4, "reduce-scatter", 267.5e3, 70.3e3, "269d9a4"),
+    Run("Qwen2.5-1.5B", "e4m3", 16, 2, 2, "reduce-scatter", 130.5e3, 69.3e3, "2eb5400"),
+    Run("Qwen2.5-1.5B", "e4m3", 16, 2, 2, "all-to-all", 132.6e3, 69.3e3, "2eb5400"),
+    Run("Qwen2.5-1.5B", "e4m3", 16, 2, 2, "zero1", 138.4e3, 69.3e3, "2eb5400"),
+    Run("Qwen2.5-1.5B", "e4m3", 16, 2, 2, "zero3", 134.9e3, 69.3e3, "2eb5400"),
+    Run("Qwen2.5-1.5B", "e4m3", 16, 2, 4, "all-to-all", 263.7e3, 69.07e3, "088350d"),
+    Run("Qwen2.5-1.5B", "e4m3", 16, 2, 4, "zero3", 265.3e3, 69.07e3, "088350d"),
+    Run("Qwen2.5-1.5B", "bf16", 16, 2, 4, "all-to-all", 207.0e3, 57.24e3, "088350d"),
+    Run("Qwen2.5-1.5B", "bf16", 16, 2, 4, "zero3", 218.3e3, 57.24e3, "088350d"),
+    Run("Qwen2.5-7B", "bf16", 8, 4, 2, "zero1", 26.75e3, 13.50e3, "3c75d6b"),
+    Run("Qwen2.5-7B", "bf16", 8, 4, 2, "reduce-scatter", 26.32e3, 13.50e3, "3c75d6b"),
+    Run("Qwen2.5-7B", "bf16", 8, 4, 2, "all-to-all", 24.92e3, 13.50e3, "3c75d6b"),
+    Run("Qwen2.5-7B", "bf16", 8, 4, 2, "zero3", 25.57e3, 13.50e3, "3c75d6b"),
+    Run("Qwen2.5-7B", "e4m3", 8, 4, 2, "zero1", 37.00e3, 18.66e3, "3c75d6b"),
 )
 SEQ = 1024
 
@@ -242,7 +242,7 @@ def scale_table(cfg: ModelConfig, *, matmul: str, batch: int, accum: int, gpus_p
 
 def format_calibration(exposed: dict[str, float]) -> str:
     errs = calibration_error(exposed)
-    lines = ["calibration on BENCHMARKS.md (exposed fraction of communication per mode: "
+    lines = ["calibration on the measured runs (exposed fraction of communication per mode: "
              + ", ".join(f"{m} {exposed[m]:.2f}" for m in MODES) + ")",
              f"  {'model':<13} {'matmul':<6} {'gpus':>4} {'mode':<15} {'measured':>10} {'predicted':>10} {'error':>7}"]
     for r, pred, e in errs:

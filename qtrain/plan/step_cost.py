@@ -1,13 +1,13 @@
 """A rough model of what recomputation and host offload cost per optimizer step: what `qtrain plan` uses to
 choose among configurations that fit.
 
-Why: the plan fits a batch by switching on recomputation or offload, and the two are paid in different
-currencies. Recomputation adds FLOPs to every micro-step (at Qwen2.5-14B, --recompute-ffn reruns the MLP-up
-GEMM: +17% of the step's matmul FLOPs; --recompute-block a whole block forward: about a third); offloading the Adam moments
-or the master weights adds PCIe traffic once per optimizer step (14B m and v: 29.5 GB each, both ways: about
-1.2 s). Which is cheaper depends on the tokens per optimizer step. Measured on one H200 (BENCHMARKS.md,
-session 6): 14B at 256 sequences per step, B=8 with offloaded moments 6.80k tokens/s; B=4 with SwiGLU and norm
-recomputed 6.71k (64 per step); B=32 with the block recomputed 5.45k; B=2 with nothing 6.20k (32 per step).
+Why: the plan fits a batch by switching on recomputation or offload, and the two are paid in different currencies.
+Recomputation adds FLOPs to every micro-step (at Qwen2.5-14B, --recompute-ffn reruns the MLP-up GEMM: +17% of the
+step's matmul FLOPs; --recompute-block a whole block forward: about a third); offloading the Adam moments or the
+master weights adds PCIe traffic once per optimizer step (14B m and v: 29.5 GB each, both ways: about 1.2 s). Which
+is cheaper depends on the tokens per optimizer step. Measured on one H200: 14B at 256 sequences per step, B=8 with
+offloaded moments 6.80k tokens/s; B=4 with SwiGLU and norm recomputed 6.71k (64 per step); B=32 with the block
+recomputed 5.45k; B=2 with nothing 6.20k (32 per step).
 
 The model: time per step = micro-steps x (matmul and attention FLOPs / MATMUL_RATE + gradient accumulation,
 3 passes over the device gradients at HBM_RATE, 2 on the first micro-step) + the per-update transfers
@@ -16,7 +16,7 @@ on the compute stream (forward and backward: twice per micro-step, PCIE_ONE_WAY;
 --persistent-quants) + the other per-micro-step transfers (offloaded gradients, residuals) where they exceed
 the compute they overlap + with FP8 linears, the quantization of their weights (abs-max, e4m3 copy and its
 transpose: in every micro-step, or once per step with --persistent-quants, FP8_WEIGHT_QUANT_RATE, measured at
-7B in session 11). The other rates are what a 14B step reaches on an H200 (model FLOPs per second, not peak) and
+7B). The other rates are what a 14B step reaches on an H200 (model FLOPs per second, not peak) and
 the pinned copy rate measured there; another GPU has other rates, but the ranking depends mostly on their
 ratios. Elementwise work, the update's own kernels and the LM head's memory traffic are the same for every
 candidate and left out: `overhead` compares candidates, it does not predict tokens/s.
@@ -31,6 +31,7 @@ from qtrain.model.recompute import block_steps, resolve_flags
 from qtrain.model.registry import family_of
 from qtrain.model.weights import sum_over_layers
 from qtrain.options import Options
+from qtrain.plan.resolution import fp8_choice
 
 MATMUL_RATE = {"bf16": 560e12, "fp16": 560e12, "fp32": 50e12, "e4m3": 770e12}  # model FLOP/s of a 14B step, H200
 PCIE_RATE = 48e9  # bytes/s each way with both directions busy (pinned, H200)
@@ -38,7 +39,7 @@ PCIE_ONE_WAY = 55e9  # bytes/s of one direction alone (pinned, H200)
 HBM_RATE = 3.1e12  # bytes/s of the stochastic-rounding gradient accumulation pass (H200)
 # FP8 block-matrix parameters per second that a micro-step's weight quantization gets through (abs-max, e4m3
 # copy, transposed copy), H200: Qwen2.5-7B e4m3 at 8 x 8 ran 3346.7 ms per step, 3278.6 with --persistent-quants
-# (BENCHMARKS.md, session 11): 68.1 ms for 7 of 8 quantizations of 6.53e9 parameters, 9.7 ms each.
+# 68.1 ms for 7 of 8 quantizations of 6.53e9 parameters, 9.7 ms each.
 FP8_WEIGHT_QUANT_RATE = 6.7e11
 
 
@@ -132,7 +133,7 @@ def fp8_weight_params(cfg: ModelConfig, opts: Options) -> int:
     layers: what each quantization of the weights reads. (With sharded weights and --persistent-quants a rank
     quantizes only its shard once per step but transposes the gathered copies in every backward; the model
     counts them as replicated ones, and `propose` adds the option only to replicated weights.)"""
-    fp8 = opts.fp8_choice(cfg)
+    fp8 = fp8_choice(cfg, opts)
     if fp8 is None:
         return 0
     family = family_of(cfg)

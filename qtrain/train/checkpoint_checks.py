@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from qtrain.data.tokenize import TOKENIZER_JSON_MAX_BYTES
+from qtrain.data.tokenizers import TOKENIZER_JSON_MAX_BYTES
 from qtrain.fsio import InputError, read_bounded, shorten
 from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import TOKENIZER_FILES

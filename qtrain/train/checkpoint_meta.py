@@ -42,7 +42,7 @@ from typing import Any, Mapping
 
 from qtrain.data.fingerprint import fingerprint
 from qtrain.data.loader import position_error
-from qtrain.data.tokenize import BUILTIN_TOKENIZERS
+from qtrain.data.tokenizers import BUILTIN_TOKENIZERS
 from qtrain.fsio import fsync_path, shorten
 from qtrain.model.config import ConfigError, ModelConfig
 from qtrain.model.registry import config_from_hf_dict

@@ -14,8 +14,8 @@ replay: the batch (static buffers) and the SR keys (the gradient manager's key t
 `GradientManager.use_key_table`, refilled by `start_micro_step`).
 
 The loss scale (world / valid targets of the step) is a GEMM alpha inside the LM head's backward
-(model/loss.py) and a GEMM takes alpha from the host: a device scalar would change the rounding, and so the
-bits, against a run without graphs. The graphs are therefore captured for one loss scale, the first one seen,
+(kernels/cross_entropy/head.py) and a GEMM takes alpha from the host: a device scalar would change the rounding, and
+so the bits, against a run without graphs. The graphs are therefore captured for one loss scale, the first one seen,
 which is every step's scale when no targets are masked (pretraining); a micro-step with another scale (masked
 targets) runs eagerly, with the same bits, and is counted in `eager_other_scale`; so does a micro-batch of
 another shape than the first (the static buffers'), counted in `eager_other_shape`.
@@ -29,11 +29,12 @@ phases never run at once. The allocator's own cache is emptied before each captu
 eagerly after the capture (another loss scale) allocates outside the pool, so such runs can reserve up to two
 micro-steps' activations; the memory plan assumes the common case (one).
 
-Scope of this round (`Options.cuda_graph_blockers`, refused by `check_cuda_graphs` before the model is built
-when the option is given): one process, replicated weights (fp32 master through a bf16 copy included),
+Scope of this round (`plan.resolution.cuda_graph_blockers`, refused by `check_cuda_graphs` there before the model
+is built when the option is given): one process, replicated weights (fp32 master through a bf16 copy included),
 unsharded gradients, nothing offloaded, no --persistent-quants, no --debug-log-abs-max. On a machine without
 CUDA (--device auto) the option does nothing (`status` says so). Unset, the option is on where it was measured
-faster (`Options.cuda_graphs_on`): nothing blocks it, no linear in FP8, a host-bound micro-step.
+faster (`plan.resolution.cuda_graphs_on`): nothing blocks it, no linear in FP8, a host-bound micro-step. The
+run's resolution (`RunResolution.cuda_graphs`) says whether a run uses them.
 """
 from __future__ import annotations
 
@@ -41,35 +42,15 @@ from typing import Callable
 
 import torch
 
-from qtrain.model.config import ModelConfig
-from qtrain.options import Options, OptionsError
+from qtrain.options import Options
 
-__all__ = ["MicroStepGraphs", "check_cuda_graphs", "check_model_capturable", "status"]
+__all__ = ["MicroStepGraphs", "status"]
 
 MicroStepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def check_cuda_graphs(opts: Options, *, world: int, device_type: str) -> None:
-    """Refuse --use-cuda-graphs with what it cannot capture yet, when graphs would be used (a CUDA device)."""
-    if not opts.use_cuda_graphs or device_type != "cuda":
-        return
-    blockers = opts.cuda_graph_blockers(world=world)
-    if blockers:
-        raise OptionsError("--use-cuda-graphs does not support " + "; ".join(blockers) + " yet. Drop "
-                           "--use-cuda-graphs (or add --no-use-cuda-graphs), or those options.")
-
-
-def check_model_capturable(opts: Options, cfg: ModelConfig, *, device_type: str) -> None:
-    """Refuse --use-cuda-graphs for a model whose micro-step a graph cannot replay: an MoE model's (the tokens each
-    expert gets set its grouped GEMMs' row counts anew every micro-step; `Options.cuda_graphs_on` leaves it off)."""
-    if opts.use_cuda_graphs and device_type == "cuda" and cfg.router is not None:
-        raise OptionsError(f"--use-cuda-graphs cannot capture a step of {cfg.model_type} (a Mixture-of-Experts "
-                           "model): the number of tokens each expert gets changes the shapes of its GEMMs from one "
-                           "micro-step to the next, and a CUDA graph replays fixed shapes. Drop --use-cuda-graphs.")
-
-
 def status(opts: Options, device_type: str, *, on: bool, fp8_linears: bool = False) -> str | None:
-    """The log line that says what --use-cuda-graphs does in this run (`on`: Options.cuda_graphs_on). None
+    """The log line that says what --use-cuda-graphs does in this run (`on`: the run's `cuda_graphs`). None
     when the option is unset and the graphs are off (the bf16 runs above CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP)."""
     if opts.use_cuda_graphs is False or (opts.use_cuda_graphs is None and not on):
         return None

@@ -22,13 +22,13 @@ from qtrain.data.hf_tokenizer import recorded_tokenizer, transformers_caveat, un
 from qtrain.data.token_files import DataChangedError
 from qtrain.model.weights import num_params
 from qtrain.observe.live import attach_observers
-from qtrain.observe.log import RunLogger
+from qtrain.observe.log import DEFAULT, QUIET, VERBOSE, RunLogger
+from qtrain.observe.startup import Compiling, seconds_since_start
 from qtrain.observe.metrics import device_peaks, model_flops_per_token, ns_per_token, peak_tflops, sol_ops
 from qtrain.options import Options
 from qtrain.parallel.dist import DistContext, init_distributed, is_collective_error
 from qtrain.plan.host import return_freed_memory
-from qtrain.plan.memory import plan_for_trainer
-from qtrain.train import checkpointing, cuda_graphs, run_dir
+from qtrain.train import checkpointing, compile_cache, cuda_graphs, run_dir
 from qtrain.train.preflight import Prepared, shared_preflight
 from qtrain.train.router_metrics import STEP_FIELDS as ROUTER_FIELDS
 from qtrain.train.schedule import LRSchedule
@@ -49,13 +49,14 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
     ctx = ctx or init_distributed(opts.device, timeout_s=opts.collective_timeout)
     if ctx.device.type == "cpu":
         return_freed_memory()  # so the host memory the plan checked is what the run holds
+    cache_note = compile_cache.use(opts.compile_cache) if _compiles(opts, ctx) else None
     with StopSignals(announce=ctx.is_main) as signals:
         lock = None  # the output paths' lock, when this process took it (rank 0): held until the run ends
         try:
             if prep is None:
                 prep = shared_preflight(opts, ctx)
                 lock = prep.lock
-            return _run(opts, argv, ctx, prep, signals)
+            return _run(opts, argv, ctx, prep, signals, cache_note)
         except Exception as e:  # a hung or dead rank: name it instead of a backend's message
             if ctx.distributed and is_collective_error(e):
                 raise ctx.diagnose(e) from e
@@ -73,19 +74,17 @@ def _claim(prep: Prepared, opts: Options, ctx: DistContext) -> list[str]:
     return notes
 
 
-def _build_trainer(opts: Options, ctx: DistContext) -> Trainer:
-    """The Trainer; running out of memory while it allocates is reported with the plan's numbers."""
+def _build_trainer(opts: Options, ctx: DistContext, prep: Prepared) -> Trainer:
+    """The Trainer, with the run the preflight resolved; running out of memory while it allocates is reported
+    with the plan's numbers."""
     try:
-        return Trainer(opts, ctx)
+        return Trainer(opts, ctx, run=prep.run)
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
             raise
-        from qtrain.model.resolve import resolve_model
         from qtrain.plan.host import HostMemoryError
-        from qtrain.plan.memory import plan_memory
-        plan = plan_memory(resolve_model(opts.model, from_scratch=True).cfg, opts, world=ctx.world,
-                           device=ctx.device.type)
-        raise HostMemoryError(f"out of {ctx.device.type} memory while building the model ({plan.summary()}): "
+        plan = prep.run.plan.summary()
+        raise HostMemoryError(f"out of {ctx.device.type} memory while building the model ({plan}): "
                               f"{str(e).splitlines()[0]}") from None
 
 
@@ -102,8 +101,13 @@ def _logged(log: RunLogger, stop: RunStopped) -> RunStopped:
     return stop
 
 
+def _compiles(opts: Options, ctx: DistContext) -> bool:
+    """Whether the blocks will be torch.compile'd (Trainer's rule), so the compile cache matters."""
+    return opts.compile == "on" or (opts.compile == "auto" and ctx.device.type == "cuda")
+
+
 def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared | None,
-         signals: StopSignals) -> dict:
+         signals: StopSignals, cache_note: str | None = None) -> dict:
     prep = prep or shared_preflight(opts, ctx)
     if prep.review is not None and prep.review.finished:  # --continue of a finished run: nothing is built or written
         if ctx.is_main:
@@ -111,7 +115,7 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
         return {"final_eval_loss": None, "steps": prep.total_steps, "out_dir": prep.paths.out_dir,
                 "checkpoint_dir": prep.paths.ckpt_dir}
     train_pattern, eval_pattern = prep.train_pattern, prep.eval_pattern
-    trainer = _build_trainer(opts, ctx)
+    trainer = _build_trainer(opts, ctx, prep)
     # the checkpoint's tensors are verified as they load, before anything is written: a refused one changes nothing
     resumed = checkpointing.restore_state(prep.resume, trainer) if prep.resume is not None else None
     notes = _claim(prep, opts, ctx)  # after the model is built: a run that fails to start writes nothing
@@ -124,14 +128,16 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
                           cooldown=opts.cooldown, final_lr_fraction=opts.final_lr_fraction, kind=opts.lr_schedule)
     ckpt_dir, out_dir = prep.paths.ckpt_dir, prep.paths.out_dir
 
-    log = RunLogger(prep.paths.log_file, rank=ctx.rank, total_steps=total_steps, router_every=opts.log_router_every)
+    verbosity = QUIET if opts.quiet else VERBOSE if opts.verbose else DEFAULT  # --quiet / --verbose
+    log = RunLogger(prep.paths.log_file, rank=ctx.rank, total_steps=total_steps, verbosity=verbosity,
+                    router_every=opts.log_router_every)
     log.log("run", run_id=prep.run_id, name=opts.name, resume=prep.resume)  # a new log's first line: its owner
-    for note in notes + ([prep.note] if prep.note else []):
+    for note in notes + [n for n in (prep.note, cache_note) if n]:
         log.message(note, level="warning")
     if prep.review is not None:
         prep.review.report(log)
-    graphs_note = cuda_graphs.status(opts, trainer.device.type, on=trainer.graphs is not None,
-                                     fp8_linears=bool(trainer.fp8 is not None and trainer.fp8.fp8))
+    graphs_note = cuda_graphs.status(opts, trainer.run.device, on=trainer.run.cuda_graphs,
+                                     fp8_linears=bool(trainer.run.fp8_linears))
     if graphs_note:
         log.message(graphs_note, level="info")
     tb = None  # --tensorboard DIR: the same metrics as TensorBoard scalars (rank 0)
@@ -160,6 +166,9 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
 
     guard = NonFiniteGuard(opts.max_nonfinite_steps)
     run = {"id": prep.run_id, "name": opts.name}
+    due = start % opts.eval_every_n_steps == 0 and start > 0  # the loop evaluates before its first step anyway
+    if opts.eval_at_start and opts.eval_num_steps > 0 and not due and start < total_steps:
+        evaluate(start, opts.eval_num_steps)  # --eval-at-start: the loss the run starts from
 
     def save_checkpoint() -> str:
         return checkpointing.save(ckpt_dir, trainer, train, log, keep_n=opts.ckpt_keep_n, major=opts.ckpt_major,
@@ -186,11 +195,16 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
             # draining the update too would leave the GPU idle while the host starts the next step (the CLI's
             # 0.5B step took 883 ms where the same step through the API took 862, 2026-12-02). So a step's time
             # is from its start to its norm, and the update's GPU time lands in the next step's.
+            first = step == start
             try:
-                stats = trainer.step(train.next_batches(B, GA), lr=schedule(step))
+                with Compiling(first and trainer.model.run.compile and log.verbosity >= DEFAULT and ctx.is_main,
+                               "the model for its first step", stream=log.stream):
+                    stats = trainer.step(train.next_batches(B, GA), lr=schedule(step))
             except torch.OutOfMemoryError as e:
                 raise _out_of_memory(step, e, trainer, ckpt_dir) from None
             dt_ms = 1000 * (time.perf_counter() - t0)
+            if first:
+                _log_startup(log, step, dt_ms, compiled=trainer.model.run.compile)
             obj = log.log_step(step, step_tokens=step_tokens, duration_ms=dt_ms, norm=stats["norm"],
                                loss=stats["loss"], lr=stats["lr"], epoch=train.progress,
                                **{k: stats[k] for k in ROUTER_FIELDS if k in stats})  # an MoE model's routers
@@ -213,6 +227,16 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
     return {"final_eval_loss": final, "steps": total_steps, "out_dir": out_dir, "checkpoint_dir": ckpt_dir}
 
 
+def _log_startup(log: RunLogger, step: int, first_step_ms: float, *, compiled: bool) -> None:
+    """The run log's `startup` event (seconds from the process's start to the end of its first step, and that
+    step's own time, which holds the compile) and one console line."""
+    since = seconds_since_start()
+    log.log("startup", step=step, seconds_to_first_step=round(since, 2), first_step_s=round(first_step_ms / 1000, 2),
+            compiled=compiled)
+    what = " (compiling included)" if compiled else ""
+    log.message(f"first step done {since:.1f} s after the start; the step took {first_step_ms / 1000:.1f} s{what}")
+
+
 def _out_of_memory(step: int, error: BaseException, trainer: Trainer, ckpt_dir: str) -> Exception:
     """A step that ran out of device memory: the report with the plan, the allocator's fragments and the newest
     checkpoint (nothing is written: the step's state is half-updated)."""
@@ -220,7 +244,7 @@ def _out_of_memory(step: int, error: BaseException, trainer: Trainer, ckpt_dir: 
     if trainer.device.type == "cuda":
         fragments = torch.cuda.memory_reserved(trainer.device) - torch.cuda.memory_allocated(trainer.device)
     rank = trainer.ctx.rank if trainer.ctx.world > 1 else None
-    return out_of_memory(step, error, plan_for_trainer(trainer).summary(), fragments,
+    return out_of_memory(step, error, trainer.run.plan.summary(), fragments,
                          checkpointing.newest_finite(ckpt_dir), rank=rank)
 
 
@@ -280,14 +304,14 @@ def _log_run_header(log: RunLogger, trainer: Trainer, train: TokenLoader, evals:
         log.log_dataset("eval", files=len(evals.files), tokens=evals.num_tokens, seed=opts.eval_seed)
     dev_name = _device_name(ctx.device)
     log.log_device(name=dev_name, rank=ctx.rank, world=W, device=str(ctx.device))
-    ops = sol_ops(cfg, T, matmul_dtype=opts.effective_matmul_dtype, model_dtype=opts.model_dtype)
+    ops = sol_ops(cfg, T, matmul_dtype=trainer.run.matmul_dtype, model_dtype=opts.model_dtype)
     peaks = device_peaks(dev_name)
     log.log_sol(blocks=ops.blocks, lm_head=ops.lm_head, attention=ops.attention,
                 ns_per_token=ns_per_token(ops, dev_name, world=W),
                 peaks=None if peaks is None else {"bf16": peaks.bf16, "fp8": peaks.fp8},
                 mfu_flops_per_token=model_flops_per_token(cfg, T), bf16_peak_tflops=peak_tflops(dev_name, "bf16"),
                 world=W)
-    plan = plan_for_trainer(trainer)  # budget: the device's total memory on CUDA, none on CPU
+    plan = trainer.run.plan  # the run's, made once at the start (budget: the device's total memory on CUDA)
     log.log("memory-plan", **plan.to_dict())
     log._print(plan.format() + "\n")
     if not plan.fits:

@@ -5,9 +5,11 @@
 checks, in order, what would otherwise fail late (after minutes of loading, or at the final evaluation):
 options and their combinations (and what --use-cuda-graphs cannot capture: train/cuda_graphs.py); the device;
 the model's config.json and the weight files' headers (names, shapes, dtypes; no tensor data is read); that
---seq-len fits the model's positions; the output paths (writable, not on top of each other, not another run's:
-`run_dir`; and locked here for the run's life, so a live run's paths are refused to any other process); the token
-files (header, size, each id within the model's vocabulary: scanned memory-mapped and cached per file); the
+--seq-len fits the model's positions; the run's automatic choices, resolved once with its memory plan for every
+rank (`plan/resolution.py`: `Prepared.run`, which the Trainer builds from); the output paths (writable, not on top
+of each other, not another run's: `run_dir`; and locked here for the run's life, so a live run's paths are refused
+to any other process); the token files (header, size, each id within the model's vocabulary: scanned
+memory-mapped and cached per file); the
 checkpoint `--continue` names and whether it fits this run; and the host memory the plan needs. Nothing large
 is allocated.
 
@@ -31,10 +33,9 @@ from qtrain.model.resolve import resolve_model
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.dist import DeviceError, check_device
 from qtrain.parallel.groups import check_group_size
+from qtrain.plan.resolution import RunResolution, check_cuda_graphs, check_model_support, resolve_run
 from qtrain.train import checkpoint_io as cio
-from qtrain.train import checkpointing, resume_checks, run_dir
-from qtrain.parallel.layout import FlatLayout
-from qtrain.train.cuda_graphs import check_cuda_graphs, check_model_capturable
+from qtrain.train import checkpointing, compile_cache, resume_checks, run_dir
 
 DEFAULT_DATA_DIR = os.path.join("data", "qtrain-default")
 
@@ -52,6 +53,7 @@ class Prepared:
     found: run_dir.Found
     start_over: bool
     review: resume_checks.Review | None = None  # --continue: what changed since the checkpoint, or that it is done
+    run: RunResolution | None = None  # every automatic choice of the run, and its memory plan
     lock: Locks | None = dataclasses.field(default=None, repr=False, compare=False)  # the paths, held by this process
 
     def shareable(self) -> "Prepared":
@@ -72,6 +74,15 @@ def _device_type(opts: Options) -> str:
     return "cuda" if opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available()) else "cpu"
 
 
+def resolve(opts: Options, cfg: ModelConfig, world: int) -> RunResolution:
+    """The run's automatic choices and its memory plan, for this machine's device (budget: the total memory of
+    the first visible CUDA device, which every rank of a machine has the same of; none on CPU)."""
+    import torch
+    device = _device_type(opts)
+    total = torch.cuda.get_device_properties(torch.device("cuda")).total_memory if device == "cuda" else None
+    return resolve_run(cfg, opts, world=world, device=device, gpu_memory=total)
+
+
 def check_model(opts: Options) -> ModelConfig:
     """The model's config and, when weights are loaded, their headers; the export's tokenizer files; and what
     the options ask of it."""
@@ -86,14 +97,7 @@ def check_model(opts: Options) -> ModelConfig:
     if opts.seq_len > cfg.max_position_embeddings:
         raise OptionsError(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings "
                            f"{cfg.max_position_embeddings}")
-    check_model_capturable(opts, cfg, device_type=_device_type(opts))
-    if opts.weights_sharded:  # the sharded weight source gathers one block layout (an MoE layer's experts are a group
-        try:                  # of their own, parallel/layout.py)
-            FlatLayout(cfg, 1).uniform_block()
-        except ValueError as e:
-            raise OptionsError(f"--shard-weights / --zero-level 3 is not supported for this {cfg.model_type} model "
-                               f"yet: {e}; drop it (--shard-gradients / --zero-level 2 still shard the gradients "
-                               f"and the optimizer state)") from None
+    check_model_support(cfg, opts, device_type=_device_type(opts))  # MoE: no CUDA graphs, no sharded weights
     return cfg
 
 
@@ -148,14 +152,12 @@ def check_resume(opts: Options, cfg: ModelConfig, world: int, paths: run_dir.Run
     return run_id, path, note, review
 
 
-def check_memory(opts: Options, cfg: ModelConfig, world: int, procs: int) -> None:
+def check_memory(opts: Options, run: RunResolution, procs: int) -> None:
     """Refuse a plan that cannot fit the host (CPU runs; pinned offload buffers on CUDA)."""
     if not opts.memory_check:
         return
     from qtrain.plan.host import check_host_memory, process_rss
-    from qtrain.plan.memory import plan_memory
-    plan = plan_memory(cfg, opts, world=world, device=_device_type(opts))
-    check_host_memory(plan, procs, baseline=process_rss())
+    check_host_memory(run.plan, procs, baseline=process_rss())
 
 
 def preflight(opts: Options, *, world: int, local_procs: int | None = None) -> Prepared:
@@ -170,22 +172,24 @@ def preflight(opts: Options, *, world: int, local_procs: int | None = None) -> P
         if local_procs and local_procs > torch.cuda.device_count():
             raise DeviceError(f"--gpus {local_procs}: only {torch.cuda.device_count()} CUDA device(s) visible")
     cfg = check_model(opts)
+    run = resolve(opts, cfg, world)
     paths = run_dir.RunPaths.of(opts)
     run_dir.check_paths(paths)
+    compile_cache.check(opts.compile_cache)
     lock = run_dir.lock(paths)  # released by the caller when the run ends, or here when a check fails
     try:
         found = run_dir.inspect(paths)
         train_pattern, eval_pattern, total = check_data(opts, cfg, world)
         run_id, resume, note, review = check_resume(opts, cfg, world, paths, found,
                                                     train_pattern=train_pattern, total_steps=total)
-        check_memory(opts, cfg, world, local_procs or world)
+        check_memory(opts, run, local_procs or world)
     except BaseException:
         lock.release()
         raise
     note = "; ".join(n for n in [note, *lock.notes] if n) or None
     return Prepared(run_id=run_id, resume=resume, note=note, train_pattern=train_pattern, eval_pattern=eval_pattern,
                     total_steps=total, paths=paths, found=found, start_over=opts.start_over, review=review,
-                    lock=lock)
+                    run=run, lock=lock)
 
 
 def shared_preflight(opts: Options, ctx: Any) -> Prepared:

@@ -34,8 +34,8 @@ from qtrain.model.hf_io import export_manifest, manifest_files
 from qtrain.options import Options
 from qtrain.train.checkpoint_meta import MUST_MATCH
 
-# how this command resumes, not what the run is: never compared
-INVOCATION = ("continue_from", "new_data", "start_over", "override_schedule")
+# how this command resumes and what it prints, not what the run is: never compared
+INVOCATION = ("continue_from", "new_data", "start_over", "override_schedule", "eval_at_start", "verbose", "quiet")
 DATA_OPTIONS = ("seq_len", "train_seed")  # the saved data position means something else with another value
 SCHEDULE_OPTIONS = ("lr_schedule", "warmup", "cooldown", "final_lr_fraction")
 _LISTED = 3  # files named in a message before "and N more"

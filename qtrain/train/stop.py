@@ -151,8 +151,7 @@ def checkpoint_on_request(step: int, checkpoint: str) -> str:
 def out_of_memory(step: int, error: BaseException, plan: str, fragments: int | None,
                   checkpoint: str | None, rank: int | None = None) -> RunStopped:
     """The report of a step that ran out of device memory. `plan`: the memory plan's summary; `fragments`: bytes the
-    allocator held reserved but unallocated when it failed (None: unknown). Measured on an H200 (BENCHMARKS.md,
-    session 15): a plan right about the allocated peak, and 8.3% of activations + workspace held in fragments.
+    allocator held reserved but unallocated when it failed (None: unknown). Measured on an H200: a plan right about the allocated peak, and 8.3% of activations + workspace held in fragments.
     `rank`: which rank ran out, when there are several."""
     gib = 1 << 30
     frag = (f"; the allocator held {fragments / gib:.2f} GiB reserved but unallocated (fragments): "

@@ -22,10 +22,8 @@ import torch
 
 from qtrain.data.hf_tokenizer import export_files, export_tokenizer
 from qtrain.fsio import FileSystemError
-from qtrain.model.fp8_policy import Fp8Choice
+from qtrain.kernels.cross_entropy import IGNORE_INDEX
 from qtrain.model.hf_io import save_hf_model
-from qtrain.model.layers import resolve_sdpa_backend
-from qtrain.model.loss import IGNORE_INDEX
 from qtrain.model.resolve import resolve_model
 from qtrain.model.transformer import RunOptions, Transformer
 from qtrain.observe.absmax import AbsMaxRecorder, weight_abs_maxes
@@ -36,7 +34,8 @@ from qtrain.parallel.gradients import make_gradient_manager
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.optimizer import ZERO_COPY_CUDA, ShardedAdamW, clip_scale
 from qtrain.parallel.weights import build_weights
-from qtrain.train.cuda_graphs import MicroStepGraphs, check_cuda_graphs, check_model_capturable
+from qtrain.plan.resolution import RunResolution, check_cuda_graphs, check_model_support, resolve_run
+from qtrain.train.cuda_graphs import MicroStepGraphs
 from qtrain.train.router_metrics import RouterMetrics
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -47,22 +46,32 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets): (B, T) int64
 class Trainer:
     """This rank's part of a run: weights, model, gradient manager and optimizer, and the step over them."""
 
-    def __init__(self, opts: Options, dist_ctx: DistContext | None = None):
+    def __init__(self, opts: Options, dist_ctx: DistContext | None = None, run: RunResolution | None = None):
+        """`run`: the run's automatic choices as the preflight resolved them (plan/resolution.py); without it
+        the Trainer resolves them itself, for its device and world."""
         self.opts = opts.validate()
         self.ctx = dist_ctx or init_distributed(opts.device)
         self.device = self.ctx.device
         if opts.use_zero_copy and self.device.type == "cuda":
             raise OptionsError(ZERO_COPY_CUDA)
-        check_cuda_graphs(opts, world=self.ctx.world, device_type=self.device.type)
+        if run is None:
+            check_cuda_graphs(opts, world=self.ctx.world, device_type=self.device.type)
+        elif (run.device, run.world) != (self.device.type, self.ctx.world):
+            raise ValueError(f"Trainer: a run resolved for {run.world} x {run.device} given to a rank of "
+                             f"{self.ctx.world} x {self.device.type}")
         self.source = resolve_model(opts.model, from_scratch=opts.from_scratch)
-        check_model_capturable(opts, self.source.cfg, device_type=self.device.type)
+        check_model_support(self.source.cfg, opts, device_type=self.device.type)
         # the tokenizer exports carry (None: unknown so far; the run loop may take it from the token files)
         self.tokenizer = export_tokenizer(explicit=opts.tokenizer, model_dir=self.source.tokenizer_dir)
         self.cfg = self.source.cfg
+        if run is None:  # budget: the device's total memory on CUDA, none on CPU
+            total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
+            run = resolve_run(self.cfg, opts, world=self.ctx.world, device=self.device, gpu_memory=total)
+        self.run = run
         self.dtype = DTYPES[opts.model_dtype]  # what the model computes with
         # the master weights, their gradient sums and what the optimizer updates: fp32 under a bf16 model with
         # --master-dtype fp32 (the model then reads a bf16 copy made once per step: parallel/weights/cast.py)
-        self.master_dtype = DTYPES[opts.effective_master_dtype]
+        self.master_dtype = DTYPES[run.master_dtype]
         # the ranks the state is sharded across: all (flat), or groups of --shard-group-size (parallel/groups.py)
         if opts.shard_group_size and opts.shard_group_size != self.ctx.world and opts.offload_gradients:
             raise OptionsError("--offload-gradients with --shard-group-size below the number of ranks is not "
@@ -71,20 +80,19 @@ class Trainer:
                                         device=self.device)
         self.comm = self.groups.shard
         self.layout = FlatLayout(self.cfg, self.comm.world)  # one flat buffer per group (parallel/layout.py)
-
         # --matmul-dtype e4m3: which block linears run in FP8 for this micro-batch shape (--fp8-policy)
-        self.fp8 = opts.fp8_choice(self.cfg)
+        self.fp8 = run.fp8
         # replicated weights: `params` are views into the full `param_buffers`; sharded weights
         # (--shard-weights / --zero-level 3): only this rank's shards, and both are None
         w = build_weights(self.layout, comm=self.comm, dtype=self.master_dtype, compute_dtype=self.dtype,
                           device=self.device, sharded=opts.weights_sharded, offload=opts.offload_master,
-                          quantized=self._persistent_quants(opts, self.fp8), offload_quants=opts.offload_quants,
+                          quantized=run.persistent_quants, offload_quants=opts.offload_quants,
                           weights_dir=self.source.weights_dir, seed=opts.seed,
                           init_proj_to_zero=opts.init_proj_to_zero)
         self.weights, self.params, self.param_buffers, self.sharded_weights = w.source, w.params, w.buffers, w.sharded
-        self.model = Transformer(self.cfg, self._run_options(opts))
-        self.grads = make_gradient_manager(opts.gradient_manager_kind, self.layout, comm=self.comm,
-                                           dtype=DTYPES[opts.effective_grad_accum_dtype], device=self.device, seed=opts.seed,
+        self.model = Transformer(self.cfg, self._run_options(opts, run))
+        self.grads = make_gradient_manager(run.gradients, self.layout, comm=self.comm,
+                                           dtype=DTYPES[run.grad_accum_dtype], device=self.device, seed=opts.seed,
                                            offload=opts.offload_gradients)
         self.optimizer = ShardedAdamW(self.layout, **w.optimizer_weights(), comm=self.comm, device=self.device,
                                       m_dtype=opts.opt_m_dtype, v_dtype=opts.opt_v_dtype, seed=opts.seed,
@@ -93,7 +101,7 @@ class Trainer:
                                       offload_v=opts.offload_opt_v, zero_copy=opts.use_zero_copy)
         # --use-cuda-graphs (train/cuda_graphs.py): micro-steps replayed from CUDA graphs, SR keys from a device table
         self.graphs = None
-        if opts.cuda_graphs_on(self.cfg, world=self.ctx.world, device_type=self.device.type):
+        if run.cuda_graphs:
             self.grads.use_key_table()
             self.graphs = MicroStepGraphs(self.device, (opts.batch_size, opts.seq_len))
         self.steps_done = 0  # completed optimizer steps (skipped updates included)
@@ -102,41 +110,16 @@ class Trainer:
         # an MoE model: the step's router losses and tokens per expert, for the log (train/router_metrics.py)
         self.router_metrics = RouterMetrics(self.cfg.router, self.device) if self.cfg.router else None
 
-    @staticmethod
-    def _persistent_quants(opts: Options, fp8: Fp8Choice | None) -> tuple[str, ...]:
-        """--persistent-quants: the block matrices whose FP8 copies are made once per step (those the FP8 policy
-        puts in FP8). Sharded weights keep e4m3 shards and gather those; replicated ones cache copies of the full
-        matrices, except under --debug-log-abs-max, whose recorder watches the linears quantize their weights
-        themselves."""
-        if fp8 is not None and opts.weights_quantized_once:
-            return fp8.fp8
-        return ()
-
-    def _run_options(self, opts: Options) -> RunOptions:
-        use_compile = opts.compile == "on" or (opts.compile == "auto" and self.device.type == "cuda")
+    def _run_options(self, opts: Options, run: RunResolution) -> RunOptions:
+        """How the model executes: the options as the run resolved them."""
         return RunOptions(
-            lmhead_chunks=opts.lmhead_chunks, attn_bwd_chunks=opts.attn_bwd_chunks,
-            sdpa_backend=resolve_sdpa_backend(opts.sdpa_backend, self.device, self.dtype),
-            recompute=opts.recompute,
-            offload_residual=opts.offload_residual, compile=use_compile, compile_tuning=opts.compile_tuning,
-            compile_autotune_gemm=opts.compile_autotune_gemm,
-            # an FP8 policy that keeps every block linear in bf16 runs the bf16 model itself (measured on the H200:
-            # the e4m3 path with no FP8 linear still cost 17% host time at 0.5B, micro-batch 4)
-            matmul_dtype=opts.effective_matmul_dtype if self.fp8 is None or self.fp8.fp8 else "",
-            fp8_grad_dtype=opts.gradient_dtype or "e4m3", fp8_keep_transposes=self._keep_transposes(opts, use_compile),
-            fp8_swiglu_onepass=opts.effective_fp8_swiglu_onepass, fp8_head_backward=opts.fp8_head_backward,
-            fp8_linears=self.fp8.fp8 if self.fp8 is not None else None,
+            lmhead_chunks=opts.lmhead_chunks, attn_bwd_chunks=opts.attn_bwd_chunks, sdpa_backend=run.sdpa_backend,
+            recompute=run.recompute, offload_residual=opts.offload_residual, compile=run.compile,
+            compile_tuning=opts.compile_tuning, compile_autotune_gemm=opts.compile_autotune_gemm,
+            matmul_dtype=run.block_matmul_dtype, fp8_grad_dtype=run.fp8_grad_dtype,
+            fp8_keep_transposes=run.fp8_keep_transposes, fp8_swiglu_onepass=run.fp8_swiglu_onepass,
+            fp8_head_backward=run.fp8_head_backward, fp8_linears=run.fp8.fp8 if run.fp8 is not None else None,
             wrap_linear=self._abs_max_wrapper(opts))
-
-    def _keep_transposes(self, opts: Options, compiled: bool) -> bool:
-        """--fp8-keep-transposes as given, else as the memory plan resolves it for this device (auto: on where the
-        plan with the kept e4m3 transposes fits the GPU with plan.AUTO_MARGIN to spare; off without one)."""
-        if opts.fp8_keep_transposes is not None or self.device.type != "cuda":
-            return bool(opts.fp8_keep_transposes)
-        from qtrain.plan.memory import plan_memory
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        plan = plan_memory(self.cfg, opts, world=self.ctx.world, gpu_memory=total, device="cuda", compiled=compiled)
-        return plan.settings["fp8_keep_transposes"]
 
     def _abs_max_wrapper(self, opts: Options):
         """--debug-log-abs-max: the recorder that wraps the block linears (None when off; with

@@ -25,7 +25,7 @@ from bench.suite import REPO_ROOT, Ratio, SuiteError, load, suite_names
 from tests.run_utils import subprocess_env
 
 REQUIRED = {"regress-1p5b", "sizes", "precision", "fidelity", "gemm-ceiling", "gpu-tests"}
-BEFORE_RESTRUCTURE = "dac8680"  # the layout the regress-1p5b baseline has (qtrain.train.options, ...)
+BEFORE_RESTRUCTURE = "80533b6"  # the code regress-1p5b and start compare against (main before the family seam)
 
 
 def test_every_suite_parses_and_names_known_kinds():

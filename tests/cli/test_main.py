@@ -213,6 +213,40 @@ def test_field_docs_collected():
     assert cli._FIELD_DOCS["continue_from"].startswith("`--continue [STEP|PATH]`")
 
 
+def test_help_groups_the_options_by_topic_with_the_defaults_a_run_uses(capsys, monkeypatch):
+    """Issue 43: `train --help` was one group of ~90 options and showed bf16 / batch 4 / seq 1024 / accumulation 4
+    where the embedded default runs fp32 on a CPU / 8 / 256 / 1. Now the topics of `options.SECTIONS`, in order,
+    then llm.q's switches; and both defaults where a small model starts elsewhere (options.SMALL_MODEL_DEFAULTS)."""
+    from qtrain.options import SECTIONS
+    out = _help(capsys, monkeypatch)
+    heads = [line[:-1] for line in out.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert heads == ["options", *(f"{t} options" for t in SECTIONS),
+                     "llm.q implementation switches (accepted, no effect in qtrain)"]
+    assert out.index("\n  --batch-size") > out.index("data and batch options:") > out.index("\n  --model MODEL")
+    small = "for the embedded default and the tiny-* presets)"
+    for flag, text in (("--batch-size", "(default: 4; 8 " + small), ("--seq-len", "(default: 1024; 256 " + small),
+                       ("--grad-accumulation", "(default: 4; 1 " + small),
+                       ("--learning-rate", "(default: 1e-05; 0.003 " + small),
+                       ("--model-dtype", "(default: bf16; fp32 on a CPU " + small)):
+        start = out.index(f"\n  {flag} ")
+        entry = " ".join(out[start:out.index("\n  -", start + 1)].split())  # the flag's help, one line
+        assert text in entry, entry
+    assert "(default: 0.9)" in out and "(default: 0.9;" not in out  # the same for every run: one default
+    assert out.splitlines()[0] == "usage: qtrain train [-h] [--config FILE] [OPTION ...]"
+
+
+def test_tiny_presets_start_from_the_small_model_defaults():
+    small = cli.small_model_defaults()
+    for model in ("tiny-qwen2", "tiny-gpt2", "Tiny-GPT2", "qtrain-tiny"):
+        o = options_from_args(namespace("--model", model))
+        assert {k: getattr(o, k) for k in small} == small and o.name == Options().name, model
+    o = options_from_args(namespace("--model", "tiny-qwen2", "--batch", "2", "--lr", "1e-3"))
+    assert (o.batch_size, o.learning_rate, o.seq_len) == (2, 1e-3, small["seq_len"])
+    assert options_from_args(namespace("--model", "Qwen2.5-0.5B", "--from-scratch")).batch_size == 4  # a preset
+    assert cli.embedded_defaults(device="cpu")["model_dtype"] == "fp32"
+    assert cli.embedded_defaults(steps=30)["warmup"] == 3 and cli.embedded_defaults()["name"] == "qtrain-default"
+
+
 def test_help_survives_percent_in_docstrings(capsys, monkeypatch):
     monkeypatch.setitem(cli._FIELD_DOCS, "out_dir", "Export directory; %n = --name, 100% HF format")
     out = _help(capsys, monkeypatch)
@@ -396,7 +430,8 @@ def test_every_flag_of_every_subcommand_has_help_with_its_default(capsys, monkey
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "--model-dtype {fp32,bf16}" in out and "Choices: fp32, bf16. (default: bf16)" in out
+    assert "--model-dtype {fp32,bf16}" in out and \
+        "Choices: fp32, bf16. (default: bf16; fp32 on a CPU for the embedded default and the tiny-* presets)" in out
     assert "--train-seed TRAIN_SEED" in out and "(default: 0x83b45442)" in out
     assert "--use-cuda-graphs, --no-use-cuda-graphs" in out and "--custom-matmul" in out
 
@@ -426,3 +461,43 @@ def test_unknown_config_key_gets_the_closest_match(tmp_path):
     path = _write(tmp_path, "run.toml", "batch = 2\nlearning-rat = 1e-4\n")
     with pytest.raises(OptionsError, match=r"'learning-rat' -> 'learning_rate'"):
         parse("--config", path)
+
+
+# ---- issue 43: listing the subcommands and a subcommand's help import no torch ---------------------------------
+def test_help_imports_no_torch():
+    """`qtrain --help` lists the subcommands from a static table, and `qtrain train --help` builds only the train
+    parser, whose options import no torch (torch's import took 7-13 s of `qtrain --help` on a cold machine)."""
+    import subprocess
+    import sys
+    from tests.run_utils import subprocess_env
+    code = """
+import contextlib, io, sys
+import qtrain.cli.main as m
+m.build_parser([])
+seen = ['torch' in sys.modules]
+for argv in (['--help'], ['train', '--help'], ['plan', '--help']):
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        try:
+            m.main(argv)
+        except SystemExit as e:
+            assert e.code == 0, (argv, e.code)
+    assert 'usage: qtrain' in out.getvalue()
+    seen.append('torch' in sys.modules)
+print(seen)
+"""
+    r = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[False, False, False, False]"
+
+
+def test_a_command_line_builds_its_own_subcommand_only(capsys):
+    from qtrain.cli.main import SUBCOMMANDS, command_of
+    assert command_of(["train", "--steps", "3"]) == "train" and command_of(["--version"]) is None
+    assert command_of(["bogus"]) is None
+    parser = build_parser(["train"])
+    assert parser.subcommands["train"]._actions[-1].option_strings and not \
+        [a for a in parser.subcommands["plan"]._actions if a.option_strings != ["-h", "--help"]]
+    with pytest.raises(SystemExit) as ei:  # an unknown subcommand: argparse lists the known ones
+        main(["bogus"])
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and all(name in err for name in SUBCOMMANDS)

@@ -29,6 +29,6 @@ def test_implementation_switches_print_one_note_each(capsys):
     o = parse("--custom-matmul", "--memcpy-all-gather", "--memcpy-send-recv", "--use-write-combined")
     err = capsys.readouterr().err.splitlines()
     assert err == [f"note: {n}" for n in LLMQ_IMPLEMENTATION_FLAGS.values()]
-    assert o.use_cuda_graphs is None  # unset: on where measured faster (Options.cuda_graphs_on)
+    assert o.use_cuda_graphs is None  # unset: on where measured faster (plan.resolution.cuda_graphs_on)
     assert parse("--use-cuda-graphs").use_cuda_graphs  # it acts (train/cuda_graphs.py): no note
     assert capsys.readouterr().err.strip() == ""

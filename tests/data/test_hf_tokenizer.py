@@ -19,7 +19,7 @@ import pytest
 from qtrain.data.hf_tokenizer import (TokenizerExportError, builtin_tokenizer_json, export_files, export_tokenizer,
                                       recorded_tokenizer, tokenizer_files, transformers_caveat)
 from qtrain.data.token_files import read_token_file_header, write_token_file
-from qtrain.data.tokenize import get_tokenizer
+from qtrain.data.tokenizers import get_tokenizer
 from qtrain.model.llama import LlamaConfig
 from tests.data.test_token_files import write_raw
 
@@ -67,7 +67,7 @@ def test_transformers_autotokenizer_loads_the_generated_files(name, tmp_path):
 
 
 def test_export_files_generation_config_uses_the_tokenizers_eos():
-    cfg = LlamaConfig(vocab_size=50304, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+    cfg = LlamaConfig(vocab_size=151936, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, bos_token_id=151643, eos_token_id=151643)
     files = export_files("gpt2", cfg)  # a Qwen-shaped config trained on GPT-2 tokens: generation stops at 50256
     gen = json.loads(files["generation_config.json"])

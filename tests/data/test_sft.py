@@ -17,7 +17,7 @@ from qtrain.cli.main import main
 from qtrain.data.loader import TokenLoader
 from qtrain.data.sft import SFTError, SFTFormat, encode_example
 from qtrain.data.token_files import IGNORE_INDEX, read_token_file, read_token_file_header
-from qtrain.data.tokenize import get_tokenizer
+from qtrain.data.tokenizers import get_tokenizer
 
 EXAMPLES = [{"question": f"What is {i} plus {i}?", "answer": f" It is {2 * i}, because {i} + {i} = {2 * i}."}
             for i in range(12)]

@@ -14,7 +14,8 @@ from qtrain.data.token_files import DataError, read_token_file, read_token_file_
 from qtrain.data.loader import TokenLoader
 from qtrain.cli.main import main as cli_main
 from qtrain.data.token_sets import INDEX
-from qtrain.data.tokenize import HoldOut, get_tokenizer, tokenize_files
+from qtrain.data.tokenize import HoldOut, tokenize_files
+from qtrain.data.tokenizers import get_tokenizer
 
 DOCS = [
     "Hello world! This is the first document.",

@@ -95,7 +95,7 @@ def test_compiled_block_with_the_op_matches_eager():
     work around the op, so a few fp32 ulps of O(1) values."""
     from qtrain.model.llama import LlamaConfig
     from qtrain.model.init import init_params
-    from qtrain.model.layers import rope_tables
+    from qtrain.kernels.rope import rope_tables
     from qtrain.model.transformer import allocate_params, make_block_fn
     cfg = LlamaConfig(model_type="qwen2", vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,

@@ -1,7 +1,8 @@
-"""The fused in-place cross-entropy kernel (qtrain.kernels.cross_entropy) against its twin and the specification.
+"""The fused in-place cross-entropy kernel (qtrain.kernels.cross_entropy.inplace) against its twin and the
+specification, and the chunked LM head around it (qtrain.kernels.cross_entropy.head).
 
-The specification is ``qtrain.kernels.cross_entropy.chunk_loss_and_dlogits`` (``qtrain.model.loss._chunk_loss_and_dlogits``). ``test_interpreter_subprocess`` re-runs
-this file's ``test_interp_*`` tests with TRITON_INTERPRET=1 (CPU, fp32/bf16/fp16 through bit-level loads);
+The specification is ``qtrain.kernels.cross_entropy.inplace.chunk_loss_and_dlogits``. ``test_interpreter_subprocess``
+re-runs this file's ``test_interp_*`` tests with TRITON_INTERPRET=1 (CPU, fp32/bf16/fp16 through bit-level loads);
 ``gpu``-marked tests need CUDA.
 """
 
@@ -13,10 +14,11 @@ import pytest
 import torch
 
 from tests.triton_interp import compile_for_hopper, interp_only, interpreter_subprocess_test, needs_cuda
-from qtrain.kernels import cross_entropy as ce
 from qtrain.kernels import dispatch
-from qtrain.model import loss as loss_mod
-from qtrain.model.loss import IGNORE_INDEX, _chunk_loss_and_dlogits, chunked_lm_head_loss
+from qtrain.kernels.cross_entropy import IGNORE_INDEX, chunked_lm_head_loss
+from qtrain.kernels.cross_entropy import head as loss_mod
+from qtrain.kernels.cross_entropy import inplace as ce
+from qtrain.kernels.cross_entropy.inplace import chunk_loss_and_dlogits as _chunk_loss_and_dlogits
 
 
 
@@ -64,7 +66,6 @@ def test_signatures_are_the_specification_contract():
 
 
 def test_loss_fn_selection(monkeypatch):
-    assert ce.FUSED_CE_ENABLED is True, "on by default: faster and smaller than the compiled loss on the H200"
     assert loss_mod._loss_fn(False) is _chunk_loss_and_dlogits
     assert loss_mod._loss_fn(True) is ce.cross_entropy_fwd_bwd_inplace_
     assert loss_mod._loss_fn(False) is _chunk_loss_and_dlogits  # the CPU keeps running the specification
@@ -95,7 +96,7 @@ def test_head_grads_without_autograd_are_the_functions(dtype):
     """`lm_head_loss_and_grads` (the training micro-step's head, no autograd) returns the loss and the gradients that
     `chunked_lm_head_loss` gives through backward() (which multiplies them by the upstream 1: exact), bit for bit;
     without need_grad only the loss, the same."""
-    from qtrain.model.loss import lm_head_loss_and_grads
+    from qtrain.kernels.cross_entropy import lm_head_loss_and_grads
     g = torch.Generator().manual_seed(5)
     h = torch.randn(37, 16, generator=g).to(dtype)
     w = (torch.randn(203, 16, generator=g) * 0.3).to(dtype)
@@ -258,9 +259,10 @@ def test_gpu_bf16_matches_cpu_specification():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("z_loss", [0.0, 1e-4])
-def test_gpu_chunked_lm_head_loss_with_fused_ce(monkeypatch, z_loss):
-    """The whole LM head + loss with FUSED_CE_ENABLED matches the default (torch.compile'd specification):
-    same bf16 GEMMs, d(logits) within 1 bf16 ulp, so loss to fp32 rounding and gradients to ~bf16 noise."""
+def test_gpu_chunked_lm_head_loss_with_fused_ce(z_loss):
+    """The whole LM head + loss with the fused kernel (what CUDA logits run) matches the head running the
+    specification on the GPU (the twin backend): same bf16 GEMMs, d(logits) within 1 bf16 ulp, so loss to fp32
+    rounding and gradients to ~bf16 noise."""
     g = torch.Generator().manual_seed(4)
     n, c, v = 300, 128, 151936
     h = (torch.randn(n, c, generator=g)).to(torch.bfloat16).cuda()
@@ -269,14 +271,15 @@ def test_gpu_chunked_lm_head_loss_with_fused_ce(monkeypatch, z_loss):
     t[::5] = IGNORE_INDEX
     t = t.cuda()
     results = []
-    for enabled in (False, True):
-        monkeypatch.setattr(ce, "FUSED_CE_ENABLED", enabled)
-        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-        out = chunked_lm_head_loss(hh, ww, t, chunks=3, z_loss=z_loss, scale=1.0 / int((t != IGNORE_INDEX).sum()))
-        out.backward()
-        results.append((out.detach().float(), hh.grad.float(), ww.grad.float()))
-        with torch.no_grad():  # evaluation path (need_grad=False)
-            results[-1] += (chunked_lm_head_loss(h, w, t, chunks=2, z_loss=z_loss).float(),)
+    for backend in ("twin", "auto"):
+        with dispatch.backend(backend):
+            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+            out = chunked_lm_head_loss(hh, ww, t, chunks=3, z_loss=z_loss,
+                                       scale=1.0 / int((t != IGNORE_INDEX).sum()))
+            out.backward()
+            results.append((out.detach().float(), hh.grad.float(), ww.grad.float()))
+            with torch.no_grad():  # evaluation path (need_grad=False)
+                results[-1] += (chunked_lm_head_loss(h, w, t, chunks=2, z_loss=z_loss).float(),)
     (la, dha, dwa, ea), (lb, dhb, dwb, eb) = results
     torch.testing.assert_close(lb, la, rtol=1e-5, atol=0)
     torch.testing.assert_close(eb, ea, rtol=1e-5, atol=0)

@@ -1,8 +1,8 @@
-"""The cross-entropy that writes d(logits) as e5m2 codes (kernels/cross_entropy_fp8.py) and the LM head's FP8 backward
-that uses them (model/loss.py, --fp8-head-backward).
+"""The cross-entropy that writes d(logits) as e5m2 codes (kernels/cross_entropy/fp8.py) and the LM head's FP8 backward
+that uses them (kernels/cross_entropy/head.py, --fp8-head-backward).
 
-The specification is the twin: the loss and lse of ``cross_entropy.chunk_loss_and_dlogits`` and the fp32 d(logits) of
-``cross_entropy.dlogits_f32``, rounded to e5m2 at the fixed scale 2^15. ``test_interpreter_subprocess`` re-runs the
+The specification is the twin: the loss and lse of ``inplace.chunk_loss_and_dlogits`` and the fp32 d(logits) of
+``inplace.dlogits_f32``, rounded to e5m2 at the fixed scale 2^15. ``test_interpreter_subprocess`` re-runs the
 ``test_interp_*`` tests under TRITON_INTERPRET=1; ``gpu``-marked tests need CUDA.
 """
 from __future__ import annotations
@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qtrain.kernels import cross_entropy_fp8 as cf
 from qtrain.kernels import dispatch
-from qtrain.kernels.cross_entropy import IGNORE_INDEX, chunk_loss_and_dlogits, dlogits_f32
-from qtrain.model import loss as loss_mod
-from qtrain.model.loss import fp8_backward_shapes_ok, head_workspace_bytes, lm_head_loss_and_grads
+from qtrain.kernels.cross_entropy import (IGNORE_INDEX, fp8_backward_shapes_ok, head_workspace_bytes,
+                                          lm_head_loss_and_grads)
+from qtrain.kernels.cross_entropy import fp8 as cf
+from qtrain.kernels.cross_entropy import head as loss_mod
+from qtrain.kernels.cross_entropy.inplace import chunk_loss_and_dlogits, dlogits_f32
 from tests.kernels.test_cross_entropy import make_case as _ce_case
 from tests.triton_interp import compile_for_hopper, interp_only, interpreter_subprocess_test, needs_cuda
 

@@ -90,6 +90,20 @@ def test_interp_kernel_equals_norm_then_quantize_kernel(dtype):
                 fp8_quantize_triton(h, E4M3, amax, transpose=True))
 
 
+def test_kernel_builds_for_hopper():
+    """The kernel compiles for sm_90 as launched on the GPU (bf16 x and gain read natively, the hardware's rounding,
+    e4m3 codes and their transpose)."""
+    pytest.importorskip("triton")
+    import qtrain.kernels.fp8_quant as fq
+    from tests.triton_interp import compile_for_hopper
+    sig = {"x_ptr": "*bf16", "rstd_ptr": "*fp32", "w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv",
+           "amax_ptr": "*fp32", "inv_scale_ptr": "*fp32", "M": "i32", "N": "i32", "stride_xm": "i32"}
+    const = {"KIND": 1, "LOAD_KIND": 0, "NATIVE": True, "FMAX": 448.0, "AMAX_FLOOR": fq.AMAX_FLOOR,
+             "BLOCK_M": fq.QUANT_BLOCK_M, "BLOCK_N": fq.QUANT_BLOCK_N}
+    ptx = compile_for_hopper(fq._quantize_rmsnorm_kernel, sig, const, num_warps=fq.QUANT_WARPS)
+    assert "e4m3" in ptx and ptx.count("st.global") > 1
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_kernel_equals_twin():

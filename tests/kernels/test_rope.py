@@ -1,5 +1,6 @@
 """RoPE backward kernel (qtrain/kernels/rope.py): twin against float64 autograd, Triton against the twin bit
-for bit (interpreter on CPU, and the GPU), and the autograd Function the compiled block uses.
+for bit (interpreter on CPU, and the GPU), and `qkv_rope`'s "kernel" mode, the autograd Function the compiled
+block uses.
 
 Tolerances: the twin computes in fp32 from the stored gradients and rounds once, so against a float64
 reference it is within fp32 rounding in fp32 (rel 1e-6, with an absolute floor for sums that cancel) and
@@ -11,12 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.triton_interp import interp_only, interpreter_subprocess_test, needs_cuda
-from qtrain.kernels import dispatch
-from qtrain.kernels.rope import rope_qkv_backward, rope_qkv_backward_triton, rope_qkv_backward_twin
+from tests.triton_interp import compile_for_hopper, interp_only, interpreter_subprocess_test, needs_cuda
+from qtrain.kernels import dispatch, rope
+from qtrain.kernels.rope import (apply_rope, qkv_rope, rope_qkv_backward, rope_qkv_backward_triton,
+                                 rope_qkv_backward_twin, rope_tables)
 from qtrain.model.config import ModelConfig
+from qtrain.model.layers import rms_norm
 from qtrain.model.llama import LlamaConfig
-from qtrain.model.layers import apply_rope, qkv_rope_fused, rope_tables
 
 test_interpreter_subprocess = interpreter_subprocess_test(__file__)
 
@@ -60,7 +62,7 @@ def test_fused_function_forward_is_the_plain_rope_and_backward_the_op():
     cos, sin = rope_tables(_cfg(hs), T, "cpu", torch.float32)
     qkv = torch.randn(B, T, (nh + 2 * nkv) * hs, generator=torch.Generator().manual_seed(3))
     a, b = qkv.clone().requires_grad_(True), qkv.clone().requires_grad_(True)
-    qa, ka, va = qkv_rope_fused(a, cos, sin, nh, nkv, hs)
+    qa, ka, va = qkv_rope(a, cos, sin, nh, nkv, hs, mode="kernel")
     q, k, v = b.split([nh * hs, nkv * hs, nkv * hs], -1)
     c, s = cos[:, None], sin[:, None]
     qb, kb, vb = apply_rope(q.view(B, T, nh, hs), c, s), apply_rope(k.view(B, T, nkv, hs), c, s), v.view(B, T, nkv, hs)
@@ -73,6 +75,33 @@ def test_fused_function_forward_is_the_plain_rope_and_backward_the_op():
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6)
 
 
+def test_modes_share_the_forward_and_a_qk_norm_takes_autograds_backward():
+    """`qkv_rope`'s modes give the same q, k, v; with a qk-norm between the split and the rotation (Qwen3) the kernel,
+    which starts from the split's outputs, cannot apply: the "kernel" mode's gradients are then autograd's, bit for
+    bit. An unknown mode is refused."""
+    B, T, nh, nkv, hs = 2, 5, 4, 2, 8
+    cos, sin = rope_tables(_cfg(hs), T, "cpu", torch.float32)
+    g = torch.Generator().manual_seed(6)
+    qkv = torch.randn(B, T, (nh + 2 * nkv) * hs, generator=g)
+    wq, wk = 1 + 0.1 * torch.randn(hs, generator=g), 1 + 0.1 * torch.randn(hs, generator=g)
+    grads = [torch.randn(B, T, n, hs, generator=g) for n in (nh, nkv, nkv)]
+    for norm in (None, lambda q, k: (rms_norm(q, wq, 1e-6), rms_norm(k, wk, 1e-6))):
+        outs, dx = [], []
+        for mode in ("autograd", "kernel"):
+            x = qkv.clone().requires_grad_(True)
+            out = qkv_rope(x, cos, sin, nh, nkv, hs, mode=mode, qk_norm=norm)
+            torch.autograd.backward(out, grads)
+            outs.append(out)
+            dx.append(x.grad)
+        assert all(torch.equal(a, b) for a, b in zip(*outs))
+        if norm is None:  # the kernel: rounded once from fp32, autograd per operation
+            torch.testing.assert_close(dx[1], dx[0], rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(dx[1], dx[0])
+    with pytest.raises(ValueError, match="mode must be one of"):
+        qkv_rope(qkv, cos, sin, nh, nkv, hs, mode="fused")
+
+
 def test_fused_function_compiles_with_the_op_opaque():
     """Under torch.compile (CPU) the backward reaches the custom op through its fake: same gradient as eager."""
     B, T, nh, nkv, hs = 2, 6, 4, 2, 8
@@ -80,7 +109,7 @@ def test_fused_function_compiles_with_the_op_opaque():
     qkv = torch.randn(B, T, (nh + 2 * nkv) * hs, generator=torch.Generator().manual_seed(5))
 
     def f(x):
-        q, k, v = qkv_rope_fused(x, cos, sin, nh, nkv, hs)
+        q, k, v = qkv_rope(x, cos, sin, nh, nkv, hs, mode="kernel")
         return (q * 1.5).sum() + (k * k).sum() + (v * 0.5).sum()
 
     a, b = qkv.clone().requires_grad_(True), qkv.clone().requires_grad_(True)
@@ -119,6 +148,19 @@ def test_interp_fp32_gradients_with_bf16_tables():
     dq, dk, dv, cos, sin = _inputs(2, 4, 4, 2, 8, torch.float32, seed=9)
     cos, sin = cos.bfloat16(), sin.bfloat16()
     assert torch.equal(rope_qkv_backward_triton(dq, dk, dv, cos, sin), rope_qkv_backward_twin(dq, dk, dv, cos, sin))
+
+
+# ------------------------------------------------------------------------- sm_90 build, on the CPU
+@pytest.mark.skipif(not dispatch.HAS_TRITON, reason="no triton")
+def test_kernel_builds_for_hopper_without_fma():
+    """The kernel compiles for sm_90 as launched (bf16 natively, Qwen2.5-1.5B's head layout, even tiles) and, as the
+    launcher asks, without FMA contraction: a fused multiply-add rounds once where the twin rounds twice, so with one
+    the kernel would not equal the twin bit for bit (the default contraction does emit them here)."""
+    sig = {n: "*bf16" for n in ("dq_ptr", "dk_ptr", "dv_ptr", "cos_ptr", "sin_ptr", "out_ptr")} | {"rows": "i32"}
+    const = dict(T=1024, NH=12, NKV=2, HS=128, KIND=0, TAB_KIND=0, ROWS=rope.ROWS, BLOCK_H=64, EVEN=True)
+    ptx = compile_for_hopper(rope._rope_qkv_bwd_kernel, sig, const, num_warps=rope.NUM_WARPS, enable_fp_fusion=False)
+    assert "fma.rn" not in ptx and ptx.count("st.global") > 0
+    assert "fma.rn" in compile_for_hopper(rope._rope_qkv_bwd_kernel, sig, const, num_warps=rope.NUM_WARPS)
 
 
 # --------------------------------------------------------------------------------- GPU

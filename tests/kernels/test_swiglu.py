@@ -1,5 +1,5 @@
-"""SwiGLU backward kernel (qtrain/kernels/swiglu.py): twin against autograd in float64, Triton against the
-twin (interpreter on CPU, and the GPU), and the autograd Function the compiled block uses.
+"""SwiGLU backward kernel (qtrain/kernels/swiglu/activation.py): twin against autograd in float64, Triton against the
+twin (interpreter on CPU, and the GPU), and `swiglu`'s "kernel" mode, the autograd Function the compiled block uses.
 
 Tolerances: the twin computes in fp32 from the stored inputs and rounds once, so against a float64
 reference it is within fp32 rounding in fp32 (rel 1e-6) and within one bf16 rounding (2^-8 relative,
@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.triton_interp import interp_only, interpreter_subprocess_test, needs_cuda
+from tests.triton_interp import compile_for_hopper, interp_only, interpreter_subprocess_test, needs_cuda
 from qtrain.kernels import dispatch
-from qtrain.kernels.swiglu import swiglu_backward, swiglu_backward_twin
-from qtrain.model.layers import swiglu, swiglu_fused
+from qtrain.kernels.swiglu import activation as act
+from qtrain.kernels.swiglu import swiglu
+from qtrain.kernels.swiglu.activation import MODES, swiglu_backward, swiglu_backward_twin
 
 test_interpreter_subprocess = interpreter_subprocess_test(__file__)
 
@@ -42,16 +43,19 @@ def test_twin_matches_float64_autograd(dtype, rtol, atol):
 
 
 def test_fused_function_matches_plain_swiglu():
-    """The Function's forward is `swiglu` bit for bit; its backward is the op (twin on CPU)."""
+    """The "kernel" mode's forward is the "autograd" mode's bit for bit; its backward is the op (twin on CPU)."""
     d, u = _inputs((2 * 5, 64), torch.float32, seed=1)
     u3 = u.view(2, 5, 128)
     a = u3.clone().requires_grad_(True)
     b = u3.clone().requires_grad_(True)
-    ya, yb = swiglu_fused(a), swiglu(b)
+    ya, yb = swiglu(a, "kernel"), swiglu(b)
     assert torch.equal(ya, yb)
     ya.backward(d.view(2, 5, 64))
     yb.backward(d.view(2, 5, 64))
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+    assert MODES == ("autograd", "kernel")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        swiglu(a, "fused")
 
 
 def test_bad_shapes_are_refused():
@@ -77,6 +81,17 @@ def test_interp_triton_matches_twin():
     _check_triton_vs_twin("cpu")
 
 
+# ------------------------------------------------------------------------- sm_90 build, on the CPU
+@pytest.mark.skipif(not dispatch.HAS_TRITON, reason="no triton")
+def test_kernel_builds_for_hopper():
+    """The backward kernel compiles for sm_90 as launched (bf16 through int16 pointers, the default tile), with the
+    abs-max partials the FP8 MLP asks for: both halves of du and the partial max are stored."""
+    sig = {"dout_ptr": "*i16", "u_ptr": "*i16", "du_ptr": "*i16", "amax_ptr": "*fp32", "M": "i32", "F": "i32"}
+    ptx = compile_for_hopper(act._swiglu_bwd_kernel, sig, {"KIND": 1, "AMAX": True, "BLOCK_M": act.BLOCK_M,
+                                                           "BLOCK_F": act.BLOCK_F}, num_warps=act.NUM_WARPS)
+    assert ptx.count("st.global") > 2
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_triton_matches_twin():
@@ -93,6 +108,6 @@ def test_gpu_compiled_block_uses_the_op():
     d, u = _inputs((64, 256), torch.bfloat16, "cuda", seed=3)
     a = u.clone().requires_grad_(True)
     b = u.clone().requires_grad_(True)
-    torch.compile(swiglu_fused, fullgraph=True)(a).backward(d)
-    swiglu_fused(b).backward(d)
+    torch.compile(lambda t: swiglu(t, "kernel"), fullgraph=True)(a).backward(d)
+    swiglu(b, "kernel").backward(d)
     assert torch.equal(a.grad, b.grad)

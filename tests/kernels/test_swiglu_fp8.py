@@ -1,6 +1,6 @@
-"""The fused FP8 SwiGLU MLP (`numerics.fp8.fp8_swiglu_mlp`) and the kernels it adds: the SwiGLU backward
-with its abs-max fused in (`kernels.swiglu.swiglu_backward_amax`), the SwiGLU forward straight to FP8
-(`kernels.swiglu_fp8`), and the quantize-with-transpose op (`kernels.fp8_quant.fp8_quantize_transposed`).
+"""The fused FP8 SwiGLU MLP (`kernels.swiglu.mlp.fp8_swiglu_mlp`) and the kernels it adds: the SwiGLU backward
+with its abs-max fused in (`kernels.swiglu.activation.swiglu_backward_amax`), the SwiGLU forward straight to FP8
+(`kernels.swiglu.fp8`), and the quantize-with-transpose op (`kernels.fp8_quant.fp8_quantize_transposed`).
 
 The fused MLP is a re-arrangement, not a new numerical recipe, so on the CPU (twins, emulated GEMMs) it must
 equal the three-call composition fp8_linear -> swiglu -> fp8_linear bit for bit, forward and every
@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.triton_interp import interp_only, interpreter_subprocess_test, needs_cuda
+from tests.triton_interp import compile_for_hopper, interp_only, interpreter_subprocess_test, needs_cuda
 from qtrain.kernels import dispatch
-from qtrain.kernels.fp8_quant import fp8_quantize_torch, fp8_quantize_transposed
-from qtrain.kernels.swiglu import swiglu_backward_amax, swiglu_backward_amax_twin, swiglu_backward_twin
-from qtrain.kernels.swiglu_fp8 import swiglu_fp8, swiglu_fp8_twin
-from qtrain.model.layers import swiglu, swiglu_fused
-from qtrain.numerics.fp8 import E4M3, E5M2, fp8_linear, fp8_swiglu_mlp
+from qtrain.kernels.fp8_quant import E4M3, E5M2, fp8_quantize_torch, fp8_quantize_transposed
+from qtrain.kernels.swiglu import fp8_swiglu_mlp, swiglu
+from qtrain.kernels.swiglu.activation import swiglu_backward_amax, swiglu_backward_amax_twin, swiglu_backward_twin
+from qtrain.kernels.swiglu.fp8 import swiglu_fp8, swiglu_fp8_twin
+from qtrain.numerics.fp8 import fp8_linear
 
 test_interpreter_subprocess = interpreter_subprocess_test(__file__)
 
@@ -44,7 +44,7 @@ def _mlp_inputs(dtype, device="cpu", B=2, T=24, C=96, Fd=160, seed=0):
 
 def _composition(x, w_up, w_down, grad_dtype):
     lin = lambda a, w: fp8_linear(a, w, None, grad_dtype=grad_dtype).to(a.dtype)  # noqa: E731 (the trainer's)
-    return lin(swiglu_fused(lin(x, w_up)), w_down)
+    return lin(swiglu(lin(x, w_up), "kernel"), w_down)
 
 
 def _run(fn, x, w_up, w_down, dy, **kw):
@@ -127,7 +127,7 @@ def test_block_with_fused_mlp_equals_unfused_block():
     recomputing the SwiGLU falls back to the separate steps."""
     from qtrain.model.llama import LlamaConfig
     from qtrain.model.init import init_params
-    from qtrain.model.layers import rope_tables
+    from qtrain.kernels.rope import rope_tables
     from qtrain.model.transformer import allocate_params, make_block_fn
 
     cfg = LlamaConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=96,
@@ -149,8 +149,8 @@ def test_block_with_fused_mlp_equals_unfused_block():
         y = fn(xi, w, cos, sin)
         return [y.detach()] + list(torch.autograd.grad(y, [xi] + list(w.values()), dy))
 
-    unfused = run(make_block_fn(cfg, lin, fused_swiglu=True))
-    fused = run(make_block_fn(cfg, lin, fused_swiglu=True, mlp=mlp))
+    unfused = run(make_block_fn(cfg, lin, swiglu="kernel"))
+    fused = run(make_block_fn(cfg, lin, swiglu="kernel", mlp=mlp))
     for name, a, b in zip(["y", "dx"] + list(w), fused, unfused):
         assert torch.equal(a, b), name
     calls = []
@@ -216,7 +216,7 @@ def test_interp_swiglu_backward_amax():
 def _check_forward_amax(device):
     """Pass 1 of swiglu_fp8: h as `swiglu` computes it (bf16: within one ulp where Triton's exp/division
     flip a rounding of silu; fp32: within a few fp32 ulps), and the amax of exactly the stored h."""
-    from qtrain.kernels.swiglu_fp8 import swiglu_forward_amax_triton
+    from qtrain.kernels.swiglu.fp8 import swiglu_forward_amax_triton
     for dtype in (torch.bfloat16, torch.float32):
         for M, Fd in ((1, 16), (19, 300), (70, 96)):
             _, u = _u_and_dout(M, Fd, dtype, device, seed=M)
@@ -229,6 +229,18 @@ def _check_forward_amax(device):
 @interp_only
 def test_interp_swiglu_forward_amax():
     _check_forward_amax("cpu")
+
+
+# ------------------------------------------------------------------------- sm_90 build, on the CPU
+@pytest.mark.skipif(not dispatch.HAS_TRITON, reason="no triton")
+def test_kernel_builds_for_hopper():
+    """Pass 1 (h and its partial abs-maxes) compiles for sm_90 as launched (bf16 through int16 pointers, the default
+    tile); pass 2 is the quantize kernel (tests/numerics/test_fp8.py builds it)."""
+    from qtrain.kernels.swiglu import fp8 as f8
+    sig = {"u_ptr": "*i16", "h_ptr": "*i16", "partial_ptr": "*fp32", "M": "i32", "F": "i32"}
+    ptx = compile_for_hopper(f8._swiglu_fwd_amax_kernel, sig, {"KIND": 1, "BLOCK_M": f8.BLOCK_M, "BLOCK_F": f8.BLOCK_F},
+                             num_warps=f8.NUM_WARPS)
+    assert ptx.count("st.global") > 1
 
 
 # -------------------------------------------------------------------------------------------------- GPU

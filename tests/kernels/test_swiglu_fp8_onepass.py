@@ -1,4 +1,4 @@
-"""SwiGLU forward and backward straight to FP8 in one pass (`kernels.swiglu_fp8_onepass`, --fp8-swiglu-onepass).
+"""SwiGLU forward and backward straight to FP8 in one pass (`kernels.swiglu.fp8_onepass`, --fp8-swiglu-onepass).
 
 What must hold: the scale is 2^e for the e `scale_exponent` picks from the tensor's own exponent (`pow2_scale`) and
 the hint (the hint where it fits and wastes at most one binade, else the own exponent), the hint is left at e, and
@@ -16,16 +16,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.triton_interp import interp_only, interpreter_subprocess_test, needs_cuda
-from qtrain.kernels.fp8_quant import FP8_MAX, fp8_quantize_torch
-from qtrain.kernels.swiglu import swiglu_backward_twin
-from qtrain.kernels.swiglu_fp8_onepass import (HINT_UNSET, KEEP_BINADES, count_hint_misses, new_scale_hint, pow2_scale,
+from tests.triton_interp import compile_for_hopper, interp_only, interpreter_subprocess_test, needs_cuda
+from qtrain.kernels import dispatch
+from qtrain.kernels.fp8_quant import E4M3, E5M2, FP8_MAX, fp8_quantize_torch
+from qtrain.kernels.swiglu import fp8_swiglu_mlp, swiglu
+from qtrain.kernels.swiglu.activation import swiglu_backward_twin
+from qtrain.kernels.swiglu.fp8_onepass import (HINT_UNSET, KEEP_BINADES, count_hint_misses, new_scale_hint, pow2_scale,
                                                scale_exponent, swiglu_backward_fp8_onepass,
                                                swiglu_backward_fp8_onepass_triton, swiglu_backward_fp8_onepass_twin,
                                                swiglu_fp8_onepass, swiglu_fp8_onepass_triton,
                                                swiglu_fp8_onepass_twin)
-from qtrain.model.layers import swiglu
-from qtrain.numerics.fp8 import E4M3, E5M2, fp8_swiglu_mlp
 
 test_interpreter_subprocess = interpreter_subprocess_test(__file__)
 
@@ -172,15 +172,15 @@ def _check_hint_rule(device, shapes, variant, dtypes, monkeypatch):
     """Every hint gives the bits of the two-pass Triton path with 2^e for the exponent `scale_exponent` picks (the
     hint one binade below is kept, every other wrong one falls back to the own exponent) and leaves e in the hint
     (for each indexing variant)."""
-    from qtrain.kernels import swiglu_fp8_onepass as op
+    from qtrain.kernels.swiglu import fp8_onepass as op
     if VARIANTS[variant] is not None:
         monkeypatch.setattr(op, "_index_mode", VARIANTS[variant])
     _check_hints(device, shapes, dtypes)
 
 
 def _check_hints(device, shapes, dtypes):
-    from qtrain.kernels.swiglu_fp8 import swiglu_forward_amax_triton
-    from qtrain.kernels.swiglu import swiglu_backward_triton
+    from qtrain.kernels.swiglu.fp8 import swiglu_forward_amax_triton
+    from qtrain.kernels.swiglu.activation import swiglu_backward_triton
     from qtrain.kernels.fp8_quant import fp8_quantize_triton
     for dtype in dtypes:
         for fp8 in (E4M3, E5M2):
@@ -245,6 +245,28 @@ def test_interp_hint_misses_are_counted_only_when_asked():
         count_hint_misses(None)
     swiglu_fp8_onepass_triton(u, E4M3, hint[0:1])
     assert counts.tolist() == [[2, 1], [3, 1]]
+
+
+# ------------------------------------------------------------------------- sm_90 build, on the CPU
+@pytest.mark.skipif(not dispatch.HAS_TRITON, reason="no triton")
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_kernels_build_for_hopper(direction):
+    """The one-pass kernels compile for sm_90 as launched on the GPU (bf16 read natively, the hardware's rounding,
+    e4m3 codes): the forward's pass 1 on even tiles with 32-bit offsets, the backward's pass 2 on masked tiles with
+    64-bit ones, so both index modes and both passes build."""
+    from qtrain.kernels.fp8_quant import AMAX_FLOOR
+    from qtrain.kernels.swiglu import fp8_onepass as op
+    sig = {"u_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv", "hint_ptr": "*i32", "amax_ptr": "*fp32",
+           "partial_ptr": "*fp32", "inv_scale_ptr": "*fp32", "M": "i32", "F": "i32"}
+    const = dict(KIND=1, LOAD_KIND=0, FMAX=448.0, AMAX_FLOOR=AMAX_FLOOR, KEEP=KEEP_BINADES, FAST_ROUND=True)
+    if direction == "forward":
+        kernel, warps = op._swiglu_fwd_fp8_kernel, op.FWD_WARPS
+        const.update(REDO=False, BLOCK_M=op.FWD_BLOCK_M, BLOCK_F=op.FWD_BLOCK_F, EVEN=True, INT32=True)
+    else:
+        kernel, warps, sig = op._swiglu_bwd_fp8_kernel, op.BWD_WARPS, {"dout_ptr": "*bf16", **sig}
+        const.update(REDO=True, BLOCK_M=op.BWD_BLOCK_M, BLOCK_F=op.BWD_BLOCK_F, EVEN=False, INT32=False)
+    ptx = compile_for_hopper(kernel, sig, const, num_warps=warps)
+    assert "e4m3" in ptx and ptx.count("st.global") > 2
 
 
 # -------------------------------------------------------------------------------------------------- GPU

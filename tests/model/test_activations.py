@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qtrain.kernels.rope import rope_tables
 from qtrain.model.activations import activation_terms, layer_activation_bytes
 from qtrain.model.config import ModelConfig
 from qtrain.model.llama import LlamaConfig
 from qtrain.model.registry import preset
-from qtrain.model.layers import rope_tables
 from qtrain.model.matmul import block_linear, block_mlp
 from qtrain.model.recompute import block_steps, count_saved_bytes, resolve_flags
 from qtrain.model.transformer import make_block_fn
@@ -35,8 +35,9 @@ def measure_block(cfg: ModelConfig, dtype: str, *, flags=(), fp8=False, attn_chu
     keep_transposes: the FP8 linears' (--fp8-keep-transposes)."""
     linear = block_linear("e4m3" if fp8 else "", keep_transposes=keep_transposes)
     rebuilt = block_linear("e4m3") if keep_transposes else None  # as transformer.Transformer passes it
+    ops = "kernel" if fused else "autograd"
     fn = make_block_fn(cfg, linear, recompute=block_steps(flags), rebuilt_input_linear=rebuilt,
-                       attn_chunks=attn_chunks, compiled=compiled, fused_swiglu=fused, fused_rope=fused, mlp=mlp)
+                       attn_chunks=attn_chunks, compiled=compiled, swiglu=ops, rope=ops, mlp=mlp)
     if compiled:
         torch._dynamo.reset()
         # AOTAutograd with the min-cut partitioner (inductor's), without generating kernels

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from qtrain.model.activations import activation_terms
-from qtrain.model.layers import rope_tables
+from qtrain.kernels.rope import rope_tables
 from qtrain.model.matmul import block_linear
 from qtrain.model.mixtral import MixtralConfig
 from qtrain.model.moe_router import RouterLosses

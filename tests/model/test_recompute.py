@@ -238,7 +238,7 @@ def test_checkpoint_flavour_is_bitwise_equal_in_eager():
     cfg, params, inputs, _ = make_model("qwen3")
     w = ParamWeights(cfg, params).block(0)
     x = torch.randn(B, T, cfg.hidden_size, requires_grad=True)
-    from qtrain.model.layers import rope_tables
+    from qtrain.kernels.rope import rope_tables
     cos, sin = rope_tables(cfg, T, "cpu", torch.float32)
     steps = block_steps(["att", "ffn"])
     out = []
@@ -257,7 +257,7 @@ def test_checkpoint_flavour_under_compile_drops_activations():  # ~10 s alone on
     cfg, params, *_ = make_model("qwen2")
     w = ParamWeights(cfg, params).block(0)
     x = torch.randn(B, T, cfg.hidden_size, requires_grad=True)
-    from qtrain.model.layers import rope_tables
+    from qtrain.kernels.rope import rope_tables
     cos, sin = rope_tables(cfg, T, "cpu", torch.float32)
     res = []
     for steps in (frozenset(), block_steps(["ffn", "norm"])):

@@ -89,3 +89,26 @@ def test_preset_name_without_from_scratch_gets_a_hint(caches):
     with pytest.raises(ModelNotFoundError) as ei:
         resolve_model("Qwen2.5-8B")  # not a preset: no hint
     assert "--from-scratch" not in str(ei.value)
+
+
+def test_tiny_presets_have_each_built_in_tokenizers_vocabulary():
+    """tiny-gpt2 / tiny-qwen2: the embedded default's shape, the vocabulary of `qtrain tokenize --tokenizer gpt2 /
+    qwen2` padded to a multiple of 64; from scratch with or without --from-scratch (no weights exist), whatever a
+    directory of that name holds."""
+    import dataclasses
+
+    from qtrain.model.resolve import TINY, TINY_MODELS, is_tiny, resolve_model
+    pytest.importorskip("tiktoken")
+    from qtrain.data.tokenize import get_tokenizer
+    for name, tokenizer in (("tiny-gpt2", "gpt2"), ("tiny-qwen2", "qwen2")):
+        cfg = TINY_MODELS[name]
+        vocab = get_tokenizer(tokenizer).vocab_size
+        assert cfg.vocab_size % 64 == 0 and 0 <= cfg.vocab_size - vocab < 64, (name, vocab)
+        shape = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in (
+            "model_type", "vocab_size", "attention_bias", "bos_token_id", "eos_token_id")}
+        assert shape == {k: v for k, v in dataclasses.asdict(TINY).items() if k in shape}
+        for spec, scratch in ((name, False), (name.upper(), False), (name, True)):
+            source = resolve_model(spec, from_scratch=scratch)
+            assert source.cfg == cfg and source.weights_dir is None and source.tokenizer_dir is None
+    assert TINY_MODELS["tiny-qwen2"].model_type == "qwen2" and TINY_MODELS["tiny-gpt2"] == TINY
+    assert is_tiny("") and is_tiny("qtrain-tiny") and not is_tiny("Qwen2.5-0.5B")

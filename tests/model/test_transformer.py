@@ -248,6 +248,7 @@ def test_fp8_swiglu_onepass_reaches_the_model_and_trains(tmp_path):
     import argparse
     from qtrain.cli.options import add_train_args, options_from_args
     from qtrain.options import Options, OptionsError
+    from qtrain.plan.resolution import swiglu_onepass
     from qtrain.train.trainer import Trainer
     from tests.dist_utils import write_model_dir
     parser = argparse.ArgumentParser()
@@ -257,11 +258,11 @@ def test_fp8_swiglu_onepass_reaches_the_model_and_trains(tmp_path):
     assert options_from_args(parser.parse_args(args + ["--fp8-swiglu-onepass"])).fp8_swiglu_onepass is True
     assert options_from_args(parser.parse_args(args + ["--no-fp8-swiglu-onepass"])).fp8_swiglu_onepass is False
     unset = options_from_args(parser.parse_args(args))
-    assert unset.fp8_swiglu_onepass is None and unset.effective_fp8_swiglu_onepass is True  # auto: on with e4m3
+    assert unset.fp8_swiglu_onepass is None and swiglu_onepass(unset) is True  # auto: on with e4m3
     for auto_off in (args[:2], args + ["--recompute-swiglu"], args + ["--recompute-ffn"]):  # bf16; a split MLP
-        assert options_from_args(parser.parse_args(auto_off)).effective_fp8_swiglu_onepass is False
+        assert swiglu_onepass(options_from_args(parser.parse_args(auto_off))) is False
     # --recompute-block reruns the whole block, the MLP as one function included: the option applies
-    assert options_from_args(parser.parse_args(args + ["--recompute-block"])).effective_fp8_swiglu_onepass is True
+    assert swiglu_onepass(options_from_args(parser.parse_args(args + ["--recompute-block"]))) is True
     base = dict(model=model_dir, from_scratch=True, device="cpu", compile="on", batch_size=2, seq_len=32,
                 grad_accumulation=1,
                 matmul_dtype="e4m3", fp8_policy="all", model_dtype="bf16", seed=3)
@@ -303,7 +304,7 @@ def test_fp8_head_backward_reaches_the_model_and_trains(tmp_path):
     import dataclasses
     from qtrain.cli.options import add_train_args, options_from_args
     from qtrain.options import Options, OptionsError
-    from qtrain.plan.memory import plan_memory
+    from qtrain.plan.resolution import plan_memory
     from qtrain.train.preflight import check_model
     from qtrain.train.trainer import Trainer
     from tests.dist_utils import write_model_dir
@@ -346,7 +347,7 @@ def test_gpu_fp8_onepass_under_recompute_block_trains_as_without(tmp_path):
     the bar is compiled FP8's rounding (2e-3 relative, as the CPU test), not bits. With the same batch twice in a
     row and the weights unchanged (lr 0), the second micro-step finds every hint right: the kernels' counter sees
     no miss there, which is what keeps their second pass off in steady training."""
-    from qtrain.kernels.swiglu_fp8_onepass import count_hint_misses
+    from qtrain.kernels.swiglu.fp8_onepass import count_hint_misses
     from qtrain.options import Options
     from qtrain.train.trainer import Trainer
     from tests.dist_utils import write_model_dir
@@ -380,7 +381,7 @@ def test_gpu_fp8_onepass_under_recompute_block_trains_as_without(tmp_path):
 
 def test_fp8_scale_hints_are_checkpointed_and_a_resume_continues_bit_for_bit(tmp_path):
     """The one-pass kernels' scale hints are run state (a kept hint picks a scale one binade below the tensor's own,
-    kernels/swiglu_fp8_onepass.py): the checkpoint's meta holds every rank's, a resumed run starts from its own and
+    kernels/swiglu/fp8_onepass.py): the checkpoint's meta holds every rank's, a resumed run starts from its own and
     continues bit for bit (compiled CPU run, the twins, which follow the same rule). A hint forced one binade low
     before the checkpoint is kept by the resumed run as by the uninterrupted one, and not by a run resumed without
     hints. (Whether the bits then differ depends on elements reaching e4m3's subnormals: a power-of-two rescale is
@@ -431,7 +432,7 @@ def test_fp8_scale_hints_are_checkpointed_and_a_resume_continues_bit_for_bit(tmp
     assert all(torch.equal(p, params[n]) for n, p in resumed.full_params().items())
     bare = Trainer(opts)  # the same weights and moments, hints unset (a checkpoint of an older qtrain)
     checkpointing.load(path, bare, train_loader=None, logger=None)
-    bare.model._loaded_hints = None
+    bare.model._scale_hints._loaded = None
     steps(bare, batches[2:])
     assert int(bare.model.scale_hints()[0, 1]) != int(tr.model.scale_hints()[0, 1])  # the own exponent, not the kept
     meta = json.loads(meta_file.read_text())

@@ -1,4 +1,5 @@
-"""FP8 quantization, the scaled_mm layout checker and emulation, fp8_linear, the weight cache.
+"""FP8 quantization (kernels/fp8_quant.py), the scaled_mm layout checker and emulation (kernels/scaled_mm.py),
+fp8_linear and the weight cache (numerics/fp8.py).
 
 Tolerances, worked out once (used below):
 - Round-to-nearest into a format with p mantissa bits has relative error <= 2^-(p+1) for values in its
@@ -22,9 +23,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qtrain.kernels.fp8_quant import AMAX_FLOOR, fp8_quantize_torch
-from qtrain.numerics.fp8 import (E4M3, E5M2, FP8_MAX, Fp8WeightCache, check_scaled_mm_args, fp8_linear,
-                                 quantize_fp8, scaled_mm)
+from qtrain.kernels.fp8_quant import AMAX_FLOOR, E4M3, E5M2, FP8_MAX, fp8_quantize_torch, quantize_fp8
+from qtrain.kernels.scaled_mm import check_scaled_mm_args, scaled_mm
+from qtrain.numerics.fp8 import Fp8WeightCache, fp8_linear
 
 CUDA = torch.cuda.is_available()
 MANTISSA_BITS = {E4M3: 3, E5M2: 2}
@@ -159,6 +160,23 @@ def test_triton_quantize_under_interpreter():
     r = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_quantize_kernels_build_for_hopper():
+    """The abs-max and quantize kernels compile for sm_90 as launched (bf16 in, e4m3 codes out, with the transposed
+    copy): the interpreter never compiles, so a kernel it runs could still fail to build for the GPU."""
+    pytest.importorskip("triton")
+    import qtrain.kernels.fp8_quant as fq
+    from tests.triton_interp import compile_for_hopper
+    ptx = compile_for_hopper(fq._abs_max_kernel, {"x_ptr": "*bf16", "amax_ptr": "*fp32", "n_elements": "i32"},
+                             {"BLOCK": 8192})
+    assert "atom" in ptx
+    sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv", "amax_ptr": "*fp32", "inv_scale_ptr": "*fp32",
+           "M": "i32", "N": "i32", "stride_xm": "i32", "stride_xn": "i32"}
+    const = {"FMAX": 448.0, "AMAX_FLOOR": fq.AMAX_FLOOR, "TRANSPOSE": True, "BLOCK_M": fq.QUANT_BLOCK_M,
+             "BLOCK_N": fq.QUANT_BLOCK_N}
+    ptx = compile_for_hopper(fq._quantize_kernel, sig, const, num_warps=fq.QUANT_WARPS)
+    assert "e4m3" in ptx and ptx.count("st.global") > 1
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -539,7 +557,7 @@ def _block_runner(device: str, T: int = 128):
     bf16 inputs; `_block_runner.names` are the weights' names in that order."""
     from qtrain.model.llama import LlamaConfig
     from qtrain.model.init import init_params
-    from qtrain.model.layers import rope_tables
+    from qtrain.kernels.rope import rope_tables
     from qtrain.model.transformer import allocate_params
 
     cfg = LlamaConfig(model_type="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512,
@@ -584,7 +602,7 @@ def test_keep_transposes_compiled_block_same_numbers(fused_mlp):
     out = {}
     for keep in (False, True):
         torch._dynamo.reset()
-        fn = make_block_fn(cfg, _fp8_lin(keep), compiled=True, fused_swiglu=True,
+        fn = make_block_fn(cfg, _fp8_lin(keep), compiled=True, swiglu="kernel",
                            mlp=block_mlp("e4m3", keep_transposes=keep) if fused_mlp else None)
         out[keep] = run(torch.compile(fn, dynamic=False, backend="aot_eager_decomp_partition"))
     for name, a, b in zip(["y", "dx"] + _block_runner.names, out[False], out[True]):
@@ -609,7 +627,7 @@ def test_norm_fed_fp8_compiled_block_same_numbers(fused_mlp, monkeypatch):
     out = {}
     for fed in (False, True):
         torch._dynamo.reset()
-        fn = make_block_fn(cfg, block_linear("e4m3", keep_transposes=True), compiled=True, fused_swiglu=True,
+        fn = make_block_fn(cfg, block_linear("e4m3", keep_transposes=True), compiled=True, swiglu="kernel",
                            mlp=block_mlp("e4m3", keep_transposes=True) if fused_mlp else None, norm_fed_fp8=fed)
         out[fed] = run(torch.compile(fn, dynamic=False, backend="aot_eager_decomp_partition"))
         assert len(calls) == (2 if fed else 0), calls
@@ -636,8 +654,8 @@ def test_gpu_norm_fed_fp8_block_agrees():
     out = {}
     for fed in (False, True):
         torch._dynamo.reset()
-        fn = make_block_fn(cfg, block_linear("e4m3", keep_transposes=True), compiled=True, fused_swiglu=True,
-                           fused_rope=True, mlp=block_mlp("e4m3", keep_transposes=True), norm_fed_fp8=fed)
+        fn = make_block_fn(cfg, block_linear("e4m3", keep_transposes=True), compiled=True, swiglu="kernel",
+                           rope="kernel", mlp=block_mlp("e4m3", keep_transposes=True), norm_fed_fp8=fed)
         out[fed] = run(torch.compile(fn, dynamic=False))
     names = ["y", "dx"] + list(_block_runner.names)
     errs = {n: (round(rel_err(f, r), 5), round(rel_err(p, r), 5), round(rel_err(f, p), 5))
@@ -674,7 +692,7 @@ def test_gpu_fp8_block_compiled_matches_eager(gpu_path):
     cfg, run = _block_runner("cuda")
     ref = run(make_block_fn(cfg, F.linear))
     eager = run(make_block_fn(cfg, _fp8_lin()))
-    gpu = dict(fused_swiglu=True, fused_rope=True, mlp=block_mlp("e4m3", keep_transposes=True)) if gpu_path else {}
+    gpu = dict(swiglu="kernel", rope="kernel", mlp=block_mlp("e4m3", keep_transposes=True)) if gpu_path else {}
     comp = run(torch.compile(make_block_fn(cfg, _fp8_lin(gpu_path), compiled=True, **gpu), dynamic=False))
     names = ["y", "dx"] + list(_block_runner.names)
     errs = {n: (round(rel_err(c, e), 5), round(rel_err(c, r), 5), round(rel_err(e, r), 5))

@@ -35,7 +35,7 @@ from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.optimizer import DTYPES, ShardedAdamW
 from qtrain.parallel.weights.cast import CastWeights
 from qtrain.parallel.weights.sharded import ShardedWeights
-from qtrain.plan.memory import plan_for_trainer, plan_memory
+from qtrain.plan.resolution import fp8_choice, plan_for_trainer, plan_memory
 from qtrain.train.trainer import Trainer
 
 # every small tensor kind (ln1, qkv_bias, q_norm, k_norm, ln2); linears' K and N multiples of 16 (FP8); odd vocab
@@ -217,7 +217,7 @@ def build_on_meta(opts: Options):
     """The components as the Trainer builds them, on a `meta` compute device (host buffers stay CPU tensors)."""
     layout, dtype, dev = FlatLayout(CFG, 4), DTYPES[opts.effective_master_dtype], torch.device("meta")
     if opts.weights_sharded:
-        fp8 = opts.fp8_choice(CFG).fp8 if opts.persistent_quants else ()
+        fp8 = fp8_choice(CFG, opts).fp8 if opts.persistent_quants else ()
         weights = ShardedWeights(layout, comm=RankOf4(), dtype=dtype, device=dev, offload=opts.offload_master,
                                  compute_dtype=DTYPES[opts.model_dtype],
                                  quantized=fp8 if opts.persistent_quants else (),

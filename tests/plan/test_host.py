@@ -13,7 +13,8 @@ from qtrain.model.llama import LlamaConfig
 from qtrain.model.registry import preset
 from qtrain.options import Options
 from qtrain.plan.host import HostMemoryError, available_host_memory, check_host_memory, host_bytes
-from qtrain.plan.memory import GiB, plan_memory
+from qtrain.plan.memory import GiB
+from qtrain.plan.resolution import plan_memory
 from tests.run_utils import subprocess_env
 
 # embedding-heavy, like the real models: 8M of its 11M parameters are the (tied) embedding
@@ -28,7 +29,7 @@ from qtrain.model.llama import LlamaConfig
 from qtrain.model.registry import preset
 from qtrain.options import Options
 from qtrain.plan.host import host_bytes, process_rss, return_freed_memory
-from qtrain.plan.memory import plan_for_trainer
+from qtrain.plan.resolution import plan_for_trainer
 from qtrain.train.trainer import Trainer
 cfg_d, opts_d, model_dir = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
 return_freed_memory()  # what run_training does on the CPU

@@ -34,7 +34,8 @@ from qtrain.options import Options
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.optimizer import ShardedAdamW
 from qtrain.parallel.weights.replicated import ParamWeights
-from qtrain.plan.memory import AUTO_MARGIN, GiB, MiB, parse_bytes, plan_memory
+from qtrain.plan.memory import GiB, MiB, parse_bytes
+from qtrain.plan.resolution import AUTO_MARGIN, plan_memory
 from qtrain.plan.propose import propose
 
 

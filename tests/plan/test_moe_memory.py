@@ -14,7 +14,7 @@ from qtrain.model.qwen3_moe import Qwen3MoeConfig
 from qtrain.model.recompute import resolve_flags
 from qtrain.options import Options
 from qtrain.parallel.dist import DistContext
-from qtrain.plan.memory import plan_for_trainer, plan_memory
+from qtrain.plan.resolution import plan_for_trainer, plan_memory
 from qtrain.train.trainer import Trainer
 from tests.dist_utils import random_batch, write_model_dir
 from tests.plan.test_components import component_parts, measure, plan_parts, planned, total

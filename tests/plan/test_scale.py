@@ -106,7 +106,7 @@ def test_cli_table_and_json():
     assert rc == 0
     lines = [ln.split() for ln in text.splitlines() if ln.strip().split(" ")[0].isdigit()]
     assert [int(ln[0]) for ln in lines] == [8, 16, 32] and all(ln[2] == "zero3" for ln in lines)
-    assert "[Scale model] Qwen2.5-7B" in text and "calibration on BENCHMARKS.md" in text
+    assert "[Scale model] Qwen2.5-7B" in text and "calibration on the measured runs" in text
     rc, text = _plan("--nodes", "2", "--json", "--ib-bandwidth", "12.5GB")
     data = json.loads(text)
     assert rc == 0 and data["mode"] == "zero1" and len(data["rows"]) == 2

@@ -144,10 +144,10 @@ def test_cuda_graphs_refuse_an_moe_step():
     with the reason (the preflight and the Trainer call this before building anything); unset, the graphs stay off."""
     from qtrain.model.registry import config_from_hf_dict
     from qtrain.options import Options, OptionsError
-    from qtrain.train.cuda_graphs import check_model_capturable
+    from qtrain.plan.resolution import check_model_support, cuda_graphs_on
     cfg = config_from_hf_dict(MOE["olmoe"])
     with pytest.raises(OptionsError, match=r"--use-cuda-graphs cannot capture a step of olmoe \(a Mixture-of-Experts "
                                            r"model\): the number of tokens each expert gets"):
-        check_model_capturable(Options(model="m", use_cuda_graphs=True), cfg, device_type="cuda")
-    check_model_capturable(Options(model="m"), cfg, device_type="cuda")  # unset: no error, and auto keeps them off
-    assert not Options(model="m", batch_size=1, seq_len=16).cuda_graphs_on(cfg, world=1, device_type="cuda")
+        check_model_support(cfg, Options(model="m", use_cuda_graphs=True), device_type="cuda")
+    check_model_support(cfg, Options(model="m"), device_type="cuda")  # unset: no error, and auto keeps them off
+    assert not cuda_graphs_on(cfg, Options(model="m", batch_size=1, seq_len=16), world=1, device_type="cuda")

@@ -12,7 +12,8 @@ from qtrain.model.llama import LlamaConfig
 from qtrain.model.registry import preset
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.dist import DistContext
-from qtrain.train.cuda_graphs import check_cuda_graphs, status
+from qtrain.plan.resolution import check_cuda_graphs, cuda_graphs_on
+from qtrain.train.cuda_graphs import status
 from qtrain.train.preflight import preflight
 from qtrain.train.trainer import Trainer
 from tests.dist_utils import full_params_cpu
@@ -88,7 +89,7 @@ def test_status_line():
 # ---- the default: on where graphs were measured faster -----------------------------------------------------
 def graphs_on(size: str, batch: int, *, world: int = 1, device_type: str = "cuda", **kw) -> bool:
     opts = Options(model=f"Qwen2.5-{size}", seq_len=1024, batch_size=batch, **kw).validate()
-    return opts.cuda_graphs_on(preset(f"Qwen2.5-{size}"), world=world, device_type=device_type)
+    return cuda_graphs_on(preset(f"Qwen2.5-{size}"), opts, world=world, device_type=device_type)
 
 
 def test_unset_turns_graphs_on_only_where_they_were_measured_faster():
@@ -96,7 +97,7 @@ def test_unset_turns_graphs_on_only_where_they_were_measured_faster():
     FP8 linear, a block's GEMM work per micro-step at most CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP (Qwen2.5-0.5B at
     micro-batch 4, 16 and 32 x 1024: 366, 1466 and 2931 GFLOP, measured 2.90x, 1.027x, 1.009x)."""
     from qtrain.model.fp8_policy import block_gflop
-    from qtrain.options import CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP as LIMIT
+    from qtrain.plan.resolution import CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP as LIMIT
     gflop = {(s, b): block_gflop(preset(f"Qwen2.5-{s}"), b * 1024) for s, b in
              (("0.5B", 4), ("0.5B", 32), ("0.5B", 64), ("1.5B", 4), ("1.5B", 32))}
     assert gflop[("0.5B", 32)] <= LIMIT < gflop[("0.5B", 64)] and gflop[("1.5B", 4)] <= LIMIT < gflop[("1.5B", 32)]

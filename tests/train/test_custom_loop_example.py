@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from qtrain.data.loader import TokenLoader  # noqa: E402
 from qtrain.data.token_files import write_token_file  # noqa: E402
-from qtrain.data.tokenize import get_tokenizer  # noqa: E402
+from qtrain.data.tokenizers import get_tokenizer  # noqa: E402
 from qtrain.observe.log import read_log  # noqa: E402
 from qtrain.options import Options  # noqa: E402
 

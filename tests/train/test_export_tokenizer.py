@@ -20,7 +20,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from qtrain.cli.main import main  # noqa: E402
-from qtrain.data.tokenize import get_tokenizer  # noqa: E402
+from qtrain.data.tokenizers import get_tokenizer  # noqa: E402
 from qtrain.model.llama import LlamaConfig  # noqa: E402
 from qtrain.observe.log import read_log  # noqa: E402
 

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from qtrain.cli.main import main
 from qtrain.data.loader import TokenLoader
-from qtrain.data.tokenize import get_tokenizer
+from qtrain.data.tokenizers import get_tokenizer
 from qtrain.observe.log import read_log
 
 COMMON = ["--model-dtype", "fp32", "--batch-size", "4", "--seq-len", "64", "--grad-accumulation", "2",
@@ -138,3 +138,30 @@ def test_plain_continue_with_no_checkpoint_starts_fresh_and_says_so(tmp_path, ca
     assert main(train_argv(root, steps=2) + ["--continue"]) == 0
     assert f"finished at step 2; its export is in {root / 'out' / 'run'}; nothing to do" in capsys.readouterr().out
     assert [e["run_id"] for e in read_log(root / "logs" / "run.jsonl") if e["log"] == "run"] == [run_id]
+
+
+def test_console_levels_and_eval_at_start(tmp_path, capsys):
+    """The ~90-line options dump goes to the run log only, and to the console with --verbose; --quiet prints the
+    warnings, the evaluations and where the results are; --eval-at-start evaluates before step 0, logged as step
+    0's eval. Every level writes the same log objects."""
+    from tests.run_utils import make_run_root, train_argv
+    root = make_run_root(tmp_path)
+    runs = {"default": (), "verbose": ("--verbose",), "quiet": ("--quiet", "--eval-at-start")}
+    out = {}
+    for name, extra in runs.items():
+        capsys.readouterr()
+        assert main(train_argv(root, steps=2, name=name, eval_num_steps=2, extra=extra)) == 0
+        out[name] = capsys.readouterr().out
+        logged = read_log(root / "logs" / f"{name}.jsonl")
+        assert [e["options"]["name"] for e in logged if e["log"] == "options"] == [name]
+    assert "[Options]" not in out["default"] and "[T] step" in out["default"] and "[Memory plan]" in out["default"]
+    assert "[Options]" in out["verbose"] and "  learning_rate" in out["verbose"] and "[I] " in out["verbose"]
+    warnings = [line for line in out["quiet"].splitlines() if line.startswith("[!] ")]
+    assert warnings and "no tokenizer is known for the export" in warnings[0]  # the data records none
+    quiet = [line for line in out["quiet"].splitlines() if line not in warnings]
+    assert [line[:3] for line in quiet] == ["[V]", "[V]", "[Do"], quiet  # step 0's eval, the final one, the end
+    assert quiet[0].startswith("[V] step     0 [  0.0%]") and "train avg        -" in quiet[0]
+    logged = read_log(root / "logs" / "quiet.jsonl")
+    order = [(e["log"], e["step"]) for e in logged if e["log"] in ("eval", "step")]
+    assert order == [("eval", 0), ("step", 0), ("step", 1), ("eval", 2)]
+    assert [e["log"] for e in read_log(root / "logs" / "default.jsonl") if e["log"] == "eval"] == ["eval"]

@@ -25,9 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from qtrain.kernels.attention import causal_attention
+from qtrain.kernels.rope import qkv_rope
+from qtrain.kernels.swiglu import swiglu
+from qtrain.kernels.swiglu.activation import saved_bytes_per_token as swiglu_saved_bytes
 from qtrain.model.family import DTYPE_BYTES, ActivationSettings, ActTerm, BlockFn, BlockOptions
-from qtrain.model.layers import (apply_rope, qkv_rope_fused, rms_norm, rms_norm_and_rstd, sdpa_backends, split_qkv,
-                                 swiglu, swiglu_fused)
+from qtrain.model.layers import rms_norm, rms_norm_and_rstd, sdpa_backends
 from qtrain.model.llama.config import LlamaConfig
 from qtrain.model.recompute import (MLP_STEPS, CheckpointSteps, Recomputer, resolve_flags, run_step)
 from qtrain.model.weight_source import SCALE_HINT, quantized_weight
@@ -87,11 +89,11 @@ class LlamaBlock:
         self.nh, self.nkv, self.hs = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.eps, self.q_dim, self.qk_norm, self.gqa = cfg.rms_norm_eps, cfg.q_dim, cfg.qk_norm, self.nh != self.nkv
         self.linear, self.linears, self.rebuilt_input_linear = o.linear, o.linears, o.rebuilt_input_linear
-        self.swiglu_fn = swiglu_fused if o.fused_swiglu else swiglu
+        self.swiglu_mode, self.rope_mode = o.swiglu, o.rope
         self.fused_mlp = o.mlp if not (MLP_STEPS & o.recompute) else None
         self.norm_fed_fp8 = o.norm_fed_fp8 and not o.recompute  # the norms and their linears are then plain calls
         self.rebuilt = {n for n, step in REBUILT_BY.items() if step in o.recompute}
-        self.fused_rope, self.attn_chunks, self.sdpa_backend = o.fused_rope, o.attn_chunks, o.sdpa_backend
+        self.attn_chunks, self.sdpa_backend = o.attn_chunks, o.sdpa_backend
 
     # ---- the block input (the residual stream) ----
     @staticmethod
@@ -156,22 +158,19 @@ class LlamaBlock:
     def qkv_rope(self, h: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                  prenorm: Prenorm | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fused QKV projection -> (qk-norm) -> RoPE: (B, T, C) -> q (B, nh, T, hs), k, v (B, nkv, T, hs)."""
-        nh, nkv, hs = self.nh, self.nkv, self.hs
         qkv = self.project(h, w, "qkv", "qkv_bias", prenorm)  # (B, T, q_dim + 2 kv_dim)
-        if self.fused_rope and not self.qk_norm:  # the same values; the backward is one kernel (qkv_rope_fused)
-            q, k, v = qkv_rope_fused(qkv, cos, sin, nh, nkv, hs)
-            return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k, v = split_qkv(qkv, nh, nkv, hs)
-        if self.qk_norm:
-            q, k = rms_norm(q, w["q_norm"], self.eps), rms_norm(k, w["k_norm"], self.eps)
-        # RoPE in the (B, T, heads, hs) layout the projection wrote (as the fused path), then the transposed views
-        cos, sin = cos[:, None], sin[:, None]  # (T, 1, hs)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.qk_norm:  # Qwen3: q and k normalized per head between the split and the rotation
+            def qk_norm(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return rms_norm(q, w["q_norm"], self.eps), rms_norm(k, w["k_norm"], self.eps)
+        else:
+            qk_norm = None
+        # RoPE in the (B, T, heads, hs) layout the projection wrote, then the transposed views
+        q, k, v = qkv_rope(qkv, cos, sin, self.nh, self.nkv, self.hs, mode=self.rope_mode, qk_norm=qk_norm)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, hs)
 
     @staticmethod
     def saved_by_qkv(a: _Saved) -> list[ActTerm]:
-        """v, which SDPA saves, is copied out of the fused QKV output (`layers.split_qkv`), so the fused buffer
+        """v, which SDPA saves, is copied out of the fused QKV output (`kernels.rope.split_qkv`), so the fused buffer
         (pre-RoPE q and k) is freed after RoPE unless something else saves views of it: the qk-norm's backward
         (compiled, or eager in fp32) keeps it. SDPA keeps q and k after RoPE; the qk-norm its rstd (and, eager, its
         fp32 copy and normalized value); in e4m3 the QKV linear an e4m3 copy of its input."""
@@ -259,7 +258,11 @@ class LlamaBlock:
             return x + self.fused_mlp(h, w["up"], w["down"], quantized_weight(w, "up"), quantized_weight(w, "down"),
                                       w.get(SCALE_HINT), **extra)
         u = step("up", self.project, h, w, "up") if pre is None else self.project(h, w, "up", None, pre)  # (B, T, 2F)
-        return x + self.project(step("swiglu", self.swiglu_fn, u), w, "down")
+        return x + self.project(step("swiglu", self.activation, u), w, "down")
+
+    def activation(self, u: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of the up/gate output (B, T, 2F) -> (B, T, F), in the mode the Transformer resolved."""
+        return swiglu(u, self.swiglu_mode)
 
     @staticmethod
     def saved_by_mlp(a: _Saved) -> list[ActTerm]:
@@ -276,7 +279,8 @@ class LlamaBlock:
         else:
             terms = [ActTerm("mlp_up", 2 * Fi * E + a.f8_norm_out * C, "ffn" not in rc,
                              "fused up/gate output (B, T, 2F)"),
-                     ActTerm("swiglu", E * Fi + a.lin * Fi, "swiglu" not in rc, "silu(gate), SwiGLU output")]
+                     ActTerm("swiglu", swiglu_saved_bytes(Fi, E, "autograd") + a.lin * Fi, "swiglu" not in rc,
+                             "silu(gate), SwiGLU output")]
         if fp8:
             terms.append(ActTerm("down_in_fp8", Fi, a.blk and not (a.s.compiled and "swiglu" in rc),
                                  "e4m3 copy of the down projection's input"))

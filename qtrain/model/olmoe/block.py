@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from qtrain.model.family import ActTerm
-from qtrain.model.layers import apply_rope, rms_norm
+from qtrain.kernels.rope import apply_rope
+from qtrain.model.layers import rms_norm
 from qtrain.model.llama.block import Prenorm, _Saved
 from qtrain.model.moe_block import MoeBlock
 from qtrain.model.olmoe.config import OlmoeConfig

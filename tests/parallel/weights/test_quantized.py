@@ -103,10 +103,10 @@ def test_the_plan_counts_the_cached_copies_once():
     what the cache holds after a forward), and the linears keep views of them for backward, not copies: what one
     block saves besides them is the per-layer activation row without e4m3 weight copies."""
     from qtrain.model.activations import layer_activation_bytes
-    from qtrain.model.layers import rope_tables
+    from qtrain.kernels.rope import rope_tables
     from qtrain.model.matmul import block_linear
     from qtrain.model.transformer import make_block_fn
-    from qtrain.plan.memory import plan_for_trainer
+    from qtrain.plan.resolution import plan_for_trainer
     tr = _trainer(persistent_quants=True)
     with torch.no_grad():
         blocks = [tr.weights.block(layer) for layer in range(CFG.num_hidden_layers)]
@@ -137,7 +137,7 @@ def test_a_compiled_block_reads_the_cached_transposes():
     """Under torch.compile (AOTAutograd, as the trainer compiles blocks; `aot_eager` on the CPU) a block given
     the e4m3 copies with their transposes (what `QuantizedWeights.block` hands it) computes what it computes
     from the copies alone and eagerly, bit for bit; and it does read them: zeroed transposes change dx."""
-    from qtrain.model.layers import rope_tables
+    from qtrain.kernels.rope import rope_tables
     from qtrain.model.matmul import block_linear, block_mlp
     from qtrain.model.transformer import FP8_WEIGHT_T, make_block_fn
     from qtrain.model.weights import block_shapes

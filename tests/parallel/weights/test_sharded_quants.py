@@ -26,6 +26,7 @@ import dataclasses
 import pytest
 import torch
 
+import qtrain.kernels.swiglu.mlp as swiglu_mlp
 import qtrain.numerics.fp8 as fp8
 from tests.dist_utils import full_params_cpu, random_batch, run_distributed, train_steps
 from qtrain.model.config import ModelConfig
@@ -34,9 +35,10 @@ from qtrain.model.transformer import FP8_INV_SCALE, FP8_WEIGHT
 from qtrain.parallel.comm import Communicator, Handle
 from qtrain.parallel.dist import DistContext
 from qtrain.parallel.layout import FlatLayout
-from qtrain.parallel.weights.sharded import ShardedWeights, _PersistentQuants
+from qtrain.parallel.weights.persistent_quants import PersistentQuants
+from qtrain.parallel.weights.sharded import ShardedWeights
 from qtrain.model.llama import FP8_MATRICES
-from qtrain.plan.memory import plan_for_trainer, plan_memory
+from qtrain.plan.resolution import plan_for_trainer, plan_memory
 from qtrain.options import Options, OptionsError
 from qtrain.train.trainer import Trainer
 
@@ -79,8 +81,8 @@ def run_steps(tr: Trainer, steps: range) -> list[dict]:
 
 
 class _CountingQuantize:
-    """Counts what the linears quantize: `fp8_linear` / `fp8_swiglu_mlp` call `numerics.fp8.quantize_fp8` for a
-    weight that comes without an FP8 copy (the persistent shards use their own import of it)."""
+    """Counts what the linears quantize: `fp8_linear` / `fp8_swiglu_mlp` call `quantize_fp8` (through their modules'
+    names for it, both patched) for a weight that comes without an FP8 copy (the persistent shards use their own)."""
 
     def __init__(self):
         self.calls, self._orig = 0, fp8.quantize_fp8
@@ -107,7 +109,7 @@ def _codes_match_gathered_weights(tr: Trainer) -> bool:
 def _worker(rank: int, world: int, model_dir: str) -> dict:
     ctx = DistContext(rank=rank, world=world, local_rank=rank, device=CPU)
     count = _CountingQuantize()
-    fp8.quantize_fp8 = count
+    fp8.quantize_fp8 = swiglu_mlp.quantize_fp8 = count
     out: dict = {}
     for name, kw in RUNS.items():
         tr = Trainer(options(model_dir, **kw), ctx)
@@ -213,7 +215,7 @@ def test_small_tensor_exchange_reassembles_the_small_tensors():
             layout = FlatLayout(cfg, world)
             g = layout.block(0)
             full = torch.randn(g.padded_numel)
-            qs = [_PersistentQuants(layout, FP8_MATRICES, rank=r, world=world, dtype=torch.float32, device=CPU,
+            qs = [PersistentQuants(layout, FP8_MATRICES, rank=r, world=world, dtype=torch.float32, device=CPU,
                                     offload=False) for r in range(world)]
             slot = qs[0].slot
             exchange = torch.zeros(world * slot)
@@ -257,7 +259,7 @@ def test_quantized_shards_of_four_ranks_are_the_full_tensors_codes():
     gen = torch.Generator().manual_seed(1)
     full = {g.key: (torch.randn(g.padded_numel, generator=gen) * torch.rand(1, generator=gen)).to(torch.bfloat16)
             for g in layout.groups}
-    qs = [_PersistentQuants(layout, FP8_MATRICES, rank=r, world=world, dtype=torch.bfloat16, device=CPU,
+    qs = [PersistentQuants(layout, FP8_MATRICES, rank=r, world=world, dtype=torch.bfloat16, device=CPU,
                             offload=False) for r in range(world)]
     shards = [{k: v[slice(*layout.by_key[k].shard_range(r, world))] for k, v in full.items()} for r in range(world)]
     comm = _MaxOverRanks()
@@ -412,7 +414,7 @@ def test_plan_activations_keep_no_per_layer_fp8_weights():
     """What one block saves for backward, less what `saving()` keeps as handles (anything in a block slot: the
     e4m3 weights are views of the gathered codes), is the plan's per-layer activation row without e4m3 weight
     copies -- and measurably less than with them."""
-    from qtrain.model.layers import rope_tables
+    from qtrain.kernels.rope import rope_tables
     from qtrain.model.transformer import make_block_fn
     from qtrain.model.activations import layer_activation_bytes
     from qtrain.model.matmul import block_linear

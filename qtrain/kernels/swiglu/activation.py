@@ -1,8 +1,10 @@
-"""SwiGLU backward: d(up, gate) from d(out) and the fused up/gate projection output, in one pass.
+"""SwiGLU in the model dtype: ``out = up * silu(gate)`` from ``u = [up | gate]`` (M, 2F), the output of the fused
+up/gate GEMM, and its backward in one pass. `swiglu(u, mode)` is the entry the blocks call (the FP8 MLP around it is
+`mlp.py`'s).
 
-The block's MLP computes ``out = up * silu(gate)`` from ``u = [up | gate]`` (M, 2F), the output of the fused
-up/gate GEMM (``qtrain.model.layers.swiglu``). Its backward, per element, all in fp32 from the stored
-values, one rounding at the end::
+The forward is plain torch in `transformers`' order of operations (silu(gate) rounded first, then the product), so
+fp32 results agree with HF to rounding and bf16 results round at the same places; a compiled block fuses it. The
+backward, per element, all in fp32 from the stored values, one rounding at the end::
 
     s      = sigmoid(gate)
     d_up   = dout * gate * s
@@ -27,11 +29,13 @@ one small reduction finishes: 36k programs doing an atomic max on one address ma
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from qtrain.kernels.dispatch import jit, tl, triton, use_triton
 from qtrain.kernels.stochastic_rounding import KINDS, load_f32, round_f32, store_f32
 
-__all__ = ["swiglu_backward", "swiglu_backward_amax", "swiglu_backward_triton", "swiglu_backward_twin"]
+__all__ = ["MODES", "saved_bytes_per_token", "swiglu", "swiglu_backward", "swiglu_backward_amax",
+           "swiglu_backward_triton", "swiglu_backward_twin"]
 
 # Tile: 16 rows x 256 columns (4096 elements of each half per program, 4 warps): a streaming shape; at
 # F = 8960 a row is 35 tiles, so rows of a program stay within a few KB of each other. `swiglu_backward_triton`
@@ -139,3 +143,45 @@ def _(dout: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check(dout, u)
     return (torch.empty_like(u, memory_format=torch.contiguous_format),
             torch.empty((), dtype=torch.float32, device=u.device))
+
+
+# ---------------------------------------------------------------------------------------------- the entry
+MODES = ("autograd", "kernel")  # how `swiglu` is differentiated (its docstring)
+
+
+def _forward(u: torch.Tensor) -> torch.Tensor:
+    up, gate = u.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class _SwiGLU(torch.autograd.Function):
+    """`_forward` with its backward in one kernel (`qtrain::swiglu_backward`); saves u, as autograd would."""
+
+    @staticmethod
+    def forward(ctx, u: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(u)
+        return _forward(u)
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor) -> torch.Tensor:
+        (u,) = ctx.saved_tensors
+        return swiglu_backward(dout.contiguous(), u)
+
+
+def swiglu(u: torch.Tensor, mode: str = "autograd") -> torch.Tensor:
+    """up * silu(gate) for u (..., 2F) with rows [up; gate] of the fused weight. `mode` says how it is differentiated:
+    "autograd" (eager blocks, the CPU): autograd's graph of the plain-torch forward; "kernel" (compiled blocks): the
+    backward as one kernel (`swiglu_backward`; inductor's own version ran at half the memory bandwidth), computed in
+    fp32 from u and rounded once, so it can differ from autograd's (which rounds silu(gate) first) by a unit in the
+    last place. The forward is the same in both."""
+    if mode == "kernel":
+        return _SwiGLU.apply(u)
+    if mode != "autograd":
+        raise ValueError(f"swiglu: mode must be one of {MODES}, got {mode!r}")
+    return _forward(u)
+
+
+def saved_bytes_per_token(intermediate: int, dtype_bytes: int, mode: str) -> int:
+    """What `swiglu` keeps for backward per token beyond its input u (which both modes keep): autograd's graph also
+    silu(gate) (`intermediate` = F values of u's dtype); the kernel recomputes it from u."""
+    return intermediate * dtype_bytes if mode == "autograd" else 0

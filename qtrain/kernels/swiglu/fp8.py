@@ -9,7 +9,7 @@ be scaled, so this is two passes:
     pass 2: `fp8_quantize` of h with that amax, transposed copy included       (reads h, writes 2 x M*F bytes)
 
 h is rounded where torch rounds it (silu(gate) first, then the product), so it is the h that
-`layers.swiglu` computes, up to Triton's exp and division differing from torch's by an ulp of fp32 (which
+`activation.swiglu` computes, up to Triton's exp and division differing from torch's by an ulp of fp32 (which
 can flip a bf16 rounding). Measured on the H200 at Qwen2.5-1.5B shapes, inductor ran this work as an
 abs-max reduction plus two fused pointwise kernels in 0.73 ms per call (41 ms per training step); a version
 that recomputed h in pass 2 instead of storing it was compute-bound (exp and division twice) at 0.67 ms.
@@ -33,7 +33,7 @@ BLOCK_M, BLOCK_F, NUM_WARPS = 16, 256, 4  # a streaming tile, as the SwiGLU back
 
 
 def check_swiglu_fp8_args(u: torch.Tensor, dtype: torch.dtype, who: str = "swiglu_fp8") -> None:
-    """u (M, 2F) in a dtype the kernels read, an FP8 output dtype (also kernels/swiglu_fp8_onepass.py's check)."""
+    """u (M, 2F) in a dtype the kernels read, an FP8 output dtype (also fp8_onepass.py's check)."""
     if u.dim() != 2 or u.shape[1] % 2:
         raise ValueError(f"{who}: u must be (M, 2F), got shape {tuple(u.shape)}")
     if u.dtype not in KINDS:
@@ -46,7 +46,7 @@ def check_swiglu_fp8_args(u: torch.Tensor, dtype: torch.dtype, who: str = "swigl
 def swiglu_fp8_twin(u: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The specification: (h_q (M, F), h_q^T (F, M), inv_scale) for h = up * silu(gate) in u's dtype
-    (`qtrain.model.layers.swiglu`'s formula and rounding)."""
+    (`activation.swiglu`'s formula and rounding)."""
     check_swiglu_fp8_args(u, dtype)
     up, gate = u.chunk(2, dim=-1)
     q, qt, inv_scale = fp8_quantize_torch(F.silu(gate) * up, dtype, transpose=True)

@@ -1,12 +1,13 @@
-"""LM head + cross-entropy that never materialises fp32 logits for the whole micro-batch.
+"""LM head + cross-entropy that never materialises fp32 logits for the whole micro-batch: the cross-entropy op's entry.
 
 The head runs over `chunks` row-slices of the final hidden states. For each slice: logits in the model
 dtype (as HF computes them), then fp32 log-sum-exp, loss and d(logits); the d(logits) slice is turned
 into its contributions to d(hidden) and d(W_head) at once, so only one slice of logits is alive at a time.
 Because gradients are computed in the forward pass, backward just scales them: this is llm.q's "LM head
-only in backward" and Liger's fused linear cross-entropy, written in plain torch. `lm_head_loss_and_grads` returns
-them without autograd (the training micro-step, which starts its backward there); `chunked_lm_head_loss` is the
-same as an autograd Function (evaluation, tests).
+only in backward" and Liger's fused linear cross-entropy, written in plain torch around the chunk's cross-entropy
+kernels (`inplace.py`; with --fp8-head-backward `fp8.py`). `lm_head_loss_and_grads` returns them without autograd
+(the training micro-step, which starts its backward there); `chunked_lm_head_loss` is the same as an autograd
+Function (evaluation, tests); `head_workspace_bytes` is what they hold at their peak (the memory plan's).
 
 Loss convention: sum over tokens of (lse - logit[target]) + z_loss * lse^2 (PaLM's z-loss), targets of
 -100 ignored; the caller passes `scale` (e.g. 1 / number of valid targets in the global batch) so that
@@ -16,30 +17,20 @@ from __future__ import annotations
 
 import torch
 
-from qtrain.kernels import cross_entropy
-from qtrain.kernels.cross_entropy import IGNORE_INDEX  # noqa: F401  (re-exported: the model's ignore label)
-from qtrain.kernels.cross_entropy import chunk_loss_and_dlogits as _chunk_loss_and_dlogits  # noqa: F401
-from qtrain.kernels.cross_entropy_fp8 import G_SCALE_EXP, cross_entropy_fp8_grads
-from qtrain.numerics.fp8 import E4M3, quantize_fp8_transposed, scaled_mm
+from qtrain.kernels.cross_entropy.fp8 import G_SCALE_EXP, cross_entropy_fp8_grads
+from qtrain.kernels.cross_entropy.inplace import chunk_loss_and_dlogits, cross_entropy_fwd_bwd_inplace_
+from qtrain.kernels.fp8_quant import E4M3, quantize_fp8_transposed
+from qtrain.kernels.scaled_mm import scaled_mm
 
-_compiled_loss_fn = None
+__all__ = ["chunked_lm_head_loss", "fp8_backward_shapes_ok", "head_workspace_bytes", "lm_head_loss_and_grads"]
 
 
 def _loss_fn(cuda: bool):
-    """On the GPU, torch.compile fuses the chunk's ~10 elementwise passes over fp32 logits (upcast,
-    logsumexp, softmax, scatter, downcast) into a few kernels; measured as ~40% of a Qwen2.5-0.5B step
-    when run eagerly. The CPU runs the plain function (the specification). By default
-    (``qtrain.kernels.cross_entropy.FUSED_CE_ENABLED``) CUDA logits go to the fused Triton kernel instead,
-    which reads each row twice and writes d(logits) over the logits buffer (fine here: the logits are not
-    read again): faster than the compiled version and one fewer (n, V) buffer alive."""
-    global _compiled_loss_fn
-    if not cuda:
-        return _chunk_loss_and_dlogits
-    if cross_entropy.FUSED_CE_ENABLED:
-        return cross_entropy.cross_entropy_fwd_bwd_inplace_
-    if _compiled_loss_fn is None:
-        _compiled_loss_fn = torch.compile(_chunk_loss_and_dlogits, dynamic=False)
-    return _compiled_loss_fn
+    """The chunk's loss and d(logits): CUDA logits go to the fused kernel, which reads each row twice and writes
+    d(logits) over the logits buffer (fine here: the logits are not read again), faster than the chunk's ~10
+    elementwise passes over fp32 copies of the logits even when torch.compile fuses them, and one fewer (n, V) buffer
+    alive (`inplace.py`); the CPU runs the specification, which returns a new d(logits)."""
+    return cross_entropy_fwd_bwd_inplace_ if cuda else chunk_loss_and_dlogits
 
 
 def fp8_backward_shapes_ok(rows: int, hidden: int, vocab: int) -> bool:
@@ -94,11 +85,11 @@ def lm_head_loss_and_grads(h: torch.Tensor, w: torch.Tensor, targets: torch.Tens
 
 class _Fp8HeadOperands:
     """The LM head's backward in FP8 (--fp8-head-backward): d(h) = G W and d(W) = G^T h as e5m2 x e4m3 GEMMs, G the
-    cross-entropy's d(logits) in e5m2 at the fixed scale 2^15 (kernels/cross_entropy_fp8.py says why), W and h in
+    cross-entropy's d(logits) in e5m2 at the fixed scale 2^15 (`fp8.py` says why), W and h in
     e4m3 with per-tensor abs-max scales, quantized once per call of `lm_head_loss_and_grads` (per micro-step: the
     weight changes at every update, and a cache keyed on it would miss writes into reused gather buffers). The
     forward GEMM (the logits) stays in the model dtype, so the loss is unchanged. Why: the head's three GEMMs are
-    ~16% of a Qwen2.5-1.5B e4m3 step (BENCHMARKS.md session 18) and FP8 runs GEMMs at up to twice bf16's rate.
+    ~16% of a Qwen2.5-1.5B e4m3 step on the H200 and FP8 runs GEMMs at up to twice bf16's rate.
 
     cuBLASLt multiplies FP8 row-major by column-major only: d(h) takes G (n_c, V) and W^T (C, V); d(W) takes G^T
     (V, n_c) and h^T (C, n); the quantize kernel writes W^T and h^T, the cross-entropy kernel G and G^T. Memory
@@ -120,7 +111,7 @@ class _Fp8HeadOperands:
 
     def chunk_grads(self, g: torch.Tensor, g_t: torch.Tensor, lo: int, hi: int, dh: torch.Tensor, dw: torch.Tensor,
                     *, first: bool) -> None:
-        """d(h)[lo:hi] = scale G W; d(W) = (first ? 0 : d(W)) + scale G^T h[lo:hi], for one chunk's G (its rows lo:hi)."""
+        """d(h)[lo:hi] = scale G W; d(W) = (first ? 0 : d(W)) + scale G^T h[lo:hi], for one chunk's G (rows lo:hi)."""
         scaled_mm(g, self.w_t.t(), self.g_inv, self.w_inv, out_dtype=dh.dtype, out=dh[lo:hi])
         h_c = self.h_t[:, lo:hi].t()  # (n_c, C), column-major
         if first:
@@ -181,8 +172,8 @@ def head_workspace_bytes(tokens: int, hidden: int, vocab: int, *, dtype_bytes: i
     """Bytes `chunked_lm_head_loss` holds at its peak in training (an estimate, checked against a CPU allocation
     tracker and the H200's peaks): one chunk's logits with the loss's temporaries per logit, d(hidden) and
     d(W_head). On CUDA the fused cross-entropy (`_loss_fn`) writes d(logits) over the logits, so a logit costs
-    one model-dtype value; the compiled loss keeps d(logits) and fp32 temporaries, and the plain CPU function
-    fp32 copies (plus, with several chunks, the previous chunk's d(logits) until the next one exists).
+    one model-dtype value; the CPU's specification keeps fp32 copies (plus, with several chunks, the previous
+    chunk's d(logits) until the next one exists).
     `fp8_backward` (`_Fp8HeadOperands`) adds, at its peak: the chunk's G^T (a byte per logit), the e4m3 copies of W
     and h (both orders: the quantize kernel writes both), and with several chunks one fp32 (V, C) product."""
     E = dtype_bytes
@@ -190,10 +181,10 @@ def head_workspace_bytes(tokens: int, hidden: int, vocab: int, *, dtype_bytes: i
     if fp8_backward and fp8_backward_shapes_ok(tokens, hidden, vocab):
         extra = rows * vocab + 2 * (vocab + tokens) * hidden + (4 * vocab * hidden if chunks > 1 else 0)
         return extra + head_workspace_bytes(tokens, hidden, vocab, dtype_bytes=dtype_bytes, chunks=chunks, cuda=cuda)
-    if cuda and cross_entropy.FUSED_CE_ENABLED:
+    if cuda:
         per_logit = E
     else:
-        per_logit = (2 * E + 4) if cuda else (E + 12 if E != 4 else 12)
+        per_logit = E + 12 if E != 4 else 12
         if chunks > 1:
             per_logit += E  # the previous chunk's d(logits) is still referenced while the next one is computed
     chunk = rows * (vocab * per_logit + 32)  # the loss's moment

@@ -1,11 +1,11 @@
 """Fused cross-entropy whose d(logits) goes straight to FP8: e5m2 codes in place over the logits, and their transpose.
 
-What `--fp8-head-backward` needs (model/loss.py): the LM head's two backward GEMMs, d(h) = G W and d(W) = G^T h, run
+What `--fp8-head-backward` needs (`head.py`): the LM head's two backward GEMMs, d(h) = G W and d(W) = G^T h, run
 as FP8 GEMMs, and cuBLASLt multiplies FP8 only row-major by column-major, so it needs G (n, V) and G^T (V, n) both as
 row-major FP8 matrices. This kernel writes them from the tile that computes G, instead of a bf16 G plus an abs-max
 pass plus a quantize pass (each a full pass over n x V values, the largest tensor of a step).
 
-Per row r of ``logits`` (n, V), arithmetic in fp32 (as ``cross_entropy.chunk_loss_and_dlogits``, the specification):
+Per row r of ``logits`` (n, V), arithmetic in fp32 (as ``inplace.chunk_loss_and_dlogits``, the specification):
 
     pass 1 (read the row):       lse = logsumexp(x);  loss_r = (lse - x[t]) + z lse^2  (0 if t == -100)
     pass 2 (read, write codes):  d = exp(x - lse) (1 + 2 z lse) - [col == t]           (0 if t == -100)
@@ -19,7 +19,7 @@ range (probabilities down to ~1e-9 matter summed over a 152k vocabulary), and e5
 Layouts: q^T is a new (V, n) e5m2 matrix; q is written over the logits' own bytes, row r's codes in the first V
 bytes of row r (a view ``fp8_grad_view(logits)``, rows padded to the logits' row stride in bytes), so the head needs
 no memory for q. The logits are not readable afterwards. Three launches: pass 1 is the bf16 kernel's own
-(kernels/cross_entropy.py, without its gradient pass), one program per row; pass 2 a 2-D grid of BLOCK_M rows x
+(`inplace.py`, without its gradient pass), one program per row; pass 2 a 2-D grid of BLOCK_M rows x
 COLS columns that writes q^T only (BLOCK_M-byte runs); a byte transpose then writes q from q^T over the logits,
 which pass 2 has read by then. Why not q from pass 2 directly: over the logits' bytes a code lands on a logit of
 another column range, so only a program that owns whole rows and walks them in order could write it, and those
@@ -35,7 +35,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qtrain.kernels.cross_entropy import chunk_loss_and_dlogits, cross_entropy_fwd_bwd_inplace_triton, dlogits_f32
+from qtrain.kernels.cross_entropy.inplace import (chunk_loss_and_dlogits, cross_entropy_fwd_bwd_inplace_triton,
+                                                  dlogits_f32)
 from qtrain.kernels.dispatch import INTERPRET, jit, tl, triton, use_triton
 from qtrain.kernels.stochastic_rounding import KINDS, load_f32
 
@@ -64,7 +65,8 @@ def fp8_grad_view(logits: Tensor) -> Tensor:
 
 def _check(logits: Tensor, targets: Tensor) -> None:
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"logits must be (n, V) and targets (n,), got {tuple(logits.shape)} and {tuple(targets.shape)}")
+        raise ValueError(f"logits must be (n, V) and targets (n,), got {tuple(logits.shape)} and "
+                         f"{tuple(targets.shape)}")
     if logits.dtype not in KINDS:
         raise TypeError(f"logits dtype must be one of {list(KINDS)}, got {logits.dtype}")
     if not logits.is_contiguous():

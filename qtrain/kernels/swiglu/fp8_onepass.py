@@ -2,8 +2,8 @@
 
 In an FP8 MLP the SwiGLU output h (M, F) and the up projection's output gradient du (M, 2F) exist only to be
 quantized (q and its transpose q^T, for the two GEMMs that read each). With per-tensor current scaling the
-scale needs max |x| before any element is scaled, so the two-pass path makes each in two (kernels/swiglu_fp8.py,
-kernels/swiglu.py + the quantize kernel): the SwiGLU kernel writes x in bf16 and reduces its abs-max, then the
+scale needs max |x| before any element is scaled, so the two-pass path makes each in two (fp8.py,
+activation.py + the quantize kernel): the SwiGLU kernel writes x in bf16 and reduces its abs-max, then the
 quantize kernel reads x back and writes q and q^T. Per element of F that is 10 bytes moved forward (u 4, h 2,
 h again 2, q and q^T 2) and 18 backward (u 4, dout 2, du 4, du again 4, q and q^T 4). Here one pass writes q and
 q^T straight from the inputs: 6 and 10 bytes.
@@ -27,7 +27,8 @@ The result is x quantized at 2^e for the e the rule picks, so it depends on the 
 else: a stale, wrong or unset hint costs one more pass and gives the e_own result. The rule is idempotent (after a
 call the hint is e; the same inputs again keep it), so a rerun of the same forward (recompute, a CUDA-graph
 replay, a compiled graph that rematerializes the op) gives the same bits. Across steps the hints are run state:
-the Transformer keeps one (2,) tensor per layer and checkpoints save them, so a resumed run continues bit for bit.
+one (2,) tensor per layer (`hints.ScaleHints`, which the Transformer holds) that checkpoints save, so a resumed run
+continues bit for bit.
 The hint is written behind torch.compile's back (the ops declare no mutation; declaring it would make the compiler
 copy the hint around the op): no other op reads or writes it, and by idempotence a reordered or repeated call
 changes nothing.
@@ -58,8 +59,8 @@ from torch import Tensor
 from qtrain.kernels.dispatch import INTERPRET, jit, tl, triton, use_triton
 from qtrain.kernels.fp8_quant import AMAX_FLOOR, FP8_MAX
 from qtrain.kernels.stochastic_rounding import KINDS, load_f32, round_f32, store_f32
-from qtrain.kernels.swiglu import swiglu_backward_twin
-from qtrain.kernels.swiglu_fp8 import check_swiglu_fp8_args
+from qtrain.kernels.swiglu.activation import swiglu_backward_twin
+from qtrain.kernels.swiglu.fp8 import check_swiglu_fp8_args
 
 __all__ = ["HINT_UNSET", "KEEP_BINADES", "count_hint_misses", "new_scale_hint", "pow2_scale", "scale_exponent",
            "swiglu_backward_fp8_onepass",
@@ -137,7 +138,7 @@ def _quantize_pow2(x: Tensor, dtype: torch.dtype, hint: Tensor | None = None) ->
 # ---------------------------------------------------------------------------------------------- twins
 def swiglu_fp8_onepass_twin(u: Tensor, dtype: torch.dtype = torch.float8_e4m3fn, hint: Tensor | None = None
                             ) -> Result:
-    """The specification of the forward: h = up * silu(gate) in u's dtype (`layers.swiglu`'s rounding), quantized
+    """The specification of the forward: h = up * silu(gate) in u's dtype (`activation.swiglu`'s rounding), quantized
     with 2^e, e = `scale_exponent` of max |h| and `hint` (one int32, set to e; none: max |h|'s own exponent):
     (h_q (M, F), h_q^T (F, M), inv_scale)."""
     _check(u, dtype)

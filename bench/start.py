@@ -1,0 +1,54 @@
+"""Kind `start`: how long `qtrain train` takes from its launch to the end of its first step (imports, preflight,
+model build, compile, the step), on a cold or a warm compile cache, for any checkout (read from the JSON log's
+time stamps, so a checkout without the `startup` event measures the same way).
+
+Parameters: model, batch, accum (1), seq (1024), flags (more `qtrain train` flags), steps (2), cache: "fresh" (a
+new empty folder: a first run on a fresh machine) or a name (a folder under $BENCH_CACHE or the temp dir shared by
+every case that names it: a second case naming it finds the first one's compiled code). Both inductor's and
+Triton's caches go there through TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR, which every qtrain version respects.
+Result: start_s (launch -> first step logged), first_step_s (that step alone, compile included), step_ms (a later
+step), startup_s (qtrain's own `startup` event, where the checkout has it).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import tempfile
+
+from bench import cli_train
+from bench.dry import tiny_model_dir
+
+CACHE_ROOT = os.environ.get("BENCH_CACHE") or os.path.join(tempfile.gettempdir(), "qtrain-bench-cache")
+
+
+def _t(event: dict) -> float:
+    return datetime.datetime.fromisoformat(event["time"]).timestamp()
+
+
+def run(model: str, batch: int, accum: int = 1, seq: int = 1024, flags: list[str] = (), steps: int = 2,
+        cache: str = "fresh", device: str | None = None) -> dict:
+    fresh = cache == "fresh"
+    folder = tempfile.mkdtemp(prefix="qtrain-start-") if fresh else os.path.join(CACHE_ROOT, cache)
+    env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, "inductor"), "TRITON_CACHE_DIR": os.path.join(folder, "triton")}
+    try:
+        events = cli_train.run_events(model, batch, accum, steps, seq=seq, flags=flags, device=device, env=env)
+    finally:
+        if fresh:
+            shutil.rmtree(folder, ignore_errors=True)
+    steps_ = [e for e in events if e.get("log") == "step"]
+    if not steps_:
+        raise RuntimeError("qtrain train logged no step")
+    startup = next((e for e in events if e.get("log") == "startup"), {})
+    res = dict(system="qtrain", start_s=round(_t(steps_[0]) - _t(events[0]), 1),
+               first_step_s=round(steps_[0]["duration_ms"] / 1000, 1),
+               step_ms=round(steps_[-1]["duration_ms"], 1) if len(steps_) > 1 else None,
+               startup_s=startup.get("seconds_to_first_step"))
+    print(", ".join(f"{k} {v}" for k, v in res.items()), flush=True)
+    return res
+
+
+def dry_run(params: dict) -> dict:
+    """A tiny model of the family on the CPU, 2 x 32 tokens, uncompiled."""
+    return {**params, "model": tiny_model_dir(params["model"]), "batch": 2, "seq": 32, "accum": 1, "steps": 2,
+            "device": "cpu", "flags": [*params.get("flags", []), "--compile", "off"]}

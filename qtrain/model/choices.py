@@ -1,0 +1,10 @@
+"""The names and defaults of the model's execution choices, without torch: what `qtrain.options` and the CLI list
+and validate (importing torch for them cost every `qtrain` command seconds). Their meaning lives with their code:
+the attention backends in `layers.py`, the FP8 policies and their thresholds in `fp8_policy.py` (its docstring
+says how the thresholds were measured)."""
+from __future__ import annotations
+
+SDPA_BACKENDS = ("auto", "flash", "cudnn", "math")  # torch's memory-efficient kernel has no GQA: left out
+FP8_POLICIES = ("all", "auto")
+FP8_MIN_SIZE = 400  # --fp8-min-size: a linear's GEMM size M*N*K/(M*K+M*N+N*K) from which FP8 pays
+FP8_MIN_BLOCK_GFLOP = 2600  # --fp8-min-block-gflop: a block's GFLOP per micro-step from which the GPU sets the pace

@@ -1,0 +1,259 @@
+"""One resolution of a run: every automatic choice made once, into a frozen record that the preflight, the Trainer,
+the memory plan, the run log's header and `qtrain plan` read instead of deciding again.
+
+    run = resolve_run(cfg, opts, world=2, device="cuda", gpu_memory=total_bytes)
+    run.compile, run.fp8, run.block_matmul_dtype, run.fp8_keep_transposes, run.cuda_graphs, run.plan, ...
+
+What is decided here, from options left at 'auto' or '' and from the device and the number of ranks:
+
+    compile              --compile auto: on for CUDA
+    fp8                  --matmul-dtype e4m3: which block linears run in FP8 at this micro-batch shape (--fp8-policy,
+                         model/fp8_policy.py); `block_matmul_dtype` is '' where the policy puts none in FP8 (the
+                         model-dtype path itself: the e4m3 path without an FP8 linear cost 17% host time at 0.5B,
+                         micro-batch 4, on an H200)
+    fp8_grad_dtype       --gradient-dtype '': e4m3
+    fp8_swiglu_onepass   unset: on with e4m3 where no recompute switch splits the MLP into steps
+    fp8_keep_transposes  unset: on where the memory plan with the kept e4m3 transposes fits the device with
+                         AUTO_MARGIN to spare (a compiled block with FP8 linears on a CUDA device of known size)
+    persistent_quants    --persistent-quants: the FP8 block matrices made once per optimizer step
+    fp8_head_backward    the LM head's gradient GEMMs in FP8 (only with e4m3)
+    cuda_graphs          --use-cuda-graphs unset: on where measured faster (`cuda_graphs_on`); `cuda_graph_blockers`
+                         are what train/cuda_graphs.py cannot capture yet (`check_cuda_graphs` refuses them)
+    sdpa_backend         --sdpa-backend auto: cudnn for bf16 on Hopper GPUs (model/layers.resolve_sdpa_backend)
+    gradients            the gradient manager: unsharded, reduce-scatter or all-to-all
+    master_dtype, grad_accum_dtype   '' = the model dtype, the master dtype
+
+A run resolves once: `preflight` (before the model is built, for every rank) or, for a `Trainer` built without
+it, the Trainer itself; the memory plan is part of the record, so a start plans once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qtrain.model.config import ModelConfig
+from qtrain.model.fp8_policy import Fp8Choice, block_gflop, choose_fp8
+from qtrain.model.layers import resolve_sdpa_backend
+from qtrain.model.recompute import resolve_flags, splits_mlp
+from qtrain.options import Options, OptionsError
+from qtrain.parallel.layout import FlatLayout
+from qtrain.plan.memory import MemoryPlan, build_plan
+
+# --use-cuda-graphs unset (auto) turns graphs on up to this much GEMM work per block and micro-step: where the
+# host sets the pace. Measured on one H200, Qwen2.5-0.5B bf16: 366 GFLOP (4 x 1024) 2.90x, 1466 (16 x 1024)
+# 1.027x, 2931 (32 x 1024) 1.009x; larger blocks were not measured with graphs.
+CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP = 3000.0
+# What an automatic memory-for-speed choice (--fp8-keep-transposes unset) must leave free besides, as a fraction of
+# activations + workspace: fragmentation can exceed the plan's FRAGMENTATION, and a run the user did not ask to
+# spend memory on must not fail for it. Measured (H200, Qwen2.5-1.5B e4m3 64 x 2, lmhead 2): the plan put the
+# allocated peak within 0.1 GiB, but the allocator held 9.8 GiB in unusable fragments, 8.3% of activations +
+# workspace, and the first step ran out of memory with the plan's 0.84 GiB free.
+AUTO_MARGIN = 0.04
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class RunResolution:
+    """Every automatic choice of one run (module docstring), and the memory plan made with them."""
+    device: str  # 'cuda' or 'cpu'
+    world: int
+    compile: bool
+    sdpa_backend: str
+    master_dtype: str
+    grad_accum_dtype: str
+    matmul_dtype: str  # as configured: --matmul-dtype, else the model dtype
+    fp8: Fp8Choice | None  # None without e4m3
+    block_matmul_dtype: str  # what the block linears run: matmul_dtype, or '' where no linear is in FP8
+    fp8_grad_dtype: str
+    fp8_keep_transposes: bool
+    fp8_swiglu_onepass: bool
+    fp8_head_backward: bool
+    persistent_quants: tuple[str, ...]
+    cuda_graphs: bool
+    cuda_graph_blockers: tuple[str, ...]
+    gradients: str
+    recompute: frozenset[str]
+    plan: MemoryPlan
+
+    @property
+    def fp8_linears(self) -> tuple[str, ...]:
+        """The block linears that run in FP8 (none without e4m3)."""
+        return self.fp8.fp8 if self.fp8 is not None else ()
+
+
+# ---- the rules, one function each ------------------------------------------------------------------------
+def compile_on(opts: Options, device: str) -> bool:
+    """--compile on, or auto on a CUDA device."""
+    return opts.compile == "on" or (opts.compile == "auto" and device == "cuda")
+
+
+def fp8_choice(cfg: ModelConfig, opts: Options) -> Fp8Choice | None:
+    """Which block linears run in FP8 at this micro-batch shape (--fp8-policy and its thresholds); None without
+    --matmul-dtype e4m3."""
+    if opts.effective_matmul_dtype != "e4m3":
+        return None
+    return choose_fp8(cfg, opts.batch_size * opts.seq_len, opts.fp8_policy, opts.fp8_min_size,
+                      opts.fp8_min_block_gflop)
+
+
+def swiglu_onepass(opts: Options) -> bool:
+    """--fp8-swiglu-onepass as given, else (auto) on with e4m3 matmuls where no recompute splits the MLP."""
+    if opts.fp8_swiglu_onepass is not None:
+        return opts.fp8_swiglu_onepass
+    return opts.effective_matmul_dtype == "e4m3" and not splits_mlp(opts.recompute)
+
+
+def persistent_quants(cfg: ModelConfig, opts: Options, fp8: Fp8Choice | None) -> tuple[str, ...]:
+    """--persistent-quants: the block matrices whose FP8 copies are made once per step (those the FP8 policy puts
+    in FP8). Sharded weights keep e4m3 shards and gather those; replicated ones cache copies of the full matrices,
+    except under --debug-log-abs-max, whose recorder watches the linears quantize their weights themselves."""
+    if fp8 is None or not opts.weights_quantized_once or cfg.num_hidden_layers == 0:
+        return ()
+    return fp8.fp8
+
+
+def cuda_graph_blockers(opts: Options, *, world: int) -> list[str]:
+    """What --use-cuda-graphs cannot capture yet in this run (train/cuda_graphs.py): empty if nothing."""
+    out = []
+    if world > 1:
+        out.append(f"{world} processes (--gpus, torchrun): graphs run on one process for now")
+    if opts.weights_sharded:
+        out.append("sharded weights (--shard-weights, --zero-level 3)")
+    if opts.gradient_manager_kind != "unsharded":
+        out.append("sharded gradients (--shard-gradients, --zero-level 2, --all-to-all-reduce)")
+    offload = [f"--{n.replace('_', '-')}" for n in ("offload_master", "offload_opt_m", "offload_opt_v",
+                                                     "offload_gradients", "offload_quants", "offload_residual",
+                                                     "use_zero_copy") if getattr(opts, n)]
+    if offload:
+        out.append(f"offloading ({', '.join(offload)})")
+    if opts.persistent_quants:
+        out.append("--persistent-quants (its per-step FP8 weight cache is host-side logic)")
+    if opts.debug_log_abs_max:
+        out.append("--debug-log-abs-max (it records values on the host during the micro-step)")
+    return out
+
+
+def check_cuda_graphs(opts: Options, *, world: int, device_type: str) -> None:
+    """Refuse --use-cuda-graphs with what it cannot capture yet, when graphs would be used (a CUDA device)."""
+    if not opts.use_cuda_graphs or device_type != "cuda":
+        return
+    blockers = cuda_graph_blockers(opts, world=world)
+    if blockers:
+        raise OptionsError("--use-cuda-graphs does not support " + "; ".join(blockers) + " yet. Drop "
+                           "--use-cuda-graphs (or add --no-use-cuda-graphs), or those options.")
+
+
+def check_model_support(cfg: ModelConfig, opts: Options, *, device_type: str) -> None:
+    """Refuse what this model's structure cannot run yet: --use-cuda-graphs for an MoE model (the tokens each expert
+    gets set its grouped GEMMs' row counts anew every micro-step, and a graph replays fixed shapes; `cuda_graphs_on`
+    leaves it off), and sharded weights for blocks not laid out alike (the sharded weight source gathers one block
+    layout; an MoE layer's experts are a layout group of their own, parallel/layout.py)."""
+    if opts.use_cuda_graphs and device_type == "cuda" and cfg.router is not None:
+        raise OptionsError(f"--use-cuda-graphs cannot capture a step of {cfg.model_type} (a Mixture-of-Experts "
+                           "model): the number of tokens each expert gets changes the shapes of its GEMMs from one "
+                           "micro-step to the next, and a CUDA graph replays fixed shapes. Drop --use-cuda-graphs.")
+    if opts.weights_sharded:
+        try:
+            FlatLayout(cfg, 1).uniform_block()
+        except ValueError as e:
+            raise OptionsError(f"--shard-weights / --zero-level 3 is not supported for this {cfg.model_type} model "
+                               f"yet: {e}; drop it (--shard-gradients / --zero-level 2 still shard the gradients "
+                               f"and the optimizer state)") from None
+
+
+def cuda_graphs_on(cfg: ModelConfig, opts: Options, *, world: int, device_type: str,
+                   fp8: Fp8Choice | None = None) -> bool:
+    """Whether this run's micro-steps replay from CUDA graphs: --use-cuda-graphs as given (on a CUDA device);
+    unset, only where they were measured faster (Qwen2.5-0.5B at 4 x 8 2.90x, 16 x 2 1.027x, 32 x 4 1.009x on an
+    H200), i.e. nothing blocks them, no linear runs in FP8 (a cold-compile hang with FP8 under capture is not
+    understood yet) and the block's GEMM work per micro-step is at most CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP: above it
+    the GPU, not the host, sets the pace. `fp8`: the run's FP8 choice, when made already."""
+    if device_type != "cuda" or opts.use_cuda_graphs is False or cfg.router is not None:
+        return False  # an MoE model's GEMM shapes change every micro-step (`check_model_support`)
+    if opts.use_cuda_graphs:
+        return True
+    fp8 = fp8 if fp8 is not None else fp8_choice(cfg, opts)
+    return (not cuda_graph_blockers(opts, world=world) and not (fp8 is not None and fp8.fp8)
+            and opts.debug_log_allocations < 0  # it locates the first step's allocations: keep them eager
+            and block_gflop(cfg, opts.batch_size * opts.seq_len) <= CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP)
+
+
+def sdpa_backend(opts: Options, device: torch.device) -> str:
+    """--sdpa-backend, with auto resolved for the device that runs it (kept as given for a CUDA device that this
+    machine does not have: a plan for another machine does not need it)."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return opts.sdpa_backend
+    return resolve_sdpa_backend(opts.sdpa_backend, device, TORCH_DTYPES[opts.model_dtype])
+
+
+def keeps_transposes(kept: MemoryPlan) -> bool:
+    """--fp8-keep-transposes unset: keep them where the plan with them fits with AUTO_MARGIN of activations +
+    workspace to spare."""
+    margin = AUTO_MARGIN * (kept.item("activations").device + kept.item("workspace").device)
+    return kept.fits and kept.headroom >= margin
+
+
+# ---- the record --------------------------------------------------------------------------------------------
+def resolve_run(cfg: ModelConfig, opts: Options, *, world: int = 1, device: str | torch.device = "cuda",
+                gpu_memory: int | None = None, compiled: bool | None = None, reserve: int | None = None,
+                layout: FlatLayout | None = None, model_name: str | None = None,
+                recompute: frozenset[str] | None = None) -> RunResolution:
+    """Every automatic choice of `opts` for `cfg` on `world` ranks of `device`, and the memory plan per rank with
+    them. gpu_memory: the device's bytes (the plan's budget; None: unknown, and the memory-for-speed choices stay
+    off). compiled: force the compile choice (a plan of eager or compiled blocks). reserve: the plan's fixed device
+    reserve (None: 1 GiB on CUDA, 0 on CPU). recompute: the recompute switches of a model built by hand, instead of
+    the options' (with what they imply)."""
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    dev = torch.device(device) if isinstance(device, str) else device
+    use_compile = compile_on(opts, dev.type) if compiled is None else compiled
+    fp8 = fp8_choice(cfg, opts)
+    matmul = opts.effective_matmul_dtype
+    run = dict(device=dev.type, world=world, compile=use_compile, sdpa_backend=sdpa_backend(opts, dev),
+               master_dtype=opts.effective_master_dtype, grad_accum_dtype=opts.effective_grad_accum_dtype,
+               matmul_dtype=matmul, fp8=fp8, block_matmul_dtype=matmul if fp8 is None or fp8.fp8 else "",
+               fp8_grad_dtype=opts.gradient_dtype or "e4m3", fp8_swiglu_onepass=swiglu_onepass(opts),
+               fp8_head_backward=bool(opts.fp8_head_backward and matmul == "e4m3"),
+               persistent_quants=persistent_quants(cfg, opts, fp8),
+               cuda_graphs=cuda_graphs_on(cfg, opts, world=world, device_type=dev.type, fp8=fp8),
+               cuda_graph_blockers=tuple(cuda_graph_blockers(opts, world=world)),
+               gradients=opts.gradient_manager_kind,
+               recompute=opts.recompute if recompute is None else resolve_flags(recompute))
+    shards = opts.shard_group_size if 0 < opts.shard_group_size <= world else world  # hybrid: the shard group
+
+    def plan(keep: bool) -> MemoryPlan:
+        return build_plan(cfg, opts, device=dev.type, world=world, shards=shards, compiled=use_compile,
+                          fp8_linears=fp8.fp8 if fp8 is not None else (), quants=run["persistent_quants"],
+                          keep_transposes=keep, fp8_head_backward=run["fp8_head_backward"],
+                          cuda_graphs=run["cuda_graphs"], recompute=run["recompute"],
+                          gpu_memory=gpu_memory, reserve=reserve, layout=layout, model_name=model_name)
+
+    keep = opts.fp8_keep_transposes
+    if keep is None:  # auto: kept where the plan with them fits with a margin
+        if dev.type == "cuda" and use_compile and fp8 is not None and fp8.fp8 and gpu_memory is not None:
+            kept = plan(True)
+            if keeps_transposes(kept):
+                return RunResolution(**run, fp8_keep_transposes=True, plan=kept)
+        keep = False
+    return RunResolution(**run, fp8_keep_transposes=keep, plan=plan(keep))
+
+
+def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: int | None = None,
+                device: str = "cuda", compiled: bool | None = None, reserve: int | None = None,
+                layout: FlatLayout | None = None, model_name: str | None = None,
+                recompute: frozenset[str] | None = None) -> MemoryPlan:
+    """The memory plan of `opts` for `cfg` on `world` ranks of `device` (default: a CUDA device), with the run's
+    automatic choices resolved as a run would resolve them (`resolve_run`): what `qtrain plan` prints."""
+    return resolve_run(cfg, opts, world=world, device=device, gpu_memory=gpu_memory, compiled=compiled,
+                       reserve=reserve, layout=layout, model_name=model_name, recompute=recompute).plan
+
+
+def plan_for_trainer(trainer: Any, gpu_memory: int | None = None) -> MemoryPlan:
+    """The plan of a constructed `Trainer`: the one its run resolved with (budget: the device's total memory on
+    CUDA, none on CPU), or, for another `gpu_memory`, its options planned again for that budget."""
+    if gpu_memory is None:
+        return trainer.run.plan
+    return resolve_run(trainer.cfg, trainer.opts, world=trainer.ctx.world, device=trainer.device,
+                       gpu_memory=gpu_memory, compiled=trainer.run.compile, layout=trainer.layout).plan

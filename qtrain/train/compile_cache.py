@@ -1,0 +1,67 @@
+"""Where compiled code is kept between runs: one stable folder per user, so a second run (or `--continue`) of the
+same shapes starts in seconds instead of compiling again.
+
+torch.compile (inductor's FX graph, AOTAutograd and kernel caches) and Triton (every compiled kernel, qtrain's own
+included) cache on disk; by default inductor's lives in the temp folder (`/tmp/torchinductor_USER`), which a reboot
+or a fresh cloud machine empties. `--compile-cache DIR` (default `$XDG_CACHE_HOME/qtrain/compile`, else
+`~/.cache/qtrain/compile`) points both at subfolders of DIR through their environment variables, before anything
+compiles and before `--gpus N` starts its workers (they inherit the environment). Both caches write each entry
+under a temp name and rename it into place, so runs sharing the folder never read half an entry. A user who set
+`TORCHINDUCTOR_CACHE_DIR` or `TRITON_CACHE_DIR` keeps them. `--compile-cache none` leaves torch's defaults.
+
+The cache holds only what qtrain can make again: a default folder that cannot be written is a note, not an
+error (the run compiles as it would have); a folder the user named that cannot be written is refused in the
+preflight, naming it.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from qtrain.fsio import FileSystemError, check_writable_dir
+
+ENV = {"inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR"}  # subfolder -> the variable naming it
+OFF = "none"
+AUTO = "auto"
+
+
+def default_dir() -> Path:
+    """`$XDG_CACHE_HOME/qtrain/compile`, else `~/.cache/qtrain/compile`."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "qtrain" / "compile"
+
+
+def resolve(option: str) -> Path | None:
+    """The folder `--compile-cache` names (auto: the default folder; none: None)."""
+    if option == OFF:
+        return None
+    return default_dir() if option == AUTO else Path(option).expanduser()
+
+
+def check(option: str) -> None:
+    """Preflight: a folder the user named must be writable (FileSystemError naming it); auto is never refused."""
+    folder = resolve(option)
+    if folder is not None and option != AUTO:
+        check_writable_dir(folder, "--compile-cache")
+
+
+def use(option: str) -> str | None:
+    """Point inductor's and Triton's caches at the folder (creating it), unless the user set their variables;
+    returns a note for the log when the folder cannot be used or the user's variables win."""
+    folder = resolve(option)
+    if folder is None:
+        return None
+    kept = [var for var in ENV.values() if os.environ.get(var)]
+    try:
+        for sub in ENV:
+            (folder / sub).mkdir(parents=True, exist_ok=True)
+        check_writable_dir(folder, "--compile-cache")
+    except (OSError, FileSystemError) as e:
+        if option != AUTO:
+            raise FileSystemError(f"--compile-cache {option}: cannot be used ({e})") from None
+        return f"the compile cache {folder} cannot be written ({e}); compiled code is cached where torch puts it"
+    for sub, var in ENV.items():
+        os.environ.setdefault(var, str(folder / sub))
+    if kept:
+        return f"compile cache: {', '.join(kept)} set in the environment, kept ({folder} serves the rest)"
+    return None
