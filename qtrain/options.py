@@ -208,7 +208,7 @@ class Options:
     """With compiled blocks, let inductor tune its generated kernels' launch configurations (coordinate descent).
     Off by default: on a machine that never compiled the shapes it adds about 75 s to the first step of a 0.5B run
     (20 of its kernels, 3.7 s each) and 7.5 s even when cached, for e4m3 blocks 1.4% faster at 1.5B and bf16 ones
-    no faster (H100/H200 measurements in BENCHMARKS.md)."""
+    no faster (H100 and H200)."""
     compile_cache: str = "auto"
     """Folder for compiled code kept between runs (inductor's and Triton's caches), so a second run or --continue
     of the same shapes starts in seconds: auto = $XDG_CACHE_HOME/qtrain/compile (~/.cache/qtrain/compile); none
@@ -218,7 +218,7 @@ class Options:
     """With compiled blocks, let inductor time its Triton GEMM templates against cuBLAS for every block GEMM
     shape and keep the faster (inductor's max_autotune_gemm), fusing the pointwise work after a GEMM into a
     Triton one. At Qwen2.5-14B shapes the templates ran 769/746/797 TFLOP/s against cuBLAS's 788/765/733 (MLP
-    up forward/dgrad/wgrad, BENCHMARKS.md session 6). In training at Qwen2.5-1.5B (session 17) cuBLAS won every
+    up forward/dgrad/wgrad, H200). In training at Qwen2.5-1.5B cuBLAS won every
     one of the 12 bf16 block GEMM shapes (the best template at 65-92% of its speed) and the 4 e4m3 forward shapes
     timed (85-95%), so the step ran as without (0.978x llm.q both ways), after minutes of compiling (bf16 ~2 min;
     e4m3 over 5: 106 candidates per FP8 shape). Off unless asked."""
@@ -283,7 +283,7 @@ class Options:
     saved in checkpoints. Applies where
     the MLP runs as one compiled FP8 function (torch.compile on, no --recompute-swiglu / --recompute-ffn; with
     --recompute-block, which reruns the whole block, it applies); eager blocks quantize as without it. Measured on
-    an H200 against llm.q's bf16 (BENCHMARKS.md, sessions 14-15): +3.2% at Qwen2.5-1.5B, +1.3% at 3B; the fidelity
+    an H200 against llm.q's bf16: +3.2% at Qwen2.5-1.5B, +1.3% at 3B; the fidelity
     suite's 0.5B e4m3 runs with and without it evaluate within 0.25% of each other over 250 steps. Unset (auto): on
     with --matmul-dtype e4m3 unless --recompute-swiglu / --recompute-ffn split the MLP; --no-fp8-swiglu-onepass
     keeps the exact abs-max scales."""
@@ -294,7 +294,7 @@ class Options:
     model dtype. llm.q keeps the whole head in bf16; the head is ~16% of a Qwen2.5-1.5B e4m3 step. Needs the
     vocabulary and hidden size to be multiples of 16 (cuBLASLt FP8); a micro-batch whose tokens are not a multiple of
     16 runs its head in bf16. Costs memory (the plan counts it): one byte per logit of a chunk, and the e4m3 copies.
-    Measured on an H200 (BENCHMARKS.md session 23): +2.7% (7B, 8 x 8) to +5.5% (0.5B, 64 x 2); off by default for
+    Measured on an H200: +2.7% (7B, 8 x 8) to +5.5% (0.5B, 64 x 2); off by default for
     the memory. See docs/precision.md for its fidelity."""
     offload_quants: bool = False
     """Keep the persistent e4m3 weight shards in pinned host memory (needs --persistent-quants and sharded weights)."""
@@ -403,8 +403,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "offload_opt_v", "offload_quants", "use_zero_copy"),
     "parallel (GPUs, sharding)": ("gpus", "zero_level", "shard_gradients", "all_to_all_reduce", "offload_gradients",
                                   "shard_weights", "shard_group_size", "collective_timeout"),
-    "execution (device, compile, kernels)": ("device", "compile", "compile_tuning", "compile_autotune_gemm",
-                                             "sdpa_backend", "use_cuda_graphs"),
+    "execution (device, compile, kernels)": ("device", "compile", "compile_tuning", "compile_cache",
+                                             "compile_autotune_gemm", "sdpa_backend", "use_cuda_graphs"),
     "mixture of experts": ("router_z_loss", "log_router_every"),
     "outputs and checkpoints": ("name", "out_dir", "checkpoint_dir", "ckpt_interval", "ckpt_keep_n", "ckpt_major",
                                 "save_training_state", "continue_from", "new_data", "override_schedule", "start_over",

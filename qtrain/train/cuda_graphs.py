@@ -59,8 +59,8 @@ def status(opts: Options, device_type: str, *, on: bool, fp8_linears: bool = Fal
     how = "given" if opts.use_cuda_graphs else "auto: one process, a host-bound micro-step, no FP8 linear"
     return (f"--use-cuda-graphs ({how}): the micro-steps' forward and backward are captured in CUDA graphs (one "
             "per phase of a step, after one eager warm-up micro-step of each) and replayed; --no-use-cuda-graphs "
-            "turns them off" + (". FP8 linears under capture: one cold-compile start hung on the H200 (BENCHMARKS.md, "
-                                 "session 9); if step 0 never comes, run without graphs" if fp8_linears else ""))
+            "turns them off" + (". FP8 linears under capture: one cold-compile start hung on the H200; if step 0 "
+                                 "never comes, run without graphs" if fp8_linears else ""))
 
 
 class MicroStepGraphs:
