@@ -314,6 +314,14 @@ class Options:
     Unset (auto): on where it was measured faster, i.e. on a CUDA device where nothing blocks it, no block
     linear runs in FP8 and a block's GEMM work per micro-step is at most CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP."""
 
+    # ---- Mixture of Experts (qwen3_moe, olmoe, mixtral) ----
+    router_z_loss: float = 0.0
+    """MoE models: weight of the router z-loss (ST-MoE: the mean over every MoE layer's tokens of logsumexp(router
+    logits)^2), added beside the load-balancing loss the model's config weights (router_aux_loss_coef); 0 = off."""
+    log_router_every: int = 10
+    """MoE models: print the router line (load-balancing loss, z-loss, tokens per expert min / mean / max) every N
+    steps; the JSON log has them at every step."""
+
     # ---------------------------------------------------------------------------------------------
     @property
     def effective_matmul_dtype(self) -> str:
@@ -397,6 +405,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                                   "shard_weights", "shard_group_size", "collective_timeout"),
     "execution (device, compile, kernels)": ("device", "compile", "compile_tuning", "compile_cache",
                                              "compile_autotune_gemm", "sdpa_backend", "use_cuda_graphs"),
+    "mixture of experts": ("router_z_loss", "log_router_every"),
     "outputs and checkpoints": ("name", "out_dir", "checkpoint_dir", "ckpt_interval", "ckpt_keep_n", "ckpt_major",
                                 "save_training_state", "continue_from", "new_data", "override_schedule", "start_over",
                                 "max_nonfinite_steps"),

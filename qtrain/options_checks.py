@@ -156,6 +156,9 @@ def check_options(opts: Any) -> None:
         raise err(f"--max-nonfinite-steps must be >= 0 (0 = never stop), got {opts.max_nonfinite_steps}")
     if opts.collective_timeout <= 0:
         raise err(f"--collective-timeout must be > 0 seconds, got {opts.collective_timeout}")
+    if opts.router_z_loss < 0 or opts.log_router_every < 1:
+        raise err(f"--router-z-loss must be >= 0 and --log-router-every >= 1, got {opts.router_z_loss} and "
+                  f"{opts.log_router_every}")
     if opts.verbose and opts.quiet:
         raise err("--verbose and --quiet exclude each other: pick one")
     if opts.start_over and opts.continue_from is not None:

@@ -25,6 +25,17 @@ class ConfigError(ValueError):
     """A config.json (or preset) that qtrain cannot represent faithfully."""
 
 
+@dataclass(frozen=True)
+class RouterSpec:
+    """What the family-independent code knows of a Mixture-of-Experts model's routers (`ModelConfig.router`): which
+    layers route their tokens to experts, and the load-balancing loss of transformers' MoE models
+    (`moe_router.load_balancing_loss`, weighted by `aux_loss_coef`)."""
+    layers: tuple[int, ...]  # the layers whose MLP is a routed mixture of experts
+    experts: int
+    top_k: int
+    aux_loss_coef: float
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """Maps to a HF config.json (the keys every supported family shares). Dimension letters used in model code:
@@ -59,6 +70,11 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    @property
+    def router(self) -> RouterSpec | None:
+        """The model's routers (a Mixture-of-Experts family says), None for a dense model."""
+        return None
 
     @property
     def rotary_dim(self) -> int:

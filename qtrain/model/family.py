@@ -45,11 +45,21 @@ BlockFn = Callable[[torch.Tensor, dict, torch.Tensor, torch.Tensor], torch.Tenso
 
 
 @dataclass(frozen=True)
+class HfLayout:
+    """Another layout in which transformers reads a tensor from a checkpoint (`TensorSpec.hf_alternatives`): its HF
+    tensors (full names, shapes) and how they become the tensor (`to_ours`: the HF tensors, in order -> the tensor;
+    None: their elements back to back, as `TensorSpec.hf`). Loading accepts it; export writes `TensorSpec.hf`."""
+    hf: tuple[tuple[str, tuple[int, ...]], ...]
+    to_ours: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
 class TensorSpec:
     """One parameter tensor of a family: what the layout, the HF mapping, the optimizer and the init read.
 
     `hf` lists the HF tensors (full names, shapes) whose elements, back to back, are this tensor's: one entry for
-    a tensor stored as HF stores it, several for a fused one (qkv = [q; k; v] rows), one per expert for a stack.
+    a tensor stored as HF stores it, several for a fused one (qkv = [q; k; v] rows), one per expert for a stack:
+    what export writes; `hf_alternatives` are the other layouts loading accepts.
     A stack of identical expert tensors has `experts` E > 0 and shape (E, ...): expert e is `t[e]`, and expert
     parallelism can give each rank whole experts (`parallel.layout.Group.expert_pieces`)."""
     name: str  # short name inside its block ('qkv'); a non-block tensor's full name ('embed')
@@ -61,6 +71,8 @@ class TensorSpec:
     experts: int = 0  # > 0: a stack of that many identical tensors along dim 0
     group: str = ""  # the flat layout group within its layer: '' is the block's own group ('block.{layer}'),
     # another name X a group of its own ('block.{layer}.X'), e.g. adapters that train while the block is frozen
+    hf_alternatives: tuple[HfLayout, ...] = ()  # other checkpoint layouts transformers reads (an MoE model's
+    # experts fused into one tensor, or under a renamed module), accepted on load
 
     def __post_init__(self) -> None:
         if self.init not in INITS:

@@ -91,6 +91,8 @@ class Fp8Choice:
     min_size: int
     gflop: float = 0.0  # block_gflop of this micro-batch
     min_gflop: float = 0.0
+    never: tuple[str, ...] = ()  # block matrices the family runs in the model dtype whatever the policy (an MoE
+    # model's router and expert stacks: the families' `fp8_matrices` leave them out)
 
     @property
     def keeps_bf16(self) -> bool:
@@ -99,6 +101,10 @@ class Fp8Choice:
 
     def describe(self) -> str:
         """One line for the run's start: what runs in FP8 and why the others do not."""
+        return self._describe() + (f"; {'/'.join(self.never)} always in the model dtype (not FP8-capable in this "
+                                   f"family yet)" if self.never else "")
+
+    def _describe(self) -> str:
         head = f"fp8 policy {self.policy}: e4m3 for {'/'.join(self.fp8) or 'none of the block linears'}"
         if self.policy == "all":
             if self.gflop < self.min_gflop:
@@ -129,5 +135,8 @@ def choose_fp8(cfg: ModelConfig, tokens: int, policy: str = "auto", min_size: in
     sizes = {n: gemm_size(*s) for n, s in gemm_shapes(cfg, tokens).items()}
     gflop = block_gflop(cfg, tokens)
     fp8 = tuple(n for n in sizes if policy == "all" or (gflop >= min_block_gflop and sizes[n] >= min_size))
+    family = family_of(cfg)
+    never = tuple(dict.fromkeys(n for layer in (layers[0] for layers in statements(cfg).kinds)
+                                for n in family.matmuls(cfg, layer) if n not in family.fp8_matrices))
     return Fp8Choice(fp8=fp8, plain=tuple(n for n in sizes if n not in fp8), sizes=sizes, tokens=tokens,
-                     policy=policy, min_size=min_size, gflop=gflop, min_gflop=min_block_gflop)
+                     policy=policy, min_size=min_size, gflop=gflop, min_gflop=min_block_gflop, never=never)

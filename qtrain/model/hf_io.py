@@ -37,6 +37,7 @@ from qtrain.fsio import (CONFIG_MAX_BYTES, FileSystemError, atomic_write_json, c
                          shorten, sweep_temp_files, temp_path)
 from qtrain.model import weights
 from qtrain.model.config import ModelConfig
+from qtrain.model.family import HfLayout
 from qtrain.model.registry import config_from_json_file
 
 SINGLE_FILE = "model.safetensors"
@@ -133,9 +134,11 @@ def _open(path: Path, stack: ExitStack):
                            ) from None
 
 
-def _index(files: list[Path], cfg: ModelConfig, stack: ExitStack) -> dict[str, tuple[Path, Any]]:
-    """Where each tensor lives, validated against `cfg` from the headers alone: presence, shape, dtype."""
-    expected = expected_hf_shapes(cfg)
+def _index(files: list[Path], cfg: ModelConfig, stack: ExitStack
+           ) -> tuple[dict[str, tuple[Path, Any]], dict[str, HfLayout]]:
+    """Where each tensor lives, validated against `cfg` from the headers alone: presence, shape, dtype; and the
+    alternative layout (`TensorSpec.hf_alternatives`) of each tensor the checkpoint holds in one (internal name ->
+    layout; a tensor whose HF tensors are all there is read as `TensorSpec.hf` says)."""
     where: dict[str, tuple[Path, Any]] = {}
     for path in files:
         f = _open(path, stack)
@@ -143,6 +146,15 @@ def _index(files: list[Path], cfg: ModelConfig, stack: ExitStack) -> dict[str, t
             if k in where:
                 raise WeightsError(f"tensor {k!r} appears in both {where[k][0]} and {path}")
             where[k] = (path, f)
+    layouts: dict[str, HfLayout] = {}
+    expected: dict[str, tuple[int, ...]] = {}
+    for name, spec in weights.tensor_specs(cfg).items():
+        parts = spec.hf
+        if not all(hf in where for hf, _ in parts):
+            alt = next((a for a in spec.hf_alternatives if all(hf in where for hf, _ in a.hf)), None)
+            if alt is not None:
+                layouts[name], parts = alt, alt.hf
+        expected.update(parts)
     searched = ", ".join(str(p) for p in files)
     for hf, shape in expected.items():
         if hf not in where:
@@ -163,7 +175,7 @@ def _index(files: list[Path], cfg: ModelConfig, stack: ExitStack) -> dict[str, t
     if extra:
         raise WeightsError(f"unexpected tensor(s) {extra[:5]}{' ...' if len(extra) > 5 else ''} in "
                            f"{where[extra[0]][0]}; the checkpoint does not match config.json")
-    return where
+    return where, layouts
 
 
 def check_hf_weights(model_dir: str | os.PathLike, cfg: ModelConfig) -> list[Path]:
@@ -184,7 +196,7 @@ def load_hf_weights(model_dir: str | os.PathLike, cfg: ModelConfig, *, dtype: to
     manifest = check_export_complete(model_dir)
     files = checkpoint_files(model_dir)
     with ExitStack() as stack:
-        where = _index(files, cfg, stack)
+        where, layouts = _index(files, cfg, stack)
         # the files are open now: what they hold no longer changes, even when an export renames new ones in
         if export_manifest(model_dir) != manifest:
             raise WeightsError(f"{model_dir}: an export was written into it while qtrain opened its files; run "
@@ -204,7 +216,7 @@ def load_hf_weights(model_dir: str | os.PathLike, cfg: ModelConfig, *, dtype: to
                                    f"train from non-finite weights")
             return t.to(device=device, dtype=dtype, copy=True)
 
-        return dict(weights.hf_to_internal(cfg, get))
+        return dict(weights.hf_to_internal(cfg, get, layouts))
 
 
 # ---------------------------------------------------------------- saving

@@ -23,6 +23,9 @@ Weights, per MoE layer (what the family seam stores; the HF names are in the fam
 Memory kept for backward besides the dense MLP's kinds of tensors: xs (N*k, C), h (N*k, 2F), a (N*k, F) and ys
 (N*k, C) in the activation dtype, the routing (N, E) fp32 probabilities, and the permutation indices
 (2 x N*k int64). Imbalance changes none of these sizes: dropless routing fixes the row count at N*k.
+
+Inside a block, steps 2-3 and step 4 run through the block's `step(name, fn, *args)` as its 'up' and 'swiglu' steps
+(model/recompute.py), so --recompute-ffn / --recompute-swiglu drop what they keep as they do for a dense MLP.
 """
 from __future__ import annotations
 
@@ -34,8 +37,9 @@ from qtrain.kernels.grouped_gemm import expert_linear
 from qtrain.kernels.moe_permute import ExpertOrder, permute_tokens, sort_by_expert, unpermute_tokens
 from qtrain.model.layers import swiglu_fused
 from qtrain.model.moe_router import RouterStats, route, router_stats
+from qtrain.model.recompute import run_step
 
-__all__ = ["MoEOutput", "moe_forward"]
+__all__ = ["MoEOutput", "moe_forward", "permuted_up"]
 
 
 class MoEOutput(NamedTuple):
@@ -58,19 +62,27 @@ def _check(x: torch.Tensor, router_weight: torch.Tensor, experts_up_gate: torch.
         raise ValueError(f"moe_forward: top_k must be in [1, {E}] (the number of experts), got {top_k}")
 
 
+def permuted_up(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor,
+                experts_up_gate: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Steps 2-3: the tokens x (N, C) in expert order, through their experts' up/gate GEMM -> (N*k, 2F)."""
+    plan = ExpertOrder(order, inverse, offsets, offsets, top_k)  # counts are not read here
+    xs = permute_tokens(x, plan)  # (N*k, C) in expert order
+    return expert_linear(xs, experts_up_gate, offsets)  # (N*k, 2F): [up | gate]
+
+
 def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, experts_up_gate: torch.Tensor,
-                experts_down: torch.Tensor, *, top_k: int, norm_topk_prob: bool) -> MoEOutput:
+                experts_down: torch.Tensor, *, top_k: int, norm_topk_prob: bool, step=run_step) -> MoEOutput:
     """The MoE MLP of one layer (module docstring) on x (..., C): weights as listed there, all differentiable.
     `norm_topk_prob`: renormalise the k kept probabilities to sum to 1 (Qwen3-MoE per config, OLMoE False,
-    Mixtral True). Returns the output and what the auxiliary losses and the logs need."""
+    Mixtral True). `step`: the block's step policy ('up', 'swiglu'). Returns the output and what the auxiliary
+    losses and the logs need."""
     _check(x, router_weight, experts_up_gate, experts_down, top_k)
     shape, E = x.shape, router_weight.shape[0]
     x2 = x.reshape(-1, shape[-1])  # (N, C)
     r = route(x2, router_weight, top_k=top_k, norm_topk_prob=norm_topk_prob)
     plan = sort_by_expert(r.ids, E)
-    xs = permute_tokens(x2, plan)  # (N*k, C) in expert order
-    h = expert_linear(xs, experts_up_gate, plan.offsets)  # (N*k, 2F): [up | gate]
-    a = swiglu_fused(h)  # (N*k, F)
+    h = step("up", permuted_up, x2, plan.order, plan.inverse, plan.offsets, experts_up_gate, top_k)  # (N k, 2F)
+    a = step("swiglu", swiglu_fused, h)  # (N*k, F)
     ys = expert_linear(a, experts_down, plan.offsets)  # (N*k, C)
     out = unpermute_tokens(ys, r.weights, plan)  # (N, C)
     return MoEOutput(out.view(shape), r.logits, router_stats(r, E, plan.counts), plan)

@@ -14,9 +14,15 @@ from qtrain.fsio import CONFIG_MAX_BYTES, InputError, read_json_input, shorten
 from qtrain.model.config import ConfigError, ModelConfig
 from qtrain.model.family import ModelFamily
 from qtrain.model.llama import LLAMA
+from qtrain.model.mixtral import MIXTRAL
+from qtrain.model.olmoe import OLMOE
+from qtrain.model.qwen3_moe import QWEN3_MOE
 
 FAMILIES: tuple[ModelFamily, ...] = (
     LLAMA,  # llama, qwen2, qwen3
+    QWEN3_MOE,  # qwen3_moe
+    OLMOE,  # olmoe
+    MIXTRAL,  # mixtral
 )
 
 _BY_MODEL_TYPE: dict[str, ModelFamily] = {mt: f for f in FAMILIES for mt in f.architectures}

@@ -35,6 +35,7 @@ from qtrain.model.config import ModelConfig
 from qtrain.model.family import BlockFn, BlockOptions, Linear, Mlp
 from qtrain.model.layers import SDPA_BACKENDS, rms_norm
 from qtrain.model.matmul import block_linear, block_mlp
+from qtrain.model.moe_router import RouterLosses
 from qtrain.model.recompute import ResidualStash, block_steps, resolve_flags, splits_mlp
 from qtrain.model.registry import family_of
 from qtrain.model.weight_source import (FP8_INV_SCALE, FP8_WEIGHT, FP8_WEIGHT_T, SCALE_HINT, GradientSink,
@@ -180,6 +181,7 @@ class Transformer:
         self._stash = ResidualStash(offload=run.offload_residual)  # block inputs with recompute_block
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._scale_hints = ScaleHints(cfg.num_hidden_layers)  # SCALE_HINT's tensors, with swiglu_onepass
+        self.router_losses: RouterLosses | None = None  # an MoE model's last micro-step: router statistics, losses
 
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
@@ -204,6 +206,12 @@ class Transformer:
             return w
         return {**w, SCALE_HINT: self._scale_hints.of(layer, next(iter(w.values())).device)}
 
+    def _block_weights(self, weights: WeightSource, layer: int, router: RouterLosses | None) -> dict[str, torch.Tensor]:
+        """Block `layer`'s weights with what the loop hands a block beside them: the FP8 scale hints, and in training an
+        MoE layer's row of the router statistics and the router losses' gradients (moe_router.RouterLosses)."""
+        w = self._with_scale_hint(weights.block(layer), layer)
+        return w if router is None else {**w, **router.slot(layer)}
+
     def scale_hints(self) -> torch.Tensor | None:
         """The layers' FP8 scale hints as one (layers, 2) int32 CPU tensor, None where the one-pass SwiGLU kernels do
         not run: run state that checkpoints save (kernels/swiglu/hints.py)."""
@@ -219,10 +227,17 @@ class Transformer:
 
     # ---- training ----
     def forward_backward(self, weights: WeightSource, inputs: torch.Tensor, targets: torch.Tensor, *,
-                         grads: GradientSink, loss_scale: float, z_loss: float = 0.0) -> torch.Tensor:
+                         grads: GradientSink, loss_scale: float, z_loss: float = 0.0, router_z_loss: float = 0.0,
+                         router_loss_scale: float = 1.0) -> torch.Tensor:
         """One micro-step. inputs/targets: (B, T) int64 on the compute device. Differentiates
         loss_scale * (summed token loss) and hands every weight gradient to `grads`; returns that scaled
-        loss as a detached fp32 scalar (no host sync)."""
+        loss as a detached fp32 scalar (no host sync).
+
+        An MoE model (`cfg.router`) adds router_loss_scale * (aux_loss_coef * load-balancing loss + router_z_loss *
+        router z-loss) of this micro-batch (transformers' loss with output_router_logits; moe_router.py): the trainer
+        passes 1 / grad_accumulation, so that a step's sum over micro-steps, averaged over ranks as the gradient
+        managers average, is the mean of the micro-batches' router losses, as the loss scale makes the token loss the
+        global batch's mean. Their values and the tokens per expert stay in `router_losses` (device tensors)."""
         cfg, C, L = self.cfg, self.cfg.hidden_size, self.cfg.num_hidden_layers
         B, T = inputs.shape
         recompute_block, stash = "block" in self.run.recompute, self._stash
@@ -230,12 +245,16 @@ class Transformer:
         embed = nb["embed"]
         cos, sin = self.rope(T, embed.device, embed.dtype)
 
+        # an MoE model's router statistics (written by each routed block) and losses' gradients (read by its backward)
+        router = RouterLosses(cfg.router, B * T, embed.device, z_loss=router_z_loss > 0) if cfg.router else None
+        self.router_losses = router
+
         # forward: each block starts from a leaf (so its backward stops there); keep the block's graph, or with
         # recompute_block only its input (in host memory with offload_residual)
         x = F.embedding(inputs, embed.detach())  # (B, T, C)
         graphs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (block input, block output)
         for layer in range(L):
-            w = self._with_scale_hint(weights.block(layer), layer)
+            w = self._block_weights(weights, layer, router)
             x_in = x.detach().requires_grad_(True)
             if recompute_block:
                 with torch.no_grad():
@@ -248,6 +267,9 @@ class Transformer:
             weights.release_block(layer)
         if recompute_block:
             stash.prefetch(L - 1)  # comes back while the LM head runs
+        if router is not None:  # every layer's statistics are in: the router losses' gradients for the backward
+            router.set_grads(aux_coef=router_loss_scale * router.router.aux_loss_coef,
+                             z_coef=router_loss_scale * router_z_loss)
 
         # head: final norm + chunked LM head + loss; its gradients are computed right here
         x_last = x.detach().requires_grad_(True)
@@ -272,7 +294,7 @@ class Transformer:
 
         # backward through the blocks, last to first; each block's weight gradients leave immediately
         for layer in reversed(range(L)):
-            w = self._with_scale_hint(weights.block(layer), layer)
+            w = self._block_weights(weights, layer, router)
             names = [n for n, t in w.items() if t.requires_grad]  # not the FP8 copies or the scale hints
             if recompute_block:
                 x_in = stash.load(layer).requires_grad_(True)

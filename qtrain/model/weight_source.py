@@ -40,6 +40,15 @@ FP8_WEIGHT_T = "{}.fp8_t"  # optional: the e4m3 copy transposed, (K, N) contiguo
 # with --fp8-swiglu-onepass: the layer's int32 (2,) scale hints of h and du (kernels/swiglu/hints.py), which
 # the Transformer adds to the block's weights for the fused FP8 MLP (no grad; run state: `Transformer.scale_hints`)
 SCALE_HINT = "mlp.fp8_scale_hint"
+# a routed (MoE) layer's share of the router losses, which the Transformer adds to the block's weights in training
+# (model/moe_router.RouterLosses; no grad): the block writes its statistics into ROUTER_STATS in forward (tokens per
+# expert, probability sums, sum of logsumexp^2: (2E + 1,) fp32), and its backward reads the losses' gradients with
+# respect to its probability sums and z-sum from ROUTER_AUX_GRAD (E,) and ROUTER_Z_GRAD (1,), which the Transformer
+# fills between the forward and the backward (they depend on every layer's statistics). ROUTER_Z_GRAD is there only
+# with a router z-loss.
+ROUTER_STATS = "router.stats"
+ROUTER_AUX_GRAD = "router.aux_grad"
+ROUTER_Z_GRAD = "router.z_grad"
 
 
 def quantized_weight(w: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, ...] | None:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 
 from qtrain.model.config import ModelConfig
-from qtrain.model.family import TensorSpec
+from qtrain.model.family import HfLayout, TensorSpec
 from qtrain.model.registry import family_of
 
 
@@ -135,9 +135,19 @@ def internal_to_hf(cfg: ModelConfig, params: dict[str, torch.Tensor]) -> dict[st
     return out
 
 
-def hf_to_internal(cfg: ModelConfig, get: Callable[[str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_to_internal(cfg: ModelConfig, get: Callable[[str], torch.Tensor], layouts: Mapping[str, HfLayout] | None = None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (internal name, tensor) built from HF tensors fetched one by one through `get(hf_name)`,
-    so a loader can stream without holding the whole HF state dict twice."""
+    so a loader can stream without holding the whole HF state dict twice. `layouts`: internal name -> the
+    alternative layout (`TensorSpec.hf_alternatives`) its checkpoint holds it in, for those not in `TensorSpec.hf`."""
     for name, spec in tensor_specs(cfg).items():
-        parts = [get(hf) for hf, _ in spec.hf]
+        layout = (layouts or {}).get(name)
+        parts = [get(hf) for hf, _ in (spec.hf if layout is None else layout.hf)]
+        if layout is not None and layout.to_ours is not None:
+            t = layout.to_ours(parts)
+            if tuple(t.shape) != spec.shape:
+                raise ValueError(f"{name}: {[hf for hf, _ in layout.hf]} make a {tuple(t.shape)} tensor, "
+                                 f"expected {spec.shape}")
+            yield name, t
+            continue
         yield name, parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts]).view(spec.shape)

@@ -26,6 +26,9 @@ from typing import Any, Iterable
 __all__ = ["LogError", "RunHistory", "load_run", "read_events", "history_from_events", "finite_or_nan"]
 
 
+ROUTER_SERIES = ("aux_loss", "router_z_loss", "expert_load_min", "expert_load_mean", "expert_load_max")
+
+
 class LogError(ValueError):
     """A log that cannot be read (missing, unreadable or corrupt); the message names the file."""
 
@@ -53,6 +56,12 @@ class RunHistory:
     norm: list[float] = field(default_factory=list)
     lr: list[float] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
+    # an MoE model's routers (train/router_metrics.py), NaN for a dense model's steps
+    aux_loss: list[float] = field(default_factory=list)
+    router_z_loss: list[float] = field(default_factory=list)
+    expert_load_min: list[float] = field(default_factory=list)
+    expert_load_mean: list[float] = field(default_factory=list)
+    expert_load_max: list[float] = field(default_factory=list)
     step_events: list[dict[str, Any]] = field(default_factory=list)
     eval_steps: list[int] = field(default_factory=list)
     eval_train_tokens: list[float] = field(default_factory=list)  # tokens trained on before each evaluation
@@ -64,6 +73,11 @@ class RunHistory:
     @property
     def final_eval_loss(self) -> float | None:
         return self.eval_loss[-1] if self.eval_loss else None
+
+    @property
+    def has_routers(self) -> bool:
+        """Whether the run logged an MoE model's router fields."""
+        return any(math.isfinite(v) for v in self.aux_loss)
 
 
 def _drop_from(events: list[dict[str, Any]], step: int) -> None:
@@ -110,6 +124,8 @@ def history_from_events(events: Iterable[dict[str, Any]], *, path: str = "", nam
         h.norm.append(finite_or_nan(e.get("norm")))
         h.lr.append(finite_or_nan(e.get("lr")))
         h.tokens_per_s.append(finite_or_nan(e.get("tokens_per_s")))
+        for k in ROUTER_SERIES:
+            getattr(h, k).append(finite_or_nan(e.get(k)))
         h.step_events.append(e)
     for e in evals:
         s = int(e["step"])

@@ -130,7 +130,8 @@ class RunLogger:
 
     def __init__(self, path: str | os.PathLike | None, *, rank: int = 0, verbosity: int = DEFAULT,
                  total_steps: int | None = None, stream: IO[str] | None = None, progress: bool | None = None,
-                 fsync_interval_s: float = 10.0, outlier_window: int = 100, outlier_threshold: float = 10.0):
+                 fsync_interval_s: float = 10.0, outlier_window: int = 100, outlier_threshold: float = 10.0,
+                 router_every: int = 10):
         self.rank = rank
         self.verbosity = verbosity if rank == 0 else SILENT
         self.total_steps = total_steps
@@ -139,6 +140,7 @@ class RunLogger:
             progress = bool(getattr(self.stream, "isatty", lambda: False)())
         self.progress = progress and self.verbosity >= DEFAULT
         self.fsync_interval_s = fsync_interval_s
+        self.router_every = router_every  # an MoE model's router line on the console every N steps (`_router_line`)
         self.loss_outliers = OutlierDetector(outlier_window, outlier_threshold)
         self.norm_outliers = OutlierDetector(outlier_window, outlier_threshold)
         self.step = 0  # last step seen; stamped on step-less events
@@ -288,7 +290,9 @@ class RunLogger:
 
     def log_step(self, step: int, *, step_tokens: int, duration_ms: float, norm: float, loss: float, lr: float,
                  epoch: float | None = None, **extra: Any) -> dict[str, Any]:
-        """One optimizer step (`step` 0-based, as the LR schedule). `extra`: lse_max, lse_mean, loss_1k..."""
+        """One optimizer step (`step` 0-based, as the LR schedule). `extra`: lse_max, lse_mean, loss_1k..., an MoE
+        model's router fields (aux_loss, router_z_loss, expert_load_min / _mean / _max: printed every `router_every`
+        steps as the router line)."""
         self.step = step
         tps = step_tokens * 1000.0 / duration_ms if duration_ms > 0 else None
         sol = mfu = None
@@ -313,10 +317,23 @@ class RunLogger:
         if sol is not None:
             line += f" | sol {100 * sol:4.1f}%"
         self._print(line)
+        if "aux_loss" in extra and step % self.router_every == 0:
+            self._print(self._router_line(step, extra))
         self._check_outliers(step, loss=loss, norm=norm)
         if self.verbosity >= DEFAULT:
             self._draw_bar(step)
         return obj
+
+    @staticmethod
+    def _router_line(step: int, f: Mapping[str, Any]) -> str:
+        """An MoE model's routers in the step (train/router_metrics.py): the load-balancing loss and the router
+        z-loss (without their weights), and the tokens per expert of a layer over the step's batch."""
+        def get(k: str) -> float:
+            return float(f.get(k, math.nan))
+
+        return (f"[R] step {step:5d} | aux loss {get('aux_loss'):8.4f} | z-loss {get('router_z_loss'):8.3f} | "
+                f"tokens/expert min {get('expert_load_min'):.0f} mean {get('expert_load_mean'):.0f} "
+                f"max {get('expert_load_max'):.0f}")
 
     def _check_outliers(self, step: int, *, loss: float, norm: float) -> None:
         for what, value, det in (("loss", loss, self.loss_outliers), ("norm", norm, self.norm_outliers)):

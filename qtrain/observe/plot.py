@@ -8,7 +8,9 @@ they measure different data), learning rate, gradient norm (log scale) and
 training throughput (tokens/s, raw faint + smoothed). The top row is against the optimizer step, the bottom
 row against the number of training tokens seen (cumulative `step_tokens`; see `qtrain.observe.history` for the exact
 meaning of both axes and for how resumed logs are merged). One colour per run; the legend names each run
-and its final eval loss.
+and its final eval loss. When a run trained a Mixture-of-Experts model, a third row shows its routers against the
+step: the load-balancing loss, the router z-loss and the tokens per expert of a layer in a step (mean solid, min and
+max dashed: how unevenly the router spreads the tokens).
 
 matplotlib is imported with the Agg backend unless a backend was already chosen, so this works on a
 machine without a display (CI, a remote GPU box).
@@ -77,13 +79,15 @@ def _label(run: RunHistory, names: list[str]) -> str:
 
 def build_figure(runs: Sequence[RunHistory], *, smooth: int = 21, title: str | None = None):
     """The matplotlib Figure for already loaded runs; `fig.axes[:4]` are the per-step panels (loss, lr, norm,
-    tokens/s), `fig.axes[4:8]` the same against tokens. The caller closes it (`plt.close(fig)`)."""
+    tokens/s), `fig.axes[4:8]` the same against tokens, and for MoE runs `fig.axes[8:11]` their routers (load-balancing
+    loss, z-loss, tokens per expert). The caller closes it (`plt.close(fig)`)."""
     if not runs:
         raise LogError("plot: no runs given")
     plt = _matplotlib()
     from matplotlib.lines import Line2D
 
-    fig, axes = plt.subplots(2, 4, figsize=(22, 9), squeeze=False)
+    routers = any(r.has_routers for r in runs)
+    fig, axes = plt.subplots(3 if routers else 2, 4, figsize=(22, 13.5 if routers else 9), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key().get("color") or ["C0"]
     names = [r.name for r in runs]
     tokens_scale, tokens_unit = _token_unit(max((max(r.tokens, default=0.0) for r in runs), default=0.0))
@@ -118,6 +122,8 @@ def build_figure(runs: Sequence[RunHistory], *, smooth: int = 21, title: str | N
                     ax_loss.plot([p[0] for p in other], [p[1] for p in other], color=color, linestyle="none",
                                  marker="*", markersize=10)
 
+    if routers:
+        _router_row(axes[2], runs, colors, smooth)
     titles = ("loss", "learning rate", "gradient norm", "tokens / s")
     for row, xlabel in enumerate(("step", f"tokens ({tokens_unit})" if tokens_unit else "tokens")):
         for col, ax in enumerate(axes[row]):
@@ -142,6 +148,27 @@ def build_figure(runs: Sequence[RunHistory], *, smooth: int = 21, title: str | N
     fig.suptitle(title if title is not None else "", y=0.955, fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.94))
     return fig
+
+
+def _router_row(axes, runs: Sequence[RunHistory], colors: list, smooth: int) -> None:
+    """The third row, for MoE runs: load-balancing loss, router z-loss, tokens per expert (min / mean / max)."""
+    ax_aux, ax_z, ax_load, ax_spare = axes
+    for i, run in enumerate(runs):
+        if not run.has_routers:
+            continue
+        color, xs = colors[i % len(colors)], run.steps
+        for ax, ys in ((ax_aux, run.aux_loss), (ax_z, run.router_z_loss)):
+            ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
+            ax.plot(xs, moving_average(ys, smooth), color=color, linewidth=1.4)
+        ax_load.plot(xs, run.expert_load_mean, color=color, linewidth=1.4)
+        for ys in (run.expert_load_min, run.expert_load_max):
+            ax_load.plot(xs, ys, color=color, linestyle="--", linewidth=1.0)
+    for ax, title in ((ax_aux, "load-balancing loss"), (ax_z, "router z-loss"),
+                      (ax_load, "tokens per expert (min / mean / max)")):
+        ax.set_title(f"{title} vs step", fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+    ax_spare.axis("off")
 
 
 def plot_runs(runs: Sequence[RunHistory], out_png: str | os.PathLike, *, smooth: int = 21,

@@ -3,7 +3,8 @@
 `TensorBoardSink.on_event(obj)` takes the objects `RunLogger.log` writes (and returns) and forwards the
 metrics through `torch.utils.tensorboard.SummaryWriter`:
 
-    step     train/loss, train/norm, train/lr, train/tokens_per_s (+ train/sol, train/mfu when known)
+    step     train/loss, train/norm, train/lr, train/tokens_per_s (+ train/sol, train/mfu when known; an MoE
+             model's router/aux_loss, router/z_loss, router/tokens_per_expert_min, _mean, _max)
     eval     eval/loss, eval/ppl
     memory   memory/allocated_mib, memory/reserved_mib, memory/peak_mib
     options  one text entry "options" (a markdown table)
@@ -23,7 +24,11 @@ from typing import Any, Mapping
 __all__ = ["TensorBoardSink", "replay_log"]
 
 STEP_SCALARS = {"loss": "train/loss", "norm": "train/norm", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s",
-                "sol": "train/sol", "mfu": "train/mfu"}
+                "sol": "train/sol", "mfu": "train/mfu",
+                # an MoE model's routers (train/router_metrics.py)
+                "aux_loss": "router/aux_loss", "router_z_loss": "router/z_loss",
+                "expert_load_min": "router/tokens_per_expert_min", "expert_load_mean": "router/tokens_per_expert_mean",
+                "expert_load_max": "router/tokens_per_expert_max"}
 EVAL_SCALARS = {"loss": "eval/loss", "ppl": "eval/ppl"}
 MEMORY_SCALARS = {"allocated": "memory/allocated_mib", "reserved": "memory/reserved_mib", "peak": "memory/peak_mib"}
 

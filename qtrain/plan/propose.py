@@ -20,11 +20,14 @@ from qtrain.plan.step_cost import StepCost, fp8_weight_params, step_cost
 MIN_CHUNK_ROWS = 1024  # propose() splits the LM head into chunks of at least this many tokens (GEMM efficiency)
 
 
-def _ladder(base: Options, world: int, *, offload_first: bool = False) -> list[tuple[str, dict[str, Any]]]:
+def _ladder(base: Options, world: int, *, offload_first: bool = False,
+            shardable: bool = True) -> list[tuple[str, dict[str, Any]]]:
     """Cumulative option changes, least intrusive first: recompute (cheap element-wise steps first), then
     host offload of optimizer state, then sharding (world > 1) and offload of weights and gradients, then
     the block inputs. `offload_first`: the optimizer-state offload before the recomputation of GEMMs (ffn,
-    block), which is cheaper when an optimizer step has many micro-steps (see `step_cost`)."""
+    block), which is cheaper when an optimizer step has many micro-steps (see `step_cost`). `shardable` False: the
+    model's blocks are not laid out alike (an MoE model's experts are a layout group of their own), which sharded
+    weights need (`FlatLayout.uniform_block`), so neither they nor the master's offload are proposed."""
     steps: list[tuple[str, dict[str, Any]]] = [("none", {})]
 
     def add(label: str, **flags: Any) -> None:
@@ -41,9 +44,10 @@ def _ladder(base: Options, world: int, *, offload_first: bool = False) -> list[t
     unsharded = base.gradient_manager_kind == "unsharded"
     if world > 1 and unsharded:
         add("shard gradients", shard_gradients=True)
-    if base.zero_level < 2:  # --zero-level and --shard-weights are exclusive; level 3 already shards
+    if shardable and base.zero_level < 2:  # --zero-level and --shard-weights are exclusive; level 3 already shards
         add("shard weights", shard_weights=True)
-    add("offload master", offload_master=True)
+    if shardable:
+        add("offload master", offload_master=True)
     add("offload gradients", offload_gradients=True, **({"shard_gradients": True} if unsharded and base.zero_level < 2
                                                          else {}))
     add("offload residual", offload_residual=True)
@@ -82,7 +86,13 @@ def propose(cfg: ModelConfig, base_options: Options, gpu_bytes: int, world: int 
     layout = FlatLayout(cfg, world)
     kw = dict(world=world, gpu_memory=gpu_bytes, device=device, compiled=compiled, reserve=reserve, layout=layout,
               model_name=model_name)
-    ladders = [_ladder(base_options, world), _ladder(base_options, world, offload_first=True)]
+    try:
+        layout.uniform_block()
+        shardable = True
+    except ValueError:
+        shardable = False
+    ladders = [_ladder(base_options, world, shardable=shardable),
+               _ladder(base_options, world, offload_first=True, shardable=shardable)]
     seqs = _sequences(base_options, {})
     out: list[tuple[dict[str, Any], MemoryPlan]] = []
     batches = [1 << i for i in range(int(math.log2(max(1, max_batch))) + 1)]

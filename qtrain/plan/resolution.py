@@ -145,6 +145,24 @@ def check_cuda_graphs(opts: Options, *, world: int, device_type: str) -> None:
                            "--use-cuda-graphs (or add --no-use-cuda-graphs), or those options.")
 
 
+def check_model_support(cfg: ModelConfig, opts: Options, *, device_type: str) -> None:
+    """Refuse what this model's structure cannot run yet: --use-cuda-graphs for an MoE model (the tokens each expert
+    gets set its grouped GEMMs' row counts anew every micro-step, and a graph replays fixed shapes; `cuda_graphs_on`
+    leaves it off), and sharded weights for blocks not laid out alike (the sharded weight source gathers one block
+    layout; an MoE layer's experts are a layout group of their own, parallel/layout.py)."""
+    if opts.use_cuda_graphs and device_type == "cuda" and cfg.router is not None:
+        raise OptionsError(f"--use-cuda-graphs cannot capture a step of {cfg.model_type} (a Mixture-of-Experts "
+                           "model): the number of tokens each expert gets changes the shapes of its GEMMs from one "
+                           "micro-step to the next, and a CUDA graph replays fixed shapes. Drop --use-cuda-graphs.")
+    if opts.weights_sharded:
+        try:
+            FlatLayout(cfg, 1).uniform_block()
+        except ValueError as e:
+            raise OptionsError(f"--shard-weights / --zero-level 3 is not supported for this {cfg.model_type} model "
+                               f"yet: {e}; drop it (--shard-gradients / --zero-level 2 still shard the gradients "
+                               f"and the optimizer state)") from None
+
+
 def cuda_graphs_on(cfg: ModelConfig, opts: Options, *, world: int, device_type: str,
                    fp8: Fp8Choice | None = None) -> bool:
     """Whether this run's micro-steps replay from CUDA graphs: --use-cuda-graphs as given (on a CUDA device);
@@ -152,8 +170,8 @@ def cuda_graphs_on(cfg: ModelConfig, opts: Options, *, world: int, device_type: 
     H200), i.e. nothing blocks them, no linear runs in FP8 (a cold-compile hang with FP8 under capture is not
     understood yet) and the block's GEMM work per micro-step is at most CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP: above it
     the GPU, not the host, sets the pace. `fp8`: the run's FP8 choice, when made already."""
-    if device_type != "cuda" or opts.use_cuda_graphs is False:
-        return False
+    if device_type != "cuda" or opts.use_cuda_graphs is False or cfg.router is not None:
+        return False  # an MoE model's GEMM shapes change every micro-step (`check_model_support`)
     if opts.use_cuda_graphs:
         return True
     fp8 = fp8 if fp8 is not None else fp8_choice(cfg, opts)

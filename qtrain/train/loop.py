@@ -30,6 +30,7 @@ from qtrain.parallel.dist import DistContext, init_distributed, is_collective_er
 from qtrain.plan.host import return_freed_memory
 from qtrain.train import checkpointing, compile_cache, cuda_graphs, run_dir
 from qtrain.train.preflight import Prepared, shared_preflight
+from qtrain.train.router_metrics import STEP_FIELDS as ROUTER_FIELDS
 from qtrain.train.schedule import LRSchedule
 from qtrain.train.stop import (NonFiniteGuard, RunStopped, StackDump, StopSignals, checkpoint_on_request, data_changed,
                                out_of_memory, stopped_after_last_step, stopped_by_signal)
@@ -128,7 +129,8 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
     ckpt_dir, out_dir = prep.paths.ckpt_dir, prep.paths.out_dir
 
     verbosity = QUIET if opts.quiet else VERBOSE if opts.verbose else DEFAULT  # --quiet / --verbose
-    log = RunLogger(prep.paths.log_file, rank=ctx.rank, total_steps=total_steps, verbosity=verbosity)
+    log = RunLogger(prep.paths.log_file, rank=ctx.rank, total_steps=total_steps, verbosity=verbosity,
+                    router_every=opts.log_router_every)
     log.log("run", run_id=prep.run_id, name=opts.name, resume=prep.resume)  # a new log's first line: its owner
     for note in notes + [n for n in (prep.note, cache_note) if n]:
         log.message(note, level="warning")
@@ -204,7 +206,8 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
             if first:
                 _log_startup(log, step, dt_ms, compiled=trainer.model.run.compile)
             obj = log.log_step(step, step_tokens=step_tokens, duration_ms=dt_ms, norm=stats["norm"],
-                               loss=stats["loss"], lr=stats["lr"], epoch=train.progress)
+                               loss=stats["loss"], lr=stats["lr"], epoch=train.progress,
+                               **{k: stats[k] for k in ROUTER_FIELDS if k in stats})  # an MoE model's routers
             if tb is not None:
                 tb.on_event(obj)
             if trainer.abs_maxes is not None:

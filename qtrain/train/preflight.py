@@ -33,7 +33,7 @@ from qtrain.model.resolve import resolve_model
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.dist import DeviceError, check_device
 from qtrain.parallel.groups import check_group_size
-from qtrain.plan.resolution import RunResolution, check_cuda_graphs, resolve_run
+from qtrain.plan.resolution import RunResolution, check_cuda_graphs, check_model_support, resolve_run
 from qtrain.train import checkpoint_io as cio
 from qtrain.train import checkpointing, compile_cache, resume_checks, run_dir
 
@@ -97,6 +97,7 @@ def check_model(opts: Options) -> ModelConfig:
     if opts.seq_len > cfg.max_position_embeddings:
         raise OptionsError(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings "
                            f"{cfg.max_position_embeddings}")
+    check_model_support(cfg, opts, device_type=_device_type(opts))  # MoE: no CUDA graphs, no sharded weights
     return cfg
 
 

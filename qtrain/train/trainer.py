@@ -34,8 +34,9 @@ from qtrain.parallel.gradients import make_gradient_manager
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.optimizer import ZERO_COPY_CUDA, ShardedAdamW, clip_scale
 from qtrain.parallel.weights import build_weights
-from qtrain.plan.resolution import RunResolution, check_cuda_graphs, resolve_run
+from qtrain.plan.resolution import RunResolution, check_cuda_graphs, check_model_support, resolve_run
 from qtrain.train.cuda_graphs import MicroStepGraphs
+from qtrain.train.router_metrics import RouterMetrics
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -59,6 +60,7 @@ class Trainer:
             raise ValueError(f"Trainer: a run resolved for {run.world} x {run.device} given to a rank of "
                              f"{self.ctx.world} x {self.device.type}")
         self.source = resolve_model(opts.model, from_scratch=opts.from_scratch)
+        check_model_support(self.source.cfg, opts, device_type=self.device.type)
         # the tokenizer exports carry (None: unknown so far; the run loop may take it from the token files)
         self.tokenizer = export_tokenizer(explicit=opts.tokenizer, model_dir=self.source.tokenizer_dir)
         self.cfg = self.source.cfg
@@ -105,6 +107,8 @@ class Trainer:
         self.steps_done = 0  # completed optimizer steps (skipped updates included)
         self.micro = 0  # micro-steps done in the current step
         self._loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        # an MoE model: the step's router losses and tokens per expert, for the log (train/router_metrics.py)
+        self.router_metrics = RouterMetrics(self.cfg.router, self.device) if self.cfg.router else None
 
     def _run_options(self, opts: Options, run: RunResolution) -> RunOptions:
         """How the model executes: the options as the run resolved them."""
@@ -180,8 +184,10 @@ class Trainer:
             self.absmax.start()
 
         def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            # an MoE model's router losses: each micro-batch's weighted 1 / ga (their mean over the step)
             return self.model.forward_backward(self.weights, inputs, targets, grads=self.grads,
-                                               loss_scale=loss_scale, z_loss=self.opts.z_loss)
+                                               loss_scale=loss_scale, z_loss=self.opts.z_loss,
+                                               router_z_loss=self.opts.router_z_loss, router_loss_scale=1.0 / ga)
 
         if self.graphs is not None:
             self.weights.non_block()  # a per-step refresh of the weights (CastWeights) stays outside the graphs
@@ -196,13 +202,16 @@ class Trainer:
             self.abs_maxes = {**self.absmax.stop(), **weight_abs_maxes(self.full_params())}
         self.grads.end_micro_step()
         self._loss += loss
+        if self.router_metrics is not None:
+            self.router_metrics.add(self.model.router_losses, 1.0 / ga)
         self.micro += 1
 
     def update(self, *, lr: float) -> dict[str, float]:
         """Clip, AdamW-update this rank's shards, gather weights: the end of a step, after its
         grad_accumulation micro-steps. Returns loss (the sum of the step's scaled losses, averaged over
         ranks: with `step`'s scale, the mean token loss of the global batch), pre-clip gradient norm, the
-        learning rate and whether the update was skipped (non-finite norm)."""
+        learning rate and whether the update was skipped (non-finite norm); an MoE model's router fields too
+        (train/router_metrics.STEP_FIELDS)."""
         o = self.opts
         if self.micro != o.grad_accumulation:
             raise RuntimeError(f"update() after {self.micro} micro-steps; expected --grad-accumulation="
@@ -210,6 +219,8 @@ class Trainer:
         self.groups.reduce_replicas(self.layout, self.grads)  # hybrid sharding: average the shards across groups
         norm_t = self.optimizer.grad_norm(self.grads)
         loss_t = self.ctx.all_reduce_sum(self._loss.clone()) / self.ctx.world
+        if self.router_metrics is not None:
+            self.router_metrics.all_reduce(self.ctx)
         # The update is queued before the host reads the norm: clipping factor and the skip on a non-finite
         # norm are decided on the device, so the GPU never idles while the host waits for the norm and then
         # queues the update (measured: 29 of 243 ms per Qwen2.5-0.5B step were such gaps).
@@ -225,7 +236,8 @@ class Trainer:
         self.steps_done += 1
         self.micro = 0
         self._loss.zero_()
-        return {"loss": loss, "norm": norm, "lr": lr, "skipped": float(skipped)}
+        router = self.router_metrics.read(self.ctx.world) if self.router_metrics is not None else {}
+        return {"loss": loss, "norm": norm, "lr": lr, "skipped": float(skipped), **router}
 
     # ---- evaluation ----
     @torch.no_grad()

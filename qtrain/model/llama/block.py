@@ -306,16 +306,19 @@ _STATEMENTS = (LlamaBlock.saved_by_input, LlamaBlock.saved_by_ln1, LlamaBlock.sa
                LlamaBlock.saved_by_fp8_weights)
 
 
-def activation_terms(cfg: LlamaConfig, s: ActivationSettings) -> list[ActTerm]:
-    """What autograd keeps per layer for backward, term by term (the `saved_by_*` statements in block order)."""
+def activation_terms(cfg: LlamaConfig, s: ActivationSettings,
+                     statements: tuple[Callable[[_Saved], list[ActTerm]], ...] = _STATEMENTS) -> list[ActTerm]:
+    """What autograd keeps per layer for backward, term by term (the `saved_by_*` statements in block order; a family
+    built on this block passes its own list)."""
     a = _Saved(cfg, s)
-    return [t for statement in _STATEMENTS for t in statement(a)]
+    return [t for statement in statements for t in statement(a)]
 
 
-def make_block_fn(cfg: LlamaConfig, o: BlockOptions) -> BlockFn:
+def make_block_fn(cfg: LlamaConfig, o: BlockOptions, block_cls: type[LlamaBlock] = LlamaBlock) -> BlockFn:
     """One pre-norm decoder block as a function of (x, weights, cos, sin) (`transformer.make_block_fn` documents
-    the options); `o.recompute` picks the recompute mechanism: none, checkpoints (compiled) or `Recomputer`."""
-    body = LlamaBlock(cfg, o).body
+    the options); `o.recompute` picks the recompute mechanism: none, checkpoints (compiled) or `Recomputer`.
+    `block_cls`: a family built on this block (model/moe_block.py) passes its subclass."""
+    body = block_cls(cfg, o).body
     recompute = o.recompute
     if not recompute:
         def block(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,149 @@
+"""The decoder block of the Mixture-of-Experts families (`qwen3_moe/`, `olmoe/`, `mixtral/`), step by step, each step
+followed by what it keeps for backward.
+
+    RMSNorm -> fused QKV -> (qk-norm) -> RoPE -> causal SDPA (GQA) -> output projection -> residual      (Llama block)
+    -> RMSNorm -> router -> top-k -> permute -> grouped up/gate GEMM -> SwiGLU -> grouped down GEMM -> combine
+    -> residual
+
+The attention half is the Llama family's (`llama/block.py`, `LlamaBlock`: its steps, its linears with their FP8
+copies, its recompute steps and its saved-bytes statements), so it is not repeated here; `MoeBlock` replaces the MLP
+of the layers that route with the functional MoE layer (`model/moe.py`), whose permutation + up/gate GEMM and SwiGLU
+are the block's 'up' and 'swiglu' steps (--recompute-ffn / --recompute-swiglu drop them as for a dense MLP). A layer
+that keeps a dense MLP (Qwen3-MoE's `mlp_only_layers`) is the Llama block exactly: the block tells the kinds apart by
+the weights it receives (a 'router' or an 'up').
+
+Routing in fp32 (`moe_router.route`), the expert GEMMs and the router in the model dtype: with --matmul-dtype e4m3
+only the attention projections (and a dense layer's MLP) run in FP8 (the families' `fp8_matrices`); the expert GEMMs
+stay bf16 for now. The router losses: the block writes its statistics beside its weights (`ROUTER_STATS`) and puts a
+node into its output whose backward adds the losses' gradients (`moe_router.with_router_grads`), so the load-balancing
+loss (and the router z-loss) reach the router and every earlier layer through the per-block backward of
+`transformer.Transformer`, recomputed blocks included (routing is deterministic).
+
+Memory (eager; `saved_by_moe`): beside the attention's and the dense families' norm terms, per token of a routed layer
+the fp32 routing (softmax probabilities E, ids and combine weights k, logsumexp 1), the permutation indices (2 k int64),
+the permuted input (k C), the up/gate output (2 k F), the SwiGLU output (k F) and the experts' outputs (k C), and per
+layer the expert offsets (E int32). Dropless routing fixes every row count at N k however unevenly the tokens spread
+over the experts, so the worst-case imbalance keeps what the balanced case keeps (what a capacity-bounded router would
+add, a padded (E, capacity, C) buffer, does not exist here).
+
+Dimension letters: B batch, T sequence, C hidden, E experts, k experts per token, F an expert's intermediate size.
+"""
+from __future__ import annotations
+
+import torch
+
+from qtrain.model.family import ActTerm, ActivationSettings, BlockFn, BlockOptions, MatmulSpec
+from qtrain.model.llama import block as llama_block
+from qtrain.model.llama.block import LlamaBlock, Prenorm, Step, _Saved
+from qtrain.model.moe import moe_forward
+from qtrain.model.moe_config import MoeConfig
+from qtrain.model.moe_router import record_router_stats, with_router_grads
+
+ROUTER, EXPERTS_UP_GATE, EXPERTS_DOWN = "router", "experts_up_gate", "experts_down"
+ATTENTION_FP8 = ("qkv", "o")  # the block linears of a routed layer that may run in FP8 (the experts stay bf16)
+
+
+class MoeBlock(LlamaBlock):
+    """The Llama block with a routed MoE MLP in the layers that have a router (module docstring)."""
+
+    def __init__(self, cfg: MoeConfig, o: BlockOptions):
+        super().__init__(cfg, o)
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+
+    # ---- 5) MLP: the router -> top-k experts -> their SwiGLU MLPs -> the weighted sum ----
+    def mlp(self, x: torch.Tensor, h: torch.Tensor, pre: Prenorm | None, w: dict[str, torch.Tensor],
+            step: Step) -> torch.Tensor:
+        """x + the MoE MLP of h (B, T, C) in a routed layer; the Llama block's dense MLP in the others."""
+        if ROUTER not in w:
+            return super().mlp(x, h, pre, w, step)
+        moe = moe_forward(h, w[ROUTER], w[EXPERTS_UP_GATE], w[EXPERTS_DOWN], top_k=self.top_k,
+                          norm_topk_prob=self.norm_topk_prob, step=step)
+        record_router_stats(moe.stats, w)  # training: this layer's row of the step's router statistics
+        return x + with_router_grads(moe.out, moe.stats, w)
+
+    @staticmethod
+    def saved_by_moe(a: _Saved) -> list[ActTerm]:
+        """Eager, per token: routing (softmax probabilities E fp32, top-k ids k int64, combine weights k fp32 -- with
+        norm_topk_prob the top-k values and their sum too, which the division keeps --, logsumexp 1 fp32 for the
+        z-statistic), the permutation's indices (order, inverse: 2 k int64), the permuted input (k C, the up/gate
+        GEMM's), its output (2 k F, SwiGLU's), the SwiGLU output (k F, the down GEMM's) and the experts' outputs
+        (k C, the combine's, for the weights' gradient); per layer the expert offsets (E int32). In e4m3 the router
+        keeps its input, the RMSNorm-2 output, which the dense block's FP8 linear would keep as an e4m3 copy. The
+        'up' step (--recompute-ffn) drops the permuted input and the up/gate output, 'swiglu' the SwiGLU output;
+        the routing and the indices stay (the steps' inputs).
+        Compiled (AOTAutograd's partitioner, measured on the CPU): the experts' tensors as eager, but with 'ffn' the
+        up/gate output stays (the permutation and grouped GEMM are opaque ops it does not rebuild across the two
+        checkpointed steps), and with 'norm' alone the RMSNorm-2 output stays (the block compiles as two graphs
+        around the router losses' node, which is not compiled); the routing term is an upper bound there: depending on E and k the partitioner keeps
+        the bf16 logits instead of the fp32 probabilities (and rebuilds the softmax), or one (N, k) tensor fewer
+        with norm_topk_prob -- at most 2 E + 4 k + 8 bytes per token less, under 0.5% of a routed layer's bytes at
+        Qwen3-30B-A3B's shape."""
+        cfg, Eb, rc, blk, compiled = a.cfg, a.E, a.rc, a.blk, a.s.compiled
+        C, F, X, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
+        weights = 8 * k + 4 if cfg.norm_topk_prob else 4 * k
+        terms = [ActTerm("moe_routing", 4 * X + 8 * k + weights + 4, blk,
+                         "router softmax (fp32), top-k ids, combine weights, logsumexp", per_layer=4 * X),
+                 ActTerm("moe_permutation", 16 * k, blk, "permutation indices (order, inverse)"),
+                 ActTerm("moe_up_in", Eb * k * C, "ffn" not in rc, "permuted tokens (k copies, expert order)"),
+                 ActTerm("moe_up_out", Eb * k * 2 * F, blk and ("ffn" not in rc or compiled),
+                         "experts' up/gate outputs (k, 2F)"),
+                 ActTerm("moe_swiglu", Eb * k * F, "swiglu" not in rc, "experts' SwiGLU outputs (k, F)"),
+                 ActTerm("moe_down_out", Eb * k * C, blk, "experts' outputs (k, C), for the combine weights")]
+        if a.s.fp8:
+            terms.append(ActTerm("router_in", Eb * C, not ("norm" in rc or "ffn" in rc),
+                                 "the router's input (RMSNorm-2 output, model dtype)"))
+        if compiled:  # the block is two graphs around the router losses' node (`with_router_grads`)
+            terms.append(ActTerm("router_in_kept", Eb * C, blk and "norm" in rc and "ffn" not in rc,
+                                 "RMSNorm-2 output, which the partitioner keeps with --recompute-norm"))
+        return terms
+
+    @staticmethod
+    def saved_by_fp8_weights(a: _Saved) -> list[ActTerm]:
+        """FP8: the attention projections' e4m3 weights (the Llama block's statement for them); the experts are bf16."""
+        return [t for t in LlamaBlock.saved_by_fp8_weights(a) if t.name in ("fp8_w_qkv", "fp8_w_o")]
+
+
+# what a routed layer keeps for backward, step by step in block order (the attention's statements are the Llama
+# block's; a family whose attention differs passes its own `qkv` statement)
+def statements(qkv=LlamaBlock.saved_by_qkv) -> tuple:
+    return (LlamaBlock.saved_by_input, LlamaBlock.saved_by_ln1, qkv, LlamaBlock.saved_by_attention,
+            LlamaBlock.saved_by_residual_and_ln2, MoeBlock.saved_by_moe, MoeBlock.saved_by_fp8_weights)
+
+
+def activation_terms(cfg: MoeConfig, layer: int, s: ActivationSettings, qkv=LlamaBlock.saved_by_qkv
+                     ) -> list[ActTerm]:
+    """What block `layer` keeps for backward: a dense layer's are the Llama block's (with `qkv` for the attention)."""
+    if layer in cfg.dense_layers:
+        dense = tuple(qkv if f is LlamaBlock.saved_by_qkv else f for f in llama_block._STATEMENTS)
+        return llama_block.activation_terms(cfg, s, dense)
+    return llama_block.activation_terms(cfg, s, statements(qkv))
+
+
+def make_block_fn(cfg: MoeConfig, o: BlockOptions, block_cls: type[MoeBlock] = MoeBlock) -> BlockFn:
+    """The block as a function of (x, weights, cos, sin), every recompute mechanism of the Llama block's."""
+    return llama_block.make_block_fn(cfg, o, block_cls)
+
+
+def matmuls(cfg: MoeConfig, layer: int) -> dict[str, MatmulSpec]:
+    """Block `layer`'s GEMMs: the attention projections, and the router and the expert stacks (each expert's GEMM
+    takes k / E of the tokens' rows: the active FLOPs) or a dense layer's MLP."""
+    C, F, X, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
+    out = {"qkv": MatmulSpec(cfg.qkv_dim, C, step="qkv"), "o": MatmulSpec(C, cfg.q_dim)}
+    if layer in cfg.dense_layers:
+        Fd = cfg.intermediate_size
+        return {**out, "up": MatmulSpec(2 * Fd, C, step="up"), "down": MatmulSpec(C, Fd)}
+    return {**out, ROUTER: MatmulSpec(X, C),
+            EXPERTS_UP_GATE: MatmulSpec(2 * F, C, step="up", rows=k / X, count=X),
+            EXPERTS_DOWN: MatmulSpec(C, F, rows=k / X, count=X)}
+
+
+def backward_temporaries(cfg: MoeConfig, layer: int, tokens: int, s: ActivationSettings) -> int:
+    """The largest saved tensors come back as gradients: a dense layer's as the Llama block's; a routed layer's
+    experts' (k (3F + 2C) elements per token in the model dtype: d(up/gate), d(SwiGLU), d(permuted), d(outputs)) and
+    the routing's fp32 gradients (2 E per token), with the attention's q_dim fp32 per attention call."""
+    if layer in cfg.dense_layers:
+        width = cfg.intermediate_size + 2 * cfg.hidden_size
+    else:
+        width = cfg.num_experts_per_tok * (3 * cfg.moe_intermediate_size + 2 * cfg.hidden_size)
+    return tokens * (s.dtype_bytes * width + 8 * cfg.num_experts * (layer not in cfg.dense_layers)
+                     + 4 * cfg.q_dim // s.attn_chunks)

@@ -1,0 +1,39 @@
+"""The MoE families' tensors in the flat layout (parallel/layout.py): a routed layer is its block's group (attention,
+norms, router) and a group of its own for the expert stacks, which expert parallelism can split into whole experts
+by rank; a dense layer (Qwen3-MoE's mlp_only_layers) is one group. Sharded weights need blocks alike, so they are not
+proposed for such models (`qtrain plan`)."""
+from __future__ import annotations
+
+from qtrain.model.qwen3_moe import Qwen3MoeConfig
+from qtrain.options import Options
+from qtrain.parallel.layout import FlatLayout
+from qtrain.plan.propose import propose
+
+CFG = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=1e4, num_experts=8,
+                     num_experts_per_tok=2, mlp_only_layers=(1,))
+
+
+def test_routed_layers_hold_their_experts_in_a_group_of_their_own():
+    layout = FlatLayout(CFG, world=2)
+    assert [g.key for g in layout.layer_groups(0)] == ["block.0", "block.0.experts"]
+    assert [g.key for g in layout.layer_groups(1)] == ["block.1"]  # dense: the Llama block's tensors
+    experts = layout.by_key["block.2.experts"]
+    assert [(s.short, s.shape, s.experts) for s in experts.segments] == [
+        ("experts_up_gate", (8, 32, 32), 8), ("experts_down", (8, 32, 16), 8)]
+    assert "layers.2.router" in {s.name for s in layout.by_key["block.2"].segments}
+    for ep in (2, 4):  # expert parallelism: rank r holds experts [r E/ep, (r+1) E/ep) of both stacks, whole
+        pieces = [experts.expert_pieces(r, ep) for r in range(ep)]
+        per_rank = sum(p.numel for p in pieces[0])
+        assert all(sum(p.numel for p in ps) == per_rank for ps in pieces)
+        assert per_rank * ep == experts.content_numel
+        assert all(p.tensor_offset % p.segment.expert_numel == 0 for ps in pieces for p in ps)
+
+
+def test_sharded_weights_are_not_proposed_for_moe_blocks():
+    opts = Options(model="x", from_scratch=True, batch_size=1, seq_len=16, grad_accumulation=1)
+    # too small for anything (the CUDA context's reserve alone is 1 GiB): every rung is tried, none shards weights
+    # (before, the sharded weight source's plan raised on the experts' group)
+    assert propose(CFG, opts, gpu_bytes=1 << 20, world=2, max_batch=2) == []
+    proposals = propose(CFG, opts, gpu_bytes=2 << 30, world=2, max_batch=2)
+    assert proposals and not any(c.get("shard_weights") or c.get("offload_master") for c, _ in proposals)
