@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Iterable
 
 from qtrain.fsio import shorten
+from qtrain.kernels.document_attention import DOCUMENT_ATTENTION
 from qtrain.model.fp8_policy import DEFAULT_MIN_BLOCK_GFLOP as DEFAULT_FP8_MIN_BLOCK_GFLOP
 from qtrain.model.fp8_policy import DEFAULT_MIN_SIZE as DEFAULT_FP8_MIN_SIZE
 from qtrain.model.config import ModelConfig
@@ -36,6 +37,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model_dtype": DTYPES, "master_dtype": DTYPES, "grad_accum_dtype": DTYPES, "fp8_policy": FP8_POLICIES, "matmul_dtype": MATMUL_DTYPES, "gradient_dtype": GRADIENT_DTYPES,
     "opt_m_dtype": OPT_M_DTYPES, "opt_v_dtype": OPT_V_DTYPES, "lr_schedule": SCHEDULES,
     "device": ("auto", "cpu", "cuda"), "compile": ("auto", "on", "off"), "sdpa_backend": SDPA_BACKENDS,
+    "document_attention": DOCUMENT_ATTENTION,  # --document-masking (issue 45)
 }
 # --use-cuda-graphs unset (auto) turns graphs on up to this much GEMM work per block and micro-step: where the
 # host sets the pace. Measured on one H200 (BENCHMARKS.md, session 9), Qwen2.5-0.5B bf16: 366 GFLOP (4 x 1024)
@@ -124,6 +126,15 @@ class Options:
     """Attention kernel: auto (cudnn for bf16 on Hopper GPUs, else torch's choice) | flash | cudnn | math. All
     compute the same function, but each takes only some dtypes and devices (flash and cudnn: bf16/fp16 on
     CUDA; on the CPU, cudnn runs its fp32 specification, which materializes the (B, heads, T, T) scores)."""
+
+    # ---- document masking (packed SFT data: `qtrain tokenize --pack-to`; data/documents.py) ----
+    document_masking: bool = False
+    """Keep attention inside each document and restart RoPE positions at each document's first token: documents
+    as the token files record them (qtrain tokenize --pack-to), else split after each EOS token; a row starts a new
+    document, and targets that cross into the next document are not trained. Train and eval files alike."""
+    document_attention: str = "auto"
+    """Attention with --document-masking: auto (varlen for bf16 on CUDA, else masked) | varlen (flash attention over
+    the documents as variable-length sequences) | masked (SDPA with a block-diagonal causal mask: the fallback)."""
 
     # ---- optimiser / schedule ----
     learning_rate: float = 1e-5
@@ -375,6 +386,9 @@ class Options:
             out.append("--persistent-quants (its per-step FP8 weight cache is host-side logic)")
         if self.debug_log_abs_max:
             out.append("--debug-log-abs-max (it records values on the host during the micro-step)")
+        if self.document_masking:  # issue 45
+            out.append("--document-masking (the number of documents, so the shapes attention takes, changes "
+                       "from micro-batch to micro-batch)")
         return out
 
     def cuda_graphs_on(self, cfg: ModelConfig, *, world: int, device_type: str) -> bool:
