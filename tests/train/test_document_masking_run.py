@@ -204,3 +204,16 @@ def test_cuda_graphs_are_refused_in_one_line():
         check_cuda_graphs(opts, world=1, device_type="cuda")
     assert "\n" not in str(e.value)
     assert not Options(document_masking=True).cuda_graphs_on(CFG, world=1, device_type="cuda")  # auto: off
+
+
+def test_memory_plan_states_what_document_masking_adds():
+    """varlen (bf16 on CUDA): the documents' offsets only; masked: the (B, 1, T, T) mask and, with GQA (CFG: 4 heads,
+    2 key/value heads), each layer's expanded key/value heads."""
+    from qtrain.plan.memory import plan_memory
+    B, T, L, E = 2, 16, CFG.num_hidden_layers, 4
+    base = dict(batch_size=B, seq_len=T, document_masking=True)
+    varlen = plan_memory(CFG, Options(model_dtype="bf16", **base), device="cuda").item("document masks")
+    assert varlen.device == 4 * (B * T + 1) and "offsets only" in varlen.detail
+    masked = plan_memory(CFG, Options(model_dtype="fp32", **base), device="cuda")
+    assert masked.item("document masks").device == B * T * T + L * 2 * B * T * 4 * (CFG.hidden_size // 4) * E
+    assert "document masks" not in [i.name for i in plan_memory(CFG, Options(), device="cuda").items]
