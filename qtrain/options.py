@@ -100,6 +100,16 @@ class Options:
     compute the same function, but each takes only some dtypes and devices (flash and cudnn: bf16/fp16 on
     CUDA; on the CPU, cudnn runs its fp32 specification, which materializes the (B, heads, T, T) scores)."""
 
+    # ---- document masking (packed SFT data: `qtrain tokenize --pack-to`; data/documents.py) ----
+    document_masking: bool = False
+    """Keep attention inside each document and restart RoPE positions at each document's first token: documents
+    as the token files record them (qtrain tokenize --pack-to), else split after each EOS token; a row starts a new
+    document, and targets that cross into the next document are not trained. Train and eval files alike."""
+    document_attention: str = "auto"
+    """Attention with --document-masking: auto (varlen for bf16 on CUDA, else masked) | varlen (flash attention over
+    the documents as variable-length sequences) | masked (SDPA with a block-diagonal causal mask: the fallback)."""
+
+    # ---- optimiser / schedule ----
     learning_rate: float = 1e-5
     """Peak learning rate (after warmup)."""
     warmup: int = 0
@@ -392,6 +402,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("model", "from_scratch", "init_proj_to_zero", "seed", "tokenizer"),
     "data and batch": ("train_file", "eval_file", "train_seed", "eval_seed", "batch_size", "seq_len",
                        "grad_accumulation", "steps", "epochs", "eval_every_n_steps", "eval_num_steps", "eval_at_start"),
+    "documents (packed data)": ("document_masking", "document_attention"),
     "optimizer and schedule": ("learning_rate", "warmup", "cooldown", "final_lr_fraction", "lr_schedule", "beta_1",
                                "beta_2", "adam_epsilon", "weight_decay", "grad_clip", "z_loss"),
     "precision": ("model_dtype", "master_dtype", "matmul_dtype", "grad_accum_dtype", "fp8_policy", "fp8_min_size",

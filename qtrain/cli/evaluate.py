@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Sequence
 
+from qtrain.model.choices import DOCUMENT_ATTENTION
 from qtrain.train.evaluate import DTYPE_NAMES, evaluate_model, resolve_device, resolve_dtype
 
 
@@ -19,6 +20,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("auto", *DTYPE_NAMES), default="auto",
                    help="weights / activations dtype (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--lmhead-chunks", type=int, default=1, help="split the LM head into N row chunks (memory)")
+    p.add_argument("--document-masking", action="store_true",
+                   help="score each document on its own, as training with --document-masking does (attention "
+                        "inside documents, positions from 0): documents recorded by qtrain tokenize --pack-to, "
+                        "else split after each EOS")
+    p.add_argument("--document-attention", choices=DOCUMENT_ATTENTION, default="auto",
+                   help="attention with --document-masking: auto (varlen for bf16 on CUDA, else masked) | varlen | "
+                        "masked")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
@@ -26,7 +34,8 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     dev = resolve_device(ns.device)
     dtype = resolve_dtype(ns.dtype, dev)
     r = evaluate_model(ns.model, ns.eval_file, seq_len=ns.seq_len, batch_size=ns.batch_size, device=dev, dtype=dtype,
-                       max_batches=ns.max_batches, lmhead_chunks=ns.lmhead_chunks)
+                       max_batches=ns.max_batches, lmhead_chunks=ns.lmhead_chunks,
+                       document_masking=ns.document_masking, document_attention=ns.document_attention)
     if ns.json:
         print(json.dumps({**r, "model": str(ns.model), "eval_file": str(ns.eval_file), "seq_len": ns.seq_len,
                           "batch_size": ns.batch_size, "dtype": str(dtype).removeprefix("torch.")}))

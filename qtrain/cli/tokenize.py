@@ -33,15 +33,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     sft.add_argument("--pad-to", type=int, default=None,
                      help="make every example exactly N tokens (cut or padded with EOS, not trained on); use "
                           "N = --seq-len of training so each sequence is one whole example")
+    sft.add_argument("--pack-to", type=int, default=None,
+                     help="pack whole examples into rows of exactly N tokens (first-fit decreasing; a row's rest "
+                          "is padding, not trained on) and record where each starts; train with --seq-len N "
+                          "--document-masking so that each example attends only to itself")
+    sft.add_argument("--no-truncate", action="store_true",
+                     help="refuse an example longer than --pack-to / --pad-to N (default: cut it to its first N-1 "
+                          "tokens and its EOS, and count it)")
     return parser
 
 
 def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     fraction = ns.eval_fraction if ns.eval_fraction is not None else (0.0 if ns.eval_inputs else 0.05)
     sft = None
-    if ns.prompt_field or ns.response_field or ns.messages_field or ns.pad_to is not None:
+    if (ns.prompt_field or ns.response_field or ns.messages_field or ns.pad_to is not None or ns.pack_to is not None
+            or ns.no_truncate):
         sft = SFTFormat(prompt_field=ns.prompt_field, response_field=ns.response_field,
-                        messages_field=ns.messages_field, pad_to=ns.pad_to).validate()
+                        messages_field=ns.messages_field, pad_to=ns.pad_to, pack_to=ns.pack_to,
+                        truncate=not ns.no_truncate).validate()
     res = tokenize_files(
         ns.inputs,
         ns.out_dir,
@@ -64,4 +73,10 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         f"[{res.tokenizer}, vocab {res.vocab_size}, eos {res.eos_id}{', loss masks' if sft else ''}] "
         f"in {res.seconds:.1f} s -> {ns.out_dir}"
     )
+    p = res.extra.get("packing")
+    if p:
+        total = p["rows"] * p["pack_to"]
+        print(f"packed {p['examples']:,} examples into {p['rows']:,} rows of {p['pack_to']} tokens: "
+              f"{p['padding']:,} padding tokens ({100 * p['padding'] / max(total, 1):.1f}%), "
+              f"{p['truncated']:,} example(s) longer than {p['pack_to']} cut to it")
     return 0

@@ -1,13 +1,17 @@
 """The training/eval data loader: (inputs, targets) batches from token files (`token_files.py`).
 
 Loader semantics follow llm.q (non-overlapping chunks of ``seq_len`` tokens, targets shifted by one,
-no document-boundary handling, strided rank shares, state = (seed, epoch, file, chunk)) with two
-deliberate differences, both documented where they happen:
+no document-boundary handling (but see document masking below), strided rank shares, state = (seed, epoch, file,
+chunk)) with two deliberate differences, both documented where they happen:
 
 * the mask bit is read at the *target* position (llm.q reads it at the input position, an off-by-one
   that trains on the token after EOS and never on the first response token);
 * shuffling uses numpy's PCG64 seeded from ``(seed, epoch, ...)`` instead of libstdc++'s
   ``std::shuffle``: deterministic and platform independent, but not llm.q's exact order.
+
+With ``document_masking`` every batch also carries position ids (B, T): each token's position in its document
+(documents recorded in the files, or split after each EOS; a row starts a new document), and targets that cross
+into the next document are ignored (`qtrain.data.documents` says how, exactly).
 
 The files were checked before the run (headers, sizes, every id; `qtrain tokenize` sets against their index:
 `token_sets.py`), but they may change under it: every batch is read with `pread` (a file cut short is a short
@@ -21,12 +25,16 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from qtrain.data.documents import file_documents
 from qtrain.data.token_files import (IGNORE_INDEX, DataChangedError, DataError, PathLike, TokenFile, check_token_ids,
                                       common_vocab_size, expand_files)
 from qtrain.data.token_sets import check_token_sets
 
 if TYPE_CHECKING:  # torch is imported where batches are made, so tokenizer workers start fast
     import torch
+
+    # (inputs, targets) int64 (B, T); with document masking (inputs, targets, positions)
+    Batch = tuple[torch.Tensor, ...]
 
 # Domain-separation tags for the shuffling RNG streams (arbitrary constants, like llm.q's 0x73653753).
 _FILE_ORDER_TAG = 0x73653753
@@ -82,7 +90,11 @@ class TokenLoader:
         seed: int = 0,
         model_vocab_size: int | None = None,
         shuffle: bool = True,
+        document_masking: bool = False,
+        eos_ids: Sequence[int] = (),
     ) -> None:
+        """`document_masking`: batches carry position ids of the files' documents (module docstring); `eos_ids`: the
+        model's EOS id(s), where a file neither records its documents nor says its own EOS (`data/documents.py`)."""
         if seq_len <= 0:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
         if not 0 <= rank < world:
@@ -104,6 +116,7 @@ class TokenLoader:
             for f in self.files:
                 check_token_ids(f.path, model_vocab_size)
         self._id_limit = model_vocab_size  # what each batch's ids are checked against (negative ones always)
+        self.documents = [file_documents(f, eos_ids) for f in self.files] if document_masking else None
         for f in self.files:
             if len(f) < seq_len + 1:
                 raise DataError(
@@ -157,10 +170,11 @@ class TokenLoader:
             self._order_cache = {key: cached}  # only the current file's order is ever needed again
         return cached
 
-    def _windows(self, chunks: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
-        """(inputs, targets) int64 [len(chunks), T] of (file index, chunk) pairs. Chunk c of a file is the window
-        tokens[cT : cT+T+1]: inputs its first T, targets its last T. The windows' ids are checked with one min/max
-        against the vocabulary (the files changed since the preflight's scan otherwise)."""
+    def _windows(self, chunks: Sequence[tuple[int, int]]) -> tuple[np.ndarray, ...]:
+        """(inputs, targets[, positions]) int64 [len(chunks), T] of (file index, chunk) pairs. Chunk c of a file is
+        the window tokens[cT : cT+T+1]: inputs its first T, targets its last T. The windows' ids are checked with one
+        min/max against the vocabulary (the files changed since the preflight's scan otherwise). With document
+        masking, the positions, and the targets that cross a document boundary ignored (`data/documents.py`)."""
         T = self.seq_len
         windows = np.empty((len(chunks), T + 1), dtype="<i4")
         for row, (fi, chunk) in enumerate(chunks):
@@ -174,7 +188,13 @@ class TokenLoader:
                 # Mask bit at the *target* position: bit (cT+j+1) decides whether target j is trained.
                 # (llm.q reads bit cT+j, an off-by-one; see reference/llmq.md §2.1 [quirk].)
                 targets[row, ~f.mask_bits(chunk * T + 1, chunk * T + T + 1)] = IGNORE_INDEX
-        return inputs, targets
+        if self.documents is None:
+            return inputs, targets
+        positions = np.empty_like(inputs)
+        for row, (fi, chunk) in enumerate(chunks):
+            positions[row], crossing = self.documents[fi].chunk(chunk * T, windows[row])
+            targets[row, crossing] = IGNORE_INDEX
+        return inputs, targets, positions
 
     def _bad_id(self, windows: np.ndarray, chunks: Sequence[tuple[int, int]]) -> None:
         limit = self._id_limit
@@ -200,8 +220,9 @@ class TokenLoader:
         self._file_pos = 0
         self._chunk_pos = 0
 
-    def next_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Next ``(inputs, targets)``, int64 CPU tensors of shape [batch_size, seq_len]."""
+    def next_batch(self, batch_size: int) -> Batch:
+        """Next ``(inputs, targets)`` (with document masking ``(inputs, targets, positions)``), int64 CPU tensors of
+        shape [batch_size, seq_len]."""
         import torch
 
         if batch_size > self.chunks_per_epoch:
@@ -220,10 +241,9 @@ class TokenLoader:
             fi = int(order[self._file_pos])
             chunks.append((fi, int(self._rank_chunks(self.epoch, fi)[self._chunk_pos])))
             self._chunk_pos += 1
-        inputs, targets = self._windows(chunks)
-        return torch.from_numpy(inputs), torch.from_numpy(targets)
+        return tuple(torch.from_numpy(a) for a in self._windows(chunks))
 
-    def next_batches(self, batch_size: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def next_batches(self, batch_size: int, count: int) -> list[Batch]:
         """`count` batches (one step's micro-batches), all or none: on a DataChangedError the position is back
         where it was, so a checkpoint written then resumes at this step's first batch."""
         start = self.state_dict()
@@ -235,7 +255,7 @@ class TokenLoader:
 
     def iterate_eval_batches(
         self, batch_size: int, max_batches: int | None = None, *, drop_last: bool = False
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    ) -> Iterator[Batch]:
         """One pass over the files in order, unshuffled (rank r takes chunks r, r+W, ... of each file).
 
         Independent of the training position (it does not touch the loader's state). The last batch
@@ -246,10 +266,10 @@ class TokenLoader:
         pending: list[tuple[int, int]] = []
         produced = 0
 
-        def emit() -> tuple[torch.Tensor, torch.Tensor]:
-            x, y = self._windows(pending)
+        def emit() -> Batch:
+            arrays = self._windows(pending)
             pending.clear()
-            return torch.from_numpy(x), torch.from_numpy(y)
+            return tuple(torch.from_numpy(a) for a in arrays)
 
         for fi, count in enumerate(self._per_rank):
             for k in range(count):

@@ -14,7 +14,9 @@ Two record shapes (JSONL lines or Parquet rows):
 The text of each part is encoded on its own (special-token strings inside it stay plain text), so the mask
 boundaries are exact token boundaries. With `pad_to=T` each example becomes exactly T tokens (cut at T-1
 keeping its last token, e.g. EOS, or padded with EOS under mask 0), so that with `--seq-len T` every
-training sequence is one whole example that sees its own prompt. The loader reads a mask bit at the *target*
+training sequence is one whole example that sees its own prompt. With `pack_to=N` examples are packed whole into
+rows of N tokens instead (`qtrain.data.packing`: cut there, when longer). `truncate=False` (--no-truncate) refuses an
+example longer than N (either option) instead of cutting it. The loader reads a mask bit at the *target*
 position (`qtrain.data.loader`), so mask 1 means "this token is a training target".
 """
 from __future__ import annotations
@@ -52,9 +54,27 @@ class SFTFormat:
     response_field: str | None = None
     messages_field: str | None = None
     pad_to: int | None = None
+    pack_to: int | None = None
+    truncate: bool = True
+
+    @property
+    def row_tokens(self) -> int | None:
+        """The length examples are fitted to (--pad-to) or packed into (--pack-to), if any."""
+        return self.pad_to or self.pack_to
 
     def validate(self) -> "SFTFormat":
         pr = (self.prompt_field, self.response_field)
+        if self.pack_to is not None and self.pack_to < 2:
+            raise SFTError(f"--pack-to must be >= 2 tokens (the row length: use --seq-len of training), got "
+                           f"{self.pack_to}")
+        if self.pack_to is not None and not (self.messages_field or any(pr)):
+            raise SFTError("--pack-to packs chat or SFT records: give --messages-field, or --prompt-field and "
+                           "--response-field")
+        if self.pack_to is not None and self.pad_to is not None:
+            raise SFTError("give either --pack-to (examples packed into rows) or --pad-to (one padded example per "
+                           "row), not both")
+        if not self.truncate and self.row_tokens is None:
+            raise SFTError("--no-truncate goes with --pack-to or --pad-to (it refuses examples longer than their N)")
         if self.messages_field and any(pr):
             raise SFTError("give either --messages-field or --prompt-field/--response-field, not both")
         if not self.messages_field and not all(pr):
@@ -157,6 +177,11 @@ def encode_example(tok: Tokenizer, rec: dict[str, Any], fmt: SFTFormat) -> tuple
         parts.append(([*tok.encode(record_text(rec, fmt.response_field)), tok.eos_id], True))
     tokens = np.asarray([t for ids, _ in parts for t in ids], dtype=np.int32)
     mask = np.asarray([keep for ids, keep in parts for _ in ids], dtype=bool)
+    n = fmt.row_tokens
+    if not fmt.truncate and n is not None and tokens.size > n:
+        flag = "--pack-to" if fmt.pack_to else "--pad-to"
+        raise SFTError(f"{rec.get('_where', 'record')}: the example has {tokens.size} tokens, more than {flag} {n}; "
+                       f"--no-truncate refuses it (without it, it is cut to its first {n - 1} tokens and its last)")
     if fmt.pad_to is not None:
         tokens, mask = _fit(tokens, mask, fmt.pad_to, tok.eos_id)
     return tokens, mask

@@ -5,13 +5,22 @@ File format (byte-compatible with llm.q, ``reference/llmq.md`` §2.1), little-en
     header   1024 bytes = 256 x int32
              [0:2] magic b"BIN.TOK\\n"   [2] version (1 or 2; we write 2)   [3] bytes per token (4)
              [4] number of tokens N      [5] vocab size (v2 only)          [6] has-masks flag
+             bytes 128.. (`qtrain tokenize --pack-to` only): b"documents=" D b"\0" (decimal ASCII): the file has a
+             documents section of D entries
              bytes 256.. (`qtrain tokenize` only): b"tokenset=" ID " " SPLIT " " I " " N b"\0": shard I of the N
              of SPLIT (train / eval) in the token set ID, whose index lists them all (`token_sets.py`)
              bytes 512.. (qtrain's writer only): b"tokenizer=" NAME b"\0", the tokenizer that made the file
-             (llm.q leaves bytes 28..1023 unused, so its reader ignores both, and files without them read as before)
+             (llm.q leaves bytes 28..1023 unused, so its reader ignores all three, and files without them read as
+             before)
     tokens   N x int32
     masks    ceil(N/8) bytes, present iff has-masks; bit i (LSB-first in each byte) = 1 keeps token i
              as a training target.
+    documents  D x int32, present iff the header's documents tag says D: the offsets of the documents' first tokens,
+             strictly increasing, the first 0, all below N (document i is tokens [start i, start i+1), the last one
+             runs to N). `qtrain tokenize --pack-to` writes it; --document-masking reads it (`data/documents.py`).
+             llm.q's reader never looks past the masks (it reads header ints 0..6 and the tokens and masks at their
+             offsets, and does not check the file's size), so it reads these files as packed rows without boundaries.
+             qtrain checks the section's order and range when --document-masking reads it (`TokenFile.document_starts`).
 
 Files are read with `os.pread`, not memory-mapped: a file truncated under a running reader gives a short read,
 which `TokenFile.read` turns into a DataChangedError naming the file and offset, where a map would kill the
@@ -41,6 +50,8 @@ IGNORE_INDEX = -100  # target value that the loss skips (torch's cross_entropy d
 TOKENIZER_TAG, TOKENIZER_TAG_OFFSET = b"tokenizer=", 512  # see the format above
 MAX_TOKENIZER_NAME = HEADER_BYTES - TOKENIZER_TAG_OFFSET - len(TOKENIZER_TAG) - 1
 TOKEN_SET_TAG, TOKEN_SET_TAG_OFFSET = b"tokenset=", 256  # see the format above
+DOCUMENTS_TAG, DOCUMENTS_TAG_OFFSET = b"documents=", 128  # see the format above
+_DOCUMENTS_COUNT = re.compile(rb"^\d{1,10}$")
 _TOKEN_SET_FIELDS = re.compile(r"^(?P<id>[0-9a-f]{8,64}) (?P<split>[a-z]{1,16}) (?P<index>\d{1,9}) (?P<count>\d{1,9})$")
 
 # The vocab field of one tokenizer's files differs between writers: llm.q stores HF's `tokenizer.vocab_size`,
@@ -90,22 +101,29 @@ class TokenFileHeader:
     has_masks: bool
     tokenizer: str | None = None  # the tokenizer that wrote it, when recorded (qtrain's writer)
     token_set: TokenSetTag | None = None  # the `qtrain tokenize` set it belongs to, when it is one's shard
+    documents: int = 0  # entries of the documents section (0: none; `qtrain tokenize --pack-to` writes one)
 
     @property
     def mask_bytes(self) -> int:
         return (self.num_tokens + 7) // 8 if self.has_masks else 0
 
     @property
+    def documents_offset(self) -> int:
+        """Byte offset of the documents section (right after the masks, or the tokens)."""
+        return HEADER_BYTES + self.num_tokens * self.bytes_per_token + self.mask_bytes
+
+    @property
     def file_size(self) -> int:
         """Exact size a well-formed file with this header must have."""
-        return HEADER_BYTES + self.num_tokens * self.bytes_per_token + self.mask_bytes
+        return self.documents_offset + 4 * self.documents
 
 
 # ----------------------------------------------------------------------------------------------
 # Writing
 
 
-def _header_bytes(num_tokens: int, vocab_size: int, has_masks: bool, tokenizer: str | None = None) -> bytes:
+def _header_bytes(num_tokens: int, vocab_size: int, has_masks: bool, tokenizer: str | None = None,
+                  documents: int = 0) -> bytes:
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[0:2] = np.frombuffer(MAGIC, dtype="<i4")
     header[2] = WRITE_VERSION
@@ -114,6 +132,9 @@ def _header_bytes(num_tokens: int, vocab_size: int, has_masks: bool, tokenizer: 
     header[5] = vocab_size
     header[6] = int(has_masks)
     raw = bytearray(header.tobytes())
+    if documents:
+        tag = DOCUMENTS_TAG + str(documents).encode("ascii") + b"\0"
+        raw[DOCUMENTS_TAG_OFFSET:DOCUMENTS_TAG_OFFSET + len(tag)] = tag
     if tokenizer:
         tag = TOKENIZER_TAG + tokenizer.encode("utf-8") + b"\0"
         raw[TOKENIZER_TAG_OFFSET:TOKENIZER_TAG_OFFSET + len(tag)] = tag
@@ -125,6 +146,19 @@ def _tokenizer_tag(raw: bytes) -> str | None:
     if not field.startswith(TOKENIZER_TAG) or b"\0" not in field:
         return None
     return field[len(TOKENIZER_TAG):field.index(b"\0")].decode("utf-8", errors="replace") or None
+
+
+def _documents_tag(raw: bytes, path: str) -> int:
+    """The documents section's entry count the header records (0 when it has no tag); a DataError for a tag whose
+    count is no number."""
+    field = raw[DOCUMENTS_TAG_OFFSET:TOKEN_SET_TAG_OFFSET]
+    if not field.startswith(DOCUMENTS_TAG):
+        return 0
+    count = field[len(DOCUMENTS_TAG):field.index(b"\0")] if b"\0" in field else b""
+    if not _DOCUMENTS_COUNT.match(count):
+        raise DataError(f"{path}: corrupt documents tag in the header at byte {DOCUMENTS_TAG_OFFSET} "
+                        f"({shorten(repr(field[:40]), 60)}): not a count")
+    return int(count)
 
 
 def _token_set_tag(raw: bytes) -> TokenSetTag | None:
@@ -171,6 +205,9 @@ def common_vocab_size(headers: Sequence["TokenFileHeader"]) -> int | None:
 class TokenFileWriter:
     """Streams tokens (and optional masks) into a token file, atomically.
 
+    With ``with_documents``, each ``write`` may say where documents start in the tokens it writes (``starts``, offsets
+    into them); the file's first token must start one. They are kept in memory (D x 8 bytes) and follow the masks.
+
     Tokens go straight to a hidden temp name (`fsio.temp_path`: `.NAME.tmp-HOST-PID`, swept once its writer is
     dead) so a file of 100M tokens never has to be held as a Python list; mask bits (N/8 bytes) are kept in memory
     because they follow all tokens. ``close()`` writes the header, fsyncs and renames onto ``path`` (a crash leaves
@@ -180,7 +217,7 @@ class TokenFileWriter:
     """
 
     def __init__(self, path: PathLike, *, vocab_size: int, with_masks: bool = False,
-                 tokenizer: str | None = None) -> None:
+                 tokenizer: str | None = None, with_documents: bool = False) -> None:
         if vocab_size <= 0 or vocab_size > MAX_TOKENS_PER_FILE:
             raise DataError(f"{path}: invalid vocab_size {vocab_size}")
         if tokenizer is not None and (len(tokenizer.encode("utf-8")) > MAX_TOKENIZER_NAME or "\0" in tokenizer):
@@ -189,15 +226,19 @@ class TokenFileWriter:
         self.path = str(path)
         self.vocab_size = int(vocab_size)
         self.with_masks = with_masks
+        self.with_documents = with_documents
         self.num_tokens = 0
         self._masks: list[np.ndarray] = []
+        self._starts: list[np.ndarray] = []
         self._body = hashlib.sha256()
         self.temp = str(temp_path(self.path))
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.temp, "wb")
         self._f.write(b"\0" * HEADER_BYTES)  # placeholder until N is known
 
-    def write(self, tokens: Sequence[int] | np.ndarray, masks: Sequence[bool] | np.ndarray | None = None) -> None:
+    def write(self, tokens: Sequence[int] | np.ndarray, masks: Sequence[bool] | np.ndarray | None = None,
+              starts: Sequence[int] | np.ndarray | None = None) -> None:
+        """Append tokens (and their masks; and, with_documents, the offsets among them where documents start)."""
         arr = np.asarray(tokens)
         if arr.ndim != 1:
             raise DataError(f"{self.path}: tokens must be 1-D, got shape {arr.shape}")
@@ -213,6 +254,15 @@ class TokenFileWriter:
             self._masks.append(np.asarray(masks, dtype=bool))
         elif masks is not None:
             raise DataError(f"{self.path}: masks given to a writer created with with_masks=False")
+        if starts is not None:
+            at = np.asarray(starts, dtype=np.int64)
+            if not self.with_documents:
+                raise DataError(f"{self.path}: document starts given to a writer created with with_documents=False")
+            if at.size and (at[0] < 0 or at[-1] >= arr.size or (np.diff(at) <= 0).any()):
+                raise DataError(f"{self.path}: document starts must increase within [0, {arr.size})")
+            if self.num_tokens == 0 and arr.size and (not at.size or at[0] != 0):
+                raise DataError(f"{self.path}: the file's first token must start a document")
+            self._starts.append(at + self.num_tokens)
         data = arr.astype("<i4", copy=False).tobytes()
         self._f.write(data)
         self._body.update(data)
@@ -229,8 +279,17 @@ class TokenFileWriter:
             data = np.packbits(bits, bitorder="little").tobytes()
             self._f.write(data)
             self._body.update(data)
+        documents = 0
+        if self.with_documents:
+            starts = np.concatenate(self._starts) if self._starts else np.zeros(0, dtype=np.int64)
+            if self.num_tokens and (not starts.size or starts[0] != 0):
+                raise DataError(f"{self.path}: the file's first token must start a document")
+            data = starts.astype("<i4").tobytes()
+            self._f.write(data)
+            self._body.update(data)
+            documents = starts.size
         self._f.seek(0)
-        self._f.write(_header_bytes(self.num_tokens, self.vocab_size, self.with_masks, self.tokenizer))
+        self._f.write(_header_bytes(self.num_tokens, self.vocab_size, self.with_masks, self.tokenizer, documents))
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
@@ -263,11 +322,14 @@ def write_token_file(
     vocab_size: int,
     masks: Sequence[bool] | np.ndarray | None = None,
     tokenizer: str | None = None,
+    starts: Sequence[int] | np.ndarray | None = None,
 ) -> str:
     """Write one token file (version 2) atomically; ``masks[i]`` true keeps token i as a target; ``tokenizer``
-    (a name or path) is recorded in the header."""
-    with TokenFileWriter(path, vocab_size=vocab_size, with_masks=masks is not None, tokenizer=tokenizer) as w:
-        w.write(tokens, masks)
+    (a name or path) is recorded in the header; ``starts``: the offsets where documents start (a documents
+    section)."""
+    with TokenFileWriter(path, vocab_size=vocab_size, with_masks=masks is not None, tokenizer=tokenizer,
+                         with_documents=starts is not None) as w:
+        w.write(tokens, masks, starts)
     return str(path)
 
 
@@ -326,12 +388,16 @@ def _header_of(fd: int, path: str) -> TokenFileHeader:
         has_masks=bool(h[6]),
         tokenizer=_tokenizer_tag(raw),
         token_set=_token_set_tag(raw),
+        documents=_documents_tag(raw, path),
     )
+    if header.documents > n:
+        raise DataError(f"{path}: corrupt documents tag: {header.documents} documents in {n} tokens")
     if size != header.file_size:
         what = "truncated" if size < header.file_size else "oversized"
         raise DataError(
             f"{path}: {what} token file: {size} bytes, but the header's {n} tokens"
-            f"{' + masks' if header.has_masks else ''} need {header.file_size}"
+            f"{' + masks' if header.has_masks else ''}"
+            f"{f' + {header.documents} document starts' if header.documents else ''} need {header.file_size}"
         )
     return header
 
@@ -402,6 +468,28 @@ class TokenFile:
         self._read(packed, HEADER_BYTES + BYTES_PER_TOKEN * len(self) + first, f"the mask of token offset {start}")
         bits = np.unpackbits(packed, bitorder="little")
         return bits[start - 8 * first : stop - 8 * first].astype(bool)
+
+    def document_starts(self) -> np.ndarray | None:
+        """The documents section (int64 offsets of the documents' first tokens), None when the file has none; read
+        and checked once (strictly increasing, the first 0, all below the token count: a DataError naming the file
+        and the first bad entry otherwise)."""
+        if not self.header.documents:
+            return None
+        if getattr(self, "_document_starts", None) is None:
+            raw = np.empty(self.header.documents, dtype="<i4")
+            self._read(raw, self.header.documents_offset, "the documents section")
+            starts = raw.astype(np.int64)
+            bad = np.flatnonzero(np.diff(starts) <= 0)
+            why = (f"its first entry is {starts[0]}, not 0" if starts[0] != 0 else
+                   f"entry {bad[0] + 1} ({starts[bad[0] + 1]}) does not follow entry {bad[0]} ({starts[bad[0]]})"
+                   if bad.size else
+                   f"its last entry {starts[-1]} is beyond the {len(self)} tokens" if starts[-1] >= len(self) else "")
+            if why:
+                raise DataError(f"{shorten(self.path)}: corrupt documents section (byte "
+                                f"{self.header.documents_offset}): {why}; write the file again (qtrain tokenize "
+                                f"--pack-to)")
+            self._document_starts = starts
+        return self._document_starts
 
 
 def read_token_file(path: PathLike) -> tuple[np.ndarray, np.ndarray | None]:

@@ -71,6 +71,7 @@ class Index:
     complete: bool
     files: set[str]  # every name the set's writer owns there (the set's shards, and old ones not yet removed)
     shards: dict[str, dict[str, Any]]  # name -> its record
+    eos_id: int | None = None  # the EOS id the tokenizer appended after every document (--document-masking reads it)
 
     def describe(self) -> str:
         return f"{self.path} (token set {self.set_id}{'' if self.complete else ', incomplete'})"
@@ -92,9 +93,10 @@ def read_index(directory: str | os.PathLike) -> Index | None:
           and all(isinstance(r, dict) and isinstance(r.get("name"), str) for r in man["shards"]))
     if not ok:
         raise TokenSetError(f"{path}: not the index of a qtrain tokenize (writer, set, files or shards missing)")
+    eos = man.get("eos_id")
     return Index(path, man["set"], man.get("complete") is True,
                  {n for n in man["files"] if isinstance(n, str) and OUTPUT_NAME.match(n)},
-                 {r["name"]: r for r in man["shards"]})
+                 {r["name"]: r for r in man["shards"]}, eos if type(eos) is int and eos >= 0 else None)
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -117,7 +119,12 @@ class TokenSetWriter:
         self.out = Path(out_dir)
         if self.out.exists() and not self.out.is_dir():
             raise TokenSetError(f"--out-dir {self.out}: exists and is not a directory")
-        self.out.mkdir(parents=True, exist_ok=True)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TokenSetError(f"--out-dir {self.out}: cannot be created ({e.strerror})") from None
+        if not os.access(self.out, os.W_OK):  # a read-only folder or file system: refused before any work
+            raise TokenSetError(f"--out-dir {self.out}: is not writable")
         self._lock = os.open(self.out, os.O_RDONLY)
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

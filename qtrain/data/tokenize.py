@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from qtrain.data.packing import Packer, PackStats
 from qtrain.data.sft import SFTFormat, encode_example, iter_records, record_text
 from qtrain.data.token_files import DataError, TokenFileWriter
 from qtrain.data.token_sets import TokenSetWriter
@@ -137,33 +138,43 @@ class ShardedWriter:
     (`token_sets.TokenSetWriter.publish`, which names them ``<name>.bin`` or ``<name>-000.bin``, ...).
 
     The token stream is cut exactly at ``max_tokens`` (documents may straddle files: the loader ignores
-    document boundaries anyway).
+    document boundaries, and under --document-masking a file's first token starts a document, as a row's does).
 
-    SFT data (``with_masks``): masks go along with the tokens. With ``align=T`` (examples padded to T tokens)
-    the cap is rounded down to whole examples and each file ends with one ``tail`` token under mask 0, so its
-    (N-1)//T loader chunks are exactly its examples, the last one included.
+    SFT data (``with_masks``): masks go along with the tokens. With ``align=T`` (examples padded to T tokens, or
+    packed rows of T) the cap is rounded down to whole rows and each file ends with one ``tail`` token under mask 0,
+    so its (N-1)//T loader chunks are exactly its rows, the last one included. ``with_documents`` (packed rows): each
+    write says where its documents start, and the files record it (the tail is a document of its own).
     """
 
     def __init__(self, out_dir: Path, name: str, *, vocab_size: int, max_tokens: int, with_masks: bool = False,
-                 tokenizer: str | None = None, align: int | None = None, tail: int | None = None) -> None:
+                 tokenizer: str | None = None, align: int | None = None, tail: int | None = None,
+                 with_documents: bool = False) -> None:
         self.out_dir, self.name = out_dir, name
         self.vocab_size = vocab_size
         self.max_tokens = max_tokens if not align else max(align, max_tokens // align * align)
         self.with_masks, self.tokenizer, self.tail = with_masks, tokenizer, tail if align else None
+        self.with_documents = with_documents
         self.num_tokens = 0
         self._parts: list[TokenFileWriter] = []
         self._w: TokenFileWriter | None = None
 
-    def write(self, tokens: np.ndarray, masks: np.ndarray | None = None) -> None:
+    def write(self, tokens: np.ndarray, masks: np.ndarray | None = None, starts: np.ndarray | None = None) -> None:
+        """Append tokens (their masks; with_documents, the offsets among them where documents start)."""
+        starts = None if not self.with_documents else np.asarray([] if starts is None else starts, dtype=np.int64)
         while tokens.size:
             if self._w is None or self._w.num_tokens >= self.max_tokens:
                 self._finish_part()
                 self._w = TokenFileWriter(self.out_dir / f"{self.name}-part{len(self._parts):03d}.bin",
                                           vocab_size=self.vocab_size, with_masks=self.with_masks,
-                                          tokenizer=self.tokenizer)
+                                          tokenizer=self.tokenizer, with_documents=self.with_documents)
                 self._parts.append(self._w)
             take = min(tokens.size, self.max_tokens - self._w.num_tokens)
-            self._w.write(tokens[:take], None if masks is None else masks[:take])
+            here = None
+            if starts is not None:  # a document cut by a file's start starts anew there
+                here, starts = starts[starts < take], starts[starts >= take] - take
+                if self._w.num_tokens == 0 and (not here.size or here[0] != 0):
+                    here = np.r_[0, here]
+            self._w.write(tokens[:take], None if masks is None else masks[:take], here)
             self.num_tokens += take
             tokens = tokens[take:]
             masks = None if masks is None else masks[take:]
@@ -171,7 +182,8 @@ class ShardedWriter:
     def _finish_part(self) -> None:
         if self._w is not None:
             if self.tail is not None:
-                self._w.write(np.asarray([self.tail], dtype=np.int32), np.zeros(1, dtype=bool))
+                self._w.write(np.asarray([self.tail], dtype=np.int32), np.zeros(1, dtype=bool),
+                              np.zeros(1, dtype=np.int64) if self.with_documents else None)
             self._w.finish()
             self._w = None
             fault_point("tokenize.write")
@@ -252,6 +264,29 @@ class _Progress:
             print(file=sys.stderr)
 
 
+def _first_missing(path: Path) -> Path | None:
+    """The outermost of `path` and its parents that does not exist yet (None when `path` exists)."""
+    missing = None
+    for p in (path, *path.absolute().parents):
+        if p.exists():
+            return missing
+        missing = p
+    return missing
+
+
+def _remove_empty(path: Path, up_to: Path | None) -> None:
+    """Remove `path` and its parents up to `up_to` (the folders a failed tokenize made), each only if empty."""
+    if up_to is None:
+        return
+    for p in (path.absolute(), *path.absolute().parents):
+        try:
+            p.rmdir()
+        except OSError:
+            return
+        if p == up_to.absolute():
+            return
+
+
 def tokenize_files(
     inputs: Sequence[str],
     out_dir: str | os.PathLike[str],
@@ -272,13 +307,15 @@ def tokenize_files(
     Eval documents come from ``eval_inputs`` or, if none, are whole documents held out for about
     ``eval_fraction`` of the tokens (``HoldOut``). Output is deterministic for a given input and tokenizer,
     whatever the number of workers. ``sft``: the inputs are prompt/response or chat records and the files
-    carry loss masks (``qtrain.data.sft``). The files record the tokenizer in their header (a built-in's name
-    or the absolute path of a tokenizer file / directory), so an export of a model trained on them can
-    include it.
+    carry loss masks (``qtrain.data.sft``); with ``sft.pack_to`` each split's examples are packed into rows
+    (``qtrain.data.packing``) and the files record where each example starts (``extra["packing"]``: the
+    counts). The files record the tokenizer in their header (a built-in's name or the absolute path of a
+    tokenizer file / directory), so an export of a model trained on them can include it.
 
     The files form one token set (`qtrain.data.token_sets`): staged, then published with their index
     ``qtrain-tokenize.json`` as a whole. Files in ``out_dir`` that no qtrain tokenize wrote are never
-    overwritten; an earlier tokenize's output there is replaced only with ``overwrite``.
+    overwritten; an earlier tokenize's output there is replaced only with ``overwrite``. A tokenize that fails
+    removes what it staged and the folders it made, so the disk is as it was.
     """
     if sft is not None:
         sft.validate()
@@ -303,22 +340,34 @@ def tokenize_files(
                 yield from iter_documents(p, text_field=text_field, split_lines=split_lines)
 
     label = tokenizer if tokenizer in BUILTIN_TOKENIZERS else str(Path(tokenizer).resolve())
+    pack_to = sft.pack_to if sft is not None else None
     writers = {
         name: ShardedWriter(out, name, vocab_size=tok.vocab_size, max_tokens=max_tokens_per_file,
-                            with_masks=sft is not None, tokenizer=label, align=sft and sft.pad_to, tail=tok.eos_id)
+                            with_masks=sft is not None, tokenizer=label, align=sft and sft.row_tokens,
+                            tail=tok.eos_id, with_documents=pack_to is not None)
         for name in ("train", "eval")
     }
+    # --pack-to: examples go through a packer, which writes whole rows
+    sinks: dict[str, Any] = ({name: Packer(w, pack_to, pad_id=tok.eos_id) for name, w in writers.items()}
+                             if pack_to else writers)
+    created = _first_missing(out)  # a failed tokenize leaves no folder behind that it made
     sets = TokenSetWriter(out, overwrite=overwrite)  # claims out_dir: refuses the user's files, sweeps leftovers
     bar = _Progress(progress)
-    n_docs = 0
+    n_docs = n_tokens = 0
     try:
         hold_out = HoldOut(eval_fraction)
         for source, paths in (("train", train_paths), ("eval", eval_paths)):
             for arr, mask in encode_stream(tokenizer, docs(paths), workers=workers, sft=sft):
                 held_out = source == "eval" or hold_out.is_eval(arr.size)
-                writers["eval" if held_out else "train"].write(arr, mask)
+                sinks["eval" if held_out else "train"].write(arr, mask)
                 n_docs += 1
-                bar.update(1, writers["train"].num_tokens + writers["eval"].num_tokens)
+                n_tokens += arr.size
+                bar.update(1, n_tokens)
+        packed = PackStats()
+        if pack_to:
+            for p in sinks.values():
+                p.flush()
+                packed.add(p.stats)
         if writers["train"].num_tokens == 0:
             raise DataError(f"{out}: no training documents in {', '.join(map(str, inputs))}")
         if (eval_fraction or eval_inputs) and writers["eval"].num_tokens == 0:
@@ -327,10 +376,13 @@ def tokenize_files(
                 "use --split-lines, --eval-inputs or --eval-fraction 0"
             )
         published = sets.publish({name: w.finish() for name, w in writers.items()}, tokenizer=label,
-                                 vocab_size=tok.vocab_size, eos_id=tok.eos_id, masks=sft is not None)
+                                 vocab_size=tok.vocab_size, eos_id=tok.eos_id, masks=sft is not None,
+                                 **({"pack_to": pack_to} if pack_to else {}))
     except BaseException:
         for w in writers.values():
             w.abort()
+        sets.close()
+        _remove_empty(out, created)
         raise
     finally:
         bar.close()
@@ -345,5 +397,6 @@ def tokenize_files(
         vocab_size=tok.vocab_size,
         eos_id=tok.eos_id,
         seconds=time.time() - t0,
-        extra={"swept": [str(p) for p in sets.swept], "replaced": sorted(sets.old)},
+        extra={"swept": [str(p) for p in sets.swept], "replaced": sorted(sets.old),
+               **({"packing": {"pack_to": pack_to, **vars(packed)}} if pack_to else {})},
     )

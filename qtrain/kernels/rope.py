@@ -1,7 +1,8 @@
 """RoPE's one home: the cos/sin tables, the rotation, and its backward fused with the assembly of the QKV
 projection's output gradient, in one pass.
 
-The entries: `rope_tables(cfg, T, device, dtype)` (positions 0..T-1, llama3 frequency scaling when configured) and
+The entries: `rope_tables(cfg, T, device, dtype)` (positions 0..T-1, llama3 frequency scaling when configured; with
+--document-masking the model gathers them at each token's position in its document, (B, T, hs) tables) and
 `qkv_rope(qkv, cos, sin, nh, nkv, hs, mode=..., qk_norm=...)`, which splits the block's fused QKV projection output
 (B, T, q + 2 kv) into q, k, v, rotates q and k (`apply_rope`, HF's rotate-half: y[d] = x[d] cos[d] + r[d] sin[d]
 with r[d] = -x[d + h] for d < h, x[d - h] otherwise, h = hs / 2) and hands them to attention. The tables and the
@@ -40,10 +41,11 @@ ROWS, NUM_WARPS = 16, 4  # a program: 16 tokens of one head
 
 def _check(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     if dq.dim() != 4 or dk.shape != dv.shape or dq.shape[:2] != dk.shape[:2] or dq.shape[3] != dk.shape[3] \
-            or dq.shape[3] % 2 or cos.shape != sin.shape or cos.shape != (dq.shape[1], dq.shape[3]):
+            or dq.shape[3] % 2 or cos.shape != sin.shape \
+            or cos.shape not in ((dq.shape[1], dq.shape[3]), (dq.shape[0], dq.shape[1], dq.shape[3])):
         raise ValueError(f"rope_qkv_backward: dq must be (B, T, nh, hs), dk and dv (B, T, nkv, hs) and cos, sin "
-                         f"(T, hs) with hs even, got {tuple(dq.shape)}, {tuple(dk.shape)}, {tuple(dv.shape)}, "
-                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
+                         f"(T, hs) or (B, T, hs) with hs even, got {tuple(dq.shape)}, {tuple(dk.shape)}, "
+                         f"{tuple(dv.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}")
     if dq.dtype not in KINDS or dk.dtype != dq.dtype or dv.dtype != dq.dtype:
         raise TypeError(f"rope_qkv_backward: dq, dk, dv must share a dtype among {list(KINDS)}, got {dq.dtype}, "
                         f"{dk.dtype}, {dv.dtype}")
@@ -51,10 +53,10 @@ def _check(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tens
 
 # ---------------------------------------------------------------------------------------------- twin
 def _rope_backward_f32(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """dx (B, T, heads, hs) in fp32 for dy of the same shape; cos, sin (T, hs)."""
+    """dx (B, T, heads, hs) in fp32 for dy of the same shape; cos, sin (T, hs) or (B, T, hs)."""
     h = dy.shape[-1] // 2
     g = dy.float()
-    c, s = cos.float()[:, None], sin.float()[:, None]  # (T, 1, hs)
+    c, s = cos.float().unsqueeze(-2), sin.float().unsqueeze(-2)  # (T, 1, hs) or (B, T, 1, hs)
     z = g * s
     return g * c + torch.cat((z[..., h:], -z[..., :h]), dim=-1)
 
@@ -117,6 +119,7 @@ def rope_qkv_backward_triton(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tenso
     B, T, nh, hs = dq.shape
     nkv = dk.shape[2]
     dq, dk, dv, cos, sin = (t.contiguous() for t in (dq, dk, dv, cos, sin))
+    table_rows = cos.numel() // hs  # T, or B * T for per-token tables (document positions): row % table_rows
     out = torch.empty(B, T, (nh + 2 * nkv) * hs, dtype=dq.dtype, device=dq.device)
     rows = B * T
     if out.numel():
@@ -129,7 +132,7 @@ def rope_qkv_backward_triton(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tenso
         # divide the shape (fewer instructions, the same bits)
         grid = (triton.cdiv(rows, ROWS), nh + 2 * nkv)
         _rope_qkv_bwd_kernel[grid](
-            *ins, rows, T=T, NH=nh, NKV=nkv, HS=hs, KIND=0 if native else KINDS[dq.dtype],
+            *ins, rows, T=table_rows, NH=nh, NKV=nkv, HS=hs, KIND=0 if native else KINDS[dq.dtype],
             TAB_KIND=0 if native else KINDS[cos.dtype], ROWS=ROWS, BLOCK_H=block_h,
             EVEN=rows % ROWS == 0 and block_h == hs // 2, num_warps=NUM_WARPS,
             enable_fp_fusion=False)
@@ -214,7 +217,7 @@ class _QKVRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nh: int, nkv: int, hs: int):
         q, k, v = split_qkv(qkv, nh, nkv, hs)
-        c, s = cos[:, None], sin[:, None]  # (T, 1, hs)
+        c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (T, 1, hs) or (B, T, 1, hs)
         ctx.save_for_backward(cos, sin)
         return apply_rope(q, c, s), apply_rope(k, c, s), v
 
@@ -233,7 +236,8 @@ def qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nh: int, n
              mode: str = "autograd", qk_norm: QKNorm | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v) in (B, T, heads, hs) from the fused QKV output (B, T, q + 2 kv): q and k rotated (`apply_rope`, in the
-    layout the projection wrote, before the transposes attention takes), v copied out (`split_qkv`); cos, sin (T, hs).
+    layout the projection wrote, before the transposes attention takes), v copied out (`split_qkv`); cos, sin (T, hs),
+    or (B, T, hs) where each row's positions differ (--document-masking: the tables gathered at the positions).
     `qk_norm`: (q, k) -> (q, k) between the split and the rotation (Qwen3's q/k RMSNorms).
 
     `mode` says how it is differentiated: "autograd" (eager blocks): autograd's graph; "kernel" (compiled blocks):
@@ -248,5 +252,5 @@ def qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nh: int, n
     q, k, v = split_qkv(qkv, nh, nkv, hs)
     if qk_norm is not None:
         q, k = qk_norm(q, k)
-    cos, sin = cos[:, None], sin[:, None]  # (T, 1, hs)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (T, 1, hs) or (B, T, 1, hs)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

@@ -17,7 +17,9 @@ one-function MLP of `BlockOptions.mlp` takes):
     parallel/layout.py     flat groups per layer                                       (block_tensors)
     observe/metrics.py, plan/step_cost.py, plan/scale.py: FLOPs                        (matmuls, attention_flops)
 
-Every block of a model takes (x, weights, cos, sin) and returns x: blocks of one model may differ (a hybrid
+Every block of a model takes (x, weights, cos, sin[, docs]) and returns x (`docs`, a
+`kernels.document_attention.DocumentMask`, only with --document-masking: the block hands it to its attention,
+`document_attention(q, k, v, docs)`, and the cos, sin it gets are then (B, T, hs), one row per token's position): blocks of one model may differ (a hybrid
 model's linear-attention and full-attention layers hold different tensors), `block_tensors(cfg, layer)` says
 which tensors layer `layer` has, and the one block function tells the kinds apart by the weights it receives.
 docs/architecture.md, "Adding a model family", walks through a new one.
@@ -40,8 +42,9 @@ Linear = Callable[..., torch.Tensor]
 # (ln2 output, w_up, w_down, up_fp8, down_fp8, scale_hint) -> out; the fp8 tuples are None without quantized copies,
 # scale_hint (SCALE_HINT) None unless the Transformer keeps hints (--fp8-swiglu-onepass)
 Mlp = Callable[..., torch.Tensor]
-# (x (B, T, C), the block's weights by short name, cos, sin (T, hs)) -> the block's output (B, T, C)
-BlockFn = Callable[[torch.Tensor, dict, torch.Tensor, torch.Tensor], torch.Tensor]
+# (x (B, T, C), the block's weights by short name, cos, sin (T, hs) or (B, T, hs)[, docs]) -> the block's output
+# (B, T, C); docs: the micro-batch's DocumentMask (--document-masking), given only then
+BlockFn = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,12 @@ start communicating them while block l-1 runs its backward (llm.q's `notify_bloc
 weight gathering hook into the same loop. Within a block, autograd (and, on the GPU, torch.compile) does
 the work. Weights come from a `WeightSource`, so replicated, sharded or quantized weights look the same here.
 
+Documents (--document-masking): `forward_backward`, `hidden_states`, `logits` and `loss_sum` take position ids (B, T)
+(each token's position in its document; the loader makes them: data/documents.py). The RoPE tables are then gathered
+at those positions and every block gets the micro-batch's `DocumentMask` (kernels/document_attention.py, built once
+here) as its fifth argument, which its attention takes: attention stays inside each document, and a row of packed
+documents computes what each of them would alone.
+
 Activation memory (reference/llmq.md §4.5): `--recompute-{norm,swiglu,qkv,att,ffn}` rerun named steps of
 the block in backward (recompute.py says how, eagerly and under torch.compile); `--recompute-block` keeps
 only each block's input and reruns the whole block in the loop, with `--offload-residual` those inputs
@@ -29,6 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from qtrain.kernels.cross_entropy import IGNORE_INDEX, chunked_lm_head_loss, lm_head_loss_and_grads
+from qtrain.kernels.document_attention import document_mask, resolve_document_attention
+from qtrain.model.choices import DOCUMENT_ATTENTION
 from qtrain.kernels.rope import rope_tables
 from qtrain.kernels.swiglu import ScaleHints
 from qtrain.model.config import ModelConfig
@@ -53,7 +61,7 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
                   mlp: Mlp | None = None, sdpa_backend: str = "auto",
                   linears: dict[str, Linear] | None = None, rope: str = "autograd",
                   rebuilt_input_linear: Linear | None = None, norm_fed_fp8: bool = False) -> BlockFn:
-    """The block of `cfg`'s family as a function of (x, weights, cos, sin), so one compiled graph serves
+    """The block of `cfg`'s family as a function of (x, weights, cos, sin[, docs]), so one compiled graph serves
     every layer (weights are inputs, not captured constants); for the Llama family see model/llama/block.py.
 
     recompute: steps ('ln1', 'qkv', 'attention', 'ln2', 'up', 'swiglu'; see recompute.STEPS) whose results
@@ -119,12 +127,15 @@ class RunOptions:
     fp8_head_backward: bool = False  # the LM head's gradient GEMMs in FP8 (kernels/cross_entropy)
     wrap_linear: Callable[[Linear], Linear] | None = None  # instrumentation around the block linears
     # (--debug-log-abs-max); with it the MLP runs as separate linears, which the wrapper sees
+    document_attention: str = "auto"  # with position ids: kernels/document_attention.py's form (auto, varlen, masked)
 
     def __post_init__(self) -> None:
         if self.attn_bwd_chunks < 1:
             raise ValueError(f"attn_bwd_chunks must be >= 1, got {self.attn_bwd_chunks}")
         if self.sdpa_backend not in SDPA_BACKENDS:
             raise ValueError(f"sdpa_backend must be one of {SDPA_BACKENDS}, got {self.sdpa_backend!r}")
+        if self.document_attention not in DOCUMENT_ATTENTION:
+            raise ValueError(f"document_attention must be one of {DOCUMENT_ATTENTION}, got {self.document_attention!r}")
         self.recompute = resolve_flags(self.recompute)
         if self.offload_residual and "block" not in self.recompute:
             raise ValueError("offload_residual needs recompute 'block' (only block inputs are offloaded)")
@@ -199,6 +210,22 @@ class Transformer:
             self._rope[key] = rope_tables(self.cfg, T, device, dtype)
         return self._rope[key]
 
+    def _tables_and_docs(self, T: int, device: torch.device, dtype: torch.dtype, positions: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """(cos, sin, the blocks' extra arguments): the (T, hs) RoPE tables and no extra argument, or with position ids
+        the tables at the positions (B, T, hs) and the micro-batch's DocumentMask, its attention slices those of
+        --attn-bwd-chunks (the block's own slicing)."""
+        cos, sin = self.rope(T, device, dtype)
+        if positions is None:
+            return cos, sin, ()
+        if positions.shape[1] != T:
+            raise ValueError(f"position ids of shape {tuple(positions.shape)} for sequences of {T} tokens")
+        kind = resolve_document_attention(self.run.document_attention, device, dtype)
+        docs = document_mask(positions, kind=kind, slices=min(self.run.attn_bwd_chunks, positions.shape[0]),
+                             device=device, dynamic=self.run.compile)
+        at = positions.to(device, non_blocking=True)
+        return cos[at], sin[at], (docs,)
+
     def _with_scale_hint(self, w: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
         """The block's weights plus the layer's scale hints where the one-pass SwiGLU FP8 kernels run (one tensor per
         layer, made once, so every micro-step and CUDA-graph replay reads and updates the same one), else w."""
@@ -228,10 +255,11 @@ class Transformer:
     # ---- training ----
     def forward_backward(self, weights: WeightSource, inputs: torch.Tensor, targets: torch.Tensor, *,
                          grads: GradientSink, loss_scale: float, z_loss: float = 0.0, router_z_loss: float = 0.0,
-                         router_loss_scale: float = 1.0) -> torch.Tensor:
+                         router_loss_scale: float = 1.0, positions: torch.Tensor | None = None) -> torch.Tensor:
         """One micro-step. inputs/targets: (B, T) int64 on the compute device. Differentiates
         loss_scale * (summed token loss) and hands every weight gradient to `grads`; returns that scaled
-        loss as a detached fp32 scalar (no host sync).
+        loss as a detached fp32 scalar (no host sync). positions: (B, T) position ids of documents (best on the
+        host, see the module docstring), None for rows that are one sequence each.
 
         An MoE model (`cfg.router`) adds router_loss_scale * (aux_loss_coef * load-balancing loss + router_z_loss *
         router z-loss) of this micro-batch (transformers' loss with output_router_logits; moe_router.py): the trainer
@@ -243,7 +271,7 @@ class Transformer:
         recompute_block, stash = "block" in self.run.recompute, self._stash
         nb = weights.non_block()
         embed = nb["embed"]
-        cos, sin = self.rope(T, embed.device, embed.dtype)
+        cos, sin, docs = self._tables_and_docs(T, embed.device, embed.dtype, positions)
 
         # an MoE model's router statistics (written by each routed block) and losses' gradients (read by its backward)
         router = RouterLosses(cfg.router, B * T, embed.device, z_loss=router_z_loss > 0) if cfg.router else None
@@ -258,11 +286,11 @@ class Transformer:
             x_in = x.detach().requires_grad_(True)
             if recompute_block:
                 with torch.no_grad():
-                    x = self.block_fn(x_in, w, cos, sin)
+                    x = self.block_fn(x_in, w, cos, sin, *docs)
                 stash.store(layer, x_in)
             else:
                 with torch.enable_grad():
-                    x = self.block_fn(x_in, w, cos, sin)
+                    x = self.block_fn(x_in, w, cos, sin, *docs)
                 graphs.append((x_in, x))
             weights.release_block(layer)
         if recompute_block:
@@ -300,7 +328,7 @@ class Transformer:
                 x_in = stash.load(layer).requires_grad_(True)
                 stash.prefetch(layer - 1)  # the next block's input travels while this one runs
                 with torch.enable_grad():
-                    y = self.block_fn(x_in, w, cos, sin)
+                    y = self.block_fn(x_in, w, cos, sin, *docs)
             else:
                 x_in, y = graphs.pop()
             with torch.enable_grad():
@@ -325,28 +353,31 @@ class Transformer:
 
     # ---- evaluation ----
     @torch.no_grad()
-    def hidden_states(self, weights: WeightSource, inputs: torch.Tensor) -> torch.Tensor:
-        """Final-norm hidden states (B, T, C)."""
+    def hidden_states(self, weights: WeightSource, inputs: torch.Tensor,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-norm hidden states (B, T, C) (positions: as `forward_backward`'s)."""
         nb = weights.non_block()
-        cos, sin = self.rope(inputs.shape[1], nb["embed"].device, nb["embed"].dtype)
+        cos, sin, docs = self._tables_and_docs(inputs.shape[1], nb["embed"].device, nb["embed"].dtype, positions)
         x = F.embedding(inputs, nb["embed"])
         for layer in range(self.cfg.num_hidden_layers):
-            x = self.block_fn(x, weights.block(layer), cos, sin)
+            x = self.block_fn(x, weights.block(layer), cos, sin, *docs)
             weights.release_block(layer)
         return rms_norm(x, nb["norm"], self.cfg.rms_norm_eps)
 
     @torch.no_grad()
-    def logits(self, weights: WeightSource, inputs: torch.Tensor) -> torch.Tensor:
+    def logits(self, weights: WeightSource, inputs: torch.Tensor, positions: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """Full logits (B, T, V) in the model dtype: for tests and small-scale use only."""
-        h = self.hidden_states(weights, inputs)
+        h = self.hidden_states(weights, inputs, positions)
         return h @ self._head_weight(weights.non_block()).t()
 
     @torch.no_grad()
-    def loss_sum(self, weights: WeightSource, inputs: torch.Tensor, targets: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed token loss fp32, number of valid targets) of one batch, without gradients."""
+    def loss_sum(self, weights: WeightSource, inputs: torch.Tensor, targets: torch.Tensor,
+                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed token loss fp32, number of valid targets) of one batch, without gradients (positions: as
+        `forward_backward`'s)."""
         B, T = inputs.shape
-        h = self.hidden_states(weights, inputs).view(B * T, -1)
+        h = self.hidden_states(weights, inputs, positions).view(B * T, -1)
         t = targets.reshape(-1)
         loss = chunked_lm_head_loss(h, self._head_weight(weights.non_block()), t, chunks=self.run.lmhead_chunks)
         return loss, (t != IGNORE_INDEX).sum()

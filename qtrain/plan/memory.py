@@ -19,6 +19,8 @@ for the options without building the component (docs/memory.md has the details):
     micro-step, the LM head's from `kernels.cross_entropy`). Activations are exact on CPU; workspace is an upper
     bound of the measured peak. Frozen groups (`parallel.layout`) have no gradient or optimizer rows.
   - with --use-cuda-graphs, the evaluation's LM head beside the graphs' private pool (train/cuda_graphs.py).
+  - with --document-masking, what the document attention adds (`plan/documents.py`: nothing but offsets on the
+    default varlen path).
   - a reserve (CUDA context, libraries) and 5% of activations + workspace for allocator fragmentation.
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ from qtrain.model.config import ModelConfig
 from qtrain.model.recompute import recompute_label, resolve_flags
 from qtrain.model.registry import family_of
 from qtrain.model.weights import num_params
+from qtrain.plan.documents import document_masking_bytes
 from qtrain.options import Options
 from qtrain.parallel.footprint import Footprint
 from qtrain.parallel.gradients import gradient_footprint
@@ -282,6 +285,9 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
                       detail=f"{_mib(acts.per_layer + acts.input)} per layer; recompute {recompute_label(rc)}"
                              + ("; e4m3 input transposes kept" if keep_t else "")
                              + ("; block inputs on host" if acts.offload_residual else "")))
+    documents = document_masking_bytes(cfg, opts, device, rc)  # --document-masking: plan/documents.py
+    if documents is not None:
+        items.append(Item("document masks", device=documents[0], kind="activations", detail=documents[1]))
     peak_phase = max(phases, key=phases.get)
     workspace = phases[peak_phase]
     items.append(Item("workspace", device=workspace, kind="workspace", parts=dict(phases),

@@ -6,7 +6,10 @@ files in order, unshuffled, non-overlapping chunks of `seq_len` tokens, targets 
 targets ignored, a smaller last batch), so `qtrain eval` on a run's export reproduces that run's final eval
 loss, and any other model (a downloaded checkpoint, another trainer's export) can be scored on the same
 data. The loss is the sum of per-token cross-entropies (fp32 log-sum-exp) over all valid targets divided by
-their number: every token counts the same, however the batches are cut.
+their number: every token counts the same, however the batches are cut. With `document_masking` (--document-masking)
+each row's documents are scored as training scores them (`qtrain.data.documents`: attention inside each document,
+positions from 0 at each, no target across a boundary): a file packed by `qtrain tokenize --pack-to` scores the
+sum of its examples' losses, each as if alone.
 """
 from __future__ import annotations
 
@@ -55,7 +58,8 @@ def resolve_device(device: "str | torch.device") -> "torch.device":
 
 def evaluate_model(model_dir: str | os.PathLike, eval_file: str | os.PathLike | list, *, seq_len: int,
                    batch_size: int, device: "str | torch.device" = "cpu", dtype: "torch.dtype | str | None" = None,
-                   max_batches: int | None = None, lmhead_chunks: int = 1) -> dict[str, Any]:
+                   max_batches: int | None = None, lmhead_chunks: int = 1, document_masking: bool = False,
+                   document_attention: str = "auto") -> dict[str, Any]:
     """Loss of the HF model in `model_dir` (a directory, or `org/name` in the local HF cache) on the token
     file(s) `eval_file` (a path, a glob or a list), weights and activations in `dtype` (default
     torch.float32; also "fp32" / "bf16" / "fp16"). Returns {"loss": mean token loss, "ppl": exp(loss),
@@ -64,10 +68,12 @@ def evaluate_model(model_dir: str | os.PathLike, eval_file: str | os.PathLike | 
 
     with torch.no_grad():
         return _evaluate(model_dir, eval_file, seq_len=seq_len, batch_size=batch_size, device=device,
-                         dtype=resolve_dtype(dtype), max_batches=max_batches, lmhead_chunks=lmhead_chunks)
+                         dtype=resolve_dtype(dtype), max_batches=max_batches, lmhead_chunks=lmhead_chunks,
+                         document_masking=document_masking, document_attention=document_attention)
 
 
-def _evaluate(model_dir, eval_file, *, seq_len, batch_size, device, dtype, max_batches, lmhead_chunks):
+def _evaluate(model_dir, eval_file, *, seq_len, batch_size, device, dtype, max_batches, lmhead_chunks,
+              document_masking=False, document_attention="auto"):
     import torch
 
     from qtrain.data.loader import TokenLoader
@@ -83,17 +89,20 @@ def _evaluate(model_dir, eval_file, *, seq_len, batch_size, device, dtype, max_b
     dev = resolve_device(device)
     d = resolve_model_dir(os.fspath(model_dir))
     cfg = load_model_config(d)
+    # the data first: a file it cannot use (or score with document masks) is refused before the weights load
+    loader = TokenLoader(eval_file, seq_len, shuffle=False, model_vocab_size=cfg.vocab_size,
+                         document_masking=document_masking,
+                         eos_ids=() if cfg.eos_token_id is None else (cfg.eos_token_id,))
     params = load_hf_weights(d, cfg, dtype=dtype, device=dev)
-    model = Transformer(cfg, RunOptions(lmhead_chunks=lmhead_chunks))
+    model = Transformer(cfg, RunOptions(lmhead_chunks=lmhead_chunks, document_attention=document_attention))
     weights = ParamWeights(cfg, params)
-    loader = TokenLoader(eval_file, seq_len, shuffle=False, model_vocab_size=cfg.vocab_size)
 
     t0 = time.perf_counter()
     total = torch.zeros((), dtype=torch.float64, device=dev)
     count = torch.zeros((), dtype=torch.int64, device=dev)
     batches = 0
-    for inputs, targets in loader.iterate_eval_batches(batch_size, max_batches):
-        loss, n = model.loss_sum(weights, inputs.to(dev), targets.to(dev))
+    for inputs, targets, *positions in loader.iterate_eval_batches(batch_size, max_batches):
+        loss, n = model.loss_sum(weights, inputs.to(dev), targets.to(dev), *positions)
         total += loss.double()
         count += n
         batches += 1

@@ -29,7 +29,7 @@ from qtrain.options import Options
 from qtrain.parallel.dist import DistContext, init_distributed, is_collective_error
 from qtrain.plan.host import return_freed_memory
 from qtrain.train import checkpointing, compile_cache, cuda_graphs, run_dir
-from qtrain.train.preflight import Prepared, shared_preflight
+from qtrain.train.preflight import Prepared, document_args, shared_preflight
 from qtrain.train.router_metrics import STEP_FIELDS as ROUTER_FIELDS
 from qtrain.train.schedule import LRSchedule
 from qtrain.train.stop import (NonFiniteGuard, RunStopped, StackDump, StopSignals, checkpoint_on_request, data_changed,
@@ -120,9 +120,11 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
     resumed = checkpointing.restore_state(prep.resume, trainer) if prep.resume is not None else None
     notes = _claim(prep, opts, ctx)  # after the model is built: a run that fails to start writes nothing
     cfg, B, T, GA, W = trainer.cfg, opts.batch_size, opts.seq_len, opts.grad_accumulation, ctx.world
-    train = TokenLoader(train_pattern, T, rank=ctx.rank, world=W, seed=opts.train_seed, model_vocab_size=cfg.vocab_size)
+    train = TokenLoader(train_pattern, T, rank=ctx.rank, world=W, seed=opts.train_seed, model_vocab_size=cfg.vocab_size,
+                        **document_args(opts, cfg))
     evals = (TokenLoader(eval_pattern, T, rank=ctx.rank, world=W, seed=opts.eval_seed,
-                         model_vocab_size=cfg.vocab_size, shuffle=False) if eval_pattern else None)
+                         model_vocab_size=cfg.vocab_size, shuffle=False, **document_args(opts, cfg))
+             if eval_pattern else None)
     total_steps = prep.total_steps
     schedule = LRSchedule(peak_lr=opts.learning_rate, total_steps=total_steps, warmup=opts.warmup,
                           cooldown=opts.cooldown, final_lr_fraction=opts.final_lr_fraction, kind=opts.lr_schedule)

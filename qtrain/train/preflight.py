@@ -101,14 +101,23 @@ def check_model(opts: Options) -> ModelConfig:
     return cfg
 
 
+def document_args(opts: Options, cfg: ModelConfig) -> dict[str, Any]:
+    """A TokenLoader's --document-masking arguments: the option, and the model's EOS id for files that say neither
+    their documents nor their own EOS (data/documents.py)."""
+    return {"document_masking": opts.document_masking,
+            "eos_ids": () if cfg.eos_token_id is None else (cfg.eos_token_id,)}
+
+
 def check_data(opts: Options, cfg: ModelConfig, world: int) -> tuple[str, str | None, int]:
     """(train pattern, eval pattern, total steps) once the token files passed every check (TokenLoader:
-    headers, sizes, vocabulary field, id range, enough sequences for each rank and for one step)."""
+    headers, sizes, vocabulary field, id range, enough sequences for each rank and for one step; with
+    --document-masking, each file's documents)."""
     train_pattern, eval_pattern = data_files(opts)
-    train = TokenLoader(train_pattern, opts.seq_len, world=world, seed=opts.train_seed, model_vocab_size=cfg.vocab_size)
+    train = TokenLoader(train_pattern, opts.seq_len, world=world, seed=opts.train_seed, model_vocab_size=cfg.vocab_size,
+                        **document_args(opts, cfg))
     if eval_pattern:
         TokenLoader(eval_pattern, opts.seq_len, world=world, seed=opts.eval_seed, model_vocab_size=cfg.vocab_size,
-                    shuffle=False)
+                    shuffle=False, **document_args(opts, cfg))
     B, GA = opts.batch_size, opts.grad_accumulation
     steps_per_epoch = train.chunks_per_epoch // (B * GA)
     if steps_per_epoch == 0:

@@ -6,6 +6,10 @@
         stats = trainer.step(batches, lr=schedule(step))                     # {'loss', 'norm', 'lr', 'skipped'}
     trainer.evaluate(eval_batches); trainer.export(out_dir)  # checkpoints: train/checkpointing.py
 
+With --document-masking a batch is (inputs, targets, positions): the loader's position ids of the rows' documents
+(`qtrain.data.documents`), which `micro_step` hands to the model on the host (the model makes the micro-batch's
+document mask from them there: kernels/document_attention.py).
+
 `step` is one whole optimizer step: it counts the valid targets of the step over all ranks (the loss
 scale), runs the micro-steps and the update. Its parts are public for loops that need them apart:
 `micro_step` queues the forward+backward of one micro-batch on the device and returns without waiting for
@@ -40,7 +44,7 @@ from qtrain.train.router_metrics import RouterMetrics
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets): (B, T) int64
+Batch = tuple[torch.Tensor, ...]  # (inputs, targets[, positions]): (B, T) int64
 
 
 class Trainer:
@@ -119,7 +123,7 @@ class Trainer:
             matmul_dtype=run.block_matmul_dtype, fp8_grad_dtype=run.fp8_grad_dtype,
             fp8_keep_transposes=run.fp8_keep_transposes, fp8_swiglu_onepass=run.fp8_swiglu_onepass,
             fp8_head_backward=run.fp8_head_backward, fp8_linears=run.fp8.fp8 if run.fp8 is not None else None,
-            wrap_linear=self._abs_max_wrapper(opts))
+            wrap_linear=self._abs_max_wrapper(opts), document_attention=opts.document_attention)
 
     def _abs_max_wrapper(self, opts: Options):
         """--debug-log-abs-max: the recorder that wraps the block linears (None when off; with
@@ -151,12 +155,12 @@ class Trainer:
                                f"finish it with update() first")
         if len(batches) != ga:
             raise ValueError(f"step() got {len(batches)} micro-batches; --grad-accumulation is {ga}")
-        valid = float(sum(int((t != IGNORE_INDEX).sum()) for _, t in batches))
+        valid = float(sum(int((b[1] != IGNORE_INDEX).sum()) for b in batches))
         if self.ctx.world > 1:  # one process needs no device round trip (it would wait for the last update)
             valid = self.ctx.all_reduce_sum(torch.tensor([valid], dtype=torch.float64, device=self.device)).item()
         scale = self.loss_scale(valid)
-        for inputs, targets in batches:
-            self.micro_step(inputs, targets, loss_scale=scale)
+        for inputs, targets, *positions in batches:
+            self.micro_step(inputs, targets, *positions, loss_scale=scale)
         return self.update(lr=lr)
 
     def loss_scale(self, valid_targets: float) -> float:
@@ -165,10 +169,11 @@ class Trainer:
         ranks, so the gradient is that of the mean token loss over the global batch."""
         return self.ctx.world / max(float(valid_targets), 1.0)
 
-    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_scale: float | None = None) -> None:
-        """Forward + backward of one micro-batch ((B, T) int64 tensors, any device); gradients go to the
-        gradient manager. A building block of `step`, which passes the step's `loss_scale`: the weight of
-        this rank's summed token loss. Alone, the default takes this micro-batch's valid targets as those
+    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None, *,
+                   loss_scale: float | None = None) -> None:
+        """Forward + backward of one micro-batch ((B, T) int64 tensors, any device; `positions` with
+        --document-masking, best on the host); gradients go to the gradient manager. A building block of
+        `step`, which passes the step's `loss_scale`: the weight of this rank's summed token loss. Alone, the default takes this micro-batch's valid targets as those
         of every micro-batch on every rank (`loss_scale` of their count x grad_accumulation x world): the
         mean over the global batch only when they all have the same count (always true without masks)."""
         ga = self.opts.grad_accumulation
@@ -187,9 +192,10 @@ class Trainer:
             # an MoE model's router losses: each micro-batch's weighted 1 / ga (their mean over the step)
             return self.model.forward_backward(self.weights, inputs, targets, grads=self.grads,
                                                loss_scale=loss_scale, z_loss=self.opts.z_loss,
-                                               router_z_loss=self.opts.router_z_loss, router_loss_scale=1.0 / ga)
+                                               router_z_loss=self.opts.router_z_loss, router_loss_scale=1.0 / ga,
+                                               positions=positions)
 
-        if self.graphs is not None:
+        if self.graphs is not None and positions is None:  # --document-masking refuses graphs (cuda_graph_blockers)
             self.weights.non_block()  # a per-step refresh of the weights (CastWeights) stays outside the graphs
             loss, replayed = self.graphs.run(forward_backward, inputs, targets, first=self.grads.first,
                                              last=self.grads.last, loss_scale=loss_scale)
@@ -244,8 +250,8 @@ class Trainer:
     def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
         """Mean token loss over the batches on all ranks, and the number of tokens it covers."""
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for inputs, targets in batches:
-            loss, n = self.model.loss_sum(self.weights, inputs.to(self.device), targets.to(self.device))
+        for inputs, targets, *positions in batches:
+            loss, n = self.model.loss_sum(self.weights, inputs.to(self.device), targets.to(self.device), *positions)
             total[0] += loss.double()
             total[1] += n.double()
         self.ctx.all_reduce_sum(total)

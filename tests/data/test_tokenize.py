@@ -174,7 +174,7 @@ def test_tokenize_errors(tmp_path: Path) -> None:
     (tmp_path / "one.txt").write_text("a single document")
     with pytest.raises(DataError, match="eval split is empty"):
         tokenize_files([str(tmp_path / "one.txt")], tmp_path / "out", tokenizer="gpt2", eval_fraction=0.05, progress=False)
-    assert not list((tmp_path / "out").iterdir())  # nothing half-written
+    assert not (tmp_path / "out").exists()  # nothing half-written, not even the folder it made
     (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: no field 'text'"):
         tokenize_files([str(tmp_path / "bad.jsonl")], tmp_path / "out", tokenizer="gpt2", progress=False)
@@ -187,7 +187,11 @@ def test_tokenize_errors(tmp_path: Path) -> None:
     (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
     with pytest.raises(DataError, match=r"latin1.jsonl: not UTF-8 text"):
         tokenize_files([str(tmp_path / "latin1.jsonl")], tmp_path / "out", tokenizer="gpt2", progress=False)
-    assert not list((tmp_path / "out").iterdir())
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "out").mkdir()  # a folder the user made stays
+    with pytest.raises(DataError, match="missing"):
+        tokenize_files([str(tmp_path / "missing.txt")], tmp_path / "out", tokenizer="gpt2", progress=False)
+    assert (tmp_path / "out").is_dir() and not list((tmp_path / "out").iterdir())
 
 
 # ------------------------------------------------------------------------------------------------

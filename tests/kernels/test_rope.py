@@ -150,6 +150,18 @@ def test_interp_fp32_gradients_with_bf16_tables():
     assert torch.equal(rope_qkv_backward_triton(dq, dk, dv, cos, sin), rope_qkv_backward_twin(dq, dk, dv, cos, sin))
 
 
+@interp_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interp_per_token_tables_equal_twin(dtype):
+    """--document-masking's (B, T, hs) tables (each row's at its tokens' positions in their documents): the kernel
+    reads them as B * T table rows."""
+    dq, dk, dv, cos, sin = _inputs(3, 7, 4, 2, 16, dtype, seed=4)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 4, 5, 6], [0, 0, 1, 2, 0, 1, 2]])
+    got = rope_qkv_backward_triton(dq, dk, dv, cos[pos], sin[pos])
+    assert torch.equal(got, rope_qkv_backward_twin(dq, dk, dv, cos[pos], sin[pos]))
+    assert torch.equal(got[1], rope_qkv_backward_twin(dq[1:2], dk[1:2], dv[1:2], cos, sin)[0])
+
+
 # ------------------------------------------------------------------------- sm_90 build, on the CPU
 @pytest.mark.skipif(not dispatch.HAS_TRITON, reason="no triton")
 def test_kernel_builds_for_hopper_without_fma():

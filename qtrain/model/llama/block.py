@@ -5,8 +5,9 @@ keeps for backward.
     residual -> RMSNorm -> fused up/gate -> SwiGLU -> down -> residual
 
 `make_block_fn(cfg, options)` binds the settings (`family.BlockOptions`) into a `LlamaBlock` and returns the block
-as a function of (x, weights, cos, sin), so one compiled graph serves every layer (weights are inputs, not captured
-constants). The `saved_by_*` statements beside the steps say, per token, what autograd keeps of each step for
+as a function of (x, weights, cos, sin[, docs]), so one compiled graph serves every layer (weights are inputs, not
+captured constants); `docs` (a `DocumentMask`, --document-masking) keeps attention inside each document, and cos, sin
+then come gathered at each token's position in its document. The `saved_by_*` statements beside the steps say, per token, what autograd keeps of each step for
 backward, for eager and torch.compile'd blocks, every recompute setting and FP8 (`activation_terms` lists them in
 block order; `model/activations.py` sums them for the memory plan). Two tables in effect: eager blocks (measured
 exactly on CPU with saved-tensor hooks) and compiled ones (AOTAutograd's min-cut partitioner saves fewer tensors:
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from qtrain.kernels.attention import causal_attention
+from qtrain.kernels.document_attention import DocumentMask, document_attention
 from qtrain.kernels.rope import qkv_rope
 from qtrain.kernels.swiglu import swiglu
 from qtrain.kernels.swiglu.activation import saved_bytes_per_token as swiglu_saved_bytes
@@ -191,12 +193,17 @@ class LlamaBlock:
         return terms + [ActTerm("rope", E * (q + kv), kept, "q, k after RoPE (SDPA inputs)")]
 
     # ---- 3) causal attention ----
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  docs: DocumentMask | None = None) -> torch.Tensor:
         """Causal SDPA: (B, nh|nkv, T, hs) -> (B, T, q_dim). With attn_chunks > 1, one SDPA call per batch
         slice (llm.q's --attn-bwd-chunks): sequences are independent, so results are bit-identical, and
         each backward call (with its fp32 workspace) covers B/chunks sequences. The price: the slices'
-        outputs, which their backward keeps, are concatenated into a second copy for the projection."""
+        outputs, which their backward keeps, are concatenated into a second copy for the projection.
+        `docs`: attention inside each document instead (kernels/document_attention.py; its slices are the
+        Transformer's, made for attn_chunks)."""
         B, _, T, _ = q.shape
+        if docs is not None:
+            return document_attention(q, k, v, docs).reshape(B, T, self.q_dim)
         if self.attn_chunks == 1:
             att = self.sdpa(q, k, v).transpose(1, 2)
         else:
@@ -288,12 +295,12 @@ class LlamaBlock:
 
     # ---- the whole block ----
     def body(self, x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-             step: Step) -> torch.Tensor:
+             step: Step, docs: DocumentMask | None = None) -> torch.Tensor:
         """`step(name, fn, *args)` runs fn(*args), keeping or recomputing its results per the policy."""
         # 1) attention: norm -> fused QKV projection (+ qk-norm) + RoPE -> causal SDPA -> output projection
         h, pre = self.norm("ln1", x, w["ln1"], step)
         q, k, v = step("qkv", self.qkv_rope, h, w, cos, sin) if pre is None else self.qkv_rope(h, w, cos, sin, pre)
-        att = step("attention", self.attention, q, k, v)
+        att = step("attention", self.attention, q, k, v, docs)
         x = x + self.project(att, w, "o")
         # 2) MLP: norm -> fused up/gate projection -> SwiGLU -> down projection
         h, pre = self.norm("ln2", x, w["ln2"], step)
@@ -315,22 +322,25 @@ def activation_terms(cfg: LlamaConfig, s: ActivationSettings,
 
 
 def make_block_fn(cfg: LlamaConfig, o: BlockOptions, block_cls: type[LlamaBlock] = LlamaBlock) -> BlockFn:
-    """One pre-norm decoder block as a function of (x, weights, cos, sin) (`transformer.make_block_fn` documents
-    the options); `o.recompute` picks the recompute mechanism: none, checkpoints (compiled) or `Recomputer`.
+    """One pre-norm decoder block as a function of (x, weights, cos, sin[, docs]) (`transformer.make_block_fn`
+    documents the options); `o.recompute` picks the recompute mechanism: none, checkpoints (compiled) or `Recomputer`.
     `block_cls`: a family built on this block (model/moe_block.py) passes its subclass."""
     body = block_cls(cfg, o).body
     recompute = o.recompute
     if not recompute:
-        def block(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-            return body(x, w, cos, sin, run_step)
+        def block(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                  docs: DocumentMask | None = None) -> torch.Tensor:
+            return body(x, w, cos, sin, run_step, docs)
     elif o.compiled:
         policy = CheckpointSteps(recompute)
 
-        def block(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-            return body(x, w, cos, sin, policy)
+        def block(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                  docs: DocumentMask | None = None) -> torch.Tensor:
+            return body(x, w, cos, sin, policy, docs)
     else:
-        def block(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        def block(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                  docs: DocumentMask | None = None) -> torch.Tensor:
             with Recomputer(recompute) as rc:  # one per call: it holds that call's recompute state
-                return body(x, w, cos, sin, rc)
+                return body(x, w, cos, sin, rc, docs)
 
     return block
