@@ -14,9 +14,11 @@ from qtrain.fsio import CONFIG_MAX_BYTES, InputError, read_json_input, shorten
 from qtrain.model.config import ConfigError, ModelConfig
 from qtrain.model.family import ModelFamily
 from qtrain.model.llama import LLAMA
+from qtrain.model.qwen3_5 import QWEN3_5
 
 FAMILIES: tuple[ModelFamily, ...] = (
     LLAMA,  # llama, qwen2, qwen3
+    QWEN3_5,  # qwen3_5_text, qwen3_5_moe_text (and the multimodal qwen3_5, qwen3_5_moe read as their text model)
 )
 
 _BY_MODEL_TYPE: dict[str, ModelFamily] = {mt: f for f in FAMILIES for mt in f.architectures}

@@ -16,6 +16,7 @@ import pytest
 from qtrain.model.config import ConfigError, ModelConfig
 from qtrain.model.family import ActivationSettings, ModelFamily
 from qtrain.model.llama import LLAMA, LlamaConfig
+from qtrain.model.qwen3_5 import QWEN3_5, Qwen35Config
 from qtrain.model.recompute import FLAGS, STEPS, resolve_flags
 from qtrain.model.registry import (FAMILIES, MODEL_TYPES, PRESETS, config_from_hf_dict, config_from_json_file,
                                    family_for, family_of, preset)
@@ -25,11 +26,15 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_la
 
 
 def test_the_supported_model_types():
-    assert MODEL_TYPES == ("qwen2", "llama", "qwen3")  # the order error messages list them in
-    assert FAMILIES == (LLAMA,)
+    assert MODEL_TYPES == ("qwen2", "llama", "qwen3", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5",
+                           "qwen3_5_moe")  # the order error messages list them in
+    assert FAMILIES == (LLAMA, QWEN3_5)
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+SUPPORTED = "qwen2, llama, qwen3, qwen3_5_text, qwen3_5_moe_text, qwen3_5, qwen3_5_moe"
+
+
+@pytest.mark.parametrize("model_type", LLAMA.architectures)
 def test_every_model_type_resolves_and_round_trips(model_type):
     cfg = config_from_hf_dict({"model_type": model_type, **SMALL})
     family = family_for(model_type)
@@ -45,8 +50,8 @@ def test_unknown_model_type_is_one_line_listing_the_supported(tmp_path):
     with pytest.raises(ConfigError) as e:
         config_from_json_file(path)
     msg = str(e.value)
-    assert "\n" not in msg and msg == f"{path}: unknown model_type 'mixtral'; supported: qwen2, llama, qwen3"
-    with pytest.raises(ConfigError, match=r"^unknown model_type 'gpt2'; supported: qwen2, llama, qwen3$"):
+    assert "\n" not in msg and msg == f"{path}: unknown model_type 'mixtral'; supported: {SUPPORTED}"
+    with pytest.raises(ConfigError, match=rf"^unknown model_type 'gpt2'; supported: {SUPPORTED}$"):
         family_for("gpt2")
     with pytest.raises(ConfigError, match="unknown model_type 'olmoe'"):
         family_of(ModelConfig(model_type="olmoe"))  # the common fields alone name no family
@@ -62,13 +67,18 @@ def test_presets_come_from_the_families():
         assert family_of(preset(name)).presets[name]().model_type == preset(name).model_type
 
 
-def _small(model_type: str) -> LlamaConfig:
+def _small(model_type: str) -> ModelConfig:
+    if model_type.startswith("qwen3_5"):
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if "moe" in model_type else {}
+        return Qwen35Config(model_type=model_type, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                            linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False,
+                            **{**SMALL, "num_hidden_layers": 4}, **moe)
     return LlamaConfig(model_type=model_type, attention_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
                        head_dim=32 if model_type == "qwen3" else 0, tie_word_embeddings=False,
                        **SMALL)
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", [*LLAMA.architectures, "qwen3_5_text", "qwen3_5_moe_text"])
 def test_a_familys_statements_agree(model_type):
     cfg = _small(model_type)
     family: ModelFamily = family_of(cfg)
@@ -78,16 +88,19 @@ def test_a_familys_statements_agree(model_type):
         assert sum(math.prod(shape) for _, shape in t.hf) == math.prod(t.shape), t.name
     hf = [name for t in specs for name, _ in t.hf]
     assert len(hf) == len(set(hf))
+    fp8_seen: set[str] = set()  # a hybrid model's layers hold different matrices: each FP8 one is in some layer
     for layer in range(cfg.num_hidden_layers):
         tensors = {t.name: t for t in family.block_tensors(cfg, layer)}
         matmuls = family.matmuls(cfg, layer)
-        for name, m in matmuls.items():  # each GEMM is y = x W^T of a block matrix
-            assert tensors[name].shape == (m.n, m.k) and m.step in ("", *(s for f in FLAGS for s in STEPS[f]))
-        assert set(family.fp8_matrices) <= set(matmuls)
+        for name, m in matmuls.items():  # each GEMM is y = x W^T of a block matrix (one per expert of a stack)
+            assert tensors[name].shape == ((m.count, m.n, m.k) if m.count > 1 else (m.n, m.k))
+            assert m.step in ("", *(s for f in FLAGS for s in STEPS[f]))
+        fp8_seen |= set(family.fp8_matrices) & set(matmuls)
         for flags in ((), ("ffn",), ("att",), ("block",)):
             s = ActivationSettings(matmul_dtype="e4m3", compiled=True, recompute=resolve_flags(flags))
             names = [a.name for a in family.activation_terms(cfg, layer, s)]
             assert len(names) == len(set(names)) and names[0] == "input"
+    assert fp8_seen == set(family.fp8_matrices) - ({"up", "down"} if getattr(cfg, "is_moe", False) else set())
 
 
 def test_the_common_config_names_no_family_fields():
