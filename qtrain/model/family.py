@@ -159,6 +159,10 @@ class ModelFamily(Protocol):
     def block_tensors(self, cfg: ModelConfig, layer: int) -> tuple[TensorSpec, ...]:
         """Block `layer`'s tensors in their fixed order (buffers, RNG keys, gradients)."""
 
+    def ignored_hf_tensor(self, cfg: ModelConfig, name: str) -> str | None:
+        """What a checkpoint tensor outside the model is ('the vision tower') when loading skips it with a note, None
+        when it is not one the family knows (an unexpected tensor is then an error)."""
+
     def make_block_fn(self, cfg: ModelConfig, options: BlockOptions) -> BlockFn:
         """The block function serving every layer (weights are inputs, so one compiled function does); a family whose
         layers differ tells them apart by the tensors it receives (under torch.compile each kind compiles once)."""

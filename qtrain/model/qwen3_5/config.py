@@ -68,6 +68,8 @@ class Qwen35Config(ModelConfig):
         if not self.layer_types:
             self.layer_types = default_layer_types(self.num_hidden_layers)
         self.layer_types = tuple(self.layer_types)
+        if self.num_experts > 0:
+            self.intermediate_size = 0  # no dense MLP (transformers' MoE config has no such key)
         super().__post_init__()
 
     # ---- derived sizes, defined once ----
@@ -123,7 +125,7 @@ class Qwen35Config(ModelConfig):
         if self.model_type not in TEXT_TYPES:
             raise config_error(f"unknown model_type {self.model_type!r}; supported: {', '.join(TEXT_TYPES)}")
         super().validate()
-        for name in ("intermediate_size", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+        for name in (*(() if self.is_moe else ("intermediate_size",)), "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
                      "linear_num_key_heads", "linear_num_value_heads"):
             check_positive_int(self, name)
         if len(self.layer_types) != self.num_hidden_layers or any(t not in LAYER_TYPES for t in self.layer_types):
