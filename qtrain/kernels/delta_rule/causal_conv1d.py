@@ -22,7 +22,8 @@ def causal_conv1d_silu_twin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x.dim() != 3 or w.dim() != 2 or w.shape[0] != x.shape[-1]:
         raise ValueError(f"causal_conv1d: expected x (B, T, D) and w (D, K), got {tuple(x.shape)}, {tuple(w.shape)}")
     K, T = w.shape[1], x.shape[1]
-    xf = F.pad(x.float(), (0, 0, K - 1, 0))  # (B, K - 1 + T, D): zeros before the first token
-    wf = w.float()
+    acc = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 inputs stay fp64, for tests)
+    xf = F.pad(x.to(acc), (0, 0, K - 1, 0))  # (B, K - 1 + T, D): zeros before the first token
+    wf = w.to(acc)
     y = sum(wf[:, j] * xf[:, j:j + T] for j in range(K))
     return F.silu(y).to(x.dtype)
