@@ -82,6 +82,12 @@ class ModelConfig:
         them here; a family with partial rotary embeddings says fewer."""
         return self.head_dim
 
+    @property
+    def zero_centered_norms(self) -> bool:
+        """Whether the RMSNorm gains are stored as w with the norm scaling by (1 + w) (Qwen3.5, Qwen3-Next): the final
+        norm follows it (layers.final_norm_fn); the families so far scale by w."""
+        return False
+
     def validate(self) -> None:
         """The checks of the common fields (a family's `validate` calls this first, then checks its own)."""
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

@@ -34,7 +34,7 @@ import torch
 from qtrain.model.config import ModelConfig
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "e4m3": 1}
-INITS = ("normal", "residual", "ones", "zeros")
+INITS = ("normal", "residual", "ones", "zeros", "log_uniform")
 
 # (x, weight, bias[, (weight_fp8, inv_scale[, weight_fp8_t])]) -> x @ weight^T + bias; the 4th argument only when
 # the weight source provides a quantized copy (weight_source.quantized_weight)
@@ -70,7 +70,8 @@ class TensorSpec:
     hf: tuple[tuple[str, tuple[int, ...]], ...]
     decay: bool = True  # AdamW weight decay (matrices, embeddings); off for norm gains and biases
     init: str = "normal"  # normal: N(0, INIT_STD); residual: N(0, INIT_STD / sqrt(2 L)) (0 with init_proj_to_zero),
-    # for the projections that write into the residual stream; ones / zeros: norm gains / biases
+    # for the projections that write into the residual stream; ones / zeros: norm gains / biases; log_uniform:
+    # log(U(1, 16)) (a Gated DeltaNet's A_log, init.py)
     experts: int = 0  # > 0: a stack of that many identical tensors along dim 0
     group: str = ""  # the flat layout group within its layer: '' is the block's own group ('block.{layer}'),
     # another name X a group of its own ('block.{layer}.X'), e.g. adapters that train while the block is frozen
@@ -172,6 +173,10 @@ class ModelFamily(Protocol):
 
     def block_tensors(self, cfg: ModelConfig, layer: int) -> tuple[TensorSpec, ...]:
         """Block `layer`'s tensors in their fixed order (buffers, RNG keys, gradients)."""
+
+    def ignored_hf_tensor(self, cfg: ModelConfig, name: str) -> str | None:
+        """What a checkpoint tensor outside the model is ('the vision tower') when loading skips it with a note, None
+        when it is not one the family knows (an unexpected tensor is then an error)."""
 
     def make_block_fn(self, cfg: ModelConfig, options: BlockOptions) -> BlockFn:
         """The block function serving every layer (weights are inputs, so one compiled function does); a family whose

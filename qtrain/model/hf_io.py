@@ -24,6 +24,7 @@ import math
 import os
 import re
 import shutil
+import sys
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Mapping
@@ -32,13 +33,14 @@ import safetensors.torch as st
 import torch
 from safetensors import SafetensorError, safe_open
 
+from qtrain import console
 from qtrain.fsio import (CONFIG_MAX_BYTES, FileSystemError, atomic_write_json, check_regular_file, default_file_mode,
                          describe_write_error, ensure_free_space, fault_point, fsync_path, read_json, read_json_input,
                          shorten, sweep_temp_files, temp_path)
 from qtrain.model import weights
 from qtrain.model.config import ModelConfig
 from qtrain.model.family import HfLayout
-from qtrain.model.registry import config_from_json_file
+from qtrain.model.registry import config_from_json_file, family_of
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -95,8 +97,22 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _ignored_extra(cfg: ModelConfig, hf_name: str) -> bool:
-    """Tensors HF checkpoints sometimes carry that do not belong to the model's parameters."""
-    return (hf_name == "lm_head.weight" and cfg.tie_word_embeddings) or hf_name.endswith(".rotary_emb.inv_freq")
+    """Tensors HF checkpoints sometimes carry that do not belong to the model's parameters (and the parts of a
+    multimodal checkpoint outside the text model, `ModelFamily.ignored_hf_tensor`, which `skipped_notes` reports)."""
+    return (hf_name == "lm_head.weight" and cfg.tie_word_embeddings) or hf_name.endswith(".rotary_emb.inv_freq") \
+        or family_of(cfg).ignored_hf_tensor(cfg, hf_name) is not None
+
+
+def skipped_notes(model_dir: str | os.PathLike, cfg: ModelConfig, names: list[str]) -> list[str]:
+    """One line per part of the checkpoint that loading skips (the family's `ignored_hf_tensor`: a vision tower, an
+    MTP head), with how many tensors it holds."""
+    counts: dict[str, int] = {}
+    for n in names:
+        what = family_of(cfg).ignored_hf_tensor(cfg, n)
+        if what is not None:
+            counts[what] = counts.get(what, 0) + 1
+    return [f"{shorten(str(model_dir))}: ignoring {n} tensor(s) of {what} (not part of the text model; not in an "
+            f"export)" for what, n in counts.items()]
 
 
 # ---------------------------------------------------------------- loading
@@ -184,7 +200,9 @@ def check_hf_weights(model_dir: str | os.PathLike, cfg: ModelConfig) -> list[Pat
     check_export_complete(model_dir)
     files = checkpoint_files(model_dir)
     with ExitStack() as stack:
-        _index(files, cfg, stack)
+        where, _ = _index(files, cfg, stack)
+    for line in skipped_notes(model_dir, cfg, list(where)):
+        console.write(f"qtrain: note: {line}\n", sys.stderr)
     return files
 
 

@@ -4,7 +4,8 @@
 Scheme (llm.q's, GPT-2 style): embeddings, the untied LM head and the block matrices are N(0, 0.02) ("normal");
 the projections that write into the residual stream (attention output, MLP down: "residual") are
 N(0, 0.02 / sqrt(2 L)) so the residual's variance does not grow with depth, or exactly zero with
-`init_proj_to_zero` (each block then starts as the identity); norm gains are 1 ("ones") and biases 0 ("zeros").
+`init_proj_to_zero` (each block then starts as the identity); norm gains are 1 ("ones") and biases 0 ("zeros");
+a Gated DeltaNet's decay rates A_log are log(U(1, 16)) ("log_uniform", fla-core's and transformers' range).
 
 Each tensor draws from its own generator seeded by (seed, tensor name), so a tensor's values do not
 depend on the order of initialisation, on which tensors exist, or on the number of ranks.
@@ -44,7 +45,10 @@ def init_params(cfg: ModelConfig, params: dict[str, torch.Tensor], *, seed: int 
     for name, t in params.items():
         scheme = specs[name].init
         std = init_std(cfg, scheme, init_proj_to_zero=init_proj_to_zero)
-        if std is None:
+        if scheme == "log_uniform":
+            gen = torch.Generator(device=t.device).manual_seed(_tensor_seed(seed, name))
+            t.copy_(torch.empty(t.shape, dtype=torch.float32, device=t.device).uniform_(1.0, 16.0, generator=gen).log_())
+        elif std is None:
             t.fill_(0.0 if scheme == "zeros" else 1.0)
         elif std == 0.0:
             t.zero_()

@@ -59,3 +59,15 @@ def rms_norm_and_rstd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tupl
 def swiglu_fused(up_gate: torch.Tensor) -> torch.Tensor:
     """`swiglu(up_gate, "kernel")` (kernels/swiglu/): the name model/moe.py imports."""
     return swiglu(up_gate, "kernel")
+
+
+def rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = (x / sqrt(mean(x^2) + eps)) * (1 + w), in fp32, rounded once (transformers' Qwen3.5 / Qwen3-Next RMSNorm,
+    whose gain starts at w = 0): the norm of the families whose config says `zero_centered_norms`."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def final_norm_fn(zero_centered: bool):
+    """The decoder's final RMSNorm: `rms_norm_zero_centered` for a family whose config says `zero_centered_norms`."""
+    return rms_norm_zero_centered if zero_centered else rms_norm

@@ -16,6 +16,7 @@ from qtrain.model.family import ModelFamily
 from qtrain.model.llama import LLAMA
 from qtrain.model.mixtral import MIXTRAL
 from qtrain.model.olmoe import OLMOE
+from qtrain.model.qwen3_5 import QWEN3_5
 from qtrain.model.qwen3_moe import QWEN3_MOE
 
 FAMILIES: tuple[ModelFamily, ...] = (
@@ -23,6 +24,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     QWEN3_MOE,  # qwen3_moe
     OLMOE,  # olmoe
     MIXTRAL,  # mixtral
+    QWEN3_5,  # qwen3_5_text, qwen3_5_moe_text (and the multimodal qwen3_5, qwen3_5_moe read as their text model)
 )
 
 _BY_MODEL_TYPE: dict[str, ModelFamily] = {mt: f for f in FAMILIES for mt in f.architectures}

@@ -41,7 +41,7 @@ from qtrain.kernels.rope import rope_tables
 from qtrain.kernels.swiglu import ScaleHints
 from qtrain.model.config import ModelConfig
 from qtrain.model.family import BlockFn, BlockOptions, Linear, Mlp
-from qtrain.model.layers import SDPA_BACKENDS, rms_norm
+from qtrain.model.layers import SDPA_BACKENDS, final_norm_fn
 from qtrain.model.matmul import block_linear, block_mlp
 from qtrain.model.moe_router import RouterLosses
 from qtrain.model.recompute import ResidualStash, block_steps, resolve_flags, splits_mlp
@@ -187,8 +187,8 @@ class Transformer:
                                                  sdpa_backend=run.sdpa_backend, linears=linears)
         # the final norm, forward and backward, as inductor's fused kernels where the blocks are compiled: eager it was
         # several elementwise passes over fp32 copies of the (B*T, C) hidden states, each way, per micro-step
-        self._final_norm = (torch.compile(rms_norm, dynamic=False, options=run.inductor_options()) if run.compile
-                            else rms_norm)
+        norm = final_norm_fn(cfg.zero_centered_norms)
+        self._final_norm = torch.compile(norm, dynamic=False, options=run.inductor_options()) if run.compile else norm
         self._stash = ResidualStash(offload=run.offload_residual)  # block inputs with recompute_block
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._scale_hints = ScaleHints(cfg.num_hidden_layers)  # SCALE_HINT's tensors, with swiglu_onepass
@@ -362,7 +362,7 @@ class Transformer:
         for layer in range(self.cfg.num_hidden_layers):
             x = self.block_fn(x, weights.block(layer), cos, sin, *docs)
             weights.release_block(layer)
-        return rms_norm(x, nb["norm"], self.cfg.rms_norm_eps)
+        return final_norm_fn(self.cfg.zero_centered_norms)(x, nb["norm"], self.cfg.rms_norm_eps)
 
     @torch.no_grad()
     def logits(self, weights: WeightSource, inputs: torch.Tensor, positions: torch.Tensor | None = None

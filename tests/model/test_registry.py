@@ -18,6 +18,7 @@ from qtrain.model.family import ActivationSettings, ModelFamily
 from qtrain.model.llama import LLAMA, LlamaConfig
 from qtrain.model.mixtral import MIXTRAL
 from qtrain.model.olmoe import OLMOE
+from qtrain.model.qwen3_5 import QWEN3_5, Qwen35Config
 from qtrain.model.qwen3_moe import QWEN3_MOE
 from qtrain.model.recompute import FLAGS, STEPS, resolve_flags
 from qtrain.model.registry import (FAMILIES, MODEL_TYPES, PRESETS, config_from_hf_dict, config_from_json_file,
@@ -32,11 +33,14 @@ MOE_KEYS = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermed
 
 
 def test_the_supported_model_types():
-    assert MODEL_TYPES == ("qwen2", "llama", "qwen3", "qwen3_moe", "olmoe", "mixtral")  # the error messages' order
-    assert FAMILIES == (LLAMA, QWEN3_MOE, OLMOE, MIXTRAL)
+    assert MODEL_TYPES == ("qwen2", "llama", "qwen3", "qwen3_moe", "olmoe", "mixtral", "qwen3_5_text", "qwen3_5_moe_text",
+                           "qwen3_5", "qwen3_5_moe")  # the order error messages list them in
+    assert FAMILIES == (LLAMA, QWEN3_MOE, OLMOE, MIXTRAL, QWEN3_5)
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+
+
+@pytest.mark.parametrize("model_type", LLAMA.architectures)
 def test_every_model_type_resolves_and_round_trips(model_type):
     cfg = config_from_hf_dict({"model_type": model_type, **SMALL, **MOE_KEYS.get(model_type, {})})
     family = family_for(model_type)
@@ -50,7 +54,7 @@ def test_every_model_type_resolves_and_round_trips(model_type):
 def test_unknown_model_type_is_one_line_listing_the_supported(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "qwen2_moe", **SMALL}))  # its shared expert is not implemented
-    supported = "qwen2, llama, qwen3, qwen3_moe, olmoe, mixtral"
+    supported = "qwen2, llama, qwen3, qwen3_moe, olmoe, mixtral, qwen3_5_text, qwen3_5_moe_text, qwen3_5, qwen3_5_moe"
     with pytest.raises(ConfigError) as e:
         config_from_json_file(path)
     msg = str(e.value)
@@ -74,12 +78,17 @@ def test_presets_come_from_the_families():
 def _small(model_type: str) -> ModelConfig:
     if model_type in MOE_KEYS:
         return config_from_hf_dict({"model_type": model_type, **SMALL, **MOE_KEYS[model_type]})
+    if model_type.startswith("qwen3_5"):
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if "moe" in model_type else {}
+        return Qwen35Config(model_type=model_type, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                            linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False,
+                            **{**SMALL, "num_hidden_layers": 4}, **moe)
     return LlamaConfig(model_type=model_type, attention_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
                        head_dim=32 if model_type == "qwen3" else 0, tie_word_embeddings=False,
                        **SMALL)
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", [*LLAMA.architectures, "qwen3_5_text", "qwen3_5_moe_text"])
 def test_a_familys_statements_agree(model_type):
     cfg = _small(model_type)
     family: ModelFamily = family_of(cfg)
@@ -102,7 +111,8 @@ def test_a_familys_statements_agree(model_type):
             s = ActivationSettings(matmul_dtype="e4m3", compiled=True, recompute=resolve_flags(flags))
             names = [a.name for a in family.activation_terms(cfg, layer, s)]
             assert len(names) == len(set(names)) and names[0] == "input"
-    assert set(family.fp8_matrices) <= all_matmuls
+    # a family serving dense and MoE configs (qwen3_5) names the dense MLP's matrices; an MoE config has no such matrix
+    assert set(family.fp8_matrices) - ({"up", "down"} if getattr(cfg, "is_moe", False) else set()) <= all_matmuls
 
 
 def test_the_common_config_names_no_family_fields():

@@ -30,6 +30,9 @@ class LlamaFamily:
     def block_tensors(self, cfg: LlamaConfig, layer: int) -> tuple[TensorSpec, ...]:
         return tensors.block_tensors(cfg, layer)
 
+    def ignored_hf_tensor(self, cfg: LlamaConfig, name: str) -> str | None:
+        return None  # a text checkpoint: nothing outside the model to skip
+
     def make_block_fn(self, cfg: LlamaConfig, options: BlockOptions) -> BlockFn:
         return block.make_block_fn(cfg, options)
 

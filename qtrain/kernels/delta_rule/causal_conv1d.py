@@ -1,0 +1,29 @@
+"""The causal depthwise convolution of a Gated DeltaNet layer, followed by SiLU: the plain-torch twin (the
+specification, what CPU runs) of a Triton kernel still to come (fla-core's `causal_conv1d` is the reference).
+
+For channel c, kernel width K, weight w (D, K), input x (B, T, D), with x[t] = 0 for t < 0::
+
+    y[t, c] = silu( sum_{j=0..K-1} w[c, j] x[t - K + 1 + j, c] )
+
+in fp32, rounded once to x's dtype (transformers' `causal_conv1d_fn` runs F.conv1d in the weight's dtype and casts
+back: the same values in fp32). Each output reads the K - 1 tokens before it, so a sequence's first tokens see zeros,
+which is where a document's state would reset.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["causal_conv1d_silu_twin"]
+
+
+def causal_conv1d_silu_twin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (B, T, D), w (D, K) -> silu(causal depthwise conv) (B, T, D) in x's dtype (module docstring)."""
+    if x.dim() != 3 or w.dim() != 2 or w.shape[0] != x.shape[-1]:
+        raise ValueError(f"causal_conv1d: expected x (B, T, D) and w (D, K), got {tuple(x.shape)}, {tuple(w.shape)}")
+    K, T = w.shape[1], x.shape[1]
+    acc = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 inputs stay fp64, for tests)
+    xf = F.pad(x.to(acc), (0, 0, K - 1, 0))  # (B, K - 1 + T, D): zeros before the first token
+    wf = w.to(acc)
+    y = sum(wf[:, j] * xf[:, j:j + T] for j in range(K))
+    return F.silu(y).to(x.dtype)

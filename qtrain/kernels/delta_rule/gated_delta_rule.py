@@ -1,0 +1,128 @@
+"""The gated delta rule (Gated DeltaNet, Yang, Kautz and Hatamizadeh 2024, arXiv:2412.06464), in two plain-torch
+forms: the recurrent one, token by token, which is the specification, and the chunked one (the WY / UT-transform
+form of the DeltaNet paper, arXiv:2406.06484, as fla-core's `chunk_gated_delta_rule` and transformers'
+`torch_chunk_gated_delta_rule` compute it), which equals it up to fp32 rounding and is what the model runs on the CPU.
+
+Per value head h (H = num_value_heads; each query/key head serves H / Hk consecutive value heads), with a matrix
+state S (dk, dv) that starts at zero (or `initial_state`), q and k L2-normalised (q also scaled by dk^-1/2), for
+t = 1..T::
+
+    S   <- exp(g_t) S                                  (g_t <= 0: the gate, a decay in log space)
+    S   <- S + beta_t k_t (v_t - S^T k_t)^T            (the delta rule: write the error of S's prediction of v_t)
+    o_t  = S^T q_t
+
+All of it runs in fp32 whatever the inputs' dtype (as fla-core and transformers do; fp64 inputs stay fp64, for
+tests); o comes back in q's dtype, the final state in the accumulation dtype.
+
+The chunked form, per chunk of C tokens (positions i, j inside it; G_i = g_1 + ... + g_i, the cumulative log
+decay; D_ij = exp(G_i - G_j) for j <= i, 0 above the diagonal)::
+
+    A     = strictly_lower((beta k) k^T * D)           (C, C)
+    U     = (I + A)^-1 (beta v)                        the chunk's delta-rule values before the old state
+    W     = (I + A)^-1 (beta k exp(G))                 how the old state's read-out enters them
+    V'    = U - W S                                    (C, dv) the corrections written into the state
+    o     = (q exp(G)) S + ((q k^T) * D) V'            the old state's read plus the chunk's own writes
+    S     <- exp(G_C) S + (k exp(G_C - G))^T V'
+
+Two triangular solves and a few (C, C) / (C, d) products per chunk instead of T rank-one updates: the recurrence
+over chunks is what stays sequential. Both forms differentiate with autograd (CPU tests; the GPU kernels with
+their own backward are left to the Triton port).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["CHUNK", "gated_delta_rule_chunked", "gated_delta_rule_recurrent", "l2_normalize"]
+
+CHUNK = 64  # fla-core's and transformers' chunk size
+L2_EPS = 1e-6  # fla-core's l2norm epsilon (transformers' `l2norm` matches it)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dimension, as fla-core and transformers compute it."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
+    B, T, Hk, dk = q.shape
+    H = v.shape[2] if v.dim() == 4 else -1
+    if k.shape != q.shape or v.dim() != 4 or v.shape[:2] != (B, T) or g.shape != (B, T, H) \
+            or beta.shape != (B, T, H) or H % Hk:
+        raise ValueError(f"gated_delta_rule: expected q, k (B, T, Hk, dk), v (B, T, H, dv) with H a multiple of Hk, "
+                         f"g and beta (B, T, H); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, "
+                         f"{tuple(g.shape)}, {tuple(beta.shape)}")
+
+
+def _prepare(q, k, v, g, beta, l2norm: bool):
+    """fp32, heads first (B, H, T, d), q and k repeated to the value heads, normalised, q scaled by dk^-1/2."""
+    H, Hk = v.shape[2], q.shape[2]
+    if H != Hk:  # grouped value heads: key head i serves value heads i*H/Hk .. (i+1)*H/Hk - 1
+        q, k = q.repeat_interleave(H // Hk, dim=2), k.repeat_interleave(H // Hk, dim=2)
+    acc = torch.promote_types(v.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs (tests)
+    q, k, v, g, beta = (x.transpose(1, 2).to(acc) for x in (q, k, v, g, beta))
+    if l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, *, l2norm: bool = True, initial_state: torch.Tensor | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The specification (module docstring): q, k (B, T, Hk, dk), v (B, T, H, dv), g, beta (B, T, H) ->
+    (o (B, T, H, dv) in q's dtype, final state (B, H, dk, dv) fp32)."""
+    _check(q, k, v, g, beta)
+    dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, l2norm)
+    B, H, T, dk = k.shape
+    S = (torch.zeros(B, H, dk, v.shape[-1], dtype=v.dtype, device=v.device) if initial_state is None
+         else initial_state.to(v.dtype))
+    out = []
+    for t in range(T):
+        S = S * g[:, :, t].exp()[..., None, None]
+        kt = k[:, :, t]  # (B, H, dk)
+        delta = (v[:, :, t] - (S * kt[..., None]).sum(-2)) * beta[:, :, t, None]  # (B, H, dv)
+        S = S + kt[..., None] * delta[..., None, :]
+        out.append((S * q[:, :, t, :, None]).sum(-2))
+    o = torch.stack(out, dim=2) if out else v.new_zeros(v.shape)
+    return o.transpose(1, 2).to(dtype), S
+
+
+def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                             beta: torch.Tensor, *, l2norm: bool = True, initial_state: torch.Tensor | None = None,
+                             chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked form (module docstring), same contract as `gated_delta_rule_recurrent`. The sequence is padded
+    to a multiple of `chunk` with g = 0, beta = 0 (tokens that neither decay nor write the state)."""
+    _check(q, k, v, g, beta)
+    dtype, T = q.dtype, q.shape[1]
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, l2norm)
+    B, H, _, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-T) % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n = (T + pad) // chunk
+    # (B, H, n, C, d): chunk c holds tokens c*C .. c*C + C - 1
+    q, k, v = (x.reshape(B, H, n, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(B, H, n, chunk), beta.reshape(B, H, n, chunk)
+    G = g.cumsum(-1)  # (B, H, n, C): log decay from the chunk's start through position i
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    D = (G[..., :, None] - G[..., None, :]).masked_fill(upper, float("-inf")).exp()  # (B, H, n, C, C), j <= i
+    kb = k * beta[..., None]
+    A = (kb @ k.transpose(-1, -2)) * D  # the diagonal is ignored by the unit-triangular solves
+    U = torch.linalg.solve_triangular(A, v * beta[..., None], upper=False, unitriangular=True)  # (B, H, n, C, dv)
+    W = torch.linalg.solve_triangular(A, kb * G.exp()[..., None], upper=False, unitriangular=True)  # (.., C, dk)
+    QK = (q @ k.transpose(-1, -2)) * D  # (B, H, n, C, C): the chunk's own causal read
+    q_dec = q * G.exp()[..., None]
+    k_dec = k * (G[..., -1:] - G).exp()[..., None]
+    last = G[..., -1].exp()[..., None, None]  # (B, H, n, 1, 1)
+    S = (torch.zeros(B, H, dk, dv, dtype=v.dtype, device=v.device) if initial_state is None
+         else initial_state.to(v.dtype))
+    out = []
+    for c in range(n):
+        v_new = U[:, :, c] - W[:, :, c] @ S  # (B, H, C, dv)
+        out.append(q_dec[:, :, c] @ S + QK[:, :, c] @ v_new)
+        S = S * last[:, :, c] + k_dec[:, :, c].transpose(-1, -2) @ v_new
+    o = torch.stack(out, dim=2).reshape(B, H, n * chunk, dv)[:, :, :T]
+    return o.transpose(1, 2).to(dtype), S

@@ -1,0 +1,111 @@
+"""The Qwen3.5 family's block tensors and their Hugging Face names, as data (one table per layer kind).
+
+Fused as llm.q fuses them (one GEMM where HF runs several), everything else one to one:
+  in_proj  (conv_dim + value_dim + 2H, C)  rows [qkv; z; b; a]  <- linear_attn.in_proj_qkv / in_proj_z / _b / _a
+  qkv      (2 q_dim + 2 kv_dim, C)         rows [q + gate; k; v] <- self_attn.q_proj / k_proj / v_proj
+  up       (2F, C)                         rows [up; gate]       <- mlp.up_proj / mlp.gate_proj
+  experts_up_gate (E, 2F, C)               per expert [up; gate] <- mlp.experts.{e}.up_proj / gate_proj
+Names sit under the config's `hf_prefix`: 'model.' for a text checkpoint, 'model.language_model.' for the
+multimodal one (what `Qwen3_5ForConditionalGeneration` reads; `Qwen3_5ForCausalLM` reads both); the LM head is
+'lm_head.weight' in both.
+"""
+from __future__ import annotations
+
+from qtrain.model.family import TensorSpec
+from qtrain.model.qwen3_5.config import Qwen35Config
+
+# short name -> HF suffix(es) under "{prefix}layers.{i}."; a tuple means rows concatenated in order
+MIXER_HF: dict[str, dict[str, str | tuple[str, ...]]] = {
+    "linear_attention": {
+        "in_proj": ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.in_proj_b.weight",
+                    "linear_attn.in_proj_a.weight"),
+        "conv": "linear_attn.conv1d.weight",
+        "dt_bias": "linear_attn.dt_bias",
+        "A_log": "linear_attn.A_log",
+        "gnorm": "linear_attn.norm.weight",
+        "out": "linear_attn.out_proj.weight",
+    },
+    "full_attention": {
+        "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        "q_norm": "self_attn.q_norm.weight",
+        "k_norm": "self_attn.k_norm.weight",
+        "o": "self_attn.o_proj.weight",
+    },
+}
+DENSE_MLP_HF = {"up": ("mlp.up_proj.weight", "mlp.gate_proj.weight"), "down": "mlp.down_proj.weight"}
+MOE_MLP_HF = {"router": "mlp.gate.weight", "shared_up": ("mlp.shared_expert.up_proj.weight",
+                                                         "mlp.shared_expert.gate_proj.weight"),
+              "shared_down": "mlp.shared_expert.down_proj.weight", "shared_gate": "mlp.shared_expert_gate.weight"}
+NO_DECAY = frozenset({"ln1", "ln2", "q_norm", "k_norm", "gnorm", "dt_bias", "A_log"})  # gains, biases, the decay rate
+# from-scratch init (model/init.py): the zero-centred norms start at w = 0 (a gain of 1), the gated norm at 1; A_log
+# as transformers and fla-core draw it (log of U(1, 16)); dt_bias 1 (transformers)
+INIT = {"ln1": "zeros", "ln2": "zeros", "q_norm": "zeros", "k_norm": "zeros", "gnorm": "ones", "dt_bias": "ones",
+        "A_log": "log_uniform", "o": "residual", "out": "residual", "down": "residual", "shared_down": "residual",
+        "experts_down": "residual"}
+
+
+def block_shapes(cfg: Qwen35Config, layer: int) -> dict[str, tuple[int, ...]]:
+    """Block `layer`'s tensors and shapes, in the fixed order used for buffers and RNG keys."""
+    C, H = cfg.hidden_size, cfg.linear_num_value_heads
+    shapes: dict[str, tuple[int, ...]] = {"ln1": (C,)}
+    if cfg.is_linear(layer):
+        shapes.update(in_proj=(cfg.in_proj_dim, C), conv=(cfg.conv_dim, 1, cfg.linear_conv_kernel_dim),
+                      dt_bias=(H,), A_log=(H,), gnorm=(cfg.linear_value_head_dim,), out=(C, cfg.linear_value_dim))
+    else:
+        shapes.update(qkv=(cfg.attn_qkv_dim, C), q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,), o=(C, cfg.q_dim))
+    shapes["ln2"] = (C,)
+    if cfg.is_moe:
+        E, Fm, Fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        shapes.update(router=(E, C), experts_up_gate=(E, 2 * Fm, C), experts_down=(E, C, Fm),
+                      shared_up=(2 * Fs, C), shared_down=(C, Fs), shared_gate=(1, C))
+    else:
+        F = cfg.intermediate_size
+        shapes.update(up=(2 * F, C), down=(C, F))
+    return shapes
+
+
+def _hf_parts(cfg: Qwen35Config, layer: int, short: str, shape: tuple[int, ...]
+              ) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    prefix = f"{cfg.hf_prefix}layers.{layer}."
+    if short == "experts_up_gate":
+        E, F2, C = shape
+        return tuple((f"{prefix}mlp.experts.{e}.{p}.weight", (F2 // 2, C)) for e in range(E)
+                     for p in ("up_proj", "gate_proj"))
+    if short == "experts_down":
+        return tuple((f"{prefix}mlp.experts.{e}.down_proj.weight", shape[1:]) for e in range(shape[0]))
+    hf = {"ln1": "input_layernorm.weight", "ln2": "post_attention_layernorm.weight",
+          **MIXER_HF[cfg.layer_types[layer]], **(MOE_MLP_HF if cfg.is_moe else DENSE_MLP_HF)}[short]
+    if isinstance(hf, str):
+        return ((prefix + hf, shape),)
+    C = shape[1]
+    rows = {"in_proj": [cfg.conv_dim, cfg.linear_value_dim, cfg.linear_num_value_heads, cfg.linear_num_value_heads],
+            "qkv": [cfg.q_gate_dim, cfg.kv_dim, cfg.kv_dim]}.get(short, [shape[0] // 2, shape[0] // 2])
+    return tuple((prefix + s, (r, C)) for s, r in zip(hf, rows))
+
+
+def block_tensors(cfg: Qwen35Config, layer: int) -> tuple[TensorSpec, ...]:
+    """Block `layer`'s tensors (linear- and full-attention layers hold different ones)."""
+    return tuple(TensorSpec(short, shape, _hf_parts(cfg, layer, short, shape), decay=short not in NO_DECAY,
+                            init=INIT.get(short, "normal"), experts=cfg.num_experts if short.startswith("experts_")
+                            else 0)
+                 for short, shape in block_shapes(cfg, layer).items())
+
+
+def non_block_tensors(cfg: Qwen35Config) -> tuple[TensorSpec, ...]:
+    """The embedding, the final norm (zero-centred: starts at 0) and the untied LM head under `hf_prefix`."""
+    V, C, p = cfg.vocab_size, cfg.hidden_size, cfg.hf_prefix
+    specs = [TensorSpec("embed", (V, C), ((f"{p}embed_tokens.weight", (V, C)),)),
+             TensorSpec("norm", (C,), ((f"{p}norm.weight", (C,)),), decay=False, init="zeros")]
+    if not cfg.tie_word_embeddings:
+        specs.append(TensorSpec("lm_head", (V, C), (("lm_head.weight", (V, C)),)))
+    return tuple(specs)
+
+
+def ignored_hf_tensor(cfg: Qwen35Config, name: str) -> str | None:
+    """Why a checkpoint tensor outside the text model is skipped ('the vision tower', 'the MTP head'), None if it
+    is not one of those (then it is unexpected)."""
+    if name.startswith(("model.visual.", "visual.")):
+        return "the vision tower"
+    if name.startswith("mtp."):
+        return "the MTP (multi-token prediction) head"
+    return None

@@ -1,0 +1,84 @@
+"""Qwen3.5 checkpoints through qtrain's HF load and export, bit for bit: a text checkpoint (Qwen3_5ForCausalLM, dense
+and MoE), and a multimodal one (Qwen3_5ForConditionalGeneration) whose text weights sit under
+`model.language_model.`: it loads as the text model (the vision tower and an MTP head skipped with one line each) and
+exports back in the layout that class reads, which transformers loads to the same text logits.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+transformers = pytest.importorskip("transformers")
+
+from qtrain.model.hf_io import check_hf_weights, load_hf_weights, load_model_config, save_hf_model
+from qtrain.model.qwen3_5 import Qwen35Config
+from tests.model.test_qwen3_5 import randomize, tiny_cfg
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_text_checkpoint_round_trips_exactly(tmp_path, moe):
+    cfg = tiny_cfg(moe=moe, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
+    hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf_dict(dtype="float32"))
+    randomize(transformers.AutoModelForCausalLM.from_config(hf_cfg).float()).save_pretrained(tmp_path / "src")
+    loaded = load_model_config(tmp_path / "src")
+    assert loaded == cfg and loaded.multimodal is None
+    params = load_hf_weights(tmp_path / "src", loaded)
+    save_hf_model(tmp_path / "out", loaded, params, dtype=torch.float32)
+    src, out = _tensors(tmp_path / "src"), _tensors(tmp_path / "out")
+    assert set(src) == set(out) and all(torch.equal(src[k], out[k]) for k in src)
+    assert load_model_config(tmp_path / "out") == cfg
+
+
+def _multimodal(tmp_path):
+    """A tiny Qwen3.5 VLM checkpoint plus an MTP tensor (as the published ones carry)."""
+    text = tiny_cfg(num_hidden_layers=2, layer_types=("linear_attention", "full_attention")).text_hf_dict(
+        dtype="float32")
+    text.pop("architectures")
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    model = randomize(transformers.Qwen3_5ForConditionalGeneration(cfg).float())
+    src = tmp_path / "vlm"
+    model.save_pretrained(src)
+    tensors = _tensors(src)
+    tensors["mtp.fc.weight"] = torch.randn(64, 128)
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    return model, src
+
+
+def test_multimodal_checkpoint_loads_as_text_and_exports_where_transformers_reads(tmp_path, capsys):
+    model, src = _multimodal(tmp_path)
+    capsys.readouterr()
+    cfg = load_model_config(src)
+    assert isinstance(cfg, Qwen35Config) and cfg.model_type == "qwen3_5_text" and cfg.multimodal is not None
+    check_hf_weights(src, cfg)
+    notes = capsys.readouterr().err.strip().splitlines()
+    assert len(notes) == 2 and "the vision tower" in notes[0] and "MTP" in notes[1], notes
+    params = load_hf_weights(src, cfg)
+    out = tmp_path / "out"
+    save_hf_model(out, cfg, params, dtype=torch.float32)
+    written, original = _tensors(out), _tensors(src)
+    assert all(k.startswith(("model.language_model.", "lm_head.")) for k in written)
+    assert all(torch.equal(written[k], original[k]) for k in written)
+    assert set(original) - set(written) == {k for k in original if k.startswith(("model.visual.", "mtp."))}
+    d = json.loads((out / "config.json").read_text())
+    assert d["model_type"] == "qwen3_5" and d["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    assert d["vision_config"]["depth"] == 1 and d["text_config"]["model_type"] == "qwen3_5_text"
+    assert load_model_config(out) == cfg
+
+    # transformers reads the export: the multimodal class (its vision tower absent: initialised, with a warning) and
+    # the text-only class give the original text logits
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        for cls in (transformers.Qwen3_5ForConditionalGeneration, transformers.Qwen3_5ForCausalLM):
+            back = cls.from_pretrained(out, dtype=torch.float32).eval()
+            assert torch.allclose(back(input_ids=ids).logits, ref, rtol=0, atol=1e-5), cls.__name__

@@ -1,0 +1,70 @@
+"""Bad Qwen3.5 configs and checkpoints: each is one `qtrain: error:` line naming the file, the key and the values,
+exit code 2, before the model is built (nothing is written); the vision tower and an MTP head of a multimodal
+checkpoint are skipped with one note line each (tests/model/test_qwen3_5_hf_io.py), never an error."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qtrain.cli.main import main
+from tests.model.test_qwen3_5 import tiny_cfg
+from tests.run_utils import make_run_root, train_argv
+
+
+def _config(**over):
+    cfg = tiny_cfg(vocab_size=96, hidden_size=32, num_hidden_layers=2, head_dim=16, bos_token_id=0, eos_token_id=0,
+                   layer_types=("linear_attention", "full_attention"), max_position_embeddings=64)
+    d = cfg.to_hf_dict()
+    d.update(over)
+    return d
+
+
+CASES = {
+    "layer_types too short": (dict(layer_types=["linear_attention"]),
+                              r"layer_types must list 2 entries \(num_hidden_layers\).*got 1 entries"),
+    "unknown layer type": (dict(layer_types=["linear_attention", "sliding_attention"]),
+                           r"unsupported \['sliding_attention'\]"),
+    "layer_types not a list": (dict(layer_types="full_attention"), r"layer_types must be a list of strings"),
+    "key head dim too wide": (dict(linear_key_head_dim=512),
+                              r"linear_key_head_dim=512: the delta-rule kernels serve head dims up to 256 in "
+                              r"multiples of 16"),
+    "value head dim not a multiple of 16": (dict(linear_value_head_dim=24), r"linear_value_head_dim=24"),
+    "conv too wide": (dict(linear_conv_kernel_dim=8), r"linear_conv_kernel_dim=8: the convolution kernel serves "
+                                                      r"widths 2..4"),
+    "value heads not a multiple of key heads": (dict(linear_num_key_heads=3),
+                                                r"linear_num_value_heads=4 is not a multiple of "
+                                                r"linear_num_key_heads=3"),
+    "ungated attention": (dict(attn_output_gate=False), r"attn_output_gate=false is not supported"),
+    "odd rotary dims": (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                              "partial_rotary_factor": 0.1875}),
+                        r"partial_rotary_factor=0.1875.*even number of rotated dims \(head_dim=16\)"),
+    "negative head dim": (dict(linear_key_head_dim=-16), r"linear_key_head_dim must be a positive integer"),
+    "multimodal without text_config": ({"model_type": "qwen3_5", "vision_config": {}, "text_config": None},
+                                       r"model_type 'qwen3_5' needs a 'text_config' object"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_config_is_one_line_before_the_model(tmp_path, capsys, case):
+    over, pattern = CASES[case]
+    root = make_run_root(tmp_path)
+    d = over if "text_config" in over else _config(**over)
+    (root / "model" / "config.json").write_text(json.dumps(d))
+    capsys.readouterr()
+    assert main(train_argv(root, steps=2)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qtrain: error: ") and str(root / "model" / "config.json") in err[0]
+    import re
+    assert re.search(pattern, err[0]), err[0]
+    assert not (root / "ckpt").exists() and not (root / "out").exists()
+
+
+def test_multimodal_text_config_of_another_family_is_refused(tmp_path, capsys):
+    root = make_run_root(tmp_path)
+    text = _config()
+    text["model_type"] = "qwen3_5_moe_text"
+    (root / "model" / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text}))
+    assert main(train_argv(root, steps=2)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "text_config.model_type 'qwen3_5_moe_text' does not belong to 'qwen3_5'" in err[0]
