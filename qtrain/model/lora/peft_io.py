@@ -39,8 +39,10 @@ def adapter_config(cfg: ModelConfig, spec: LoraSpec, base: str) -> dict[str, Any
 
 
 def save_adapter(out_dir: str | os.PathLike, cfg: ModelConfig, spec: LoraSpec, adapters: Mapping[str, torch.Tensor],
-                 *, base: str, dtype: torch.dtype, owner: Mapping[str, Any] | None = None) -> Path:
-    """Write the adapter tensors `adapters` (internal name -> tensor, every adapter of `spec`) in PEFT's format."""
+                 *, base: str, dtype: torch.dtype, owner: Mapping[str, Any] | None = None,
+                 extra_files: Mapping[str, bytes] | None = None) -> Path:
+    """Write the adapter tensors `adapters` (internal name -> tensor, every adapter of `spec`) in PEFT's format, with
+    `extra_files` (the tokenizer files an export carries) beside them."""
     specs = adapter_specs(cfg, spec)
     if set(adapters) != set(specs):
         raise LoraError(f"save_adapter: got {sorted(set(adapters) ^ set(specs))[:3]} beyond or short of the adapters")
@@ -52,7 +54,7 @@ def save_adapter(out_dir: str | os.PathLike, cfg: ModelConfig, spec: LoraSpec, a
             hf[key] = flat[start:start + n].view(shape)
             start += n
     nbytes = sum(t.numel() for t in hf.values()) * dtype.itemsize
-    files = {CONFIG_FILE: adapter_config(cfg, spec, base), WEIGHTS_FILE: hf}
+    files = {CONFIG_FILE: adapter_config(cfg, spec, base), WEIGHTS_FILE: hf, **dict(extra_files or {})}
     return write_export(out_dir, files, dtype=dtype, nbytes=nbytes, owner=owner)
 
 
