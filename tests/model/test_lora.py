@@ -121,3 +121,22 @@ def test_peft_made_adapter_loads_with_peft_logits_and_merges(tmp_path):
     merged = merged_params(cfg, spec, {n: t.detach() for n, t in w.params.items()})
     from qtrain.parallel.weights.replicated import ParamWeights
     _close(Transformer(cfg).logits(ParamWeights(cfg, merged), inputs), want)
+
+
+@pytest.mark.parametrize("flags", [("qkv", "ffn"), ("block",), ("att", "norm", "swiglu")])
+def test_recompute_gives_the_same_adapter_gradients_bitwise(flags):
+    """Recompute switches change what is stored, never what is computed: the adapters' gradients are the bits of
+    the plain run (eager, fp32)."""
+    cfg = tiny_cfg("qwen2", False)
+    spec = LoraSpec(rank=4, alpha=6.0)
+    _, w = _qtrain(cfg, hf_model(cfg).state_dict(), spec)
+    inputs = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    out = []
+    for rc in ((), flags):
+        sink = Collect()
+        Transformer(cfg, RunOptions(adapter=LoraAdapter(cfg, spec), recompute=frozenset(rc))).forward_backward(
+            w.source, inputs, inputs.roll(-1, 1), grads=sink, loss_scale=1 / inputs.numel())
+        out.append(sink.grads)
+    assert out[0].keys() == out[1].keys()
+    for k in out[0]:
+        assert torch.equal(out[0][k], out[1][k]), k
