@@ -316,6 +316,24 @@ class Options:
     """Adam second-moment shards in pinned host memory, streamed through the device for the update."""
     use_zero_copy: bool = False
     """Update offloaded state in place instead of staging it through the device (CPU only; refused on CUDA)."""
+    lora_rank: int = 0
+    """LoRA: train rank-R adapters of the block matrices over a frozen base (no gradients or optimizer state for the
+    base; docs/lora.md); 0 = full fine-tune. The other --lora-* options need it."""
+    lora_alpha: float = 0.0
+    """LoRA scale numerator: adapters add (alpha / rank) B A x. 0 = the --lora-init-from adapter's, else 2 x rank."""
+    lora_dropout: float = 0.0
+    """Dropout on each adapter's input (peft's lora_dropout), in [0, 1)."""
+    lora_targets: str = ""
+    """Comma-separated matrices to adapt, peft's module names without _proj: q,k,v,o,gate,up,down ('' = all seven,
+    or the --lora-init-from adapter's)."""
+    lora_init_from: str = ""
+    """Start the adapters from an existing PEFT adapter directory (adapter_config.json + adapter_model.safetensors)
+    instead of peft's init (A kaiming-uniform, B zero)."""
+    lora_merge: bool = False
+    """Export the merged model (W + alpha/r B A, a plain HF model) instead of the PEFT adapter."""
+    lora_base_dtype: str = ""
+    """The frozen base's block matrices: '' = the model dtype; e4m3 = only e4m3 copies with their scales (no
+    bf16 copy of a block matrix anywhere), the adapters in the model dtype."""
     use_cuda_graphs: bool | None = None
     """Replay each micro-step's forward and backward from CUDA graphs (llm.q's --use-cuda-graphs), one per phase
     of a step, captured after one eager warm-up micro-step of each: the host stops setting the pace at small
@@ -412,6 +430,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "memory_check", "lmhead_chunks", "attn_bwd_chunks", "recompute_block", "recompute_swiglu", "recompute_norm",
         "recompute_ffn", "recompute_qkv", "recompute_att", "offload_residual", "offload_master", "offload_opt_m",
         "offload_opt_v", "offload_quants", "use_zero_copy"),
+    "LoRA adapters": ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_init_from", "lora_merge",
+                      "lora_base_dtype"),
     "parallel (GPUs, sharding)": ("gpus", "zero_level", "shard_gradients", "all_to_all_reduce", "offload_gradients",
                                   "shard_weights", "shard_group_size", "collective_timeout"),
     "execution (device, compile, kernels)": ("device", "compile", "compile_tuning", "compile_cache",

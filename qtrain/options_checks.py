@@ -44,6 +44,7 @@ def check_options(opts: Any) -> None:
         raise err("--model-dtype fp32 needs --opt-m-dtype fp32 and --opt-v-dtype fp32 "
                   "(low-precision moments with fp32 weights are not a supported combination)")
     _check_master(opts, err)
+    _check_lora(opts, err)
     if opts.opt_m_dtype == "e4m3" and opts.opt_v_dtype != "bf16":
         raise err("--opt-m-dtype e4m3 needs --opt-v-dtype bf16 (llm.q's only e4m3 combination)")
     if opts.opt_m_dtype == "e4m3" and not opts.stochastic_rounding:
@@ -164,6 +165,36 @@ def check_options(opts: Any) -> None:
     if opts.start_over and opts.continue_from is not None:
         raise err("--start-over and --continue exclude each other: --continue resumes the earlier run, "
                   "--start-over replaces it")
+
+
+def _check_lora(opts: Any, err: Callable[[str], OptionsError]) -> None:
+    """The LoRA options that need no model (model/lora/checks.py checks the rest against it: targets, rank vs the
+    matrices, the --lora-init-from adapter)."""
+    given = [f for f, unset in (("alpha", 0.0), ("dropout", 0.0), ("targets", ""), ("init_from", ""),
+                                ("merge", False), ("base_dtype", "")) if getattr(opts, f"lora_{f}") != unset]
+    if opts.lora_rank < 0:
+        raise err(f"--lora-rank must be >= 1 (0: no adapters), got {opts.lora_rank}")
+    if not opts.lora_rank:
+        if given:
+            raise err(f"--lora-{given[0].replace('_', '-')} needs --lora-rank (the adapters' rank)")
+        return
+    if opts.lora_alpha < 0:
+        raise err(f"--lora-alpha must be > 0 (0: the default), got {opts.lora_alpha}")
+    if not 0 <= opts.lora_dropout < 1:
+        raise err(f"--lora-dropout must be in [0, 1), got {opts.lora_dropout}")
+    if opts.weights_sharded:
+        raise err("--lora-rank with sharded weights (--shard-weights, --zero-level 3) is not supported: a LoRA "
+                  "layer is two groups (frozen base, adapters), sharded weights need one per block; the frozen base "
+                  "needs no master copy to shard (drop the sharding of weights)")
+    if opts.lora_dropout and {"qkv", "att", "ffn", "block"} & opts.recompute:
+        raise err("--lora-dropout with --recompute-qkv/-att/-ffn/-block is not supported: the recomputed projection "
+                  "would draw another dropout mask (use --lora-dropout 0 or drop those switches)")
+    if opts.lora_base_dtype and not opts.lora_merge:
+        raise err("--lora-base-dtype e4m3 is not implemented yet (the frozen base runs in --model-dtype; leave "
+                  "--lora-base-dtype unset)")
+    if opts.lora_merge and opts.lora_base_dtype:
+        raise err("--lora-merge with --lora-base-dtype e4m3 is not supported: the merged model would be the e4m3 "
+                  "base plus the adapters in bf16, not the base the run started from (export the PEFT adapter)")
 
 
 def _check_master(opts: Any, err: Callable[[str], OptionsError]) -> None:

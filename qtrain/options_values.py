@@ -21,11 +21,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model_dtype": DTYPES, "master_dtype": DTYPES, "grad_accum_dtype": DTYPES, "fp8_policy": FP8_POLICIES,
     "matmul_dtype": MATMUL_DTYPES, "gradient_dtype": GRADIENT_DTYPES, "opt_m_dtype": OPT_M_DTYPES,
     "opt_v_dtype": OPT_V_DTYPES, "lr_schedule": SCHEDULES, "device": ("auto", "cpu", "cuda"),
-    "compile": ("auto", "on", "off"), "sdpa_backend": SDPA_BACKENDS,
+    "compile": ("auto", "on", "off"), "sdpa_backend": SDPA_BACKENDS, "lora_base_dtype": ("e4m3",),
     "document_attention": DOCUMENT_ATTENTION,
 }
 # '' = follow the model / matmul dtype
-EMPTY_MEANS_DEFAULT = ("matmul_dtype", "gradient_dtype", "master_dtype", "grad_accum_dtype")
+EMPTY_MEANS_DEFAULT = ("matmul_dtype", "gradient_dtype", "master_dtype", "grad_accum_dtype", "lora_base_dtype")
 
 
 def closest(name: str, candidates: Iterable[str]) -> str | None:

@@ -121,6 +121,9 @@ class BlockOptions:
     rope: str = "autograd"  # the RoPE op's mode (kernels/rope.py: "autograd" or "kernel")
     rebuilt_input_linear: Linear | None = None
     norm_fed_fp8: bool = False
+    # (matrix name, linear input, the block's weights, linear output) -> output with a low-rank adapter's term added
+    # (model/lora/adapter.py); None: no adapters
+    adapter: Callable[[str, torch.Tensor, dict, torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
 MANIFEST = "qtrain-export.json"
 # names an export may write: what a later export may replace (if a manifest lists it) or must not (if none does)
 _EXPORT_NAME = re.compile(r"^(config\.json|model\.safetensors|model\.safetensors\.index\.json|"
-                          r"model-\d{5}-of-\d{5}\.safetensors)$")
+                          r"model-\d{5}-of-\d{5}\.safetensors|adapter_config\.json|adapter_model\.safetensors)$")
 # safetensors dtypes that hold weights; integer / bool tensors would be cast silently into nonsense
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 # a safetensors index names each tensor's shard: ~100 bytes per tensor, so megabytes for the largest models.
@@ -304,6 +304,35 @@ def save_hf_model(out_dir: str | os.PathLike, cfg: ModelConfig, params: Mapping[
     `extra_files`: {file name: bytes} written alongside (the tokenizer and generation config an export
     carries, `qtrain.data.hf_tokenizer.export_files`); `owner` (e.g. the run id and step) goes into the manifest."""
     _check_params(cfg, params)
+    hf = weights.internal_to_hf(cfg, {n: params[n] for n in weights.param_shapes(cfg)})  # views, canonical order
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = {k: math.prod(t.shape) * itemsize for k, t in hf.items()}
+    shards = plan_shards(sizes, max_shard_bytes)
+    files: dict[str, Any] = {"config.json": cfg.to_hf_dict(dtype=str(dtype).removeprefix("torch."))}
+    names = [SINGLE_FILE] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for fname, keys in zip(names, shards):
+        files[fname] = {k: hf[k] for k in keys}
+    if len(shards) > 1:
+        weight_map = {k: fname for fname, keys in zip(names, shards) for k in keys}
+        files[INDEX_FILE] = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(sorted(weight_map.items()))}
+    if tokenizer_src is not None:
+        for fname in TOKENIZER_FILES:
+            src = Path(tokenizer_src) / fname
+            if src.is_file():
+                files[fname] = src.read_bytes()
+    for fname, data in (extra_files or {}).items():
+        if fname not in TOKENIZER_FILES:
+            raise WeightsError(f"{fname!r}: not a file name an export may add (one of {', '.join(TOKENIZER_FILES)})")
+        files[fname] = data
+    return write_export(out_dir, files, dtype=dtype, nbytes=sum(sizes.values()), owner=owner)
+
+
+def write_export(out_dir: str | os.PathLike, files: Mapping[str, Any], *, dtype: torch.dtype, nbytes: int,
+                 owner: Mapping[str, Any] | None = None) -> Path:
+    """Write an export's `files` (name -> a dict of tensors: safetensors in `dtype`; another dict: JSON; bytes)
+    into `out_dir` as the module docstring says: refused if a file it would replace is none of qtrain's, every
+    file staged under a temp name, then all renamed in between an incomplete and a complete manifest."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise WeightsError(f"{out}: exists and is not a directory")
@@ -312,43 +341,25 @@ def save_hf_model(out_dir: str | os.PathLike, cfg: ModelConfig, params: Mapping[
         raise WeightsError(f"{out}: {', '.join(foreign[:4])}{' ...' if len(foreign) > 4 else ''} exist(s) and no "
                            f"qtrain export wrote them; qtrain does not overwrite them: choose another output "
                            f"directory (or move them away)")
-    hf = weights.internal_to_hf(cfg, {n: params[n] for n in weights.param_shapes(cfg)})  # views, canonical order
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = {k: math.prod(t.shape) * itemsize for k, t in hf.items()}
-    shards = plan_shards(sizes, max_shard_bytes)
-    ensure_free_space(out, sum(sizes.values()) + (1 << 20), f"the export to {out}")
+    ensure_free_space(out, nbytes + (1 << 20), f"the export to {out}")
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     sweep_temp_files(out)
     temps: dict[str, Path] = {}
-
-    def stage(name: str) -> Path:
-        temps[name] = temp_path(out / name)
-        return temps[name]
-
     try:
-        _write_json(stage("config.json"), cfg.to_hf_dict(dtype=str(dtype).removeprefix("torch.")))
-        names = [SINGLE_FILE] if len(shards) == 1 else [
-            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        for fname, keys in zip(names, shards):
-            # contiguous copies, one shard at a time: split views share storage, which safetensors refuses
-            tensors = {k: hf[k].detach().to(device="cpu", dtype=dtype, copy=True).contiguous() for k in keys}
-            st.save_file(tensors, str(stage(fname)), metadata={"format": "pt"})
-            del tensors
-            fault_point("export.write")
-        if len(shards) > 1:
-            weight_map = {k: fname for fname, keys in zip(names, shards) for k in keys}
-            _write_json(stage(INDEX_FILE), {"metadata": {"total_size": sum(sizes.values())},
-                                            "weight_map": dict(sorted(weight_map.items()))})
-        if tokenizer_src is not None:
-            for fname in TOKENIZER_FILES:
-                src = Path(tokenizer_src) / fname
-                if src.is_file():
-                    shutil.copyfile(src, stage(fname))
-        for fname, data in (extra_files or {}).items():
-            if fname not in TOKENIZER_FILES:
-                raise WeightsError(f"{fname!r}: not a file name an export may add (one of {', '.join(TOKENIZER_FILES)})")
-            stage(fname).write_bytes(data)
+        for fname, content in files.items():
+            temps[fname] = path = temp_path(out / fname)
+            if isinstance(content, bytes):
+                path.write_bytes(content)
+            elif fname.endswith(".safetensors"):
+                # contiguous copies, one file at a time: split views share storage, which safetensors refuses
+                tensors = {k: t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
+                           for k, t in content.items()}
+                st.save_file(tensors, str(path), metadata={"format": "pt"})
+                del tensors
+                fault_point("export.write")
+            else:
+                _write_json(path, content)
         mode = default_file_mode()
         for tmp in temps.values():
             os.chmod(tmp, mode)  # all alike, as any file the user makes (safetensors writes its files 0600)

@@ -17,7 +17,8 @@ What the next families and training modes need, stated here and nowhere else:
     sharded weight source, which asks `uniform_block()`;
   - a tensor may name a group of its own within its layer (`TensorSpec.group`: 'block.{l}.X', e.g. adapters);
   - a group may be *frozen* (`FlatLayout(..., frozen=keys)`, `Group.trainable` False): it has weights, but the
-    gradient managers, the optimizer and the memory plan allocate nothing for it (a frozen base under adapters);
+    gradient managers, the optimizer and the memory plan allocate nothing for it; `FlatLayout(..., lora=spec)` is
+    the frozen base with each layer's LoRA adapters as a trainable group 'block.{l}.lora' (model/lora/);
   - a tensor may be a stack of identical experts (`Segment.experts`, shape (E, ...)): expert parallelism gives
     each of its ranks whole experts, `Group.expert_pieces`.
 """
@@ -31,6 +32,8 @@ import torch
 
 from qtrain.model.config import ModelConfig
 from qtrain.model.family import TensorSpec
+from qtrain.model.lora import tensors as lora_tensors
+from qtrain.model.lora.spec import LoraSpec
 from qtrain.model.weights import statements
 
 ALIGN = 64  # elements; keeps every shard start 128-byte aligned in bf16 (vector loads, NCCL)
@@ -150,8 +153,14 @@ class FlatLayout:
     statements (tests, and families built on another's)."""
 
     def __init__(self, cfg: ModelConfig, world: int = 1, *, frozen: Collection[str] = (),
-                 tensors: tuple[Sequence[TensorSpec], Sequence[Sequence[TensorSpec]]] | None = None):
-        self.cfg, self.world = cfg, world
+                 tensors: tuple[Sequence[TensorSpec], Sequence[Sequence[TensorSpec]]] | None = None,
+                 lora: LoraSpec | None = None):
+        self.cfg, self.world, self.lora = cfg, world, lora
+        if lora is not None:  # the base frozen, each layer's adapters a trainable group 'block.{l}.lora'
+            if tensors is not None or frozen:
+                raise ValueError("FlatLayout: lora= states the tensors and the frozen groups itself")
+            tensors = lora_tensors.model_tensors(cfg, lora)
+            frozen = [t.name for t in tensors[0]] + [f"block.{i}" for i in range(len(tensors[1]))]
         if tensors is None:
             st = statements(cfg)
             tensors = (st.non_block, st.blocks)

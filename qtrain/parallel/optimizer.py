@@ -209,7 +209,7 @@ class ShardedAdamW:
         self.offloaded = {"param": offload_params, "m": offload_m, "v": offload_v}
         self.zero_copy = zero_copy
         self.m_dtype, self.v_dtype = m_dtype, v_dtype
-        self.param_dtype = next(iter(self.shards.values())).dtype
+        self.param_dtype = (self.shards[self.trained[0].key] if self.trained else next(iter(self.shards.values()))).dtype
         self.grad_dtype: torch.dtype | None = None  # of gradient shards staged from host memory (first such step)
         self._staged = {k: off and not zero_copy for k, off in self.offloaded.items()}
         if self.m_e4m3:

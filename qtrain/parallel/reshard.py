@@ -135,7 +135,7 @@ def reshard_state(src: FlatLayout, dst: FlatLayout, rank: int, kinds: tuple[str,
     out: dict[str, dict[str, torch.Tensor]] = {}
     for kind in kinds:
         out[kind] = {}
-        for g in dst.groups:
+        for g in dst.trainable_groups():  # frozen groups have no state (nor weights in checkpoints)
             cache: dict[tuple[int, str], torch.Tensor] = {}
 
             def one(q: int, key: str, kind: str = kind, cache: dict = cache) -> torch.Tensor:

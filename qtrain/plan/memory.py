@@ -29,6 +29,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from qtrain.model.family import DTYPE_BYTES
+from qtrain.model.lora import LoraAdapter
+from qtrain.model.lora.checks import spec_from_options
 from qtrain.model.activations import activation_memory, workspace_phases
 from qtrain.model.config import ModelConfig
 from qtrain.model.recompute import recompute_label, resolve_flags
@@ -181,7 +184,7 @@ def _weight_rows(cfg: ModelConfig, opts: Options, layout: FlatLayout, quants: tu
     dtype, world, L = DTYPES[opts.model_dtype], layout.world, cfg.num_hidden_layers
     if not opts.weights_sharded and opts.separate_master:  # --master-dtype fp32: master + the model's copy
         master = opts.effective_master_dtype
-        rows = [_row(f"weights ({master}, master)", replicated_footprint(layout, DTYPES[master]),
+        rows = [_row(f"weights ({master}, master)", replicated_footprint(layout, DTYPES[master], dtype),
                      f"{_count(num_params(cfg))} parameters; what the optimizer updates"),
                 _row(f"weights ({opts.model_dtype}, compute copy)", CastWeights.footprint_of(layout, dtype),
                      "what the model computes with; cast from the master once per step")]
@@ -250,7 +253,8 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
 
     gpu_memory: the budget (None: unknown). reserve: fixed device reserve (None: 1 GiB on CUDA, 0 on CPU), plus
     5% of activations + workspace for allocator fragmentation."""
-    layout = layout if layout is not None and layout.world == shards else FlatLayout(cfg, shards)
+    layout = layout if layout is not None and layout.world == shards else FlatLayout(
+        cfg, shards, lora=spec_from_options(vars(opts), cfg))  # LoRA: no gradients or Adam state for the base
     matmul = opts.effective_matmul_dtype
     B, T, L = opts.batch_size, opts.seq_len, cfg.num_hidden_layers
     N = B * T
@@ -288,6 +292,11 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
     documents = document_masking_bytes(cfg, opts, device, rc)  # --document-masking: plan/documents.py
     if documents is not None:
         items.append(Item("document masks", device=documents[0], kind="activations", detail=documents[1]))
+    if layout.lora is not None and "block" not in rc:  # each target's A output (and dropout's input and mask)
+        per_token = LoraAdapter(cfg, layout.lora).saved_bytes_per_token(DTYPE_BYTES[opts.model_dtype])
+        items.append(Item(f"lora adapters ({L} layers)", device=L * N * per_token, kind="activations",
+                          detail=f"rank {layout.lora.rank}, targets {','.join(layout.lora.targets)}: what the "
+                                 f"adapters keep for backward"))
     peak_phase = max(phases, key=phases.get)
     workspace = phases[peak_phase]
     items.append(Item("workspace", device=workspace, kind="workspace", parts=dict(phases),

@@ -31,6 +31,8 @@ from qtrain.data.tokenizers import TOKENIZER_JSON_MAX_BYTES
 from qtrain.fsio import InputError, read_bounded, shorten
 from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import TOKENIZER_FILES
+from qtrain.model.lora.checks import spec_from_record
+from qtrain.model.lora.spec import LoraSpec
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.optimizer import DTYPES, SCALES_SUFFIX, group_m_scales
 from qtrain.train import checkpoint_io as cio
@@ -44,20 +46,32 @@ _CHECK_CHUNK = 1 << 24  # elements checked at a time (value_problem)
 KIND_DTYPES = {"weights": ("fp32", "bf16"), "adam.m": ("fp32", "bf16", "e4m3"), "adam.v": ("fp32", "bf16")}
 
 
+LORA_META = "lora"  # checkpoint.json: a LoRA run's adapter settings (`LoraSpec.record`)
+
+
+def lora_of(meta: dict) -> LoraSpec | None:
+    """The LoRA settings a checkpoint records (None: a full fine-tune), which decide its layout."""
+    try:
+        return spec_from_record(meta.get(LORA_META))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint.json: {LORA_META} is not a LoRA record ({type(e).__name__})") from None
+
+
 def shard_stem(kind: str, rank: int, world: int) -> str:
     """The name (without .safetensors) of rank `rank`'s shard file of `kind` in a checkpoint of `world` ranks."""
     return f"{kind}.shard_{rank:03d}_of_{world:03d}"
 
 
-def expected_tensors(cfg: ModelConfig, world: int, kind: str, dtype: str | None) -> Expected:
+def expected_tensors(cfg: ModelConfig, world: int, kind: str, dtype: str | None,
+                     lora: LoraSpec | None = None) -> Expected:
     """The tensors every rank's shard file of `kind` holds (the same names and shapes on every rank).
     `dtype` None: not known (the options record none a shard of `kind` can hold); any dtype `kind` can have is
     accepted then, and an e4m3 m's scales are expected when the file holds them."""
-    layout = FlatLayout(cfg, world)
+    layout = FlatLayout(cfg, world, lora=lora)  # a LoRA run's files hold its trainable groups (the adapters) only
     dt = DTYPES[dtype] if dtype is not None else None
-    out: Expected = {g.key: (dt, (g.shard_size(world),)) for g in layout.groups}
+    out: Expected = {g.key: (dt, (g.shard_size(world),)) for g in layout.trainable_groups()}
     if kind == "adam.m" and dtype in ("e4m3", None):
-        for g in layout.groups:
+        for g in layout.trainable_groups():
             out[g.key + SCALES_SUFFIX] = (torch.float32, (group_m_scales(g, world),))
     return out
 
@@ -199,7 +213,7 @@ def check_files(path: str, meta: dict[str, Any], files: cio.CheckpointFiles, cfg
             listed = " it lists in distributed.ranks" if "ranks" in dist else ""
             return (f"{path}: {missing[0]}.safetensors is missing (a checkpoint of {world} rank(s) holds a {kind} "
                     f"file per rank{listed})")
-        expected = expected_tensors(cfg, world, kind, dtypes[kind])
+        expected = expected_tensors(cfg, world, kind, dtypes[kind], lora_of(meta))
         for stem in stems:
             try:
                 files.digest(stem)
@@ -261,7 +275,7 @@ def verify(path: str, *, ranks: list[int] | None = None, optional: tuple[str, ..
         ranks = held_ranks(meta) if ranks is None else ranks
         if problem := check_files(path, meta, files, cfg, ranks=ranks, optional=optional):
             return problem
-        layout = FlatLayout(cfg, meta["distributed"]["world"])
+        layout = FlatLayout(cfg, meta["distributed"]["world"], lora=lora_of(meta))
         for kind in load:
             for r in ranks:
                 if shard_stem(kind, r, layout.world) in files:

@@ -50,12 +50,13 @@ from safetensors import SafetensorError
 from qtrain.fsio import describe_write_error, ensure_free_space, fault_point, owner_tag
 from qtrain.model.config import ModelConfig
 from qtrain.model.registry import config_from_hf_dict
+from qtrain.model.lora.checks import spec_from_options, spec_from_record
 from qtrain.observe.log import RunLogger
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.reshard import reshard_state
 from qtrain.train import checkpoint_io as cio
 from qtrain.train import checkpoint_meta as cmeta
-from qtrain.train.checkpoint_checks import STATE_KINDS, check_files, value_problem, verify
+from qtrain.train.checkpoint_checks import LORA_META, STATE_KINDS, check_files, value_problem, verify
 from qtrain.train.checkpoint_checks import shard_stem as _stem
 from qtrain.train.checkpoint_io import CheckpointError
 from qtrain.train.checkpoint_meta import FORMAT_VERSION, HINTS_META, MUST_MATCH
@@ -184,6 +185,8 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
             "model": trainer.cfg.to_hf_dict(),
             "tokenizer": cmeta.tokenizer_record(trainer.tokenizer),  # what `qtrain export` puts beside the weights
         }
+        if trainer.lora is not None:  # the adapters' settings; the files hold the trainable groups only
+            meta[LORA_META] = trainer.lora.record()
         if all_hints is not None:
             meta[HINTS_META] = all_hints
     meta = ctx.broadcast_object(meta)
@@ -250,6 +253,10 @@ def check_compatible(path: str, meta: dict[str, Any], cfg: ModelConfig, opts: An
         if getattr(opts, k, v) != v:
             raise CheckpointError(f"{path}: checkpoint has --{k.replace('_', '-')}={v!r}, this run "
                                   f"{getattr(opts, k)!r}")
+    mine = spec_from_options(vars(opts), cfg) if hasattr(opts, "lora_rank") else None
+    if (mine.record() if mine else None) != (meta.get(LORA_META) or None):
+        raise CheckpointError(f"{path}: checkpoint has LoRA adapters {meta.get(LORA_META) or 'none'}, this run "
+                              f"{mine.record() if mine else 'none'} (--lora-* options differ)")
     if theirs != config_from_hf_dict(cfg.to_hf_dict()):
         diff = [f.name for f in theirs.__dataclass_fields__.values() if getattr(theirs, f.name) != getattr(cfg, f.name)]
         raise CheckpointError(f"{path}: written for another model ({', '.join(diff)} differ from --model's config)")
@@ -362,7 +369,7 @@ def restore_state(path: str, trainer: Trainer) -> dict[str, Any]:
     if (err := _agree(ctx, missing_files(path, meta, shard, shards))) is not None:
         raise CheckpointError(err)
     world = meta["distributed"]["world"]
-    src = FlatLayout(cfg, world)
+    src = FlatLayout(cfg, world, lora=spec_from_record(meta.get(LORA_META)))
     state = None
     err = check_files(path, meta, files, cfg, ranks=_reads(world, shard, shards))
     if err is None:

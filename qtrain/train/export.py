@@ -22,7 +22,8 @@ from qtrain.parallel.layout import FlatLayout
 from qtrain.train import checkpoint_io as cio
 from qtrain.train import checkpoint_meta
 from qtrain.train.checkpoint_io import CheckpointError
-from qtrain.train.checkpoint_checks import check_files, load_checked, verify
+from qtrain.model.lora.peft_io import save_adapter
+from qtrain.train.checkpoint_checks import check_files, load_checked, lora_of, verify
 from qtrain.train.checkpoint_checks import shard_stem as _stem
 from qtrain.train.checkpointing import newest_verifying, refusal, unverified_note
 
@@ -54,11 +55,11 @@ def _problem(path: str) -> str | None:
 
 
 def checkpoint_params(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
-    """(model config, full parameters by internal name, master dtype name) from a checkpoint directory, which
-    must verify (CheckpointError naming the file and tensor, and the newest checkpoint beside it that does)."""
+    """(model config, full parameters by internal name (a LoRA checkpoint's: its adapters), master dtype name) from a
+    checkpoint directory, which must verify (CheckpointError naming the file and tensor, and the newest checkpoint beside it that does)."""
     meta, cfg, files = checked_meta(path)
     world = int(meta["distributed"]["world"])
-    layout = FlatLayout(cfg, world)
+    layout = FlatLayout(cfg, world, lora=lora_of(meta))  # a LoRA checkpoint: the adapters only
     # the Adam files first (each read whole, then dropped), then the weights: verified in the read that loads them
     try:
         for kind in ADAM_KINDS:
@@ -69,13 +70,15 @@ def checkpoint_params(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], 
     except CheckpointError as e:
         raise refusal(str(e), newest_verifying(path, _problem), _export_hint) from None
     buffers = {}
-    for g in layout.groups:
+    for g in layout.trainable_groups():
         parts = [s[g.key] for s in shards]
         if any(p.numel() != g.shard_size(world) for p in parts):
             raise CheckpointError(f"{path}: weight shard of {g.key} has the wrong size for world {world}")
         buffers[g.key] = torch.cat(parts)
     opts = meta["options"]
-    return cfg, layout.views(buffers), opts["master_dtype"] or opts["model_dtype"]
+    views = {s.name: buffers[g.key][s.start:s.start + s.numel].view(s.shape) for g in layout.trainable_groups()
+             for s in g.segments}
+    return cfg, views, opts["master_dtype"] or opts["model_dtype"]
 
 
 def _export_hint(path: str, step: int | None) -> str:
@@ -116,8 +119,13 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, t
         spec = export_tokenizer(explicit=tokenizer or (checkpoint_tokenizer(str(path)) or ""))
         owner = {"run_id": run_id, "name": (meta.get("run") or {}).get("name"), "step": meta.get("step"),
                  "checkpoint": str(path)}
-        save_hf_model(out_dir, cfg, params, dtype=DTYPES[dtype], extra_files=export_files(spec, cfg),
-                      owner={k: v for k, v in owner.items() if v is not None})
+        owner = {k: v for k, v in owner.items() if v is not None}
+        lora = lora_of(meta)
+        if lora is not None:  # the PEFT adapter of the run's base model (--model, as the run recorded it)
+            save_adapter(out_dir, cfg, lora, params, base=meta["options"].get("model") or "", dtype=DTYPES[dtype],
+                         owner=owner, extra_files=export_files(spec, cfg))
+        else:
+            save_hf_model(out_dir, cfg, params, dtype=DTYPES[dtype], extra_files=export_files(spec, cfg), owner=owner)
     return ExportResult(str(path), str(out_dir), spec, transformers_caveat(spec, cfg),
                         None if files.verified else unverified_note(str(path)))
 

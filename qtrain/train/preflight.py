@@ -29,6 +29,7 @@ from qtrain.data.loader import TokenLoader
 from qtrain.locks import Locks
 from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import check_hf_weights
+from qtrain.model.lora.checks import spec_from_options
 from qtrain.model.resolve import resolve_model
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.dist import DeviceError, check_device
@@ -94,6 +95,7 @@ def check_model(opts: Options) -> ModelConfig:
     if opts.fp8_head_backward and (cfg.vocab_size % 16 or cfg.hidden_size % 16):
         raise OptionsError(f"--fp8-head-backward: the model's vocab_size {cfg.vocab_size} and hidden_size "
                            f"{cfg.hidden_size} must be multiples of 16 (cuBLASLt's FP8 GEMMs); drop the option")
+    spec_from_options(vars(opts), cfg, check_adapter=True)  # LoRA: targets, rank, the --lora-init-from adapter
     if opts.seq_len > cfg.max_position_embeddings:
         raise OptionsError(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings "
                            f"{cfg.max_position_embeddings}")

@@ -19,6 +19,7 @@ for clipping and logging). Every rank calls the same methods in the same order.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Iterable
 
@@ -28,6 +29,10 @@ from qtrain.data.hf_tokenizer import export_files, export_tokenizer
 from qtrain.fsio import FileSystemError
 from qtrain.kernels.cross_entropy import IGNORE_INDEX
 from qtrain.model.hf_io import save_hf_model
+from qtrain.model.lora import LoraAdapter
+from qtrain.model.lora.checks import spec_from_options
+from qtrain.model.lora.init import init_adapters
+from qtrain.model.lora.peft_io import read_adapter
 from qtrain.model.resolve import resolve_model
 from qtrain.model.transformer import RunOptions, Transformer
 from qtrain.observe.absmax import AbsMaxRecorder, weight_abs_maxes
@@ -40,6 +45,7 @@ from qtrain.parallel.optimizer import ZERO_COPY_CUDA, ShardedAdamW, clip_scale
 from qtrain.parallel.weights import build_weights
 from qtrain.plan.resolution import RunResolution, check_cuda_graphs, check_model_support, resolve_run
 from qtrain.train.cuda_graphs import MicroStepGraphs
+from qtrain.train.lora_export import export_lora
 from qtrain.train.router_metrics import RouterMetrics
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -83,7 +89,9 @@ class Trainer:
         self.groups = make_shard_groups(opts.shard_group_size, rank=self.ctx.rank, world=self.ctx.world,
                                         device=self.device)
         self.comm = self.groups.shard
-        self.layout = FlatLayout(self.cfg, self.comm.world)  # one flat buffer per group (parallel/layout.py)
+        # --lora-rank: the base frozen, each layer's adapters a trainable group (model/lora/)
+        self.lora = spec_from_options(vars(opts), self.cfg)
+        self.layout = FlatLayout(self.cfg, self.comm.world, lora=self.lora)  # one flat buffer per group
         # --matmul-dtype e4m3: which block linears run in FP8 for this micro-batch shape (--fp8-policy)
         self.fp8 = run.fp8
         # replicated weights: `params` are views into the full `param_buffers`; sharded weights
@@ -92,7 +100,7 @@ class Trainer:
                           device=self.device, sharded=opts.weights_sharded, offload=opts.offload_master,
                           quantized=run.persistent_quants, offload_quants=opts.offload_quants,
                           weights_dir=self.source.weights_dir, seed=opts.seed,
-                          init_proj_to_zero=opts.init_proj_to_zero)
+                          init_proj_to_zero=opts.init_proj_to_zero, adapters=self._adapter_init(opts))
         self.weights, self.params, self.param_buffers, self.sharded_weights = w.source, w.params, w.buffers, w.sharded
         self.model = Transformer(self.cfg, self._run_options(opts, run))
         self.grads = make_gradient_manager(run.gradients, self.layout, comm=self.comm,
@@ -114,6 +122,13 @@ class Trainer:
         # an MoE model: the step's router losses and tokens per expert, for the log (train/router_metrics.py)
         self.router_metrics = RouterMetrics(self.cfg.router, self.device) if self.cfg.router else None
 
+    def _adapter_init(self, opts: Options):
+        """What fills the LoRA adapters: peft's init, or the --lora-init-from adapter (None without LoRA)."""
+        if self.lora is None:
+            return None
+        source = read_adapter(opts.lora_init_from, self.cfg, self.lora) if opts.lora_init_from else None
+        return functools.partial(init_adapters, self.cfg, self.lora, seed=opts.seed, source=source)
+
     def _run_options(self, opts: Options, run: RunResolution) -> RunOptions:
         """How the model executes: the options as the run resolved them."""
         return RunOptions(
@@ -123,7 +138,8 @@ class Trainer:
             matmul_dtype=run.block_matmul_dtype, fp8_grad_dtype=run.fp8_grad_dtype,
             fp8_keep_transposes=run.fp8_keep_transposes, fp8_swiglu_onepass=run.fp8_swiglu_onepass,
             fp8_head_backward=run.fp8_head_backward, fp8_linears=run.fp8.fp8 if run.fp8 is not None else None,
-            wrap_linear=self._abs_max_wrapper(opts), document_attention=opts.document_attention)
+            wrap_linear=self._abs_max_wrapper(opts), document_attention=opts.document_attention,
+            adapter=LoraAdapter(self.cfg, self.lora) if self.lora is not None else None)
 
     def _abs_max_wrapper(self, opts: Options):
         """--debug-log-abs-max: the recorder that wraps the block linears (None when off; with
@@ -274,8 +290,12 @@ class Trainer:
         err: Exception | None = None
         if self.ctx.is_main:
             try:
-                save_hf_model(out_dir, self.cfg, params, dtype=self.master_dtype,
-                              extra_files=export_files(self.tokenizer, self.cfg), owner=owner)
+                if self.lora is not None:  # the PEFT adapter, or with --lora-merge the merged model
+                    export_lora(out_dir, self.cfg, self.lora, params, merge=self.opts.lora_merge, base=self.opts.model,
+                                dtype=self.master_dtype, tokenizer=self.tokenizer, owner=owner)
+                else:
+                    save_hf_model(out_dir, self.cfg, params, dtype=self.master_dtype,
+                                  extra_files=export_files(self.tokenizer, self.cfg), owner=owner)
             except (ValueError, OSError) as e:
                 err = e if isinstance(e, ValueError) else FileSystemError(f"export to {out_dir} failed: {e}")
         err = self.ctx.broadcast_object(err)
@@ -286,7 +306,8 @@ class Trainer:
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """This rank's shards: weights and Adam moments, keyed by file stem then group key."""
         opt = self.optimizer.state_tensors()  # first: waits for copies to offloaded (host) state
-        weights = {g.key: self.optimizer.param_shard(g.key) for g in self.layout.groups}
+        # the trainable groups (a frozen LoRA base is the --model's, loaded again on --continue)
+        weights = {g.key: self.optimizer.param_shard(g.key) for g in self.layout.trainable_groups()}
         return {"weights": weights, **opt}
 
     @torch.no_grad()
@@ -294,7 +315,7 @@ class Trainer:
         if self.sharded_weights:
             self.weights.wait_all()
         self.optimizer.synchronize()
-        for g in self.layout.groups:
+        for g in self.layout.trainable_groups():
             src, dst = state["weights"][g.key], self.optimizer.param_shard(g.key)
             if src.shape != dst.shape:
                 raise ValueError(f"checkpoint weights[{g.key}]: shape {tuple(src.shape)} != {tuple(dst.shape)}")

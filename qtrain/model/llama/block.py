@@ -92,7 +92,10 @@ class LlamaBlock:
         self.eps, self.q_dim, self.qk_norm, self.gqa = cfg.rms_norm_eps, cfg.q_dim, cfg.qk_norm, self.nh != self.nkv
         self.linear, self.linears, self.rebuilt_input_linear = o.linear, o.linears, o.rebuilt_input_linear
         self.swiglu_mode, self.rope_mode = o.swiglu, o.rope
-        self.fused_mlp = o.mlp if not (MLP_STEPS & o.recompute) else None
+        self.adapter = o.adapter
+        # the one-function MLP has no seam for an adapter of up/gate/down: those run as three steps
+        adapted_mlp = o.adapter is not None and o.adapter.covers("up", "down")
+        self.fused_mlp = o.mlp if not (MLP_STEPS & o.recompute) and not adapted_mlp else None
         self.norm_fed_fp8 = o.norm_fed_fp8 and not o.recompute  # the norms and their linears are then plain calls
         self.rebuilt = {n for n, step in REBUILT_BY.items() if step in o.recompute}
         self.attn_chunks, self.sdpa_backend = o.attn_chunks, o.sdpa_backend
@@ -109,13 +112,15 @@ class LlamaBlock:
         comes from, for an FP8 linear, with norm_fed_fp8)."""
         b = w.get(bias) if bias else None
         if self.linears and name in self.linears:  # a model-dtype linear: no FP8 copy applies
-            return self.linears[name](h, w[name], b)
-        fn = self.linear
-        if self.rebuilt_input_linear is not None and name in self.rebuilt:
-            fn = self.rebuilt_input_linear
-        q = quantized_weight(w, name)
-        extra = {} if prenorm is None else {"prenorm": prenorm}
-        return fn(h, w[name], b, **extra) if q is None else fn(h, w[name], b, q, **extra)
+            y = self.linears[name](h, w[name], b)
+        else:
+            fn = self.linear
+            if self.rebuilt_input_linear is not None and name in self.rebuilt:
+                fn = self.rebuilt_input_linear
+            q = quantized_weight(w, name)
+            extra = {} if prenorm is None else {"prenorm": prenorm}
+            y = fn(h, w[name], b, **extra) if q is None else fn(h, w[name], b, q, **extra)
+        return y if self.adapter is None else self.adapter(name, h, w, y)  # LoRA: + s B A h
 
     @staticmethod
     def saved_by_fp8_weights(a: _Saved) -> list[ActTerm]:

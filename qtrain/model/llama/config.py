@@ -113,8 +113,8 @@ _KNOWN_KEYS = COMMON_HF_KEYS | {"intermediate_size", "attention_bias", "mlp_bias
                                 "sliding_window", "max_window_layers", "layer_types", "pretraining_tp", "use_mrope"}
 
 
-def _qwen25(h: int, f: int, layers: int, heads: int, kv: int, tied: bool) -> LlamaConfig:
-    return LlamaConfig(model_type="qwen2", vocab_size=151936, hidden_size=h, intermediate_size=f,
+def _qwen25(h: int, f: int, layers: int, heads: int, kv: int, tied: bool, vocab: int = 151936) -> LlamaConfig:
+    return LlamaConfig(model_type="qwen2", vocab_size=vocab, hidden_size=h, intermediate_size=f,
                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
                        max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=tied,
                        attention_bias=True, bos_token_id=151643, eos_token_id=151643)
@@ -137,6 +137,7 @@ PRESETS: dict[str, Callable[[], LlamaConfig]] = {
     "Qwen2.5-7B": lambda: _qwen25(3584, 18944, 28, 28, 4, False),
     "Qwen2.5-14B": lambda: _qwen25(5120, 13824, 48, 40, 8, False),
     "Qwen2.5-32B": lambda: _qwen25(5120, 27648, 64, 40, 8, False),
+    "Qwen2.5-72B": lambda: _qwen25(8192, 29568, 80, 64, 8, False, vocab=152064),
     "Llama-3.2-1B": lambda: _llama3(2048, 8192, 16, 32, 8, True, 32.0),
     "Llama-3.2-3B": lambda: _llama3(3072, 8192, 28, 24, 8, True, 32.0),
     "Llama-3.1-8B": lambda: _llama3(4096, 14336, 32, 32, 8, False, 8.0),

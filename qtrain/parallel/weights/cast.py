@@ -30,7 +30,11 @@ class CastWeights(ParamWeights):
     def __init__(self, layout: FlatLayout, master: dict[str, torch.Tensor], dtype: torch.dtype):
         self.master = master
         device = next(iter(master.values())).device
-        self.buffers = layout.allocate(dtype=dtype, device=device)
+        # a group already held in `dtype` (a frozen base has no master: factory.build_weights) is read as it is
+        copied = [g for g in layout.groups if master[g.key].dtype != dtype]
+        self.buffers = {**layout.allocate(dtype=dtype, device=device, groups=copied),
+                        **{g.key: master[g.key] for g in layout.groups if master[g.key].dtype == dtype}}
+        self._copied = [g.key for g in copied]
         super().__init__(layout.cfg, {n: v.requires_grad_(layout.group_of[n].trainable)
                                       for n, v in layout.views(self.buffers).items()})
         self.fresh = False  # the copy holds the master's current values
@@ -39,8 +43,8 @@ class CastWeights(ParamWeights):
     @torch.no_grad()
     def _refresh(self) -> None:
         if not self.fresh:
-            for key, buf in self.buffers.items():
-                buf.copy_(self.master[key])  # round to nearest (bf16 of fp32); padding stays zero
+            for key in self._copied:
+                self.buffers[key].copy_(self.master[key])  # round to nearest (bf16 of fp32); padding stays zero
             self.fresh = True
             self.casts += 1
 
@@ -57,5 +61,6 @@ class CastWeights(ParamWeights):
 
     @staticmethod
     def footprint_of(layout: FlatLayout, dtype: torch.dtype) -> Footprint:
-        """The compute copy: every group's full buffer in the compute dtype (the master is counted apart)."""
-        return Footprint({"compute_copy": layout.total_numel() * dtype.itemsize})
+        """The compute copy: every trainable group's full buffer in the compute dtype (the master is counted apart;
+        frozen groups have no master, only this dtype)."""
+        return Footprint({"compute_copy": sum(g.padded_numel for g in layout.trainable_groups()) * dtype.itemsize})

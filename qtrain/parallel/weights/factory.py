@@ -16,11 +16,13 @@ is keyed by tensor name, so the values depend neither on the world size nor on t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from qtrain.model.hf_io import load_hf_weights
 from qtrain.model.init import init_params
+from qtrain.model.weights import tensor_specs
 from qtrain.parallel.comm import Communicator
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.weights.cast import CastWeights
@@ -51,18 +53,26 @@ class RankWeights:
 def build_weights(layout: FlatLayout, *, comm: Communicator, dtype: torch.dtype, device: torch.device,
                   sharded: bool, offload: bool = False, quantized: tuple[str, ...] = (),
                   offload_quants: bool = False, weights_dir: str | None = None, seed: int = 0,
-                  init_proj_to_zero: bool = False, compute_dtype: torch.dtype | None = None) -> RankWeights:
+                  init_proj_to_zero: bool = False, compute_dtype: torch.dtype | None = None,
+                  adapters: Callable[[dict[str, torch.Tensor]], None] | None = None) -> RankWeights:
     """Allocate and fill this rank's weights (module docstring). dtype: the master weights'; compute_dtype: what
     the model computes with (None: the same); offload: sharded master weights in host memory; quantized: block
     matrices kept as FP8 copies made once per step (offload_quants: sharded ones in host memory); weights_dir:
-    HF safetensors to load, or None for the from-scratch init (seed, init_proj_to_zero)."""
+    HF safetensors to load, or None for the from-scratch init (seed, init_proj_to_zero); adapters: fills the tensors
+    beyond the model's own (a LoRA layout's adapters, `layout.lora`), given them by internal name.
+
+    Frozen groups have no master: with a `compute_dtype` they are kept in it alone, and only the trainable groups
+    have a master of `dtype` and a cast copy (a LoRA run's base is never held in fp32)."""
     cast = compute_dtype is not None and compute_dtype != dtype
     if sharded:  # the shards are the master; each gather casts them to the compute dtype
         source = ShardedWeights(layout, comm=comm, dtype=dtype, device=device, offload=offload,
                                 quantized=quantized, offload_quants=offload_quants, compute_dtype=compute_dtype)
         weights = RankWeights(source, buffers=None, params=None)
     else:
-        buffers = layout.allocate(dtype=dtype, device=device)
+        frozen = [g for g in layout.groups if not g.trainable]
+        buffers = layout.allocate(dtype=dtype, device=device, groups=layout.trainable_groups())
+        buffers.update(layout.allocate(dtype=compute_dtype if cast else dtype, device=device, groups=frozen))
+        buffers = {g.key: buffers[g.key] for g in layout.groups}  # layout order
         # the model differentiates what requires grad: not a master under a cast copy, nor a frozen group's tensors
         params = {n: v.requires_grad_(not cast and layout.group_of[n].trainable)
                   for n, v in layout.views(buffers).items()}
@@ -71,23 +81,32 @@ def build_weights(layout: FlatLayout, *, comm: Communicator, dtype: torch.dtype,
     loaded = load_hf_weights(weights_dir, layout.cfg, dtype=dtype, device="cpu") if weights_dir is not None else None
     shards = weights.source.shards if isinstance(weights.source, ShardedWeights) else None
     _fill(layout, weights.buffers, shards, rank=comm.rank, dtype=dtype, device=device, loaded=loaded, seed=seed,
-          init_proj_to_zero=init_proj_to_zero)
+          init_proj_to_zero=init_proj_to_zero, adapters=adapters)
     return weights
 
 
 @torch.no_grad()
 def _fill(layout: FlatLayout, buffers: dict[str, torch.Tensor] | None, shards: dict[str, torch.Tensor] | None, *,
           rank: int, dtype: torch.dtype, device: torch.device, loaded: dict[str, torch.Tensor] | None, seed: int,
-          init_proj_to_zero: bool) -> None:
+          init_proj_to_zero: bool, adapters: Callable[[dict[str, torch.Tensor]], None] | None = None) -> None:
     """Fill the full `buffers` in place, or, with `shards`, a temporary full buffer per group of which this
-    rank keeps its slice."""
+    rank keeps its slice; tensors the model's statements do not have go to `adapters`."""
+    own = tensor_specs(layout.cfg)
     for g in layout.groups:
         if buffers is None:
             full = torch.zeros(g.padded_numel, dtype=dtype, device=device)  # padding stays zero
         else:
             full = buffers[g.key]
         views = {s.name: full[s.start:s.start + s.numel].view(s.shape) for s in g.segments}
-        if loaded is None:
+        extra = {n: v for n, v in views.items() if n not in own}
+        if extra:
+            if adapters is None:
+                raise ValueError(f"build_weights: nothing fills {sorted(extra)[:3]} (tensors beyond the model's)")
+            adapters(extra)
+            views = {n: v for n, v in views.items() if n in own}
+        if not views:
+            pass
+        elif loaded is None:
             init_params(layout.cfg, views, seed=seed, init_proj_to_zero=init_proj_to_zero)
         else:
             for name, t in views.items():

@@ -1,0 +1,140 @@
+"""PEFT's adapter format, written and read: `adapter_config.json` + `adapter_model.safetensors`, the directory
+`peft.PeftModel.from_pretrained(base, DIR)` loads.
+
+Keys are peft's (`base_model.model.model.layers.{l}.self_attn.q_proj.lora_A.weight`, ...: the adapter tensors'
+HF parts, `tensors.py`). Written through the export's machinery (`hf_io.write_export`: staged files, a manifest,
+never over a file no qtrain export wrote). Read (--lora-init-from) only after every check passed: the config's
+fields that change the math are the run's (rank, targets, alpha; no DoRA, rsLoRA, bias or per-layer patterns), and the
+safetensors header has exactly the run's keys with their shapes, before any tensor is read; values must be finite.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from qtrain.fsio import CONFIG_MAX_BYTES, InputError, check_regular_file, read_json_input, shorten
+from qtrain.model.config import ModelConfig
+from qtrain.model.hf_io import FLOAT_DTYPES, write_export
+from qtrain.model.lora.spec import LoraError, LoraSpec
+from qtrain.model.lora.tensors import adapter_specs, base_module_names
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# fields of adapter_config.json that change what the adapter computes, and the only value qtrain implements
+_PLAIN = {"use_dora": False, "use_rslora": False, "bias": "none", "fan_in_fan_out": False,
+          "layers_to_transform": None, "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}}
+
+
+def adapter_config(cfg: ModelConfig, spec: LoraSpec, base: str) -> dict[str, Any]:
+    """The adapter_config.json peft writes for this adapter (`base`: the base model's name or path)."""
+    alpha = int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": spec.rank,
+            "lora_alpha": alpha, "lora_dropout": spec.dropout, "target_modules": base_module_names(cfg, spec),
+            "init_lora_weights": True, "inference_mode": True, "layers_pattern": None, "revision": None, **_PLAIN}
+
+
+def save_adapter(out_dir: str | os.PathLike, cfg: ModelConfig, spec: LoraSpec, adapters: Mapping[str, torch.Tensor],
+                 *, base: str, dtype: torch.dtype, owner: Mapping[str, Any] | None = None,
+                 extra_files: Mapping[str, bytes] | None = None) -> Path:
+    """Write the adapter tensors `adapters` (internal name -> tensor, every adapter of `spec`) in PEFT's format, with
+    `extra_files` (the tokenizer files an export carries) beside them."""
+    specs = adapter_specs(cfg, spec)
+    if set(adapters) != set(specs):
+        raise LoraError(f"save_adapter: got {sorted(set(adapters) ^ set(specs))[:3]} beyond or short of the adapters")
+    hf: dict[str, torch.Tensor] = {}
+    for name, t in adapters.items():
+        flat, start = t.reshape(-1), 0
+        for key, shape in specs[name].hf:
+            n = math.prod(shape)
+            hf[key] = flat[start:start + n].view(shape)
+            start += n
+    nbytes = sum(t.numel() for t in hf.values()) * dtype.itemsize
+    files = {CONFIG_FILE: adapter_config(cfg, spec, base), WEIGHTS_FILE: hf, **dict(extra_files or {})}
+    return write_export(out_dir, files, dtype=dtype, nbytes=nbytes, owner=owner)
+
+
+def read_config(adapter_dir: str, cfg: ModelConfig, spec: LoraSpec, *, option: str = "--lora-init-from") -> float:
+    """Check `adapter_dir`'s adapter_config.json against the run (LoraError naming the file and field); returns its
+    lora_alpha."""
+    path = Path(adapter_dir) / CONFIG_FILE
+    where = f"{option} {shorten(str(path))}"
+    if not Path(adapter_dir).is_dir():
+        raise LoraError(f"{option} {shorten(str(adapter_dir))}: not a directory (a PEFT adapter: {CONFIG_FILE} + "
+                        f"{WEIGHTS_FILE})")
+    if not os.path.lexists(path):
+        raise LoraError(f"{where}: file not found")
+    try:
+        d = read_json_input(path, "", CONFIG_MAX_BYTES)
+    except InputError as e:
+        raise LoraError(f"{option} {e}") from None
+    if not isinstance(d, dict):
+        raise LoraError(f"{where}: not a JSON object")
+    if d.get("peft_type") != "LORA":
+        raise LoraError(f"{where}: peft_type {shorten(repr(d.get('peft_type')))} is not 'LORA'")
+    for key, plain in _PLAIN.items():
+        v = d.get(key, plain)
+        if not (v == plain or (plain == {} and v is None)):
+            raise LoraError(f"{where}: {key}={shorten(repr(d.get(key)))} is not supported (only {plain!r})")
+    r = d.get("r")
+    if r != spec.rank:
+        raise LoraError(f"{where}: r={shorten(repr(r))}, this run's --lora-rank is {spec.rank}")
+    modules = d.get("target_modules")
+    modules = [modules] if isinstance(modules, str) else modules
+    want = base_module_names(cfg, spec)
+    if not isinstance(modules, list) or sorted(map(str, modules)) != sorted(want):
+        raise LoraError(f"{where}: target_modules {shorten(repr(modules))} differ from this run's --lora-targets "
+                        f"({', '.join(want)})")
+    alpha = d.get("lora_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0 or not math.isfinite(alpha):
+        raise LoraError(f"{where}: lora_alpha {shorten(repr(alpha))} is not a positive number")
+    return float(alpha)
+
+
+def read_adapter(adapter_dir: str, cfg: ModelConfig, spec: LoraSpec, *, option: str = "--lora-init-from",
+                 load: bool = True) -> dict[str, torch.Tensor] | None:
+    """The adapter's tensors by PEFT key (fp32), after `read_config` and a check of the safetensors header against
+    the run's adapters (every key, its shape, a float dtype) and of the values (finite). `load` False: the checks
+    that need no tensor data only (the preflight)."""
+    read_config(adapter_dir, cfg, spec, option=option)
+    path = Path(adapter_dir) / WEIGHTS_FILE
+    where = f"{option} {shorten(str(path))}"
+    if not os.path.lexists(path):
+        raise LoraError(f"{where}: file not found")
+    try:
+        check_regular_file(path, "")
+    except InputError as e:
+        raise LoraError(f"{option} {e}") from None
+    want = {k: shape for s in adapter_specs(cfg, spec).values() for k, shape in s.hf}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            missing, extra = sorted(set(want) - keys), sorted(keys - set(want))
+            if missing or extra:
+                what = f"has no tensor {missing[0]}" if missing else f"has unexpected tensor {shorten(extra[0])}"
+                raise LoraError(f"{where}: {what} (an adapter of another base model, rank or targets?)")
+            for k, shape in want.items():
+                sl = f.get_slice(k)
+                if sl.get_dtype() not in FLOAT_DTYPES or tuple(sl.get_shape()) != shape:
+                    raise LoraError(f"{where}: tensor {k} is {sl.get_dtype()} {list(sl.get_shape())}, this base model "
+                                    f"and rank need a float tensor of shape {list(shape)}")
+            if not load:
+                return None
+            out = {}
+            for k in want:
+                t = f.get_tensor(k).float()
+                if not torch.isfinite(t).all():
+                    raise LoraError(f"{where}: tensor {k} has non-finite values")
+                out[k] = t
+            return out
+    except SafetensorError as e:
+        raise LoraError(f"{where}: not a readable safetensors file ({shorten(str(e))})") from None
+    except OSError as e:
+        raise LoraError(f"{where}: cannot be read ({e.strerror or e})") from None
+
+
+__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "adapter_config", "read_adapter", "read_config", "save_adapter"]

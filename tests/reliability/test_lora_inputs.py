@@ -1,0 +1,96 @@
+"""Bad LoRA input (issue 45 item 4): each row gives `qtrain train` one broken LoRA setting or adapter and asserts
+the bad-input table's contract (tests/reliability/test_bad_inputs.py's `run_case`): exit code 2, one line
+`qtrain: error: ...` naming the option or file, no traceback, nothing under the root changed or added (the
+refusal comes before the model is built and before anything is written).
+
+The tiny model (tests/run_utils.CFG, llama): hidden 32, q 32 x 32, k and v 16 x 32, o 32 x 32, gate/up 64 x 32,
+down 32 x 64; so rank 17 exceeds k's and v's smaller dimension (16).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from qtrain.model.lora import LoraSpec
+from qtrain.model.lora.peft_io import save_adapter
+from qtrain.model.lora.tensors import adapter_specs
+from tests.reliability.test_bad_inputs import Case, run_case, train
+from tests.run_utils import CFG, make_run_root
+
+ALL7 = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return make_run_root(tmp_path_factory.mktemp("lora_base"))
+
+
+def adapter(rel: str, *, rank: int = 4, targets: tuple[str, ...] = ALL7, cfg=CFG, config: dict | None = None,
+            weights: bytes | None = None, drop: str = ""):
+    """A setup writing a PEFT adapter (qtrain's writer, random tensors) at root/rel, then broken as asked."""
+    def setup(root: Path) -> None:
+        spec = LoraSpec(rank, 8.0, targets=targets)
+        t = {n: torch.randn(s.shape) for n, s in adapter_specs(cfg, spec).items()}
+        d = root / rel
+        save_adapter(d, cfg, spec, t, base="tiny", dtype=torch.float32)
+        (d / "qtrain-export.json").unlink()
+        if config is not None:
+            c = json.loads((d / "adapter_config.json").read_text())
+            c.update(config)
+            (d / "adapter_config.json").write_text(json.dumps(c))
+        if weights is not None:
+            (d / "adapter_model.safetensors").write_bytes(weights)
+        if drop:
+            (d / drop).unlink()
+    return setup
+
+
+def lora(*extra: str, **flags):
+    return train(extra=("--lora-rank", "4", *extra), **flags)
+
+
+CASES = [
+    Case("options-without-rank", train(extra=("--lora-alpha", "8")), r"--lora-alpha needs --lora-rank"),
+    Case("rank-0-with-targets", train(extra=("--lora-rank", "0", "--lora-targets", "q")),
+         r"--lora-targets needs --lora-rank"),
+    Case("negative-rank", train(extra=("--lora-rank", "-1")), r"--lora-rank must be >= 1"),
+    Case("rank-above-dims", train(extra=("--lora-rank", "17")),
+         r"--lora-rank 17 is larger than target k's dimensions \(16 x 32\)"),
+    Case("unknown-target", lora("--lora-targets", "q,qq"), r"--lora-targets: unknown target 'qq'"),
+    Case("dropout-range", lora("--lora-dropout", "1.5"), r"--lora-dropout must be in \[0, 1\)"),
+    Case("sharded-weights", lora("--shard-weights"), r"--lora-rank with sharded weights"),
+    Case("dropout-recompute", lora("--lora-dropout", "0.1", "--recompute-block"),
+         r"--lora-dropout with --recompute"),
+    Case("merge-e4m3", lora("--lora-merge", "--lora-base-dtype", "e4m3"),
+         r"--lora-merge with --lora-base-dtype e4m3"),
+    Case("base-dtype-value", lora("--lora-base-dtype", "e5m2"), r"--lora-base-dtype='e5m2'"),
+    Case("base-dtype-e4m3-not-yet", lora("--lora-base-dtype", "e4m3"), r"--lora-base-dtype e4m3 is not implemented"),
+    Case("init-from-missing", lora("--lora-init-from", "{root}/nope"), r"--lora-init-from .*nope: not a directory"),
+    Case("init-from-other-rank", lora("--lora-init-from", "{root}/a"), r"adapter_config\.json: r=8, this run's "
+         r"--lora-rank is 4", setup=adapter("a", rank=8)),
+    Case("init-from-other-targets", lora("--lora-init-from", "{root}/a", "--lora-targets", "q,v"),
+         r"adapter_config\.json: target_modules .* differ", setup=adapter("a")),
+    Case("init-from-other-base", lora("--lora-init-from", "{root}/a"),
+         r"adapter_model\.safetensors: tensor .*q_proj\.lora_A\.weight is F32 \[4, 48\], this base model and rank "
+         r"need a float tensor of shape \[4, 32\]",
+         setup=adapter("a", cfg=type(CFG)(**{**CFG.__dict__, "hidden_size": 48, "head_dim": 8}))),
+    Case("init-from-corrupt-weights", lora("--lora-init-from", "{root}/a"),
+         r"adapter_model\.safetensors: not a readable safetensors file", setup=adapter("a", weights=b"\x10garbage")),
+    Case("init-from-no-weights", lora("--lora-init-from", "{root}/a"), r"adapter_model\.safetensors: file not found",
+         setup=adapter("a", drop="adapter_model.safetensors")),
+    Case("init-from-config-not-json", lora("--lora-init-from", "{root}/a"), r"adapter_config\.json",
+         setup=lambda root: (adapter("a")(root), (root / "a" / "adapter_config.json").write_text("{nope"))),
+    Case("init-from-dora", lora("--lora-init-from", "{root}/a"), r"adapter_config\.json: use_dora=True is not "
+         r"supported", setup=adapter("a", config={"use_dora": True})),
+    Case("init-from-alpha-differs", lora("--lora-init-from", "{root}/a", "--lora-alpha", "3"),
+         r"lora_alpha 8 differs from --lora-alpha 3", setup=adapter("a")),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_lora_input(case: Case, base: Path, tmp_path: Path, capsys) -> None:
+    run_case(case, base, tmp_path, capsys)
+
