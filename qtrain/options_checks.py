@@ -159,6 +159,11 @@ def check_options(opts: Any) -> None:
     if opts.router_z_loss < 0 or opts.log_router_every < 1:
         raise err(f"--router-z-loss must be >= 0 and --log-router-every >= 1, got {opts.router_z_loss} and "
                   f"{opts.log_router_every}")
+    if opts.expert_parallel < 1:
+        raise err(f"--expert-parallel must be >= 1 (1 = off), got {opts.expert_parallel}")
+    if opts.expert_parallel > 1 and opts.shard_group_size:
+        raise err("--expert-parallel with --shard-group-size is not supported yet: drop --shard-group-size (the "
+                  "state is then sharded over all ranks, the experts' over the ranks holding them)")
     if opts.verbose and opts.quiet:
         raise err("--verbose and --quiet exclude each other: pick one")
     if opts.start_over and opts.continue_from is not None:

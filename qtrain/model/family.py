@@ -117,6 +117,7 @@ class BlockOptions:
     rope: str = "autograd"  # the RoPE op's mode (kernels/rope.py: "autograd" or "kernel")
     rebuilt_input_linear: Linear | None = None
     norm_fed_fp8: bool = False
+    experts: Any = None  # expert parallelism's token exchange (model/moe.ExpertExchange); None: every expert here
 
 
 @dataclass(frozen=True)

@@ -87,11 +87,23 @@ def _fill(layout: FlatLayout, buffers: dict[str, torch.Tensor] | None, shards: d
         else:
             full = buffers[g.key]
         views = {s.name: full[s.start:s.start + s.numel].view(s.shape) for s in g.segments}
+        if g.ep > 1:  # expert parallelism: this rank's experts of every stack, filled as the whole stack would be
+            views = {n: _whole_stack(v, g.ep) for n, v in views.items()}
         if loaded is None:
             init_params(layout.cfg, views, seed=seed, init_proj_to_zero=init_proj_to_zero)
         else:
             for name, t in views.items():
                 t.copy_(loaded.pop(name))
+        if g.ep > 1:
+            for s in g.segments:
+                n = s.shape[0]
+                full[s.start:s.start + s.numel].view(s.shape).copy_(views[s.name][(rank % g.ep) * n:][:n])
         if shards is not None:
             lo, hi = g.shard_range(rank, layout.world)
             shards[g.key].copy_(full[lo:hi])
+
+
+def _whole_stack(local: torch.Tensor, ep: int) -> torch.Tensor:
+    """A temporary whole stack (ep times the local experts' rows) for a rank's share `local`: the from-scratch
+    initialisation draws per tensor and a checkpoint holds every expert; the caller keeps its share."""
+    return local.new_zeros((ep * local.shape[0], *local.shape[1:]))
