@@ -349,6 +349,10 @@ class Options:
     log_router_every: int = 10
     """MoE models: print the router line (load-balancing loss, z-loss, tokens per expert min / mean / max) every N
     steps; the JSON log has them at every step."""
+    expert_parallel: int = 1
+    """MoE models: spread every MoE layer's experts over N ranks (E/N each); the tokens travel to their experts'
+    ranks and back by all-to-all. N divides the experts and the number of ranks (world = data-parallel x N); expert
+    gradients are averaged over the ranks holding the same experts, the rest over all ranks. 1 = off."""
 
     # ---------------------------------------------------------------------------------------------
     @property
@@ -436,7 +440,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                                   "shard_weights", "shard_group_size", "collective_timeout"),
     "execution (device, compile, kernels)": ("device", "compile", "compile_tuning", "compile_cache",
                                              "compile_autotune_gemm", "sdpa_backend", "use_cuda_graphs"),
-    "mixture of experts": ("router_z_loss", "log_router_every"),
+    "mixture of experts": ("router_z_loss", "log_router_every", "expert_parallel"),
     "outputs and checkpoints": ("name", "out_dir", "checkpoint_dir", "ckpt_interval", "ckpt_keep_n", "ckpt_major",
                                 "save_training_state", "continue_from", "new_data", "override_schedule", "start_over",
                                 "max_nonfinite_steps"),

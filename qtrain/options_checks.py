@@ -160,6 +160,11 @@ def check_options(opts: Any) -> None:
     if opts.router_z_loss < 0 or opts.log_router_every < 1:
         raise err(f"--router-z-loss must be >= 0 and --log-router-every >= 1, got {opts.router_z_loss} and "
                   f"{opts.log_router_every}")
+    if opts.expert_parallel < 1:
+        raise err(f"--expert-parallel must be >= 1 (1 = off), got {opts.expert_parallel}")
+    if opts.expert_parallel > 1 and opts.shard_group_size:
+        raise err("--expert-parallel with --shard-group-size is not supported yet: drop --shard-group-size (the "
+                  "state is then sharded over all ranks, the experts' over the ranks holding them)")
     if opts.verbose and opts.quiet:
         raise err("--verbose and --quiet exclude each other: pick one")
     if opts.start_over and opts.continue_from is not None:
@@ -186,6 +191,9 @@ def _check_lora(opts: Any, err: Callable[[str], OptionsError]) -> None:
         raise err("--lora-rank with sharded weights (--shard-weights, --zero-level 3) is not supported: a LoRA "
                   "layer is two groups (frozen base, adapters), sharded weights need one per block; the frozen base "
                   "needs no master copy to shard (drop the sharding of weights)")
+    if opts.expert_parallel > 1:
+        raise err("--lora-rank with --expert-parallel is not supported yet: adapters over experts spread across ranks "
+                  "are not built (use --expert-parallel 1)")
     if opts.lora_dropout and {"qkv", "att", "ffn", "block"} & opts.recompute:
         raise err("--lora-dropout with --recompute-qkv/-att/-ffn/-block is not supported: the recomputed projection "
                   "would draw another dropout mask (use --lora-dropout 0 or drop those switches)")

@@ -124,6 +124,7 @@ class BlockOptions:
     # (matrix name, linear input, the block's weights, linear output) -> output with a low-rank adapter's term added
     # (model/lora/adapter.py); None: no adapters
     adapter: Callable[[str, torch.Tensor, dict, torch.Tensor], torch.Tensor] | None = None
+    experts: Any = None  # expert parallelism's token exchange (model/moe.ExpertExchange); None: every expert here
 
 
 @dataclass(frozen=True)

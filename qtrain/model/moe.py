@@ -29,7 +29,7 @@ Inside a block, steps 2-3 and step 4 run through the block's `step(name, fn, *ar
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -39,7 +39,7 @@ from qtrain.model.layers import swiglu_fused
 from qtrain.model.moe_router import RouterStats, route, router_stats
 from qtrain.model.recompute import run_step
 
-__all__ = ["MoEOutput", "moe_forward", "permuted_up"]
+__all__ = ["ExpertExchange", "MoEOutput", "moe_forward", "permuted_up"]
 
 
 class MoEOutput(NamedTuple):
@@ -50,14 +50,16 @@ class MoEOutput(NamedTuple):
 
 
 def _check(x: torch.Tensor, router_weight: torch.Tensor, experts_up_gate: torch.Tensor,
-           experts_down: torch.Tensor, top_k: int) -> None:
+           experts_down: torch.Tensor, top_k: int, ep: int = 1) -> None:
     E, C = router_weight.shape
+    El = E // ep  # the experts this rank holds (expert parallelism: E / ep)
     F2 = experts_up_gate.shape[1] if experts_up_gate.dim() == 3 else -1
-    if x.shape[-1] != C or experts_up_gate.shape != (E, F2, C) or F2 % 2 or \
-            experts_down.shape != (E, C, F2 // 2):
+    if x.shape[-1] != C or experts_up_gate.shape != (El, F2, C) or F2 % 2 or \
+            experts_down.shape != (El, C, F2 // 2) or E % ep:
         raise ValueError(f"moe_forward: expected x (..., C), router (E, C), experts_up_gate (E, 2F, C), "
-                         f"experts_down (E, C, F); got {tuple(x.shape)}, {tuple(router_weight.shape)}, "
-                         f"{tuple(experts_up_gate.shape)}, {tuple(experts_down.shape)}")
+                         f"experts_down (E, C, F) (the stacks: E/{ep} experts with expert parallelism {ep}); got "
+                         f"{tuple(x.shape)}, {tuple(router_weight.shape)}, {tuple(experts_up_gate.shape)}, "
+                         f"{tuple(experts_down.shape)}")
     if not 1 <= top_k <= E:
         raise ValueError(f"moe_forward: top_k must be in [1, {E}] (the number of experts), got {top_k}")
 
@@ -70,19 +72,47 @@ def permuted_up(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, off
     return expert_linear(xs, experts_up_gate, offsets)  # (N*k, 2F): [up | gate]
 
 
+class ExpertExchange(Protocol):
+    """Expert parallelism's token exchange (parallel/experts.TokenExchange): this rank holds E/ep of the experts;
+    `dispatch` sends rows in global expert order to their experts' ranks (returning the local experts' rows,
+    expert-major, with `.rows`, `.offsets`), `combine` sends the local experts' outputs back."""
+    ep: int
+
+    def local_experts(self, num_experts: int) -> tuple[int, int]: ...
+
+    def dispatch(self, xs: torch.Tensor, counts: torch.Tensor) -> Any: ...
+
+    def combine(self, ys: torch.Tensor, routed: Any) -> torch.Tensor: ...
+
+
+def _local_experts(xs: torch.Tensor, experts_up_gate: torch.Tensor, experts_down: torch.Tensor,
+                   offsets: torch.Tensor, step) -> torch.Tensor:
+    """Steps 3-5 on rows grouped by expert."""
+    h = step("up", expert_linear, xs, experts_up_gate, offsets)  # (M, 2F)
+    a = step("swiglu", swiglu_fused, h)  # (M, F)
+    return expert_linear(a, experts_down, offsets)  # (M, C)
+
+
 def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, experts_up_gate: torch.Tensor,
-                experts_down: torch.Tensor, *, top_k: int, norm_topk_prob: bool, step=run_step) -> MoEOutput:
+                experts_down: torch.Tensor, *, top_k: int, norm_topk_prob: bool, step=run_step,
+                exchange: ExpertExchange | None = None) -> MoEOutput:
     """The MoE MLP of one layer (module docstring) on x (..., C): weights as listed there, all differentiable.
     `norm_topk_prob`: renormalise the k kept probabilities to sum to 1 (Qwen3-MoE per config, OLMoE False,
-    Mixtral True). `step`: the block's step policy ('up', 'swiglu'). Returns the output and what the auxiliary
-    losses and the logs need."""
-    _check(x, router_weight, experts_up_gate, experts_down, top_k)
+    Mixtral True). `step`: the block's step policy ('up', 'swiglu'). `exchange`: expert parallelism (the expert
+    stacks hold this rank's E/ep experts; the permuted rows travel to their experts' ranks between steps 2 and 3
+    and back between 5 and 6; the 'up' step is then the local up/gate GEMM alone). Returns the output and what the
+    auxiliary losses and the logs need."""
+    _check(x, router_weight, experts_up_gate, experts_down, top_k, 1 if exchange is None else exchange.ep)
     shape, E = x.shape, router_weight.shape[0]
     x2 = x.reshape(-1, shape[-1])  # (N, C)
     r = route(x2, router_weight, top_k=top_k, norm_topk_prob=norm_topk_prob)
     plan = sort_by_expert(r.ids, E)
-    h = step("up", permuted_up, x2, plan.order, plan.inverse, plan.offsets, experts_up_gate, top_k)  # (N k, 2F)
-    a = step("swiglu", swiglu_fused, h)  # (N*k, F)
-    ys = expert_linear(a, experts_down, plan.offsets)  # (N*k, C)
+    if exchange is None:
+        h = step("up", permuted_up, x2, plan.order, plan.inverse, plan.offsets, experts_up_gate, top_k)  # (N k, 2F)
+        a = step("swiglu", swiglu_fused, h)  # (N*k, F)
+        ys = expert_linear(a, experts_down, plan.offsets)  # (N*k, C)
+    else:
+        routed = exchange.dispatch(permute_tokens(x2, plan), plan.counts)
+        ys = exchange.combine(_local_experts(routed.rows, experts_up_gate, experts_down, routed.offsets, step), routed)
     out = unpermute_tokens(ys, r.weights, plan)  # (N, C)
     return MoEOutput(out.view(shape), r.logits, router_stats(r, E, plan.counts), plan)

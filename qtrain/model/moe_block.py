@@ -49,6 +49,7 @@ class MoeBlock(LlamaBlock):
     def __init__(self, cfg: MoeConfig, o: BlockOptions):
         super().__init__(cfg, o)
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.exchange = o.experts  # expert parallelism's token exchange, or None
 
     # ---- 5) MLP: the router -> top-k experts -> their SwiGLU MLPs -> the weighted sum ----
     def mlp(self, x: torch.Tensor, h: torch.Tensor, pre: Prenorm | None, w: dict[str, torch.Tensor],
@@ -57,7 +58,7 @@ class MoeBlock(LlamaBlock):
         if ROUTER not in w:
             return super().mlp(x, h, pre, w, step)
         moe = moe_forward(h, w[ROUTER], w[EXPERTS_UP_GATE], w[EXPERTS_DOWN], top_k=self.top_k,
-                          norm_topk_prob=self.norm_topk_prob, step=step)
+                          norm_topk_prob=self.norm_topk_prob, step=step, exchange=self.exchange)
         record_router_stats(moe.stats, w)  # training: this layer's row of the step's router statistics
         return x + with_router_grads(moe.out, moe.stats, w)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +61,7 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
                   mlp: Mlp | None = None, sdpa_backend: str = "auto",
                   linears: dict[str, Linear] | None = None, rope: str = "autograd",
                   rebuilt_input_linear: Linear | None = None, norm_fed_fp8: bool = False,
-                  adapter: Callable | None = None) -> BlockFn:
+                  adapter: Callable | None = None, experts: Any = None) -> BlockFn:
     """The block of `cfg`'s family as a function of (x, weights, cos, sin[, docs]), so one compiled graph serves
     every layer (weights are inputs, not captured constants); for the Llama family see model/llama/block.py.
 
@@ -82,11 +82,12 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     norm_fed_fp8: the FP8 linears (and MLP) after the two norms quantize their input from the norm's input, rstd and
     gain (`kernels.fp8_quant.quantize_for_gemms`'s prenorm), so the norm's output is never written; for a compiled block
     with kept transposes and no recomputed step (the Transformer decides).
-    adapter: adds a low-rank adapter's term to the block linears' outputs (LoRA: model/lora/adapter.py)."""
+    adapter: adds a low-rank adapter's term to the block linears' outputs (LoRA: model/lora/adapter.py).
+    experts: expert parallelism's token exchange (model/moe.ExpertExchange) for an MoE family's block."""
     options = BlockOptions(linear=linear, recompute=frozenset(recompute), attn_chunks=attn_chunks, compiled=compiled,
                            swiglu=swiglu, mlp=mlp, sdpa_backend=sdpa_backend, linears=linears,
                            rope=rope, rebuilt_input_linear=rebuilt_input_linear,
-                           norm_fed_fp8=norm_fed_fp8, adapter=adapter)
+                           norm_fed_fp8=norm_fed_fp8, adapter=adapter, experts=experts)
     return family_of(cfg).make_block_fn(cfg, options)
 
 
@@ -131,6 +132,7 @@ class RunOptions:
     # (--debug-log-abs-max); with it the MLP runs as separate linears, which the wrapper sees
     document_attention: str = "auto"  # with position ids: kernels/document_attention.py's form (auto, varlen, masked)
     adapter: Callable | None = None  # LoRA's term after the block linears (model/lora/adapter.LoraAdapter)
+    expert_exchange: Any = None  # --expert-parallel: the MoE layers' token exchange (parallel/experts.TokenExchange)
 
     def __post_init__(self) -> None:
         if self.attn_bwd_chunks < 1:
@@ -183,14 +185,15 @@ class Transformer:
                            compiled=run.compile, swiglu=ops, rope=ops, mlp=mlp if run.compile else None,
                            sdpa_backend=run.sdpa_backend, linears=linears, rebuilt_input_linear=rebuilt,
                            norm_fed_fp8=bool(run.compile and run.matmul_dtype == "e4m3" and run.fp8_keep_transposes
-                                             and run.wrap_linear is None), adapter=run.adapter)
+                                             and run.wrap_linear is None), adapter=run.adapter,
+                                             experts=run.expert_exchange)
         self.block_fn: BlockFn = torch.compile(fn, dynamic=False, options=run.inductor_options()) if run.compile else fn
         self._eager_block_fn: BlockFn = fn
         if run.compile:  # the compiled flavour of the recompute mechanism differs; eager needs its own
             self._eager_block_fn = make_block_fn(cfg, linear, recompute=block_steps(run.recompute),
                                                  attn_chunks=run.attn_bwd_chunks, compiled=False,
                                                  sdpa_backend=run.sdpa_backend, linears=linears,
-                                                 adapter=run.adapter)
+                                                 adapter=run.adapter, experts=run.expert_exchange)
         # the final norm, forward and backward, as inductor's fused kernels where the blocks are compiled: eager it was
         # several elementwise passes over fp32 copies of the (B*T, C) hidden states, each way, per micro-step
         norm = final_norm_fn(cfg.zero_centered_norms)

@@ -63,6 +63,7 @@ import torch
 from qtrain.kernels.rng import KeySlot, KeyTable, rng_key
 from qtrain.kernels.stochastic_rounding import sr_add_, sr_copy_, sr_sum_
 from qtrain.parallel.comm import Communicator, Handle
+from qtrain.parallel.experts import ExpertParallel
 from qtrain.parallel.footprint import Footprint
 from qtrain.parallel.layout import FlatLayout, Group, Piece
 from qtrain.parallel.staging import StagingRing
@@ -90,9 +91,13 @@ class GradientManager(ABC):
     kind: str
 
     def __init__(self, layout: FlatLayout, *, comm: Communicator, dtype: torch.dtype,
-                 device: torch.device | str, seed: int):
+                 device: torch.device | str, seed: int, experts: ExpertParallel | None = None):
         if layout.world != comm.world:
             raise ValueError(f"layout was built for world {layout.world}, communicator has world {comm.world}")
+        if layout.expert_parallel != (experts.ep if experts is not None else 1):
+            raise ValueError(f"layout was built for expert parallelism {layout.expert_parallel}, the manager got "
+                             f"{experts.ep if experts is not None else 1}")
+        self.experts = experts  # expert groups: averaged over the replicas holding the same experts (experts.py)
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"gradient dtype must be float32 or bfloat16, got {dtype}")
         self.layout, self.comm, self.dtype, self.seed = layout, comm, dtype, seed
@@ -180,6 +185,9 @@ class GradientManager(ABC):
             raise KeyError(f"accumulate_block({layer}): got tensors {sorted(grads)}, expected {sorted(expected)}")
         for group in groups:
             self._receive(group)
+            if group.ep > 1:  # the token group's sum: the world's mean is the replicas' mean / ep (experts.py)
+                for s in group.segments:
+                    grads[_short(s.name)].mul_(1.0 / group.ep)
             self._accumulate_block(group, {_short(s.name): grads[_short(s.name)] for s in group.segments})
 
     def end_micro_step(self) -> None:
@@ -244,6 +252,10 @@ class GradientManager(ABC):
         return sum(self.memory().values())
 
     # ---- helpers shared by the strategies ----
+    def _comm_of(self, group: Group) -> Communicator:
+        """The ranks `group` is averaged and sharded over: the world's, or an expert group's replicas."""
+        return self.comm if self.experts is None else self.experts.comm_of(group, self.comm)
+
     def _receive(self, group: Group) -> None:
         if not self._open:
             raise RuntimeError(f"gradients for {group.key!r} arrived outside a micro-step (call start_micro_step)")
@@ -290,7 +302,7 @@ class GradientManager(ABC):
         self._write_full(buf, group, grads, add=not self.first)
         if self.last:
             lo, hi = group.shard_range(self.rank, self.world)
-            handles[group.key] = self.comm.reduce_scatter(buf[lo:hi], buf, op="avg")
+            handles[group.key] = self._comm_of(group).reduce_scatter(buf[lo:hi], buf, op="avg")
 
     @abstractmethod
     def _accumulate_block(self, group: Group, grads: dict[str, torch.Tensor]) -> None: ...
@@ -453,8 +465,9 @@ class ReduceScatterGradients(_BlockSharded):
     def _communicate(self, group, slot, *, step, micro, first, last):
         lo, hi = group.shard_range(self.rank, self.world)
         out = slot.send[lo:hi]
-        h = self.comm.reduce_scatter(out, slot.send[:group.padded_numel], op="avg")
-        return self.comm.then(h, lambda: self._accumulate(group, out, step=step, micro=micro, first=first))
+        comm = self._comm_of(group)
+        h = comm.reduce_scatter(out, slot.send[:group.padded_numel], op="avg")
+        return comm.then(h, lambda: self._accumulate(group, out, step=step, micro=micro, first=first))
 
     def _accumulate(self, group: Group, src: torch.Tensor, *, step: int, micro: int, first: bool) -> None:
         work = self._shard_in(group.key, load=not first)
@@ -486,15 +499,16 @@ class AllToAllGradients(_BlockSharded):
     needs_recv = True
 
     def _communicate(self, group, slot, *, step, micro, first, last):
-        h = self.comm.all_to_all(slot.recv[:group.padded_numel], slot.send[:group.padded_numel])
-        scale = 1.0 / self.world if last else 1.0
-        return self.comm.then(h, lambda: self._reduce(group, slot.recv, step=step, micro=micro, first=first,
-                                                      scale=scale))
+        comm = self._comm_of(group)
+        h = comm.all_to_all(slot.recv[:group.padded_numel], slot.send[:group.padded_numel])
+        scale = 1.0 / comm.world if last else 1.0
+        return comm.then(h, lambda: self._reduce(group, slot.recv, step=step, micro=micro, first=first,
+                                                 scale=scale, world=comm.world))
 
     def _reduce(self, group: Group, recv: torch.Tensor, *, step: int, micro: int, first: bool,
-                scale: float) -> None:
+                scale: float, world: int) -> None:
         work = self._shard_in(group.key, load=not first)
-        parts = recv[:group.padded_numel].view(self.world, -1)
+        parts = recv[:group.padded_numel].view(world, -1)
         # fixed order (old shard, then ranks 0..W-1): the fp32 sum is bit-reproducible; one pass per piece
         for t, p in self._pieces[group.key]:
             sl = slice(p.shard_offset, p.shard_offset + p.numel)
@@ -525,11 +539,13 @@ def _manager_class(kind: str, offload: bool) -> type[GradientManager]:
 
 
 def make_gradient_manager(kind: str, layout: FlatLayout, *, comm: Communicator, dtype: torch.dtype,
-                          device: torch.device | str, seed: int, offload: bool = False) -> GradientManager:
+                          device: torch.device | str, seed: int, offload: bool = False,
+                          experts: ExpertParallel | None = None) -> GradientManager:
     """Build the gradient manager `kind` ('unsharded' | 'reduce-scatter' | 'all-to-all'). `offload` keeps
-    the block shards in (pinned, when CUDA is available) host memory and needs a sharded kind."""
+    the block shards in (pinned, when CUDA is available) host memory and needs a sharded kind. `experts`: expert
+    parallelism (the layout's expert groups are averaged over their replicas)."""
     cls = _manager_class(kind, offload)
-    common = dict(comm=comm, dtype=dtype, device=device, seed=seed)
+    common = dict(comm=comm, dtype=dtype, device=device, seed=seed, experts=experts)
     return cls(layout, **common) if kind == "unsharded" else cls(layout, offload=offload, **common)
 
 

@@ -20,10 +20,15 @@ What the next families and training modes need, stated here and nowhere else:
     gradient managers, the optimizer and the memory plan allocate nothing for it; `FlatLayout(..., lora=spec)` is
     the frozen base with each layer's LoRA adapters as a trainable group 'block.{l}.lora' (model/lora/);
   - a tensor may be a stack of identical experts (`Segment.experts`, shape (E, ...)): expert parallelism gives
-    each of its ranks whole experts, `Group.expert_pieces`.
+    each of its ranks whole experts, `Group.expert_pieces`;
+  - expert parallelism (`FlatLayout(..., expert_parallel=ep)`, parallel/experts.py): a group of expert stacks holds
+    only a rank's E/ep experts (the same shapes on every rank, other experts), and it is sharded over the world/ep
+    ranks that hold the same experts (`Group.ep`): rank r = d ep + e holds experts e and shard d of them, so
+    `shard_size` / `shard_range` / `shard_pieces` of the world's rank give the right part to every consumer.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Collection, Sequence
@@ -88,6 +93,7 @@ class Group:
     segments: tuple[Segment, ...]
     padded_numel: int
     trainable: bool = True  # False: frozen, no gradients and no optimizer state anywhere
+    ep: int = 1  # > 1: a group of expert stacks split over that many expert-parallel ranks (module docstring)
 
     @property
     def content_numel(self) -> int:
@@ -96,11 +102,15 @@ class Group:
         return last.start + last.numel
 
     def shard_size(self, world: int) -> int:
-        return self.padded_numel // world
+        """Elements of one rank's shard: of world ranks, or, for an expert-parallel group, of the world / ep ranks
+        that hold the same experts."""
+        return self.padded_numel // (world // self.ep)
 
     def shard_range(self, rank: int, world: int) -> tuple[int, int]:
+        """[lo, hi) of rank `rank`'s shard in the group buffer (an expert-parallel group: shard rank // ep)."""
         s = self.shard_size(world)
-        return rank * s, (rank + 1) * s
+        i = rank // self.ep
+        return i * s, (i + 1) * s
 
     def shard_pieces(self, rank: int, world: int, names: Collection[str] | None = None) -> list[Piece]:
         """The pieces of rank `rank`'s shard, in buffer order; only of the tensors `names` (short names) if given."""
@@ -147,6 +157,16 @@ class Group:
         return out
 
 
+def local_experts(t: TensorSpec, ep: int) -> TensorSpec:
+    """A stack of E experts as one of `ep` expert-parallel ranks holds it: E/ep experts (other tensors as they are)."""
+    if not t.experts:
+        return t
+    if t.experts % ep:
+        raise ValueError(f"{t.name}: {t.experts} experts cannot be split evenly over {ep} expert-parallel ranks")
+    n = t.experts // ep
+    return dataclasses.replace(t, shape=(n, *tuple(t.shape)[1:]), experts=n)
+
+
 class FlatLayout:
     """The groups of a model (`cfg`, its family's tensors) for state sharded over `world` ranks. `frozen`: keys of
     groups that are not trained. `tensors`: (non-block tensors, each layer's tensors) instead of the family's
@@ -154,8 +174,8 @@ class FlatLayout:
 
     def __init__(self, cfg: ModelConfig, world: int = 1, *, frozen: Collection[str] = (),
                  tensors: tuple[Sequence[TensorSpec], Sequence[Sequence[TensorSpec]]] | None = None,
-                 lora: LoraSpec | None = None):
-        self.cfg, self.world, self.lora = cfg, world, lora
+                 lora: LoraSpec | None = None, expert_parallel: int = 1):
+        self.cfg, self.world, self.lora, self.expert_parallel = cfg, world, lora, expert_parallel
         if lora is not None:  # the base frozen, each layer's adapters a trainable group 'block.{l}.lora'
             if tensors is not None or frozen:
                 raise ValueError("FlatLayout: lora= states the tensors and the frozen groups itself")
@@ -165,6 +185,11 @@ class FlatLayout:
             st = statements(cfg)
             tensors = (st.non_block, st.blocks)
         non_block, blocks = tensors
+        ep = expert_parallel
+        if ep < 1 or world % ep:
+            raise ValueError(f"expert_parallel {ep} must divide the world size {world}")
+        if ep > 1:  # each rank's stacks: E/ep experts (`local_experts`)
+            blocks = [[local_experts(t, ep) for t in specs] for specs in blocks]
         self.num_layers = len(blocks)
         groups: list[Group] = []
         unit = world * ALIGN
@@ -175,7 +200,12 @@ class FlatLayout:
             for t in specs:
                 segs.append(Segment(prefix + t.name, off, tuple(t.shape), t.decay, t.experts))
                 off += segs[-1].numel
-            groups.append(Group(key, len(groups), layer, tuple(segs), -(-off // unit) * unit, key not in frozen))
+            experts = [s.experts > 0 for s in segs]
+            if ep > 1 and any(experts) and not all(experts):
+                raise ValueError(f"group {key} mixes expert stacks with other tensors: expert parallelism needs the "
+                                 f"stacks in a group of their own")
+            groups.append(Group(key, len(groups), layer, tuple(segs), -(-off // unit) * unit, key not in frozen,
+                                ep if all(experts) and ep > 1 else 1))
 
         for t in non_block:
             add(t.name, None, [t], "")

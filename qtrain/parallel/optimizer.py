@@ -63,6 +63,7 @@ from qtrain.kernels.adamw import M_BLOCK
 from qtrain.kernels.rng import rng_key
 from qtrain.numerics.adamw import AdamWHyper, adamw_update_
 from qtrain.parallel.comm import Communicator
+from qtrain.parallel.experts import ExpertParallel
 from qtrain.parallel.footprint import Footprint
 from qtrain.parallel.layout import FlatLayout, Group, Piece
 from qtrain.parallel.staging import StagingRing
@@ -153,11 +154,13 @@ class ShardedAdamW:
                  comm: Communicator | None = None, device: torch.device | str | None = None, m_dtype: str = "fp32",
                  v_dtype: str = "fp32", seed: int = 0, stochastic_rounding: bool = True,
                  offload_params: bool = False, offload_m: bool = False, offload_v: bool = False,
-                 zero_copy: bool = False):
+                 zero_copy: bool = False, experts: ExpertParallel | None = None):
         """`params`: full group buffers (key -> 1-D tensor), updated in place and all-gathered; or `shards`:
         the rank's weight shards (key -> 1-D tensor of `group.shard_size(world)`), updated in place. `comm`:
         the `Communicator` of the layout's world (None: no collectives, e.g. one rank); `rank` defaults to
-        its rank (0 without one). `device`: the compute device (default: where the weights are)."""
+        its rank (0 without one). `device`: the compute device (default: where the weights are). `experts`:
+        expert parallelism (an expert group is sharded over, and gathered from, the replicas holding its experts;
+        parallel/experts.py)."""
         if (params is None) == (shards is None):
             raise ValueError("ShardedAdamW: pass exactly one of params (replicated weights) or shards")
         if comm is not None:
@@ -167,6 +170,7 @@ class ShardedAdamW:
                 raise ValueError(f"ShardedAdamW: rank {rank} but the communicator's rank is {comm.rank}")
             rank = comm.rank
         self.layout, self.params, self.rank, self.comm, self.seed = layout, params, rank or 0, comm, seed
+        self.experts = experts
         self.stochastic_rounding = stochastic_rounding
         self.world = layout.world
         self.replicated = params is not None
@@ -364,7 +368,8 @@ class ShardedAdamW:
             if streaming:  # staging slot -> host, after the update (device->host stream on CUDA)
                 ring.write_back(i, {k: part(k, it) for k in ("param", "m", "v", "m_scales") if staged.get(k)})
             if it.last_of_group and self.replicated and self.comm is not None and self.world > 1:
-                self.comm.all_gather(self.params[g.key], self.shards[g.key]).wait()
+                comm = self.comm if self.experts is None else self.experts.comm_of(g, self.comm)
+                comm.all_gather(self.params[g.key], self.shards[g.key]).wait()
         if streaming:
             ring.end()  # later compute (gathers) sees the results
         self.step_count = t

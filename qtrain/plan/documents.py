@@ -32,5 +32,5 @@ def document_masking_bytes(cfg: ModelConfig, opts: Options, device: str, recompu
     groups = cfg.num_attention_heads // max(cfg.num_key_value_heads, 1)
     kept_layers = 0 if groups == 1 else (1 if recompute & {"att", "block"} else L)
     expanded = kept_layers * 2 * B * T * cfg.num_attention_heads * cfg.head_dim * DTYPE_BYTES[opts.model_dtype]
-    return B * T * T + expanded, (f"masked attention: the (B, 1, T, T) mask"
+    return B * T * T + expanded, ("masked attention: the (B, 1, T, T) mask"
                                   + (f" + expanded K/V heads of {kept_layers} layer(s), at most" if expanded else ""))

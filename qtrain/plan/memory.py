@@ -254,7 +254,8 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
     gpu_memory: the budget (None: unknown). reserve: fixed device reserve (None: 1 GiB on CUDA, 0 on CPU), plus
     5% of activations + workspace for allocator fragmentation."""
     layout = layout if layout is not None and layout.world == shards else FlatLayout(
-        cfg, shards, lora=spec_from_options(vars(opts), cfg))  # LoRA: no gradients or Adam state for the base
+        cfg, shards, lora=spec_from_options(vars(opts), cfg),  # LoRA: no gradients or Adam state for the base
+        expert_parallel=opts.expert_parallel)  # --expert-parallel: E/ep experts
     matmul = opts.effective_matmul_dtype
     B, T, L = opts.batch_size, opts.seq_len, cfg.num_hidden_layers
     N = B * T

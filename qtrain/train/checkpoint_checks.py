@@ -62,12 +62,24 @@ def shard_stem(kind: str, rank: int, world: int) -> str:
     return f"{kind}.shard_{rank:03d}_of_{world:03d}"
 
 
-def expected_tensors(cfg: ModelConfig, world: int, kind: str, dtype: str | None,
-                     lora: LoraSpec | None = None) -> Expected:
+def checkpoint_layout(cfg: ModelConfig, meta: dict[str, Any]) -> FlatLayout:
+    """The layout the checkpoint's shards were cut from: its world, its LoRA adapters (a LoRA run's files hold its
+    trainable groups only) and the experts per rank of the --expert-parallel its options record (parallel/experts.py)."""
+    return FlatLayout(cfg, meta["distributed"]["world"], lora=lora_of(meta), expert_parallel=expert_parallel_of(meta))
+
+
+def expert_parallel_of(meta: dict[str, Any]) -> int:
+    """The --expert-parallel a checkpoint was written with (1 before the option existed)."""
+    ep = meta.get("options", {}).get("expert_parallel", 1)
+    return ep if isinstance(ep, int) and ep >= 1 else 1
+
+
+def expected_tensors(cfg: ModelConfig, world: int, kind: str, dtype: str | None, lora: LoraSpec | None = None,
+                     expert_parallel: int = 1) -> Expected:
     """The tensors every rank's shard file of `kind` holds (the same names and shapes on every rank).
     `dtype` None: not known (the options record none a shard of `kind` can hold); any dtype `kind` can have is
     accepted then, and an e4m3 m's scales are expected when the file holds them."""
-    layout = FlatLayout(cfg, world, lora=lora)  # a LoRA run's files hold its trainable groups (the adapters) only
+    layout = FlatLayout(cfg, world, lora=lora, expert_parallel=expert_parallel)  # LoRA: the adapters only
     dt = DTYPES[dtype] if dtype is not None else None
     out: Expected = {g.key: (dt, (g.shard_size(world),)) for g in layout.trainable_groups()}
     if kind == "adam.m" and dtype in ("e4m3", None):
@@ -213,7 +225,7 @@ def check_files(path: str, meta: dict[str, Any], files: cio.CheckpointFiles, cfg
             listed = " it lists in distributed.ranks" if "ranks" in dist else ""
             return (f"{path}: {missing[0]}.safetensors is missing (a checkpoint of {world} rank(s) holds a {kind} "
                     f"file per rank{listed})")
-        expected = expected_tensors(cfg, world, kind, dtypes[kind], lora_of(meta))
+        expected = expected_tensors(cfg, world, kind, dtypes[kind], lora_of(meta), expert_parallel_of(meta))
         for stem in stems:
             try:
                 files.digest(stem)
@@ -275,7 +287,7 @@ def verify(path: str, *, ranks: list[int] | None = None, optional: tuple[str, ..
         ranks = held_ranks(meta) if ranks is None else ranks
         if problem := check_files(path, meta, files, cfg, ranks=ranks, optional=optional):
             return problem
-        layout = FlatLayout(cfg, meta["distributed"]["world"], lora=lora_of(meta))
+        layout = checkpoint_layout(cfg, meta)
         for kind in load:
             for r in ranks:
                 if shard_stem(kind, r, layout.world) in files:

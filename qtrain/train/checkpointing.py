@@ -50,13 +50,13 @@ from safetensors import SafetensorError
 from qtrain.fsio import describe_write_error, ensure_free_space, fault_point, owner_tag
 from qtrain.model.config import ModelConfig
 from qtrain.model.registry import config_from_hf_dict
-from qtrain.model.lora.checks import spec_from_options, spec_from_record
+from qtrain.model.lora.checks import spec_from_options
 from qtrain.observe.log import RunLogger
-from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.reshard import reshard_state
 from qtrain.train import checkpoint_io as cio
 from qtrain.train import checkpoint_meta as cmeta
-from qtrain.train.checkpoint_checks import LORA_META, STATE_KINDS, check_files, value_problem, verify
+from qtrain.train.checkpoint_checks import (LORA_META, STATE_KINDS, check_files, checkpoint_layout,
+                                           expert_parallel_of, value_problem, verify)
 from qtrain.train.checkpoint_checks import shard_stem as _stem
 from qtrain.train.checkpoint_io import CheckpointError
 from qtrain.train.checkpoint_meta import FORMAT_VERSION, HINTS_META, MUST_MATCH
@@ -248,6 +248,11 @@ def check_compatible(path: str, meta: dict[str, Any], cfg: ModelConfig, opts: An
             f"run has {world}: resharding reads every rank's shards. Copy the other nodes' "
             f"{Path(path).name}/*.safetensors into this directory (drop \"ranks\" from {cio.META_FILE} and add their "
             f"\"{cio.DIGESTS}\" entries), or resume with {written} ranks on the same nodes")
+    ep, ep_now = expert_parallel_of(meta), getattr(opts, "expert_parallel", 1)
+    if ep != ep_now or (ep > 1 and written != world):
+        raise CheckpointError(f"{path}: written with --expert-parallel {ep} on {written} rank(s), this run has "
+                              f"--expert-parallel {ep_now} on {world}: resharding the experts is not supported yet; "
+                              f"resume with the same --expert-parallel and number of ranks")
     for k in MUST_MATCH:
         v = meta["options"][k]
         if getattr(opts, k, v) != v:
@@ -369,7 +374,7 @@ def restore_state(path: str, trainer: Trainer) -> dict[str, Any]:
     if (err := _agree(ctx, missing_files(path, meta, shard, shards))) is not None:
         raise CheckpointError(err)
     world = meta["distributed"]["world"]
-    src = FlatLayout(cfg, world, lora=spec_from_record(meta.get(LORA_META)))
+    src = checkpoint_layout(cfg, meta)
     state = None
     err = check_files(path, meta, files, cfg, ranks=_reads(world, shard, shards))
     if err is None:

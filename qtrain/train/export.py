@@ -18,12 +18,12 @@ from qtrain.data.hf_tokenizer import TokenizerExportError, export_files, export_
 from qtrain.locks import Target, hold
 from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import export_manifest, save_hf_model
-from qtrain.parallel.layout import FlatLayout
+from qtrain.parallel.experts import whole_experts
 from qtrain.train import checkpoint_io as cio
 from qtrain.train import checkpoint_meta
 from qtrain.train.checkpoint_io import CheckpointError
 from qtrain.model.lora.peft_io import save_adapter
-from qtrain.train.checkpoint_checks import check_files, load_checked, lora_of, verify
+from qtrain.train.checkpoint_checks import check_files, checkpoint_layout, load_checked, lora_of, verify
 from qtrain.train.checkpoint_checks import shard_stem as _stem
 from qtrain.train.checkpointing import newest_verifying, refusal, unverified_note
 
@@ -59,7 +59,7 @@ def checkpoint_params(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], 
     checkpoint directory, which must verify (CheckpointError naming the file and tensor, and the newest checkpoint beside it that does)."""
     meta, cfg, files = checked_meta(path)
     world = int(meta["distributed"]["world"])
-    layout = FlatLayout(cfg, world, lora=lora_of(meta))  # a LoRA checkpoint: the adapters only
+    layout = checkpoint_layout(cfg, meta)  # a LoRA checkpoint: the adapters only
     # the Adam files first (each read whole, then dropped), then the weights: verified in the read that loads them
     try:
         for kind in ADAM_KINDS:
@@ -69,16 +69,18 @@ def checkpoint_params(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], 
         shards = [load_checked(files, "weights", r, layout) for r in range(world)]
     except CheckpointError as e:
         raise refusal(str(e), newest_verifying(path, _problem), _export_hint) from None
-    buffers = {}
+    params = {}
     for g in layout.trainable_groups():
         parts = [s[g.key] for s in shards]
         if any(p.numel() != g.shard_size(world) for p in parts):
             raise CheckpointError(f"{path}: weight shard of {g.key} has the wrong size for world {world}")
-        buffers[g.key] = torch.cat(parts)
+        if g.ep > 1:  # --expert-parallel: each rank's experts, reassembled
+            params.update(whole_experts(g, parts, world))
+            continue
+        buf = torch.cat(parts)
+        params.update({s.name: buf[s.start:s.start + s.numel].view(s.shape) for s in g.segments})
     opts = meta["options"]
-    views = {s.name: buffers[g.key][s.start:s.start + s.numel].view(s.shape) for g in layout.trainable_groups()
-             for s in g.segments}
-    return cfg, views, opts["master_dtype"] or opts["model_dtype"]
+    return cfg, params, opts["master_dtype"] or opts["model_dtype"]
 
 
 def _export_hint(path: str, step: int | None) -> str:

@@ -39,6 +39,7 @@ from qtrain.observe.absmax import AbsMaxRecorder, weight_abs_maxes
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.groups import make_shard_groups
 from qtrain.parallel.dist import DistContext, init_distributed
+from qtrain.parallel.experts import check_expert_parallel, make_expert_parallel
 from qtrain.parallel.gradients import make_gradient_manager
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.optimizer import ZERO_COPY_CUDA, ShardedAdamW, clip_scale
@@ -91,7 +92,13 @@ class Trainer:
         self.comm = self.groups.shard
         # --lora-rank: the base frozen, each layer's adapters a trainable group (model/lora/)
         self.lora = spec_from_options(vars(opts), self.cfg)
-        self.layout = FlatLayout(self.cfg, self.comm.world, lora=self.lora)  # one flat buffer per group
+        # --expert-parallel: this rank's share of the experts and the groups that exchange tokens (parallel/experts.py)
+        check_expert_parallel(opts.expert_parallel, num_experts=self.cfg.router.experts if self.cfg.router else None,
+                              world=self.ctx.world, model_type=self.cfg.model_type)
+        self.experts = make_expert_parallel(opts.expert_parallel, rank=self.ctx.rank, world=self.ctx.world,
+                                            device=self.device)
+        # one flat buffer per group (parallel/layout.py)
+        self.layout = FlatLayout(self.cfg, self.comm.world, lora=self.lora, expert_parallel=opts.expert_parallel)
         # --matmul-dtype e4m3: which block linears run in FP8 for this micro-batch shape (--fp8-policy)
         self.fp8 = run.fp8
         # replicated weights: `params` are views into the full `param_buffers`; sharded weights
@@ -105,12 +112,13 @@ class Trainer:
         self.model = Transformer(self.cfg, self._run_options(opts, run))
         self.grads = make_gradient_manager(run.gradients, self.layout, comm=self.comm,
                                            dtype=DTYPES[run.grad_accum_dtype], device=self.device, seed=opts.seed,
-                                           offload=opts.offload_gradients)
+                                           offload=opts.offload_gradients, experts=self.experts)
         self.optimizer = ShardedAdamW(self.layout, **w.optimizer_weights(), comm=self.comm, device=self.device,
                                       m_dtype=opts.opt_m_dtype, v_dtype=opts.opt_v_dtype, seed=opts.seed,
                                       stochastic_rounding=opts.stochastic_rounding,
                                       offload_params=opts.offload_master, offload_m=opts.offload_opt_m,
-                                      offload_v=opts.offload_opt_v, zero_copy=opts.use_zero_copy)
+                                      offload_v=opts.offload_opt_v, zero_copy=opts.use_zero_copy,
+                                      experts=self.experts)
         # --use-cuda-graphs (train/cuda_graphs.py): micro-steps replayed from CUDA graphs, SR keys from a device table
         self.graphs = None
         if run.cuda_graphs:
@@ -139,7 +147,8 @@ class Trainer:
             fp8_keep_transposes=run.fp8_keep_transposes, fp8_swiglu_onepass=run.fp8_swiglu_onepass,
             fp8_head_backward=run.fp8_head_backward, fp8_linears=run.fp8.fp8 if run.fp8 is not None else None,
             wrap_linear=self._abs_max_wrapper(opts), document_attention=opts.document_attention,
-            adapter=LoraAdapter(self.cfg, self.lora) if self.lora is not None else None)
+            adapter=LoraAdapter(self.cfg, self.lora) if self.lora is not None else None,
+            expert_exchange=self.experts.exchange if self.experts is not None else None)
 
     def _abs_max_wrapper(self, opts: Options):
         """--debug-log-abs-max: the recorder that wraps the block linears (None when off; with
@@ -280,13 +289,15 @@ class Trainer:
         weights, gathered copies in host memory -- then a collective that every rank must call."""
         if self.sharded_weights:
             return self.weights.gather_full()
+        if self.experts is not None:  # each rank holds E/ep experts: gathered from the token group
+            return self.experts.gather_experts(self.params, self.layout)
         return {n: p.detach() for n, p in self.params.items()}
 
     def export(self, out_dir: str, *, owner: dict | None = None) -> None:
         """Write a HF model directory (config.json + safetensors + generation_config.json [+ the tokenizer files of
         `self.tokenizer`]); rank 0 writes. Every rank must call it (sharded weights are gathered on all ranks);
         every rank raises rank 0's error. `owner` (run id, step) goes into the export's manifest."""
-        params = self.full_params() if (self.ctx.is_main or self.sharded_weights) else None
+        params = self.full_params() if (self.ctx.is_main or self.sharded_weights or self.experts) else None
         err: Exception | None = None
         if self.ctx.is_main:
             try:
@@ -322,6 +333,8 @@ class Trainer:
             dst.copy_(src)
             if self.groups.hybrid and not self.sharded_weights:
                 self.comm.all_gather(self.param_buffers[g.key], dst.clone()).wait()
+            elif self.experts is not None:  # an expert group: from the replicas holding the same experts
+                self.experts.comm_of(g, self.comm).all_gather(self.param_buffers[g.key], dst.clone()).wait()
             elif self.ctx.distributed and not self.sharded_weights:
                 self.ctx.all_gather_into_tensor(self.param_buffers[g.key], dst)
         self.weights.invalidate()

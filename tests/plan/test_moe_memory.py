@@ -54,3 +54,20 @@ def test_activations_match_a_real_micro_step(dtype, flags):
     act = plan.item("activations")
     assert act.device == pytest.approx(at_head, rel=0.01)
     assert at_head <= peak <= act.device + plan.item("workspace").device <= 1.6 * peak
+
+
+def test_expert_parallel_plans_each_ranks_share_of_the_experts():
+    """--expert-parallel 2 on 2 ranks: the weights and gradients rows hold half of every expert stack (the dense
+    groups whole), the Adam rows a rank's experts unsharded plus half of the rest (ZeRO-1 over the world either way:
+    the same bytes)."""
+    from qtrain.options import Options
+    from qtrain.parallel.layout import FlatLayout
+    from tests.parallel.test_moe_layout import CFG as LAYERED
+    experts = sum(g.padded_numel for g in FlatLayout(LAYERED, 2).groups if g.experts)
+    rows = {}
+    for ep in (1, 2):
+        opts = Options(model="x", from_scratch=True, batch_size=1, seq_len=16, expert_parallel=ep)
+        rows[ep] = {i.name.split(" (")[0]: i.device for i in plan_memory(LAYERED, opts, world=2, device="cpu").items}
+    for row in ("weights", "gradients"):
+        assert rows[1][row] - rows[2][row] == experts // 2 * 2  # bf16: half the experts' elements, 2 bytes each
+    assert rows[1]["adam m"] == rows[2]["adam m"] and rows[1]["adam v"] == rows[2]["adam v"]

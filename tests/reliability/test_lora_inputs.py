@@ -62,6 +62,7 @@ CASES = [
     Case("unknown-target", lora("--lora-targets", "q,qq"), r"--lora-targets: unknown target 'qq'"),
     Case("dropout-range", lora("--lora-dropout", "1.5"), r"--lora-dropout must be in \[0, 1\)"),
     Case("sharded-weights", lora("--shard-weights"), r"--lora-rank with sharded weights"),
+    Case("expert-parallel", lora("--expert-parallel", "2"), r"--lora-rank with --expert-parallel is not supported"),
     Case("dropout-recompute", lora("--lora-dropout", "0.1", "--recompute-block"),
          r"--lora-dropout with --recompute"),
     Case("merge-e4m3", lora("--lora-merge", "--lora-base-dtype", "e4m3"),

@@ -116,6 +116,15 @@ OPTION_CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("zero-level-3", "olmoe", lambda r: ["--zero-level", "3"], r"--shard-weights / --zero-level 3 is not supported"),
     ("router-z-loss-negative", "mixtral", lambda r: ["--router-z-loss=-0.1"], r"--router-z-loss must be >= 0"),
     ("log-router-every-0", "mixtral", lambda r: ["--log-router-every", "0"], r"--log-router-every >= 1"),
+    ("expert-parallel-0", "mixtral", lambda r: ["--expert-parallel", "0"], r"--expert-parallel must be >= 1"),
+    ("expert-parallel-not-dividing-experts", "mixtral", lambda r: ["--expert-parallel", "3"],
+     r"--expert-parallel 3 must divide the model's 4 experts"),
+    ("expert-parallel-over-one-rank", "qwen3_moe", lambda r: ["--expert-parallel", "2"],
+     r"--expert-parallel 2 must divide the number of ranks \(1\)"),
+    ("expert-parallel-not-dividing-gpus", "olmoe", lambda r: ["--gpus", "2", "--expert-parallel", "4"],
+     r"--expert-parallel 4 must divide the number of ranks \(2\)"),
+    ("expert-parallel-hybrid", "qwen3_moe", lambda r: ["--expert-parallel", "2", "--shard-group-size", "1"],
+     r"--expert-parallel with --shard-group-size is not supported yet"),
 ]
 
 
@@ -123,6 +132,15 @@ OPTION_CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
 def test_options_an_moe_model_cannot_run_are_refused(name, model_type, flags, match, base, tmp_path, capsys):
     root = _root(base, tmp_path, MOE[model_type])
     refused(root, train_argv(root, steps=2, extra=tuple(flags(root))), match, capsys)
+
+
+def test_expert_parallel_on_a_dense_model_is_refused(base, tmp_path, capsys):
+    """--expert-parallel needs experts: the test root's dense model refuses it before anything is built."""
+    import shutil
+    root = tmp_path / "root"
+    shutil.copytree(base, root)
+    refused(root, train_argv(root, steps=2, extra=("--expert-parallel", "2")),
+            r"--expert-parallel 2: \w+ model has no experts \(a dense model\); drop --expert-parallel", capsys)
 
 
 def test_a_checkpoint_missing_an_expert_is_refused_naming_it(base, tmp_path, capsys):

@@ -104,6 +104,8 @@ def _fill(layout: FlatLayout, buffers: dict[str, torch.Tensor] | None, shards: d
                 raise ValueError(f"build_weights: nothing fills {sorted(extra)[:3]} (tensors beyond the model's)")
             adapters(extra)
             views = {n: v for n, v in views.items() if n in own}
+        if g.ep > 1:  # expert parallelism: this rank's experts of every stack, filled as the whole stack would be
+            views = {n: _whole_stack(v, g.ep) for n, v in views.items()}
         if not views:
             pass
         elif loaded is None:
@@ -111,6 +113,16 @@ def _fill(layout: FlatLayout, buffers: dict[str, torch.Tensor] | None, shards: d
         else:
             for name, t in views.items():
                 t.copy_(loaded.pop(name))
+        if g.ep > 1:
+            for s in g.segments:
+                n = s.shape[0]
+                full[s.start:s.start + s.numel].view(s.shape).copy_(views[s.name][(rank % g.ep) * n:][:n])
         if shards is not None:
             lo, hi = g.shard_range(rank, layout.world)
             shards[g.key].copy_(full[lo:hi])
+
+
+def _whole_stack(local: torch.Tensor, ep: int) -> torch.Tensor:
+    """A temporary whole stack (ep times the local experts' rows) for a rank's share `local`: the from-scratch
+    initialisation draws per tensor and a checkpoint holds every expert; the caller keeps its share."""
+    return local.new_zeros((ep * local.shape[0], *local.shape[1:]))
