@@ -18,7 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["SCALING_KEYS", "ScaledRopeConfig", "attention_factor", "base_inv_freq", "scaled_inv_freq"]
+__all__ = ["SCALING_KEYS", "ScaledRopeConfig", "attention_factor", "base_inv_freq", "scaled_context",
+           "scaled_inv_freq"]
 
 # rope_type -> (required keys, optional keys) of the scaling dict (besides rope_type and rope_theta), as
 # transformers' `_validate_<type>_rope_parameters` lists them
@@ -133,3 +134,15 @@ def attention_factor(cfg: ScaledRopeConfig) -> float:
     if mscale and mscale_all_dim:
         return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
     return _yarn_mscale(factor)
+
+
+def scaled_context(cfg: ScaledRopeConfig) -> int:
+    """The positions the scaled model is made for: `factor` times the original context (llama3, yarn:
+    `original_max_position_embeddings`; linear, dynamic: `max_position_embeddings`), and never fewer than
+    `max_position_embeddings` (Qwen2.5's YaRN keeps max_position_embeddings 32768 and extends it fourfold)."""
+    sc = cfg.rope_scaling
+    if not sc:
+        return cfg.max_position_embeddings
+    factor = _yarn_factor(cfg, sc) if sc["rope_type"] == "yarn" else sc["factor"]
+    original = sc.get("original_max_position_embeddings", cfg.max_position_embeddings)
+    return max(cfg.max_position_embeddings, int(factor * original))

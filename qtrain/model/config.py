@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from qtrain.fsio import shorten
-from qtrain.kernels.rope_scaling import SCALING_KEYS
+from qtrain.kernels.rope_scaling import SCALING_KEYS, scaled_context
 
 
 class ConfigError(ValueError):
@@ -68,6 +68,11 @@ class ModelConfig:
         """Dimensions of a head that RoPE rotates, the width of the RoPE tables the loop hands every block: all of
         them here; a family with partial rotary embeddings says fewer."""
         return self.head_dim
+
+    @property
+    def context_length(self) -> int:
+        """Tokens a sequence may hold: max_position_embeddings, or what the RoPE scaling extends it to."""
+        return scaled_context(self)
 
     def validate(self) -> None:
         """The checks of the common fields (a family's `validate` calls this first, then checks its own)."""

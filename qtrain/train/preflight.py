@@ -94,9 +94,10 @@ def check_model(opts: Options) -> ModelConfig:
     if opts.fp8_head_backward and (cfg.vocab_size % 16 or cfg.hidden_size % 16):
         raise OptionsError(f"--fp8-head-backward: the model's vocab_size {cfg.vocab_size} and hidden_size "
                            f"{cfg.hidden_size} must be multiples of 16 (cuBLASLt's FP8 GEMMs); drop the option")
-    if opts.seq_len > cfg.max_position_embeddings:
+    if opts.seq_len > cfg.context_length:  # RoPE scaling (model config's rope_scaling) extends the positions
+        scaled = f" ({cfg.rope_scaling['rope_type']} rope scaling: {cfg.context_length})" if cfg.rope_scaling else ""
         raise OptionsError(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings "
-                           f"{cfg.max_position_embeddings}")
+                           f"{cfg.max_position_embeddings}{scaled}")
     return cfg
 
 

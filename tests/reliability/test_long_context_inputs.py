@@ -40,7 +40,11 @@ ROPE_CASES = [Case(f"rope-{name}", train(), match, model_json(**changes)) for na
      r"llama3 rope scaling needs high_freq_factor > low_freq_factor"),
     ("both-disagree", {**rope(rope_type="linear", factor=2.0), "rope_scaling": {"type": "linear", "factor": 4.0}},
      r"rope_scaling .* and rope_parameters .* disagree; keep one of them"),
-]]
+]] + [
+    Case("seq-len-past-scaled-context", train(extra=("--seq-len", "512", "--batch-size", "1")),
+         r"--seq-len 512 exceeds the model's max_position_embeddings 64 \(yarn rope scaling: 256\)",
+         model_json(**rope(rope_type="yarn", factor=4.0, original_max_position_embeddings=64))),
+]
 
 
 @pytest.mark.parametrize("case", ROPE_CASES, ids=[c.name for c in ROPE_CASES])
