@@ -256,6 +256,11 @@ class Options:
     """Recompute LN1, QKV + RoPE and attention in backward (implies --recompute-qkv)."""
     offload_residual: bool = False
     """With --recompute-block: keep block inputs in pinned host memory, so activations stop growing with depth."""
+    fit_memory: bool = True
+    """On a GPU, where the memory plan of the given options does not fit: add what long sequences take, the LM head
+    in chunks of 16k tokens, then recompute (swiglu+norm, ffn, block), then --offload-residual, stopping at the
+    first that fits (plan/fit.py; recompute and offload compute the same numbers, chunks regroup the LM head's sums).
+    --no-fit-memory runs the options as given."""
     shard_weights: bool = False
     """Keep only this rank's shard of the weights (ZeRO-3); blocks are all-gathered just in time, double buffered."""
     persistent_quants: bool = False
@@ -391,8 +396,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                   "persistent_quants", "fp8_keep_transposes", "fp8_swiglu_onepass", "fp8_head_backward"),
     "memory (recompute, offload, chunking)": (
         "memory_check", "lmhead_chunks", "attn_bwd_chunks", "recompute_block", "recompute_swiglu", "recompute_norm",
-        "recompute_ffn", "recompute_qkv", "recompute_att", "offload_residual", "offload_master", "offload_opt_m",
-        "offload_opt_v", "offload_quants", "use_zero_copy"),
+        "recompute_ffn", "recompute_qkv", "recompute_att", "offload_residual", "fit_memory", "offload_master",
+        "offload_opt_m", "offload_opt_v", "offload_quants", "use_zero_copy"),
     "parallel (GPUs, sharding)": ("gpus", "zero_level", "shard_gradients", "all_to_all_reduce", "offload_gradients",
                                   "shard_weights", "shard_group_size", "collective_timeout"),
     "execution (device, compile, kernels)": ("device", "compile", "compile_tuning", "compile_autotune_gemm",

@@ -311,6 +311,8 @@ def _log_run_header(log: RunLogger, trainer: Trainer, train: TokenLoader, evals:
     plan = trainer.run.plan  # the run's, made once at the start (budget: the device's total memory on CUDA)
     log.log("memory-plan", **plan.to_dict())
     log._print(plan.format() + "\n")
+    if trainer.run.memory_note():  # --fit-memory changed the options so that the plan fits
+        log.message(trainer.run.memory_note(), level="warning")
     if not plan.fits:
         log.message(f"memory plan: {plan.summary()}; `qtrain plan` proposes a configuration that fits",
                     level="warning")

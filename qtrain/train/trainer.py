@@ -109,8 +109,8 @@ class Trainer:
     def _run_options(self, opts: Options, run: RunResolution) -> RunOptions:
         """How the model executes: the options as the run resolved them."""
         return RunOptions(
-            lmhead_chunks=opts.lmhead_chunks, attn_bwd_chunks=opts.attn_bwd_chunks, sdpa_backend=run.sdpa_backend,
-            recompute=run.recompute, offload_residual=opts.offload_residual, compile=run.compile,
+            lmhead_chunks=run.lmhead_chunks, attn_bwd_chunks=opts.attn_bwd_chunks, sdpa_backend=run.sdpa_backend,
+            recompute=run.recompute, offload_residual=run.offload_residual, compile=run.compile,
             compile_tuning=opts.compile_tuning, compile_autotune_gemm=opts.compile_autotune_gemm,
             matmul_dtype=run.block_matmul_dtype, fp8_grad_dtype=run.fp8_grad_dtype,
             fp8_keep_transposes=run.fp8_keep_transposes, fp8_swiglu_onepass=run.fp8_swiglu_onepass,
