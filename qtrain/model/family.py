@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping, Protocol
 import torch
 
 from qtrain.model.config import ModelConfig
+from qtrain.model.sequence_split import SequenceSplit
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "e4m3": 1}
 INITS = ("normal", "residual", "ones", "zeros")
@@ -105,6 +106,7 @@ class BlockOptions:
     rope: str = "autograd"  # the RoPE op's mode (kernels/rope.py: "autograd" or "kernel")
     rebuilt_input_linear: Linear | None = None
     norm_fed_fp8: bool = False
+    context: SequenceSplit | None = None  # context parallelism: this rank's part of each sequence (eager blocks)
 
 
 @dataclass(frozen=True)

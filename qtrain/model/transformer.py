@@ -37,6 +37,7 @@ from qtrain.model.layers import SDPA_BACKENDS, rms_norm
 from qtrain.model.matmul import block_linear, block_mlp
 from qtrain.model.recompute import ResidualStash, block_steps, resolve_flags, splits_mlp
 from qtrain.model.registry import family_of
+from qtrain.model.sequence_split import SequenceSplit
 from qtrain.model.weight_source import (FP8_INV_SCALE, FP8_WEIGHT, FP8_WEIGHT_T, SCALE_HINT, GradientSink,
                                         WeightSource, quantized_weight)
 from qtrain.model.weights import param_shapes
@@ -51,7 +52,8 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
                   attn_chunks: int = 1, compiled: bool = False, swiglu: str = "autograd",
                   mlp: Mlp | None = None, sdpa_backend: str = "auto",
                   linears: dict[str, Linear] | None = None, rope: str = "autograd",
-                  rebuilt_input_linear: Linear | None = None, norm_fed_fp8: bool = False) -> BlockFn:
+                  rebuilt_input_linear: Linear | None = None, norm_fed_fp8: bool = False,
+                  context: SequenceSplit | None = None) -> BlockFn:
     """The block of `cfg`'s family as a function of (x, weights, cos, sin), so one compiled graph serves
     every layer (weights are inputs, not captured constants); for the Llama family see model/llama/block.py.
 
@@ -71,11 +73,12 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     the linear keeps is rebuilt with the step instead of undoing its saving.
     norm_fed_fp8: the FP8 linears (and MLP) after the two norms quantize their input from the norm's input, rstd and
     gain (`kernels.fp8_quant.quantize_for_gemms`'s prenorm), so the norm's output is never written; for a compiled block
-    with kept transposes and no recomputed step (the Transformer decides)."""
+    with kept transposes and no recomputed step (the Transformer decides).
+    context: each sequence split across ranks (model/sequence_split.py): attention through it."""
     options = BlockOptions(linear=linear, recompute=frozenset(recompute), attn_chunks=attn_chunks, compiled=compiled,
                            swiglu=swiglu, mlp=mlp, sdpa_backend=sdpa_backend, linears=linears,
                            rope=rope, rebuilt_input_linear=rebuilt_input_linear,
-                           norm_fed_fp8=norm_fed_fp8)
+                           norm_fed_fp8=norm_fed_fp8, context=context)
     return family_of(cfg).make_block_fn(cfg, options)
 
 
@@ -118,6 +121,7 @@ class RunOptions:
     fp8_head_backward: bool = False  # the LM head's gradient GEMMs in FP8 (kernels/cross_entropy)
     wrap_linear: Callable[[Linear], Linear] | None = None  # instrumentation around the block linears
     # (--debug-log-abs-max); with it the MLP runs as separate linears, which the wrapper sees
+    context: SequenceSplit | None = None  # --context-parallel: this rank's part of each sequence (eager blocks)
 
     def __post_init__(self) -> None:
         if self.attn_bwd_chunks < 1:
@@ -125,6 +129,8 @@ class RunOptions:
         if self.sdpa_backend not in SDPA_BACKENDS:
             raise ValueError(f"sdpa_backend must be one of {SDPA_BACKENDS}, got {self.sdpa_backend!r}")
         self.recompute = resolve_flags(self.recompute)
+        if self.context is not None and (self.compile or "att" in self.recompute or self.attn_bwd_chunks > 1):
+            raise ValueError("a sequence split across ranks runs eager blocks, attention not recomputed, in one call")
         if self.offload_residual and "block" not in self.recompute:
             raise ValueError("offload_residual needs recompute 'block' (only block inputs are offloaded)")
 
@@ -166,13 +172,14 @@ class Transformer:
                            compiled=run.compile, swiglu=ops, rope=ops, mlp=mlp if run.compile else None,
                            sdpa_backend=run.sdpa_backend, linears=linears, rebuilt_input_linear=rebuilt,
                            norm_fed_fp8=bool(run.compile and run.matmul_dtype == "e4m3" and run.fp8_keep_transposes
-                                             and run.wrap_linear is None))
+                                             and run.wrap_linear is None), context=run.context)
         self.block_fn: BlockFn = torch.compile(fn, dynamic=False, options=run.inductor_options()) if run.compile else fn
         self._eager_block_fn: BlockFn = fn
         if run.compile:  # the compiled flavour of the recompute mechanism differs; eager needs its own
             self._eager_block_fn = make_block_fn(cfg, linear, recompute=block_steps(run.recompute),
                                                  attn_chunks=run.attn_bwd_chunks, compiled=False,
-                                                 sdpa_backend=run.sdpa_backend, linears=linears)
+                                                 sdpa_backend=run.sdpa_backend, linears=linears,
+                                                 context=run.context)
         # the final norm, forward and backward, as inductor's fused kernels where the blocks are compiled: eager it was
         # several elementwise passes over fp32 copies of the (B*T, C) hidden states, each way, per micro-step
         self._final_norm = (torch.compile(rms_norm, dynamic=False, options=run.inductor_options()) if run.compile
@@ -194,7 +201,13 @@ class Transformer:
     def rope(self, T: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key = (T, str(device), dtype)
         if key not in self._rope:
-            self._rope[key] = rope_tables(self.cfg, T, device, dtype)
+            split = self.run.context
+            if split is None:
+                self._rope[key] = rope_tables(self.cfg, T, device, dtype)
+            else:  # this rank's T tokens of sequences of T x parts: the rows of their positions
+                pos = split.positions(T, "cpu")
+                cos, sin = rope_tables(self.cfg, T * split.parts, "cpu", dtype)
+                self._rope[key] = (cos[pos].to(device), sin[pos].to(device))
         return self._rope[key]
 
     def _with_scale_hint(self, w: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:

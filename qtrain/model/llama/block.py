@@ -94,6 +94,7 @@ class LlamaBlock:
         self.norm_fed_fp8 = o.norm_fed_fp8 and not o.recompute  # the norms and their linears are then plain calls
         self.rebuilt = {n for n, step in REBUILT_BY.items() if step in o.recompute}
         self.attn_chunks, self.sdpa_backend = o.attn_chunks, o.sdpa_backend
+        self.context = o.context  # context parallelism: attention over the sequence's other parts too
 
     # ---- the block input (the residual stream) ----
     @staticmethod
@@ -197,7 +198,9 @@ class LlamaBlock:
         each backward call (with its fp32 workspace) covers B/chunks sequences. The price: the slices'
         outputs, which their backward keeps, are concatenated into a second copy for the projection."""
         B, _, T, _ = q.shape
-        if self.attn_chunks == 1:
+        if self.context is not None:  # this rank's queries over every rank's keys and values
+            att = self.context.attention(q, k, v).transpose(1, 2)
+        elif self.attn_chunks == 1:
             att = self.sdpa(q, k, v).transpose(1, 2)
         else:
             # slice in the (B, T, nh, hs) layout the projection wrote: the gradients of q, k, v are then
