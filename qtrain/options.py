@@ -238,6 +238,10 @@ class Options:
     """With sharded gradients: reduce with an all-to-all exchange instead of a reduce-scatter."""
     offload_gradients: bool = False
     """Keep the sharded gradient shards in pinned host memory (needs sharded gradients)."""
+    context_parallel: int = 1
+    """Split each sequence over this many ranks (load-balanced causal chunks; attention over all-gathered keys and
+    values: parallel/context.py); must divide the ranks, --seq-len a multiple of 2N. Runs eager blocks, attention
+    not recomputed (no --recompute-att / --recompute-block), no --attn-bwd-chunks or CUDA graphs."""
     shard_group_size: int = 0
     """Hybrid sharding: cut optimizer state, gradients and (sharded) weights across groups of this many
     consecutive ranks (e.g. one node's GPUs) and replicate them across the groups; gradients are reduced inside
@@ -399,7 +403,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "recompute_ffn", "recompute_qkv", "recompute_att", "offload_residual", "fit_memory", "offload_master",
         "offload_opt_m", "offload_opt_v", "offload_quants", "use_zero_copy"),
     "parallel (GPUs, sharding)": ("gpus", "zero_level", "shard_gradients", "all_to_all_reduce", "offload_gradients",
-                                  "shard_weights", "shard_group_size", "collective_timeout"),
+                                  "shard_weights", "shard_group_size", "context_parallel", "collective_timeout"),
     "execution (device, compile, kernels)": ("device", "compile", "compile_tuning", "compile_autotune_gemm",
                                              "sdpa_backend", "use_cuda_graphs"),
     "outputs and checkpoints": ("name", "out_dir", "checkpoint_dir", "ckpt_interval", "ckpt_keep_n", "ckpt_major",

@@ -158,9 +158,29 @@ def check_options(opts: Any) -> None:
         raise err(f"--collective-timeout must be > 0 seconds, got {opts.collective_timeout}")
     if opts.verbose and opts.quiet:
         raise err("--verbose and --quiet exclude each other: pick one")
+    _check_context_parallel(opts, err)
     if opts.start_over and opts.continue_from is not None:
         raise err("--start-over and --continue exclude each other: --continue resumes the earlier run, "
                   "--start-over replaces it")
+
+
+def _check_context_parallel(opts: Any, err: Callable[[str], OptionsError]) -> None:
+    """--context-parallel N: the sequence cut into 2N equal chunks, and none of what its attention cannot serve yet
+    (the ranks it must divide are known at the start: parallel/context.check_context_parallel)."""
+    n = opts.context_parallel
+    if n < 1:
+        raise err(f"--context-parallel must be >= 1, got {n}")
+    if n == 1:
+        return
+    if opts.seq_len % (2 * n):
+        raise err(f"--context-parallel {n}: --seq-len {opts.seq_len} must be a multiple of {2 * n} (each sequence "
+                  f"is cut into 2 x {n} equal chunks)")
+    blocked = [f for f, on in (("--compile on", opts.compile == "on"), ("--recompute-att", opts.recompute_att),
+                               ("--recompute-block", opts.recompute_block), ("--use-cuda-graphs", opts.use_cuda_graphs),
+                               (f"--attn-bwd-chunks {opts.attn_bwd_chunks}", opts.attn_bwd_chunks > 1)) if on]
+    if blocked:
+        raise err(f"--context-parallel {n} does not support {', '.join(blocked)} yet (its attention gathers keys "
+                  f"and values across ranks in eager blocks, once per forward)")
 
 
 def _check_master(opts: Any, err: Callable[[str], OptionsError]) -> None:

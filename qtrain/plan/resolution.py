@@ -43,6 +43,7 @@ from qtrain.model.fp8_policy import Fp8Choice, block_gflop, choose_fp8
 from qtrain.model.layers import resolve_sdpa_backend
 from qtrain.model.recompute import resolve_flags, splits_mlp
 from qtrain.options import Options, OptionsError
+from qtrain.parallel.context import check_context_parallel
 from qtrain.parallel.layout import FlatLayout
 from qtrain.plan.fit import fit_activations
 from qtrain.plan.memory import MemoryPlan, build_plan
@@ -102,8 +103,8 @@ class RunResolution:
 
 # ---- the rules, one function each ------------------------------------------------------------------------
 def compile_on(opts: Options, device: str) -> bool:
-    """--compile on, or auto on a CUDA device."""
-    return opts.compile == "on" or (opts.compile == "auto" and device == "cuda")
+    """--compile on, or auto on a CUDA device (not with --context-parallel, whose attention runs eager)."""
+    return opts.compile == "on" or (opts.compile == "auto" and device == "cuda" and opts.context_parallel == 1)
 
 
 def fp8_choice(cfg: ModelConfig, opts: Options) -> Fp8Choice | None:
@@ -207,6 +208,7 @@ def resolve_run(cfg: ModelConfig, opts: Options, *, world: int = 1, device: str 
     with a budget unknown, off CUDA, or with `recompute` given)."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
+    check_context_parallel(opts.context_parallel, world=world, seq_len=opts.seq_len)  # the ranks: known here first
     dev = torch.device(device) if isinstance(device, str) else device
     kw = dict(world=world, device=dev, gpu_memory=gpu_memory, compiled=compiled, reserve=reserve, layout=layout,
               model_name=model_name, recompute=recompute)

@@ -105,6 +105,7 @@ def check_data(opts: Options, cfg: ModelConfig, world: int) -> tuple[str, str | 
     """(train pattern, eval pattern, total steps) once the token files passed every check (TokenLoader:
     headers, sizes, vocabulary field, id range, enough sequences for each rank and for one step)."""
     train_pattern, eval_pattern = data_files(opts)
+    world //= max(1, opts.context_parallel)  # the data-parallel replicas: a context group shares its sequences
     train = TokenLoader(train_pattern, opts.seq_len, world=world, seed=opts.train_seed, model_vocab_size=cfg.vocab_size)
     if eval_pattern:
         TokenLoader(eval_pattern, opts.seq_len, world=world, seed=opts.eval_seed, model_vocab_size=cfg.vocab_size,

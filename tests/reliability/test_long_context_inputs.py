@@ -1,6 +1,7 @@
-"""Long-context bad inputs: RoPE scaling that qtrain does not compute (or that a config.json states ambiguously)
-is a one-line `qtrain: error:` naming the file and the key, exit 2, before the model is built and with nothing
-written; the same table shape and checks as test_bad_inputs.py (`run_case`)."""
+"""Long-context bad inputs: RoPE scaling that qtrain does not compute (or that a config.json states ambiguously),
+a --seq-len past the scaled context, and --context-parallel combinations it cannot serve: each is a one-line
+`qtrain: error:` naming the file, key or option, exit 2, before the model is built and with nothing written; the
+same table shape and checks as test_bad_inputs.py (`run_case`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -45,6 +46,24 @@ ROPE_CASES = [Case(f"rope-{name}", train(), match, model_json(**changes)) for na
          r"--seq-len 512 exceeds the model's max_position_embeddings 64 \(yarn rope scaling: 256\)",
          model_json(**rope(rope_type="yarn", factor=4.0, original_max_position_embeddings=64))),
 ]
+
+
+CP_CASES = [Case(f"cp-{name}", train(extra=extra), match) for name, extra, match in [
+    ("seq-len", ("--context-parallel", "2", "--seq-len", "18"),
+     r"--context-parallel 2: --seq-len 18 must be a multiple of 4 \(each sequence is cut into 2 x 2 equal chunks\)"),
+    ("ranks", ("--context-parallel", "2"), r"--context-parallel 2 must divide the number of ranks \(1\)"),
+    ("zero", ("--context-parallel", "0"), r"--context-parallel must be >= 1, got 0"),
+    ("recompute-block", ("--gpus", "2", "--context-parallel", "2", "--recompute-block"),
+     r"--context-parallel 2 does not support --recompute-block yet"),
+    ("compile-and-chunks", ("--gpus", "2", "--context-parallel", "2", "--compile", "on", "--batch-size", "2",
+                            "--attn-bwd-chunks", "2"),
+     r"does not support --compile on, --attn-bwd-chunks 2 yet"),
+]]
+
+
+@pytest.mark.parametrize("case", CP_CASES, ids=[c.name for c in CP_CASES])
+def test_context_parallel_bad_input(case, base, tmp_path, capsys):
+    run_case(case, base, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("case", ROPE_CASES, ids=[c.name for c in ROPE_CASES])
