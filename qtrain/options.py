@@ -248,6 +248,10 @@ class Options:
     """With sharded gradients: reduce with an all-to-all exchange instead of a reduce-scatter."""
     offload_gradients: bool = False
     """Keep the sharded gradient shards in pinned host memory (needs sharded gradients)."""
+    context_parallel: int = 1
+    """Split each sequence over this many ranks (load-balanced causal chunks; attention over all-gathered keys and
+    values: parallel/context.py); must divide the ranks, --seq-len a multiple of 2N. Runs eager blocks, attention
+    not recomputed (no --recompute-att / --recompute-block), no --attn-bwd-chunks or CUDA graphs."""
     shard_group_size: int = 0
     """Hybrid sharding: cut optimizer state, gradients and (sharded) weights across groups of this many
     consecutive ranks (e.g. one node's GPUs) and replicate them across the groups; gradients are reduced inside
@@ -266,6 +270,11 @@ class Options:
     """Recompute LN1, QKV + RoPE and attention in backward (implies --recompute-qkv)."""
     offload_residual: bool = False
     """With --recompute-block: keep block inputs in pinned host memory, so activations stop growing with depth."""
+    fit_memory: bool = True
+    """On a GPU, where the memory plan of the given options does not fit: add what long sequences take, the LM head
+    in chunks of 16k tokens, then recompute (swiglu+norm, ffn, block), then --offload-residual, stopping at the
+    first that fits (plan/fit.py; recompute and offload compute the same numbers, chunks regroup the LM head's sums).
+    --no-fit-memory runs the options as given."""
     shard_weights: bool = False
     """Keep only this rank's shard of the weights (ZeRO-3); blocks are all-gathered just in time, double buffered."""
     persistent_quants: bool = False
@@ -432,12 +441,12 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                   "persistent_quants", "fp8_keep_transposes", "fp8_swiglu_onepass", "fp8_head_backward"),
     "memory (recompute, offload, chunking)": (
         "memory_check", "lmhead_chunks", "attn_bwd_chunks", "recompute_block", "recompute_swiglu", "recompute_norm",
-        "recompute_ffn", "recompute_qkv", "recompute_att", "offload_residual", "offload_master", "offload_opt_m",
-        "offload_opt_v", "offload_quants", "use_zero_copy"),
+        "recompute_ffn", "recompute_qkv", "recompute_att", "offload_residual", "fit_memory", "offload_master",
+        "offload_opt_m", "offload_opt_v", "offload_quants", "use_zero_copy"),
     "LoRA adapters": ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_init_from", "lora_merge",
                       "lora_base_dtype"),
     "parallel (GPUs, sharding)": ("gpus", "zero_level", "shard_gradients", "all_to_all_reduce", "offload_gradients",
-                                  "shard_weights", "shard_group_size", "collective_timeout"),
+                                  "shard_weights", "shard_group_size", "context_parallel", "collective_timeout"),
     "execution (device, compile, kernels)": ("device", "compile", "compile_tuning", "compile_cache",
                                              "compile_autotune_gemm", "sdpa_backend", "use_cuda_graphs"),
     "mixture of experts": ("router_z_loss", "log_router_every", "expert_parallel"),

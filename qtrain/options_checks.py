@@ -167,6 +167,7 @@ def check_options(opts: Any) -> None:
                   "state is then sharded over all ranks, the experts' over the ranks holding them)")
     if opts.verbose and opts.quiet:
         raise err("--verbose and --quiet exclude each other: pick one")
+    _check_context_parallel(opts, err)
     if opts.start_over and opts.continue_from is not None:
         raise err("--start-over and --continue exclude each other: --continue resumes the earlier run, "
                   "--start-over replaces it")
@@ -203,6 +204,28 @@ def _check_lora(opts: Any, err: Callable[[str], OptionsError]) -> None:
     if opts.lora_merge and opts.lora_base_dtype:
         raise err("--lora-merge with --lora-base-dtype e4m3 is not supported: the merged model would be the e4m3 "
                   "base plus the adapters in bf16, not the base the run started from (export the PEFT adapter)")
+
+
+def _check_context_parallel(opts: Any, err: Callable[[str], OptionsError]) -> None:
+    """--context-parallel N: the sequence cut into 2N equal chunks, and none of what its attention cannot serve yet
+    (the ranks it must divide are known at the start: parallel/context.check_context_parallel)."""
+    n = opts.context_parallel
+    if n < 1:
+        raise err(f"--context-parallel must be >= 1, got {n}")
+    if n == 1:
+        return
+    if opts.seq_len % (2 * n):
+        raise err(f"--context-parallel {n}: --seq-len {opts.seq_len} must be a multiple of {2 * n} (each sequence "
+                  f"is cut into 2 x {n} equal chunks)")
+    blocked = [f for f, on in (("--compile on", opts.compile == "on"), ("--recompute-att", opts.recompute_att),
+                               ("--recompute-block", opts.recompute_block), ("--use-cuda-graphs", opts.use_cuda_graphs),
+                               (f"--attn-bwd-chunks {opts.attn_bwd_chunks}", opts.attn_bwd_chunks > 1),
+                               ("--document-masking", opts.document_masking),
+                               (f"--expert-parallel {opts.expert_parallel}", opts.expert_parallel > 1),
+                               ("--lora-rank", opts.lora_rank > 0)) if on]
+    if blocked:
+        raise err(f"--context-parallel {n} does not support {', '.join(blocked)} yet (its attention gathers keys "
+                  f"and values across ranks in eager blocks, once per forward)")
 
 
 def _check_master(opts: Any, err: Callable[[str], OptionsError]) -> None:

@@ -1,14 +1,14 @@
 """RoPE's one home: the cos/sin tables, the rotation, and its backward fused with the assembly of the QKV
 projection's output gradient, in one pass.
 
-The entries: `rope_tables(cfg, T, device, dtype)` (positions 0..T-1, llama3 frequency scaling when configured; with
---document-masking the model gathers them at each token's position in its document, (B, T, hs) tables) and
-`qkv_rope(qkv, cos, sin, nh, nkv, hs, mode=..., qk_norm=...)`, which splits the block's fused QKV projection output
-(B, T, q + 2 kv) into q, k, v, rotates q and k (`apply_rope`, HF's rotate-half: y[d] = x[d] cos[d] + r[d] sin[d]
-with r[d] = -x[d + h] for d < h, x[d - h] otherwise, h = hs / 2) and hands them to attention. The tables and the
-rotation follow `transformers`' order of operations, so fp32 results agree with HF to rounding. The backward of the
-split and rotation, per position t and column d of a head, all in fp32 from the stored values, one rounding at the
-end::
+The entries: `rope_tables(cfg, T, device, dtype)` (positions 0..T-1, the config's long-context scaling:
+`kernels.rope_scaling`; with --document-masking the model gathers them at each token's position in its document,
+(B, T, hs) tables) and `qkv_rope(qkv, cos, sin, nh, nkv, hs, mode=..., qk_norm=...)`, which splits the
+block's fused QKV projection output (B, T, q + 2 kv) into q, k, v, rotates q and k (`apply_rope`, HF's
+rotate-half: y[d] = x[d] cos[d] + r[d] sin[d] with r[d] = -x[d + h] for d < h, x[d - h] otherwise, h = hs / 2)
+and hands them to attention. The tables and the rotation follow `transformers`' order of operations, so fp32
+results agree with HF to rounding. The backward of the split and rotation, per position t and column d of a head,
+all in fp32 from the stored values, one rounding at the end::
 
     dx[d] = dy[d] * cos[t, d] + dy[d + h] * sin[t, d + h]     (d < h)
     dx[d] = dy[d] * cos[t, d] - dy[d - h] * sin[t, d - h]     (d >= h)
@@ -25,12 +25,12 @@ and the twin agree bit for bit. `qkv_rope(mode="kernel")` differentiates through
 """
 from __future__ import annotations
 
-import math
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
 from qtrain.kernels.dispatch import INTERPRET, jit, tl, triton, use_triton
+from qtrain.kernels.rope_scaling import ScaledRopeConfig, attention_factor, scaled_inv_freq
 from qtrain.kernels.stochastic_rounding import KINDS, load_f32, store_f32
 
 __all__ = ["MODES", "RopeConfig", "apply_rope", "qkv_rope", "rope_inv_freq", "rope_qkv_backward",
@@ -157,40 +157,25 @@ def _(dq, dk, dv, cos, sin):
 
 
 # ---------------------------------------------------------------------------------------------- tables
-class RopeConfig(Protocol):
-    """What the tables read of a model config (`model.config.ModelConfig` has them)."""
-    rotary_dim: int  # the rotated dimensions of a head
-    rope_theta: float
-    rope_scaling: dict | None  # llama3's: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+RopeConfig = ScaledRopeConfig  # what the tables read of a model config (`model.config.ModelConfig` has it)
 
 
-def rope_inv_freq(cfg: RopeConfig) -> torch.Tensor:
-    """Inverse frequencies theta^(-2i/hs), with llama3 frequency scaling when configured (fp32); hs: the rotated
-    dimensions of a head (`rotary_dim`)."""
-    hs = cfg.rotary_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hs, 2, dtype=torch.int64).float() / hs))
-    sc = cfg.rope_scaling
-    if sc:  # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between
-        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
-        old_ctx = sc["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_ctx / lo, old_ctx / hi
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_ctx / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    return inv_freq
+def rope_inv_freq(cfg: RopeConfig, seq_len: int = 0) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/hs) (fp32; hs: the rotated dimensions of a head, `rotary_dim`), scaled as the
+    config's `rope_scaling` says (`kernels.rope_scaling`); `seq_len` matters only to `dynamic` scaling."""
+    return scaled_inv_freq(cfg, seq_len)
 
 
 def rope_tables(cfg: RopeConfig, seq_len: int, device: torch.device | str, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (T, hs) in the activation dtype; positions 0..T-1 (HF "rotate-half" layout)."""
-    inv_freq = rope_inv_freq(cfg).to(device)
+    """cos, sin of shape (T, hs) in the activation dtype; positions 0..T-1 (HF "rotate-half" layout), each times
+    the scaling's attention factor (YaRN's; 1 otherwise) in fp32 before the rounding, as HF does."""
+    inv_freq = rope_inv_freq(cfg, seq_len).to(device)
     pos = torch.arange(seq_len, device=device, dtype=torch.int64).float()
     freqs = torch.outer(pos, inv_freq)  # (T, hs/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, hs)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    factor = attention_factor(cfg)
+    return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------- the rotation

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from qtrain.fsio import shorten
+from qtrain.kernels.rope_scaling import SCALING_KEYS, scaled_context
 
 
 class ConfigError(ValueError):
@@ -50,7 +51,9 @@ class ModelConfig:
     head_dim: int = 0  # 0 => hidden_size // num_attention_heads (Qwen3 sets it explicitly)
     max_position_embeddings: int = 32768
     rope_theta: float = 1_000_000.0
-    rope_scaling: dict[str, Any] | None = None  # llama3 frequency scaling, or None for plain RoPE
+    # long-context frequency scaling: {"rope_type": llama3 | yarn | linear | dynamic, its keys} (the HF keys,
+    # kernels/rope_scaling.py), or None for plain RoPE
+    rope_scaling: dict[str, Any] | None = None
     rms_norm_eps: float = 1e-6  # the final norm's (and, in the families so far, every block norm's)
     tie_word_embeddings: bool = True  # LM head shares the embedding matrix
     bos_token_id: int | None = None  # the presets and config.json name them; none is assumed
@@ -88,6 +91,11 @@ class ModelConfig:
         norm follows it (layers.final_norm_fn); the families so far scale by w."""
         return False
 
+    @property
+    def context_length(self) -> int:
+        """Tokens a sequence may hold: max_position_embeddings, or what the RoPE scaling extends it to."""
+        return scaled_context(self)
+
     def validate(self) -> None:
         """The checks of the common fields (a family's `validate` calls this first, then checks its own)."""
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -103,12 +111,7 @@ class ModelConfig:
         if not (0 < self.rms_norm_eps < 1):
             raise config_error(f"rms_norm_eps must be in (0, 1), got {self.rms_norm_eps!r}")
         if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind != "llama3":
-                raise config_error(f"rope scaling type {kind!r} is not supported (only 'llama3')")
-            for k in LLAMA3_ROPE_KEYS:
-                if k not in self.rope_scaling:
-                    raise config_error(f"llama3 rope scaling needs {k!r}")
+            check_rope_scaling(self.rope_scaling)
         for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
             i = getattr(self, k)
             if i is not None and not 0 <= i < self.vocab_size:
@@ -132,7 +135,51 @@ def check_positive_int(cfg: Any, name: str) -> None:
         raise config_error(f"{name} must be a positive integer, got {v!r}")
 
 
-LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+ROPE_TYPES = ("default", *SCALING_KEYS)  # the `rope_type`s qtrain computes (kernels/rope_scaling.py)
+_ROPE_INTS, _ROPE_BOOLS = ("original_max_position_embeddings",), ("truncate",)
+
+
+def _scaling_part(rope: dict[str, Any]) -> dict[str, Any]:
+    """A rope dict without rope_theta, its legacy `type` read as `rope_type`: what two spellings must agree on."""
+    out = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
+    out["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    return out
+
+
+def check_rope_scaling(sc: dict[str, Any]) -> None:
+    """A scaling dict names a supported type, has that type's required keys and no key it does not read, and holds
+    numbers where numbers belong (factors positive, llama3's high_freq_factor above its low_freq_factor)."""
+    kind = sc.get("rope_type")
+    if kind not in SCALING_KEYS:
+        raise config_error(f"rope scaling type {shorten(repr(kind))} is not supported "
+                           f"(supported: {', '.join(map(repr, SCALING_KEYS))})")
+    required, optional = SCALING_KEYS[kind]
+    for k in required:
+        if k not in sc:
+            raise config_error(f"{kind} rope scaling needs {k!r}")
+    unknown = sorted(set(sc) - {*required, *optional, "rope_type"})
+    if unknown:
+        raise config_error(f"{kind} rope scaling key(s) {shorten(repr(unknown))} not understood; qtrain refuses "
+                           f"them rather than compute other frequencies than transformers")
+    for k, v in sc.items():
+        if k == "rope_type" or v is None and (kind == "yarn" and k != "original_max_position_embeddings"):
+            continue  # yarn's optional keys (and its factor) may be null: transformers derives them
+        if k in _ROPE_BOOLS:
+            ok = isinstance(v, bool)
+        elif k in _ROPE_INTS:
+            ok = isinstance(v, int) and not isinstance(v, bool) and v > 0
+        else:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (
+                v > 0 or k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"))
+        if not ok:
+            raise config_error(f"{kind} rope scaling {k} must be "
+                               f"{'true or false' if k in _ROPE_BOOLS else 'a positive number'}, "
+                               f"got {shorten(repr(v))}")
+    if kind == "llama3" and not sc["high_freq_factor"] > sc["low_freq_factor"]:
+        raise config_error(f"llama3 rope scaling needs high_freq_factor > low_freq_factor, got "
+                           f"{sc['high_freq_factor']!r} and {sc['low_freq_factor']!r}")
+
+
 # Keys of a decoder config.json that every family reads the same way (`HfKeys.common_fields`), plus metadata keys
 # that do not change the math of training; a family adds its own to form the keys it accepts.
 COMMON_HF_KEYS = frozenset({
@@ -220,33 +267,43 @@ class HfKeys:
             if self.d.get(k) is not None and not isinstance(self.d[k], dict):
                 raise self.error(f"{k} must be an object, got {shorten(repr(self.d[k]))}")
 
-    def rope(self) -> tuple[float, dict[str, Any] | None]:
-        """(rope_theta, llama3 scaling or None) from the top level and `rope_parameters` (transformers 5.x) or
-        `rope_scaling` (4.x)."""
+    def rope(self, max_position_embeddings: int | None = None) -> tuple[float, dict[str, Any] | None]:
+        """(rope_theta, the scaling dict or None) from the top level and `rope_parameters` (transformers 5.x) or
+        `rope_scaling` (4.x). The scaling dict keeps the type's keys as HF names them; an absent
+        `original_max_position_embeddings` of llama3 or yarn is `max_position_embeddings` (as transformers' loading
+        fills it in; `max_position_embeddings`: the family's default where the file has none)."""
         rope = dict(self.d.get("rope_parameters") or {})
         legacy_scaling = self.d.get("rope_scaling")
         if legacy_scaling:
+            if rope and _scaling_part(rope) != _scaling_part(legacy_scaling):
+                # transformers 5.x then reads rope_scaling alone, 4.x reads it beside rope_theta: refuse the doubt
+                raise self.error(f"rope_scaling {shorten(repr(legacy_scaling))} and rope_parameters "
+                                 f"{shorten(repr(rope))} disagree; keep one of them")
             rope = {**legacy_scaling, **rope}
         theta = self.d.get("rope_theta", rope.get("rope_theta"))
         if theta is None:
             raise self.error("missing key 'rope_theta' (top level or inside 'rope_parameters')")
         self.typed("rope_theta", "number", inner={"rope_theta": theta})
         rtype = rope.get("rope_type", rope.get("type", "default"))
-        scaling = None
-        if rtype == "llama3":
-            scaling = {k: rope[k] for k in LLAMA3_ROPE_KEYS if k in rope}
-            for k in scaling:
-                self.typed(k, "number", inner=scaling)
-            scaling["rope_type"] = "llama3"
-        elif rtype not in ("default", None):
-            raise self.error(f"rope_type {shorten(repr(rtype))} is not supported (only 'default' and 'llama3')")
-        return float(theta), scaling
+        if rtype in ("default", None):
+            return float(theta), None
+        if rtype not in SCALING_KEYS:
+            raise self.error(f"rope_type {shorten(repr(rtype))} is not supported (supported: "
+                             f"{', '.join(map(repr, ROPE_TYPES))})")
+        scaling = {k: v for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta")}
+        for k in scaling:
+            self.typed(k, "bool" if k in _ROPE_BOOLS else "int" if k in _ROPE_INTS else "number", inner=scaling)
+        max_pos = self.d.get("max_position_embeddings", max_position_embeddings)
+        if rtype in ("llama3", "yarn") and max_pos is not None:
+            scaling.setdefault("original_max_position_embeddings", max_pos)
+        return float(theta), {"rope_type": rtype, **scaling}
 
     def common_fields(self, *, max_position_embeddings: int, head_dim: int = 0) -> dict[str, Any]:
         """The `ModelConfig` fields of this config.json; absent keys take the defaults given (transformers' class
         defaults of the family, so that both read one model)."""
         d = self.d
-        theta, scaling = self.rope()
+        max_pos = d.get("max_position_embeddings", max_position_embeddings)
+        theta, scaling = self.rope(max_pos)
         eos = d.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
@@ -255,7 +312,7 @@ class HfKeys:
             num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
             num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
             head_dim=d.get("head_dim") or head_dim,
-            max_position_embeddings=d.get("max_position_embeddings", max_position_embeddings),
+            max_position_embeddings=max_pos,
             rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"), eos_token_id=eos, pad_token_id=d.get("pad_token_id"))

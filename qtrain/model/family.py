@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping, Protocol
 import torch
 
 from qtrain.model.config import ModelConfig
+from qtrain.model.sequence_split import SequenceSplit
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "e4m3": 1}
 INITS = ("normal", "residual", "ones", "zeros", "log_uniform")
@@ -125,6 +126,7 @@ class BlockOptions:
     # (model/lora/adapter.py); None: no adapters
     adapter: Callable[[str, torch.Tensor, dict, torch.Tensor], torch.Tensor] | None = None
     experts: Any = None  # expert parallelism's token exchange (model/moe.ExpertExchange); None: every expert here
+    context: SequenceSplit | None = None  # context parallelism: this rank's part of each sequence (eager blocks)
 
 
 @dataclass(frozen=True)

@@ -67,14 +67,15 @@ def next_token_distribution(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
 def generate(model: Transformer, weights: WeightSource, prompt: Sequence[int], s: Sampling, *,
              stop_ids: Sequence[int] = (), device: torch.device | str = "cpu") -> Iterator[int]:
     """Yield new token ids one by one after `prompt` (ids), until `max_new_tokens` or a token in `stop_ids`
-    (which is yielded too). The context is cut to the model's `max_position_embeddings` last tokens."""
+    (which is yielded too). The context is cut to the model's `context_length` last tokens (its max_position_embeddings,
+    or what its RoPE scaling extends them to)."""
     s.validate()
     if not prompt:
         raise SamplingError("the prompt is empty: give some text (or a BOS token) to continue from")
     ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
     gen = torch.Generator(device=ids.device).manual_seed(s.seed)
     head = model._head_weight(weights.non_block())
-    limit = model.cfg.max_position_embeddings
+    limit = model.cfg.context_length
     for _ in range(s.max_new_tokens):
         h = model.hidden_states(weights, ids[:, -limit:])[0, -1]  # (C,) last position
         logits = (h @ head.t()).float()

@@ -23,7 +23,6 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
 from contextlib import ExitStack
 from pathlib import Path

@@ -46,6 +46,7 @@ from qtrain.model.matmul import block_linear, block_mlp
 from qtrain.model.moe_router import RouterLosses
 from qtrain.model.recompute import ResidualStash, block_steps, resolve_flags, splits_mlp
 from qtrain.model.registry import family_of
+from qtrain.model.sequence_split import SequenceSplit
 from qtrain.model.weight_source import (FP8_INV_SCALE, FP8_WEIGHT, FP8_WEIGHT_T, SCALE_HINT, GradientSink,
                                         WeightSource, quantized_weight)
 from qtrain.model.weights import param_shapes
@@ -61,7 +62,8 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
                   mlp: Mlp | None = None, sdpa_backend: str = "auto",
                   linears: dict[str, Linear] | None = None, rope: str = "autograd",
                   rebuilt_input_linear: Linear | None = None, norm_fed_fp8: bool = False,
-                  adapter: Callable | None = None, experts: Any = None) -> BlockFn:
+                  adapter: Callable | None = None, experts: Any = None,
+                  context: SequenceSplit | None = None) -> BlockFn:
     """The block of `cfg`'s family as a function of (x, weights, cos, sin[, docs]), so one compiled graph serves
     every layer (weights are inputs, not captured constants); for the Llama family see model/llama/block.py.
 
@@ -83,11 +85,13 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     gain (`kernels.fp8_quant.quantize_for_gemms`'s prenorm), so the norm's output is never written; for a compiled block
     with kept transposes and no recomputed step (the Transformer decides).
     adapter: adds a low-rank adapter's term to the block linears' outputs (LoRA: model/lora/adapter.py).
-    experts: expert parallelism's token exchange (model/moe.ExpertExchange) for an MoE family's block."""
+    experts: expert parallelism's token exchange (model/moe.ExpertExchange) for an MoE family's block.
+    context: each sequence split across ranks (model/sequence_split.py): attention through it."""
     options = BlockOptions(linear=linear, recompute=frozenset(recompute), attn_chunks=attn_chunks, compiled=compiled,
                            swiglu=swiglu, mlp=mlp, sdpa_backend=sdpa_backend, linears=linears,
                            rope=rope, rebuilt_input_linear=rebuilt_input_linear,
-                           norm_fed_fp8=norm_fed_fp8, adapter=adapter, experts=experts)
+                           norm_fed_fp8=norm_fed_fp8, adapter=adapter, experts=experts,
+                           context=context)
     return family_of(cfg).make_block_fn(cfg, options)
 
 
@@ -133,6 +137,7 @@ class RunOptions:
     document_attention: str = "auto"  # with position ids: kernels/document_attention.py's form (auto, varlen, masked)
     adapter: Callable | None = None  # LoRA's term after the block linears (model/lora/adapter.LoraAdapter)
     expert_exchange: Any = None  # --expert-parallel: the MoE layers' token exchange (parallel/experts.TokenExchange)
+    context: SequenceSplit | None = None  # --context-parallel: this rank's part of each sequence (eager blocks)
 
     def __post_init__(self) -> None:
         if self.attn_bwd_chunks < 1:
@@ -142,6 +147,8 @@ class RunOptions:
         if self.document_attention not in DOCUMENT_ATTENTION:
             raise ValueError(f"document_attention must be one of {DOCUMENT_ATTENTION}, got {self.document_attention!r}")
         self.recompute = resolve_flags(self.recompute)
+        if self.context is not None and (self.compile or "att" in self.recompute or self.attn_bwd_chunks > 1):
+            raise ValueError("a sequence split across ranks runs eager blocks, attention not recomputed, in one call")
         if self.offload_residual and "block" not in self.recompute:
             raise ValueError("offload_residual needs recompute 'block' (only block inputs are offloaded)")
 
@@ -186,14 +193,15 @@ class Transformer:
                            sdpa_backend=run.sdpa_backend, linears=linears, rebuilt_input_linear=rebuilt,
                            norm_fed_fp8=bool(run.compile and run.matmul_dtype == "e4m3" and run.fp8_keep_transposes
                                              and run.wrap_linear is None), adapter=run.adapter,
-                                             experts=run.expert_exchange)
+                                             experts=run.expert_exchange, context=run.context)
         self.block_fn: BlockFn = torch.compile(fn, dynamic=False, options=run.inductor_options()) if run.compile else fn
         self._eager_block_fn: BlockFn = fn
         if run.compile:  # the compiled flavour of the recompute mechanism differs; eager needs its own
             self._eager_block_fn = make_block_fn(cfg, linear, recompute=block_steps(run.recompute),
                                                  attn_chunks=run.attn_bwd_chunks, compiled=False,
                                                  sdpa_backend=run.sdpa_backend, linears=linears,
-                                                 adapter=run.adapter, experts=run.expert_exchange)
+                                                 adapter=run.adapter, experts=run.expert_exchange,
+                                                 context=run.context)
         # the final norm, forward and backward, as inductor's fused kernels where the blocks are compiled: eager it was
         # several elementwise passes over fp32 copies of the (B*T, C) hidden states, each way, per micro-step
         norm = final_norm_fn(cfg.zero_centered_norms)
@@ -216,7 +224,13 @@ class Transformer:
     def rope(self, T: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key = (T, str(device), dtype)
         if key not in self._rope:
-            self._rope[key] = rope_tables(self.cfg, T, device, dtype)
+            split = self.run.context
+            if split is None:
+                self._rope[key] = rope_tables(self.cfg, T, device, dtype)
+            else:  # this rank's T tokens of sequences of T x parts: the rows of their positions
+                pos = split.positions(T, "cpu")
+                cos, sin = rope_tables(self.cfg, T * split.parts, "cpu", dtype)
+                self._rope[key] = (cos[pos].to(device), sin[pos].to(device))
         return self._rope[key]
 
     def _tables_and_docs(self, T: int, device: torch.device, dtype: torch.dtype, positions: torch.Tensor | None

@@ -258,7 +258,7 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
         expert_parallel=opts.expert_parallel)  # --expert-parallel: E/ep experts
     matmul = opts.effective_matmul_dtype
     B, T, L = opts.batch_size, opts.seq_len, cfg.num_hidden_layers
-    N = B * T
+    N = B * T // opts.context_parallel  # a rank's tokens (--context-parallel: its part of each sequence)
     rc = resolve_flags(recompute)
     fp8 = fp8_linears  # --fp8-policy: the block linears in FP8 (model/fp8_policy.py); the others as in the model dtype
     persistent_quants = bool(quants)

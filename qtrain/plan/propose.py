@@ -13,6 +13,7 @@ from typing import Any
 from qtrain.model.config import ModelConfig
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.layout import FlatLayout
+from qtrain.plan.fit import head_chunks
 from qtrain.plan.memory import MemoryPlan
 from qtrain.plan.resolution import plan_memory
 from qtrain.plan.step_cost import StepCost, fp8_weight_params, step_cost
@@ -77,7 +78,8 @@ def propose(cfg: ModelConfig, base_options: Options, gpu_bytes: int, world: int 
     For each batch two ladders are climbed (`_ladder`: none -> recompute swiglu+norm -> ffn -> block ->
     offload opt m -> v -> [world > 1: shard gradients] -> shard weights -> offload master -> offload
     gradients -> offload residual; and the same with the optimizer-state offload before recompute ffn);
-    at each rung `--lmhead-chunks` is doubled first (cheap, as long as a chunk keeps MIN_CHUNK_ROWS tokens).
+    at each rung `--lmhead-chunks` starts where a chunk holds at most `fit.HEAD_CHUNK_TOKENS` tokens and is doubled
+    first (cheap, as long as a chunk keeps MIN_CHUNK_ROWS tokens).
     Each first fit is pruned of earlier switches it does not need, and of the two the one `step_cost`
     finds cheaper at the base options' sequences per optimizer step is kept. When the micro-batch changes,
     `--grad-accumulation` changes with it so that the sequences per step stay the same (at least one
@@ -156,11 +158,12 @@ def recommend(cfg: ModelConfig, base_options: Options,
 
 def _fit_batch(cfg: ModelConfig, base: Options, B: int, ladder, kw) -> tuple[dict[str, Any], MemoryPlan] | None:
     T = base.seq_len
+    first = head_chunks(B * T, at_least=base.lmhead_chunks)  # long micro-batches: chunks of HEAD_CHUNK_TOKENS
     prev_dev = None
     prev_flags: dict[str, Any] = {}
     for _label, flags in ladder:
-        chunks = max(1, base.lmhead_chunks)
-        while chunks == max(1, base.lmhead_chunks) or B * T // chunks >= MIN_CHUNK_ROWS:
+        chunks = first
+        while chunks == first or B * T // chunks >= MIN_CHUNK_ROWS:
             changes = {"batch_size": B, **flags}
             if chunks != base.lmhead_chunks:
                 changes["lmhead_chunks"] = chunks
@@ -168,7 +171,7 @@ def _fit_batch(cfg: ModelConfig, base: Options, B: int, ladder, kw) -> tuple[dic
             if plan is not None:
                 if plan.fits:
                     return _minimize(cfg, base, changes, plan, keep=set(flags) - set(prev_flags), kw=kw)
-                if prev_dev is not None and chunks > base.lmhead_chunks and plan.device_total >= prev_dev:
+                if prev_dev is not None and chunks > first and plan.device_total >= prev_dev:
                     break  # more chunks no longer helps
                 prev_dev = plan.device_total
             chunks *= 2

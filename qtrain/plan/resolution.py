@@ -21,6 +21,10 @@ What is decided here, from options left at 'auto' or '' and from the device and 
                          are what train/cuda_graphs.py cannot capture yet (`check_cuda_graphs` refuses them)
     sdpa_backend         --sdpa-backend auto: cudnn for bf16 on Hopper GPUs (model/layers.resolve_sdpa_backend)
     gradients            the gradient manager: unsharded, reduce-scatter or all-to-all
+    memory_changes       --fit-memory (on): where the plan of the given options does not fit a CUDA device of known
+                         size, what long sequences take (plan/fit.py: LM head chunks, recompute, --offload-residual),
+                         the fewest that fit; every choice above is then made for the options with those changes
+                         (`lmhead_chunks`, `offload_residual`, `recompute` are what the model runs)
     master_dtype, grad_accum_dtype   '' = the model dtype, the master dtype
 
 A run resolves once: `preflight` (before the model is built, for every rank) or, for a `Trainer` built without
@@ -28,6 +32,7 @@ it, the Trainer itself; the memory plan is part of the record, so a start plans 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +43,9 @@ from qtrain.model.fp8_policy import Fp8Choice, block_gflop, choose_fp8
 from qtrain.model.layers import resolve_sdpa_backend
 from qtrain.model.recompute import resolve_flags, splits_mlp
 from qtrain.options import Options, OptionsError
+from qtrain.parallel.context import check_context_parallel
 from qtrain.parallel.layout import FlatLayout
+from qtrain.plan.fit import fit_activations
 from qtrain.plan.memory import MemoryPlan, build_plan
 
 # --use-cuda-graphs unset (auto) turns graphs on up to this much GEMM work per block and micro-step: where the
@@ -75,18 +82,29 @@ class RunResolution:
     cuda_graph_blockers: tuple[str, ...]
     gradients: str
     recompute: frozenset[str]
+    lmhead_chunks: int
+    offload_residual: bool
     plan: MemoryPlan
+    memory_changes: tuple[tuple[str, Any], ...] = ()  # --fit-memory's option changes (empty: the options as given)
 
     @property
     def fp8_linears(self) -> tuple[str, ...]:
         """The block linears that run in FP8 (none without e4m3)."""
         return self.fp8.fp8 if self.fp8 is not None else ()
 
+    def memory_note(self, given: MemoryPlan | None = None) -> str | None:
+        """What --fit-memory changed, as one line for the run's log; None where it changed nothing."""
+        if not self.memory_changes:
+            return None
+        flags = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in self.memory_changes)
+        return (f"memory: the given options do not fit {self.plan.budget / 2**30:.1f} GiB; the run adds {flags} "
+                f"(planned {self.plan.device_total / 2**30:.1f} GiB; --no-fit-memory runs them as given)")
+
 
 # ---- the rules, one function each ------------------------------------------------------------------------
 def compile_on(opts: Options, device: str) -> bool:
-    """--compile on, or auto on a CUDA device."""
-    return opts.compile == "on" or (opts.compile == "auto" and device == "cuda")
+    """--compile on, or auto on a CUDA device (not with --context-parallel, whose attention runs eager)."""
+    return opts.compile == "on" or (opts.compile == "auto" and device == "cuda" and opts.context_parallel == 1)
 
 
 def fp8_choice(cfg: ModelConfig, opts: Options) -> Fp8Choice | None:
@@ -202,15 +220,47 @@ def keeps_transposes(kept: MemoryPlan) -> bool:
 def resolve_run(cfg: ModelConfig, opts: Options, *, world: int = 1, device: str | torch.device = "cuda",
                 gpu_memory: int | None = None, compiled: bool | None = None, reserve: int | None = None,
                 layout: FlatLayout | None = None, model_name: str | None = None,
-                recompute: frozenset[str] | None = None) -> RunResolution:
+                recompute: frozenset[str] | None = None, fit: bool | None = None) -> RunResolution:
     """Every automatic choice of `opts` for `cfg` on `world` ranks of `device`, and the memory plan per rank with
     them. gpu_memory: the device's bytes (the plan's budget; None: unknown, and the memory-for-speed choices stay
     off). compiled: force the compile choice (a plan of eager or compiled blocks). reserve: the plan's fixed device
     reserve (None: 1 GiB on CUDA, 0 on CPU). recompute: the recompute switches of a model built by hand, instead of
-    the options' (with what they imply)."""
+    the options' (with what they imply). fit: make the plan fit with `fit_memory_changes` (None: --fit-memory; never
+    with a budget unknown, off CUDA, or with `recompute` given)."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
+    check_context_parallel(opts.context_parallel, world=world, seq_len=opts.seq_len)  # the ranks: known here first
     dev = torch.device(device) if isinstance(device, str) else device
+    kw = dict(world=world, device=dev, gpu_memory=gpu_memory, compiled=compiled, reserve=reserve, layout=layout,
+              model_name=model_name, recompute=recompute)
+    given = _resolve(cfg, opts, **kw)
+    if not (opts.fit_memory if fit is None else fit) or dev.type != "cuda" or gpu_memory is None \
+            or recompute is not None or given.plan.fits:
+        return given
+    changes = fit_memory_changes(cfg, opts, given, **kw)
+    if not changes:
+        return given
+    fitted = _resolve(cfg, dataclasses.replace(opts, **changes), **kw)
+    return dataclasses.replace(fitted, memory_changes=tuple(changes.items()))
+
+
+def fit_memory_changes(cfg: ModelConfig, opts: Options, given: RunResolution, **kw: Any) -> dict[str, Any]:
+    """--fit-memory: the fewest activation-side option changes with which the run's plan fits (`plan.fit`), each
+    candidate resolved as a run of those options would be; none where nothing fits. A run that asks for CUDA graphs
+    gets no change they cannot capture (--offload-residual)."""
+    def plan_of(o: Options) -> MemoryPlan | None:
+        if o.use_cuda_graphs and cuda_graph_blockers(o, world=kw["world"]):
+            return None
+        return _resolve(cfg, o, **kw).plan
+    changes, _ = fit_activations(opts, plan_of, plan=given.plan)
+    return changes
+
+
+def _resolve(cfg: ModelConfig, opts: Options, *, world: int, device: torch.device, gpu_memory: int | None,
+             compiled: bool | None, reserve: int | None, layout: FlatLayout | None, model_name: str | None,
+             recompute: frozenset[str] | None) -> RunResolution:
+    """The record for `opts` as they are (`resolve_run` without --fit-memory)."""
+    dev = device
     use_compile = compile_on(opts, dev.type) if compiled is None else compiled
     fp8 = fp8_choice(cfg, opts)
     matmul = opts.effective_matmul_dtype
@@ -223,7 +273,8 @@ def resolve_run(cfg: ModelConfig, opts: Options, *, world: int = 1, device: str 
                cuda_graphs=cuda_graphs_on(cfg, opts, world=world, device_type=dev.type, fp8=fp8),
                cuda_graph_blockers=tuple(cuda_graph_blockers(opts, world=world)),
                gradients=opts.gradient_manager_kind,
-               recompute=opts.recompute if recompute is None else resolve_flags(recompute))
+               recompute=opts.recompute if recompute is None else resolve_flags(recompute),
+               lmhead_chunks=opts.lmhead_chunks, offload_residual=opts.offload_residual)
     shards = opts.shard_group_size if 0 < opts.shard_group_size <= world else world  # hybrid: the shard group
 
     def plan(keep: bool) -> MemoryPlan:
@@ -248,9 +299,10 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
                 layout: FlatLayout | None = None, model_name: str | None = None,
                 recompute: frozenset[str] | None = None) -> MemoryPlan:
     """The memory plan of `opts` for `cfg` on `world` ranks of `device` (default: a CUDA device), with the run's
-    automatic choices resolved as a run would resolve them (`resolve_run`): what `qtrain plan` prints."""
+    automatic choices resolved as a run would resolve them (`resolve_run`), for the options as given (no
+    --fit-memory): what `qtrain plan` prints."""
     return resolve_run(cfg, opts, world=world, device=device, gpu_memory=gpu_memory, compiled=compiled,
-                       reserve=reserve, layout=layout, model_name=model_name, recompute=recompute).plan
+                       reserve=reserve, layout=layout, model_name=model_name, recompute=recompute, fit=False).plan
 
 
 def plan_for_trainer(trainer: Any, gpu_memory: int | None = None) -> MemoryPlan:
@@ -258,5 +310,6 @@ def plan_for_trainer(trainer: Any, gpu_memory: int | None = None) -> MemoryPlan:
     CUDA, none on CPU), or, for another `gpu_memory`, its options planned again for that budget."""
     if gpu_memory is None:
         return trainer.run.plan
-    return resolve_run(trainer.cfg, trainer.opts, world=trainer.ctx.world, device=trainer.device,
-                       gpu_memory=gpu_memory, compiled=trainer.run.compile, layout=trainer.layout).plan
+    opts = dataclasses.replace(trainer.opts, **dict(trainer.run.memory_changes))
+    return resolve_run(trainer.cfg, opts, world=trainer.ctx.world, device=trainer.device,
+                       gpu_memory=gpu_memory, compiled=trainer.run.compile, layout=trainer.layout, fit=False).plan

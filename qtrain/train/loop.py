@@ -27,6 +27,7 @@ from qtrain.observe.startup import Compiling, seconds_since_start
 from qtrain.observe.metrics import device_peaks, model_flops_per_token, ns_per_token, peak_tflops, sol_ops
 from qtrain.options import Options
 from qtrain.parallel.dist import DistContext, init_distributed, is_collective_error
+from qtrain.parallel.context import data_rank
 from qtrain.plan.host import return_freed_memory
 from qtrain.train import checkpointing, compile_cache, cuda_graphs, run_dir
 from qtrain.train.preflight import Prepared, document_args, shared_preflight
@@ -120,9 +121,10 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
     resumed = checkpointing.restore_state(prep.resume, trainer) if prep.resume is not None else None
     notes = _claim(prep, opts, ctx)  # after the model is built: a run that fails to start writes nothing
     cfg, B, T, GA, W = trainer.cfg, opts.batch_size, opts.seq_len, opts.grad_accumulation, ctx.world
-    train = TokenLoader(train_pattern, T, rank=ctx.rank, world=W, seed=opts.train_seed, model_vocab_size=cfg.vocab_size,
-                        **document_args(opts, cfg))
-    evals = (TokenLoader(eval_pattern, T, rank=ctx.rank, world=W, seed=opts.eval_seed,
+    dp_rank, dp_world = data_rank(ctx.rank, W, opts.context_parallel)  # a context group reads the same sequences
+    train = TokenLoader(train_pattern, T, rank=dp_rank, world=dp_world, seed=opts.train_seed,
+                        model_vocab_size=cfg.vocab_size, **document_args(opts, cfg))
+    evals = (TokenLoader(eval_pattern, T, rank=dp_rank, world=dp_world, seed=opts.eval_seed,
                          model_vocab_size=cfg.vocab_size, shuffle=False, **document_args(opts, cfg))
              if eval_pattern else None)
     total_steps = prep.total_steps
@@ -176,7 +178,7 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
         return checkpointing.save(ckpt_dir, trainer, train, log, keep_n=opts.ckpt_keep_n, major=opts.ckpt_major,
                                   run=run, nonfinite_streak=guard.streak)
 
-    step_tokens = B * T * GA * W
+    step_tokens = B * T * GA * dp_world  # --context-parallel: a group's ranks share their sequences
     stacks = StackDump(opts.debug_stack_dump_after)
     try:  # a stall anywhere in a step leaves a stack dump behind (--debug-stack-dump-after)
         for step in range(start, total_steps):
@@ -316,6 +318,8 @@ def _log_run_header(log: RunLogger, trainer: Trainer, train: TokenLoader, evals:
     plan = trainer.run.plan  # the run's, made once at the start (budget: the device's total memory on CUDA)
     log.log("memory-plan", **plan.to_dict())
     log._print(plan.format() + "\n")
+    if trainer.run.memory_note():  # --fit-memory changed the options so that the plan fits
+        log.message(trainer.run.memory_note(), level="warning")
     if not plan.fits:
         log.message(f"memory plan: {plan.summary()}; `qtrain plan` proposes a configuration that fits",
                     level="warning")
@@ -326,4 +330,4 @@ def _log_run_header(log: RunLogger, trainer: Trainer, train: TokenLoader, evals:
                     "(--fp8-swiglu-onepass, on by default with e4m3; --no-fp8-swiglu-onepass keeps every tensor's "
                     "exact abs-max scale)", level="info")
     log.message(f"model {cfg.model_type}: {num_params(cfg) / 1e6:.1f}M parameters, {total_steps} steps of "
-                f"{opts.batch_size * T * opts.grad_accumulation * W} tokens", level="info")
+                f"{opts.batch_size * T * opts.grad_accumulation * (W // opts.context_parallel)} tokens", level="info")

@@ -30,6 +30,7 @@ from qtrain.locks import Locks
 from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import check_hf_weights
 from qtrain.model.lora.checks import spec_from_options
+from qtrain.model.llama import LLAMA
 from qtrain.model.resolve import resolve_model
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.dist import DeviceError, check_device
@@ -97,10 +98,15 @@ def check_model(opts: Options) -> ModelConfig:
         raise OptionsError(f"--fp8-head-backward: the model's vocab_size {cfg.vocab_size} and hidden_size "
                            f"{cfg.hidden_size} must be multiples of 16 (cuBLASLt's FP8 GEMMs); drop the option")
     spec_from_options(vars(opts), cfg, check_adapter=True)  # LoRA: targets, rank, the --lora-init-from adapter
-    if opts.seq_len > cfg.max_position_embeddings:
+    if opts.seq_len > cfg.context_length:  # RoPE scaling (model config's rope_scaling) extends the positions
+        scaled = f" ({cfg.rope_scaling['rope_type']} rope scaling: {cfg.context_length})" if cfg.rope_scaling else ""
         raise OptionsError(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings "
-                           f"{cfg.max_position_embeddings}")
+                           f"{cfg.max_position_embeddings}{scaled}")
     check_model_support(cfg, opts, device_type=_device_type(opts))  # MoE: no CUDA graphs, no sharded weights
+    if opts.context_parallel > 1 and (cfg.model_type not in LLAMA.architectures):
+        raise OptionsError(f"--context-parallel {opts.context_parallel}: model_type {cfg.model_type!r} is not supported "
+                           f"yet (its attention across ranks is built for the dense families: "
+                           f"{', '.join(LLAMA.architectures)})")
     return cfg
 
 
@@ -116,6 +122,7 @@ def check_data(opts: Options, cfg: ModelConfig, world: int) -> tuple[str, str | 
     headers, sizes, vocabulary field, id range, enough sequences for each rank and for one step; with
     --document-masking, each file's documents)."""
     train_pattern, eval_pattern = data_files(opts)
+    world //= max(1, opts.context_parallel)  # the data-parallel replicas: a context group shares its sequences
     train = TokenLoader(train_pattern, opts.seq_len, world=world, seed=opts.train_seed, model_vocab_size=cfg.vocab_size,
                         **document_args(opts, cfg))
     if eval_pattern:

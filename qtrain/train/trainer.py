@@ -37,6 +37,7 @@ from qtrain.model.resolve import resolve_model
 from qtrain.model.transformer import RunOptions, Transformer
 from qtrain.observe.absmax import AbsMaxRecorder, weight_abs_maxes
 from qtrain.options import Options, OptionsError
+from qtrain.parallel.context import check_context_parallel, make_context_parallel
 from qtrain.parallel.groups import make_shard_groups
 from qtrain.parallel.dist import DistContext, init_distributed
 from qtrain.parallel.experts import check_expert_parallel, make_expert_parallel
@@ -97,6 +98,9 @@ class Trainer:
                               world=self.ctx.world, model_type=self.cfg.model_type)
         self.experts = make_expert_parallel(opts.expert_parallel, rank=self.ctx.rank, world=self.ctx.world,
                                             device=self.device)
+        # --context-parallel N: each sequence split over N consecutive ranks (parallel/context.py)
+        check_context_parallel(opts.context_parallel, world=self.ctx.world, seq_len=opts.seq_len)
+        self.context = make_context_parallel(opts.context_parallel, rank=self.ctx.rank, world=self.ctx.world)
         # one flat buffer per group (parallel/layout.py)
         self.layout = FlatLayout(self.cfg, self.comm.world, lora=self.lora, expert_parallel=opts.expert_parallel)
         # --matmul-dtype e4m3: which block linears run in FP8 for this micro-batch shape (--fp8-policy)
@@ -140,15 +144,15 @@ class Trainer:
     def _run_options(self, opts: Options, run: RunResolution) -> RunOptions:
         """How the model executes: the options as the run resolved them."""
         return RunOptions(
-            lmhead_chunks=opts.lmhead_chunks, attn_bwd_chunks=opts.attn_bwd_chunks, sdpa_backend=run.sdpa_backend,
-            recompute=run.recompute, offload_residual=opts.offload_residual, compile=run.compile,
+            lmhead_chunks=run.lmhead_chunks, attn_bwd_chunks=opts.attn_bwd_chunks, sdpa_backend=run.sdpa_backend,
+            recompute=run.recompute, offload_residual=run.offload_residual, compile=run.compile,
             compile_tuning=opts.compile_tuning, compile_autotune_gemm=opts.compile_autotune_gemm,
             matmul_dtype=run.block_matmul_dtype, fp8_grad_dtype=run.fp8_grad_dtype,
             fp8_keep_transposes=run.fp8_keep_transposes, fp8_swiglu_onepass=run.fp8_swiglu_onepass,
             fp8_head_backward=run.fp8_head_backward, fp8_linears=run.fp8.fp8 if run.fp8 is not None else None,
             wrap_linear=self._abs_max_wrapper(opts), document_attention=opts.document_attention,
             adapter=LoraAdapter(self.cfg, self.lora) if self.lora is not None else None,
-            expert_exchange=self.experts.exchange if self.experts is not None else None)
+            expert_exchange=self.experts.exchange if self.experts is not None else None, context=self.context)
 
     def _abs_max_wrapper(self, opts: Options):
         """--debug-log-abs-max: the recorder that wraps the block linears (None when off; with
@@ -173,7 +177,7 @@ class Trainer:
         micro-batch's summed token loss by `loss_scale` of that count, runs the micro-steps and `update`.
         The update then follows the mean token loss of the global batch, however unevenly masked targets
         (-100) are spread over micro-batches and ranks. Returns `update`'s stats; `loss` is that mean."""
-        batches = list(batches)
+        batches = [self._local(b) for b in batches]
         ga = self.opts.grad_accumulation
         if self.micro:
             raise RuntimeError(f"step() after {self.micro} micro_step() calls of an unfinished step; "
@@ -187,6 +191,12 @@ class Trainer:
         for inputs, targets, *positions in batches:
             self.micro_step(inputs, targets, *positions, loss_scale=scale)
         return self.update(lr=lr)
+
+    def _local(self, batch: Batch) -> Batch:
+        """This rank's part of each sequence of a batch (--context-parallel); the batch itself without it."""
+        if self.context is None:
+            return batch
+        return self.context.shard(batch[0]), self.context.shard(batch[1])
 
     def loss_scale(self, valid_targets: float) -> float:
         """The weight of a rank's summed token loss when the step's global batch (all micro-batches on all
@@ -275,7 +285,7 @@ class Trainer:
     def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
         """Mean token loss over the batches on all ranks, and the number of tokens it covers."""
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for inputs, targets, *positions in batches:
+        for inputs, targets, *positions in map(self._local, batches):
             loss, n = self.model.loss_sum(self.weights, inputs.to(self.device), targets.to(self.device), *positions)
             total[0] += loss.double()
             total[1] += n.double()

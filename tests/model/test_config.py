@@ -120,7 +120,7 @@ def test_preset_lookup():
     ({"drop": "model_type"}, "model_type"),
     ({"set": {"frobnicate_heads": 3}}, "frobnicate_heads"),
     ({"set": {"model_type": "mistral"}}, "mistral"),
-    ({"set": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}}, "yarn"),
+    ({"set": {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}}}, "longrope"),
     ({"set": {"hidden_act": "gelu"}}, "hidden_act"),
     ({"set": {"num_key_value_heads": 3}}, "num_key_value_heads"),
 ])

@@ -99,6 +99,7 @@ class LlamaBlock:
         self.norm_fed_fp8 = o.norm_fed_fp8 and not o.recompute  # the norms and their linears are then plain calls
         self.rebuilt = {n for n, step in REBUILT_BY.items() if step in o.recompute}
         self.attn_chunks, self.sdpa_backend = o.attn_chunks, o.sdpa_backend
+        self.context = o.context  # context parallelism: attention over the sequence's other parts too
 
     # ---- the block input (the residual stream) ----
     @staticmethod
@@ -209,7 +210,9 @@ class LlamaBlock:
         B, _, T, _ = q.shape
         if docs is not None:
             return document_attention(q, k, v, docs).reshape(B, T, self.q_dim)
-        if self.attn_chunks == 1:
+        if self.context is not None:  # this rank's queries over every rank's keys and values
+            att = self.context.attention(q, k, v).transpose(1, 2)
+        elif self.attn_chunks == 1:
             att = self.sdpa(q, k, v).transpose(1, 2)
         else:
             # slice in the (B, T, nh, hs) layout the projection wrote: the gradients of q, k, v are then
