@@ -1,75 +1,17 @@
-"""Gradient managers: where a micro-step's weight gradients go, how they are averaged over ranks and summed
-over micro-steps, and which shard of the result each rank keeps for the optimizer.
-
-Seed: llm.q `src/training/gradients.{h,cpp}` and `src/models/llama_gradients.cpp` (see
-`reference/llmq.md` §4.2). Three strategies, chosen with `make_gradient_manager(kind, ...)`:
-
-  kind              persistent state per rank               communication
-  'unsharded'       full gradient of every group (ZeRO-1)   reduce-scatter(avg) of each group, last micro-step only
-  'reduce-scatter'  non-block groups full, block shards     blocks: reduce-scatter(avg) every micro-step;
-                    + 2 full block staging buffers (ZeRO-2)  non-block groups as 'unsharded'
-  'all-to-all'      as 'reduce-scatter', staging = one       blocks: all-to-all every micro-step, reduced
-                    send + one receive block buffer          in fp32 by the owner; non-block as 'unsharded'
-
-The protocol (the model's `GradientSink` plus the trainer's brackets), per micro-step:
-
-    grads.start_micro_step(step=s, micro_step=m, num_micro_steps=n)
-    model.forward_backward(..., grads=grads)   # accumulate_non_block({'norm'[, 'lm_head']}),
-                                               # accumulate_block(L-1) ... accumulate_block(0),
-                                               # accumulate_non_block({'embed'})
-    grads.end_micro_step()                     # after m == n-1: every shard is final
-    ... optimizer reads grads.grad_shard(group_key) for each group ...
-
-Accumulation over micro-steps. The model hands over fresh tensors (owned by the manager), so the first
-micro-step of a step *sets* every buffer (copy) and later ones *add* with stochastic rounding when the
-buffers are bf16 (an exact fp32 add otherwise). Nothing is ever zeroed: llm.q zeroes the tensors its
-kernels accumulate into by `+=` from the start (norm weights, biases, the untied embedding), which cannot
-happen here. Group padding is zero from allocation and never written (the first micro-step's piecewise
-copy re-zeroes a shard's padding tail explicitly), so padding contributes nothing to norms. Frozen groups
-(`Group.trainable` False) have no buffers here: the model hands over no gradients for them.
-
-Random bits. Every SR of tensor t (position `t` in its group) of group g at (step, micro-step) uses
-`rng_key(seed, step, micro_step, g.index, t)` with the element's index *in the tensor* as counter
-(`Piece.tensor_offset` where a shard cuts through a tensor), so a rank's shard draws the same bits for an
-element whatever the world size. llm.q reuses one key for every micro-step of a step (a quirk); we
-include the micro-step.
-
-Key table (CUDA graphs, `use_key_table`). A micro-step replayed from a CUDA graph cannot take its SR keys as
-kernel scalars (the capture bakes them in). In this mode every SR launch of the manager reads its key from a
-device table (`qtrain.kernels.rng.KeyTable`, one slot per tensor of every group) that `start_micro_step`
-refills for (step, micro-step) with one stream-ordered copy: the same keys, so the same bits, as the scalar
-path. After a replay, `replayed()` stands in for the accumulate calls the graph's kernels did.
-Unsharded gradients on one rank only (the collectives of the other kinds stay outside this round).
-
-Asynchrony (see `comm.py`). Calls never block the host on CUDA: collectives and the work chained after
-them run on the communicator's side stream, bracketed by events, and "wait" means the compute stream
-waits. On CPU (gloo) collectives are async work handles and the host blocks at the point of need.
-  - accumulate_block(l): returns once block l's gradients have been copied (stream-ordered) into
-    manager buffers; the caller may drop the tensors. Its communication runs in the background and
-    overlaps the backward of the blocks below.
-  - accumulate_non_block: the same; on the last micro-step it starts that group's reduce-scatter.
-  - end_micro_step: on a non-last micro-step it returns at once (the last blocks' communication may
-    overlap the next micro-step's forward); on the last it waits (CUDA: the current stream waits) until
-    every shard is final. Host code that reads a CUDA or offloaded shard directly must synchronise the
-    current stream first.
-"""
+"""The gradient manager's protocol and bookkeeping (`GradientManager`: buffers, keys, accumulation, the protocol
+`qtrain.parallel.gradients` describes) and the unsharded manager (ZeRO-1)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import torch
 
 from qtrain.kernels.rng import KeySlot, KeyTable, rng_key
-from qtrain.kernels.stochastic_rounding import sr_add_, sr_copy_, sr_sum_
+from qtrain.kernels.stochastic_rounding import sr_add_, sr_copy_
 from qtrain.parallel.comm import Communicator, Handle
 from qtrain.parallel.experts import ExpertParallel
 from qtrain.parallel.footprint import Footprint
-from qtrain.parallel.layout import FlatLayout, Group, Piece
-from qtrain.parallel.staging import StagingRing
-
-__all__ = ["KINDS", "GradientManager", "UnshardedGradients", "ReduceScatterGradients", "AllToAllGradients",
-           "make_gradient_manager", "gradient_footprint"]
+from qtrain.parallel.layout import FlatLayout, Group
 
 KINDS = ("unsharded", "reduce-scatter", "all-to-all")
 OFFLOAD_NEEDS_SHARDING = "--offload-gradients requires sharded gradients (--shard-gradients or --zero-level 2)"
@@ -347,178 +289,6 @@ class UnshardedGradients(GradientManager):
         return Footprint({"non_block": _non_block_bytes(layout, dtype), "blocks": blocks * dtype.itemsize})
 
 
-@dataclass
-class _Slot:
-    """A full-size block staging buffer (plus a receive buffer for all-to-all) and the work in flight
-    that still reads it: the block's collective and the accumulation chained after it. Slots are as large as
-    the largest block; a group uses its first `padded_numel` elements, of which `send[written:]` are zero."""
-    send: torch.Tensor
-    recv: torch.Tensor | None
-    pending: Handle | None = None
-    written: int = 0
-
-
-class _BlockSharded(GradientManager):
-    """ZeRO-2 base: block gradients live only as one persistent shard per trainable block group (on the device,
-    or in host memory with `offload`); each micro-step a block passes through a full-size staging slot
-    (layer % num_slots), is communicated, and the rank's part is accumulated into the shard by work
-    chained after the collective (CUDA: queued at once on the side stream; CPU: run when the slot is
-    needed again or at the last end_micro_step, like llm.q's deferred `sr_accumulate_layer`)."""
-
-    num_slots: int
-    needs_recv: bool
-
-    def __init__(self, layout: FlatLayout, *, offload: bool = False, **kw):
-        super().__init__(layout, **kw)
-        blocks = layout.trainable_groups(blocks=True)
-        n = max((g.padded_numel for g in blocks), default=0)
-        self.offload = offload
-        pin = offload and torch.cuda.is_available()
-        self._shards = {g.key: self._zeros(g.shard_size(self.world), device="cpu" if offload else self.device,
-                                           pin=pin) for g in blocks}
-        # offloaded shards are accumulated in a device copy (one staging slot) when the compute device is a GPU
-        self._staging = (StagingRing(self._scratch_sizes(layout, self.dtype), device=self.device, slots=1,
-                                     overlap=False) if _stages(offload, self.device) else None)
-        self._slots = [_Slot(self._zeros(n), self._zeros(n) if self.needs_recv else None)
-                       for _ in range(self.num_slots)]
-        self._pieces: dict[str, list[tuple[int, Piece]]] = {}
-        self._pad_start: dict[str, int] = {}  # where each shard's padding tail starts
-        for g in blocks:
-            index = {seg.name: t for t, seg in enumerate(g.segments)}
-            self._pieces[g.key] = [(index[p.segment.name], p) for p in g.shard_pieces(self.rank, self.world)]
-            last = self._pieces[g.key][-1][1] if self._pieces[g.key] else None
-            self._pad_start[g.key] = last.shard_offset + last.numel if last else 0
-
-    def _accumulate_block(self, group: Group, grads: dict[str, torch.Tensor]) -> None:
-        slot = self._slots[group.layer % self.num_slots]
-        if slot.pending is not None:  # the layer that used this slot before must be done with it
-            slot.pending.wait()
-            slot.pending = None
-        c, n = group.content_numel, group.padded_numel
-        if slot.written > c:  # a larger block's values in this one's padding
-            slot.send[c:min(slot.written, n)].zero_()
-        slot.written = slot.written if slot.written > n else c
-        # a copy; it rounds (with bits apart from the shard's) only if the model dtype differs from ours
-        self._write_full(slot.send, group, grads, add=False, extra=(1,))
-        slot.pending = self._communicate(group, slot, step=self._step, micro=self._micro,
-                                         first=self.first, last=self.last)
-
-    @abstractmethod
-    def _communicate(self, group: Group, slot: _Slot, *, step: int, micro: int, first: bool,
-                     last: bool) -> Handle:
-        """Start the block's collective and chain its accumulation into the shard; return the handle
-        after which the slot is free and the shard updated."""
-
-    def _finish_blocks(self) -> None:
-        for slot in self._slots:
-            if slot.pending is not None:
-                slot.pending.wait()
-                slot.pending = None
-
-    def _block_shard(self, group: Group) -> torch.Tensor:
-        return self._shards[group.key]
-
-    # offload: the accumulation works on a device copy of the host shard (same PCIe traffic as llm.q's
-    # zero-copy kernels, but plain copies on the stream the accumulation runs on: one slot, no overlap)
-    def _shard_in(self, key: str, *, load: bool) -> torch.Tensor:
-        shard = self._shards[key]
-        if self._staging is None:
-            return shard
-        if load:
-            self._staging.fetch(0, {"shard": shard})
-        return self._staging.acquire(0)["shard"][:shard.numel()]
-
-    def _shard_out(self, key: str) -> None:
-        """`_shard_in`'s tensor back to the host shard (nothing to do when the shard is worked on in place)."""
-        if self._staging is not None:
-            self._staging.write_back(0, {"shard": self._shards[key]})
-
-    @staticmethod
-    def _scratch_sizes(layout: FlatLayout, dtype: torch.dtype) -> dict[str, tuple[int, torch.dtype]]:
-        return {"shard": (max(g.shard_size(layout.world) for g in layout.trainable_groups(blocks=True)), dtype)}
-
-    @classmethod
-    def footprint_of(cls, layout: FlatLayout, *, dtype: torch.dtype, device: torch.device | str,
-                     offload: bool = False) -> Footprint:
-        """Non-block groups full, one shard per block (host with `offload`), the full-size staging buffers
-        (`num_slots`, each with a receive buffer when `needs_recv`) and, offloading to a GPU's host, the
-        accumulation's device copy of one shard."""
-        blocks = layout.trainable_groups(blocks=True)
-        n = max((g.padded_numel for g in blocks), default=0)
-        parts = {"non_block": _non_block_bytes(layout, dtype),
-                 "block_shards": sum(g.shard_size(layout.world) for g in blocks) * dtype.itemsize,
-                 "staging": cls.num_slots * (2 if cls.needs_recv else 1) * n * dtype.itemsize}
-        if _stages(offload, device) and blocks:
-            parts["offload_scratch"] = StagingRing.bytes(cls._scratch_sizes(layout, dtype), slots=1)
-        return Footprint(parts, frozenset({"block_shards"} if offload else ()))
-
-
-class ReduceScatterGradients(_BlockSharded):
-    """llm.q `LLamaGradientsBlockSharded_ScatterReduce`. Per block and micro-step: copy into slot
-    layer % 2, reduce-scatter(avg) in place, then shard = slice (first micro-step) or SR(shard + slice).
-    The cross-rank sum is the backend's (bf16 reductions round on every hop, as ncclAvg does)."""
-
-    kind = "reduce-scatter"
-    num_slots = 2  # in place, so two full block buffers; a slot is free two blocks of backward later
-    needs_recv = False
-
-    def _communicate(self, group, slot, *, step, micro, first, last):
-        lo, hi = group.shard_range(self.rank, self.world)
-        out = slot.send[lo:hi]
-        comm = self._comm_of(group)
-        h = comm.reduce_scatter(out, slot.send[:group.padded_numel], op="avg")
-        return comm.then(h, lambda: self._accumulate(group, out, step=step, micro=micro, first=first))
-
-    def _accumulate(self, group: Group, src: torch.Tensor, *, step: int, micro: int, first: bool) -> None:
-        work = self._shard_in(group.key, load=not first)
-        if first:
-            work.copy_(src)  # same dtype, exact; padding included (src's padding is a reduction of zeros)
-        else:
-            for t, p in self._pieces[group.key]:
-                sl = slice(p.shard_offset, p.shard_offset + p.numel)
-                sr_add_(work[sl], src[sl], key=self._key(group, t, step, micro), offset=p.tensor_offset)
-        self._shard_out(group.key)
-
-
-class AllToAllGradients(_BlockSharded):
-    """llm.q `LLamaGradientsBlockSharded_AllToAll`. Per block and micro-step: copy into the send buffer,
-    all-to-all (slice j to rank j), then the owner reduces in fp32 with one rounding:
-        shard = SR(scale * (shard + sum_j received_j)),  scale = 1/world on the last micro-step, else 1
-    (on the first micro-step the old shard is left out). So the cross-rank sum is fp32, not the
-    backend's bf16 reduction.
-
-    Differences from llm.q, both from using a separate receive buffer instead of its destructive in-place
-    exchange: the own slice joins the single rounding above (llm.q SR-adds it into the shard before the
-    exchange, because the exchange overwrites it: two roundings per micro-step); and staging is one
-    send + one receive buffer (two full block buffers, like the reduce-scatter kind). One slot still
-    overlaps a block's exchange with the next block's backward, as llm.q's two slots do: llm.q's GEMMs
-    write into the slot during backward, our fresh tensors arrive only after it."""
-
-    kind = "all-to-all"
-    num_slots = 1
-    needs_recv = True
-
-    def _communicate(self, group, slot, *, step, micro, first, last):
-        comm = self._comm_of(group)
-        h = comm.all_to_all(slot.recv[:group.padded_numel], slot.send[:group.padded_numel])
-        scale = 1.0 / comm.world if last else 1.0
-        return comm.then(h, lambda: self._reduce(group, slot.recv, step=step, micro=micro, first=first,
-                                                 scale=scale, world=comm.world))
-
-    def _reduce(self, group: Group, recv: torch.Tensor, *, step: int, micro: int, first: bool,
-                scale: float, world: int) -> None:
-        work = self._shard_in(group.key, load=not first)
-        parts = recv[:group.padded_numel].view(world, -1)
-        # fixed order (old shard, then ranks 0..W-1): the fp32 sum is bit-reproducible; one pass per piece
-        for t, p in self._pieces[group.key]:
-            sl = slice(p.shard_offset, p.shard_offset + p.numel)
-            sr_sum_(work[sl], parts[:, sl], key=self._key(group, t, step, micro), scale=scale,
-                    offset=p.tensor_offset, add=not first)
-        if first:
-            work[self._pad_start[group.key]:].zero_()
-        self._shard_out(group.key)
-
-
 def _non_block_bytes(layout: FlatLayout, dtype: torch.dtype) -> int:
     return sum(g.padded_numel for g in layout.trainable_groups(blocks=False)) * dtype.itemsize
 
@@ -526,35 +296,6 @@ def _non_block_bytes(layout: FlatLayout, dtype: torch.dtype) -> int:
 def _stages(offload: bool, device: torch.device | str) -> bool:
     """Offloaded shards go through a device copy unless the compute device is the CPU (where host is device)."""
     return offload and torch.device(device).type != "cpu"
-
-
-def _manager_class(kind: str, offload: bool) -> type[GradientManager]:
-    classes = {"unsharded": UnshardedGradients, "reduce-scatter": ReduceScatterGradients,
-               "all-to-all": AllToAllGradients}
-    if kind not in classes:
-        raise ValueError(f"unknown gradient manager kind {kind!r}; choose one of {', '.join(KINDS)}")
-    if offload and kind == "unsharded":
-        raise ValueError(OFFLOAD_NEEDS_SHARDING)
-    return classes[kind]
-
-
-def make_gradient_manager(kind: str, layout: FlatLayout, *, comm: Communicator, dtype: torch.dtype,
-                          device: torch.device | str, seed: int, offload: bool = False,
-                          experts: ExpertParallel | None = None) -> GradientManager:
-    """Build the gradient manager `kind` ('unsharded' | 'reduce-scatter' | 'all-to-all'). `offload` keeps
-    the block shards in (pinned, when CUDA is available) host memory and needs a sharded kind. `experts`: expert
-    parallelism (the layout's expert groups are averaged over their replicas)."""
-    cls = _manager_class(kind, offload)
-    common = dict(comm=comm, dtype=dtype, device=device, seed=seed, experts=experts)
-    return cls(layout, **common) if kind == "unsharded" else cls(layout, offload=offload, **common)
-
-
-def gradient_footprint(kind: str, layout: FlatLayout, *, dtype: torch.dtype, device: torch.device | str,
-                       offload: bool = False, key_table: bool = False) -> Footprint:
-    """What `make_gradient_manager` with these arguments allocates per rank, without allocating it
-    (`key_table`: and `use_key_table`, which CUDA graphs call)."""
-    fp = _manager_class(kind, offload).footprint_of(layout, dtype=dtype, device=device, offload=offload)
-    return _with_key_table(fp, layout) if key_table else fp
 
 
 def _key_recipes(layout: FlatLayout) -> list[tuple[tuple[int, int], int, int]]:
