@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from qtrain.data.documents import file_documents
-from qtrain.data.token_files import (IGNORE_INDEX, DataChangedError, DataError, PathLike, TokenFile, check_token_ids,
-                                      common_vocab_size, expand_files)
+from qtrain.data.token_files import (IGNORE_INDEX, DataChangedError, DataError, PathLike, TokenFile, common_vocab_size,
+                                      expand_files)
+from qtrain.data.token_scan import check_token_ids
 from qtrain.data.token_sets import check_token_sets
 
 if TYPE_CHECKING:  # torch is imported where batches are made, so tokenizer workers start fast

@@ -3,7 +3,7 @@ tell a whole set from part of one.
 
 A set is its shards (`train.bin` or `train-000.bin`, `train-001.bin`, ...; the same for `eval`) and its index
 `qtrain-tokenize.json`: the set id, and per shard its split, "i of n", token count, size, the sha256 of its tokens
-and masks and a sampled digest (`token_files.file_fingerprint`). Each shard's header also carries the set id and
+and masks and a sampled digest (`token_scan.file_fingerprint`). Each shard's header also carries the set id and
 its "i of n" (`token_files.TokenSetTag`, in bytes llm.q's reader ignores). The set id is a digest of the
 shards' contents (`content_id`): the same input gives the same files, a different output another id.
 
@@ -36,8 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from qtrain.data.token_files import (DataError, TokenFileHeader, TokenFileWriter, TokenSetTag, file_fingerprint,
-                                     read_token_file_header, stamp_token_set)
+from qtrain.data.token_files import (DataError, TokenFileHeader, TokenFileWriter, TokenSetTag, read_token_file_header,
+                                     stamp_token_set)
+from qtrain.data.token_scan import file_fingerprint
 from qtrain.fsio import (InputError, atomic_write_json, fault_point, fsync_path, is_stale, owner_tag, read_bounded,
                          shorten, sweep_temp_files)
 

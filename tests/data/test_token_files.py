@@ -338,7 +338,7 @@ def test_glob_is_sorted(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("bad_id", [-1, 32000, 2**31 - 1])
 def test_out_of_range_id_is_named_with_its_offset(tmp_path: Path, bad_id: int) -> None:
-    from qtrain.data import token_files as tf
+    from qtrain.data import token_scan as ts
 
     toks = np.arange(5000) % 32000
     toks[3217] = bad_id
@@ -349,44 +349,44 @@ def test_out_of_range_id_is_named_with_its_offset(tmp_path: Path, bad_id: int) -
     msg = str(info.value)
     assert str(p) in msg and f"token id {bad_id} at token offset 3217" in msg
     assert f"(byte {HEADER_BYTES + 4 * 3217})" in msg and "2 such id(s)" in msg
-    assert tf.scan_token_ids(p) == (min(0, bad_id), max(4999, bad_id))  # the other ids are 0..4999
+    assert ts.scan_token_ids(p) == (min(0, bad_id), max(4999, bad_id))  # the other ids are 0..4999
 
 
 def test_scan_spans_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The chunked scan finds an id in a later chunk and reports its absolute offset."""
-    from qtrain.data import token_files as tf
+    from qtrain.data import token_scan as ts
 
-    monkeypatch.setattr(tf, "SCAN_CHUNK_TOKENS", 1000)
+    monkeypatch.setattr(ts, "SCAN_CHUNK_TOKENS", 1000)
     toks = np.zeros(4500, dtype=np.int64)
     toks[3999] = 77
     p = write_raw(tmp_path / "c.bin", toks, vocab=100)
     with pytest.raises(DataError, match="token id 77 at token offset 3999"):
-        tf.check_token_ids(p, 50)
-    tf.check_token_ids(p, 78)
+        ts.check_token_ids(p, 50)
+    ts.check_token_ids(p, 78)
 
 
 def test_scan_result_is_cached_per_file_and_invalidated_by_changes(tmp_path: Path) -> None:
-    from qtrain.data import token_files as tf
+    from qtrain.data import token_scan as ts
 
     p = write_token_file(tmp_path / "a.bin", np.arange(100), vocab_size=1000)
-    assert tf.scan_token_ids(p) == (0, 99)
-    cache, ident = tf._scan_key(p)
+    assert ts.scan_token_ids(p) == (0, 99)
+    cache, ident = ts._scan_key(p)
     entry = json.loads(cache.read_text())
     assert entry["min"] == 0 and entry["max"] == 99 and entry["path"] == os.path.realpath(p)
     # the cached answer is used without reading the tokens: a doctored entry proves it
     cache.write_text(json.dumps({**entry, "max": 12345}))
-    assert tf.scan_token_ids(p) == (0, 12345)
+    assert ts.scan_token_ids(p) == (0, 12345)
     # a rewritten file (new size / mtime / inode) is scanned again
     write_token_file(tmp_path / "a.bin", np.arange(7, 300), vocab_size=1000)
-    assert tf.scan_token_ids(p) == (7, 299)
+    assert ts.scan_token_ids(p) == (7, 299)
     assert json.loads(cache.read_text())["max"] == 299
 
 
 def test_unwritable_cache_only_costs_a_rescan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from qtrain.data import token_files as tf
+    from qtrain.data import token_scan as ts
 
     (tmp_path / "cache").write_text("a file where the cache dir should be")
     monkeypatch.setenv("QTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     p = write_token_file(tmp_path / "a.bin", np.arange(10), vocab_size=1000)
-    assert tf.scan_token_ids(p) == (0, 9)
-    tf.check_token_ids(p, 10)
+    assert ts.scan_token_ids(p) == (0, 9)
+    ts.check_token_ids(p, 10)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qtrain.data import token_files as tf
+from qtrain.data import token_scan as ts
 from qtrain.data.loader import TokenLoader
 from qtrain.data.token_files import HEADER_BYTES, DataChangedError, DataError, write_token_file
 from qtrain.observe.log import read_log
@@ -116,15 +116,15 @@ def _poke_at(path: Path, offset: int, value: int) -> None:
 
 def test_id_scan_cache_does_not_outlive_an_edit_with_its_mtime_restored(tmp_path: Path) -> None:
     p = Path(write_token_file(tmp_path / "a.bin", np.arange(5000) % V, vocab_size=V))
-    tf.check_token_ids(p, V)  # scanned, and cached
-    cache, ident = tf._scan_key(p)
+    ts.check_token_ids(p, V)  # scanned, and cached
+    cache, ident = ts._scan_key(p)
     assert json.loads(cache.read_text())["max"] == V - 1
     st = os.stat(p)
     _poke_at(p, 2345, V + 3)  # not at a sampled block: only the ctime tells
     os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert (os.stat(p).st_size, os.stat(p).st_mtime_ns, os.stat(p).st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino)
     with pytest.raises(DataError, match=rf"token id {V + 3} at token offset 2345 "):
-        tf.check_token_ids(p, V)
+        ts.check_token_ids(p, V)
     # the same from the CLI's preflight: the edit is refused before the model is built
     with pytest.raises(DataError, match=rf"token id {V + 3} at token offset 2345 "):
         TokenLoader(str(p), 16, model_vocab_size=V)
@@ -132,13 +132,13 @@ def test_id_scan_cache_does_not_outlive_an_edit_with_its_mtime_restored(tmp_path
 
 def test_sampled_digest_sees_an_edit_at_a_sampled_block_and_fingerprint_keys(tmp_path: Path) -> None:
     p = Path(write_token_file(tmp_path / "a.bin", np.arange(100_000) % V, vocab_size=V))
-    fp = tf.file_fingerprint(p)
+    fp = ts.file_fingerprint(p)
     assert set(fp) == {"size", "mtime_ns", "ctime_ns", "ino", "dev", "digest"} and fp["size"] == p.stat().st_size
     size = fp["size"]
     with open(p, "r+b") as f:  # the 4th interior sample starts at 4/9 of the size
         f.seek(4 * size // 9 + 8)
         f.write(b"\x01\x02\x03\x04")
-    assert tf.file_fingerprint(p)["digest"] != fp["digest"]
+    assert ts.file_fingerprint(p)["digest"] != fp["digest"]
     copy = tmp_path / "copy.bin"
     copy.write_bytes(p.read_bytes())
-    assert tf.file_fingerprint(copy)["digest"] == tf.file_fingerprint(p)["digest"]  # content, not identity
+    assert ts.file_fingerprint(copy)["digest"] == ts.file_fingerprint(p)["digest"]  # content, not identity
