@@ -23,5 +23,6 @@ def test_train_and_eval_refuse_document_masking_for_qwen35_in_one_line(tmp_path,
     assert main(["eval", "--model", str(root / "model"), "--eval-file", str(root / "eval.bin"), "--seq-len", "16",
                  "--device", "cpu", "--document-masking"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and all(line.startswith(WANT) and line.endswith("drop --document-masking") for line in err), err
+    assert len(err) == 2, err
+    assert all(line.startswith(WANT) and line.endswith("drop --document-masking") for line in err), err
     assert snapshot(root) == before

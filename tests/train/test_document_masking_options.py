@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from qtrain.cli.main import main
-from tests.run_utils import train_argv
+from qtrain.options import Options, OptionsError
+from qtrain.train.preflight import preflight
+from tests.run_utils import make_run_root, train_argv
 from tests.train.test_document_masking_run import N, packed_root, steps_of
 
 WARNING = "record packed documents (qtrain tokenize --pack-to) but --document-masking is off"
@@ -44,7 +48,6 @@ def test_packed_file_without_document_masking_warns_once(tmp_path, capsys):
     assert main(_argv(root, "masked", "--document-masking")) == 0
     assert not any(WARNING in m for m in _messages(root, "masked"))
     # a plain token file (no documents section): nothing to say
-    from tests.run_utils import make_run_root
     plain = make_run_root(tmp_path / "plain")
     assert main(train_argv(plain, steps=1, name="p")) == 0
     assert not any(WARNING in m for m in _messages(plain, "p"))
@@ -72,10 +75,6 @@ def test_cuda_graphs_with_document_masking_are_refused_in_one_line_before_anythi
     """--use-cuda-graphs stays refused with --document-masking (docs/packing.md says why capture is not correct yet):
     the preflight's first checks, before the device, the model or the data are looked at; one line naming both
     options and what to drop, also beside another blocker."""
-    import pytest
-
-    from qtrain.options import Options, OptionsError
-    from qtrain.train.preflight import preflight
     root = packed_root(tmp_path)
     base = dict(model=str(root / "model"), from_scratch=True, train_file=str(root / "train.bin"), seq_len=N,
                 batch_size=2, device="cuda", use_cuda_graphs=True, document_masking=True)
