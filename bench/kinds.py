@@ -23,6 +23,11 @@ KINDS: dict[str, Kind] = {
                   "device", TRAIN_COLUMNS),
     "cli": Kind("bench.cli_train", "`qtrain train` on a random-token file (1..N GPUs): median tokens/s of the "
                 "steady steps from its JSON log", TRAIN_COLUMNS),
+    "packing": Kind("bench.bench_packing", "packed documents through `qtrain tokenize` + `qtrain train` on a "
+                    "synthetic chat set: --document-masking against the same rows without it, or --pack-to against "
+                    "--pad-to in non-padding tokens/s",
+                    (("ratio", "ratio"), ("tps", "tok/s"), ("base_tps", "base tok/s"), ("real_tps", "real tok/s"),
+                     ("base_real_tps", "base real tok/s"), ("padding_pct", "pad %"))),
     "start": Kind("bench.start", "`qtrain train` from its launch to the end of its first step, cold or warm compile "
                   "cache", (("start_s", "start s"), ("first_step_s", "1st step s"), ("step_ms", "step ms"))),
     "llmq": Kind("bench.llmq", "llm.q's own trainer through .llmq/bench_llmq.sh (median tokens/s of steady steps)",

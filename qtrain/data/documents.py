@@ -19,6 +19,11 @@ last T. For it `FileDocuments.chunk` gives:
     last token of the one before: its EOS). The loader ignores those targets (-100): nothing is predicted across a
     boundary, as when each document runs alone, so the loss of a row of packed documents is the sum of theirs. A
     document cut by the row's end keeps its last target (the next token belongs to it).
+
+Files that record documents read without --document-masking train as any token file: the documents of a row attend
+to each other across their boundaries and RoPE positions run on through the row (what llm.q does with such a file).
+That is allowed (pretraining-style runs do it on purpose), but rarely what a `--pack-to` output was made for, so a
+run says it once at its start (`unmasked_documents_note`).
 """
 from __future__ import annotations
 
@@ -57,6 +62,18 @@ class FileDocuments:
         begins[0] = True  # a row starts a new document
         index = np.arange(T)
         return index - np.maximum.accumulate(np.where(begins[:T], index, 0)), crossing
+
+
+def unmasked_documents_note(files: Sequence[TokenFile], document_masking: bool) -> str | None:
+    """One line for the start of a run that reads files recording packed documents without --document-masking (the
+    module docstring); None with the option, or when no file records documents."""
+    packed = [f.path for f in files if f.header.documents]
+    if document_masking or not packed:
+        return None
+    more = f" and {len(packed) - 1} more file(s)" if len(packed) > 1 else ""
+    return (f"{shorten(packed[0])}{more} record packed documents (qtrain tokenize --pack-to) but --document-masking "
+            f"is off: the documents of a row will attend to each other across their boundaries; add "
+            f"--document-masking to keep each document to itself")
 
 
 def _index_eos(path: str) -> int | None:

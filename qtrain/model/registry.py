@@ -48,6 +48,13 @@ def family_of(cfg: ModelConfig) -> ModelFamily:
     return family_for(cfg.model_type)
 
 
+def document_masking_error(cfg: ModelConfig) -> str | None:
+    """Why --document-masking cannot run `cfg` yet (the family's optional `no_document_masking`), or None."""
+    why = getattr(family_of(cfg), "no_document_masking", None)
+    return (f"--document-masking is not supported for {cfg.model_type} yet: {why}; drop --document-masking"
+            if why else None)
+
+
 def config_from_hf_dict(d: Any, *, source: str = "config.json") -> ModelConfig:
     """A parsed config.json as its family's config; `source` names the file in error messages."""
     if not isinstance(d, dict):

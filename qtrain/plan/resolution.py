@@ -42,6 +42,7 @@ from qtrain.model.config import ModelConfig
 from qtrain.model.fp8_policy import Fp8Choice, block_gflop, choose_fp8
 from qtrain.model.layers import resolve_sdpa_backend
 from qtrain.model.recompute import resolve_flags, splits_mlp
+from qtrain.model.registry import document_masking_error
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.context import check_context_parallel
 from qtrain.parallel.layout import FlatLayout
@@ -175,6 +176,8 @@ def check_model_support(cfg: ModelConfig, opts: Options, *, device_type: str) ->
         raise OptionsError(f"--use-cuda-graphs cannot capture a step of {cfg.model_type} (a Mixture-of-Experts "
                            "model): the number of tokens each expert gets changes the shapes of its GEMMs from one "
                            "micro-step to the next, and a CUDA graph replays fixed shapes. Drop --use-cuda-graphs.")
+    if opts.document_masking and (why := document_masking_error(cfg)):
+        raise OptionsError(why)  # a family whose blocks cannot keep documents apart (Qwen3.5's linear attention)
     if opts.weights_sharded:
         try:
             FlatLayout(cfg, 1).uniform_block()

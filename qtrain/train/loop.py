@@ -17,6 +17,7 @@ import time
 import torch
 
 from qtrain import console
+from qtrain.data.documents import unmasked_documents_note
 from qtrain.data.loader import TokenLoader
 from qtrain.data.hf_tokenizer import recorded_tokenizer, transformers_caveat, unavailable_reason
 from qtrain.data.token_files import DataChangedError
@@ -136,7 +137,8 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
     log = RunLogger(prep.paths.log_file, rank=ctx.rank, total_steps=total_steps, verbosity=verbosity,
                     router_every=opts.log_router_every)
     log.log("run", run_id=prep.run_id, name=opts.name, resume=prep.resume)  # a new log's first line: its owner
-    for note in notes + [n for n in (prep.note, cache_note) if n]:
+    packed = unmasked_documents_note(train.files + (evals.files if evals else []), opts.document_masking)
+    for note in notes + [n for n in (prep.note, cache_note, packed) if n]:
         log.message(note, level="warning")
     if prep.review is not None:
         prep.review.report(log)

@@ -28,7 +28,7 @@ from qtrain.model.transformer import RunOptions, Transformer
 from qtrain.model.weights import param_shapes
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.weights.replicated import ParamWeights
-from qtrain.train.cuda_graphs import check_cuda_graphs
+from qtrain.plan.resolution import check_cuda_graphs, cuda_graphs_on
 from tests.model.test_document_masking import assert_same, params_of
 from tests.model.test_transformer import Collect, tiny_cfg
 from tests.run_utils import CFG, make_run_root, train_argv
@@ -203,13 +203,13 @@ def test_cuda_graphs_are_refused_in_one_line():
     with pytest.raises(OptionsError, match=r"--use-cuda-graphs does not support --document-masking") as e:
         check_cuda_graphs(opts, world=1, device_type="cuda")
     assert "\n" not in str(e.value)
-    assert not Options(document_masking=True).cuda_graphs_on(CFG, world=1, device_type="cuda")  # auto: off
+    assert not cuda_graphs_on(CFG, Options(document_masking=True), world=1, device_type="cuda")  # auto: off
 
 
 def test_memory_plan_states_what_document_masking_adds():
     """varlen (bf16 on CUDA): the documents' offsets only; masked: the (B, 1, T, T) mask and, with GQA (CFG: 4 heads,
     2 key/value heads), each layer's expanded key/value heads."""
-    from qtrain.plan.memory import plan_memory
+    from qtrain.plan.resolution import plan_memory
     B, T, L, E = 2, 16, CFG.num_hidden_layers, 4
     base = dict(batch_size=B, seq_len=T, document_masking=True)
     varlen = plan_memory(CFG, Options(model_dtype="bf16", **base), device="cuda").item("document masks")

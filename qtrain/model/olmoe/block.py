@@ -36,7 +36,7 @@ class OlmoeBlock(MoeBlock):
         else:
             v = v.contiguous()  # out of the fused buffer, which SDPA would otherwise keep (layers.split_qkv)
         q, k, v = q.view(B, T, nh, hs), k.view(B, T, nkv, hs), v.view(B, T, nkv, hs)
-        cos, sin = cos[:, None], sin[:, None]  # (T, 1, hs)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (T, 1, hs), or (B, T, 1, hs) with document positions
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, hs)
 

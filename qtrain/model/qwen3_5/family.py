@@ -20,6 +20,10 @@ class Qwen35Family:
     architectures = ARCHITECTURES
     presets = PRESETS
     fp8_matrices = block.FP8_MATRICES
+    # `registry.document_masking_error`: the Gated DeltaNet state and its causal convolution run along the whole
+    # row, so documents would need them restarted at each boundary (not built yet)
+    no_document_masking = ("its Gated DeltaNet layers carry a recurrent state and a causal convolution along the "
+                           "whole row, which do not restart at document boundaries")
 
     def config_from_hf(self, d: dict[str, Any], *, source: str) -> Qwen35Config:
         return Qwen35Config.from_hf_dict(d, source=source)
