@@ -96,11 +96,14 @@ class Trainer:
         self.fp8 = run.fp8
         # replicated weights: `params` are views into the full `param_buffers`; sharded weights
         # (--shard-weights / --zero-level 3): only this rank's shards, and both are None
+        # --lora-base-dtype e4m3: the frozen base's block matrices held only as e4m3 (parallel/weights/e4m3_base.py)
+        self.e4m3_base = self.lora is not None and self.lora.base_dtype == "e4m3"
         w = build_weights(self.layout, comm=self.comm, dtype=self.master_dtype, compute_dtype=self.dtype,
                           device=self.device, sharded=opts.weights_sharded, offload=opts.offload_master,
-                          quantized=run.persistent_quants, offload_quants=opts.offload_quants,
+                          quantized=() if self.e4m3_base else run.persistent_quants, offload_quants=opts.offload_quants,
                           weights_dir=self.source.weights_dir, seed=opts.seed,
-                          init_proj_to_zero=opts.init_proj_to_zero, adapters=self._adapter_init(opts))
+                          init_proj_to_zero=opts.init_proj_to_zero, adapters=self._adapter_init(opts),
+                          e4m3_base=self.e4m3_base)
         self.weights, self.params, self.param_buffers, self.sharded_weights = w.source, w.params, w.buffers, w.sharded
         self.model = Transformer(self.cfg, self._run_options(opts, run))
         self.grads = make_gradient_manager(run.gradients, self.layout, comm=self.comm,
@@ -139,7 +142,7 @@ class Trainer:
             fp8_keep_transposes=run.fp8_keep_transposes, fp8_swiglu_onepass=run.fp8_swiglu_onepass,
             fp8_head_backward=run.fp8_head_backward, fp8_linears=run.fp8.fp8 if run.fp8 is not None else None,
             wrap_linear=self._abs_max_wrapper(opts), document_attention=opts.document_attention,
-            adapter=LoraAdapter(self.cfg, self.lora) if self.lora is not None else None)
+            adapter=LoraAdapter(self.cfg, self.lora) if self.lora is not None else None, frozen_e4m3=self.e4m3_base)
 
     def _abs_max_wrapper(self, opts: Options):
         """--debug-log-abs-max: the recorder that wraps the block linears (None when off; with

@@ -67,7 +67,8 @@ CASES = [
     Case("merge-e4m3", lora("--lora-merge", "--lora-base-dtype", "e4m3"),
          r"--lora-merge with --lora-base-dtype e4m3"),
     Case("base-dtype-value", lora("--lora-base-dtype", "e5m2"), r"--lora-base-dtype='e5m2'"),
-    Case("base-dtype-e4m3-not-yet", lora("--lora-base-dtype", "e4m3"), r"--lora-base-dtype e4m3 is not implemented"),
+    Case("base-e4m3-master-fp32", lora("--lora-base-dtype", "e4m3", "--model-dtype", "bf16", "--master-dtype", "fp32"),
+         r"--lora-base-dtype e4m3 with --master-dtype fp32 is not supported"),
     Case("init-from-missing", lora("--lora-init-from", "{root}/nope"), r"--lora-init-from .*nope: not a directory"),
     Case("init-from-other-rank", lora("--lora-init-from", "{root}/a"), r"adapter_config\.json: r=8, this run's "
          r"--lora-rank is 4", setup=adapter("a", rank=8)),
