@@ -190,8 +190,8 @@ def _check_lora(opts: Any, err: Callable[[str], OptionsError]) -> None:
         raise err("--lora-dropout with --recompute-qkv/-att/-ffn/-block is not supported: the recomputed projection "
                   "would draw another dropout mask (use --lora-dropout 0 or drop those switches)")
     if opts.lora_merge and opts.lora_base_dtype:
-        raise err("--lora-merge with --lora-base-dtype e4m3 is not supported: the run holds no copy of the base "
-                  "but its e4m3 one; merge into the --model base with `qtrain export --checkpoint-dir DIR --lora-merge`")
+        raise err("--lora-merge with --lora-base-dtype e4m3 is not supported: the run holds the base only as e4m3; "
+                  "merge into the --model base with `qtrain export --checkpoint-dir DIR --lora-merge`")
     if opts.lora_base_dtype and opts.separate_master:
         raise err("--lora-base-dtype e4m3 with --master-dtype fp32 is not supported: the adapters run in "
                   "--model-dtype (drop --master-dtype)")

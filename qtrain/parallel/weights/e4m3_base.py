@@ -78,7 +78,7 @@ class E4m3BaseWeights(ParamWeights):
             self.params[name].copy_(value)
 
     def dequantized(self, layer: int, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Block matrix `name` of `layer` as the codes stand for it (`frozen_e4m3.dequantize`): for a merge or a test."""
+        """Block matrix `name` of `layer` as the codes stand for it (`frozen_e4m3.dequantize`), for tests."""
         return dequantize(self.codes[layer][name], self.inv_scales[layer][name], dtype)
 
     @staticmethod
