@@ -186,9 +186,6 @@ def _check_lora(opts: Any, err: Callable[[str], OptionsError]) -> None:
         raise err("--lora-rank with sharded weights (--shard-weights, --zero-level 3) is not supported: a LoRA "
                   "layer is two groups (frozen base, adapters), sharded weights need one per block; the frozen base "
                   "needs no master copy to shard (drop the sharding of weights)")
-    if opts.lora_dropout and {"qkv", "att", "ffn", "block"} & opts.recompute:
-        raise err("--lora-dropout with --recompute-qkv/-att/-ffn/-block is not supported: the recomputed projection "
-                  "would draw another dropout mask (use --lora-dropout 0 or drop those switches)")
     if opts.lora_merge and opts.lora_base_dtype:
         raise err("--lora-merge with --lora-base-dtype e4m3 is not supported: the run holds the base only as e4m3; "
                   "merge into the --model base with `qtrain export --checkpoint-dir DIR --lora-merge`")

@@ -106,6 +106,9 @@ class Trainer:
                           e4m3_base=self.e4m3_base)
         self.weights, self.params, self.param_buffers, self.sharded_weights = w.source, w.params, w.buffers, w.sharded
         self.model = Transformer(self.cfg, self._run_options(opts, run))
+        if self.adapter is not None and self.lora.dropout:  # dropout keys name the layer (model/lora/adapter.py)
+            self.adapter.bind_layers([self.weights.block(layer) for layer in range(self.cfg.num_hidden_layers)])
+            self.weights.invalidate()
         self.grads = make_gradient_manager(run.gradients, self.layout, comm=self.comm,
                                            dtype=DTYPES[run.grad_accum_dtype], device=self.device, seed=opts.seed,
                                            offload=opts.offload_gradients)
@@ -134,6 +137,7 @@ class Trainer:
 
     def _run_options(self, opts: Options, run: RunResolution) -> RunOptions:
         """How the model executes: the options as the run resolved them."""
+        self.adapter = LoraAdapter(self.cfg, self.lora, seed=opts.seed) if self.lora is not None else None
         return RunOptions(
             lmhead_chunks=opts.lmhead_chunks, attn_bwd_chunks=opts.attn_bwd_chunks, sdpa_backend=run.sdpa_backend,
             recompute=run.recompute, offload_residual=opts.offload_residual, compile=run.compile,
@@ -142,7 +146,7 @@ class Trainer:
             fp8_keep_transposes=run.fp8_keep_transposes, fp8_swiglu_onepass=run.fp8_swiglu_onepass,
             fp8_head_backward=run.fp8_head_backward, fp8_linears=run.fp8.fp8 if run.fp8 is not None else None,
             wrap_linear=self._abs_max_wrapper(opts), document_attention=opts.document_attention,
-            adapter=LoraAdapter(self.cfg, self.lora) if self.lora is not None else None, frozen_e4m3=self.e4m3_base)
+            adapter=self.adapter, frozen_e4m3=self.e4m3_base)
 
     def _abs_max_wrapper(self, opts: Options):
         """--debug-log-abs-max: the recorder that wraps the block linears (None when off; with
@@ -203,6 +207,8 @@ class Trainer:
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         self.grads.start_micro_step(step=self.steps_done, micro_step=self.micro, num_micro_steps=ga)
+        if self.adapter is not None:  # LoRA dropout's masks are those of this (step, micro-step)
+            self.adapter.at(self.steps_done, self.micro)
         debug = self._debug_step()
         if debug:
             self.absmax.start()
@@ -269,10 +275,17 @@ class Trainer:
     def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
         """Mean token loss over the batches on all ranks, and the number of tokens it covers."""
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for inputs, targets, *positions in batches:
-            loss, n = self.model.loss_sum(self.weights, inputs.to(self.device), targets.to(self.device), *positions)
-            total[0] += loss.double()
-            total[1] += n.double()
+        if self.adapter is not None:
+            self.adapter.training = False  # no LoRA dropout in evaluation
+        try:
+            for inputs, targets, *positions in batches:
+                loss, n = self.model.loss_sum(self.weights, inputs.to(self.device), targets.to(self.device),
+                                              *positions)
+                total[0] += loss.double()
+                total[1] += n.double()
+        finally:
+            if self.adapter is not None:
+                self.adapter.training = True
         self.ctx.all_reduce_sum(total)
         n = int(total[1].item())
         return (float(total[0].item()) / max(n, 1)), n

@@ -62,8 +62,6 @@ CASES = [
     Case("unknown-target", lora("--lora-targets", "q,qq"), r"--lora-targets: unknown target 'qq'"),
     Case("dropout-range", lora("--lora-dropout", "1.5"), r"--lora-dropout must be in \[0, 1\)"),
     Case("sharded-weights", lora("--shard-weights"), r"--lora-rank with sharded weights"),
-    Case("dropout-recompute", lora("--lora-dropout", "0.1", "--recompute-block"),
-         r"--lora-dropout with --recompute"),
     Case("merge-e4m3", lora("--lora-merge", "--lora-base-dtype", "e4m3"),
          r"--lora-merge with --lora-base-dtype e4m3"),
     Case("base-dtype-value", lora("--lora-base-dtype", "e5m2"), r"--lora-base-dtype='e5m2'"),

@@ -80,3 +80,22 @@ def test_two_gloo_ranks_unsharded_and_sharded_gradients_agree(root):
     assert outs["g1"].keys() == outs["g2"].keys()
     for k, v in outs["g1"].items():
         assert torch.allclose(v, outs["g2"][k], rtol=0, atol=1e-6), k
+
+
+def test_dropout_resume_is_bitwise(root):
+    """--lora-dropout: each micro-step's masks come from a key of (seed, step, micro-step, layer, target), so
+    --continue from a checkpoint ends on the bits of the uninterrupted run (2 micro-steps per step)."""
+    def argv(name, *extra):
+        a = train_argv(root, steps=4, name=name, model=root / "base", grad_accumulation=2,
+                       extra=LORA + ("--lora-dropout", "0.2") + extra)
+        a.remove("--from-scratch")
+        return a
+
+    assert main(argv("d")) == 0
+    out, ckpt = root / "out" / "d", root / "ckpt" / "d"
+    first = (out / "adapter_model.safetensors").read_bytes()
+    shutil.rmtree(ckpt / "step_00000004")
+    assert main(argv("d", "--continue")) == 0
+    assert (out / "adapter_model.safetensors").read_bytes() == first
+    assert main(argv("d0", "--lora-dropout", "0")) == 0  # the masks do something
+    assert (root / "out" / "d0" / "adapter_model.safetensors").read_bytes() != first
