@@ -17,15 +17,31 @@ import torch
 from qtrain.model.lora import LoraSpec
 from qtrain.model.lora.peft_io import save_adapter
 from qtrain.model.lora.tensors import adapter_specs
-from tests.reliability.test_bad_inputs import Case, run_case, train
-from tests.run_utils import CFG, make_run_root
+from qtrain.cli.main import main
+from tests.reliability.test_bad_inputs import Case, cmd, run_case, train
+from tests.run_utils import CFG, make_run_root, train_argv
 
 ALL7 = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    return make_run_root(tmp_path_factory.mktemp("lora_base"))
+    """The tiny model's root with two finished 2-step runs: `lr` (LoRA) and `ff` (a full fine-tune)."""
+    root = make_run_root(tmp_path_factory.mktemp("lora_base"))
+    assert main(train_argv(root, steps=2, name="lr", extra=("--lora-rank", "4", "--quiet"))) == 0
+    assert main(train_argv(root, steps=2, name="ff", extra=("--quiet",))) == 0
+    return root
+
+
+def other_model(root: Path) -> None:
+    """root/other: a model directory of another config (hidden 48)."""
+    (root / "other").mkdir()
+    (root / "other" / "config.json").write_text(json.dumps(
+        type(CFG)(**{**CFG.__dict__, "hidden_size": 48, "head_dim": 8}).to_hf_dict()))
+
+
+def export(*extra: str):
+    return cmd("export", "--out-dir", "{root}/x", *extra)
 
 
 def adapter(rel: str, *, rank: int = 4, targets: tuple[str, ...] = ALL7, cfg=CFG, config: dict | None = None,
@@ -84,6 +100,16 @@ CASES = [
          setup=lambda root: (adapter("a")(root), (root / "a" / "adapter_config.json").write_text("{nope"))),
     Case("init-from-dora", lora("--lora-init-from", "{root}/a"), r"adapter_config\.json: use_dora=True is not "
          r"supported", setup=adapter("a", config={"use_dora": True})),
+    Case("export-merge-full-finetune", export("--checkpoint-dir", "{root}/ckpt/ff", "--lora-merge"),
+         r"--lora-merge needs a LoRA run's checkpoint"),
+    Case("export-base-model-without-merge", export("--checkpoint-dir", "{root}/ckpt/lr", "--base-model",
+                                                   "{root}/model"),
+         r"--base-model needs --lora-merge"),
+    Case("export-merge-base-missing", export("--checkpoint-dir", "{root}/ckpt/lr", "--lora-merge", "--base-model",
+                                             "{root}/nope"), r"--base-model .*nope: .*not found"),
+    Case("export-merge-other-base", export("--checkpoint-dir", "{root}/ckpt/lr", "--lora-merge", "--base-model",
+                                           "{root}/other"),
+         r"--base-model .*other: its config\.json is not the checkpoint's model", setup=other_model),
     Case("init-from-alpha-differs", lora("--lora-init-from", "{root}/a", "--lora-alpha", "3"),
          r"lora_alpha 8 differs from --lora-alpha 3", setup=adapter("a")),
 ]

@@ -174,3 +174,9 @@ def test_from_scratch_checkpoint_and_bitwise_continue(tmp_path):
     shutil.rmtree(root / "ckpt" / "e" / "step_00000004")
     assert main(argv + ["--continue"]) == 0
     assert (root / "out" / "e" / "adapter_model.safetensors").read_bytes() == first
+    # the merged model of an e4m3-base run: its adapters folded into the --model base (here the seed's init), which
+    # `qtrain export` makes again (the run itself refuses --lora-merge: it holds the base only as e4m3)
+    assert main(["export", "--checkpoint-dir", str(root / "ckpt" / "e"), "--out-dir", str(root / "merged"),
+                 "--lora-merge"]) == 0
+    merged = load_file(root / "merged" / "model.safetensors")
+    assert merged["model.layers.1.mlp.down_proj.weight"].dtype == torch.bfloat16

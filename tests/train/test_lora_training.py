@@ -99,3 +99,21 @@ def test_dropout_resume_is_bitwise(root):
     assert (out / "adapter_model.safetensors").read_bytes() == first
     assert main(argv("d0", "--lora-dropout", "0")) == 0  # the masks do something
     assert (root / "out" / "d0" / "adapter_model.safetensors").read_bytes() != first
+
+
+def test_export_lora_merge_from_checkpoint(root):
+    """`qtrain export --checkpoint-dir ... --lora-merge`: the checkpoint's adapters folded into the run's --model base
+    (read again), bitwise the model the run's own --lora-merge wrote; transformers loads it with the logits of peft
+    over the base with the checkpoint's adapter export (tolerance: the module docstring's)."""
+    assert main(_argv(root, "x", "--lora-merge", steps=2)) == 0
+    ckpt, out = root / "ckpt" / "x", root / "out"
+    assert main(["export", "--checkpoint-dir", str(ckpt), "--out-dir", str(out / "xm"), "--lora-merge"]) == 0
+    assert main(["export", "--checkpoint-dir", str(ckpt), "--out-dir", str(out / "xa")]) == 0
+    assert (out / "xm" / "model.safetensors").read_bytes() == (out / "x" / "model.safetensors").read_bytes()
+    base = transformers.AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out / "xm", dtype=torch.float32).eval()
+    inputs = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = merged(inputs).logits
+        adapted = peft.PeftModel.from_pretrained(base, str(out / "xa")).eval()(inputs).logits
+    assert (adapted - want).abs().max() <= 1e-4 * want.abs().max()
