@@ -300,7 +300,7 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
         items.append(Item("document masks", device=documents[0], kind="activations", detail=documents[1]))
     if layout.lora is not None and "block" not in rc:  # each target's A output (and dropout's input and mask)
         per_token = LoraAdapter(cfg, layout.lora).saved_bytes_per_token(DTYPE_BYTES[opts.model_dtype])
-        items.append(Item(f"lora adapters ({L} layers)", device=L * N * per_token, kind="activations",
+        items.append(Item(f"lora adapters ({L} layers)", device=int(L * N * per_token), kind="activations",
                           detail=f"rank {layout.lora.rank}, targets {','.join(layout.lora.targets)}: what the "
                                  f"adapters keep for backward"))
     peak_phase = max(phases, key=phases.get)

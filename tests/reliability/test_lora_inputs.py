@@ -40,6 +40,15 @@ def other_model(root: Path) -> None:
         type(CFG)(**{**CFG.__dict__, "hidden_size": 48, "head_dim": 8}).to_hf_dict()))
 
 
+def moe_model(root: Path) -> None:
+    """root/moe: a tiny qwen3_moe config (layer 1 dense: mlp_only_layers), the vocabulary of the token files."""
+    import transformers
+    from tests.model.test_moe_families import BASE, CASES
+    (root / "moe").mkdir()
+    cfg = transformers.Qwen3MoeConfig(**{**BASE, "vocab_size": CFG.vocab_size}, **CASES["qwen3_moe"][1])
+    (root / "moe" / "config.json").write_text(json.dumps(cfg.to_dict()))
+
+
 def export(*extra: str):
     return cmd("export", "--out-dir", "{root}/x", *extra)
 
@@ -110,6 +119,10 @@ CASES = [
     Case("export-merge-other-base", export("--checkpoint-dir", "{root}/ckpt/lr", "--lora-merge", "--base-model",
                                            "{root}/other"),
          r"--base-model .*other: its config\.json is not the checkpoint's model", setup=other_model),
+    Case("moe-mlp-target", lora("--lora-targets", "q,up", model="{root}/moe"),
+         r"--lora-targets: target 'up' is an MoE model's MLP matrix .*\(choose from q,k,v,o\)", setup=moe_model),
+    Case("moe-base-e4m3", lora("--lora-base-dtype", "e4m3", "--model-dtype", "bf16", model="{root}/moe"),
+         r"--lora-base-dtype e4m3 is not supported for model type 'qwen3_moe'", setup=moe_model),
     Case("init-from-alpha-differs", lora("--lora-init-from", "{root}/a", "--lora-alpha", "3"),
          r"lora_alpha 8 differs from --lora-alpha 3", setup=adapter("a")),
 ]

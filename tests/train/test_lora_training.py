@@ -117,3 +117,28 @@ def test_export_lora_merge_from_checkpoint(root):
         want = merged(inputs).logits
         adapted = peft.PeftModel.from_pretrained(base, str(out / "xa")).eval()(inputs).logits
     assert (adapted - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_moe_and_hybrid_families_train_adapters_only(family, tmp_path):
+    """`qtrain train --lora-rank` on an MoE model (qwen3_moe: attention targets; its experts and routers frozen) and on
+    Qwen3.5's MoE (linear-attention and full-attention layers): the checkpoints hold the adapters only."""
+    import numpy as np
+    from qtrain.data.token_files import write_token_file
+    from tests.model import test_moe_families as moe
+    from tests.model import test_qwen3_5 as q35
+    root = make_run_root(tmp_path)
+    model = (moe.hf_model("qwen3_moe") if family == "qwen3_moe" else q35.hf_model(q35.tiny_cfg(moe=True))).float()
+    model.save_pretrained(root / "base")
+    rng = np.random.default_rng(1)
+    for name, n in (("train.bin", 2000), ("eval.bin", 300)):
+        write_token_file(root / name, rng.integers(0, model.config.vocab_size, n, dtype=np.int32),
+                         vocab_size=model.config.vocab_size)
+    # Qwen3.5: its linear-attention layers' projections and its full-attention layer's q, o (a layer without any
+    # of the targets has no adapters)
+    targets = ("--lora-targets", "in_proj_qkv,out,q,o") if family == "qwen3_5_moe" else ()
+    argv = train_argv(root, steps=2, name="f", model=root / "base", extra=("--lora-rank", "2", "--quiet") + targets)
+    argv.remove("--from-scratch")
+    assert main(argv) == 0
+    keys = set(load_file(root / "ckpt" / "f" / "step_00000002" / "weights.shard_000_of_001.safetensors"))
+    assert keys == {f"block.{i}.lora" for i in range(model.config.num_hidden_layers)}

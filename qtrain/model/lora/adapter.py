@@ -33,13 +33,22 @@ class LoraAdapter:
 
     def __init__(self, cfg: ModelConfig, spec: LoraSpec, seed: int = 0):
         self.spec, self.r, self.scaling, self.dropout, self.seed = spec, spec.rank, spec.scaling, spec.dropout, seed
-        shapes = block_shapes(cfg, 0)
-        # matrix -> ([(first row, rows) of each target], the matrix's rows)
-        targets = adapted(cfg, spec, 0)
-        self.parts = {m: ([(t.row, t.rows) for t in ts], shapes[m][0]) for m, ts in targets.items()}
-        self.cols = {m: ts[0].cols for m, ts in targets.items()}
-        # the dropout key's target index of each matrix's targets (their place in spec.targets)
-        self.target_ids = {m: [spec.targets.index(t.name) for t in ts] for m, ts in targets.items()}
+        self.num_layers = cfg.num_hidden_layers
+        # matrix -> ([(first row, rows) of each target], the matrix's rows), over every layer that has the matrix (a
+        # hybrid model's layers have different matrices; a matrix's targets are the same wherever it is)
+        self.parts: dict[str, tuple[list[tuple[int, int]], int]] = {}
+        self.cols: dict[str, int] = {}
+        self.target_ids: dict[str, list[int]] = {}  # the dropout key's target index (the place in spec.targets)
+        self.layer_matrices: list[list[str]] = []  # the adapted matrices of each layer
+        for layer in range(cfg.num_hidden_layers):
+            shapes, targets = block_shapes(cfg, layer), adapted(cfg, spec, layer)
+            for m, ts in targets.items():
+                parts = ([(t.row, t.rows) for t in ts], shapes[m][0])
+                if self.parts.setdefault(m, parts) != parts:
+                    raise ValueError(f"LoraAdapter: matrix {m!r} has other targets in layer {layer} than before")
+                self.cols[m] = ts[0].cols
+                self.target_ids[m] = [spec.targets.index(t.name) for t in ts]
+            self.layer_matrices.append(list(targets))
         self.training = True  # False: no dropout (evaluation)
         self.step = self.micro = 0  # where the run is: the dropout key's (step, micro-step)
         self._layer_of: dict[int, int] = {}  # data_ptr of a layer's first adapter A tensor -> the layer
@@ -55,7 +64,8 @@ class LoraAdapter:
     def bind_layers(self, blocks: list[dict[str, torch.Tensor]]) -> None:
         """Learn which layer an adapter tensor belongs to (`blocks[l]`: block l's weights as the model gets them);
         only dropout needs it (its key names the layer)."""
-        self._layer_of = {w[a_name(m)].data_ptr(): layer for layer, w in enumerate(blocks) for m in self.parts}
+        self._layer_of = {w[a_name(m)].data_ptr(): layer for layer, w in enumerate(blocks) for m in self.parts
+                          if a_name(m) in w}
 
     @torch.compiler.disable
     def _drop(self, x: torch.Tensor, a: torch.Tensor, matrix: str, i: int) -> torch.Tensor:
@@ -91,10 +101,13 @@ class LoraAdapter:
             pieces.append(y.new_zeros(*y.shape[:-1], total - pos))
         return y + torch.cat(pieces, dim=-1)
 
-    def saved_bytes_per_token(self, dtype_bytes: int) -> int:
-        """What the adapters keep for backward per token and layer: each target's A output (r values, B's input;
-        the linears' inputs are kept for the base already), and with dropout each target's dropped input and mask."""
-        per = sum(len(p) * self.r * dtype_bytes for p, _ in self.parts.values())
-        if self.dropout:  # the dropped input (A's input) and the mask (in the model dtype), per target
-            per += sum(len(p) * self.cols[m] * 2 * dtype_bytes for m, (p, _) in self.parts.items())
-        return per
+    def saved_bytes_per_token(self, dtype_bytes: int) -> float:
+        """What the adapters keep for backward per token, averaged over the layers: each target's A output (r values,
+        B's input; the linears' inputs are kept for the base already), and with dropout each target's dropped input
+        and mask (in the model dtype)."""
+        total = 0
+        for matrices in self.layer_matrices:
+            for m in matrices:
+                n = len(self.parts[m][0])
+                total += n * self.r * dtype_bytes + (n * self.cols[m] * 2 * dtype_bytes if self.dropout else 0)
+        return total / max(self.num_layers, 1)

@@ -40,7 +40,11 @@ def spec_from_options(v: Mapping[str, Any], cfg: ModelConfig, *, check_adapter: 
     init_from = v.get("lora_init_from") or ""
     if not text and init_from:  # the adapter's targets
         text = ",".join(_adapter_targets(init_from, cfg, rank))
-    targets = parse_targets(text or ",".join(t for t in DEFAULT_TARGETS if t in known) or ",".join(known), known)
+    why_not = {n: "an MoE model's MLP matrix (peft maps it onto the experts, which qtrain does not adapt; the "
+                  "attention's linears are targets)" for n in ("gate", "up", "down")
+               if n not in known and getattr(cfg, "router", None)}
+    targets = parse_targets(text or ",".join(t for t in DEFAULT_TARGETS if t in known) or ",".join(known), known,
+                            why_not)
     spec = LoraSpec(rank, float(v.get("lora_alpha") or 0.0) or 1.0, float(v.get("lora_dropout") or 0.0), targets,
                     v.get("lora_base_dtype") or "")
     check_dims(cfg, spec)
