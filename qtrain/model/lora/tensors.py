@@ -22,8 +22,8 @@ from qtrain.model.registry import family_of
 from qtrain.model.weights import statements
 
 GROUP = "lora"  # the layer's layout group of its adapters: 'block.{l}.lora'
-PEFT_PREFIX = "base_model.model."
-MLP_MATRICES = ("up", "down")  # a dense MLP's block matrices (Llama family, Qwen3.5)  # peft's prefix of the base model's module names in adapter_model.safetensors
+PEFT_PREFIX = "base_model.model."  # peft's prefix of the base model's module names in adapter_model.safetensors
+MLP_MATRICES = ("up", "down")  # a dense MLP's block matrices (Llama family, Qwen3.5)
 
 
 @dataclass(frozen=True)
