@@ -195,15 +195,12 @@ def _check_lora(opts: Any, err: Callable[[str], OptionsError]) -> None:
     if opts.expert_parallel > 1:
         raise err("--lora-rank with --expert-parallel is not supported yet: adapters over experts spread across ranks "
                   "are not built (use --expert-parallel 1)")
-    if opts.lora_dropout and {"qkv", "att", "ffn", "block"} & opts.recompute:
-        raise err("--lora-dropout with --recompute-qkv/-att/-ffn/-block is not supported: the recomputed projection "
-                  "would draw another dropout mask (use --lora-dropout 0 or drop those switches)")
-    if opts.lora_base_dtype and not opts.lora_merge:
-        raise err("--lora-base-dtype e4m3 is not implemented yet (the frozen base runs in --model-dtype; leave "
-                  "--lora-base-dtype unset)")
     if opts.lora_merge and opts.lora_base_dtype:
-        raise err("--lora-merge with --lora-base-dtype e4m3 is not supported: the merged model would be the e4m3 "
-                  "base plus the adapters in bf16, not the base the run started from (export the PEFT adapter)")
+        raise err("--lora-merge with --lora-base-dtype e4m3 is not supported: the run holds the base only as e4m3; "
+                  "merge into the --model base with `qtrain export --checkpoint-dir DIR --lora-merge`")
+    if opts.lora_base_dtype and opts.separate_master:
+        raise err("--lora-base-dtype e4m3 with --master-dtype fp32 is not supported: the adapters run in "
+                  "--model-dtype (drop --master-dtype)")
 
 
 def _check_context_parallel(opts: Any, err: Callable[[str], OptionsError]) -> None:

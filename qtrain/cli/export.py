@@ -18,10 +18,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="qwen2 | gpt2 | tokenizer.json | model directory (default: the one the run recorded)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an export of another run in --out-dir (files qtrain did not write are never replaced)")
+    p.add_argument("--lora-merge", action="store_true",
+                   help="a LoRA checkpoint: write the merged model (the adapters folded into the run's base) instead "
+                        "of the PEFT adapter")
+    p.add_argument("--base-model", default="",
+                   help="with --lora-merge: the base model the run trained on (default: the run's --model)")
 
 
 def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
-    r = export_checkpoint(ns.checkpoint_dir, ns.out_dir, step=ns.step, tokenizer=ns.tokenizer, overwrite=ns.overwrite)
+    r = export_checkpoint(ns.checkpoint_dir, ns.out_dir, step=ns.step, tokenizer=ns.tokenizer, overwrite=ns.overwrite,
+                          lora_merge=ns.lora_merge, base_model=ns.base_model)
     console.write(f"exported {r.checkpoint} -> {r.out_dir} (tokenizer: "
                   f"{r.tokenizer or 'none recorded; pass --tokenizer'})\n")
     if r.caveat:

@@ -26,7 +26,7 @@ import re
 import sys
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import safetensors.torch as st
 import torch
@@ -210,6 +210,13 @@ def load_hf_weights(model_dir: str | os.PathLike, cfg: ModelConfig, *, dtype: to
     """Read a HF checkpoint into internal names (fused qkv / up), cast to `dtype` on `device`. Headers are
     validated before any data is read; a tensor holding NaN or inf is refused by name. An interrupted qtrain
     export is refused, and so is one that an export replaced while its files were being opened."""
+    return dict(stream_hf_weights(model_dir, cfg, dtype=dtype, device=device))
+
+
+def stream_hf_weights(model_dir: str | os.PathLike, cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
+                      device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """`load_hf_weights` one internal tensor at a time (name, tensor), so that a loader that converts each one (LoRA's
+    e4m3 base) never holds the whole model in `dtype`; the same checks, made before the first tensor is read."""
     manifest = check_export_complete(model_dir)
     files = checkpoint_files(model_dir)
     with ExitStack() as stack:
@@ -233,7 +240,7 @@ def load_hf_weights(model_dir: str | os.PathLike, cfg: ModelConfig, *, dtype: to
                                    f"train from non-finite weights")
             return t.to(device=device, dtype=dtype, copy=True)
 
-        return dict(weights.hf_to_internal(cfg, get, layouts))
+        yield from weights.hf_to_internal(cfg, get, layouts)
 
 
 # ---------------------------------------------------------------- saving

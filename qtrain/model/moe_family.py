@@ -101,6 +101,10 @@ class MoeFamily:
     def non_block_tensors(self, cfg: MoeConfig) -> tuple[TensorSpec, ...]:
         return decoder_non_block_tensors(cfg)
 
+    def ignored_hf_tensor(self, cfg: MoeConfig, name: str) -> str | None:
+        """No part of these checkpoints is skipped (the protocol's hook for multimodal checkpoints)."""
+        return None
+
     def block_tensors(self, cfg: MoeConfig, layer: int) -> tuple[TensorSpec, ...]:
         """The Llama block's tensors (its attention, and a dense layer's MLP), or the attention and the routed MLP."""
         specs = list(llama_tensors.block_tensors(cfg, layer))

@@ -42,7 +42,7 @@ from qtrain.kernels.swiglu import ScaleHints
 from qtrain.model.config import ModelConfig
 from qtrain.model.family import BlockFn, BlockOptions, Linear, Mlp
 from qtrain.model.layers import SDPA_BACKENDS, final_norm_fn
-from qtrain.model.matmul import block_linear, block_mlp
+from qtrain.model.matmul import FP8_GRAD_DTYPES, block_linear, block_mlp
 from qtrain.model.moe_router import RouterLosses
 from qtrain.model.recompute import ResidualStash, block_steps, resolve_flags, splits_mlp
 from qtrain.model.registry import family_of
@@ -50,6 +50,7 @@ from qtrain.model.sequence_split import SequenceSplit
 from qtrain.model.weight_source import (FP8_INV_SCALE, FP8_WEIGHT, FP8_WEIGHT_T, SCALE_HINT, GradientSink,
                                         WeightSource, quantized_weight)
 from qtrain.model.weights import param_shapes
+from qtrain.numerics.frozen_e4m3 import frozen_e4m3_linear
 
 # the weight-dict conventions between weight sources and blocks live in weight_source.py; named here too because
 # the loop's callers (parallel/, tests) meet them through this module
@@ -138,6 +139,9 @@ class RunOptions:
     adapter: Callable | None = None  # LoRA's term after the block linears (model/lora/adapter.LoraAdapter)
     expert_exchange: Any = None  # --expert-parallel: the MoE layers' token exchange (parallel/experts.TokenExchange)
     context: SequenceSplit | None = None  # --context-parallel: this rank's part of each sequence (eager blocks)
+    # the block matrices come as e4m3 codes only (LoRA's --lora-base-dtype e4m3): every block linear runs through
+    # numerics/frozen_e4m3.py (FP8 GEMMs with matmul_dtype e4m3 on CUDA, else dequantized inside the op)
+    frozen_e4m3: bool = False
 
     def __post_init__(self) -> None:
         if self.attn_bwd_chunks < 1:
@@ -183,6 +187,10 @@ class Transformer:
                    if not {"up", "down"} & set(plain) else None)
         if run.adapter is not None and run.adapter.covers("up", "down"):
             mlp = None  # adapters of the MLP's matrices need its three steps (the block's linears add them)
+        if run.frozen_e4m3:  # one linear for every block matrix, over its e4m3 codes
+            linear = frozen_e4m3_linear(run.matmul_dtype, FP8_GRAD_DTYPES[run.fp8_grad_dtype or "e4m3"])
+            linear = run.wrap_linear(linear) if run.wrap_linear is not None else linear
+            mlp, rebuilt, linears = None, None, {}
         # whether the one-pass SwiGLU FP8 kernels run (and the layers need scale hints): the fused FP8 MLP, compiled,
         # not split into steps by a recompute switch (make_block_fn's rule)
         self.swiglu_onepass = bool(run.fp8_swiglu_onepass and mlp is not None and run.compile
@@ -192,8 +200,8 @@ class Transformer:
                            compiled=run.compile, swiglu=ops, rope=ops, mlp=mlp if run.compile else None,
                            sdpa_backend=run.sdpa_backend, linears=linears, rebuilt_input_linear=rebuilt,
                            norm_fed_fp8=bool(run.compile and run.matmul_dtype == "e4m3" and run.fp8_keep_transposes
-                                             and run.wrap_linear is None), adapter=run.adapter,
-                                             experts=run.expert_exchange, context=run.context)
+                                             and run.wrap_linear is None and not run.frozen_e4m3),
+                           adapter=run.adapter, experts=run.expert_exchange, context=run.context)
         self.block_fn: BlockFn = torch.compile(fn, dynamic=False, options=run.inductor_options()) if run.compile else fn
         self._eager_block_fn: BlockFn = fn
         if run.compile:  # the compiled flavour of the recompute mechanism differs; eager needs its own

@@ -180,7 +180,10 @@ class FlatLayout:
             if tensors is not None or frozen:
                 raise ValueError("FlatLayout: lora= states the tensors and the frozen groups itself")
             tensors = lora_tensors.model_tensors(cfg, lora)
-            frozen = [t.name for t in tensors[0]] + [f"block.{i}" for i in range(len(tensors[1]))]
+            # every base group: the non-block tensors, each block's own and its other groups (an MoE's experts)
+            frozen = [t.name for t in tensors[0]] + [
+                f"block.{i}" + (f".{g}" if g else "") for i, specs in enumerate(tensors[1])
+                for g in dict.fromkeys(t.group for t in specs) if g != lora_tensors.GROUP]
         if tensors is None:
             st = statements(cfg)
             tensors = (st.non_block, st.blocks)

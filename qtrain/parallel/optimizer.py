@@ -196,6 +196,8 @@ class ShardedAdamW:
         else:
             self.shards = {}
             for g in layout.groups:
+                if not g.trainable and g.key not in params:  # a frozen group held elsewhere (an e4m3 LoRA base)
+                    continue
                 lo, hi = g.shard_range(self.rank, self.world)
                 self.shards[g.key] = params[g.key][lo:hi]
         pin = torch.cuda.is_available()

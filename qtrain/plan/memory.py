@@ -45,6 +45,7 @@ from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.optimizer import DTYPES, ShardedAdamW
 from qtrain.parallel.staging import STAGING_SLOTS
 from qtrain.parallel.weights.cast import CastWeights
+from qtrain.parallel.weights.e4m3_base import E4m3BaseWeights
 from qtrain.parallel.weights.quantized import QuantizedWeights
 from qtrain.parallel.weights.replicated import replicated_footprint
 from qtrain.parallel.weights.sharded import ShardedWeights
@@ -188,6 +189,11 @@ def _weight_rows(cfg: ModelConfig, opts: Options, layout: FlatLayout, quants: tu
                      f"{_count(num_params(cfg))} parameters; what the optimizer updates"),
                 _row(f"weights ({opts.model_dtype}, compute copy)", CastWeights.footprint_of(layout, dtype),
                      "what the model computes with; cast from the master once per step")]
+    elif not opts.weights_sharded and layout.lora is not None and layout.lora.base_dtype == "e4m3":
+        rows = [_row(f"weights ({opts.model_dtype}, e4m3 base)", E4m3BaseWeights.footprint_of(layout, dtype),
+                     f"{_count(num_params(cfg))} parameters; the frozen base's block matrices as e4m3 + a scale "
+                     f"each (1 byte per parameter), the rest in {opts.model_dtype}")]
+        return rows
     elif not opts.weights_sharded:
         rows = [_row(f"weights ({opts.model_dtype})", replicated_footprint(layout, dtype),
                      f"{_count(num_params(cfg))} parameters; also the master (no separate copy)")]
@@ -295,7 +301,7 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
         items.append(Item("document masks", device=documents[0], kind="activations", detail=documents[1]))
     if layout.lora is not None and "block" not in rc:  # each target's A output (and dropout's input and mask)
         per_token = LoraAdapter(cfg, layout.lora).saved_bytes_per_token(DTYPE_BYTES[opts.model_dtype])
-        items.append(Item(f"lora adapters ({L} layers)", device=L * N * per_token, kind="activations",
+        items.append(Item(f"lora adapters ({L} layers)", device=int(L * N * per_token), kind="activations",
                           detail=f"rank {layout.lora.rank}, targets {','.join(layout.lora.targets)}: what the "
                                  f"adapters keep for backward"))
     peak_phase = max(phases, key=phases.get)

@@ -151,6 +151,8 @@ def cuda_graph_blockers(opts: Options, *, world: int) -> list[str]:
         out.append("--persistent-quants (its per-step FP8 weight cache is host-side logic)")
     if opts.debug_log_abs_max:
         out.append("--debug-log-abs-max (it records values on the host during the micro-step)")
+    if getattr(opts, "lora_dropout", 0):
+        out.append("--lora-dropout (each micro-step's masks come from its own key, which a graph would fix)")
     if opts.document_masking:
         out.append("--document-masking (the number of documents, so the shapes attention takes, changes "
                    "from micro-batch to micro-batch)")

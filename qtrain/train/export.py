@@ -22,8 +22,11 @@ from qtrain.parallel.experts import whole_experts
 from qtrain.train import checkpoint_io as cio
 from qtrain.train import checkpoint_meta
 from qtrain.train.checkpoint_io import CheckpointError
+from qtrain.fsio import shorten
 from qtrain.model.lora.peft_io import save_adapter
+from qtrain.model.resolve import ModelSource, resolve_model
 from qtrain.train.checkpoint_checks import check_files, checkpoint_layout, load_checked, lora_of, verify
+from qtrain.train.lora_export import base_params, export_lora
 from qtrain.train.checkpoint_checks import shard_stem as _stem
 from qtrain.train.checkpointing import newest_verifying, refusal, unverified_note
 
@@ -96,17 +99,26 @@ class ExportResult(NamedTuple):
 
 
 def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, tokenizer: str = "",
-                      overwrite: bool = False) -> ExportResult:
+                      overwrite: bool = False, lora_merge: bool = False, base_model: str = "") -> ExportResult:
     """Write the checkpoint of `step` (default: the newest) in `ckpt_dir` as a HF model directory in `out_dir`,
     with the tokenizer the run recorded in it (or `tokenizer`: qwen2 | gpt2 | tokenizer.json | directory) and a
     generation_config.json. An export of another run already there is replaced only with `overwrite`; files no
-    qtrain export wrote never are."""
+    qtrain export wrote never are. A LoRA checkpoint is written as its PEFT adapter, or with `lora_merge` as the
+    merged model: its adapters folded into the run's base (`base_model`: where that base is now, default the run's
+    --model; its config must be the checkpoint's)."""
     path = cio.find_checkpoint(ckpt_dir, step)
     if path is None:
         have = [s for s, _ in cio.list_checkpoints(ckpt_dir)]
         raise CheckpointError(f"--checkpoint-dir {ckpt_dir}: no checkpoint" + (f" of step {step}" if step is not None
                               else "") + (f" (it has steps {', '.join(map(str, have[-8:]))})" if have else ""))
-    meta, _, files = checked_meta(str(path))  # before anything is read or written
+    meta, ckpt_cfg, files = checked_meta(str(path))  # before anything is read or written
+    lora = lora_of(meta)
+    if (lora_merge or base_model) and lora is None:
+        raise CheckpointError(f"--checkpoint-dir {ckpt_dir}: {'--lora-merge' if lora_merge else '--base-model'} "
+                              f"needs a LoRA run's checkpoint; {path} is a full fine-tune's (export it without it)")
+    if base_model and not lora_merge:
+        raise CheckpointError("--base-model needs --lora-merge (the adapter export names the base, it holds none)")
+    base = _merge_base(meta, ckpt_cfg, base_model) if lora_merge else None  # checked before anything is written
     run_id = (meta.get("run") or {}).get("id")
     # the out-dir is this process's from the check of its manifest to the export's last rename: another export
     # or a run writing there is refused, naming it (a run holds its own out-dir for its whole life)
@@ -122,14 +134,38 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, t
         owner = {"run_id": run_id, "name": (meta.get("run") or {}).get("name"), "step": meta.get("step"),
                  "checkpoint": str(path)}
         owner = {k: v for k, v in owner.items() if v is not None}
-        lora = lora_of(meta)
-        if lora is not None:  # the PEFT adapter of the run's base model (--model, as the run recorded it)
+        if base is not None:  # the adapters merged into the run's base (train/lora_export.py)
+            opts = meta["options"]
+            source, seed, zero = base
+            base_w = base_params(source.cfg, source.weights_dir, dtype=DTYPES[opts["model_dtype"]], seed=seed,
+                                 init_proj_to_zero=zero)
+            export_lora(out_dir, cfg, lora, {**base_w, **params}, merge=True, base="", dtype=DTYPES[dtype],
+                        tokenizer=spec, owner=owner)
+        elif lora is not None:  # the PEFT adapter of the run's base model (--model, as the run recorded it)
             save_adapter(out_dir, cfg, lora, params, base=meta["options"].get("model") or "", dtype=DTYPES[dtype],
                          owner=owner, extra_files=export_files(spec, cfg))
         else:
             save_hf_model(out_dir, cfg, params, dtype=DTYPES[dtype], extra_files=export_files(spec, cfg), owner=owner)
     return ExportResult(str(path), str(out_dir), spec, transformers_caveat(spec, cfg),
                         None if files.verified else unverified_note(str(path)))
+
+
+def _merge_base(meta: dict, cfg: ModelConfig, base_model: str) -> tuple[ModelSource, int, bool]:
+    """(the base's source, the run's seed, its --init-proj-to-zero) for a merged export: `base_model` or the run's
+    --model, resolved as the run resolved it; CheckpointError when it is gone or is not the checkpoint's model."""
+    opts = meta["options"]
+    model = base_model or opts.get("model") or ""
+    what = "--base-model" if base_model else "the run's --model"
+    try:
+        source = resolve_model(model, from_scratch=bool(opts.get("from_scratch")) and not base_model)
+    except (ValueError, OSError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{what} {shorten(model)}: {shorten(first)} (pass --base-model DIR: the base model "
+                              f"the run trained on)") from None
+    if source.cfg.to_hf_dict() != cfg.to_hf_dict():
+        raise CheckpointError(f"{what} {shorten(model)}: its config.json is not the checkpoint's model (another base "
+                              f"model?); pass --base-model DIR: the base model the run trained on")
+    return source, int(opts.get("seed") or 0), bool(opts.get("init_proj_to_zero"))
 
 
 def checkpoint_tokenizer(path: str) -> str | None:

@@ -107,13 +107,19 @@ class Trainer:
         self.fp8 = run.fp8
         # replicated weights: `params` are views into the full `param_buffers`; sharded weights
         # (--shard-weights / --zero-level 3): only this rank's shards, and both are None
+        # --lora-base-dtype e4m3: the frozen base's block matrices held only as e4m3 (parallel/weights/e4m3_base.py)
+        self.e4m3_base = self.lora is not None and self.lora.base_dtype == "e4m3"
         w = build_weights(self.layout, comm=self.comm, dtype=self.master_dtype, compute_dtype=self.dtype,
                           device=self.device, sharded=opts.weights_sharded, offload=opts.offload_master,
-                          quantized=run.persistent_quants, offload_quants=opts.offload_quants,
+                          quantized=() if self.e4m3_base else run.persistent_quants, offload_quants=opts.offload_quants,
                           weights_dir=self.source.weights_dir, seed=opts.seed,
-                          init_proj_to_zero=opts.init_proj_to_zero, adapters=self._adapter_init(opts))
+                          init_proj_to_zero=opts.init_proj_to_zero, adapters=self._adapter_init(opts),
+                          e4m3_base=self.e4m3_base)
         self.weights, self.params, self.param_buffers, self.sharded_weights = w.source, w.params, w.buffers, w.sharded
         self.model = Transformer(self.cfg, self._run_options(opts, run))
+        if self.adapter is not None and self.lora.dropout:  # dropout keys name the layer (model/lora/adapter.py)
+            self.adapter.bind_layers([self.weights.block(layer) for layer in range(self.cfg.num_hidden_layers)])
+            self.weights.invalidate()
         self.grads = make_gradient_manager(run.gradients, self.layout, comm=self.comm,
                                            dtype=DTYPES[run.grad_accum_dtype], device=self.device, seed=opts.seed,
                                            offload=opts.offload_gradients, experts=self.experts)
@@ -143,6 +149,7 @@ class Trainer:
 
     def _run_options(self, opts: Options, run: RunResolution) -> RunOptions:
         """How the model executes: the options as the run resolved them."""
+        self.adapter = LoraAdapter(self.cfg, self.lora, seed=opts.seed) if self.lora is not None else None
         return RunOptions(
             lmhead_chunks=run.lmhead_chunks, attn_bwd_chunks=opts.attn_bwd_chunks, sdpa_backend=run.sdpa_backend,
             recompute=run.recompute, offload_residual=run.offload_residual, compile=run.compile,
@@ -151,7 +158,7 @@ class Trainer:
             fp8_keep_transposes=run.fp8_keep_transposes, fp8_swiglu_onepass=run.fp8_swiglu_onepass,
             fp8_head_backward=run.fp8_head_backward, fp8_linears=run.fp8.fp8 if run.fp8 is not None else None,
             wrap_linear=self._abs_max_wrapper(opts), document_attention=opts.document_attention,
-            adapter=LoraAdapter(self.cfg, self.lora) if self.lora is not None else None,
+            adapter=self.adapter, frozen_e4m3=self.e4m3_base,
             expert_exchange=self.experts.exchange if self.experts is not None else None, context=self.context)
 
     def _abs_max_wrapper(self, opts: Options):
@@ -219,6 +226,8 @@ class Trainer:
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         self.grads.start_micro_step(step=self.steps_done, micro_step=self.micro, num_micro_steps=ga)
+        if self.adapter is not None:  # LoRA dropout's masks are those of this (step, micro-step)
+            self.adapter.at(self.steps_done, self.micro)
         debug = self._debug_step()
         if debug:
             self.absmax.start()
@@ -285,10 +294,17 @@ class Trainer:
     def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
         """Mean token loss over the batches on all ranks, and the number of tokens it covers."""
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for inputs, targets, *positions in map(self._local, batches):
-            loss, n = self.model.loss_sum(self.weights, inputs.to(self.device), targets.to(self.device), *positions)
-            total[0] += loss.double()
-            total[1] += n.double()
+        if self.adapter is not None:
+            self.adapter.training = False  # no LoRA dropout in evaluation
+        try:
+            for inputs, targets, *positions in map(self._local, batches):
+                loss, n = self.model.loss_sum(self.weights, inputs.to(self.device), targets.to(self.device),
+                                              *positions)
+                total[0] += loss.double()
+                total[1] += n.double()
+        finally:
+            if self.adapter is not None:
+                self.adapter.training = True
         self.ctx.all_reduce_sum(total)
         n = int(total[1].item())
         return (float(total[0].item()) / max(n, 1)), n

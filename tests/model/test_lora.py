@@ -123,20 +123,31 @@ def test_peft_made_adapter_loads_with_peft_logits_and_merges(tmp_path):
     _close(Transformer(cfg).logits(ParamWeights(cfg, merged), inputs), want)
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
 @pytest.mark.parametrize("flags", [("qkv", "ffn"), ("block",), ("att", "norm", "swiglu")])
-def test_recompute_gives_the_same_adapter_gradients_bitwise(flags):
+def test_recompute_gives_the_same_adapter_gradients_bitwise(flags, dropout):
     """Recompute switches change what is stored, never what is computed: the adapters' gradients are the bits of
-    the plain run (eager, fp32)."""
+    the plain run (eager, fp32), with dropout too (a recomputed projection draws its forward's masks: their key is
+    (seed, step, micro-step, layer, target), not a generator's state)."""
     cfg = tiny_cfg("qwen2", False)
-    spec = LoraSpec(rank=4, alpha=6.0)
+    spec = LoraSpec(rank=4, alpha=6.0, dropout=dropout, targets=("q", "k", "v", "o", "gate", "up", "down"))
     _, w = _qtrain(cfg, hf_model(cfg).state_dict(), spec)
+    with torch.no_grad():  # B non-zero, so that A gets a gradient too
+        for n, p in w.params.items():
+            if n.endswith("_lora_b"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
     inputs = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     out = []
-    for rc in ((), flags):
+    for rc, at in (((), (3, 1)), (flags, (3, 1)), ((), (3, 2))):
+        adapter = LoraAdapter(cfg, spec, seed=7)
+        adapter.bind_layers([w.source.block(i) for i in range(cfg.num_hidden_layers)])
+        adapter.at(*at)
         sink = Collect()
-        Transformer(cfg, RunOptions(adapter=LoraAdapter(cfg, spec), recompute=frozenset(rc))).forward_backward(
+        Transformer(cfg, RunOptions(adapter=adapter, recompute=frozenset(rc))).forward_backward(
             w.source, inputs, inputs.roll(-1, 1), grads=sink, loss_scale=1 / inputs.numel())
         out.append(sink.grads)
     assert out[0].keys() == out[1].keys()
     for k in out[0]:
         assert torch.equal(out[0][k], out[1][k]), k
+        # another micro-step draws other masks (and without dropout, the same gradients)
+        assert torch.equal(out[0][k], out[2][k]) == (dropout == 0), k

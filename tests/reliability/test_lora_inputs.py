@@ -17,15 +17,40 @@ import torch
 from qtrain.model.lora import LoraSpec
 from qtrain.model.lora.peft_io import save_adapter
 from qtrain.model.lora.tensors import adapter_specs
-from tests.reliability.test_bad_inputs import Case, run_case, train
-from tests.run_utils import CFG, make_run_root
+from qtrain.cli.main import main
+from tests.reliability.test_bad_inputs import Case, cmd, run_case, train
+from tests.run_utils import CFG, make_run_root, train_argv
 
 ALL7 = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    return make_run_root(tmp_path_factory.mktemp("lora_base"))
+    """The tiny model's root with two finished 2-step runs: `lr` (LoRA) and `ff` (a full fine-tune)."""
+    root = make_run_root(tmp_path_factory.mktemp("lora_base"))
+    assert main(train_argv(root, steps=2, name="lr", extra=("--lora-rank", "4", "--quiet"))) == 0
+    assert main(train_argv(root, steps=2, name="ff", extra=("--quiet",))) == 0
+    return root
+
+
+def other_model(root: Path) -> None:
+    """root/other: a model directory of another config (hidden 48)."""
+    (root / "other").mkdir()
+    (root / "other" / "config.json").write_text(json.dumps(
+        type(CFG)(**{**CFG.__dict__, "hidden_size": 48, "head_dim": 8}).to_hf_dict()))
+
+
+def moe_model(root: Path) -> None:
+    """root/moe: a tiny qwen3_moe config (layer 1 dense: mlp_only_layers), the vocabulary of the token files."""
+    import transformers
+    from tests.model.test_moe_families import BASE, CASES
+    (root / "moe").mkdir()
+    cfg = transformers.Qwen3MoeConfig(**{**BASE, "vocab_size": CFG.vocab_size}, **CASES["qwen3_moe"][1])
+    (root / "moe" / "config.json").write_text(json.dumps(cfg.to_dict()))
+
+
+def export(*extra: str):
+    return cmd("export", "--out-dir", "{root}/x", *extra)
 
 
 def adapter(rel: str, *, rank: int = 4, targets: tuple[str, ...] = ALL7, cfg=CFG, config: dict | None = None,
@@ -63,12 +88,11 @@ CASES = [
     Case("dropout-range", lora("--lora-dropout", "1.5"), r"--lora-dropout must be in \[0, 1\)"),
     Case("sharded-weights", lora("--shard-weights"), r"--lora-rank with sharded weights"),
     Case("expert-parallel", lora("--expert-parallel", "2"), r"--lora-rank with --expert-parallel is not supported"),
-    Case("dropout-recompute", lora("--lora-dropout", "0.1", "--recompute-block"),
-         r"--lora-dropout with --recompute"),
     Case("merge-e4m3", lora("--lora-merge", "--lora-base-dtype", "e4m3"),
          r"--lora-merge with --lora-base-dtype e4m3"),
     Case("base-dtype-value", lora("--lora-base-dtype", "e5m2"), r"--lora-base-dtype='e5m2'"),
-    Case("base-dtype-e4m3-not-yet", lora("--lora-base-dtype", "e4m3"), r"--lora-base-dtype e4m3 is not implemented"),
+    Case("base-e4m3-master-fp32", lora("--lora-base-dtype", "e4m3", "--model-dtype", "bf16", "--master-dtype", "fp32"),
+         r"--lora-base-dtype e4m3 with --master-dtype fp32 is not supported"),
     Case("init-from-missing", lora("--lora-init-from", "{root}/nope"), r"--lora-init-from .*nope: not a directory"),
     Case("init-from-other-rank", lora("--lora-init-from", "{root}/a"), r"adapter_config\.json: r=8, this run's "
          r"--lora-rank is 4", setup=adapter("a", rank=8)),
@@ -86,6 +110,20 @@ CASES = [
          setup=lambda root: (adapter("a")(root), (root / "a" / "adapter_config.json").write_text("{nope"))),
     Case("init-from-dora", lora("--lora-init-from", "{root}/a"), r"adapter_config\.json: use_dora=True is not "
          r"supported", setup=adapter("a", config={"use_dora": True})),
+    Case("export-merge-full-finetune", export("--checkpoint-dir", "{root}/ckpt/ff", "--lora-merge"),
+         r"--lora-merge needs a LoRA run's checkpoint"),
+    Case("export-base-model-without-merge", export("--checkpoint-dir", "{root}/ckpt/lr", "--base-model",
+                                                   "{root}/model"),
+         r"--base-model needs --lora-merge"),
+    Case("export-merge-base-missing", export("--checkpoint-dir", "{root}/ckpt/lr", "--lora-merge", "--base-model",
+                                             "{root}/nope"), r"--base-model .*nope: .*not found"),
+    Case("export-merge-other-base", export("--checkpoint-dir", "{root}/ckpt/lr", "--lora-merge", "--base-model",
+                                           "{root}/other"),
+         r"--base-model .*other: its config\.json is not the checkpoint's model", setup=other_model),
+    Case("moe-mlp-target", lora("--lora-targets", "q,up", model="{root}/moe"),
+         r"--lora-targets: target 'up' is an MoE model's MLP matrix .*\(choose from q,k,v,o\)", setup=moe_model),
+    Case("moe-base-e4m3", lora("--lora-base-dtype", "e4m3", "--model-dtype", "bf16", model="{root}/moe"),
+         r"--lora-base-dtype e4m3 is not supported for model type 'qwen3_moe'", setup=moe_model),
     Case("init-from-alpha-differs", lora("--lora-init-from", "{root}/a", "--lora-alpha", "3"),
          r"lora_alpha 8 differs from --lora-alpha 3", setup=adapter("a")),
 ]

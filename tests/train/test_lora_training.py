@@ -80,3 +80,65 @@ def test_two_gloo_ranks_unsharded_and_sharded_gradients_agree(root):
     assert outs["g1"].keys() == outs["g2"].keys()
     for k, v in outs["g1"].items():
         assert torch.allclose(v, outs["g2"][k], rtol=0, atol=1e-6), k
+
+
+def test_dropout_resume_is_bitwise(root):
+    """--lora-dropout: each micro-step's masks come from a key of (seed, step, micro-step, layer, target), so
+    --continue from a checkpoint ends on the bits of the uninterrupted run (2 micro-steps per step)."""
+    def argv(name, *extra):
+        a = train_argv(root, steps=4, name=name, model=root / "base", grad_accumulation=2,
+                       extra=LORA + ("--lora-dropout", "0.2") + extra)
+        a.remove("--from-scratch")
+        return a
+
+    assert main(argv("d")) == 0
+    out, ckpt = root / "out" / "d", root / "ckpt" / "d"
+    first = (out / "adapter_model.safetensors").read_bytes()
+    shutil.rmtree(ckpt / "step_00000004")
+    assert main(argv("d", "--continue")) == 0
+    assert (out / "adapter_model.safetensors").read_bytes() == first
+    assert main(argv("d0", "--lora-dropout", "0")) == 0  # the masks do something
+    assert (root / "out" / "d0" / "adapter_model.safetensors").read_bytes() != first
+
+
+def test_export_lora_merge_from_checkpoint(root):
+    """`qtrain export --checkpoint-dir ... --lora-merge`: the checkpoint's adapters folded into the run's --model base
+    (read again), bitwise the model the run's own --lora-merge wrote; transformers loads it with the logits of peft
+    over the base with the checkpoint's adapter export (tolerance: the module docstring's)."""
+    assert main(_argv(root, "x", "--lora-merge", steps=2)) == 0
+    ckpt, out = root / "ckpt" / "x", root / "out"
+    assert main(["export", "--checkpoint-dir", str(ckpt), "--out-dir", str(out / "xm"), "--lora-merge"]) == 0
+    assert main(["export", "--checkpoint-dir", str(ckpt), "--out-dir", str(out / "xa")]) == 0
+    assert (out / "xm" / "model.safetensors").read_bytes() == (out / "x" / "model.safetensors").read_bytes()
+    base = transformers.AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out / "xm", dtype=torch.float32).eval()
+    inputs = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = merged(inputs).logits
+        adapted = peft.PeftModel.from_pretrained(base, str(out / "xa")).eval()(inputs).logits
+    assert (adapted - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_moe_and_hybrid_families_train_adapters_only(family, tmp_path):
+    """`qtrain train --lora-rank` on an MoE model (qwen3_moe: attention targets; its experts and routers frozen) and on
+    Qwen3.5's MoE (linear-attention and full-attention layers): the checkpoints hold the adapters only."""
+    import numpy as np
+    from qtrain.data.token_files import write_token_file
+    from tests.model import test_moe_families as moe
+    from tests.model import test_qwen3_5 as q35
+    root = make_run_root(tmp_path)
+    model = (moe.hf_model("qwen3_moe") if family == "qwen3_moe" else q35.hf_model(q35.tiny_cfg(moe=True))).float()
+    model.save_pretrained(root / "base")
+    rng = np.random.default_rng(1)
+    for name, n in (("train.bin", 2000), ("eval.bin", 300)):
+        write_token_file(root / name, rng.integers(0, model.config.vocab_size, n, dtype=np.int32),
+                         vocab_size=model.config.vocab_size)
+    # Qwen3.5: its linear-attention layers' projections and its full-attention layer's q, o (a layer without any
+    # of the targets has no adapters)
+    targets = ("--lora-targets", "in_proj_qkv,out,q,o") if family == "qwen3_5_moe" else ()
+    argv = train_argv(root, steps=2, name="f", model=root / "base", extra=("--lora-rank", "2", "--quiet") + targets)
+    argv.remove("--from-scratch")
+    assert main(argv) == 0
+    keys = set(load_file(root / "ckpt" / "f" / "step_00000002" / "weights.shard_000_of_001.safetensors"))
+    assert keys == {f"block.{i}.lora" for i in range(model.config.num_hidden_layers)}

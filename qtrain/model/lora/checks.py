@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from qtrain.fsio import CONFIG_MAX_BYTES, InputError, read_json_input
 from qtrain.model.config import ModelConfig
+from qtrain.model.registry import family_of
 from qtrain.model.lora.peft_io import CONFIG_FILE, read_adapter, read_config
 from qtrain.model.lora.spec import DEFAULT_TARGETS, LoraError, LoraSpec, default_alpha, parse_targets
 from qtrain.model.lora.tensors import known_targets, layer_targets
@@ -39,10 +40,17 @@ def spec_from_options(v: Mapping[str, Any], cfg: ModelConfig, *, check_adapter: 
     init_from = v.get("lora_init_from") or ""
     if not text and init_from:  # the adapter's targets
         text = ",".join(_adapter_targets(init_from, cfg, rank))
-    targets = parse_targets(text or ",".join(t for t in DEFAULT_TARGETS if t in known) or ",".join(known), known)
+    why_not = {n: "an MoE model's MLP matrix (peft maps it onto the experts, which qtrain does not adapt; the "
+                  "attention's linears are targets)" for n in ("gate", "up", "down")
+               if n not in known and getattr(cfg, "router", None)}
+    targets = parse_targets(text or ",".join(t for t in DEFAULT_TARGETS if t in known) or ",".join(known), known,
+                            why_not)
     spec = LoraSpec(rank, float(v.get("lora_alpha") or 0.0) or 1.0, float(v.get("lora_dropout") or 0.0), targets,
                     v.get("lora_base_dtype") or "")
     check_dims(cfg, spec)
+    if spec.base_dtype == "e4m3" and family_of(cfg).name != "llama":
+        raise LoraError(f"--lora-base-dtype e4m3 is not supported for model type {cfg.model_type!r} yet (the dense "
+                        f"Llama family's: llama, qwen2, qwen3)")
     alpha = float(v.get("lora_alpha") or 0.0)
     if init_from:
         theirs = read_config(init_from, cfg, spec)

@@ -35,14 +35,18 @@ class LoraSpec:
                 "base_dtype": self.base_dtype}
 
 
-def parse_targets(text: str, known: tuple[str, ...] = DEFAULT_TARGETS) -> tuple[str, ...]:
-    """'q,k,v' -> ('q', 'k', 'v') in the order of `known`; 'q_proj' means 'q'. LoraError naming the option."""
+def parse_targets(text: str, known: tuple[str, ...] = DEFAULT_TARGETS, why_not: dict[str, str] | None = None
+                  ) -> tuple[str, ...]:
+    """'q,k,v' -> ('q', 'k', 'v') in the order of `known`; 'q_proj' means 'q'. LoraError naming the option (and, for a
+    name in `why_not`, why this model has no such target)."""
     names = [t.strip().removesuffix("_proj") for t in text.split(",") if t.strip()]
     if not names:
         raise LoraError("--lora-targets: no target given (choose from " + ",".join(known) + ")")
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise LoraError(f"--lora-targets: unknown target {unknown[0][:40]!r} (choose from {','.join(known)})")
+        why = (why_not or {}).get(unknown[0])
+        what = f"target {unknown[0]!r} is {why}" if why else f"unknown target {unknown[0][:40]!r}"
+        raise LoraError(f"--lora-targets: {what} (choose from {','.join(known)})")
     return tuple(t for t in known if t in names)
 
 

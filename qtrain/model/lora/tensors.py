@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from qtrain.model.config import ModelConfig
 from qtrain.model.family import TensorSpec
 from qtrain.model.lora.spec import LoraSpec
+from qtrain.model.registry import family_of
 from qtrain.model.weights import statements
 
 GROUP = "lora"  # the layer's layout group of its adapters: 'block.{l}.lora'
 PEFT_PREFIX = "base_model.model."  # peft's prefix of the base model's module names in adapter_model.safetensors
+MLP_MATRICES = ("up", "down")  # a dense MLP's block matrices (Llama family, Qwen3.5)
 
 
 @dataclass(frozen=True)
@@ -40,11 +42,16 @@ def _layer_prefix(layer: int) -> str:
 
 
 def layer_targets(cfg: ModelConfig, layer: int) -> dict[str, Target]:
-    """Every target block `layer` offers, by name, in block order (matrices of its own group with HF `.weight`
-    parts under `model.layers.{layer}.`)."""
-    out, prefix = {}, _layer_prefix(layer)
+    """Every target block `layer` offers, by name, in block order: the HF modules (`.weight` parts under
+    `model.layers.{layer}.`) of the block matrices that run through the block's linear, where the adapter term is
+    added (the family's `fp8_matrices`: not a router, an MoE's experts or shared-expert gate, which the block
+    multiplies itself). In an MoE model the dense MLP matrices of its dense layers are not targets either: peft maps
+    gate_proj/up_proj/down_proj of such a model onto its experts, so an adapter of them would not load as trained."""
+    out, prefix, linears = {}, _layer_prefix(layer), family_of(cfg).fp8_matrices
+    if getattr(cfg, "router", None):
+        linears = tuple(m for m in linears if m not in MLP_MATRICES)
     for spec in statements(cfg).blocks[layer]:
-        if len(spec.shape) != 2 or spec.experts or spec.group:
+        if len(spec.shape) != 2 or spec.experts or spec.group or spec.name not in linears:
             continue
         row = 0
         for hf, shape in spec.hf:
@@ -57,8 +64,12 @@ def layer_targets(cfg: ModelConfig, layer: int) -> dict[str, Target]:
 
 
 def known_targets(cfg: ModelConfig) -> tuple[str, ...]:
-    """The target names of the model's first layer (what --lora-targets may name)."""
-    return tuple(layer_targets(cfg, 0))
+    """The target names of every layer, in order of first appearance (what --lora-targets may name; a hybrid
+    model's layers offer different ones: an adapter exists where its target does, as peft's target_modules)."""
+    out: dict[str, None] = {}
+    for layer in range(cfg.num_hidden_layers):
+        out.update(dict.fromkeys(layer_targets(cfg, layer)))
+    return tuple(out)
 
 
 def a_name(matrix: str) -> str:
@@ -103,5 +114,9 @@ def adapter_specs(cfg: ModelConfig, spec: LoraSpec) -> dict[str, TensorSpec]:
 
 
 def base_module_names(cfg: ModelConfig, spec: LoraSpec) -> list[str]:
-    """PEFT's `target_modules`: the HF module names of the targets ('q_proj', ...), in block order."""
-    return [t.module.rsplit(".", 1)[-1] for t in layer_targets(cfg, 0).values() if t.name in spec.targets]
+    """PEFT's `target_modules`: the HF module names of the targets ('q_proj', ...), in order of first appearance."""
+    out: dict[str, None] = {}
+    for layer in range(cfg.num_hidden_layers):
+        out.update(dict.fromkeys(t.module.rsplit(".", 1)[-1] for t in layer_targets(cfg, layer).values()
+                                 if t.name in spec.targets))
+    return list(out)

@@ -47,14 +47,17 @@ class Qwen35Block:
         self.linear, self.linears, self.swiglu_mode, self.sdpa_backend = o.linear, o.linears, o.swiglu, o.sdpa_backend
         self.fused_mlp = o.mlp if not (MLP_STEPS & o.recompute) else None
         self.delta = GatedDeltaNet(cfg, self.project)
+        self.adapter = o.adapter  # LoRA's term after the linears (model/lora/adapter.py)
 
     # ---- the linears ----
     def project(self, h: torch.Tensor, w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-        """h @ w[name]^T with the source's FP8 copy of the weight when there is one."""
+        """h @ w[name]^T with the source's FP8 copy of the weight when there is one (+ LoRA's s B A h)."""
         if self.linears and name in self.linears:  # a model-dtype linear under the FP8 policy
-            return self.linears[name](h, w[name], None)
-        q = quantized_weight(w, name)
-        return self.linear(h, w[name], None) if q is None else self.linear(h, w[name], None, q)
+            y = self.linears[name](h, w[name], None)
+        else:
+            q = quantized_weight(w, name)
+            y = self.linear(h, w[name], None) if q is None else self.linear(h, w[name], None, q)
+        return y if self.adapter is None else self.adapter(name, h, w, y)
 
     def norm(self, x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
         return rms_norm_zero_centered(x, gain, self.eps)

@@ -26,6 +26,7 @@ from qtrain.model.weights import tensor_specs
 from qtrain.parallel.comm import Communicator
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.weights.cast import CastWeights
+from qtrain.parallel.weights.e4m3_base import E4m3BaseWeights, build_e4m3_base
 from qtrain.parallel.weights.quantized import QuantizedWeights
 from qtrain.parallel.weights.replicated import ParamWeights
 from qtrain.parallel.weights.sharded import ShardedWeights
@@ -34,7 +35,7 @@ from qtrain.parallel.weights.sharded import ShardedWeights
 @dataclass(frozen=True)
 class RankWeights:
     """This rank's weights: what the model reads (`source`) and what the optimizer updates in place."""
-    source: ParamWeights | CastWeights | QuantizedWeights | ShardedWeights
+    source: ParamWeights | CastWeights | QuantizedWeights | ShardedWeights | E4m3BaseWeights
     buffers: dict[str, torch.Tensor] | None  # replicated: group key -> full flat buffer (the master); None when sharded
     params: dict[str, torch.Tensor] | None  # replicated: name -> full master parameter (a view into `buffers`)
 
@@ -54,7 +55,8 @@ def build_weights(layout: FlatLayout, *, comm: Communicator, dtype: torch.dtype,
                   sharded: bool, offload: bool = False, quantized: tuple[str, ...] = (),
                   offload_quants: bool = False, weights_dir: str | None = None, seed: int = 0,
                   init_proj_to_zero: bool = False, compute_dtype: torch.dtype | None = None,
-                  adapters: Callable[[dict[str, torch.Tensor]], None] | None = None) -> RankWeights:
+                  adapters: Callable[[dict[str, torch.Tensor]], None] | None = None,
+                  e4m3_base: bool = False) -> RankWeights:
     """Allocate and fill this rank's weights (module docstring). dtype: the master weights'; compute_dtype: what
     the model computes with (None: the same); offload: sharded master weights in host memory; quantized: block
     matrices kept as FP8 copies made once per step (offload_quants: sharded ones in host memory); weights_dir:
@@ -62,7 +64,14 @@ def build_weights(layout: FlatLayout, *, comm: Communicator, dtype: torch.dtype,
     beyond the model's own (a LoRA layout's adapters, `layout.lora`), given them by internal name.
 
     Frozen groups have no master: with a `compute_dtype` they are kept in it alone, and only the trainable groups
-    have a master of `dtype` and a cast copy (a LoRA run's base is never held in fp32)."""
+    have a master of `dtype` and a cast copy (a LoRA run's base is never held in fp32). `e4m3_base`: a LoRA layout's
+    frozen base block matrices held only as e4m3 codes (e4m3_base.py; replicated, no separate master)."""
+    if e4m3_base:
+        if sharded or quantized or (compute_dtype is not None and compute_dtype != dtype) or adapters is None:
+            raise ValueError("build_weights: an e4m3 base is a LoRA layout's, replicated, without a separate master")
+        source = build_e4m3_base(layout, dtype=dtype, device=device, weights_dir=weights_dir, seed=seed,
+                                 init_proj_to_zero=init_proj_to_zero, adapters=adapters)
+        return RankWeights(source, source.buffers, source.params)
     cast = compute_dtype is not None and compute_dtype != dtype
     if sharded:  # the shards are the master; each gather casts them to the compute dtype
         source = ShardedWeights(layout, comm=comm, dtype=dtype, device=device, offload=offload,

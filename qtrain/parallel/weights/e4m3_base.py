@@ -1,0 +1,124 @@
+"""A LoRA run's frozen base held only as e4m3 (`--lora-base-dtype e4m3`): each block matrix of the base is kept as
+its e4m3 codes (float8_e4m3fn, its own shape) and one fp32 inverse scale (per-tensor current scaling, as every FP8
+copy in qtrain: `kernels.fp8_quant.quantize_fp8`); nothing else of it stays, on the device or on the host.
+
+What stays in the model dtype: the non-block tensors (embedding, final norm, LM head), a block's small tensors (norm
+gains, biases) and the adapters (the trainable groups, in flat buffers as `ParamWeights` keeps them, which the
+optimizer updates in place; the frozen block groups have no buffer at all).
+
+Loading streams the HF checkpoint one internal tensor at a time (`hf_io.stream_hf_weights`): a block matrix is read
+in fp32, quantized on the device and dropped before the next is read; from scratch each block is initialised in a
+temporary buffer (keyed by tensor name, as `init.init_params` always is) and quantized. `block(l)` hands a matrix's
+codes under its own name and as its FP8 copy (`FP8_WEIGHT` / `FP8_INV_SCALE`), which the block's linear for this
+base reads (`numerics.frozen_e4m3.frozen_e4m3_linear`: the Transformer uses it with `RunOptions.frozen_e4m3`).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from qtrain.kernels.fp8_quant import E4M3, quantize_fp8
+from qtrain.model.config import ModelConfig
+from qtrain.model.hf_io import stream_hf_weights
+from qtrain.model.init import init_params
+from qtrain.model.registry import family_of
+from qtrain.model.weight_source import FP8_INV_SCALE, FP8_WEIGHT
+from qtrain.model.weights import block_shapes, split_name, tensor_specs
+from qtrain.numerics.frozen_e4m3 import dequantize
+from qtrain.parallel.footprint import Footprint
+from qtrain.parallel.layout import FlatLayout
+from qtrain.parallel.weights.replicated import ParamWeights
+
+
+def base_matrices(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
+    """The block matrices of `layer` held as e4m3: the family's FP8 linears' matrices (the dense Llama family's qkv,
+    o, up, down: every 2-D tensor of its block)."""
+    shapes = block_shapes(cfg, layer)
+    return tuple(n for n in family_of(cfg).fp8_matrices if n in shapes)
+
+
+class E4m3BaseWeights(ParamWeights):
+    """A WeightSource over the e4m3 base and the model-dtype rest (module docstring). `params`: the tensors kept in
+    the model dtype (non-block, small block tensors, adapters), views into `buffers` (trainable and non-block groups);
+    `codes[l][m]`, `inv_scales[l][m]`: block matrix m of layer l."""
+
+    def __init__(self, layout: FlatLayout, *, dtype: torch.dtype, device: torch.device):
+        cfg = layout.cfg
+        self.layout, self.dtype, self.device = layout, dtype, device
+        dense = [g for g in layout.groups if g.trainable or g.layer is None]
+        self.buffers = layout.allocate(dtype=dtype, device=device, groups=dense)
+        params = {s.name: self.buffers[g.key][s.start:s.start + s.numel].view(s.shape).requires_grad_(g.trainable)
+                  for g in dense for s in g.segments}
+        self.matrices = [base_matrices(cfg, layer) for layer in range(cfg.num_hidden_layers)]
+        for layer in range(cfg.num_hidden_layers):  # a frozen block's small tensors, each its own model-dtype tensor
+            for s in layout.block(layer).segments:
+                if s.short not in self.matrices[layer]:
+                    params[s.name] = torch.zeros(s.shape, dtype=dtype, device=device)
+        super().__init__(cfg, params)
+        self.codes: list[dict[str, torch.Tensor]] = [{} for _ in range(cfg.num_hidden_layers)]
+        self.inv_scales: list[dict[str, torch.Tensor]] = [{} for _ in range(cfg.num_hidden_layers)]
+
+    def block(self, layer: int) -> dict[str, torch.Tensor]:
+        out = {n: self.params[f"layers.{layer}.{n}"] for n in self._block_names[layer]
+               if n not in self.matrices[layer]}
+        for n in self.matrices[layer]:
+            q = self.codes[layer][n]
+            out[n], out[FP8_WEIGHT.format(n)], out[FP8_INV_SCALE.format(n)] = q, q, self.inv_scales[layer][n]
+        return out
+
+    @torch.no_grad()
+    def set_tensor(self, name: str, value: torch.Tensor) -> None:
+        """Hold internal tensor `name` of the base: a block matrix as e4m3 codes and scale, else copied in place."""
+        layer, short = split_name(name)
+        if layer is not None and short in self.matrices[layer]:
+            q, inv = quantize_fp8(value.to(self.device, torch.float32), E4M3)
+            self.codes[layer][short], self.inv_scales[layer][short] = q, inv
+        else:
+            self.params[name].copy_(value)
+
+    def dequantized(self, layer: int, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Block matrix `name` of `layer` as the codes stand for it (`frozen_e4m3.dequantize`), for tests."""
+        return dequantize(self.codes[layer][name], self.inv_scales[layer][name], dtype)
+
+    @staticmethod
+    def footprint_of(layout: FlatLayout, dtype: torch.dtype) -> Footprint:
+        """Bytes: the trainable and non-block groups and the blocks' small tensors in `dtype`, the base's block
+        matrices at 1 byte per element plus a 4-byte scale each."""
+        cfg = layout.cfg
+        dense = sum(g.padded_numel for g in layout.groups if g.trainable or g.layer is None)
+        codes = scales = small = 0
+        for layer in range(cfg.num_hidden_layers):
+            names = base_matrices(cfg, layer)
+            for s in layout.block(layer).segments:
+                if s.short in names:
+                    codes, scales = codes + s.numel, scales + 4
+                else:
+                    small += s.numel
+        return Footprint({"params": (dense + small) * dtype.itemsize, "base_codes": codes, "base_scales": scales})
+
+
+@torch.no_grad()
+def build_e4m3_base(layout: FlatLayout, *, dtype: torch.dtype, device: torch.device, weights_dir: str | None,
+                    seed: int, init_proj_to_zero: bool,
+                    adapters: Callable[[dict[str, torch.Tensor]], None]) -> E4m3BaseWeights:
+    """The source, filled: the base from `weights_dir` (streamed) or the from-scratch init, the adapters by
+    `adapters` (given their views by internal name)."""
+    source = E4m3BaseWeights(layout, dtype=dtype, device=device)
+    own = tensor_specs(layout.cfg)
+    adapters({s.name: source.params[s.name] for g in layout.trainable_groups() for s in g.segments
+              if s.name not in own})
+    if weights_dir is not None:
+        for name, t in stream_hf_weights(weights_dir, layout.cfg, dtype=torch.float32, device="cpu"):
+            source.set_tensor(name, t)
+            del t
+        return source
+    for g in layout.groups:  # from scratch: a group at a time, in fp32 (what build_weights' master would hold)
+        if g.trainable:
+            continue
+        views = {s.name: torch.empty(s.shape, dtype=torch.float32, device=device) for s in g.segments}
+        init_params(layout.cfg, views, seed=seed, init_proj_to_zero=init_proj_to_zero)
+        for name, t in views.items():
+            source.set_tensor(name, t)
+        del views
+    return source
