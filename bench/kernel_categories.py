@@ -12,6 +12,9 @@ CATEGORIES = [  # first match wins; names as CUDA kernels appear in the profiler
     ("quantize", ("_quantize_kernel", "_abs_max_kernel")),
     ("rope", ("rope",)),
     ("gemm-fp8", ("qqtst", "f8f8", "e4m3")),
+    # the delta rule's plain-torch twin (Qwen3.5's linear attention until its Triton kernels exist): two batched
+    # unit-triangular solves per chunk, cuBLAS's trsm kernels; before the GEMMs, whose keys "cublas" would take them
+    ("triangular-solve", ("trsm", "trsv")),
     ("gemm", ("gemm", "nvjet", "sm90_xmma", "cutlass", "cublas", "wgmma")),
     ("cross-entropy", ("cross_entropy", "_ce_", "classifier")),  # llm.q: fused_classifier_kernel5
     ("adamw/sr", ("adamw", "_sr_", "stochastic", "sr_add", "sr_copy")),
