@@ -119,6 +119,15 @@ def test_new_suites_dry_run_parameters(suite):
         assert dry["device"] == "cpu" and dry.get("layers") is None, r.id
 
 
+def test_hf_train_cases_outlast_their_settings():
+    """The harness kills a run at its timeout and keeps nothing of it: an hf-train case must outlast all its
+    settings' own timeouts, so a setting that hangs is a row, not the loss of the case."""
+    for suite in NEW_SUITES:
+        for r in load(suite).runs:
+            if r.kind == "hf-train" and r.params.get("setting_timeout"):
+                assert r.timeout > len(r.params["settings"]) * r.params["setting_timeout"], r.id
+
+
 def test_same_batch_and_seq_for_each_comparison():
     """The suites compare tools on one batch and sequence: within each model (and seq), every case agrees."""
     for suite in NEW_SUITES:
