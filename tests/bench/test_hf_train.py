@@ -19,7 +19,7 @@ from bench.shapes import active_flops_per_token, config_dir, shaped_config, tiny
 from bench.suite import REPO_ROOT, load
 from tests.run_utils import subprocess_env
 
-NEW_SUITES = ("moe", "lora", "qwen35")
+NEW_SUITES = ("moe", "moe-profile", "lora", "qwen35")
 FAMILIES = ("Qwen2.5-7B", "OLMoE-1B-7B", "Qwen3-30B-A3B", "Qwen3.5-4B", "Qwen3.5-35B-A3B")
 
 
@@ -177,7 +177,19 @@ print("RESULT", json.dumps(r))
     assert ok["status"] == "ok" and res["best"] == "sdpa" and res["tps"] == ok["tps"] > 0
 
 
-def test_profile_category_of_the_delta_rule_twin_solves():
+def test_profile_categories_of_moe_and_delta_rule_kernels():
+    """Names as the kernels are called (qtrain's Triton kernels by their function names; cuBLAS's and CUTLASS's by
+    their library's patterns): each lands in its own category, the dense GEMMs and inductor's kernels stay where
+    they were."""
     from bench.kernel_categories import category
-    assert category("void trsm_left_kernel<float, 256, 4, false, false, true, false, false>") == "triangular-solve"
-    assert category("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT") == "gemm"
+    names = {
+        "void trsm_left_kernel<float, 256, 4, false, false, true, false, false>": "triangular-solve",
+        "_permute_kernel": "moe-permute", "_unpermute_kernel": "moe-permute",
+        "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>": "moe-routing",
+        "void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel<...>": "moe-routing",
+        "cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::GemmUniversal"
+        "<cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int> >, ...> > >": "gemm-grouped",
+        "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT": "gemm",
+        "triton_poi_fused_permute_view_3": "inductor-fused",
+    }
+    assert {n: category(n) for n in names} == names
