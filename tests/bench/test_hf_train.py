@@ -19,7 +19,7 @@ from bench.shapes import active_flops_per_token, config_dir, shaped_config, tiny
 from bench.suite import REPO_ROOT, load
 from tests.run_utils import subprocess_env
 
-NEW_SUITES = ("moe", "moe-profile", "lora", "qwen35")
+NEW_SUITES = ("moe", "moe-detail", "lora", "qwen35")
 FAMILIES = ("Qwen2.5-7B", "OLMoE-1B-7B", "Qwen3-30B-A3B", "Qwen3.5-4B", "Qwen3.5-35B-A3B")
 
 
