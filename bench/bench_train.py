@@ -4,11 +4,13 @@ steps (update included) on one batch of random tokens.
 Counts as ../shared/bench/README.md says: tokens/s = batch * seq * grad_accumulation * steps / wall time
 of those steps after warm-up, device synchronised before reading the clock.
 
-Parameters: model, batch, accum, steps; optional seq (1024), warmup (3), device ("cuda"), and any `Options` field
+Parameters: model, batch, accum, steps; optional seq (1024), warmup (3), device ("cuda"), layers (the model cut to
+its first N layers, bench/shapes.py: e.g. the largest MoE that fits one GPU), and any `Options` field
 (lmhead_chunks, model_dtype, opt_m_dtype, opt_v_dtype, matmul_dtype, recompute_swiglu, offload_opt_m,
 compile_tuning, ...; `compile` defaults to "on"). Result: tps, step_ms, host_ms (host time spent queuing the
-micro-steps of one step: close to step_ms means the host, not the GPU, sets the pace), loss, mfu, peak_gib (the
-allocator's peak), plan_gib (what the memory plan, `qtrain plan`, predicts for the same run without its fixed
+micro-steps of one step: close to step_ms means the host, not the GPU, sets the pace), loss, mfu (of an MoE: over
+the experts a token runs, bench/shapes.active_flops_per_token; qtrain's count over all experts as mfu_all), peak_gib
+(the allocator's peak), plan_gib (what the memory plan, `qtrain plan`, predicts for the same run without its fixed
 reserve for the CUDA context), plan_err (their relative difference), reserved_gib; with e4m3 matmuls fp8 (the
 block linears --fp8-policy put in FP8).
 
@@ -23,8 +25,9 @@ import torch
 
 from bench.compat import qtrain
 from bench.dry import divisor_or_one, tiny_model_dir
+from bench.shapes import active_flops_per_token, model_arg
 
-RUN_KEYS = ("model", "batch", "accum", "steps", "seq", "warmup", "device")
+RUN_KEYS = ("model", "batch", "accum", "steps", "seq", "warmup", "device", "layers")
 
 
 def make_options(model: str, batch: int, accum: int, seq: int, device: str, options: dict):
@@ -39,9 +42,9 @@ def make_options(model: str, batch: int, accum: int, seq: int, device: str, opti
 
 
 def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, warmup: int = 3, device: str = "cuda",
-        **options) -> dict:
+        layers: int | None = None, **options) -> dict:
     options.setdefault("compile", "on")
-    opts = make_options(model, batch, accum, seq, device, options)
+    opts = make_options(model_arg(model, layers), batch, accum, seq, device, options)
     cuda = torch.device(device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
@@ -75,12 +78,16 @@ def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, warmup:
     tps = batch * seq * accum / dt
     res = dict(system="qtrain", tps=round(tps), step_ms=round(dt * 1000, 1),
                host_ms=round(1000 * sum(host) / len(host), 1), loss=round(stats["loss"], 4),
-               plan_gib=round(plan_bytes / 2**30, 2))
+               plan_gib=round(plan_bytes / 2**30, 2), layers=tr.cfg.num_hidden_layers)
     if getattr(tr, "fp8", None) is not None:  # --matmul-dtype e4m3: the linears --fp8-policy put in FP8
         res["fp8"] = "/".join(tr.fp8.fp8) or "none"
     if cuda:
         peak = torch.cuda.max_memory_allocated()
         mfu = qtrain("mfu_bf16")(tps, tr.cfg, seq, torch.cuda.get_device_name())
+        if getattr(tr.cfg, "num_experts", 0):  # an MoE: over the active experts (qtrain's count takes them all)
+            res["mfu_all"] = round(mfu or 0, 3)
+            peak = qtrain("peak_tflops")(torch.cuda.get_device_name(), "bf16")
+            mfu = peak and tps * active_flops_per_token(tr.cfg, seq) / (peak * 1e12)
         res.update(mfu=round(mfu or 0, 3), peak_gib=round(peak / 2**30, 2), plan_err=round(plan_bytes / peak - 1, 3),
                    reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2))
     print(", ".join(f"{k} {v}" for k, v in res.items()), flush=True)
@@ -91,11 +98,11 @@ def dry_run(params: dict) -> dict:
     """The case's options checked as given (on 'cuda'), then run on the CPU: a tiny model of the same family,
     2 x 32 tokens, 2 steps after 1 warm-up, uncompiled (inductor on a CPU takes a minute)."""
     options = {k: v for k, v in params.items() if k not in RUN_KEYS}
-    make_options(params["model"], params["batch"], params["accum"], params.get("seq", 1024), "cuda",
-                 options).validate()
+    make_options(model_arg(params["model"], params.get("layers")), params["batch"], params["accum"],
+                 params.get("seq", 1024), "cuda", options).validate()
     batch, seq = 2, 32
     small = dict(lmhead_chunks=divisor_or_one(options.get("lmhead_chunks", 1), batch * seq),
                  attn_bwd_chunks=divisor_or_one(options.get("attn_bwd_chunks", 1), batch))
     return {**params, **{k: v for k, v in small.items() if k in options}, "model": tiny_model_dir(params["model"]),
-            "batch": batch, "seq": seq, "accum": min(params["accum"], 2), "steps": 2, "warmup": 1, "device": "cpu",
-            "compile": "off"}
+            "layers": None, "batch": batch, "seq": seq, "accum": min(params["accum"], 2), "steps": 2, "warmup": 1,
+            "device": "cpu", "compile": "off"}

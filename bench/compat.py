@@ -16,6 +16,8 @@ LAYOUTS = {  # what -> (module after the restructure, module before it), attribu
     "plan_for_trainer": (("qtrain.plan.resolution", "qtrain.plan.memory", "qtrain.train.memory_plan"),
                          "plan_for_trainer"),
     "mfu_bf16": (("qtrain.observe.metrics", "qtrain.train.metrics"), "mfu_bf16"),
+    "model_flops_per_token": (("qtrain.observe.metrics", "qtrain.train.metrics"), "model_flops_per_token"),
+    "peak_tflops": (("qtrain.observe.metrics", "qtrain.train.metrics"), "peak_tflops"),
     "write_token_file": (("qtrain.data.token_files", "qtrain.train.data"), "write_token_file"),
     # the model families' registry (issue 42) holds the presets; before it, model/config.py did
     "preset": (("qtrain.model.registry", "qtrain.model.config"), "preset"),

@@ -2,6 +2,10 @@
 AdamW (bf16, SDPA, optionally torch.compile), through ../shared/bench/hf_baseline.py. That folder does not travel
 to the device machine: copy it into the git-ignored `.devshared/bench/` and carry `.devshared`.
 
+The rows measured with that script stay comparable through this kind; for any other shape (every family qtrain has,
+a preset cut to N layers) and for transformers + peft LoRA, the `hf-train` kind (bench/hf_train.py) runs the same
+step from this repository, with no script to carry.
+
 Parameters: size ("0.5B", "1.5B", "3B", "7B"), batch, accum, steps (5), seq (1024), compile (true), attn
 ("sdpa"), script (".devshared/bench/hf_baseline.py", relative to the harness's checkout). Result (its JSON
 line): tps, mfu (its own count, against 989 TFLOP/s), peak_gib.

@@ -11,7 +11,15 @@ CATEGORIES = [  # first match wins; names as CUDA kernels appear in the profiler
     ("swiglu", ("swiglu", "silu")),
     ("quantize", ("_quantize_kernel", "_abs_max_kernel")),
     ("rope", ("rope",)),
+    # MoE (issue 44's "where the step goes"): qtrain's token permutation kernels, the router's top-k and sort,
+    # torch._grouped_mm's CUTLASS kernels (GroupProblemShape in their template names); before "gemm" and "cutlass"
+    ("moe-permute", ("_permute_kernel", "_unpermute_kernel")),
+    ("moe-routing", ("topk", "radixsort", "histogram", "bincount")),
+    ("gemm-grouped", ("groupproblemshape", "grouped_mm", "grouped_gemm")),
     ("gemm-fp8", ("qqtst", "f8f8", "e4m3")),
+    # the delta rule's plain-torch twin (Qwen3.5's linear attention until its Triton kernels exist): two batched
+    # unit-triangular solves per chunk, cuBLAS's trsm kernels; before the GEMMs, whose keys "cublas" would take them
+    ("triangular-solve", ("trsm", "trsv")),
     ("gemm", ("gemm", "nvjet", "sm90_xmma", "cutlass", "cublas", "wgmma")),
     ("cross-entropy", ("cross_entropy", "_ce_", "classifier")),  # llm.q: fused_classifier_kernel5
     ("adamw/sr", ("adamw", "_sr_", "stochastic", "sr_add", "sr_copy")),

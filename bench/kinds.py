@@ -34,6 +34,10 @@ KINDS: dict[str, Kind] = {
                  (("tps", "tok/s"), ("step_ms", "step ms"), ("sol", "SOL %"), ("peak_gib", "peak GiB"))),
     "hf": Kind("bench.hf", "HF transformers + torch AdamW (+ torch.compile) through .devshared/bench/hf_baseline.py",
                (("tps", "tok/s"), ("mfu", "MFU"), ("peak_gib", "peak GiB"))),
+    "hf-train": Kind("bench.hf_train", "transformers' own model of any qtrain shape (+ peft LoRA) with torch AdamW, at "
+                     "each listed setting (attention, compile, gradient checkpointing, experts): the fastest that ran",
+                     (("tps", "tok/s"), ("step_ms", "step ms"), ("mfu", "MFU"), ("peak_gib", "peak GiB"),
+                      ("best", "best setting"))),
     "pytest": Kind("bench.pytest_run", "a pytest run in the case's checkout (e.g. -m gpu tests/)",
                    (("passed", "passed"), ("failed", "failed"), ("skipped", "skipped"), ("collected", "collected"))),
     "gemm-ceiling": Kind("bench.gemm_ceiling", "tokens/s if a step were only its bf16 block + LM-head GEMMs",

@@ -1,7 +1,8 @@
 """Kind `profile`: one qtrain training step on the GPU: GPU time per kernel category against the step's wall
 time, then the top kernels and the GPU's idle gaps, to see where time goes.
 
-Parameters: model, batch, accum, top (kernels listed, 22) and any `Options` field, as the train kind. GPU busy
+Parameters: model, batch, accum, seq (1024), layers (the model's first N, as the train kind), top (kernels listed,
+22) and any `Options` field, as the train kind. GPU busy
 time well under wall time means gaps (host-bound). Result: wall_ms, busy_ms, `categories` (ms each), `top`
 (kernels), `gaps`, and with the one-pass SwiGLU FP8 kernels `onepass_hint_misses` (missed, calls per direction,
 counted over two more steps).
@@ -24,12 +25,15 @@ from bench.bench_train import make_options
 from bench.compat import qtrain
 from bench.kernel_categories import step_report
 from bench.kinds import Skip
+from bench.shapes import model_arg
 
 
-def run(model: str, batch: int, accum: int, top: int = 22, ncu: bool = False, **p) -> dict:
+def run(model: str, batch: int, accum: int, top: int = 22, ncu: bool = False, seq: int = 1024,
+        layers: int | None = None, **p) -> dict:
+    model = model_arg(model, layers)
     if ncu:
-        return run_under_ncu(model, batch, accum, top, p)
-    tr, step = make_step(model, batch, accum, p)
+        return run_under_ncu(model, batch, accum, top, p, seq)
+    tr, step = make_step(model, batch, accum, p, seq)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -45,38 +49,38 @@ def run(model: str, batch: int, accum: int, top: int = 22, ncu: bool = False, **
                          lambda busy: f"{model} b{batch}x{accum} {p}: wall {wall:.1f} ms/step (unprofiled), GPU busy "
                                       f"{busy:.1f} ms")
     gaps = print_gaps(prof, top)
-    misses = hint_misses(step, tr.model.swiglu_onepass, tr.device)
+    misses = hint_misses(step, getattr(tr.model, "swiglu_onepass", False), tr.device)  # dense families only
     return {"wall_ms": round(wall, 1), "onepass_hint_misses": misses, "gaps": gaps, **report}
 
 
-def make_step(model: str, batch: int, accum: int, p: dict):
+def make_step(model: str, batch: int, accum: int, p: dict, seq: int = 1024):
     """The Trainer and a function running one optimizer step on a fixed random batch (or, with `fresh`, a new
     random batch each micro-step, as a run)."""
-    p.setdefault("compile", "on")
-    tr = qtrain("Trainer")(make_options(model, batch, accum, 1024, "cuda", p))
-    x = torch.randint(0, tr.cfg.vocab_size, (batch, 1025), device="cuda")
+    p = {"compile": "on", **p}
+    tr = qtrain("Trainer")(make_options(model, batch, accum, seq, "cuda", p))
+    x = torch.randint(0, tr.cfg.vocab_size, (batch, seq + 1), device="cuda")
     inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
     def step(fresh: bool = False):
         """One optimizer step on the fixed batch, or with `fresh` a new random batch each micro-step (as a run)."""
         for _ in range(accum):
             if fresh:
-                y = torch.randint(0, tr.cfg.vocab_size, (batch, 1025), device="cuda")
+                y = torch.randint(0, tr.cfg.vocab_size, (batch, seq + 1), device="cuda")
                 inp.copy_(y[:, :-1])
                 tgt.copy_(y[:, 1:])
-            tr.micro_step(inp, tgt, loss_scale=1.0 / (batch * 1024 * accum))
+            tr.micro_step(inp, tgt, loss_scale=1.0 / (batch * seq * accum))
         tr.update(lr=1e-4)
     return tr, step
 
 
-def run_under_ncu(model: str, batch: int, accum: int, top: int, p: dict) -> dict:
+def run_under_ncu(model: str, batch: int, accum: int, top: int, p: dict, seq: int = 1024) -> dict:
     """Time the step's kernels under ncu: this module runs in a child process (`main`) that brackets the step with
     cudaProfilerStart / Stop; ncu times the kernels between them only (warm-up and compilation run unprofiled)."""
     from bench.ncu import find_ncu, keep_raw, ncu_command, read_kernels, summarize
     from bench.subproc import stream
     with tempfile.TemporaryDirectory(prefix="qtrain-ncu-") as tmp:
         log = Path(tmp) / "ncu.csv"
-        args = json.dumps({"model": model, "batch": batch, "accum": accum, "p": p})
+        args = json.dumps({"model": model, "batch": batch, "accum": accum, "p": p, "seq": seq})
         fin = stream([*ncu_command(find_ncu(), log, from_start=False), sys.executable, "-m", "bench.profile_step", args],
                      echo=lambda line: not line.startswith("==PROF==") or "rror" in line)
         if fin.returncode or not log.is_file():
@@ -91,7 +95,7 @@ def run_under_ncu(model: str, batch: int, accum: int, top: int, p: dict) -> dict
 def main(args: str) -> None:
     """The child under ncu: three warm-up steps, then one step between cudaProfilerStart and Stop."""
     a = json.loads(args)
-    _, step = make_step(a["model"], a["batch"], a["accum"], a["p"])
+    _, step = make_step(a["model"], a["batch"], a["accum"], a["p"], a.get("seq", 1024))
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -127,8 +131,10 @@ def hint_misses(step, onepass: bool, device: torch.device, steps: int = 2) -> di
 
 def dry_run(params: dict) -> dict:
     """The options are checked as the GPU run would take them; the profile itself needs CUDA."""
-    options = {k: v for k, v in params.items() if k not in ("model", "batch", "accum", "top", "ncu")}
-    make_options(params["model"], params["batch"], params["accum"], 1024, "cuda", options).validate()
+    run_keys = ("model", "batch", "accum", "top", "ncu", "seq", "layers")
+    options = {k: v for k, v in params.items() if k not in run_keys}
+    make_options(model_arg(params["model"], params.get("layers")), params["batch"], params["accum"],
+                 params.get("seq", 1024), "cuda", options).validate()
     raise Skip("profiles CUDA kernels: needs a CUDA GPU (options checked)")
 
 
