@@ -40,6 +40,10 @@ CASES = {
                                               "partial_rotary_factor": 0.1875}),
                         r"partial_rotary_factor=0.1875.*even number of rotated dims \(head_dim=16\)"),
     "negative head dim": (dict(linear_key_head_dim=-16), r"linear_key_head_dim must be a positive integer"),
+    "negative load-balancing weight": (dict(model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2,
+                                            moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                                            router_aux_loss_coef=-0.01),
+                                       r"router_aux_loss_coef must be a finite number >= 0, got -0.01"),
     "multimodal without text_config": ({"model_type": "qwen3_5", "vision_config": {}, "text_config": None},
                                        r"model_type 'qwen3_5' needs a 'text_config' object"),
 }

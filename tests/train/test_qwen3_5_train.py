@@ -1,5 +1,6 @@
 """A tiny Qwen3.5 (dense and MoE hybrid) trains end to end through `qtrain train` on the CPU, and a run resumed from
-its step-2 checkpoint continues bit for bit (losses, gradient norms, the exported weights)."""
+its step-2 checkpoint continues bit for bit (losses, gradient norms, the MoE variant's router fields, the exported
+weights)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from qtrain.cli.main import main
+from qtrain.train.router_metrics import STEP_FIELDS
 from tests.model.test_qwen3_5 import tiny_cfg
 from tests.run_utils import make_run_root, train_argv
 
@@ -25,13 +27,21 @@ def test_trains_and_resumes_bitwise(tmp_path, moe):
                    layer_types=("linear_attention", "full_attention"), bos_token_id=0, eos_token_id=0,
                    max_position_embeddings=64)
     (root / "model" / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
-    assert main(train_argv(root, steps=4, name="full")) == 0
+    flags = {"router-z-loss": 0.001} if moe else {}
+    assert main(train_argv(root, steps=4, name="full", **flags)) == 0
     assert main(train_argv(root, steps=4, name="resumed", extra=("--continue", "2"),
-                           **{"checkpoint-dir": root / "ckpt" / "full"})) == 0
+                           **{"checkpoint-dir": root / "ckpt" / "full"}, **flags)) == 0
     full, resumed = _steps(root / "logs" / "full.jsonl"), _steps(root / "logs" / "resumed.jsonl")
     assert {2, 3} <= set(resumed)
+    fields = ("loss", "norm", *(STEP_FIELDS if moe else ()))
     for k in (2, 3):
-        assert resumed[k]["loss"] == full[k]["loss"] and resumed[k]["norm"] == full[k]["norm"], k
+        assert all(resumed[k][f] == full[k][f] for f in fields), k
+    if moe:  # the router fields in the log as for the MoE families: every layer routes B x T tokens to k experts
+        B, T = 2, 16
+        assert full[0]["expert_load_mean"] == B * T * cfg.num_experts_per_tok / cfg.num_experts
+        assert full[0]["aux_loss"] > 0 and full[0]["router_z_loss"] > 0
+    else:
+        assert "aux_loss" not in full[0]
     a, b = load_file(root / "out" / "full" / "model.safetensors"), load_file(root / "out" / "resumed" /
                                                                                 "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

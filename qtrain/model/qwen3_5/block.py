@@ -25,6 +25,7 @@ from qtrain.kernels.swiglu import swiglu
 from qtrain.model.family import BlockFn, BlockOptions
 from qtrain.model.layers import rms_norm_zero_centered, sdpa_backends
 from qtrain.model.moe import moe_forward
+from qtrain.model.moe_router import record_router_stats, with_router_grads
 from qtrain.model.qwen3_5.config import Qwen35Config
 from qtrain.model.qwen3_5.linear_attention import GatedDeltaNet
 from qtrain.model.recompute import MLP_STEPS, CheckpointSteps, Recomputer, run_step
@@ -108,10 +109,13 @@ class Qwen35Block:
 
     def moe_mlp(self, h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         """Routed experts (model/moe.py: softmax top-k, renormalised) + sigmoid(h W_g^T) x the shared expert's
-        SwiGLU MLP (transformers' `Qwen3_5MoeSparseMoeBlock`). The load-balancing loss is not added: transformers
-        adds it only with output_router_logits, and qtrain's MoE loop that injects it lives with the MoE families."""
-        routed = moe_forward(h, w["router"], w["experts_up_gate"], w["experts_down"], top_k=self.top_k,
-                             norm_topk_prob=True).out
+        SwiGLU MLP (transformers' `Qwen3_5MoeSparseMoeBlock`). In training the layer writes its router statistics
+        beside its weights and its routed output carries the router losses' gradients into the backward (the MoE
+        families' machinery, model/moe_router.py: transformers' loss with output_router_logits)."""
+        moe = moe_forward(h, w["router"], w["experts_up_gate"], w["experts_down"], top_k=self.top_k,
+                          norm_topk_prob=True)
+        record_router_stats(moe.stats, w)
+        routed = with_router_grads(moe.out, moe.stats, w)
         shared = self.project(swiglu(self.project(h, w, "shared_up"), self.swiglu_mode), w, "shared_down")
         return routed + torch.sigmoid(F.linear(h, w["shared_gate"])) * shared
 

@@ -15,12 +15,14 @@ refused here, before the model is built, with the values.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from qtrain.fsio import shorten
 from qtrain.kernels.delta_rule import LIMITS
-from qtrain.model.config import COMMON_HF_KEYS, ConfigError, HfKeys, ModelConfig, check_positive_int, config_error
+from qtrain.model.config import (COMMON_HF_KEYS, ConfigError, HfKeys, ModelConfig, RouterSpec, check_positive_int,
+                                 config_error)
 
 # text model_type -> (its CausalLM architecture, the multimodal model_type around it, that one's architecture)
 TEXT_TYPES = {"qwen3_5_text": ("Qwen3_5ForCausalLM", "qwen3_5", "Qwen3_5ForConditionalGeneration"),
@@ -60,7 +62,7 @@ class Qwen35Config(ModelConfig):
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 512
     shared_expert_intermediate_size: int = 512
-    router_aux_loss_coef: float = 0.001  # transformers' default; qtrain's MoE loop reads it
+    router_aux_loss_coef: float = 0.001  # the load-balancing loss's weight (transformers' default; `router`)
     # the multimodal config.json this text model came from, without its text_config (None: a text checkpoint)
     multimodal: dict[str, Any] | None = field(default=None, compare=False)
 
@@ -114,6 +116,16 @@ class Qwen35Config(ModelConfig):
         return self.num_experts > 0
 
     @property
+    def router(self) -> RouterSpec | None:
+        """Every layer of the MoE variant routes (no dense layers): the load-balancing loss transformers'
+        Qwen3_5MoeForCausalLM adds with output_router_logits (model/moe_router.py), weighted by
+        router_aux_loss_coef; None for the dense variant."""
+        if not self.is_moe:
+            return None
+        return RouterSpec(layers=tuple(range(self.num_hidden_layers)), experts=self.num_experts,
+                          top_k=self.num_experts_per_tok, aux_loss_coef=self.router_aux_loss_coef)
+
+    @property
     def hf_prefix(self) -> str:
         """Where the text model's tensors sit in the checkpoint (module docstring)."""
         return MULTIMODAL_PREFIX if self.multimodal is not None else TEXT_PREFIX
@@ -154,6 +166,9 @@ class Qwen35Config(ModelConfig):
             if self.num_experts_per_tok > self.num_experts:
                 raise config_error(f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts="
                                    f"{self.num_experts}")
+            c = self.router_aux_loss_coef
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
+                raise config_error(f"router_aux_loss_coef must be a finite number >= 0, got {shorten(repr(c))}")
         elif self.model_type == "qwen3_5_moe_text":
             raise config_error("qwen3_5_moe_text needs num_experts > 0")
 
