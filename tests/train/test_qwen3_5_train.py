@@ -6,14 +6,20 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from qtrain.cli.main import main
+from qtrain.data.packing import Packer
+from qtrain.data.token_files import TokenFileWriter
 from qtrain.train.router_metrics import STEP_FIELDS
 from tests.model.test_qwen3_5 import tiny_cfg
 from tests.run_utils import make_run_root, train_argv
+
+
+N = 32  # packed rows (--pack-to, --seq-len)
 
 
 def _steps(path):
@@ -61,3 +67,34 @@ def test_fp8_block_linears_train(tmp_path, capsys):
                                                           "fp8-policy": "all"})) == 0
     losses = [e["loss"] for e in _steps(root / "logs" / "fp8.jsonl").values() if "loss" in e]
     assert losses and all(math.isfinite(v) for v in losses)
+
+
+def test_document_masking_trains_and_resumes_bitwise(tmp_path):
+    """`qtrain train --document-masking` on packed SFT examples with the hybrid MoE model: the delta-rule and
+    convolution restarts (tests/model/test_qwen3_5_documents.py proves them exact) run through the loader's positions,
+    and --continue repeats the steps bit for bit; without the option the losses differ."""
+    root = make_run_root(tmp_path)
+    rng = np.random.default_rng(1)
+    for name, n in (("train.bin", 60), ("eval.bin", 10)):  # SFT-like examples ending in EOS 0, packed into rows of N
+        w = TokenFileWriter(root / name, vocab_size=96, with_masks=True, with_documents=True)
+        packer = Packer(w, N, pad_id=0)
+        for _ in range(n):
+            ids = np.r_[rng.integers(2, 96, int(rng.integers(2, 20))), 0].astype(np.int32)
+            packer.write(ids, np.ones(ids.size, bool))
+        packer.flush()
+        w.write(np.array([0], np.int32), np.zeros(1, bool), np.zeros(1, np.int64))
+        w.close()
+    cfg = tiny_cfg(moe=True, vocab_size=96, hidden_size=32, num_hidden_layers=2, head_dim=16,
+                   layer_types=("linear_attention", "full_attention"), bos_token_id=0, eos_token_id=0,
+                   max_position_embeddings=64)
+    (root / "model" / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    opts = dict(seq_len=N)
+    extra = ("--document-masking", "--recompute-att")
+    assert main(train_argv(root, steps=4, name="full", extra=extra, **opts)) == 0
+    assert main(train_argv(root, steps=4, name="resumed", checkpoint_dir=root / "ckpt" / "full",
+                           extra=(*extra, "--continue", "2"), **opts)) == 0
+    full, resumed = _steps(root / "logs" / "full.jsonl"), _steps(root / "logs" / "resumed.jsonl")
+    assert {2, 3} <= set(resumed)
+    assert all(resumed[k][f] == full[k][f] for k in (2, 3) for f in ("loss", "norm", *STEP_FIELDS))
+    assert main(train_argv(root, steps=1, name="plain", **opts)) == 0
+    assert _steps(root / "logs" / "plain.jsonl")[0]["loss"] != full[0]["loss"]
