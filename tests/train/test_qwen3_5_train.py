@@ -26,12 +26,18 @@ def _steps(path):
     return {e["step"]: e for e in map(json.loads, open(path)) if e.get("log") == "step" or "loss" in e}
 
 
-@pytest.mark.parametrize("moe", [False, True])
-def test_trains_and_resumes_bitwise(tmp_path, moe):
+@pytest.mark.parametrize("model", ["dense", "moe", "qwen3_next"])
+def test_trains_and_resumes_bitwise(tmp_path, model):
+    """qwen3_next: an MoE layer and a dense one (mlp_only_layers), its interleaved in_proj rows through the export."""
     root = make_run_root(tmp_path)
-    cfg = tiny_cfg(moe=moe, vocab_size=96, hidden_size=32, num_hidden_layers=2, head_dim=16,
-                   layer_types=("linear_attention", "full_attention"), bos_token_id=0, eos_token_id=0,
-                   max_position_embeddings=64)
+    moe = model != "dense"
+    shape = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, head_dim=16, bos_token_id=0, eos_token_id=0,
+                 layer_types=("linear_attention", "full_attention"), max_position_embeddings=64)
+    if model == "qwen3_next":
+        from tests.model.test_qwen3_next import next_cfg
+        cfg = next_cfg(moe=True, mlp_only_layers=(1,), **shape)
+    else:
+        cfg = tiny_cfg(moe=moe, **shape)
     (root / "model" / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
     flags = {"router-z-loss": 0.001} if moe else {}
     assert main(train_argv(root, steps=4, name="full", **flags)) == 0
@@ -42,9 +48,10 @@ def test_trains_and_resumes_bitwise(tmp_path, moe):
     fields = ("loss", "norm", *(STEP_FIELDS if moe else ()))
     for k in (2, 3):
         assert all(resumed[k][f] == full[k][f] for f in fields), k
-    if moe:  # the router fields in the log as for the MoE families: every layer routes B x T tokens to k experts
+    if moe:  # the router fields in the log as for the MoE families: every MoE layer routes B x T tokens to k experts
         B, T = 2, 16
         assert full[0]["expert_load_mean"] == B * T * cfg.num_experts_per_tok / cfg.num_experts
+        assert len(cfg.router.layers) == (1 if model == "qwen3_next" else 2)
         assert full[0]["aux_loss"] > 0 and full[0]["router_z_loss"] > 0
     else:
         assert "aux_loss" not in full[0]

@@ -51,7 +51,7 @@ class Qwen35Block:
             cfg.rotary_dim
         self.eps, self.q_dim, self.kv_dim, self.gqa = cfg.rms_norm_eps, cfg.q_dim, cfg.kv_dim, \
             cfg.num_attention_heads != cfg.num_key_value_heads
-        self.top_k = cfg.num_experts_per_tok
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.linear, self.linears, self.swiglu_mode, self.sdpa_backend = o.linear, o.linears, o.swiglu, o.sdpa_backend
         self.fused_mlp = o.mlp if not (MLP_STEPS & o.recompute) else None
         self.delta = GatedDeltaNet(cfg, self.project)
@@ -126,7 +126,7 @@ class Qwen35Block:
         beside its weights and its routed output carries the router losses' gradients into the backward (the MoE
         families' machinery, model/moe_router.py: transformers' loss with output_router_logits)."""
         moe = moe_forward(h, w["router"], w["experts_up_gate"], w["experts_down"], top_k=self.top_k,
-                          norm_topk_prob=True)
+                          norm_topk_prob=self.norm_topk_prob)
         record_router_stats(moe.stats, w)
         routed = with_router_grads(moe.out, moe.stats, w)
         shared = self.project(swiglu(self.project(h, w, "shared_up"), self.swiglu_mode), w, "shared_down")
