@@ -1,7 +1,8 @@
 """Gated DeltaNet's sequence mixing: the gated delta rule (`gated_delta_rule.py`: the recurrent specification and the
 chunked form) and the causal depthwise convolution before it (`causal_conv1d.py`). The model calls the two entries
-here; each runs its plain-torch form today. The Triton kernels (the chunked forward and backward, the convolution)
-are still to be written beside their twins, dispatched through `qtrain.kernels.dispatch` like every other op.
+here; the convolution runs its Triton op pair on CUDA (causal_conv1d.py), the delta rule its plain-torch chunked form
+(its Triton kernels, forward and backward, are still to be written beside their twins, dispatched through
+`qtrain.kernels.dispatch` like every other op).
 
 `LIMITS` states what the kernels serve, so a config they cannot serve is refused before the model is built
 (model/qwen3_5/config.py reads it). Both ops take `resets` (B, T) bool, True at each document's first token
@@ -13,7 +14,8 @@ import numpy as np
 import torch
 
 from qtrain.kernels.document_attention import DocumentMask
-from qtrain.kernels.delta_rule.causal_conv1d import causal_conv1d_silu_twin
+from qtrain.kernels.delta_rule.causal_conv1d import causal_conv1d_silu_op, causal_conv1d_silu_twin
+from qtrain.kernels.dispatch import use_triton
 from qtrain.kernels.delta_rule.gated_delta_rule import (CHUNK, gated_delta_rule_chunked, gated_delta_rule_recurrent,
                                                         l2_normalize)
 
@@ -33,7 +35,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 
 def causal_conv1d_silu(x: torch.Tensor, w: torch.Tensor, resets: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(causal depthwise conv(x (B, T, D), w (D, K))), each document alone with `resets` (causal_conv1d.py)."""
+    """silu(causal depthwise conv(x (B, T, D), w (D, K))), each document alone with `resets` (causal_conv1d.py): the
+    Triton op pair on CUDA, the twin (through autograd) elsewhere."""
+    if use_triton(x):
+        return causal_conv1d_silu_op(x, w, resets)
     return causal_conv1d_silu_twin(x, w, resets)
 
 
