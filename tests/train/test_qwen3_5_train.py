@@ -105,24 +105,3 @@ def test_document_masking_trains_and_resumes_bitwise(tmp_path):
     assert all(resumed[k][f] == full[k][f] for k in (2, 3) for f in ("loss", "norm", *STEP_FIELDS))
     assert main(train_argv(root, steps=1, name="plain", **opts)) == 0
     assert _steps(root / "logs" / "plain.jsonl")[0]["loss"] != full[0]["loss"]
-
-
-def test_lora_on_both_layer_kinds_trains_and_exports_a_peft_adapter(tmp_path):
-    """`qtrain train --lora-rank` on the dense hybrid with targets in both kinds of layer: the adapters train (the
-    loss moves), --continue is bitwise, and the export is a PEFT adapter holding both kinds' modules."""
-    from safetensors.torch import load_file as load
-    root = make_run_root(tmp_path)
-    cfg = tiny_cfg(vocab_size=96, hidden_size=32, num_hidden_layers=2, head_dim=16, bos_token_id=0, eos_token_id=0,
-                   layer_types=("linear_attention", "full_attention"), max_position_embeddings=64)
-    (root / "model" / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
-    extra = ("--lora-rank", "4", "--lora-targets", "in_proj_qkv,out,q,o,down")
-    assert main(train_argv(root, steps=4, name="full", extra=extra, lr=1e-2)) == 0
-    assert main(train_argv(root, steps=4, name="resumed", extra=(*extra, "--continue", "2"), lr=1e-2,
-                           **{"checkpoint-dir": root / "ckpt" / "full"})) == 0
-    full, resumed = _steps(root / "logs" / "full.jsonl"), _steps(root / "logs" / "resumed.jsonl")
-    assert all(resumed[k]["loss"] == full[k]["loss"] for k in (2, 3)) and full[3]["loss"] != full[0]["loss"]
-    a = load(root / "out" / "full" / "adapter_model.safetensors")
-    b = load(root / "out" / "resumed" / "adapter_model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert "base_model.model.model.layers.0.linear_attn.in_proj_qkv.lora_A.weight" in a
-    assert "base_model.model.model.layers.1.self_attn.o_proj.lora_B.weight" in a

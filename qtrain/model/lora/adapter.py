@@ -19,20 +19,16 @@ from qtrain.model.weights import block_shapes
 
 
 class LoraAdapter:
-    """Adds the adapter term to a block linear's output (module docstring). One instance serves every layer: a
-    matrix's targets are the same in every layer that holds it (`checks.check_layer_targets`); a hybrid model's
-    layers hold different matrices."""
+    """Adds the adapter term to a block linear's output (module docstring). One instance serves every layer (the
+    layers of a dense family offer the same targets)."""
 
     def __init__(self, cfg: ModelConfig, spec: LoraSpec):
         self.spec, self.r, self.scaling, self.dropout = spec, spec.rank, spec.scaling, spec.dropout
+        shapes = block_shapes(cfg, 0)
         # matrix -> ([(first row, rows) of each target], the matrix's rows)
-        self.parts: dict[str, tuple[list[tuple[int, int]], int]] = {}
-        self.cols: dict[str, int] = {}
-        for layer in range(cfg.num_hidden_layers):
-            shapes = block_shapes(cfg, layer)
-            for m, ts in adapted(cfg, spec, layer).items():
-                self.parts.setdefault(m, ([(t.row, t.rows) for t in ts], shapes[m][0]))
-                self.cols.setdefault(m, ts[0].cols)
+        targets = adapted(cfg, spec, 0)
+        self.parts = {m: ([(t.row, t.rows) for t in ts], shapes[m][0]) for m, ts in targets.items()}
+        self.cols = {m: ts[0].cols for m, ts in targets.items()}
 
     def covers(self, *matrices: str) -> bool:
         """Whether any of `matrices` has an adapter."""

@@ -2,9 +2,9 @@
 this layer needs no options import) -> a checked `LoraSpec`, or the one-line LoraError naming the option or file.
 
 What is checked here, before the model is built (the preflight calls `spec_from_options(..., check_adapter=True)`):
-one adapter layout serves every layer (a hybrid model's layers may hold different matrices, Qwen3.5's linear- and
-full-attention layers, but a target is the same rows of the same matrix wherever it appears; an MoE model whose
-layers differ is refused with the targets each kind offers), the targets are the model's (`tensors.known_targets`), the rank fits every targeted matrix (r <= min(out, in): a
+every layer offers the same targets (the adapters are one layout per layer: a hybrid model whose layers hold
+different matrices, Qwen3.5's linear- and full-attention layers, is refused with the targets each kind offers), the
+targets are the model's (`tensors.known_targets`), the rank fits every targeted matrix (r <= min(out, in): a
 larger rank adds nothing a full-rank update would not, and peft refuses nothing there), and a --lora-init-from
 adapter's config and tensor header are the run's (`peft_io.read_adapter(load=False)`).
 """
@@ -30,24 +30,16 @@ def check_dims(cfg: ModelConfig, spec: LoraSpec) -> None:
                                 f"--lora-targets")
 
 
-def check_layer_targets(cfg: ModelConfig) -> None:
-    """LoraError when one adapter layout cannot serve every layer (module docstring): a target whose matrix rows
-    differ between layers, or an MoE model whose layers differ (its routed and dense layers name different matrices
-    'gate', 'up', 'down')."""
-    seen: dict[str, tuple] = {}
+def check_uniform_layers(cfg: ModelConfig) -> None:
+    """LoraError when the model's layers offer different targets (module docstring), naming each kind's."""
     kinds: dict[tuple[str, ...], int] = {}
     for layer in range(cfg.num_hidden_layers):
-        targets = layer_targets(cfg, layer)
-        kinds.setdefault(tuple(targets), layer)
-        for t in targets.values():
-            if seen.setdefault(t.name, (t.matrix, t.row, t.rows, t.cols)) != (t.matrix, t.row, t.rows, t.cols):
-                raise LoraError(f"--lora-rank: LoRA is not supported for {cfg.model_type} yet: target {t.name} is "
-                                f"another part of its layers' matrices in layer {layer} than in earlier ones")
-    if len(kinds) > 1 and cfg.router is not None:
+        kinds.setdefault(tuple(layer_targets(cfg, layer)), layer)
+    if len(kinds) > 1:
         offered = "; ".join(f"layer {i}: {','.join(t)}" for t, i in kinds.items())
         raise LoraError(f"--lora-rank: LoRA is not supported for {cfg.model_type} yet: its layers hold different "
-                        f"matrices ({offered}), and in an MoE model those name its router and shared expert "
-                        f"(supported: MoE models whose layers are all alike, and dense models)")
+                        f"matrices ({offered}) and the adapters need every layer alike (supported: models whose "
+                        f"layers are all alike, the llama, qwen2, qwen3 and MoE families)")
 
 
 def spec_from_options(v: Mapping[str, Any], cfg: ModelConfig, *, check_adapter: bool = False) -> LoraSpec | None:
@@ -56,7 +48,7 @@ def spec_from_options(v: Mapping[str, Any], cfg: ModelConfig, *, check_adapter: 
     rank = int(v.get("lora_rank") or 0)
     if rank <= 0:
         return None
-    check_layer_targets(cfg)
+    check_uniform_layers(cfg)
     known = known_targets(cfg)
     text = v.get("lora_targets") or ""
     init_from = v.get("lora_init_from") or ""

@@ -35,18 +35,16 @@ class Target:
     cols: int
 
 
-def _layer_prefix(cfg: ModelConfig, layer: int) -> str:
-    """Where the checkpoint keeps block `layer` (a family may nest its text model: Qwen3.5's multimodal layout)."""
-    return f"{getattr(cfg, 'hf_prefix', 'model.')}layers.{layer}."
+def _layer_prefix(layer: int) -> str:
+    return f"model.layers.{layer}."
 
 
 def layer_targets(cfg: ModelConfig, layer: int) -> dict[str, Target]:
     """Every target block `layer` offers, by name, in block order (matrices of its own group with HF `.weight`
-    parts under the layer's prefix, whose rows the checkpoint keeps in order: not `TensorSpec.hf_rows` ones).
-    Layers may offer different targets (a hybrid model's linear- and full-attention layers)."""
-    out, prefix = {}, _layer_prefix(cfg, layer)
+    parts under `model.layers.{layer}.`)."""
+    out, prefix = {}, _layer_prefix(layer)
     for spec in statements(cfg).blocks[layer]:
-        if len(spec.shape) != 2 or spec.experts or spec.group or spec.hf_rows:
+        if len(spec.shape) != 2 or spec.experts or spec.group:
             continue
         row = 0
         for hf, shape in spec.hf:
@@ -59,8 +57,8 @@ def layer_targets(cfg: ModelConfig, layer: int) -> dict[str, Target]:
 
 
 def known_targets(cfg: ModelConfig) -> tuple[str, ...]:
-    """The target names any layer offers, in first-seen order (what --lora-targets may name)."""
-    return tuple(dict.fromkeys(n for i in range(cfg.num_hidden_layers) for n in layer_targets(cfg, i)))
+    """The target names of the model's first layer (what --lora-targets may name)."""
+    return tuple(layer_targets(cfg, 0))
 
 
 def a_name(matrix: str) -> str:
@@ -82,7 +80,7 @@ def adapted(cfg: ModelConfig, spec: LoraSpec, layer: int) -> dict[str, list[Targ
 
 def adapter_tensors(cfg: ModelConfig, spec: LoraSpec, layer: int) -> tuple[TensorSpec, ...]:
     """Block `layer`'s adapter tensors (module docstring), PEFT's names as their HF parts."""
-    r, prefix, out = spec.rank, PEFT_PREFIX + _layer_prefix(cfg, layer), []
+    r, prefix, out = spec.rank, PEFT_PREFIX + _layer_prefix(layer), []
     for matrix, targets in adapted(cfg, spec, layer).items():
         cols = targets[0].cols
         out.append(TensorSpec(a_name(matrix), (len(targets) * r, cols),
@@ -105,6 +103,5 @@ def adapter_specs(cfg: ModelConfig, spec: LoraSpec) -> dict[str, TensorSpec]:
 
 
 def base_module_names(cfg: ModelConfig, spec: LoraSpec) -> list[str]:
-    """PEFT's `target_modules`: the HF module names of the targets ('q_proj', ...), in block order (every layer's)."""
-    return list(dict.fromkeys(t.module.rsplit(".", 1)[-1] for i in range(cfg.num_hidden_layers)
-                              for t in layer_targets(cfg, i).values() if t.name in spec.targets))
+    """PEFT's `target_modules`: the HF module names of the targets ('q_proj', ...), in block order."""
+    return [t.module.rsplit(".", 1)[-1] for t in layer_targets(cfg, 0).values() if t.name in spec.targets]

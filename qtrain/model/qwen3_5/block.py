@@ -53,22 +53,16 @@ class Qwen35Block:
             cfg.num_attention_heads != cfg.num_key_value_heads
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.linear, self.linears, self.swiglu_mode, self.sdpa_backend = o.linear, o.linears, o.swiglu, o.sdpa_backend
-        self.adapter = o.adapter
-        # the one-function MLP has no seam for an adapter of up/gate/down: those run as three steps (the Llama block's)
-        adapted_mlp = o.adapter is not None and o.adapter.covers("up", "down")
-        self.fused_mlp = o.mlp if not (MLP_STEPS & o.recompute) and not adapted_mlp else None
+        self.fused_mlp = o.mlp if not (MLP_STEPS & o.recompute) else None
         self.delta = GatedDeltaNet(cfg, self.project)
 
     # ---- the linears ----
     def project(self, h: torch.Tensor, w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-        """h @ w[name]^T with the source's FP8 copy of the weight when there is one, plus LoRA's term on a targeted
-        matrix."""
+        """h @ w[name]^T with the source's FP8 copy of the weight when there is one."""
         if self.linears and name in self.linears:  # a model-dtype linear under the FP8 policy
-            y = self.linears[name](h, w[name], None)
-        else:
-            q = quantized_weight(w, name)
-            y = self.linear(h, w[name], None) if q is None else self.linear(h, w[name], None, q)
-        return y if self.adapter is None else self.adapter(name, h, w, y)  # LoRA: + s B A h
+            return self.linears[name](h, w[name], None)
+        q = quantized_weight(w, name)
+        return self.linear(h, w[name], None) if q is None else self.linear(h, w[name], None, q)
 
     def norm(self, x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
         return rms_norm_zero_centered(x, gain, self.eps)
