@@ -2,9 +2,7 @@
 this layer needs no options import) -> a checked `LoraSpec`, or the one-line LoraError naming the option or file.
 
 What is checked here, before the model is built (the preflight calls `spec_from_options(..., check_adapter=True)`):
-every layer offers the same targets (the adapters are one layout per layer: a hybrid model whose layers hold
-different matrices, Qwen3.5's linear- and full-attention layers, is refused with the targets each kind offers), the
-targets are the model's (`tensors.known_targets`), the rank fits every targeted matrix (r <= min(out, in): a
+the targets are the model's (`tensors.known_targets`), the rank fits every targeted matrix (r <= min(out, in): a
 larger rank adds nothing a full-rank update would not, and peft refuses nothing there), and a --lora-init-from
 adapter's config and tensor header are the run's (`peft_io.read_adapter(load=False)`).
 """
@@ -30,25 +28,12 @@ def check_dims(cfg: ModelConfig, spec: LoraSpec) -> None:
                                 f"--lora-targets")
 
 
-def check_uniform_layers(cfg: ModelConfig) -> None:
-    """LoraError when the model's layers offer different targets (module docstring), naming each kind's."""
-    kinds: dict[tuple[str, ...], int] = {}
-    for layer in range(cfg.num_hidden_layers):
-        kinds.setdefault(tuple(layer_targets(cfg, layer)), layer)
-    if len(kinds) > 1:
-        offered = "; ".join(f"layer {i}: {','.join(t)}" for t, i in kinds.items())
-        raise LoraError(f"--lora-rank: LoRA is not supported for {cfg.model_type} yet: its layers hold different "
-                        f"matrices ({offered}) and the adapters need every layer alike (supported: models whose "
-                        f"layers are all alike, the llama, qwen2, qwen3 and MoE families)")
-
-
 def spec_from_options(v: Mapping[str, Any], cfg: ModelConfig, *, check_adapter: bool = False) -> LoraSpec | None:
     """The run's LoRA settings (None without --lora-rank), checked against `cfg` (module docstring); `check_adapter`:
     also the --lora-init-from adapter's tensor header."""
     rank = int(v.get("lora_rank") or 0)
     if rank <= 0:
         return None
-    check_uniform_layers(cfg)
     known = known_targets(cfg)
     text = v.get("lora_targets") or ""
     init_from = v.get("lora_init_from") or ""
