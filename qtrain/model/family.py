@@ -80,13 +80,28 @@ class TensorSpec:
     # another name X a group of its own ('block.{layer}.X'), e.g. adapters that train while the block is frozen
     hf_alternatives: tuple[HfLayout, ...] = ()  # other checkpoint layouts transformers reads (an MoE model's
     # experts fused into one tensor, or under a renamed module), accepted on load
+    hf_rows: tuple[tuple[int, int], ...] = ()  # () or the HF tensors' rows, back to back, as runs (start, count) of
+    # this tensor's rows, in the order the checkpoint holds them (Qwen3-Next interleaves its fused projections' rows
+    # per key-head group): `weights.hf_to_internal` / `internal_to_hf` permute them
 
     def __post_init__(self) -> None:
         if self.init not in INITS:
             raise ValueError(f"{self.name}: init {self.init!r} is not one of {INITS}")
+        if self.hf_rows and sorted(self.hf_rows) != _tiling(self.hf_rows, self.shape[0]):
+            raise ValueError(f"{self.name}: hf_rows must tile its {self.shape[0]} rows")
         if self.experts and (not self.shape or self.shape[0] != self.experts):
             raise ValueError(f"{self.name}: a stack of {self.experts} experts needs shape ({self.experts}, ...), "
                              f"got {self.shape}")
+
+
+def _tiling(runs: tuple[tuple[int, int], ...], rows: int) -> list[tuple[int, int]]:
+    """`runs` sorted if they cover 0..rows-1 once each, else something else (TensorSpec's check)."""
+    ordered, at = sorted(runs), 0
+    for start, count in ordered:
+        if start != at or count <= 0:
+            return []
+        at += count
+    return ordered if at == rows else []
 
 
 @dataclass(frozen=True)

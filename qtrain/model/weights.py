@@ -118,12 +118,29 @@ def hf_names(cfg: ModelConfig) -> Iterator[str]:
             yield hf
 
 
+def _rows_to_hf(t: torch.Tensor, runs: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """t's rows in the checkpoint's order (`TensorSpec.hf_rows`): a copy."""
+    return torch.cat([t[start:start + count] for start, count in runs])
+
+
+def _rows_from_hf(t: torch.Tensor, runs: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The inverse of `_rows_to_hf`."""
+    out, at = torch.empty_like(t), 0
+    for start, count in runs:
+        out[start:start + count] = t[at:at + count]
+        at += count
+    return out
+
+
 def internal_to_hf(cfg: ModelConfig, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Split fused tensors into HF tensors (views; no copies)."""
+    """Split fused tensors into HF tensors (views; no copies, but of a tensor whose rows the checkpoint orders
+    otherwise, `TensorSpec.hf_rows`)."""
     specs = tensor_specs(cfg)
     out: dict[str, torch.Tensor] = {}
     for name, t in params.items():
         parts = specs[name].hf
+        if specs[name].hf_rows:
+            t = _rows_to_hf(t, specs[name].hf_rows)
         if len(parts) == 1:
             out[parts[0][0]] = t
             continue
@@ -150,4 +167,5 @@ def hf_to_internal(cfg: ModelConfig, get: Callable[[str], torch.Tensor], layouts
                                  f"expected {spec.shape}")
             yield name, t
             continue
-        yield name, parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts]).view(spec.shape)
+        t = parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts]).view(spec.shape)
+        yield name, _rows_from_hf(t, spec.hf_rows) if spec.hf_rows else t

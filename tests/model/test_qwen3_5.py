@@ -13,6 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from qtrain.model.moe_router import router_z_loss
 from qtrain.model.qwen3_5 import Qwen35Config
 from qtrain.model.transformer import RunOptions, Transformer
 from qtrain.model.weights import hf_to_internal, internal_to_hf
@@ -98,7 +99,9 @@ def cosine(a, b):
     return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
 
 
-def check_against_hf(cfg: Qwen35Config, run: RunOptions | None = None, T: int = 40):
+def check_against_hf(cfg: Qwen35Config, run: RunOptions | None = None, T: int = 40, router_z: float = 0.0):
+    """An MoE config checks transformers' training loss with output_router_logits (cross-entropy +
+    router_aux_loss_coef x load-balancing loss) plus `router_z` x the router z-loss, its values and gradients."""
     hf = hf_model(cfg)
     sd = hf_state(hf)
     params = {n: t.detach().clone().requires_grad_(True) for n, t in hf_to_internal(cfg, lambda k: sd[k])}
@@ -108,16 +111,27 @@ def check_against_hf(cfg: Qwen35Config, run: RunOptions | None = None, T: int = 
     targets = torch.randint(0, cfg.vocab_size, (2, T), generator=g)
     targets[0, :5] = -100
 
-    ref_logits = hf(input_ids=inputs).logits.float()
+    ref = hf(input_ids=inputs, output_router_logits=cfg.is_moe)
+    ref_logits = ref.logits.float()
     ref_loss = torch.nn.functional.cross_entropy(ref_logits.view(-1, cfg.vocab_size), targets.view(-1))
-    ref_loss.backward()
+    total = ref_loss
+    if cfg.is_moe:
+        total = ref_loss + cfg.router_aux_loss_coef * ref.aux_loss + router_z * router_z_loss(ref.router_logits)
+    total.backward()
 
     logits = model.logits(w, inputs).float()
     rel = ((logits - ref_logits).norm() / ref_logits.norm()).item()
     assert rel <= 1e-5, f"logits relative error {rel:.2e}"
     sink = Collect()
-    loss = model.forward_backward(w, inputs, targets, grads=sink, loss_scale=1.0 / int((targets != -100).sum()))
+    loss = model.forward_backward(w, inputs, targets, grads=sink, loss_scale=1.0 / int((targets != -100).sum()),
+                                  router_z_loss=router_z)
     assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    if cfg.is_moe:
+        router = model.router_losses
+        assert abs(router.aux_loss().item() - ref.aux_loss.item()) <= 1e-5 * ref.aux_loss.item()
+        z = router_z_loss(ref.router_logits).item()
+        assert abs(router.z_loss().item() - z) <= 1e-5 * z
+        assert int(router.tokens_per_expert.sum()) == cfg.num_hidden_layers * inputs.numel() * cfg.num_experts_per_tok
     ours, theirs = internal_to_hf(cfg, sink.grads), hf_grads(hf, cfg.tie_word_embeddings)
     assert set(ours) == set(theirs), set(ours) ^ set(theirs)
     for name, ref in theirs.items():
@@ -133,8 +147,13 @@ def test_dense_matches_transformers_fp32(tied):
     check_against_hf(tiny_cfg(tied=tied))
 
 
-def test_moe_matches_transformers_fp32():
-    check_against_hf(tiny_cfg(moe=True, num_hidden_layers=2, layer_types=("linear_attention", "full_attention")))
+@pytest.mark.parametrize("z", [0.0, 0.01])
+def test_moe_matches_transformers_with_router_losses_fp32(z):
+    """transformers' Qwen3_5MoeForCausalLM with output_router_logits: its load-balancing loss (weighted by a
+    router_aux_loss_coef large enough to move every router gradient) through the MoE families' per-layer statistics,
+    plus a router z-loss."""
+    check_against_hf(tiny_cfg(moe=True, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
+                              router_aux_loss_coef=0.05), router_z=z)
 
 
 def test_longer_than_a_chunk_and_custom_layer_types():

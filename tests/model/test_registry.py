@@ -34,7 +34,7 @@ MOE_KEYS = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermed
 
 def test_the_supported_model_types():
     assert MODEL_TYPES == ("qwen2", "llama", "qwen3", "qwen3_moe", "olmoe", "mixtral", "qwen3_5_text", "qwen3_5_moe_text",
-                           "qwen3_5", "qwen3_5_moe")  # the order error messages list them in
+                           "qwen3_5", "qwen3_5_moe", "qwen3_next")  # the order error messages list them in
     assert FAMILIES == (LLAMA, QWEN3_MOE, OLMOE, MIXTRAL, QWEN3_5)
 
 
@@ -54,7 +54,8 @@ def test_every_model_type_resolves_and_round_trips(model_type):
 def test_unknown_model_type_is_one_line_listing_the_supported(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "qwen2_moe", **SMALL}))  # its shared expert is not implemented
-    supported = "qwen2, llama, qwen3, qwen3_moe, olmoe, mixtral, qwen3_5_text, qwen3_5_moe_text, qwen3_5, qwen3_5_moe"
+    supported = ("qwen2, llama, qwen3, qwen3_moe, olmoe, mixtral, qwen3_5_text, qwen3_5_moe_text, qwen3_5, qwen3_5_moe, "
+                 "qwen3_next")
     with pytest.raises(ConfigError) as e:
         config_from_json_file(path)
     msg = str(e.value)

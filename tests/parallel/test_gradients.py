@@ -61,7 +61,7 @@ def feed(mgr, cfg: ModelConfig, g: dict[str, torch.Tensor]) -> None:
     mgr.accumulate_non_block({"norm": g["norm"]} if cfg.tie_word_embeddings else
                              {"norm": g["norm"], "lm_head": g["lm_head"]})
     for layer in reversed(range(cfg.num_hidden_layers)):
-        mgr.accumulate_block(layer, {n: g[f"layers.{layer}.{n}"] for n in block_tensor_names(cfg)})
+        mgr.accumulate_block(layer, {n: g[f"layers.{layer}.{n}"] for n in block_tensor_names(cfg, layer)})
     mgr.accumulate_non_block({"embed": g["embed"]})
 
 

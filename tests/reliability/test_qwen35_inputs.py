@@ -40,6 +40,10 @@ CASES = {
                                               "partial_rotary_factor": 0.1875}),
                         r"partial_rotary_factor=0.1875.*even number of rotated dims \(head_dim=16\)"),
     "negative head dim": (dict(linear_key_head_dim=-16), r"linear_key_head_dim must be a positive integer"),
+    "negative load-balancing weight": (dict(model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2,
+                                            moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                                            router_aux_loss_coef=-0.01),
+                                       r"router_aux_loss_coef must be a finite number >= 0, got -0.01"),
     "multimodal without text_config": ({"model_type": "qwen3_5", "vision_config": {}, "text_config": None},
                                        r"model_type 'qwen3_5' needs a 'text_config' object"),
 }
@@ -68,3 +72,16 @@ def test_multimodal_text_config_of_another_family_is_refused(tmp_path, capsys):
     assert main(train_argv(root, steps=2)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "text_config.model_type 'qwen3_5_moe_text' does not belong to 'qwen3_5'" in err[0]
+
+
+def test_sharded_weights_are_refused_for_the_hybrid_layers(tmp_path, capsys):
+    """--zero-level 3 gathers one block layout; the linear- and full-attention blocks differ: one line, exit 2,
+    before the model is built (--zero-level 2 still shards gradients and optimizer state:
+    tests/train/test_qwen3_5_distributed.py)."""
+    root = make_run_root(tmp_path)
+    (root / "model" / "config.json").write_text(json.dumps(_config()))
+    capsys.readouterr()
+    assert main(train_argv(root, steps=2, extra=("--zero-level", "3"))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--zero-level 3 is not supported for this qwen3_5_text model" in err[0], err
+    assert not (root / "ckpt").exists() and not (root / "out").exists()

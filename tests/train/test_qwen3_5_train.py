@@ -1,37 +1,60 @@
 """A tiny Qwen3.5 (dense and MoE hybrid) trains end to end through `qtrain train` on the CPU, and a run resumed from
-its step-2 checkpoint continues bit for bit (losses, gradient norms, the exported weights)."""
+its step-2 checkpoint continues bit for bit (losses, gradient norms, the MoE variant's router fields, the exported
+weights)."""
 from __future__ import annotations
 
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from qtrain.cli.main import main
+from qtrain.data.packing import Packer
+from qtrain.data.token_files import TokenFileWriter
+from qtrain.train.router_metrics import STEP_FIELDS
 from tests.model.test_qwen3_5 import tiny_cfg
 from tests.run_utils import make_run_root, train_argv
+
+
+N = 32  # packed rows (--pack-to, --seq-len)
 
 
 def _steps(path):
     return {e["step"]: e for e in map(json.loads, open(path)) if e.get("log") == "step" or "loss" in e}
 
 
-@pytest.mark.parametrize("moe", [False, True])
-def test_trains_and_resumes_bitwise(tmp_path, moe):
+@pytest.mark.parametrize("model", ["dense", "moe", "qwen3_next"])
+def test_trains_and_resumes_bitwise(tmp_path, model):
+    """qwen3_next: an MoE layer and a dense one (mlp_only_layers), its interleaved in_proj rows through the export."""
     root = make_run_root(tmp_path)
-    cfg = tiny_cfg(moe=moe, vocab_size=96, hidden_size=32, num_hidden_layers=2, head_dim=16,
-                   layer_types=("linear_attention", "full_attention"), bos_token_id=0, eos_token_id=0,
-                   max_position_embeddings=64)
+    moe = model != "dense"
+    shape = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, head_dim=16, bos_token_id=0, eos_token_id=0,
+                 layer_types=("linear_attention", "full_attention"), max_position_embeddings=64)
+    if model == "qwen3_next":
+        from tests.model.test_qwen3_next import next_cfg
+        cfg = next_cfg(moe=True, mlp_only_layers=(1,), **shape)
+    else:
+        cfg = tiny_cfg(moe=moe, **shape)
     (root / "model" / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
-    assert main(train_argv(root, steps=4, name="full")) == 0
+    flags = {"router-z-loss": 0.001} if moe else {}
+    assert main(train_argv(root, steps=4, name="full", **flags)) == 0
     assert main(train_argv(root, steps=4, name="resumed", extra=("--continue", "2"),
-                           **{"checkpoint-dir": root / "ckpt" / "full"})) == 0
+                           **{"checkpoint-dir": root / "ckpt" / "full"}, **flags)) == 0
     full, resumed = _steps(root / "logs" / "full.jsonl"), _steps(root / "logs" / "resumed.jsonl")
     assert {2, 3} <= set(resumed)
+    fields = ("loss", "norm", *(STEP_FIELDS if moe else ()))
     for k in (2, 3):
-        assert resumed[k]["loss"] == full[k]["loss"] and resumed[k]["norm"] == full[k]["norm"], k
+        assert all(resumed[k][f] == full[k][f] for f in fields), k
+    if moe:  # the router fields in the log as for the MoE families: every MoE layer routes B x T tokens to k experts
+        B, T = 2, 16
+        assert full[0]["expert_load_mean"] == B * T * cfg.num_experts_per_tok / cfg.num_experts
+        assert len(cfg.router.layers) == (1 if model == "qwen3_next" else 2)
+        assert full[0]["aux_loss"] > 0 and full[0]["router_z_loss"] > 0
+    else:
+        assert "aux_loss" not in full[0]
     a, b = load_file(root / "out" / "full" / "model.safetensors"), load_file(root / "out" / "resumed" /
                                                                                 "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -51,3 +74,34 @@ def test_fp8_block_linears_train(tmp_path, capsys):
                                                           "fp8-policy": "all"})) == 0
     losses = [e["loss"] for e in _steps(root / "logs" / "fp8.jsonl").values() if "loss" in e]
     assert losses and all(math.isfinite(v) for v in losses)
+
+
+def test_document_masking_trains_and_resumes_bitwise(tmp_path):
+    """`qtrain train --document-masking` on packed SFT examples with the hybrid MoE model: the delta-rule and
+    convolution restarts (tests/model/test_qwen3_5_documents.py proves them exact) run through the loader's positions,
+    and --continue repeats the steps bit for bit; without the option the losses differ."""
+    root = make_run_root(tmp_path)
+    rng = np.random.default_rng(1)
+    for name, n in (("train.bin", 60), ("eval.bin", 10)):  # SFT-like examples ending in EOS 0, packed into rows of N
+        w = TokenFileWriter(root / name, vocab_size=96, with_masks=True, with_documents=True)
+        packer = Packer(w, N, pad_id=0)
+        for _ in range(n):
+            ids = np.r_[rng.integers(2, 96, int(rng.integers(2, 20))), 0].astype(np.int32)
+            packer.write(ids, np.ones(ids.size, bool))
+        packer.flush()
+        w.write(np.array([0], np.int32), np.zeros(1, bool), np.zeros(1, np.int64))
+        w.close()
+    cfg = tiny_cfg(moe=True, vocab_size=96, hidden_size=32, num_hidden_layers=2, head_dim=16,
+                   layer_types=("linear_attention", "full_attention"), bos_token_id=0, eos_token_id=0,
+                   max_position_embeddings=64)
+    (root / "model" / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    opts = dict(seq_len=N)
+    extra = ("--document-masking", "--recompute-att")
+    assert main(train_argv(root, steps=4, name="full", extra=extra, **opts)) == 0
+    assert main(train_argv(root, steps=4, name="resumed", checkpoint_dir=root / "ckpt" / "full",
+                           extra=(*extra, "--continue", "2"), **opts)) == 0
+    full, resumed = _steps(root / "logs" / "full.jsonl"), _steps(root / "logs" / "resumed.jsonl")
+    assert {2, 3} <= set(resumed)
+    assert all(resumed[k][f] == full[k][f] for k in (2, 3) for f in ("loss", "norm", *STEP_FIELDS))
+    assert main(train_argv(root, steps=1, name="plain", **opts)) == 0
+    assert _steps(root / "logs" / "plain.jsonl")[0]["loss"] != full[0]["loss"]

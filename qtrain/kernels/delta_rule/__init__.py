@@ -1,20 +1,25 @@
 """Gated DeltaNet's sequence mixing: the gated delta rule (`gated_delta_rule.py`: the recurrent specification and the
 chunked form) and the causal depthwise convolution before it (`causal_conv1d.py`). The model calls the two entries
-here; each runs its plain-torch form today. The Triton kernels (the chunked forward and backward, the convolution)
-are still to be written beside their twins, dispatched through `qtrain.kernels.dispatch` like every other op.
+here; the convolution runs its Triton op pair on CUDA (causal_conv1d.py), the delta rule its plain-torch chunked form
+(its Triton kernels, forward and backward, are still to be written beside their twins, dispatched through
+`qtrain.kernels.dispatch` like every other op).
 
 `LIMITS` states what the kernels serve, so a config they cannot serve is refused before the model is built
-(model/qwen3_5/config.py reads it).
+(model/qwen3_5/config.py reads it). Both ops take `resets` (B, T) bool, True at each document's first token
+(--document-masking: their state restarts there); `document_resets` reads them off the micro-batch's `DocumentMask`.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from qtrain.kernels.delta_rule.causal_conv1d import causal_conv1d_silu_twin
+from qtrain.kernels.document_attention import DocumentMask
+from qtrain.kernels.delta_rule.causal_conv1d import causal_conv1d_silu_op, causal_conv1d_silu_twin
+from qtrain.kernels.dispatch import use_triton
 from qtrain.kernels.delta_rule.gated_delta_rule import (CHUNK, gated_delta_rule_chunked, gated_delta_rule_recurrent,
                                                         l2_normalize)
 
-__all__ = ["CHUNK", "LIMITS", "causal_conv1d_silu", "gated_delta_rule", "gated_delta_rule_chunked",
+__all__ = ["CHUNK", "LIMITS", "causal_conv1d_silu", "document_resets", "gated_delta_rule", "gated_delta_rule_chunked",
            "gated_delta_rule_recurrent", "l2_normalize"]
 
 # what the delta-rule and convolution kernels serve (fla-core's limits, which a Triton port keeps): head dims up to
@@ -23,11 +28,29 @@ LIMITS = {"head_dim_max": 256, "head_dim_multiple": 16, "conv_min": 2, "conv_max
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor) -> torch.Tensor:
-    """o (B, T, H, dv) of the gated delta rule with L2-normalised q, k from a zero state (gated_delta_rule.py)."""
-    return gated_delta_rule_chunked(q, k, v, g, beta, l2norm=True)[0]
+                     beta: torch.Tensor, resets: torch.Tensor | None = None) -> torch.Tensor:
+    """o (B, T, H, dv) of the gated delta rule with L2-normalised q, k from a zero state, restarting at `resets`
+    (gated_delta_rule.py)."""
+    return gated_delta_rule_chunked(q, k, v, g, beta, l2norm=True, resets=resets)[0]
 
 
-def causal_conv1d_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """silu(causal depthwise conv(x (B, T, D), w (D, K))) (causal_conv1d.py)."""
-    return causal_conv1d_silu_twin(x, w)
+def causal_conv1d_silu(x: torch.Tensor, w: torch.Tensor, resets: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(causal depthwise conv(x (B, T, D), w (D, K))), each document alone with `resets` (causal_conv1d.py): the
+    Triton op pair on CUDA, the twin (through autograd) elsewhere."""
+    if use_triton(x):
+        return causal_conv1d_silu_op(x, w, resets)
+    return causal_conv1d_silu_twin(x, w, resets)
+
+
+def document_resets(docs: DocumentMask, B: int, T: int) -> torch.Tensor:
+    """(B, T) bool on the device, True at each document's first token, from either form of the mask: the masked
+    form's token t starts a document when it may not attend to t - 1; the varlen form's `cu_seqlens` list the
+    starts (of each attention slice's flattened rows)."""
+    if docs.masks:
+        starts = [torch.cat([torch.ones_like(m[:, 0, :1, 0]), ~m[:, 0].diagonal(-1, -2, -1)], dim=1)
+                  for m in docs.masks]  # m (b, 1, T, T): diagonal -1 = (t, t - 1), (b, T - 1)
+    else:  # the slices are torch.tensor_split's of the B rows, as document_mask cut them
+        rows = [len(r) for r in np.array_split(np.arange(B), docs.slices)]
+        starts = [torch.zeros(b * T, dtype=torch.bool, device=cu.device).index_fill(0, cu[:-1].long(), True)
+                  for b, cu in zip((b for b in rows if b), docs.cu_seqlens)]
+    return torch.cat(starts).reshape(B, T)

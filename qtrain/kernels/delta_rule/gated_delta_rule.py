@@ -25,7 +25,15 @@ decay; D_ij = exp(G_i - G_j) for j <= i, 0 above the diagonal)::
     S     <- exp(G_C) S + (k exp(G_C - G))^T V'
 
 Two triangular solves and a few (C, C) / (C, d) products per chunk instead of T rank-one updates: the recurrence
-over chunks is what stays sequential. Both forms differentiate with autograd (CPU tests; the GPU kernels with
+over chunks is what stays sequential.
+
+Documents (`resets` (B, T) bool, True at a document's first token: --document-masking): the state is zero before
+such a token is written, S <- 0 in place of the decay, so each document runs as if alone. In the chunked form, with
+d_i the number of resets at or before position i within the chunk: D_ij = 0 unless d_i = d_j (so A, hence both
+solves, and the chunk's own read are block-diagonal by document), the old state's read and its entry into the
+corrections (q exp(G), beta k exp(G)) only where d_i = 0, the state update only from the chunk's last document
+(d_i = d_C) and the old state kept only where d_C = 0. The cumulative G need not restart: every product it enters
+then spans one document only. Both forms differentiate with autograd (CPU tests; the GPU kernels with
 their own backward are left to the Triton port).
 """
 from __future__ import annotations
@@ -44,7 +52,8 @@ def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           resets: torch.Tensor | None = None) -> None:
     B, T, Hk, dk = q.shape
     H = v.shape[2] if v.dim() == 4 else -1
     if k.shape != q.shape or v.dim() != 4 or v.shape[:2] != (B, T) or g.shape != (B, T, H) \
@@ -52,6 +61,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
         raise ValueError(f"gated_delta_rule: expected q, k (B, T, Hk, dk), v (B, T, H, dv) with H a multiple of Hk, "
                          f"g and beta (B, T, H); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, "
                          f"{tuple(g.shape)}, {tuple(beta.shape)}")
+    if resets is not None and (resets.shape != (B, T) or resets.dtype != torch.bool):
+        raise ValueError(f"gated_delta_rule: resets must be (B, T) bool, got {tuple(resets.shape)} {resets.dtype}")
 
 
 def _prepare(q, k, v, g, beta, l2norm: bool):
@@ -67,19 +78,22 @@ def _prepare(q, k, v, g, beta, l2norm: bool):
 
 
 def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                               beta: torch.Tensor, *, l2norm: bool = True, initial_state: torch.Tensor | None = None
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+                               beta: torch.Tensor, *, l2norm: bool = True, initial_state: torch.Tensor | None = None,
+                               resets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The specification (module docstring): q, k (B, T, Hk, dk), v (B, T, H, dv), g, beta (B, T, H) ->
-    (o (B, T, H, dv) in q's dtype, final state (B, H, dk, dv) fp32)."""
-    _check(q, k, v, g, beta)
+    (o (B, T, H, dv) in q's dtype, final state (B, H, dk, dv) fp32). `resets` (B, T) bool: the state is zero before
+    each token marked (a document's first)."""
+    _check(q, k, v, g, beta, resets)
     dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, l2norm)
     B, H, T, dk = k.shape
     S = (torch.zeros(B, H, dk, v.shape[-1], dtype=v.dtype, device=v.device) if initial_state is None
          else initial_state.to(v.dtype))
     out = []
+    keep = None if resets is None else (~resets).to(v.dtype)  # (B, T): 0 where the state restarts
     for t in range(T):
-        S = S * g[:, :, t].exp()[..., None, None]
+        decay = g[:, :, t].exp()  # (B, H)
+        S = S * (decay if keep is None else decay * keep[:, t, None])[..., None, None]
         kt = k[:, :, t]  # (B, H, dk)
         delta = (v[:, :, t] - (S * kt[..., None]).sum(-2)) * beta[:, :, t, None]  # (B, H, dv)
         S = S + kt[..., None] * delta[..., None, :]
@@ -90,10 +104,10 @@ def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                              beta: torch.Tensor, *, l2norm: bool = True, initial_state: torch.Tensor | None = None,
-                             chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                             chunk: int = CHUNK, resets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked form (module docstring), same contract as `gated_delta_rule_recurrent`. The sequence is padded
     to a multiple of `chunk` with g = 0, beta = 0 (tokens that neither decay nor write the state)."""
-    _check(q, k, v, g, beta)
+    _check(q, k, v, g, beta, resets)
     dtype, T = q.dtype, q.shape[1]
     q, k, v, g, beta = _prepare(q, k, v, g, beta, l2norm)
     B, H, _, dk = k.shape
@@ -102,21 +116,33 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+        if resets is not None:
+            resets = F.pad(resets, (0, pad))
     n = (T + pad) // chunk
     # (B, H, n, C, d): chunk c holds tokens c*C .. c*C + C - 1
     q, k, v = (x.reshape(B, H, n, chunk, x.shape[-1]) for x in (q, k, v))
     g, beta = g.reshape(B, H, n, chunk), beta.reshape(B, H, n, chunk)
     G = g.cumsum(-1)  # (B, H, n, C): log decay from the chunk's start through position i
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    D = (G[..., :, None] - G[..., None, :]).masked_fill(upper, float("-inf")).exp()  # (B, H, n, C, C), j <= i
+    hidden = upper
+    if resets is not None:  # d: resets at or before each position of its chunk (module docstring)
+        d = resets.reshape(B, 1, n, chunk).cumsum(-1)  # (B, 1, n, C)
+        hidden = upper | (d[..., :, None] != d[..., None, :])  # (B, 1, n, C, C)
+    D = (G[..., :, None] - G[..., None, :]).masked_fill(hidden, float("-inf")).exp()  # (B, H, n, C, C), j <= i
+    Gexp = G.exp()
+    if resets is not None:
+        Gexp = Gexp * (d == 0)  # only the chunk's first document reads the old state
     kb = k * beta[..., None]
     A = (kb @ k.transpose(-1, -2)) * D  # the diagonal is ignored by the unit-triangular solves
     U = torch.linalg.solve_triangular(A, v * beta[..., None], upper=False, unitriangular=True)  # (B, H, n, C, dv)
-    W = torch.linalg.solve_triangular(A, kb * G.exp()[..., None], upper=False, unitriangular=True)  # (.., C, dk)
+    W = torch.linalg.solve_triangular(A, kb * Gexp[..., None], upper=False, unitriangular=True)  # (.., C, dk)
     QK = (q @ k.transpose(-1, -2)) * D  # (B, H, n, C, C): the chunk's own causal read
-    q_dec = q * G.exp()[..., None]
+    q_dec = q * Gexp[..., None]
     k_dec = k * (G[..., -1:] - G).exp()[..., None]
     last = G[..., -1].exp()[..., None, None]  # (B, H, n, 1, 1)
+    if resets is not None:  # the state leaving a chunk holds its last document only
+        k_dec = k_dec * (d == d[..., -1:])[..., None]
+        last = last * (d[..., -1] == 0)[..., None, None]
     S = (torch.zeros(B, H, dk, dv, dtype=v.dtype, device=v.device) if initial_state is None
          else initial_state.to(v.dtype))
     out = []

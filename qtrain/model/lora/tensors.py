@@ -51,7 +51,7 @@ def layer_targets(cfg: ModelConfig, layer: int) -> dict[str, Target]:
     if getattr(cfg, "router", None):
         linears = tuple(m for m in linears if m not in MLP_MATRICES)
     for spec in statements(cfg).blocks[layer]:
-        if len(spec.shape) != 2 or spec.experts or spec.group or spec.name not in linears:
+        if len(spec.shape) != 2 or spec.experts or spec.group or spec.hf_rows or spec.name not in linears:
             continue
         row = 0
         for hf, shape in spec.hf:

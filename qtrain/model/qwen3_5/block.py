@@ -13,6 +13,11 @@ The steps carry the recompute vocabulary (model/recompute_flags.py: ln1, qkv, at
 mixers, so every recompute switch means the same as for the Llama family. One block function serves every layer; it
 tells the kinds apart by the tensors it receives ('in_proj' only in linear-attention layers, 'router' only in MoE
 ones). Dimension letters: B batch, T sequence, C hidden, nh / nkv heads, hs head size, F intermediate.
+
+Documents (--document-masking: the block gets the micro-batch's `DocumentMask`, and cos, sin at each token's position
+in its document): full attention stays inside each document (`document_attention`, as the Llama block), and on
+linear-attention layers the convolution and the delta rule restart at each document's first token
+(`kernels.delta_rule.document_resets`), so a packed row computes what its documents compute alone.
 """
 from __future__ import annotations
 
@@ -20,11 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from qtrain.kernels.attention import causal_attention
+from qtrain.kernels.delta_rule import document_resets
+from qtrain.kernels.document_attention import DocumentMask, document_attention
 from qtrain.kernels.rope import apply_rope
 from qtrain.kernels.swiglu import swiglu
 from qtrain.model.family import BlockFn, BlockOptions
 from qtrain.model.layers import rms_norm_zero_centered, sdpa_backends
 from qtrain.model.moe import moe_forward
+from qtrain.model.moe_router import record_router_stats, with_router_grads
 from qtrain.model.qwen3_5.config import Qwen35Config
 from qtrain.model.qwen3_5.linear_attention import GatedDeltaNet
 from qtrain.model.recompute import MLP_STEPS, CheckpointSteps, Recomputer, run_step
@@ -43,7 +51,7 @@ class Qwen35Block:
             cfg.rotary_dim
         self.eps, self.q_dim, self.kv_dim, self.gqa = cfg.rms_norm_eps, cfg.q_dim, cfg.kv_dim, \
             cfg.num_attention_heads != cfg.num_key_value_heads
-        self.top_k = cfg.num_experts_per_tok
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.linear, self.linears, self.swiglu_mode, self.sdpa_backend = o.linear, o.linears, o.swiglu, o.sdpa_backend
         self.fused_mlp = o.mlp if not (MLP_STEPS & o.recompute) else None
         self.delta = GatedDeltaNet(cfg, self.project)
@@ -72,15 +80,19 @@ class Qwen35Block:
         q, gate = qg.view(B, T, self.nh, 2 * self.hs).chunk(2, dim=-1)  # (B, T, nh, hs) each
         q = self.norm(q, w["q_norm"])
         k = self.norm(k.view(B, T, self.nkv, self.hs), w["k_norm"])
-        c, s = cos[:, None], sin[:, None]  # (T, 1, rotary_dim)
+        c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (T, 1, rotary_dim), or (B, T, 1, rotary_dim) with documents
         q = torch.cat((apply_rope(q[..., :self.rd], c, s), q[..., self.rd:]), dim=-1)
         k = torch.cat((apply_rope(k[..., :self.rd], c, s), k[..., self.rd:]), dim=-1)
         v = v.reshape(B, T, self.nkv, self.hs)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gate.reshape(B, T, self.q_dim)
 
-    def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Step "attention" of a full-attention layer: causal SDPA, (B, T, q_dim) out."""
+    def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: DocumentMask | None = None
+             ) -> torch.Tensor:
+        """Step "attention" of a full-attention layer: causal SDPA, or inside each document with `docs`; (B, T, q_dim)
+        out."""
         B, _, T, _ = q.shape
+        if docs is not None:
+            return document_attention(q, k, v, docs).reshape(B, T, self.q_dim)
         if self.sdpa_backend == "cudnn":
             att = causal_attention(q, k, v)
         else:
@@ -89,15 +101,17 @@ class Qwen35Block:
         return att.transpose(1, 2).reshape(B, T, self.q_dim)
 
     def full_attention(self, h: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                       step) -> torch.Tensor:
+                       step, docs: DocumentMask | None) -> torch.Tensor:
         q, k, v, gate = step("qkv", self.qkv_rope, h, w, cos, sin)
-        att = step("attention", self.sdpa, q, k, v)
+        att = step("attention", self.sdpa, q, k, v, docs)
         return self.project(att * torch.sigmoid(gate), w, "o")
 
     # ---- Gated DeltaNet ----
-    def linear_attention(self, h: torch.Tensor, w: dict[str, torch.Tensor], step) -> torch.Tensor:
-        q, k, v, z, g, beta = step("qkv", self.delta.qkv, h, w)
-        o = step("attention", self.delta.attention, q, k, v, g, beta)
+    def linear_attention(self, h: torch.Tensor, w: dict[str, torch.Tensor], step,
+                         docs: DocumentMask | None) -> torch.Tensor:
+        resets = None if docs is None else document_resets(docs, h.shape[0], h.shape[1])  # (B, T) document starts
+        q, k, v, z, g, beta = step("qkv", self.delta.qkv, h, w, resets)
+        o = step("attention", self.delta.attention, q, k, v, g, beta, resets)
         return self.delta.output(o, z, w)
 
     # ---- MLP ----
@@ -111,39 +125,44 @@ class Qwen35Block:
 
     def moe_mlp(self, h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         """Routed experts (model/moe.py: softmax top-k, renormalised) + sigmoid(h W_g^T) x the shared expert's
-        SwiGLU MLP (transformers' `Qwen3_5MoeSparseMoeBlock`). The load-balancing loss is not added: transformers
-        adds it only with output_router_logits, and qtrain's MoE loop that injects it lives with the MoE families."""
-        routed = moe_forward(h, w["router"], w["experts_up_gate"], w["experts_down"], top_k=self.top_k,
-                             norm_topk_prob=True).out
+        SwiGLU MLP (transformers' `Qwen3_5MoeSparseMoeBlock`). In training the layer writes its router statistics
+        beside its weights and its routed output carries the router losses' gradients into the backward (the MoE
+        families' machinery, model/moe_router.py: transformers' loss with output_router_logits)."""
+        moe = moe_forward(h, w["router"], w["experts_up_gate"], w["experts_down"], top_k=self.top_k,
+                          norm_topk_prob=self.norm_topk_prob)
+        record_router_stats(moe.stats, w)
+        routed = with_router_grads(moe.out, moe.stats, w)
         shared = self.project(swiglu(self.project(h, w, "shared_up"), self.swiglu_mode), w, "shared_down")
         return routed + torch.sigmoid(F.linear(h, w["shared_gate"])) * shared
 
     # ---- the whole block ----
     def body(self, x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-             step) -> torch.Tensor:
-        """`step(name, fn, *args)` runs fn(*args), keeping or recomputing its results per the policy."""
+             step, docs: DocumentMask | None = None) -> torch.Tensor:
+        """`step(name, fn, *args)` runs fn(*args), keeping or recomputing its results per the policy; `docs`: the
+        micro-batch's documents (module docstring)."""
         # 1) token mixer: norm -> Gated DeltaNet or gated full attention -> residual
         h = step("ln1", self.norm, x, w["ln1"])
-        x = x + (self.linear_attention(h, w, step) if "in_proj" in w else self.full_attention(h, w, cos, sin, step))
+        x = x + (self.linear_attention(h, w, step, docs) if "in_proj" in w
+                 else self.full_attention(h, w, cos, sin, step, docs))
         # 2) MLP: norm -> dense SwiGLU or MoE -> residual
         h = step("ln2", self.norm, x, w["ln2"])
         return x + (self.moe_mlp(h, w) if "router" in w else self.dense_mlp(h, w, step))
 
 
 def make_block_fn(cfg: Qwen35Config, o: BlockOptions) -> BlockFn:
-    """The block as a function of (x, weights, cos, sin); `o.recompute` picks the recompute mechanism: none,
+    """The block as a function of (x, weights, cos, sin[, docs]); `o.recompute` picks the recompute mechanism: none,
     checkpoints (compiled) or `Recomputer` (eager), as for the Llama family."""
     body = Qwen35Block(cfg, o).body
     if not o.recompute:
-        def block(x, w, cos, sin):
-            return body(x, w, cos, sin, run_step)
+        def block(x, w, cos, sin, docs=None):
+            return body(x, w, cos, sin, run_step, docs)
     elif o.compiled:
         policy = CheckpointSteps(o.recompute)
 
-        def block(x, w, cos, sin):
-            return body(x, w, cos, sin, policy)
+        def block(x, w, cos, sin, docs=None):
+            return body(x, w, cos, sin, policy, docs)
     else:
-        def block(x, w, cos, sin):
+        def block(x, w, cos, sin, docs=None):
             with Recomputer(o.recompute) as rc:
-                return body(x, w, cos, sin, rc)
+                return body(x, w, cos, sin, rc, docs)
     return block

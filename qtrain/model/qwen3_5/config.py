@@ -15,12 +15,14 @@ refused here, before the model is built, with the values.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from qtrain.fsio import shorten
 from qtrain.kernels.delta_rule import LIMITS
-from qtrain.model.config import COMMON_HF_KEYS, ConfigError, HfKeys, ModelConfig, check_positive_int, config_error
+from qtrain.model.config import (COMMON_HF_KEYS, ConfigError, HfKeys, ModelConfig, RouterSpec, check_positive_int,
+                                 config_error)
 
 # text model_type -> (its CausalLM architecture, the multimodal model_type around it, that one's architecture)
 TEXT_TYPES = {"qwen3_5_text": ("Qwen3_5ForCausalLM", "qwen3_5", "Qwen3_5ForConditionalGeneration"),
@@ -42,6 +44,9 @@ class Qwen35Config(ModelConfig):
     """The hybrid decoder's fields besides the common ones (maps to the text config.json). Letters: F =
     intermediate_size; the linear-attention (Gated DeltaNet) layers have Hk key heads of dk and H value heads of dv."""
 
+    MODEL_TYPES = tuple(TEXT_TYPES)  # what this class reads (a class attribute, not a field)
+    MIXED_MLP = False  # whether an MoE model may keep dense MLP layers (Qwen3-Next's mlp_only_layers)
+
     model_type: str = "qwen3_5_text"
     vocab_size: int = 248320  # Qwen3.5's tokenizer
     num_attention_heads: int = 16
@@ -60,7 +65,12 @@ class Qwen35Config(ModelConfig):
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 512
     shared_expert_intermediate_size: int = 512
-    router_aux_loss_coef: float = 0.001  # transformers' default; qtrain's MoE loop reads it
+    router_aux_loss_coef: float = 0.001  # the load-balancing loss's weight (transformers' default; `router`)
+    # which layers route (Qwen3-Next's keys; Qwen3.5 routes in every layer of the MoE variant, `is_moe_layer`) and
+    # whether the top-k weights are renormalised (Qwen3.5 always; Qwen3-Next per config)
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    norm_topk_prob: bool = True
     # the multimodal config.json this text model came from, without its text_config (None: a text checkpoint)
     multimodal: dict[str, Any] | None = field(default=None, compare=False)
 
@@ -68,8 +78,9 @@ class Qwen35Config(ModelConfig):
         if not self.layer_types:
             self.layer_types = default_layer_types(self.num_hidden_layers)
         self.layer_types = tuple(self.layer_types)
-        if self.num_experts > 0:
-            self.intermediate_size = 0  # no dense MLP (transformers' MoE config has no such key)
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
+        if self.num_experts > 0 and self.MIXED_MLP is False:
+            self.intermediate_size = 0  # no dense MLP (transformers' Qwen3.5 MoE config has no such key)
         super().__post_init__()
 
     # ---- derived sizes, defined once ----
@@ -114,6 +125,22 @@ class Qwen35Config(ModelConfig):
         return self.num_experts > 0
 
     @property
+    def router(self) -> RouterSpec | None:
+        """Every layer of the MoE variant routes (no dense layers): the load-balancing loss transformers'
+        Qwen3_5MoeForCausalLM adds with output_router_logits (model/moe_router.py), weighted by
+        router_aux_loss_coef; None for the dense variant."""
+        layers = tuple(i for i in range(self.num_hidden_layers) if self.is_moe_layer(i))
+        if not layers:
+            return None
+        return RouterSpec(layers=layers, experts=self.num_experts,
+                          top_k=self.num_experts_per_tok, aux_loss_coef=self.router_aux_loss_coef)
+
+    @property
+    def architecture(self) -> str:
+        """The CausalLM class transformers builds for this text config."""
+        return ARCHITECTURES[self.model_type]
+
+    @property
     def hf_prefix(self) -> str:
         """Where the text model's tensors sit in the checkpoint (module docstring)."""
         return MULTIMODAL_PREFIX if self.multimodal is not None else TEXT_PREFIX
@@ -121,13 +148,27 @@ class Qwen35Config(ModelConfig):
     def is_linear(self, layer: int) -> bool:
         return self.layer_types[layer] == "linear_attention"
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP routes to experts (transformers' Qwen3-Next rule; every layer of a Qwen3.5
+        MoE model)."""
+        return self.is_moe and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def has_dense_layers(self) -> bool:
+        return any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
     def validate(self) -> None:
-        if self.model_type not in TEXT_TYPES:
-            raise config_error(f"unknown model_type {self.model_type!r}; supported: {', '.join(TEXT_TYPES)}")
+        if self.model_type not in self.MODEL_TYPES:
+            raise config_error(f"unknown model_type {self.model_type!r}; supported: {', '.join(self.MODEL_TYPES)}")
         super().validate()
-        for name in (*(() if self.is_moe else ("intermediate_size",)), "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-                     "linear_num_key_heads", "linear_num_value_heads"):
+        for name in (*(("intermediate_size",) if self.has_dense_layers else ()), "linear_conv_kernel_dim",
+                     "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                     "decoder_sparse_step"):
             check_positive_int(self, name)
+        bad = [i for i in self.mlp_only_layers if not (isinstance(i, int) and 0 <= i < self.num_hidden_layers)]
+        if bad:
+            raise config_error(f"mlp_only_layers {shorten(repr(bad))} are not layers of this model "
+                               f"(0..{self.num_hidden_layers - 1})")
         if len(self.layer_types) != self.num_hidden_layers or any(t not in LAYER_TYPES for t in self.layer_types):
             bad = sorted({str(t) for t in self.layer_types if t not in LAYER_TYPES})
             raise config_error(f"layer_types must list {self.num_hidden_layers} entries (num_hidden_layers), each one of "
@@ -154,8 +195,14 @@ class Qwen35Config(ModelConfig):
             if self.num_experts_per_tok > self.num_experts:
                 raise config_error(f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts="
                                    f"{self.num_experts}")
+            c = self.router_aux_loss_coef
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
+                raise config_error(f"router_aux_loss_coef must be a finite number >= 0, got {shorten(repr(c))}")
         elif self.model_type == "qwen3_5_moe_text":
             raise config_error("qwen3_5_moe_text needs num_experts > 0")
+        if not self.MIXED_MLP and (self.mlp_only_layers or self.decoder_sparse_step != 1 or not self.norm_topk_prob):
+            raise config_error(f"{self.model_type} routes in every layer and renormalises the top-k weights "
+                               "(mlp_only_layers, decoder_sparse_step and norm_topk_prob are Qwen3-Next's)")
 
     # ---- HF interop ----
     @classmethod
@@ -228,7 +275,7 @@ class Qwen35Config(ModelConfig):
     def text_hf_dict(self, *, dtype: str = "bfloat16") -> dict[str, Any]:
         """The text model's config.json (a multimodal export nests it under `text_config`)."""
         d: dict[str, Any] = {
-            "architectures": [ARCHITECTURES[self.model_type]],
+            "architectures": [self.architecture],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,

@@ -1,5 +1,6 @@
-"""The Qwen3.5 family (model_types qwen3_5_text, qwen3_5_moe_text, and the multimodal qwen3_5 / qwen3_5_moe read as
-their text model): the hybrid Gated DeltaNet + gated full-attention decoder, dense or MoE. `QWEN3_5` is what
+"""The Qwen3.5 family (model_types qwen3_5_text, qwen3_5_moe_text, the multimodal qwen3_5 / qwen3_5_moe read as
+their text model, and qwen3_next, the same decoder in an earlier checkpoint layout: next_config.py): the hybrid Gated
+DeltaNet + gated full-attention decoder, dense or MoE. `QWEN3_5` is what
 `model/registry.py` lists; its parts: config.py (HF config mapping, presets), tensors.py (HF names, shapes, init,
 decay), block.py (the block function), linear_attention.py (the Gated DeltaNet mixer), memory.py (what a block keeps
 for backward). The delta rule and the convolution are ops in kernels/delta_rule/.
@@ -11,22 +12,22 @@ from typing import Any
 from qtrain.model.family import ActivationSettings, ActTerm, BlockFn, BlockOptions, MatmulSpec, TensorSpec
 from qtrain.model.qwen3_5 import block, memory, tensors
 from qtrain.model.qwen3_5.config import ARCHITECTURES, PRESETS, Qwen35Config
+from qtrain.model.qwen3_5.next_config import ARCHITECTURE as NEXT_ARCHITECTURE
+from qtrain.model.qwen3_5.next_config import NEXT_TYPE, Qwen3NextConfig
+from qtrain.model.qwen3_5.next_config import PRESETS as NEXT_PRESETS
 
 
 class Qwen35Family:
     """`family.ModelFamily` for Qwen3.5 (module docstring)."""
 
     name = "qwen3_5"
-    architectures = ARCHITECTURES
-    presets = PRESETS
+    architectures = {**ARCHITECTURES, NEXT_TYPE: NEXT_ARCHITECTURE}
+    presets = {**PRESETS, **NEXT_PRESETS}
     fp8_matrices = block.FP8_MATRICES
-    # `registry.document_masking_error`: the Gated DeltaNet state and its causal convolution run along the whole
-    # row, so documents would need them restarted at each boundary (not built yet)
-    no_document_masking = ("its Gated DeltaNet layers carry a recurrent state and a causal convolution along the "
-                           "whole row, which do not restart at document boundaries")
 
     def config_from_hf(self, d: dict[str, Any], *, source: str) -> Qwen35Config:
-        return Qwen35Config.from_hf_dict(d, source=source)
+        cls = Qwen3NextConfig if d.get("model_type") == NEXT_TYPE else Qwen35Config
+        return cls.from_hf_dict(d, source=source)
 
     def non_block_tensors(self, cfg: Qwen35Config) -> tuple[TensorSpec, ...]:
         return tensors.non_block_tensors(cfg)
@@ -47,7 +48,7 @@ class Qwen35Family:
             mixer = {"in_proj": MatmulSpec(cfg.in_proj_dim, C, step="qkv"), "out": MatmulSpec(C, cfg.linear_value_dim)}
         else:
             mixer = {"qkv": MatmulSpec(cfg.attn_qkv_dim, C, step="qkv"), "o": MatmulSpec(C, cfg.q_dim)}
-        if not cfg.is_moe:
+        if not cfg.is_moe_layer(layer):
             F = cfg.intermediate_size
             return {**mixer, "up": MatmulSpec(2 * F, C, step="up"), "down": MatmulSpec(C, F)}
         E, k, Fm, Fs = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, \

@@ -33,12 +33,14 @@ class GatedDeltaNet:
         self.key_dim, self.value_dim, self.conv_dim = cfg.linear_key_dim, cfg.linear_value_dim, cfg.conv_dim
         self.eps, self.project = cfg.rms_norm_eps, project
 
-    def qkv(self, h: torch.Tensor, w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Step "qkv" (module docstring): (q, k, v, z, g, beta)."""
+    def qkv(self, h: torch.Tensor, w: dict[str, torch.Tensor], resets: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, ...]:
+        """Step "qkv" (module docstring): (q, k, v, z, g, beta); `resets` (B, T) bool: documents' first tokens, where
+        the convolution restarts."""
         B, T, _ = h.shape
         p = self.project(h, w, "in_proj")  # (B, T, conv_dim + value_dim + 2H) = [qkv | z | b | a]
         mixed, z, b, a = p.split([self.conv_dim, self.value_dim, self.H, self.H], dim=-1)
-        mixed = causal_conv1d_silu(mixed, w["conv"].squeeze(1))  # (B, T, conv_dim); conv (conv_dim, 1, K)
+        mixed = causal_conv1d_silu(mixed, w["conv"].squeeze(1), resets)  # (B, T, conv_dim); conv (conv_dim, 1, K)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta = b.sigmoid()  # (B, T, H)
         g = -w["A_log"].float().exp() * F.softplus(a.float() + w["dt_bias"])  # (B, T, H) fp32
@@ -47,9 +49,9 @@ class GatedDeltaNet:
 
     @staticmethod
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                  beta: torch.Tensor) -> torch.Tensor:
-        """Step "attention": the gated delta rule, o (B, T, H, dv) in q's dtype."""
-        return gated_delta_rule(q, k, v, g, beta)
+                  beta: torch.Tensor, resets: torch.Tensor | None = None) -> torch.Tensor:
+        """Step "attention": the gated delta rule, o (B, T, H, dv) in q's dtype, its state restarting at `resets`."""
+        return gated_delta_rule(q, k, v, g, beta, resets)
 
     def output(self, o: torch.Tensor, z: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         """Gated RMSNorm per value head, then the output projection: (B, T, H, dv) -> (B, T, C)."""

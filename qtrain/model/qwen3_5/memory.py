@@ -53,7 +53,7 @@ def activation_terms(cfg: Qwen35Config, layer: int, s: ActivationSettings) -> li
     terms += [ActTerm("res_att", E * C, blk, "residual after the mixer"),
               ActTerm("ln2", _norm_bytes(C, E) + E * C, "norm" not in rc and "ffn" not in rc,
                       "RMSNorm-2 state + output (the MLP input)")]
-    if cfg.is_moe:
+    if cfg.is_moe_layer(layer):
         k, Fm, Fs = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         terms.append(ActTerm("moe", E * k * (C + 2 * Fm + 2 * Fm + C) + 4 * cfg.num_experts + 16 * k
                              + E * (2 * Fs + 2 * Fs + 2), blk, "MoE (model/moe.py) + shared expert"))
@@ -68,7 +68,8 @@ def backward_temporaries(cfg: Qwen35Config, layer: int, tokens: int, s: Activati
     """The largest saved tensors come back as gradients: the MLP's and the mixer's widest, in the model dtype, plus the
     delta rule's fp32 chunk gradients (as large as its kept buffers) on linear-attention layers."""
     E = DTYPE_BYTES[s.model_dtype]
-    mlp = 2 * (cfg.moe_intermediate_size * cfg.num_experts_per_tok if cfg.is_moe else cfg.intermediate_size)
+    mlp = 2 * (cfg.moe_intermediate_size * cfg.num_experts_per_tok if cfg.is_moe_layer(layer) else
+               cfg.intermediate_size)
     mixer = cfg.in_proj_dim if cfg.is_linear(layer) else cfg.attn_qkv_dim
     delta = 0
     if cfg.is_linear(layer):

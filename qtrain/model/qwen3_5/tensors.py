@@ -5,6 +5,10 @@ Fused as llm.q fuses them (one GEMM where HF runs several), everything else one 
   qkv      (2 q_dim + 2 kv_dim, C)         rows [q + gate; k; v] <- self_attn.q_proj / k_proj / v_proj
   up       (2F, C)                         rows [up; gate]       <- mlp.up_proj / mlp.gate_proj
   experts_up_gate (E, 2F, C)               per expert [up; gate] <- mlp.experts.{e}.up_proj / gate_proj
+Qwen3-Next (model_type qwen3_next) holds the same in_proj as two HF tensors whose rows interleave per key-head group
+g (of Hk; r = H / Hk value heads each): linear_attn.in_proj_qkvz = [q_g; k_g; v_g; z_g] for g = 0..Hk-1 and
+linear_attn.in_proj_ba = [b_g; a_g], which `next_in_proj_rows` maps onto qtrain's [q; k; v; z; b; a] rows
+(`TensorSpec.hf_rows`: a permutation in the mapping, so the block is the same code for both).
 Names sit under the config's `hf_prefix`: 'model.' for a text checkpoint, 'model.language_model.' for the
 multimodal one (what `Qwen3_5ForConditionalGeneration` reads; `Qwen3_5ForCausalLM` reads both); the LM head is
 'lm_head.weight' in both.
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 from qtrain.model.family import TensorSpec
 from qtrain.model.qwen3_5.config import Qwen35Config
+from qtrain.model.qwen3_5.next_config import NEXT_TYPE
 
 # short name -> HF suffix(es) under "{prefix}layers.{i}."; a tuple means rows concatenated in order
 MIXER_HF: dict[str, dict[str, str | tuple[str, ...]]] = {
@@ -54,7 +59,7 @@ def block_shapes(cfg: Qwen35Config, layer: int) -> dict[str, tuple[int, ...]]:
     else:
         shapes.update(qkv=(cfg.attn_qkv_dim, C), q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,), o=(C, cfg.q_dim))
     shapes["ln2"] = (C,)
-    if cfg.is_moe:
+    if cfg.is_moe_layer(layer):
         E, Fm, Fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         shapes.update(router=(E, C), experts_up_gate=(E, 2 * Fm, C), experts_down=(E, C, Fm),
                       shared_up=(2 * Fs, C), shared_down=(C, Fs), shared_gate=(1, C))
@@ -64,9 +69,28 @@ def block_shapes(cfg: Qwen35Config, layer: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+NEXT_IN_PROJ = ("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight")
+
+
+def next_in_proj_rows(cfg: Qwen35Config) -> tuple[tuple[int, int], ...]:
+    """Qwen3-Next's in_proj_qkvz rows then in_proj_ba rows as runs (start, count) of qtrain's in_proj rows
+    [q (Hk dk); k (Hk dk); v (H dv); z (H dv); b (H); a (H)] (module docstring)."""
+    Hk, H, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
+        cfg.linear_value_head_dim
+    r, kd, vd = H // Hk, cfg.linear_key_dim, cfg.linear_value_dim
+    q, k, v, z, b, a = 0, kd, 2 * kd, 2 * kd + vd, 2 * kd + 2 * vd, 2 * kd + 2 * vd + H
+    qkvz = tuple(run for g in range(Hk) for run in ((q + g * dk, dk), (k + g * dk, dk), (v + g * r * dv, r * dv),
+                                                     (z + g * r * dv, r * dv)))
+    return qkvz + tuple(run for g in range(Hk) for run in ((b + g * r, r), (a + g * r, r)))
+
+
 def _hf_parts(cfg: Qwen35Config, layer: int, short: str, shape: tuple[int, ...]
               ) -> tuple[tuple[str, tuple[int, ...]], ...]:
     prefix = f"{cfg.hf_prefix}layers.{layer}."
+    if short == "in_proj" and cfg.model_type == NEXT_TYPE:
+        C = shape[1]  # [q_g; k_g; v_g; z_g] and [b_g; a_g] per key-head group
+        return ((prefix + NEXT_IN_PROJ[0], (cfg.conv_dim + cfg.linear_value_dim, C)),
+                (prefix + NEXT_IN_PROJ[1], (2 * cfg.linear_num_value_heads, C)))
     if short == "experts_up_gate":
         E, F2, C = shape
         return tuple((f"{prefix}mlp.experts.{e}.{p}.weight", (F2 // 2, C)) for e in range(E)
@@ -74,7 +98,7 @@ def _hf_parts(cfg: Qwen35Config, layer: int, short: str, shape: tuple[int, ...]
     if short == "experts_down":
         return tuple((f"{prefix}mlp.experts.{e}.down_proj.weight", shape[1:]) for e in range(shape[0]))
     hf = {"ln1": "input_layernorm.weight", "ln2": "post_attention_layernorm.weight",
-          **MIXER_HF[cfg.layer_types[layer]], **(MOE_MLP_HF if cfg.is_moe else DENSE_MLP_HF)}[short]
+          **MIXER_HF[cfg.layer_types[layer]], **(MOE_MLP_HF if cfg.is_moe_layer(layer) else DENSE_MLP_HF)}[short]
     if isinstance(hf, str):
         return ((prefix + hf, shape),)
     C = shape[1]
@@ -85,9 +109,10 @@ def _hf_parts(cfg: Qwen35Config, layer: int, short: str, shape: tuple[int, ...]
 
 def block_tensors(cfg: Qwen35Config, layer: int) -> tuple[TensorSpec, ...]:
     """Block `layer`'s tensors (linear- and full-attention layers hold different ones)."""
+    rows = next_in_proj_rows(cfg) if cfg.model_type == NEXT_TYPE else ()
     return tuple(TensorSpec(short, shape, _hf_parts(cfg, layer, short, shape), decay=short not in NO_DECAY,
                             init=INIT.get(short, "normal"), experts=cfg.num_experts if short.startswith("experts_")
-                            else 0)
+                            else 0, hf_rows=rows if short == "in_proj" else ())
                  for short, shape in block_shapes(cfg, layer).items())
 
 
