@@ -8,8 +8,8 @@ Parameters: model, batch, accum, steps; optional seq (1024), warmup (3), device 
 its first N layers, bench/shapes.py: e.g. the largest MoE that fits one GPU), and any `Options` field
 (lmhead_chunks, model_dtype, opt_m_dtype, opt_v_dtype, matmul_dtype, recompute_swiglu, offload_opt_m,
 compile_tuning, ...; `compile` defaults to "on"). Result: tps, step_ms, host_ms (host time spent queuing the
-micro-steps of one step: close to step_ms means the host, not the GPU, sets the pace), loss, mfu (of an MoE: over
-the experts a token runs, bench/shapes.active_flops_per_token; qtrain's count over all experts as mfu_all), peak_gib
+micro-steps of one step: close to step_ms means the host, not the GPU, sets the pace), loss, mfu (qtrain's
+mfu_bf16: of an MoE over the experts a token runs; checkouts before that fix counted every expert), peak_gib
 (the allocator's peak), plan_gib (what the memory plan, `qtrain plan`, predicts for the same run without its fixed
 reserve for the CUDA context), plan_err (their relative difference), reserved_gib; with e4m3 matmuls fp8 (the
 block linears --fp8-policy put in FP8).
@@ -25,7 +25,7 @@ import torch
 
 from bench.compat import qtrain
 from bench.dry import divisor_or_one, tiny_model_dir
-from bench.shapes import active_flops_per_token, model_arg
+from bench.shapes import model_arg
 
 RUN_KEYS = ("model", "batch", "accum", "steps", "seq", "warmup", "device", "layers")
 
@@ -84,10 +84,6 @@ def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, warmup:
     if cuda:
         peak = torch.cuda.max_memory_allocated()
         mfu = qtrain("mfu_bf16")(tps, tr.cfg, seq, torch.cuda.get_device_name())
-        if getattr(tr.cfg, "num_experts", 0):  # an MoE: over the active experts (qtrain's count takes them all)
-            res["mfu_all"] = round(mfu or 0, 3)
-            peak = qtrain("peak_tflops")(torch.cuda.get_device_name(), "bf16")
-            mfu = peak and tps * active_flops_per_token(tr.cfg, seq) / (peak * 1e12)
         res.update(mfu=round(mfu or 0, 3), peak_gib=round(peak / 2**30, 2), plan_err=round(plan_bytes / peak - 1, 3),
                    reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2))
     print(", ".join(f"{k} {v}" for k, v in res.items()), flush=True)

@@ -19,7 +19,7 @@ of tables, each tried in its own process (`isolate`), with keys name, attn ("sdp
 checkpointing, default false), experts (transformers' experts_implementation of an MoE, e.g. "grouped_mm" or
 "eager"; default: transformers' choice); setting_timeout (s per setting); first_ok (settings listed fastest
 first, each after the first a fallback: stop at the first that runs). Result: tps, step_ms, peak_gib, mfu
-(over the active parameters, bench/shapes.active_flops_per_token, against the device's dense bf16 peak), best
+(qtrain's model_flops_per_token: over the active parameters, against the device's dense bf16 peak), best
 (the fastest setting's name), layers, trainable (parameters the optimizer updates), rows (every setting: status,
 tps, step_ms, peak_gib, warmup_s (compilation included), error).
 """
@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 from bench.dry import tiny_model_dir
-from bench.shapes import active_flops_per_token, shaped_config
+from bench.shapes import shaped_config
 
 QTRAIN_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
                   "down": "down_proj"}
@@ -102,7 +102,8 @@ def run(model: str, batch: int, accum: int = 1, steps: int = 5, warmup: int = 3,
                summary="; ".join(f"{r['setting']} {r['tps'] if r['status'] == 'ok' else r['status']}" for r in rows))
     peak = peak_tflops(best.get("device"))
     if peak:
-        res["mfu"] = round(best["tps"] * active_flops_per_token(cfg, seq) / (peak * 1e12), 3)
+        from bench.compat import qtrain
+        res["mfu"] = round(best["tps"] * qtrain("model_flops_per_token")(cfg, seq) / (peak * 1e12), 3)
     print(", ".join(f"{k} {v}" for k, v in res.items() if k != "rows"), flush=True)
     return res
 

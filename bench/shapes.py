@@ -83,15 +83,3 @@ def model_arg(model: str, layers: int | None) -> str:
     `layers` layers."""
     return model if layers is None else config_dir(shaped_config(model, layers))
 
-
-def active_flops_per_token(cfg: Any, seq: int) -> int:
-    """Training FLOPs per token counting what a token runs: qtrain's count (6 N_matmul + attention) without the
-    experts a token is not routed to (an MoE's MFU is over its active parameters, as issue 44 asks)."""
-    from bench.compat import qtrain
-    flops = qtrain("model_flops_per_token")(cfg, seq)
-    experts = getattr(cfg, "num_experts", 0) or 0
-    if experts:
-        moe_layers = cfg.num_hidden_layers - len(getattr(cfg, "dense_layers", ()))
-        idle = (experts - cfg.num_experts_per_tok) * 3 * cfg.hidden_size * cfg.moe_intermediate_size * moe_layers
-        flops -= 6 * idle
-    return flops

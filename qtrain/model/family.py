@@ -119,6 +119,11 @@ class MatmulSpec:
         return (tokens if self.rows == 1 else round(self.rows * tokens), self.n, self.k)
 
     @property
+    def weights(self) -> int:
+        """Weights the matrix holds: count x N x K (every expert of a stack, whichever a token is routed to)."""
+        return self.count * self.n * self.k
+
+    @property
     def weights_per_token(self) -> float:
         """Multiply-adds per token of the forward (half its FLOPs): rows x count x N x K (an int for dense ones)."""
         return self.n * self.k * self.count if self.rows == 1 else self.rows * self.count * self.n * self.k

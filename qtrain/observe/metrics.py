@@ -26,9 +26,10 @@ function returns None instead of raising.
 
 MFU follows the BF16-equivalent convention recommended in reference/peers.md §1.3: model FLOPs per
 token = 6·N_matmul + 6·L·q_dim·T (torchtitan's N_matmul: all parameters except the input embedding,
-the LM head counted once even when tied) divided by the *BF16* dense peak, also for FP8 runs, so numbers
-compare across dtypes. Attention is counted causal-halved by default (as llm.q's SOL and
-Megatron-Bridge); `causal=False` gives torchtitan's 12·L·q_dim·T count.
+the LM head counted once even when tied; of a Mixture-of-Experts only the active ones: the router, the k of E routed
+experts a token runs, shared experts, the family's `matmuls` statements saying which matrices are expert stacks)
+divided by the *BF16* dense peak, also for FP8 runs, so numbers compare across dtypes. Attention is counted
+causal-halved by default (as llm.q's SOL and Megatron-Bridge); `causal=False` gives torchtitan's 12·L·q_dim·T count.
 """
 from __future__ import annotations
 
@@ -182,11 +183,17 @@ def sol_fraction(ns_per_tok: float | None, step_tokens: int, step_seconds: float
 # ---- MFU (BF16-equivalent) ----
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> int:
-    """6·N_matmul + attention. N_matmul = every parameter but the input embedding, LM head counted once."""
+    """6·N_matmul + attention. N_matmul = every parameter but the input embedding, LM head counted once, less the
+    experts a token is not routed to (MFU counts the FLOPs a token runs, not the weights the model stores)."""
     n_matmul = num_params(cfg, include_embedding=False)
     if cfg.tie_word_embeddings:
         n_matmul += cfg.vocab_size * cfg.hidden_size  # the tied matrix still runs as the LM head matmul
     family = family_of(cfg)
+    # an expert stack's statement runs k / E of its weights per token (`MatmulSpec.rows`); a dense matrix all of them
+    # (0 here, an int: the dense families' count is unchanged)
+    idle = sum_over_layers(cfg, lambda layer: sum(m.weights - m.weights_per_token
+                                                  for m in family.matmuls(cfg, layer).values()))
+    n_matmul -= round(idle)
     attn = (3 if causal else 6) * sum_over_layers(cfg, lambda layer: family.attention_flops(cfg, layer, seq_len))
     return 6 * n_matmul + attn
 
