@@ -19,9 +19,10 @@ one-function MLP of `BlockOptions.mlp` takes):
 
 Every block of a model takes (x, weights, cos, sin[, docs]) and returns x (`docs`, a
 `kernels.document_attention.DocumentMask`, only with --document-masking: the block hands it to its attention,
-`document_attention(q, k, v, docs)`, and the cos, sin it gets are then (B, T, hs), one row per token's position): blocks of one model may differ (a hybrid
-model's linear-attention and full-attention layers hold different tensors), `block_tensors(cfg, layer)` says
-which tensors layer `layer` has, and the one block function tells the kinds apart by the weights it receives.
+`document_attention(q, k, v, docs)`, and the cos, sin it gets are then (B, T, hs), one row per token's position):
+blocks of one model may differ (a hybrid model's linear-attention and full-attention layers hold different
+tensors), `block_tensors(cfg, layer)` says which tensors layer `layer` has, and the one block function tells the
+kinds apart by the weights it receives.
 A family whose blocks cannot keep documents apart yet says why in an optional attribute `no_document_masking` (a
 phrase), which `registry.document_masking_error` turns into the preflight's refusal of --document-masking.
 docs/architecture.md, "Adding a model family", walks through a new one.
