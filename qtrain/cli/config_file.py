@@ -51,6 +51,8 @@ def load_config_file(path: str) -> dict[str, Any]:
             check_yaml_size(raw, source)
             data = yaml.safe_load(raw) or {}
         except yaml.YAMLError as e:
+            if "maximum nesting depth" in str(e):  # PyYAML >= 6.0.4 refuses deep flow nesting while scanning
+                raise _too_deep(source) from None
             raise OptionsError(f"{source}: invalid YAML ({shorten(str(e))})") from None
     else:
         try:

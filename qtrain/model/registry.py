@@ -32,7 +32,7 @@ MODEL_TYPES: tuple[str, ...] = tuple(_BY_MODEL_TYPE)
 
 
 def _unsupported(model_type: Any) -> str:
-    return f"unknown model_type {shorten(repr(model_type))}; supported: {', '.join(MODEL_TYPES)}"
+    return f"unknown model_type {shorten(repr(model_type), 64)}; supported: {', '.join(MODEL_TYPES)}"
 
 
 def family_for(model_type: str) -> ModelFamily:
