@@ -39,6 +39,16 @@ def default_layer_types(layers: int, interval: int = 4) -> tuple[str, ...]:
     return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers))
 
 
+def layer_types_of(d: dict[str, Any], error: Callable[[str], Exception]) -> tuple[str, ...]:
+    """A config.json's `layer_types` (a list of names), else transformers' default from `full_attention_interval`."""
+    lt = d.get("layer_types")
+    if lt is None:
+        return default_layer_types(d["num_hidden_layers"], d.get("full_attention_interval", 4))
+    if isinstance(lt, list) and all(isinstance(t, str) for t in lt):
+        return tuple(lt)
+    raise error(f"layer_types must be a list of strings, got {shorten(repr(lt))}")
+
+
 @dataclass(kw_only=True)
 class Qwen35Config(ModelConfig):
     """The hybrid decoder's fields besides the common ones (maps to the text config.json). Letters: F =
@@ -245,14 +255,7 @@ class Qwen35Config(ModelConfig):
             raise r.error("attention_dropout != 0 is not supported")
         if d.get("mamba_ssm_dtype", "float32") != "float32":
             raise r.error(f"mamba_ssm_dtype={shorten(repr(d['mamba_ssm_dtype']))}: the delta-rule state is fp32")
-        layers = d["num_hidden_layers"]
-        lt = d.get("layer_types")
-        if lt is None:
-            layer_types = default_layer_types(layers, d.get("full_attention_interval", 4))
-        elif isinstance(lt, list) and all(isinstance(t, str) for t in lt):
-            layer_types = tuple(lt)
-        else:
-            raise r.error(f"layer_types must be a list of strings, got {shorten(repr(lt))}")
+        layer_types = layer_types_of(d, r.error)
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         prf = d.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
         r.typed("partial_rotary_factor", "number", inner={"partial_rotary_factor": prf})

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from qtrain.fsio import shorten
 from qtrain.model.config import COMMON_HF_KEYS, ConfigError, HfKeys
-from qtrain.model.qwen3_5.config import Qwen35Config, default_layer_types
+from qtrain.model.qwen3_5.config import Qwen35Config, layer_types_of
 
 NEXT_TYPE = "qwen3_next"
 ARCHITECTURE = "Qwen3NextForCausalLM"
@@ -67,14 +67,7 @@ class Qwen3NextConfig(Qwen35Config):
             raise r.error("attention_bias=true is not supported (Qwen3-Next has no attention biases)")
         if float(d.get("attention_dropout", 0.0) or 0.0) != 0.0:
             raise r.error("attention_dropout != 0 is not supported")
-        layers = d["num_hidden_layers"]
-        lt = d.get("layer_types")
-        if lt is None:
-            layer_types = default_layer_types(layers, d.get("full_attention_interval", 4))
-        elif isinstance(lt, list) and all(isinstance(t, str) for t in lt):
-            layer_types = tuple(lt)
-        else:
-            raise r.error(f"layer_types must be a list of strings, got {shorten(repr(lt))}")
+        layer_types = layer_types_of(d, r.error)
         mlp_only = d.get("mlp_only_layers") or []
         if not isinstance(mlp_only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):
             raise r.error(f"mlp_only_layers must be a list of layer indices, got {shorten(repr(mlp_only))}")
