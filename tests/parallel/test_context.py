@@ -43,41 +43,76 @@ def _setup():
     return params, inputs, targets
 
 
-def _loss_and_grads(split, params, inputs, targets, n_valid):
+def _positions() -> torch.Tensor:
+    """Documents of (B, T) rows whose boundaries fall inside and across the chunks of CP=2 (8 tokens) and CP=4 (4)."""
+    rows = ([5, 11, 9, 7], [2, 1, 21, 3, 5])
+    return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
+
+
+def _loss_and_grads(split, params, inputs, targets, n_valid, positions=None):
     from qtrain.model.transformer import RunOptions, Transformer
     from qtrain.parallel.weights.replicated import ParamWeights
     from tests.model.test_transformer import Collect
     p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
     sink = Collect()
     model = Transformer(CFG, RunOptions(context=split, lmhead_chunks=2))
-    if split is not None:
+    if split is not None:  # positions stay whole: the split's documents need every rank's
         inputs, targets = split.shard(inputs), split.shard(targets)
-    loss = model.forward_backward(ParamWeights(CFG, p), inputs, targets, grads=sink, loss_scale=1.0 / n_valid)
+    loss = model.forward_backward(ParamWeights(CFG, p), inputs, targets, grads=sink, loss_scale=1.0 / n_valid,
+                                  positions=positions)
     return loss.detach(), sink.grads
 
 
+# (context parallel ranks per group, mode, documents): each case's loss and gradients summed over all ranks
+CASES = {2: [(2, "allgather", False), (2, "allgather", True), (2, "ring", False), (2, "ring", True)],
+         4: [(4, "allgather", True), (4, "ring", False), (4, "ring", True), (2, "ring", True), (2, "allgather", False)]}
+
+
 def _rank(rank: int, world: int):
-    from qtrain.parallel.context import make_context_parallel
-    params, inputs, targets = _setup()
-    split = make_context_parallel(world, rank=rank, world=world)
-    loss, grads = _loss_and_grads(split, params, inputs, targets, int((targets != -100).sum()))
+    """Every case of CASES[world]: with groups of `parts` < world, each group (a data-parallel replica) takes its
+    own rows of the batch, as the trainer's replicas read their own sequences."""
     import torch.distributed as dist
-    dist.all_reduce(loss)
-    for g in grads.values():
-        dist.all_reduce(g)
-    return loss, grads
 
-
-@pytest.mark.parametrize("parts", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: 35 s of spawning
-def test_split_sequences_equal_one_process(parts):
+    from qtrain.parallel.context import data_rank, make_context_parallel
     params, inputs, targets = _setup()
-    ref_loss, ref = _loss_and_grads(None, params, inputs, targets, int((targets != -100).sum()))
-    loss, grads = run_distributed(_rank, parts)[0]
-    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    n_valid = int((targets != -100).sum())
+    out = {}
+    for parts, mode, docs in CASES[world]:
+        split = make_context_parallel(parts, rank=rank, world=world, mode=mode)
+        replica, replicas = data_rank(rank, world, parts)
+        rows = slice(replica * B // replicas, (replica + 1) * B // replicas)
+        pos = _positions()[rows] if docs else None
+        loss, grads = _loss_and_grads(split, params, inputs[rows], targets[rows], n_valid, pos)
+        dist.all_reduce(loss)
+        for g in grads.values():
+            dist.all_reduce(g)
+        out[parts, mode, docs] = loss, grads
+    return out
+
+
+def _assert_same(got, want, what):
+    (loss, grads), (ref_loss, ref) = got, want
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item()), what
     assert grads.keys() == ref.keys()
     for k, r in ref.items():
         err = ((grads[k] - r).norm() / r.norm()).item()
-        assert err <= 1e-4, f"{k}: {err:.2e}"
+        assert err <= 1e-4, f"{what} {k}: {err:.2e}"
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: 35 s of spawning
+def test_split_sequences_equal_one_process(world):
+    """CP=2 and CP=4 (and, on 4 ranks, 2 replicas of CP=2), all-gather and ring, with and without documents: the
+    loss and every gradient of one process on the whole rows (documents: the same position ids)."""
+    params, inputs, targets = _setup()
+    n_valid = int((targets != -100).sum())
+    refs = {docs: _loss_and_grads(None, params, inputs, targets, n_valid, _positions() if docs else None)
+            for docs in (False, True)}
+    assert (refs[True][0] - refs[False][0]).abs() > 1e-3  # the documents change the loss
+    results = run_distributed(_rank, world)
+    for case, got in results[0].items():
+        _assert_same(got, refs[case[2]], case)
+    for r in results[1:]:  # every rank holds the same sums
+        assert all(torch.equal(r[c][0], results[0][c][0]) for c in r)
 
 
 def test_cli_context_parallel_trains_as_one_process(tmp_path):
