@@ -14,7 +14,9 @@ one is computed), so after N - 1 passes every rank's queries have met every bloc
 A rank keeps for backward only its own q, k, v, out and the (B, nh, t) fp32 log-sum-exp: no gathered K/V and no
 (t, T) mask (the all-gather mode's price, `parallel/context.py`); in flight, one received block and, in backward,
 its fp32 gradient accumulators. Plain torch in fp32 (GQA by expanding the key/value heads), on every device: the
-math is the specification; a fused kernel would be the GPU's form. Scale 1/sqrt(hs), no dropout.
+math is the specification; a fused kernel would be the GPU's form. The query rows go through each block in slices
+whose fp32 scores take at most SCORE_BYTES (`row_slices`), so the transient does not grow with (T/N)^2.
+Scale 1/sqrt(hs), no dropout.
 """
 from __future__ import annotations
 
@@ -24,10 +26,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["Ring", "ring_attention"]
+__all__ = ["SCORE_BYTES", "Ring", "ring_attention", "row_slices"]
 
 # (source rank of a block) -> (B or 1, 1, t, t_block) bool, True where this rank's query may attend to the key
 MaskOf = Callable[[int], torch.Tensor]
+SCORE_BYTES = 256 << 20  # the fp32 scores of a slice of query rows against one block: the ring's largest transient
 
 
 class Ring:
@@ -63,29 +66,39 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(torch.isinf(lse), 0.0)
 
 
+def row_slices(rows: int, bytes_per_row: int) -> list[slice]:
+    """This rank's query rows in slices whose fp32 scores against one block take at most SCORE_BYTES."""
+    step = max(1, min(rows, SCORE_BYTES // max(1, bytes_per_row)))
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, mask_of: MaskOf
                 ) -> torch.Tensor:
-        groups, scale = q.shape[1] // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
+        B, nh, t, _ = q.shape
+        groups, scale = nh // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
         qf = q.float()
         out = torch.zeros_like(qf)
         lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
         block = [k, v]
         for step in range(ring.parts):
             pending = ring.start_pass(block) if step < ring.parts - 1 else None
-            kb, vb = (_expand(t.float(), groups) for t in block)
-            s = _scores(qf, kb, mask_of(ring.source(step)), scale)
-            lse_b = torch.logsumexp(s, -1)
-            out_b = torch.exp(s - _finite(lse_b)[..., None]) @ vb
-            merged = torch.logaddexp(lse, lse_b)
-            m = _finite(merged)[..., None]
-            out = out * torch.exp(lse[..., None] - m) + out_b * torch.exp(lse_b[..., None] - m)
-            lse = merged
+            kb, vb = (_expand(x.float(), groups) for x in block)
+            mask = mask_of(ring.source(step))
+            for r in row_slices(t, 4 * B * nh * kb.shape[2]):
+                s = _scores(qf[:, :, r], kb, mask[:, :, r], scale)
+                lse_b = torch.logsumexp(s, -1)
+                out_b = torch.exp(s - _finite(lse_b)[..., None]) @ vb
+                merged = torch.logaddexp(lse[:, :, r], lse_b)
+                m = _finite(merged)[..., None]
+                out[:, :, r] = (out[:, :, r] * torch.exp(lse[:, :, r, None] - m)
+                                + out_b * torch.exp(lse_b[..., None] - m))
+                lse[:, :, r] = merged
             if pending is not None:
                 block, requests = pending
-                for r in requests:
-                    r.wait()
+                for req in requests:
+                    req.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.mask_of = ring, mask_of
@@ -95,23 +108,28 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         ring, mask_of = ctx.ring, ctx.mask_of
-        groups, scale = q.shape[1] // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
+        B, nh, t, _ = q.shape
+        groups, scale = nh // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
         qf, do = q.float(), dout.float()
         delta = (do * out.float()).sum(-1, keepdim=True)  # rowsum(dO * O)
         dq = torch.zeros_like(qf)
         block = [k, v, torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
-        B, nkv, tk, hs = k.shape
+        _, nkv, tk, hs = k.shape
         for step in range(ring.parts):
-            kb, vb = (_expand(t.float(), groups) for t in block[:2])
-            p = torch.exp(_scores(qf, kb, mask_of(ring.source(step)), scale) - lse[..., None])
-            ds = p * (do @ vb.transpose(-1, -2) - delta)
-            dq += ds @ kb * scale
-            block[2] = block[2] + (ds.transpose(-1, -2) @ qf * scale).view(B, nkv, groups, tk, hs).sum(2)
-            block[3] = block[3] + (p.transpose(-1, -2) @ do).view(B, nkv, groups, tk, hs).sum(2)
+            kb, vb = (_expand(x.float(), groups) for x in block[:2])
+            mask = mask_of(ring.source(step))
+            for r in row_slices(t, 4 * B * nh * tk):
+                p = torch.exp(_scores(qf[:, :, r], kb, mask[:, :, r], scale) - lse[:, :, r, None])
+                ds = p * (do[:, :, r] @ vb.transpose(-1, -2) - delta[:, :, r])
+                dq[:, :, r] += ds @ kb * scale
+                block[2] += (ds.transpose(-1, -2) @ qf[:, :, r] * scale).view(B, nkv, groups, tk, hs).sum(2)
+                block[3] += (p.transpose(-1, -2) @ do[:, :, r]).view(B, nkv, groups, tk, hs).sum(2)
+            if ring.parts == 1:
+                break
             # the last pass returns each block's gradients to their owner; the keys and values are no longer needed
             block, requests = ring.start_pass(block if step < ring.parts - 1 else block[2:])
-            for r in requests:
-                r.wait()
+            for req in requests:
+                req.wait()
         dk, dv = block[-2:]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
