@@ -175,7 +175,8 @@ def _schedule_problems(meta: Mapping[str, Any], opts: Options, world: int) -> li
         if before != now:
             problems.append(f"global batch {before} -> {now} sequences per step (--batch-size {old['batch_size']} -> "
                             f"{opts.batch_size}, --grad-accumulation {old['grad_accumulation']} -> "
-                            f"{opts.grad_accumulation}, {old_world} -> {readers} data-parallel rank(s))")
+                            f"{opts.grad_accumulation}, {old_world} -> {readers} rank(s)"
+                            f"{' reading their own sequences' if readers != world else ''})")
     return problems + [f"{_flag(k)} {_show(old[k])} -> {_show(getattr(opts, k))}" for k in SCHEDULE_OPTIONS
                        if k in old and old[k] != getattr(opts, k)]
 
