@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from qtrain.kernels.document_attention import positions_error
 from qtrain.model.choices import CONTEXT_PARALLEL_MODES as MODES
-from qtrain.parallel.ring_attention import Ring, ring_attention
+from qtrain.parallel.ring_attention import MaskOf, Ring, ring_attention
 
 __all__ = ["MODES", "ContextParallel", "SplitDocuments", "check_context_parallel", "chunk_positions", "data_rank",
            "make_context_parallel"]
@@ -163,7 +163,7 @@ class ContextParallel:
         mask = self._causal_mask(t, q.device) if docs is None else docs.mask
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
-    def _block_mask(self, t: int, device: torch.device, docs: SplitDocuments | None):
+    def _block_mask(self, t: int, device: torch.device, docs: SplitDocuments | None) -> MaskOf:
         """The ring's mask of the block from each source rank: (1 or B, 1, t, t), causal over global positions and,
         with documents, inside each document."""
         mine = self.positions(t, device)

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["SCORE_BYTES", "Ring", "ring_attention", "row_slices"]
+__all__ = ["SCORE_BYTES", "MaskOf", "Ring", "ring_attention", "row_slices"]
 
 # (source rank of a block) -> (B or 1, 1, t, t_block) bool, True where this rank's query may attend to the key
 MaskOf = Callable[[int], torch.Tensor]
