@@ -249,9 +249,13 @@ class Options:
     offload_gradients: bool = False
     """Keep the sharded gradient shards in pinned host memory (needs sharded gradients)."""
     context_parallel: int = 1
-    """Split each sequence over this many ranks (load-balanced causal chunks; attention over all-gathered keys and
-    values: parallel/context.py); must divide the ranks, --seq-len a multiple of 2N. Runs eager blocks, attention
-    not recomputed (no --recompute-att / --recompute-block), no --attn-bwd-chunks or CUDA graphs."""
+    """Split each sequence over this many ranks (load-balanced causal chunks: parallel/context.py); must divide the
+    ranks, --seq-len a multiple of 2N. Runs eager blocks, attention not recomputed (no --recompute-att /
+    --recompute-block), no --attn-bwd-chunks or CUDA graphs."""
+    context_parallel_mode: str = "allgather"
+    """How --context-parallel's attention meets the other ranks' keys and values: allgather (gather the whole
+    sequence's K/V, kept for backward) | ring (pass K/V blocks around the ranks, online-softmax merge; keeps only
+    this rank's)."""
     shard_group_size: int = 0
     """Hybrid sharding: cut optimizer state, gradients and (sharded) weights across groups of this many
     consecutive ranks (e.g. one node's GPUs) and replicate them across the groups; gradients are reduced inside
@@ -446,7 +450,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "LoRA adapters": ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_init_from", "lora_merge",
                       "lora_base_dtype"),
     "parallel (GPUs, sharding)": ("gpus", "zero_level", "shard_gradients", "all_to_all_reduce", "offload_gradients",
-                                  "shard_weights", "shard_group_size", "context_parallel", "collective_timeout"),
+                                  "shard_weights", "shard_group_size", "context_parallel", "context_parallel_mode",
+                                  "collective_timeout"),
     "execution (device, compile, kernels)": ("device", "compile", "compile_tuning", "compile_cache",
                                              "compile_autotune_gemm", "sdpa_backend", "use_cuda_graphs"),
     "mixture of experts": ("router_z_loss", "log_router_every", "expert_parallel"),

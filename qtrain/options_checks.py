@@ -210,6 +210,8 @@ def _check_context_parallel(opts: Any, err: Callable[[str], OptionsError]) -> No
     if n < 1:
         raise err(f"--context-parallel must be >= 1, got {n}")
     if n == 1:
+        if opts.context_parallel_mode != "allgather":
+            raise err(f"--context-parallel-mode {opts.context_parallel_mode} needs --context-parallel N > 1")
         return
     if opts.seq_len % (2 * n):
         raise err(f"--context-parallel {n}: --seq-len {opts.seq_len} must be a multiple of {2 * n} (each sequence "
@@ -217,12 +219,12 @@ def _check_context_parallel(opts: Any, err: Callable[[str], OptionsError]) -> No
     blocked = [f for f, on in (("--compile on", opts.compile == "on"), ("--recompute-att", opts.recompute_att),
                                ("--recompute-block", opts.recompute_block), ("--use-cuda-graphs", opts.use_cuda_graphs),
                                (f"--attn-bwd-chunks {opts.attn_bwd_chunks}", opts.attn_bwd_chunks > 1),
-                               ("--document-masking", opts.document_masking),
+                               ("--document-attention varlen", opts.document_attention == "varlen"),
                                (f"--expert-parallel {opts.expert_parallel}", opts.expert_parallel > 1),
                                ("--lora-rank", opts.lora_rank > 0)) if on]
     if blocked:
-        raise err(f"--context-parallel {n} does not support {', '.join(blocked)} yet (its attention gathers keys "
-                  f"and values across ranks in eager blocks, once per forward)")
+        raise err(f"--context-parallel {n} does not support {', '.join(blocked)} yet (its attention meets the "
+                  f"other ranks' keys and values in eager blocks, once per forward)")
 
 
 def _check_master(opts: Any, err: Callable[[str], OptionsError]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from qtrain.model.choices import DOCUMENT_ATTENTION, FP8_POLICIES, SDPA_BACKENDS
+from qtrain.model.choices import CONTEXT_PARALLEL_MODES, DOCUMENT_ATTENTION, FP8_POLICIES, SDPA_BACKENDS
 
 DTYPES = ("fp32", "bf16")
 MATMUL_DTYPES = ("fp32", "bf16", "e4m3")
@@ -22,7 +22,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "matmul_dtype": MATMUL_DTYPES, "gradient_dtype": GRADIENT_DTYPES, "opt_m_dtype": OPT_M_DTYPES,
     "opt_v_dtype": OPT_V_DTYPES, "lr_schedule": SCHEDULES, "device": ("auto", "cpu", "cuda"),
     "compile": ("auto", "on", "off"), "sdpa_backend": SDPA_BACKENDS, "lora_base_dtype": ("e4m3",),
-    "document_attention": DOCUMENT_ATTENTION,
+    "document_attention": DOCUMENT_ATTENTION, "context_parallel_mode": CONTEXT_PARALLEL_MODES,
 }
 # '' = follow the model / matmul dtype
 EMPTY_MEANS_DEFAULT = ("matmul_dtype", "gradient_dtype", "master_dtype", "grad_accum_dtype", "lora_base_dtype")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 SDPA_BACKENDS = ("auto", "flash", "cudnn", "math")  # torch's memory-efficient kernel has no GQA: left out
 DOCUMENT_ATTENTION = ("auto", "varlen", "masked")  # --document-attention: kernels/document_attention.py
+CONTEXT_PARALLEL_MODES = ("allgather", "ring")  # --context-parallel-mode: parallel/context.py
 FP8_POLICIES = ("all", "auto")
 FP8_MIN_SIZE = 400  # --fp8-min-size: a linear's GEMM size M*N*K/(M*K+M*N+N*K) from which FP8 pays
 FP8_MIN_BLOCK_GFLOP = 2600  # --fp8-min-block-gflop: a block's GFLOP per micro-step from which the GPU sets the pace

@@ -245,10 +245,22 @@ class Transformer:
                          ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         """(cos, sin, the blocks' extra arguments): the (T, hs) RoPE tables and no extra argument, or with position ids
         the tables at the positions (B, T, hs) and the micro-batch's DocumentMask, its attention slices those of
-        --attn-bwd-chunks (the block's own slicing)."""
-        cos, sin = self.rope(T, device, dtype)
+        --attn-bwd-chunks (the block's own slicing). A split sequence (context parallelism) takes the whole rows'
+        position ids (B, T x parts) and its own `documents` instead."""
         if positions is None:
-            return cos, sin, ()
+            return (*self.rope(T, device, dtype), ())
+        split = self.run.context
+        if split is not None:  # the whole rows' positions: this rank's RoPE rows, and the documents of every rank
+            if positions.shape[1] != T * split.parts:
+                raise ValueError(f"position ids of shape {tuple(positions.shape)} for sequences of {T} x "
+                                 f"{split.parts} tokens split over {split.parts} ranks")
+            key = ("documents", T * split.parts, str(device), dtype)
+            if key not in self._rope:
+                self._rope[key] = rope_tables(self.cfg, T * split.parts, device, dtype)
+            cos, sin = self._rope[key]
+            at = split.shard(positions).to(device, non_blocking=True)
+            return cos[at], sin[at], (split.documents(positions, device),)
+        cos, sin = self.rope(T, device, dtype)
         if positions.shape[1] != T:
             raise ValueError(f"position ids of shape {tuple(positions.shape)} for sequences of {T} tokens")
         kind = resolve_document_attention(self.run.document_attention, device, dtype)

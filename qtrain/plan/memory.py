@@ -20,7 +20,7 @@ for the options without building the component (docs/memory.md has the details):
     bound of the measured peak. Frozen groups (`parallel.layout`) have no gradient or optimizer rows.
   - with --use-cuda-graphs, the evaluation's LM head beside the graphs' private pool (train/cuda_graphs.py).
   - with --document-masking, what the document attention adds (`plan/documents.py`: nothing but offsets on the
-    default varlen path).
+    default varlen path); with --context-parallel, what its attention adds in its mode (`plan/context.py`).
   - a reserve (CUDA context, libraries) and 5% of activations + workspace for allocator fragmentation.
 """
 from __future__ import annotations
@@ -37,6 +37,7 @@ from qtrain.model.config import ModelConfig
 from qtrain.model.recompute import recompute_label, resolve_flags
 from qtrain.model.registry import family_of
 from qtrain.model.weights import num_params
+from qtrain.plan.context import context_parallel_bytes
 from qtrain.plan.documents import document_masking_bytes
 from qtrain.options import Options
 from qtrain.parallel.footprint import Footprint
@@ -296,9 +297,14 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
                       detail=f"{_mib(acts.per_layer + acts.input)} per layer; recompute {recompute_label(rc)}"
                              + ("; e4m3 input transposes kept" if keep_t else "")
                              + ("; block inputs on host" if acts.offload_residual else "")))
-    documents = document_masking_bytes(cfg, opts, device, rc)  # --document-masking: plan/documents.py
+    # --document-masking: plan/documents.py; under --context-parallel its attention's own masks (plan/context.py)
+    documents = document_masking_bytes(cfg, opts, device, rc) if opts.context_parallel == 1 else None
     if documents is not None:
         items.append(Item("document masks", device=documents[0], kind="activations", detail=documents[1]))
+    context = context_parallel_bytes(cfg, opts)
+    if context is not None:
+        items.append(Item(f"context parallel attention ({opts.context_parallel_mode})", device=context[0],
+                          kind="activations", detail=context[1]))
     if layout.lora is not None and "block" not in rc:  # each target's A output (and dropout's input and mask)
         per_token = LoraAdapter(cfg, layout.lora).saved_bytes_per_token(DTYPE_BYTES[opts.model_dtype])
         items.append(Item(f"lora adapters ({L} layers)", device=int(L * N * per_token), kind="activations",

@@ -168,12 +168,15 @@ def _schedule_problems(meta: Mapping[str, Any], opts: Options, world: int) -> li
     old, state, dist = meta["options"], meta["data_loader"], meta["distributed"]
     problems = []
     if {"batch_size", "grad_accumulation"} <= old.keys():
+        # the ranks that read their own sequences: the loader's world (a --context-parallel group shares its own)
         old_world = state.get("world") or dist["world"] * dist.get("replicas", 1)
-        before, now = _global_batch(old, old_world), _global_batch(vars(opts), world)
+        readers = world // max(1, opts.context_parallel)
+        before, now = _global_batch(old, old_world), _global_batch(vars(opts), readers)
         if before != now:
             problems.append(f"global batch {before} -> {now} sequences per step (--batch-size {old['batch_size']} -> "
                             f"{opts.batch_size}, --grad-accumulation {old['grad_accumulation']} -> "
-                            f"{opts.grad_accumulation}, {old_world} -> {world} rank(s))")
+                            f"{opts.grad_accumulation}, {old_world} -> {readers} rank(s)"
+                            f"{' reading their own sequences' if readers != world else ''})")
     return problems + [f"{_flag(k)} {_show(old[k])} -> {_show(getattr(opts, k))}" for k in SCHEDULE_OPTIONS
                        if k in old and old[k] != getattr(opts, k)]
 

@@ -100,7 +100,8 @@ class Trainer:
                                             device=self.device)
         # --context-parallel N: each sequence split over N consecutive ranks (parallel/context.py)
         check_context_parallel(opts.context_parallel, world=self.ctx.world, seq_len=opts.seq_len)
-        self.context = make_context_parallel(opts.context_parallel, rank=self.ctx.rank, world=self.ctx.world)
+        self.context = make_context_parallel(opts.context_parallel, rank=self.ctx.rank, world=self.ctx.world,
+                                             mode=opts.context_parallel_mode)
         # one flat buffer per group (parallel/layout.py)
         self.layout = FlatLayout(self.cfg, self.comm.world, lora=self.lora, expert_parallel=opts.expert_parallel)
         # --matmul-dtype e4m3: which block linears run in FP8 for this micro-batch shape (--fp8-policy)
@@ -200,10 +201,11 @@ class Trainer:
         return self.update(lr=lr)
 
     def _local(self, batch: Batch) -> Batch:
-        """This rank's part of each sequence of a batch (--context-parallel); the batch itself without it."""
+        """This rank's part of each sequence of a batch (--context-parallel), the position ids of documents whole (the
+        documents' mask needs every rank's); the batch itself without it."""
         if self.context is None:
             return batch
-        return self.context.shard(batch[0]), self.context.shard(batch[1])
+        return self.context.shard(batch[0]), self.context.shard(batch[1]), *batch[2:]
 
     def loss_scale(self, valid_targets: float) -> float:
         """The weight of a rank's summed token loss when the step's global batch (all micro-batches on all

@@ -1,8 +1,11 @@
-"""Context parallelism (parallel/context.py) on gloo: each sequence split over 2 (and 4) ranks in load-balanced
-causal chunks computes what one process computes on whole sequences (fp32): the same loss and, summed over the
-ranks, the same gradient of every parameter. Tolerance: the split changes only reduction orders (attention's
-softmax over a masked full row instead of the causal kernel's, the gradient sums across ranks), so fp32 agrees to
-~1e-6 relative; 1e-5 on the loss, 1e-4 relative on each gradient's norm of difference."""
+"""Context parallelism (parallel/context.py, parallel/ring_attention.py) on gloo: each sequence split over 2 (and 4)
+ranks in load-balanced causal chunks computes what one process computes on whole sequences (fp32): the same loss
+and, summed over the ranks, the same gradient of every parameter, in both modes (all-gather, ring), with and without
+documents (--document-masking's position ids), and on 4 ranks also as 2 data-parallel replicas of CP=2. Tolerance:
+the split changes only reduction orders (attention's softmax over a masked full row, or the ring's log-sum-exp merge
+of blocks, instead of the causal kernel's; the gradient sums across ranks), so fp32 agrees to ~1e-6 relative; 1e-5
+on the loss, 1e-4 relative on each gradient's norm of difference. `qtrain train` end to end:
+test_context_train.py."""
 from __future__ import annotations
 
 import pytest
@@ -43,63 +46,95 @@ def _setup():
     return params, inputs, targets
 
 
-def _loss_and_grads(split, params, inputs, targets, n_valid):
+def _positions() -> torch.Tensor:
+    """Documents of (B, T) rows whose boundaries fall inside and across the chunks of CP=2 (8 tokens) and CP=4 (4)."""
+    rows = ([5, 11, 9, 7], [2, 1, 21, 3, 5])
+    return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
+
+
+def _loss_and_grads(split, params, inputs, targets, n_valid, positions=None):
     from qtrain.model.transformer import RunOptions, Transformer
     from qtrain.parallel.weights.replicated import ParamWeights
     from tests.model.test_transformer import Collect
     p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
     sink = Collect()
     model = Transformer(CFG, RunOptions(context=split, lmhead_chunks=2))
-    if split is not None:
+    if split is not None:  # positions stay whole: the split's documents need every rank's
         inputs, targets = split.shard(inputs), split.shard(targets)
-    loss = model.forward_backward(ParamWeights(CFG, p), inputs, targets, grads=sink, loss_scale=1.0 / n_valid)
+    loss = model.forward_backward(ParamWeights(CFG, p), inputs, targets, grads=sink, loss_scale=1.0 / n_valid,
+                                  positions=positions)
     return loss.detach(), sink.grads
 
 
+# (context parallel ranks per group, mode, documents): each case's loss and gradients summed over all ranks
+CASES = {2: [(2, "allgather", False), (2, "allgather", True), (2, "ring", False), (2, "ring", True)],
+         4: [(4, "allgather", True), (4, "ring", False), (4, "ring", True), (2, "ring", True), (2, "allgather", False)]}
+
+
 def _rank(rank: int, world: int):
-    from qtrain.parallel.context import make_context_parallel
-    params, inputs, targets = _setup()
-    split = make_context_parallel(world, rank=rank, world=world)
-    loss, grads = _loss_and_grads(split, params, inputs, targets, int((targets != -100).sum()))
+    """Every case of CASES[world]: with groups of `parts` < world, each group (a data-parallel replica) takes its
+    own rows of the batch, as the trainer's replicas read their own sequences."""
     import torch.distributed as dist
-    dist.all_reduce(loss)
-    for g in grads.values():
-        dist.all_reduce(g)
-    return loss, grads
 
-
-@pytest.mark.parametrize("parts", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: 35 s of spawning
-def test_split_sequences_equal_one_process(parts):
+    from qtrain.parallel.context import data_rank, make_context_parallel
     params, inputs, targets = _setup()
-    ref_loss, ref = _loss_and_grads(None, params, inputs, targets, int((targets != -100).sum()))
-    loss, grads = run_distributed(_rank, parts)[0]
-    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    n_valid = int((targets != -100).sum())
+    out = {}
+    for parts, mode, docs in CASES[world]:
+        split = make_context_parallel(parts, rank=rank, world=world, mode=mode)
+        replica, replicas = data_rank(rank, world, parts)
+        rows = slice(replica * B // replicas, (replica + 1) * B // replicas)
+        pos = _positions()[rows] if docs else None
+        loss, grads = _loss_and_grads(split, params, inputs[rows], targets[rows], n_valid, pos)
+        dist.all_reduce(loss)
+        for g in grads.values():
+            dist.all_reduce(g)
+        out[parts, mode, docs] = loss, grads
+    return out
+
+
+def _assert_same(got, want, what):
+    (loss, grads), (ref_loss, ref) = got, want
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item()), what
     assert grads.keys() == ref.keys()
     for k, r in ref.items():
         err = ((grads[k] - r).norm() / r.norm()).item()
-        assert err <= 1e-4, f"{k}: {err:.2e}"
+        assert err <= 1e-4, f"{what} {k}: {err:.2e}"
 
 
-def test_cli_context_parallel_trains_as_one_process(tmp_path):
-    """`qtrain train --gpus 2 --context-parallel 2` on the CPU (gloo): one replica whose 2 ranks each hold half of
-    every sequence reads the sequences one process reads, so every step's loss and gradient norm and the exported
-    weights equal the single process's (fp32; tolerances as above; the weights after 3 AdamW steps within 1e-5
-    relative per tensor, measured 2.3e-6 at most)."""
-    from safetensors.torch import load_file
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: 35 s of spawning
+def test_split_sequences_equal_one_process(world):
+    """CP=2 and CP=4 (and, on 4 ranks, 2 replicas of CP=2), all-gather and ring, with and without documents: the
+    loss and every gradient of one process on the whole rows (documents: the same position ids)."""
+    params, inputs, targets = _setup()
+    n_valid = int((targets != -100).sum())
+    refs = {docs: _loss_and_grads(None, params, inputs, targets, n_valid, _positions() if docs else None)
+            for docs in (False, True)}
+    assert (refs[True][0] - refs[False][0]).abs() > 1e-3  # the documents change the loss
+    results = run_distributed(_rank, world)
+    for case, got in results[0].items():
+        _assert_same(got, refs[case[2]], case)
+    for r in results[1:]:  # every rank holds the same sums
+        assert all(torch.equal(r[c][0], results[0][c][0]) for c in r)
 
-    from qtrain.cli.main import main
-    from qtrain.observe.log import read_log
-    from tests.run_utils import make_run_root, qtrain_run, train_argv
-    root = make_run_root(tmp_path)
-    r = qtrain_run(train_argv(root, steps=3, name="cp", gpus=2, extra=("--context-parallel", "2")), cwd=root)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert main(train_argv(root, steps=3, name="one")) == 0
-    runs = {n: [e for e in read_log(root / "logs" / f"{n}.jsonl") if e["log"] == "step"] for n in ("cp", "one")}
-    assert [e["step"] for e in runs["cp"]] == [e["step"] for e in runs["one"]] and len(runs["one"]) == 3
-    for a, b in zip(runs["cp"], runs["one"]):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]) and abs(a["norm"] - b["norm"]) <= 1e-4 * b["norm"]
-    cp, one = (load_file(root / "out" / n / "model.safetensors") for n in ("cp", "one"))
-    assert cp.keys() == one.keys()
-    for k in one:  # per tensor: AdamW divides by sqrt(v), so an element with a tiny gradient moves ~1e-6 apart
-        err = ((cp[k].float() - one[k].float()).norm() / one[k].float().norm()).item()
-        assert err <= 1e-5, (k, err)
+
+def test_ring_attention_in_row_slices_is_causal_attention(monkeypatch):
+    """The ring's block math on a ring of one rank (no process group), its query rows in slices of 3 (SCORE_BYTES
+    made tiny), with grouped-query heads: the output and the gradients of q, k, v equal causal SDPA's (fp32; the
+    same sums in other groupings, 1e-5 relative)."""
+    import torch.nn.functional as F
+
+    from qtrain.parallel import ring_attention as ring_mod
+    B_, nh, nkv, t, hs = 2, 4, 2, 10, 8
+    monkeypatch.setattr(ring_mod, "SCORE_BYTES", 3 * 4 * B_ * nh * t)
+    assert len(ring_mod.row_slices(t, 4 * B_ * nh * t)) == 4
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B_, h, t, hs, generator=g, requires_grad=True) for h in (nh, nkv, nkv))
+    causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+    out = ring_mod.ring_attention(q, k, v, ring_mod.Ring(0, [0], None), lambda source: causal)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    dout = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    refs = torch.autograd.grad(ref, (q, k, v), dout)
+    for a, b in ((out, ref), *zip(grads, refs)):
+        assert ((a - b).norm() / b.norm()).item() <= 1e-5

@@ -58,8 +58,17 @@ CP_CASES = [Case(f"cp-{name}", train(extra=extra), match) for name, extra, match
     ("compile-and-chunks", ("--gpus", "2", "--context-parallel", "2", "--compile", "on", "--batch-size", "2",
                             "--attn-bwd-chunks", "2"),
      r"does not support --compile on, --attn-bwd-chunks 2 yet"),
-    ("document-masking-and-lora", ("--gpus", "2", "--context-parallel", "2", "--document-masking", "--lora-rank", "4"),
-     r"does not support --document-masking, --lora-rank yet"),
+    ("lora", ("--gpus", "2", "--context-parallel", "2", "--document-masking", "--lora-rank", "4"),
+     r"--context-parallel 2 does not support --lora-rank yet"),
+    ("document-attention-varlen", ("--gpus", "2", "--context-parallel", "2", "--document-masking",
+                                   "--document-attention", "varlen"),
+     r"--context-parallel 2 does not support --document-attention varlen yet"),
+    ("ring-without-cp", ("--context-parallel-mode", "ring"),
+     r"--context-parallel-mode ring needs --context-parallel N > 1"),
+    ("mode-typo", ("--gpus", "2", "--context-parallel", "2", "--context-parallel-mode", "rings"),
+     r"--context-parallel-mode.*'rings'"),
+    ("ring-recompute-att", ("--gpus", "2", "--context-parallel", "2", "--context-parallel-mode", "ring",
+                            "--recompute-att"), r"--context-parallel 2 does not support --recompute-att yet"),
 ]]
 
 

@@ -206,12 +206,12 @@ class LlamaBlock:
         each backward call (with its fp32 workspace) covers B/chunks sequences. The price: the slices'
         outputs, which their backward keeps, are concatenated into a second copy for the projection.
         `docs`: attention inside each document instead (kernels/document_attention.py; its slices are the
-        Transformer's, made for attn_chunks)."""
+        Transformer's, made for attn_chunks; with a split sequence, what its `documents` made)."""
         B, _, T, _ = q.shape
-        if docs is not None:
+        if self.context is not None:  # this rank's queries over every rank's keys and values (its documents' docs)
+            att = self.context.attention(q, k, v, docs).transpose(1, 2)
+        elif docs is not None:
             return document_attention(q, k, v, docs).reshape(B, T, self.q_dim)
-        if self.context is not None:  # this rank's queries over every rank's keys and values
-            att = self.context.attention(q, k, v).transpose(1, 2)
         elif self.attn_chunks == 1:
             att = self.sdpa(q, k, v).transpose(1, 2)
         else:
