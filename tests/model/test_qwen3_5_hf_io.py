@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from qtrain.model.hf_io import check_hf_weights, load_hf_weights, load_model_config, save_hf_model
 from qtrain.model.qwen3_5 import Qwen35Config
+from qtrain.model.registry import config_from_hf_dict
 from tests.model.test_qwen3_5 import randomize, tiny_cfg
 
 
@@ -82,3 +83,13 @@ def test_multimodal_checkpoint_loads_as_text_and_exports_where_transformers_read
         for cls in (transformers.Qwen3_5ForConditionalGeneration, transformers.Qwen3_5ForCausalLM):
             back = cls.from_pretrained(out, dtype=torch.float32).eval()
             assert torch.allclose(back(input_ids=ids).logits, ref, rtol=0, atol=1e-5), cls.__name__
+
+
+def test_rope_scaling_survives_export_beside_the_partial_rotary_factor():
+    """The scaling keys share rope_parameters with partial_rotary_factor: transformers reads both from the export, and
+    so does qtrain (the export once dropped the scaling)."""
+    cfg = tiny_cfg(rope_scaling={"rope_type": "linear", "factor": 2.0})
+    d = cfg.to_hf_dict(dtype="float32")
+    hf = transformers.AutoConfig.for_model(**d).rope_parameters
+    assert (hf["rope_type"], hf["factor"], hf["partial_rotary_factor"]) == ("linear", 2.0, cfg.partial_rotary_factor)
+    assert config_from_hf_dict(d) == cfg
