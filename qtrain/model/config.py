@@ -75,6 +75,12 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @property
+    def hf_prefix(self) -> str:
+        """Where the decoder's tensors sit in a checkpoint ('model.': `model.layers.{l}.`, `model.embed_tokens`); a
+        family whose checkpoint nests its text model elsewhere says so (Qwen3.5's multimodal layout)."""
+        return "model."
+
+    @property
     def router(self) -> RouterSpec | None:
         """The model's routers (a Mixture-of-Experts family says), None for a dense model."""
         return None
@@ -266,8 +272,8 @@ class HfKeys:
         `required` ones."""
         unknown = sorted(k for k in self.d if k not in known and not k.startswith("_"))
         if unknown:
-            raise self.error(f"unknown config key(s) {shorten(repr(unknown))}; qtrain refuses keys it does not understand rather "
-                             f"than train a different model than transformers would load")
+            raise self.error(f"unknown config key(s) {shorten(repr(unknown))}; qtrain refuses keys it does not "
+                             f"understand rather than train a different model than transformers would load")
         for k in required:
             if k not in self.d:
                 raise self.error(f"missing key {k!r}")

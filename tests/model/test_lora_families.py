@@ -32,6 +32,7 @@ from qtrain.model.registry import config_from_hf_dict  # noqa: E402
 from qtrain.model.transformer import RunOptions, Transformer  # noqa: E402
 from tests.model import test_moe_families as moe  # noqa: E402
 from tests.model import test_qwen3_5 as q35  # noqa: E402
+from tests.model import test_qwen3_5_hf_io as q35_io  # noqa: E402
 from tests.model.test_lora import _qtrain  # noqa: E402
 from tests.model.test_transformer import Collect  # noqa: E402
 
@@ -42,6 +43,8 @@ CASES = {  # name -> (transformers model factory, --lora-targets ('' = the defau
     "mixtral": (lambda: moe.hf_model("mixtral"), "q,v,o"),
     "qwen3_5": (lambda: q35.hf_model(q35.tiny_cfg()), Q35_LINEAR + ",q,k,v,o,gate,up,down"),
     "qwen3_5_moe": (lambda: q35.hf_model(q35.tiny_cfg(moe=True)), "in_proj_qkv,out,k,o"),
+    # the multimodal checkpoint (text model under model.language_model.): peft's keys over the VLM class
+    "qwen3_5_multimodal": (q35_io.multimodal_model, Q35_LINEAR + ",q,k,v,o,gate,up,down"),
 }
 
 
@@ -69,6 +72,8 @@ def test_adapter_logits_and_gradients_equal_peft(case, tmp_path):
     _close(m.logits(w.source, inputs), want)
     with torch.no_grad(), pm.disable_adapter():
         assert (want - pm(inputs).logits).abs().max() > 1e-4  # the adapters do something
+    exported = {k for s in adapter_specs(cfg, spec).values() for k, _ in s.hf}
+    assert set(peft.get_peft_model_state_dict(pm)) == exported  # peft's own names for this model, every one loaded
 
     sink = Collect()
     m.forward_backward(w.source, inputs, inputs.roll(-1, 1), grads=sink, loss_scale=1 / inputs.numel(),
