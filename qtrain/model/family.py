@@ -162,6 +162,7 @@ class ActivationSettings:
     attn_chunks: int = 1
     fp8_weight_copies: bool = True  # False with --persistent-quants (the linears keep views, not copies)
     fp8_keep_transposes: bool = False
+    documents: bool = False  # --document-masking: the block keeps its documents' masks (Qwen3.5's delta rule)
 
     @property
     def dtype_bytes(self) -> int:

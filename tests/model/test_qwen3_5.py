@@ -210,3 +210,36 @@ def test_activation_statements_hold_what_autograd_keeps(moe, dtype):
         terms = family_of(cfg).activation_terms(cfg, layer, ActivationSettings(model_dtype=dtype))
         stated = sum(a.nbytes(B * T) for a in terms if a.kept)
         assert 0.85 <= stated / c.bytes <= 1.25, (layer, stated / (B * T), c.bytes / (B * T))
+
+
+def test_document_mask_statements_hold_what_the_delta_rule_keeps():
+    """--document-masking: a linear-attention layer keeps its documents' masks besides (memory.document_terms); the
+    extra bytes autograd saves for one eager block forward with documents, against the statement: within 10% (the
+    statement leaves out a few bytes per chunk). The memory plan adds them once per linear-attention layer."""
+    from qtrain.kernels.document_attention import document_mask
+    from qtrain.kernels.rope import rope_tables
+    from qtrain.model.activations import activation_memory
+    from qtrain.model.init import init_params
+    from qtrain.model.qwen3_5.memory import document_terms
+    from qtrain.model.recompute import count_saved_bytes
+    from qtrain.model.transformer import allocate_params, make_block_fn
+
+    cfg = tiny_cfg(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
+    params = allocate_params(cfg, dtype=torch.float32, device="cpu")
+    init_params(cfg, params)
+    fn, (B, T) = make_block_fn(cfg), (2, 256)
+    positions = torch.cat([torch.arange(100), torch.arange(156)]).repeat(B, 1)  # two documents a row
+    docs = document_mask(positions, kind="varlen")
+    w = {k.split(".", 2)[2]: v for k, v in params.items() if k.startswith("layers.0.")}
+    cos, sin = rope_tables(cfg, T, "cpu", torch.float32)
+    saved = []
+    for d in (None, docs):
+        x = torch.randn(B, T, cfg.hidden_size, requires_grad=True)
+        with count_saved_bytes(exclude=[*w.values(), cos, sin]) as c:
+            fn(x, w, cos, sin, d)
+        saved.append(c.bytes / (B * T))
+    stated = sum(t.per_token for t in document_terms(cfg, frozenset()))
+    assert 0.9 <= stated / (saved[1] - saved[0]) <= 1.1, (stated, saved)
+    N = B * T
+    plan = activation_memory(cfg, N, model_dtype="fp32", documents=True).blocks
+    assert plan - activation_memory(cfg, N, model_dtype="fp32").blocks == N * stated  # one linear-attention layer
