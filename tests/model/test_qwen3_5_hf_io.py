@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from qtrain.model.hf_io import check_hf_weights, load_hf_weights, load_model_config, save_hf_model
 from qtrain.model.qwen3_5 import Qwen35Config
 from qtrain.model.registry import config_from_hf_dict
-from tests.model.test_qwen3_5 import randomize, tiny_cfg
+from tests.model.family_fixtures import qwen35_cfg as tiny_cfg, qwen35_multimodal_model, randomize
 
 
 def _tensors(path) -> dict[str, torch.Tensor]:
@@ -38,21 +38,9 @@ def test_text_checkpoint_round_trips_exactly(tmp_path, moe):
     assert load_model_config(tmp_path / "out") == cfg
 
 
-def multimodal_model(seed: int = 0):
-    """A tiny random Qwen3.5 VLM (transformers' Qwen3_5ForConditionalGeneration: the text model under
-    `model.language_model.`, a vision tower under `model.visual.`)."""
-    text = tiny_cfg(num_hidden_layers=2, layer_types=("linear_attention", "full_attention")).text_hf_dict(
-        dtype="float32")
-    text.pop("architectures")
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
-                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
-    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
-    return randomize(transformers.Qwen3_5ForConditionalGeneration(cfg).float(), seed)
-
-
 def _multimodal(tmp_path):
     """A tiny Qwen3.5 VLM checkpoint plus an MTP tensor (as the published ones carry)."""
-    model = multimodal_model()
+    model = qwen35_multimodal_model()
     src = tmp_path / "vlm"
     model.save_pretrained(src)
     tensors = _tensors(src)

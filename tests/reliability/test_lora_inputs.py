@@ -43,9 +43,9 @@ def other_model(root: Path) -> None:
 def moe_model(root: Path) -> None:
     """root/moe: a tiny qwen3_moe config (layer 1 dense: mlp_only_layers), the vocabulary of the token files."""
     import transformers
-    from tests.model.test_moe_families import BASE, CASES
+    from tests.model.family_fixtures import MOE_BASE, MOE_CASES
     (root / "moe").mkdir()
-    cfg = transformers.Qwen3MoeConfig(**{**BASE, "vocab_size": CFG.vocab_size}, **CASES["qwen3_moe"][1])
+    cfg = transformers.Qwen3MoeConfig(**{**MOE_BASE, "vocab_size": CFG.vocab_size}, **MOE_CASES["qwen3_moe"][1])
     (root / "moe" / "config.json").write_text(json.dumps(cfg.to_dict()))
 
 

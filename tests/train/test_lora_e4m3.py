@@ -48,9 +48,10 @@ def base(tmp_path_factory) -> Path:
 def qwen35_base(tmp_path_factory) -> Path:
     """A tiny random Qwen3.5 checkpoint (linear- and full-attention layers, dense MLP)."""
     import transformers
-    from tests.model.test_qwen3_5 import hf_model, tiny_cfg
+    from tests.model.family_fixtures import qwen35_cfg, qwen35_hf_model
     d = tmp_path_factory.mktemp("e4m3") / "qwen35"
-    hf_model(tiny_cfg(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))).save_pretrained(d)
+    cfg = qwen35_cfg(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
+    qwen35_hf_model(cfg).save_pretrained(d)
     assert transformers.AutoConfig.from_pretrained(d).model_type == "qwen3_5_text"
     return d
 
