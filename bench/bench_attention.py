@@ -51,7 +51,8 @@ def run_case(name: str, B: int, T: int, *, compiled: bool, samples: int) -> list
         if ref is None:
             ref = (out.float(), [g.float() for g in grads])
         err = max([(out.float() - ref[0]).abs().max().item()]
-                  + [(g.float() - r).abs().max().item() / max(r.abs().max().item(), 1e-6) for g, r in zip(grads, ref[1])])
+                  + [(g.float() - r).abs().max().item() / max(r.abs().max().item(), 1e-6)
+                     for g, r in zip(grads, ref[1])])
         fwd = time_ms(lambda: fn(q, k, v), samples=samples, warmup=3)
         both = time_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), samples=samples, warmup=3)
         rows.append(dict(model=name, backend=backend, compiled=compiled, fwd_ms=fwd, fwd_bwd_ms=both,
@@ -66,7 +67,8 @@ def run(models: list[str] = ("Qwen2.5-0.5B", "Qwen2.5-1.5B", "Qwen2.5-7B", "Qwen
     for name in models:
         for compiled in (False, True):
             rows += run_case(name, max(1, tokens // seq), seq, compiled=compiled, samples=samples)
-    print(f"{'model':14s} {'backend':10s} {'comp':5s} {'fwd ms':>8s} {'f+b ms':>8s} {'fwd TF':>7s} {'bwd TF':>7s} {'err':>8s}")
+    print(f"{'model':14s} {'backend':10s} {'comp':5s} {'fwd ms':>8s} {'f+b ms':>8s} {'fwd TF':>7s} {'bwd TF':>7s} "
+          f"{'err':>8s}")
     for r in rows:
         head = f"{r['model']:14s} {r['backend']:10s} {str(r['compiled']):5s}"
         if "error" in r:

@@ -60,7 +60,8 @@ def run(rows: int = 32768, vocab: int = 151936, blocks: tuple[int, ...] = (4096,
     default = next(r for r in out if (r["block"], r["warps"]) == (ce.BLOCK_V, ce.NUM_WARPS))
     best = min(out, key=lambda r: r["ms"])
     return {"rows": out, "best": best, "default": default,
-            "summary": f"default {default['ms']} ms, best {best['ms']} ms (block {best['block']}, warps {best['warps']})"}
+            "summary": f"default {default['ms']} ms, best {best['ms']} ms (block {best['block']}, "
+                       f"warps {best['warps']})"}
 
 
 def run_fp8(rows: int, vocab: int, tiles, samples: int) -> dict:

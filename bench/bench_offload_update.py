@@ -1,5 +1,5 @@
-"""Kind `offload-update`: the offloaded AdamW update alone (Adam m and v, optionally the weight shards, in pinned host memory): how
-long one step takes with the state streamed through device staging slots, against the PCIe ceiling.
+"""Kind `offload-update`: the offloaded AdamW update alone (Adam m and v, optionally the weight shards, in pinned host
+memory): how long one step takes with the state streamed through device staging slots, against the PCIe ceiling.
 
 Variants of `ShardedAdamW`'s streaming (the bench swaps its staging ring's private streams / slots; the code
 default is last):

@@ -21,10 +21,11 @@ tensor at its exact abs-max scale: what the power-of-two scales are measured aga
 with `--fp8-head-backward`: the LM head's gradient GEMMs in FP8).
 
 Recipe (defaults): 300 steps of 16 x 512 tokens x 2 micro-batches (16k tokens per step, 4.9M tokens: ~1.1 epochs
-of the text's ~4.4M training tokens at ~4.7 bytes per token), AdamW lr 3e-4, beta2 0.95, weight decay 0.1, clip 1.0, warmup 100 steps (a third of the run:
-issue 21's runs with warmup 10 spiked to loss 10.8 in their first 20 steps), cosine to 10%, eval every 50 steps
-on 20 batches and over the whole eval split at the end. At ~120k tokens/s (0.5B bf16 at M = 8k tokens) a bf16 run
-trains in ~45 s; the five runs with start-up and two cold compiles (bf16, e4m3) fit ~7-8 minutes.
+of the text's ~4.4M training tokens at ~4.7 bytes per token), AdamW lr 3e-4, beta2 0.95, weight decay 0.1, clip 1.0,
+warmup 100 steps (a third of the run: issue 21's runs with warmup 10 spiked to loss 10.8 in their first 20 steps),
+cosine to 10%, eval every 50 steps on 20 batches and over the whole eval split at the end. At ~120k tokens/s (0.5B
+bf16 at M = 8k tokens) a bf16 run trains in ~45 s; the five runs with start-up and two cold compiles (bf16, e4m3)
+fit ~7-8 minutes.
 
 Result: final_eval (the end-of-run evaluation over the whole eval split), evals (step -> loss), max_norm and
 max_loss_after_warmup (a spike shows there), tps (median of the steady steps), log (the JSON Lines log under the
@@ -66,7 +67,8 @@ def out_root() -> Path:
 def prepare_text(dest: str, max_bytes: int = TEXT_BYTES) -> int:
     """Copy the standard library's modules (no site-packages), the library first and then its tests, each sorted
     by path, as .txt documents into `dest` until `max_bytes`; returns the bytes written. Real text available on
-    every machine with Python (3.11 here: 11.6 MiB of library, 18.5 MiB of tests); files that are not UTF-8 are left out."""
+    every machine with Python (3.11 here: 11.6 MiB of library, 18.5 MiB of tests); files that are not UTF-8 are left
+    out."""
     root = Path(sysconfig.get_paths()["stdlib"])
     tests = {"test", "tests", "idle_test"}
     files = sorted((p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts),
@@ -152,7 +154,8 @@ def run(mode: str, steps: int = 300, batch: int = 16, seq: int = 512, accum: int
             "--final-lr-fraction", "0.1", "--lr-schedule", "cosine", "--eval-every-n-steps", str(eval_every),
             "--eval-num-steps", str(eval_batches), "--seed", str(seed), "--device", device,
             "--no-compile-tuning", "--ckpt-interval", str(10 * steps), "--no-save-training-state",
-            "--start-over", "--name", mode, "--out-dir", str(run_dir / "export"), "--checkpoint-dir", str(run_dir / "ckpt"),
+            "--start-over", "--name", mode, "--out-dir", str(run_dir / "export"),
+            "--checkpoint-dir", str(run_dir / "ckpt"),
             "--log-file", str(log), *MODES[mode], *(flags or [])]
     print("qtrain " + " ".join(argv), flush=True)
     _qtrain(argv)

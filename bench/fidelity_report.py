@@ -36,7 +36,8 @@ def table(logdir: Path, warmup: int = 100, steps: int = 300) -> tuple[str, list[
     for m, r in res.items():
         rel = f"{100 * (r['final_eval'] / ref - 1):+.2f}%"
         cells = [m, *(f"{r['evals'].get(s, float('nan')):.4f}" for s in steps[:-1]), f"{r['final_eval']:.4f}",
-                 "-" if m == REFERENCE else rel, f"{r['max_norm']:.2f}", "-" if r["max_loss_after_warmup"] is None else f"{r['max_loss_after_warmup']:.3f}",
+                 "-" if m == REFERENCE else rel, f"{r['max_norm']:.2f}",
+                 "-" if r["max_loss_after_warmup"] is None else f"{r['max_loss_after_warmup']:.3f}",
                  f"{r['tps'] / 1000:.1f}k" if r["tps"] else "-"]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows), list(res)

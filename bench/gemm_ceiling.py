@@ -12,8 +12,8 @@ the layouts and accumulation modes `numerics.fp8` uses: fast accumulation in the
 quantized, since quantization is not GEMM time) and the LM head stays bf16, as qtrain trains it.
 
 Parameters: model (preset or directory), tokens (M per micro-batch: one number or a list), lmhead_chunks (4),
-samples (10), matmul_dtype ("" = bf16, or "e4m3"). One token count puts its row's numbers in the result (tokens, gemm_ms, tflops, ceiling_tps);
-every count's row is in `rows`.
+samples (10), matmul_dtype ("" = bf16, or "e4m3"). One token count puts its row's numbers in the result (tokens,
+gemm_ms, tflops, ceiling_tps); every count's row is in `rows`.
 """
 from __future__ import annotations
 

@@ -39,7 +39,8 @@ def run(size: str, batch: int, accum: int, steps: int = 5, seq: int = 1024, comp
     if "error" in rows[-1]:
         raise RuntimeError(f"hf_baseline.py: {rows[-1]['error']}")
     r = rows[-1]
-    return dict(system="hf", tps=r["tps"], mfu=r.get("mfu_989"), peak_gib=r.get("peak_gib"), params_count=r.get("params"))
+    return dict(system="hf", tps=r["tps"], mfu=r.get("mfu_989"), peak_gib=r.get("peak_gib"),
+                params_count=r.get("params"))
 
 
 def dry_run(params: dict) -> dict:

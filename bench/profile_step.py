@@ -81,7 +81,8 @@ def run_under_ncu(model: str, batch: int, accum: int, top: int, p: dict, seq: in
     with tempfile.TemporaryDirectory(prefix="qtrain-ncu-") as tmp:
         log = Path(tmp) / "ncu.csv"
         args = json.dumps({"model": model, "batch": batch, "accum": accum, "p": p, "seq": seq})
-        fin = stream([*ncu_command(find_ncu(), log, from_start=False), sys.executable, "-m", "bench.profile_step", args],
+        fin = stream([*ncu_command(find_ncu(), log, from_start=False), sys.executable, "-m", "bench.profile_step",
+                      args],
                      echo=lambda line: not line.startswith("==PROF==") or "rror" in line)
         if fin.returncode or not log.is_file():
             raise RuntimeError(f"the step under ncu failed (exit status {fin.returncode}): {fin.last(3)}")
@@ -153,7 +154,8 @@ def print_gaps(prof, top_n: int) -> dict:
             by_next.setdefault(name[:90], []).append(gap)
         end = max(end, e)
     total = sum(sum(v) for v in by_next.values())
-    print(f"GPU idle gaps > 2 us: {total / 1e3:.1f} ms in {sum(len(v) for v in by_next.values())} gaps; by next kernel:")
+    n_gaps = sum(len(v) for v in by_next.values())
+    print(f"GPU idle gaps > 2 us: {total / 1e3:.1f} ms in {n_gaps} gaps; by next kernel:")
     for name, gaps in sorted(by_next.items(), key=lambda kv: -sum(kv[1]))[:top_n // 2]:
         print(f"  {sum(gaps) / 1e3:7.2f} ms {len(gaps):5d}x max {max(gaps) / 1e3:6.2f} ms  {name}")
     return {"idle_ms": round(total / 1e3, 2), "count": sum(len(v) for v in by_next.values())}

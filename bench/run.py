@@ -335,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         suite = load(args.suite)
         runs = select(suite.runs, args.only, args.skip)
         if not runs:
-            raise HarnessError(f"--only/--skip leave no run of {suite.path} (runs: {', '.join(r.id for r in suite.runs)})")
+            raise HarnessError(f"--only/--skip leave no run of {suite.path} "
+                               f"(runs: {', '.join(r.id for r in suite.runs)})")
         overrides = dict(x.split("=", 1) for x in args.checkout if "=" in x)
         bad = [x for x in args.checkout if "=" not in x or x.split("=", 1)[0] not in suite.checkouts
                or x.startswith(f"{NEW}=")]

@@ -30,7 +30,8 @@ def run(model: str, batch: int, accum: int = 1, seq: int = 1024, flags: list[str
         cache: str = "fresh", device: str | None = None) -> dict:
     fresh = cache == "fresh"
     folder = tempfile.mkdtemp(prefix="qtrain-start-") if fresh else os.path.join(CACHE_ROOT, cache)
-    env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, "inductor"), "TRITON_CACHE_DIR": os.path.join(folder, "triton")}
+    env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, "inductor"),
+           "TRITON_CACHE_DIR": os.path.join(folder, "triton")}
     try:
         events = cli_train.run_events(model, batch, accum, steps, seq=seq, flags=flags, device=device, env=env)
     finally:

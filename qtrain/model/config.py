@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, ClassVar, Iterable
 
 from qtrain.fsio import shorten
 from qtrain.kernels.rope_scaling import SCALING_KEYS, scaled_context
@@ -75,6 +75,12 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @property
+    def hf_prefix(self) -> str:
+        """Where the decoder's tensors sit in a checkpoint ('model.': `model.layers.{l}.`, `model.embed_tokens`); a
+        family whose checkpoint nests its text model elsewhere says so (Qwen3.5's multimodal layout)."""
+        return "model."
+
+    @property
     def router(self) -> RouterSpec | None:
         """The model's routers (a Mixture-of-Experts family says), None for a dense model."""
         return None
@@ -117,9 +123,50 @@ class ModelConfig:
             if i is not None and not 0 <= i < self.vocab_size:
                 raise config_error(f"{k} {i} is not a token id of the vocabulary (0..{self.vocab_size - 1})")
 
+    # Whether transformers 4.5x reads the family too: its config.json then also carries the 4.x spellings (the
+    # top-level rope_theta, rope_scaling, torch_dtype); a family only 5.x has writes rope_parameters and dtype alone.
+    HF_LEGACY_KEYS: ClassVar[bool] = True
+
     def to_hf_dict(self, *, dtype: str = "bfloat16") -> dict[str, Any]:
-        """A config.json that transformers loads as this exact model (each family writes its own)."""
+        """A config.json that transformers loads as this exact model (each family writes its own, starting from
+        `hf_common_dict`)."""
         raise NotImplementedError(f"{type(self).__name__} has no config.json mapping")
+
+    def hf_rope_parameters(self) -> dict[str, Any]:
+        """transformers 5.x's `rope_parameters`: rope_theta with the scaling type and its keys (a family with keys
+        of its own there, such as a partial rotary factor, adds them)."""
+        return {**(self.rope_scaling or {"rope_type": "default"}), "rope_theta": self.rope_theta}
+
+    def hf_common_dict(self, *, architecture: str, dtype: str) -> dict[str, Any]:
+        """The keys every family's config.json writes the same way (sizes, RoPE, norm eps, tying, token ids, the
+        fixed activation / dropout / init keys, dtype); a family's `to_hf_dict` adds its own keys to it."""
+        d: dict[str, Any] = {
+            "architectures": [architecture],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            **({"rope_theta": self.rope_theta} if self.HF_LEGACY_KEYS else {}),
+            "rope_parameters": self.hf_rope_parameters(),
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "torch_dtype" if self.HF_LEGACY_KEYS else "dtype": dtype,
+        }
+        if self.pad_token_id is not None:
+            d["pad_token_id"] = self.pad_token_id
+        if self.rope_scaling and self.HF_LEGACY_KEYS:
+            d["rope_scaling"] = dict(self.rope_scaling)
+        return d
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -225,8 +272,8 @@ class HfKeys:
         `required` ones."""
         unknown = sorted(k for k in self.d if k not in known and not k.startswith("_"))
         if unknown:
-            raise self.error(f"unknown config key(s) {shorten(repr(unknown))}; qtrain refuses keys it does not understand rather "
-                             f"than train a different model than transformers would load")
+            raise self.error(f"unknown config key(s) {shorten(repr(unknown))}; qtrain refuses keys it does not "
+                             f"understand rather than train a different model than transformers would load")
         for k in required:
             if k not in self.d:
                 raise self.error(f"missing key {k!r}")

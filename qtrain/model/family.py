@@ -162,6 +162,7 @@ class ActivationSettings:
     attn_chunks: int = 1
     fp8_weight_copies: bool = True  # False with --persistent-quants (the linears keep views, not copies)
     fp8_keep_transposes: bool = False
+    documents: bool = False  # --document-masking: the block keeps its documents' masks (Qwen3.5's delta rule)
 
     @property
     def dtype_bytes(self) -> int:
@@ -229,9 +230,9 @@ class ModelFamily(Protocol):
 def decoder_non_block_tensors(cfg: ModelConfig) -> tuple[TensorSpec, ...]:
     """The embedding, the final norm and the untied LM head under transformers' decoder names (`model.embed_tokens`,
     `model.norm`, `lm_head`): what the families so far share."""
-    V, C = cfg.vocab_size, cfg.hidden_size
-    specs = [TensorSpec("embed", (V, C), (("model.embed_tokens.weight", (V, C)),)),
-             TensorSpec("norm", (C,), (("model.norm.weight", (C,)),), decay=False, init="ones")]
+    V, C, p = cfg.vocab_size, cfg.hidden_size, cfg.hf_prefix
+    specs = [TensorSpec("embed", (V, C), ((f"{p}embed_tokens.weight", (V, C)),)),
+             TensorSpec("norm", (C,), ((f"{p}norm.weight", (C,)),), decay=False, init="ones")]
     if not cfg.tie_word_embeddings:
         specs.append(TensorSpec("lm_head", (V, C), (("lm_head.weight", (V, C)),)))
     return tuple(specs)

@@ -119,35 +119,8 @@ def refuse_common(r: HfKeys) -> None:
 
 
 def moe_hf_dict(cfg: MoeConfig, *, architecture: str, dtype: str) -> dict[str, Any]:
-    """The keys every MoE family's config.json shares (the family adds its own)."""
-    d: dict[str, Any] = {
-        "architectures": [architecture],
-        "model_type": cfg.model_type,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": ({**cfg.rope_scaling, "rope_theta": cfg.rope_theta} if cfg.rope_scaling else
-                            {"rope_type": "default", "rope_theta": cfg.rope_theta}),
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "hidden_act": "silu",
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "num_experts_per_tok": cfg.num_experts_per_tok,
-        "router_aux_loss_coef": cfg.router_aux_loss_coef,
-        "output_router_logits": False,
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": cfg.eos_token_id,
-        "torch_dtype": dtype,
-    }
-    if cfg.pad_token_id is not None:
-        d["pad_token_id"] = cfg.pad_token_id
-    if cfg.rope_scaling:
-        d["rope_scaling"] = dict(cfg.rope_scaling)
+    """The keys every MoE family's config.json shares: the common ones and the routing's (the family adds its own)."""
+    d = cfg.hf_common_dict(architecture=architecture, dtype=dtype)
+    d.update(num_experts_per_tok=cfg.num_experts_per_tok, router_aux_loss_coef=cfg.router_aux_loss_coef,
+             output_router_logits=False)
     return d
-

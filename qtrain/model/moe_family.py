@@ -57,7 +57,7 @@ def _swap_halves(parts: list[torch.Tensor]) -> torch.Tensor:
 def _moe_tensors(cfg: MoeConfig, layer: int, names: MoeNames) -> list[TensorSpec]:
     """A routed layer's router and expert stacks with their HF names (module docstring)."""
     C, F, X = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-    prefix = f"model.layers.{layer}."
+    prefix = f"{cfg.hf_prefix}layers.{layer}."
 
     def per_expert(module: str) -> tuple[tuple, tuple]:
         ug = tuple(p for e in range(X) for p in ((f"{prefix}{module}experts.{e}.{names.up}.weight", (F, C)),

@@ -281,7 +281,7 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
     chunks = max(1, opts.lmhead_chunks)
     kw = dict(model_dtype=opts.model_dtype, matmul_dtype=matmul if fp8 or matmul != "e4m3" else "",
               compiled=compiled, attn_chunks=attn_chunks, fp8_weight_copies=not persistent_quants,
-              fp8_keep_transposes=keep_t)
+              fp8_keep_transposes=keep_t, documents=opts.document_masking)
     acts = activation_memory(cfg, N, recompute=rc, offload_residual=opts.offload_residual, **kw)
     phases = workspace_phases(cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc,
                               fp8_head_backward=fp8_head_backward, **kw)

@@ -30,18 +30,19 @@ from qtrain.model.lora.peft_io import save_adapter  # noqa: E402
 from qtrain.model.lora.tensors import adapter_specs  # noqa: E402
 from qtrain.model.registry import config_from_hf_dict  # noqa: E402
 from qtrain.model.transformer import RunOptions, Transformer  # noqa: E402
-from tests.model import test_moe_families as moe  # noqa: E402
-from tests.model import test_qwen3_5 as q35  # noqa: E402
+from tests.model import family_fixtures as ff  # noqa: E402
 from tests.model.test_lora import _qtrain  # noqa: E402
-from tests.model.test_transformer import Collect  # noqa: E402
+from tests.model.family_fixtures import Collect  # noqa: E402
 
 Q35_LINEAR = "in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out"
 CASES = {  # name -> (transformers model factory, --lora-targets ('' = the default))
-    "qwen3_moe": (lambda: moe.hf_model("qwen3_moe"), ""),
-    "olmoe": (lambda: moe.hf_model("olmoe"), ""),
-    "mixtral": (lambda: moe.hf_model("mixtral"), "q,v,o"),
-    "qwen3_5": (lambda: q35.hf_model(q35.tiny_cfg()), Q35_LINEAR + ",q,k,v,o,gate,up,down"),
-    "qwen3_5_moe": (lambda: q35.hf_model(q35.tiny_cfg(moe=True)), "in_proj_qkv,out,k,o"),
+    "qwen3_moe": (lambda: ff.moe_hf_model("qwen3_moe"), ""),
+    "olmoe": (lambda: ff.moe_hf_model("olmoe"), ""),
+    "mixtral": (lambda: ff.moe_hf_model("mixtral"), "q,v,o"),
+    "qwen3_5": (lambda: ff.qwen35_hf_model(ff.qwen35_cfg()), Q35_LINEAR + ",q,k,v,o,gate,up,down"),
+    "qwen3_5_moe": (lambda: ff.qwen35_hf_model(ff.qwen35_cfg(moe=True)), "in_proj_qkv,out,k,o"),
+    # the multimodal checkpoint (text model under model.language_model.): peft's keys over the VLM class
+    "qwen3_5_multimodal": (ff.qwen35_multimodal_model, Q35_LINEAR + ",q,k,v,o,gate,up,down"),
 }
 
 
@@ -69,6 +70,8 @@ def test_adapter_logits_and_gradients_equal_peft(case, tmp_path):
     _close(m.logits(w.source, inputs), want)
     with torch.no_grad(), pm.disable_adapter():
         assert (want - pm(inputs).logits).abs().max() > 1e-4  # the adapters do something
+    exported = {k for s in adapter_specs(cfg, spec).values() for k, _ in s.hf}
+    assert set(peft.get_peft_model_state_dict(pm)) == exported  # peft's own names for this model, every one loaded
 
     sink = Collect()
     m.forward_backward(w.source, inputs, inputs.roll(-1, 1), grads=sink, loss_scale=1 / inputs.numel(),
@@ -91,8 +94,8 @@ def test_targets_exist_where_their_layers_have_them():
     """qwen3_moe with a dense layer (mlp_only_layers=[1]): attention targets only; Qwen3.5: the linear-attention
     projections' adapters in its linear-attention layers, q/k/v/o's in its full-attention layers."""
     from qtrain.model.lora.tensors import known_targets
-    assert known_targets(config_from_hf_dict(moe.hf_model("qwen3_moe").config.to_dict())) == ("q", "k", "v", "o")
-    cfg = q35.tiny_cfg()
+    assert known_targets(config_from_hf_dict(ff.moe_hf_model("qwen3_moe").config.to_dict())) == ("q", "k", "v", "o")
+    cfg = ff.qwen35_cfg()
     spec = LoraSpec(2, 4.0, targets=("in_proj_z", "o"))
     assert {n.rsplit("_lora", 1)[0] for n in adapter_specs(cfg, spec)} == {
         f"layers.{i}.{'o' if t == 'full_attention' else 'in_proj'}" for i, t in enumerate(cfg.layer_types)}

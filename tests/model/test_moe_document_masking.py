@@ -28,7 +28,8 @@ from qtrain.kernels.cross_entropy import IGNORE_INDEX  # noqa: E402
 from qtrain.model.moe_router import load_balancing_loss, router_z_loss  # noqa: E402
 from qtrain.model.transformer import RunOptions, Transformer  # noqa: E402
 from qtrain.parallel.weights.replicated import ParamWeights  # noqa: E402
-from tests.model.test_moe_families import Collect, cosine, loaded, to_internal  # noqa: E402
+from tests.model.family_fixtures import Collect, cosine  # noqa: E402
+from tests.model.test_moe_families import loaded, to_internal  # noqa: E402
 
 T = 24
 # two rows of T tokens: documents of these lengths, each row's last one padding (its own document, no targets)

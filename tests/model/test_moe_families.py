@@ -26,39 +26,8 @@ from qtrain.model.registry import config_from_hf_dict  # noqa: E402
 from qtrain.model.transformer import RunOptions, Transformer  # noqa: E402
 from qtrain.model.weights import hf_to_internal, tensor_specs  # noqa: E402
 from qtrain.parallel.weights.replicated import ParamWeights  # noqa: E402
-
-BASE = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            rope_theta=10000.0, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
-# name -> (transformers config class, its keyword arguments): every routing and layer variant the families have
-CASES = {
-    # a dense layer (mlp_only_layers), renormalised top-k, untied
-    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, intermediate_size=48, moe_intermediate_size=24, num_experts=8,
-                                          num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[1],
-                                          router_aux_loss_coef=0.05)),
-    # decoder_sparse_step 2 (layer 0 dense, layer 1 routed), no renormalisation, tied embeddings
-    "qwen3_moe-step": ("Qwen3MoeConfig", dict(intermediate_size=40, moe_intermediate_size=16, num_experts=4,
-                                               num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=2,
-                                               tie_word_embeddings=True, router_aux_loss_coef=0.02)),
-    # whole-projection qk-norm and the q/k/v clamp
-    # (no pad_token_id: transformers' embedding would freeze that row, nn.Embedding's padding_idx, which qtrain
-    # trains in every family)
-    "olmoe": ("OlmoeConfig", dict(intermediate_size=24, num_experts=8, num_experts_per_tok=2, clip_qkv=0.4,
-                                  router_aux_loss_coef=0.05, pad_token_id=None)),
-    "mixtral": ("MixtralConfig", dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
-                                      router_aux_loss_coef=0.05)),
-}
-
-
-def hf_model(case: str, seed: int = 3):
-    cls, kw = CASES[case]
-    hf_cfg = getattr(transformers, cls)(**BASE, **kw)
-    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa").float()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # every tensor random (HF starts norms at 1 and the routers at 0)
-        for n, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.1 if "norm" in n else 0.3) + (1.0 if "norm" in n else 0.0))
-    return model
-
+from tests.model.family_fixtures import MOE_BASE as BASE, MOE_CASES as CASES, Collect, cosine  # noqa: E402,F401
+from tests.model.family_fixtures import moe_hf_model as hf_model  # noqa: E402
 
 def to_internal(cfg, hf_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """transformers' module tensors (fused experts) as qtrain's, through the layouts loading accepts."""
@@ -67,21 +36,6 @@ def to_internal(cfg, hf_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         if not all(h in hf_tensors for h, _ in spec.hf):
             layouts[name] = next(a for a in spec.hf_alternatives if all(h in hf_tensors for h, _ in a.hf))
     return dict(hf_to_internal(cfg, hf_tensors.__getitem__, layouts))
-
-
-class Collect:
-    def __init__(self):
-        self.grads: dict[str, torch.Tensor] = {}
-
-    def accumulate_block(self, layer, grads):
-        self.grads.update({f"layers.{layer}.{k}": v for k, v in grads.items()})
-
-    def accumulate_non_block(self, grads):
-        self.grads.update(grads)
-
-
-def cosine(a, b):
-    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
 
 
 def batch(vocab: int, seed: int = 1, B: int = 2, T: int = 16):

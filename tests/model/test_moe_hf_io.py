@@ -18,7 +18,7 @@ from qtrain.model.registry import config_from_hf_dict, config_from_json_file, pr
 from qtrain.model.transformer import Transformer  # noqa: E402
 from qtrain.model.weights import num_params  # noqa: E402
 from qtrain.parallel.weights.replicated import ParamWeights  # noqa: E402
-from tests.model.test_moe_families import CASES, hf_model  # noqa: E402
+from tests.model.family_fixtures import MOE_CASES as CASES, moe_hf_model as hf_model  # noqa: E402
 
 
 def _saved_names(path) -> dict[str, tuple[int, ...]]:

@@ -18,86 +18,9 @@ from qtrain.model.qwen3_5 import Qwen35Config
 from qtrain.model.transformer import RunOptions, Transformer
 from qtrain.model.weights import hf_to_internal, internal_to_hf
 from qtrain.parallel.weights.replicated import ParamWeights
-
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, max_position_embeddings=256, linear_num_key_heads=2,
-            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-            rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
-TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
-
-
-def tiny_cfg(*, tied: bool = False, moe: bool = False, **over) -> Qwen35Config:
-    extra = TINY_MOE if moe else {}
-    return Qwen35Config(model_type="qwen3_5_moe_text" if moe else "qwen3_5_text", tie_word_embeddings=tied,
-                        **{**TINY, **extra, **over})
-
-
-def randomize(model, seed: int = 0):
-    """Every parameter random (norms near their identity, A_log in its usual range), so each gradient is checked."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(1, 16, generator=gen).log())
-            elif "norm" in n:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if "linear_attn.norm" in n else 0.0))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    return model
-
-
-def hf_model(cfg: Qwen35Config, seed: int = 0):
-    hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf_dict(dtype="float32"))
-    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa").float()
-    return randomize(model, seed)
-
-
-def hf_state(model) -> dict[str, torch.Tensor]:
-    """The HF model's tensors under the names a checkpoint holds (MoE experts one by one, as save_pretrained
-    writes them)."""
-    sd = {}
-    for n, t in model.state_dict().items():
-        if n.endswith("mlp.experts.gate_up_proj"):  # (E, 2F, C) rows [gate; up] per expert
-            base = n.removesuffix("gate_up_proj")
-            for e in range(t.shape[0]):
-                gate, up = t[e].chunk(2)
-                sd[f"{base}{e}.gate_proj.weight"], sd[f"{base}{e}.up_proj.weight"] = gate, up
-        elif n.endswith("mlp.experts.down_proj"):
-            base = n.removesuffix("down_proj")
-            for e in range(t.shape[0]):
-                sd[f"{base}{e}.down_proj.weight"] = t[e]
-        else:
-            sd[n] = t
-    return sd
-
-
-def hf_grads(model, tied: bool) -> dict[str, torch.Tensor]:
-    g = {n: p.grad for n, p in model.named_parameters() if not (tied and n == "lm_head.weight")}
-    return hf_state(_GradView(g))
-
-
-class _GradView:
-    def __init__(self, d):
-        self.d = d
-
-    def state_dict(self):
-        return self.d
-
-
-class Collect:
-    def __init__(self):
-        self.grads: dict[str, torch.Tensor] = {}
-
-    def accumulate_block(self, layer, grads):
-        self.grads.update({f"layers.{layer}.{k}": v for k, v in grads.items()})
-
-    def accumulate_non_block(self, grads):
-        self.grads.update(grads)
-
-
-def cosine(a, b):
-    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
-
+from tests.model.family_fixtures import (QWEN35_TINY as TINY, QWEN35_TINY_MOE as TINY_MOE,  # noqa: F401
+                                         Collect, cosine, hf_grads, hf_state, qwen35_cfg as tiny_cfg,
+                                         qwen35_hf_model as hf_model, randomize)
 
 def check_against_hf(cfg: Qwen35Config, run: RunOptions | None = None, T: int = 40, router_z: float = 0.0):
     """An MoE config checks transformers' training loss with output_router_logits (cross-entropy +
@@ -210,3 +133,36 @@ def test_activation_statements_hold_what_autograd_keeps(moe, dtype):
         terms = family_of(cfg).activation_terms(cfg, layer, ActivationSettings(model_dtype=dtype))
         stated = sum(a.nbytes(B * T) for a in terms if a.kept)
         assert 0.85 <= stated / c.bytes <= 1.25, (layer, stated / (B * T), c.bytes / (B * T))
+
+
+def test_document_mask_statements_hold_what_the_delta_rule_keeps():
+    """--document-masking: a linear-attention layer keeps its documents' masks besides (memory.document_terms); the
+    extra bytes autograd saves for one eager block forward with documents, against the statement: within 10% (the
+    statement leaves out a few bytes per chunk). The memory plan adds them once per linear-attention layer."""
+    from qtrain.kernels.document_attention import document_mask
+    from qtrain.kernels.rope import rope_tables
+    from qtrain.model.activations import activation_memory
+    from qtrain.model.init import init_params
+    from qtrain.model.qwen3_5.memory import document_terms
+    from qtrain.model.recompute import count_saved_bytes
+    from qtrain.model.transformer import allocate_params, make_block_fn
+
+    cfg = tiny_cfg(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
+    params = allocate_params(cfg, dtype=torch.float32, device="cpu")
+    init_params(cfg, params)
+    fn, (B, T) = make_block_fn(cfg), (2, 256)
+    positions = torch.cat([torch.arange(100), torch.arange(156)]).repeat(B, 1)  # two documents a row
+    docs = document_mask(positions, kind="varlen")
+    w = {k.split(".", 2)[2]: v for k, v in params.items() if k.startswith("layers.0.")}
+    cos, sin = rope_tables(cfg, T, "cpu", torch.float32)
+    saved = []
+    for d in (None, docs):
+        x = torch.randn(B, T, cfg.hidden_size, requires_grad=True)
+        with count_saved_bytes(exclude=[*w.values(), cos, sin]) as c:
+            fn(x, w, cos, sin, d)
+        saved.append(c.bytes / (B * T))
+    stated = sum(t.per_token for t in document_terms(cfg, frozenset()))
+    assert 0.9 <= stated / (saved[1] - saved[0]) <= 1.1, (stated, saved)
+    N = B * T
+    plan = activation_memory(cfg, N, model_dtype="fp32", documents=True).blocks
+    assert plan - activation_memory(cfg, N, model_dtype="fp32").blocks == N * stated  # one linear-attention layer

@@ -25,7 +25,8 @@ from qtrain.kernels.cross_entropy import IGNORE_INDEX  # noqa: E402
 from qtrain.model.transformer import RunOptions, Transformer  # noqa: E402
 from qtrain.model.weights import hf_to_internal  # noqa: E402
 from qtrain.parallel.weights.replicated import ParamWeights  # noqa: E402
-from tests.model.test_qwen3_5 import Collect, hf_model, hf_state, tiny_cfg  # noqa: E402
+from tests.model.family_fixtures import Collect, hf_state  # noqa: E402
+from tests.model.family_fixtures import qwen35_cfg as tiny_cfg, qwen35_hf_model as hf_model  # noqa: E402
 
 T = 80
 # two rows: documents of these lengths, each row's last one padding (no targets); documents cross the chunk at 64

@@ -16,7 +16,8 @@ transformers = pytest.importorskip("transformers")
 
 from qtrain.model.hf_io import check_hf_weights, load_hf_weights, load_model_config, save_hf_model
 from qtrain.model.qwen3_5 import Qwen35Config
-from tests.model.test_qwen3_5 import randomize, tiny_cfg
+from qtrain.model.registry import config_from_hf_dict
+from tests.model.family_fixtures import qwen35_cfg as tiny_cfg, qwen35_multimodal_model, randomize
 
 
 def _tensors(path) -> dict[str, torch.Tensor]:
@@ -39,13 +40,7 @@ def test_text_checkpoint_round_trips_exactly(tmp_path, moe):
 
 def _multimodal(tmp_path):
     """A tiny Qwen3.5 VLM checkpoint plus an MTP tensor (as the published ones carry)."""
-    text = tiny_cfg(num_hidden_layers=2, layer_types=("linear_attention", "full_attention")).text_hf_dict(
-        dtype="float32")
-    text.pop("architectures")
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
-                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
-    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
-    model = randomize(transformers.Qwen3_5ForConditionalGeneration(cfg).float())
+    model = qwen35_multimodal_model()
     src = tmp_path / "vlm"
     model.save_pretrained(src)
     tensors = _tensors(src)
@@ -82,3 +77,13 @@ def test_multimodal_checkpoint_loads_as_text_and_exports_where_transformers_read
         for cls in (transformers.Qwen3_5ForConditionalGeneration, transformers.Qwen3_5ForCausalLM):
             back = cls.from_pretrained(out, dtype=torch.float32).eval()
             assert torch.allclose(back(input_ids=ids).logits, ref, rtol=0, atol=1e-5), cls.__name__
+
+
+def test_rope_scaling_survives_export_beside_the_partial_rotary_factor():
+    """The scaling keys share rope_parameters with partial_rotary_factor: transformers reads both from the export, and
+    so does qtrain (the export once dropped the scaling)."""
+    cfg = tiny_cfg(rope_scaling={"rope_type": "linear", "factor": 2.0})
+    d = cfg.to_hf_dict(dtype="float32")
+    hf = transformers.AutoConfig.for_model(**d).rope_parameters
+    assert (hf["rope_type"], hf["factor"], hf["partial_rotary_factor"]) == ("linear", 2.0, cfg.partial_rotary_factor)
+    assert config_from_hf_dict(d) == cfg

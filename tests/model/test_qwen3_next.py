@@ -18,7 +18,8 @@ from qtrain.model.qwen3_5.tensors import next_in_proj_rows  # noqa: E402
 from qtrain.model.transformer import RunOptions, Transformer  # noqa: E402
 from qtrain.model.weights import hf_to_internal, internal_to_hf  # noqa: E402
 from qtrain.parallel.weights.replicated import ParamWeights  # noqa: E402
-from tests.model.test_qwen3_5 import TINY, TINY_MOE, Collect, cosine, hf_grads, hf_state, randomize  # noqa: E402
+from tests.model.family_fixtures import (QWEN35_TINY as TINY, QWEN35_TINY_MOE as TINY_MOE,  # noqa: E402
+                                         Collect, cosine, hf_grads, hf_state, randomize)
 
 
 def next_cfg(*, moe: bool, **over) -> Qwen3NextConfig:

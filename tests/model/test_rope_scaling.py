@@ -22,7 +22,7 @@ from qtrain.model.registry import config_from_hf_dict  # noqa: E402
 from qtrain.model.transformer import RunOptions, Transformer  # noqa: E402
 from qtrain.model.weights import hf_to_internal, internal_to_hf  # noqa: E402
 from qtrain.parallel.weights.replicated import ParamWeights  # noqa: E402
-from tests.model.test_transformer import Collect, cosine  # noqa: E402
+from tests.model.family_fixtures import Collect, cosine  # noqa: E402
 
 MAX_POS, T = 64, 96  # every sequence runs past max_position_embeddings and the original context
 SCALINGS = {

@@ -18,6 +18,7 @@ from qtrain.model.llama import LlamaConfig
 from qtrain.model.transformer import RunOptions, Transformer
 from qtrain.parallel.weights.replicated import ParamWeights
 from qtrain.model.weights import hf_to_internal, internal_to_hf
+from tests.model.family_fixtures import Collect, cosine  # noqa: F401 (other tests import them from here)
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)
@@ -45,22 +46,6 @@ def hf_model(cfg: ModelConfig, seed: int = 0):
             elif n.endswith("bias"):
                 p.normal_(0.0, 0.1)
     return model
-
-
-class Collect:
-    def __init__(self):
-        self.grads: dict[str, torch.Tensor] = {}
-
-    def accumulate_block(self, layer, grads):
-        for k, v in grads.items():
-            self.grads[f"layers.{layer}.{k}"] = v
-
-    def accumulate_non_block(self, grads):
-        self.grads.update(grads)
-
-
-def cosine(a, b):
-    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "llama", "qwen3"])

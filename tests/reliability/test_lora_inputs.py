@@ -43,9 +43,9 @@ def other_model(root: Path) -> None:
 def moe_model(root: Path) -> None:
     """root/moe: a tiny qwen3_moe config (layer 1 dense: mlp_only_layers), the vocabulary of the token files."""
     import transformers
-    from tests.model.test_moe_families import BASE, CASES
+    from tests.model.family_fixtures import MOE_BASE, MOE_CASES
     (root / "moe").mkdir()
-    cfg = transformers.Qwen3MoeConfig(**{**BASE, "vocab_size": CFG.vocab_size}, **CASES["qwen3_moe"][1])
+    cfg = transformers.Qwen3MoeConfig(**{**MOE_BASE, "vocab_size": CFG.vocab_size}, **MOE_CASES["qwen3_moe"][1])
     (root / "moe" / "config.json").write_text(json.dumps(cfg.to_dict()))
 
 
@@ -123,7 +123,8 @@ CASES = [
     Case("moe-mlp-target", lora("--lora-targets", "q,up", model="{root}/moe"),
          r"--lora-targets: target 'up' is an MoE model's MLP matrix .*\(choose from q,k,v,o\)", setup=moe_model),
     Case("moe-base-e4m3", lora("--lora-base-dtype", "e4m3", "--model-dtype", "bf16", model="{root}/moe"),
-         r"--lora-base-dtype e4m3 is not supported for model type 'qwen3_moe'", setup=moe_model),
+         r"--lora-base-dtype e4m3 is not supported for model type 'qwen3_moe' \(the qwen3_moe family\): the block "
+         r"multiplies its router, experts_up_gate, experts_down itself", setup=moe_model),
     Case("init-from-alpha-differs", lora("--lora-init-from", "{root}/a", "--lora-alpha", "3"),
          r"lora_alpha 8 differs from --lora-alpha 3", setup=adapter("a")),
 ]

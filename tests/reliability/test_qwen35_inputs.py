@@ -8,7 +8,7 @@ import json
 import pytest
 
 from qtrain.cli.main import main
-from tests.model.test_qwen3_5 import tiny_cfg
+from tests.model.family_fixtures import qwen35_cfg as tiny_cfg
 from tests.run_utils import make_run_root, train_argv
 
 

@@ -1,4 +1,5 @@
-"""LoRA over a frozen e4m3 base (`--lora-base-dtype e4m3`, CPU, bf16 adapters, a tiny random qwen2 base).
+"""LoRA over a frozen e4m3 base (`--lora-base-dtype e4m3`, CPU, bf16 adapters, a tiny random qwen2 base; the
+exactness check also on a tiny Qwen3.5, whose linear-attention projections are frozen linears too).
 
 - What the trainer holds: every block matrix of the base only as float8_e4m3fn codes with a 0-dim fp32 scale; a
   walk over every tensor the trainer (weights, model, optimizer, gradients) can reach finds no bf16/fp32 tensor of a
@@ -41,6 +42,21 @@ def base(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("e4m3") / "base"
     save_tiny_hf_model("qwen2", d)
     return d
+
+
+@pytest.fixture(scope="module")
+def qwen35_base(tmp_path_factory) -> Path:
+    """A tiny random Qwen3.5 checkpoint (linear- and full-attention layers, dense MLP)."""
+    import transformers
+    from tests.model.family_fixtures import qwen35_cfg, qwen35_hf_model
+    d = tmp_path_factory.mktemp("e4m3") / "qwen35"
+    cfg = qwen35_cfg(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
+    qwen35_hf_model(cfg).save_pretrained(d)
+    assert transformers.AutoConfig.from_pretrained(d).model_type == "qwen3_5_text"
+    return d
+
+
+QWEN35_TARGETS = "in_proj_qkv,in_proj_b,out,q,v,o,gate,down"
 
 
 def _opts(model: Path, **kw) -> Options:
@@ -88,7 +104,8 @@ def _assert_no_wide_base(t: Trainer) -> None:
     assert isinstance(w, E4m3BaseWeights)
     for layer in range(cfg.num_hidden_layers):
         shapes = block_shapes(cfg, layer)
-        assert set(w.codes[layer]) == {"qkv", "o", "up", "down"} == set(base_matrices(cfg, layer))
+        matrices = {n for n, s in shapes.items() if len(s) == 2}  # every 2-D tensor of the block
+        assert set(w.codes[layer]) == matrices == set(base_matrices(cfg, layer))
         for n, q in w.codes[layer].items():
             assert q.dtype == E4M3 and tuple(q.shape) == shapes[n], (layer, n)
             s = w.inv_scales[layer][n]
@@ -105,12 +122,15 @@ def _assert_no_wide_base(t: Trainer) -> None:
         if x.dtype in FLOAT and x.untyped_storage().data_ptr() not in allowed:
             numel = x.untyped_storage().nbytes() // x.element_size()
             assert numel < smallest, f"a {x.dtype} tensor {tuple(x.shape)} of {numel} elements: a base block matrix?"
-    assert {n for n in t.params if n.endswith((".qkv", ".o", ".up", ".down"))} == set()
+    assert {n for n in t.params if n.startswith("layers.")
+            and n.split(".")[-1] in base_matrices(cfg, int(n.split(".")[1]))} == set()
     assert set(non_block_names(cfg)) <= set(t.params)
 
 
-def test_base_held_as_e4m3_only_and_equal_to_its_dequantized_bf16_base(base, tmp_path):
-    e = Trainer(_opts(base, lora_base_dtype="e4m3"))
+def _equal_to_dequantized_base(base: Path, tmp_path: Path, **kw) -> tuple[Trainer, list[float], list]:
+    """The e4m3 run and the bf16 run over the base its codes stand for: the same losses and adapters, bitwise
+    (module docstring); returns the e4m3 trainer, its losses and the batches."""
+    e = Trainer(_opts(base, lora_base_dtype="e4m3", **kw))
     _assert_no_wide_base(e)
 
     # the reference base: the base model with each block matrix replaced by what its codes stand for (fp32 file;
@@ -126,7 +146,7 @@ def test_base_held_as_e4m3_only_and_equal_to_its_dequantized_bf16_base(base, tmp
     assert set(hf) <= set(fp32)
     fp32.update({k: v.contiguous() for k, v in hf.items()})
     save_file(fp32, ref / "model.safetensors", metadata={"format": "pt"})
-    b = Trainer(_opts(ref))
+    b = Trainer(_opts(ref, **kw))
 
     batches = _batches(3)
     le, lb = _train(e, batches), _train(b, batches)
@@ -137,12 +157,24 @@ def test_base_held_as_e4m3_only_and_equal_to_its_dequantized_bf16_base(base, tmp
             assert p.dtype == torch.bfloat16
     assert any(e.params[n].abs().max() > 0 for n in e.params if n.endswith("_lora_b"))  # the adapters trained
     _assert_no_wide_base(e)  # nothing wider appeared during the steps
+    return e, le, batches
+
+
+def test_base_held_as_e4m3_only_and_equal_to_its_dequantized_bf16_base(base, tmp_path):
+    e, le, batches = _equal_to_dequantized_base(base, tmp_path)
 
     # against the original bf16 base: the e4m3 rounding of the base only (module docstring)
     o = Trainer(_opts(base))
     lo = _train(o, batches)
     assert abs(le[0] - lo[0]) < 0.015 * lo[0], (le, lo)  # zero adapters: the base's rounding alone
     assert abs(sum(le) - sum(lo)) < 0.03 * sum(lo), (le, lo)
+
+
+def test_qwen3_5_base_held_as_e4m3_only_and_equal_to_its_dequantized_bf16_base(qwen35_base, tmp_path):
+    """Qwen3.5: in_proj and out (linear attention), qkv and o (gated full attention), up and down held as e4m3;
+    the convolution, decay rates and norms stay in the model dtype (small tensors)."""
+    e, _, _ = _equal_to_dequantized_base(qwen35_base, tmp_path, lora_targets=QWEN35_TARGETS)
+    assert [set(c) for c in e.weights.codes] == [{"in_proj", "out", "up", "down"}, {"qkv", "o", "up", "down"}]
 
 
 def test_memory_plan_counts_one_byte_per_base_parameter(base):

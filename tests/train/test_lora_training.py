@@ -125,10 +125,9 @@ def test_moe_and_hybrid_families_train_adapters_only(family, tmp_path):
     Qwen3.5's MoE (linear-attention and full-attention layers): the checkpoints hold the adapters only."""
     import numpy as np
     from qtrain.data.token_files import write_token_file
-    from tests.model import test_moe_families as moe
-    from tests.model import test_qwen3_5 as q35
+    from tests.model.family_fixtures import moe_hf_model, qwen35_cfg, qwen35_hf_model
     root = make_run_root(tmp_path)
-    model = (moe.hf_model("qwen3_moe") if family == "qwen3_moe" else q35.hf_model(q35.tiny_cfg(moe=True))).float()
+    model = (moe_hf_model("qwen3_moe") if family == "qwen3_moe" else qwen35_hf_model(qwen35_cfg(moe=True))).float()
     model.save_pretrained(root / "base")
     rng = np.random.default_rng(1)
     for name, n in (("train.bin", 2000), ("eval.bin", 300)):

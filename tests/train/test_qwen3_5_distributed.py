@@ -28,7 +28,7 @@ from qtrain.train import checkpointing
 from qtrain.train.router_metrics import STEP_FIELDS
 from qtrain.train.trainer import Trainer
 from tests.dist_utils import run_distributed, write_model_dir
-from tests.model.test_qwen3_5 import tiny_cfg
+from tests.model.family_fixtures import qwen35_cfg as tiny_cfg
 
 CFG = tiny_cfg(moe=True, vocab_size=96, hidden_size=32, num_hidden_layers=2, head_dim=16,
                layer_types=("linear_attention", "full_attention"), bos_token_id=0, eos_token_id=0,

@@ -15,7 +15,7 @@ from qtrain.cli.main import main
 from qtrain.data.packing import Packer
 from qtrain.data.token_files import TokenFileWriter
 from qtrain.train.router_metrics import STEP_FIELDS
-from tests.model.test_qwen3_5 import tiny_cfg
+from tests.model.family_fixtures import qwen35_cfg as tiny_cfg
 from tests.run_utils import make_run_root, train_argv
 
 

@@ -70,36 +70,8 @@ class LlamaConfig(ModelConfig):
 
     def to_hf_dict(self, *, dtype: str = "bfloat16") -> dict[str, Any]:
         """A config.json that transformers (4.5x and 5.x) loads as this exact model."""
-        rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
-        if self.rope_scaling:
-            rope_parameters = {**self.rope_scaling, "rope_theta": self.rope_theta}
-        d: dict[str, Any] = {
-            "architectures": [ARCHITECTURES[self.model_type]],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": rope_parameters,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
-            "attention_dropout": 0.0,
-            "initializer_range": 0.02,
-            "use_cache": True,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "torch_dtype": dtype,
-        }
-        if self.pad_token_id is not None:
-            d["pad_token_id"] = self.pad_token_id
-        if self.rope_scaling:
-            d["rope_scaling"] = dict(self.rope_scaling)
+        d = self.hf_common_dict(architecture=ARCHITECTURES[self.model_type], dtype=dtype)
+        d["intermediate_size"] = self.intermediate_size
         if self.model_type == "qwen2":
             d.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers)
         else:

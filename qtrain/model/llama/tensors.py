@@ -59,7 +59,7 @@ def _hf_rows(cfg: LlamaConfig, short: str) -> list[int]:
 
 def block_tensors(cfg: LlamaConfig, layer: int) -> tuple[TensorSpec, ...]:
     """Block `layer`'s tensors (every layer has the same ones)."""
-    prefix = f"model.layers.{layer}."
+    prefix = f"{cfg.hf_prefix}layers.{layer}."
     specs = []
     for short, shape in block_shapes(cfg).items():
         hf = BLOCK_HF[short]

@@ -4,7 +4,8 @@ this layer needs no options import) -> a checked `LoraSpec`, or the one-line Lor
 What is checked here, before the model is built (the preflight calls `spec_from_options(..., check_adapter=True)`):
 the targets are the model's (`tensors.known_targets`), the rank fits every targeted matrix (r <= min(out, in): a
 larger rank adds nothing a full-rank update would not, and peft refuses nothing there), and a --lora-init-from
-adapter's config and tensor header are the run's (`peft_io.read_adapter(load=False)`).
+adapter's config and tensor header are the run's (`peft_io.read_adapter(load=False)`), and an e4m3 base
+(`--lora-base-dtype e4m3`) is one the family can hold only as e4m3 (`e4m3_base_error`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from qtrain.model.registry import family_of
 from qtrain.model.lora.peft_io import CONFIG_FILE, read_adapter, read_config
 from qtrain.model.lora.spec import DEFAULT_TARGETS, LoraError, LoraSpec, default_alpha, parse_targets
 from qtrain.model.lora.tensors import known_targets, layer_targets
+from qtrain.model.weights import statements
 
 
 def check_dims(cfg: ModelConfig, spec: LoraSpec) -> None:
@@ -27,6 +29,21 @@ def check_dims(cfg: ModelConfig, spec: LoraSpec) -> None:
                 raise LoraError(f"--lora-rank {spec.rank} is larger than target {t.name}'s dimensions ({t.rows} x "
                                 f"{t.cols}); choose a rank <= {min(t.rows, t.cols)} or drop {t.name} from "
                                 f"--lora-targets")
+
+
+def e4m3_base_error(cfg: ModelConfig) -> str | None:
+    """Why `--lora-base-dtype e4m3` cannot hold this model's frozen base only as e4m3, or None. The e4m3 base is the
+    block matrices that run through the block's linear (the family's `fp8_matrices`: the frozen e4m3 linear replaces
+    it); a matrix the block multiplies itself (an MoE's experts and router, Qwen3.5-MoE's shared expert) has no e4m3
+    path and would stay in the model dtype, so such a model is refused, naming its family and those matrices."""
+    family = family_of(cfg)
+    own = {s.name: None for block in statements(cfg).blocks for s in block
+           if (s.experts or len(s.shape) == 2) and s.name not in family.fp8_matrices}
+    if not own:
+        return None
+    return (f"--lora-base-dtype e4m3 is not supported for model type {cfg.model_type!r} (the {family.name} family): "
+            f"the block multiplies its {', '.join(own)} itself, with no e4m3 path (they would stay in the model "
+            f"dtype); drop --lora-base-dtype")
 
 
 def spec_from_options(v: Mapping[str, Any], cfg: ModelConfig, *, check_adapter: bool = False) -> LoraSpec | None:
@@ -48,9 +65,9 @@ def spec_from_options(v: Mapping[str, Any], cfg: ModelConfig, *, check_adapter: 
     spec = LoraSpec(rank, float(v.get("lora_alpha") or 0.0) or 1.0, float(v.get("lora_dropout") or 0.0), targets,
                     v.get("lora_base_dtype") or "")
     check_dims(cfg, spec)
-    if spec.base_dtype == "e4m3" and family_of(cfg).name != "llama":
-        raise LoraError(f"--lora-base-dtype e4m3 is not supported for model type {cfg.model_type!r} yet (the dense "
-                        f"Llama family's: llama, qwen2, qwen3)")
+    why = e4m3_base_error(cfg) if spec.base_dtype == "e4m3" else None
+    if why:
+        raise LoraError(why)
     alpha = float(v.get("lora_alpha") or 0.0)
     if init_from:
         theirs = read_config(init_from, cfg, spec)

@@ -1,7 +1,8 @@
 """The adapters of a layer as tensor statements, derived from its family's statements, with PEFT's names.
 
-A target is one HF module of a block matrix (the family's `TensorSpec.hf` part `model.layers.{l}.<module>.weight`,
-e.g. `self_attn.q_proj`): its name is the module's last component without `_proj` (q, k, v, o, gate, up, down for the
+A target is one HF module of a block matrix (the family's `TensorSpec.hf` part `<hf_prefix>layers.{l}.<module>.weight`,
+`hf_prefix` the config's: `model.`, or `model.language_model.` for a multimodal Qwen3.5 checkpoint; e.g.
+`self_attn.q_proj`): its name is the module's last component without `_proj` (q, k, v, o, gate, up, down for the
 Llama family). The targets of one (possibly fused) block matrix M share two adapter tensors in the layer's group
 `lora` (`TensorSpec.group`), fused as the matrix is:
 
@@ -37,17 +38,19 @@ class Target:
     cols: int
 
 
-def _layer_prefix(layer: int) -> str:
-    return f"model.layers.{layer}."
+def _layer_prefix(cfg: ModelConfig, layer: int) -> str:
+    """Where layer `layer`'s modules sit in the base checkpoint (and, under PEFT_PREFIX, in peft's adapter keys):
+    `model.layers.{l}.`, or `model.language_model.layers.{l}.` in Qwen3.5's multimodal layout."""
+    return f"{cfg.hf_prefix}layers.{layer}."
 
 
 def layer_targets(cfg: ModelConfig, layer: int) -> dict[str, Target]:
     """Every target block `layer` offers, by name, in block order: the HF modules (`.weight` parts under
-    `model.layers.{layer}.`) of the block matrices that run through the block's linear, where the adapter term is
+    `<hf_prefix>layers.{layer}.`) of the block matrices that run through the block's linear, where the adapter term is
     added (the family's `fp8_matrices`: not a router, an MoE's experts or shared-expert gate, which the block
     multiplies itself). In an MoE model the dense MLP matrices of its dense layers are not targets either: peft maps
     gate_proj/up_proj/down_proj of such a model onto its experts, so an adapter of them would not load as trained."""
-    out, prefix, linears = {}, _layer_prefix(layer), family_of(cfg).fp8_matrices
+    out, prefix, linears = {}, _layer_prefix(cfg, layer), family_of(cfg).fp8_matrices
     if getattr(cfg, "router", None):
         linears = tuple(m for m in linears if m not in MLP_MATRICES)
     for spec in statements(cfg).blocks[layer]:
@@ -91,7 +94,7 @@ def adapted(cfg: ModelConfig, spec: LoraSpec, layer: int) -> dict[str, list[Targ
 
 def adapter_tensors(cfg: ModelConfig, spec: LoraSpec, layer: int) -> tuple[TensorSpec, ...]:
     """Block `layer`'s adapter tensors (module docstring), PEFT's names as their HF parts."""
-    r, prefix, out = spec.rank, PEFT_PREFIX + _layer_prefix(layer), []
+    r, prefix, out = spec.rank, PEFT_PREFIX + _layer_prefix(cfg, layer), []
     for matrix, targets in adapted(cfg, spec, layer).items():
         cols = targets[0].cols
         out.append(TensorSpec(a_name(matrix), (len(targets) * r, cols),

@@ -60,7 +60,7 @@ class MixtralConfig(MoeConfig):
     def to_hf_dict(self, *, dtype: str = "bfloat16") -> dict[str, Any]:
         """A config.json that transformers loads as this exact model."""
         d = moe_hf_dict(self, architecture=ARCHITECTURES[self.model_type], dtype=dtype)
-        d.update(head_dim=self.head_dim, intermediate_size=self.moe_intermediate_size,
+        d.update(intermediate_size=self.moe_intermediate_size,
                  num_local_experts=self.num_experts, sliding_window=None, router_jitter_noise=0.0)
         return d
 

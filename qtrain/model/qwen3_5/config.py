@@ -56,6 +56,7 @@ class Qwen35Config(ModelConfig):
 
     MODEL_TYPES = tuple(TEXT_TYPES)  # what this class reads (a class attribute, not a field)
     MIXED_MLP = False  # whether an MoE model may keep dense MLP layers (Qwen3-Next's mlp_only_layers)
+    HF_LEGACY_KEYS = False  # only transformers 5.x has these families: rope_parameters and dtype alone
 
     model_type: str = "qwen3_5_text"
     vocab_size: int = 248320  # Qwen3.5's tokenizer
@@ -261,6 +262,8 @@ class Qwen35Config(ModelConfig):
         r.typed("partial_rotary_factor", "number", inner={"partial_rotary_factor": prf})
         common = r.common_fields(max_position_embeddings=32768, head_dim=256)
         common.update(model_type=d["model_type"], num_key_value_heads=d.get("num_key_value_heads") or (2 if moe else 4))
+        if common["rope_scaling"]:  # the rotary factor sits beside the scaling keys in rope_parameters; read above
+            common["rope_scaling"] = {k: v for k, v in common["rope_scaling"].items() if k != "partial_rotary_factor"}
         fields = dict(intermediate_size=d.get("intermediate_size", 12288), layer_types=layer_types,
                       partial_rotary_factor=float(prf),
                       **{k: d.get(k, getattr(cls, k)) for k in ("linear_conv_kernel_dim", "linear_key_head_dim",
@@ -275,37 +278,16 @@ class Qwen35Config(ModelConfig):
             raise r.error(str(e).removeprefix("model config: ")) from None
         return cfg
 
+    def hf_rope_parameters(self) -> dict[str, Any]:
+        return {**super().hf_rope_parameters(), "partial_rotary_factor": self.partial_rotary_factor}
+
     def text_hf_dict(self, *, dtype: str = "bfloat16") -> dict[str, Any]:
         """The text model's config.json (a multimodal export nests it under `text_config`)."""
-        d: dict[str, Any] = {
-            "architectures": [self.architecture],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
-                                "partial_rotary_factor": self.partial_rotary_factor},
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "initializer_range": 0.02,
-            "use_cache": True,
-            "layer_types": list(self.layer_types),
-            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
-            "linear_key_head_dim": self.linear_key_head_dim,
-            "linear_value_head_dim": self.linear_value_head_dim,
-            "linear_num_key_heads": self.linear_num_key_heads,
-            "linear_num_value_heads": self.linear_num_value_heads,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "dtype": dtype,
-        }
+        d = self.hf_common_dict(architecture=self.architecture, dtype=dtype)
+        d.update(attention_bias=False, layer_types=list(self.layer_types),
+                 linear_conv_kernel_dim=self.linear_conv_kernel_dim, linear_key_head_dim=self.linear_key_head_dim,
+                 linear_value_head_dim=self.linear_value_head_dim, linear_num_key_heads=self.linear_num_key_heads,
+                 linear_num_value_heads=self.linear_num_value_heads)
         if self.is_moe:
             d.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                      moe_intermediate_size=self.moe_intermediate_size,
@@ -313,8 +295,6 @@ class Qwen35Config(ModelConfig):
                      router_aux_loss_coef=self.router_aux_loss_coef)
         else:
             d["intermediate_size"] = self.intermediate_size
-        if self.pad_token_id is not None:
-            d["pad_token_id"] = self.pad_token_id
         return d
 
     def to_hf_dict(self, *, dtype: str = "bfloat16") -> dict[str, Any]:

@@ -9,6 +9,8 @@ Gated DeltaNet terms (the twin's chunked form, C = 64, H value heads of dv, Hk k
   per chunk: D, A, QK (C, C) per head; U, V' (C, dv); W, q, k, kb, q_dec, k_dec (C, dk); G, beta, g  -> per token
   4 H (3 C + 2 dv + 8 dk + 4), plus q, k L2-normalised and repeated to the H value heads.
 A fused kernel keeps far less (fla-core keeps q, k, v, g, beta and the chunk states, recomputing the rest).
+With --document-masking a linear-attention layer also keeps its documents' masks (`document_terms`): C bytes a token
+for the chunks' (C, C) same-document masks, 8 for two fp32 per-position masks, K - 1 for the convolution's.
 """
 from __future__ import annotations
 
@@ -30,9 +32,8 @@ def activation_terms(cfg: Qwen35Config, layer: int, s: ActivationSettings) -> li
              ActTerm("ln1", _norm_bytes(C, E) + E * C, "norm" not in rc and "att" not in rc,
                      "RMSNorm-1 state + output (the mixer's input)")]
     if cfg.is_linear(layer):
-        H, Hk, dk, dv = cfg.linear_num_value_heads, cfg.linear_num_key_heads, cfg.linear_key_head_dim, \
-            cfg.linear_value_head_dim
-        kd, vd, cd = cfg.linear_key_dim, cfg.linear_value_dim, cfg.conv_dim
+        H, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        vd, cd = cfg.linear_value_dim, cfg.conv_dim
         terms += [
             ActTerm("in_proj", E * (cfg.in_proj_dim + 4 * cd) + 4 * cd + 12 * H, "qkv" not in rc,
                     "fused projection output, conv input/output, gates b, a (fp32)"),
@@ -41,7 +42,8 @@ def activation_terms(cfg: Qwen35Config, layer: int, s: ActivationSettings) -> li
                     "v, chunk buffers, chunk states"),
             ActTerm("gated_norm", E * vd + 4 * vd * 3 + E * vd, blk, "gated RMSNorm state + output projection input"),
         ]
-        del Hk, kd
+        if s.documents:
+            terms += document_terms(cfg, rc)
     else:
         q, kv, nh = cfg.q_dim, cfg.kv_dim, cfg.num_attention_heads
         terms += [
@@ -62,6 +64,15 @@ def activation_terms(cfg: Qwen35Config, layer: int, s: ActivationSettings) -> li
         terms += [ActTerm("mlp_up", 2 * F * E, "ffn" not in rc, "fused up/gate output"),
                   ActTerm("swiglu", 2 * F * E, "swiglu" not in rc, "silu(gate), SwiGLU output")]
     return terms
+
+
+def document_terms(cfg: Qwen35Config, rc: frozenset[str]) -> list[ActTerm]:
+    """What a linear-attention layer keeps besides with --document-masking (module docstring), per token: the
+    convolution's K - 1 'no reset within the tap' masks (bool, step qkv); the delta rule's same-document mask of each
+    chunk (C x C bool per C tokens: C bytes a token, broadcast over the heads) and its two per-position masks (which
+    document reads the old state, which writes the next; saved as fp32 by the multiplications), step attention."""
+    return [ActTerm("conv_documents", cfg.linear_conv_kernel_dim - 1, "qkv" not in rc, "convolution's document masks"),
+            ActTerm("delta_rule_documents", CHUNK + 2 * 4, "att" not in rc, "delta rule's per-chunk document masks")]
 
 
 def backward_temporaries(cfg: Qwen35Config, layer: int, tokens: int, s: ActivationSettings) -> int:

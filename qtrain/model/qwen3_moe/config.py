@@ -64,7 +64,7 @@ class Qwen3MoeConfig(MoeConfig):
     def to_hf_dict(self, *, dtype: str = "bfloat16") -> dict[str, Any]:
         """A config.json that transformers loads as this exact model."""
         d = moe_hf_dict(self, architecture=ARCHITECTURES[self.model_type], dtype=dtype)
-        d.update(head_dim=self.head_dim, intermediate_size=self.intermediate_size,
+        d.update(intermediate_size=self.intermediate_size,
                  moe_intermediate_size=self.moe_intermediate_size, num_experts=self.num_experts,
                  norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
                  mlp_only_layers=list(self.mlp_only_layers), attention_bias=False, use_sliding_window=False,
