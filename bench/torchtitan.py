@@ -15,8 +15,8 @@ tokens/s is the median of the steps after the first 3), mm ("bf16" | "fp8-rowwis
 Float8Linear on the linears, `output` kept in bf16), fp8_experts (an MoE's experts in FP8 too:
 `quantize.grouped_mm.float8`, torchao's dynamic rowwise scaled grouped GEMM; needs a GPU of SM89+), ac ("none" |
 "sac": torchtitan's selective per-op checkpointing | "full"), oom_retry (run_tt.sh's retry of an out-of-memory
-`ac = "none"` run with "sac"; off: a case says what it measures), flags (more torchtitan flags), workers (data
-loader workers, 2), env (more of the script's environment), script (".tt/run_tt.sh", relative to the harness's
+`ac = "none"` run with "sac"; off by default: a case says what it measures), flags (more torchtitan flags),
+workers (data loader workers, 2), env (more of the script's environment), script (".tt/run_tt.sh", relative to the harness's
 checkout). bf16 weights, gradients and AdamW states, torch.compile of blocks and loss (.tt/configs/base.toml).
 Result (run_tt.sh's `TT ...` line): tps (torchtitan's tokens/s per device, median), mfu (%, its own count: an
 MoE's over its active experts), tflops, peak_gib (the largest step's peak reserved memory), step_ms, data_pct,
@@ -88,7 +88,7 @@ def command(model: str, name: str, batch: int, accum: int, seq: int, steps: int,
     if bad:
         raise ValueError(f"flags {bad!r}: run_tt.sh splits TT_EXTRA at spaces and expands wildcards")
     env = {"TT_LBS": str(batch), "TT_GBS": str(batch * accum), "TT_SEQ": str(seq), "TT_STEPS": str(steps),
-           "TT_WORKERS": str(workers), "TT_OOM_FALLBACK": "1" if oom_retry else "0",
+           "TT_WORKERS": str(workers), "TT_OOM_FALLBACK": "1" if oom_retry and ac == "none" else "0",
            "TT_EXTRA": " ".join(extra)}
     return variant, env
 
@@ -129,6 +129,8 @@ def run(model: str, batch: int, accum: int, seq: int = 1024, steps: int = 10, na
     res = parse_summary(lines[-1])  # after an OOM retry: the retry's
     if not res["tt_status"].startswith("ok") or "tps" not in res:
         raise RuntimeError(f"torchtitan: {res['tt_status']} (log {work}/{res.get('variant', variant)}*.log)")
+    if ac == "full":  # run_tt.sh labels its own modes only; TT_EXTRA's full checkpointing won
+        res["ac"] = "full"
     return {"system": "torchtitan", "model": model, "tt_log": work, **res}
 
 
