@@ -16,8 +16,10 @@ Float8Linear on the linears, `output` kept in bf16), fp8_experts (an MoE's exper
 `quantize.grouped_mm.float8`, torchao's dynamic rowwise scaled grouped GEMM; needs a GPU of SM89+), ac ("none" |
 "sac": torchtitan's selective per-op checkpointing | "full"), oom_retry (run_tt.sh's retry of an out-of-memory
 `ac = "none"` run with "sac"; off by default: a case says what it measures), flags (more torchtitan flags),
-workers (data loader workers, 2), env (more of the script's environment), script (".tt/run_tt.sh", relative to the harness's
-checkout). bf16 weights, gradients and AdamW states, torch.compile of blocks and loss (.tt/configs/base.toml).
+workers (data loader workers, 2), tt_timeout (run_tt.sh's limit on the training process, 290 s: below the case's
+timeout, so that its line still comes with the steps logged so far), env (more of the script's environment),
+script (".tt/run_tt.sh", relative to the harness's checkout). bf16 weights, gradients and AdamW states,
+torch.compile of blocks and loss (.tt/configs/base.toml).
 Result (run_tt.sh's `TT ...` line): tps (torchtitan's tokens/s per device, median), mfu (%, its own count: an
 MoE's over its active experts), tflops, peak_gib (the largest step's peak reserved memory), step_ms, data_pct,
 loss, first_step_s, ac (what ran: an OOM retry says selective-op), tt_status.
@@ -109,7 +111,7 @@ def scratch_dir() -> str:
 
 def run(model: str, batch: int, accum: int, seq: int = 1024, steps: int = 10, name: str = "llama3",
         mm: str = "bf16", fp8_experts: bool = False, ac: str = "none", oom_retry: bool = False,
-        flags: list[str] = (), workers: int = 2, env: dict[str, str] | None = None,
+        flags: list[str] = (), workers: int = 2, tt_timeout: int = 290, env: dict[str, str] | None = None,
         script: str = ".tt/run_tt.sh") -> dict:
     path = script_path(script)
     if not path.is_file():
@@ -117,8 +119,8 @@ def run(model: str, batch: int, accum: int, seq: int = 1024, steps: int = 10, na
     variant, tt_env = command(model, name, batch, accum, seq, steps, mm, fp8_experts, ac, oom_retry, list(flags),
                               workers)
     work = scratch_dir()
-    full_env = {**os.environ, **tt_env, "TT_LOGDIR": work, "TT_DUMPDIR": os.path.join(work, "dump"),
-                **(env or {})}
+    full_env = {**os.environ, **tt_env, "TT_TIMEOUT": str(tt_timeout), "TT_LOGDIR": work,
+                "TT_DUMPDIR": os.path.join(work, "dump"), **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join([str(TT_DIR)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     print(f"TT-KIND {name} {model} as run_tt.sh variant {variant}; TT_EXTRA={tt_env['TT_EXTRA']}; logs {work}",
           flush=True)
