@@ -141,7 +141,9 @@ def dry_run(params: dict) -> dict:
          "oom_retry": False, "flags": [], "workers": 2, "script": ".tt/run_tt.sh", **params}
     variant, env = command(p["model"], p["name"], p["batch"], p["accum"], p["seq"], p["steps"], p["mm"],
                            p["fp8_experts"], p["ac"], p["oom_retry"], list(p["flags"]), p["workers"])
-    cmd = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + f" bash {p['script']} {variant}"
+    env["TT_TIMEOUT"] = str(p.get("tt_timeout", 290))
+    cmd = ("PYTHONPATH=bench/tt " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+           + f" bash {p['script']} {variant}")
     if not script_path(p["script"]).is_file():
         raise Skip(f"{p['script']} is missing (copy ../shared/anchor/torchtitan there); on the GPU: {cmd}")
     if os.environ.get("TT_CPU_CHECK") != "1":
