@@ -32,6 +32,10 @@ KINDS: dict[str, Kind] = {
                   "cache", (("start_s", "start s"), ("first_step_s", "1st step s"), ("step_ms", "step ms"))),
     "llmq": Kind("bench.llmq", "llm.q's own trainer through .llmq/bench_llmq.sh (median tokens/s of steady steps)",
                  (("tps", "tok/s"), ("step_ms", "step ms"), ("sol", "SOL %"), ("peak_gib", "peak GiB"))),
+    "torchtitan": Kind("bench.torchtitan", "torchtitan (PyTorch's trainer, from wheels) through .tt/run_tt.sh: llama3 "
+                       "and qwen3 flavors (bench/tt), median tokens/s of its steps after the third",
+                       (("tps", "tok/s"), ("step_ms", "step ms"), ("mfu", "MFU"), ("peak_gib", "peak GiB"),
+                        ("ac", "AC"))),
     "hf": Kind("bench.hf", "HF transformers + torch AdamW (+ torch.compile) through .devshared/bench/hf_baseline.py",
                (("tps", "tok/s"), ("mfu", "MFU"), ("peak_gib", "peak GiB"))),
     "hf-train": Kind("bench.hf_train", "transformers' own model of any qtrain shape (+ peft LoRA) with torch AdamW, at "
