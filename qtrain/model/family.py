@@ -163,6 +163,11 @@ class ActivationSettings:
     fp8_weight_copies: bool = True  # False with --persistent-quants (the linears keep views, not copies)
     fp8_keep_transposes: bool = False
     documents: bool = False  # --document-masking: the block keeps its documents' masks (Qwen3.5's delta rule)
+    # LoRA (--lora-rank): no base tensor needs a gradient, so a norm's gain product keeps no normalized value and a
+    # base linear keeps its input only for an adapter that reads it, the block matrices in `adapter_inputs` (each
+    # target's matrix, without --lora-dropout: with it the adapter keeps its dropped copy, the plan's LoRA row)
+    frozen_base: bool = False
+    adapter_inputs: frozenset[str] = frozenset()
 
     @property
     def dtype_bytes(self) -> int:

@@ -69,7 +69,8 @@ class MoeBlock(LlamaBlock):
         z-statistic), the permutation's indices (order, inverse: 2 k int64), the permuted input (k C, the up/gate
         GEMM's), its output (2 k F, SwiGLU's), the SwiGLU output (k F, the down GEMM's) and the experts' outputs
         (k C, the combine's, for the weights' gradient); per layer the expert offsets (E int32). In e4m3 the router
-        keeps its input, the RMSNorm-2 output, which the dense block's FP8 linear would keep as an e4m3 copy. The
+        keeps its input, the RMSNorm-2 output, which the dense block's FP8 linear would keep as an e4m3 copy (over a
+        frozen base, LoRA, it keeps none: the experts' GEMMs keep their inputs whether or not the weights learn). The
         'up' step (--recompute-ffn) drops the permuted input and the up/gate output, 'swiglu' the SwiGLU output;
         the routing and the indices stay (the steps' inputs).
         Compiled (AOTAutograd's partitioner, measured on the CPU): the experts' tensors as eager, but with 'ffn' the
@@ -90,7 +91,7 @@ class MoeBlock(LlamaBlock):
                          "experts' up/gate outputs (k, 2F)"),
                  ActTerm("moe_swiglu", Eb * k * F, "swiglu" not in rc, "experts' SwiGLU outputs (k, F)"),
                  ActTerm("moe_down_out", Eb * k * C, blk, "experts' outputs (k, C), for the combine weights")]
-        if a.s.fp8:
+        if a.s.fp8 and not a.s.frozen_base:  # a frozen router keeps nothing of its input
             terms.append(ActTerm("router_in", Eb * C, not ("norm" in rc or "ffn" in rc),
                                  "the router's input (RMSNorm-2 output, model dtype)"))
         if compiled:  # the block is two graphs around the router losses' node (`with_router_grads`)

@@ -32,9 +32,10 @@ from typing import Any
 from qtrain.model.family import DTYPE_BYTES
 from qtrain.model.lora import LoraAdapter
 from qtrain.model.lora.checks import spec_from_options
+from qtrain.model.lora.spec import LoraSpec
 from qtrain.model.activations import activation_memory, workspace_phases
 from qtrain.model.config import ModelConfig
-from qtrain.model.recompute import recompute_label, resolve_flags
+from qtrain.model.recompute import block_steps, recompute_label, resolve_flags
 from qtrain.model.registry import family_of
 from qtrain.model.weights import num_params
 from qtrain.plan.context import context_parallel_bytes
@@ -247,6 +248,16 @@ def _gradient_row(opts: Options, layout: FlatLayout, device: str, *, graphs: boo
     return _row(f"gradients ({kind}, {dtype})", fp, detail)
 
 
+def _lora_settings(cfg: ModelConfig, lora: LoraSpec | None) -> dict[str, Any]:
+    """The activation settings of a LoRA run (`family.ActivationSettings`): a frozen base, whose linears keep their
+    input only for an adapter that reads it (without dropout; with it the adapter keeps its own dropped copy, in the
+    `lora adapters` row)."""
+    if lora is None:
+        return {}
+    reads = frozenset() if lora.dropout else frozenset(LoraAdapter(cfg, lora).parts)
+    return {"frozen_base": True, "adapter_inputs": reads}
+
+
 # ---------------------------------------------------------------------------------------------------------
 def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shards: int, compiled: bool,
                fp8_linears: tuple[str, ...], quants: tuple[str, ...], keep_transposes: bool, fp8_head_backward: bool,
@@ -279,9 +290,11 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
     # ---- activations kept for backward, and the transient phases of a micro-step (model/activations.py) ----
     attn_chunks = max(1, opts.attn_bwd_chunks or 1)
     chunks = max(1, opts.lmhead_chunks)
+    lora = layout.lora
+    e4m3_base = lora is not None and lora.base_dtype == "e4m3"  # the FP8 linears keep the held codes, not copies
     kw = dict(model_dtype=opts.model_dtype, matmul_dtype=matmul if fp8 or matmul != "e4m3" else "",
-              compiled=compiled, attn_chunks=attn_chunks, fp8_weight_copies=not persistent_quants,
-              fp8_keep_transposes=keep_t, documents=opts.document_masking)
+              compiled=compiled, attn_chunks=attn_chunks, fp8_weight_copies=not (persistent_quants or e4m3_base),
+              fp8_keep_transposes=keep_t, documents=opts.document_masking, **_lora_settings(cfg, lora))
     acts = activation_memory(cfg, N, recompute=rc, offload_residual=opts.offload_residual, **kw)
     phases = workspace_phases(cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc,
                               fp8_head_backward=fp8_head_backward, **kw)
@@ -305,8 +318,8 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
     if context is not None:
         items.append(Item(f"context parallel attention ({opts.context_parallel_mode})", device=context[0],
                           kind="activations", detail=context[1]))
-    if layout.lora is not None and "block" not in rc:  # each target's A output (and dropout's input and mask)
-        per_token = LoraAdapter(cfg, layout.lora).saved_bytes_per_token(DTYPE_BYTES[opts.model_dtype])
+    if lora is not None and "block" not in rc:  # each target's A output (and dropout's input and mask)
+        per_token = LoraAdapter(cfg, lora).saved_bytes_per_token(DTYPE_BYTES[opts.model_dtype], block_steps(rc))
         items.append(Item(f"lora adapters ({L} layers)", device=int(L * N * per_token), kind="activations",
                           detail=f"rank {layout.lora.rank}, targets {','.join(layout.lora.targets)}: what the "
                                  f"adapters keep for backward"))

@@ -72,6 +72,21 @@ class _Saved:
         return 1 if self.s.fp8 else 0
 
     @property
+    def gain(self) -> int:  # bytes/element a norm's gain product keeps of the normalized value (none: a frozen gain)
+        return 0 if self.s.frozen_base else self.E
+
+    def lin_of(self, matrix: str) -> int:
+        """Bytes/element of `matrix`'s input that its linear keeps in the model dtype: for the weight's gradient (`lin`)
+        or, over a frozen base (LoRA), only for the adapter that reads it."""
+        if matrix in self.s.adapter_inputs:
+            return self.E
+        return 0 if self.s.frozen_base else self.lin
+
+    @property
+    def f8_in(self) -> int:  # an e4m3 copy of a linear's input, kept for its weight gradient (none for a frozen base)
+        return 0 if self.s.frozen_base else self.f8
+
+    @property
     def blk(self) -> bool:
         return "block" not in self.rc
 
@@ -151,12 +166,13 @@ class LlamaBlock:
         the gain product (its input; with --recompute-qkv in e4m3 the recomputed step keeps that input, the model-dtype
         output, not an e4m3 copy). Compiled: rstd, and the output where the QKV region needs it -- in e4m3 the
         partitioner rebuilds it from the residual and rstd where rstd is kept; where LN1 is recomputed itself
-        (--recompute-att, --recompute-norm) the output, the QKV region's input, is kept."""
+        (--recompute-att, --recompute-norm) the output, the QKV region's input, is kept. Over a frozen base (LoRA;
+        eager) the gain keeps no normalized value and the output is kept for q/k/v's adapters or a recomputed QKV."""
         C, E, rc, fp8 = a.cfg.hidden_size, a.E, a.rc, a.s.fp8
         dropped = "norm" in rc or "att" in rc
         if not a.s.compiled:
-            return [ActTerm("ln1", a.up * C + 4 + E * C + (E if fp8 and "qkv" in rc else a.lin) * C, not dropped,
-                            "RMSNorm-1 fp32 copy, rstd, normalized, output")]
+            return [ActTerm("ln1", a.up * C + 4 + a.gain * C + (E if "qkv" in rc else a.lin_of("qkv")) * C,
+                            not dropped, "RMSNorm-1 fp32 copy, rstd, normalized, output")]
         return [ActTerm("ln1", 4, not dropped, "RMSNorm-1 rstd"),
                 ActTerm("ln1_out", E * C if (not fp8 or "att" in rc or "norm" in rc) else 0,
                         a.blk and ("qkv" in rc or "norm" not in rc),
@@ -188,12 +204,13 @@ class LlamaBlock:
             what, per_token = "fused QKV output + v copied out of it", E * (qkv + kv)
         else:
             what, per_token = "v, copied out of the fused QKV output (SDPA input)", E * kv
-        terms = [ActTerm("qkv", per_token + a.f8_norm_out * cfg.hidden_size, "qkv" not in rc,
-                         what + (" + e4m3 copy of the QKV input" if a.f8_norm_out else ""))]
+        f8_in = a.f8_norm_out if a.s.compiled else a.f8_in
+        terms = [ActTerm("qkv", per_token + f8_in * cfg.hidden_size, "qkv" not in rc,
+                         what + (" + e4m3 copy of the QKV input" if f8_in else ""))]
         if cfg.qk_norm and a.s.compiled:
             terms.append(ActTerm("qk_norm", 4 * (nh + nkv), "qkv" not in rc, "q/k RMSNorm rstd"))
         elif cfg.qk_norm:
-            terms.append(ActTerm("qk_norm", up * (q + kv) + 4 * (nh + nkv) + E * (q + kv), "qkv" not in rc,
+            terms.append(ActTerm("qk_norm", up * (q + kv) + 4 * (nh + nkv) + a.gain * (q + kv), "qkv" not in rc,
                                  "q/k RMSNorm state"))
         kept = a.blk and "qkv" not in rc if a.s.compiled else "qkv" not in rc
         return terms + [ActTerm("rope", E * (q + kv), kept, "q, k after RoPE (SDPA inputs)")]
@@ -234,15 +251,16 @@ class LlamaBlock:
 
     @staticmethod
     def saved_by_attention(a: _Saved) -> list[ActTerm]:
-        """SDPA keeps its output and the log-sum-exp (B, nh, T) fp32; with --attn-bwd-chunks (not e4m3) also the
-        concatenation of the slices' outputs. In e4m3 the output projection keeps an e4m3 copy of its input, which
-        a compiled block with --recompute-att rebuilds with the attention output."""
-        cfg, E, rc, fp8 = a.cfg, a.E, a.rc, a.s.fp8
-        chunked = a.s.attn_chunks > 1 and not fp8
+        """SDPA keeps its output and the log-sum-exp (B, nh, T) fp32; with --attn-bwd-chunks also the concatenation of
+        the slices' outputs where the projection keeps its input (not e4m3; over a frozen base only for o's adapter).
+        In e4m3 the output projection keeps an e4m3 copy of its input (not a frozen one), which a compiled block with
+        --recompute-att rebuilds with the attention output."""
+        cfg, E, rc = a.cfg, a.E, a.rc
+        chunked = a.s.attn_chunks > 1 and a.lin_of("o") > 0  # the projection keeps the concatenation
         terms = [ActTerm("attention", E * cfg.q_dim + 4 * cfg.num_attention_heads + (E * cfg.q_dim if chunked else 0),
                          "att" not in rc, "SDPA output + log-sum-exp (fp32)" + (" + concatenated slices" if chunked
                                                                                 else ""))]
-        if fp8:
+        if a.f8_in:
             terms.append(ActTerm("o_in_fp8", cfg.q_dim, a.blk and not (a.s.compiled and "att" in rc),
                                  "e4m3 copy of the attention projection's input"))
         return terms
@@ -252,7 +270,8 @@ class LlamaBlock:
     def saved_by_residual_and_ln2(a: _Saved) -> list[ActTerm]:
         """The residual after attention (eager RMSNorm-2 keeps it as its fp32 copy unless it is recomputed; compiled
         with --recompute-ffn the partitioner keeps one more (B, T, C) tensor than its steps' inputs); RMSNorm-2's
-        rstd and output, and eager its normalized value and the up linear's input."""
+        rstd and output, and eager its normalized value and the up linear's input (over a frozen base: no normalized
+        value, and the input only for up/gate's adapters)."""
         C, E, rc, fp8 = a.cfg.hidden_size, a.E, a.rc, a.s.fp8
         dropped = "norm" in rc or "ffn" in rc
         if a.s.compiled:
@@ -262,7 +281,7 @@ class LlamaBlock:
         res = E * C if (dropped or E == 4) else 4 * C
         return [ActTerm("res_att", res, a.blk,
                         "residual after attention" + ("" if res == E * C else " (as RMSNorm-2's fp32 copy)")),
-                ActTerm("ln2", 4 + E * C + a.lin * C, not dropped, "RMSNorm-2 rstd, normalized, output")]
+                ActTerm("ln2", 4 + a.gain * C + a.lin_of("up") * C, not dropped, "RMSNorm-2 rstd, normalized, output")]
 
     # ---- 5) MLP: fused up/gate -> SwiGLU -> down ----
     def mlp(self, x: torch.Tensor, h: torch.Tensor, pre: Prenorm | None, w: dict[str, torch.Tensor],
@@ -284,7 +303,8 @@ class LlamaBlock:
         """The up/gate output (B, T, 2F) (+ in e4m3 the copy of the MLP input); SwiGLU keeps silu(gate) and the down
         linear its input, the product (compiled: the SwiGLU output only, none in e4m3, whose MLP is one FP8
         Function); in e4m3 the down linear's e4m3 input, which a compiled block with SwiGLU recomputed rebuilds (the
-        quantization is traceable: measured on the CPU and on the H200 at 14B e4m3)."""
+        quantization is traceable: measured on the CPU and on the H200 at 14B e4m3). Over a frozen base (eager) the
+        down linear keeps its input only for down's adapter, and no e4m3 copies."""
         C, Fi, E, rc, fp8 = a.cfg.hidden_size, a.cfg.intermediate_size, a.E, a.rc, a.s.fp8
         if a.s.compiled:
             terms = [ActTerm("mlp_up", 2 * Fi * E + a.f8_norm_out * C, "ffn" not in rc,
@@ -292,11 +312,12 @@ class LlamaBlock:
                                                                   else "")),
                      ActTerm("swiglu", 0 if fp8 else E * Fi, "swiglu" not in rc, "SwiGLU output")]
         else:
-            terms = [ActTerm("mlp_up", 2 * Fi * E + a.f8_norm_out * C, "ffn" not in rc,
+            terms = [ActTerm("mlp_up", 2 * Fi * E + a.f8_in * C, "ffn" not in rc,
                              "fused up/gate output (B, T, 2F)"),
-                     ActTerm("swiglu", swiglu_saved_bytes(Fi, E, "autograd") + a.lin * Fi, "swiglu" not in rc,
+                     ActTerm("swiglu", swiglu_saved_bytes(Fi, E, "autograd") + a.lin_of("down") * Fi,
+                             "swiglu" not in rc,
                              "silu(gate), SwiGLU output")]
-        if fp8:
+        if a.f8_in:
             terms.append(ActTerm("down_in_fp8", Fi, a.blk and not (a.s.compiled and "swiglu" in rc),
                                  "e4m3 copy of the down projection's input"))
         return terms

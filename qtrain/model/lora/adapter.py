@@ -22,6 +22,7 @@ from qtrain.kernels.rng import rng_key
 from qtrain.model.config import ModelConfig
 from qtrain.model.lora.spec import LoraSpec
 from qtrain.model.lora.tensors import a_name, adapted, b_name
+from qtrain.model.registry import family_of
 from qtrain.model.weights import block_shapes
 
 DROPOUT_STREAM = 0x10DA  # the dropout keys' stream id in rng_key (apart from stochastic rounding's keys)
@@ -40,8 +41,11 @@ class LoraAdapter:
         self.cols: dict[str, int] = {}
         self.target_ids: dict[str, list[int]] = {}  # the dropout key's target index (the place in spec.targets)
         self.layer_matrices: list[list[str]] = []  # the adapted matrices of each layer
+        self.layer_steps: list[dict[str, str]] = []  # each layer's adapted matrix -> the block step running it
+        family = family_of(cfg)
         for layer in range(cfg.num_hidden_layers):
             shapes, targets = block_shapes(cfg, layer), adapted(cfg, spec, layer)
+            matmuls = family.matmuls(cfg, layer)
             for m, ts in targets.items():
                 parts = ([(t.row, t.rows) for t in ts], shapes[m][0])
                 if self.parts.setdefault(m, parts) != parts:
@@ -49,6 +53,7 @@ class LoraAdapter:
                 self.cols[m] = ts[0].cols
                 self.target_ids[m] = [spec.targets.index(t.name) for t in ts]
             self.layer_matrices.append(list(targets))
+            self.layer_steps.append({m: matmuls[m].step for m in targets})
         self.training = True  # False: no dropout (evaluation)
         self.step = self.micro = 0  # where the run is: the dropout key's (step, micro-step)
         self._layer_of: dict[int, int] = {}  # data_ptr of a layer's first adapter A tensor -> the layer
@@ -101,13 +106,15 @@ class LoraAdapter:
             pieces.append(y.new_zeros(*y.shape[:-1], total - pos))
         return y + torch.cat(pieces, dim=-1)
 
-    def saved_bytes_per_token(self, dtype_bytes: int) -> float:
+    def saved_bytes_per_token(self, dtype_bytes: int, steps: frozenset[str] = frozenset()) -> float:
         """What the adapters keep for backward per token, averaged over the layers: each target's A output (r values,
-        B's input; the linears' inputs are kept for the base already), and with dropout each target's dropped input
-        and mask (in the model dtype)."""
+        B's input), and with dropout each target's dropped input and mask (in the model dtype). The input of A itself
+        (without dropout) is the base linear's input: the block's statements count it (`ActivationSettings`'
+        `adapter_inputs`). `steps`: the block steps recomputed in backward (`recompute.block_steps`); an adapter of
+        a matrix inside one (the family's `MatmulSpec.step`) is rerun with it, so it keeps nothing."""
         total = 0
-        for matrices in self.layer_matrices:
-            for m in matrices:
+        for matrices, step_of in zip(self.layer_matrices, self.layer_steps):
+            for m in (m for m in matrices if step_of[m] not in steps):
                 n = len(self.parts[m][0])
                 total += n * self.r * dtype_bytes + (n * self.cols[m] * 2 * dtype_bytes if self.dropout else 0)
         return total / max(self.num_layers, 1)

@@ -51,13 +51,14 @@ class OlmoeBlock(MoeBlock):
         clip = cfg.clip_qkv is not None
         fused = up == 0 or a.s.compiled or clip
         what = "fused QKV output + v copied out of it" if fused else "v, copied out of the fused QKV output"
-        terms = [ActTerm("qkv", E * ((qkv if fused else 0) + kv) + a.f8_norm_out * cfg.hidden_size, "qkv" not in rc,
-                         what + (" + e4m3 copy of the QKV input" if a.f8_norm_out else ""))]
+        f8_in = a.f8_norm_out if a.s.compiled else a.f8_in
+        terms = [ActTerm("qkv", E * ((qkv if fused else 0) + kv) + f8_in * cfg.hidden_size, "qkv" not in rc,
+                         what + (" + e4m3 copy of the QKV input" if f8_in else ""))]
         if a.s.compiled:  # the partitioner keeps the v clamp's mask (1 byte per element), rebuilds q's and k's
             terms.append(ActTerm("qk_norm", 8 + (kv if clip else 0), "qkv" not in rc,
                                  "q/k RMSNorm rstd" + (" + v's clamp mask" if clip else "")))
         else:
-            terms.append(ActTerm("qk_norm", up * (q + kv) + 8 + E * (q + kv) + (E * (q + kv) if clip else 0),
+            terms.append(ActTerm("qk_norm", up * (q + kv) + 8 + a.gain * (q + kv) + (E * (q + kv) if clip else 0),
                                  "qkv" not in rc, "q/k RMSNorm state" + (" + the clamp's inputs" if clip else "")))
         kept = a.blk and "qkv" not in rc if a.s.compiled else "qkv" not in rc
         return terms + [ActTerm("rope", E * (q + kv), kept, "q, k after RoPE (SDPA inputs)")]

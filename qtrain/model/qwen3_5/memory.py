@@ -2,7 +2,9 @@
 plan's statements (model/activations.py sums them). tests/model/test_qwen3_5.py checks the sum against what
 autograd saves (saved-tensor hooks) for fp32 and bf16 without recompute; the recompute switches drop the terms of
 the steps they rerun. The GPU check against allocations waits for the Triton delta rule, whose chunk buffers differ
-from the twin's.
+from the twin's. Over a frozen base (LoRA: `ActivationSettings.frozen_base`) these terms are an upper bound: the
+frozen gains and linears keep less (measured on a tiny CPU block, T = 128: a full-attention layer keeps ~60% of the
+stated bytes, a linear-attention one ~92%); the Llama family's statements follow it exactly.
 
 Gated DeltaNet terms (the twin's chunked form, C = 64, H value heads of dv, Hk key heads of dk, all fp32):
   the state S (B, H, dk, dv) per chunk boundary, T / C of them    -> 4 H dk dv / C per token
