@@ -67,3 +67,15 @@ def test_a_named_file_is_refused_before_anything_is_written(clean_env, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--compile-cache" in err[0] and "cachefile" in err[0]
     assert snapshot(root) == before
+
+
+def test_torchs_own_default_is_replaced(clean_env):
+    """Importing torch._dynamo (qtrain's modules do, before any run starts) makes inductor write its default
+    folder into TORCHINDUCTOR_CACHE_DIR; that is not the user's choice, and the run's folder replaces it."""
+    import torch._dynamo  # noqa: F401  (what `import qtrain.train.loop` imports)
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+    assert cache_dir() == os.path.abspath(default_cache_dir())  # torch sets the variable itself, here
+    assert compile_cache.use("auto") is None
+    folder = clean_env / "xdg" / "qtrain" / "compile"
+    assert cache_dir() == str(folder / "inductor")  # where inductor now keeps its cache
+    assert os.environ["TRITON_CACHE_DIR"] == str(folder / "triton")
