@@ -11,6 +11,13 @@ under a temp name and rename it into place, so runs sharing the folder never rea
 Importing torch._dynamo (which qtrain's modules may do before the run starts) sets `TORCHINDUCTOR_CACHE_DIR` to
 torch's default folder itself; that value is torch's, not the user's, and is replaced.
 
+A compiled block holds autograd.Functions (qtrain's RoPE and SwiGLU backward kernels, the FP8 linears), which
+AOTAutograd's cache refuses by default: every start then traced the block's joint forward-backward graph again and
+re-ran its passes and partitioner before inductor's own cache served the kernels (~1-1.5 s of a warm first step
+on a 2-core CPU with a tiny model). torch's `autograd_cache_allow_custom_autograd_functions` lets it cache them:
+dynamo traces a Function's forward and backward into the graph the cache key is made from, so a changed Function
+is a new key.
+
 The cache holds only what qtrain can make again: a default folder that cannot be written is a note, not an
 error (the run compiles as it would have); a folder the user named that cannot be written is refused in the
 preflight, naming it.
@@ -51,6 +58,7 @@ def check(option: str) -> None:
 def use(option: str) -> str | None:
     """Point inductor's and Triton's caches at the folder (creating it), unless the user set their variables;
     returns a note for the log when the folder cannot be used or the user's variables win."""
+    allow_autograd_function_caching()
     folder = resolve(option)
     if folder is None:
         return None
@@ -78,3 +86,10 @@ def _torch_default(var: str) -> bool:
     if var != ENV["inductor"] or utils is None:
         return False
     return os.environ.get(var) == os.path.abspath(utils.default_cache_dir())
+
+
+def allow_autograd_function_caching() -> None:
+    """Let AOTAutograd's cache serve compiled graphs that hold autograd.Functions (module docstring)."""
+    import torch._functorch.config as functorch_config
+    if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions"):
+        functorch_config.autograd_cache_allow_custom_autograd_functions = True
