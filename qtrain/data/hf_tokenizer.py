@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 from qtrain.data.token_files import TokenFileHeader, tokenizer_family
 from qtrain.data.tokenizers import (BUILTIN_TOKENIZERS, QWEN2_PATTERN, TOKENIZER_JSON_MAX_BYTES, TiktokenTokenizer,
-                                    TokenizeError, Tokenizer, get_tokenizer)
+                                    TokenizeError, Tokenizer, builtin_unavailable, get_tokenizer)
 from qtrain.fsio import read_bounded, shorten
 from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import GENERATION_CONFIG, TOKENIZER_FILES
@@ -192,13 +192,7 @@ def unavailable_reason(spec: str | None) -> str | None:
     """Why the export could not write `spec`'s files on this machine (a built-in whose package is not
     installed), else None: checked when a run starts, so a missing package costs the tokenizer files, not the
     run's export at its end."""
-    if spec not in BUILTIN_TOKENIZERS:
-        return None
-    try:
-        get_tokenizer(spec)
-    except TokenizeError as e:
-        return str(e)
-    return None
+    return builtin_unavailable(spec) if spec in BUILTIN_TOKENIZERS else None
 
 
 def export_tokenizer(*, explicit: str = "", model_dir: str | None = None,

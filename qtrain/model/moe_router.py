@@ -146,7 +146,7 @@ class _WithRouterGrads(torch.autograd.Function):
         return dx, aux_grad.clone(), (None if z_grad is None else z_grad.view(()).clone()), None, None
 
 
-@torch.compiler.disable
+@torch._disable_dynamo  # torch.compiler.disable, made at the first call: importing torch._dynamo costs ~1.5 s
 def with_router_grads(x: torch.Tensor, stats: RouterStats, w: dict[str, torch.Tensor]) -> torch.Tensor:
     """x, through a node whose backward adds the router losses' gradients to this layer's statistics (`stats`),
     from the block's weight dict `w` (`RouterLosses.slot`); x itself where `w` has no such entries (evaluation).

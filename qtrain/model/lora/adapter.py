@@ -72,7 +72,7 @@ class LoraAdapter:
         self._layer_of = {w[a_name(m)].data_ptr(): layer for layer, w in enumerate(blocks) for m in self.parts
                           if a_name(m) in w}
 
-    @torch.compiler.disable
+    @torch._disable_dynamo  # torch.compiler.disable, made at the first call: importing torch._dynamo costs ~1.5 s
     def _drop(self, x: torch.Tensor, a: torch.Tensor, matrix: str, i: int) -> torch.Tensor:
         """x with target i of `matrix`'s dropout applied (its mask from the counter-based key: module docstring)."""
         if not self.dropout or not self.training:
