@@ -5,8 +5,9 @@ qtrain's logits with an exported adapter equal peft's, and one micro-step's adap
 Targets are the block linears (the family's `fp8_matrices`): attention q,k,v,o everywhere; the dense MLP's
 gate/up/down in a dense model (Qwen3.5 dense); Qwen3.5's linear-attention projections as targets in_proj_qkv,
 in_proj_z, in_proj_b, in_proj_a, out. An adapter exists in the layers that have its target, as peft's target_modules
-match. Experts, routers, Qwen3.5's shared expert, and in an MoE model also the dense layers' MLP (peft maps
-gate/up/down of an MoE model onto its experts) are not targets (refused by name: tests/reliability/test_lora_inputs.py).
+match. On an MoE model gate, up and down are its routed experts (peft's target_parameters mlp.experts.gate_up_proj /
+down_proj, per-expert A and B: model/lora/tensors.py), checked here like any target; routers, Qwen3.5's shared expert
+and an MoE model's dense layers' MLP are not targets (tests/reliability/test_lora_inputs.py, test_moe_lora_inputs.py).
 
 Tolerances: tests/model/test_lora.py's (fp32, the same operations up to GEMM blocking; the MoE sums over a token's
 experts in another order: tests/model/test_moe_families.py): logits 2e-5 of their scale, gradients cosine >= 0.99999

@@ -46,7 +46,6 @@ def test_peft_made_expert_adapter_loads_and_merges(case, tmp_path):
     fixture, kw = PEFT_CONFIGS[case]
     model = ff.moe_hf_model(fixture).float().eval()
     model.save_pretrained(tmp_path / "base")
-    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
     cfg = config_from_hf_dict(model.config.to_dict())
     pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=5, init_lora_weights=False, **kw))
     pm.save_pretrained(tmp_path / "p")  # init_lora_weights=False: B random, not zero

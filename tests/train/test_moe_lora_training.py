@@ -74,3 +74,18 @@ def test_expert_adapters_resume_bitwise_export_to_peft_and_merge(root):
         assert not torch.equal(sd[k], ref[k]), k
     for k in ("model.layers.1.mlp.up_proj.weight", "model.layers.0.mlp.gate.weight"):
         assert torch.equal(sd[k], ref[k]), k
+
+
+@pytest.mark.slow  # two 2-process runs: ~25-35 s on 2 cores (the dense case runs in CI: test_lora_training.py)
+def test_two_gloo_ranks_unsharded_and_sharded_gradients_agree(root):
+    """2 gloo ranks: the unsharded manager and --shard-gradients average the same fp32 adapter gradients, the
+    experts' adapters among them (the reduction regroups sums: 1e-6)."""
+    from tests.run_utils import qtrain_run
+    outs = {}
+    for name, extra in (("g1", ()), ("g2", ("--shard-gradients",))):
+        r = qtrain_run(_argv(root, name, "--gpus", "2", "--ckpt-interval", "100", *extra), cwd=root, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        outs[name] = load_file(root / "out" / name / "adapter_model.safetensors")
+    assert outs["g1"].keys() == outs["g2"].keys() and any("experts" in k for k in outs["g1"])
+    for k, v in outs["g1"].items():
+        assert torch.allclose(v, outs["g2"][k], rtol=0, atol=1e-6), k
