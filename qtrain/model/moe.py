@@ -24,12 +24,16 @@ Memory kept for backward besides the dense MLP's kinds of tensors: xs (N*k, C), 
 (N*k, C) in the activation dtype, the routing (N, E) fp32 probabilities, and the permutation indices
 (2 x N*k int64). Imbalance changes none of these sizes: dropless routing fixes the row count at N*k.
 
+LoRA on the experts (`adapter`, model/lora/adapter.py `LoraAdapter.expert_term`): steps 3 and 5 add the adapter
+term of their stack for the rows they multiply, h += s B_e A_e xs_g, inside the same step (a recomputed 'up' step
+reruns its adapter too).
+
 Inside a block, steps 2-3 and step 4 run through the block's `step(name, fn, *args)` as its 'up' and 'swiglu' steps
 (model/recompute.py), so --recompute-ffn / --recompute-swiglu drop what they keep as they do for a dense MLP.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Optional, Protocol
 
 import torch
 
@@ -39,7 +43,20 @@ from qtrain.model.layers import swiglu_fused
 from qtrain.model.moe_router import RouterStats, route, router_stats
 from qtrain.model.recompute import run_step
 
-__all__ = ["ExpertExchange", "MoEOutput", "moe_forward", "permuted_up"]
+__all__ = ["EXPERTS_DOWN", "EXPERTS_UP_GATE", "ExpertAdapter", "ExpertExchange", "MoEOutput", "moe_forward",
+           "permuted_up"]
+
+EXPERTS_UP_GATE, EXPERTS_DOWN = "experts_up_gate", "experts_down"  # the expert stacks' names (module docstring)
+# (stack name, its input rows grouped by expert, the int32 row ends) -> the adapter's term (rows, out), or None
+ExpertAdapter = Callable[[str, torch.Tensor, torch.Tensor], Optional[torch.Tensor]]
+
+
+def _expert_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, name: str,
+                 adapter: ExpertAdapter | None) -> torch.Tensor:
+    """x's rows through their experts' stack `name` (`w`), with its adapter's term when there is one."""
+    y = expert_linear(x, w, offsets)
+    delta = adapter(name, x, offsets) if adapter is not None else None
+    return y if delta is None else y + delta
 
 
 class MoEOutput(NamedTuple):
@@ -65,11 +82,11 @@ def _check(x: torch.Tensor, router_weight: torch.Tensor, experts_up_gate: torch.
 
 
 def permuted_up(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor,
-                experts_up_gate: torch.Tensor, top_k: int) -> torch.Tensor:
+                experts_up_gate: torch.Tensor, top_k: int, adapter: ExpertAdapter | None = None) -> torch.Tensor:
     """Steps 2-3: the tokens x (N, C) in expert order, through their experts' up/gate GEMM -> (N*k, 2F)."""
     plan = ExpertOrder(order, inverse, offsets, offsets, top_k)  # counts are not read here
     xs = permute_tokens(x, plan)  # (N*k, C) in expert order
-    return expert_linear(xs, experts_up_gate, offsets)  # (N*k, 2F): [up | gate]
+    return _expert_gemm(xs, experts_up_gate, offsets, EXPERTS_UP_GATE, adapter)  # (N*k, 2F): [up | gate]
 
 
 class ExpertExchange(Protocol):
@@ -86,33 +103,35 @@ class ExpertExchange(Protocol):
 
 
 def _local_experts(xs: torch.Tensor, experts_up_gate: torch.Tensor, experts_down: torch.Tensor,
-                   offsets: torch.Tensor, step) -> torch.Tensor:
+                   offsets: torch.Tensor, step, adapter: ExpertAdapter | None) -> torch.Tensor:
     """Steps 3-5 on rows grouped by expert."""
-    h = step("up", expert_linear, xs, experts_up_gate, offsets)  # (M, 2F)
+    h = step("up", _expert_gemm, xs, experts_up_gate, offsets, EXPERTS_UP_GATE, adapter)  # (M, 2F)
     a = step("swiglu", swiglu_fused, h)  # (M, F)
-    return expert_linear(a, experts_down, offsets)  # (M, C)
+    return _expert_gemm(a, experts_down, offsets, EXPERTS_DOWN, adapter)  # (M, C)
 
 
 def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, experts_up_gate: torch.Tensor,
                 experts_down: torch.Tensor, *, top_k: int, norm_topk_prob: bool, step=run_step,
-                exchange: ExpertExchange | None = None) -> MoEOutput:
+                exchange: ExpertExchange | None = None, adapter: ExpertAdapter | None = None) -> MoEOutput:
     """The MoE MLP of one layer (module docstring) on x (..., C): weights as listed there, all differentiable.
     `norm_topk_prob`: renormalise the k kept probabilities to sum to 1 (Qwen3-MoE per config, OLMoE False,
     Mixtral True). `step`: the block's step policy ('up', 'swiglu'). `exchange`: expert parallelism (the expert
     stacks hold this rank's E/ep experts; the permuted rows travel to their experts' ranks between steps 2 and 3
-    and back between 5 and 6; the 'up' step is then the local up/gate GEMM alone). Returns the output and what the
-    auxiliary losses and the logs need."""
+    and back between 5 and 6; the 'up' step is then the local up/gate GEMM alone). `adapter`: LoRA's term of the
+    expert GEMMs (module docstring). Returns the output and what the auxiliary losses and the logs need."""
     _check(x, router_weight, experts_up_gate, experts_down, top_k, 1 if exchange is None else exchange.ep)
     shape, E = x.shape, router_weight.shape[0]
     x2 = x.reshape(-1, shape[-1])  # (N, C)
     r = route(x2, router_weight, top_k=top_k, norm_topk_prob=norm_topk_prob)
     plan = sort_by_expert(r.ids, E)
     if exchange is None:
-        h = step("up", permuted_up, x2, plan.order, plan.inverse, plan.offsets, experts_up_gate, top_k)  # (N k, 2F)
+        h = step("up", permuted_up, x2, plan.order, plan.inverse, plan.offsets, experts_up_gate, top_k,
+                 adapter)  # (N k, 2F)
         a = step("swiglu", swiglu_fused, h)  # (N*k, F)
-        ys = expert_linear(a, experts_down, plan.offsets)  # (N*k, C)
+        ys = _expert_gemm(a, experts_down, plan.offsets, EXPERTS_DOWN, adapter)  # (N*k, C)
     else:
         routed = exchange.dispatch(permute_tokens(x2, plan), plan.counts)
-        ys = exchange.combine(_local_experts(routed.rows, experts_up_gate, experts_down, routed.offsets, step), routed)
+        ys = exchange.combine(_local_experts(routed.rows, experts_up_gate, experts_down, routed.offsets, step,
+                                             adapter), routed)
     out = unpermute_tokens(ys, r.weights, plan)  # (N, C)
     return MoEOutput(out.view(shape), r.logits, router_stats(r, E, plan.counts), plan)

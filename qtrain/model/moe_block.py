@@ -35,11 +35,11 @@ import torch
 from qtrain.model.family import ActTerm, ActivationSettings, BlockFn, BlockOptions, MatmulSpec
 from qtrain.model.llama import block as llama_block
 from qtrain.model.llama.block import LlamaBlock, Prenorm, Step, _Saved
-from qtrain.model.moe import moe_forward
+from qtrain.model.moe import EXPERTS_DOWN, EXPERTS_UP_GATE, moe_forward
 from qtrain.model.moe_config import MoeConfig
 from qtrain.model.moe_router import record_router_stats, with_router_grads
 
-ROUTER, EXPERTS_UP_GATE, EXPERTS_DOWN = "router", "experts_up_gate", "experts_down"
+ROUTER = "router"
 ATTENTION_FP8 = ("qkv", "o")  # the block linears of a routed layer that may run in FP8 (the experts stay bf16)
 
 
@@ -58,7 +58,8 @@ class MoeBlock(LlamaBlock):
         if ROUTER not in w:
             return super().mlp(x, h, pre, w, step)
         moe = moe_forward(h, w[ROUTER], w[EXPERTS_UP_GATE], w[EXPERTS_DOWN], top_k=self.top_k,
-                          norm_topk_prob=self.norm_topk_prob, step=step, exchange=self.exchange)
+                          norm_topk_prob=self.norm_topk_prob, step=step, exchange=self.exchange,
+                          adapter=self.adapter.experts_of(w) if self.adapter is not None else None)
         record_router_stats(moe.stats, w)  # training: this layer's row of the step's router statistics
         return x + with_router_grads(moe.out, moe.stats, w)
 

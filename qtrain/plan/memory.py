@@ -319,8 +319,10 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
         items.append(Item(f"context parallel attention ({opts.context_parallel_mode})", device=context[0],
                           kind="activations", detail=context[1]))
     if lora is not None and "block" not in rc:  # each target's A output (and dropout's input and mask)
-        per_token = LoraAdapter(cfg, lora).saved_bytes_per_token(DTYPE_BYTES[opts.model_dtype], block_steps(rc))
-        items.append(Item(f"lora adapters ({L} layers)", device=int(L * N * per_token), kind="activations",
+        adapter, dtype_bytes = LoraAdapter(cfg, lora), DTYPE_BYTES[opts.model_dtype]
+        per_layer = N * adapter.saved_bytes_per_token(dtype_bytes, block_steps(rc)) + adapter.saved_bytes_per_layer(
+            dtype_bytes, block_steps(rc))  # + the expert adapters' B in the grouped GEMM's order
+        items.append(Item(f"lora adapters ({L} layers)", device=int(L * per_layer), kind="activations",
                           detail=f"rank {layout.lora.rank}, targets {','.join(layout.lora.targets)}: what the "
                                  f"adapters keep for backward"))
     peak_phase = max(phases, key=phases.get)

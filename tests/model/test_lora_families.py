@@ -5,8 +5,9 @@ qtrain's logits with an exported adapter equal peft's, and one micro-step's adap
 Targets are the block linears (the family's `fp8_matrices`): attention q,k,v,o everywhere; the dense MLP's
 gate/up/down in a dense model (Qwen3.5 dense); Qwen3.5's linear-attention projections as targets in_proj_qkv,
 in_proj_z, in_proj_b, in_proj_a, out. An adapter exists in the layers that have its target, as peft's target_modules
-match. Experts, routers, Qwen3.5's shared expert, and in an MoE model also the dense layers' MLP (peft maps
-gate/up/down of an MoE model onto its experts) are not targets (refused by name: tests/reliability/test_lora_inputs.py).
+match. On an MoE model gate, up and down are its routed experts (peft's target_parameters mlp.experts.gate_up_proj /
+down_proj, per-expert A and B: model/lora/tensors.py), checked here like any target; routers, Qwen3.5's shared expert
+and an MoE model's dense layers' MLP are not targets (tests/reliability/test_lora_inputs.py, test_moe_lora_inputs.py).
 
 Tolerances: tests/model/test_lora.py's (fp32, the same operations up to GEMM blocking; the MoE sums over a token's
 experts in another order: tests/model/test_moe_families.py): logits 2e-5 of their scale, gradients cosine >= 0.99999
@@ -38,9 +39,11 @@ Q35_LINEAR = "in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out"
 CASES = {  # name -> (transformers model factory, --lora-targets ('' = the default))
     "qwen3_moe": (lambda: ff.moe_hf_model("qwen3_moe"), ""),
     "olmoe": (lambda: ff.moe_hf_model("olmoe"), ""),
-    "mixtral": (lambda: ff.moe_hf_model("mixtral"), "q,v,o"),
+    "mixtral": (lambda: ff.moe_hf_model("mixtral"), "q,v,o,gate,up,down"),
+    "mixtral-down": (lambda: ff.moe_hf_model("mixtral"), "k,down"),  # one expert parameter: no '.base_layer'
+    "olmoe-gate-up": (lambda: ff.moe_hf_model("olmoe"), "gate,up"),
     "qwen3_5": (lambda: ff.qwen35_hf_model(ff.qwen35_cfg()), Q35_LINEAR + ",q,k,v,o,gate,up,down"),
-    "qwen3_5_moe": (lambda: ff.qwen35_hf_model(ff.qwen35_cfg(moe=True)), "in_proj_qkv,out,k,o"),
+    "qwen3_5_moe": (lambda: ff.qwen35_hf_model(ff.qwen35_cfg(moe=True)), "in_proj_qkv,out,k,o,gate,up,down"),
     # the multimodal checkpoint (text model under model.language_model.): peft's keys over the VLM class
     "qwen3_5_multimodal": (ff.qwen35_multimodal_model, Q35_LINEAR + ",q,k,v,o,gate,up,down"),
 }
@@ -94,7 +97,9 @@ def test_targets_exist_where_their_layers_have_them():
     """qwen3_moe with a dense layer (mlp_only_layers=[1]): attention targets only; Qwen3.5: the linear-attention
     projections' adapters in its linear-attention layers, q/k/v/o's in its full-attention layers."""
     from qtrain.model.lora.tensors import known_targets
-    assert known_targets(config_from_hf_dict(ff.moe_hf_model("qwen3_moe").config.to_dict())) == ("q", "k", "v", "o")
+    cfg = config_from_hf_dict(ff.moe_hf_model("qwen3_moe").config.to_dict())
+    assert known_targets(cfg) == ("q", "k", "v", "o", "gate", "up", "down")
+    assert {n.split(".")[1] for n in adapter_specs(cfg, LoraSpec(2, 4.0)) if "experts" in n} == {"0"}  # routed only
     cfg = ff.qwen35_cfg()
     spec = LoraSpec(2, 4.0, targets=("in_proj_z", "o"))
     assert {n.rsplit("_lora", 1)[0] for n in adapter_specs(cfg, spec)} == {

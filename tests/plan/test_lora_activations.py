@@ -154,3 +154,16 @@ def test_moe_attention_adapters(name, fp8):
         plan = planned(cfg, targets, fp8=fp8)  # the largest layer
         measured = max(measure(cfg, targets, fp8=fp8, layer=layer) for layer in layers)
         assert abs(measured - plan) <= TOL, targets
+
+
+@pytest.mark.parametrize("name", ["mixtral", "olmoe-clip"])
+@pytest.mark.parametrize("flags,dropout", [((), 0.0), ((), 0.1), (("ffn",), 0.0), (("ffn",), 0.1), (("swiglu",), 0.1)])
+def test_moe_expert_adapters(name, flags, dropout):
+    """The experts' adapters (gate,up,down of a routed layer): per token each of its k rows keeps the A output (r'
+    values: 2 r for gate_up, r for down) and with dropout the dropped input and its mask; per layer each stack's B
+    in the grouped GEMM's expert-major order. The up/gate adapter runs inside the 'up' step (--recompute-ffn: it
+    keeps nothing); the experts' GEMMs keep their inputs anyway, so the adapters' A reads them at no cost."""
+    cfg = MOE_CONFIGS[name]
+    for targets in (("gate", "up", "down"), ("q", "down"), ("gate", "up")):
+        kw = dict(dropout=dropout, flags=flags)
+        assert abs(measure(cfg, targets, **kw) - planned(cfg, targets, **kw)) <= TOL, targets

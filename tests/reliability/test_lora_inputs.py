@@ -120,8 +120,6 @@ CASES = [
     Case("export-merge-other-base", export("--checkpoint-dir", "{root}/ckpt/lr", "--lora-merge", "--base-model",
                                            "{root}/other"),
          r"--base-model .*other: its config\.json is not the checkpoint's model", setup=other_model),
-    Case("moe-mlp-target", lora("--lora-targets", "q,up", model="{root}/moe"),
-         r"--lora-targets: target 'up' is an MoE model's MLP matrix .*\(choose from q,k,v,o\)", setup=moe_model),
     Case("moe-base-e4m3", lora("--lora-base-dtype", "e4m3", "--model-dtype", "bf16", model="{root}/moe"),
          r"--lora-base-dtype e4m3 is not supported for model type 'qwen3_moe' \(the qwen3_moe family\): the block "
          r"multiplies its router, experts_up_gate, experts_down itself", setup=moe_model),

@@ -12,16 +12,22 @@ of step s draws its mask from a generator seeded with `kernels.rng.rng_key(seed,
 recomputed projection (the recompute switches) draws the mask its forward drew, and a resumed run (--continue) the
 masks the uninterrupted run drew. The trainer says where the run is (`at(step, micro)`), the layer is known from the
 adapter tensor the block hands over (`bind_layers`), and evaluation runs without dropout (`training`).
+
+An MoE layer's experts (`expert_term`, called by `model/moe.py` on the rows it has grouped by expert): expert e's rows
+x_e get s B_e A_e dropout(x_e) added, peft's `ParamWrapper` update W_e + s B_e A_e (tensors.py) applied to the input
+instead of the weight, through the grouped GEMM the experts run (`kernels/grouped_gemm.expert_linear`, twice: A then
+B). One dropout mask per adapted stack and layer over its (rows, in) input, keyed as a linear's.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from qtrain.kernels.grouped_gemm import expert_linear
 from qtrain.kernels.rng import rng_key
 from qtrain.model.config import ModelConfig
 from qtrain.model.lora.spec import LoraSpec
-from qtrain.model.lora.tensors import a_name, adapted, b_name
+from qtrain.model.lora.tensors import ExpertTarget, a_name, adapted, adapted_experts, b_name
 from qtrain.model.registry import family_of
 from qtrain.model.weights import block_shapes
 
@@ -42,10 +48,18 @@ class LoraAdapter:
         self.target_ids: dict[str, list[int]] = {}  # the dropout key's target index (the place in spec.targets)
         self.layer_matrices: list[list[str]] = []  # the adapted matrices of each layer
         self.layer_steps: list[dict[str, str]] = []  # each layer's adapted matrix -> the block step running it
+        self.experts: dict[str, ExpertTarget] = {}  # an MoE layer's adapted expert stacks (the same in every layer)
+        self.layer_experts: list[list[str]] = []
+        self.top_k = getattr(cfg, "num_experts_per_tok", 0)
         family = family_of(cfg)
         for layer in range(cfg.num_hidden_layers):
             shapes, targets = block_shapes(cfg, layer), adapted(cfg, spec, layer)
             matmuls = family.matmuls(cfg, layer)
+            experts = adapted_experts(cfg, spec, layer)
+            for m, t in experts.items():
+                self.experts[m] = t
+                self.target_ids[m] = [spec.targets.index(t.names[0])]
+            self.layer_experts.append(list(experts))
             for m, ts in targets.items():
                 parts = ([(t.row, t.rows) for t in ts], shapes[m][0])
                 if self.parts.setdefault(m, parts) != parts:
@@ -53,7 +67,7 @@ class LoraAdapter:
                 self.cols[m] = ts[0].cols
                 self.target_ids[m] = [spec.targets.index(t.name) for t in ts]
             self.layer_matrices.append(list(targets))
-            self.layer_steps.append({m: matmuls[m].step for m in targets})
+            self.layer_steps.append({m: matmuls[m].step for m in (*targets, *experts)})
         self.training = True  # False: no dropout (evaluation)
         self.step = self.micro = 0  # where the run is: the dropout key's (step, micro-step)
         self._layer_of: dict[int, int] = {}  # data_ptr of a layer's first adapter A tensor -> the layer
@@ -69,8 +83,8 @@ class LoraAdapter:
     def bind_layers(self, blocks: list[dict[str, torch.Tensor]]) -> None:
         """Learn which layer an adapter tensor belongs to (`blocks[l]`: block l's weights as the model gets them);
         only dropout needs it (its key names the layer)."""
-        self._layer_of = {w[a_name(m)].data_ptr(): layer for layer, w in enumerate(blocks) for m in self.parts
-                          if a_name(m) in w}
+        self._layer_of = {w[a_name(m)].data_ptr(): layer for layer, w in enumerate(blocks)
+                          for m in (*self.parts, *self.experts) if a_name(m) in w}
 
     @torch._disable_dynamo  # torch.compiler.disable, made at the first call: importing torch._dynamo costs ~1.5 s
     def _drop(self, x: torch.Tensor, a: torch.Tensor, matrix: str, i: int) -> torch.Tensor:
@@ -106,6 +120,30 @@ class LoraAdapter:
             pieces.append(y.new_zeros(*y.shape[:-1], total - pos))
         return y + torch.cat(pieces, dim=-1)
 
+    def experts_of(self, w: dict[str, torch.Tensor]):
+        """`model.moe.ExpertAdapter` of the block whose weights are `w`: `expert_term` over them, or None when the
+        block has no expert adapter."""
+        if not any(a_name(m) in w for m in self.experts):
+            return None
+        return lambda matrix, x, offsets: self.expert_term(matrix, x, w, offsets)
+
+    def expert_term(self, matrix: str, x: torch.Tensor, w: dict[str, torch.Tensor], offsets: torch.Tensor
+                    ) -> torch.Tensor | None:
+        """The adapter term of expert stack `matrix` for rows x (M, in) grouped by expert (`offsets`, the grouped
+        GEMM's int32 row ends): s B_e A_e dropout(x_e) per expert e, (M, out) in qtrain's row order; None when the
+        stack has no adapter (module docstring)."""
+        a = w.get(a_name(matrix))
+        if a is None:
+            return None
+        t = self.experts[matrix]
+        E, r = t.experts, t.rank(self.r)
+        b = w[b_name(matrix)].view(t.rows, r, E).permute(2, 0, 1)  # (E, out, r'): B_e, the adapter's expert-minor cols
+        if t.swapped:  # B's rows are transformers' [gate; up], the stack's [up; gate]
+            half = t.rows // 2
+            b = torch.cat([b[:, half:], b[:, :half]], dim=1)
+        h = expert_linear(self._drop(x, a, matrix, 0), a.view(E, r, t.cols), offsets)  # (M, r')
+        return expert_linear(h, b.contiguous(), offsets) * self.scaling
+
     def saved_bytes_per_token(self, dtype_bytes: int, steps: frozenset[str] = frozenset()) -> float:
         """What the adapters keep for backward per token, averaged over the layers: each target's A output (r values,
         B's input), and with dropout each target's dropped input and mask (in the model dtype). The input of A itself
@@ -117,4 +155,16 @@ class LoraAdapter:
             for m in (m for m in matrices if step_of[m] not in steps):
                 n = len(self.parts[m][0])
                 total += n * self.r * dtype_bytes + (n * self.cols[m] * 2 * dtype_bytes if self.dropout else 0)
+        for matrices, step_of in zip(self.layer_experts, self.layer_steps):  # each of a token's k expert rows
+            for t in (self.experts[m] for m in matrices if step_of[m] not in steps):
+                total += self.top_k * (t.rank(self.r) + (t.cols * 2 if self.dropout else 0)) * dtype_bytes
+        return total / max(self.num_layers, 1)
+
+    def saved_bytes_per_layer(self, dtype_bytes: int, steps: frozenset[str] = frozenset()) -> float:
+        """What the expert adapters keep for backward whatever the tokens, averaged over the layers: each adapted
+        stack's B in expert-major order (E, out, r'), the copy its grouped GEMM reads (`expert_term`), unless a
+        recomputed step runs it."""
+        total = sum(t.experts * t.rows * t.rank(self.r) * dtype_bytes
+                    for matrices, step_of in zip(self.layer_experts, self.layer_steps)
+                    for t in (self.experts[m] for m in matrices if step_of[m] not in steps))
         return total / max(self.num_layers, 1)

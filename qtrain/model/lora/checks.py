@@ -17,7 +17,7 @@ from qtrain.model.config import ModelConfig
 from qtrain.model.registry import family_of
 from qtrain.model.lora.peft_io import CONFIG_FILE, read_adapter, read_config
 from qtrain.model.lora.spec import DEFAULT_TARGETS, LoraError, LoraSpec, default_alpha, parse_targets
-from qtrain.model.lora.tensors import known_targets, layer_targets
+from qtrain.model.lora.tensors import EXPERT_MATRICES, expert_targets, known_targets, layer_targets
 from qtrain.model.weights import statements
 
 
@@ -29,6 +29,18 @@ def check_dims(cfg: ModelConfig, spec: LoraSpec) -> None:
                 raise LoraError(f"--lora-rank {spec.rank} is larger than target {t.name}'s dimensions ({t.rows} x "
                                 f"{t.cols}); choose a rank <= {min(t.rows, t.cols)} or drop {t.name} from "
                                 f"--lora-targets")
+        for t in expert_targets(cfg, layer).values():  # each expert's gate, up (F x C) and down (C x F)
+            rows = t.rows // len(t.names)
+            if set(t.names) & set(spec.targets) and spec.rank > min(rows, t.cols):
+                raise LoraError(f"--lora-rank {spec.rank} is larger than the experts' {'/'.join(t.names)} dimensions "
+                                f"({rows} x {t.cols} per expert); choose a rank <= {min(rows, t.cols)} or drop "
+                                f"{','.join(t.names)} from --lora-targets")
+        for t in expert_targets(cfg, layer).values():
+            named = [n for n in t.names if n in spec.targets]
+            if named and len(named) < len(t.names):
+                raise LoraError(f"--lora-targets: {named[0]} without {(set(t.names) - set(named)).pop()}: an MoE "
+                                f"model's experts hold gate and up as one matrix (transformers' gate_up_proj, one "
+                                f"adapter for both, as peft); name both or neither")
 
 
 def e4m3_base_error(cfg: ModelConfig) -> str | None:
@@ -60,6 +72,10 @@ def spec_from_options(v: Mapping[str, Any], cfg: ModelConfig, *, check_adapter: 
     why_not = {n: "an MoE model's MLP matrix (peft maps it onto the experts, which qtrain does not adapt; the "
                   "attention's linears are targets)" for n in ("gate", "up", "down")
                if n not in known and getattr(cfg, "router", None)}
+    moe = any(n in known for n in ("gate", "up", "down")) and getattr(cfg, "router", None)
+    why_not.update({n: "not a target name: the experts' projections are gate, up (together: gate_up_proj) and down"
+                    if moe else "an MoE model's experts (this model has no routed layer to adapt)"
+                    for n in ("experts", "gate_up")})
     targets = parse_targets(text or ",".join(t for t in DEFAULT_TARGETS if t in known) or ",".join(known), known,
                             why_not)
     spec = LoraSpec(rank, float(v.get("lora_alpha") or 0.0) or 1.0, float(v.get("lora_dropout") or 0.0), targets,
@@ -88,7 +104,11 @@ def _adapter_targets(init_from: str, cfg: ModelConfig, rank: int) -> list[str]:
         return []  # read_config names the problem
     modules = d.get("target_modules") if isinstance(d, dict) else None
     modules = [modules] if isinstance(modules, str) else modules if isinstance(modules, list) else []
-    return [str(m).rsplit(".", 1)[-1] for m in modules]
+    params = d.get("target_parameters") if isinstance(d, dict) else None
+    params = [params] if isinstance(params, str) else params if isinstance(params, list) else []
+    experts = {param: names for param, names in EXPERT_MATRICES.values()}  # 'gate_up_proj' -> ('gate', 'up')
+    return [str(m).rsplit(".", 1)[-1] for m in modules] + [n for p in params
+                                                           for n in experts.get(str(p).rsplit(".", 1)[-1], ())]
 
 
 def spec_from_record(d: Any) -> LoraSpec | None:

@@ -6,6 +6,12 @@ HF parts, `tensors.py`). Written through the export's machinery (`hf_io.write_ex
 never over a file no qtrain export wrote). Read (--lora-init-from) only after every check passed: the config's
 fields that change the math are the run's (rank, targets, alpha; no DoRA, rsLoRA, bias or per-layer patterns), and the
 safetensors header has exactly the run's keys with their shapes, before any tensor is read; values must be finite.
+
+Adapters of an MoE model's experts (tensors.py) are peft's `target_parameters` (`mlp.experts.gate_up_proj`,
+`mlp.experts.down_proj`), with gate_up's rank and alpha doubled by `rank_pattern`/`alpha_pattern` ('.*\\.gate_up_proj',
+as peft's own conversion of target_modules gate_proj + up_proj writes them). peft's ParamWrapper refuses any
+lora_dropout, so such an adapter is written with lora_dropout 0 (dropout changes training only, not what the adapter
+computes).
 """
 from __future__ import annotations
 
@@ -21,21 +27,38 @@ from qtrain.fsio import CONFIG_MAX_BYTES, InputError, check_regular_file, read_j
 from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import FLOAT_DTYPES, write_export
 from qtrain.model.lora.spec import LoraError, LoraSpec
-from qtrain.model.lora.tensors import adapter_specs, base_module_names
+from qtrain.model.lora.tensors import EXPERT_MATRICES, adapter_specs, base_module_names, base_parameter_names
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # fields of adapter_config.json that change what the adapter computes, and the only value qtrain implements
 _PLAIN = {"use_dora": False, "use_rslora": False, "bias": "none", "fan_in_fan_out": False,
-          "layers_to_transform": None, "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}}
+          "layers_to_transform": None, "modules_to_save": None}
+GATE_UP_PATTERN = r".*\.gate_up_proj"  # peft's rank_pattern / alpha_pattern key of the experts' fused gate_up_proj
+
+
+def _number(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x
+
+
+def _patterns(cfg: ModelConfig, spec: LoraSpec, alpha: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """peft's rank_pattern and alpha_pattern of this adapter: gate_up_proj's doubled rank and alpha (module
+    docstring), or none."""
+    ug = EXPERT_MATRICES["experts_up_gate"][0]
+    if not any(p.endswith(ug) for p in base_parameter_names(cfg, spec)):
+        return {}, {}
+    return {GATE_UP_PATTERN: 2 * spec.rank}, {GATE_UP_PATTERN: _number(2 * alpha)}
 
 
 def adapter_config(cfg: ModelConfig, spec: LoraSpec, base: str) -> dict[str, Any]:
     """The adapter_config.json peft writes for this adapter (`base`: the base model's name or path)."""
-    alpha = int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha
+    params = base_parameter_names(cfg, spec)
+    ranks, alphas = _patterns(cfg, spec, spec.alpha)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": spec.rank,
-            "lora_alpha": alpha, "lora_dropout": spec.dropout, "target_modules": base_module_names(cfg, spec),
-            "init_lora_weights": True, "inference_mode": True, "layers_pattern": None, "revision": None, **_PLAIN}
+            "lora_alpha": _number(spec.alpha), "lora_dropout": 0.0 if params else spec.dropout,
+            "target_modules": base_module_names(cfg, spec), "target_parameters": params or None,
+            "init_lora_weights": True, "inference_mode": True, "layers_pattern": None, "revision": None, **_PLAIN,
+            "rank_pattern": ranks, "alpha_pattern": alphas}
 
 
 def save_adapter(out_dir: str | os.PathLike, cfg: ModelConfig, spec: LoraSpec, adapters: Mapping[str, torch.Tensor],
@@ -89,9 +112,21 @@ def read_config(adapter_dir: str, cfg: ModelConfig, spec: LoraSpec, *, option: s
     if not isinstance(modules, list) or sorted(map(str, modules)) != sorted(want):
         raise LoraError(f"{where}: target_modules {shorten(repr(modules))} differ from this run's --lora-targets "
                         f"({', '.join(want)})")
+    params = d.get("target_parameters") or []
+    params = [params] if isinstance(params, str) else params
+    want = base_parameter_names(cfg, spec)
+    if not isinstance(params, list) or sorted(str(p).rsplit(".", 1)[-1] for p in params) != sorted(
+            p.rsplit(".", 1)[-1] for p in want):
+        raise LoraError(f"{where}: target_parameters {shorten(repr(params))} differ from this run's --lora-targets "
+                        f"({', '.join(want) or 'no expert parameters'})")
     alpha = d.get("lora_alpha")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0 or not math.isfinite(alpha):
         raise LoraError(f"{where}: lora_alpha {shorten(repr(alpha))} is not a positive number")
+    for key, plain in zip(("rank_pattern", "alpha_pattern"), _patterns(cfg, spec, float(alpha))):
+        v = d.get(key) or {}
+        if not (isinstance(v, dict) and v == plain):
+            raise LoraError(f"{where}: {key}={shorten(repr(d.get(key)))} is not supported (only {plain!r}: "
+                            f"{'gate_up_proj at twice r and lora_alpha' if plain else 'one r and lora_alpha'})")
     return float(alpha)
 
 

@@ -11,6 +11,22 @@ Llama family). The targets of one (possibly fused) block matrix M share two adap
 
 so the layout, the checkpoints and the PEFT export need no code of their own for them (`weights.internal_to_hf`'s
 rule: a tensor is its HF tensors back to back).
+
+A routed layer's experts (the MoE families) are targets too: gate, up and down name its experts' projections, as peft
+maps `gate_proj`/`up_proj`/`down_proj` onto an MoE model's experts under transformers 5, where they are 3-D parameters
+of the module `mlp.experts` (`gate_up_proj` (E, 2F, C) rows [gate; up], `down_proj` (E, C, F)) that peft adapts with a
+`ParamWrapper` (peft/tuners/lora/layer.py): per expert e a low-rank update W_e + (alpha / r) B_e A_e of the whole
+(out x in) matrix, A_e (r', in), B_e (out, r'), kept as two 2-D tensors of all experts at once:
+
+    lora_A.weight  (E r', in)   rows [A_0; A_1; ...]              (expert-major: A_e = lora_A.view(E, r', in)[e])
+    lora_B.weight  (out, E r')  column j E + e is column j of B_e  (expert-minor: B_e = lora_B.view(out, r', E)[..., e])
+
+gate and up share transformers' fused gate_up_proj, so they are named together and adapted as one matrix of rank
+r' = 2 r with alpha 2 alpha (what peft's conversion of `target_modules=[..., 'gate_proj', 'up_proj']` makes:
+`rank_pattern`/`alpha_pattern` '.*\\.gate_up_proj'); down has r' = r. The adapter tensors here are peft's two tensors
+as they are (`experts_up_gate_lora_a` = lora_A ...; B's rows in transformers' [gate; up] order), each one HF part:
+`base_model.model.model.layers.{l}.mlp.experts[.base_layer].lora_{A,B}.weight`, `.base_layer` for gate_up when down is
+adapted too (peft wraps the parameters in the order the module registers them: gate_up_proj inside, down_proj around).
 """
 from __future__ import annotations
 
@@ -25,6 +41,8 @@ from qtrain.model.weights import statements
 GROUP = "lora"  # the layer's layout group of its adapters: 'block.{l}.lora'
 PEFT_PREFIX = "base_model.model."  # peft's prefix of the base model's module names in adapter_model.safetensors
 MLP_MATRICES = ("up", "down")  # a dense MLP's block matrices (Llama family, Qwen3.5)
+EXPERTS_MODULE = "mlp.experts"  # transformers 5's module of a routed layer's experts (every MoE family qtrain has)
+EXPERT_MATRICES = {"experts_up_gate": ("gate_up_proj", ("gate", "up")), "experts_down": ("down_proj", ("down",))}
 
 
 @dataclass(frozen=True)
@@ -66,12 +84,44 @@ def layer_targets(cfg: ModelConfig, layer: int) -> dict[str, Target]:
     return out
 
 
+@dataclass(frozen=True)
+class ExpertTarget:
+    """The adapter of a routed layer's expert stack `matrix` (E, rows, cols) (module docstring): transformers'
+    parameter `param` of EXPERTS_MODULE, adapted when every one of `names` is a target; rank multiple len(names)."""
+    names: tuple[str, ...]  # ('gate', 'up') or ('down',)
+    matrix: str  # 'experts_up_gate' / 'experts_down'
+    param: str  # 'gate_up_proj' / 'down_proj'
+    experts: int
+    rows: int
+    cols: int
+
+    def rank(self, r: int) -> int:
+        """The per-expert rank r' of this adapter at --lora-rank r."""
+        return r * len(self.names)
+
+    @property
+    def swapped(self) -> bool:
+        """qtrain's rows of the stack are [up; gate], transformers' (and the adapter's B) [gate; up]."""
+        return self.matrix == "experts_up_gate"
+
+
+def expert_targets(cfg: ModelConfig, layer: int) -> dict[str, ExpertTarget]:
+    """Block `layer`'s expert stacks that take an adapter, by matrix (none in a dense layer or a dense model)."""
+    out = {}
+    for spec in statements(cfg).blocks[layer]:
+        if spec.experts and spec.name in EXPERT_MATRICES:
+            param, names = EXPERT_MATRICES[spec.name]
+            out[spec.name] = ExpertTarget(names, spec.name, param, spec.experts, spec.shape[1], spec.shape[2])
+    return out
+
+
 def known_targets(cfg: ModelConfig) -> tuple[str, ...]:
     """The target names of every layer, in order of first appearance (what --lora-targets may name; a hybrid
     model's layers offer different ones: an adapter exists where its target does, as peft's target_modules)."""
     out: dict[str, None] = {}
     for layer in range(cfg.num_hidden_layers):
         out.update(dict.fromkeys(layer_targets(cfg, layer)))
+        out.update(dict.fromkeys(n for t in expert_targets(cfg, layer).values() for n in t.names))
     return tuple(out)
 
 
@@ -92,6 +142,24 @@ def adapted(cfg: ModelConfig, spec: LoraSpec, layer: int) -> dict[str, list[Targ
     return out
 
 
+def adapted_experts(cfg: ModelConfig, spec: LoraSpec, layer: int) -> dict[str, ExpertTarget]:
+    """Expert stack -> its adapter, for block `layer`: those whose every name is a target."""
+    return {m: t for m, t in expert_targets(cfg, layer).items() if all(n in spec.targets for n in t.names)}
+
+
+def expert_adapter_tensors(cfg: ModelConfig, spec: LoraSpec, layer: int) -> tuple[TensorSpec, ...]:
+    """Block `layer`'s expert adapters (module docstring): peft's lora_A and lora_B of each adapted stack."""
+    experts, out = adapted_experts(cfg, spec, layer), []
+    for matrix, t in experts.items():
+        inner = ".base_layer" if matrix == "experts_up_gate" and len(experts) > 1 else ""
+        key = f"{PEFT_PREFIX}{_layer_prefix(cfg, layer)}{EXPERTS_MODULE}{inner}.lora_"
+        n = t.experts * t.rank(spec.rank)
+        out.append(TensorSpec(a_name(matrix), (n, t.cols), ((f"{key}A.weight", (n, t.cols)),), group=GROUP))
+        out.append(TensorSpec(b_name(matrix), (t.rows, n), ((f"{key}B.weight", (t.rows, n)),), init="zeros",
+                              group=GROUP))
+    return tuple(out)
+
+
 def adapter_tensors(cfg: ModelConfig, spec: LoraSpec, layer: int) -> tuple[TensorSpec, ...]:
     """Block `layer`'s adapter tensors (module docstring), PEFT's names as their HF parts."""
     r, prefix, out = spec.rank, PEFT_PREFIX + _layer_prefix(cfg, layer), []
@@ -102,7 +170,7 @@ def adapter_tensors(cfg: ModelConfig, spec: LoraSpec, layer: int) -> tuple[Tenso
         out.append(TensorSpec(b_name(matrix), (sum(t.rows for t in targets), r),
                               tuple((f"{prefix}{t.module}.lora_B.weight", (t.rows, r)) for t in targets),
                               init="zeros", group=GROUP))
-    return tuple(out)
+    return tuple(out) + expert_adapter_tensors(cfg, spec, layer)
 
 
 def model_tensors(cfg: ModelConfig, spec: LoraSpec) -> tuple[tuple[TensorSpec, ...], tuple[tuple[TensorSpec, ...], ...]]:
@@ -122,4 +190,12 @@ def base_module_names(cfg: ModelConfig, spec: LoraSpec) -> list[str]:
     for layer in range(cfg.num_hidden_layers):
         out.update(dict.fromkeys(t.module.rsplit(".", 1)[-1] for t in layer_targets(cfg, layer).values()
                                  if t.name in spec.targets))
+    return list(out)
+
+
+def base_parameter_names(cfg: ModelConfig, spec: LoraSpec) -> list[str]:
+    """PEFT's `target_parameters`: the adapted expert parameters ('mlp.experts.gate_up_proj', ...)."""
+    out: dict[str, None] = {}
+    for layer in range(cfg.num_hidden_layers):
+        out.update(dict.fromkeys(f"{EXPERTS_MODULE}.{t.param}" for t in adapted_experts(cfg, spec, layer).values()))
     return list(out)

@@ -129,7 +129,8 @@ class Qwen35Block:
         beside its weights and its routed output carries the router losses' gradients into the backward (the MoE
         families' machinery, model/moe_router.py: transformers' loss with output_router_logits)."""
         moe = moe_forward(h, w["router"], w["experts_up_gate"], w["experts_down"], top_k=self.top_k,
-                          norm_topk_prob=self.norm_topk_prob)
+                          norm_topk_prob=self.norm_topk_prob,
+                          adapter=self.adapter.experts_of(w) if self.adapter is not None else None)
         record_router_stats(moe.stats, w)
         routed = with_router_grads(moe.out, moe.stats, w)
         shared = self.project(swiglu(self.project(h, w, "shared_up"), self.swiglu_mode), w, "shared_down")

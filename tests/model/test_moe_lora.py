@@ -1,0 +1,93 @@
+"""LoRA on an MoE model's routed experts (model/lora/tensors.py: gate,up,down of a routed layer are peft's
+`target_parameters` mlp.experts.gate_up_proj / down_proj), against the real peft package over transformers' models,
+fp32 CPU. The export's logits and gradients: tests/model/test_lora_families.py. Here:
+
+- an adapter peft made itself (get_peft_model with target_modules gate_proj/up_proj/down_proj, peft's own v5
+  conversion to target_parameters + rank_pattern; and target_parameters as a Mixtral user writes it), B random, read
+  back as --lora-init-from reads it: qtrain's logits are peft's, and the merged weights (--lora-merge) give them too,
+  as does peft's merge_and_unload of the same adapter loaded into transformers' model;
+- recompute switches change no bit of the experts' adapter gradients, with and without dropout.
+
+Tolerances: test_lora_families.py's (fp32; the MoE sums a token's experts in another order): logits 2e-5 of their
+scale.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+
+from qtrain.model.hf_io import load_hf_weights  # noqa: E402
+from qtrain.model.lora import LoraAdapter  # noqa: E402
+from qtrain.model.lora.checks import spec_from_options  # noqa: E402
+from qtrain.model.lora.merge import merged_params  # noqa: E402
+from qtrain.model.lora.peft_io import read_adapter  # noqa: E402
+from qtrain.model.registry import config_from_hf_dict  # noqa: E402
+from qtrain.model.transformer import RunOptions, Transformer  # noqa: E402
+from qtrain.model.weights import internal_to_hf  # noqa: E402
+from qtrain.parallel.weights.replicated import ParamWeights  # noqa: E402
+from tests.model import family_fixtures as ff  # noqa: E402
+from tests.model.family_fixtures import Collect  # noqa: E402
+from tests.model.test_lora import _close, _qtrain  # noqa: E402
+
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+PEFT_CONFIGS = {  # case -> (MoE fixture, LoraConfig keywords): how a peft user adapts the experts
+    "qwen3_moe": ("qwen3_moe", dict(target_modules=ATTN + ["gate_proj", "up_proj", "down_proj"])),
+    "olmoe": ("olmoe", dict(target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"])),
+    "mixtral": ("mixtral", dict(target_modules=["o_proj"], target_parameters=EXPERTS,
+                                rank_pattern={r".*\.gate_up_proj": 8}, alpha_pattern={r".*\.gate_up_proj": 10})),
+}
+
+
+@pytest.mark.parametrize("case", list(PEFT_CONFIGS))
+def test_peft_made_expert_adapter_loads_and_merges(case, tmp_path):
+    fixture, kw = PEFT_CONFIGS[case]
+    model = ff.moe_hf_model(fixture).float().eval()
+    model.save_pretrained(tmp_path / "base")
+    cfg = config_from_hf_dict(model.config.to_dict())
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=5, init_lora_weights=False, **kw))
+    pm.save_pretrained(tmp_path / "p")  # init_lora_weights=False: B random, not zero
+    spec = spec_from_options({"lora_rank": 4, "lora_init_from": str(tmp_path / "p")}, cfg, check_adapter=True)
+    assert {"gate", "up", "down"} <= set(spec.targets) and spec.alpha == 5.0  # the adapter's targets and alpha
+    hf = {k: v.detach() for k, v in load_hf_weights(tmp_path / "base", cfg).items()}
+    _, w = _qtrain(cfg, internal_to_hf(cfg, hf), spec, source=read_adapter(str(tmp_path / "p"), cfg, spec))
+    inputs = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = pm.eval()(inputs).logits
+        with pm.disable_adapter():
+            assert (want - pm(inputs).logits).abs().max() > 1e-3  # the adapter does something
+    _close(Transformer(cfg, RunOptions(adapter=LoraAdapter(cfg, spec))).logits(w.source, inputs), want)
+    merged = merged_params(cfg, spec, {n: t.detach() for n, t in w.params.items()})
+    _close(Transformer(cfg).logits(ParamWeights(cfg, merged), inputs), want)
+    # peft's own merge of the expert parameters is the same model
+    with torch.no_grad():
+        _close(pm.merge_and_unload()(inputs).logits, want)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_recompute_gives_the_same_expert_adapter_gradients_bitwise(dropout, tmp_path):
+    """--recompute-ffn reruns the permutation + up/gate GEMM with its adapter (and the dropout mask it drew: the key
+    names step, micro-step, layer and target), --recompute-swiglu the SwiGLU the down adapter reads: the adapters'
+    gradients are the plain run's bits (eager, fp32); another micro-step draws other masks."""
+    cfg = config_from_hf_dict(ff.moe_hf_model("qwen3_moe").config.to_dict())
+    spec = spec_from_options({"lora_rank": 2, "lora_alpha": 3.0, "lora_dropout": dropout,
+                              "lora_targets": "q,gate,up,down"}, cfg)
+    ff.moe_hf_model("qwen3_moe").save_pretrained(tmp_path)
+    _, w = _qtrain(cfg, internal_to_hf(cfg, load_hf_weights(tmp_path, cfg)), spec)
+    inputs = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    out = []
+    for rc, at in (((), (3, 1)), (("ffn", "swiglu"), (3, 1)), (("block",), (3, 1)), ((), (3, 2))):
+        adapter = LoraAdapter(cfg, spec, seed=7)
+        adapter.bind_layers([w.source.block(i) for i in range(cfg.num_hidden_layers)])
+        adapter.at(*at)
+        sink = Collect()
+        Transformer(cfg, RunOptions(adapter=adapter, recompute=frozenset(rc))).forward_backward(
+            w.source, inputs, inputs.roll(-1, 1), grads=sink, loss_scale=1 / inputs.numel())
+        out.append(sink.grads)
+    assert any("experts" in k for k in out[0]) and out[0].keys() == out[1].keys()
+    for k in out[0]:
+        assert torch.equal(out[0][k], out[1][k]) and torch.equal(out[0][k], out[2][k]), k
+        if "experts" in k:
+            assert torch.equal(out[0][k], out[3][k]) == (dropout == 0), k
