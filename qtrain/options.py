@@ -338,7 +338,7 @@ class Options:
     """Dropout on each adapter's input (peft's lora_dropout), in [0, 1)."""
     lora_targets: str = ""
     """Comma-separated matrices to adapt, peft's module names without _proj: q,k,v,o,gate,up,down ('' = all seven,
-    or the --lora-init-from adapter's)."""
+    or the --lora-init-from adapter's); on an MoE model gate,up,down are the routed experts (gate and up together)."""
     lora_init_from: str = ""
     """Start the adapters from an existing PEFT adapter directory (adapter_config.json + adapter_model.safetensors)
     instead of peft's init (A kaiming-uniform, B zero)."""
