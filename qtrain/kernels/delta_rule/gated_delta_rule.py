@@ -33,15 +33,18 @@ d_i the number of resets at or before position i within the chunk: D_ij = 0 unle
 solves, and the chunk's own read are block-diagonal by document), the old state's read and its entry into the
 corrections (q exp(G), beta k exp(G)) only where d_i = 0, the state update only from the chunk's last document
 (d_i = d_C) and the old state kept only where d_C = 0. The cumulative G need not restart: every product it enters
-then spans one document only. Both forms differentiate with autograd (CPU tests; the GPU kernels with
-their own backward are left to the Triton port).
+then spans one document only. Both forms differentiate with autograd; on the GPU the chunked form's recurrence over
+chunks (`chunk_states`) runs as a Triton op pair with its own backward (gated_delta_rule_triton.py).
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CHUNK", "gated_delta_rule_chunked", "gated_delta_rule_recurrent", "l2_normalize"]
+__all__ = ["CHUNK", "chunk_states", "chunked_form", "gated_delta_rule_chunked", "gated_delta_rule_recurrent",
+           "l2_normalize"]
 
 CHUNK = 64  # fla-core's and transformers' chunk size
 L2_EPS = 1e-6  # fla-core's l2norm epsilon (transformers' `l2norm` matches it)
@@ -107,6 +110,39 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              chunk: int = CHUNK, resets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked form (module docstring), same contract as `gated_delta_rule_recurrent`. The sequence is padded
     to a multiple of `chunk` with g = 0, beta = 0 (tokens that neither decay nor write the state)."""
+    return chunked_form(q, k, v, g, beta, chunk_states, l2norm=l2norm, initial_state=initial_state, chunk=chunk,
+                        resets=resets)
+
+
+def chunk_states(U: torch.Tensor, W: torch.Tensor, k_dec: torch.Tensor, last: torch.Tensor,
+                 S0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one sequential part of the chunked form, the state's recurrence over chunks: U, V' (B, H, n, C, dv), W,
+    k_dec (B, H, n, C, dk), last (B, H, n) (the state's decay across a chunk), S0 (B, H, dk, dv) or None (zeros) ->
+    (Hs (B, H, n, dk, dv): the state entering each chunk, V' = U - W S per chunk, the final state)::
+
+        V'_c = U_c - W_c S_c,   S_(c+1) = last_c S_c + k_dec_c^T V'_c
+
+    A loop over chunks here; a Triton kernel on the GPU (gated_delta_rule_triton.py)."""
+    B, H, n, _, dv = U.shape
+    S = U.new_zeros(B, H, W.shape[-1], dv) if S0 is None else S0.to(U.dtype)
+    states, corrections = [], []
+    for c in range(n):
+        v_new = U[:, :, c] - W[:, :, c] @ S  # (B, H, C, dv)
+        states.append(S)
+        corrections.append(v_new)
+        S = S * last[:, :, c, None, None] + k_dec[:, :, c].transpose(-1, -2) @ v_new
+    return torch.stack(states, dim=2), torch.stack(corrections, dim=2), S
+
+
+StatesFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"],
+                    tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def chunked_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 states: StatesFn, *, l2norm: bool = True, initial_state: torch.Tensor | None = None,
+                 chunk: int = CHUNK, resets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked form with the recurrence over chunks done by `states` (`chunk_states`' contract): every other
+    step is a batched product over all chunks at once, differentiated by autograd."""
     _check(q, k, v, g, beta, resets)
     dtype, T = q.dtype, q.shape[1]
     q, k, v, g, beta = _prepare(q, k, v, g, beta, l2norm)
@@ -139,16 +175,11 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     QK = (q @ k.transpose(-1, -2)) * D  # (B, H, n, C, C): the chunk's own causal read
     q_dec = q * Gexp[..., None]
     k_dec = k * (G[..., -1:] - G).exp()[..., None]
-    last = G[..., -1].exp()[..., None, None]  # (B, H, n, 1, 1)
+    last = G[..., -1].exp()  # (B, H, n)
     if resets is not None:  # the state leaving a chunk holds its last document only
         k_dec = k_dec * (d == d[..., -1:])[..., None]
-        last = last * (d[..., -1] == 0)[..., None, None]
-    S = (torch.zeros(B, H, dk, dv, dtype=v.dtype, device=v.device) if initial_state is None
-         else initial_state.to(v.dtype))
-    out = []
-    for c in range(n):
-        v_new = U[:, :, c] - W[:, :, c] @ S  # (B, H, C, dv)
-        out.append(q_dec[:, :, c] @ S + QK[:, :, c] @ v_new)
-        S = S * last[:, :, c] + k_dec[:, :, c].transpose(-1, -2) @ v_new
-    o = torch.stack(out, dim=2).reshape(B, H, n * chunk, dv)[:, :, :T]
+        last = last * (d[..., -1] == 0)
+    Hs, v_new, S = states(U, W, k_dec, last, initial_state)
+    o = q_dec @ Hs + QK @ v_new  # (B, H, n, C, dv): the old state's read plus the chunk's own writes
+    o = o.reshape(B, H, n * chunk, dv)[:, :, :T]
     return o.transpose(1, 2).to(dtype), S
