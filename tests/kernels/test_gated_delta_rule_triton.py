@@ -101,6 +101,22 @@ def test_op_pair_differentiates_as_the_chunked_twin(resets):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-10)
 
 
+def test_op_pair_traces_under_torch_compile():
+    """A compiled block keeps the op opaque (its fake shapes and its autograd formula traced, the kernels launched at
+    run time): compiled with full graph, values and gradients as eager (fp32, the twins inside on the CPU)."""
+    args = _inputs(dtype=torch.float32)
+    r = _resets(2, T_RAGGED)
+    do = torch.randn(args[2].shape, generator=torch.Generator().manual_seed(2))
+
+    def rule(*a, resets):
+        return gated_delta_rule_triton(*a, resets=resets)[0]
+
+    o1, g1 = _grads(rule, args, do, r)
+    torch._dynamo.reset()
+    o2, g2 = _grads(torch.compile(rule, backend="aot_eager", fullgraph=True), args, do, r)
+    assert _rel(o2, o1) <= 1e-6 and all(_rel(a, b) <= 1e-6 for a, b in zip(g2, g1))
+
+
 @interp_only
 @pytest.mark.parametrize("dk,dv", [(32, 32), (48, 16)])  # dk 48: the state's rows padded to a power of two
 def test_interp_state_kernels_match_the_twins_fp32(dk, dv):

@@ -15,6 +15,7 @@ import torch
 
 from qtrain.kernels.document_attention import DocumentMask
 from qtrain.kernels.delta_rule.causal_conv1d import causal_conv1d_silu_op, causal_conv1d_silu_twin
+from qtrain.kernels import dispatch
 from qtrain.kernels.dispatch import use_triton
 from qtrain.kernels.delta_rule.gated_delta_rule import (CHUNK, gated_delta_rule_chunked, gated_delta_rule_recurrent,
                                                         l2_normalize)
@@ -31,8 +32,12 @@ LIMITS = {"head_dim_max": 256, "head_dim_multiple": 16, "conv_min": 2, "conv_max
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, resets: torch.Tensor | None = None) -> torch.Tensor:
     """o (B, T, H, dv) of the gated delta rule with L2-normalised q, k from a zero state, restarting at `resets`
-    (gated_delta_rule.py): the chunked form with its Triton recurrence on CUDA, the chunked twin elsewhere."""
-    if use_triton(q):
+    (gated_delta_rule.py): on CUDA the chunked form with its recurrence over chunks as the Triton op pair, elsewhere
+    the chunked twin."""
+    if use_triton(q) or (q.is_cuda and torch.compiler.is_compiling() and dispatch.HAS_TRITON
+                         and dispatch.BACKEND != "twin"):
+        # inside a torch.compile'd block too: inductor compiles the batched products around the recurrence, which
+        # stays an opaque op launching its Triton kernels at run time (traced, the twin's loop would unroll)
         return _gated_delta_rule_triton(q, k, v, g, beta, l2norm=True, resets=resets)[0]
     return gated_delta_rule_chunked(q, k, v, g, beta, l2norm=True, resets=resets)[0]
 
