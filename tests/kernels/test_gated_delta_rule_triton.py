@@ -9,7 +9,8 @@ Tolerances: the kernels and the twin loop compute the same fp32 products over ch
 in a different order (rounding ~ sqrt(d) 2^-24 relative per product), carried through a few chunks and, for the
 gradients, through the triangular solves' backward: 2e-5 relative in norm against the twin in fp32 (observed: equal
 bit for bit under the interpreter, whose products are numpy's). On the GPU the inputs are bf16 and the twin runs in fp32 on the same values: the outputs and gradients
-round once to bf16, within 2^-8 relative in norm (one bf16 ulp).
+round once to bf16, within 2^-8 relative in norm (one bf16 ulp); the gradients of q and k twice (autograd casts
+them to bf16 at the value heads, then sums each key head's two value heads in bf16): within 2^-7.
 """
 from __future__ import annotations
 
@@ -165,7 +166,7 @@ def test_gpu_qwen3_5_4b_shape_bf16_matches_the_fp32_twin(resets):
         o_ref, grads_ref = _grads(gated_delta_rule, [a.float() for a in args], do.float(), r)
     assert _rel(o, o_ref) <= 2 ** -8
     for a, b in zip(grads, grads_ref):
-        assert _rel(a, b) <= 2 ** -8
+        assert _rel(a, b) <= 2 ** -7
 
 
 @pytest.mark.parametrize("dk", [128, pytest.param(256, marks=pytest.mark.slow)])
