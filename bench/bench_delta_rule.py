@@ -1,6 +1,6 @@
 """Kind `delta-rule`: times the gated delta rule at a Qwen3.5 preset's linear-attention heads on the GPU, forward and
-forward + backward, bf16 inputs: qtrain's chunked form with its Triton recurrence over chunks (what the model runs on
-CUDA), eager and torch.compile'd, against the chunked twin (its Python loop over chunks) and, when it imports,
+forward + backward, bf16 inputs: qtrain's chunked form through its Triton op pair (what the model runs on CUDA),
+eager and torch.compile'd, against the chunked twin (its Python loop over chunks) and, when it imports,
 fla-core's `chunk_gated_delta_rule`; each checked against the twin in fp32 on the same values (relative error of the
 output and of dq, in norm).
 
@@ -48,9 +48,9 @@ def run(model: str = "Qwen3.5-4B", B: int = 1, T: int = 4096, documents: bool = 
         dq_ref = torch.autograd.grad(o_ref, ref[0], do.float())[0]
 
     def ours(*a):
-        return gated_delta_rule(*a, resets)  # on CUDA: the chunked form with the Triton recurrence
+        return gated_delta_rule(*a, resets)  # on CUDA: the chunked form through the Triton op pair
 
-    variants = {"qtrain (Triton recurrence)": ours, "qtrain, torch.compile": torch.compile(ours)}
+    variants = {"qtrain (Triton)": ours, "qtrain, torch.compile": torch.compile(ours)}
 
     def twin(*a):
         with dispatch.backend("twin"):

@@ -1,16 +1,18 @@
-"""The gated delta rule's GPU path (kernels/delta_rule/gated_delta_rule_triton.py): the chunked form with its
-recurrence over chunks as an op pair. The backward twin is the gradient of the recurrence's forward twin (fp64); the
-op pair differentiates as the chunked twin (fp64, the twins inside it on the CPU); the Triton kernels equal the
-twins, alone and inside the whole rule, values and every input's gradient (q, k, v, g, beta), with and without
-document resets. The Triton tests run under Triton's interpreter in a child pytest (TRITON_INTERPRET=1, fp32:
-tests/triton_interp.py) and on a GPU at Qwen3.5-4B's linear-attention shape (bf16, marked gpu).
+"""The gated delta rule's GPU path (kernels/delta_rule/gated_delta_rule_triton.py): the chunked form's work on the
+chunks as one op pair. The hand-written backward (gated_delta_rule_backward.py) is the gradient of the chunked core
+(fp64, with and without documents, an initial state); the op pair differentiates as the chunked twin (fp64, the twins
+inside it on the CPU) and traces under torch.compile; the Triton kernels equal their twins one by one, and inside the
+whole rule the output and every input's gradient (q, k, v, g, beta), with and without document resets. The Triton
+tests run under Triton's interpreter in a child pytest (TRITON_INTERPRET=1, fp32: tests/triton_interp.py) and on a
+GPU at Qwen3.5-4B's linear-attention shape (bf16, marked gpu).
 
-Tolerances: the kernels and the twin loop compute the same fp32 products over chunks, the sums inside each product
-in a different order (rounding ~ sqrt(d) 2^-24 relative per product), carried through a few chunks and, for the
-gradients, through the triangular solves' backward: 2e-5 relative in norm against the twin in fp32 (observed: equal
-bit for bit under the interpreter, whose products are numpy's). On the GPU the inputs are bf16 and the twin runs in fp32 on the same values: the outputs and gradients
-round once to bf16, within 2^-8 relative in norm (one bf16 ulp); the gradients of q and k twice (autograd casts
-them to bf16 at the value heads, then sums each key head's two value heads in bf16): within 2^-7.
+Tolerances: the kernels compute the twins' fp32 products (full fp32, `input_precision="ieee"`), the sums inside each
+product in another order, and invert the chunk's unit-triangular matrix by forward substitution where the twin calls
+a triangular solve (rounding ~ sqrt(d) 2^-24 relative per product), carried through a few chunks and, for the
+gradients, through the transform's backward: 2e-5 relative in norm against the twin in fp32 (observed below 1e-6
+under the interpreter). On the GPU the inputs are bf16 and the twin runs in fp32 on the same values: the outputs
+round once to bf16, within 2^-8 relative in norm (one bf16 ulp); the gradients of q and k twice (autograd casts them
+to bf16 at the value heads, then sums each key head's two value heads in bf16): within 2^-7.
 """
 from __future__ import annotations
 
@@ -19,9 +21,11 @@ import torch
 
 from qtrain.kernels import dispatch
 from qtrain.kernels.delta_rule import gated_delta_rule, gated_delta_rule_chunked
-from qtrain.kernels.delta_rule.gated_delta_rule import CHUNK, chunk_states, chunked_form
-from qtrain.kernels.delta_rule.gated_delta_rule_triton import (chunk_states_backward_triton,
-                                                               chunk_states_backward_twin, chunk_states_triton,
+from qtrain.kernels.delta_rule.gated_delta_rule import (CHUNK, chunk_core, chunk_decays, chunk_pair_decays,
+                                                        chunk_states, chunked_form)
+from qtrain.kernels.delta_rule.gated_delta_rule_backward import chunk_core_backward, chunk_intra, chunk_states_reverse
+from qtrain.kernels.delta_rule.gated_delta_rule_triton import (chunk_core_triton, chunk_intra_triton,
+                                                               chunk_states_reverse_triton, chunk_states_triton,
                                                                gated_delta_rule_triton)
 from tests.triton_interp import compile_for_hopper, interp_only, interpreter_subprocess_test, needs_cuda
 
@@ -48,16 +52,16 @@ def _resets(B, T, device="cpu"):
     return r.to(device)
 
 
-def _terms(q, k, v, g, beta, resets=None):
-    """The recurrence's inputs (U, W, k_dec, last) as the chunked form computes them for these inputs."""
+def _core_inputs(q, k, v, g, beta, resets=None):
+    """What the chunked form hands its core for these inputs: q, k, v, g, beta on chunks (prepared), d."""
     seen = []
 
     def keep(*args):
         seen.append(args)
-        return chunk_states(*args)
+        return chunk_core(*args)
 
     chunked_form(q, k, v, g, beta, keep, resets=resets)
-    return seen[0][:4]
+    return [t.detach() for t in seen[0][:5]], seen[0][5]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -71,17 +75,21 @@ def _grads(fn, args, do, resets):
 
 
 @pytest.mark.parametrize("resets", [False, True])
-def test_backward_twin_is_the_gradient_of_the_forward_twin(resets):
-    q, k, v, g, beta = _inputs()
-    terms = [t.requires_grad_(True) for t in _terms(q, k, v, g, beta, _resets(2, T_RAGGED) if resets else None)]
+def test_backward_twin_is_the_gradient_of_the_chunked_core(resets):
+    r = _resets(2, T_RAGGED) if resets else None
+    if r is not None:
+        r[1, 0] = False  # row 1 starts inside the initial state's document: dS0 is not all zero
+    xs, d = _core_inputs(*_inputs(), resets=r)
     gen = torch.Generator().manual_seed(1)
-    S0 = torch.randn(2, 2, 32, 32, generator=gen, dtype=torch.float64, requires_grad=True)
-    Hs, V, Sf = chunk_states(*terms, S0)
-    cot = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in (Hs, V, Sf)]
-    want = torch.autograd.grad((Hs, V, Sf), (*terms, S0), cot)
-    got = chunk_states_backward_twin(*(t.detach() for t in terms), S0.detach(), *cot)
+    S0 = torch.randn(2, 2, 32, 32, generator=gen, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_(True) for t in (*xs, S0)]
+    o, S = chunk_core(*leaves[:5], d, leaves[5])
+    do, dS = torch.randn(o.shape, generator=gen, dtype=torch.float64), torch.randn(S.shape, generator=gen,
+                                                                                    dtype=torch.float64)
+    want = torch.autograd.grad((o, S), leaves, (do, dS))
+    got = chunk_core_backward(*xs, d, S0, do, dS)
     for a, b in zip(got, want):
-        assert a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=1e-10)
+        assert a.shape == b.shape and b.abs().max() > 0 and torch.allclose(a, b, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("resets", [False, True])
@@ -119,20 +127,26 @@ def test_op_pair_traces_under_torch_compile():
 
 
 @interp_only
-@pytest.mark.parametrize("dk,dv", [(32, 32), (48, 16)])  # dk 48: the state's rows padded to a power of two
-def test_interp_state_kernels_match_the_twins_fp32(dk, dv):
-    q, k, v, g, beta = _inputs(dk=dk, dv=dv, dtype=torch.float32)
-    terms = _terms(q, k, v, g, beta, _resets(2, T_RAGGED))
+def test_interp_kernels_match_their_twins_fp32(dk=48, dv=16):
+    """Each kernel against its twin on the same inputs: the chunks' transform (Ai, U, W), the states (Hs, V', the
+    final state), the whole forward (o, the final state), the reverse recurrence (dH, dU, dS0); with documents, an
+    initial state, and dk = 48 (the tiles' rows padded to a power of two; the whole-rule tests below run 32)."""
+    (q, k, v, g, beta), d = _core_inputs(*_inputs(dk=dk, dv=dv, dtype=torch.float32), resets=_resets(2, T_RAGGED))
     gen = torch.Generator().manual_seed(1)
     S0 = torch.randn(2, 2, dk, dv, generator=gen)
-    want = chunk_states(*terms, S0)
-    got = chunk_states_triton(*terms, S0)
-    for a, b in zip(got, want):
-        assert a.dtype == torch.float32 and a.shape == b.shape and _rel(a, b) <= 2e-5
-    cot = [torch.randn(t.shape, generator=gen) for t in want]
-    got = chunk_states_backward_triton(*terms, S0, *cot)
-    for a, b in zip(got, chunk_states_backward_twin(*terms, S0, *cot)):
-        assert a.dtype == torch.float32 and a.shape == b.shape and _rel(a, b) <= 2e-5
+    G, Gexp, last, k_scale = chunk_decays(g, d)
+    intra = chunk_intra(k, v, beta, G, d, chunk_pair_decays(G, d), Gexp)
+    _, U, W = intra
+    k_dec = k * k_scale[..., None]
+    states = chunk_states(U, W, k_dec, last, S0)
+    cot = [torch.randn(t.shape, generator=gen) for t in states]
+    pairs = [(chunk_intra_triton(k, v, beta, G, d), intra),
+             (chunk_states_triton(U, W, k_dec, last, S0), states),
+             (chunk_core_triton(q, k, v, g, beta, d, S0), chunk_core(q, k, v, g, beta, d, S0)),
+             (chunk_states_reverse_triton(W, k_dec, last, *cot), chunk_states_reverse(W, k_dec, last, *cot))]
+    for got, want in pairs:
+        for a, b in zip(got, want):
+            assert a.dtype == torch.float32 and a.shape == b.shape and _rel(a, b) <= 2e-5
 
 
 @interp_only
@@ -171,14 +185,19 @@ def test_gpu_qwen3_5_4b_shape_bf16_matches_the_fp32_twin(resets):
 
 @pytest.mark.parametrize("dk", [128, pytest.param(256, marks=pytest.mark.slow)])
 def test_kernels_build_for_hopper(dk):
-    """The interpreter never compiles: build both kernels for sm_90 with Triton's own ptxas at 4B's head dims and
-    at the largest served (256: ~30 s of ptxas, slow)."""
+    """The interpreter never compiles: build the four kernels for sm_90 with Triton's own ptxas at 4B's head dims and
+    at the largest served (256: slow)."""
     from qtrain.kernels.delta_rule import gated_delta_rule_triton as m
-    c = dict(C=CHUNK, BK=dk, BV=m.BV)
+    c = dict(C=CHUNK, BK=dk, BV=m.BV, PREC=m.PREC)
     dims = {"n": "i32", "DK": "i32", "DV": "i32"}
-    fwd = ["u_ptr", "w_ptr", "kd_ptr", "last_ptr", "s0_ptr", "hs_ptr", "v_ptr", "sf_ptr"]
-    bwd = ["w_ptr", "kd_ptr", "last_ptr", "dhs_ptr", "dv_ptr", "dsf_ptr", "dh_ptr", "du_ptr", "ds0_ptr"]
-    assert ".entry" in compile_for_hopper(m._states_fwd_kernel, {**{p: "*fp32" for p in fwd}, **dims},
-                                          {**c, "HAS_S0": False}, num_warps=m.NUM_WARPS)
-    assert ".entry" in compile_for_hopper(m._states_bwd_kernel, {**{p: "*fp32" for p in bwd}, **dims}, c,
-                                          num_warps=m.NUM_WARPS)
+    kernels = {m._intra_kernel: (["k_ptr", "v_ptr", "beta_ptr", "G_ptr", "d_ptr", "ai_ptr", "u_ptr", "w_ptr"],
+                                 {"n": "i32", "H": "i32", "DK": "i32", "DV": "i32"}, {"HAS_DOCS": True}),
+               m._states_fwd_kernel: (["u_ptr", "w_ptr", "kd_ptr", "last_ptr", "s0_ptr", "hs_ptr", "v_ptr", "sf_ptr"],
+                                      dims, {"HAS_S0": False}),
+               m._output_kernel: (["q_ptr", "k_ptr", "G_ptr", "d_ptr", "hs_ptr", "v_ptr", "o_ptr"],
+                                  {"n": "i32", "H": "i32", "DK": "i32", "DV": "i32"}, {"HAS_DOCS": True}),
+               m._states_bwd_kernel: (["w_ptr", "kd_ptr", "last_ptr", "dhs_ptr", "dv_ptr", "dsf_ptr", "dh_ptr",
+                                       "du_ptr", "ds0_ptr"], dims, {})}
+    for kernel, (ptrs, ints, flags) in kernels.items():
+        sig = {p: ("*i32" if p == "d_ptr" else "*fp32") for p in ptrs}
+        assert ".entry" in compile_for_hopper(kernel, {**sig, **ints}, {**c, **flags}, num_warps=m.NUM_WARPS)

@@ -1,8 +1,7 @@
 """Gated DeltaNet's sequence mixing: the gated delta rule (`gated_delta_rule.py`: the recurrent specification and the
 chunked form) and the causal depthwise convolution before it (`causal_conv1d.py`). The model calls the two entries
-here; on CUDA (`qtrain.kernels.dispatch`) the convolution runs its Triton op pair (causal_conv1d.py) and the delta
-rule the chunked form with its recurrence over chunks as a Triton op pair (gated_delta_rule_triton.py); elsewhere
-both run their plain-torch twins.
+here; on CUDA (`qtrain.kernels.dispatch`) both run Triton op pairs, forward and backward (causal_conv1d.py,
+gated_delta_rule_triton.py: the chunked form's work on the chunks); elsewhere their plain-torch twins.
 
 `LIMITS` states what the kernels serve, so a config they cannot serve is refused before the model is built
 (model/qwen3_5/config.py reads it). Both ops take `resets` (B, T) bool, True at each document's first token
@@ -32,12 +31,11 @@ LIMITS = {"head_dim_max": 256, "head_dim_multiple": 16, "conv_min": 2, "conv_max
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, resets: torch.Tensor | None = None) -> torch.Tensor:
     """o (B, T, H, dv) of the gated delta rule with L2-normalised q, k from a zero state, restarting at `resets`
-    (gated_delta_rule.py): on CUDA the chunked form with its recurrence over chunks as the Triton op pair, elsewhere
-    the chunked twin."""
+    (gated_delta_rule.py): on CUDA the chunked form through its Triton op pair, elsewhere the chunked twin."""
     if use_triton(q) or (q.is_cuda and torch.compiler.is_compiling() and dispatch.HAS_TRITON
                          and dispatch.BACKEND != "twin"):
-        # inside a torch.compile'd block too: inductor compiles the batched products around the recurrence, which
-        # stays an opaque op launching its Triton kernels at run time (traced, the twin's loop would unroll)
+        # inside a torch.compile'd block too: the op stays opaque there and launches its kernels at run time
+        # (traced, the twin's loop over chunks would unroll into the graph)
         return _gated_delta_rule_triton(q, k, v, g, beta, l2norm=True, resets=resets)[0]
     return gated_delta_rule_chunked(q, k, v, g, beta, l2norm=True, resets=resets)[0]
 

@@ -1,67 +1,82 @@
-"""The gated delta rule on the GPU: the chunked form (gated_delta_rule.py's `chunked_form`) with its one sequential
-part, the state's recurrence over chunks, as a Triton op pair (forward and backward kernels), so no Python loop over
-chunks remains; every other step of the chunked form is a batched product over all chunks at once (cuBLAS matmuls and
-triangular solves), differentiated by autograd.
+"""The gated delta rule on the GPU: the chunked form (gated_delta_rule.py) as one op pair over the chunks, forward and
+backward, whose kernels are Triton's (chunks of 64, fp32 accumulation, full-fp32 products):
 
-The recurrence (`chunk_states`, the forward twin), per (batch, value head), chunk c = 0 .. n - 1::
+- forward: `_intra_kernel` per chunk (A, its unit-triangular inverse Ai by forward substitution, U = Ai vb,
+  W = Ai kbg: the WY/UT transform), `_states_fwd_kernel` per (batch x head, dv tile) looping over the chunks (the
+  state tile in registers: Hs, V'), `_output_kernel` per (chunk, dv tile) (o = q_dec Hs + P V');
+- backward (gated_delta_rule_backward.py's `chunk_core_backward`, the specification): the forward's first two
+  kernels again (the op keeps only its inputs), `_states_bwd_kernel` looping over the chunks backwards (dH, dU, dS0),
+  and the per-chunk products to dq, dk, dv, dg, dbeta as batched torch matmuls over all chunks.
 
-    Hs_c = S_c,   V'_c = U_c - W_c S_c,   S_(c+1) = last_c S_c + k_dec_c^T V'_c
-
-and its backward (`chunk_states_backward_twin`), with dS the gradient of the state leaving chunk c, from the final
-state's gradient down::
-
-    dH_c = dS,   dU_c = dV'_c + k_dec_c dS,   dS <- dHs_c + last_c dS - W_c^T dU_c   (then dS0 = dS)
-    dW_c = -dU_c S_c^T,   dk_dec_c = V'_c dH_c^T,   dlast_c = sum(S_c * dH_c)
-
-The kernels run the two loops, one program per (batch x head, dv tile of BV columns), the state tile (dk, BV) in
-fp32 registers, the products in full fp32 (`input_precision="ieee"`); the backward recomputes the states Hs with the
-forward kernel (kept only during the backward) and takes dW, dk_dec, dlast as batched products over chunks.
+The preparation around the op (q, k normalised and repeated to the value heads, fp32, padding, chunks) is the twin's
+own (`chunked_form`), differentiated by autograd. Documents (`resets`) enter the kernels as d, the resets at or
+before each position of its chunk, exactly as the twin masks with it. Elsewhere than CUDA the op runs the twins
+(`chunk_core`, `chunk_core_backward`).
 """
 from __future__ import annotations
 
 import torch
 
-from qtrain.kernels.delta_rule.gated_delta_rule import CHUNK, chunk_states, chunked_form
+from qtrain.kernels.delta_rule.gated_delta_rule import CHUNK, chunk_core, chunk_decays, chunked_form
+from qtrain.kernels.delta_rule.gated_delta_rule_backward import chunk_core_backward
 from qtrain.kernels.dispatch import jit, tl, triton, use_triton
 
-__all__ = ["chunk_states_backward_triton", "chunk_states_backward_twin", "chunk_states_op", "chunk_states_triton",
-           "gated_delta_rule_triton"]
+__all__ = ["chunk_core_op", "chunk_core_triton", "chunk_intra_triton", "chunk_states_reverse_triton",
+           "chunk_states_triton", "gated_delta_rule_triton"]
+
+BV, NUM_WARPS = 32, 4  # a program of the loops over chunks: the state's dk rows x 32 of its dv columns
+# the products' precision: three TF32 tensor-core passes (fp32 operands split in a high and a low TF32 part: fp32's
+# accuracy to ~1e-6, where "ieee" runs on the CUDA cores and "tf32" keeps 10 mantissa bits)
+PREC = "tf32x3"
 
 
-# ------------------------------------------------------------------------------------------ backward twin
-def chunk_states_backward_twin(U: torch.Tensor, W: torch.Tensor, k_dec: torch.Tensor, last: torch.Tensor,
-                               S0: torch.Tensor | None, dHs: torch.Tensor, dV: torch.Tensor, dSf: torch.Tensor
-                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The specification of the backward (module docstring): the gradients of (Hs, V', S_final) -> (dU, dW, dk_dec,
-    dlast, dS0), a loop over chunks in U's dtype, the states recomputed."""
-    Hs, V, _ = chunk_states(U, W, k_dec, last, S0)
-    n = U.shape[2]
-    dS = dSf.to(U.dtype)
-    dH, dU = [None] * n, [None] * n
-    for c in reversed(range(n)):
-        dH[c] = dS
-        dU[c] = dV[:, :, c] + k_dec[:, :, c] @ dS
-        dS = dHs[:, :, c] + last[:, :, c, None, None] * dS - W[:, :, c].transpose(-1, -2) @ dU[c]
-    return _products(Hs, V, torch.stack(dH, dim=2), torch.stack(dU, dim=2), dS)
-
-
-def _products(Hs, V, dH, dU, dS0):
-    """The gradients that need no loop, from the states and the loop's dH, dU (batched over chunks)."""
-    dW = -dU @ Hs.transpose(-1, -2)
-    dk_dec = V @ dH.transpose(-1, -2)
-    dlast = (Hs * dH).sum((-1, -2))
-    return dU, dW, dk_dec, dlast, dS0
-
-
-# -------------------------------------------------------------------------------------------- triton
-BV, NUM_WARPS = 32, 4  # a program: the state's dk rows x 32 of its dv columns
+# ------------------------------------------------------------------------------------------------ kernels
+@jit
+def _intra_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, d_ptr, ai_ptr, u_ptr, w_ptr, n, H, DK, DV,
+                  HAS_DOCS: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  PREC: tl.constexpr):
+    """One chunk (program (c, b x h)): A = (beta k) k^T D below the diagonal, Ai = (I + A)^-1 row by row (forward
+    substitution: row i = e_i - A_i Ai, rows before i final), then W = Ai (beta k Gexp) and U = Ai (beta v) by dv
+    tiles. Rows are (bh n C + position) of (B H n C, d) tensors."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rc = tl.arange(0, C)
+    rk = tl.arange(0, BK)
+    row = (bh * n + c) * C + rc
+    kmask = rk < DK
+    k = tl.load(k_ptr + row[:, None] * DK + rk[None, :], mask=kmask[None, :], other=0.0)
+    beta = tl.load(beta_ptr + row)
+    G = tl.load(G_ptr + row)
+    Gexp = tl.exp(G)
+    see = rc[:, None] > rc[None, :]
+    if HAS_DOCS:
+        dd = tl.load(d_ptr + ((bh // H) * n + c) * C + rc)
+        see = see & (dd[:, None] == dd[None, :])
+        Gexp = tl.where(dd == 0, Gexp, 0.0)
+    kb = k * beta[:, None]
+    A = tl.dot(kb, tl.trans(k), input_precision=PREC)
+    A = tl.where(see, A * tl.exp(tl.where(see, G[:, None] - G[None, :], 0.0)), 0.0)
+    Ai = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
+    for i in range(1, C):
+        a_i = tl.sum(tl.where(rc[:, None] == i, A, 0.0), axis=0)  # row i of A, by column j (< i)
+        Ai = tl.where(rc[:, None] == i, Ai - tl.sum(a_i[:, None] * Ai, axis=0)[None, :], Ai)
+    tl.store(ai_ptr + (bh * n + c) * C * C + rc[:, None] * C + rc[None, :], Ai)
+    w = tl.dot(Ai, kb * Gexp[:, None], input_precision=PREC)
+    tl.store(w_ptr + row[:, None] * DK + rk[None, :], w, mask=kmask[None, :])
+    for v0 in range(0, DV, BV):
+        rv = v0 + tl.arange(0, BV)
+        vmask = rv < DV
+        v = tl.load(v_ptr + row[:, None] * DV + rv[None, :], mask=vmask[None, :], other=0.0)
+        u = tl.dot(Ai, v * beta[:, None], input_precision=PREC)
+        tl.store(u_ptr + row[:, None] * DV + rv[None, :], u, mask=vmask[None, :])
 
 
 @jit
 def _states_fwd_kernel(u_ptr, w_ptr, kd_ptr, last_ptr, s0_ptr, hs_ptr, v_ptr, sf_ptr, n, DK, DV,
-                       HAS_S0: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """The forward loop over chunks for one (batch x head, dv tile): rows of U, W, k_dec, V' are (bh n C + token),
-    the states (bh n + c, dk, dv)."""
+                       HAS_S0: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       PREC: tl.constexpr):
+    """The forward loop over chunks for one (batch x head, dv tile): V'_c = U_c - W_c S, S <- last_c S +
+    k_dec_c^T V'_c, storing each chunk's entering state."""
     bh = tl.program_id(1).to(tl.int64)
     rk = tl.arange(0, BK)
     rv = tl.program_id(0) * BV + tl.arange(0, BV)
@@ -78,18 +93,48 @@ def _states_fwd_kernel(u_ptr, w_ptr, kd_ptr, last_ptr, s0_ptr, hs_ptr, v_ptr, sf
         tl.store(hs_ptr + (bh * n + c) * DK * DV + s_at, S, mask=s_mask)
         w = tl.load(w_ptr + row[:, None] * DK + rk[None, :], mask=kmask[None, :], other=0.0)
         u = tl.load(u_ptr + row[:, None] * DV + rv[None, :], mask=vmask[None, :], other=0.0)
-        v = u - tl.dot(w, S, input_precision="ieee")
+        v = u - tl.dot(w, S, input_precision=PREC)
         tl.store(v_ptr + row[:, None] * DV + rv[None, :], v, mask=vmask[None, :])
         kd = tl.load(kd_ptr + row[:, None] * DK + rk[None, :], mask=kmask[None, :], other=0.0)
-        S = S * tl.load(last_ptr + bh * n + c) + tl.dot(tl.trans(kd), v, input_precision="ieee")
+        S = S * tl.load(last_ptr + bh * n + c) + tl.dot(tl.trans(kd), v, input_precision=PREC)
     tl.store(sf_ptr + bh * DK * DV + s_at, S, mask=s_mask)
 
 
 @jit
+def _output_kernel(q_ptr, k_ptr, G_ptr, d_ptr, hs_ptr, v_ptr, o_ptr, n, H, DK, DV,
+                   HAS_DOCS: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   PREC: tl.constexpr):
+    """One chunk's output for a dv tile (program (dv tile, c, b x h)): o = (q Gexp) Hs_c + ((q k^T) D) V'_c."""
+    c = tl.program_id(1)
+    bh = tl.program_id(2).to(tl.int64)
+    rc = tl.arange(0, C)
+    rk = tl.arange(0, BK)
+    rv = tl.program_id(0) * BV + tl.arange(0, BV)
+    row = (bh * n + c) * C + rc
+    kmask, vmask = rk < DK, rv < DV
+    q = tl.load(q_ptr + row[:, None] * DK + rk[None, :], mask=kmask[None, :], other=0.0)
+    k = tl.load(k_ptr + row[:, None] * DK + rk[None, :], mask=kmask[None, :], other=0.0)
+    G = tl.load(G_ptr + row)
+    Gexp = tl.exp(G)
+    see = rc[:, None] >= rc[None, :]
+    if HAS_DOCS:
+        dd = tl.load(d_ptr + ((bh // H) * n + c) * C + rc)
+        see = see & (dd[:, None] == dd[None, :])
+        Gexp = tl.where(dd == 0, Gexp, 0.0)
+    P = tl.dot(q, tl.trans(k), input_precision=PREC)
+    P = tl.where(see, P * tl.exp(tl.where(see, G[:, None] - G[None, :], 0.0)), 0.0)
+    hs = tl.load(hs_ptr + (bh * n + c) * DK * DV + rk[:, None] * DV + rv[None, :],
+                 mask=kmask[:, None] & vmask[None, :], other=0.0)
+    v = tl.load(v_ptr + row[:, None] * DV + rv[None, :], mask=vmask[None, :], other=0.0)
+    o = tl.dot(q * Gexp[:, None], hs, input_precision=PREC) + tl.dot(P, v, input_precision=PREC)
+    tl.store(o_ptr + row[:, None] * DV + rv[None, :], o, mask=vmask[None, :])
+
+
+@jit
 def _states_bwd_kernel(w_ptr, kd_ptr, last_ptr, dhs_ptr, dv_ptr, dsf_ptr, dh_ptr, du_ptr, ds0_ptr, n, DK, DV,
-                       C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """The backward loop over chunks, last to first, for one (batch x head, dv tile): dH_c (the gradient of the
-    state leaving chunk c), dU_c, and at the end dS0."""
+                       C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """The backward loop over chunks, last to first, for one (batch x head, dv tile): dH_c = dS, dU_c = dV'_c +
+    k_dec_c dS, dS <- dHs_c + last_c dS - W_c^T dU_c; at the end dS0."""
     bh = tl.program_id(1).to(tl.int64)
     rk = tl.arange(0, BK)
     rv = tl.program_id(0) * BV + tl.arange(0, BV)
@@ -104,132 +149,149 @@ def _states_bwd_kernel(w_ptr, kd_ptr, last_ptr, dhs_ptr, dv_ptr, dsf_ptr, dh_ptr
         tl.store(dh_ptr + (bh * n + c) * DK * DV + s_at, dS, mask=s_mask)
         kd = tl.load(kd_ptr + row[:, None] * DK + rk[None, :], mask=kmask[None, :], other=0.0)
         du = tl.load(dv_ptr + row[:, None] * DV + rv[None, :], mask=vmask[None, :], other=0.0).to(tl.float32)
-        du = du + tl.dot(kd, dS, input_precision="ieee")
+        du = du + tl.dot(kd, dS, input_precision=PREC)
         tl.store(du_ptr + row[:, None] * DV + rv[None, :], du, mask=vmask[None, :])
         w = tl.load(w_ptr + row[:, None] * DK + rk[None, :], mask=kmask[None, :], other=0.0)
         dhs = tl.load(dhs_ptr + (bh * n + c) * DK * DV + s_at, mask=s_mask, other=0.0).to(tl.float32)
-        dS = dhs + dS * tl.load(last_ptr + bh * n + c) - tl.dot(tl.trans(w), du, input_precision="ieee")
+        dS = dhs + dS * tl.load(last_ptr + bh * n + c) - tl.dot(tl.trans(w), du, input_precision=PREC)
     tl.store(ds0_ptr + bh * DK * DV + s_at, dS, mask=s_mask)
 
 
-def _check(U: torch.Tensor, W: torch.Tensor, k_dec: torch.Tensor, last: torch.Tensor) -> None:
-    B, H, n, C, dv = U.shape
-    if W.shape[:4] != (B, H, n, C) or k_dec.shape != W.shape or last.shape != (B, H, n) \
-            or not all(t.dtype == torch.float32 for t in (U, W, k_dec, last)):
-        raise ValueError(f"chunk_states: expected fp32 U (B, H, n, C, dv), W and k_dec (B, H, n, C, dk), last "
-                         f"(B, H, n); got {tuple(U.shape)}, {tuple(W.shape)}, {tuple(k_dec.shape)}, "
-                         f"{tuple(last.shape)}, {U.dtype}")
+# ----------------------------------------------------------------------------------------------- launchers
+def _bk(dk: int) -> int:
+    return max(16, triton.next_power_of_2(dk))
 
 
-def _meta(U: torch.Tensor, W: torch.Tensor):
-    B, H, n, C, dv = U.shape
-    dk = W.shape[-1]
-    return dict(C=C, BK=max(16, triton.next_power_of_2(dk)), BV=BV), (triton.cdiv(dv, BV), B * H), n, dk, dv
+def _c(x: torch.Tensor) -> torch.Tensor:
+    """fp32, contiguous: what the kernels read."""
+    return x.float().contiguous()
+
+
+def _docs(d: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return d.to(torch.int32).contiguous() if d is not None else like.new_zeros(1, dtype=torch.int32)
+
+
+def chunk_intra_triton(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, G: torch.Tensor, d: torch.Tensor | None,
+                       D: object = None, Gexp: object = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton `chunk_intra` (gated_delta_rule_backward.py): (Ai, U, W) from k, v (B, H, n, C, d), beta, G
+    (B, H, n, C) and the documents d; D and Gexp (the twin's inputs) are not read."""
+    B, H, n, C, dk = k.shape
+    dv = v.shape[-1]
+    Ai = k.new_empty(B, H, n, C, C, dtype=torch.float32)
+    U = k.new_empty(B, H, n, C, dv, dtype=torch.float32)
+    W = k.new_empty(B, H, n, C, dk, dtype=torch.float32)
+    if k.numel() and v.numel():
+        _intra_kernel[(n, B * H)](_c(k), _c(v), _c(beta), _c(G), _docs(d, k), Ai, U, W, n, H, dk, dv,
+                                  HAS_DOCS=d is not None, C=C, BK=_bk(dk), BV=BV, PREC=PREC, num_warps=NUM_WARPS)
+    return Ai, U, W
 
 
 def chunk_states_triton(U: torch.Tensor, W: torch.Tensor, k_dec: torch.Tensor, last: torch.Tensor,
                         S0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton forward; `chunk_states`' contract, fp32."""
-    _check(U, W, k_dec, last)
-    meta, grid, n, dk, dv = _meta(U, W)
-    B, H = U.shape[:2]
-    Hs = U.new_empty(B, H, n, dk, dv)
-    V = torch.empty_like(U, memory_format=torch.contiguous_format)
-    Sf = U.new_empty(B, H, dk, dv)
-    if U.numel() and n:
-        s0 = S0.float().contiguous() if S0 is not None else Sf
-        _states_fwd_kernel[grid](U.contiguous(), W.contiguous(), k_dec.contiguous(), last.contiguous(), s0, Hs, V, Sf,
-                                 n, dk, dv, HAS_S0=S0 is not None, **meta, num_warps=NUM_WARPS)
-    else:
-        Sf.copy_(S0 if S0 is not None else Sf.zero_())
+    """Triton `chunk_states` (gated_delta_rule.py), fp32."""
+    B, H, n, C, dv = U.shape
+    dk = W.shape[-1]
+    Hs = U.new_empty(B, H, n, dk, dv, dtype=torch.float32)
+    V = U.new_empty(B, H, n, C, dv, dtype=torch.float32)
+    Sf = U.new_zeros(B, H, dk, dv, dtype=torch.float32) if S0 is None else _c(S0).clone()
+    if n and dk and dv:
+        _states_fwd_kernel[(triton.cdiv(dv, BV), B * H)](_c(U), _c(W), _c(k_dec), _c(last), Sf, Hs, V, Sf, n, dk, dv,
+                                                          HAS_S0=S0 is not None, C=C, BK=_bk(dk), BV=BV,
+                                                          PREC=PREC, num_warps=NUM_WARPS)
     return Hs, V, Sf
 
 
-def chunk_states_backward_triton(U: torch.Tensor, W: torch.Tensor, k_dec: torch.Tensor, last: torch.Tensor,
-                                 S0: torch.Tensor | None, dHs: torch.Tensor, dV: torch.Tensor, dSf: torch.Tensor
-                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton backward; `chunk_states_backward_twin`'s contract: the forward kernel recomputes the states, the
-    backward kernel runs the loop, torch the batched products."""
-    Hs, V, _ = chunk_states_triton(U, W, k_dec, last, S0)
-    meta, grid, n, dk, dv = _meta(U, W)
-    dH = torch.empty_like(Hs)
-    dU = torch.empty_like(V)
-    dS0 = torch.empty_like(dSf, dtype=torch.float32, memory_format=torch.contiguous_format)
-    if U.numel() and n:
-        _states_bwd_kernel[grid](W.contiguous(), k_dec.contiguous(), last.contiguous(), dHs.contiguous(),
-                                 dV.contiguous(), dSf.contiguous(), dH, dU, dS0, n, dk, dv, **meta,
-                                 num_warps=NUM_WARPS)
+def chunk_states_reverse_triton(W: torch.Tensor, k_dec: torch.Tensor, last: torch.Tensor, dHs: torch.Tensor,
+                                dV: torch.Tensor, dSf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton `chunk_states_reverse` (gated_delta_rule_backward.py), fp32."""
+    B, H, n, C, dk = W.shape
+    dv = dV.shape[-1]
+    dH = W.new_empty(B, H, n, dk, dv, dtype=torch.float32)
+    dU = W.new_empty(B, H, n, C, dv, dtype=torch.float32)
+    dS0 = _c(dSf).clone()
+    if n and dk and dv:
+        _states_bwd_kernel[(triton.cdiv(dv, BV), B * H)](_c(W), _c(k_dec), _c(last), _c(dHs), _c(dV), dS0, dH, dU,
+                                                          dS0, n, dk, dv, C=C, BK=_bk(dk), BV=BV,
+                                                          PREC=PREC, num_warps=NUM_WARPS)
+    return dH, dU, dS0
+
+
+def chunk_core_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      d: torch.Tensor | None, S0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `chunk_core` (gated_delta_rule.py): three kernels (the chunks' transform, the states, the output)."""
+    B, H, n, C, dk = k.shape
+    dv = v.shape[-1]
+    G, _, last, k_scale = chunk_decays(g.float(), d)
+    _, U, W = chunk_intra_triton(k, v, beta, G, d)
+    Hs, V, Sf = chunk_states_triton(U, W, k.float() * k_scale[..., None], last, S0)
+    o = U.new_empty(B, H, n, C, dv)
+    if n and dk and dv:
+        _output_kernel[(triton.cdiv(dv, BV), n, B * H)](_c(q), _c(k), _c(G), _docs(d, k), Hs, V, o, n, H, dk, dv,
+                                                         HAS_DOCS=d is not None, C=C, BK=_bk(dk), BV=BV,
+                                                         PREC=PREC, num_warps=NUM_WARPS)
+    return o, Sf
+
+
+# ---------------------------------------------------------------------------------------------------- ops
+@torch.library.custom_op("qtrain::gated_delta_rule_chunks_fwd", mutates_args=())
+def _core_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              d: torch.Tensor | None, S0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(q):
+        return chunk_core_triton(q, k, v, g, beta, d, S0)
+    o, S = chunk_core(q, k, v, g, beta, d, S0)
+    return o, S.clone()  # a fresh tensor also without chunks (an op's output may not alias its input S0)
+
+
+@_core_fwd.register_fake
+def _(q, k, v, g, beta, d, S0):
+    B, H, n, C, dk = k.shape
+    return v.new_empty(v.shape), v.new_empty(B, H, dk, v.shape[-1])
+
+
+@torch.library.custom_op("qtrain::gated_delta_rule_chunks_bwd", mutates_args=())
+def _core_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              d: torch.Tensor | None, S0: torch.Tensor | None, do: torch.Tensor, dSf: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if use_triton(q):
+        out = chunk_core_backward(q, k, v, g, beta, d, S0, do, dSf, intra=chunk_intra_triton,
+                                  states=chunk_states_triton, reverse=chunk_states_reverse_triton)
     else:
-        dS0.copy_(dSf)
-    return _products(Hs, V, dH, dU, dS0)
+        out = chunk_core_backward(q, k, v, g, beta, d, S0, do, dSf)
+    return tuple(t.contiguous() for t in out[:5]) + (out[5].clone(),)  # dS0 may be dSf itself without chunks
 
 
-# ---------------------------------------------------------------------------------------------- ops
-@torch.library.custom_op("qtrain::gdr_chunk_states_fwd", mutates_args=())
-def _states_fwd(U: torch.Tensor, W: torch.Tensor, k_dec: torch.Tensor, last: torch.Tensor,
-                S0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if use_triton(U):
-        return chunk_states_triton(U, W, k_dec, last, S0)
-    Hs, V, Sf = chunk_states(U, W, k_dec, last, S0)
-    return Hs, V, Sf.clone()  # a fresh tensor also without chunks (an op's output may not alias its input S0)
-
-
-@_states_fwd.register_fake
-def _(U, W, k_dec, last, S0):
-    B, H, n, _, dv = U.shape
-    dk = W.shape[-1]
-    return U.new_empty(B, H, n, dk, dv), torch.empty_like(U, memory_format=torch.contiguous_format), \
-        U.new_empty(B, H, dk, dv)
-
-
-@torch.library.custom_op("qtrain::gdr_chunk_states_bwd", mutates_args=())
-def _states_bwd(U: torch.Tensor, W: torch.Tensor, k_dec: torch.Tensor, last: torch.Tensor, S0: torch.Tensor | None,
-                dHs: torch.Tensor, dV: torch.Tensor, dSf: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    if use_triton(U):
-        out = chunk_states_backward_triton(U, W, k_dec, last, S0, dHs, dV, dSf)
-    else:
-        out = chunk_states_backward_twin(U, W, k_dec, last, S0, dHs, dV, dSf)
-    return (*out[:4], out[4].clone())  # dS0 is dSf itself without chunks: an op's output may not alias an input
-
-
-@_states_bwd.register_fake
-def _(U, W, k_dec, last, S0, dHs, dV, dSf):
-    return (torch.empty_like(U, memory_format=torch.contiguous_format),
-            torch.empty_like(W, memory_format=torch.contiguous_format),
-            torch.empty_like(k_dec, memory_format=torch.contiguous_format),
-            torch.empty_like(last, memory_format=torch.contiguous_format),
-            U.new_empty(dSf.shape))
+@_core_bwd.register_fake
+def _(q, k, v, g, beta, d, S0, do, dSf):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+            beta.new_empty(beta.shape), dSf.new_empty(dSf.shape))
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:4], inputs[4])  # the inputs, not the states: the backward recomputes them
+    ctx.save_for_backward(*inputs)  # the inputs only: the backward recomputes the chunks' terms and states
 
 
-def _backward(ctx, dHs, dV, dSf):
-    U, W, k_dec, last, S0 = ctx.saved_tensors
-    B, H, n, _, dv = U.shape
-    dk = W.shape[-1]
-    dHs = U.new_zeros(B, H, n, dk, dv) if dHs is None else dHs
-    dV = torch.zeros_like(U) if dV is None else dV
-    dSf = U.new_zeros(B, H, dk, dv) if dSf is None else dSf
-    dU, dW, dk_dec, dlast, dS0 = _states_bwd(U, W, k_dec, last, S0, dHs, dV, dSf)
-    return dU, dW, dk_dec, dlast, (dS0.to(S0.dtype) if S0 is not None else None)
+def _backward(ctx, do, dSf):
+    q, k, v, g, beta, d, S0 = ctx.saved_tensors
+    do = torch.zeros_like(v) if do is None else do
+    dSf = v.new_zeros(k.shape[:2] + (k.shape[-1], v.shape[-1])) if dSf is None else dSf
+    dq, dk, dv, dg, dbeta, dS0 = _core_bwd(q, k, v, g, beta, d, S0, do, dSf)
+    return dq, dk, dv, dg, dbeta, None, (dS0.to(S0.dtype) if S0 is not None else None)
 
 
-_states_fwd.register_autograd(_backward, setup_context=_setup_context)
+_core_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def chunk_states_op(U: torch.Tensor, W: torch.Tensor, k_dec: torch.Tensor, last: torch.Tensor,
-                    S0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The recurrence over chunks as a differentiable op pair (Triton on CUDA, the twins elsewhere); `chunk_states`'
-    contract. It keeps its inputs for the backward, not the states."""
-    return _states_fwd(U, W, k_dec, last, S0)
+def chunk_core_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  d: torch.Tensor | None, S0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunk_core` as a differentiable op pair (Triton on CUDA, the twins elsewhere), opaque to torch.compile; it
+    keeps its inputs for the backward, nothing else."""
+    return _core_fwd(q, k, v, g, beta, d, S0)
 
 
 def gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                             *, l2norm: bool = True, initial_state: torch.Tensor | None = None,
                             resets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`gated_delta_rule_chunked`'s contract (chunks of 64), the recurrence over chunks through `chunk_states_op`."""
-    return chunked_form(q, k, v, g, beta, chunk_states_op, l2norm=l2norm, initial_state=initial_state, chunk=CHUNK,
+    """`gated_delta_rule_chunked`'s contract (chunks of 64) through `chunk_core_op`."""
+    return chunked_form(q, k, v, g, beta, chunk_core_op, l2norm=l2norm, initial_state=initial_state, chunk=CHUNK,
                         resets=resets)
+
