@@ -27,7 +27,7 @@ from qtrain.kernels.delta_rule.gated_delta_rule_backward import chunk_core_backw
 from qtrain.kernels.delta_rule.gated_delta_rule_triton import (chunk_core_triton, chunk_intra_triton,
                                                                chunk_states_reverse_triton, chunk_states_triton,
                                                                gated_delta_rule_triton)
-from tests.triton_interp import compile_for_hopper, interp_only, interpreter_subprocess_test, needs_cuda
+from tests.triton_interp import INTERPRET, interp_only, interpreter_subprocess_test, needs_cuda
 
 test_interpreter_subprocess = interpreter_subprocess_test(__file__)
 
@@ -183,21 +183,38 @@ def test_gpu_qwen3_5_4b_shape_bf16_matches_the_fp32_twin(resets):
         assert _rel(a, b) <= 2 ** -7
 
 
+H100_SHARED = 232448  # bytes of shared memory a Hopper block may use (227 KiB)
+
+
+def _build_for_hopper(kernel, signature: dict[str, str], constexprs: dict[str, object], **options):
+    """`compile_for_hopper`'s build, returning the compiled kernel (its PTX and its shared memory)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    if INTERPRET:
+        pytest.skip("compiles for the GPU: not under the interpreter")
+    src = ASTSource(fn=kernel, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 @pytest.mark.parametrize("dk", [128, pytest.param(256, marks=pytest.mark.slow)])
-def test_kernels_build_for_hopper(dk):
+def test_kernels_build_for_hopper_within_its_shared_memory(dk):
     """The interpreter never compiles: build the four kernels for sm_90 with Triton's own ptxas at 4B's head dims and
-    at the largest served (256: slow)."""
+    at the largest served (256: slow), with the launchers' options; each fits a Hopper block's shared memory (a
+    launch past it fails on the GPU only)."""
     from qtrain.kernels.delta_rule import gated_delta_rule_triton as m
     c = dict(C=CHUNK, BK=dk, BV=m.BV, PREC=m.PREC)
     dims = {"n": "i32", "DK": "i32", "DV": "i32"}
+    loop = {"num_stages": m.loop_stages(dk)}
     kernels = {m._intra_kernel: (["k_ptr", "v_ptr", "beta_ptr", "G_ptr", "d_ptr", "ai_ptr", "u_ptr", "w_ptr"],
-                                 {"n": "i32", "H": "i32", "DK": "i32", "DV": "i32"}, {"HAS_DOCS": True}),
+                                 {"n": "i32", "H": "i32", "DK": "i32", "DV": "i32"}, {"HAS_DOCS": True}, {}),
                m._states_fwd_kernel: (["u_ptr", "w_ptr", "kd_ptr", "last_ptr", "s0_ptr", "hs_ptr", "v_ptr", "sf_ptr"],
-                                      dims, {"HAS_S0": False}),
+                                      dims, {"HAS_S0": False}, loop),
                m._output_kernel: (["q_ptr", "k_ptr", "G_ptr", "d_ptr", "hs_ptr", "v_ptr", "o_ptr"],
-                                  {"n": "i32", "H": "i32", "DK": "i32", "DV": "i32"}, {"HAS_DOCS": True}),
+                                  {"n": "i32", "H": "i32", "DK": "i32", "DV": "i32"}, {"HAS_DOCS": True}, {}),
                m._states_bwd_kernel: (["w_ptr", "kd_ptr", "last_ptr", "dhs_ptr", "dv_ptr", "dsf_ptr", "dh_ptr",
-                                       "du_ptr", "ds0_ptr"], dims, {})}
-    for kernel, (ptrs, ints, flags) in kernels.items():
+                                       "du_ptr", "ds0_ptr"], dims, {}, loop)}
+    for kernel, (ptrs, ints, flags, options) in kernels.items():
         sig = {p: ("*i32" if p == "d_ptr" else "*fp32") for p in ptrs}
-        assert ".entry" in compile_for_hopper(kernel, {**sig, **ints}, {**c, **flags}, num_warps=m.NUM_WARPS)
+        built = _build_for_hopper(kernel, {**sig, **ints}, {**c, **flags}, num_warps=m.NUM_WARPS, **options)
+        assert ".entry" in built.asm["ptx"] and built.metadata.shared <= H100_SHARED, (kernel, built.metadata.shared)

@@ -162,6 +162,12 @@ def _bk(dk: int) -> int:
     return max(16, triton.next_power_of_2(dk))
 
 
+def loop_stages(dk: int) -> int:
+    """Pipeline stages of the loops over chunks: the next chunk's tiles load while this one computes (2 stages:
+    104 KiB of shared memory at dk 128); at dk 256 one stage (64 KiB; two would take 200 KiB of the H100's 227)."""
+    return 2 if _bk(dk) <= 128 else 1
+
+
 def _c(x: torch.Tensor) -> torch.Tensor:
     """fp32, contiguous: what the kernels read."""
     return x.float().contiguous()
@@ -197,7 +203,7 @@ def chunk_states_triton(U: torch.Tensor, W: torch.Tensor, k_dec: torch.Tensor, l
     if n and dk and dv:
         _states_fwd_kernel[(triton.cdiv(dv, BV), B * H)](_c(U), _c(W), _c(k_dec), _c(last), Sf, Hs, V, Sf, n, dk, dv,
                                                           HAS_S0=S0 is not None, C=C, BK=_bk(dk), BV=BV,
-                                                          PREC=PREC, num_warps=NUM_WARPS)
+                                                          PREC=PREC, num_warps=NUM_WARPS, num_stages=loop_stages(dk))
     return Hs, V, Sf
 
 
@@ -212,7 +218,7 @@ def chunk_states_reverse_triton(W: torch.Tensor, k_dec: torch.Tensor, last: torc
     if n and dk and dv:
         _states_bwd_kernel[(triton.cdiv(dv, BV), B * H)](_c(W), _c(k_dec), _c(last), _c(dHs), _c(dV), dS0, dH, dU,
                                                           dS0, n, dk, dv, C=C, BK=_bk(dk), BV=BV,
-                                                          PREC=PREC, num_warps=NUM_WARPS)
+                                                          PREC=PREC, num_warps=NUM_WARPS, num_stages=loop_stages(dk))
     return dH, dU, dS0
 
 
