@@ -24,7 +24,9 @@ from qtrain.kernels.dispatch import jit, tl, triton, use_triton
 __all__ = ["chunk_core_op", "chunk_core_triton", "chunk_intra_triton", "chunk_states_reverse_triton",
            "chunk_states_triton", "gated_delta_rule_triton"]
 
-BV, NUM_WARPS = 32, 4  # a program of the loops over chunks: the state's dk rows x 32 of its dv columns
+# a program of the loops over chunks holds the state's dk rows x 32 of its dv columns; 8 warps: ptxas (sm_90, dk 128)
+# then spills ~1 KiB a thread in the loops, 4 warps twice that (the fp32 [64, dk] operands and their TF32 halves)
+BV, NUM_WARPS = 32, 8
 # the products' precision: three TF32 tensor-core passes (fp32 operands split in a high and a low TF32 part: fp32's
 # accuracy to ~1e-6, where "ieee" runs on the CUDA cores and "tf32" keeps 10 mantissa bits)
 PREC = "tf32x3"
@@ -32,21 +34,26 @@ PREC = "tf32x3"
 
 # ------------------------------------------------------------------------------------------------ kernels
 @jit
+def _tile(ptr, rows, cols, r0, c0, BR: tl.constexpr, BC: tl.constexpr):
+    """A block pointer to the [BR, BC] tile at (r0, c0) of a row-major (rows, cols) matrix at ptr: no per-element
+    pointers (a [64, 128] tile of 64-bit addresses would take 64 registers a thread)."""
+    return tl.make_block_ptr(ptr, (rows, cols), (cols, 1), (r0, c0), (BR, BC), (1, 0))
+
+
+@jit
 def _intra_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, d_ptr, ai_ptr, u_ptr, w_ptr, n, H, DK, DV,
                   HAS_DOCS: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   PREC: tl.constexpr):
     """One chunk (program (c, b x h)): A = (beta k) k^T D below the diagonal, Ai = (I + A)^-1 row by row (forward
     substitution: row i = e_i - A_i Ai, rows before i final), then W = Ai (beta k Gexp) and U = Ai (beta v) by dv
-    tiles. Rows are (bh n C + position) of (B H n C, d) tensors."""
+    tiles. The chunk's rows are (bh n + c) C + position of (B H n C, d) tensors."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rc = tl.arange(0, C)
-    rk = tl.arange(0, BK)
-    row = (bh * n + c) * C + rc
-    kmask = rk < DK
-    k = tl.load(k_ptr + row[:, None] * DK + rk[None, :], mask=kmask[None, :], other=0.0)
-    beta = tl.load(beta_ptr + row)
-    G = tl.load(G_ptr + row)
+    base = (bh * n + c) * C  # the chunk's first row
+    k = tl.load(_tile(k_ptr + base * DK, C, DK, 0, 0, C, BK), boundary_check=(1,), padding_option="zero")
+    beta = tl.load(beta_ptr + base + rc)
+    G = tl.load(G_ptr + base + rc)
     Gexp = tl.exp(G)
     see = rc[:, None] > rc[None, :]
     if HAS_DOCS:
@@ -60,15 +67,13 @@ def _intra_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, d_ptr, ai_ptr, u_ptr, w_ptr, n,
     for i in range(1, C):
         a_i = tl.sum(tl.where(rc[:, None] == i, A, 0.0), axis=0)  # row i of A, by column j (< i)
         Ai = tl.where(rc[:, None] == i, Ai - tl.sum(a_i[:, None] * Ai, axis=0)[None, :], Ai)
-    tl.store(ai_ptr + (bh * n + c) * C * C + rc[:, None] * C + rc[None, :], Ai)
+    tl.store(_tile(ai_ptr + base * C, C, C, 0, 0, C, C), Ai)
     w = tl.dot(Ai, kb * Gexp[:, None], input_precision=PREC)
-    tl.store(w_ptr + row[:, None] * DK + rk[None, :], w, mask=kmask[None, :])
+    tl.store(_tile(w_ptr + base * DK, C, DK, 0, 0, C, BK), w, boundary_check=(1,))
     for v0 in range(0, DV, BV):
-        rv = v0 + tl.arange(0, BV)
-        vmask = rv < DV
-        v = tl.load(v_ptr + row[:, None] * DV + rv[None, :], mask=vmask[None, :], other=0.0)
+        v = tl.load(_tile(v_ptr + base * DV, C, DV, 0, v0, C, BV), boundary_check=(1,), padding_option="zero")
         u = tl.dot(Ai, v * beta[:, None], input_precision=PREC)
-        tl.store(u_ptr + row[:, None] * DV + rv[None, :], u, mask=vmask[None, :])
+        tl.store(_tile(u_ptr + base * DV, C, DV, 0, v0, C, BV), u, boundary_check=(1,))
 
 
 @jit
@@ -77,27 +82,23 @@ def _states_fwd_kernel(u_ptr, w_ptr, kd_ptr, last_ptr, s0_ptr, hs_ptr, v_ptr, sf
                        PREC: tl.constexpr):
     """The forward loop over chunks for one (batch x head, dv tile): V'_c = U_c - W_c S, S <- last_c S +
     k_dec_c^T V'_c, storing each chunk's entering state."""
+    v0 = tl.program_id(0) * BV
     bh = tl.program_id(1).to(tl.int64)
-    rk = tl.arange(0, BK)
-    rv = tl.program_id(0) * BV + tl.arange(0, BV)
-    rc = tl.arange(0, C)
-    kmask, vmask = rk < DK, rv < DV
-    s_at = rk[:, None] * DV + rv[None, :]
-    s_mask = kmask[:, None] & vmask[None, :]
     if HAS_S0:
-        S = tl.load(s0_ptr + bh * DK * DV + s_at, mask=s_mask, other=0.0).to(tl.float32)
+        S = tl.load(_tile(s0_ptr + bh * DK * DV, DK, DV, 0, v0, BK, BV), boundary_check=(0, 1),
+                    padding_option="zero").to(tl.float32)
     else:
         S = tl.zeros([BK, BV], tl.float32)
     for c in range(n):
-        row = (bh * n + c) * C + rc
-        tl.store(hs_ptr + (bh * n + c) * DK * DV + s_at, S, mask=s_mask)
-        w = tl.load(w_ptr + row[:, None] * DK + rk[None, :], mask=kmask[None, :], other=0.0)
-        u = tl.load(u_ptr + row[:, None] * DV + rv[None, :], mask=vmask[None, :], other=0.0)
+        base = (bh * n + c) * C
+        tl.store(_tile(hs_ptr + (bh * n + c) * DK * DV, DK, DV, 0, v0, BK, BV), S, boundary_check=(0, 1))
+        w = tl.load(_tile(w_ptr + base * DK, C, DK, 0, 0, C, BK), boundary_check=(1,), padding_option="zero")
+        u = tl.load(_tile(u_ptr + base * DV, C, DV, 0, v0, C, BV), boundary_check=(1,), padding_option="zero")
         v = u - tl.dot(w, S, input_precision=PREC)
-        tl.store(v_ptr + row[:, None] * DV + rv[None, :], v, mask=vmask[None, :])
-        kd = tl.load(kd_ptr + row[:, None] * DK + rk[None, :], mask=kmask[None, :], other=0.0)
+        tl.store(_tile(v_ptr + base * DV, C, DV, 0, v0, C, BV), v, boundary_check=(1,))
+        kd = tl.load(_tile(kd_ptr + base * DK, C, DK, 0, 0, C, BK), boundary_check=(1,), padding_option="zero")
         S = S * tl.load(last_ptr + bh * n + c) + tl.dot(tl.trans(kd), v, input_precision=PREC)
-    tl.store(sf_ptr + bh * DK * DV + s_at, S, mask=s_mask)
+    tl.store(_tile(sf_ptr + bh * DK * DV, DK, DV, 0, v0, BK, BV), S, boundary_check=(0, 1))
 
 
 @jit
@@ -105,16 +106,14 @@ def _output_kernel(q_ptr, k_ptr, G_ptr, d_ptr, hs_ptr, v_ptr, o_ptr, n, H, DK, D
                    HAS_DOCS: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    PREC: tl.constexpr):
     """One chunk's output for a dv tile (program (dv tile, c, b x h)): o = (q Gexp) Hs_c + ((q k^T) D) V'_c."""
+    v0 = tl.program_id(0) * BV
     c = tl.program_id(1)
     bh = tl.program_id(2).to(tl.int64)
     rc = tl.arange(0, C)
-    rk = tl.arange(0, BK)
-    rv = tl.program_id(0) * BV + tl.arange(0, BV)
-    row = (bh * n + c) * C + rc
-    kmask, vmask = rk < DK, rv < DV
-    q = tl.load(q_ptr + row[:, None] * DK + rk[None, :], mask=kmask[None, :], other=0.0)
-    k = tl.load(k_ptr + row[:, None] * DK + rk[None, :], mask=kmask[None, :], other=0.0)
-    G = tl.load(G_ptr + row)
+    base = (bh * n + c) * C
+    q = tl.load(_tile(q_ptr + base * DK, C, DK, 0, 0, C, BK), boundary_check=(1,), padding_option="zero")
+    k = tl.load(_tile(k_ptr + base * DK, C, DK, 0, 0, C, BK), boundary_check=(1,), padding_option="zero")
+    G = tl.load(G_ptr + base + rc)
     Gexp = tl.exp(G)
     see = rc[:, None] >= rc[None, :]
     if HAS_DOCS:
@@ -123,11 +122,11 @@ def _output_kernel(q_ptr, k_ptr, G_ptr, d_ptr, hs_ptr, v_ptr, o_ptr, n, H, DK, D
         Gexp = tl.where(dd == 0, Gexp, 0.0)
     P = tl.dot(q, tl.trans(k), input_precision=PREC)
     P = tl.where(see, P * tl.exp(tl.where(see, G[:, None] - G[None, :], 0.0)), 0.0)
-    hs = tl.load(hs_ptr + (bh * n + c) * DK * DV + rk[:, None] * DV + rv[None, :],
-                 mask=kmask[:, None] & vmask[None, :], other=0.0)
-    v = tl.load(v_ptr + row[:, None] * DV + rv[None, :], mask=vmask[None, :], other=0.0)
+    hs = tl.load(_tile(hs_ptr + (bh * n + c) * DK * DV, DK, DV, 0, v0, BK, BV), boundary_check=(0, 1),
+                 padding_option="zero")
+    v = tl.load(_tile(v_ptr + base * DV, C, DV, 0, v0, C, BV), boundary_check=(1,), padding_option="zero")
     o = tl.dot(q * Gexp[:, None], hs, input_precision=PREC) + tl.dot(P, v, input_precision=PREC)
-    tl.store(o_ptr + row[:, None] * DV + rv[None, :], o, mask=vmask[None, :])
+    tl.store(_tile(o_ptr + base * DV, C, DV, 0, v0, C, BV), o, boundary_check=(1,))
 
 
 @jit
@@ -135,26 +134,24 @@ def _states_bwd_kernel(w_ptr, kd_ptr, last_ptr, dhs_ptr, dv_ptr, dsf_ptr, dh_ptr
                        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """The backward loop over chunks, last to first, for one (batch x head, dv tile): dH_c = dS, dU_c = dV'_c +
     k_dec_c dS, dS <- dHs_c + last_c dS - W_c^T dU_c; at the end dS0."""
+    v0 = tl.program_id(0) * BV
     bh = tl.program_id(1).to(tl.int64)
-    rk = tl.arange(0, BK)
-    rv = tl.program_id(0) * BV + tl.arange(0, BV)
-    rc = tl.arange(0, C)
-    kmask, vmask = rk < DK, rv < DV
-    s_at = rk[:, None] * DV + rv[None, :]
-    s_mask = kmask[:, None] & vmask[None, :]
-    dS = tl.load(dsf_ptr + bh * DK * DV + s_at, mask=s_mask, other=0.0).to(tl.float32)
+    dS = tl.load(_tile(dsf_ptr + bh * DK * DV, DK, DV, 0, v0, BK, BV), boundary_check=(0, 1),
+                 padding_option="zero").to(tl.float32)
     for i in range(n):
         c = n - 1 - i
-        row = (bh * n + c) * C + rc
-        tl.store(dh_ptr + (bh * n + c) * DK * DV + s_at, dS, mask=s_mask)
-        kd = tl.load(kd_ptr + row[:, None] * DK + rk[None, :], mask=kmask[None, :], other=0.0)
-        du = tl.load(dv_ptr + row[:, None] * DV + rv[None, :], mask=vmask[None, :], other=0.0).to(tl.float32)
+        base = (bh * n + c) * C
+        tl.store(_tile(dh_ptr + (bh * n + c) * DK * DV, DK, DV, 0, v0, BK, BV), dS, boundary_check=(0, 1))
+        kd = tl.load(_tile(kd_ptr + base * DK, C, DK, 0, 0, C, BK), boundary_check=(1,), padding_option="zero")
+        du = tl.load(_tile(dv_ptr + base * DV, C, DV, 0, v0, C, BV), boundary_check=(1,),
+                     padding_option="zero").to(tl.float32)
         du = du + tl.dot(kd, dS, input_precision=PREC)
-        tl.store(du_ptr + row[:, None] * DV + rv[None, :], du, mask=vmask[None, :])
-        w = tl.load(w_ptr + row[:, None] * DK + rk[None, :], mask=kmask[None, :], other=0.0)
-        dhs = tl.load(dhs_ptr + (bh * n + c) * DK * DV + s_at, mask=s_mask, other=0.0).to(tl.float32)
+        tl.store(_tile(du_ptr + base * DV, C, DV, 0, v0, C, BV), du, boundary_check=(1,))
+        w = tl.load(_tile(w_ptr + base * DK, C, DK, 0, 0, C, BK), boundary_check=(1,), padding_option="zero")
+        dhs = tl.load(_tile(dhs_ptr + (bh * n + c) * DK * DV, DK, DV, 0, v0, BK, BV), boundary_check=(0, 1),
+                      padding_option="zero").to(tl.float32)
         dS = dhs + dS * tl.load(last_ptr + bh * n + c) - tl.dot(tl.trans(w), du, input_precision=PREC)
-    tl.store(ds0_ptr + bh * DK * DV + s_at, dS, mask=s_mask)
+    tl.store(_tile(ds0_ptr + bh * DK * DV, DK, DV, 0, v0, BK, BV), dS, boundary_check=(0, 1))
 
 
 # ----------------------------------------------------------------------------------------------- launchers
