@@ -24,9 +24,10 @@ from qtrain.kernels.delta_rule import gated_delta_rule, gated_delta_rule_chunked
 from qtrain.kernels.delta_rule.gated_delta_rule import (CHUNK, chunk_core, chunk_decays, chunk_pair_decays,
                                                         chunk_states, chunked_form)
 from qtrain.kernels.delta_rule.gated_delta_rule_backward import chunk_core_backward, chunk_intra, chunk_states_reverse
+from qtrain.kernels.delta_rule.gated_delta_rule_op import gated_delta_rule_triton
 from qtrain.kernels.delta_rule.gated_delta_rule_triton import (chunk_core_triton, chunk_intra_triton,
-                                                               chunk_states_reverse_triton, chunk_states_triton,
-                                                               gated_delta_rule_triton)
+                                                               chunk_states_reverse_triton, chunk_states_triton)
+from qtrain.kernels.delta_rule.gated_delta_rule_triton_backward import chunk_core_backward_triton
 from tests.triton_interp import INTERPRET, interp_only, interpreter_subprocess_test, needs_cuda
 
 test_interpreter_subprocess = interpreter_subprocess_test(__file__)
@@ -129,9 +130,12 @@ def test_op_pair_traces_under_torch_compile():
 @interp_only
 def test_interp_kernels_match_their_twins_fp32(dk=48, dv=16):
     """Each kernel against its twin on the same inputs: the chunks' transform (Ai, U, W), the states (Hs, V', the
-    final state), the whole forward (o, the final state), the reverse recurrence (dH, dU, dS0); with documents, an
-    initial state, and dk = 48 (the tiles' rows padded to a power of two; the whole-rule tests below run 32)."""
-    (q, k, v, g, beta), d = _core_inputs(*_inputs(dk=dk, dv=dv, dtype=torch.float32), resets=_resets(2, T_RAGGED))
+    final state), the whole forward (o, the final state), the reverse recurrence (dH, dU, dS0), the whole backward
+    (dq, dk, dv, dg, dbeta, dS0); with documents, an initial state, and dk = 48, dv = 16 (the tiles' rows padded to
+    a power of two, one dv tile; the whole-rule tests below run 32)."""
+    r = _resets(2, T_RAGGED)
+    r[1, 0] = False  # row 1 starts inside the initial state's document: dS0 is not all zero
+    (q, k, v, g, beta), d = _core_inputs(*_inputs(dk=dk, dv=dv, dtype=torch.float32), resets=r)
     gen = torch.Generator().manual_seed(1)
     S0 = torch.randn(2, 2, dk, dv, generator=gen)
     G, Gexp, last, k_scale = chunk_decays(g, d)
@@ -144,6 +148,9 @@ def test_interp_kernels_match_their_twins_fp32(dk=48, dv=16):
              (chunk_states_triton(U, W, k_dec, last, S0), states),
              (chunk_core_triton(q, k, v, g, beta, d, S0), chunk_core(q, k, v, g, beta, d, S0)),
              (chunk_states_reverse_triton(W, k_dec, last, *cot), chunk_states_reverse(W, k_dec, last, *cot))]
+    do, dS = torch.randn(v.shape, generator=gen), torch.randn(S0.shape, generator=gen)
+    pairs.append((chunk_core_backward_triton(q, k, v, g, beta, d, S0, do, dS),
+                  chunk_core_backward(q, k, v, g, beta, d, S0, do, dS)))
     for got, want in pairs:
         for a, b in zip(got, want):
             assert a.dtype == torch.float32 and a.shape == b.shape and _rel(a, b) <= 2e-5
@@ -199,22 +206,16 @@ def _build_for_hopper(kernel, signature: dict[str, str], constexprs: dict[str, o
 
 @pytest.mark.parametrize("dk", [128, pytest.param(256, marks=pytest.mark.slow)])
 def test_kernels_build_for_hopper_within_its_shared_memory(dk):
-    """The interpreter never compiles: build the four kernels for sm_90 with Triton's own ptxas at 4B's head dims and
-    at the largest served (256: slow), with the launchers' options; each fits a Hopper block's shared memory (a
+    """The interpreter never compiles: build the eight kernels for sm_90 with Triton's own ptxas at 4B's head dims
+    and at the largest served (256: slow), with the launchers' options; each fits a Hopper block's shared memory (a
     launch past it fails on the GPU only)."""
-    from qtrain.kernels.delta_rule import gated_delta_rule_triton as m
-    c = dict(C=CHUNK, BK=dk, BV=m.BV, PREC=m.PREC)
-    dims = {"n": "i32", "DK": "i32", "DV": "i32"}
-    loop = {"num_stages": m.loop_stages(dk)}
-    kernels = {m._intra_kernel: (["k_ptr", "v_ptr", "beta_ptr", "G_ptr", "d_ptr", "ai_ptr", "u_ptr", "w_ptr"],
-                                 {"n": "i32", "H": "i32", "DK": "i32", "DV": "i32"}, {"HAS_DOCS": True}, {}),
-               m._states_fwd_kernel: (["u_ptr", "w_ptr", "kd_ptr", "last_ptr", "s0_ptr", "hs_ptr", "v_ptr", "sf_ptr"],
-                                      dims, {"HAS_S0": False}, loop),
-               m._output_kernel: (["q_ptr", "k_ptr", "G_ptr", "d_ptr", "hs_ptr", "v_ptr", "o_ptr"],
-                                  {"n": "i32", "H": "i32", "DK": "i32", "DV": "i32"}, {"HAS_DOCS": True}, {}),
-               m._states_bwd_kernel: (["w_ptr", "kd_ptr", "last_ptr", "dhs_ptr", "dv_ptr", "dsf_ptr", "dh_ptr",
-                                       "du_ptr", "ds0_ptr"], dims, {}, loop)}
-    for kernel, (ptrs, ints, flags, options) in kernels.items():
-        sig = {p: ("*i32" if p == "d_ptr" else "*fp32") for p in ptrs}
-        built = _build_for_hopper(kernel, {**sig, **ints}, {**c, **flags}, num_warps=m.NUM_WARPS, **options)
+    from qtrain.kernels.delta_rule import gated_delta_rule_triton as fwd, gated_delta_rule_triton_backward as bwd
+    constexprs = dict(C=CHUNK, BK=dk, BV=fwd.BV, PREC=fwd.PREC, HAS_DOCS=True, HAS_S0=True)
+    kernels = [fwd._intra_kernel, fwd._states_fwd_kernel, fwd._output_kernel, fwd._states_bwd_kernel,
+               bwd._bwd_reads_kernel, bwd._bwd_dq_kernel, bwd._bwd_dw_kernel, bwd._bwd_dk_kernel]
+    for kernel in kernels:
+        consts = {p.name: constexprs[p.name] for p in kernel.params if p.is_constexpr}
+        sig = {p.name: "*i32" if p.name == "d_ptr" else "*fp32" if p.name.endswith("_ptr") else "i32"
+               for p in kernel.params if not p.is_constexpr}
+        built = _build_for_hopper(kernel, sig, consts, **fwd._launch(dk))
         assert ".entry" in built.asm["ptx"] and built.metadata.shared <= H100_SHARED, (kernel, built.metadata.shared)

@@ -1,7 +1,7 @@
 """Gated DeltaNet's sequence mixing: the gated delta rule (`gated_delta_rule.py`: the recurrent specification and the
 chunked form) and the causal depthwise convolution before it (`causal_conv1d.py`). The model calls the two entries
 here; on CUDA (`qtrain.kernels.dispatch`) both run Triton op pairs, forward and backward (causal_conv1d.py,
-gated_delta_rule_triton.py: the chunked form's work on the chunks); elsewhere their plain-torch twins.
+gated_delta_rule_op.py: the chunked form's work on the chunks); elsewhere their plain-torch twins.
 
 `LIMITS` states what the kernels serve, so a config they cannot serve is refused before the model is built
 (model/qwen3_5/config.py reads it). Both ops take `resets` (B, T) bool, True at each document's first token
@@ -18,7 +18,7 @@ from qtrain.kernels import dispatch
 from qtrain.kernels.dispatch import use_triton
 from qtrain.kernels.delta_rule.gated_delta_rule import (CHUNK, gated_delta_rule_chunked, gated_delta_rule_recurrent,
                                                         l2_normalize)
-from qtrain.kernels.delta_rule.gated_delta_rule_triton import gated_delta_rule_triton as _gated_delta_rule_triton
+from qtrain.kernels.delta_rule.gated_delta_rule_op import gated_delta_rule_triton as _gated_delta_rule_triton
 
 __all__ = ["CHUNK", "LIMITS", "causal_conv1d_silu", "document_resets", "gated_delta_rule", "gated_delta_rule_chunked",
            "gated_delta_rule_recurrent", "l2_normalize"]

@@ -1,28 +1,24 @@
-"""The gated delta rule on the GPU: the chunked form (gated_delta_rule.py) as one op pair over the chunks, forward and
-backward, whose kernels are Triton's (chunks of 64, fp32 accumulation, full-fp32 products):
+"""The chunked gated delta rule's forward in Triton (gated_delta_rule.py's `chunk_core`: chunks of 64, fp32
+accumulation), and the reverse recurrence its backward runs (gated_delta_rule_triton_backward.py):
 
-- forward: `_intra_kernel` per chunk (A, its unit-triangular inverse Ai by forward substitution, U = Ai vb,
-  W = Ai kbg: the WY/UT transform), `_states_fwd_kernel` per (batch x head, dv tile) looping over the chunks (the
-  state tile in registers: Hs, V'), `_output_kernel` per (chunk, dv tile) (o = q_dec Hs + P V');
-- backward (gated_delta_rule_backward.py's `chunk_core_backward`, the specification): the forward's first two
-  kernels again (the op keeps only its inputs), `_states_bwd_kernel` looping over the chunks backwards (dH, dU, dS0),
-  and the per-chunk products to dq, dk, dv, dg, dbeta as batched torch matmuls over all chunks.
+- `_intra_kernel` per chunk: A, its unit-triangular inverse Ai by forward substitution, U = Ai vb, W = Ai kbg (the
+  WY/UT transform);
+- `_states_fwd_kernel` per (batch x head, dv tile) looping over the chunks (the state tile in registers: Hs, V');
+- `_output_kernel` per (chunk, dv tile): o = q_dec Hs + P V';
+- `_states_bwd_kernel` per (batch x head, dv tile) looping over the chunks backwards (dH, dU, dS0).
 
-The preparation around the op (q, k normalised and repeated to the value heads, fp32, padding, chunks) is the twin's
-own (`chunked_form`), differentiated by autograd. Documents (`resets`) enter the kernels as d, the resets at or
-before each position of its chunk, exactly as the twin masks with it. Elsewhere than CUDA the op runs the twins
-(`chunk_core`, `chunk_core_backward`).
+Each launcher has its twin's contract (`chunk_intra`, `chunk_states`, `chunk_core`, `chunk_states_reverse`). The
+products run on the tensor cores in three TF32 passes (`PREC`); documents (`resets`) enter as d, the resets at or
+before each position of its chunk, exactly as the twin masks with it.
 """
 from __future__ import annotations
 
 import torch
 
-from qtrain.kernels.delta_rule.gated_delta_rule import CHUNK, chunk_core, chunk_decays, chunked_form
-from qtrain.kernels.delta_rule.gated_delta_rule_backward import chunk_core_backward
-from qtrain.kernels.dispatch import jit, tl, triton, use_triton
+from qtrain.kernels.delta_rule.gated_delta_rule import chunk_decays
+from qtrain.kernels.dispatch import jit, tl, triton
 
-__all__ = ["chunk_core_op", "chunk_core_triton", "chunk_intra_triton", "chunk_states_reverse_triton",
-           "chunk_states_triton", "gated_delta_rule_triton"]
+__all__ = ["chunk_core_triton", "chunk_intra_triton", "chunk_states_reverse_triton", "chunk_states_triton"]
 
 # a program of the loops over chunks holds the state's dk rows x 32 of its dv columns; 8 warps: ptxas (sm_90, dk 128)
 # then spills ~1 KiB a thread in the loops, 4 warps twice that (the fp32 [64, dk] operands and their TF32 halves)
@@ -160,9 +156,15 @@ def _bk(dk: int) -> int:
 
 
 def loop_stages(dk: int) -> int:
-    """Pipeline stages of the loops over chunks: the next chunk's tiles load while this one computes (2 stages:
-    104 KiB of shared memory at dk 128); at dk 256 one stage (64 KiB; two would take 200 KiB of the H100's 227)."""
+    """Pipeline stages of the loops (over chunks, over dv tiles): the next tiles load while these compute (2 stages:
+    104 KiB of shared memory for the states' loops at dk 128); at dk 256 one stage (two would take 200 KiB of the
+    H100's 227 for the states, the backward's dv loop 272 KiB at the default three)."""
     return 2 if _bk(dk) <= 128 else 1
+
+
+def _launch(dk: int) -> dict[str, int]:
+    """Every kernel's launch options."""
+    return {"num_warps": NUM_WARPS, "num_stages": loop_stages(dk)}
 
 
 def _c(x: torch.Tensor) -> torch.Tensor:
@@ -185,7 +187,7 @@ def chunk_intra_triton(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, G: 
     W = k.new_empty(B, H, n, C, dk, dtype=torch.float32)
     if k.numel() and v.numel():
         _intra_kernel[(n, B * H)](_c(k), _c(v), _c(beta), _c(G), _docs(d, k), Ai, U, W, n, H, dk, dv,
-                                  HAS_DOCS=d is not None, C=C, BK=_bk(dk), BV=BV, PREC=PREC, num_warps=NUM_WARPS)
+                                  HAS_DOCS=d is not None, C=C, BK=_bk(dk), BV=BV, PREC=PREC, **_launch(dk))
     return Ai, U, W
 
 
@@ -200,7 +202,7 @@ def chunk_states_triton(U: torch.Tensor, W: torch.Tensor, k_dec: torch.Tensor, l
     if n and dk and dv:
         _states_fwd_kernel[(triton.cdiv(dv, BV), B * H)](_c(U), _c(W), _c(k_dec), _c(last), Sf, Hs, V, Sf, n, dk, dv,
                                                           HAS_S0=S0 is not None, C=C, BK=_bk(dk), BV=BV,
-                                                          PREC=PREC, num_warps=NUM_WARPS, num_stages=loop_stages(dk))
+                                                          PREC=PREC, **_launch(dk))
     return Hs, V, Sf
 
 
@@ -215,7 +217,7 @@ def chunk_states_reverse_triton(W: torch.Tensor, k_dec: torch.Tensor, last: torc
     if n and dk and dv:
         _states_bwd_kernel[(triton.cdiv(dv, BV), B * H)](_c(W), _c(k_dec), _c(last), _c(dHs), _c(dV), dS0, dH, dU,
                                                           dS0, n, dk, dv, C=C, BK=_bk(dk), BV=BV,
-                                                          PREC=PREC, num_warps=NUM_WARPS, num_stages=loop_stages(dk))
+                                                          PREC=PREC, **_launch(dk))
     return dH, dU, dS0
 
 
@@ -231,70 +233,5 @@ def chunk_core_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     if n and dk and dv:
         _output_kernel[(triton.cdiv(dv, BV), n, B * H)](_c(q), _c(k), _c(G), _docs(d, k), Hs, V, o, n, H, dk, dv,
                                                          HAS_DOCS=d is not None, C=C, BK=_bk(dk), BV=BV,
-                                                         PREC=PREC, num_warps=NUM_WARPS)
+                                                         PREC=PREC, **_launch(dk))
     return o, Sf
-
-
-# ---------------------------------------------------------------------------------------------------- ops
-@torch.library.custom_op("qtrain::gated_delta_rule_chunks_fwd", mutates_args=())
-def _core_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              d: torch.Tensor | None, S0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    if use_triton(q):
-        return chunk_core_triton(q, k, v, g, beta, d, S0)
-    o, S = chunk_core(q, k, v, g, beta, d, S0)
-    return o, S.clone()  # a fresh tensor also without chunks (an op's output may not alias its input S0)
-
-
-@_core_fwd.register_fake
-def _(q, k, v, g, beta, d, S0):
-    B, H, n, C, dk = k.shape
-    return v.new_empty(v.shape), v.new_empty(B, H, dk, v.shape[-1])
-
-
-@torch.library.custom_op("qtrain::gated_delta_rule_chunks_bwd", mutates_args=())
-def _core_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              d: torch.Tensor | None, S0: torch.Tensor | None, do: torch.Tensor, dSf: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    if use_triton(q):
-        out = chunk_core_backward(q, k, v, g, beta, d, S0, do, dSf, intra=chunk_intra_triton,
-                                  states=chunk_states_triton, reverse=chunk_states_reverse_triton)
-    else:
-        out = chunk_core_backward(q, k, v, g, beta, d, S0, do, dSf)
-    return tuple(t.contiguous() for t in out[:5]) + (out[5].clone(),)  # dS0 may be dSf itself without chunks
-
-
-@_core_bwd.register_fake
-def _(q, k, v, g, beta, d, S0, do, dSf):
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
-            beta.new_empty(beta.shape), dSf.new_empty(dSf.shape))
-
-
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)  # the inputs only: the backward recomputes the chunks' terms and states
-
-
-def _backward(ctx, do, dSf):
-    q, k, v, g, beta, d, S0 = ctx.saved_tensors
-    do = torch.zeros_like(v) if do is None else do
-    dSf = v.new_zeros(k.shape[:2] + (k.shape[-1], v.shape[-1])) if dSf is None else dSf
-    dq, dk, dv, dg, dbeta, dS0 = _core_bwd(q, k, v, g, beta, d, S0, do, dSf)
-    return dq, dk, dv, dg, dbeta, None, (dS0.to(S0.dtype) if S0 is not None else None)
-
-
-_core_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-def chunk_core_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  d: torch.Tensor | None, S0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`chunk_core` as a differentiable op pair (Triton on CUDA, the twins elsewhere), opaque to torch.compile; it
-    keeps its inputs for the backward, nothing else."""
-    return _core_fwd(q, k, v, g, beta, d, S0)
-
-
-def gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                            *, l2norm: bool = True, initial_state: torch.Tensor | None = None,
-                            resets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`gated_delta_rule_chunked`'s contract (chunks of 64) through `chunk_core_op`."""
-    return chunked_form(q, k, v, g, beta, chunk_core_op, l2norm=l2norm, initial_state=initial_state, chunk=CHUNK,
-                        resets=resets)
-
