@@ -210,7 +210,7 @@ def test_kernels_build_for_hopper_within_its_shared_memory(dk):
     and at the largest served (256: slow), with the launchers' options; each fits a Hopper block's shared memory (a
     launch past it fails on the GPU only)."""
     from qtrain.kernels.delta_rule import gated_delta_rule_triton as fwd, gated_delta_rule_triton_backward as bwd
-    constexprs = dict(C=CHUNK, BK=dk, BV=fwd.BV, PREC=fwd.PREC, HAS_DOCS=True, HAS_S0=True)
+    constexprs = dict(C=CHUNK, BK=dk, BV=fwd.BV, BKT=bwd.BKT, PREC=fwd.PREC, HAS_DOCS=True, HAS_S0=True)
     kernels = [fwd._intra_kernel, fwd._states_fwd_kernel, fwd._output_kernel, fwd._states_bwd_kernel,
                bwd._bwd_reads_kernel, bwd._bwd_dq_kernel, bwd._bwd_dw_kernel, bwd._bwd_dk_kernel]
     for kernel in kernels:

@@ -8,8 +8,8 @@ After the forward's transform and states are recomputed (gated_delta_rule_triton
 - `_bwd_dq_kernel` (looping over dv tiles): dq_dec = dO Hs^T, dP = dO V'^T;
 - `_bwd_dw_kernel` (looping over dv tiles): dW = -dU Hs^T, dk_dec = V' dH^T, dAi's part dU vb^T, dlast, and dv, dbeta's
   part from vb = beta v through U = Ai vb;
-- `_bwd_dk_kernel`: the rest, through Ai = (I + A)^-1, A, P and the decays to dq, dk, dbeta and G's gradient (whose
-  reverse cumulative sum, g's gradient, torch takes).
+- `_bwd_dk_kernel` (two passes over dk tiles): the rest, through Ai = (I + A)^-1, A, P and the decays to dq, dk,
+  dbeta and G's gradient (whose reverse cumulative sum, g's gradient, torch takes).
 """
 from __future__ import annotations
 
@@ -129,42 +129,61 @@ def _bwd_dw_kernel(du_ptr, hs_ptr, dh_ptr, vn_ptr, v_ptr, beta_ptr, ai_ptr, dw_p
 @jit
 def _bwd_dk_kernel(q_ptr, k_ptr, beta_ptr, G_ptr, d_ptr, ai_ptr, dqd_ptr, dp_ptr, dw_ptr, dkd_ptr, dai_ptr,
                    dlast_ptr, dbeta_ptr, dq_ptr, dk_ptr, dG_ptr, n, H, DK, HAS_DOCS: tl.constexpr, C: tl.constexpr,
-                   BK: tl.constexpr, PREC: tl.constexpr):
-    """(program (c, b x h)) the rest of `chunk_core_backward`: dA = -Ai^T (dU vb^T + dW kbg^T) Ai^T, then through
-    A = (kb k^T) D (below the diagonal), P = (q k^T) D, q_dec, k_dec, kbg and the decays to dq, dk, dbeta (adding
-    to its dv part, in place) and G's gradient."""
+                   BKT: tl.constexpr, PREC: tl.constexpr):
+    """(program (c, b x h)) the rest of `chunk_core_backward`, in two passes over dk tiles of BKT columns (only
+    (C, C) matrices and one tile live at a time): first dAi's second part dW kbg^T and the products kb k^T, q k^T;
+    then dA = -Ai^T dAi Ai^T and, through A = (kb k^T) D (below the diagonal), P = (q k^T) D, q_dec, k_dec, kbg and
+    the decays, per tile dq and dk, and dbeta (adding to its dv part, in place) and G's gradient."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     base = (bh * n + c) * C
     rc = tl.arange(0, C)
     G, Gexp, k_scale, last, D, strict = _chunk_masks(G_ptr, d_ptr, bh, c, n, H, HAS_DOCS, C)
-    q = tl.load(_tile(q_ptr + base * DK, C, DK, 0, 0, C, BK), boundary_check=(1,), padding_option="zero")
-    k = tl.load(_tile(k_ptr + base * DK, C, DK, 0, 0, C, BK), boundary_check=(1,), padding_option="zero")
     beta = tl.load(beta_ptr + base + rc)
     Ai = tl.load(_tile(ai_ptr + base * C, C, C, 0, 0, C, C))
-    dw = tl.load(_tile(dw_ptr + base * DK, C, DK, 0, 0, C, BK), boundary_check=(1,), padding_option="zero")
-    kb = k * beta[:, None]
-    kbg = kb * Gexp[:, None]
-    dai = tl.load(_tile(dai_ptr + base * C, C, C, 0, 0, C, C)) + tl.dot(dw, tl.trans(kbg), input_precision=PREC)
+    dai = tl.load(_tile(dai_ptr + base * C, C, C, 0, 0, C, C))
+    X = tl.zeros([C, C], tl.float32)
+    Y = tl.zeros([C, C], tl.float32)
+    for k0 in range(0, DK, BKT):
+        q = tl.load(_tile(q_ptr + base * DK, C, DK, 0, k0, C, BKT), boundary_check=(1,), padding_option="zero")
+        k = tl.load(_tile(k_ptr + base * DK, C, DK, 0, k0, C, BKT), boundary_check=(1,), padding_option="zero")
+        dw = tl.load(_tile(dw_ptr + base * DK, C, DK, 0, k0, C, BKT), boundary_check=(1,), padding_option="zero")
+        kb = k * beta[:, None]
+        dai += tl.dot(dw, tl.trans(kb * Gexp[:, None]), input_precision=PREC)
+        X += tl.dot(kb, tl.trans(k), input_precision=PREC)
+        Y += tl.dot(q, tl.trans(k), input_precision=PREC)
     dA = -tl.dot(tl.dot(tl.trans(Ai), dai, input_precision=PREC), tl.trans(Ai), input_precision=PREC)
     dX = dA * strict
     dY = tl.load(_tile(dp_ptr + base * C, C, C, 0, 0, C, C)) * D
-    E = dX * tl.dot(kb, tl.trans(k), input_precision=PREC) + dY * tl.dot(q, tl.trans(k), input_precision=PREC)
-    dkbg = tl.dot(tl.trans(Ai), dw, input_precision=PREC)
-    dkb = dkbg * Gexp[:, None] + tl.dot(dX, k, input_precision=PREC)
-    dqd = tl.load(_tile(dqd_ptr + base * DK, C, DK, 0, 0, C, BK), boundary_check=(1,), padding_option="zero")
-    dq = tl.dot(dY, k, input_precision=PREC) + dqd * Gexp[:, None]
-    tl.store(_tile(dq_ptr + base * DK, C, DK, 0, 0, C, BK), dq, boundary_check=(1,))
-    dkd = tl.load(_tile(dkd_ptr + base * DK, C, DK, 0, 0, C, BK), boundary_check=(1,), padding_option="zero")
-    dk = (tl.dot(tl.trans(dX), kb, input_precision=PREC) + tl.dot(tl.trans(dY), q, input_precision=PREC)
-          + dkd * k_scale[:, None] + dkb * beta[:, None])
-    tl.store(_tile(dk_ptr + base * DK, C, DK, 0, 0, C, BK), dk, boundary_check=(1,))
-    tl.store(dbeta_ptr + base + rc, tl.load(dbeta_ptr + base + rc) + tl.sum(dkb * k, axis=1))
-    t = tl.sum(dkd * k, axis=1) * k_scale  # k_dec = k exp(G_C - G): -t to each G_i, sum(t) to G_C
-    dG = tl.sum(dkbg * kbg, axis=1) + tl.sum(dqd * q, axis=1) * Gexp - t + tl.sum(E, axis=1) - tl.sum(E, axis=0)
+    E = dX * X + dY * Y  # the decays' share of G's gradient: dD * D
+    dG = tl.sum(E, axis=1) - tl.sum(E, axis=0)
+    dbeta = tl.load(dbeta_ptr + base + rc)
+    t = tl.zeros([C], tl.float32)
+    for k0 in range(0, DK, BKT):
+        q = tl.load(_tile(q_ptr + base * DK, C, DK, 0, k0, C, BKT), boundary_check=(1,), padding_option="zero")
+        k = tl.load(_tile(k_ptr + base * DK, C, DK, 0, k0, C, BKT), boundary_check=(1,), padding_option="zero")
+        dw = tl.load(_tile(dw_ptr + base * DK, C, DK, 0, k0, C, BKT), boundary_check=(1,), padding_option="zero")
+        dqd = tl.load(_tile(dqd_ptr + base * DK, C, DK, 0, k0, C, BKT), boundary_check=(1,), padding_option="zero")
+        dkd = tl.load(_tile(dkd_ptr + base * DK, C, DK, 0, k0, C, BKT), boundary_check=(1,), padding_option="zero")
+        kb = k * beta[:, None]
+        dkbg = tl.dot(tl.trans(Ai), dw, input_precision=PREC)
+        dkb = dkbg * Gexp[:, None] + tl.dot(dX, k, input_precision=PREC)
+        dq = tl.dot(dY, k, input_precision=PREC) + dqd * Gexp[:, None]
+        tl.store(_tile(dq_ptr + base * DK, C, DK, 0, k0, C, BKT), dq, boundary_check=(1,))
+        dk = (tl.dot(tl.trans(dX), kb, input_precision=PREC) + tl.dot(tl.trans(dY), q, input_precision=PREC)
+              + dkd * k_scale[:, None] + dkb * beta[:, None])
+        tl.store(_tile(dk_ptr + base * DK, C, DK, 0, k0, C, BKT), dk, boundary_check=(1,))
+        dbeta += tl.sum(dkb * k, axis=1)
+        t += tl.sum(dkd * k, axis=1)
+        dG += (tl.sum(dkbg * kb, axis=1) + tl.sum(dqd * q, axis=1)) * Gexp  # kbg = kb Gexp, q_dec = q Gexp
+    tl.store(dbeta_ptr + base + rc, dbeta)
+    t = t * k_scale  # k_dec = k exp(G_C - G): -t to each G_i, sum(t) to G_C
     dlast = tl.load(dlast_ptr + bh * n + c)
-    dG += tl.where(rc == C - 1, tl.sum(t, axis=0) + dlast * last, 0.0)
+    dG += tl.where(rc == C - 1, tl.sum(t, axis=0) + dlast * last, 0.0) - t
     tl.store(dG_ptr + base + rc, dG)
+
+
+BKT = 32  # the dk tile of `_bwd_dk_kernel`'s passes
 
 
 def chunk_core_backward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -197,5 +216,5 @@ def chunk_core_backward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     _bwd_dw_kernel[(n, B * H)](dU, Hs, dH, V, v, beta, Ai, dW, dk_dec, dAi, dlast, dbeta, dv_, n, dk, dv, BV=BV,
                                **meta)
     _bwd_dk_kernel[(n, B * H)](q, k, beta, G, docs, Ai, dq_dec, dP, dW, dk_dec, dAi, dlast, dbeta, dq, dk_, dG, n, H,
-                               dk, HAS_DOCS=d is not None, **meta)
+                               dk, HAS_DOCS=d is not None, C=C, BKT=BKT, PREC=PREC, **_launch(dk))
     return dq, dk_, dv_, dG.flip(-1).cumsum(-1).flip(-1), dbeta, dS0
