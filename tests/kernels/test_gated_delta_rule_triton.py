@@ -48,8 +48,8 @@ def _resets(B, T, device="cpu"):
     ones, one in the ragged tail."""
     r = torch.zeros(B, T, dtype=torch.bool)
     r[:, 0] = True
-    r[0, [5, 64, 100, 101, T - 7]] = True
-    r[1 % B, [30, 130]] = True
+    r[0, [t for t in (5, 64, 100, 101, T - 7) if 0 <= t < T]] = True
+    r[1 % B, [t for t in (30, 130) if t < T]] = True
     return r.to(device)
 
 
@@ -157,12 +157,13 @@ def test_interp_kernels_match_their_twins_fp32(dk=48, dv=16):
 
 
 @interp_only
-@pytest.mark.parametrize("resets", [False, True])
-def test_interp_gated_delta_rule_matches_the_twin_fp32(resets):
+@pytest.mark.parametrize("resets,T,Hk", [(False, 2 * CHUNK, 2), (True, T_RAGGED, 1), (True, 5, 2)])
+def test_interp_gated_delta_rule_matches_the_twin_fp32(resets, T, Hk):
     """`gated_delta_rule` through its Triton path (forced: CPU tensors under the interpreter) against the chunked
-    twin: the output and the gradients of q, k, v, g and beta."""
-    args = _inputs(dtype=torch.float32)
-    r = _resets(2, T_RAGGED) if resets else None
+    twin: the output and the gradients of q, k, v, g and beta; whole chunks, a ragged tail with one key head for
+    both value heads, one short chunk."""
+    args = _inputs(T=T, Hk=Hk, dtype=torch.float32)
+    r = _resets(2, T) if resets else None
     do = torch.randn(args[2].shape, generator=torch.Generator().manual_seed(2))
     with dispatch.backend("triton"):
         o, grads = _grads(gated_delta_rule, args, do, r)
@@ -175,11 +176,12 @@ def test_interp_gated_delta_rule_matches_the_twin_fp32(resets):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("resets", [False, True])
-def test_gpu_qwen3_5_4b_shape_bf16_matches_the_fp32_twin(resets):
-    """Qwen3.5-4B's Gated DeltaNet heads (16 key heads, 32 value heads, dk = dv = 128) at T = 4096: bf16 through
-    the Triton path against the chunked twin in fp32 on the same values."""
-    args = _inputs(B=1, T=4096, Hk=16, H=32, dk=128, dv=128, dtype=torch.bfloat16, device="cuda")
-    r = _resets(1, 4096, "cuda") if resets else None
+@pytest.mark.parametrize("B,T", [(1, 4096), (2, 1000)])
+def test_gpu_qwen3_5_4b_shape_bf16_matches_the_fp32_twin(B, T, resets):
+    """Qwen3.5-4B's Gated DeltaNet heads (16 key heads, 32 value heads, dk = dv = 128) at T = 4096 (and two rows of
+    1000, a ragged tail): bf16 through the Triton path against the chunked twin in fp32 on the same values."""
+    args = _inputs(B=B, T=T, Hk=16, H=32, dk=128, dv=128, dtype=torch.bfloat16, device="cuda")
+    r = _resets(B, T, "cuda") if resets else None
     do = torch.randn(args[2].shape, device="cuda").bfloat16()
     o, grads = _grads(gated_delta_rule, args, do, r)  # dispatch: Triton on CUDA
     assert o.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in grads)
