@@ -1,8 +1,8 @@
 """The chunked gated delta rule's forward in Triton (gated_delta_rule.py's `chunk_core`: chunks of 64, fp32
 accumulation), and the reverse recurrence its backward runs (gated_delta_rule_triton_backward.py):
 
-- `_intra_kernel` per chunk: A, its unit-triangular inverse Ai by forward substitution, U = Ai vb, W = Ai kbg (the
-  WY/UT transform);
+- per chunk, the WY/UT transform: `_kkt_kernel` A, `_invert_kernel` its unit-triangular inverse Ai by forward
+  substitution (few warps), `_wu_kernel` U = Ai vb, W = Ai kbg;
 - `_states_fwd_kernel` per (batch x head, dv tile) looping over the chunks (the state tile in registers: Hs, V');
 - `_output_kernel` per (chunk, dv tile): o = q_dec Hs + P V';
 - `_states_bwd_kernel` per (batch x head, dv tile) looping over the chunks backwards (dH, dU, dS0).
@@ -23,6 +23,7 @@ __all__ = ["chunk_core_triton", "chunk_intra_triton", "chunk_states_reverse_trit
 # a program of the loops over chunks holds the state's dk rows x 32 of its dv columns; 8 warps: ptxas (sm_90, dk 128)
 # then spills ~1 KiB a thread in the loops, 4 warps twice that (the fp32 [64, dk] operands and their TF32 halves)
 BV, NUM_WARPS = 32, 8
+INVERT_WARPS = 2  # the inverse's loop over rows: 64 x 64 fp32 over 2 warps (ptxas: 168 registers, no spills)
 # the products' precision: three TF32 tensor-core passes (fp32 operands split in a high and a low TF32 part: fp32's
 # accuracy to ~1e-6, where "ieee" runs on the CUDA cores and "tf32" keeps 10 mantissa bits)
 PREC = "tf32x3"
@@ -37,12 +38,10 @@ def _tile(ptr, rows, cols, r0, c0, BR: tl.constexpr, BC: tl.constexpr):
 
 
 @jit
-def _intra_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, d_ptr, ai_ptr, u_ptr, w_ptr, n, H, DK, DV,
-                  HAS_DOCS: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  PREC: tl.constexpr):
-    """One chunk (program (c, b x h)): A = (beta k) k^T D below the diagonal, Ai = (I + A)^-1 row by row (forward
-    substitution: row i = e_i - A_i Ai, rows before i final), then W = Ai (beta k Gexp) and U = Ai (beta v) by dv
-    tiles. The chunk's rows are (bh n + c) C + position of (B H n C, d) tensors."""
+def _kkt_kernel(k_ptr, beta_ptr, G_ptr, d_ptr, a_ptr, n, H, DK, HAS_DOCS: tl.constexpr, C: tl.constexpr,
+                BK: tl.constexpr, PREC: tl.constexpr):
+    """One chunk (program (c, b x h)): A = ((beta k) k^T) D below the diagonal (zero on and above it). The chunk's
+    rows are (bh n + c) C + position of (B H n C, d) tensors."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rc = tl.arange(0, C)
@@ -50,21 +49,47 @@ def _intra_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, d_ptr, ai_ptr, u_ptr, w_ptr, n,
     k = tl.load(_tile(k_ptr + base * DK, C, DK, 0, 0, C, BK), boundary_check=(1,), padding_option="zero")
     beta = tl.load(beta_ptr + base + rc)
     G = tl.load(G_ptr + base + rc)
-    Gexp = tl.exp(G)
     see = rc[:, None] > rc[None, :]
     if HAS_DOCS:
         dd = tl.load(d_ptr + ((bh // H) * n + c) * C + rc)
         see = see & (dd[:, None] == dd[None, :])
-        Gexp = tl.where(dd == 0, Gexp, 0.0)
-    kb = k * beta[:, None]
-    A = tl.dot(kb, tl.trans(k), input_precision=PREC)
+    A = tl.dot(k * beta[:, None], tl.trans(k), input_precision=PREC)
     A = tl.where(see, A * tl.exp(tl.where(see, G[:, None] - G[None, :], 0.0)), 0.0)
+    tl.store(_tile(a_ptr + base * C, C, C, 0, 0, C, C), A)
+
+
+@jit
+def _invert_kernel(a_ptr, n, C: tl.constexpr):
+    """One chunk (program (c, b x h)): (I + A)^-1 in place of A, by forward substitution: row i = e_i - A_i Ai (the
+    rows before i final, A's row i read from memory). Few warps: the sum over rows stays in a warp or two."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rc = tl.arange(0, C)
+    at = a_ptr + (bh * n + c) * C * C
     Ai = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
     for i in range(1, C):
-        a_i = tl.sum(tl.where(rc[:, None] == i, A, 0.0), axis=0)  # row i of A, by column j (< i)
+        a_i = tl.load(at + i * C + rc)  # row i of A, by column j (zero from i on)
         Ai = tl.where(rc[:, None] == i, Ai - tl.sum(a_i[:, None] * Ai, axis=0)[None, :], Ai)
-    tl.store(_tile(ai_ptr + base * C, C, C, 0, 0, C, C), Ai)
-    w = tl.dot(Ai, kb * Gexp[:, None], input_precision=PREC)
+    tl.debug_barrier()  # every row of A read before any is overwritten
+    tl.store(_tile(at, C, C, 0, 0, C, C), Ai)
+
+
+@jit
+def _wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, d_ptr, ai_ptr, u_ptr, w_ptr, n, H, DK, DV,
+               HAS_DOCS: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """One chunk (program (c, b x h)): W = Ai (beta k Gexp) and U = Ai (beta v) by dv tiles (the WY/UT transform)."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rc = tl.arange(0, C)
+    base = (bh * n + c) * C
+    beta = tl.load(beta_ptr + base + rc)
+    Gexp = tl.exp(tl.load(G_ptr + base + rc))
+    if HAS_DOCS:
+        dd = tl.load(d_ptr + ((bh // H) * n + c) * C + rc)
+        Gexp = tl.where(dd == 0, Gexp, 0.0)
+    Ai = tl.load(_tile(ai_ptr + base * C, C, C, 0, 0, C, C))
+    k = tl.load(_tile(k_ptr + base * DK, C, DK, 0, 0, C, BK), boundary_check=(1,), padding_option="zero")
+    w = tl.dot(Ai, k * (beta * Gexp)[:, None], input_precision=PREC)
     tl.store(_tile(w_ptr + base * DK, C, DK, 0, 0, C, BK), w, boundary_check=(1,))
     for v0 in range(0, DV, BV):
         v = tl.load(_tile(v_ptr + base * DV, C, DV, 0, v0, C, BV), boundary_check=(1,), padding_option="zero")
@@ -179,15 +204,19 @@ def _docs(d: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 def chunk_intra_triton(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, G: torch.Tensor, d: torch.Tensor | None,
                        D: object = None, Gexp: object = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton `chunk_intra` (gated_delta_rule_backward.py): (Ai, U, W) from k, v (B, H, n, C, d), beta, G
-    (B, H, n, C) and the documents d; D and Gexp (the twin's inputs) are not read."""
+    (B, H, n, C) and the documents d, in three launches (A; its inverse; W and U); D and Gexp (the twin's inputs)
+    are not read."""
     B, H, n, C, dk = k.shape
     dv = v.shape[-1]
     Ai = k.new_empty(B, H, n, C, C, dtype=torch.float32)
     U = k.new_empty(B, H, n, C, dv, dtype=torch.float32)
     W = k.new_empty(B, H, n, C, dk, dtype=torch.float32)
     if k.numel() and v.numel():
-        _intra_kernel[(n, B * H)](_c(k), _c(v), _c(beta), _c(G), _docs(d, k), Ai, U, W, n, H, dk, dv,
-                                  HAS_DOCS=d is not None, C=C, BK=_bk(dk), BV=BV, PREC=PREC, **_launch(dk))
+        k, v, beta, G, docs = _c(k), _c(v), _c(beta), _c(G), _docs(d, k)
+        meta = dict(HAS_DOCS=d is not None, C=C, BK=_bk(dk), PREC=PREC, **_launch(dk))
+        _kkt_kernel[(n, B * H)](k, beta, G, docs, Ai, n, H, dk, **meta)
+        _invert_kernel[(n, B * H)](Ai, n, C=C, num_warps=INVERT_WARPS)
+        _wu_kernel[(n, B * H)](k, v, beta, G, docs, Ai, U, W, n, H, dk, dv, BV=BV, **meta)
     return Ai, U, W
 
 
