@@ -173,6 +173,27 @@ def test_interp_gated_delta_rule_matches_the_twin_fp32(resets, T, Hk):
         assert _rel(a, b) <= 2e-5
 
 
+@interp_only
+def test_interp_qwen3_5_model_with_the_triton_delta_rule_equals_transformers(monkeypatch):
+    """The whole Qwen3.5 model (tiny, fp32) with its delta rule through the Triton kernels (the rest as on the CPU):
+    logits, loss and every parameter's gradient equal transformers' own (tests/model/test_qwen3_5.py's check)."""
+    pytest.importorskip("transformers")
+    from qtrain.kernels import delta_rule
+    from qtrain.kernels.delta_rule import gated_delta_rule_op
+    from tests.model.test_qwen3_5 import check_against_hf, tiny_cfg
+    calls = []
+
+    def triton_here(t):
+        calls.append(t.shape)
+        return True
+
+    monkeypatch.setattr(delta_rule, "use_triton", triton_here)  # the model's entry: the Triton path, here too
+    monkeypatch.setattr(gated_delta_rule_op, "use_triton", triton_here)  # the op: its kernels (interpreted)
+    check_against_hf(tiny_cfg(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
+                              linear_num_key_heads=1, linear_num_value_heads=2))
+    assert calls
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("resets", [False, True])
