@@ -4,7 +4,7 @@ accumulation), and the reverse recurrence its backward runs (gated_delta_rule_tr
 - per chunk, the WY/UT transform: `_kkt_kernel` A, `_invert_kernel` its unit-triangular inverse Ai by forward
   substitution (few warps), `_wu_kernel` U = Ai vb, W = Ai kbg;
 - `_states_fwd_kernel` per (batch x head, dv tile) looping over the chunks (the state tile in registers: Hs, V');
-- `_output_kernel` per (chunk, dv tile): o = q_dec Hs + P V';
+- `_output_kernel` per chunk (looping over dv tiles): o = q_dec Hs + P V';
 - `_states_bwd_kernel` per (batch x head, dv tile) looping over the chunks backwards (dH, dU, dS0).
 
 Each launcher has its twin's contract (`chunk_intra`, `chunk_states`, `chunk_core`, `chunk_states_reverse`). The
@@ -126,10 +126,9 @@ def _states_fwd_kernel(u_ptr, w_ptr, kd_ptr, last_ptr, s0_ptr, hs_ptr, v_ptr, sf
 def _output_kernel(q_ptr, k_ptr, G_ptr, d_ptr, hs_ptr, v_ptr, o_ptr, n, H, DK, DV,
                    HAS_DOCS: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    PREC: tl.constexpr):
-    """One chunk's output for a dv tile (program (dv tile, c, b x h)): o = (q Gexp) Hs_c + ((q k^T) D) V'_c."""
-    v0 = tl.program_id(0) * BV
-    c = tl.program_id(1)
-    bh = tl.program_id(2).to(tl.int64)
+    """One chunk's output (program (c, b x h)), by dv tiles: o = (q Gexp) Hs_c + ((q k^T) D) V'_c."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
     rc = tl.arange(0, C)
     base = (bh * n + c) * C
     q = tl.load(_tile(q_ptr + base * DK, C, DK, 0, 0, C, BK), boundary_check=(1,), padding_option="zero")
@@ -143,11 +142,13 @@ def _output_kernel(q_ptr, k_ptr, G_ptr, d_ptr, hs_ptr, v_ptr, o_ptr, n, H, DK, D
         Gexp = tl.where(dd == 0, Gexp, 0.0)
     P = tl.dot(q, tl.trans(k), input_precision=PREC)
     P = tl.where(see, P * tl.exp(tl.where(see, G[:, None] - G[None, :], 0.0)), 0.0)
-    hs = tl.load(_tile(hs_ptr + (bh * n + c) * DK * DV, DK, DV, 0, v0, BK, BV), boundary_check=(0, 1),
-                 padding_option="zero")
-    v = tl.load(_tile(v_ptr + base * DV, C, DV, 0, v0, C, BV), boundary_check=(1,), padding_option="zero")
-    o = tl.dot(q * Gexp[:, None], hs, input_precision=PREC) + tl.dot(P, v, input_precision=PREC)
-    tl.store(_tile(o_ptr + base * DV, C, DV, 0, v0, C, BV), o, boundary_check=(1,))
+    qd = q * Gexp[:, None]
+    for v0 in range(0, DV, BV):
+        hs = tl.load(_tile(hs_ptr + (bh * n + c) * DK * DV, DK, DV, 0, v0, BK, BV), boundary_check=(0, 1),
+                     padding_option="zero")
+        v = tl.load(_tile(v_ptr + base * DV, C, DV, 0, v0, C, BV), boundary_check=(1,), padding_option="zero")
+        o = tl.dot(qd, hs, input_precision=PREC) + tl.dot(P, v, input_precision=PREC)
+        tl.store(_tile(o_ptr + base * DV, C, DV, 0, v0, C, BV), o, boundary_check=(1,))
 
 
 @jit
@@ -260,7 +261,6 @@ def chunk_core_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     Hs, V, Sf = chunk_states_triton(U, W, k.float() * k_scale[..., None], last, S0)
     o = U.new_empty(B, H, n, C, dv)
     if n and dk and dv:
-        _output_kernel[(triton.cdiv(dv, BV), n, B * H)](_c(q), _c(k), _c(G), _docs(d, k), Hs, V, o, n, H, dk, dv,
-                                                         HAS_DOCS=d is not None, C=C, BK=_bk(dk), BV=BV,
-                                                         PREC=PREC, **_launch(dk))
+        _output_kernel[(n, B * H)](_c(q), _c(k), _c(G), _docs(d, k), Hs, V, o, n, H, dk, dv, HAS_DOCS=d is not None,
+                                   C=C, BK=_bk(dk), BV=BV, PREC=PREC, **_launch(dk))
     return o, Sf

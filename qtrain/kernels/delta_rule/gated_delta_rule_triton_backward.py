@@ -3,7 +3,7 @@ specification, whose notation this follows) with every per-chunk product in a ke
 
 After the forward's transform and states are recomputed (gated_delta_rule_triton.py), per chunk:
 
-- `_bwd_reads_kernel` (per dv tile): dHs = q_dec^T dO and the corrections' read dV' = P^T dO, the reverse
+- `_bwd_reads_kernel` (looping over dv tiles): dHs = q_dec^T dO and the corrections' read dV' = P^T dO, the reverse
   recurrence's inputs; then `_states_bwd_kernel` runs it (dH, dU, dS0);
 - `_bwd_dq_kernel` (looping over dv tiles): dq_dec = dO Hs^T, dP = dO V'^T;
 - `_bwd_dw_kernel` (looping over dv tiles): dW = -dU Hs^T, dk_dec = V' dH^T, dAi's part dU vb^T, dlast, and dv, dbeta's
@@ -19,7 +19,7 @@ from qtrain.kernels.delta_rule.gated_delta_rule import chunk_decays
 from qtrain.kernels.delta_rule.gated_delta_rule_triton import (BV, PREC, _bk, _c, _docs, _launch, _tile,
                                                                chunk_intra_triton, chunk_states_reverse_triton,
                                                                chunk_states_triton)
-from qtrain.kernels.dispatch import jit, tl, triton
+from qtrain.kernels.dispatch import jit, tl
 
 __all__ = ["chunk_core_backward_triton"]
 
@@ -51,20 +51,21 @@ def _chunk_masks(G_ptr, d_ptr, bh, c, n, H, HAS_DOCS: tl.constexpr, C: tl.conste
 def _bwd_reads_kernel(q_ptr, k_ptr, G_ptr, d_ptr, do_ptr, dhs_ptr, dvo_ptr, n, H, DK, DV,
                       HAS_DOCS: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       PREC: tl.constexpr):
-    """(program (dv tile, c, b x h)) dHs_c = (q Gexp)^T dO_c and dV'_c = ((q k^T) D)^T dO_c for a dv tile."""
-    v0 = tl.program_id(0) * BV
-    c = tl.program_id(1)
-    bh = tl.program_id(2).to(tl.int64)
+    """(program (c, b x h)) by dv tiles: dHs_c = (q Gexp)^T dO_c and dV'_c = ((q k^T) D)^T dO_c."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
     base = (bh * n + c) * C
     G, Gexp, k_scale, last, D, strict = _chunk_masks(G_ptr, d_ptr, bh, c, n, H, HAS_DOCS, C)
     q = tl.load(_tile(q_ptr + base * DK, C, DK, 0, 0, C, BK), boundary_check=(1,), padding_option="zero")
     k = tl.load(_tile(k_ptr + base * DK, C, DK, 0, 0, C, BK), boundary_check=(1,), padding_option="zero")
-    do = tl.load(_tile(do_ptr + base * DV, C, DV, 0, v0, C, BV), boundary_check=(1,), padding_option="zero")
     P = tl.dot(q, tl.trans(k), input_precision=PREC) * D
-    dhs = tl.dot(tl.trans(q * Gexp[:, None]), do, input_precision=PREC)
-    tl.store(_tile(dhs_ptr + (bh * n + c) * DK * DV, DK, DV, 0, v0, BK, BV), dhs, boundary_check=(0, 1))
-    tl.store(_tile(dvo_ptr + base * DV, C, DV, 0, v0, C, BV), tl.dot(tl.trans(P), do, input_precision=PREC),
-             boundary_check=(1,))
+    qd = q * Gexp[:, None]
+    for v0 in range(0, DV, BV):
+        do = tl.load(_tile(do_ptr + base * DV, C, DV, 0, v0, C, BV), boundary_check=(1,), padding_option="zero")
+        dhs = tl.dot(tl.trans(qd), do, input_precision=PREC)
+        tl.store(_tile(dhs_ptr + (bh * n + c) * DK * DV, DK, DV, 0, v0, BK, BV), dhs, boundary_check=(0, 1))
+        tl.store(_tile(dvo_ptr + base * DV, C, DV, 0, v0, C, BV), tl.dot(tl.trans(P), do, input_precision=PREC),
+                 boundary_check=(1,))
 
 
 @jit
@@ -209,8 +210,7 @@ def chunk_core_backward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if not (n and dk and dv):
         return dq.zero_(), dk_.zero_(), dv_.zero_(), dG.zero_(), dbeta.zero_(), _c(dSf).clone()
     meta = dict(C=C, BK=_bk(dk), PREC=PREC, **_launch(dk))
-    _bwd_reads_kernel[(triton.cdiv(dv, BV), n, B * H)](q, k, G, docs, do, dHs, dVo, n, H, dk, dv,
-                                                       HAS_DOCS=d is not None, BV=BV, **meta)
+    _bwd_reads_kernel[(n, B * H)](q, k, G, docs, do, dHs, dVo, n, H, dk, dv, HAS_DOCS=d is not None, BV=BV, **meta)
     dH, dU, dS0 = chunk_states_reverse_triton(W, k_dec, last, dHs, dVo, dSf)
     _bwd_dq_kernel[(n, B * H)](do, Hs, V, dq_dec, dP, n, dk, dv, BV=BV, **meta)
     _bwd_dw_kernel[(n, B * H)](dU, Hs, dH, V, v, beta, Ai, dW, dk_dec, dAi, dlast, dbeta, dv_, n, dk, dv, BV=BV,
