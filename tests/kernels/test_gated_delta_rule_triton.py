@@ -139,7 +139,7 @@ def test_interp_kernels_match_their_twins_fp32(dk=48, dv=16):
     gen = torch.Generator().manual_seed(1)
     S0 = torch.randn(2, 2, dk, dv, generator=gen)
     G, Gexp, last, k_scale = chunk_decays(g, d)
-    intra = chunk_intra(k, v, beta, G, d, chunk_pair_decays(G, d), Gexp)
+    intra = chunk_intra(k, v, beta, chunk_pair_decays(G, d), Gexp)
     _, U, W = intra
     k_dec = k * k_scale[..., None]
     states = chunk_states(U, W, k_dec, last, S0)

@@ -34,8 +34,8 @@ solves, and the chunk's own read are block-diagonal by document), the old state'
 corrections (q exp(G), beta k exp(G)) only where d_i = 0, the state update only from the chunk's last document
 (d_i = d_C) and the old state kept only where d_C = 0. The cumulative G need not restart: every product it enters
 then spans one document only. Both forms differentiate with autograd; on the GPU the chunked form's work on the
-chunks (`chunk_core`) runs as a Triton op pair (gated_delta_rule_triton.py) whose backward is written out
-(gated_delta_rule_backward.py).
+chunks (`chunk_core`) runs as an op pair (gated_delta_rule_op.py) of Triton kernels, whose backward is written out
+in gated_delta_rule_backward.py.
 """
 from __future__ import annotations
 
@@ -136,8 +136,6 @@ def chunk_states(U: torch.Tensor, W: torch.Tensor, k_dec: torch.Tensor, last: to
     return torch.stack(states, dim=2), torch.stack(corrections, dim=2), S
 
 
-StatesFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"],
-                    tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 CoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None",
                    "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
 
@@ -195,19 +193,18 @@ def chunk_pair_decays(G: torch.Tensor, d: torch.Tensor | None) -> torch.Tensor:
 
 
 def chunk_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               d: torch.Tensor | None, S0: torch.Tensor | None, states: StatesFn = chunk_states
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               d: torch.Tensor | None, S0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked form on prepared chunks: q, k (B, H, n, C, dk) (normalised, q scaled), v (B, H, n, C, dv), g,
     beta (B, H, n, C), d (B, 1, n, C) the resets at or before each position of its chunk (None: no documents), S0
-    (B, H, dk, dv) or None -> (o (B, H, n, C, dv), the final state); the recurrence over chunks by `states`, every
-    other step a batched product over all chunks at once."""
+    (B, H, dk, dv) or None -> (o (B, H, n, C, dv), the final state); the recurrence over chunks by `chunk_states`,
+    every other step a batched product over all chunks at once."""
     G, Gexp, last, k_scale = chunk_decays(g, d)
     D = chunk_pair_decays(G, d)
     kb = k * beta[..., None]
     A = (kb @ k.transpose(-1, -2)) * D  # the diagonal is ignored by the unit-triangular solves
     U = torch.linalg.solve_triangular(A, v * beta[..., None], upper=False, unitriangular=True)  # (B, H, n, C, dv)
     W = torch.linalg.solve_triangular(A, kb * Gexp[..., None], upper=False, unitriangular=True)  # (.., C, dk)
-    Hs, v_new, S = states(U, W, k * k_scale[..., None], last, S0)
+    Hs, v_new, S = chunk_states(U, W, k * k_scale[..., None], last, S0)
     QK = (q @ k.transpose(-1, -2)) * D  # (B, H, n, C, C): the chunk's own causal read
     o = (q * Gexp[..., None]) @ Hs + QK @ v_new  # (B, H, n, C, dv): the old state's read plus the chunk's own writes
     return o, S

@@ -16,16 +16,11 @@ is g's gradient.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from qtrain.kernels.delta_rule.gated_delta_rule import StatesFn, chunk_decays, chunk_pair_decays, chunk_states
+from qtrain.kernels.delta_rule.gated_delta_rule import chunk_decays, chunk_pair_decays, chunk_states
 
-__all__ = ["chunk_core_backward", "chunk_states_reverse"]
-
-ReverseFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
+__all__ = ["chunk_core_backward", "chunk_intra", "chunk_states_reverse"]
 
 def chunk_states_reverse(W: torch.Tensor, k_dec: torch.Tensor, last: torch.Tensor, dHs: torch.Tensor,
                          dV: torch.Tensor, dSf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,10 +45,9 @@ def _t(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(-1, -2)
 
 
-def chunk_intra(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, G: torch.Tensor, d: torch.Tensor | None,
-                D: torch.Tensor, Gexp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(Ai = (I + A)^-1, U = Ai vb, W = Ai kbg) per chunk: the WY/UT transform of the chunk's own writes (from D
-    and Gexp; the Triton kernel makes them from G and d)."""
+def chunk_intra(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, D: torch.Tensor, Gexp: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(Ai = (I + A)^-1, U = Ai vb, W = Ai kbg) per chunk: the WY/UT transform of the chunk's own writes."""
     kb = k * beta[..., None]
     A = (kb @ _t(k)) * D  # the diagonal is ignored by the unit-triangular solve
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device).expand_as(A)
@@ -61,29 +55,23 @@ def chunk_intra(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, G: torch.T
     return Ai, Ai @ (v * beta[..., None]), Ai @ (kb * Gexp[..., None])
 
 
-IntraFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
 def chunk_core_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        d: torch.Tensor | None, S0: torch.Tensor | None, do: torch.Tensor, dSf: torch.Tensor, *,
-                        intra: IntraFn = chunk_intra, states: StatesFn = chunk_states,
-                        reverse: ReverseFn = chunk_states_reverse
+                        d: torch.Tensor | None, S0: torch.Tensor | None, do: torch.Tensor, dSf: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                    torch.Tensor]:
     """`chunk_core`'s gradient (module docstring): (dq, dk, dv, dg, dbeta, dS0) for the output's gradient do
-    (B, H, n, C, dv) and the final state's dSf, the forward's terms recomputed. `intra`, `states` and `reverse` do
-    the per-chunk transform and the two recurrences (these twins, or the Triton kernels)."""
+    (B, H, n, C, dv) and the final state's dSf, the forward's terms recomputed."""
     G, Gexp, last, k_scale = chunk_decays(g, d)
     D = chunk_pair_decays(G, d)
     C = g.shape[-1]
     strict = D * (1 - torch.eye(C, dtype=D.dtype, device=D.device))  # A's decays: below the diagonal only
-    Ai, U, W = intra(k, v, beta, G, d, D, Gexp)
+    Ai, U, W = chunk_intra(k, v, beta, D, Gexp)
     kb, vb = k * beta[..., None], v * beta[..., None]
     kbg, k_dec, q_dec = kb * Gexp[..., None], k * k_scale[..., None], q * Gexp[..., None]
-    Hs, V, _ = states(U, W, k_dec, last, S0)
+    Hs, V, _ = chunk_states(U, W, k_dec, last, S0)
     Y = q @ _t(k)
     P = Y * D
-    dH, dU, dS0 = reverse(W, k_dec, last, _t(q_dec) @ do, _t(P) @ do, dSf)
+    dH, dU, dS0 = chunk_states_reverse(W, k_dec, last, _t(q_dec) @ do, _t(P) @ do, dSf)
     dq_dec, dP, dW = do @ _t(Hs), do @ _t(V), -dU @ _t(Hs)
     dk_dec, dlast = V @ _t(dH), (Hs * dH).sum((-1, -2))
     dvb, dkbg = _t(Ai) @ dU, _t(Ai) @ dW

@@ -202,11 +202,11 @@ def _docs(d: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return d.to(torch.int32).contiguous() if d is not None else like.new_zeros(1, dtype=torch.int32)
 
 
-def chunk_intra_triton(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, G: torch.Tensor, d: torch.Tensor | None,
-                       D: object = None, Gexp: object = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def chunk_intra_triton(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, G: torch.Tensor, d: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton `chunk_intra` (gated_delta_rule_backward.py): (Ai, U, W) from k, v (B, H, n, C, d), beta, G
-    (B, H, n, C) and the documents d, in three launches (A; its inverse; W and U); D and Gexp (the twin's inputs)
-    are not read."""
+    (B, H, n, C) and the documents d (the twin takes the decays they make), in three launches (A; its inverse;
+    W and U)."""
     B, H, n, C, dk = k.shape
     dv = v.shape[-1]
     Ai = k.new_empty(B, H, n, C, C, dtype=torch.float32)
