@@ -59,6 +59,9 @@ KINDS: dict[str, Kind] = {
     "swiglu-fp8": Kind("bench.bench_swiglu_fp8", "the FP8-MLP Triton kernels and their tile variants"),
     "rope": Kind("bench.bench_rope", "the RoPE backward kernel (d(qkv) in one pass) against inductor's code and a "
                  "copy of its bytes"),
+    "delta-rule": Kind("bench.bench_delta_rule", "the gated delta rule at a Qwen3.5 preset's linear-attention heads: "
+                       "qtrain's chunked form through its Triton op pair (eager, compiled) against the chunked twin "
+                       "and fla-core, forward and forward + backward"),
     "profile": Kind("bench.profile_step", "GPU time per kernel category of one training step, top kernels, gaps",
                     (("wall_ms", "wall ms"), ("busy_ms", "busy ms"))),
     "llmq-profile": Kind("bench.llmq_profile", "llm.q's kernels of one optimizer step under Nsight Compute, by the "

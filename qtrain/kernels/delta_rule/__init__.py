@@ -1,8 +1,7 @@
 """Gated DeltaNet's sequence mixing: the gated delta rule (`gated_delta_rule.py`: the recurrent specification and the
 chunked form) and the causal depthwise convolution before it (`causal_conv1d.py`). The model calls the two entries
-here; the convolution runs its Triton op pair on CUDA (causal_conv1d.py), the delta rule its plain-torch chunked form
-(its Triton kernels, forward and backward, are still to be written beside their twins, dispatched through
-`qtrain.kernels.dispatch` like every other op).
+here; on CUDA (`qtrain.kernels.dispatch`) both run Triton op pairs, forward and backward (causal_conv1d.py,
+gated_delta_rule_op.py: the chunked form's work on the chunks); elsewhere their plain-torch twins.
 
 `LIMITS` states what the kernels serve, so a config they cannot serve is refused before the model is built
 (model/qwen3_5/config.py reads it). Both ops take `resets` (B, T) bool, True at each document's first token
@@ -15,9 +14,11 @@ import torch
 
 from qtrain.kernels.document_attention import DocumentMask
 from qtrain.kernels.delta_rule.causal_conv1d import causal_conv1d_silu_op, causal_conv1d_silu_twin
+from qtrain.kernels import dispatch
 from qtrain.kernels.dispatch import use_triton
 from qtrain.kernels.delta_rule.gated_delta_rule import (CHUNK, gated_delta_rule_chunked, gated_delta_rule_recurrent,
                                                         l2_normalize)
+from qtrain.kernels.delta_rule.gated_delta_rule_op import gated_delta_rule_triton as _gated_delta_rule_triton
 
 __all__ = ["CHUNK", "LIMITS", "causal_conv1d_silu", "document_resets", "gated_delta_rule", "gated_delta_rule_chunked",
            "gated_delta_rule_recurrent", "l2_normalize"]
@@ -30,7 +31,12 @@ LIMITS = {"head_dim_max": 256, "head_dim_multiple": 16, "conv_min": 2, "conv_max
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, resets: torch.Tensor | None = None) -> torch.Tensor:
     """o (B, T, H, dv) of the gated delta rule with L2-normalised q, k from a zero state, restarting at `resets`
-    (gated_delta_rule.py)."""
+    (gated_delta_rule.py): on CUDA the chunked form through its Triton op pair, elsewhere the chunked twin."""
+    if use_triton(q) or (q.is_cuda and torch.compiler.is_compiling() and dispatch.HAS_TRITON
+                         and dispatch.BACKEND != "twin"):
+        # inside a torch.compile'd block too: the op stays opaque there and launches its kernels at run time
+        # (traced, the twin's loop over chunks would unroll into the graph)
+        return _gated_delta_rule_triton(q, k, v, g, beta, l2norm=True, resets=resets)[0]
     return gated_delta_rule_chunked(q, k, v, g, beta, l2norm=True, resets=resets)[0]
 
 

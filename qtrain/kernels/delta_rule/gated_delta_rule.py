@@ -33,15 +33,20 @@ d_i the number of resets at or before position i within the chunk: D_ij = 0 unle
 solves, and the chunk's own read are block-diagonal by document), the old state's read and its entry into the
 corrections (q exp(G), beta k exp(G)) only where d_i = 0, the state update only from the chunk's last document
 (d_i = d_C) and the old state kept only where d_C = 0. The cumulative G need not restart: every product it enters
-then spans one document only. Both forms differentiate with autograd (CPU tests; the GPU kernels with
-their own backward are left to the Triton port).
+then spans one document only. Both forms differentiate with autograd; on the GPU the chunked form's work on the
+chunks (`chunk_core`) runs as an op pair (gated_delta_rule_op.py) of Triton kernels, whose backward is written out
+in gated_delta_rule_backward.py.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CHUNK", "gated_delta_rule_chunked", "gated_delta_rule_recurrent", "l2_normalize"]
+__all__ = ["CHUNK", "chunk_core", "chunk_decays", "chunk_pair_decays", "chunk_states", "chunked_form",
+           "gated_delta_rule_chunked", "gated_delta_rule_recurrent",
+           "l2_normalize"]
 
 CHUNK = 64  # fla-core's and transformers' chunk size
 L2_EPS = 1e-6  # fla-core's l2norm epsilon (transformers' `l2norm` matches it)
@@ -107,6 +112,39 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              chunk: int = CHUNK, resets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked form (module docstring), same contract as `gated_delta_rule_recurrent`. The sequence is padded
     to a multiple of `chunk` with g = 0, beta = 0 (tokens that neither decay nor write the state)."""
+    return chunked_form(q, k, v, g, beta, chunk_core, l2norm=l2norm, initial_state=initial_state, chunk=chunk,
+                        resets=resets)
+
+
+def chunk_states(U: torch.Tensor, W: torch.Tensor, k_dec: torch.Tensor, last: torch.Tensor,
+                 S0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one sequential part of the chunked form, the state's recurrence over chunks: U, V' (B, H, n, C, dv), W,
+    k_dec (B, H, n, C, dk), last (B, H, n) (the state's decay across a chunk), S0 (B, H, dk, dv) or None (zeros) ->
+    (Hs (B, H, n, dk, dv): the state entering each chunk, V' = U - W S per chunk, the final state)::
+
+        V'_c = U_c - W_c S_c,   S_(c+1) = last_c S_c + k_dec_c^T V'_c
+
+    A loop over chunks here; a Triton kernel on the GPU (gated_delta_rule_triton.py)."""
+    B, H, n, _, dv = U.shape
+    S = U.new_zeros(B, H, W.shape[-1], dv) if S0 is None else S0.to(U.dtype)
+    states, corrections = [], []
+    for c in range(n):
+        v_new = U[:, :, c] - W[:, :, c] @ S  # (B, H, C, dv)
+        states.append(S)
+        corrections.append(v_new)
+        S = S * last[:, :, c, None, None] + k_dec[:, :, c].transpose(-1, -2) @ v_new
+    return torch.stack(states, dim=2), torch.stack(corrections, dim=2), S
+
+
+CoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None",
+                   "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
+
+
+def chunked_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 core: CoreFn, *, l2norm: bool = True, initial_state: torch.Tensor | None = None,
+                 chunk: int = CHUNK, resets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked form around `core` (`chunk_core`'s contract, on the chunks): the inputs prepared (fp32, heads
+    first, q and k repeated to the value heads and normalised), padded and cut into chunks, the output put back."""
     _check(q, k, v, g, beta, resets)
     dtype, T = q.dtype, q.shape[1]
     q, k, v, g, beta = _prepare(q, k, v, g, beta, l2norm)
@@ -122,33 +160,51 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     # (B, H, n, C, d): chunk c holds tokens c*C .. c*C + C - 1
     q, k, v = (x.reshape(B, H, n, chunk, x.shape[-1]) for x in (q, k, v))
     g, beta = g.reshape(B, H, n, chunk), beta.reshape(B, H, n, chunk)
+    # d: resets at or before each position of its chunk (module docstring), (B, 1, n, C)
+    d = None if resets is None else resets.reshape(B, 1, n, chunk).cumsum(-1)
+    o, S = core(q, k, v, g, beta, d, initial_state)
+    o = o.reshape(B, H, n * chunk, dv)[:, :, :T]
+    return o.transpose(1, 2).to(dtype), S
+
+
+def chunk_decays(g: torch.Tensor, d: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunk's decays (module docstring) from its gates g (B, H, n, C) and documents d (`chunk_core`): G the
+    cumulative log decay, Gexp the old state's read-out scale exp(G) (zero after a reset), `last` (B, H, n) the
+    state's decay across the chunk, `k_scale` the keys' decay to the chunk's end (zero before its last document)."""
     G = g.cumsum(-1)  # (B, H, n, C): log decay from the chunk's start through position i
-    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    hidden = upper
-    if resets is not None:  # d: resets at or before each position of its chunk (module docstring)
-        d = resets.reshape(B, 1, n, chunk).cumsum(-1)  # (B, 1, n, C)
-        hidden = upper | (d[..., :, None] != d[..., None, :])  # (B, 1, n, C, C)
-    D = (G[..., :, None] - G[..., None, :]).masked_fill(hidden, float("-inf")).exp()  # (B, H, n, C, C), j <= i
     Gexp = G.exp()
-    if resets is not None:
+    k_scale = (G[..., -1:] - G).exp()
+    last = G[..., -1].exp()  # (B, H, n)
+    if d is not None:
         Gexp = Gexp * (d == 0)  # only the chunk's first document reads the old state
+        k_scale = k_scale * (d == d[..., -1:])  # the state leaving a chunk holds its last document only
+        last = last * (d[..., -1] == 0)
+    return G, Gexp, last, k_scale
+
+
+def chunk_pair_decays(G: torch.Tensor, d: torch.Tensor | None) -> torch.Tensor:
+    """D (B, H, n, C, C): exp(G_i - G_j) for j <= i in the same document, zero elsewhere."""
+    C = G.shape[-1]
+    hidden = torch.ones(C, C, dtype=torch.bool, device=G.device).triu(1)
+    if d is not None:
+        hidden = hidden | (d[..., :, None] != d[..., None, :])  # (B, 1, n, C, C)
+    return (G[..., :, None] - G[..., None, :]).masked_fill(hidden, float("-inf")).exp()
+
+
+def chunk_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               d: torch.Tensor | None, S0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked form on prepared chunks: q, k (B, H, n, C, dk) (normalised, q scaled), v (B, H, n, C, dv), g,
+    beta (B, H, n, C), d (B, 1, n, C) the resets at or before each position of its chunk (None: no documents), S0
+    (B, H, dk, dv) or None -> (o (B, H, n, C, dv), the final state); the recurrence over chunks by `chunk_states`,
+    every other step a batched product over all chunks at once."""
+    G, Gexp, last, k_scale = chunk_decays(g, d)
+    D = chunk_pair_decays(G, d)
     kb = k * beta[..., None]
     A = (kb @ k.transpose(-1, -2)) * D  # the diagonal is ignored by the unit-triangular solves
     U = torch.linalg.solve_triangular(A, v * beta[..., None], upper=False, unitriangular=True)  # (B, H, n, C, dv)
     W = torch.linalg.solve_triangular(A, kb * Gexp[..., None], upper=False, unitriangular=True)  # (.., C, dk)
+    Hs, v_new, S = chunk_states(U, W, k * k_scale[..., None], last, S0)
     QK = (q @ k.transpose(-1, -2)) * D  # (B, H, n, C, C): the chunk's own causal read
-    q_dec = q * Gexp[..., None]
-    k_dec = k * (G[..., -1:] - G).exp()[..., None]
-    last = G[..., -1].exp()[..., None, None]  # (B, H, n, 1, 1)
-    if resets is not None:  # the state leaving a chunk holds its last document only
-        k_dec = k_dec * (d == d[..., -1:])[..., None]
-        last = last * (d[..., -1] == 0)[..., None, None]
-    S = (torch.zeros(B, H, dk, dv, dtype=v.dtype, device=v.device) if initial_state is None
-         else initial_state.to(v.dtype))
-    out = []
-    for c in range(n):
-        v_new = U[:, :, c] - W[:, :, c] @ S  # (B, H, C, dv)
-        out.append(q_dec[:, :, c] @ S + QK[:, :, c] @ v_new)
-        S = S * last[:, :, c] + k_dec[:, :, c].transpose(-1, -2) @ v_new
-    o = torch.stack(out, dim=2).reshape(B, H, n * chunk, dv)[:, :, :T]
-    return o.transpose(1, 2).to(dtype), S
+    o = (q * Gexp[..., None]) @ Hs + QK @ v_new  # (B, H, n, C, dv): the old state's read plus the chunk's own writes
+    return o, S
