@@ -12,7 +12,8 @@ Gated DeltaNet terms (the twin's chunked form, C = 64, H value heads of dv, Hk k
   4 H (3 C + 2 dv + 8 dk + 4), plus q, k L2-normalised and repeated to the H value heads.
 A fused kernel keeps far less (fla-core keeps q, k, v, g, beta and the chunk states, recomputing the rest).
 With --document-masking a linear-attention layer also keeps its documents' masks (`document_terms`): C bytes a token
-for the chunks' (C, C) same-document masks, 8 for two fp32 per-position masks, K - 1 for the convolution's.
+for the chunks' (C, C) same-document masks, 2 for two bool per-position masks, 8 H for the two masked fp32 decays,
+K - 1 for the convolution's.
 """
 from __future__ import annotations
 
@@ -71,10 +72,13 @@ def activation_terms(cfg: Qwen35Config, layer: int, s: ActivationSettings) -> li
 def document_terms(cfg: Qwen35Config, rc: frozenset[str]) -> list[ActTerm]:
     """What a linear-attention layer keeps besides with --document-masking (module docstring), per token: the
     convolution's K - 1 'no reset within the tap' masks (bool, step qkv); the delta rule's same-document mask of each
-    chunk (C x C bool per C tokens: C bytes a token, broadcast over the heads) and its two per-position masks (which
-    document reads the old state, which writes the next; saved as fp32 by the multiplications), step attention."""
+    chunk (C x C bool per C tokens: C bytes a token, broadcast over the heads), its two per-position masks (which
+    document reads the old state, which writes the next: bool) and the two per-head fp32 decays those masks multiply
+    (kept because the product needs them), step attention."""
+    H = cfg.linear_num_value_heads
     return [ActTerm("conv_documents", cfg.linear_conv_kernel_dim - 1, "qkv" not in rc, "convolution's document masks"),
-            ActTerm("delta_rule_documents", CHUNK + 2 * 4, "att" not in rc, "delta rule's per-chunk document masks")]
+            ActTerm("delta_rule_documents", CHUNK + 2 + 2 * 4 * H, "att" not in rc,
+                    "delta rule's per-chunk document masks and masked decays")]
 
 
 def backward_temporaries(cfg: Qwen35Config, layer: int, tokens: int, s: ActivationSettings) -> int:
