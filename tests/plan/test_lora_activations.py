@@ -11,6 +11,8 @@ fine-tune's. Tolerance: 16 bytes per layer (0-dim scales the terms do not follow
 
 Before: the plan counted every linear input and normalized value as kept whatever the targets, and the adapters' rows
 inside recomputed steps: qwen2 tiny bf16 with q targeted kept 2016 bytes per token per layer, the plan said 2720.
+The MoE experts' grouped GEMMs kept their inputs (the permuted tokens, the SwiGLU output) though frozen: k (C + F)
+elements a token of each routed layer, 45 KB at Qwen3-30B-A3B's shape; now they keep them only for a weight gradient.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from qtrain.model.lora import LoraAdapter
 from qtrain.model.lora.spec import LoraSpec
 from qtrain.model.lora.tensors import adapter_tensors
 from qtrain.model.matmul import block_linear
+from qtrain.model.moe_router import RouterLosses
 from qtrain.model.recompute import block_steps, count_saved_bytes, resolve_flags
 from qtrain.model.transformer import make_block_fn
 from qtrain.model.weight_source import FP8_INV_SCALE, FP8_WEIGHT
@@ -47,7 +50,6 @@ def measure(cfg, targets: tuple[str, ...], *, dtype: str = "bf16", base: str = "
     g = torch.Generator().manual_seed(0)
     w = {n: (0.02 * torch.randn(s, generator=g)).to(DT[dtype]) for n, s in block_shapes(cfg, layer).items()}
     if getattr(cfg, "router", None):
-        from qtrain.model.moe_router import RouterLosses
         w.update(RouterLosses(cfg.router, B * T, torch.device("cpu"), z_loss=True).slot(layer))
     adapter = None
     if targets:
@@ -154,3 +156,44 @@ def test_moe_attention_adapters(name, fp8):
         plan = planned(cfg, targets, fp8=fp8)  # the largest layer
         measured = max(measure(cfg, targets, fp8=fp8, layer=layer) for layer in layers)
         assert abs(measured - plan) <= TOL, targets
+
+
+@pytest.mark.parametrize("flags", [("ffn",), ("swiglu",), ("att",)])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_moe_frozen_experts_follow_recompute_and_dropout(flags, dropout):
+    """The frozen experts' GEMMs keep no input (the permuted tokens, the SwiGLU output) under every MLP switch."""
+    cfg = MOE_CONFIGS["qwen3_moe"]
+    for targets in (("q",), ("q", "k", "v", "o")):
+        kw = dict(dropout=dropout, flags=flags)
+        measured = max(measure(cfg, targets, layer=layer, **kw) for layer in (0, 1))
+        assert abs(measured - planned(cfg, targets, **kw)) <= TOL, targets
+
+
+def adapter_gradients(cfg, experts_learn: bool, *, dtype: str, flags=()) -> dict[str, torch.Tensor]:
+    """d(input) and the adapters' gradients of a routed layer over a frozen base (the experts learning or not)."""
+    g = torch.Generator().manual_seed(0)
+    w = {n: (0.1 * torch.randn(s, generator=g)).to(DT[dtype]) for n, s in block_shapes(cfg, 0).items()}
+    w.update(RouterLosses(cfg.router, B * T, torch.device("cpu"), z_loss=True).slot(0))
+    for name in ("experts_up_gate", "experts_down"):
+        w[name].requires_grad_(experts_learn)
+    adapter = LoraAdapter(cfg, LoraSpec(RANK, 2.0 * RANK, 0.0, ("q", "k", "v", "o"), ""))
+    for t in adapter_tensors(cfg, adapter.spec, 0):
+        w[t.name] = (0.1 * torch.randn(t.shape, generator=g)).to(DT[dtype]).requires_grad_()
+    adapter.bind_layers([w])
+    fn = make_block_fn(cfg, block_linear(""), recompute=block_steps(flags), adapter=adapter)
+    cos, sin = rope_tables(cfg, T, "cpu", DT[dtype])
+    x = torch.randn(B, T, cfg.hidden_size, generator=g).to(DT[dtype]).requires_grad_()
+    fn(x, w, cos, sin).float().pow(2).sum().backward()
+    return {"x": x.grad, **{n: t.grad for n, t in w.items() if "lora" in n}}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("flags", [(), ("ffn",)])
+def test_frozen_experts_change_no_gradient(dtype, flags):
+    """Keeping no input in the frozen experts' GEMMs changes no bit: the gradients are those of the same block whose
+    experts learn (and so keep their inputs, as every expert GEMM did before)."""
+    cfg = MOE_CONFIGS["qwen3_moe"]
+    frozen, learning = (adapter_gradients(cfg, learn, dtype=dtype, flags=flags) for learn in (False, True))
+    assert frozen.keys() == learning.keys() and len(frozen) > 1
+    for name in frozen:
+        assert torch.equal(frozen[name], learning[name]), name
