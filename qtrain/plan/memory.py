@@ -297,14 +297,14 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
               fp8_keep_transposes=keep_t, documents=opts.document_masking, **_lora_settings(cfg, lora))
     acts = activation_memory(cfg, N, recompute=rc, offload_residual=opts.offload_residual, **kw)
     phases = workspace_phases(cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc,
-                              fp8_head_backward=fp8_head_backward, **kw)
+                              fp8_head_backward=fp8_head_backward, lora=lora, **kw)
     if 0 < len(fp8) < len(family_of(cfg).fp8_matrices):  # some linears in FP8, some not: the larger of the two
         kw_plain = {**kw, "matmul_dtype": ""}
         plain = activation_memory(cfg, N, recompute=rc, offload_residual=opts.offload_residual, **kw_plain)
         acts = max(acts, plain, key=lambda a: a.device)
         phases = {k: max(v, p) for (k, v), p in zip(phases.items(), workspace_phases(
             cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc, fp8_head_backward=fp8_head_backward,
-            **kw_plain).values())}
+            lora=lora, **kw_plain).values())}
     items.append(Item(f"activations ({L} layers)", device=acts.device, host=acts.host, kind="activations",
                       parts={"per_layer": acts.per_layer, "inputs": L * acts.input, "output": acts.input},
                       detail=f"{_mib(acts.per_layer + acts.input)} per layer; recompute {recompute_label(rc)}"

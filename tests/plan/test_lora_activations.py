@@ -197,3 +197,35 @@ def test_frozen_experts_change_no_gradient(dtype, flags):
     assert frozen.keys() == learning.keys() and len(frozen) > 1
     for name in frozen:
         assert torch.equal(frozen[name], learning[name]), name
+
+
+def lora_plan(cfg, targets: tuple[str, ...], *, dropout: float = 0.0, flags=(), lora: bool = True):
+    o = Options(model="tiny", device="cpu", compile="off", model_dtype="bf16", batch_size=B, seq_len=T,
+                grad_accumulation=1, **(dict(lora_rank=RANK, lora_alpha=2.0 * RANK, lora_targets=",".join(targets),
+                                             lora_dropout=dropout) if lora else {}))
+    return plan_memory(cfg, o, device="cpu", compiled=False, recompute=resolve_flags(flags))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3_moe"])
+def test_block_backward_over_a_frozen_base(name, dropout):
+    """The workspace's block backward over a frozen base holds fresh gradients of the layer's adapters only, not of
+    its base; with --recompute-block the rerun rebuilds what the plan without it keeps of a layer, the adapters'
+    saved tensors included (the `lora adapters` row's share of a layer); with a step recomputed (qkv: q's adapter)
+    that adapter's share."""
+    cfg = small_cfg(name) if name == "qwen2" else MOE_CONFIGS[name]
+    targets, L, E, N = ("q", "v", "o"), cfg.num_hidden_layers, 2, B * T
+    full, lora = lora_plan(cfg, targets, lora=False), lora_plan(cfg, targets, dropout=dropout)
+    spec = LoraSpec(RANK, 2.0 * RANK, dropout, targets, "")
+    layer = 0  # the largest layer (qwen3_moe: its routed one; layer 1 keeps a dense MLP)
+    base = sum(int(torch.Size(s).numel()) for s in block_shapes(cfg, layer).values())
+    adapters = sum(int(torch.Size(t.shape).numel()) for t in adapter_tensors(cfg, spec, layer))
+    assert lora.phases["block_backward"] == full.phases["block_backward"] - E * (base - adapters)
+    kept = lora.item("activations").parts["per_layer"] + lora.item("lora adapters").device // L
+    blk = lora_plan(cfg, targets, dropout=dropout, flags=("block",))
+    assert blk.phases["block_backward"] - lora.phases["block_backward"] == kept
+    qkv = lora_plan(cfg, targets, dropout=dropout, flags=("qkv",))
+    rebuilt = lora.item("activations").parts["per_layer"] - qkv.item("activations").parts["per_layer"]
+    q_adapter = (lora.item("lora adapters").device - qkv.item("lora adapters").device) // L
+    assert q_adapter == N * (RANK * E * 2 + (2 * E * cfg.hidden_size * 2 if dropout else 0))  # q's and v's A output
+    assert qkv.phases["block_backward"] - lora.phases["block_backward"] == rebuilt + q_adapter

@@ -112,9 +112,13 @@ class LoraAdapter:
         (without dropout) is the base linear's input: the block's statements count it (`ActivationSettings`'
         `adapter_inputs`). `steps`: the block steps recomputed in backward (`recompute.block_steps`); an adapter of
         a matrix inside one (the family's `MatmulSpec.step`) is rerun with it, so it keeps nothing."""
-        total = 0
-        for matrices, step_of in zip(self.layer_matrices, self.layer_steps):
-            for m in (m for m in matrices if step_of[m] not in steps):
-                n = len(self.parts[m][0])
-                total += n * self.r * dtype_bytes + (n * self.cols[m] * 2 * dtype_bytes if self.dropout else 0)
+        total = sum(self.layer_saved_bytes_per_token(layer, dtype_bytes, steps) for layer in range(self.num_layers))
         return total / max(self.num_layers, 1)
+
+    def layer_saved_bytes_per_token(self, layer: int, dtype_bytes: int, steps: frozenset[str] = frozenset()) -> int:
+        """`saved_bytes_per_token` of layer `layer` alone."""
+        total, step_of = 0, self.layer_steps[layer]
+        for m in (m for m in self.layer_matrices[layer] if step_of[m] not in steps):
+            n = len(self.parts[m][0])
+            total += n * self.r * dtype_bytes + (n * self.cols[m] * 2 * dtype_bytes if self.dropout else 0)
+        return total
