@@ -294,7 +294,8 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
     e4m3_base = lora is not None and lora.base_dtype == "e4m3"  # the FP8 linears keep the held codes, not copies
     kw = dict(model_dtype=opts.model_dtype, matmul_dtype=matmul if fp8 or matmul != "e4m3" else "",
               compiled=compiled, attn_chunks=attn_chunks, fp8_weight_copies=not (persistent_quants or e4m3_base),
-              fp8_keep_transposes=keep_t, documents=opts.document_masking, **_lora_settings(cfg, lora))
+              fp8_keep_transposes=keep_t, documents=opts.document_masking, seq_len=T // opts.context_parallel,
+              **_lora_settings(cfg, lora))
     acts = activation_memory(cfg, N, recompute=rc, offload_residual=opts.offload_residual, **kw)
     phases = workspace_phases(cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc,
                               fp8_head_backward=fp8_head_backward, lora=lora, **kw)

@@ -16,12 +16,14 @@ elements a token of each routed layer, 45 KB at Qwen3-30B-A3B's shape; now they 
 """
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
 from qtrain.kernels.fp8_quant import quantize_fp8
 from qtrain.kernels.rope import rope_tables
-from qtrain.model.activations import layer_activation_bytes
+from qtrain.model.activations import activation_terms, layer_activation_bytes
 from qtrain.model.lora import LoraAdapter
 from qtrain.model.lora.spec import LoraSpec
 from qtrain.model.lora.tensors import adapter_tensors
@@ -34,7 +36,9 @@ from qtrain.model.weights import block_shapes
 from qtrain.numerics.frozen_e4m3 import frozen_e4m3_linear
 from qtrain.options import Options
 from qtrain.parallel.weights.e4m3_base import base_matrices
+from qtrain.plan.memory import _lora_settings
 from qtrain.plan.resolution import plan_memory
+from tests.model.family_fixtures import qwen35_cfg
 from tests.model.test_activations import small_cfg
 from tests.model.test_moe_activations import CONFIGS as MOE_CONFIGS
 
@@ -229,3 +233,69 @@ def test_block_backward_over_a_frozen_base(name, dropout):
     q_adapter = (lora.item("lora adapters").device - qkv.item("lora adapters").device) // L
     assert q_adapter == N * (RANK * E * 2 + (2 * E * cfg.hidden_size * 2 if dropout else 0))  # q's and v's A output
     assert qkv.phases["block_backward"] - lora.phases["block_backward"] == rebuilt + q_adapter
+
+
+# ---------------------------------------------------------------------------------------------------- Qwen3.5
+Q35_T = 128  # two delta-rule chunks of 64 per sequence (the statements hold at multiples of the chunk)
+Q35_ALL = ("q", "k", "v", "o", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out", "gate", "up", "down")
+
+
+def kept_after_forward(fn, x, w, cos, sin) -> int:
+    """Bytes of the storages the graph still holds after one forward (weights, input, RoPE tables excluded). Not
+    `count_saved_bytes`: the delta rule's last state update is saved and freed within the forward (nothing reads the
+    final state), so its address may come back for a later tensor, which that count would merge with it."""
+    refs, skip = [], {t.untyped_storage().data_ptr() for t in [x, cos, sin, *w.values()]}
+
+    def pack(t):
+        refs.append(weakref.ref(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fn(x, w, cos, sin)
+    alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (r() for r in refs)
+             if t is not None and t.untyped_storage().data_ptr() not in skip}
+    y.float().sum().backward()
+    return sum(alive.values())
+
+
+def q35_measure(cfg, layer: int, targets: tuple[str, ...], dtype: str, dropout: float) -> float:
+    g = torch.Generator().manual_seed(0)
+    w = {n: (0.02 * torch.randn(s, generator=g)).to(DT[dtype]) for n, s in block_shapes(cfg, layer).items()}
+    if cfg.is_moe:
+        w.update(RouterLosses(cfg.router, B * Q35_T, torch.device("cpu"), z_loss=True).slot(layer))
+    adapter = None
+    if targets:
+        adapter = LoraAdapter(cfg, LoraSpec(RANK, 2.0 * RANK, dropout, targets, ""))
+        for t in adapter_tensors(cfg, adapter.spec, layer):
+            w[t.name] = (0.02 * torch.randn(t.shape, generator=g)).to(DT[dtype]).requires_grad_()
+        adapter.bind_layers([w] * (layer + 1))
+    fn = make_block_fn(cfg, block_linear(""), adapter=adapter)
+    cos, sin = rope_tables(cfg, Q35_T, "cpu", DT[dtype])
+    x = torch.randn(B, Q35_T, cfg.hidden_size, generator=g).to(DT[dtype]).requires_grad_()
+    return kept_after_forward(fn, x, w, cos, sin) / (B * Q35_T)
+
+
+def q35_planned(cfg, layer: int, targets: tuple[str, ...], dtype: str, dropout: float) -> float:
+    """Layer `layer`'s statements with the plan's LoRA settings, + its adapters' own (the `lora adapters` row's)."""
+    spec = LoraSpec(RANK, 2.0 * RANK, dropout, targets, "")
+    terms = activation_terms(cfg, layer=layer, model_dtype=dtype, seq_len=Q35_T, **_lora_settings(cfg, spec))
+    N = B * Q35_T
+    adapters = LoraAdapter(cfg, spec).layer_saved_bytes_per_token(layer, DT[dtype].itemsize) if targets else 0
+    return sum(t.nbytes(N) for t in terms if t.kept and t.name != "input") / N + adapters
+
+
+@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_qwen3_5_over_a_frozen_base(moe, dtype, dropout):
+    """Qwen3.5 (a linear-attention and a full-attention layer; dense or MoE) over a frozen base: no adapters, some
+    (q of the full-attention layers; o, out, down: the projections' inputs; in_proj's z alone), all. Before: the
+    statements were a full fine-tune's, 6040 bytes a token stated where a bf16 full-attention layer keeps 3571,
+    12488 for a linear-attention one keeping 11418."""
+    cfg = qwen35_cfg(moe=moe, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
+    tol = 16 / (B * Q35_T)
+    for targets in ((), ("q",), ("o", "out") + (() if moe else ("down",)), ("in_proj_z",),
+                    tuple(t for t in Q35_ALL if not (moe and t in ("gate", "up", "down")))):
+        for layer in (0, 1):
+            measured = q35_measure(cfg, layer, targets, dtype, dropout)
+            assert abs(measured - q35_planned(cfg, layer, targets, dtype, dropout)) <= tol, (targets, layer)
