@@ -168,11 +168,12 @@ def _(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------- autograd
 class _ExpertLinear(torch.autograd.Function):
-    """y = grouped_linear(x, w); saves x and w (what a dense linear saves)."""
+    """y = grouped_linear(x, w); saves what a dense linear saves: x only for w's gradient (none for frozen experts,
+    LoRA), w only for x's, so each path (torch._grouped_mm or the twin) keeps the same."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, w, offsets)
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w if ctx.needs_input_grad[0] else None, offsets)
         return grouped_linear(x, w, offsets)
 
     @staticmethod

@@ -21,7 +21,10 @@ from typing import Any
 from qtrain.model.config import ModelConfig
 from qtrain.model.family import DTYPE_BYTES, ActivationSettings, ActTerm
 from qtrain.kernels.cross_entropy import head_workspace_bytes
-from qtrain.model.recompute import resolve_flags
+from qtrain.model.lora.adapter import LoraAdapter
+from qtrain.model.lora.spec import LoraSpec
+from qtrain.model.lora.tensors import adapter_tensors
+from qtrain.model.recompute import block_steps, resolve_flags
 from qtrain.model.registry import family_of
 from qtrain.model.weights import statements
 
@@ -32,18 +35,19 @@ __all__ = ["DTYPE_BYTES", "ActTerm", "Activations", "activation_terms", "layer_a
 def _settings(model_dtype: str = "bf16", matmul_dtype: str = "", compiled: bool = False,
               recompute: frozenset[str] = frozenset(), attn_chunks: int = 1, fp8_weight_copies: bool = True,
               fp8_keep_transposes: bool = False, documents: bool = False, frozen_base: bool = False,
-              adapter_inputs: frozenset[str] = frozenset()) -> ActivationSettings:
+              adapter_inputs: frozenset[str] = frozenset(), seq_len: int = 0) -> ActivationSettings:
     return ActivationSettings(model_dtype=model_dtype, matmul_dtype=matmul_dtype, compiled=compiled,
                               recompute=frozenset(recompute), attn_chunks=attn_chunks,
                               fp8_weight_copies=fp8_weight_copies, fp8_keep_transposes=fp8_keep_transposes,
-                              documents=documents, frozen_base=frozen_base, adapter_inputs=frozenset(adapter_inputs))
+                              documents=documents, frozen_base=frozen_base, adapter_inputs=frozenset(adapter_inputs),
+                              seq_len=seq_len)
 
 
 def activation_terms(cfg: ModelConfig, *, layer: int = 0, **kw: Any) -> list[ActTerm]:
     """What autograd keeps for backward in block `layer`, term by term (its family's statements). Keywords:
     model_dtype ('bf16'), matmul_dtype ('' or 'e4m3'), compiled, recompute (switches), attn_chunks,
     fp8_weight_copies (False with --persistent-quants), fp8_keep_transposes, documents (--document-masking),
-    frozen_base and adapter_inputs (LoRA) (family.ActivationSettings)."""
+    frozen_base and adapter_inputs (LoRA), seq_len (family.ActivationSettings)."""
     return family_of(cfg).activation_terms(cfg, layer, _settings(**kw))
 
 
@@ -94,16 +98,18 @@ def activation_memory(cfg: ModelConfig, tokens: int, *, model_dtype: str = "bf16
 
 
 def workspace_phases(cfg: ModelConfig, tokens: int, *, model_dtype: str = "bf16", lmhead_chunks: int = 1,
-                     cuda: bool = True, fp8_head_backward: bool = False, **kw: Any) -> dict[str, int]:
+                     cuda: bool = True, fp8_head_backward: bool = False, lora: LoraSpec | None = None,
+                     **kw: Any) -> dict[str, int]:
     """Transient bytes of a micro-step's phases beyond the activations (`activation_terms` keywords), estimates
     checked against a CPU allocation tracker and the H200's peaks:
       lm_head             the final RMSNorm (eager: fp32 copy, normalized value, output, rstd) and the chunked
                           head and loss (`kernels.cross_entropy.head_workspace_bytes`, with --fp8-head-backward's
                           operands);
       block_backward      one block's backward (the largest): d(input) and the incoming d(output), fresh weight
-                          gradients, activation-gradient temporaries (the family's `backward_temporaries`), the tied
-                          head's gradient (kept for the embedding), and the recomputed steps' saved tensors (with
-                          `block`: the block's whole saved set);
+                          gradients (over a frozen base, `lora`: the layer's adapters' only), activation-gradient
+                          temporaries (the family's `backward_temporaries`), the tied head's gradient (kept for the
+                          embedding), and the recomputed steps' saved tensors (with `block`: the block's whole saved
+                          set), the adapters' inside them included;
       embedding_backward  d(input), the dense embedding gradient (+ the tied head's), fp32 row sums."""
     E = DTYPE_BYTES[model_dtype]
     N, C, V = tokens, cfg.hidden_size, cfg.vocab_size
@@ -115,9 +121,13 @@ def workspace_phases(cfg: ModelConfig, tokens: int, *, model_dtype: str = "bf16"
     head = N * ((up + 2 * E) * C + 4) + head_workspace_bytes(N, C, V, dtype_bytes=E, chunks=lmhead_chunks, cuda=cuda,
                                                              fp8_backward=fp8_head_backward)
     st, bwd = statements(cfg), 0
-    for layers in st.kinds:
-        layer = layers[0]
-        block_numel = sum(math.prod(s.shape) for s in st.blocks[layer])
+    adapter = LoraAdapter(cfg, lora) if lora is not None else None
+    layers_to_ask = [layers[0] for layers in st.kinds] if adapter is None else range(cfg.num_hidden_layers)
+    for layer in layers_to_ask:  # a LoRA run's layers of one kind may offer different targets
+        trained = () if settings.frozen_base else st.blocks[layer]
+        if lora is not None:
+            trained = (*trained, *adapter_tensors(cfg, lora, layer))
+        block_numel = sum(math.prod(s.shape) for s in trained)  # the fresh weight gradients
         full_block = _kept(activation_terms(cfg, layer=layer, model_dtype=model_dtype, **kw), N)
         temporaries = family.backward_temporaries(cfg, layer, N, settings)
         b = 2 * inp + block_numel * E + temporaries + (V * C * E if tied else 0)
@@ -125,6 +135,9 @@ def workspace_phases(cfg: ModelConfig, tokens: int, *, model_dtype: str = "bf16"
             b += full_block
         elif rc:  # the dropped steps of one layer are rebuilt
             b += full_block - _kept(activation_terms(cfg, layer=layer, model_dtype=model_dtype, recompute=rc, **kw), N)
+        if adapter is not None and rc:  # the adapters rerun with their steps (all of them with `block`)
+            kept = 0 if "block" in rc else adapter.layer_saved_bytes_per_token(layer, E, block_steps(rc))
+            b += N * (adapter.layer_saved_bytes_per_token(layer, E) - kept)
         bwd = max(bwd, b)
     embed = inp + V * C * E * (2 if tied else 1) + N * C * 4
     return {"lm_head": head, "block_backward": bwd, "embedding_backward": embed}

@@ -168,6 +168,13 @@ class ActivationSettings:
     # target's matrix, without --lora-dropout: with it the adapter keeps its dropped copy, the plan's LoRA row)
     frozen_base: bool = False
     adapter_inputs: frozenset[str] = frozenset()
+    seq_len: int = 0  # tokens of one sequence (a rank's part); 0: unknown, taken as long (Qwen3.5's delta rule keeps
+    # one chunk less of some buffers per sequence)
+
+    def lin_of(self, matrix: str) -> bool:
+        """Whether a block linear of `matrix` keeps its (model-dtype) input: for its weight's gradient, or over a
+        frozen base only for the adapter that reads it."""
+        return matrix in self.adapter_inputs or not self.frozen_base
 
     @property
     def dtype_bytes(self) -> int:

@@ -70,8 +70,9 @@ class MoeBlock(LlamaBlock):
         z-statistic), the permutation's indices (order, inverse: 2 k int64), the permuted input (k C, the up/gate
         GEMM's), its output (2 k F, SwiGLU's), the SwiGLU output (k F, the down GEMM's) and the experts' outputs
         (k C, the combine's, for the weights' gradient); per layer the expert offsets (E int32). In e4m3 the router
-        keeps its input, the RMSNorm-2 output, which the dense block's FP8 linear would keep as an e4m3 copy (over a
-        frozen base, LoRA, it keeps none: the experts' GEMMs keep their inputs whether or not the weights learn). The
+        keeps its input, the RMSNorm-2 output, which the dense block's FP8 linear would keep as an e4m3 copy. Over a
+        frozen base (LoRA) the router keeps nothing of its input and the experts' GEMMs (`grouped_gemm.expert_linear`)
+        none of theirs, the permuted input and the SwiGLU output: only their weights' gradients read them. The
         'up' step (--recompute-ffn) drops the permuted input and the up/gate output, 'swiglu' the SwiGLU output;
         the routing and the indices stay (the steps' inputs).
         Compiled (AOTAutograd's partitioner, measured on the CPU): the experts' tensors as eager, but with 'ffn' the
@@ -84,13 +85,16 @@ class MoeBlock(LlamaBlock):
         cfg, Eb, rc, blk, compiled = a.cfg, a.E, a.rc, a.blk, a.s.compiled
         C, F, X, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
         weights = 8 * k + 4 if cfg.norm_topk_prob else 4 * k
+        # the experts' GEMMs keep their inputs for their weights' gradients, or over a frozen base for the experts'
+        # adapters that read them (their A's grouped GEMM holds the same tensor)
+        Ex_up, Ex_down = (Eb if a.s.lin_of(m) else 0 for m in ("experts_up_gate", "experts_down"))
         terms = [ActTerm("moe_routing", 4 * X + 8 * k + weights + 4, blk,
                          "router softmax (fp32), top-k ids, combine weights, logsumexp", per_layer=4 * X),
                  ActTerm("moe_permutation", 16 * k, blk, "permutation indices (order, inverse)"),
-                 ActTerm("moe_up_in", Eb * k * C, "ffn" not in rc, "permuted tokens (k copies, expert order)"),
+                 ActTerm("moe_up_in", Ex_up * k * C, "ffn" not in rc, "permuted tokens (k copies, expert order)"),
                  ActTerm("moe_up_out", Eb * k * 2 * F, blk and ("ffn" not in rc or compiled),
                          "experts' up/gate outputs (k, 2F)"),
-                 ActTerm("moe_swiglu", Eb * k * F, "swiglu" not in rc, "experts' SwiGLU outputs (k, F)"),
+                 ActTerm("moe_swiglu", Ex_down * k * F, "swiglu" not in rc, "experts' SwiGLU outputs (k, F)"),
                  ActTerm("moe_down_out", Eb * k * C, blk, "experts' outputs (k, C), for the combine weights")]
         if a.s.fp8 and not a.s.frozen_base:  # a frozen router keeps nothing of its input
             terms.append(ActTerm("router_in", Eb * C, not ("norm" in rc or "ffn" in rc),

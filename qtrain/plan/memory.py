@@ -254,7 +254,8 @@ def _lora_settings(cfg: ModelConfig, lora: LoraSpec | None) -> dict[str, Any]:
     `lora adapters` row)."""
     if lora is None:
         return {}
-    reads = frozenset() if lora.dropout else frozenset(LoraAdapter(cfg, lora).parts)
+    adapter = LoraAdapter(cfg, lora)
+    reads = frozenset() if lora.dropout else frozenset(adapter.parts) | frozenset(adapter.experts)
     return {"frozen_base": True, "adapter_inputs": reads}
 
 
@@ -294,17 +295,18 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
     e4m3_base = lora is not None and lora.base_dtype == "e4m3"  # the FP8 linears keep the held codes, not copies
     kw = dict(model_dtype=opts.model_dtype, matmul_dtype=matmul if fp8 or matmul != "e4m3" else "",
               compiled=compiled, attn_chunks=attn_chunks, fp8_weight_copies=not (persistent_quants or e4m3_base),
-              fp8_keep_transposes=keep_t, documents=opts.document_masking, **_lora_settings(cfg, lora))
+              fp8_keep_transposes=keep_t, documents=opts.document_masking, seq_len=T // opts.context_parallel,
+              **_lora_settings(cfg, lora))
     acts = activation_memory(cfg, N, recompute=rc, offload_residual=opts.offload_residual, **kw)
     phases = workspace_phases(cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc,
-                              fp8_head_backward=fp8_head_backward, **kw)
+                              fp8_head_backward=fp8_head_backward, lora=lora, **kw)
     if 0 < len(fp8) < len(family_of(cfg).fp8_matrices):  # some linears in FP8, some not: the larger of the two
         kw_plain = {**kw, "matmul_dtype": ""}
         plain = activation_memory(cfg, N, recompute=rc, offload_residual=opts.offload_residual, **kw_plain)
         acts = max(acts, plain, key=lambda a: a.device)
         phases = {k: max(v, p) for (k, v), p in zip(phases.items(), workspace_phases(
             cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc, fp8_head_backward=fp8_head_backward,
-            **kw_plain).values())}
+            lora=lora, **kw_plain).values())}
     items.append(Item(f"activations ({L} layers)", device=acts.device, host=acts.host, kind="activations",
                       parts={"per_layer": acts.per_layer, "inputs": L * acts.input, "output": acts.input},
                       detail=f"{_mib(acts.per_layer + acts.input)} per layer; recompute {recompute_label(rc)}"

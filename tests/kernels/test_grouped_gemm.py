@@ -62,6 +62,40 @@ def test_expert_linear_gradients_match_a_loop():
         assert torch.equal(wa.grad[g], torch.zeros_like(wa.grad[g]))
 
 
+def _saved_by_expert_linear(x, w, offsets):
+    """Bytes one expert_linear call saves for backward (its operands' storages, counted once each)."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = gg.expert_linear(x, w, offsets)
+    return y, sum(seen.values())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
+def test_expert_linear_keeps_its_input_only_for_the_weight_gradient(device):
+    """Frozen experts (LoRA): the input is not kept, only the weight (for dx) and the offsets; dx is bitwise the one
+    with learning experts, which keep the input too. On the GPU through torch._grouped_mm, on the CPU the twin."""
+    if device == "cuda":
+        x, w, dy, offsets = _gpu_case([0, 40, 24, 64], 128, 256, seed=4)
+    else:
+        x, w, dy, offsets = _problem(COUNTS, 16, 24, seed=4)
+    kept = {}
+    for trains in (True, False):
+        xa, wa = x.clone().requires_grad_(True), w.clone().requires_grad_(trains)
+        y, kept[trains] = _saved_by_expert_linear(xa, wa, offsets)
+        y.backward(dy)
+        kept[trains, "dx"] = xa.grad
+    assert kept[True] == x.nbytes + w.nbytes + offsets.nbytes
+    assert kept[False] == w.nbytes + offsets.nbytes
+    assert torch.equal(kept[True, "dx"], kept[False, "dx"])
+    xa, wa = x.clone(), w.clone().requires_grad_(True)  # a fixed input: only the weight's gradient, no weight kept
+    assert _saved_by_expert_linear(xa, wa, offsets)[1] == x.nbytes + offsets.nbytes
+
+
 def test_no_rows_at_all():
     x, w, dy, offsets = _problem([0, 0, 0], 8, 8)
     xa, wa = x.clone().requires_grad_(True), w.clone().requires_grad_(True)

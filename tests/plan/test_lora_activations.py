@@ -11,19 +11,24 @@ fine-tune's. Tolerance: 16 bytes per layer (0-dim scales the terms do not follow
 
 Before: the plan counted every linear input and normalized value as kept whatever the targets, and the adapters' rows
 inside recomputed steps: qwen2 tiny bf16 with q targeted kept 2016 bytes per token per layer, the plan said 2720.
+The MoE experts' grouped GEMMs kept their inputs (the permuted tokens, the SwiGLU output) though frozen: k (C + F)
+elements a token of each routed layer, 45 KB at Qwen3-30B-A3B's shape; now they keep them only for a weight gradient.
 """
 from __future__ import annotations
+
+import weakref
 
 import pytest
 import torch
 
 from qtrain.kernels.fp8_quant import quantize_fp8
 from qtrain.kernels.rope import rope_tables
-from qtrain.model.activations import layer_activation_bytes
+from qtrain.model.activations import activation_terms, layer_activation_bytes
 from qtrain.model.lora import LoraAdapter
 from qtrain.model.lora.spec import LoraSpec
 from qtrain.model.lora.tensors import adapter_tensors
 from qtrain.model.matmul import block_linear
+from qtrain.model.moe_router import RouterLosses
 from qtrain.model.recompute import block_steps, count_saved_bytes, resolve_flags
 from qtrain.model.transformer import make_block_fn
 from qtrain.model.weight_source import FP8_INV_SCALE, FP8_WEIGHT
@@ -31,7 +36,9 @@ from qtrain.model.weights import block_shapes
 from qtrain.numerics.frozen_e4m3 import frozen_e4m3_linear
 from qtrain.options import Options
 from qtrain.parallel.weights.e4m3_base import base_matrices
+from qtrain.plan.memory import _lora_settings
 from qtrain.plan.resolution import plan_memory
+from tests.model.family_fixtures import qwen35_cfg
 from tests.model.test_activations import small_cfg
 from tests.model.test_moe_activations import CONFIGS as MOE_CONFIGS
 
@@ -47,7 +54,6 @@ def measure(cfg, targets: tuple[str, ...], *, dtype: str = "bf16", base: str = "
     g = torch.Generator().manual_seed(0)
     w = {n: (0.02 * torch.randn(s, generator=g)).to(DT[dtype]) for n, s in block_shapes(cfg, layer).items()}
     if getattr(cfg, "router", None):
-        from qtrain.model.moe_router import RouterLosses
         w.update(RouterLosses(cfg.router, B * T, torch.device("cpu"), z_loss=True).slot(layer))
     adapter = None
     if targets:
@@ -167,3 +173,142 @@ def test_moe_expert_adapters(name, flags, dropout):
     for targets in (("gate", "up", "down"), ("q", "down"), ("gate", "up")):
         kw = dict(dropout=dropout, flags=flags)
         assert abs(measure(cfg, targets, **kw) - planned(cfg, targets, **kw)) <= TOL, targets
+
+
+@pytest.mark.parametrize("flags", [("ffn",), ("swiglu",), ("att",)])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_moe_frozen_experts_follow_recompute_and_dropout(flags, dropout):
+    """The frozen experts' GEMMs keep no input (the permuted tokens, the SwiGLU output) under every MLP switch."""
+    cfg = MOE_CONFIGS["qwen3_moe"]
+    for targets in (("q",), ("q", "k", "v", "o")):
+        kw = dict(dropout=dropout, flags=flags)
+        measured = max(measure(cfg, targets, layer=layer, **kw) for layer in (0, 1))
+        assert abs(measured - planned(cfg, targets, **kw)) <= TOL, targets
+
+
+def adapter_gradients(cfg, experts_learn: bool, *, dtype: str, flags=()) -> dict[str, torch.Tensor]:
+    """d(input) and the adapters' gradients of a routed layer over a frozen base (the experts learning or not)."""
+    g = torch.Generator().manual_seed(0)
+    w = {n: (0.1 * torch.randn(s, generator=g)).to(DT[dtype]) for n, s in block_shapes(cfg, 0).items()}
+    w.update(RouterLosses(cfg.router, B * T, torch.device("cpu"), z_loss=True).slot(0))
+    for name in ("experts_up_gate", "experts_down"):
+        w[name].requires_grad_(experts_learn)
+    adapter = LoraAdapter(cfg, LoraSpec(RANK, 2.0 * RANK, 0.0, ("q", "k", "v", "o"), ""))
+    for t in adapter_tensors(cfg, adapter.spec, 0):
+        w[t.name] = (0.1 * torch.randn(t.shape, generator=g)).to(DT[dtype]).requires_grad_()
+    adapter.bind_layers([w])
+    fn = make_block_fn(cfg, block_linear(""), recompute=block_steps(flags), adapter=adapter)
+    cos, sin = rope_tables(cfg, T, "cpu", DT[dtype])
+    x = torch.randn(B, T, cfg.hidden_size, generator=g).to(DT[dtype]).requires_grad_()
+    fn(x, w, cos, sin).float().pow(2).sum().backward()
+    return {"x": x.grad, **{n: t.grad for n, t in w.items() if "lora" in n}}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("flags", [(), ("ffn",)])
+def test_frozen_experts_change_no_gradient(dtype, flags):
+    """Keeping no input in the frozen experts' GEMMs changes no bit: the gradients are those of the same block whose
+    experts learn (and so keep their inputs, as every expert GEMM did before)."""
+    cfg = MOE_CONFIGS["qwen3_moe"]
+    frozen, learning = (adapter_gradients(cfg, learn, dtype=dtype, flags=flags) for learn in (False, True))
+    assert frozen.keys() == learning.keys() and len(frozen) > 1
+    for name in frozen:
+        assert torch.equal(frozen[name], learning[name]), name
+
+
+def lora_plan(cfg, targets: tuple[str, ...], *, dropout: float = 0.0, flags=(), lora: bool = True):
+    o = Options(model="tiny", device="cpu", compile="off", model_dtype="bf16", batch_size=B, seq_len=T,
+                grad_accumulation=1, **(dict(lora_rank=RANK, lora_alpha=2.0 * RANK, lora_targets=",".join(targets),
+                                             lora_dropout=dropout) if lora else {}))
+    return plan_memory(cfg, o, device="cpu", compiled=False, recompute=resolve_flags(flags))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3_moe"])
+def test_block_backward_over_a_frozen_base(name, dropout):
+    """The workspace's block backward over a frozen base holds fresh gradients of the layer's adapters only, not of
+    its base; with --recompute-block the rerun rebuilds what the plan without it keeps of a layer, the adapters'
+    saved tensors included (the `lora adapters` row's share of a layer); with a step recomputed (qkv: q's adapter)
+    that adapter's share."""
+    cfg = small_cfg(name) if name == "qwen2" else MOE_CONFIGS[name]
+    targets, L, E, N = ("q", "v", "o"), cfg.num_hidden_layers, 2, B * T
+    full, lora = lora_plan(cfg, targets, lora=False), lora_plan(cfg, targets, dropout=dropout)
+    spec = LoraSpec(RANK, 2.0 * RANK, dropout, targets, "")
+    layer = 0  # the largest layer (qwen3_moe: its routed one; layer 1 keeps a dense MLP)
+    base = sum(int(torch.Size(s).numel()) for s in block_shapes(cfg, layer).values())
+    adapters = sum(int(torch.Size(t.shape).numel()) for t in adapter_tensors(cfg, spec, layer))
+    assert lora.phases["block_backward"] == full.phases["block_backward"] - E * (base - adapters)
+    kept = lora.item("activations").parts["per_layer"] + lora.item("lora adapters").device // L
+    blk = lora_plan(cfg, targets, dropout=dropout, flags=("block",))
+    assert blk.phases["block_backward"] - lora.phases["block_backward"] == kept
+    qkv = lora_plan(cfg, targets, dropout=dropout, flags=("qkv",))
+    rebuilt = lora.item("activations").parts["per_layer"] - qkv.item("activations").parts["per_layer"]
+    q_adapter = (lora.item("lora adapters").device - qkv.item("lora adapters").device) // L
+    assert q_adapter == N * (RANK * E * 2 + (2 * E * cfg.hidden_size * 2 if dropout else 0))  # q's and v's A output
+    assert qkv.phases["block_backward"] - lora.phases["block_backward"] == rebuilt + q_adapter
+
+
+# ---------------------------------------------------------------------------------------------------- Qwen3.5
+Q35_T = 128  # two delta-rule chunks of 64 per sequence (the statements hold at multiples of the chunk)
+Q35_ALL = ("q", "k", "v", "o", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out", "gate", "up", "down")
+
+
+def kept_after_forward(fn, x, w, cos, sin) -> int:
+    """Bytes of the storages the graph still holds after one forward (weights, input, RoPE tables excluded). Not
+    `count_saved_bytes`: the delta rule's last state update is saved and freed within the forward (nothing reads the
+    final state), so its address may come back for a later tensor, which that count would merge with it."""
+    refs, skip = [], {t.untyped_storage().data_ptr() for t in [x, cos, sin, *w.values()]}
+
+    def pack(t):
+        refs.append(weakref.ref(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fn(x, w, cos, sin)
+    alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (r() for r in refs)
+             if t is not None and t.untyped_storage().data_ptr() not in skip}
+    y.float().sum().backward()
+    return sum(alive.values())
+
+
+def q35_measure(cfg, layer: int, targets: tuple[str, ...], dtype: str, dropout: float) -> float:
+    g = torch.Generator().manual_seed(0)
+    w = {n: (0.02 * torch.randn(s, generator=g)).to(DT[dtype]) for n, s in block_shapes(cfg, layer).items()}
+    if cfg.is_moe:
+        w.update(RouterLosses(cfg.router, B * Q35_T, torch.device("cpu"), z_loss=True).slot(layer))
+    adapter = None
+    if targets:
+        adapter = LoraAdapter(cfg, LoraSpec(RANK, 2.0 * RANK, dropout, targets, ""))
+        for t in adapter_tensors(cfg, adapter.spec, layer):
+            w[t.name] = (0.02 * torch.randn(t.shape, generator=g)).to(DT[dtype]).requires_grad_()
+        adapter.bind_layers([w] * (layer + 1))
+    fn = make_block_fn(cfg, block_linear(""), adapter=adapter)
+    cos, sin = rope_tables(cfg, Q35_T, "cpu", DT[dtype])
+    x = torch.randn(B, Q35_T, cfg.hidden_size, generator=g).to(DT[dtype]).requires_grad_()
+    return kept_after_forward(fn, x, w, cos, sin) / (B * Q35_T)
+
+
+def q35_planned(cfg, layer: int, targets: tuple[str, ...], dtype: str, dropout: float) -> float:
+    """Layer `layer`'s statements with the plan's LoRA settings, + its adapters' own (the `lora adapters` row's)."""
+    spec = LoraSpec(RANK, 2.0 * RANK, dropout, targets, "")
+    terms = activation_terms(cfg, layer=layer, model_dtype=dtype, seq_len=Q35_T, **_lora_settings(cfg, spec))
+    N = B * Q35_T
+    adapters = LoraAdapter(cfg, spec).layer_saved_bytes_per_token(layer, DT[dtype].itemsize) if targets else 0
+    return sum(t.nbytes(N) for t in terms if t.kept and t.name != "input") / N + adapters
+
+
+@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_qwen3_5_over_a_frozen_base(moe, dtype, dropout):
+    """Qwen3.5 (a linear-attention and a full-attention layer; dense or MoE) over a frozen base: no adapters, some
+    (q of the full-attention layers; o, out, down: the projections' inputs; in_proj's z alone), all. Before: the
+    statements were a full fine-tune's, 6040 bytes a token stated where a bf16 full-attention layer keeps 3571,
+    12488 for a linear-attention one keeping 11418."""
+    cfg = qwen35_cfg(moe=moe, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
+    tol = 16 / (B * Q35_T)
+    for targets in ((), ("q",), ("o", "out") + (() if moe else ("down",)), ("in_proj_z",),
+                    tuple(t for t in Q35_ALL if not (moe and t in ("gate", "up", "down")))):
+        for layer in (0, 1):
+            measured = q35_measure(cfg, layer, targets, dtype, dropout)
+            assert abs(measured - q35_planned(cfg, layer, targets, dtype, dropout)) <= tol, (targets, layer)

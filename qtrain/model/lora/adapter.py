@@ -150,14 +150,7 @@ class LoraAdapter:
         (without dropout) is the base linear's input: the block's statements count it (`ActivationSettings`'
         `adapter_inputs`). `steps`: the block steps recomputed in backward (`recompute.block_steps`); an adapter of
         a matrix inside one (the family's `MatmulSpec.step`) is rerun with it, so it keeps nothing."""
-        total = 0
-        for matrices, step_of in zip(self.layer_matrices, self.layer_steps):
-            for m in (m for m in matrices if step_of[m] not in steps):
-                n = len(self.parts[m][0])
-                total += n * self.r * dtype_bytes + (n * self.cols[m] * 2 * dtype_bytes if self.dropout else 0)
-        for matrices, step_of in zip(self.layer_experts, self.layer_steps):  # each of a token's k expert rows
-            for t in (self.experts[m] for m in matrices if step_of[m] not in steps):
-                total += self.top_k * (t.rank(self.r) + (t.cols * 2 if self.dropout else 0)) * dtype_bytes
+        total = sum(self.layer_saved_bytes_per_token(layer, dtype_bytes, steps) for layer in range(self.num_layers))
         return total / max(self.num_layers, 1)
 
     def saved_bytes_per_layer(self, dtype_bytes: int, steps: frozenset[str] = frozenset()) -> float:
@@ -168,3 +161,13 @@ class LoraAdapter:
                     for matrices, step_of in zip(self.layer_experts, self.layer_steps)
                     for t in (self.experts[m] for m in matrices if step_of[m] not in steps))
         return total / max(self.num_layers, 1)
+
+    def layer_saved_bytes_per_token(self, layer: int, dtype_bytes: int, steps: frozenset[str] = frozenset()) -> int:
+        """`saved_bytes_per_token` of layer `layer` alone."""
+        total, step_of = 0, self.layer_steps[layer]
+        for m in (m for m in self.layer_matrices[layer] if step_of[m] not in steps):
+            n = len(self.parts[m][0])
+            total += n * self.r * dtype_bytes + (n * self.cols[m] * 2 * dtype_bytes if self.dropout else 0)
+        for t in (self.experts[m] for m in self.layer_experts[layer] if step_of[m] not in steps):  # k expert rows
+            total += self.top_k * (t.rank(self.r) + (t.cols * 2 if self.dropout else 0)) * dtype_bytes
+        return total
