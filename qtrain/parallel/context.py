@@ -10,7 +10,7 @@ modes (`--context-parallel-mode`, `MODES`):
   allgather  K, V (B, nkv, T/N, hs) all-gathered over the group -> (B, nkv, T, hs) in sequence order; this rank's
              queries attend to the keys at positions <= their own (an explicit mask over global positions, made
              once per local length). Backward: the full dK, dV this rank's queries produced, summed over the group,
-             and this rank's rows kept (a reduce-scatter on NCCL; an all-reduce on gloo, which has none). The
+             and this rank's rows kept (one reduce-scatter). The
              gathered K/V of the whole sequence are kept for each layer's backward, and SDPA with a mask matrix
              runs without the flash kernels (torchtitan's all-gather variant).
   ring       the key/value blocks passed around the group's ring with send/recv, partial outputs merged by
@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from qtrain.kernels.document_attention import positions_error
 from qtrain.model.choices import CONTEXT_PARALLEL_MODES as MODES
 from qtrain.parallel import context_ops
+from qtrain.parallel.comm import reduce_scatter
 from qtrain.parallel.ring_attention import MaskOf, Ring, ring_backward, ring_forward
 
 __all__ = ["MODES", "ContextParallel", "SplitAttentionInputs", "check_context_parallel", "chunk_positions", "data_rank",
@@ -163,19 +164,16 @@ class ContextParallel:
 
     def reduce_kv(self, dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
         """dK, dV (B, nkv, T, hs) this rank's queries produced -> (2, B, nkv, t, hs): this rank's rows of each, summed
-        over the group (a reduce-scatter on NCCL; an all-reduce on gloo, which has none)."""
+        over the group (one reduce-scatter)."""
         B, H, T, hs = dk.shape
         t = T // self.parts
         # rank-major: rank r's rows of the whole sequence at [r t, (r + 1) t)
         order = torch.cat([chunk_positions(T, self.parts, r, dk.device) for r in range(self.parts)])
         by_rank = torch.stack((dk, dv)).index_select(3, order)  # (2, B, H, T, hs)
-        if dist.get_backend(self.group) == "nccl":
-            stacked = by_rank.view(2, B, H, self.parts, t, hs).permute(3, 0, 1, 2, 4, 5).contiguous()
-            mine = dk.new_empty(2, B, H, t, hs)
-            dist.reduce_scatter_tensor(mine, stacked, group=self.group)
-            return mine
-        dist.all_reduce(by_rank, group=self.group)
-        return by_rank[:, :, :, self.rank * t:(self.rank + 1) * t].contiguous()
+        stacked = by_rank.view(2, B, H, self.parts, t, hs).permute(3, 0, 1, 2, 4, 5).contiguous()  # rank r's at [r]
+        mine = dk.new_empty(2, B, H, t, hs)
+        reduce_scatter(mine.view(-1), stacked.view(-1), group=self.group)  # flat: gloo checks the leading dims
+        return mine
 
     def ring_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor | None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
