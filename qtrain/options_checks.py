@@ -216,15 +216,14 @@ def _check_context_parallel(opts: Any, err: Callable[[str], OptionsError]) -> No
     if opts.seq_len % (2 * n):
         raise err(f"--context-parallel {n}: --seq-len {opts.seq_len} must be a multiple of {2 * n} (each sequence "
                   f"is cut into 2 x {n} equal chunks)")
-    blocked = [f for f, on in (("--compile on", opts.compile == "on"), ("--recompute-att", opts.recompute_att),
-                               ("--recompute-block", opts.recompute_block), ("--use-cuda-graphs", opts.use_cuda_graphs),
+    blocked = [f for f, on in (("--use-cuda-graphs", opts.use_cuda_graphs),
                                (f"--attn-bwd-chunks {opts.attn_bwd_chunks}", opts.attn_bwd_chunks > 1),
                                ("--document-attention varlen", opts.document_attention == "varlen"),
                                (f"--expert-parallel {opts.expert_parallel}", opts.expert_parallel > 1),
                                ("--lora-rank", opts.lora_rank > 0)) if on]
     if blocked:
         raise err(f"--context-parallel {n} does not support {', '.join(blocked)} yet (its attention meets the "
-                  f"other ranks' keys and values in eager blocks, once per forward)")
+                  f"other ranks' keys and values in one call per block, outside CUDA graphs)")
 
 
 def _check_master(opts: Any, err: Callable[[str], OptionsError]) -> None:

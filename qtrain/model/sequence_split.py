@@ -3,7 +3,8 @@ this rank's tokens hold, and attention of its queries over the whole sequence's 
 single-device code: `parallel/context.py` implements this with its process group, and the Transformer and the
 block only call it (RoPE tables at those positions; `attention` instead of the causal SDPA call). With documents
 (--document-masking) the model gets the whole rows' position ids, keeps this rank's part for its RoPE rows
-(`shard`) and hands `documents(...)` of the whole rows to every block's attention.
+(`shard`) and hands `documents(...)` of the whole rows to every block's attention; without documents it hands
+`causal(...)`. Both are made once per micro-step and are block inputs, so a compiled block does not rebuild them.
 """
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ class SequenceSplit(Protocol):
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T) per-token values of whole sequences -> this rank's (B, T / parts), in position order."""
+        ...
+
+    def causal(self, local_len: int, device: torch.device | str) -> Any:
+        """What `attention` takes as `docs` for whole sequences (once per micro-step)."""
         ...
 
     def documents(self, positions: torch.Tensor, device: torch.device | str) -> Any:

@@ -138,7 +138,7 @@ class RunOptions:
     document_attention: str = "auto"  # with position ids: kernels/document_attention.py's form (auto, varlen, masked)
     adapter: Callable | None = None  # LoRA's term after the block linears (model/lora/adapter.LoraAdapter)
     expert_exchange: Any = None  # --expert-parallel: the MoE layers' token exchange (parallel/experts.TokenExchange)
-    context: SequenceSplit | None = None  # --context-parallel: this rank's part of each sequence (eager blocks)
+    context: SequenceSplit | None = None  # --context-parallel: this rank's part of each sequence
     # the block matrices come as e4m3 codes only (LoRA's --lora-base-dtype e4m3): every block linear runs through
     # numerics/frozen_e4m3.py (FP8 GEMMs with matmul_dtype e4m3 on CUDA, else dequantized inside the op)
     frozen_e4m3: bool = False
@@ -151,8 +151,8 @@ class RunOptions:
         if self.document_attention not in DOCUMENT_ATTENTION:
             raise ValueError(f"document_attention must be one of {DOCUMENT_ATTENTION}, got {self.document_attention!r}")
         self.recompute = resolve_flags(self.recompute)
-        if self.context is not None and (self.compile or "att" in self.recompute or self.attn_bwd_chunks > 1):
-            raise ValueError("a sequence split across ranks runs eager blocks, attention not recomputed, in one call")
+        if self.context is not None and self.attn_bwd_chunks > 1:
+            raise ValueError("a sequence split across ranks runs its attention in one call (attn_bwd_chunks 1)")
         if self.offload_residual and "block" not in self.recompute:
             raise ValueError("offload_residual needs recompute 'block' (only block inputs are offloaded)")
 
@@ -246,10 +246,10 @@ class Transformer:
         """(cos, sin, the blocks' extra arguments): the (T, hs) RoPE tables and no extra argument, or with position ids
         the tables at the positions (B, T, hs) and the micro-batch's DocumentMask, its attention slices those of
         --attn-bwd-chunks (the block's own slicing). A split sequence (context parallelism) takes the whole rows'
-        position ids (B, T x parts) and its own `documents` instead."""
-        if positions is None:
-            return (*self.rope(T, device, dtype), ())
+        position ids (B, T x parts) and its own `documents` instead, and without them passes its `causal` inputs."""
         split = self.run.context
+        if positions is None:
+            return (*self.rope(T, device, dtype), () if split is None else (split.causal(T, device),))
         if split is not None:  # the whole rows' positions: this rank's RoPE rows, and the documents of every rank
             if positions.shape[1] != T * split.parts:
                 raise ValueError(f"position ids of shape {tuple(positions.shape)} for sequences of {T} x "

@@ -16,7 +16,8 @@ A rank keeps for backward only its own q, k, v, out and the (B, nh, t) fp32 log-
 its fp32 gradient accumulators. Plain torch in fp32 (GQA by expanding the key/value heads), on every device: the
 math is the specification; a fused kernel would be the GPU's form. The query rows go through each block in slices
 whose fp32 scores take at most SCORE_BYTES (`row_slices`), so the transient does not grow with (T/N)^2.
-Scale 1/sqrt(hs), no dropout.
+Scale 1/sqrt(hs), no dropout. `ring_forward` and `ring_backward` are the two halves; autograd and torch.compile
+reach them through one opaque op (`parallel/context_ops.py`), which keeps (q, k, v, out, lse) between them.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["SCORE_BYTES", "MaskOf", "Ring", "ring_attention", "row_slices"]
+__all__ = ["SCORE_BYTES", "MaskOf", "Ring", "ring_backward", "ring_forward", "row_slices"]
 
 # (source rank of a block) -> (B or 1, 1, t, t_block) bool, True where this rank's query may attend to the key
 MaskOf = Callable[[int], torch.Tensor]
@@ -72,70 +73,62 @@ def row_slices(rows: int, bytes_per_row: int) -> list[slice]:
     return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, mask_of: MaskOf
-                ) -> torch.Tensor:
-        B, nh, t, _ = q.shape
-        groups, scale = nh // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
-        qf = q.float()
-        out = torch.zeros_like(qf)
-        lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
-        block = [k, v]
-        for step in range(ring.parts):
-            pending = ring.start_pass(block) if step < ring.parts - 1 else None
-            kb, vb = (_expand(x.float(), groups) for x in block)
-            mask = mask_of(ring.source(step))
-            for r in row_slices(t, 4 * B * nh * kb.shape[2]):
-                s = _scores(qf[:, :, r], kb, mask[:, :, r], scale)
-                lse_b = torch.logsumexp(s, -1)
-                out_b = torch.exp(s - _finite(lse_b)[..., None]) @ vb
-                merged = torch.logaddexp(lse[:, :, r], lse_b)
-                m = _finite(merged)[..., None]
-                out[:, :, r] = (out[:, :, r] * torch.exp(lse[:, :, r, None] - m)
-                                + out_b * torch.exp(lse_b[..., None] - m))
-                lse[:, :, r] = merged
-            if pending is not None:
-                block, requests = pending
-                for req in requests:
-                    req.wait()
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.mask_of = ring, mask_of
-        return out
-
-    @staticmethod
-    def backward(ctx, dout: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        ring, mask_of = ctx.ring, ctx.mask_of
-        B, nh, t, _ = q.shape
-        groups, scale = nh // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
-        qf, do = q.float(), dout.float()
-        delta = (do * out.float()).sum(-1, keepdim=True)  # rowsum(dO * O)
-        dq = torch.zeros_like(qf)
-        block = [k, v, torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
-        _, nkv, tk, hs = k.shape
-        for step in range(ring.parts):
-            kb, vb = (_expand(x.float(), groups) for x in block[:2])
-            mask = mask_of(ring.source(step))
-            for r in row_slices(t, 4 * B * nh * tk):
-                p = torch.exp(_scores(qf[:, :, r], kb, mask[:, :, r], scale) - lse[:, :, r, None])
-                ds = p * (do[:, :, r] @ vb.transpose(-1, -2) - delta[:, :, r])
-                dq[:, :, r] += ds @ kb * scale
-                block[2] += (ds.transpose(-1, -2) @ qf[:, :, r] * scale).view(B, nkv, groups, tk, hs).sum(2)
-                block[3] += (p.transpose(-1, -2) @ do[:, :, r]).view(B, nkv, groups, tk, hs).sum(2)
-            if ring.parts == 1:
-                break
-            # the last pass returns each block's gradients to their owner; the keys and values are no longer needed
-            block, requests = ring.start_pass(block if step < ring.parts - 1 else block[2:])
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, mask_of: MaskOf
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of this rank's queries q (B, nh, t, hs) over the keys and values (B, nkv, t, hs) of every rank of
+    the ring, each block under `mask_of(its source rank)`: (out (B, nh, t, hs) in q's dtype and layout, its fp32
+    log-sum-exp (B, nh, t)), what `ring_backward` takes."""
+    B, nh, t, _ = q.shape
+    groups, scale = nh // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
+    qf = q.float()
+    out = torch.zeros_like(qf)
+    lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+    block = [k, v]
+    for step in range(ring.parts):
+        pending = ring.start_pass(block) if step < ring.parts - 1 else None
+        kb, vb = (_expand(x.float(), groups) for x in block)
+        mask = mask_of(ring.source(step))
+        for r in row_slices(t, 4 * B * nh * kb.shape[2]):
+            s = _scores(qf[:, :, r], kb, mask[:, :, r], scale)
+            lse_b = torch.logsumexp(s, -1)
+            out_b = torch.exp(s - _finite(lse_b)[..., None]) @ vb
+            merged = torch.logaddexp(lse[:, :, r], lse_b)
+            m = _finite(merged)[..., None]
+            out[:, :, r] = (out[:, :, r] * torch.exp(lse[:, :, r, None] - m)
+                            + out_b * torch.exp(lse_b[..., None] - m))
+            lse[:, :, r] = merged
+        if pending is not None:
+            block, requests = pending
             for req in requests:
                 req.wait()
-        dk, dv = block[-2:]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+    return torch.empty_like(q).copy_(out), lse
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, mask_of: MaskOf) -> torch.Tensor:
-    """Attention of this rank's queries q (B, nh, t, hs) over the keys and values (B, nkv, t, hs) of every rank of
-    the ring, each block under `mask_of(its source rank)`: (B, nh, t, hs) in q's dtype, differentiable in q, k, v
-    (the other ranks' key and value gradients come back around the ring)."""
-    return _RingAttention.apply(q, k, v, ring, mask_of)
+def ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  dout: torch.Tensor, ring: Ring, mask_of: MaskOf) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of q, k, v (in their dtypes and layouts) from `ring_forward`'s (out, lse) and out's gradient;
+    the other ranks' key and value gradients come back around the ring."""
+    B, nh, t, _ = q.shape
+    groups, scale = nh // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
+    qf, do = q.float(), dout.float()
+    delta = (do * out.float()).sum(-1, keepdim=True)  # rowsum(dO * O)
+    dq = torch.zeros_like(qf)
+    block = [k, v, torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
+    _, nkv, tk, hs = k.shape
+    for step in range(ring.parts):
+        kb, vb = (_expand(x.float(), groups) for x in block[:2])
+        mask = mask_of(ring.source(step))
+        for r in row_slices(t, 4 * B * nh * tk):
+            p = torch.exp(_scores(qf[:, :, r], kb, mask[:, :, r], scale) - lse[:, :, r, None])
+            ds = p * (do[:, :, r] @ vb.transpose(-1, -2) - delta[:, :, r])
+            dq[:, :, r] += ds @ kb * scale
+            block[2] += (ds.transpose(-1, -2) @ qf[:, :, r] * scale).view(B, nkv, groups, tk, hs).sum(2)
+            block[3] += (p.transpose(-1, -2) @ do[:, :, r]).view(B, nkv, groups, tk, hs).sum(2)
+        if ring.parts == 1:
+            break
+        # the last pass returns each block's gradients to their owner; the keys and values are no longer needed
+        block, requests = ring.start_pass(block if step < ring.parts - 1 else block[2:])
+        for req in requests:
+            req.wait()
+    dk, dv = block[-2:]
+    return (torch.empty_like(q).copy_(dq), torch.empty_like(k).copy_(dk), torch.empty_like(v).copy_(dv))

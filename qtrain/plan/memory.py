@@ -316,7 +316,7 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
     documents = document_masking_bytes(cfg, opts, device, rc) if opts.context_parallel == 1 else None
     if documents is not None:
         items.append(Item("document masks", device=documents[0], kind="activations", detail=documents[1]))
-    context = context_parallel_bytes(cfg, opts)
+    context = context_parallel_bytes(cfg, opts, rc)
     if context is not None:
         items.append(Item(f"context parallel attention ({opts.context_parallel_mode})", device=context[0],
                           kind="activations", detail=context[1]))

@@ -104,8 +104,8 @@ class RunResolution:
 
 # ---- the rules, one function each ------------------------------------------------------------------------
 def compile_on(opts: Options, device: str) -> bool:
-    """--compile on, or auto on a CUDA device (not with --context-parallel, whose attention runs eager)."""
-    return opts.compile == "on" or (opts.compile == "auto" and device == "cuda" and opts.context_parallel == 1)
+    """--compile on, or auto on a CUDA device."""
+    return opts.compile == "on" or (opts.compile == "auto" and device == "cuda")
 
 
 def fp8_choice(cfg: ModelConfig, opts: Options) -> Fp8Choice | None:

@@ -52,13 +52,14 @@ def _positions() -> torch.Tensor:
     return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
 
 
-def _loss_and_grads(split, params, inputs, targets, n_valid, positions=None):
+def _loss_and_grads(split, params, inputs, targets, n_valid, positions=None, **run):
+    """(loss, gradients) of one micro-step on this rank's part (`run`: more RunOptions, test_context_compile.py's)."""
     from qtrain.model.transformer import RunOptions, Transformer
     from qtrain.parallel.weights.replicated import ParamWeights
     from tests.model.test_transformer import Collect
     p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
     sink = Collect()
-    model = Transformer(CFG, RunOptions(context=split, lmhead_chunks=2))
+    model = Transformer(CFG, RunOptions(context=split, lmhead_chunks=2, **run))
     if split is not None:  # positions stay whole: the split's documents need every rank's
         inputs, targets = split.shard(inputs), split.shard(targets)
     loss = model.forward_backward(ParamWeights(CFG, p), inputs, targets, grads=sink, loss_scale=1.0 / n_valid,
@@ -131,10 +132,11 @@ def test_ring_attention_in_row_slices_is_causal_attention(monkeypatch):
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(B_, h, t, hs, generator=g, requires_grad=True) for h in (nh, nkv, nkv))
     causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
-    out = ring_mod.ring_attention(q, k, v, ring_mod.Ring(0, [0], None), lambda source: causal)
+    ring = ring_mod.Ring(0, [0], None)
+    out, lse = ring_mod.ring_forward(q.detach(), k.detach(), v.detach(), ring, lambda source: causal)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     dout = torch.randn(out.shape, generator=g)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
+    grads = ring_mod.ring_backward(q.detach(), k.detach(), v.detach(), out, lse, dout, ring, lambda source: causal)
     refs = torch.autograd.grad(ref, (q, k, v), dout)
     for a, b in ((out, ref), *zip(grads, refs)):
         assert ((a - b).norm() / b.norm()).item() <= 1e-5

@@ -122,3 +122,16 @@ def test_two_replicas_of_context_parallel_2_train_as_one_process(packed):
     for a, b in zip(steps, ref):
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-5), a["step"]
     _assert_weights_near(packed, "cp2dp2", "one-b4", tol=1e-3)
+
+
+@pytest.mark.slow  # inductor's C++ compile of the blocks on 2 ranks
+@pytest.mark.parametrize("mode", ["allgather", "ring"])
+def test_compiled_context_parallel_with_recompute_trains_as_one_process(packed, mode):
+    """`--compile on --recompute-att` under --context-parallel 2 (the collectives as opaque ops in the compiled block,
+    parallel/context_ops.py; the attention's forward rerun in backward): the single process's steps, evaluations
+    (compiled blocks without gradients) and exported weights, with the tolerances above."""
+    name = f"{mode}-compiled"
+    r = qtrain_run(_argv(packed, name, "--gpus", "2", "--context-parallel", "2", "--context-parallel-mode", mode,
+                         "--recompute-att", compile="on"), cwd=packed, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _assert_trains_as(packed, name, "one")

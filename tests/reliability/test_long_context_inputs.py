@@ -53,11 +53,10 @@ CP_CASES = [Case(f"cp-{name}", train(extra=extra), match) for name, extra, match
      r"--context-parallel 2: --seq-len 18 must be a multiple of 4 \(each sequence is cut into 2 x 2 equal chunks\)"),
     ("ranks", ("--context-parallel", "2"), r"--context-parallel 2 must divide the number of ranks \(1\)"),
     ("zero", ("--context-parallel", "0"), r"--context-parallel must be >= 1, got 0"),
-    ("recompute-block", ("--gpus", "2", "--context-parallel", "2", "--recompute-block"),
-     r"--context-parallel 2 does not support --recompute-block yet"),
-    ("compile-and-chunks", ("--gpus", "2", "--context-parallel", "2", "--compile", "on", "--batch-size", "2",
-                            "--attn-bwd-chunks", "2"),
-     r"does not support --compile on, --attn-bwd-chunks 2 yet"),
+    # compiled blocks and recompute are served (parallel/context_ops.py): only the batch slices are named
+    ("compile-and-chunks", ("--gpus", "2", "--context-parallel", "2", "--compile", "on", "--recompute-block",
+                            "--batch-size", "2", "--attn-bwd-chunks", "2"),
+     r"--context-parallel 2 does not support --attn-bwd-chunks 2 yet \(its attention"),
     ("lora", ("--gpus", "2", "--context-parallel", "2", "--document-masking", "--lora-rank", "4"),
      r"--context-parallel 2 does not support --lora-rank yet"),
     ("document-attention-varlen", ("--gpus", "2", "--context-parallel", "2", "--document-masking",
@@ -67,8 +66,6 @@ CP_CASES = [Case(f"cp-{name}", train(extra=extra), match) for name, extra, match
      r"--context-parallel-mode ring needs --context-parallel N > 1"),
     ("mode-typo", ("--gpus", "2", "--context-parallel", "2", "--context-parallel-mode", "rings"),
      r"--context-parallel-mode.*'rings'"),
-    ("ring-recompute-att", ("--gpus", "2", "--context-parallel", "2", "--context-parallel-mode", "ring",
-                            "--recompute-att"), r"--context-parallel 2 does not support --recompute-att yet"),
 ]]
 
 

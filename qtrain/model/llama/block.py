@@ -223,9 +223,10 @@ class LlamaBlock:
         each backward call (with its fp32 workspace) covers B/chunks sequences. The price: the slices'
         outputs, which their backward keeps, are concatenated into a second copy for the projection.
         `docs`: attention inside each document instead (kernels/document_attention.py; its slices are the
-        Transformer's, made for attn_chunks; with a split sequence, what its `documents` made)."""
+        Transformer's, made for attn_chunks; with a split sequence, what its `documents` or `causal` made)."""
         B, _, T, _ = q.shape
-        if self.context is not None:  # this rank's queries over every rank's keys and values (its documents' docs)
+        if self.context is not None:  # this rank's queries over every rank's keys and values (`docs`: its causal or
+            # documents' inputs)
             att = self.context.attention(q, k, v, docs).transpose(1, 2)
         elif docs is not None:
             return document_attention(q, k, v, docs).reshape(B, T, self.q_dim)
