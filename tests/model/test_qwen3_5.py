@@ -110,8 +110,8 @@ def test_recompute_switches_change_no_bit(flags):
 def test_activation_statements_hold_what_autograd_keeps(moe, dtype):
     """The memory plan's per-layer statements (memory.py) against the bytes autograd saves for one eager block
     forward (saved-tensor hooks), per layer kind. They are stated from the steps, not fitted: within 15% below and
-    25% above what is measured (the full-attention layer's norms are stated high); the GPU check against
-    allocations waits for the Triton delta rule."""
+    25% above what is measured (the full-attention layer's norms are stated high); the GPU path's (the op pairs)
+    in test_qwen3_5_op_memory.py."""
     from qtrain.kernels.rope import rope_tables
     from qtrain.model.family import ActivationSettings
     from qtrain.model.init import init_params

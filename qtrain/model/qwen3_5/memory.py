@@ -162,7 +162,8 @@ def document_terms(cfg: Qwen35Config, s: ActivationSettings) -> list[ActTerm]:
     if s.delta_rule_kernels:
         conv, delta = 1, 8
     else:
-        conv, delta = cfg.linear_conv_kernel_dim - 1, C + 2 + 2 * 4 * H + 1 / C + (4 * H / C if not T or T > 2 * C else 0)
+        later_decays = 4 * H / C if not T or T > 2 * C else 0
+        conv, delta = cfg.linear_conv_kernel_dim - 1, C + 2 + 2 * 4 * H + 1 / C + later_decays
     return [ActTerm("conv_documents", conv, "qkv" not in rc, "convolution's document masks"),
             ActTerm("delta_rule_documents", delta, "att" not in rc,
                     "delta rule's document masks" + ("" if s.delta_rule_kernels else " and masked decays"))]
@@ -170,13 +171,14 @@ def document_terms(cfg: Qwen35Config, s: ActivationSettings) -> list[ActTerm]:
 
 def backward_temporaries(cfg: Qwen35Config, layer: int, tokens: int, s: ActivationSettings) -> int:
     """The largest saved tensors come back as gradients: the MLP's and the mixer's widest, in the model dtype, plus the
-    delta rule's fp32 chunk gradients (as large as its kept buffers) on linear-attention layers."""
+    delta rule's fp32 chunk gradients on linear-attention layers (as large as the twin's kept buffers, which the op
+    pair's backward recomputes: the twin's statement on either path)."""
     E = DTYPE_BYTES[s.model_dtype]
     mlp = 2 * (cfg.moe_intermediate_size * cfg.num_experts_per_tok if cfg.is_moe_layer(layer) else
                cfg.intermediate_size)
     mixer = cfg.in_proj_dim if cfg.is_linear(layer) else cfg.attn_qkv_dim
     delta = 0
-    if cfg.is_linear(layer):  # the op pair's backward recomputes the chunk buffers the twin keeps: as large
+    if cfg.is_linear(layer):
         twin = replace(s, delta_rule_kernels=False)
         delta = next(t.per_token for t in activation_terms(cfg, layer, twin) if t.name == "delta_rule")
     return int(tokens * (E * (mlp + mixer + 2 * cfg.hidden_size) + delta))
