@@ -170,6 +170,8 @@ class ActivationSettings:
     adapter_inputs: frozenset[str] = frozenset()
     seq_len: int = 0  # tokens of one sequence (a rank's part); 0: unknown, taken as long (Qwen3.5's delta rule keeps
     # one chunk less of some buffers per sequence)
+    delta_rule_kernels: bool = False  # Gated DeltaNet's convolution and delta rule run as their op pairs (CUDA with
+    # Triton: `kernels.delta_rule.op_pairs_on`), which keep their inputs only, not the twins' chunk buffers
 
     def lin_of(self, matrix: str) -> bool:
         """Whether a block linear of `matrix` keeps its (model-dtype) input: for its weight's gradient, or over a

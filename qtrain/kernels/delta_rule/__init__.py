@@ -21,11 +21,18 @@ from qtrain.kernels.delta_rule.gated_delta_rule import (CHUNK, gated_delta_rule_
 from qtrain.kernels.delta_rule.gated_delta_rule_op import gated_delta_rule_triton as _gated_delta_rule_triton
 
 __all__ = ["CHUNK", "LIMITS", "causal_conv1d_silu", "document_resets", "gated_delta_rule", "gated_delta_rule_chunked",
-           "gated_delta_rule_recurrent", "l2_normalize"]
+           "gated_delta_rule_recurrent", "l2_normalize", "op_pairs_on"]
 
 # what the delta-rule and convolution kernels serve (fla-core's limits, which a Triton port keeps): head dims up to
 # 256 in multiples of 16 (one tile of the state per program), convolution widths 2..4
 LIMITS = {"head_dim_max": 256, "head_dim_multiple": 16, "conv_min": 2, "conv_max": 4}
+
+
+def op_pairs_on(device_type: str) -> bool:
+    """Whether a run on `device_type` ('cuda', 'cpu') calls the two entries below as their op pairs, which keep their
+    inputs only for the backward (the memory plan states that path: `ActivationSettings.delta_rule_kernels`): on CUDA
+    with Triton unless `dispatch.BACKEND` forces the twins. (A compiled block traces the convolution's twin.)"""
+    return device_type == "cuda" and dispatch.HAS_TRITON and dispatch.BACKEND != "twin"
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

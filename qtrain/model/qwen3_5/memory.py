@@ -1,11 +1,12 @@
-"""What a Qwen3.5 block keeps for backward (eager, the CPU and the twins), per token and layer kind: the memory
-plan's statements (model/activations.py sums them), op by op. tests/model/test_qwen3_5.py checks the sum against what
-autograd saves (saved-tensor hooks) for a full fine-tune, tests/plan/test_lora_activations.py over a frozen base
-(LoRA: `ActivationSettings.frozen_base`: the norms' frozen gains keep no normalized value, a frozen linear keeps its
-input only for an adapter that reads it, `adapter_inputs`), fp32 and bf16, at sequence lengths that are multiples of
-the delta rule's chunk (a padded last chunk keeps its padding too). The recompute switches drop the terms of the steps
-they rerun. The GPU check against allocations waits for the Triton delta rule, whose chunk buffers differ from the
-twin's.
+"""What a Qwen3.5 block keeps for backward (eager), per token and layer kind: the memory plan's statements
+(model/activations.py sums them), op by op, on the path the run takes: the twins (the CPU), or on CUDA the convolution
+and the delta rule as their op pairs (`ActivationSettings.delta_rule_kernels`, from `kernels.delta_rule.op_pairs_on`).
+tests/model/test_qwen3_5.py checks the twins' sum against what autograd saves (saved-tensor hooks) for a full
+fine-tune, tests/plan/test_lora_activations.py over a frozen base (LoRA: `ActivationSettings.frozen_base`: the norms'
+frozen gains keep no normalized value, a frozen linear keeps its input only for an adapter that reads it,
+`adapter_inputs`), tests/model/test_qwen3_5_op_memory.py the op pairs' (forced on the CPU, and against the CUDA
+allocator), fp32 and bf16, at sequence lengths that are multiples of the delta rule's chunk (a padded last chunk keeps
+its padding too). The recompute switches drop the terms of the steps they rerun.
 
 The zero-centred RMSNorms (`layers.rms_norm_zero_centered`) keep the fp32 copy of a bf16 input (in fp32 the input
 itself: the block input, or the residual after the mixer), rstd, the normalized fp32 value where the gain learns, and
@@ -13,19 +14,34 @@ per layer the fp32 gain 1 + w. In fp32 several ops keep views of one tensor, cou
 projection's output (q, k normalized from it, v given to SDPA), the linear-attention projection's (z for the gate's
 SiLU) and the convolution's output (v in the delta rule).
 
-Gated DeltaNet's delta rule (the twin's chunked form, `kernels/delta_rule/gated_delta_rule.py`, C = 64, n = T / C
-chunks; H value heads of dv, Hk key heads of dk, in fp32), per token: q and k repeated to the H heads and normalized
-(input and rstd each), the bmm copies of q, k^T (twice) and k beta, k normalized, q scaled, k beta, W (ten (H, dk)),
-v, U and the chunks' v_new (three (H, dv)), five (C, C) per head (q k^T, k beta k^T, the decay D, A and QK), the
-decays (G, the tail decay, beta: H each, and each chunk's last), the chunk states S_0 .. S_{n-1} (H dk dv per C
-tokens), and for every chunk but the first of a sequence the copies of q decayed and of k decayed transposed; per
-layer the (C, C) causal mask. A fused kernel keeps far less (fla-core keeps q, k, v, g, beta and the chunk states,
-recomputing the rest).
-With --document-masking a linear-attention layer also keeps its documents' masks (`document_terms`): C bytes a token
-for the chunks' (C, C) same-document masks, 2 for two bool per-position masks, 8 H for the two masked fp32 decays,
-K - 1 for the convolution's.
+Gated DeltaNet's delta rule (the twin's chunked form, `kernels/delta_rule/gated_delta_rule.py`: `chunked_form`
+around `chunk_core`, C = 64, n = T / C chunks; H value heads of dv, Hk key heads of dk, in fp32), per token: q and k
+repeated to the H heads and normalized (input and rstd each), k normalized, q scaled, k beta, W, the bmm copies of
+k beta, k^T (twice), q and q decayed (eleven (H, dk)); v, U and the stacked corrections V' (three (H, dv)); five
+(C, C) per head (k beta k^T, the decay D, A, q k^T, QK); the decays exp(G) and the keys' decay to the chunk's end
+(H each; bf16: beta's fp32 copy too) and each chunk's last; the chunk states S_0 .. S_{n-1} twice (the recurrence's
+in `chunk_states` and their stack for the read-out: 2 H dk dv per C tokens); for every chunk but a sequence's last
+(whose state update nothing reads) the bmm copy of k decayed transposed and its own V' (H dk + H dv); per layer the
+(C, C) causal mask (with documents the chunks' own masks replace it). With documents (--document-masking) a
+linear-attention layer also keeps their masks (`document_terms`): C bytes a token for the chunks' (C, C)
+same-document masks, 2 for two bool per-position masks, 8 H for the two masked fp32 decays, 1 / C for the chunks' bool
+'no reset' flags (and 4 H / C for the masked decay across a chunk in sequences of more than two chunks), K - 1 for the
+convolution's tap masks.
+
+The op pairs (gated_delta_rule_op.py, causal_conv1d.py; docs/gated-delta-rule.md) keep only their inputs and
+recompute the rest in backward. The convolution's keeps its input, a view of the projection's output (E in_proj_dim
+a token; in fp32 z's SiLU keeps that storage already) instead of its fp32 SiLU input, padded input and weight copy.
+Around `chunk_core_op` autograd keeps the preparation's saved tensors (q and k repeated to the H heads as the L2 norm's
+input, its rstd each) and the op's inputs: q scaled, k normalized, v (fp32: the convolution's output, a view), g,
+beta (bf16: its fp32 copy; fp32: sigmoid(b)'s own): four (H, dk) (fp32 with H == Hk: two, the norm's inputs being
+views of the convolution's output), one (H, dv), three or four H, no per-layer mask.
+With documents the convolution's op keeps the resets (1 byte a token), the delta rule's the per-position document
+counts d (int64, 8). The backward's workspace recomputes the twin's chunk buffers: `backward_temporaries` states the
+twin's either way.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 from qtrain.kernels.delta_rule import CHUNK
 from qtrain.kernels.swiglu.activation import saved_bytes_per_token as swiglu_saved_bytes
@@ -51,7 +67,7 @@ def activation_terms(cfg: Qwen35Config, layer: int, s: ActivationSettings) -> li
                      "RMSNorm-1 state + output (the mixer's input)", per_layer=ln1_layer)]
     terms += linear_attention_terms(cfg, s) if cfg.is_linear(layer) else full_attention_terms(cfg, s)
     if s.documents and cfg.is_linear(layer):
-        terms += document_terms(cfg, rc)
+        terms += document_terms(cfg, s)
     dropped = "norm" in rc or "ffn" in rc
     ln2, ln2_layer = _norm(C, E, s, copies=False)
     res = E * C if (dropped or E == 4) else 4 * C  # RMSNorm-2's fp32 input (a bf16 residual's fp32 copy)
@@ -77,22 +93,31 @@ def linear_attention_terms(cfg: Qwen35Config, s: ActivationSettings) -> list[Act
     H, Hk, dk, dv = cfg.linear_num_value_heads, cfg.linear_num_key_heads, cfg.linear_key_head_dim, \
         cfg.linear_value_head_dim
     vd, cd, K, T = cfg.linear_value_dim, cfg.conv_dim, cfg.linear_conv_kernel_dim, s.seq_len
-    # the convolution: SiLU's fp32 input; its fp32 padded input where its weight learns (K - 1 zero rows a sequence)
-    conv = 4 * cd + (4 * cd * (1 + (K - 1) / T if T else 1) if learns else 0)
+    f32, ops = E == 4, s.delta_rule_kernels  # fp32: q, k (H == Hk) and v are views of the convolution's output
+    if ops:  # the convolution's op keeps its input, a view of the projection's output (in fp32 z's SiLU keeps it too)
+        conv, conv_layer = (0 if f32 else E * cfg.in_proj_dim), 0
+    else:  # SiLU's fp32 input; its fp32 padded input where its weight learns (K - 1 zero rows a sequence)
+        conv = 4 * cd + (4 * cd * (1 + (K - 1) / T if T else 1) if learns else 0)
+        conv_layer = 4 * cd * K if E != 4 else 0  # the weight's fp32 copy
     gates = E * H + 4 * H + (4 * H if learns else 0)  # sigmoid(b), softplus's input (and output, for A_log)
     qkv = ActTerm("in_proj", conv + gates, "qkv" not in rc,
-                  "convolution (fp32), gates b, a" + (", the convolution's fp32 input" if learns else ""),
-                  per_layer=(4 * cd * K if E != 4 else 0) + 4 * H * (2 if learns else 1))
-    f32 = E == 4  # fp32: q, k (with H == Hk) and v are views of the convolution's output, beta of sigmoid(b)'s
-    dk_bufs = 10 * 4 * H * dk - (2 * 4 * H * dk if f32 and H == Hk else 0)
-    later_chunks = 1 - CHUNK / T if T else 1  # every chunk but a sequence's first keeps q, k decayed copies
-    delta = (dk_bufs + 2 * 4 * H * dk * later_chunks + (4 * cd if f32 else 4 * H * dv) + 2 * 4 * H * dv
-             + 5 * 4 * H * CHUNK + (4 + (0 if f32 else 1)) * 4 * H + 4 * H / CHUNK + 4 * H * dk * dv / CHUNK)
+                  ("convolution's input (the op's)" if ops else "convolution (fp32)") + ", gates b, a"
+                  + (", the convolution's fp32 input" if learns and not ops else ""),
+                  per_layer=conv_layer + 4 * H * (2 if learns else 1))
+    # the prepared q, k, v (fp32) and beta (a view of sigmoid(b)'s in fp32)
+    prepared = (4 * cd if f32 else 4 * H * dv) + 4 * 4 * H * dk - (2 * 4 * H * dk if f32 and H == Hk else 0)
+    if ops:  # the op pair keeps its inputs (q scaled, k normalized, v, g, beta), the preparation its own
+        delta, delta_layer = prepared + (3 + (0 if f32 else 1)) * 4 * H, 0
+    else:
+        but_last = 1 - CHUNK / T if T else 1  # every chunk but a sequence's last keeps k decayed^T and its V' copies
+        delta = (prepared + 7 * 4 * H * dk + 4 * H * (dk + dv) * but_last + 2 * 4 * H * dv + 5 * 4 * H * CHUNK
+                 + (4 + (0 if f32 else 1)) * 4 * H + 4 * H / CHUNK + 2 * 4 * H * dk * dv / CHUNK)
+        delta_layer = 0 if s.documents else CHUNK * CHUNK  # the causal mask (documents: the chunks' own masks)
     gate_in = 4 * cfg.in_proj_dim if f32 else 4 * vd  # silu(z)'s input: z itself in fp32, a view of the projection
     gated = 4 * vd + 4 * H + (E * vd if learns else 0) + E * vd + 4 * vd + gate_in + (E * vd if s.lin_of("out") else 0)
     return [qkv,
-            ActTerm("delta_rule", delta, "att" not in rc, "delta rule (twin): module docstring",
-                    per_layer=CHUNK * CHUNK),
+            ActTerm("delta_rule", delta, "att" not in rc,
+                    f"delta rule ({'its op pair' if ops else 'twin'}): module docstring", per_layer=delta_layer),
             ActTerm("gated_norm", gated, "block" not in rc, "gated RMSNorm (fp32 o, rstd, gate) + output projection "
                     "input")]
 
@@ -125,26 +150,35 @@ def moe_terms(cfg: Qwen35Config, s: ActivationSettings, blk: bool) -> list[ActTe
             ActTerm("shared_expert", shared, blk, "shared expert's up/gate, silu(gate), (down input), gate, output")]
 
 
-def document_terms(cfg: Qwen35Config, rc: frozenset[str]) -> list[ActTerm]:
-    """What a linear-attention layer keeps besides with --document-masking (module docstring), per token: the
-    convolution's K - 1 'no reset within the tap' masks (bool, step qkv); the delta rule's same-document mask of each
-    chunk (C x C bool per C tokens: C bytes a token, broadcast over the heads), its two per-position masks (which
+def document_terms(cfg: Qwen35Config, s: ActivationSettings) -> list[ActTerm]:
+    """What a linear-attention layer keeps besides with --document-masking (module docstring), per token. The twins:
+    the convolution's K - 1 'no reset within the tap' masks (bool, step qkv); the delta rule's same-document mask of
+    each chunk (C x C bool per C tokens: C bytes a token, broadcast over the heads), its two per-position masks (which
     document reads the old state, which writes the next: bool) and the two per-head fp32 decays those masks multiply
-    (kept because the product needs them), step attention."""
-    H = cfg.linear_num_value_heads
-    return [ActTerm("conv_documents", cfg.linear_conv_kernel_dim - 1, "qkv" not in rc, "convolution's document masks"),
-            ActTerm("delta_rule_documents", CHUNK + 2 + 2 * 4 * H, "att" not in rc,
-                    "delta rule's per-chunk document masks and masked decays")]
+    (kept because the product needs them), each chunk's bool 'no reset in it' flag and, for sequences of more than two
+    chunks, the masked per-head decay across it (read where a learning state decays), step attention. The op pairs:
+    the resets (bool) the convolution's keeps, the per-position document counts (int64) the delta rule's keeps."""
+    H, rc, C, T = cfg.linear_num_value_heads, resolve_flags(s.recompute), CHUNK, s.seq_len
+    if s.delta_rule_kernels:
+        conv, delta = 1, 8
+    else:
+        later_decays = 4 * H / C if not T or T > 2 * C else 0
+        conv, delta = cfg.linear_conv_kernel_dim - 1, C + 2 + 2 * 4 * H + 1 / C + later_decays
+    return [ActTerm("conv_documents", conv, "qkv" not in rc, "convolution's document masks"),
+            ActTerm("delta_rule_documents", delta, "att" not in rc,
+                    "delta rule's document masks" + ("" if s.delta_rule_kernels else " and masked decays"))]
 
 
 def backward_temporaries(cfg: Qwen35Config, layer: int, tokens: int, s: ActivationSettings) -> int:
     """The largest saved tensors come back as gradients: the MLP's and the mixer's widest, in the model dtype, plus the
-    delta rule's fp32 chunk gradients (as large as its kept buffers) on linear-attention layers."""
+    delta rule's fp32 chunk gradients on linear-attention layers (as large as the twin's kept buffers, which the op
+    pair's backward recomputes: the twin's statement on either path)."""
     E = DTYPE_BYTES[s.model_dtype]
     mlp = 2 * (cfg.moe_intermediate_size * cfg.num_experts_per_tok if cfg.is_moe_layer(layer) else
                cfg.intermediate_size)
     mixer = cfg.in_proj_dim if cfg.is_linear(layer) else cfg.attn_qkv_dim
     delta = 0
     if cfg.is_linear(layer):
-        delta = next(t.per_token for t in activation_terms(cfg, layer, s) if t.name == "delta_rule")
+        twin = replace(s, delta_rule_kernels=False)
+        delta = next(t.per_token for t in activation_terms(cfg, layer, twin) if t.name == "delta_rule")
     return int(tokens * (E * (mlp + mixer + 2 * cfg.hidden_size) + delta))
