@@ -114,3 +114,25 @@ def test_context_parallel_lora_dropout_documents_trains_as_one_process_and_loads
 def test_context_parallel_lora_trains_as_one_process(root):
     _pair(root, "plain")
     _assert_trains_as(root, "plain-cp", "plain-one")
+
+
+def test_context_parallel_lora_dropout_resumes_bitwise(root):
+    """The CP run's checkpoints hold the adapters only, and --continue from step 2 is bitwise the run it continues
+    (the dropout keys name the step, and each rank draws the whole rows' masks)."""
+    if not (root / "out" / "drop-cp" / "adapter_model.safetensors").exists():
+        pytest.skip("needs the run of test_context_parallel_lora_dropout_documents_trains_as_one_process_...")
+    ckpt = root / "ckpt" / "drop-cp" / "step_00000002"
+    for rank in range(2):
+        keys = set(load_file(ckpt / f"weights.shard_{rank:03d}_of_002.safetensors"))
+        assert keys == {"block.0.lora", "block.1.lora"}, keys
+    argv = _argv(root, "drop-cp-resumed", "--gpus", "2", "--context-parallel", "2", "--context-parallel-mode", "ring",
+                 "--lora-dropout", "0.3", "--document-masking", "--continue", "2")
+    argv[argv.index("--checkpoint-dir") + 1] = str(root / "ckpt" / "drop-cp")
+    r = qtrain_run(argv, cwd=root, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    full = {e["step"]: e for e in read_log(root / "logs" / "drop-cp.jsonl") if e["log"] == "step"}
+    resumed = {e["step"]: e for e in read_log(root / "logs" / "drop-cp-resumed.jsonl") if e["log"] == "step"}
+    assert sorted(resumed) == [2, 3]
+    assert all((resumed[k]["loss"], resumed[k]["norm"]) == (full[k]["loss"], full[k]["norm"]) for k in resumed)
+    a, b = (load_file(root / "out" / n / "adapter_model.safetensors") for n in ("drop-cp", "drop-cp-resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
