@@ -219,8 +219,7 @@ def _check_context_parallel(opts: Any, err: Callable[[str], OptionsError]) -> No
     blocked = [f for f, on in (("--use-cuda-graphs", opts.use_cuda_graphs),
                                (f"--attn-bwd-chunks {opts.attn_bwd_chunks}", opts.attn_bwd_chunks > 1),
                                ("--document-attention varlen", opts.document_attention == "varlen"),
-                               (f"--expert-parallel {opts.expert_parallel}", opts.expert_parallel > 1),
-                               ("--lora-rank", opts.lora_rank > 0)) if on]
+                               (f"--expert-parallel {opts.expert_parallel}", opts.expert_parallel > 1)) if on]
     if blocked:
         raise err(f"--context-parallel {n} does not support {', '.join(blocked)} yet (its attention meets the "
                   f"other ranks' keys and values in one call per block, outside CUDA graphs)")

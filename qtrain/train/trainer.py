@@ -150,7 +150,7 @@ class Trainer:
 
     def _run_options(self, opts: Options, run: RunResolution) -> RunOptions:
         """How the model executes: the options as the run resolved them."""
-        self.adapter = LoraAdapter(self.cfg, self.lora, seed=opts.seed) if self.lora is not None else None
+        self.adapter = LoraAdapter(self.cfg, self.lora, seed=opts.seed, context=self.context) if self.lora is not None else None
         return RunOptions(
             lmhead_chunks=run.lmhead_chunks, attn_bwd_chunks=opts.attn_bwd_chunks, sdpa_backend=run.sdpa_backend,
             recompute=run.recompute, offload_residual=run.offload_residual, compile=run.compile,

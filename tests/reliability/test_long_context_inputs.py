@@ -57,8 +57,6 @@ CP_CASES = [Case(f"cp-{name}", train(extra=extra), match) for name, extra, match
     ("compile-and-chunks", ("--gpus", "2", "--context-parallel", "2", "--compile", "on", "--recompute-block",
                             "--batch-size", "2", "--attn-bwd-chunks", "2"),
      r"--context-parallel 2 does not support --attn-bwd-chunks 2 yet \(its attention"),
-    ("lora", ("--gpus", "2", "--context-parallel", "2", "--document-masking", "--lora-rank", "4"),
-     r"--context-parallel 2 does not support --lora-rank yet"),
     ("document-attention-varlen", ("--gpus", "2", "--context-parallel", "2", "--document-masking",
                                    "--document-attention", "varlen"),
      r"--context-parallel 2 does not support --document-attention varlen yet"),

@@ -11,7 +11,10 @@ Dropout masks come from a counter-based key, not from torch's generator state: t
 of step s draws its mask from a generator seeded with `kernels.rng.rng_key(seed, DROPOUT_STREAM, s, m, l, t)`. So a
 recomputed projection (the recompute switches) draws the mask its forward drew, and a resumed run (--continue) the
 masks the uninterrupted run drew. The trainer says where the run is (`at(step, micro)`), the layer is known from the
-adapter tensor the block hands over (`bind_layers`), and evaluation runs without dropout (`training`).
+adapter tensor the block hands over (`bind_layers`), and evaluation runs without dropout (`training`). Under context
+parallelism (`context`: this rank holds some positions of each sequence) a rank draws the mask of the whole sequence
+and keeps its positions' rows, so each token gets the mask one process draws for it (the generator cannot skip to a
+row: the draw costs N times one rank's share, a transient of one process's mask).
 
 An MoE layer's experts (`expert_term`, called by `model/moe.py` on the rows it has grouped by expert): expert e's rows
 x_e get s B_e A_e dropout(x_e) added, peft's `ParamWrapper` update W_e + s B_e A_e (tensors.py) applied to the input
@@ -29,6 +32,7 @@ from qtrain.model.config import ModelConfig
 from qtrain.model.lora.spec import LoraSpec
 from qtrain.model.lora.tensors import ExpertTarget, a_name, adapted, adapted_experts, b_name
 from qtrain.model.registry import family_of
+from qtrain.model.sequence_split import SequenceSplit
 from qtrain.model.weights import block_shapes
 
 DROPOUT_STREAM = 0x10DA  # the dropout keys' stream id in rng_key (apart from stochastic rounding's keys)
@@ -38,7 +42,8 @@ class LoraAdapter:
     """Adds the adapter term to a block linear's output (module docstring). One instance serves every layer (the
     layers of a dense family offer the same targets)."""
 
-    def __init__(self, cfg: ModelConfig, spec: LoraSpec, seed: int = 0):
+    def __init__(self, cfg: ModelConfig, spec: LoraSpec, seed: int = 0, context: SequenceSplit | None = None):
+        self.context = context  # --context-parallel: the masks are drawn for whole sequences (module docstring)
         self.spec, self.r, self.scaling, self.dropout, self.seed = spec, spec.rank, spec.scaling, spec.dropout, seed
         self.num_layers = cfg.num_hidden_layers
         # matrix -> ([(first row, rows) of each target], the matrix's rows), over every layer that has the matrix (a
@@ -96,7 +101,14 @@ class LoraAdapter:
             raise RuntimeError("LoraAdapter: dropout needs bind_layers() (which layer an adapter belongs to)")
         key = rng_key(self.seed, DROPOUT_STREAM, self.step, self.micro, layer, self.target_ids[matrix][i])
         gen = torch.Generator(device=x.device).manual_seed(key)
-        keep = torch.rand(x.shape, generator=gen, device=x.device) >= self.dropout
+        if self.context is None:
+            keep = torch.rand(x.shape, generator=gen, device=x.device) >= self.dropout
+        else:  # (.., t, in) of this rank's positions: those rows of the whole (.., t N, in) sequence's mask
+            if x.dim() < 3:
+                raise RuntimeError("LoraAdapter: context parallel dropout needs (.., tokens, features) inputs")
+            t = x.shape[-2]
+            whole = torch.rand(*x.shape[:-2], t * self.context.parts, x.shape[-1], generator=gen, device=x.device)
+            keep = whole.index_select(-2, self.context.positions(t, x.device)) >= self.dropout
         return x * keep.to(x.dtype) / (1.0 - self.dropout)
 
     def __call__(self, name: str, x: torch.Tensor, w: dict[str, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
