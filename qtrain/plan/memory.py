@@ -260,6 +260,12 @@ def _lora_settings(cfg: ModelConfig, lora: LoraSpec | None) -> dict[str, Any]:
     return {"frozen_base": True, "adapter_inputs": reads}
 
 
+def run_layout(cfg: ModelConfig, opts: Options, world: int) -> FlatLayout:
+    """The flat layout a run of `opts` holds on `world` ranks: with --lora-rank only the adapters train (no gradients
+    or Adam state for the base), with --expert-parallel a rank holds E/ep experts."""
+    return FlatLayout(cfg, world, lora=spec_from_options(vars(opts), cfg), expert_parallel=opts.expert_parallel)
+
+
 # ---------------------------------------------------------------------------------------------------------
 def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shards: int, compiled: bool,
                fp8_linears: tuple[str, ...], quants: tuple[str, ...], keep_transposes: bool, fp8_head_backward: bool,
@@ -273,9 +279,7 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
 
     gpu_memory: the budget (None: unknown). reserve: fixed device reserve (None: 1 GiB on CUDA, 0 on CPU), plus
     5% of activations + workspace for allocator fragmentation."""
-    layout = layout if layout is not None and layout.world == shards else FlatLayout(
-        cfg, shards, lora=spec_from_options(vars(opts), cfg),  # LoRA: no gradients or Adam state for the base
-        expert_parallel=opts.expert_parallel)  # --expert-parallel: E/ep experts
+    layout = layout if layout is not None and layout.world == shards else run_layout(cfg, opts, shards)
     matmul = opts.effective_matmul_dtype
     B, T, L = opts.batch_size, opts.seq_len, cfg.num_hidden_layers
     N = B * T // opts.context_parallel  # a rank's tokens (--context-parallel: its part of each sequence)

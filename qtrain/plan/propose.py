@@ -12,9 +12,8 @@ from typing import Any
 
 from qtrain.model.config import ModelConfig
 from qtrain.options import Options, OptionsError
-from qtrain.parallel.layout import FlatLayout
 from qtrain.plan.fit import head_chunks
-from qtrain.plan.memory import MemoryPlan
+from qtrain.plan.memory import MemoryPlan, run_layout
 from qtrain.plan.resolution import plan_memory
 from qtrain.plan.step_cost import StepCost, fp8_weight_params, step_cost
 
@@ -28,7 +27,7 @@ def _ladder(base: Options, world: int, *, offload_first: bool = False,
     the block inputs. `offload_first`: the optimizer-state offload before the recomputation of GEMMs (ffn,
     block), which is cheaper when an optimizer step has many micro-steps (see `step_cost`). `shardable` False: the
     model's blocks are not laid out alike (an MoE model's experts are a layout group of their own), which sharded
-    weights need (`FlatLayout.uniform_block`), so neither they nor the master's offload are proposed."""
+    weights need (`parallel.layout.FlatLayout.uniform_block`), so neither they nor the master's offload are proposed."""
     steps: list[tuple[str, dict[str, Any]]] = [("none", {})]
 
     def add(label: str, **flags: Any) -> None:
@@ -85,7 +84,7 @@ def propose(cfg: ModelConfig, base_options: Options, gpu_bytes: int, world: int 
     `--grad-accumulation` changes with it so that the sequences per step stay the same (at least one
     micro-step). With FP8 linears and several micro-steps, `--persistent-quants` is added where it still fits
     and the step model finds it faster (`_with_persistent_quants`)."""
-    layout = FlatLayout(cfg, world)
+    layout = run_layout(cfg, base_options, world)  # the run's own: LoRA's frozen base, expert parallelism
     kw = dict(world=world, gpu_memory=gpu_bytes, device=device, compiled=compiled, reserve=reserve, layout=layout,
               model_name=model_name)
     try:

@@ -230,6 +230,23 @@ def test_propose_returns_largest_fitting_batch(name, gib, world):
         assert o is None or not plan_memory(cfg, o, world=world, gpu_memory=budget).fits
 
 
+def test_proposals_keep_the_runs_lora_layout():
+    """A LoRA run's proposals are planned over its own layout (the base frozen): every proposal's plan has the
+    adapters' gradients and Adam state only, as the plan of the options as given does (they were planned as a full
+    fine-tune: 14 GiB of gradients at Qwen2.5-7B where the adapters need 0.23 GiB with their Adam state)."""
+    cfg = preset("Qwen2.5-7B")
+    base = Options(seq_len=4096, batch_size=1, lora_rank=16, opt_m_dtype="bf16", opt_v_dtype="bf16").validate()
+    given = plan_memory(cfg, base, world=1, gpu_memory=80 * GiB)
+    props = propose(cfg, base, 80 * GiB, 1, max_batch=4)
+    assert props
+
+    def state(plan):
+        return sum(i.device + i.host for i in plan.items if i.name.startswith(("gradients", "adam")))
+    assert 0 < state(given) < 0.5 * GiB  # r=16 adapters: 40M parameters, fp32 gradients + Adam m, v
+    for _, plan in props:
+        assert state(plan) == state(given)
+
+
 def test_propose_prefers_least_intrusive_changes():
     cfg = preset("Qwen2.5-0.5B")
     props = propose(cfg, Options(seq_len=1024, batch_size=1), 80 * GiB, 1, max_batch=4)
