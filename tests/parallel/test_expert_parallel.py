@@ -213,3 +213,33 @@ def test_qtrain_train_gpus_2_expert_parallel_2_on_the_cpu(tmp_path):
     log = read_log(root / "logs" / "ep.jsonl")
     assert any("--expert-parallel 1 -> 2" in e.get("message", "") for e in log)
     assert [e["step"] for e in log if e["log"] == "step"][-1] == 5
+
+
+def _resume_on_four(rank: int, world: int, model_dir: str, ckpt: str) -> dict:
+    """The 2-rank (EP 2) checkpoint resumed on 4 ranks with --expert-parallel 4 and 2 (2 x 2): the global batch of its
+    next step (2 ranks x GA micro-batches) is one micro-batch per rank."""
+    ctx = DistContext(rank=rank, world=world, local_rank=rank, device=CPU)
+    out = {}
+    for ep in (4, 2):
+        tr = Trainer(options(model_dir, ep=ep, ga=1), ctx)
+        assert checkpointing.load(ckpt, tr, train_loader=None, logger=None) == 1
+        state = state_of(tr)
+        valid = sum(int((micro_batch(1, m, r)[1] != -100).sum()) for m in range(GA) for r in range(2))
+        tr.micro_step(*micro_batch(1, rank // 2, rank % 2), loss_scale=world / valid)
+        stats = tr.update(lr=LR)
+        out[ep] = {"state": state, "steps": [{**stats, "weights": {n: p.float().clone()
+                                                                   for n, p in tr.full_params().items()}}]}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_runs", [2], indirect=True)
+def test_a_two_rank_expert_parallel_checkpoint_resumes_on_four_ranks(world_runs):
+    _, res = world_runs
+    ckpt = res[0]["checkpoint"]
+    four = run_distributed(_resume_on_four, 4, res[0]["model_dir"], ckpt)
+    full = res[0]["runs"][CHECKPOINTED[2]]
+    for ep in (4, 2):
+        assert_same_state(ckpt, 4, ep, [four[r][ep]["state"] for r in range(4)])
+        for r in range(4):
+            _like(four[r][ep]["steps"], full[1:], full[0]["weights"])
