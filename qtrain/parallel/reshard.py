@@ -14,6 +14,14 @@ abs-max maps to 448) and round-to-nearest-even: each element then differs from t
 half an e4m3 step at the new scale, i.e. |dm| <= 2^-4 |m| where |m| * 448 / amax >= 2^-6 (e4m3 normals),
 and |dm| <= 2^-10 * amax / 448 below (subnormals) -- `e4m3_requant_bound`.
 Stochastic rounding is not used here: it is keyed by (step, tensor, element), and requantizing is no step.
+
+Experts (`--expert-parallel`, parallel/experts.py): an expert group of an ep-way layout holds, on expert rank e, experts
+[e E/ep, (e+1) E/ep) of each stack (a contiguous run of the whole stack), sharded over the world / ep ranks d ep + e.
+Resharding goes through the whole tensors: an element of the new shard is (tensor, offset in the whole stack), which
+names the old expert rank (offset // its run), the place in that rank's buffer and so the old shard and rank holding
+it (`_runs`). Another --expert-parallel, another world, or both, are thus exact too; a dense group is the case
+ep = 1 on both sides. For an e4m3 m a block is "unchanged" when the new block holds exactly the elements of one old
+block (the same extent in the whole tensor); those keep codes and scale, the others are requantized as above.
 """
 from __future__ import annotations
 
@@ -34,20 +42,51 @@ def content_numel(group: Group) -> int:
     return group.content_numel
 
 
-def _gather(src: FlatLayout, key: str, lo: int, hi: int, read: ShardReader, dtype: torch.dtype,
+Run = tuple[int, int, int, int]  # (offset in the new shard, old rank, offset in its shard, elements)
+
+
+def _runs(src: FlatLayout, dst: FlatLayout, key: str, rank: int) -> list[Run]:
+    """Where the content of rank `rank`'s shard of group `key` in layout `dst` lies in the shards of layout `src`:
+    runs in new-shard order (module docstring: through the offsets in the whole tensors, so that an expert group may
+    be split over another number of expert-parallel ranks)."""
+    g_new, g_old = dst.by_key[key], src.by_key[key]
+    lo, hi = g_new.shard_range(rank, dst.world)
+    e_new, size_old = rank % g_new.ep, g_old.shard_size(src.world)
+    old_seg = {s.name: s for s in g_old.segments}
+    out: list[Run] = []
+    for p in g_new.pieces(lo, hi):
+        s_old = old_seg[p.segment.name]
+        span = s_old.numel  # the part of the whole tensor that one old expert rank holds (all of it: no experts)
+        t, o = e_new * p.segment.numel + p.tensor_offset, p.shard_offset  # offset in the whole tensor
+        t_end = t + p.numel
+        while t < t_end:
+            e_old = t // span
+            stop = min(t_end, (e_old + 1) * span)
+            pos, end = s_old.start + t - e_old * span, s_old.start + stop - e_old * span
+            while pos < end:
+                d = pos // size_old
+                b = min(end, (d + 1) * size_old)
+                out.append((o, d * g_old.ep + e_old, pos - d * size_old, b - pos))
+                o, pos = o + b - pos, b
+            t = stop
+    return out
+
+
+def _gather(src: FlatLayout, dst: FlatLayout, key: str, rank: int, read: ShardReader, dtype: torch.dtype,
             fill: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """Elements [lo, hi) of group `key`'s buffer, assembled from the shards of layout `src` (zeros past the
-    content). `fill(q, shard)` maps old rank q's shard to the values wanted (default: the shard itself)."""
-    g = src.by_key[key]
-    out = torch.zeros(hi - lo, dtype=dtype)
-    size, end = g.shard_size(src.world), min(hi, content_numel(g))
-    for q in range(lo // size, -(-end // size)) if lo < end else ():
-        shard = read(q)
-        if shard.numel() != size:
-            raise ValueError(f"shard {q} of {key} has {shard.numel()} elements, a world of {src.world} gives it {size}")
-        vals = fill(q, shard) if fill is not None else shard
-        a, b = max(lo, q * size), min(end, (q + 1) * size)
-        out[a - lo:b - lo] = vals[a - q * size:b - q * size]
+    """Rank `rank`'s shard of group `key` in layout `dst`, assembled from the shards of layout `src` (zeros past
+    the content). `fill(q, shard)` maps old rank q's shard to the values wanted (default: the shard itself)."""
+    g_new, g_old = dst.by_key[key], src.by_key[key]
+    out = torch.zeros(g_new.shard_size(dst.world), dtype=dtype)
+    size, vals = g_old.shard_size(src.world), {}
+    for o, q, a, n in _runs(src, dst, key, rank):
+        if q not in vals:
+            shard = read(q)
+            if shard.numel() != size:
+                raise ValueError(f"shard {q} of {key} has {shard.numel()} elements, a world of {src.world} gives it "
+                                 f"{size}")
+            vals[q] = fill(q, shard) if fill is not None else shard
+        out[o:o + n] = vals[q][a:a + n]
     return out
 
 
@@ -55,8 +94,7 @@ def reshard_flat(src: FlatLayout, dst: FlatLayout, key: str, rank: int, read: Sh
                  dtype: torch.dtype) -> torch.Tensor:
     """Rank `rank`'s shard in layout `dst` of a plain group (weights, fp32/bf16 moment) whose shards in
     layout `src` `read` returns: exact."""
-    lo, hi = dst.by_key[key].shard_range(rank, dst.world)
-    return _gather(src, key, lo, hi, read, dtype)
+    return _gather(src, dst, key, rank, read, dtype)
 
 
 def scale_index(group: Group, rank: int, world: int) -> torch.Tensor:
@@ -85,28 +123,45 @@ def block_extent(group: Group, pos: torch.Tensor, shard: int) -> tuple[torch.Ten
 
 def reshard_e4m3_m(src: FlatLayout, dst: FlatLayout, key: str, rank: int, read_codes: ShardReader,
                    read_scales: ShardReader) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank `rank`'s (codes, scales) in layout `dst` of an e4m3 m group (module docstring: blocks whose extent
-    is unchanged are copied, the others dequantized and requantized)."""
+    """Rank `rank`'s (codes, scales) in layout `dst` of an e4m3 m group (module docstring: blocks that hold the same
+    elements in both layouts are copied, the others dequantized and requantized)."""
     g_old, g = src.by_key[key], dst.by_key[key]
     lo, hi = g.shard_range(rank, dst.world)
     out_scales = torch.zeros(group_m_scales(g, dst.world), dtype=torch.float32)
-    codes_u8 = _gather(src, key, lo, hi, lambda q: read_codes(q).view(torch.uint8), torch.uint8)
+    codes_u8 = _gather(src, dst, key, rank, lambda q: read_codes(q).view(torch.uint8), torch.uint8)
     n = min(hi, content_numel(g)) - lo
     if n <= 0:
         return codes_u8.view(torch.float8_e4m3fn), out_scales
+    old_idx: dict[int, torch.Tensor] = {}
+
+    def index_of(q: int) -> torch.Tensor:
+        if q not in old_idx:
+            old_idx[q] = scale_index(g_old, q, src.world)
+        return old_idx[q]
 
     def old_scale(q: int, _: torch.Tensor) -> torch.Tensor:
-        idx, scales = scale_index(g_old, q, src.world), read_scales(q)
+        idx, scales = index_of(q), read_scales(q)
         return torch.where(idx >= 0, scales[idx.clamp_min(0)], torch.zeros((), dtype=torch.float32))
 
-    scale_old = _gather(src, key, lo, hi, read_codes, torch.float32, fill=old_scale)[:n]
+    def old_block(q: int, _: torch.Tensor) -> torch.Tensor:  # a number for each old block, unique over the ranks
+        return torch.where(index_of(q) >= 0, q * (g_old.shard_size(src.world) + 1) + index_of(q), -1)
+
+    def old_block_size(q: int, _: torch.Tensor) -> torch.Tensor:
+        idx = index_of(q)
+        sizes = torch.bincount(idx[idx >= 0], minlength=1)
+        return torch.where(idx >= 0, sizes[idx.clamp_min(0)], 0)
+
+    scale_old = _gather(src, dst, key, rank, read_codes, torch.float32, fill=old_scale)[:n]
+    block_old = _gather(src, dst, key, rank, read_codes, torch.int64, fill=old_block)[:n]
+    size_old = _gather(src, dst, key, rank, read_codes, torch.int64, fill=old_block_size)[:n]
     codes_old = codes_u8[:n]
     x = codes_old.view(torch.float8_e4m3fn).float() * scale_old  # the update's read of m
-    pos = torch.arange(lo, lo + n)
-    a_old, b_old = block_extent(g_old, pos, g_old.shard_size(src.world))
-    a_new, b_new = block_extent(g, pos, g.shard_size(dst.world))
-    same = (a_old == a_new) & (b_old == b_new)
     idx = scale_index(g, rank, dst.world)[:n]
+    nb = out_scales.numel()
+    first = torch.full((nb,), -1, dtype=torch.int64).scatter_reduce(0, idx, block_old, "amin", include_self=False)
+    last = torch.full((nb,), -1, dtype=torch.int64).scatter_reduce(0, idx, block_old, "amax", include_self=False)
+    size_new = torch.bincount(idx, minlength=nb)
+    same = (first[idx] == last[idx]) & (size_new[idx] == size_old)  # the new block is one whole old block
     amax = torch.zeros_like(out_scales).scatter_reduce(0, idx, x.abs(), "amax").clamp_min(_TINY)
     requant = (x * (E4M3_MAX / amax)[idx]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     out_scales.copy_(amax / E4M3_MAX)

@@ -26,6 +26,8 @@ padding does); an e4m3 m keeps every block whose extent is unchanged bit for bit
 shard boundary of either world size cuts (within half an e4m3 step). The loader's position is carried as the
 global number of sequences consumed (`TokenLoader.load_state_dict`), so the same global batch (batch x
 grad-accumulation x ranks) continues with the same sequences. Resharding reads the shards of every old rank.
+Another --expert-parallel (with the same or another world, to or from none) is resharded the same way, exactly: the
+experts' shards are mapped through the whole expert stacks (`parallel/reshard.py`).
 
 Where the shard files go (multi-node): every rank writes its own shards into the step's temp directory and
 leaves a marker there; once all have written, each rank lists the markers it sees. Ranks that see each other
@@ -241,18 +243,16 @@ def check_compatible(path: str, meta: dict[str, Any], cfg: ModelConfig, opts: An
     theirs = cmeta.validate(path, meta)
     dist_meta = meta["distributed"]
     written = dist_meta["world"]
-    if written != world and "ranks" in dist_meta:
+    ep, ep_now = expert_parallel_of(meta), getattr(opts, "expert_parallel", 1)
+    if not _same_layout(meta, world, ep_now) and "ranks" in dist_meta:
+        now = f"{world}" + (f" with --expert-parallel {ep_now}" if ep_now != ep else "")
         raise CheckpointError(
-            f"{path}: written by {written} rank(s) into a checkpoint directory local to each node (this one, on "
+            f"{path}: written by {written} rank(s)" + (f" with --expert-parallel {ep}" if ep_now != ep else "") +
+            f" into a checkpoint directory local to each node (this one, on "
             f"{dist_meta.get('host', '?')}, holds the shards of ranks {_ranges(dist_meta['ranks'])} only); this "
-            f"run has {world}: resharding reads every rank's shards. Copy the other nodes' "
+            f"run has {now}: resharding reads every rank's shards. Copy the other nodes' "
             f"{Path(path).name}/*.safetensors into this directory (drop \"ranks\" from {cio.META_FILE} and add their "
             f"\"{cio.DIGESTS}\" entries), or resume with {written} ranks on the same nodes")
-    ep, ep_now = expert_parallel_of(meta), getattr(opts, "expert_parallel", 1)
-    if ep != ep_now or (ep > 1 and written != world):
-        raise CheckpointError(f"{path}: written with --expert-parallel {ep} on {written} rank(s), this run has "
-                              f"--expert-parallel {ep_now} on {world}: resharding the experts is not supported yet; "
-                              f"resume with the same --expert-parallel and number of ranks")
     for k in MUST_MATCH:
         v = meta["options"][k]
         if getattr(opts, k, v) != v:
@@ -267,6 +267,12 @@ def check_compatible(path: str, meta: dict[str, Any], cfg: ModelConfig, opts: An
         raise CheckpointError(f"{path}: written for another model ({', '.join(diff)} differ from --model's config)")
 
 
+def _same_layout(meta: dict[str, Any], world: int, expert_parallel: int) -> bool:
+    """Whether a run of `world` ranks and `expert_parallel` holds the checkpoint's shards as they are (each rank reads
+    its own files); else every rank's shards are resharded (parallel/reshard.py)."""
+    return meta["distributed"]["world"] == world and expert_parallel_of(meta) == expert_parallel
+
+
 def _ranges(ranks: list[int]) -> str:
     """'0-1, 4' for [0, 1, 4]."""
     out, start = [], None
@@ -279,11 +285,12 @@ def _ranges(ranks: list[int]) -> str:
     return ", ".join(out)
 
 
-def missing_files(path: str, meta: dict[str, Any], rank: int, world: int) -> str | None:
-    """None when the checkpoint directory holds every shard file rank `rank` of `world` reads (its own at the
-    same world size, every rank's when resharding); else the message naming what is missing and why."""
+def missing_files(path: str, meta: dict[str, Any], rank: int, world: int, expert_parallel: int = 1) -> str | None:
+    """None when the checkpoint directory holds every shard file rank `rank` of `world` (with `expert_parallel`)
+    reads (its own in the same layout, every rank's when resharding); else the message naming what is missing and
+    why."""
     written = meta["distributed"]["world"]
-    ranks = [rank] if written == world else range(written)
+    ranks = _reads(meta, rank, world, expert_parallel)
     missing = [f + ".safetensors" for f in _shard_files(STATE_KINDS, ranks, written)
                if not (Path(path) / f"{f}.safetensors").is_file()]
     if not missing:
@@ -355,9 +362,10 @@ def check_resumable(path: str, meta: dict[str, Any], files: cio.CheckpointFiles,
         raise refusal(problem, newest_verifying(path, problem_of), continue_hint(ckpt_dir))
 
 
-def _reads(written: int, shard: int, shards: int) -> list[int]:
-    """The ranks of a `written`-rank checkpoint whose files shard `shard` of `shards` reads."""
-    return [shard] if written == shards else list(range(written))
+def _reads(meta: dict[str, Any], shard: int, shards: int, expert_parallel: int) -> list[int]:
+    """The ranks of a checkpoint whose files shard `shard` of `shards` (with `expert_parallel`) reads."""
+    same = _same_layout(meta, shards, expert_parallel)
+    return [shard] if same else list(range(meta["distributed"]["world"]))
 
 
 def restore_state(path: str, trainer: Trainer) -> dict[str, Any]:
@@ -370,16 +378,17 @@ def restore_state(path: str, trainer: Trainer) -> dict[str, Any]:
     its output paths."""
     meta, files = cio.read_checkpoint(path)
     ctx, shard, shards, cfg = trainer.ctx, trainer.comm.rank, trainer.comm.world, trainer.cfg
+    ep = trainer.layout.expert_parallel
     check_compatible(path, meta, cfg, trainer.opts, shards)
-    if (err := _agree(ctx, missing_files(path, meta, shard, shards))) is not None:
+    if (err := _agree(ctx, missing_files(path, meta, shard, shards, ep))) is not None:
         raise CheckpointError(err)
-    world = meta["distributed"]["world"]
+    world, same = meta["distributed"]["world"], _same_layout(meta, shards, ep)
     src = checkpoint_layout(cfg, meta)
     state = None
-    err = check_files(path, meta, files, cfg, ranks=_reads(world, shard, shards))
+    err = check_files(path, meta, files, cfg, ranks=_reads(meta, shard, shards, ep))
     if err is None:
         try:
-            if world == shards:
+            if same:
                 state = {kind: files.load(_stem(kind, shard, world)) for kind in STATE_KINDS}
             else:
                 def read(kind: str, q: int, key: str) -> torch.Tensor:
@@ -393,7 +402,7 @@ def restore_state(path: str, trainer: Trainer) -> dict[str, Any]:
             err = str(e)
     if (err := _agree(ctx, err)) is None:
         trainer.load_state_tensors(state, int(meta["step"]))
-        if world == shards:  # where the state now lives, without another copy
+        if same:  # where the state now lives, without another copy
             err = next((p for kind, tensors in trainer.state_tensors().items() for key, t in tensors.items()
                         if (p := value_problem(files.path / f"{_stem(kind, shard, world)}.safetensors", kind, key, t,
                                                src, shard))), None)
@@ -403,11 +412,11 @@ def restore_state(path: str, trainer: Trainer) -> dict[str, Any]:
             try:
                 m, _ = cio.read_checkpoint(c)
                 check_compatible(c, m, cfg, trainer.opts, shards)
-                if (missing := missing_files(c, m, shard, shards)) is not None:
+                if (missing := missing_files(c, m, shard, shards, ep)) is not None:
                     return missing
             except CheckpointError as e:
                 return str(e)
-            return verify(c, ranks=_reads(m["distributed"]["world"], shard, shards))
+            return verify(c, ranks=_reads(m, shard, shards, ep))
         hint = continue_hint(trainer.opts.expand(trainer.opts.checkpoint_dir))
         raise refusal(err, newest_verifying(path, problem_of, ctx), hint)
     hints = meta.get(HINTS_META)  # checked by check_compatible
@@ -420,14 +429,15 @@ def restore_progress(meta: dict[str, Any], trainer: Trainer, *, train_loader: To
                      logger: RunLogger | None) -> int:
     """Restore the loader and logger state of a checkpoint whose tensors `restore_state` loaded; returns the
     step to continue from."""
-    world, shards = meta["distributed"]["world"], trainer.comm.world
+    world, shards, ep = meta["distributed"]["world"], trainer.comm.world, trainer.layout.expert_parallel
     skipped = 0
     if train_loader is not None:
         skipped = train_loader.load_state_dict(meta["data_loader"])
     if logger is not None and "logger" in meta:
         logger.load_state_dict(meta["logger"])
-    if logger is not None and world != shards:
-        logger.message(f"resumed a checkpoint sharded {world} way(s) on {shards}: weights and Adam state resharded"
+    if logger is not None and not _same_layout(meta, shards, ep):
+        eps = f" (--expert-parallel {expert_parallel_of(meta)} -> {ep})" if expert_parallel_of(meta) != ep else ""
+        logger.message(f"resumed a checkpoint sharded {world} way(s) on {shards}{eps}: weights and Adam state resharded"
                        + (f"; the data position was rounded up to the new world size ({skipped} sequence(s) "
                           f"skipped)" if skipped else ""), step=int(meta["step"]))
     return int(meta["step"])
