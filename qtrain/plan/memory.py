@@ -301,7 +301,9 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
     kw = dict(model_dtype=opts.model_dtype, matmul_dtype=matmul if fp8 or matmul != "e4m3" else "",
               compiled=compiled, attn_chunks=attn_chunks, fp8_weight_copies=not (persistent_quants or e4m3_base),
               fp8_keep_transposes=keep_t, documents=opts.document_masking, seq_len=T // opts.context_parallel,
-              delta_rule_kernels=op_pairs_on(device), **_lora_settings(cfg, lora))
+              delta_rule_kernels=op_pairs_on(device, getattr(cfg, "linear_key_head_dim", 128),
+                                             getattr(cfg, "linear_value_head_dim", 128)),
+              **_lora_settings(cfg, lora))
     acts = activation_memory(cfg, N, recompute=rc, offload_residual=opts.offload_residual, **kw)
     phases = workspace_phases(cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc,
                               fp8_head_backward=fp8_head_backward, lora=lora, **kw)

@@ -69,7 +69,7 @@ def test_interp_triton_forward_and_backward_match_the_twins_fp32(K, resets):
     y = causal_conv1d_silu_triton(x, w, r)
     assert y.dtype == torch.float32 and _rel(y, causal_conv1d_silu_twin(x, w, r)) <= 1e-6
     dx, dw = causal_conv1d_silu_backward_triton(x, w, dy, r)
-    tx, tw = causal_conv1d_silu_backward_twin(x, w, dy, r)
+    tx, tw = causal_conv1d_silu_backward_twin(x.float(), w.float(), dy.float(), r)
     assert dx.dtype == dw.dtype == torch.float32 and dw.shape == w.shape
     assert _rel(dx, tx) <= 1e-6 and _rel(dw, tw) <= 1e-6
 
@@ -94,10 +94,13 @@ def test_interp_resets_keep_documents_apart():
 def test_gpu_bf16_matches_the_twins(resets):
     x, w, dy, r = _inputs(B=4, T=1000, D=1000, K=4, dtype=torch.bfloat16, device="cuda", resets=resets)
     y = causal_conv1d_silu_triton(x, w, r)
-    ref = causal_conv1d_silu_twin(x, w, r)
-    assert y.dtype == torch.bfloat16 and ((y.float() - ref.float()).abs() <= 2 ** -8 * ref.float().abs() + 1e-6).all()
+    # against the twin in fp32 on the same bf16 inputs: the kernel sums in fp32 and rounds once to bf16 (half an ulp,
+    # 2^-9 relative; 2^-8 leaves room for the sums' order). The bf16 twin itself rounds its sums and is off from
+    # the fp32 twin by as much as the kernel at most (0.031 absolute on the H100, both), so it is no reference.
+    ref = causal_conv1d_silu_twin(x.float(), w.float(), r)
+    assert y.dtype == torch.bfloat16 and ((y.float() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-6).all()
     dx, dw = causal_conv1d_silu_backward_triton(x, w, dy, r)
-    tx, tw = causal_conv1d_silu_backward_twin(x, w, dy, r)
+    tx, tw = causal_conv1d_silu_backward_twin(x.float(), w.float(), dy.float(), r)
     assert _rel(dx, tx) <= 2 ** -8 and _rel(dw, tw) <= 2 ** -8
     xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     torch.autograd.grad(causal_conv1d_silu_op(xg, wg, r), (xg, wg), dy)  # the op pair runs Triton on CUDA

@@ -190,7 +190,8 @@ def test_interp_qwen3_5_model_with_the_triton_delta_rule_equals_transformers(mon
     monkeypatch.setattr(delta_rule, "use_triton", triton_here)  # the model's entry: the Triton path, here too
     monkeypatch.setattr(gated_delta_rule_op, "use_triton", triton_here)  # the op: its kernels (interpreted)
     check_against_hf(tiny_cfg(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
-                              linear_num_key_heads=1, linear_num_value_heads=2))
+                              linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=32,
+                              linear_value_head_dim=32))  # heads the Triton path serves (TRITON_HEAD_DIM_MIN)
     assert calls
 
 

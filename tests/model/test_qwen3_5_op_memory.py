@@ -25,6 +25,9 @@ from qtrain.model.activations import activation_memory, activation_terms
 from qtrain.model.init import init_params
 from qtrain.model.transformer import allocate_params, make_block_fn
 from tests.model.family_fixtures import qwen35_cfg
+
+# head dims the Triton delta rule serves (kernels.delta_rule.TRITON_HEAD_DIM_MIN: smaller heads run the twin)
+HEADS = {"linear_key_head_dim": 32, "linear_value_head_dim": 32}
 from tests.plan.test_lora_activations import kept_after_forward
 
 DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -77,7 +80,7 @@ def test_op_pair_keeps_its_inputs_only():
 @pytest.mark.parametrize("heads", [2, 4])  # key heads: fewer than the 4 value heads (repeated), or as many
 def test_statements_hold_what_the_op_path_keeps(op_path, dtype, frozen, heads):
     """A full fine-tune and a frozen base (LoRA's, no adapters), fp32 and bf16, with and without documents."""
-    cfg = qwen35_cfg(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
+    cfg = qwen35_cfg(**HEADS, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
                      linear_num_key_heads=heads)
     fn = make_block_fn(cfg)
     positions = torch.cat([torch.arange(50), torch.arange(78)]).repeat(B, 1)  # two documents a row
@@ -94,7 +97,7 @@ def test_plan_states_the_path_of_the_device(monkeypatch):
     from qtrain.plan.resolution import plan_memory
 
     monkeypatch.setattr(dispatch, "HAS_TRITON", True)  # what a CUDA machine has; nothing is launched here
-    cfg = qwen35_cfg(num_hidden_layers=4)  # three linear-attention layers, one full-attention
+    cfg = qwen35_cfg(**HEADS, num_hidden_layers=4)  # three linear-attention layers, one full-attention
     o = Options(model="x", batch_size=B, seq_len=T, model_dtype="bf16")
     assert op_pairs_on("cuda") and not op_pairs_on("cpu")
 
@@ -122,7 +125,7 @@ def test_op_path_statements_against_the_cuda_allocator(dtype):
         pytest.skip("needs CUDA")
     assert op_pairs_on("cuda")
     shape = (4, 2048)
-    cfg = qwen35_cfg(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
+    cfg = qwen35_cfg(**HEADS, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
                      max_position_embeddings=shape[1])
     fn = make_block_fn(cfg)
     x, w, cos, sin = block_inputs(cfg, dtype, frozen=False, device="cuda", shape=shape)

@@ -26,21 +26,32 @@ __all__ = ["CHUNK", "LIMITS", "causal_conv1d_silu", "document_resets", "gated_de
 # what the delta-rule and convolution kernels serve (fla-core's limits, which a Triton port keeps): head dims up to
 # 256 in multiples of 16 (one tile of the state per program), convolution widths 2..4
 LIMITS = {"head_dim_max": 256, "head_dim_multiple": 16, "conv_min": 2, "conv_max": 4}
+# the delta rule's Triton op pair runs head dims from 32 (its dv and dk tiles are 32 wide): on an H100 its backward
+# (`_bwd_dw_kernel`) read out of bounds at dk = dv = 16, while Qwen3.5's 128 passes the GPU tests; smaller heads
+# run the chunked twin
+TRITON_HEAD_DIM_MIN = 32
 
 
-def op_pairs_on(device_type: str) -> bool:
-    """Whether a run on `device_type` ('cuda', 'cpu') calls the two entries below as their op pairs, which keep their
-    inputs only for the backward (the memory plan states that path: `ActivationSettings.delta_rule_kernels`): on CUDA
-    with Triton unless `dispatch.BACKEND` forces the twins. (A compiled block traces the convolution's twin.)"""
-    return device_type == "cuda" and dispatch.HAS_TRITON and dispatch.BACKEND != "twin"
+def _triton_serves(dk: int, dv: int) -> bool:
+    return min(dk, dv) >= TRITON_HEAD_DIM_MIN
+
+
+def op_pairs_on(device_type: str, dk: int = 128, dv: int = 128) -> bool:
+    """Whether a run on `device_type` ('cuda', 'cpu') with delta-rule heads of dk, dv calls the two entries below as
+    their op pairs, which keep their inputs only for the backward (the memory plan states that path:
+    `ActivationSettings.delta_rule_kernels`): on CUDA with Triton unless `dispatch.BACKEND` forces the twins, and
+    heads the Triton delta rule serves. (A compiled block traces the convolution's twin.)"""
+    return (device_type == "cuda" and dispatch.HAS_TRITON and dispatch.BACKEND != "twin"
+            and _triton_serves(dk, dv))
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, resets: torch.Tensor | None = None) -> torch.Tensor:
     """o (B, T, H, dv) of the gated delta rule with L2-normalised q, k from a zero state, restarting at `resets`
     (gated_delta_rule.py): on CUDA the chunked form through its Triton op pair, elsewhere the chunked twin."""
-    if use_triton(q) or (q.is_cuda and torch.compiler.is_compiling() and dispatch.HAS_TRITON
-                         and dispatch.BACKEND != "twin"):
+    if _triton_serves(q.shape[-1], v.shape[-1]) and (
+            use_triton(q) or (q.is_cuda and torch.compiler.is_compiling() and dispatch.HAS_TRITON
+                              and dispatch.BACKEND != "twin")):
         # inside a torch.compile'd block too: the op stays opaque there and launches its kernels at run time
         # (traced, the twin's loop over chunks would unroll into the graph)
         return _gated_delta_rule_triton(q, k, v, g, beta, l2norm=True, resets=resets)[0]

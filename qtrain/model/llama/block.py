@@ -247,8 +247,14 @@ class LlamaBlock:
         gradients were wrong on the H200."""
         if self.sdpa_backend == "cudnn":
             return causal_attention(q, k, v)
+        gqa = self.gqa
+        if gqa and q.is_cuda and q.dtype == torch.float32:
+            # fp32 has no flash kernel and the memory-efficient one takes no enable_gqa: without K/V expanded to the
+            # query heads SDPA falls back to the math kernel and its (B, nh, T, T) scores (128 GiB at 65k tokens)
+            rep = q.shape[1] // k.shape[1]
+            k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
         with sdpa_backends(self.sdpa_backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
     @staticmethod
     def saved_by_attention(a: _Saved) -> list[ActTerm]:
