@@ -123,6 +123,21 @@ def test_peft_made_adapter_loads_with_peft_logits_and_merges(tmp_path):
     _close(Transformer(cfg).logits(ParamWeights(cfg, merged), inputs), want)
 
 
+def adapter_grads(cfg, spec, w, inputs, runs) -> list[dict[str, torch.Tensor]]:
+    """The gradients of one eager forward-backward per run (recompute switches, (step, micro-step) of the adapter's
+    dropout key), each with a fresh adapter of seed 7 bound to `w`'s blocks."""
+    out = []
+    for rc, at in runs:
+        adapter = LoraAdapter(cfg, spec, seed=7)
+        adapter.bind_layers([w.source.block(i) for i in range(cfg.num_hidden_layers)])
+        adapter.at(*at)
+        sink = Collect()
+        Transformer(cfg, RunOptions(adapter=adapter, recompute=frozenset(rc))).forward_backward(
+            w.source, inputs, inputs.roll(-1, 1), grads=sink, loss_scale=1 / inputs.numel())
+        out.append(sink.grads)
+    return out
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 @pytest.mark.parametrize("flags", [("qkv", "ffn"), ("block",), ("att", "norm", "swiglu")])
 def test_recompute_gives_the_same_adapter_gradients_bitwise(flags, dropout):
@@ -137,15 +152,7 @@ def test_recompute_gives_the_same_adapter_gradients_bitwise(flags, dropout):
             if n.endswith("_lora_b"):
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
     inputs = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    out = []
-    for rc, at in (((), (3, 1)), (flags, (3, 1)), ((), (3, 2))):
-        adapter = LoraAdapter(cfg, spec, seed=7)
-        adapter.bind_layers([w.source.block(i) for i in range(cfg.num_hidden_layers)])
-        adapter.at(*at)
-        sink = Collect()
-        Transformer(cfg, RunOptions(adapter=adapter, recompute=frozenset(rc))).forward_backward(
-            w.source, inputs, inputs.roll(-1, 1), grads=sink, loss_scale=1 / inputs.numel())
-        out.append(sink.grads)
+    out = adapter_grads(cfg, spec, w, inputs, (((), (3, 1)), (flags, (3, 1)), ((), (3, 2))))
     assert out[0].keys() == out[1].keys()
     for k in out[0]:
         assert torch.equal(out[0][k], out[1][k]), k

@@ -28,8 +28,7 @@ from qtrain.model.transformer import RunOptions, Transformer  # noqa: E402
 from qtrain.model.weights import internal_to_hf  # noqa: E402
 from qtrain.parallel.weights.replicated import ParamWeights  # noqa: E402
 from tests.model import family_fixtures as ff  # noqa: E402
-from tests.model.family_fixtures import Collect  # noqa: E402
-from tests.model.test_lora import _close, _qtrain  # noqa: E402
+from tests.model.test_lora import _close, _qtrain, adapter_grads  # noqa: E402
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -77,15 +76,8 @@ def test_recompute_gives_the_same_expert_adapter_gradients_bitwise(dropout, tmp_
     ff.moe_hf_model("qwen3_moe").save_pretrained(tmp_path)
     _, w = _qtrain(cfg, internal_to_hf(cfg, load_hf_weights(tmp_path, cfg)), spec)
     inputs = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    out = []
-    for rc, at in (((), (3, 1)), (("ffn", "swiglu"), (3, 1)), (("block",), (3, 1)), ((), (3, 2))):
-        adapter = LoraAdapter(cfg, spec, seed=7)
-        adapter.bind_layers([w.source.block(i) for i in range(cfg.num_hidden_layers)])
-        adapter.at(*at)
-        sink = Collect()
-        Transformer(cfg, RunOptions(adapter=adapter, recompute=frozenset(rc))).forward_backward(
-            w.source, inputs, inputs.roll(-1, 1), grads=sink, loss_scale=1 / inputs.numel())
-        out.append(sink.grads)
+    runs = (((), (3, 1)), (("ffn", "swiglu"), (3, 1)), (("block",), (3, 1)), ((), (3, 2)))
+    out = adapter_grads(cfg, spec, w, inputs, runs)
     assert any("experts" in k for k in out[0]) and out[0].keys() == out[1].keys()
     for k in out[0]:
         assert torch.equal(out[0][k], out[1][k]) and torch.equal(out[0][k], out[2][k]), k
