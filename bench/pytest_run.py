@@ -1,7 +1,9 @@
 """Kind `pytest`: a pytest run in the case's checkout, e.g. the GPU tests (`-m gpu tests/`), as one case of a
 suite so that they run in the same device call as the benchmarks and land in the same table.
 
-Parameters: args (pytest arguments, ["-m", "gpu", "tests/"]), collect_only (false; the dry run collects).
+Parameters: args (pytest arguments, ["-m", "gpu", "tests/"]), isolate (test files run each in a pytest process of
+its own after the main run, which leaves them out: one illegal memory access poisons the CUDA context and fails every
+later test of its process, so new GPU paths run apart), collect_only (false; the dry run collects).
 Result: passed, failed, skipped, errors, deselected, collected (the numbers of pytest's last line), summary.
 A run with failures or errors is a failed case.
 """
@@ -33,17 +35,39 @@ def parse_summary(lines: list[str]) -> dict:
     return out
 
 
-def run(args: list[str] = ("-m", "gpu", "tests/"), collect_only: bool = False) -> dict:
+def _pytest(args: list[str], collect_only: bool) -> tuple[dict, list[str], int]:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, *(["--collect-only"] if collect_only
                                                                                   else [])]
     print("$", " ".join(cmd), flush=True)
     fin = stream(cmd)
     res = parse_summary(fin.lines)
+    if fin.returncode != 0 and not res:
+        res["summary"] = fin.last(2)
     bad = [x.split(" - ")[0] for x in fin.lines if x.startswith(("FAILED ", "ERROR "))]
-    if fin.returncode != 0:
-        raise RuntimeError(f"pytest exited with status {fin.returncode}: {res.get('summary') or fin.last(2)}"
+    return res, bad, fin.returncode
+
+
+def run(args: list[str] = ("-m", "gpu", "tests/"), isolate: list[str] = (), collect_only: bool = False) -> dict:
+    marks = [a for i, a in enumerate(args) if a == "-m" or (i and args[i - 1] == "-m")]
+    runs = [[*(a for a in args if a not in isolate), *(f"--ignore={f}" for f in isolate)], *([*marks, f] for f in isolate)]
+    total: dict = {}
+    bad: list[str] = []
+    summaries: list[str] = []
+    status = 0
+    for one in runs:
+        res, failed, rc = _pytest(one, collect_only)
+        for k, v in res.items():
+            if isinstance(v, int):
+                total[k] = total.get(k, 0) + v
+        summaries.append(res.get("summary", ""))
+        bad += failed
+        # 5: no test selected (a file without tests of the mark) is no failure
+        status = status or (rc if rc not in (0, 5) else 0)
+    total["summary"] = " | ".join(summaries)
+    if status != 0:
+        raise RuntimeError(f"pytest exited with status {status}: {total['summary']}"
                            + (f"; {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}" if bad else ""))
-    return res
+    return total
 
 
 def dry_run(params: dict) -> dict:
