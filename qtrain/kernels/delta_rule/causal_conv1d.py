@@ -194,7 +194,8 @@ def causal_conv1d_silu_backward_triton(x: torch.Tensor, w: torch.Tensor, dy: tor
                                 num_warps=NUM_WARPS, enable_fp_fusion=False)
         _conv_bwd_kernel[grid](*ins, dpre, dx, partial, rows, T, D, K=K, HAS_RESETS=has, BT=BT, BD=BD,
                                num_warps=NUM_WARPS, enable_fp_fusion=False)
-    return dx, partial.sum(0).t().to(w.dtype)
+    # w's layout: the gradient managers take contiguous gradients only (the fake kernel promises empty_like(w))
+    return dx, partial.sum(0).t().to(w.dtype).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------- ops
