@@ -35,6 +35,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from qtrain.host_memory import host_buffer
 from qtrain.model.recompute_flags import (FLAGS, IMPLIES, MLP_STEPS, STEPS, block_steps, recompute_label,  # noqa: F401
                                           resolve_flags, splits_mlp)
 
@@ -296,7 +297,7 @@ class ResidualStash:
         x = x.detach()
         host = self._host.get(layer)
         if host is None or host.shape != x.shape or host.dtype != x.dtype:
-            host = self._host[layer] = torch.empty(x.shape, dtype=x.dtype, pin_memory=x.is_cuda)
+            host = self._host[layer] = host_buffer(x.shape, x.dtype, pin=x.is_cuda, zero=False)
         self._device[layer] = x.device
         if x.is_cuda:
             side = self._side_stream(x.device)

@@ -35,6 +35,7 @@ from typing import Collection, Sequence
 
 import torch
 
+from qtrain import host_memory
 from qtrain.model.config import ModelConfig
 from qtrain.model.family import TensorSpec
 from qtrain.model.lora import tensors as lora_tensors
@@ -264,15 +265,14 @@ class FlatLayout:
         return sum(g.padded_numel for g in self.groups)
 
     def allocate(self, *, dtype: torch.dtype, device: torch.device | str, shard: bool = False,
-                 rank: int = 0, pin_memory: bool = False,
+                 rank: int = 0, pin: bool = False,
                  groups: Sequence[Group] | None = None) -> dict[str, torch.Tensor]:
         """Zeroed group buffers keyed by group key: full size, or only this rank's shard (`shard=True`); of every
-        group, or of `groups`."""
+        group, or of `groups`; on the host pinned when `pin` (qtrain.host_memory: exactly sized)."""
         out = {}
         for g in self.groups if groups is None else groups:
             n = g.shard_size(self.world) if shard else g.padded_numel
-            t = torch.zeros(n, dtype=dtype, device=device, pin_memory=pin_memory)
-            out[g.key] = t
+            out[g.key] = host_memory.zeros(n, dtype, device, pin=pin)
         return out
 
     def views(self, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

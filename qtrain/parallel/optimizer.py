@@ -59,6 +59,7 @@ from typing import Protocol
 
 import torch
 
+from qtrain import host_memory
 from qtrain.kernels.adamw import M_BLOCK
 from qtrain.kernels.rng import rng_key
 from qtrain.numerics.adamw import AdamWHyper, adamw_update_
@@ -204,13 +205,13 @@ class ShardedAdamW:
         cpu = torch.device("cpu")
         self.trained = layout.trainable_groups()  # what it updates: frozen groups have no state and no update
         self.m = layout.allocate(dtype=DTYPES[m_dtype], device=cpu if offload_m else self.device, shard=True,
-                                 pin_memory=offload_m and pin, groups=self.trained)
+                                 pin=offload_m and pin, groups=self.trained)
         self.v = layout.allocate(dtype=DTYPES[v_dtype], device=cpu if offload_v else self.device, shard=True,
-                                 pin_memory=offload_v and pin, groups=self.trained)
+                                 pin=offload_v and pin, groups=self.trained)
         # e4m3 m: one fp32 scale per block (module docstring), zero like the codes; they live with m
         self.m_scales: dict[str, torch.Tensor] = {
-            g.key: torch.zeros(group_m_scales(g, self.world), dtype=torch.float32,
-                               device=cpu if offload_m else self.device, pin_memory=offload_m and pin)
+            g.key: host_memory.zeros(group_m_scales(g, self.world), torch.float32, cpu if offload_m else self.device,
+                                     pin=offload_m and pin)
             for g in self.trained} if self.m_e4m3 else {}
         self.offloaded = {"param": offload_params, "m": offload_m, "v": offload_v}
         self.zero_copy = zero_copy

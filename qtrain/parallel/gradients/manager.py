@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from qtrain import host_memory
 from qtrain.kernels.rng import KeySlot, KeyTable, rng_key
 from qtrain.kernels.stochastic_rounding import sr_add_, sr_copy_
 from qtrain.parallel.comm import Communicator, Handle
@@ -59,7 +60,7 @@ class GradientManager(ABC):
         self._keys: KeyTable | None = None  # SR keys from a device table (use_key_table)
 
     def _zeros(self, n: int, *, device: torch.device | str | None = None, pin: bool = False) -> torch.Tensor:
-        return torch.zeros(n, dtype=self.dtype, device=device or self.device, pin_memory=pin)
+        return host_memory.zeros(n, self.dtype, device or self.device, pin=pin)
 
     # ---- protocol ----
     @property

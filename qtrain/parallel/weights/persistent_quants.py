@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from qtrain import host_memory
 from qtrain.kernels.fp8_quant import E4M3, quantize_fp8
 from qtrain.parallel.comm import Communicator
 from qtrain.parallel.footprint import Footprint
@@ -74,7 +75,7 @@ class PersistentQuants:
         pin = offload and torch.cuda.is_available()
         where = torch.device("cpu") if offload else device
         self.codes: dict[str, torch.Tensor] = {
-            layout.block(l).key: torch.zeros(g.shard_size(world), dtype=torch.uint8, device=where, pin_memory=pin)
+            layout.block(l).key: host_memory.zeros(g.shard_size(world), torch.uint8, where, pin=pin)
             for l in range(self.num_layers)}
         # host codes go into the rank's own slice of the gather buffer first (on CPU too: one tested path)
         self.staged = offload

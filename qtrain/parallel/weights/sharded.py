@@ -79,6 +79,7 @@ from typing import Iterator
 
 import torch
 
+from qtrain import host_memory
 from qtrain.kernels.fp8_quant import E4M3
 from qtrain.model.weight_source import FP8_INV_SCALE, FP8_WEIGHT
 from qtrain.parallel.comm import Communicator, Handle
@@ -149,7 +150,7 @@ class ShardedWeights:
         pin = offload and torch.cuda.is_available()
         shard_device = torch.device("cpu") if offload else self.device
         self.shards: dict[str, torch.Tensor] = {
-            g.key: torch.zeros(g.shard_size(self.world), dtype=dtype, device=shard_device, pin_memory=pin)
+            g.key: host_memory.zeros(g.shard_size(self.world), dtype, shard_device, pin=pin)
             for g in layout.groups}
         self.quants = (PersistentQuants(layout, tuple(quantized), rank=self.rank, world=self.world,
                                          dtype=self.compute_dtype,
