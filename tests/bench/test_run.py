@@ -353,3 +353,22 @@ def test_profile_categories_of_the_step_kernels():
         "triton_poi_fused_add_view_8": "inductor-fused",
     }
     assert {n: category(n) for n in names} == names
+
+
+def test_profile_categories_of_qwen3_5_kernels():
+    """Every Triton kernel of the gated delta rule and the causal conv (qtrain/kernels/delta_rule/) has its category
+    (they were "other" until 2026-12-06), and no other kernel of qtrain's takes one of theirs."""
+    import ast
+    from pathlib import Path
+
+    from bench.kernel_categories import category
+    root = Path(__file__).resolve().parents[2] / "qtrain" / "kernels"
+    kernels = {p.stem: [n.name for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.FunctionDef)
+                        and n.name.endswith("_kernel")] for p in root.rglob("*.py")}
+    conv = set(kernels["causal_conv1d"])
+    delta = {n for stem, names in kernels.items() if stem.startswith("gated_delta_rule") for n in names}
+    assert len(delta) == 10 and conv == {"_conv_fwd_kernel", "_conv_dpre_kernel", "_conv_bwd_kernel"}
+    assert {n: category(n) for n in delta} == dict.fromkeys(delta, "delta-rule")
+    assert {n: category(n) for n in conv} == dict.fromkeys(conv, "conv")
+    others = {n for names in kernels.values() for n in names} - delta - conv
+    assert not {n for n in others if category(n) in ("delta-rule", "conv")}
