@@ -131,6 +131,7 @@ CASE = '[[case]]\nname = "a"\nkind = "train"\n'
     ("[checkouts.base]\nurl = 'x'\n" + CASE, "[checkouts.base]: unknown key 'url'"),
     (CASE + '[[ratio]]\nnum = "zzz"\nden = "a"\n', "ratio[0] num: 'zzz' matches no run"),
     (CASE + '[[ratio]]\nnum = "a"\nden = "a"\nden_factor = 0\n', "ratio[0] den_factor"),
+    (CASE + '[[ratio]]\nnum = "a"\nden = "a"\nbest = "yes"\n', "ratio[0] best: must be true or false"),
 ])
 def test_bad_suite_names_file_and_key(tmp_path, text, where):
     path = tmp_path / "bad.toml"
@@ -309,6 +310,17 @@ def test_table_and_ratios():
                              Ratio("nothing", "zzz", "g")])
     assert got[0].split()[3] == "1.040" and got[1].split()[2] == "0.520"
     assert "no ok run" in got[2]
+
+
+def test_ratio_of_the_best_cases():
+    """`best`: each side is its best case's mean (a tool at its fastest micro-batch), not the mean of all runs the
+    pattern matches; without it, the mean of all (the 4 x 4 and 8 x 2 runs together)."""
+    rows = [dict(run="q@new.1", case="q", status="ok", tps=100), dict(run="q@new.2", case="q", status="ok", tps=110),
+            dict(run="q-8x2", case="q-8x2", status="ok", tps=120), dict(run="q-16x1", case="q-16x1", status="oom"),
+            dict(run="hf", case="hf", status="ok", tps=60)]
+    best, mean = ratio_lines(rows, [Ratio("best", "q*", "hf", best=True), Ratio("mean", "q*", "hf")])
+    assert best.split()[1] == "2.000" and "(q-8x2: 120 / hf: 60)" in best
+    assert mean.split()[1] == "1.833"
 
 
 def test_summary_lines_of_llmq_and_pytest():
