@@ -11,19 +11,18 @@ fused on CUDA) over the trainable parameters; tokens/s = batch * seq * accum * s
 after `warmup` (device synchronised). With an MoE config the router's auxiliary loss is on (`aux_loss`), as
 qtrain's MoE loss always has it.
 
-Parameters: model, batch; accum (1), steps (5), warmup (3), seq (1024), layers, device ("cuda"), dtype ("bf16";
-"fp32" for CPU smoke runs); LoRA: lora_rank (0: full fine-tune), lora_alpha (0: 2 x rank), lora_targets
-(qtrain's names q,k,v,o,gate,up,down or HF module names; default all seven), lora_dropout (0); settings: a list
-of tables, each tried in its own process (`isolate`), with keys name, attn ("sdpa", "flash_attention_2",
-"eager"; default "sdpa"), compile (torch.compile of the model, default false), grad_ckpt (transformers' gradient
-checkpointing, default false), experts (transformers' experts_implementation of an MoE, e.g. "grouped_mm" or
-"eager"; default: transformers' choice), batch and accum (this setting's micro-batch and accumulation, default the
-case's: one global batch at another micro-batch, so that transformers runs at its fastest one); setting_timeout (s per setting); first_ok (settings listed fastest
-first, each after the first a fallback: stop at the first that runs). Result: tps, step_ms, peak_gib, mfu
-(qtrain's model_flops_per_token: over the active parameters, against the device's dense bf16 peak), best
-(the fastest setting's name), batch and accum (the fastest setting's), layers, trainable (parameters the optimizer
-updates), rows (every setting: batch, accum, status, tps, step_ms, peak_gib, warmup_s (compilation included),
-error).
+Parameters: model, batch; accum (1), steps (5), warmup (3), seq (1024), layers, device ("cuda"), dtype ("bf16"; "fp32"
+for CPU smoke runs); LoRA: lora_rank (0: full fine-tune), lora_alpha (0: 2 x rank), lora_targets (qtrain's names
+q,k,v,o,gate,up,down or HF module names; default all seven), lora_dropout (0); settings: a list of tables, each tried in
+its own process (`isolate`), with keys name, attn ("sdpa", "flash_attention_2", "eager"; default "sdpa"), compile
+(torch.compile of the model, default false), grad_ckpt (transformers' gradient checkpointing, default false), experts
+(transformers' experts_implementation of an MoE, e.g. "grouped_mm" or "eager"; default: transformers' choice), batch and
+accum (this setting's micro-batch and accumulation, default the case's: one global batch at another micro-batch, so that
+transformers runs at its fastest one); setting_timeout (s per setting); first_ok (settings listed fastest first, each
+after the first a fallback: stop at the first that runs). Result: tps, step_ms, peak_gib, mfu (qtrain's
+model_flops_per_token: over the active parameters, against the device's dense bf16 peak), best (the fastest setting's
+name), batch and accum (the fastest setting's), layers, trainable (parameters the optimizer updates), rows (every
+setting: batch, accum, status, tps, step_ms, peak_gib, warmup_s (compilation included), error).
 """
 from __future__ import annotations
 
