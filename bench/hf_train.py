@@ -11,17 +11,18 @@ fused on CUDA) over the trainable parameters; tokens/s = batch * seq * accum * s
 after `warmup` (device synchronised). With an MoE config the router's auxiliary loss is on (`aux_loss`), as
 qtrain's MoE loss always has it.
 
-Parameters: model, batch; accum (1), steps (5), warmup (3), seq (1024), layers, device ("cuda"), dtype ("bf16";
-"fp32" for CPU smoke runs); LoRA: lora_rank (0: full fine-tune), lora_alpha (0: 2 x rank), lora_targets
-(qtrain's names q,k,v,o,gate,up,down or HF module names; default all seven), lora_dropout (0); settings: a list
-of tables, each tried in its own process (`isolate`), with keys name, attn ("sdpa", "flash_attention_2",
-"eager"; default "sdpa"), compile (torch.compile of the model, default false), grad_ckpt (transformers' gradient
-checkpointing, default false), experts (transformers' experts_implementation of an MoE, e.g. "grouped_mm" or
-"eager"; default: transformers' choice); setting_timeout (s per setting); first_ok (settings listed fastest
-first, each after the first a fallback: stop at the first that runs). Result: tps, step_ms, peak_gib, mfu
-(qtrain's model_flops_per_token: over the active parameters, against the device's dense bf16 peak), best
-(the fastest setting's name), layers, trainable (parameters the optimizer updates), rows (every setting: status,
-tps, step_ms, peak_gib, warmup_s (compilation included), error).
+Parameters: model, batch; accum (1), steps (5), warmup (3), seq (1024), layers, device ("cuda"), dtype ("bf16"; "fp32"
+for CPU smoke runs); LoRA: lora_rank (0: full fine-tune), lora_alpha (0: 2 x rank), lora_targets (qtrain's names
+q,k,v,o,gate,up,down or HF module names; default all seven), lora_dropout (0); settings: a list of tables, each tried in
+its own process (`isolate`), with keys name, attn ("sdpa", "flash_attention_2", "eager"; default "sdpa"), compile
+(torch.compile of the model, default false), grad_ckpt (transformers' gradient checkpointing, default false), experts
+(transformers' experts_implementation of an MoE, e.g. "grouped_mm" or "eager"; default: transformers' choice), batch and
+accum (this setting's micro-batch and accumulation, default the case's: one global batch at another micro-batch, so that
+transformers runs at its fastest one); setting_timeout (s per setting); first_ok (settings listed fastest first, each
+after the first a fallback: stop at the first that runs). Result: tps, step_ms, peak_gib, mfu (qtrain's
+model_flops_per_token: over the active parameters, against the device's dense bf16 peak), best (the fastest setting's
+name), batch and accum (the fastest setting's), layers, trainable (parameters the optimizer updates), rows (every
+setting: batch, accum, status, tps, step_ms, peak_gib, warmup_s (compilation included), error).
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ from bench.shapes import shaped_config
 
 QTRAIN_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
                   "down": "down_proj"}
-SETTING_KEYS = {"name": str, "attn": str, "compile": bool, "grad_ckpt": bool, "experts": str}
+SETTING_KEYS = {"name": str, "attn": str, "compile": bool, "grad_ckpt": bool, "experts": str, "batch": int,
+                "accum": int}
 RESULT = "@@hf-train-setting@@ "  # the child's result line
 DTYPES = ("bf16", "fp32")
 
@@ -51,11 +53,13 @@ def check_settings(settings: list[dict] | None) -> list[dict]:
         for k, v in s.items():
             if k not in SETTING_KEYS:
                 raise ValueError(f"settings[{i}]: unknown key {k!r} (keys: {', '.join(SETTING_KEYS)})")
-            if not isinstance(v, SETTING_KEYS[k]):
-                raise ValueError(f"settings[{i}] {k}: want a {SETTING_KEYS[k].__name__}, got {v!r}")
+            if not isinstance(v, SETTING_KEYS[k]) or (SETTING_KEYS[k] is int and (isinstance(v, bool) or v < 1)):
+                want = "positive int" if SETTING_KEYS[k] is int else SETTING_KEYS[k].__name__
+                raise ValueError(f"settings[{i}] {k}: want a {want}, got {v!r}")
         name = s.get("name") or "+".join([s.get("attn", "sdpa")] + (["compile"] if s.get("compile") else [])
                                          + (["ckpt"] if s.get("grad_ckpt") else [])
-                                         + ([f"experts={s['experts']}"] if s.get("experts") else []))
+                                         + ([f"experts={s['experts']}"] if s.get("experts") else [])
+                                         + [f"{k}={s[k]}" for k in ("batch", "accum") if k in s])
         out.append({**s, "name": name})
     names = [s["name"] for s in out]
     if len(set(names)) != len(names):
@@ -88,16 +92,17 @@ def run(model: str, batch: int, accum: int = 1, steps: int = 5, warmup: int = 3,
         if first_ok and any(r["status"] == "ok" for r in rows):
             rows.append({"setting": s["name"], "status": "skipped", "error": "first_ok: an earlier setting ran"})
             continue
-        one = {**spec, "setting": s}
+        one = {**spec, "batch": s.get("batch", batch), "accum": s.get("accum", accum), "setting": s}
         row = measure_in_child(one, setting_timeout) if isolate else measure_here(one)
-        rows.append({"setting": s["name"], **row})
+        rows.append({"setting": s["name"], "batch": one["batch"], "accum": one["accum"], **row})
         print(f"hf-train {s['name']}: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "setting"), flush=True)
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok:
         raise RuntimeError("no setting ran: " + "; ".join(f"{r['setting']}: {r.get('error')}" for r in rows))
     best = max(ok, key=lambda r: r["tps"])
     res = dict(system="hf+peft" if spec["lora"] else "hf", tps=best["tps"], step_ms=best["step_ms"],
-               peak_gib=best.get("peak_gib"), best=best["setting"], layers=cfg.num_hidden_layers,
+               peak_gib=best.get("peak_gib"), best=best["setting"], batch=best["batch"], accum=best["accum"],
+               layers=cfg.num_hidden_layers,
                trainable=best.get("trainable"), rows=rows,
                summary="; ".join(f"{r['setting']} {r['tps'] if r['status'] == 'ok' else r['status']}" for r in rows))
     peak = peak_tflops(best.get("device"))
@@ -230,7 +235,8 @@ def dry_run(params: dict) -> dict:
     (no compile, SDPA: inductor and flash attention are for the GPU)."""
     settings = check_settings(params.get("settings"))
     shaped_config(params["model"], params.get("layers"))  # a bad layers count fails here, as on the GPU
-    small = [{**s, "compile": False, "attn": "sdpa"} for s in settings]
+    small = [{**s, "compile": False, "attn": "sdpa", **{k: min(s[k], 2) for k in ("batch", "accum") if k in s}}
+             for s in settings]
     return {**params, "model": tiny_model_dir(params["model"]), "layers": None, "batch": 2, "seq": 32,
             "accum": min(params.get("accum", 1), 2), "steps": 2, "warmup": 1, "device": "cpu", "dtype": "fp32",
             "settings": small, "isolate": False, "setting_timeout": None}

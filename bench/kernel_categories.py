@@ -17,6 +17,11 @@ CATEGORIES = [  # first match wins; names as CUDA kernels appear in the profiler
     ("moe-routing", ("topk", "radixsort", "histogram", "bincount")),
     ("gemm-grouped", ("groupproblemshape", "grouped_mm", "grouped_gemm")),
     ("gemm-fp8", ("qqtst", "f8f8", "e4m3")),
+    # Qwen3.5's linear attention, its Triton kernels (qtrain/kernels/delta_rule/; before 2026-12-06 "other"): the
+    # gated delta rule's chunked forward and backward, and the causal conv before it; full names, theirs are generic
+    ("delta-rule", ("_states_fwd_kernel", "_states_bwd_kernel", "_output_kernel", "_wu_kernel", "_kkt_kernel",
+                    "_invert_kernel", "_bwd_dk_kernel", "_bwd_dw_kernel", "_bwd_dq_kernel", "_bwd_reads_kernel")),
+    ("conv", ("_conv_fwd_kernel", "_conv_dpre_kernel", "_conv_bwd_kernel")),
     # the delta rule's plain-torch twin (Qwen3.5's linear attention until its Triton kernels exist): two batched
     # unit-triangular solves per chunk, cuBLAS's trsm kernels; before the GEMMs, whose keys "cublas" would take them
     ("triangular-solve", ("trsm", "trsv")),

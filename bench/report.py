@@ -51,14 +51,22 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def ratio_lines(rows: list[dict[str, Any]], ratios: list[Ratio]) -> list[str]:
-    """'label  value  (num: a b | den: c d)' per declared ratio, the mean of each side's ok runs."""
+    """'label  value  (num: a b | den: c d)' per declared ratio, the mean of each side's ok runs (with `best`: of
+    the side's best case, named before its values)."""
     out = []
     width = max((len(r.label) for r in ratios), default=0)
     for rt in ratios:
-        def side(pattern: str, metric: str) -> list[float]:
-            return [float(r[metric]) for r in rows if r["status"] == "ok" and fnmatch.fnmatchcase(r["run"], pattern)
-                    and isinstance(r.get(metric), (int, float))]
-        num, den = side(rt.num, rt.metric), side(rt.den, rt.den_metric or rt.metric)
+        def side(pattern: str, metric: str) -> tuple[str, list[float]]:
+            ok = [r for r in rows if r["status"] == "ok" and fnmatch.fnmatchcase(r["run"], pattern)
+                  and isinstance(r.get(metric), (int, float))]
+            by_case: dict[str, list[float]] = {}
+            for r in ok:
+                by_case.setdefault(r.get("case") or r["run"].split("@")[0], []).append(float(r[metric]))
+            if not rt.best or not by_case:
+                return "", [float(r[metric]) for r in ok]
+            case = max(by_case, key=lambda c: statistics.mean(by_case[c]))
+            return f"{case}: ", by_case[case]
+        (num_case, num), (den_case, den) = side(rt.num, rt.metric), side(rt.den, rt.den_metric or rt.metric)
         if not num or not den:
             missing = rt.num if not num else rt.den
             out.append(f"{rt.label.ljust(width)}  -      (no ok run with a value matches {missing!r})")
@@ -66,5 +74,5 @@ def ratio_lines(rows: list[dict[str, Any]], ratios: list[Ratio]) -> list[str]:
         value = statistics.mean(num) / (statistics.mean(den) * rt.den_factor)
         vals = lambda xs: " ".join(cell(x) for x in xs)  # noqa: E731
         factor = f" x {rt.den_factor:g}" if rt.den_factor != 1 else ""
-        out.append(f"{rt.label.ljust(width)}  {value:.3f}  ({vals(num)} / {vals(den)}{factor})")
+        out.append(f"{rt.label.ljust(width)}  {value:.3f}  ({num_case}{vals(num)} / {den_case}{vals(den)}{factor})")
     return out

@@ -17,7 +17,8 @@
     label = "bf16 new / base"       # mean of `metric` over the runs matching num, over that of den
     num = "bf16@new*"               # shell patterns on run ids: NAME, NAME@CHECKOUT, NAME@CHECKOUT.K
     den = "bf16@base*"
-    metric = "tps"                  # optional: den_metric (other key for den), den_factor (den x factor)
+    metric = "tps"                  # optional: den_metric (other key for den), den_factor (den x factor),
+                                    # best = true (each side its best case: the highest of its cases' means)
 
 Consecutive runs with the same `round` run at the same time (side by side on the GPUs they pin).
 Every error names the file and the key (SuiteError, a ValueError).
@@ -42,7 +43,7 @@ TOP_KEYS = {"description", "defaults", "checkouts", "case", "ratio"}
 CASE_KEYS = {"name", "kind", "params", "timeout", "gpus", "env", "checkout", "round"}
 DEFAULT_KEYS = CASE_KEYS - {"name", "round"}
 CHECKOUT_KEYS = {"path", "commit"}
-RATIO_KEYS = {"label", "num", "den", "metric", "den_metric", "den_factor"}
+RATIO_KEYS = {"label", "num", "den", "metric", "den_metric", "den_factor", "best"}
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 
 
@@ -79,6 +80,7 @@ class Ratio:
     metric: str = "tps"
     den_metric: str | None = None
     den_factor: float = 1.0
+    best: bool = False  # each side is its best case (the mean of that case's runs), not the mean of all its runs
 
 
 @dataclass
@@ -233,8 +235,10 @@ def _ratio(t: Any, i: int, ids: list[str], fail) -> Ratio:
     factor = t.get("den_factor", 1.0)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
         raise fail(f"{where} den_factor", f"must be a positive number, got {factor!r}")
+    if not isinstance(t.get("best", False), bool):
+        raise fail(f"{where} best", f"must be true or false, got {t['best']!r}")
     return Ratio(t.get("label", f"{t['num']} / {t['den']}"), t["num"], t["den"], t.get("metric", "tps"),
-                 t.get("den_metric"), float(factor))
+                 t.get("den_metric"), float(factor), t.get("best", False))
 
 
 def _check_rounds(runs: list[Run], fail) -> None:

@@ -137,8 +137,10 @@ def workspace_phases(cfg: ModelConfig, tokens: int, *, model_dtype: str = "bf16"
         elif rc:  # the dropped steps of one layer are rebuilt
             b += full_block - _kept(activation_terms(cfg, layer=layer, model_dtype=model_dtype, recompute=rc, **kw), N)
         if adapter is not None and rc:  # the adapters rerun with their steps (all of them with `block`)
-            kept = 0 if "block" in rc else adapter.layer_saved_bytes_per_token(layer, E, block_steps(rc))
-            b += N * (adapter.layer_saved_bytes_per_token(layer, E) - kept)
+            steps = block_steps(rc)
+            kept = 0 if "block" in rc else N * adapter.layer_saved_bytes_per_token(layer, E, steps) + \
+                adapter.layer_saved_bytes(layer, E, steps)
+            b += N * adapter.layer_saved_bytes_per_token(layer, E) + adapter.layer_saved_bytes(layer, E) - kept
         bwd = max(bwd, b)
     embed = inp + V * C * E * (2 if tied else 1) + N * C * 4
     return {"lm_head": head, "block_backward": bwd, "embedding_backward": embed}

@@ -330,7 +330,7 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
     if lora is not None and "block" not in rc:  # each target's A output (and dropout's input and mask)
         adapter, dtype_bytes = LoraAdapter(cfg, lora), DTYPE_BYTES[opts.model_dtype]
         per_layer = N * adapter.saved_bytes_per_token(dtype_bytes, block_steps(rc)) + adapter.saved_bytes_per_layer(
-            dtype_bytes, block_steps(rc))  # + the expert adapters' B in the grouped GEMM's order
+            dtype_bytes, block_steps(rc))  # + the fused matrices' block-diagonal B, the experts' B as read
         items.append(Item(f"lora adapters ({L} layers)", device=int(L * per_layer), kind="activations",
                           detail=f"rank {layout.lora.rank}, targets {','.join(layout.lora.targets)}: what the "
                                  f"adapters keep for backward"))

@@ -72,9 +72,11 @@ def test_config_dir_is_written_once_and_read_back():
 
 def test_settings_and_lora_targets_are_checked():
     names = [s["name"] for s in hf_train.check_settings([{}, {"compile": True, "grad_ckpt": True},
-                                                        {"experts": "grouped_mm", "name": "g"}])]
-    assert names == ["sdpa", "sdpa+compile+ckpt", "g"]
+                                                        {"experts": "grouped_mm", "name": "g"},
+                                                        {"batch": 8, "accum": 2}])]
+    assert names == ["sdpa", "sdpa+compile+ckpt", "g", "sdpa+batch=8+accum=2"]
     for bad, match in (([{"compiled": True}], "unknown key 'compiled'"), ([{"compile": "yes"}], "want a bool"),
+                       ([{"batch": 0}], "batch: want a positive int"), ([{"accum": True}], "accum: want a positive"),
                        ([{}, {"attn": "sdpa"}], "named alike"), (["sdpa"], "want a table")):
         with pytest.raises(ValueError, match=match):
             hf_train.check_settings(bad)
@@ -117,13 +119,15 @@ def test_hf_train_cases_outlast_their_settings():
 
 
 def test_same_batch_and_seq_for_each_comparison():
-    """The suites compare tools on one batch and sequence: within each model (and seq), every case agrees."""
+    """The suites compare tools on one global batch and sequence: within each model (and seq), every case and every
+    hf-train setting has the same batch x accum (a tool may run it at its fastest micro-batch: lora's 8 x 2)."""
     for suite in NEW_SUITES:
         groups: dict[tuple, set] = {}
         for r in load(suite).runs:
             p = r.params
             key = (p["model"], p.get("layers"), p.get("seq", 1024))
-            groups.setdefault(key, set()).add((p["batch"], p.get("accum", 1)))
+            for s in (p.get("settings") or [{}]) if r.kind == "hf-train" else [{}]:
+                groups.setdefault(key, set()).add(s.get("batch", p["batch"]) * s.get("accum", p.get("accum", 1)))
         assert all(len(v) == 1 for v in groups.values()), (suite, groups)
 
 
@@ -139,6 +143,11 @@ def test_hf_train_tiny_in_process():
     dense = hf_train.dry_run({**params, "model": "Qwen2.5-7B", "lora_rank": 4, "first_ok": True})
     lora = hf_train.run(**dense)
     assert [r["status"] for r in lora["rows"]] == ["ok", "skipped"] and lora["system"] == "hf+peft"
+    # a setting's own micro-batch and accumulation (the dry run keeps them at most 2): its row says which ran
+    mb = hf_train.run(**hf_train.dry_run({**params, "accum": 4, "settings": [{"name": "1x4", "batch": 1},
+                                                                           {"name": "2x1", "accum": 1}]}))
+    assert [(r["batch"], r["accum"], r["status"]) for r in mb["rows"]] == [(1, 2, "ok"), (2, 1, "ok")]
+    assert (mb["batch"], mb["accum"]) == next((r["batch"], r["accum"]) for r in mb["rows"] if r["tps"] == mb["tps"])
     H, q, kv, F = 64, 4 * 16, 2 * 16, 128  # the tiny shape: r x (in + out) for each of the seven targets, 2 layers
     assert lora["trainable"] == 2 * 4 * ((H + q) * 2 + (H + kv) * 2 + (H + F) * 3)
 

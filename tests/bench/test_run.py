@@ -131,6 +131,7 @@ CASE = '[[case]]\nname = "a"\nkind = "train"\n'
     ("[checkouts.base]\nurl = 'x'\n" + CASE, "[checkouts.base]: unknown key 'url'"),
     (CASE + '[[ratio]]\nnum = "zzz"\nden = "a"\n', "ratio[0] num: 'zzz' matches no run"),
     (CASE + '[[ratio]]\nnum = "a"\nden = "a"\nden_factor = 0\n', "ratio[0] den_factor"),
+    (CASE + '[[ratio]]\nnum = "a"\nden = "a"\nbest = "yes"\n', "ratio[0] best: must be true or false"),
 ])
 def test_bad_suite_names_file_and_key(tmp_path, text, where):
     path = tmp_path / "bad.toml"
@@ -311,6 +312,17 @@ def test_table_and_ratios():
     assert "no ok run" in got[2]
 
 
+def test_ratio_of_the_best_cases():
+    """`best`: each side is its best case's mean (a tool at its fastest micro-batch), not the mean of all runs the
+    pattern matches; without it, the mean of all (the 4 x 4 and 8 x 2 runs together)."""
+    rows = [dict(run="q@new.1", case="q", status="ok", tps=100), dict(run="q@new.2", case="q", status="ok", tps=110),
+            dict(run="q-8x2", case="q-8x2", status="ok", tps=120), dict(run="q-16x1", case="q-16x1", status="oom"),
+            dict(run="hf", case="hf", status="ok", tps=60)]
+    best, mean = ratio_lines(rows, [Ratio("best", "q*", "hf", best=True), Ratio("mean", "q*", "hf")])
+    assert best.split()[1] == "2.000" and "(q-8x2: 120 / hf: 60)" in best
+    assert mean.split()[1] == "1.833"
+
+
 def test_summary_lines_of_llmq_and_pytest():
     ok = llmq_summary("LLMQ size=0.5B mm=bf16 batch=32 accum=4 gpus=1 steps=8 tok/s=153512 peak_tok/s=154020 "
                       "ms/step=854 sol=45.2% peak_mem=30.1GiB loss=7.1234 steps_logged=8/8 steady=5 wall=95s status=ok")
@@ -353,3 +365,22 @@ def test_profile_categories_of_the_step_kernels():
         "triton_poi_fused_add_view_8": "inductor-fused",
     }
     assert {n: category(n) for n in names} == names
+
+
+def test_profile_categories_of_qwen3_5_kernels():
+    """Every Triton kernel of the gated delta rule and the causal conv (qtrain/kernels/delta_rule/) has its category
+    (they were "other" until 2026-12-06), and no other kernel of qtrain's takes one of theirs."""
+    import ast
+    from pathlib import Path
+
+    from bench.kernel_categories import category
+    root = Path(__file__).resolve().parents[2] / "qtrain" / "kernels"
+    kernels = {p.stem: [n.name for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.FunctionDef)
+                        and n.name.endswith("_kernel")] for p in root.rglob("*.py")}
+    conv = set(kernels["causal_conv1d"])
+    delta = {n for stem, names in kernels.items() if stem.startswith("gated_delta_rule") for n in names}
+    assert len(delta) == 10 and conv == {"_conv_fwd_kernel", "_conv_dpre_kernel", "_conv_bwd_kernel"}
+    assert {n: category(n) for n in delta} == dict.fromkeys(delta, "delta-rule")
+    assert {n: category(n) for n in conv} == dict.fromkeys(conv, "conv")
+    others = {n for names in kernels.values() for n in names} - delta - conv
+    assert not {n for n in others if category(n) in ("delta-rule", "conv")}

@@ -229,7 +229,7 @@ def test_block_backward_over_a_frozen_base(name, dropout):
     """The workspace's block backward over a frozen base holds fresh gradients of the layer's adapters only, not of
     its base; with --recompute-block the rerun rebuilds what the plan without it keeps of a layer, the adapters'
     saved tensors included (the `lora adapters` row's share of a layer); with a step recomputed (qkv: q's adapter)
-    that adapter's share."""
+    that adapter's share (q's and v's A output, and their block-diagonal B)."""
     cfg = small_cfg(name) if name == "qwen2" else MOE_CONFIGS[name]
     targets, L, E, N = ("q", "v", "o"), cfg.num_hidden_layers, 2, B * T
     full, lora = lora_plan(cfg, targets, lora=False), lora_plan(cfg, targets, dropout=dropout)
@@ -244,7 +244,8 @@ def test_block_backward_over_a_frozen_base(name, dropout):
     qkv = lora_plan(cfg, targets, dropout=dropout, flags=("qkv",))
     rebuilt = lora.item("activations").parts["per_layer"] - qkv.item("activations").parts["per_layer"]
     q_adapter = (lora.item("lora adapters").device - qkv.item("lora adapters").device) // L
-    assert q_adapter == N * (RANK * E * 2 + (2 * E * cfg.hidden_size * 2 if dropout else 0))  # q's and v's A output
+    qkv_rows = block_shapes(cfg, layer)["qkv"][0]  # + their block-diagonal B (rows x 2 r), what the GEMM keeps
+    assert q_adapter == N * (RANK * E * 2 + (2 * E * cfg.hidden_size * 2 if dropout else 0)) + qkv_rows * 2 * RANK * E
     assert qkv.phases["block_backward"] - lora.phases["block_backward"] == rebuilt + q_adapter
 
 
@@ -293,7 +294,8 @@ def q35_planned(cfg, layer: int, targets: tuple[str, ...], dtype: str, dropout: 
     spec = LoraSpec(RANK, 2.0 * RANK, dropout, targets, "")
     terms = activation_terms(cfg, layer=layer, model_dtype=dtype, seq_len=Q35_T, **_lora_settings(cfg, spec))
     N = B * Q35_T
-    adapters = LoraAdapter(cfg, spec).layer_saved_bytes_per_token(layer, DT[dtype].itemsize) if targets else 0
+    adapter, E = LoraAdapter(cfg, spec), DT[dtype].itemsize
+    adapters = adapter.layer_saved_bytes_per_token(layer, E) + adapter.layer_saved_bytes(layer, E) / N if targets else 0
     return sum(t.nbytes(N) for t in terms if t.kept and t.name != "input") / N + adapters
 
 

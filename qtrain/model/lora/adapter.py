@@ -2,19 +2,26 @@
 `lora.Linear.forward` computes it (result + lora_B(lora_A(dropout(x))) * scaling).
 
 A fused block matrix (the Llama family's qkv = [q; k; v], up = [up; gate]) has its targets' adapters fused too
-(`tensors.py`): one GEMM x A^T gives every target's r columns (without dropout; with it, each target draws its own
-mask, as peft's one dropout module per target does), each target's B makes its rows of the output, and rows of an
-untargeted module get nothing added. The block calls `LoraAdapter(name, x, w, y)` after each linear
-(`family.BlockOptions.adapter`); the adapter tensors reach it in the block's weight dict like the base's.
+(`tensors.py`): one GEMM h = x A^T gives every target's r columns (without dropout; with it, each target draws its own
+mask, as peft's one dropout module per target does, and has its own A GEMM), and one GEMM adds h Bbd^T, scaled, into the
+base output (`torch.addmm`): Bbd is the targets' B block-diagonal (`block_diagonal`: target i's rows of the output from
+its r columns of h), zero on the rows of an untargeted module, which get nothing added. So the output is read and
+written once, not per target piece, scaled and concatenated (several passes over a (tokens, 3C or 2F) tensor a layer).
+Its costs: autograd keeps Bbd (rows x targets r, per layer: `layer_saved_bytes`), and backward computes Bbd's whole
+gradient, of which only the diagonal blocks reach B: 2 tokens (targets r) rows FLOPs, against the base GEMM's 2 tokens C
+rows, (targets r) / C of it (48 / 3584 = 1.3% of Qwen2.5-7B's qkv, 32 / 3584 of its up). The block calls
+`LoraAdapter(name, x, w, y)` after each linear (`family.BlockOptions.adapter`); the adapter tensors reach it in the
+block's weight dict like the base's.
 
 Dropout masks come from a counter-based key, not from torch's generator state: target t of layer l in micro-step m
 of step s draws its mask from a generator seeded with `kernels.rng.rng_key(seed, DROPOUT_STREAM, s, m, l, t)`. So a
 recomputed projection (the recompute switches) draws the mask its forward drew, and a resumed run (--continue) the
 masks the uninterrupted run drew. The trainer says where the run is (`at(step, micro)`), the layer is known from the
-adapter tensor the block hands over (`bind_layers`), and evaluation runs without dropout (`training`). Under context
-parallelism (`context`: this rank holds some positions of each sequence) a rank draws the mask of the whole sequence
-and keeps its positions' rows, so each token gets the mask one process draws for it (the generator cannot skip to a
-row: the draw costs N times one rank's share, a transient of one process's mask).
+adapter tensor the block hands over (`bind_layers`), and evaluation runs without dropout (`training`). The
+generators are made outside a compiled block's graph (`_drop`: one graph break per adapted matrix with dropout, none
+without). Under context parallelism (`context`: this rank holds some positions of each sequence) a rank draws the
+mask of the whole sequence and keeps its positions' rows, so each token gets the mask one process draws for it (the
+generator cannot skip to a row: the draw costs N times one rank's share, a transient of one process's mask).
 
 An MoE layer's experts (`expert_term`, called by `model/moe.py` on the rows it has grouped by expert): expert e's rows
 x_e get s B_e A_e dropout(x_e) added, peft's `ParamWrapper` update W_e + s B_e A_e (tensors.py) applied to the input
@@ -36,6 +43,21 @@ from qtrain.model.sequence_split import SequenceSplit
 from qtrain.model.weights import block_shapes
 
 DROPOUT_STREAM = 0x10DA  # the dropout keys' stream id in rng_key (apart from stochastic rounding's keys)
+
+
+def block_diagonal(b: torch.Tensor, parts: list[tuple[int, int]], total: int, r: int) -> torch.Tensor:
+    """The fused targets' B (rows [B_1; B_2; ...], each (rows_i, r)) as one (total, t r) matrix: B_i in rows
+    [row_i, row_i + rows_i) and columns [i r, (i + 1) r), zeros elsewhere (an untargeted module's rows too), so one GEMM
+    h B^T (h: every target's r columns) makes every target's rows of the output (module docstring)."""
+    n, blocks, pos, brow = len(parts), [], 0, 0
+    for i, (row, rows) in enumerate(parts):
+        if row > pos:
+            blocks.append(b.new_zeros(row - pos, n * r))
+        blocks.append(F.pad(b[brow:brow + rows], (i * r, (n - 1 - i) * r)))
+        pos, brow = row + rows, brow + rows
+    if pos < total:
+        blocks.append(b.new_zeros(total - pos, n * r))
+    return torch.cat(blocks)
 
 
 class LoraAdapter:
@@ -91,46 +113,48 @@ class LoraAdapter:
         self._layer_of = {w[a_name(m)].data_ptr(): layer for layer, w in enumerate(blocks)
                           for m in (*self.parts, *self.experts) if a_name(m) in w}
 
+    @property
+    def dropping(self) -> bool:
+        """Whether the adapters apply dropout now (a rate, and training)."""
+        return bool(self.dropout) and self.training
+
     @torch._disable_dynamo  # torch.compiler.disable, made at the first call: importing torch._dynamo costs ~1.5 s
-    def _drop(self, x: torch.Tensor, a: torch.Tensor, matrix: str, i: int) -> torch.Tensor:
-        """x with target i of `matrix`'s dropout applied (its mask from the counter-based key: module docstring)."""
-        if not self.dropout or not self.training:
-            return x
+    def _drop(self, x: torch.Tensor, a: torch.Tensor, matrix: str, targets: int = 1) -> list[torch.Tensor]:
+        """x with the dropout of each of the `targets` targets of `matrix` applied, each mask from its counter-based
+        key (module docstring). Called only while `dropping`: out of a compiled block's graph (a graph break), so one
+        call draws every target's mask of a matrix, and none is made without dropout."""
         layer = self._layer_of.get(a.data_ptr())
         if layer is None:
             raise RuntimeError("LoraAdapter: dropout needs bind_layers() (which layer an adapter belongs to)")
-        key = rng_key(self.seed, DROPOUT_STREAM, self.step, self.micro, layer, self.target_ids[matrix][i])
-        gen = torch.Generator(device=x.device).manual_seed(key)
-        if self.context is None:
-            keep = torch.rand(x.shape, generator=gen, device=x.device) >= self.dropout
-        else:  # (.., t, in) of this rank's positions: those rows of the whole (.., t N, in) sequence's mask
-            if x.dim() < 3:
-                raise RuntimeError("LoraAdapter: context parallel dropout needs (.., tokens, features) inputs")
-            t = x.shape[-2]
-            whole = torch.rand(*x.shape[:-2], t * self.context.parts, x.shape[-1], generator=gen, device=x.device)
-            keep = whole.index_select(-2, self.context.positions(t, x.device)) >= self.dropout
-        return x * keep.to(x.dtype) / (1.0 - self.dropout)
+        out = []
+        for i in range(targets):
+            key = rng_key(self.seed, DROPOUT_STREAM, self.step, self.micro, layer, self.target_ids[matrix][i])
+            gen = torch.Generator(device=x.device).manual_seed(key)
+            if self.context is None:
+                keep = torch.rand(x.shape, generator=gen, device=x.device) >= self.dropout
+            else:  # (.., t, in) of this rank's positions: those rows of the whole (.., t N, in) sequence's mask
+                if x.dim() < 3:
+                    raise RuntimeError("LoraAdapter: context parallel dropout needs (.., tokens, features) inputs")
+                t = x.shape[-2]
+                whole = torch.rand(*x.shape[:-2], t * self.context.parts, x.shape[-1], generator=gen, device=x.device)
+                keep = whole.index_select(-2, self.context.positions(t, x.device)) >= self.dropout
+            out.append(x * keep.to(x.dtype) / (1.0 - self.dropout))
+        return out
 
     def __call__(self, name: str, x: torch.Tensor, w: dict[str, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
         a = w.get(a_name(name))
         if a is None:
             return y
-        b, r, s = w[b_name(name)], self.r, self.scaling
+        b, r = w[b_name(name)], self.r
         parts, total = self.parts[name]
-        if len(parts) == 1 and parts[0] == (0, total):  # an unfused matrix: peft's expression as it is
-            return y + F.linear(F.linear(self._drop(x, a, name, 0), a), b) * s
-        h = F.linear(x, a) if not self.dropout else None  # (.., t r): every target's A at once
-        pieces, pos, brow = [], 0, 0
-        for i, (row, rows) in enumerate(parts):
-            if row > pos:
-                pieces.append(y.new_zeros(*y.shape[:-1], row - pos))
-            hi = h[..., i * r:(i + 1) * r] if h is not None else F.linear(self._drop(x, a, name, i),
-                                                                          a[i * r:(i + 1) * r])
-            pieces.append(F.linear(hi, b[brow:brow + rows]) * s)
-            pos, brow = row + rows, brow + rows
-        if pos < total:
-            pieces.append(y.new_zeros(*y.shape[:-1], total - pos))
-        return y + torch.cat(pieces, dim=-1)
+        if self.dropping:  # each target's own mask: one A GEMM per target
+            dropped = self._drop(x, a, name, len(parts))
+            h = torch.cat([F.linear(xi, a[i * r:(i + 1) * r]) for i, xi in enumerate(dropped)], -1)
+        else:
+            h = F.linear(x, a)  # (.., t r): every target's A at once
+        bd = b if parts == [(0, total)] else block_diagonal(b, parts, total, r)
+        out = torch.addmm(y.reshape(-1, total), h.reshape(-1, h.shape[-1]), bd.t(), alpha=self.scaling)
+        return out.view(y.shape)
 
     def experts_of(self, w: dict[str, torch.Tensor]):
         """`model.moe.ExpertAdapter` of the block whose weights are `w`: `expert_term` over them, or None when the
@@ -153,7 +177,7 @@ class LoraAdapter:
         if t.swapped:  # B's rows are transformers' [gate; up], the stack's [up; gate]
             half = t.rows // 2
             b = torch.cat([b[:, half:], b[:, :half]], dim=1)
-        h = expert_linear(self._drop(x, a, matrix, 0), a.view(E, r, t.cols), offsets)  # (M, r')
+        h = expert_linear(self._drop(x, a, matrix)[0] if self.dropping else x, a.view(E, r, t.cols), offsets)
         return expert_linear(h, b.contiguous(), offsets) * self.scaling
 
     def saved_bytes_per_token(self, dtype_bytes: int, steps: frozenset[str] = frozenset()) -> float:
@@ -166,13 +190,22 @@ class LoraAdapter:
         return total / max(self.num_layers, 1)
 
     def saved_bytes_per_layer(self, dtype_bytes: int, steps: frozenset[str] = frozenset()) -> float:
-        """What the expert adapters keep for backward whatever the tokens, averaged over the layers: each adapted
-        stack's B in expert-major order (E, out, r'), the copy its grouped GEMM reads (`expert_term`), unless a
-        recomputed step runs it."""
-        total = sum(t.experts * t.rows * t.rank(self.r) * dtype_bytes
-                    for matrices, step_of in zip(self.layer_experts, self.layer_steps)
-                    for t in (self.experts[m] for m in matrices if step_of[m] not in steps))
+        """What the adapters keep for backward whatever the tokens, averaged over the layers (`layer_saved_bytes`)."""
+        total = sum(self.layer_saved_bytes(layer, dtype_bytes, steps) for layer in range(self.num_layers))
         return total / max(self.num_layers, 1)
+
+    def layer_saved_bytes(self, layer: int, dtype_bytes: int, steps: frozenset[str] = frozenset()) -> int:
+        """What layer `layer`'s adapters keep for backward whatever the tokens, unless a recomputed step runs them:
+        each fused matrix's block-diagonal B (rows x targets r, `block_diagonal`: the GEMM's second operand, a
+        tensor of its own; an unfused matrix's B is the adapter tensor itself), each adapted expert stack's B in
+        expert-major order (E, out, r'), the copy its grouped GEMM reads (`expert_term`)."""
+        step_of, total = self.layer_steps[layer], 0
+        for m in (m for m in self.layer_matrices[layer] if step_of[m] not in steps):
+            parts, rows = self.parts[m]
+            total += 0 if parts == [(0, rows)] else rows * len(parts) * self.r * dtype_bytes
+        for t in (self.experts[m] for m in self.layer_experts[layer] if step_of[m] not in steps):
+            total += t.experts * t.rows * t.rank(self.r) * dtype_bytes
+        return total
 
     def layer_saved_bytes_per_token(self, layer: int, dtype_bytes: int, steps: frozenset[str] = frozenset()) -> int:
         """`saved_bytes_per_token` of layer `layer` alone."""
