@@ -5,8 +5,10 @@ fla-core's `chunk_gated_delta_rule`; each checked against the twin in fp32 on th
 output and of dq, in norm).
 
 Parameters: model (a Qwen3.5 preset: its key/value head counts and dims; Qwen3.5-4B), B, T (1 x 4096), documents
-(mark a document start every ~700 tokens: the resets path). Prints one line per variant; the result has them as
-`rows`.
+(mark a document start every ~700 tokens: the resets path), launches (a list of {bv, num_warps, prec}: the
+Triton launchers' tunings to time besides the model's, `gated_delta_rule_triton.Launch`, on the prepared chunks:
+`chunk_core_triton` forward, `chunk_core_backward_triton`, their errors against the fp32 twins). Prints one line
+per variant; the result has them as `rows`.
 """
 from __future__ import annotations
 
@@ -19,7 +21,50 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def run(model: str = "Qwen3.5-4B", B: int = 1, T: int = 4096, documents: bool = False) -> dict:
+def _launches(launches: list[dict], q, k, v, g, beta, resets) -> list[dict]:
+    """Each tuning of the Triton launchers on the prepared chunks (module docstring), against the fp32 twins."""
+    import triton
+
+    from qtrain.kernels.delta_rule.gated_delta_rule import chunk_core, chunked_form
+    from qtrain.kernels.delta_rule.gated_delta_rule_backward import chunk_core_backward
+    from qtrain.kernels.delta_rule.gated_delta_rule_triton import TUNED, Launch, chunk_core_triton
+    from qtrain.kernels.delta_rule.gated_delta_rule_triton_backward import chunk_core_backward_triton
+    chunks = {}
+
+    def keep(*a):  # the chunked form's core: records the chunks the model would hand the op
+        chunks["args"] = a
+        return chunk_core(*a)
+
+    chunked_form(*(t.detach() for t in (q, k, v, g, beta)), keep, resets=resets)
+    qc, kc, vc, gch, bc, d, S0 = chunks["args"]
+    doc = torch.randn(vc.shape, device=vc.device, generator=torch.Generator(device=vc.device).manual_seed(1))
+    dSf = torch.zeros(*vc.shape[:2], kc.shape[-1], vc.shape[-1], device=vc.device)
+    o_ref = chunk_core(qc, kc, vc, gch, bc, d, S0)[0]
+    dq_ref = chunk_core_backward(qc, kc, vc, gch, bc, d, S0, doc, dSf)[0]
+    rows = []
+    for spec in [{}, *launches]:
+        tune = Launch(**spec) if spec else TUNED
+        name = f"launch bv {tune.bv} warps {tune.num_warps} {tune.prec}" + ("" if spec else " (TUNED)")
+        try:
+            o = chunk_core_triton(qc, kc, vc, gch, bc, d, S0, tune)[0]
+            dq = chunk_core_backward_triton(qc, kc, vc, gch, bc, d, S0, doc, dSf, tune)[0]
+            fwd = triton.testing.do_bench(lambda: chunk_core_triton(qc, kc, vc, gch, bc, d, S0, tune), warmup=5, rep=50)
+            bwd = triton.testing.do_bench(lambda: chunk_core_backward_triton(qc, kc, vc, gch, bc, d, S0, doc, dSf, tune),
+                                          warmup=5, rep=50)
+        except Exception as e:  # a tuning past the shared memory or the registers: reported, the sweep goes on
+            print(f"{name:44s} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
+            rows.append(dict(variant=name, error=f"{type(e).__name__}: {str(e)[:160]}"))
+            continue
+        row = dict(variant=name, fwd_ms=round(fwd, 3), bwd_ms=round(bwd, 3), o_err=_rel(o, o_ref),
+                   dq_err=_rel(dq, dq_ref))
+        print(f"{name:44s} core fwd {fwd:8.3f} ms  core bwd {bwd:8.3f} ms  o err {row['o_err']:.1e}  "
+              f"dq err {row['dq_err']:.1e}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def run(model: str = "Qwen3.5-4B", B: int = 1, T: int = 4096, documents: bool = False,
+        launches: list[dict] = ()) -> dict:
     import triton
 
     from bench.compat import preset
@@ -80,6 +125,8 @@ def run(model: str = "Qwen3.5-4B", B: int = 1, T: int = 4096, documents: bool = 
         print(f"{name:36s} fwd {fwd:8.3f} ms  fwd+bwd {both:8.3f} ms  o err {row['o_err']:.1e}  "
               f"dq err {row['dq_err']:.1e}", flush=True)
         rows.append(row)
+    if launches:
+        rows += _launches(list(launches), *args, resets)
     return {"rows": rows, "summary": f"{len(rows)} variants timed at B={B} T={T} H={H} dk={dk} dv={dv}"}
 
 

@@ -234,7 +234,7 @@ def test_kernels_build_for_hopper_within_its_shared_memory(dk):
     and at the largest served (256: slow), with the launchers' options; each fits a Hopper block's shared memory (a
     launch past it fails on the GPU only)."""
     from qtrain.kernels.delta_rule import gated_delta_rule_triton as fwd, gated_delta_rule_triton_backward as bwd
-    constexprs = dict(C=CHUNK, BK=dk, BV=fwd.BV, BKT=bwd.BKT, PREC=fwd.PREC, HAS_DOCS=True, HAS_S0=True)
+    constexprs = dict(C=CHUNK, BK=dk, BV=fwd.TUNED.bv, BKT=bwd.BKT, PREC=fwd.TUNED.prec, HAS_DOCS=True, HAS_S0=True)
     kernels = [fwd._kkt_kernel, fwd._invert_kernel, fwd._wu_kernel, fwd._states_fwd_kernel, fwd._output_kernel,
                fwd._states_bwd_kernel, bwd._bwd_reads_kernel, bwd._bwd_dq_kernel, bwd._bwd_dw_kernel,
                bwd._bwd_dk_kernel]
@@ -242,6 +242,7 @@ def test_kernels_build_for_hopper_within_its_shared_memory(dk):
         consts = {p.name: constexprs[p.name] for p in kernel.params if p.is_constexpr}
         sig = {p.name: "*i32" if p.name == "d_ptr" else "*fp32" if p.name.endswith("_ptr") else "i32"
                for p in kernel.params if not p.is_constexpr}
-        launch = {**fwd._launch(dk), **({"num_warps": fwd.INVERT_WARPS} if kernel is fwd._invert_kernel else {})}
+        launch = {**fwd._launch(dk, fwd.TUNED),
+                  **({"num_warps": fwd.INVERT_WARPS} if kernel is fwd._invert_kernel else {})}
         built = _build_for_hopper(kernel, sig, consts, **launch)
         assert ".entry" in built.asm["ptx"] and built.metadata.shared <= H100_SHARED, (kernel, built.metadata.shared)

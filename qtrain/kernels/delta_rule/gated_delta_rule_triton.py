@@ -8,25 +8,35 @@ accumulation), and the reverse recurrence its backward runs (gated_delta_rule_tr
 - `_states_bwd_kernel` per (batch x head, dv tile) looping over the chunks backwards (dH, dU, dS0).
 
 Each launcher has its twin's contract (`chunk_intra`, `chunk_states`, `chunk_core`, `chunk_states_reverse`). The
-products run on the tensor cores in three TF32 passes (`PREC`); documents (`resets`) enter as d, the resets at or
+products run on the tensor cores in three TF32 passes (`Launch.prec`); documents (`resets`) enter as d, the resets at or
 before each position of its chunk, exactly as the twin masks with it.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from qtrain.kernels.delta_rule.gated_delta_rule import chunk_decays
 from qtrain.kernels.dispatch import jit, tl, triton
 
-__all__ = ["chunk_core_triton", "chunk_intra_triton", "chunk_states_reverse_triton", "chunk_states_triton"]
+__all__ = ["TUNED", "Launch", "chunk_core_triton", "chunk_intra_triton", "chunk_states_reverse_triton", "chunk_states_triton"]
 
-# a program of the loops over chunks holds the state's dk rows x 32 of its dv columns; 8 warps: ptxas (sm_90, dk 128)
-# then spills ~1 KiB a thread in the loops, 4 warps twice that (the fp32 [64, dk] operands and their TF32 halves)
-BV, NUM_WARPS = 32, 8
+@dataclass(frozen=True)
+class Launch:
+    """The launchers' tuning (`TUNED` unless a benchmark passes another): bv, the dv columns a program of the loops
+    over chunks holds of the state (dk rows x bv); num_warps of every kernel but the inverse's; prec, the products'
+    precision."""
+    bv: int = 32
+    num_warps: int = 8
+    prec: str = "tf32x3"
+
+
+# bv 32 with 8 warps: ptxas (sm_90, dk 128) then spills ~1 KiB a thread in the loops, 4 warps twice that (the fp32
+# [64, dk] operands and their TF32 halves). prec: three TF32 tensor-core passes (fp32 operands split in a high and
+# a low TF32 part: fp32's accuracy to ~1e-6, where "ieee" runs on the CUDA cores and "tf32" keeps 10 mantissa bits)
+TUNED = Launch()
 INVERT_WARPS = 2  # the inverse's loop over rows: 64 x 64 fp32 over 2 warps (ptxas: 168 registers, no spills)
-# the products' precision: three TF32 tensor-core passes (fp32 operands split in a high and a low TF32 part: fp32's
-# accuracy to ~1e-6, where "ieee" runs on the CUDA cores and "tf32" keeps 10 mantissa bits)
-PREC = "tf32x3"
 
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -188,9 +198,9 @@ def loop_stages(dk: int) -> int:
     return 2 if _bk(dk) <= 128 else 1
 
 
-def _launch(dk: int) -> dict[str, int]:
+def _launch(dk: int, tune: Launch) -> dict[str, int]:
     """Every kernel's launch options."""
-    return {"num_warps": NUM_WARPS, "num_stages": loop_stages(dk)}
+    return {"num_warps": tune.num_warps, "num_stages": loop_stages(dk)}
 
 
 def _c(x: torch.Tensor) -> torch.Tensor:
@@ -202,8 +212,8 @@ def _docs(d: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return d.to(torch.int32).contiguous() if d is not None else like.new_zeros(1, dtype=torch.int32)
 
 
-def chunk_intra_triton(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, G: torch.Tensor, d: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def chunk_intra_triton(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, G: torch.Tensor, d: torch.Tensor | None,
+                       tune: Launch = TUNED) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton `chunk_intra` (gated_delta_rule_backward.py): (Ai, U, W) from k, v (B, H, n, C, d), beta, G
     (B, H, n, C) and the documents d (the twin takes the decays they make), in three launches (A; its inverse;
     W and U)."""
@@ -214,15 +224,15 @@ def chunk_intra_triton(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, G: 
     W = k.new_empty(B, H, n, C, dk, dtype=torch.float32)
     if k.numel() and v.numel():
         k, v, beta, G, docs = _c(k), _c(v), _c(beta), _c(G), _docs(d, k)
-        meta = dict(HAS_DOCS=d is not None, C=C, BK=_bk(dk), PREC=PREC, **_launch(dk))
+        meta = dict(HAS_DOCS=d is not None, C=C, BK=_bk(dk), PREC=tune.prec, **_launch(dk, tune))
         _kkt_kernel[(n, B * H)](k, beta, G, docs, Ai, n, H, dk, **meta)
         _invert_kernel[(n, B * H)](Ai, n, C=C, num_warps=INVERT_WARPS)
-        _wu_kernel[(n, B * H)](k, v, beta, G, docs, Ai, U, W, n, H, dk, dv, BV=BV, **meta)
+        _wu_kernel[(n, B * H)](k, v, beta, G, docs, Ai, U, W, n, H, dk, dv, BV=tune.bv, **meta)
     return Ai, U, W
 
 
 def chunk_states_triton(U: torch.Tensor, W: torch.Tensor, k_dec: torch.Tensor, last: torch.Tensor,
-                        S0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        S0: torch.Tensor | None, tune: Launch = TUNED) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton `chunk_states` (gated_delta_rule.py), fp32."""
     B, H, n, C, dv = U.shape
     dk = W.shape[-1]
@@ -230,14 +240,15 @@ def chunk_states_triton(U: torch.Tensor, W: torch.Tensor, k_dec: torch.Tensor, l
     V = U.new_empty(B, H, n, C, dv, dtype=torch.float32)
     Sf = U.new_zeros(B, H, dk, dv, dtype=torch.float32) if S0 is None else _c(S0).clone()
     if n and dk and dv:
-        _states_fwd_kernel[(triton.cdiv(dv, BV), B * H)](_c(U), _c(W), _c(k_dec), _c(last), Sf, Hs, V, Sf, n, dk, dv,
-                                                          HAS_S0=S0 is not None, C=C, BK=_bk(dk), BV=BV,
-                                                          PREC=PREC, **_launch(dk))
+        _states_fwd_kernel[(triton.cdiv(dv, tune.bv), B * H)](_c(U), _c(W), _c(k_dec), _c(last), Sf, Hs, V, Sf, n,
+                                                               dk, dv, HAS_S0=S0 is not None, C=C, BK=_bk(dk),
+                                                               BV=tune.bv, PREC=tune.prec, **_launch(dk, tune))
     return Hs, V, Sf
 
 
 def chunk_states_reverse_triton(W: torch.Tensor, k_dec: torch.Tensor, last: torch.Tensor, dHs: torch.Tensor,
-                                dV: torch.Tensor, dSf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                dV: torch.Tensor, dSf: torch.Tensor, tune: Launch = TUNED
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton `chunk_states_reverse` (gated_delta_rule_backward.py), fp32."""
     B, H, n, C, dk = W.shape
     dv = dV.shape[-1]
@@ -245,22 +256,23 @@ def chunk_states_reverse_triton(W: torch.Tensor, k_dec: torch.Tensor, last: torc
     dU = W.new_empty(B, H, n, C, dv, dtype=torch.float32)
     dS0 = _c(dSf).clone()
     if n and dk and dv:
-        _states_bwd_kernel[(triton.cdiv(dv, BV), B * H)](_c(W), _c(k_dec), _c(last), _c(dHs), _c(dV), dS0, dH, dU,
-                                                          dS0, n, dk, dv, C=C, BK=_bk(dk), BV=BV,
-                                                          PREC=PREC, **_launch(dk))
+        _states_bwd_kernel[(triton.cdiv(dv, tune.bv), B * H)](_c(W), _c(k_dec), _c(last), _c(dHs), _c(dV), dS0, dH,
+                                                               dU, dS0, n, dk, dv, C=C, BK=_bk(dk), BV=tune.bv,
+                                                               PREC=tune.prec, **_launch(dk, tune))
     return dH, dU, dS0
 
 
 def chunk_core_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      d: torch.Tensor | None, S0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                      d: torch.Tensor | None, S0: torch.Tensor | None, tune: Launch = TUNED
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `chunk_core` (gated_delta_rule.py): three kernels (the chunks' transform, the states, the output)."""
     B, H, n, C, dk = k.shape
     dv = v.shape[-1]
     G, _, last, k_scale = chunk_decays(g.float(), d)
-    _, U, W = chunk_intra_triton(k, v, beta, G, d)
-    Hs, V, Sf = chunk_states_triton(U, W, k.float() * k_scale[..., None], last, S0)
+    _, U, W = chunk_intra_triton(k, v, beta, G, d, tune)
+    Hs, V, Sf = chunk_states_triton(U, W, k.float() * k_scale[..., None], last, S0, tune)
     o = U.new_empty(B, H, n, C, dv)
     if n and dk and dv:
         _output_kernel[(n, B * H)](_c(q), _c(k), _c(G), _docs(d, k), Hs, V, o, n, H, dk, dv, HAS_DOCS=d is not None,
-                                   C=C, BK=_bk(dk), BV=BV, PREC=PREC, **_launch(dk))
+                                   C=C, BK=_bk(dk), BV=tune.bv, PREC=tune.prec, **_launch(dk, tune))
     return o, Sf

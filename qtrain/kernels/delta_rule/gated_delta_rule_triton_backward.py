@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from qtrain.kernels.delta_rule.gated_delta_rule import chunk_decays
-from qtrain.kernels.delta_rule.gated_delta_rule_triton import (BV, PREC, _bk, _c, _docs, _launch, _tile,
+from qtrain.kernels.delta_rule.gated_delta_rule_triton import (TUNED, Launch, _bk, _c, _docs, _launch, _tile,
                                                                chunk_intra_triton, chunk_states_reverse_triton,
                                                                chunk_states_triton)
 from qtrain.kernels.dispatch import jit, tl
@@ -189,16 +189,17 @@ BKT = 32  # the dk tile of `_bwd_dk_kernel`'s passes
 
 def chunk_core_backward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, d: torch.Tensor | None, S0: torch.Tensor | None, do: torch.Tensor,
-                               dSf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                           torch.Tensor, torch.Tensor]:
+                               dSf: torch.Tensor, tune: Launch = TUNED
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                          torch.Tensor]:
     """`chunk_core_backward`'s contract, fp32: the forward's transform and states recomputed by their kernels, then
     the kernels above and the reverse recurrence's."""
     B, H, n, C, dk = k.shape
     dv = v.shape[-1]
     G, _, last, k_scale = chunk_decays(g.float(), d)
-    Ai, U, W = chunk_intra_triton(k, v, beta, G, d)
+    Ai, U, W = chunk_intra_triton(k, v, beta, G, d, tune)
     k_dec = k.float() * k_scale[..., None]
-    Hs, V, _ = chunk_states_triton(U, W, k_dec, last, S0)
+    Hs, V, _ = chunk_states_triton(U, W, k_dec, last, S0, tune)
     q, k, v, beta, G, do, docs = _c(q), _c(k), _c(v), _c(beta), _c(G), _c(do), _docs(d, k)
     f32 = dict(dtype=torch.float32, device=k.device)
     by_c = torch.empty(B, H, n, C, C, **f32)
@@ -209,12 +210,13 @@ def chunk_core_backward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         torch.empty_like(V), torch.empty_like(W), torch.empty_like(W), torch.empty(B, H, n, C, **f32)
     if not (n and dk and dv):
         return dq.zero_(), dk_.zero_(), dv_.zero_(), dG.zero_(), dbeta.zero_(), _c(dSf).clone()
-    meta = dict(C=C, BK=_bk(dk), PREC=PREC, **_launch(dk))
-    _bwd_reads_kernel[(n, B * H)](q, k, G, docs, do, dHs, dVo, n, H, dk, dv, HAS_DOCS=d is not None, BV=BV, **meta)
-    dH, dU, dS0 = chunk_states_reverse_triton(W, k_dec, last, dHs, dVo, dSf)
-    _bwd_dq_kernel[(n, B * H)](do, Hs, V, dq_dec, dP, n, dk, dv, BV=BV, **meta)
-    _bwd_dw_kernel[(n, B * H)](dU, Hs, dH, V, v, beta, Ai, dW, dk_dec, dAi, dlast, dbeta, dv_, n, dk, dv, BV=BV,
+    meta = dict(C=C, BK=_bk(dk), PREC=tune.prec, **_launch(dk, tune))
+    bv = tune.bv
+    _bwd_reads_kernel[(n, B * H)](q, k, G, docs, do, dHs, dVo, n, H, dk, dv, HAS_DOCS=d is not None, BV=bv, **meta)
+    dH, dU, dS0 = chunk_states_reverse_triton(W, k_dec, last, dHs, dVo, dSf, tune)
+    _bwd_dq_kernel[(n, B * H)](do, Hs, V, dq_dec, dP, n, dk, dv, BV=bv, **meta)
+    _bwd_dw_kernel[(n, B * H)](dU, Hs, dH, V, v, beta, Ai, dW, dk_dec, dAi, dlast, dbeta, dv_, n, dk, dv, BV=bv,
                                **meta)
     _bwd_dk_kernel[(n, B * H)](q, k, beta, G, docs, Ai, dq_dec, dP, dW, dk_dec, dAi, dlast, dbeta, dq, dk_, dG, n, H,
-                               dk, HAS_DOCS=d is not None, C=C, BKT=BKT, PREC=PREC, **_launch(dk))
+                               dk, HAS_DOCS=d is not None, C=C, BKT=BKT, PREC=tune.prec, **_launch(dk, tune))
     return dq, dk_, dv_, dG.flip(-1).cumsum(-1).flip(-1), dbeta, dS0
