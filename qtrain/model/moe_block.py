@@ -91,7 +91,8 @@ class MoeBlock(LlamaBlock):
         frozen base they keep nothing, and an adapter that reads the input keeps its model-dtype copy as without.
         The down GEMM quantizes the SwiGLU output outside the 'swiglu' step, so --recompute-swiglu does not drop its
         e4m3 copy (only --recompute-block does); the up GEMM's copy is made inside the 'up' step, which
-        --recompute-ffn drops."""
+        --recompute-ffn drops. Compiled, the partitioner rebuilds the down GEMM's copy from the up/gate output (kept
+        for SwiGLU's backward anyway), so it keeps none of it; the rest as eager (measured on the CPU)."""
         cfg, Eb, rc, blk, compiled = a.cfg, a.E, a.rc, a.blk, a.s.compiled
         C, F, X, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
         weights = 8 * k + 4 if cfg.norm_topk_prob else 4 * k
@@ -107,7 +108,7 @@ class MoeBlock(LlamaBlock):
                  ActTerm("moe_up_in", up_in, "ffn" not in rc, f"permuted tokens (k copies, expert order; {kept})"),
                  ActTerm("moe_up_out", Eb * k * 2 * F, blk and ("ffn" not in rc or compiled),
                          "experts' up/gate outputs (k, 2F)"),
-                 ActTerm("moe_swiglu", down_in, blk if fp8 else "swiglu" not in rc,
+                 ActTerm("moe_swiglu", down_in, (blk and not compiled) if fp8 else "swiglu" not in rc,
                          f"experts' SwiGLU outputs (k, F; {kept})"),
                  ActTerm("moe_down_out", Eb * k * C, blk, "experts' outputs (k, C), for the combine weights")]
         if a.s.fp8 and not a.s.frozen_base:  # a frozen router keeps nothing of its input

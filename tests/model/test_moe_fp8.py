@@ -105,6 +105,52 @@ def test_saved_bytes_are_the_statements_e4m3_copies(dtype, fp8_linears):
     assert by_name["moe_up_in"].per_token == k * (C + 4) and by_name["moe_swiglu"].per_token == k * (F + 4)
 
 
+def test_the_run_plan_counts_the_e4m3_copies():
+    """--fp8-experts reaches the run's memory plan (plan/memory.py): its activation row is, per routed layer and
+    token, the two expert inputs' model-dtype bytes less their e4m3 copies and row scales smaller (eager, bf16)."""
+    from qtrain.options import Options
+    from qtrain.plan.resolution import plan_memory
+    B, T = 2, 64
+    acts = {on: plan_memory(CFG, Options(model="m", batch_size=B, seq_len=T, matmul_dtype="e4m3", fp8_policy="all",
+                                         fp8_experts=on), device="cpu", compiled=False).item("activations").device
+            for on in (False, True)}
+    k, C, F, routed = CFG.num_experts_per_tok, CFG.hidden_size, CFG.moe_intermediate_size, 1  # layer 1 is dense
+    assert acts[False] - acts[True] == routed * B * T * k * (2 * (C + F) - (C + 4) - (F + 4))
+
+
+def test_compiled_block_keeps_no_weight_copy_and_what_the_statements_say():
+    """torch.compile (AOTAutograd's min-cut partitioner, the one inductor uses; no kernels generated): the block keeps
+    the statements' bytes (the routing term exact here) -- the up GEMM's e4m3 input and scales, the down GEMM's
+    rebuilt from the up/gate output -- and no e4m3 copy of an expert weight (`grouped_gemm_fp8._after`: without it
+    the partitioner moved the input gradient's weight quantization into the forward and kept its result)."""
+    B, T = 2, 32
+    torch._dynamo.reset()
+    fn = torch.compile(make_block_fn(CFG, block_linear(""), compiled=True, fp8_experts=True), dynamic=False,
+                       backend="aot_eager_decomp_partition")
+    g = torch.Generator().manual_seed(0)
+    w = {n: (0.1 * torch.randn(s, generator=g)).to(torch.bfloat16).requires_grad_()
+         for n, s in block_shapes(CFG, 0).items()}
+    w.update(RouterLosses(CFG.router, B * T, torch.device("cpu"), z_loss=True).slot(0))
+    cos, sin = rope_tables(CFG, T, "cpu", torch.bfloat16)
+    x = torch.randn(B, T, CFG.hidden_size, generator=g).to(torch.bfloat16).requires_grad_()
+    fn(x, w, cos, sin).sum().backward()  # compile outside the measurement
+    excluded = [x, cos, sin, *w.values()]
+    skip, seen = {t.untyped_storage().data_ptr() for t in excluded}, {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip and t.dtype != torch.uint8:
+            seen[t.untyped_storage().data_ptr()] = t
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x, w, cos, sin)
+    e4m3 = [tuple(t.shape) for t in seen.values() if t.dtype == torch.float8_e4m3fn]
+    assert e4m3 == [(B * T * CFG.num_experts_per_tok, CFG.hidden_size)], e4m3  # the up GEMM's input, nothing else
+    measured = sum(t.untyped_storage().nbytes() for t in seen.values())
+    terms = activation_terms(CFG, layer=0, model_dtype="bf16", compiled=True, fp8_experts=True)
+    assert sum(t.nbytes(B * T) for t in terms if t.kept and t.name != "input") == measured
+
+
 def _trainer(device: str, tmp_path, fp8_experts: bool, dtype: str = "bf16"):
     from qtrain.options import Options
     from qtrain.parallel.dist import DistContext
