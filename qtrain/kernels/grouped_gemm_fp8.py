@@ -48,6 +48,10 @@ __all__ = ["FP8_MULTIPLE", "fp8_expert_linear", "fp8_grouped_linear", "fp8_group
 
 FP8_MULTIPLE = 16  # K and N of every FP8 expert GEMM: 16 bytes of e4m3 (the CUDA op's TMA alignment)
 _MAX_GROUPS = 1024  # ScaledGroupMM.cu: "Can't process more than 1024 groups"
+# How the CUDA path multiplies: "grouped" (one torch._scaled_grouped_mm) or "per-expert" (one row-wise
+# torch._scaled_mm per expert with rows, after a host read of the offsets: G launches and a device sync per call).
+# The issue asks for whichever measures faster; bench kind `fp8-experts` times both (bench/bench_fp8_experts.py).
+GEMM = "grouped"
 
 
 def _check(xq: Tensor, x_inv: Tensor, wq: Tensor, w_inv: Tensor, offsets: Tensor) -> None:
@@ -112,9 +116,24 @@ def fp8_grouped_linear(xq: Tensor, x_inv: Tensor, wq: Tensor, w_inv: Tensor, off
     if xq.shape[0] == 0:
         return xq.new_zeros(0, wq.shape[1], dtype=out_dtype)
     if _fast_path_ok(xq, wq.shape[0], out_dtype):
+        if GEMM == "per-expert":
+            return per_expert_scaled_mm(xq, x_inv, wq, w_inv, offsets, fast_accum)
         return torch._scaled_grouped_mm(xq, wq.transpose(-2, -1), x_inv, w_inv, offs=offsets, out_dtype=out_dtype,
                                         use_fast_accum=fast_accum)
     return fp8_grouped_linear_twin(xq, x_inv, wq, w_inv, offsets, out_dtype)
+
+
+def per_expert_scaled_mm(xq: Tensor, x_inv: Tensor, wq: Tensor, w_inv: Tensor, offsets: Tensor,
+                         fast_accum: bool) -> Tensor:
+    """`fp8_grouped_linear` on CUDA as one row-wise torch._scaled_mm per expert with rows (scale_a (m, 1), scale_b
+    (1, N), fp32; mat2 = wq[g].t(), column-major; bf16 out): the alternative to the grouped kernel (`GEMM`). A
+    group's rows start at a multiple of K bytes, so every slice stays 16-byte aligned."""
+    y = xq.new_zeros(xq.shape[0], wq.shape[1], dtype=torch.bfloat16)
+    for g, (a, b) in enumerate(_bounds(offsets)):
+        if b > a:
+            torch._scaled_mm(xq[a:b], wq[g].t(), scale_a=x_inv[a:b, None], scale_b=w_inv[g][None, :],
+                             out_dtype=torch.bfloat16, use_fast_accum=fast_accum, out=y[a:b])
+    return y
 
 
 @fp8_grouped_linear.register_fake

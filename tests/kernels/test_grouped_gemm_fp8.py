@@ -187,11 +187,15 @@ def _close_bf16(got, want, factor=1.0):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("gemm", ["grouped", "per-expert"])
 @pytest.mark.parametrize("counts", [
     [0, 37, 1, 0, 250, 7, 0, 13],  # group sizes not multiples of 16, empty groups first, inside and last
     [512] * 16,
 ])
-def test_gpu_scaled_grouped_mm_matches_the_twin(counts):
+def test_gpu_scaled_grouped_mm_matches_the_twin(counts, gemm, monkeypatch):
+    """Both CUDA forms (`grouped_gemm_fp8.GEMM`): torch._scaled_grouped_mm and one row-wise torch._scaled_mm per
+    expert."""
+    monkeypatch.setattr(gf, "GEMM", gemm)
     x, w, dy, offsets = _problem(counts, 256, 384, "cuda", torch.bfloat16, seed=len(counts))
     assert gf._fast_path_ok(x, w.shape[0], torch.bfloat16)
     xq, x_inv = quantize_fp8_rowwise(x)
