@@ -370,8 +370,9 @@ class Options:
     """MoE models, with --matmul-dtype e4m3: run the experts' forward and input-gradient GEMMs in e4m3 with row-wise
     scales (a scale per token row and per expert output column; torch._scaled_grouped_mm on Hopper), their weight
     gradients in the model dtype from the kept e4m3 input; the layer keeps e4m3 copies of the experts' GEMM inputs
-    and their row scales instead of model-dtype tensors. The hidden and the experts' intermediate sizes must be
-    multiples of 16. Off by default (the expert GEMMs run in the model dtype)."""
+    and their row scales instead of model-dtype tensors. Their output gradients are e4m3 whatever --gradient-dtype
+    (the grouped FP8 kernel multiplies e4m3 only; each row has its own scale). The hidden and the experts'
+    intermediate sizes must be multiples of 16. Off by default (the expert GEMMs run in the model dtype)."""
 
     # ---------------------------------------------------------------------------------------------
     @property

@@ -15,10 +15,11 @@ the weights it receives (a 'router' or an 'up').
 Routing in fp32 (`moe_router.route`), the expert GEMMs and the router in the model dtype: with --matmul-dtype e4m3
 only the attention projections (and a dense layer's MLP) run in FP8 (the families' `fp8_matrices`); the expert GEMMs
 stay in the model dtype unless --fp8-experts, which runs their forward and input-gradient GEMMs in e4m3 with row-wise
-scales and their weight gradients in the model dtype (`kernels/grouped_gemm_fp8.py`). The router losses: the block writes its statistics beside its weights (`ROUTER_STATS`) and puts a
-node into its output whose backward adds the losses' gradients (`moe_router.with_router_grads`), so the load-balancing
-loss (and the router z-loss) reach the router and every earlier layer through the per-block backward of
-`transformer.Transformer`, recomputed blocks included (routing is deterministic).
+scales and their weight gradients in the model dtype (`kernels/grouped_gemm_fp8.py`). The router losses: the block
+writes its statistics beside its weights (`ROUTER_STATS`) and puts a node into its output whose backward adds the
+losses' gradients (`moe_router.with_router_grads`), so the load-balancing loss (and the router z-loss) reach the router
+and every earlier layer through the per-block backward of `transformer.Transformer`, recomputed blocks included
+(routing is deterministic).
 
 Memory (eager; `saved_by_moe`): beside the attention's and the dense families' norm terms, per token of a routed layer
 the fp32 routing (softmax probabilities E, ids and combine weights k, logsumexp 1), the permutation indices (2 k int64),

@@ -71,7 +71,7 @@ def test_fp8_layer_within_e4m3_rounding_of_the_model_dtype_layer():
     counts = out.plan.counts.tolist()
     assert counts[0] == counts[5] == 0
     for e in (0, 5):  # experts without a token: exact zeros, and nothing anywhere is NaN
-        assert torch.equal(got[3][e], torch.zeros_like(got[3][e])) and torch.equal(got[4][e], torch.zeros_like(got[4][e]))
+        assert not got[3][e].any() and not got[4][e].any()
     assert all(torch.isfinite(t).all() for t in got)
 
 
