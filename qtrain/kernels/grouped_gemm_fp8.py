@@ -26,9 +26,9 @@ capability 9.x) `torch._scaled_grouped_mm` (torch 2.11: aten/src/ATen/native/cud
 `_meta_grouped_mm_common`) in its 2-D x 3-D form: mat_a (M, K) e4m3 row-major, mat_b (G, K, N) e4m3 column-major
 per group (the view w_q.transpose(-2, -1) of a contiguous (G, N, K) w_q), K and N multiples of 16, scale_a fp32
 (M,) contiguous, scale_b fp32 (G, N) with unit last stride, offs int32 (G,) cumulative row ends, fewer than 1024
-groups, bf16 output, no bias; any group size, empty groups included (mat_a row-major). Elsewhere (the CPU, other
-GPUs, a non-bf16 output, dispatch.BACKEND 'twin') the twin: per expert, the e4m3 operands' product in fp32 (exact
-products, fp32 sums) scaled as the epilogue scales it, cast once. The shape rules are checked on every device, so
+groups, bf16 output (cast for another dtype), no bias; any group size, empty groups included (mat_a row-major).
+Elsewhere (the CPU, other GPUs, dispatch.BACKEND 'twin') the twin: per expert, the e4m3 operands' product in fp32
+(exact products, fp32 sums) scaled as the epilogue scales it, cast once. The shape rules are checked on every device, so
 CPU CI fails where the GPU would.
 
 `fp8_expert_linear` is the autograd entry (`model/moe._expert_gemm` with --fp8-experts). It keeps for backward the
@@ -96,12 +96,12 @@ def fp8_grouped_linear_twin(xq: Tensor, x_inv: Tensor, wq: Tensor, w_inv: Tensor
     return y
 
 
-def _fast_path_ok(xq: Tensor, groups: int, out_dtype: torch.dtype) -> bool:
-    """torch._scaled_grouped_mm applies: a Hopper GPU (its CUTLASS sm90 kernel), a bf16 output, < 1024 groups;
-    dispatch.BACKEND 'twin' forces the loop."""
+def _fast_path_ok(xq: Tensor, groups: int) -> bool:
+    """torch._scaled_grouped_mm applies: a Hopper GPU (its CUTLASS sm90 kernel), < 1024 groups; dispatch.BACKEND
+    'twin' forces the loop."""
     if dispatch.BACKEND == "twin" or not hasattr(torch, "_scaled_grouped_mm"):
         return False
-    if not xq.is_cuda or out_dtype != torch.bfloat16 or groups >= _MAX_GROUPS:
+    if not xq.is_cuda or groups >= _MAX_GROUPS:
         return False
     return torch.cuda.get_device_capability(xq.device)[0] == 9
 
@@ -115,11 +115,13 @@ def fp8_grouped_linear(xq: Tensor, x_inv: Tensor, wq: Tensor, w_inv: Tensor, off
     _check(xq, x_inv, wq, w_inv, offsets)
     if xq.shape[0] == 0:
         return xq.new_zeros(0, wq.shape[1], dtype=out_dtype)
-    if _fast_path_ok(xq, wq.shape[0], out_dtype):
+    if _fast_path_ok(xq, wq.shape[0]):  # the kernels write bf16 only: another dtype (an fp32 model) is cast from it
         if GEMM == "per-expert":
-            return per_expert_scaled_mm(xq, x_inv, wq, w_inv, offsets, fast_accum)
-        return torch._scaled_grouped_mm(xq, wq.transpose(-2, -1), x_inv, w_inv, offs=offsets, out_dtype=out_dtype,
-                                        use_fast_accum=fast_accum)
+            y = per_expert_scaled_mm(xq, x_inv, wq, w_inv, offsets, fast_accum)
+        else:
+            y = torch._scaled_grouped_mm(xq, wq.transpose(-2, -1), x_inv, w_inv, offs=offsets,
+                                         out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+        return y if out_dtype == torch.bfloat16 else y.to(out_dtype)
     return fp8_grouped_linear_twin(xq, x_inv, wq, w_inv, offsets, out_dtype)
 
 
