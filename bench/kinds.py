@@ -54,6 +54,9 @@ KINDS: dict[str, Kind] = {
     "adamw": Kind("bench.bench_adamw", "qtrain's fused AdamW kernel against torch._fused_adamw_"),
     "fp8-gemm": Kind("bench.bench_fp8_gemm", "bf16 matmul vs FP8 scaled_mm for the block linears, per GEMM and per "
                      "layer (eager and CUDA graph)"),
+    "fp8-experts": Kind("bench.bench_fp8_experts", "the MoE expert GEMMs at a preset's shape: bf16 grouped_mm against "
+                        "e4m3, torch._scaled_grouped_mm against one row-wise _scaled_mm per expert, quantization and "
+                        "the layer's forward + backward"),
     "offload-update": Kind("bench.bench_offload_update", "the offloaded AdamW update alone, by streaming variant, "
                            "against the PCIe ceiling"),
     "swiglu-fp8": Kind("bench.bench_swiglu_fp8", "the FP8-MLP Triton kernels and their tile variants"),

@@ -366,6 +366,13 @@ class Options:
     """MoE models: spread every MoE layer's experts over N ranks (E/N each); the tokens travel to their experts'
     ranks and back by all-to-all. N divides the experts and the number of ranks (world = data-parallel x N); expert
     gradients are averaged over the ranks holding the same experts, the rest over all ranks. 1 = off."""
+    fp8_experts: bool = False
+    """MoE models, with --matmul-dtype e4m3: run the experts' forward and input-gradient GEMMs in e4m3 with row-wise
+    scales (a scale per token row and per expert output column; torch._scaled_grouped_mm on Hopper), their weight
+    gradients in the model dtype from the kept e4m3 input; the layer keeps e4m3 copies of the experts' GEMM inputs
+    and their row scales instead of model-dtype tensors. Their output gradients are e4m3 whatever --gradient-dtype
+    (the grouped FP8 kernel multiplies e4m3 only; each row has its own scale). The hidden and the experts'
+    intermediate sizes must be multiples of 16. Off by default (the expert GEMMs run in the model dtype)."""
 
     # ---------------------------------------------------------------------------------------------
     @property
@@ -454,7 +461,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                                   "collective_timeout"),
     "execution (device, compile, kernels)": ("device", "compile", "compile_tuning", "compile_cache",
                                              "compile_autotune_gemm", "sdpa_backend", "use_cuda_graphs"),
-    "mixture of experts": ("router_z_loss", "log_router_every", "expert_parallel"),
+    "mixture of experts": ("router_z_loss", "log_router_every", "expert_parallel", "fp8_experts"),
     "outputs and checkpoints": ("name", "out_dir", "checkpoint_dir", "ckpt_interval", "ckpt_keep_n", "ckpt_major",
                                 "save_training_state", "continue_from", "new_data", "override_schedule", "start_over",
                                 "max_nonfinite_steps"),

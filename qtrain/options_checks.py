@@ -115,6 +115,13 @@ def check_options(opts: Any) -> None:
     if opts.fp8_head_backward and opts.effective_matmul_dtype != "e4m3":
         raise err("--fp8-head-backward only applies with --matmul-dtype e4m3: it runs the LM head's gradient "
                   "GEMMs in FP8")
+    if opts.fp8_experts and opts.effective_matmul_dtype != "e4m3":
+        raise err("--fp8-experts only applies with --matmul-dtype e4m3: it runs the MoE experts' GEMMs in FP8")
+    if opts.fp8_experts and opts.lora_base_dtype:
+        raise err("--fp8-experts with --lora-base-dtype e4m3 is not supported: the frozen base's experts are held as "
+                  "e4m3 codes with their own scales (drop one of them)")
+    if opts.fp8_experts and opts.expert_parallel > 1:
+        raise err("--fp8-experts with --expert-parallel is not supported yet (use --expert-parallel 1)")
     if opts.fp8_swiglu_onepass and opts.effective_matmul_dtype != "e4m3":
         raise err("--fp8-swiglu-onepass only applies with --matmul-dtype e4m3: it writes the SwiGLU output and "
                   "its gradient in e4m3")

@@ -24,7 +24,8 @@ This is FP8 quantization's one home. Layout (STYLE.md "Kernels and their twins")
 twin (the specification; the CPU path), `fp8_quantize`, which asks `qtrain.kernels.dispatch` which to run, the custom
 ops a compiled graph calls, and the entries the rest of qtrain calls: `quantize_fp8` (q and its inverse scale; the
 FP8 linears and the persistent e4m3 weight shards), `quantize_fp8_transposed` (q^T), `quantize_for_gemms` (a GEMM
-operand with its transposed copy, through the opaque op inside torch.compile'd graphs).
+operand with its transposed copy, through the opaque op inside torch.compile'd graphs), `quantize_fp8_rowwise` (one
+scale per row: the FP8 expert GEMMs).
 """
 from __future__ import annotations
 
@@ -305,6 +306,31 @@ def quantize_fp8_transposed(x: Tensor, dtype: torch.dtype = E4M3) -> tuple[Tenso
     quantize launch; the kernel writes q as well (not returned)."""
     _, qt, inv_scale = fp8_quantize(x, dtype, transpose=True)
     return qt, inv_scale
+
+
+def quantize_fp8_rowwise(x: Tensor, dtype: torch.dtype = E4M3, *, amax: Tensor | None = None
+                         ) -> tuple[Tensor, Tensor]:
+    """Row-wise current scaling: `fp8_quantize_torch`'s math (FMAX / max(amax, AMAX_FLOOR), saturating round-to-nearest
+    cast) with one scale per row of the last dimension, for GEMMs whose contraction runs along it (the FP8 expert GEMMs,
+    `kernels/grouped_gemm_fp8.py`, where one token or one expert's column must not set the scale of the others).
+
+    x (..., K) with any strides; returns (q, inv_scale): q contiguous e4m3/e5m2 of x's shape, inv_scale fp32 of shape
+    x.shape[:-1], x ~= q.float() * inv_scale[..., None]. `amax` (x.shape[:-1]): the rows' abs-max when known.
+    Plain torch ops: inductor fuses them into the block's kernels when compiled; eager, the fp32 product is a
+    transient of 4 bytes per element."""
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"quantize_fp8_rowwise: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
+    if x.dim() < 1 or not x.is_floating_point():
+        raise ValueError(f"quantize_fp8_rowwise: x must be a floating tensor of >= 1 dims, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    fmax = FP8_MAX[dtype]
+    if amax is None:  # max is exact in any dtype; an empty row (K = 0) has none
+        amax = (torch.linalg.vector_norm(x, float("inf"), dim=-1) if x.shape[-1]
+                else x.new_zeros(x.shape[:-1]))
+    amax32 = amax.to(torch.float32).clamp_min(AMAX_FLOOR)
+    scale = torch.full_like(amax32, fmax) / amax32  # a division, as the twin's (`fmax / t` is fmax * (1 / t))
+    q = (x * scale.unsqueeze(-1)).clamp_(-fmax, fmax).to(dtype, memory_format=torch.contiguous_format)
+    return q, scale.reciprocal()
 
 
 Prenorm = tuple[Tensor, Tensor, Tensor]  # an RMSNorm's (input x, rstd, gain w) whose output a linear quantizes

@@ -149,6 +149,7 @@ class BlockOptions:
     # (model/lora/adapter.py); None: no adapters
     adapter: Callable[[str, torch.Tensor, dict, torch.Tensor], torch.Tensor] | None = None
     experts: Any = None  # expert parallelism's token exchange (model/moe.ExpertExchange); None: every expert here
+    fp8_experts: bool = False  # the expert GEMMs in e4m3, row-wise scaled (--fp8-experts: kernels/grouped_gemm_fp8.py)
     context: SequenceSplit | None = None  # context parallelism: this rank's part of each sequence (eager blocks)
 
 
@@ -170,6 +171,7 @@ class ActivationSettings:
     adapter_inputs: frozenset[str] = frozenset()
     seq_len: int = 0  # tokens of one sequence (a rank's part); 0: unknown, taken as long (Qwen3.5's delta rule keeps
     # one chunk less of some buffers per sequence)
+    fp8_experts: bool = False  # --fp8-experts: the expert GEMMs keep e4m3 inputs and row scales (model/moe_block.py)
     delta_rule_kernels: bool = False  # Gated DeltaNet's convolution and delta rule run as their op pairs (CUDA with
     # Triton: `kernels.delta_rule.op_pairs_on`), which keep their inputs only, not the twins' chunk buffers
 

@@ -21,7 +21,8 @@ Weights, per MoE layer (what the family seam stores; the HF names are in the fam
   experts_down    (E, C, F)    <- experts.{e}.down_proj (Mixtral: w2)
 
 Memory kept for backward besides the dense MLP's kinds of tensors: xs (N*k, C), h (N*k, 2F), a (N*k, F) and ys
-(N*k, C) in the activation dtype, the routing (N, E) fp32 probabilities, and the permutation indices
+(N*k, C) in the activation dtype (with `fp8`, the GEMMs keep e4m3 copies of xs and a plus an fp32 scale per row
+instead), the routing (N, E) fp32 probabilities, and the permutation indices
 (2 x N*k int64). Imbalance changes none of these sizes: dropless routing fixes the row count at N*k.
 
 LoRA on the experts (`adapter`, model/lora/adapter.py `LoraAdapter.expert_term`): steps 3 and 5 add the adapter
@@ -38,6 +39,7 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol
 import torch
 
 from qtrain.kernels.grouped_gemm import expert_linear
+from qtrain.kernels.grouped_gemm_fp8 import fp8_expert_linear
 from qtrain.kernels.moe_permute import ExpertOrder, permute_tokens, sort_by_expert, unpermute_tokens
 from qtrain.model.layers import swiglu_fused
 from qtrain.model.moe_router import RouterStats, route, router_stats
@@ -52,9 +54,10 @@ ExpertAdapter = Callable[[str, torch.Tensor, torch.Tensor], Optional[torch.Tenso
 
 
 def _expert_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, name: str,
-                 adapter: ExpertAdapter | None) -> torch.Tensor:
-    """x's rows through their experts' stack `name` (`w`), with its adapter's term when there is one."""
-    y = expert_linear(x, w, offsets)
+                 adapter: ExpertAdapter | None, fp8: bool = False) -> torch.Tensor:
+    """x's rows through their experts' stack `name` (`w`), with its adapter's term when there is one; `fp8`: the
+    GEMMs in e4m3 with row-wise scales (kernels/grouped_gemm_fp8.py), else in x's dtype."""
+    y = (fp8_expert_linear if fp8 else expert_linear)(x, w, offsets)
     delta = adapter(name, x, offsets) if adapter is not None else None
     return y if delta is None else y + delta
 
@@ -82,11 +85,12 @@ def _check(x: torch.Tensor, router_weight: torch.Tensor, experts_up_gate: torch.
 
 
 def permuted_up(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor,
-                experts_up_gate: torch.Tensor, top_k: int, adapter: ExpertAdapter | None = None) -> torch.Tensor:
+                experts_up_gate: torch.Tensor, top_k: int, adapter: ExpertAdapter | None = None,
+                fp8: bool = False) -> torch.Tensor:
     """Steps 2-3: the tokens x (N, C) in expert order, through their experts' up/gate GEMM -> (N*k, 2F)."""
     plan = ExpertOrder(order, inverse, offsets, offsets, top_k)  # counts are not read here
     xs = permute_tokens(x, plan)  # (N*k, C) in expert order
-    return _expert_gemm(xs, experts_up_gate, offsets, EXPERTS_UP_GATE, adapter)  # (N*k, 2F): [up | gate]
+    return _expert_gemm(xs, experts_up_gate, offsets, EXPERTS_UP_GATE, adapter, fp8)  # (N*k, 2F): [up | gate]
 
 
 class ExpertExchange(Protocol):
@@ -103,22 +107,25 @@ class ExpertExchange(Protocol):
 
 
 def _local_experts(xs: torch.Tensor, experts_up_gate: torch.Tensor, experts_down: torch.Tensor,
-                   offsets: torch.Tensor, step, adapter: ExpertAdapter | None) -> torch.Tensor:
+                   offsets: torch.Tensor, step, adapter: ExpertAdapter | None, fp8: bool) -> torch.Tensor:
     """Steps 3-5 on rows grouped by expert."""
-    h = step("up", _expert_gemm, xs, experts_up_gate, offsets, EXPERTS_UP_GATE, adapter)  # (M, 2F)
+    h = step("up", _expert_gemm, xs, experts_up_gate, offsets, EXPERTS_UP_GATE, adapter, fp8)  # (M, 2F)
     a = step("swiglu", swiglu_fused, h)  # (M, F)
-    return _expert_gemm(a, experts_down, offsets, EXPERTS_DOWN, adapter)  # (M, C)
+    return _expert_gemm(a, experts_down, offsets, EXPERTS_DOWN, adapter, fp8)  # (M, C)
 
 
 def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, experts_up_gate: torch.Tensor,
                 experts_down: torch.Tensor, *, top_k: int, norm_topk_prob: bool, step=run_step,
-                exchange: ExpertExchange | None = None, adapter: ExpertAdapter | None = None) -> MoEOutput:
+                exchange: ExpertExchange | None = None, adapter: ExpertAdapter | None = None,
+                fp8: bool = False) -> MoEOutput:
     """The MoE MLP of one layer (module docstring) on x (..., C): weights as listed there, all differentiable.
     `norm_topk_prob`: renormalise the k kept probabilities to sum to 1 (Qwen3-MoE per config, OLMoE False,
     Mixtral True). `step`: the block's step policy ('up', 'swiglu'). `exchange`: expert parallelism (the expert
     stacks hold this rank's E/ep experts; the permuted rows travel to their experts' ranks between steps 2 and 3
     and back between 5 and 6; the 'up' step is then the local up/gate GEMM alone). `adapter`: LoRA's term of the
-    expert GEMMs (module docstring). Returns the output and what the auxiliary losses and the logs need."""
+    expert GEMMs (module docstring). `fp8`: steps 3 and 5 in e4m3 with row-wise scales (--fp8-experts,
+    kernels/grouped_gemm_fp8.py; K and N multiples of 16). Returns the output and what the auxiliary losses and the
+    logs need."""
     _check(x, router_weight, experts_up_gate, experts_down, top_k, 1 if exchange is None else exchange.ep)
     shape, E = x.shape, router_weight.shape[0]
     x2 = x.reshape(-1, shape[-1])  # (N, C)
@@ -126,12 +133,12 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, experts_up_gate: t
     plan = sort_by_expert(r.ids, E)
     if exchange is None:
         h = step("up", permuted_up, x2, plan.order, plan.inverse, plan.offsets, experts_up_gate, top_k,
-                 adapter)  # (N k, 2F)
+                 adapter, fp8)  # (N k, 2F)
         a = step("swiglu", swiglu_fused, h)  # (N*k, F)
-        ys = _expert_gemm(a, experts_down, plan.offsets, EXPERTS_DOWN, adapter)  # (N*k, C)
+        ys = _expert_gemm(a, experts_down, plan.offsets, EXPERTS_DOWN, adapter, fp8)  # (N*k, C)
     else:
         routed = exchange.dispatch(permute_tokens(x2, plan), plan.counts)
         ys = exchange.combine(_local_experts(routed.rows, experts_up_gate, experts_down, routed.offsets, step,
-                                             adapter), routed)
+                                             adapter, fp8), routed)
     out = unpermute_tokens(ys, r.weights, plan)  # (N, C)
     return MoEOutput(out.view(shape), r.logits, router_stats(r, E, plan.counts), plan)

@@ -14,10 +14,12 @@ the weights it receives (a 'router' or an 'up').
 
 Routing in fp32 (`moe_router.route`), the expert GEMMs and the router in the model dtype: with --matmul-dtype e4m3
 only the attention projections (and a dense layer's MLP) run in FP8 (the families' `fp8_matrices`); the expert GEMMs
-stay bf16 for now. The router losses: the block writes its statistics beside its weights (`ROUTER_STATS`) and puts a
-node into its output whose backward adds the losses' gradients (`moe_router.with_router_grads`), so the load-balancing
-loss (and the router z-loss) reach the router and every earlier layer through the per-block backward of
-`transformer.Transformer`, recomputed blocks included (routing is deterministic).
+stay in the model dtype unless --fp8-experts, which runs their forward and input-gradient GEMMs in e4m3 with row-wise
+scales and their weight gradients in the model dtype (`kernels/grouped_gemm_fp8.py`). The router losses: the block
+writes its statistics beside its weights (`ROUTER_STATS`) and puts a node into its output whose backward adds the
+losses' gradients (`moe_router.with_router_grads`), so the load-balancing loss (and the router z-loss) reach the router
+and every earlier layer through the per-block backward of `transformer.Transformer`, recomputed blocks included
+(routing is deterministic).
 
 Memory (eager; `saved_by_moe`): beside the attention's and the dense families' norm terms, per token of a routed layer
 the fp32 routing (softmax probabilities E, ids and combine weights k, logsumexp 1), the permutation indices (2 k int64),
@@ -50,6 +52,7 @@ class MoeBlock(LlamaBlock):
         super().__init__(cfg, o)
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.exchange = o.experts  # expert parallelism's token exchange, or None
+        self.fp8_experts = o.fp8_experts  # --fp8-experts: the expert GEMMs in e4m3 (kernels/grouped_gemm_fp8.py)
 
     # ---- 5) MLP: the router -> top-k experts -> their SwiGLU MLPs -> the weighted sum ----
     def mlp(self, x: torch.Tensor, h: torch.Tensor, pre: Prenorm | None, w: dict[str, torch.Tensor],
@@ -59,7 +62,8 @@ class MoeBlock(LlamaBlock):
             return super().mlp(x, h, pre, w, step)
         moe = moe_forward(h, w[ROUTER], w[EXPERTS_UP_GATE], w[EXPERTS_DOWN], top_k=self.top_k,
                           norm_topk_prob=self.norm_topk_prob, step=step, exchange=self.exchange,
-                          adapter=self.adapter.experts_of(w) if self.adapter is not None else None)
+                          adapter=self.adapter.experts_of(w) if self.adapter is not None else None,
+                          fp8=self.fp8_experts)
         record_router_stats(moe.stats, w)  # training: this layer's row of the step's router statistics
         return x + with_router_grads(moe.out, moe.stats, w)
 
@@ -81,20 +85,32 @@ class MoeBlock(LlamaBlock):
         around the router losses' node, which is not compiled); the routing term is an upper bound there: depending on E and k the partitioner keeps
         the bf16 logits instead of the fp32 probabilities (and rebuilds the softmax), or one (N, k) tensor fewer
         with norm_topk_prob -- at most 2 E + 4 k + 8 bytes per token less, under 0.5% of a routed layer's bytes at
-        Qwen3-30B-A3B's shape."""
+        Qwen3-30B-A3B's shape.
+        --fp8-experts (`kernels/grouped_gemm_fp8.py`): the two expert GEMMs keep, for their weights' gradients, e4m3
+        copies of the permuted input and of the SwiGLU output (k C and k F bytes) and an fp32 scale per row (4 k bytes
+        each) instead of the model-dtype tensors (measured eager on the CPU, tests/model/test_moe_fp8.py); over a
+        frozen base they keep nothing, and an adapter that reads the input keeps its model-dtype copy as without.
+        The down GEMM quantizes the SwiGLU output outside the 'swiglu' step, so --recompute-swiglu does not drop its
+        e4m3 copy (only --recompute-block does); the up GEMM's copy is made inside the 'up' step, which
+        --recompute-ffn drops. Compiled, the partitioner rebuilds the down GEMM's copy from the up/gate output (kept
+        for SwiGLU's backward anyway), so it keeps none of it; the rest as eager (measured on the CPU)."""
         cfg, Eb, rc, blk, compiled = a.cfg, a.E, a.rc, a.blk, a.s.compiled
         C, F, X, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
         weights = 8 * k + 4 if cfg.norm_topk_prob else 4 * k
         # the experts' GEMMs keep their inputs for their weights' gradients, or over a frozen base for the experts'
-        # adapters that read them (their A's grouped GEMM holds the same tensor)
-        Ex_up, Ex_down = (Eb if a.s.lin_of(m) else 0 for m in ("experts_up_gate", "experts_down"))
+        # adapters that read them (their A's grouped GEMM holds the same tensor); in FP8 an e4m3 copy and row scales
+        fp8 = a.s.fp8_experts and not a.s.frozen_base
+        up_in, down_in = ((k * (width + 4) if fp8 else (Eb if a.s.lin_of(m) else 0) * k * width)
+                          for m, width in (("experts_up_gate", C), ("experts_down", F)))
+        kept = "e4m3 + row scales" if fp8 else "model dtype"
         terms = [ActTerm("moe_routing", 4 * X + 8 * k + weights + 4, blk,
                          "router softmax (fp32), top-k ids, combine weights, logsumexp", per_layer=4 * X),
                  ActTerm("moe_permutation", 16 * k, blk, "permutation indices (order, inverse)"),
-                 ActTerm("moe_up_in", Ex_up * k * C, "ffn" not in rc, "permuted tokens (k copies, expert order)"),
+                 ActTerm("moe_up_in", up_in, "ffn" not in rc, f"permuted tokens (k copies, expert order; {kept})"),
                  ActTerm("moe_up_out", Eb * k * 2 * F, blk and ("ffn" not in rc or compiled),
                          "experts' up/gate outputs (k, 2F)"),
-                 ActTerm("moe_swiglu", Ex_down * k * F, "swiglu" not in rc, "experts' SwiGLU outputs (k, F)"),
+                 ActTerm("moe_swiglu", down_in, (blk and not compiled) if fp8 else "swiglu" not in rc,
+                         f"experts' SwiGLU outputs (k, F; {kept})"),
                  ActTerm("moe_down_out", Eb * k * C, blk, "experts' outputs (k, C), for the combine weights")]
         if a.s.fp8 and not a.s.frozen_base:  # a frozen router keeps nothing of its input
             terms.append(ActTerm("router_in", Eb * C, not ("norm" in rc or "ffn" in rc),
@@ -147,10 +163,18 @@ def matmuls(cfg: MoeConfig, layer: int) -> dict[str, MatmulSpec]:
 def backward_temporaries(cfg: MoeConfig, layer: int, tokens: int, s: ActivationSettings) -> int:
     """The largest saved tensors come back as gradients: a dense layer's as the Llama block's; a routed layer's
     experts' (k (3F + 2C) elements per token in the model dtype: d(up/gate), d(SwiGLU), d(permuted), d(outputs)) and
-    the routing's fp32 gradients (2 E per token), with the attention's q_dim fp32 per attention call."""
-    if layer in cfg.dense_layers:
+    the routing's fp32 gradients (2 E per token), with the attention's q_dim fp32 per attention call.
+    --fp8-experts adds, in an expert GEMM's backward, the dequantized input (k max(C, F) in the model dtype), the
+    output gradient's e4m3 copy (k max(2F, C) bytes) and the weight stack's e4m3 copy in the other major order
+    (E 2F C bytes, per layer); eager, the quantizations' fp32 products are transients besides (a compiled block fuses
+    them)."""
+    routed = layer not in cfg.dense_layers
+    if not routed:
         width = cfg.intermediate_size + 2 * cfg.hidden_size
     else:
         width = cfg.num_experts_per_tok * (3 * cfg.moe_intermediate_size + 2 * cfg.hidden_size)
-    return tokens * (s.dtype_bytes * width + 8 * cfg.num_experts * (layer not in cfg.dense_layers)
-                     + 4 * cfg.q_dim // s.attn_chunks)
+    fp8 = 0
+    if routed and s.fp8_experts:
+        C, F, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+        fp8 = tokens * k * (s.dtype_bytes * max(C, F) + max(2 * F, C)) + cfg.num_experts * 2 * F * C
+    return fp8 + tokens * (s.dtype_bytes * width + 8 * cfg.num_experts * routed + 4 * cfg.q_dim // s.attn_chunks)

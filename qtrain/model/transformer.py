@@ -64,7 +64,7 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
                   linears: dict[str, Linear] | None = None, rope: str = "autograd",
                   rebuilt_input_linear: Linear | None = None, norm_fed_fp8: bool = False,
                   adapter: Callable | None = None, experts: Any = None,
-                  context: SequenceSplit | None = None) -> BlockFn:
+                  context: SequenceSplit | None = None, fp8_experts: bool = False) -> BlockFn:
     """The block of `cfg`'s family as a function of (x, weights, cos, sin[, docs]), so one compiled graph serves
     every layer (weights are inputs, not captured constants); for the Llama family see model/llama/block.py.
 
@@ -87,12 +87,13 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     with kept transposes and no recomputed step (the Transformer decides).
     adapter: adds a low-rank adapter's term to the block linears' outputs (LoRA: model/lora/adapter.py).
     experts: expert parallelism's token exchange (model/moe.ExpertExchange) for an MoE family's block.
-    context: each sequence split across ranks (model/sequence_split.py): attention through it."""
+    context: each sequence split across ranks (model/sequence_split.py): attention through it.
+    fp8_experts: an MoE family's expert GEMMs in e4m3 with row-wise scales (kernels/grouped_gemm_fp8.py)."""
     options = BlockOptions(linear=linear, recompute=frozenset(recompute), attn_chunks=attn_chunks, compiled=compiled,
                            swiglu=swiglu, mlp=mlp, sdpa_backend=sdpa_backend, linears=linears,
                            rope=rope, rebuilt_input_linear=rebuilt_input_linear,
                            norm_fed_fp8=norm_fed_fp8, adapter=adapter, experts=experts,
-                           context=context)
+                           context=context, fp8_experts=fp8_experts)
     return family_of(cfg).make_block_fn(cfg, options)
 
 
@@ -138,6 +139,7 @@ class RunOptions:
     document_attention: str = "auto"  # with position ids: kernels/document_attention.py's form (auto, varlen, masked)
     adapter: Callable | None = None  # LoRA's term after the block linears (model/lora/adapter.LoraAdapter)
     expert_exchange: Any = None  # --expert-parallel: the MoE layers' token exchange (parallel/experts.TokenExchange)
+    fp8_experts: bool = False  # --fp8-experts: the MoE layers' expert GEMMs in e4m3 (kernels/grouped_gemm_fp8.py)
     context: SequenceSplit | None = None  # --context-parallel: this rank's part of each sequence
     # the block matrices come as e4m3 codes only (LoRA's --lora-base-dtype e4m3): every block linear runs through
     # numerics/frozen_e4m3.py (FP8 GEMMs with matmul_dtype e4m3 on CUDA, else dequantized inside the op)
@@ -201,7 +203,8 @@ class Transformer:
                            sdpa_backend=run.sdpa_backend, linears=linears, rebuilt_input_linear=rebuilt,
                            norm_fed_fp8=bool(run.compile and run.matmul_dtype == "e4m3" and run.fp8_keep_transposes
                                              and run.wrap_linear is None and not run.frozen_e4m3),
-                           adapter=run.adapter, experts=run.expert_exchange, context=run.context)
+                           adapter=run.adapter, experts=run.expert_exchange, context=run.context,
+                           fp8_experts=run.fp8_experts)
         self.block_fn: BlockFn = torch.compile(fn, dynamic=False, options=run.inductor_options()) if run.compile else fn
         self._eager_block_fn: BlockFn = fn
         if run.compile:  # the compiled flavour of the recompute mechanism differs; eager needs its own
@@ -209,7 +212,7 @@ class Transformer:
                                                  attn_chunks=run.attn_bwd_chunks, compiled=False,
                                                  sdpa_backend=run.sdpa_backend, linears=linears,
                                                  adapter=run.adapter, experts=run.expert_exchange,
-                                                 context=run.context)
+                                                 context=run.context, fp8_experts=run.fp8_experts)
         # the final norm, forward and backward, as inductor's fused kernels where the blocks are compiled: eager it was
         # several elementwise passes over fp32 copies of the (B*T, C) hidden states, each way, per micro-step
         norm = final_norm_fn(cfg.zero_centered_norms)

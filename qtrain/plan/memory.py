@@ -301,6 +301,7 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
     kw = dict(model_dtype=opts.model_dtype, matmul_dtype=matmul if fp8 or matmul != "e4m3" else "",
               compiled=compiled, attn_chunks=attn_chunks, fp8_weight_copies=not (persistent_quants or e4m3_base),
               fp8_keep_transposes=keep_t, documents=opts.document_masking, seq_len=T // opts.context_parallel,
+              fp8_experts=opts.fp8_experts,
               delta_rule_kernels=op_pairs_on(device, getattr(cfg, "linear_key_head_dim", 128),
                                              getattr(cfg, "linear_value_head_dim", 128)),
               **_lora_settings(cfg, lora))

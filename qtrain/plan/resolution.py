@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from qtrain.kernels.grouped_gemm_fp8 import FP8_MULTIPLE
 from qtrain.model.config import ModelConfig
 from qtrain.model.fp8_policy import Fp8Choice, block_gflop, choose_fp8
 from qtrain.model.layers import resolve_sdpa_backend
@@ -173,11 +174,14 @@ def check_model_support(cfg: ModelConfig, opts: Options, *, device_type: str) ->
     """Refuse what this model's structure cannot run yet: --use-cuda-graphs for an MoE model (the tokens each expert
     gets set its grouped GEMMs' row counts anew every micro-step, and a graph replays fixed shapes; `cuda_graphs_on`
     leaves it off), and sharded weights for blocks not laid out alike (the sharded weight source gathers one block
-    layout; an MoE layer's experts are a layout group of their own, parallel/layout.py)."""
+    layout; an MoE layer's experts are a layout group of their own, parallel/layout.py); --fp8-experts where the model
+    has no experts or their GEMMs' sizes are not multiples of 16 (`_check_fp8_experts`)."""
     if opts.use_cuda_graphs and device_type == "cuda" and cfg.router is not None:
         raise OptionsError(f"--use-cuda-graphs cannot capture a step of {cfg.model_type} (a Mixture-of-Experts "
                            "model): the number of tokens each expert gets changes the shapes of its GEMMs from one "
                            "micro-step to the next, and a CUDA graph replays fixed shapes. Drop --use-cuda-graphs.")
+    if opts.fp8_experts:
+        _check_fp8_experts(cfg)
     if opts.document_masking and (why := document_masking_error(cfg)):
         raise OptionsError(why)  # a family whose blocks cannot keep documents apart (Qwen3.5's linear attention)
     if opts.weights_sharded:
@@ -187,6 +191,18 @@ def check_model_support(cfg: ModelConfig, opts: Options, *, device_type: str) ->
             raise OptionsError(f"--shard-weights / --zero-level 3 is not supported for this {cfg.model_type} model "
                                f"yet: {e}; drop it (--shard-gradients / --zero-level 2 still shard the gradients "
                                f"and the optimizer state)") from None
+
+
+def _check_fp8_experts(cfg: ModelConfig) -> None:
+    """--fp8-experts: an MoE model whose expert GEMMs' K and N (hidden size, 2 x and 1 x the experts' intermediate
+    size) are multiples of 16 (torch._scaled_grouped_mm; kernels/grouped_gemm_fp8.py)."""
+    if cfg.router is None:
+        raise OptionsError(f"--fp8-experts applies to Mixture-of-Experts models; {cfg.model_type} has no experts "
+                           "(drop it)")
+    C, F = cfg.hidden_size, cfg.moe_intermediate_size
+    if C % FP8_MULTIPLE or F % FP8_MULTIPLE:
+        raise OptionsError(f"--fp8-experts: the model's hidden_size {C} and moe_intermediate_size {F} must be "
+                           f"multiples of {FP8_MULTIPLE} (FP8 grouped GEMMs); drop the option")
 
 
 def cuda_graphs_on(cfg: ModelConfig, opts: Options, *, world: int, device_type: str,

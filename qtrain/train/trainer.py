@@ -160,7 +160,8 @@ class Trainer:
             fp8_head_backward=run.fp8_head_backward, fp8_linears=run.fp8.fp8 if run.fp8 is not None else None,
             wrap_linear=self._abs_max_wrapper(opts), document_attention=opts.document_attention,
             adapter=self.adapter, frozen_e4m3=self.e4m3_base,
-            expert_exchange=self.experts.exchange if self.experts is not None else None, context=self.context)
+            expert_exchange=self.experts.exchange if self.experts is not None else None, context=self.context,
+            fp8_experts=opts.fp8_experts)
 
     def _abs_max_wrapper(self, opts: Options):
         """--debug-log-abs-max: the recorder that wraps the block linears (None when off; with
