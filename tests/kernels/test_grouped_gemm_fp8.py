@@ -29,23 +29,11 @@ from qtrain.kernels import dispatch
 from qtrain.kernels import grouped_gemm_fp8 as gf
 from qtrain.kernels.fp8_quant import E4M3, fp8_quantize_torch, quantize_fp8_rowwise
 from qtrain.kernels.grouped_gemm import expert_linear
+from tests.kernels.test_grouped_gemm import _groups, _problem  # one problem maker for both GEMMs' tests
 
 COUNTS = [0, 3, 5, 0, 1, 40, 0]  # empty experts first, in the middle and last; one large group
 
 
-def _problem(counts, k, n, device="cpu", dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    m = sum(counts)
-    x = torch.randn(m, k, generator=g).to(dtype).to(device)
-    w = (torch.randn(len(counts), n, k, generator=g) / k**0.5).to(dtype).to(device)
-    dy = torch.randn(m, n, generator=g).to(dtype).to(device)
-    offsets = torch.tensor(counts).cumsum(0).to(torch.int32).to(device)
-    return x, w, dy, offsets
-
-
-def _groups(counts):
-    ends = torch.tensor(counts).cumsum(0).tolist()
-    return list(zip([0] + ends[:-1], ends))
 
 
 def _deq(t):
