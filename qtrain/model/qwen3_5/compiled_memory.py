@@ -41,8 +41,8 @@ def activation_terms(cfg: Qwen35Config, layer: int, s: ActivationSettings) -> li
     terms += [ActTerm("res_att", E * C, blk, "the output projection's output (the residual after the mixer is "
                       "rebuilt from it and the block input)"),
               ActTerm("ln2", 4, blk and "norm" not in rc and "ffn" not in rc, "RMSNorm-2 rstd"),
-              ActTerm("ln2_out", E * C, blk and ("ffn" in rc or "norm" not in rc),
-                      "RMSNorm-2 output (the MLP's input)")]
+              ActTerm("ln2_out", E * C, blk and ("ffn" in rc or "norm" not in rc or cfg.is_moe_layer(layer)),
+                      "RMSNorm-2 output (the MLP's input; the MoE's always: a graph break follows it)")]
     if cfg.is_moe_layer(layer):
         return terms + moe_terms(cfg, s)
     F = cfg.intermediate_size
