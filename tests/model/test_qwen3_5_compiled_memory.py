@@ -19,6 +19,7 @@ from qtrain.kernels.delta_rule import CHUNK, causal_conv1d_silu_twin
 from qtrain.kernels.rope import rope_tables
 from qtrain.model.activations import activation_terms
 from qtrain.model.init import init_params
+from qtrain.model.matmul import block_linear, block_mlp
 from qtrain.model.recompute import block_steps, resolve_flags
 from qtrain.model.transformer import allocate_params, make_block_fn
 from tests.model.family_fixtures import qwen35_cfg
@@ -39,9 +40,14 @@ def gpu_path(monkeypatch):
     monkeypatch.setattr("qtrain.model.qwen3_5.linear_attention.causal_conv1d_silu", causal_conv1d_silu_twin)
 
 
-def saved_by_compiled_block(cfg, layer: int, dtype: str, flags: tuple[str, ...]) -> int:
-    """Bytes one compiled call of layer `layer` saves for backward (its input, weights and RoPE tables excluded)."""
-    fn = make_block_fn(cfg, recompute=block_steps(flags), compiled=True, swiglu="kernel", rope="kernel")
+def saved_by_compiled_block(cfg, layer: int, dtype: str, flags: tuple[str, ...], fp8: bool = False,
+                            keep_transposes: bool = False) -> int:
+    """Bytes one compiled call of layer `layer` saves for backward (its input, weights and RoPE tables excluded);
+    `fp8`: the block linears in e4m3 and the MLP as one FP8 Function, as the Transformer builds them."""
+    mm = "e4m3" if fp8 else ""
+    fn = make_block_fn(cfg, block_linear(mm, keep_transposes=keep_transposes), recompute=block_steps(flags),
+                       compiled=True, swiglu="kernel", rope="kernel",
+                       mlp=block_mlp(mm, keep_transposes=keep_transposes))
     torch._dynamo.reset()
     fn = torch.compile(fn, dynamic=False, backend="aot_eager_decomp_partition")
     params = allocate_params(cfg, dtype=DT[dtype], device="cpu")
@@ -64,17 +70,22 @@ def saved_by_compiled_block(cfg, layer: int, dtype: str, flags: tuple[str, ...])
     return sum(seen.values())
 
 
-def stated(cfg, layer: int, dtype: str, flags: tuple[str, ...]) -> int:
+def stated(cfg, layer: int, dtype: str, flags: tuple[str, ...], fp8: bool = False,
+           keep_transposes: bool = False) -> int:
     terms = activation_terms(cfg, layer=layer, model_dtype=dtype, compiled=True, recompute=resolve_flags(flags),
-                             seq_len=T, delta_rule_kernels=True)
+                             seq_len=T, delta_rule_kernels=True, matmul_dtype="e4m3" if fp8 else "",
+                             fp8_keep_transposes=keep_transposes)
     return sum(t.nbytes(B * T) for t in terms if t.kept and t.name != "input")
 
 
-def check(cfg, dtype: str, sets, layers: tuple[int, ...] = (0, 1)) -> None:
+def check(cfg, dtype: str, sets, layers: tuple[int, ...] = (0, 1), **fp8) -> None:
+    """Exact; with FP8 up to 16 bytes a layer (0-dim scales and abs-maxes, stated as 8 a weight, as the Llama
+    family's)."""
     for flags in sets:
         for layer in layers:
-            measured = saved_by_compiled_block(cfg, layer, dtype, flags)
-            assert stated(cfg, layer, dtype, flags) == measured, (LAYERS[layer], flags, measured / (B * T))
+            measured = saved_by_compiled_block(cfg, layer, dtype, flags, **fp8)
+            diff = stated(cfg, layer, dtype, flags, **fp8) - measured
+            assert abs(diff) <= (16 if fp8 else 0), (LAYERS[layer], flags, diff, measured / (B * T))
 
 
 @pytest.mark.parametrize("dtype,sets", [("bf16", [(), ("qkv",), ("att",), ("norm", "swiglu")]),
@@ -91,6 +102,24 @@ def test_compiled_statements_moe_and_as_many_key_heads(gpu_path):
     check(qwen35_cfg(moe=True, **HEADS, num_hidden_layers=2, layer_types=LAYERS), "bf16", [()], layers=(0,))
     check(qwen35_cfg(**HEADS, num_hidden_layers=2, layer_types=LAYERS, linear_num_key_heads=4), "bf16", [()],
           layers=(0,))
+
+
+# FP8 GEMMs need dimensions in multiples of 16: 8 value heads make the projection 784 wide
+FP8_CFG = dict(**HEADS, linear_num_value_heads=8, linear_num_key_heads=4, num_hidden_layers=2, layer_types=LAYERS)
+
+
+@pytest.mark.parametrize("keep_transposes", [False, True])
+def test_compiled_statements_fp8(gpu_path, keep_transposes):
+    """e4m3 block linears: the e4m3 copies of the norms' outputs (and so the outputs) are rebuilt, the full-attention
+    gated output's too, unless --fp8-keep-transposes keeps them; the weights' e4m3 copies are kept per layer."""
+    sets = [(), ("att", "ffn")] if keep_transposes else [("qkv",), ("swiglu",)]
+    check(qwen35_cfg(**FP8_CFG), "bf16", sets, fp8=True, keep_transposes=keep_transposes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keep_transposes", [False, True])
+def test_compiled_statements_fp8_every_switch(gpu_path, keep_transposes):
+    check(qwen35_cfg(**FP8_CFG), "bf16", ALL_SETS, fp8=True, keep_transposes=keep_transposes)
 
 
 @pytest.mark.slow
@@ -115,5 +144,5 @@ def test_plan_states_compiled_blocks_below_eager_ones():
 
     assert (per_token(0, compiled=True), per_token(3, compiled=True)) == (79172, 78852)
     assert per_token(0) > per_token(0, compiled=True) and per_token(3) > per_token(3, compiled=True)
-    # FP8 linears and --document-masking keep the eager statements (not measured compiled)
-    assert per_token(0, compiled=True, matmul_dtype="e4m3") == per_token(0, matmul_dtype="e4m3")
+    # --document-masking keeps the eager statements (not measured compiled)
+    assert per_token(0, compiled=True, documents=True) == per_token(0, documents=True)

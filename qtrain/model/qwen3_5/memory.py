@@ -60,7 +60,7 @@ def _norm(C: int, E: int, s: ActivationSettings, *, copies: bool = True) -> tupl
 
 def activation_terms(cfg: Qwen35Config, layer: int, s: ActivationSettings) -> list[ActTerm]:
     """The layer's statements: a compiled block's on the GPU's path (compiled_memory.py), else the eager block's."""
-    if compiled_memory.states(s):
+    if compiled_memory.states(s) and not (s.fp8 and cfg.is_moe_layer(layer)):
         return compiled_memory.activation_terms(cfg, layer, s)
     E, C, rc = DTYPE_BYTES[s.model_dtype], cfg.hidden_size, resolve_flags(s.recompute)
     blk, learns = "block" not in rc, not s.frozen_base
