@@ -1,6 +1,7 @@
-"""What a Qwen3.5 block keeps for backward (eager), per token and layer kind: the memory plan's statements
-(model/activations.py sums them), op by op, on the path the run takes: the twins (the CPU), or on CUDA the convolution
-and the delta rule as their op pairs (`ActivationSettings.delta_rule_kernels`, from `kernels.delta_rule.op_pairs_on`).
+"""What a Qwen3.5 block keeps for backward (eager; a compiled block on the GPU's path: compiled_memory.py), per token
+and layer kind: the memory plan's statements (model/activations.py sums them), op by op, on the path the run takes:
+the twins (the CPU), or on CUDA the convolution and the delta rule as their op pairs
+(`ActivationSettings.delta_rule_kernels`, from `kernels.delta_rule.op_pairs_on`).
 tests/model/test_qwen3_5.py checks the twins' sum against what autograd saves (saved-tensor hooks) for a full
 fine-tune, tests/plan/test_lora_activations.py over a frozen base (LoRA: `ActivationSettings.frozen_base`: the norms'
 frozen gains keep no normalized value, a frozen linear keeps its input only for an adapter that reads it,
@@ -46,6 +47,7 @@ from dataclasses import replace
 from qtrain.kernels.delta_rule import CHUNK
 from qtrain.kernels.swiglu.activation import saved_bytes_per_token as swiglu_saved_bytes
 from qtrain.model.family import DTYPE_BYTES, ActivationSettings, ActTerm
+from qtrain.model.qwen3_5 import compiled_memory
 from qtrain.model.qwen3_5.config import Qwen35Config
 from qtrain.model.recompute import resolve_flags
 
@@ -57,6 +59,9 @@ def _norm(C: int, E: int, s: ActivationSettings, *, copies: bool = True) -> tupl
 
 
 def activation_terms(cfg: Qwen35Config, layer: int, s: ActivationSettings) -> list[ActTerm]:
+    """The layer's statements: a compiled block's on the GPU's path (compiled_memory.py), else the eager block's."""
+    if compiled_memory.states(s) and not (s.fp8 and cfg.is_moe_layer(layer)):
+        return compiled_memory.activation_terms(cfg, layer, s)
     E, C, rc = DTYPE_BYTES[s.model_dtype], cfg.hidden_size, resolve_flags(s.recompute)
     blk, learns = "block" not in rc, not s.frozen_base
     mixer_in = "in_proj" if cfg.is_linear(layer) else "qkv"
