@@ -108,7 +108,7 @@ def test_compiled_statements_moe_and_as_many_key_heads(gpu_path):
 FP8_CFG = dict(**HEADS, linear_num_value_heads=8, linear_num_key_heads=4, num_hidden_layers=2, layer_types=LAYERS)
 
 
-@pytest.mark.parametrize("keep_transposes", [False, True])
+@pytest.mark.parametrize("keep_transposes", [False, pytest.param(True, marks=pytest.mark.slow)])  # CI: one (~10 s)
 def test_compiled_statements_fp8(gpu_path, keep_transposes):
     """e4m3 block linears: the e4m3 copies of the norms' outputs (and so the outputs) are rebuilt, the full-attention
     gated output's too, unless --fp8-keep-transposes keeps them; the weights' e4m3 copies are kept per layer."""
