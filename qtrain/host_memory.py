@@ -13,6 +13,7 @@ Without CUDA (or for a CPU run) a buffer is plain host memory: `torch.zeros` / `
 """
 from __future__ import annotations
 
+import math
 import mmap
 import weakref
 from typing import Callable
@@ -65,9 +66,7 @@ def host_buffer(shape: int | tuple[int, ...] | torch.Size, dtype: torch.dtype, *
     when `zero` (a registered map always is)."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     pin = pin and torch.cuda.is_available()
-    nbytes = dtype.itemsize
-    for n in shape:
-        nbytes *= n
+    nbytes = math.prod(shape) * dtype.itemsize
     if pin and nbytes >= EXACT_MIN_BYTES:
         return registered_map(nbytes).view(dtype).view(shape)
     make = torch.zeros if zero else torch.empty

@@ -64,7 +64,8 @@ def _check_offsets(name: str, offsets: torch.Tensor, groups: int) -> None:
         raise ValueError(f"{name}: offsets must be int32 ({groups},), got {tuple(offsets.shape)} {offsets.dtype}")
 
 
-def _bounds(offsets: torch.Tensor) -> list[tuple[int, int]]:
+def group_bounds(offsets: torch.Tensor) -> list[tuple[int, int]]:
+    """(first row, end row) of each group from the int32 row ends, on the host (the twins loop over them)."""
     ends = offsets.tolist()  # a host sync on CUDA: the twin's price
     return list(zip([0] + ends[:-1], ends))
 
@@ -74,7 +75,7 @@ def grouped_linear_twin(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor)
     """The specification: y[rows of g] = x[rows of g] @ w[g]^T, (M, N) in x's dtype; w may be any strided view."""
     _check_linear(x, w, offsets)
     y = x.new_empty(x.shape[0], w.shape[1])
-    for g, (a, b) in enumerate(_bounds(offsets)):
+    for g, (a, b) in enumerate(group_bounds(offsets)):
         torch.mm(x[a:b], w[g].t(), out=y[a:b])
     return y
 
@@ -83,7 +84,7 @@ def grouped_weight_grad_twin(dy: torch.Tensor, x: torch.Tensor, offsets: torch.T
     """The specification: dw[g] = dy[rows of g]^T @ x[rows of g], (G, N, K) in x's dtype; zeros for an empty g."""
     _check_weight_grad(dy, x, offsets)
     dw = x.new_zeros(offsets.numel(), dy.shape[1], x.shape[1])
-    for g, (a, b) in enumerate(_bounds(offsets)):
+    for g, (a, b) in enumerate(group_bounds(offsets)):
         if b > a:
             torch.mm(dy[a:b].t(), x[a:b], out=dw[g])
     return dw

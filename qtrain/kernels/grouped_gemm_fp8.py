@@ -42,7 +42,7 @@ from torch import Tensor
 
 from qtrain.kernels import dispatch
 from qtrain.kernels.fp8_quant import E4M3, quantize_fp8_rowwise
-from qtrain.kernels.grouped_gemm import grouped_weight_grad
+from qtrain.kernels.grouped_gemm import group_bounds, grouped_weight_grad
 
 __all__ = ["FP8_MULTIPLE", "fp8_expert_linear", "fp8_grouped_linear", "fp8_grouped_linear_twin"]
 
@@ -77,11 +77,6 @@ def _check(xq: Tensor, x_inv: Tensor, wq: Tensor, w_inv: Tensor, offsets: Tensor
                          f"{offsets.dtype}")
 
 
-def _bounds(offsets: Tensor) -> list[tuple[int, int]]:
-    ends = offsets.tolist()  # a host sync on CUDA: the twin's price
-    return list(zip([0] + ends[:-1], ends))
-
-
 def fp8_grouped_linear_twin(xq: Tensor, x_inv: Tensor, wq: Tensor, w_inv: Tensor, offsets: Tensor,
                             out_dtype: torch.dtype) -> Tensor:
     """The specification: y[rows of g] = (xq_g @ wq[g]^T in fp32) * x_inv[rows, None] * w_inv[g][None, :], cast to
@@ -89,7 +84,7 @@ def fp8_grouped_linear_twin(xq: Tensor, x_inv: Tensor, wq: Tensor, w_inv: Tensor
     order) and the final cast round, as in the CUDA kernel, which also scales its fp32 accumulator."""
     _check(xq, x_inv, wq, w_inv, offsets)
     y = torch.zeros(xq.shape[0], wq.shape[1], dtype=out_dtype, device=xq.device)
-    for g, (a, b) in enumerate(_bounds(offsets)):
+    for g, (a, b) in enumerate(group_bounds(offsets)):
         if b > a:
             acc = xq[a:b].float() @ wq[g].float().t()
             y[a:b] = (acc * x_inv[a:b, None] * w_inv[g][None, :]).to(out_dtype)
@@ -131,7 +126,7 @@ def per_expert_scaled_mm(xq: Tensor, x_inv: Tensor, wq: Tensor, w_inv: Tensor, o
     (1, N), fp32; mat2 = wq[g].t(), column-major; bf16 out): the alternative to the grouped kernel (`GEMM`). A
     group's rows start at a multiple of K bytes, so every slice stays 16-byte aligned."""
     y = xq.new_zeros(xq.shape[0], wq.shape[1], dtype=torch.bfloat16)
-    for g, (a, b) in enumerate(_bounds(offsets)):
+    for g, (a, b) in enumerate(group_bounds(offsets)):
         if b > a:
             torch._scaled_mm(xq[a:b], wq[g].t(), scale_a=x_inv[a:b, None], scale_b=w_inv[g][None, :],
                              out_dtype=torch.bfloat16, use_fast_accum=fast_accum, out=y[a:b])
