@@ -139,6 +139,10 @@ class Harness:
         except OSError as e:
             raise HarnessError(f"cannot write results under {out}: {e.strerror or e} (choose another --out)") from None
 
+    def log_path(self, run: Run) -> Path:
+        """A run's log file: its id with `@` spelled `_` (the device machine sends back no file whose name has one)."""
+        return self.logs / f"{run.id.replace('@', '_')}.log"
+
     # ---- one round: the runs that start together ----
     def start(self, run: Run, timeout: float) -> Proc:
         path, _ = self.checkouts[run.checkout]
@@ -150,7 +154,7 @@ class Harness:
         if run.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = run.gpus
         env.update(run.env)
-        log = open(self.logs / f"{run.id}.log", "w")
+        log = open(self.log_path(run), "w")
         log.write(f"# {' '.join(child_command(spec)[:2])} ... {json.dumps(spec)}\n# cwd {path}\n")
         popen = subprocess.Popen(child_command(spec), cwd=path, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
@@ -203,7 +207,7 @@ class Harness:
                                    checkout=run.checkout, commit=commit, params=run.params,
                                    gpus=run.gpus, dry_run=self.dry_run, invocation=self.invocation)
         if proc is not None:
-            row["log"] = str(self.logs / f"{run.id}.log")
+            row["log"] = str(self.log_path(run))
             if proc.result:
                 row.update(proc.result[-1])
             elif proc.timed_out:

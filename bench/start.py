@@ -7,7 +7,8 @@ new empty folder: a first run on a fresh machine) or a name (a folder under $BEN
 every case that names it: a second case naming it finds the first one's compiled code). Both inductor's and
 Triton's caches go there through TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR, which every qtrain version respects.
 Result: start_s (launch -> first step logged), first_step_s (that step alone, compile included), step_ms (a later
-step), startup_s (qtrain's own `startup` event, where the checkout has it).
+step), startup_s (qtrain's own `startup` event, where the checkout has it), phases (that event's seconds from the
+process's start to the end of each start-up phase: imports, device, preflight, model, ready; where it has them).
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def run(model: str, batch: int, accum: int = 1, seq: int = 1024, flags: list[str
     res = dict(system="qtrain", start_s=round(_t(steps_[0]) - _t(events[0]), 1),
                first_step_s=round(steps_[0]["duration_ms"] / 1000, 1),
                step_ms=round(steps_[-1]["duration_ms"], 1) if len(steps_) > 1 else None,
-               startup_s=startup.get("seconds_to_first_step"))
+               startup_s=startup.get("seconds_to_first_step"), phases=startup.get("phases"))
     print(", ".join(f"{k} {v}" for k, v in res.items()), flush=True)
     return res
 

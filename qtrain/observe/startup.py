@@ -3,7 +3,9 @@
 The first step of a compiled run includes compiling the block (seconds with a warm compile cache, a minute or
 more on a machine that never compiled those shapes): `Compiling` shows a line that counts the seconds on a
 terminal (one line when the console is a file), and `startup_times` measures from the process's start (the
-kernel's record of it, so the interpreter's and torch's imports count) for the run log's `startup` event.
+kernel's record of it, so the interpreter's and torch's imports count) for the run log's `startup` event, with
+the end of each start-up phase (`mark`: imports, device, preflight, model, ready) so a slow start says where its
+seconds went.
 """
 from __future__ import annotations
 
@@ -32,6 +34,27 @@ def process_start() -> float:
 
 def seconds_since_start() -> float:
     return time.time() - process_start()
+
+
+_PHASES: dict[str, float] = {}  # this process's start-up timeline: phase -> seconds since the process started
+
+
+def begin_timeline() -> None:
+    """A run starts in this process (a process may run several through the API): its timeline starts over, and
+    the imports end here."""
+    _PHASES.clear()
+    mark("imports")
+
+
+def mark(phase: str) -> None:
+    """Note that start-up `phase` ended now, so the `startup` event says where the seconds before the first step
+    went."""
+    _PHASES[phase] = round(seconds_since_start(), 2)
+
+
+def phases() -> dict[str, float]:
+    """The phases marked so far, in the order they ended, as seconds since the process started."""
+    return dict(_PHASES)
 
 
 class Compiling:

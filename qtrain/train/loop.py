@@ -24,7 +24,7 @@ from qtrain.data.token_files import DataChangedError
 from qtrain.model.weights import num_params
 from qtrain.observe.live import attach_observers
 from qtrain.observe.log import DEFAULT, QUIET, VERBOSE, RunLogger
-from qtrain.observe.startup import Compiling, seconds_since_start
+from qtrain.observe.startup import Compiling, begin_timeline, mark, phases, seconds_since_start
 from qtrain.observe.metrics import device_peaks, model_flops_per_token, ns_per_token, peak_tflops, sol_ops
 from qtrain.options import Options
 from qtrain.parallel.dist import DistContext, init_distributed, is_collective_error
@@ -47,8 +47,10 @@ def run_training(opts: Options, argv: list[str] | None = None, ctx: DistContext 
                  prep: Prepared | None = None) -> dict:
     """Train as the options say; returns a summary (final eval loss, steps, out_dir) on every rank. `prep` is
     the preflight's result when the caller (the --gpus launcher) ran it already."""
+    begin_timeline()
     opts.validate()
     ctx = ctx or init_distributed(opts.device, timeout_s=opts.collective_timeout)
+    mark("device")
     if ctx.device.type == "cpu":
         return_freed_memory()  # so the host memory the plan checked is what the run holds
     cache_note = compile_cache.use(opts.compile_cache) if _compiles(opts, ctx) else None
@@ -111,6 +113,7 @@ def _compiles(opts: Options, ctx: DistContext) -> bool:
 def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared | None,
          signals: StopSignals, cache_note: str | None = None) -> dict:
     prep = prep or shared_preflight(opts, ctx)
+    mark("preflight")
     if prep.review is not None and prep.review.finished:  # --continue of a finished run: nothing is built or written
         if ctx.is_main:
             console.write(f"qtrain: {prep.review.finished}\n", sys.stdout)
@@ -118,6 +121,7 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
                 "checkpoint_dir": prep.paths.ckpt_dir}
     train_pattern, eval_pattern = prep.train_pattern, prep.eval_pattern
     trainer = _build_trainer(opts, ctx, prep)
+    mark("model")
     # the checkpoint's tensors are verified as they load, before anything is written: a refused one changes nothing
     resumed = checkpointing.restore_state(prep.resume, trainer) if prep.resume is not None else None
     notes = _claim(prep, opts, ctx)  # after the model is built: a run that fails to start writes nothing
@@ -202,6 +206,8 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
             # 0.5B step took 883 ms where the same step through the API took 862, 2026-12-02). So a step's time
             # is from its start to its norm, and the update's GPU time lands in the next step's.
             first = step == start
+            if first:
+                mark("ready")
             try:
                 with Compiling(first and trainer.model.run.compile and log.verbosity >= DEFAULT and ctx.is_main,
                                "the model for its first step", stream=log.stream):
@@ -234,13 +240,16 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
 
 
 def _log_startup(log: RunLogger, step: int, first_step_ms: float, *, compiled: bool) -> None:
-    """The run log's `startup` event (seconds from the process's start to the end of its first step, and that
-    step's own time, which holds the compile) and one console line."""
+    """The run log's `startup` event (seconds from the process's start to the end of its first step, that step's
+    own time, which holds the compile, and when each start-up phase ended) and one console line."""
     since = seconds_since_start()
+    ends = phases()
     log.log("startup", step=step, seconds_to_first_step=round(since, 2), first_step_s=round(first_step_ms / 1000, 2),
-            compiled=compiled)
+            compiled=compiled, phases=ends)
     what = " (compiling included)" if compiled else ""
-    log.message(f"first step done {since:.1f} s after the start; the step took {first_step_ms / 1000:.1f} s{what}")
+    took = ", ".join(f"{name} {s:.1f}" for name, s in ends.items())
+    log.message(f"first step done {since:.1f} s after the start ({took}); the step took {first_step_ms / 1000:.1f} s"
+                f"{what}")
 
 
 def _out_of_memory(step: int, error: BaseException, trainer: Trainer, ckpt_dir: str) -> Exception:

@@ -256,6 +256,9 @@ def test_tiny_suite_end_to_end(tmp_path, capsys):
     assert Path(old["env"]["qtrain_file"]).is_relative_to(base), old["env"]
     assert Path(new["env"]["qtrain_file"]).is_relative_to(REPO_ROOT), new["env"]
     assert old["commit"] == origin  # read from .base/.commit (an archive is no git work tree)
+    # every run's log is a file whose name the device machine sends back (no `@`)
+    assert all(Path(r["log"]).is_file() and "@" not in Path(r["log"]).name for r in rows.values() if "log" in r)
+    assert Path(old["log"]).name == "bf16_base.1.log"
     for r in (old, new):
         assert r["tps"] > 0 and r["step_ms"] > 0 and 5.0 < r["loss"] < 7.5 and r["params"]["batch"] == 32
     # errors name the suite file, the case and what is wrong
