@@ -87,7 +87,8 @@ _TINY_BITS = 0x0D800000  # 2**-100: floor for an e4m3 block abs-max so 448/absma
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
 # Launch shape: ROWS*128 elements per program (`adamw_step_triton` takes others as parameters). On the H200 at
 # 1.5e9 elements, ROWS=8, 4 warps is within 7% of the best shape for fp32, bf16-SR and e4m3-m states; ROWS>=16
-# slows the integer-bound SR variants by 20-80% (bf16: 8.6 ms at 8 rows, 10.6 at 16, 15.4 at 32).
+# slows the integer-bound SR variants by 20-80% (bf16: 8.6 ms at 8 rows, 10.6 at 16, 15.4 at 32). Measured with
+# three hashes and three divisions per element: the kernels suite's adamw case (sweep) re-measures the shapes.
 ROWS = 8
 NUM_WARPS = 4
 
