@@ -6,7 +6,10 @@ move: read param, grad, m, v and write param, m, v (+ the e4m3 m scales, 4 bytes
 way); GB/s = bytes / median time. A device-to-device copy of a similar size is printed first as the
 achievable bandwidth. ``torch._fused_adamw_`` needs param/m/v of one dtype, so mixed rows show only ours.
 torch's bf16 row rounds to nearest (no SR); ours rounds stochastically. Results go to BENCHMARKS.md by hand.
-Result: `rows` (one per configuration) and `sweep_rows`.
+Result: `rows` (one per configuration), `sweep_rows`, and each configuration's ms as `<key>_ms` (fp32, bf16,
+bf16mix, e4m3: the scalars a suite's ratios and the harness table use, e.g. suite adamw-vs-base).
+The timing goes through `adamw_update_` (and, for the sweep, `adamw_step_triton`'s keywords), which older
+checkouts have too, so the same code times the kernel of another checkout (`bench.run --baseline`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ CONFIGS = [  # name, param, grad, m, v
     ("bf16 p,g + fp32 m,v", BF16, BF16, F32, F32),
     ("bf16 p,g,v + e4m3 m", BF16, BF16, E4M3, BF16),
 ]
+KEYS = ("fp32", "bf16", "bf16mix", "e4m3")  # CONFIGS' result keys (`<key>_ms`), in order
 
 
 def bytes_per_step(n: int, p, g, m, v) -> int:
@@ -102,8 +106,8 @@ def run(numel: float = 1.5e9, sweep: bool = False) -> dict:
     print(f"launch shape: ROWS={kadamw.ROWS} (x128 elements per program), num_warps={kadamw.NUM_WARPS}\n")
     print("| config | bytes/step | qtrain ms | qtrain GB/s | torch fused ms | torch GB/s | torch/qtrain |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    rows, sweep_rows = [], []
-    for name, *cfg in CONFIGS:
+    rows, sweep_rows, by_key = [], [], {}
+    for key, (name, *cfg) in zip(KEYS, CONFIGS):
         nb = bytes_per_step(n, *cfg)
         ours = bench_ours(n, cfg)
         ref = bench_torch(n, cfg)
@@ -112,6 +116,7 @@ def run(numel: float = 1.5e9, sweep: bool = False) -> dict:
         print(f"| {name} | {nb / 1e9:.1f} GB | {ours:.2f} | {nb / ours / 1e6:.0f} | {ref_cols} |")
         rows.append(dict(config=name, bytes=nb, qtrain_ms=round(ours, 3), qtrain_gbs=round(nb / ours / 1e6),
                          torch_ms=round(ref, 3) if ref else None))
+        by_key[f"{key}_ms"] = round(ours, 3)
     if sweep:
         print("\n| config | ROWS | num_warps | ms | GB/s |\n|---|---:|---:|---:|---:|")
         for name, *cfg in CONFIGS[:2] + CONFIGS[3:]:
@@ -122,7 +127,7 @@ def run(numel: float = 1.5e9, sweep: bool = False) -> dict:
                     print(f"| {name} | {rows_} | {warps} | {ms:.2f} | {nb / ms / 1e6:.0f} |")
                     sweep_rows.append(dict(config=name, rows=rows_, num_warps=warps, ms=round(ms, 3)))
             torch.cuda.empty_cache()
-    return {"copy_gbs": round(copy), "rows": rows, "sweep_rows": sweep_rows,
+    return {"copy_gbs": round(copy), "rows": rows, "sweep_rows": sweep_rows, **by_key,
             "summary": " ".join(f"{r['config'].split(' (')[0]} {r['qtrain_ms']} ms" for r in rows)}
 
 

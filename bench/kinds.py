@@ -51,7 +51,9 @@ KINDS: dict[str, Kind] = {
                       "compiled, against flash"),
     "cross-entropy": Kind("bench.bench_ce", "the fused cross-entropy kernel by launch shape (block, warps), "
                           "GB/s against the read+write floor"),
-    "adamw": Kind("bench.bench_adamw", "qtrain's fused AdamW kernel against torch._fused_adamw_"),
+    "adamw": Kind("bench.bench_adamw", "qtrain's fused AdamW kernel against torch._fused_adamw_",
+                  (("bf16_ms", "bf16 ms"), ("e4m3_ms", "e4m3-m ms"), ("bf16mix_ms", "bf16+fp32 m,v ms"),
+                   ("fp32_ms", "fp32 ms"))),
     "fp8-gemm": Kind("bench.bench_fp8_gemm", "bf16 matmul vs FP8 scaled_mm for the block linears, per GEMM and per "
                      "layer (eager and CUDA graph)"),
     "fp8-experts": Kind("bench.bench_fp8_experts", "the MoE expert GEMMs at a preset's shape: bf16 grouped_mm against "

@@ -6,7 +6,9 @@ bit because the kernel runs with fp fusion off, i.e. no FMA contraction, and use
     g    = grad * grad_scale
     m    = beta1 * m + one_minus_beta1 * g
     v    = beta2 * v + one_minus_beta2 * (g * g)
-    upd  = (m / bias_corr1) / (sqrt(v / bias_corr2) + eps) + weight_decay * p
+    mhat = m * inv_bias_corr1
+    vhat = v * inv_bias_corr2
+    upd  = mhat / (sqrt(vhat) + eps) + weight_decay * p
     p    = p - lr * upd
 
 This is llm.q's ``adamw.cu`` (decoupled, lr-scaled weight decay; reference/llmq.md §3.4); the scalars are
@@ -15,12 +17,44 @@ prepared by ``qtrain.numerics.adamw`` (which owns the update rule) and reach the
 host need not read the gradient norm before queuing the update); a NaN there means "skip this step": the
 kernel then writes nothing (and reports abs-max 0).
 
+The kernel is issue-bound, not bandwidth-bound, on H100/H200, so the spec keeps per-element work low:
+
+* Bias corrections: the caller passes ``bias_corr = 1 - beta**t`` (float64); ``bias_reciprocals`` (used by
+  the twin and the launcher alike) makes ``inv_bias_corr = fp32(1 / bias_corr)``, the reciprocal in float64
+  rounded to fp32 once, and each element multiplies by it instead of dividing (an IEEE division on the GPU is
+  a reciprocal, Newton steps, a range check and a branch around a slow path). Still one rounding each, so
+  mhat and vhat are within about an ulp of the quotients, though not always the same bits. The one division
+  left, ``mhat / (sqrt(vhat) + eps)``, and the sqrt stay IEEE (``tl.div_rn``, ``tl.sqrt_rn``). llm.q divides
+  per element (``m / beta1_correction``: IEEE, it builds without fast math), takes the corrections as
+  ``1 - powf(beta, t)`` in fp32 and contracts into FMAs; we do not.
+* Random words: every bf16/e4m3 write is stochastically rounded at counter ``offset + i`` with a word
+  ``hash(key, i)`` (``qtrain.kernels.rng``), of which a bf16 rounding uses 16 bits and an e4m3 one 20:
+  param ``hash(key_param, i)``; m ``hash(key_m, i)`` (low 16 or 20 bits); v, when m is bf16, the HIGH half
+  ``hash(key_m, i) >> 16`` of m's word, else (m fp32, or e4m3 with its 20 bits) ``hash(key_v, i)``. So
+  ``key_v`` is unused when m and v are both bf16 (the signature keeps it for the other dtypes), and that
+  kernel hashes twice per element, not three times (a hash of a counter already mixed for another key is
+  ~11 integer instructions on sm_90, 3 of them multiplies). The param cannot join: three bf16 roundings
+  need 48 bits.
+
+  Why the two halves of one word are independent: for a fixed key, ``hash`` is a bijection of the low 32-bit
+  counter word (Murmur's round and its finaliser ``fmix32`` are each invertible: multiplies by odd constants,
+  rotations, xor-shifts), so over the 2**32 counters that share a high word the word takes every value once
+  and its two halves are exactly uniform and independent; for a fixed counter the word is likewise a
+  bijection of the 32-bit key state, which the SplitMix64-derived key makes close to uniform from step to
+  step. ``fmix32``'s full avalanche (each input bit flips each output bit with probability ~1/2) makes the
+  words of nearby counters and keys unrelated. So each rounding stays unbiased and m's and v's rounding
+  errors uncorrelated (tested). llm.q draws one word per element for param and v, v's being the word
+  rotated by 20 bits, so v's 16 bits overlap 4 of the param's; its m uses a fixed seed (reference/llmq.md
+  §3.3).
+
+With both, the sm_90 build of the bf16 param/grad/m/v kernel has ~107 SASS instructions per element on its
+fast path, down from ~149 (the bf16 rounding's cheaper top slot, ``stochastic_rounding``, is 8 of the 42).
+
 Storage dtypes (each a constexpr kind in the kernel, loaded/stored as bit patterns):
 param fp32|bf16, grad fp32|bf16|fp16, m fp32|bf16|e4m3 (e4m3 with one fp32 scale per 128 elements of
 this call: ``m = code * m_scales[i // 128]``; on write the block's abs-max maps to 448, llm.q style),
-v fp32|bf16. Every bf16/e4m3 write is stochastically rounded with its own key (``key_param``, ``key_m``,
-``key_v``) at counter ``offset + i``. The returned abs-max is of the param as stored (after rounding),
-taken as an integer max of ``bits & 0x7FFFFFFF`` (exact, order-free, NaN wins over inf).
+v fp32|bf16. The returned abs-max is of the param as stored (after rounding), taken as an integer max of
+``bits & 0x7FFFFFFF`` (exact, order-free, NaN wins over inf).
 
 The kernel works on [ROWS, 128] tiles so the e4m3 block max is a row reduction; any length works (masked
 tail). The abs-max is one int32 ``atomic_max`` per program.
@@ -45,7 +79,7 @@ from qtrain.kernels.stochastic_rounding import (
     sr_e4m3_bits_twin,
 )
 
-__all__ = ["M_BLOCK", "adamw_step", "adamw_step_triton", "adamw_step_twin", "sqrt_rn_twin"]
+__all__ = ["M_BLOCK", "adamw_step", "adamw_step_triton", "adamw_step_twin", "bias_reciprocals", "sqrt_rn_twin"]
 
 M_BLOCK = 128  # elements per fp32 scale of an e4m3 m
 E4M3_MAX = 448.0
@@ -53,9 +87,16 @@ _TINY_BITS = 0x0D800000  # 2**-100: floor for an e4m3 block abs-max so 448/absma
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
 # Launch shape: ROWS*128 elements per program (`adamw_step_triton` takes others as parameters). On the H200 at
 # 1.5e9 elements, ROWS=8, 4 warps is within 7% of the best shape for fp32, bf16-SR and e4m3-m states; ROWS>=16
-# slows the integer-bound SR variants by 20-80% (bf16: 8.6 ms at 8 rows, 10.6 at 16, 15.4 at 32).
+# slows the integer-bound SR variants by 20-80% (bf16: 8.6 ms at 8 rows, 10.6 at 16, 15.4 at 32). Measured with
+# three hashes and three divisions per element: the kernels suite's adamw case (sweep) re-measures the shapes.
 ROWS = 8
 NUM_WARPS = 4
+
+
+def bias_reciprocals(bias_corr1: float, bias_corr2: float) -> tuple[float, float]:
+    """``fp32(1 / bias_corr)`` of both bias corrections (reciprocal in float64, one rounding to fp32): the kernel
+    multiplies by these instead of dividing every element (module docstring). Twin and launcher both use this."""
+    return fp32(1.0 / bias_corr1), fp32(1.0 / bias_corr2)
 
 
 # ---------------------------------------------------------------------------------------------- twin
@@ -113,8 +154,9 @@ def adamw_step_twin(
         m_old = _load(m)
     m_new = fp32(beta1) * m_old + fp32(one_minus_beta1) * g
     v_new = fp32(beta2) * _load(v) + fp32(one_minus_beta2) * (g * g)
-    mhat = _div(m_new, bias_corr1, p)
-    vhat = _div(v_new, bias_corr2, p)
+    inv_bc1, inv_bc2 = bias_reciprocals(bias_corr1, bias_corr2)
+    mhat = m_new * inv_bc1  # fp32 x fp32-exact scalar: one fp32 rounding (as on the GPU)
+    vhat = v_new * inv_bc2
     upd = _div(mhat, sqrt_rn_twin(vhat) + fp32(eps), p) + fp32(weight_decay) * p
     p_new = p - fp32(lr) * upd
 
@@ -126,8 +168,9 @@ def adamw_step_twin(
         param.view(-1).copy_(p_new)
         absmax_bits = f32_bits_twin(p_new) & 0x7FFFFFFF
 
+    rand_m = random_u32_twin(key_m, idx) if m.dtype in (torch.bfloat16, torch.float8_e4m3fn) else None
     if m.dtype == torch.bfloat16:
-        m.view(-1).copy_(bf16_bits_to_f32_twin(sr_bf16_bits_twin(m_new, random_u32_twin(key_m, idx))))
+        m.view(-1).copy_(bf16_bits_to_f32_twin(sr_bf16_bits_twin(m_new, rand_m)))
     elif m.dtype == torch.float8_e4m3fn:
         nblk = m_scales.numel()
         padded = torch.zeros(nblk * M_BLOCK, dtype=torch.float32, device=dev)
@@ -137,13 +180,15 @@ def adamw_step_twin(
         scale = _div(E4M3_MAX, blk_max, blk_max)
         m_scales.copy_(_div(blk_max, E4M3_MAX, blk_max))
         y = m_new * scale.repeat_interleave(M_BLOCK)[:n]
-        codes = sr_e4m3_bits_twin(y, random_u32_twin(key_m, idx))
+        codes = sr_e4m3_bits_twin(y, rand_m)
         m.view(-1).view(torch.uint8).copy_(codes.to(torch.uint8))
     else:
         m.view(-1).copy_(m_new)
 
     if v.dtype == torch.bfloat16:
-        v.view(-1).copy_(bf16_bits_to_f32_twin(sr_bf16_bits_twin(v_new, random_u32_twin(key_v, idx))))
+        # the high half of m's word when m is bf16 (it uses the low half), else v's own stream (module docstring)
+        rand_v = rand_m >> 16 if m.dtype == torch.bfloat16 else random_u32_twin(key_v, idx)
+        v.view(-1).copy_(bf16_bits_to_f32_twin(sr_bf16_bits_twin(v_new, rand_v)))
     else:
         v.view(-1).copy_(v_new)
 
@@ -155,7 +200,7 @@ def adamw_step_twin(
 @jit(do_not_specialize=["offset", "ks_p", "ks_m", "ks_v"])
 def _adamw_kernel(
     p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, amax_ptr, n, offset, ks_p, ks_m, ks_v,
-    lr, beta1, omb1, beta2, omb2, bc1, bc2, eps, wd, grad_scale, gs_ptr,
+    lr, beta1, omb1, beta2, omb2, ibc1, ibc2, eps, wd, grad_scale, gs_ptr,
     P_KIND: tl.constexpr, G_KIND: tl.constexpr, M_KIND: tl.constexpr, V_KIND: tl.constexpr,
     HI_ABSORBED: tl.constexpr, ROWS: tl.constexpr, GS_PTR: tl.constexpr,
 ):
@@ -185,33 +230,40 @@ def _adamw_kernel(
 
     m = beta1 * m + omb1 * g
     v = beta2 * v + omb2 * (g * g)
-    mhat = tl.div_rn(m, bc1)
-    vhat = tl.div_rn(v, bc2)
+    mhat = m * ibc1  # ibc = fp32(1 / bias_corr): a multiply, not a division (module docstring)
+    vhat = v * ibc2
     upd = tl.div_rn(mhat, tl.sqrt_rn(vhat) + eps) + wd * p
     p = p - lr * upd
 
     if P_KIND == 1:
         pb = sr_bf16_bits(p, hash_u32(ks_p, idx, HI_ABSORBED))
         tl.store(p_ptr + offs, pb, mask=mask)
-        abs_bits = (pb.to(tl.uint16, bitcast=True).to(tl.int32) << 16) & 0x7FFFFFFF
+        # max of the 15 magnitude bits, shifted to fp32's place once per program (x << 16 is monotone on them)
+        abs_max = tl.max(tl.where(mask, pb.to(tl.int32) & 0x7FFF, 0)) << 16
     else:
         tl.store(p_ptr + offs, p, mask=mask)
-        abs_bits = p.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    tl.atomic_max(amax_ptr, tl.max(tl.where(mask, abs_bits, 0)))
+        abs_max = tl.max(tl.where(mask, p.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0))
+    tl.atomic_max(amax_ptr, abs_max)
 
+    if M_KIND == 1 or M_KIND == 3:
+        rand_m = hash_u32(ks_m, idx, HI_ABSORBED)
     if M_KIND == 1:
-        tl.store(m_ptr + offs, sr_bf16_bits(m, hash_u32(ks_m, idx, HI_ABSORBED)), mask=mask)
+        tl.store(m_ptr + offs, sr_bf16_bits(m, rand_m), mask=mask)
     elif M_KIND == 3:
         m_bits = tl.where(mask, m.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
         blk_max = tl.maximum(tl.max(m_bits, axis=1), 0x0D800000).to(tl.float32, bitcast=True)[:, None]
         scale = tl.div_rn(448.0, blk_max)
         tl.store(ms_ptr + rows, tl.div_rn(blk_max, 448.0), mask=row_mask)
-        tl.store(m_ptr + offs, sr_e4m3_bits(m * scale, hash_u32(ks_m, idx, HI_ABSORBED)), mask=mask)
+        tl.store(m_ptr + offs, sr_e4m3_bits(m * scale, rand_m), mask=mask)
     else:
         tl.store(m_ptr + offs, m, mask=mask)
 
     if V_KIND == 1:
-        tl.store(v_ptr + offs, sr_bf16_bits(v, hash_u32(ks_v, idx, HI_ABSORBED)), mask=mask)
+        if M_KIND == 1:
+            rand_v = rand_m >> 16  # the half of m's word that m's bf16 rounding leaves unused
+        else:
+            rand_v = hash_u32(ks_v, idx, HI_ABSORBED)
+        tl.store(v_ptr + offs, sr_bf16_bits(v, rand_v), mask=mask)
     else:
         tl.store(v_ptr + offs, v, mask=mask)
 
@@ -238,6 +290,7 @@ def adamw_step_triton(
     if n:
         ms = m_scales if m_scales is not None else amax  # unused pointer when m is not e4m3
         (ks_p, hi_absorbed), (ks_m, _), (ks_v, _) = (kernel_key(k, offset, n) for k in (key_param, key_m, key_v))
+        inv_bc1, inv_bc2 = bias_reciprocals(bias_corr1, bias_corr2)
         gs_ptr = isinstance(grad_scale, torch.Tensor)
         if gs_ptr and (grad_scale.dtype != torch.float32 or grad_scale.numel() != 1 or grad_scale.device != param.device):
             raise ValueError(f"adamw_step: a tensor grad_scale must be one fp32 element on {param.device}, got "
@@ -245,7 +298,7 @@ def adamw_step_triton(
         _adamw_kernel[(triton_cdiv(n, rows * M_BLOCK),)](
             _bits_view(param), _bits_view(grad), _bits_view(m), _bits_view(v), ms, amax, n, offset, ks_p, ks_m, ks_v,
             fp32(lr), fp32(beta1), fp32(one_minus_beta1), fp32(beta2), fp32(one_minus_beta2),
-            fp32(bias_corr1), fp32(bias_corr2), fp32(eps), fp32(weight_decay), fp32(1.0 if gs_ptr else grad_scale),
+            inv_bc1, inv_bc2, fp32(eps), fp32(weight_decay), fp32(1.0 if gs_ptr else grad_scale),
             grad_scale if gs_ptr else amax,
             P_KIND=_KINDS[param.dtype], G_KIND=_KINDS[grad.dtype], M_KIND=_KINDS[m.dtype], V_KIND=_KINDS[v.dtype],
             HI_ABSORBED=hi_absorbed, ROWS=rows, GS_PTR=gs_ptr, num_warps=num_warps, enable_fp_fusion=False,

@@ -12,8 +12,9 @@ tensor reproduces the unsharded bits by passing the slice start as counter offse
   kernel does one Murmur round and the finaliser per element: five 32-bit multiplies. llm.q uses
   SquirrelNoise5 of (index, seed) instead (``squirrel_noise.cuh``); Murmur takes the full 62-bit key and
   64-bit counter and its finaliser is a well-tested full-avalanche mix.
-  Cost: with three streams (param, m, v) the bf16 AdamW kernel is integer-bound on H200; absorbing the
-  high word on the host took it from 10.8 to 8.5 ms for 1.5e9 elements (bench/bench_adamw.py).
+  Cost: the bf16 AdamW kernel is integer-bound on H200; absorbing the high word on the host took it from
+  10.8 to 8.5 ms for 1.5e9 elements (bench/bench_adamw.py), when it drew three words per element (param, m,
+  v; now two: bf16 m and v share one word, each taking 16 of its bits, ``qtrain.kernels.adamw``).
 
 The twin does the 32-bit arithmetic on int64 tensors masked to 32 bits; a 32x32-bit multiply is split in
 16-bit halves so no int64 product overflows. The Triton version works on uint32, where wrap-around is the

@@ -15,7 +15,10 @@ Special values:
 * inf and values already bf16 (``r == 0``) are unchanged; NaN becomes the canonical bf16 NaN 0x7FC0 as in
   torch's own conversion (truncating a NaN's pattern could produce inf otherwise);
 * in the top binade slot ``|x| in [bf16 max, fp32 max]`` (hi bits 0x7F7F) rounding up would give inf, so
-  there we use round-to-nearest-even: SR never overflows to inf unless RN would.
+  there we use round-to-nearest-even: SR never overflows to inf unless RN would. As 0x7F7F is odd, RNE there
+  is ``(b + 0x8000) >> 16``: the same add with ``t = 0x8000``, so the code selects that addend for
+  ``|b| >= 0x7F7F0000`` (one compare and a select instead of a second rounding of every element; inf, whose
+  low bits are 0, stays inf with any addend, and NaN is replaced after).
 
 fp32 -> e4m3 (``t = rand & 0xFFFFF``, after the caller scaled into +-448): for ``|x| >= 2**-6`` (e4m3
 normals) the same add-and-truncate on the low 20 bits, then rebias the exponent (``code = (a + t) >> 20
@@ -82,9 +85,10 @@ def sr_bf16_bits_twin(x: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
     """SR of fp32 ``x`` to bf16 with random words ``rand`` (int64 u32); returns bf16 patterns as int64."""
     b = f32_bits_twin(x)
     a = b & 0x7FFFFFFF
-    sr = (rand & 0xFFFF).add_(b).bitwise_right_shift_(16)  # in place on fresh temporaries: fewer page faults
-    rn = ((b >> 16) & 1).add_(b).add_(0x7FFF).bitwise_right_shift_(16)
-    out = torch.where((a >> 16) == 0x7F7F, rn, sr)
+    # top slot: round to nearest even, which there (0x7F7F is odd) is the same add with t = 0x8000; inf (low bits
+    # 0) stays inf with any t, NaN is replaced below
+    t = torch.where(a >= 0x7F7F0000, 0x8000, rand & 0xFFFF)
+    out = t.add_(b).bitwise_right_shift_(16)  # in place on a fresh temporary: fewer page faults
     return torch.where(a > 0x7F800000, 0x7FC0, out).bitwise_and_(0xFFFF)
 
 
@@ -246,9 +250,8 @@ def sr_bf16_bits(x, rand):
     """fp32 -> bf16 pattern as int16 (see module docstring); ``rand`` uint32."""
     b = x.to(tl.uint32, bitcast=True)
     a = b & 0x7FFFFFFF
-    sr = (b + (rand & 0xFFFF)) >> 16
-    rn = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-    out = tl.where((a >> 16) == 0x7F7F, rn, sr)
+    t = tl.where(a >= 0x7F7F0000, 0x8000, rand & 0xFFFF)  # top slot: RNE; inf stays, NaN next (module docstring)
+    out = (b + t) >> 16
     out = tl.where(a > 0x7F800000, 0x7FC0, out)
     return out.to(tl.uint16).to(tl.int16, bitcast=True)
 

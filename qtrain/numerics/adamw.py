@@ -1,14 +1,17 @@
 """AdamW update rule (llm.q ``adamw.cu`` / reference/llmq.md §3.4) on top of the fused kernel.
 
-``adamw_update_`` validates dtypes and layout, turns ``AdamWHyper`` into the kernel's fp32 scalars
-(bias corrections ``1 - beta**t`` computed in float64 on the host, then rounded once), derives one random
-stream per stored state from the caller's key, and calls ``qtrain.kernels.adamw.adamw_step`` (Triton on
-CUDA, the twin elsewhere).
+``adamw_update_`` validates dtypes and layout, turns ``AdamWHyper`` into the kernel's scalars (bias
+corrections ``1 - beta**t`` computed in float64 on the host; the kernel multiplies by their reciprocals, each
+rounded once to fp32: ``qtrain.kernels.adamw.bias_reciprocals``), derives the random streams of the stored
+states from the caller's key, and calls ``qtrain.kernels.adamw.adamw_step`` (Triton on CUDA, the twin
+elsewhere).
 
 Differences from llm.q, on purpose:
 * m's stochastic rounding uses a stream of the caller's key (llm.q uses the fixed seed 51245 for m, so the
-  same dither repeats every step, reference/llmq.md §3.3 [quirk]); param, m and v get independent streams
-  ``rng_key(key, PARAM_STREAM | M_STREAM | V_STREAM)`` (llm.q rotates one word for v).
+  same dither repeats every step, reference/llmq.md §3.3 [quirk]); param and m get independent streams
+  ``rng_key(key, PARAM_STREAM | M_STREAM)``; v takes the unused high half of m's 32-bit word when m and v are
+  both bf16 (one hash for the two: ``qtrain.kernels.adamw`` says why the halves are independent), else its own
+  ``rng_key(key, V_STREAM)`` (llm.q rotates the param's word for v, overlapping 4 of its bits).
 * No divisibility requirement on the length; element ``i`` uses counter ``offset + i``, so a rank that
   updates a slice with ``offset = slice start`` gets the unsharded bits (for e4m3 m also the slice must
   start on a 128-element boundary, because the m scales are per 128 elements of the slice).

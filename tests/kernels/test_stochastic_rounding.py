@@ -232,6 +232,22 @@ def _check_triton_vs_twin(device, seed):
         assert torch.equal(a.view(view), b.view(view)), (dst_dt, src_dt, add)
 
 
+def _check_specials_triton_vs_twin(device, seed):
+    """The kernel's bf16 rounding on the edge patterns (the top slot, where it rounds to nearest, its neighbours,
+    inf, NaNs, zeros, subnormals), both signs, against the twin (and so against torch's RN in the top slot)."""
+    gen = torch.Generator().manual_seed(seed)
+    edge = torch.tensor([0x7F7F0000, 0x7F7F7FFF, 0x7F7F8000, 0x7F7F8001, 0x7F7FFFFF, 0x7F7EFFFF, 0x7F7E8000,
+                         0x7F800000, 0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0, 1, 0x8000, 0x7FFF, 0x00FF8000])
+    bits_ = torch.cat([edge, torch.randint(0x7F7F0000, 0x7F800000, (3000,), generator=gen),
+                       torch.randint(0, 0x7F800000, (3000,), generator=gen)])
+    src = f32_from_bits(torch.cat([bits_, bits_ | (1 << 31)])).to(device)
+    dst = torch.empty(src.numel(), dtype=torch.bfloat16, device=device)
+    with dispatch.backend("triton"):
+        a = sr_copy_(dst.clone(), src, key=rng_key(seed, 5), offset=3)
+    b = sr_copy_twin(dst.clone(), src, key=rng_key(seed, 5), offset=3)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 def _check_sum_triton_vs_twin(device, seed):
     """sr_sum_ over column slices of a (W, shard) buffer, as the all-to-all manager calls it."""
     torch.manual_seed(seed)
@@ -337,6 +353,7 @@ def test_key_table_lists_every_launch_up_front():
 @interp_only
 def test_interp_triton_matches_twin():
     _check_triton_vs_twin("cpu", seed=0)
+    _check_specials_triton_vs_twin("cpu", seed=0)
     _check_sum_triton_vs_twin("cpu", seed=0)
 
 
@@ -349,6 +366,7 @@ def test_interp_key_table_matches_scalar_twin():
 @needs_cuda
 def test_gpu_triton_matches_twin():
     _check_triton_vs_twin("cuda", seed=1)
+    _check_specials_triton_vs_twin("cuda", seed=1)
     _check_sum_triton_vs_twin("cuda", seed=1)
     _check_key_table_vs_scalar("cuda", seed=1, triton=True)
     x = torch.randn(3 * 2**20 + 5, device="cuda")

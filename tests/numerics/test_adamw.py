@@ -11,8 +11,13 @@ import torch
 from tests.triton_interp import interp_only, interpreter_subprocess_test, needs_cuda
 from qtrain.kernels import dispatch
 from qtrain.kernels.adamw import adamw_step_twin
-from qtrain.kernels.rng import rng_key
-from qtrain.kernels.stochastic_rounding import e4m3_bits_to_f32_twin, round_to_bf16_sr
+from qtrain.kernels.rng import random_u32_twin, rng_key
+from qtrain.kernels.stochastic_rounding import (
+    bf16_bits_to_f32_twin,
+    e4m3_bits_to_f32_twin,
+    round_to_bf16_sr,
+    sr_bf16_bits_twin,
+)
 from qtrain.numerics.adamw import M_STREAM, PARAM_STREAM, V_STREAM, AdamWHyper, adamw_update_, m_scales_numel
 
 EPS32 = 2.0**-23
@@ -84,17 +89,95 @@ def test_fp32_matches_torch_adamw(lr, decay, grad_scale):
 
 
 # --------------------------------------------------------------------------- stochastic-rounding paths
-def test_bf16_states_are_fp32_math_then_sr_with_per_stream_keys():
-    """bf16 param/m/v == the fp32 update of the same values, then round_to_bf16_sr with rng_key(key, stream)."""
+@pytest.mark.parametrize("m_dt", [torch.bfloat16, torch.float32])
+def test_bf16_states_are_fp32_math_then_sr_with_per_stream_keys(m_dt):
+    """bf16 param/m/v == the fp32 update of the same values, then SR: param and m with the words of
+    rng_key(key, PARAM_STREAM / M_STREAM) (round_to_bf16_sr); v with the high 16 bits of m's words when m is bf16
+    (one hash for both, since v's streams were merged into m's), else with rng_key(key, V_STREAM)'s words."""
     n, key, off = 5000, rng_key(3, 4), 77
-    p, g, m, v, _ = make_state(n, torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.bfloat16, seed=1)
-    p32, m32, v32 = p.float(), m.float(), v.float()
+    p, g, m, v, _ = make_state(n, torch.bfloat16, torch.bfloat16, m_dt, torch.bfloat16, seed=1)
+    p32, m32, v32 = (t.to(torch.float32, copy=True) for t in (p, m, v))
     hp = AdamWHyper(lr=3e-3, step=5, weight_decay=0.1, grad_scale=0.5)
     amax = adamw_update_(p, g, m, v, hp=hp, decay=True, key=key, offset=off)
     adamw_update_(p32, g, m32, v32, hp=hp, decay=True, key=key, offset=off)
-    for got, want, stream in ((p, p32, PARAM_STREAM), (m, m32, M_STREAM), (v, v32, V_STREAM)):
-        assert torch.equal(bits(got), bits(round_to_bf16_sr(want, key=rng_key(key, stream), offset=off))), stream
+    for got, want, stream in ((p, p32, PARAM_STREAM), (m, m32, M_STREAM)):
+        if got.dtype == torch.bfloat16:
+            assert torch.equal(bits(got), bits(round_to_bf16_sr(want, key=rng_key(key, stream), offset=off))), stream
+        else:
+            assert torch.equal(got, want)
+    if m_dt == torch.bfloat16:
+        rand_m = random_u32_twin(rng_key(key, M_STREAM), torch.arange(off, off + n))
+        want_v = bf16_bits_to_f32_twin(sr_bf16_bits_twin(v32, rand_m >> 16))
+    else:
+        want_v = round_to_bf16_sr(v32, key=rng_key(key, V_STREAM), offset=off)
+    assert torch.equal(bits(v), bits(want_v))
     assert amax.item() == p.float().abs().max().item()
+
+
+def _twin_step(dtypes, **keys):
+    """One adamw_step_twin of a fixed state with the given stream keys; returns the stored (p, m, v) bits."""
+    state = make_state(3000, torch.bfloat16, torch.bfloat16, *dtypes, seed=6)
+    p, g, m, v, s = state
+    adamw_step_twin(p, g, m, v, s, lr=1e-2, beta1=0.9, one_minus_beta1=0.1, beta2=0.95, one_minus_beta2=0.05,
+                    bias_corr1=1 - 0.9**3, bias_corr2=1 - 0.95**3, eps=1e-8, weight_decay=0.1, grad_scale=1.0,
+                    offset=5, **{"key_param": 1, "key_m": 2, "key_v": 3, **keys})
+    return bits(p), bits(m), bits(v)
+
+
+def test_bf16_m_and_v_draw_the_two_halves_of_one_hash():
+    """With bf16 m and v, key_v is unused (v rounds with the high half of m's word): changing it changes no bit;
+    changing key_m changes m and v, key_param only the param. With an e4m3 m (20 of the word's bits) or an fp32
+    m, v keeps its own stream."""
+    bf16 = (torch.bfloat16, torch.bfloat16)
+    base = _twin_step(bf16)
+    assert all(torch.equal(x, y) for x, y in zip(base, _twin_step(bf16, key_v=99)))
+    p, m, v = _twin_step(bf16, key_m=99)
+    assert torch.equal(p, base[0]) and not torch.equal(m, base[1]) and not torch.equal(v, base[2])
+    p, m, v = _twin_step(bf16, key_param=99)
+    assert not torch.equal(p, base[0]) and torch.equal(m, base[1]) and torch.equal(v, base[2])
+    for m_dt in (E4M3, torch.float32):
+        base = _twin_step((m_dt, torch.bfloat16))
+        p, m, v = _twin_step((m_dt, torch.bfloat16), key_v=99)
+        assert torch.equal(p, base[0]) and torch.equal(m, base[1]) and not torch.equal(v, base[2]), m_dt
+
+
+def _bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(truncated toward zero, next bf16 away from zero) of fp32 ``x``, as float64."""
+    lo = (x.view(torch.int32) & -65536).view(torch.float32)  # clear the low 16 bits: toward zero
+    hi = (lo.view(torch.int32) + 65536).view(torch.float32)
+    return lo.double(), hi.double()
+
+
+def test_sr_of_m_and_v_is_unbiased_and_their_roundings_uncorrelated():
+    """One step of bf16 m and v from a fixed state under K keys: each stored value is one of the two bf16
+    neighbours of the fp32 result (the same for every key) and, as a fraction of their spacing, the error
+    e = (stored - fp32) / (hi - lo) has mean 0 per element if SR is unbiased, |e| < 1, variance <= 1/4.
+    Over N = n * K draws (independent words: distinct counters and keys) the mean of e has sd <= 1 / (2 sqrt N)
+    = 0.0016 (n = 2048, K = 48); we allow 5 sd, 0.008 (measured: a 15-bit threshold gives 0.25 for v, a
+    truncation would be ~0.5). m's and v's errors share one hash word (its two halves); independent halves give
+    E[e_m e_v] = 0 with sd <= 1 / (4 sqrt N) = 0.0008, allowed 0.004, where the same 16 bits for both (comonotone
+    decisions) measure 0.083."""
+    n, n_keys = 2048, 48
+    state = make_state(n, torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.bfloat16, seed=7)
+    hp = AdamWHyper(lr=1e-3, step=3, grad_scale=0.5)
+    p, g, m, v, _ = clone_all(state)
+    m32, v32 = m.float(), v.float()
+    adamw_update_(p, g, m32, v32, hp=hp, decay=True, key=0)  # the fp32 values that bf16 m, v round
+    bounds = [_bf16_neighbours(x) for x in (m32, v32)]
+    errs = []
+    for key in range(n_keys):
+        p, g, m, v, _ = clone_all(state)
+        adamw_update_(p, g, m, v, hp=hp, decay=True, key=key)
+        e = []
+        for got, want, (lo, hi) in zip((m, v), (m32, v32), bounds):
+            got = got.double()
+            assert bool(((got == lo) | (got == hi)).all())
+            e.append((got - want.double()) / (hi - lo))
+        errs.append(torch.stack(e))
+    e_m, e_v = torch.stack(errs, dim=1)  # (n_keys, n) each
+    sd = 1 / (2 * (n * n_keys) ** 0.5)
+    assert abs(e_m.mean().item()) < 5 * sd and abs(e_v.mean().item()) < 5 * sd, (e_m.mean(), e_v.mean())
+    assert abs((e_m * e_v).mean().item()) < 5 * sd / 2, (e_m * e_v).mean()
 
 
 def test_e4m3_m_within_one_step_unbiased_and_scaled_to_448():
@@ -318,6 +401,34 @@ def test_gpu_triton_matches_cpu_twin():
         for x, y in zip(cpu, gpu):
             if x is not None:
                 assert torch.equal(bits(x), bits(y).cpu()), combo
+
+
+ADAMW_SIG = {"p_ptr": "*i16", "g_ptr": "*i16", "m_ptr": "*i16", "v_ptr": "*i16", "ms_ptr": "*fp32", "amax_ptr": "*i32",
+             "n": "i64", "offset": "i64", "ks_p": "i32", "ks_m": "i32", "ks_v": "i32", **dict.fromkeys(
+                 ("lr", "beta1", "omb1", "beta2", "omb2", "ibc1", "ibc2", "eps", "wd", "grad_scale"), "fp32"),
+             "gs_ptr": "*fp32"}
+FMIX_C1 = "-2048144789"  # Murmur's first finaliser multiplier 0x85EBCA6B as PTX writes the immediate: once per hash
+
+
+@pytest.mark.skipif(not dispatch.HAS_TRITON, reason="no triton")
+@pytest.mark.parametrize("kinds,hashes", [((1, 1, 1, 1), 2), ((1, 1, 3, 1), 3), ((0, 0, 0, 0), 0)])
+def test_kernel_work_per_element_for_hopper(kinds, hashes):
+    """The sm_90 build (the kernel is issue-bound on H100/H200) does, per element: one IEEE division and one
+    sqrt (the bias corrections are multiplies by reciprocals), `hashes` Murmur words (bf16 param, m, v: two, m and
+    v sharing one; an e4m3 m needs its own 20 bits, so three), and no FMA (fp fusion off: the twin's roundings)."""
+    from qtrain.kernels import adamw as kernel
+    from tests.triton_interp import compile_for_hopper
+
+    ptr = {0: "*fp32", 1: "*i16", 3: "*u8"}
+    sig = {**ADAMW_SIG, **{f"{t}_ptr": ptr[k] for t, k in zip("pgmv", kinds)}}
+    const = dict(zip(("P_KIND", "G_KIND", "M_KIND", "V_KIND"), kinds), HI_ABSORBED=True, ROWS=kernel.ROWS,
+                 GS_PTR=False)
+    ptx = compile_for_hopper(kernel._adamw_kernel, sig, const, num_warps=kernel.NUM_WARPS, enable_fp_fusion=False)
+    per_thread = kernel.ROWS * kernel.M_BLOCK // (32 * kernel.NUM_WARPS)
+    assert ptx.count("sqrt.rn.f32") == per_thread and ptx.count(FMIX_C1) == hashes * per_thread
+    if kinds[2] != 3:  # an e4m3 m also divides once per 128-element block for its scale
+        assert ptx.count("div.rn.f32") == per_thread
+    assert "fma.rn" not in ptx
 
 
 def test_twin_signature_is_the_kernel_contract():
