@@ -18,7 +18,8 @@ for the options without building the component (docs/memory.md has the details):
     statements the family's block makes beside its steps, eager and compiled; the transient phases of a
     micro-step, the LM head's from `kernels.cross_entropy`). Activations are exact on CPU; workspace is an upper
     bound of the measured peak. Frozen groups (`parallel.layout`) have no gradient or optimizer rows.
-  - with --use-cuda-graphs, the evaluation's LM head beside the graphs' private pool (train/cuda_graphs.py).
+  - with --use-cuda-graphs, the evaluation's LM head beside the graphs' private pool (train/cuda_graphs.py), when the
+    run evaluates.
   - with --document-masking, what the document attention adds (`plan/documents.py`: nothing but offsets on the
     default varlen path); with --context-parallel, what its attention adds in its mode (`plan/context.py`).
   - a reserve (CUDA context, libraries) and 5% of activations + workspace for allocator fragmentation.
@@ -342,10 +343,10 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
                              f"{chunks} chunk{'s' if chunks > 1 else ''}; block backward "
                              f"{_mib(phases['block_backward'])})"))
 
-    if cuda_graphs:  # the graphs keep a private pool
+    if cuda_graphs and opts.eval_num_steps > 0:  # the graphs keep a private pool; evaluation allocates beside it
         items.append(Item("cuda graphs", device=phases["lm_head"], kind="workspace",
-                          detail="the graphs' pool holds a micro-step's activations and workspace; evaluation and "
-                                 "the update allocate beside it (bound: the LM head's transient)"))
+                          detail="the graphs' pool holds a micro-step's activations and workspace; evaluation "
+                                 "allocates beside it (bound: the LM head's transient; none with --eval-num-steps 0)"))
 
     # ---- reserve ----
     if reserve is None:
