@@ -7,7 +7,7 @@ left out as warm-up, 3), flags (more `qtrain train` flags, e.g. ["--opt-m-dtype"
 qtrain's default), train_file (none: random tokens, made once per size under $BENCH_DATA or the temp dir).
 The run is stopped once its last step and memory are logged (no final export: 28 GB at 14B). Result: tps
 (median), tps_mean, step_ms (median), mfu, peak_gib (rank 0, max_memory_allocated), plan_gib (the memory-plan
-event, reserve included), loss (last step), steps_logged.
+event, reserve included), loss (last step), losses (every step's: the loss curve), steps_logged.
 """
 from __future__ import annotations
 
@@ -74,7 +74,8 @@ def summarize(events: list[dict], skip: int) -> dict:
                 mfu=round(statistics.median(mfu), 3) if mfu else None,
                 peak_gib=round(max(peaks) / 2**30, 2) if peaks else None,
                 plan_gib=round(plans[0] / 2**30, 2) if plans else None,
-                loss=round(steps[-1]["loss"], 4), steps_logged=len(steps), steady=len(steady))
+                loss=round(steps[-1]["loss"], 4), losses=[round(e["loss"], 4) for e in steps],
+                steps_logged=len(steps), steady=len(steady))
 
 
 def run(model: str, batch: int, accum: int, steps: int = 8, gpus: int = 1, seq: int = 1024, skip: int = 3,
@@ -133,7 +134,8 @@ def dry_run(params: dict) -> dict:
     flags = [f for f in params.get("flags", []) if f not in CUDA_ONLY_FLAGS]
     return {**params, "model": tiny_model_dir(params["model"]), "batch": 2, "seq": 32,
             "accum": min(params["accum"], 2), "steps": 2, "gpus": min(params.get("gpus", 1), 2), "skip": 0,
-            "device": "cpu", "flags": [*flags, "--compile", "off"]}
+            "device": "cpu", "flags": [*flags, "--compile", "off"],
+            "train_file": None}  # random tokens: a real token file's vocabulary exceeds the tiny model's
 
 
 CUDA_ONLY_FLAGS = ("--use-cuda-graphs",)
