@@ -290,9 +290,9 @@ def pairs_for(s: Shape, ops: list[str], lib: SimpleNamespace, tuned: bool, devic
 def measure(model: str, make: Callable[[], Pair], *, samples: int, warmup: int, graphs: bool) -> Row:
     """One op: both sides' first calls, their agreement, then eager (and graph-replayed) times, interleaved."""
     from bench.timing import graphed_ms, time_ms
-    pair = make()
-    row = Row(model, pair.op, pair.gemm)
-    with torch.no_grad():
+    with torch.no_grad():  # the kernels alone, no autograd graph (add_rmsnorm_bwd builds its own)
+        pair = make()
+        row = Row(model, pair.op, pair.gemm)
         q_out, row.qtrain_first_s = first_call_s(pair.qtrain)
         k_out, row.quack_first_s = first_call_s(pair.quack)
         row.rel_err, row.max_err = errors(pair.compare(k_out, q_out))
