@@ -16,39 +16,17 @@ grad_dtype (e4m3 | e5m2), samples (20), warmup (5). Result: `rows` (one per GEMM
 """
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
 from bench.kinds import Skip
-from bench.timing import time_ms
+from bench.timing import graphed_ms, time_ms
 from qtrain.kernels.fp8_quant import E4M3, E5M2, fp8_quantize
 from bench.compat import preset
 from qtrain.kernels.scaled_mm import scaled_mm
 from qtrain.numerics.fp8 import Fp8WeightCache, fp8_linear
-
-
-def graphed_ms(fn: Callable[[], object], *, samples: int, warmup: int) -> float:
-    """Median milliseconds per call of `fn` captured in a CUDA graph: GPU time without host launch
-    overhead (what a trainer using CUDA graphs or torch.compile's reduce-overhead would pay). nan if the
-    capture fails."""
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-    except Exception as exc:  # noqa: BLE001 - a benchmark reports and goes on
-        print(f"  (CUDA graph capture failed: {type(exc).__name__}: {exc})", file=sys.stderr)
-        return float("nan")
-    return time_ms(graph.replay, samples=samples, warmup=warmup)
 
 
 def block_linears(model: str) -> list[tuple[str, int, int, bool]]:

@@ -67,6 +67,12 @@ KINDS: dict[str, Kind] = {
     "delta-rule": Kind("bench.bench_delta_rule", "the gated delta rule at a Qwen3.5 preset's linear-attention heads: "
                        "qtrain's chunked form through its Triton op pair (eager, compiled) against the chunked twin "
                        "and fla-core, forward and forward + backward"),
+    "hopper-gemm": Kind("bench.bench_hopper_gemm", "quack-kernels' GEMMs with fused epilogues (CuTe-DSL, sm90: SwiGLU, "
+                        "residual add, dSwiGLU, RMSNorm) against cuBLAS + qtrain's kernels at a Qwen2.5 size's MLP "
+                        "shapes (issue 48)",
+                        (("mlp_speedup", "MLP qtrain/quack"), ("chain_speedup", "norm chain qtrain/quack"),
+                         ("compile_s", "quack 1st calls s"), ("import_s", "quack import s"),
+                         ("max_rel_err", "max rel err"))),
     "profile": Kind("bench.profile_step", "GPU time per kernel category of one training step, top kernels, gaps",
                     (("wall_ms", "wall ms"), ("busy_ms", "busy ms"))),
     "llmq-profile": Kind("bench.llmq_profile", "llm.q's kernels of one optimizer step under Nsight Compute, by the "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -45,3 +46,23 @@ def _cpu_time_ms(fn: Callable[[], object], *, samples: int, warmup: int) -> floa
         fn()
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
+
+
+def graphed_ms(fn: Callable[[], object], *, samples: int, warmup: int) -> float:
+    """Median milliseconds per call of `fn` captured in a CUDA graph: GPU time without host launch
+    overhead (what a trainer using CUDA graphs or torch.compile's reduce-overhead would pay). nan if the
+    capture fails."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as exc:  # noqa: BLE001 - a benchmark reports and goes on
+        print(f"  (CUDA graph capture failed: {type(exc).__name__}: {exc})", file=sys.stderr)
+        return float("nan")
+    return time_ms(graph.replay, samples=samples, warmup=warmup)
