@@ -26,6 +26,7 @@ setting: batch, accum, status, tps, step_ms, peak_gib, warmup_s (compilation inc
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -102,7 +103,7 @@ def run(model: str, batch: int, accum: int = 1, steps: int = 5, warmup: int = 3,
     best = max(ok, key=lambda r: r["tps"])
     res = dict(system="hf+peft" if spec["lora"] else "hf", tps=best["tps"], step_ms=best["step_ms"],
                peak_gib=best.get("peak_gib"), best=best["setting"], batch=best["batch"], accum=best["accum"],
-               layers=cfg.num_hidden_layers,
+               layers=cfg.num_hidden_layers, fla=importlib.util.find_spec("fla") is not None,
                trainable=best.get("trainable"), rows=rows,
                summary="; ".join(f"{r['setting']} {r['tps'] if r['status'] == 'ok' else r['status']}" for r in rows))
     peak = peak_tflops(best.get("device"))
