@@ -316,6 +316,10 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
         phases = {k: max(v, p) for (k, v), p in zip(phases.items(), workspace_phases(
             cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc, fp8_head_backward=fp8_head_backward,
             lora=lora, **kw_plain).values())}
+    if lora is not None and opts.context_parallel > 1:  # dropout masks drawn for whole sequences (adapter._drop)
+        drop = LoraAdapter(cfg, lora).context_dropout_bytes(B, T, opts.context_parallel)
+        if drop:
+            phases["lora_dropout"] = drop
     items.append(Item(f"activations ({L} layers)", device=acts.device, host=acts.host, kind="activations",
                       parts={"per_layer": acts.per_layer, "inputs": L * acts.input, "output": acts.input},
                       detail=f"{_mib(acts.per_layer + acts.input)} per layer; recompute {recompute_label(rc)}"

@@ -138,8 +138,18 @@ class LoraAdapter:
                 t = x.shape[-2]
                 whole = torch.rand(*x.shape[:-2], t * self.context.parts, x.shape[-1], generator=gen, device=x.device)
                 keep = whole.index_select(-2, self.context.positions(t, x.device)) >= self.dropout
+                del whole  # before the dropped input is made: `context_dropout_bytes` is then the peak here
             out.append(x * keep.to(x.dtype) / (1.0 - self.dropout))
         return out
+
+    def context_dropout_bytes(self, batch: int, seq_len: int, parts: int) -> int:
+        """The transient `_drop` makes under --context-parallel `parts` (> 1) with dropout: the fp32 uniforms of the
+        whole (batch, seq_len, in) sequence and the fp32 rows of this rank's positions picked from them, at once,
+        for the adapted matrix with the widest input (the mask, bool, and the dropped input come after `whole` is
+        freed and are smaller). 0 without dropout or context parallelism."""
+        if not self.dropout or parts <= 1 or not self.cols:
+            return 0
+        return batch * max(self.cols.values()) * 4 * (seq_len + seq_len // parts)
 
     def __call__(self, name: str, x: torch.Tensor, w: dict[str, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
         a = w.get(a_name(name))
