@@ -153,7 +153,7 @@ class BlockOptions:
     experts: Any = None  # expert parallelism's token exchange (model/moe.ExpertExchange); None: every expert here
     fp8_experts: bool = False  # the expert GEMMs in e4m3, row-wise scaled (--fp8-experts: kernels/grouped_gemm_fp8.py)
     context: SequenceSplit | None = None  # context parallelism: this rank's part of each sequence (eager blocks)
-    delta_rule_precision: str = "fp32"  # Gated DeltaNet's delta-rule products on the GPU (choices.DELTA_RULE_PRECISIONS)
+    delta_rule_precision: str = "fp32"  # the delta rule's products on CUDA (choices.DELTA_RULE_PRECISIONS)
 
 
 @dataclass(frozen=True)

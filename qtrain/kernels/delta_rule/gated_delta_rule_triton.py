@@ -22,8 +22,8 @@ import torch
 from qtrain.kernels.delta_rule.gated_delta_rule import chunk_decays
 from qtrain.kernels.dispatch import jit, tl, triton
 
-__all__ = ["DEFAULT_PRECISION", "PRECISIONS", "TUNED", "Launch", "chunk_core_triton", "chunk_intra_triton", "chunk_states_reverse_triton",
-           "chunk_states_triton", "launch_for"]
+__all__ = ["DEFAULT_PRECISION", "PRECISIONS", "TUNED", "Launch", "chunk_core_triton", "chunk_intra_triton",
+           "chunk_states_reverse_triton", "chunk_states_triton", "launch_for"]
 
 @dataclass(frozen=True)
 class Launch:
