@@ -61,6 +61,8 @@ def test_expand_substitutes_name():
     ("device", "--device", "cuda:0"),
     ("compile", "--compile", "yes"),
     ("compile", "--compile", "true"),
+    ("delta_rule_precision", "--delta-rule-precision", "bf16"),
+    ("delta_rule_precision", "--delta-rule-precision", "tf32x3"),  # the kernels' name, not the option's
 ])
 def test_bad_choice_names_option_and_value(field, opt, value):
     msg = _bad((opt, repr(value)), **{field: value})
@@ -73,6 +75,7 @@ def test_bad_choice_names_option_and_value(field, opt, value):
     ("compile", "auto"), ("compile", "on"), ("compile", "off"),
     ("matmul_dtype", "bf16"), ("matmul_dtype", ""),
     ("opt_m_dtype", "bf16"), ("opt_v_dtype", "bf16"),
+    ("delta_rule_precision", "fp32"), ("delta_rule_precision", "tf32"),
 ])
 def test_good_choice_values_pass(field, value):
     Options(**{field: value}).validate()

@@ -8,5 +8,7 @@ SDPA_BACKENDS = ("auto", "flash", "cudnn", "math")  # torch's memory-efficient k
 DOCUMENT_ATTENTION = ("auto", "varlen", "masked")  # --document-attention: kernels/document_attention.py
 CONTEXT_PARALLEL_MODES = ("allgather", "ring")  # --context-parallel-mode: parallel/context.py
 FP8_POLICIES = ("all", "auto")
+# --delta-rule-precision: the Triton delta rule's products (kernels/delta_rule/gated_delta_rule_triton.PRECISIONS)
+DELTA_RULE_PRECISIONS = ("fp32", "tf32")
 FP8_MIN_SIZE = 400  # --fp8-min-size: a linear's GEMM size M*N*K/(M*K+M*N+N*K) from which FP8 pays
 FP8_MIN_BLOCK_GFLOP = 2600  # --fp8-min-block-gflop: a block's GFLOP per micro-step from which the GPU sets the pace

@@ -24,7 +24,9 @@ blocks of one model may differ (a hybrid model's linear-attention and full-atten
 tensors), `block_tensors(cfg, layer)` says which tensors layer `layer` has, and the one block function tells the
 kinds apart by the weights it receives.
 A family whose blocks cannot keep documents apart yet says why in an optional attribute `no_document_masking` (a
-phrase), which `registry.document_masking_error` turns into the preflight's refusal of --document-masking.
+phrase), which `registry.document_masking_error` turns into the preflight's refusal of --document-masking; one whose
+layers run the gated delta rule counts them in an optional method `delta_rule_layers(cfg)` (`registry.
+delta_rule_layers`: --delta-rule-precision applies to them, and is refused for a model without any).
 docs/architecture.md, "Adding a model family", walks through a new one.
 """
 from __future__ import annotations
@@ -151,6 +153,7 @@ class BlockOptions:
     experts: Any = None  # expert parallelism's token exchange (model/moe.ExpertExchange); None: every expert here
     fp8_experts: bool = False  # the expert GEMMs in e4m3, row-wise scaled (--fp8-experts: kernels/grouped_gemm_fp8.py)
     context: SequenceSplit | None = None  # context parallelism: this rank's part of each sequence (eager blocks)
+    delta_rule_precision: str = "fp32"  # the delta rule's products on CUDA (choices.DELTA_RULE_PRECISIONS)
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,12 @@ def document_masking_error(cfg: ModelConfig) -> str | None:
             if why else None)
 
 
+def delta_rule_layers(cfg: ModelConfig) -> int:
+    """How many of `cfg`'s layers run the gated delta rule (the family's optional `delta_rule_layers`; 0 without)."""
+    count = getattr(family_of(cfg), "delta_rule_layers", None)
+    return count(cfg) if count is not None else 0
+
+
 def config_from_hf_dict(d: Any, *, source: str = "config.json") -> ModelConfig:
     """A parsed config.json as its family's config; `source` names the file in error messages."""
     if not isinstance(d, dict):

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from qtrain.kernels.cross_entropy import IGNORE_INDEX, chunked_lm_head_loss, lm_head_loss_and_grads
 from qtrain.kernels.document_attention import document_mask, resolve_document_attention
-from qtrain.model.choices import DOCUMENT_ATTENTION
+from qtrain.model.choices import DELTA_RULE_PRECISIONS, DOCUMENT_ATTENTION
 from qtrain.kernels.rope import rope_tables
 from qtrain.kernels.swiglu import ScaleHints
 from qtrain.model.config import ModelConfig
@@ -64,7 +64,8 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
                   linears: dict[str, Linear] | None = None, rope: str = "autograd",
                   rebuilt_input_linear: Linear | None = None, norm_fed_fp8: bool = False,
                   adapter: Callable | None = None, experts: Any = None,
-                  context: SequenceSplit | None = None, fp8_experts: bool = False) -> BlockFn:
+                  context: SequenceSplit | None = None, fp8_experts: bool = False,
+                  delta_rule_precision: str = "fp32") -> BlockFn:
     """The block of `cfg`'s family as a function of (x, weights, cos, sin[, docs]), so one compiled graph serves
     every layer (weights are inputs, not captured constants); for the Llama family see model/llama/block.py.
 
@@ -88,12 +89,14 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     adapter: adds a low-rank adapter's term to the block linears' outputs (LoRA: model/lora/adapter.py).
     experts: expert parallelism's token exchange (model/moe.ExpertExchange) for an MoE family's block.
     context: each sequence split across ranks (model/sequence_split.py): attention through it.
-    fp8_experts: an MoE family's expert GEMMs in e4m3 with row-wise scales (kernels/grouped_gemm_fp8.py)."""
+    fp8_experts: an MoE family's expert GEMMs in e4m3 with row-wise scales (kernels/grouped_gemm_fp8.py).
+    delta_rule_precision: a Gated DeltaNet family's delta-rule products in its Triton kernels (choices.
+    DELTA_RULE_PRECISIONS: fp32, three TF32 passes; tf32, one)."""
     options = BlockOptions(linear=linear, recompute=frozenset(recompute), attn_chunks=attn_chunks, compiled=compiled,
                            swiglu=swiglu, mlp=mlp, sdpa_backend=sdpa_backend, linears=linears,
                            rope=rope, rebuilt_input_linear=rebuilt_input_linear,
                            norm_fed_fp8=norm_fed_fp8, adapter=adapter, experts=experts,
-                           context=context, fp8_experts=fp8_experts)
+                           context=context, fp8_experts=fp8_experts, delta_rule_precision=delta_rule_precision)
     return family_of(cfg).make_block_fn(cfg, options)
 
 
@@ -140,6 +143,7 @@ class RunOptions:
     adapter: Callable | None = None  # LoRA's term after the block linears (model/lora/adapter.LoraAdapter)
     expert_exchange: Any = None  # --expert-parallel: the MoE layers' token exchange (parallel/experts.TokenExchange)
     fp8_experts: bool = False  # --fp8-experts: the MoE layers' expert GEMMs in e4m3 (kernels/grouped_gemm_fp8.py)
+    delta_rule_precision: str = "fp32"  # --delta-rule-precision: Gated DeltaNet's Triton products (choices.py)
     context: SequenceSplit | None = None  # --context-parallel: this rank's part of each sequence
     # the block matrices come as e4m3 codes only (LoRA's --lora-base-dtype e4m3): every block linear runs through
     # numerics/frozen_e4m3.py (FP8 GEMMs with matmul_dtype e4m3 on CUDA, else dequantized inside the op)
@@ -152,6 +156,9 @@ class RunOptions:
             raise ValueError(f"sdpa_backend must be one of {SDPA_BACKENDS}, got {self.sdpa_backend!r}")
         if self.document_attention not in DOCUMENT_ATTENTION:
             raise ValueError(f"document_attention must be one of {DOCUMENT_ATTENTION}, got {self.document_attention!r}")
+        if self.delta_rule_precision not in DELTA_RULE_PRECISIONS:
+            raise ValueError(f"delta_rule_precision must be one of {DELTA_RULE_PRECISIONS}, "
+                             f"got {self.delta_rule_precision!r}")
         self.recompute = resolve_flags(self.recompute)
         if self.context is not None and self.attn_bwd_chunks > 1:
             raise ValueError("a sequence split across ranks runs its attention in one call (attn_bwd_chunks 1)")
@@ -204,7 +211,7 @@ class Transformer:
                            norm_fed_fp8=bool(run.compile and run.matmul_dtype == "e4m3" and run.fp8_keep_transposes
                                              and run.wrap_linear is None and not run.frozen_e4m3),
                            adapter=run.adapter, experts=run.expert_exchange, context=run.context,
-                           fp8_experts=run.fp8_experts)
+                           fp8_experts=run.fp8_experts, delta_rule_precision=run.delta_rule_precision)
         self.block_fn: BlockFn = torch.compile(fn, dynamic=False, options=run.inductor_options()) if run.compile else fn
         self._eager_block_fn: BlockFn = fn
         if run.compile:  # the compiled flavour of the recompute mechanism differs; eager needs its own
@@ -212,7 +219,8 @@ class Transformer:
                                                  attn_chunks=run.attn_bwd_chunks, compiled=False,
                                                  sdpa_backend=run.sdpa_backend, linears=linears,
                                                  adapter=run.adapter, experts=run.expert_exchange,
-                                                 context=run.context, fp8_experts=run.fp8_experts)
+                                                 context=run.context, fp8_experts=run.fp8_experts,
+                                                 delta_rule_precision=run.delta_rule_precision)
         # the final norm, forward and backward, as inductor's fused kernels where the blocks are compiled: eager it was
         # several elementwise passes over fp32 copies of the (B*T, C) hidden states, each way, per micro-step
         norm = final_norm_fn(cfg.zero_centered_norms)

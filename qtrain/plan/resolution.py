@@ -43,7 +43,7 @@ from qtrain.model.config import ModelConfig
 from qtrain.model.fp8_policy import Fp8Choice, block_gflop, choose_fp8
 from qtrain.model.layers import resolve_sdpa_backend
 from qtrain.model.recompute import resolve_flags, splits_mlp
-from qtrain.model.registry import document_masking_error
+from qtrain.model.registry import delta_rule_layers, document_masking_error
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.context import check_context_parallel
 from qtrain.parallel.layout import FlatLayout
@@ -175,13 +175,17 @@ def check_model_support(cfg: ModelConfig, opts: Options, *, device_type: str) ->
     gets set its grouped GEMMs' row counts anew every micro-step, and a graph replays fixed shapes; `cuda_graphs_on`
     leaves it off), and sharded weights for blocks not laid out alike (the sharded weight source gathers one block
     layout; an MoE layer's experts are a layout group of their own, parallel/layout.py); --fp8-experts where the model
-    has no experts or their GEMMs' sizes are not multiples of 16 (`_check_fp8_experts`)."""
+    has no experts or their GEMMs' sizes are not multiples of 16 (`_check_fp8_experts`); --delta-rule-precision other
+    than its default where no layer runs the gated delta rule."""
     if opts.use_cuda_graphs and device_type == "cuda" and cfg.router is not None:
         raise OptionsError(f"--use-cuda-graphs cannot capture a step of {cfg.model_type} (a Mixture-of-Experts "
                            "model): the number of tokens each expert gets changes the shapes of its GEMMs from one "
                            "micro-step to the next, and a CUDA graph replays fixed shapes. Drop --use-cuda-graphs.")
     if opts.fp8_experts:
         _check_fp8_experts(cfg)
+    if opts.delta_rule_precision != "fp32" and not delta_rule_layers(cfg):  # fp32, the default, is every model's
+        raise OptionsError(f"--delta-rule-precision {opts.delta_rule_precision} applies to models with Gated DeltaNet "
+                           f"layers (Qwen3.5, Qwen3-Next); this {cfg.model_type} model has none (drop it)")
     if opts.document_masking and (why := document_masking_error(cfg)):
         raise OptionsError(why)  # a family whose blocks cannot keep documents apart (Qwen3.5's linear attention)
     if opts.weights_sharded:

@@ -4,7 +4,10 @@ chunks as one op pair. The hand-written backward (gated_delta_rule_backward.py) 
 inside it on the CPU) and traces under torch.compile; the Triton kernels equal their twins one by one, and inside the
 whole rule the output and every input's gradient (q, k, v, g, beta), with and without document resets. The Triton
 tests run under Triton's interpreter in a child pytest (TRITON_INTERPRET=1, fp32: tests/triton_interp.py) and on a
-GPU at Qwen3.5-4B's linear-attention shape (bf16, marked gpu).
+GPU at Qwen3.5-4B's linear-attention shape (bf16, marked gpu). --delta-rule-precision's two values (the products in
+three TF32 passes, fp32; in one, tf32) run under the interpreter too, which multiplies in full fp32 whatever the
+precision (np.matmul): there they check that the launchers take the value, not what it computes; the GPU test
+`test_gpu_both_precisions_against_fp64` measures that, against an fp64 reference (its docstring argues the bounds).
 
 Tolerances: the kernels compute the twins' fp32 products (full fp32, `input_precision="ieee"`), the sums inside each
 product in another order, and invert the chunk's unit-triangular matrix by forward substitution where the twin calls
@@ -15,6 +18,8 @@ round once to bf16, within 2^-8 relative in norm (one bf16 ulp); the gradients o
 to bf16 at the value heads, then sums each key head's two value heads in bf16): within 2^-7.
 """
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -157,16 +162,18 @@ def test_interp_kernels_match_their_twins_fp32(dk=48, dv=16):
 
 
 @interp_only
-@pytest.mark.parametrize("resets,T,Hk", [(False, 2 * CHUNK, 2), (True, T_RAGGED, 1), (True, 5, 2)])
-def test_interp_gated_delta_rule_matches_the_twin_fp32(resets, T, Hk):
+@pytest.mark.parametrize("resets,T,Hk,precision", [(False, 2 * CHUNK, 2, "fp32"), (True, T_RAGGED, 1, "fp32"),
+                                                   (True, 5, 2, "fp32"), (True, T_RAGGED, 1, "tf32")])
+def test_interp_gated_delta_rule_matches_the_twin_fp32(resets, T, Hk, precision):
     """`gated_delta_rule` through its Triton path (forced: CPU tensors under the interpreter) against the chunked
     twin: the output and the gradients of q, k, v, g and beta; whole chunks, a ragged tail with one key head for
-    both value heads, one short chunk."""
+    both value heads, one short chunk; the ragged tail again at --delta-rule-precision tf32 (the interpreter's
+    products are fp32 at either: the same bound)."""
     args = _inputs(T=T, Hk=Hk, dtype=torch.float32)
     r = _resets(2, T) if resets else None
     do = torch.randn(args[2].shape, generator=torch.Generator().manual_seed(2))
     with dispatch.backend("triton"):
-        o, grads = _grads(gated_delta_rule, args, do, r)
+        o, grads = _grads(functools.partial(gated_delta_rule, precision=precision), args, do, r)
     o_ref, grads_ref = _grads(lambda *a, resets: gated_delta_rule_chunked(*a, resets=resets)[0], args, do, r)
     assert _rel(o, o_ref) <= 2e-5
     for a, b in zip(grads, grads_ref):
@@ -214,6 +221,45 @@ def test_gpu_qwen3_5_4b_shape_bf16_matches_the_fp32_twin(B, T, resets):
         assert _rel(a, b) <= 2 ** -7
 
 
+# --delta-rule-precision's bounds against fp64 (`test_gpu_both_precisions_against_fp64`): (output, gradients)
+PRECISION_BOUNDS = {"fp32": (2e-5, 1e-4), "tf32": (2 ** -8, 2 ** -7)}
+TF32_SEEN = 1e-5  # tf32's output error is at least this (20x fp32's measured 4.7e-7): the option reached the kernels
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_gpu_both_precisions_against_fp64(precision):
+    """Qwen3.5-4B's Gated DeltaNet heads at T = 4096, the gates as the model makes them (g = -softplus, beta =
+    sigmoid: the kernels case's inputs), fp32 values through the Triton path at each --delta-rule-precision against
+    the chunked twin in fp64 on the same values: the output and the gradients of q, k, v, g and beta, relative in norm.
+
+    fp32 (three TF32 passes a product): fp32's accuracy, the sums in the kernels' order and the chunk's inverse by
+    forward substitution (measured on one H100, the core's output: 4.7e-7): the output within 2e-5 (this file's fp32
+    bound), the gradients within 1e-4 (their chains are longer: the transform recomputed and differentiated through
+    the inverse twice, dA = -Ai^T dAi Ai^T, and g's gradient is a difference of row and column sums).
+    tf32 (one pass): each operand of each product rounds to 10 mantissa bits (2^-11 relative), carried through the
+    inverse and the state's recurrence: measured 1.8e-3 on the core's output. A bf16 model rounds that output to 8
+    bits anyway (2^-8 relative in norm at most, one ulp): the output within 2^-8 (2.2x the measured), the gradients
+    within 2^-7, what the bf16 test above allows (they round twice in bf16 in the model). And tf32's output error
+    exceeds TF32_SEEN, which three passes never reach: the value reached the kernels."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    B, T, Hk, H, d = 1, 4096, 16, 32, 128
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+    args = [r(B, T, Hk, d), r(B, T, Hk, d), r(B, T, H, d), -torch.nn.functional.softplus(r(B, T, H)),
+            torch.sigmoid(r(B, T, H))]
+    do = r(B, T, H, d)
+    o, grads = _grads(functools.partial(gated_delta_rule, precision=precision), args, do, None)
+    with dispatch.backend("twin"):
+        o_ref, grads_ref = _grads(gated_delta_rule, [a.double() for a in args], do.double(), None)
+    errs = {"o": _rel(o, o_ref), **{f"d{n}": _rel(a, b) for n, a, b in zip("qkvgb", grads, grads_ref)}}
+    print(f"--delta-rule-precision {precision}: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()), flush=True)
+    out_bound, grad_bound = PRECISION_BOUNDS[precision]
+    assert errs["o"] <= out_bound and all(e <= grad_bound for k, e in errs.items() if k != "o"), errs
+    if precision == "tf32":
+        assert errs["o"] > TF32_SEEN, errs
+
+
 H100_SHARED = 232448  # bytes of shared memory a Hopper block may use (227 KiB)
 
 
@@ -228,13 +274,15 @@ def _build_for_hopper(kernel, signature: dict[str, str], constexprs: dict[str, o
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-@pytest.mark.parametrize("dk", [128, pytest.param(256, marks=pytest.mark.slow)])
-def test_kernels_build_for_hopper_within_its_shared_memory(dk):
+@pytest.mark.parametrize("dk,precision", [(128, "fp32"), pytest.param(256, "fp32", marks=pytest.mark.slow),
+                                          pytest.param(128, "tf32", marks=pytest.mark.slow)])
+def test_kernels_build_for_hopper_within_its_shared_memory(dk, precision):
     """The interpreter never compiles: build the ten kernels for sm_90 with Triton's own ptxas at 4B's head dims
     and at the largest served (256: slow), with the launchers' options; each fits a Hopper block's shared memory (a
-    launch past it fails on the GPU only)."""
+    launch past it fails on the GPU only); and at --delta-rule-precision tf32 (slow: one TF32 pass a product)."""
     from qtrain.kernels.delta_rule import gated_delta_rule_triton as fwd, gated_delta_rule_triton_backward as bwd
-    constexprs = dict(C=CHUNK, BK=dk, BV=fwd.TUNED.bv, BKT=bwd.BKT, PREC=fwd.TUNED.prec, HAS_DOCS=True, HAS_S0=True)
+    tune = fwd.launch_for(precision)
+    constexprs = dict(C=CHUNK, BK=dk, BV=tune.bv, BKT=bwd.BKT, PREC=tune.prec, HAS_DOCS=True, HAS_S0=True)
     kernels = [fwd._kkt_kernel, fwd._invert_kernel, fwd._wu_kernel, fwd._states_fwd_kernel, fwd._output_kernel,
                fwd._states_bwd_kernel, bwd._bwd_reads_kernel, bwd._bwd_dq_kernel, bwd._bwd_dw_kernel,
                bwd._bwd_dk_kernel]
@@ -242,7 +290,7 @@ def test_kernels_build_for_hopper_within_its_shared_memory(dk):
         consts = {p.name: constexprs[p.name] for p in kernel.params if p.is_constexpr}
         sig = {p.name: "*i32" if p.name == "d_ptr" else "*fp32" if p.name.endswith("_ptr") else "i32"
                for p in kernel.params if not p.is_constexpr}
-        launch = {**fwd._launch(dk, fwd.TUNED),
+        launch = {**fwd._launch(dk, tune),
                   **({"num_warps": fwd.INVERT_WARPS} if kernel is fwd._invert_kernel else {})}
         built = _build_for_hopper(kernel, sig, consts, **launch)
         assert ".entry" in built.asm["ptx"] and built.metadata.shared <= H100_SHARED, (kernel, built.metadata.shared)

@@ -19,6 +19,7 @@ from qtrain.kernels.dispatch import use_triton
 from qtrain.kernels.delta_rule.gated_delta_rule import (CHUNK, gated_delta_rule_chunked, gated_delta_rule_recurrent,
                                                         l2_normalize)
 from qtrain.kernels.delta_rule.gated_delta_rule_op import gated_delta_rule_triton as _gated_delta_rule_triton
+from qtrain.kernels.delta_rule.gated_delta_rule_triton import DEFAULT_PRECISION
 
 __all__ = ["CHUNK", "LIMITS", "causal_conv1d_silu", "document_resets", "gated_delta_rule", "gated_delta_rule_chunked",
            "gated_delta_rule_recurrent", "l2_normalize", "op_pairs_on"]
@@ -46,15 +47,17 @@ def op_pairs_on(device_type: str, dk: int = 128, dv: int = 128) -> bool:
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor, resets: torch.Tensor | None = None) -> torch.Tensor:
+                     beta: torch.Tensor, resets: torch.Tensor | None = None,
+                     precision: str = DEFAULT_PRECISION) -> torch.Tensor:
     """o (B, T, H, dv) of the gated delta rule with L2-normalised q, k from a zero state, restarting at `resets`
-    (gated_delta_rule.py): on CUDA the chunked form through its Triton op pair, elsewhere the chunked twin."""
+    (gated_delta_rule.py): on CUDA the chunked form through its Triton op pair, its products at `precision`
+    (--delta-rule-precision: gated_delta_rule_triton.PRECISIONS), elsewhere the chunked twin (which ignores it)."""
     if _triton_serves(q.shape[-1], v.shape[-1]) and (
             use_triton(q) or (q.is_cuda and torch.compiler.is_compiling() and dispatch.HAS_TRITON
                               and dispatch.BACKEND != "twin")):
         # inside a torch.compile'd block too: the op stays opaque there and launches its kernels at run time
         # (traced, the twin's loop over chunks would unroll into the graph)
-        return _gated_delta_rule_triton(q, k, v, g, beta, l2norm=True, resets=resets)[0]
+        return _gated_delta_rule_triton(q, k, v, g, beta, l2norm=True, resets=resets, precision=precision)[0]
     return gated_delta_rule_chunked(q, k, v, g, beta, l2norm=True, resets=resets)[0]
 
 

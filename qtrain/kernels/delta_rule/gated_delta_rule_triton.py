@@ -8,11 +8,13 @@ accumulation), and the reverse recurrence its backward runs (gated_delta_rule_tr
 - `_states_bwd_kernel` per (batch x head, dv tile) looping over the chunks backwards (dH, dU, dS0).
 
 Each launcher has its twin's contract (`chunk_intra`, `chunk_states`, `chunk_core`, `chunk_states_reverse`). The
-products run on the tensor cores in three TF32 passes (`Launch.prec`); documents (`resets`) enter as d, the resets at or
-before each position of its chunk, exactly as the twin masks with it.
+products run on the tensor cores in three TF32 passes (`Launch.prec`; in one with --delta-rule-precision tf32:
+`PRECISIONS`, `launch_for`); documents (`resets`) enter as d, the resets at or before each position of its chunk,
+exactly as the twin masks with it.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +22,8 @@ import torch
 from qtrain.kernels.delta_rule.gated_delta_rule import chunk_decays
 from qtrain.kernels.dispatch import jit, tl, triton
 
-__all__ = ["TUNED", "Launch", "chunk_core_triton", "chunk_intra_triton", "chunk_states_reverse_triton", "chunk_states_triton"]
+__all__ = ["DEFAULT_PRECISION", "PRECISIONS", "TUNED", "Launch", "chunk_core_triton", "chunk_intra_triton",
+           "chunk_states_reverse_triton", "chunk_states_triton", "launch_for"]
 
 @dataclass(frozen=True)
 class Launch:
@@ -37,9 +40,21 @@ class Launch:
 # 32 heads of 128: core forward 1.86 ms, backward 5.44, against 2.39 / 5.58 at 8 warps, 2.06 / 5.94 at bv 16 and 4
 # warps, 2.42 / 6.51 at bv 64; kernels case gated-delta-rule-4B-launches). prec: three TF32 tensor-core passes (fp32
 # operands split in a high and a low TF32 part: fp32's accuracy to ~1e-6, where "ieee" runs on the CUDA cores and
-# "tf32" keeps 10 mantissa bits: about half the time, 1.34 / 2.84 ms, at an error of 1.8e-3 against 4.7e-7)
+# "tf32" keeps 10 mantissa bits: 0.57x the time, 1.34 / 2.84 ms, at an error of 1.8e-3 against 4.7e-7; a run chooses
+# it with --delta-rule-precision tf32)
 TUNED = Launch()
+# --delta-rule-precision (model/choices.DELTA_RULE_PRECISIONS) -> the products' input precision: fp32 = TUNED's three
+# TF32 passes, tf32 = one pass
+PRECISIONS = {"fp32": "tf32x3", "tf32": "tf32"}
+DEFAULT_PRECISION = "fp32"  # TUNED's
 INVERT_WARPS = 2  # the inverse's loop over rows: 64 x 64 fp32 over 2 warps (ptxas: 168 registers, no spills)
+
+
+def launch_for(precision: str) -> Launch:
+    """The launchers' tuning for a run's --delta-rule-precision: `TUNED` with that precision's products."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"delta rule precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return dataclasses.replace(TUNED, prec=PRECISIONS[precision])
 
 
 # ------------------------------------------------------------------------------------------------ kernels

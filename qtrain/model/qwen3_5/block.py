@@ -54,7 +54,7 @@ class Qwen35Block:
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.linear, self.linears, self.swiglu_mode, self.sdpa_backend = o.linear, o.linears, o.swiglu, o.sdpa_backend
         self.fused_mlp = o.mlp if not (MLP_STEPS & o.recompute) else None
-        self.delta = GatedDeltaNet(cfg, self.project)
+        self.delta = GatedDeltaNet(cfg, self.project, o.delta_rule_precision)
         self.adapter = o.adapter  # LoRA's term after the linears (model/lora/adapter.py)
 
     # ---- the linears ----

@@ -41,6 +41,10 @@ class Qwen35Family:
     def make_block_fn(self, cfg: Qwen35Config, options: BlockOptions) -> BlockFn:
         return block.make_block_fn(cfg, options)
 
+    def delta_rule_layers(self, cfg: Qwen35Config) -> int:
+        """The layers that run the gated delta rule (its Gated DeltaNet ones): where --delta-rule-precision acts."""
+        return sum(cfg.is_linear(layer) for layer in range(cfg.num_hidden_layers))
+
     def matmuls(self, cfg: Qwen35Config, layer: int) -> dict[str, MatmulSpec]:
         """The block's linears as GEMMs (the MoE experts as grouped GEMMs of top_k / E rows per token each)."""
         C = cfg.hidden_size

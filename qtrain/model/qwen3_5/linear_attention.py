@@ -4,8 +4,8 @@ computes it (fp32 where it does), in the two steps the block's recompute policy 
     "qkv":       h (B, T, C) -> one fused projection [qkv; z; b; a] -> causal depthwise conv + SiLU over [q; k; v]
                  -> q, k (B, T, Hk, dk), v (B, T, H, dv); z (B, T, H, dv) the output gate;
                  beta = sigmoid(b) (B, T, H); g = -exp(A_log) softplus(a + dt_bias) (B, T, H), fp32, <= 0
-    "attention": the gated delta rule over q, k, v, g, beta (kernels/delta_rule: L2-normalised q, k, fp32 state)
-                 -> o (B, T, H, dv)
+    "attention": the gated delta rule over q, k, v, g, beta (kernels/delta_rule: L2-normalised q, k, fp32 state;
+                 on the GPU its products at --delta-rule-precision) -> o (B, T, H, dv)
 
 then, outside the steps, the gated RMSNorm per value head, y = w * rmsnorm(o) * silu(z) (its gain plain w, starting
 at 1, unlike the block's (1 + w) norms), and the output projection (B, T, H dv) -> (B, T, C).
@@ -24,14 +24,15 @@ Project = Callable[..., torch.Tensor]  # (h, w, name) -> h @ w[name]^T (the bloc
 
 
 class GatedDeltaNet:
-    """The mixer's sizes and the block's linear bound (a plain object: torch.compile reads its attributes as
-    constants)."""
+    """The mixer's sizes, the block's linear and the delta rule's precision bound (a plain object: torch.compile
+    reads its attributes as constants)."""
 
-    def __init__(self, cfg: Qwen35Config, project: Project):
+    def __init__(self, cfg: Qwen35Config, project: Project, precision: str = "fp32"):
         self.Hk, self.H = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim, self.value_dim, self.conv_dim = cfg.linear_key_dim, cfg.linear_value_dim, cfg.conv_dim
         self.eps, self.project = cfg.rms_norm_eps, project
+        self.precision = precision  # --delta-rule-precision: the Triton delta rule's products (CUDA)
 
     def qkv(self, h: torch.Tensor, w: dict[str, torch.Tensor], resets: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, ...]:
@@ -47,11 +48,10 @@ class GatedDeltaNet:
         return (q.reshape(B, T, self.Hk, self.dk), k.reshape(B, T, self.Hk, self.dk),
                 v.reshape(B, T, self.H, self.dv), z.reshape(B, T, self.H, self.dv), g, beta)
 
-    @staticmethod
-    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor, resets: torch.Tensor | None = None) -> torch.Tensor:
         """Step "attention": the gated delta rule, o (B, T, H, dv) in q's dtype, its state restarting at `resets`."""
-        return gated_delta_rule(q, k, v, g, beta, resets)
+        return gated_delta_rule(q, k, v, g, beta, resets, self.precision)
 
     def output(self, o: torch.Tensor, z: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         """Gated RMSNorm per value head, then the output projection: (B, T, H, dv) -> (B, T, C)."""
