@@ -120,7 +120,8 @@ def workspace_phases(cfg: ModelConfig, tokens: int, *, model_dtype: str = "bf16"
     tied = cfg.tie_word_embeddings
     inp = N * C * E
     head = N * ((up + 2 * E) * C + 4) + head_workspace_bytes(N, C, V, dtype_bytes=E, chunks=lmhead_chunks, cuda=cuda,
-                                                             fp8_backward=fp8_head_backward)
+                                                             fp8_backward=fp8_head_backward,
+                                                             weight_grad=not settings.frozen_base)  # LoRA: frozen head
     st, bwd = statements(cfg), 0
     adapter = LoraAdapter(cfg, lora) if lora is not None else None
     layers_to_ask = [layers[0] for layers in st.kinds] if adapter is None else range(cfg.num_hidden_layers)

@@ -360,7 +360,8 @@ class Transformer:
             h = self._final_norm(x_last, norm_w, cfg.rms_norm_eps).view(B * T, C)
         loss, dh, d_head = lm_head_loss_and_grads(h.detach(), head_w.detach(), targets.reshape(-1),
                                                   chunks=self.run.lmhead_chunks, z_loss=z_loss, scale=loss_scale,
-                                                  fp8_backward=self.run.fp8_head_backward)
+                                                  fp8_backward=self.run.fp8_head_backward,
+                                                  need_weight_grad=head_w.requires_grad)  # a frozen head: none
         start = _BackwardFrom.apply(h, dh)
         del h, dh, x
         # a frozen tensor (one that does not require grad: parallel/layout.py's frozen groups) gets no gradient

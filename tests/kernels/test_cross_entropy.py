@@ -108,6 +108,8 @@ def test_head_grads_without_autograd_are_the_functions(dtype):
     loss, dh, dw = lm_head_loss_and_grads(h, w, t, chunks=3, z_loss=1e-3, scale=0.1)
     assert torch.equal(loss, out.detach()) and torch.equal(dh, hh.grad) and torch.equal(dw, ww.grad)
     assert hh.grad.abs().sum() > 0 and ww.grad.abs().sum() > 0
+    frozen = lm_head_loss_and_grads(h, w, t, chunks=3, z_loss=1e-3, scale=0.1, need_weight_grad=False)  # LoRA's head
+    assert torch.equal(frozen[0], loss) and torch.equal(frozen[1], dh) and frozen[2] is None
     only = lm_head_loss_and_grads(h, w, t, chunks=3, z_loss=1e-3, scale=0.1, need_grad=False)
     assert torch.equal(only[0], loss) and only[1] is None and only[2] is None
     none = lm_head_loss_and_grads(h[:0], w, t[:0], chunks=3, z_loss=1e-3, scale=0.1)  # no tokens: d(w) is zero

@@ -120,6 +120,10 @@ def test_fp8_head_keeps_the_loss_and_approximates_the_gradients(chunks):
     assert dh1.dtype == dw1.dtype == torch.bfloat16
     assert _rel(dh0, ref_dh) < 0.01 and _rel(dw0, ref_dw) < 0.01
     assert 0.005 < _rel(dh1, ref_dh) < 0.06 and 0.005 < _rel(dw1, ref_dw) < 0.06
+    # a frozen head (LoRA): the same d(h) from the same codes, no d(W)
+    l2, dh2, dw2 = lm_head_loss_and_grads(h, w, t, chunks=chunks, z_loss=1e-4, scale=scale, fp8_backward=True,
+                                          need_weight_grad=False)
+    assert torch.equal(l2, l1) and torch.equal(dh2, dh1) and dw2 is None
 
 
 def test_fp8_head_chunks_share_one_quantization():

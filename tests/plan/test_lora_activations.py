@@ -314,3 +314,30 @@ def test_qwen3_5_over_a_frozen_base(moe, dtype, dropout):
         for layer in (0, 1):
             measured = q35_measure(cfg, layer, targets, dtype, dropout)
             assert abs(measured - q35_planned(cfg, layer, targets, dtype, dropout)) <= tol, (targets, layer)
+
+
+def test_a_frozen_head_makes_no_weight_gradient(tmp_path, monkeypatch):
+    """LoRA freezes the LM head: a micro-step's head makes d(hidden) only, neither the (V, C) d(W_head) buffer nor its
+    GEMM (2 N V C FLOPs, ~3.5% of a Qwen2.5-7B LoRA step), and the plan's lm-head phase is the full fine-tune's less
+    that buffer; a full fine-tune's head still makes it."""
+    from qtrain.cli.main import main
+    from qtrain.kernels.cross_entropy import head as head_mod
+    from qtrain.model import transformer
+    from tests.run_utils import make_run_root, train_argv
+
+    cfg = small_cfg("qwen2")
+    full, lora = lora_plan(cfg, ("q", "v"), lora=False), lora_plan(cfg, ("q", "v"))
+    assert full.phases["lm_head"] - lora.phases["lm_head"] == cfg.vocab_size * cfg.hidden_size * 2  # bf16
+    made = []
+
+    def spy(*args, **kwargs):  # the real head, its d(W) recorded
+        out = head_mod.lm_head_loss_and_grads(*args, **kwargs)
+        made.append(out[2] is not None)
+        return out
+
+    monkeypatch.setattr(transformer, "lm_head_loss_and_grads", spy)
+    for extra, want in ((("--lora-rank", "2"), False), ((), True)):
+        made.clear()
+        root = make_run_root(tmp_path / ("lora" if extra else "full"))
+        assert main(train_argv(root, steps=1, extra=extra)) == 0
+        assert made and set(made) == {want}, (extra, made)

@@ -40,12 +40,15 @@ def fp8_backward_shapes_ok(rows: int, hidden: int, vocab: int) -> bool:
 
 
 def lm_head_loss_and_grads(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, *, chunks: int, z_loss: float,
-                           scale: float, need_grad: bool = True, fp8_backward: bool = False
+                           scale: float, need_grad: bool = True, fp8_backward: bool = False,
+                           need_weight_grad: bool = True
                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(scale * summed token loss, d(h), d(w)) of `h` (N, C) under the head `w` (V, C), chunk by chunk (module
-    docstring); the gradients are those of the returned loss, None without `need_grad`. No autograd: a caller that
-    starts its backward here (the Transformer's micro-step) uses d(h) and d(w) as they are, with no multiplication
-    by an upstream gradient of 1 (two passes over d(w), 467 MB at Qwen2.5-1.5B, per micro-step).
+    docstring); the gradients are those of the returned loss, None without `need_grad`; d(w) None without
+    `need_weight_grad` too (a frozen head, as under LoRA: its gradient GEMM, 2 N V C FLOPs, and the (V, C) buffer are
+    not made). No autograd: a caller that starts its backward here (the Transformer's micro-step) uses d(h) and d(w)
+    as they are, with no multiplication by an upstream gradient of 1 (two passes over d(w), 467 MB at Qwen2.5-1.5B,
+    per micro-step).
 
     `fp8_backward` (--fp8-head-backward): the two gradient GEMMs in FP8 (`_Fp8HeadOperands`) where the shapes allow
     (`fp8_backward_shapes_ok`, else bf16 as without); the logits and the loss are the same either way."""
@@ -54,11 +57,12 @@ def lm_head_loss_and_grads(h: torch.Tensor, w: torch.Tensor, targets: torch.Tens
     n = h.shape[0]
     dh = torch.empty_like(h) if need_grad else None
     # d(w) is written by the first chunk's GEMM (beta 0) and accumulated by the others: no memset of it first
-    dw = (torch.empty_like(w) if n else torch.zeros_like(w)) if need_grad else None
+    need_weight_grad = need_grad and need_weight_grad
+    dw = (torch.empty_like(w) if n else torch.zeros_like(w)) if need_weight_grad else None
     first = True
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
-    fp8 = _Fp8HeadOperands.of(h, w, scale) if need_grad and fp8_backward and n and fp8_backward_shapes_ok(
-        n, h.shape[1], w.shape[0]) else None
+    fp8 = _Fp8HeadOperands.of(h, w, scale, weight_grad=need_weight_grad) if need_grad and fp8_backward and n and \
+        fp8_backward_shapes_ok(n, h.shape[1], w.shape[0]) else None
     step = 16 if fp8 is not None else 1  # FP8: chunks of whole 16-row groups (d(W)'s K and q^T's column offset)
     bounds = [step * (n // step * i // chunks) for i in range(chunks)] + [n]
     for lo, hi in zip(bounds[:-1], bounds[1:]):
@@ -76,7 +80,8 @@ def lm_head_loss_and_grads(h: torch.Tensor, w: torch.Tensor, targets: torch.Tens
             del logits  # the CPU's specification returns a new d(logits): the logits go before the GEMMs
             if need_grad:
                 _addmm_(dh[lo:hi], dl, w, beta=0, alpha=scale)
-                _addmm_(dw, dl.t(), hc, beta=0 if first else 1, alpha=scale)
+                if dw is not None:
+                    _addmm_(dw, dl.t(), hc, beta=0 if first else 1, alpha=scale)
             del dl  # free this chunk's d(logits) before the next chunk's logits exist
         loss += ls
         first = False
@@ -102,17 +107,21 @@ class _Fp8HeadOperands:
         self.w_t, self.w_inv, self.h_t, self.h_inv, self.g_inv = w_t, w_inv, h_t, h_inv, g_inv
 
     @classmethod
-    def of(cls, h: torch.Tensor, w: torch.Tensor, scale: float) -> "_Fp8HeadOperands":
+    def of(cls, h: torch.Tensor, w: torch.Tensor, scale: float, *, weight_grad: bool = True) -> "_Fp8HeadOperands":
+        """`weight_grad` False (a frozen head): h is not quantized, d(W) is not made (`chunk_grads` with dw None)."""
         w_t, w_inv = quantize_fp8_transposed(w, E4M3)  # (C, V)
-        h_t, h_inv = quantize_fp8_transposed(h, E4M3)  # (C, n)
+        h_t, h_inv = quantize_fp8_transposed(h, E4M3) if weight_grad else (None, None)  # (C, n)
         # G's inverse scale times the loss scale: the GEMMs apply both (a fill kernel; CUDA graphs capture it)
         g_inv = torch.full((), 2.0 ** -G_SCALE_EXP * scale, dtype=torch.float32, device=h.device)
         return cls(w_t, w_inv, h_t, h_inv, g_inv)
 
-    def chunk_grads(self, g: torch.Tensor, g_t: torch.Tensor, lo: int, hi: int, dh: torch.Tensor, dw: torch.Tensor,
-                    *, first: bool) -> None:
-        """d(h)[lo:hi] = scale G W; d(W) = (first ? 0 : d(W)) + scale G^T h[lo:hi], for one chunk's G (rows lo:hi)."""
+    def chunk_grads(self, g: torch.Tensor, g_t: torch.Tensor, lo: int, hi: int, dh: torch.Tensor,
+                    dw: torch.Tensor | None, *, first: bool) -> None:
+        """d(h)[lo:hi] = scale G W; d(W) = (first ? 0 : d(W)) + scale G^T h[lo:hi], for one chunk's G (rows lo:hi);
+        no d(W) when `dw` is None (a frozen head)."""
         scaled_mm(g, self.w_t.t(), self.g_inv, self.w_inv, out_dtype=dh.dtype, out=dh[lo:hi])
+        if dw is None:
+            return
         h_c = self.h_t[:, lo:hi].t()  # (n_c, C), column-major
         if first:
             scaled_mm(g_t, h_c, self.g_inv, self.h_inv, out_dtype=dw.dtype, out=dw)
@@ -168,19 +177,22 @@ def chunked_lm_head_loss(h: torch.Tensor, w_head: torch.Tensor, targets: torch.T
 
 
 def head_workspace_bytes(tokens: int, hidden: int, vocab: int, *, dtype_bytes: int, chunks: int = 1,
-                        cuda: bool = True, fp8_backward: bool = False) -> int:
+                        cuda: bool = True, fp8_backward: bool = False, weight_grad: bool = True) -> int:
     """Bytes `chunked_lm_head_loss` holds at its peak in training (an estimate, checked against a CPU allocation
     tracker and the H200's peaks): one chunk's logits with the loss's temporaries per logit, d(hidden) and
     d(W_head). On CUDA the fused cross-entropy (`_loss_fn`) writes d(logits) over the logits, so a logit costs
     one model-dtype value; the CPU's specification keeps fp32 copies (plus, with several chunks, the previous
     chunk's d(logits) until the next one exists).
     `fp8_backward` (`_Fp8HeadOperands`) adds, at its peak: the chunk's G^T (a byte per logit), the e4m3 copies of W
-    and h (both orders: the quantize kernel writes both), and with several chunks one fp32 (V, C) product."""
+    and h (both orders: the quantize kernel writes both), and with several chunks one fp32 (V, C) product.
+    `weight_grad` False (a frozen head): no d(W_head), nor h's e4m3 copies or the fp32 product."""
     E = dtype_bytes
     rows = -(-tokens // max(1, chunks))
     if fp8_backward and fp8_backward_shapes_ok(tokens, hidden, vocab):
-        extra = rows * vocab + 2 * (vocab + tokens) * hidden + (4 * vocab * hidden if chunks > 1 else 0)
-        return extra + head_workspace_bytes(tokens, hidden, vocab, dtype_bytes=dtype_bytes, chunks=chunks, cuda=cuda)
+        extra = rows * vocab + 2 * vocab * hidden + (
+            2 * tokens * hidden + (4 * vocab * hidden if chunks > 1 else 0) if weight_grad else 0)
+        return extra + head_workspace_bytes(tokens, hidden, vocab, dtype_bytes=dtype_bytes, chunks=chunks, cuda=cuda,
+                                            weight_grad=weight_grad)
     if cuda:
         per_logit = E
     else:
@@ -190,4 +202,4 @@ def head_workspace_bytes(tokens: int, hidden: int, vocab: int, *, dtype_bytes: i
     chunk = rows * (vocab * per_logit + 32)  # the loss's moment
     if not cuda and E != 4:  # `_addmm_`'s moment on the CPU: d(logits), its fp32 copy, the weight's, the product
         chunk = max(chunk, rows * vocab * (E + 4) + vocab * hidden * 4 + rows * hidden * 4)
-    return chunk + tokens * hidden * E + vocab * hidden * E
+    return chunk + tokens * hidden * E + (vocab * hidden * E if weight_grad else 0)
