@@ -298,6 +298,7 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
     attn_chunks = max(1, opts.attn_bwd_chunks or 1)
     chunks = max(1, opts.lmhead_chunks)
     lora = layout.lora
+    adapter = LoraAdapter(cfg, lora) if lora is not None else None  # what the adapters keep and draw
     e4m3_base = lora is not None and lora.base_dtype == "e4m3"  # the FP8 linears keep the held codes, not copies
     kw = dict(model_dtype=opts.model_dtype, matmul_dtype=matmul if fp8 or matmul != "e4m3" else "",
               compiled=compiled, attn_chunks=attn_chunks, fp8_weight_copies=not (persistent_quants or e4m3_base),
@@ -316,8 +317,8 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
         phases = {k: max(v, p) for (k, v), p in zip(phases.items(), workspace_phases(
             cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc, fp8_head_backward=fp8_head_backward,
             lora=lora, **kw_plain).values())}
-    if lora is not None and opts.context_parallel > 1:  # dropout masks drawn for whole sequences (adapter._drop)
-        drop = LoraAdapter(cfg, lora).context_dropout_bytes(B, T, opts.context_parallel)
+    if adapter is not None and opts.context_parallel > 1:  # dropout masks drawn for whole sequences (adapter._drop)
+        drop = adapter.context_dropout_bytes(B, T, opts.context_parallel)
         if drop:
             phases["lora_dropout"] = drop
     items.append(Item(f"activations ({L} layers)", device=acts.device, host=acts.host, kind="activations",
@@ -333,8 +334,8 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
     if context is not None:
         items.append(Item(f"context parallel attention ({opts.context_parallel_mode})", device=context[0],
                           kind="activations", detail=context[1]))
-    if lora is not None and "block" not in rc:  # each target's A output (and dropout's input and mask)
-        adapter, dtype_bytes = LoraAdapter(cfg, lora), DTYPE_BYTES[opts.model_dtype]
+    if adapter is not None and "block" not in rc:  # each target's A output (and dropout's input and mask)
+        dtype_bytes = DTYPE_BYTES[opts.model_dtype]
         per_layer = N * adapter.saved_bytes_per_token(dtype_bytes, block_steps(rc)) + adapter.saved_bytes_per_layer(
             dtype_bytes, block_steps(rc))  # + the fused matrices' block-diagonal B, the experts' B as read
         items.append(Item(f"lora adapters ({L} layers)", device=int(L * per_layer), kind="activations",
