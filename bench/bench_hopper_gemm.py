@@ -77,8 +77,9 @@ def import_quack() -> tuple[SimpleNamespace | None, str]:
                 if os.path.isdir(os.path.join(base, "dsl_packages")):
                     sys.path.insert(0, os.path.join(base, "dsl_packages"))
                     break
-        import quack.gemm_interface as gemm_interface
-        import quack.rmsnorm as rmsnorm
+        gemm_interface = importlib.import_module("quack.gemm_interface")
+        # the module, not the package's attribute of the same name (quack/__init__ exports the function rmsnorm)
+        rmsnorm = importlib.import_module("quack.rmsnorm")
     except Exception as e:  # noqa: BLE001 - any failure (missing package, a .so that does not load) is the reason
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return None, f"{type(e).__name__}: {first}"[:300]

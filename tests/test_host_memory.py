@@ -78,9 +78,11 @@ def test_gpu_pinned_buffer_takes_its_size_and_copies_asynchronously():
     back.copy_(b, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(back, src)
+    # measured from here: the kernels just run loaded their modules into host memory (77 MiB on an H100)
+    held, nbytes = _rss(), b.numel() * 2
     del b
     gc.collect()
-    assert _rss() - before <= (8 << 20)  # unregistered and unmapped
+    assert held - _rss() >= nbytes - (8 << 20)  # unregistered and unmapped: its pages went back
 
 
 def test_every_large_host_buffer_comes_from_host_memory():

@@ -52,7 +52,8 @@ _MAX_GROUPS = 1024  # ScaledGroupMM.cu: "Can't process more than 1024 groups"
 # torch._scaled_mm per expert with rows, after a host read of the offsets: G launches and a device sync per call).
 # The issue asks for whichever measures faster; bench kind `fp8-experts` times both (bench/bench_fp8_experts.py).
 GEMM = "grouped"
-PER_EXPERT_MIN_ROWS = 16  # "per-expert": a group with fewer rows is multiplied on a zero-padded copy of this many
+# "per-expert": a group whose rows are not a multiple of this is multiplied on a zero-padded copy of the next multiple
+PER_EXPERT_ROW_MULTIPLE = 16
 
 
 def _check(xq: Tensor, x_inv: Tensor, wq: Tensor, w_inv: Tensor, offsets: Tensor) -> None:
@@ -125,21 +126,27 @@ def per_expert_scaled_mm(xq: Tensor, x_inv: Tensor, wq: Tensor, w_inv: Tensor, o
                          fast_accum: bool) -> Tensor:
     """`fp8_grouped_linear` on CUDA as one row-wise torch._scaled_mm per expert with rows (scale_a (m, 1), scale_b
     (1, N), fp32; mat2 = wq[g].t(), column-major; bf16 out): the alternative to the grouped kernel (`GEMM`). A
-    group's rows start at a multiple of K bytes, so every slice stays 16-byte aligned. A group of fewer than
-    `PER_EXPERT_MIN_ROWS` rows runs on a zero-padded copy (cuBLASLt refused one row: CUBLAS_STATUS_NOT_SUPPORTED,
-    H100, torch 2.11); padding rows add zero rows to the product and are dropped."""
+    group's rows start at a multiple of K bytes, so its operand slices stay 16-byte aligned; its row scales are
+    copied when they start off a 16-byte boundary. cuBLASLt refused a 1-row group and a 250-row group starting at
+    row 250 (CUBLAS_STATUS_NOT_SUPPORTED, H100, torch 2.11): a group whose rows are not a multiple of
+    `PER_EXPERT_ROW_MULTIPLE` runs on a zero-padded copy (padding rows add zero rows to the product, dropped)."""
     y = xq.new_zeros(xq.shape[0], wq.shape[1], dtype=torch.bfloat16)
     for g, (a, b) in enumerate(group_bounds(offsets)):
-        if b - a >= PER_EXPERT_MIN_ROWS:
-            torch._scaled_mm(xq[a:b], wq[g].t(), scale_a=x_inv[a:b, None], scale_b=w_inv[g][None, :],
+        m = b - a
+        if m == 0:
+            continue
+        padded = -(-m // PER_EXPERT_ROW_MULTIPLE) * PER_EXPERT_ROW_MULTIPLE
+        if padded == m:
+            scale_a = x_inv[a:b, None] if a % 4 == 0 else x_inv[a:b, None].clone()  # 16-byte aligned fp32
+            torch._scaled_mm(xq[a:b], wq[g].t(), scale_a=scale_a, scale_b=w_inv[g][None, :],
                              out_dtype=torch.bfloat16, use_fast_accum=fast_accum, out=y[a:b])
-        elif b > a:
-            xp = torch.zeros(PER_EXPERT_MIN_ROWS, xq.shape[1], dtype=torch.uint8, device=xq.device).view(E4M3)
-            xp[:b - a] = xq[a:b]
-            sp = x_inv.new_ones(PER_EXPERT_MIN_ROWS)
-            sp[:b - a] = x_inv[a:b]
+        else:
+            xp = torch.zeros(padded, xq.shape[1], dtype=torch.uint8, device=xq.device).view(E4M3)
+            xp[:m] = xq[a:b]
+            sp = x_inv.new_ones(padded)
+            sp[:m] = x_inv[a:b]
             y[a:b] = torch._scaled_mm(xp, wq[g].t(), scale_a=sp[:, None], scale_b=w_inv[g][None, :],
-                                      out_dtype=torch.bfloat16, use_fast_accum=fast_accum)[:b - a]
+                                      out_dtype=torch.bfloat16, use_fast_accum=fast_accum)[:m]
     return y
 
 
