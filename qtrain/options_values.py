@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from qtrain.model.choices import (CONTEXT_PARALLEL_MODES, DELTA_RULE_PRECISIONS, DOCUMENT_ATTENTION, FP8_POLICIES,
-                                  SDPA_BACKENDS)
+from qtrain.model.choices import (CONTEXT_PARALLEL_MODES, DELTA_RULE_PRECISION_OPTIONS, DOCUMENT_ATTENTION,
+                                  FP8_POLICIES, SDPA_BACKENDS)
 
 DTYPES = ("fp32", "bf16")
 MATMUL_DTYPES = ("fp32", "bf16", "e4m3")
@@ -24,7 +24,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "opt_v_dtype": OPT_V_DTYPES, "lr_schedule": SCHEDULES, "device": ("auto", "cpu", "cuda"),
     "compile": ("auto", "on", "off"), "sdpa_backend": SDPA_BACKENDS, "lora_base_dtype": ("e4m3",),
     "document_attention": DOCUMENT_ATTENTION, "context_parallel_mode": CONTEXT_PARALLEL_MODES,
-    "delta_rule_precision": DELTA_RULE_PRECISIONS,
+    "delta_rule_precision": DELTA_RULE_PRECISION_OPTIONS,
 }
 # '' = follow the model / matmul dtype
 EMPTY_MEANS_DEFAULT = ("matmul_dtype", "gradient_dtype", "master_dtype", "grad_accum_dtype", "lora_base_dtype")

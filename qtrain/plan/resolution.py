@@ -20,6 +20,7 @@ What is decided here, from options left at 'auto' or '' and from the device and 
     cuda_graphs          --use-cuda-graphs unset: on where measured faster (`cuda_graphs_on`); `cuda_graph_blockers`
                          are what train/cuda_graphs.py cannot capture yet (`check_cuda_graphs` refuses them)
     sdpa_backend         --sdpa-backend auto: cudnn for bf16 on Hopper GPUs (model/layers.resolve_sdpa_backend)
+    delta_rule_precision --delta-rule-precision auto: tf32 (model/choices.AUTO_DELTA_RULE_PRECISION)
     gradients            the gradient manager: unsharded, reduce-scatter or all-to-all
     memory_changes       --fit-memory (on): where the plan of the given options does not fit a CUDA device of known
                          size, what long sequences take (plan/fit.py: LM head chunks, recompute, --offload-residual),
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 
 from qtrain.kernels.grouped_gemm_fp8 import FP8_MULTIPLE
+from qtrain.model.choices import AUTO_DELTA_RULE_PRECISION
 from qtrain.model.config import ModelConfig
 from qtrain.model.fp8_policy import Fp8Choice, block_gflop, choose_fp8
 from qtrain.model.layers import resolve_sdpa_backend
@@ -86,6 +88,7 @@ class RunResolution:
     recompute: frozenset[str]
     lmhead_chunks: int
     offload_residual: bool
+    delta_rule_precision: str  # the Triton delta rule's products (model/choices.DELTA_RULE_PRECISIONS)
     plan: MemoryPlan
     memory_changes: tuple[tuple[str, Any], ...] = ()  # --fit-memory's option changes (empty: the options as given)
 
@@ -104,6 +107,11 @@ class RunResolution:
 
 
 # ---- the rules, one function each ------------------------------------------------------------------------
+def delta_rule_precision(opts: Options) -> str:
+    """--delta-rule-precision auto: AUTO_DELTA_RULE_PRECISION (model/choices.py says why)."""
+    return AUTO_DELTA_RULE_PRECISION if opts.delta_rule_precision == "auto" else opts.delta_rule_precision
+
+
 def compile_on(opts: Options, device: str) -> bool:
     """--compile on, or auto on a CUDA device."""
     return opts.compile == "on" or (opts.compile == "auto" and device == "cuda")
@@ -176,14 +184,14 @@ def check_model_support(cfg: ModelConfig, opts: Options, *, device_type: str) ->
     leaves it off), and sharded weights for blocks not laid out alike (the sharded weight source gathers one block
     layout; an MoE layer's experts are a layout group of their own, parallel/layout.py); --fp8-experts where the model
     has no experts or their GEMMs' sizes are not multiples of 16 (`_check_fp8_experts`); --delta-rule-precision other
-    than its default where no layer runs the gated delta rule."""
+    than auto where no layer runs the gated delta rule."""
     if opts.use_cuda_graphs and device_type == "cuda" and cfg.router is not None:
         raise OptionsError(f"--use-cuda-graphs cannot capture a step of {cfg.model_type} (a Mixture-of-Experts "
                            "model): the number of tokens each expert gets changes the shapes of its GEMMs from one "
                            "micro-step to the next, and a CUDA graph replays fixed shapes. Drop --use-cuda-graphs.")
     if opts.fp8_experts:
         _check_fp8_experts(cfg)
-    if opts.delta_rule_precision != "fp32" and not delta_rule_layers(cfg):  # fp32, the default, is every model's
+    if opts.delta_rule_precision != "auto" and not delta_rule_layers(cfg):  # auto, the default, is every model's
         raise OptionsError(f"--delta-rule-precision {opts.delta_rule_precision} applies to models with Gated DeltaNet "
                            f"layers (Qwen3.5, Qwen3-Next); this {cfg.model_type} model has none (drop it)")
     if opts.document_masking and (why := document_masking_error(cfg)):
@@ -299,7 +307,8 @@ def _resolve(cfg: ModelConfig, opts: Options, *, world: int, device: torch.devic
                cuda_graph_blockers=tuple(cuda_graph_blockers(opts, world=world)),
                gradients=opts.gradient_manager_kind,
                recompute=opts.recompute if recompute is None else resolve_flags(recompute),
-               lmhead_chunks=opts.lmhead_chunks, offload_residual=opts.offload_residual)
+               lmhead_chunks=opts.lmhead_chunks, offload_residual=opts.offload_residual,
+               delta_rule_precision=delta_rule_precision(opts))
     shards = opts.shard_group_size if 0 < opts.shard_group_size <= world else world  # hybrid: the shard group
 
     def plan(keep: bool) -> MemoryPlan:

@@ -17,12 +17,13 @@ from qtrain.kernels.delta_rule.gated_delta_rule import chunk_core
 from qtrain.kernels.delta_rule.gated_delta_rule_backward import chunk_core_backward
 from qtrain.kernels.delta_rule.gated_delta_rule_triton import DEFAULT_PRECISION, PRECISIONS, TUNED, Launch, launch_for
 from qtrain.kernels.rope import rope_tables
-from qtrain.model.choices import DELTA_RULE_PRECISIONS
+from qtrain.model.choices import AUTO_DELTA_RULE_PRECISION, DELTA_RULE_PRECISIONS
 from qtrain.model.init import init_params
 from qtrain.model.recompute import block_steps, resolve_flags
 from qtrain.model.transformer import RunOptions, Transformer, allocate_params, make_block_fn
 from qtrain.options import Options
 from qtrain.parallel.weights.replicated import ParamWeights
+from qtrain.plan.resolution import delta_rule_precision
 from tests.model.family_fixtures import Collect, qwen35_cfg
 
 B, T = 2, 2 * CHUNK
@@ -33,7 +34,11 @@ SHAPE = dict(num_hidden_layers=2, layer_types=("linear_attention", "full_attenti
 
 def test_each_precision_is_the_tuned_launch_with_its_products():
     assert set(PRECISIONS) == set(DELTA_RULE_PRECISIONS)  # the option's values (no torch there) and the kernels'
-    assert DEFAULT_PRECISION == Options().delta_rule_precision == RunOptions().delta_rule_precision == "fp32"
+    assert DEFAULT_PRECISION == RunOptions().delta_rule_precision == "fp32"  # the model API's: the exact one
+    # a run's: auto, resolved once to one pass (measured as fast as that and as good on a whole run: choices.py)
+    assert Options().delta_rule_precision == "auto" and AUTO_DELTA_RULE_PRECISION == "tf32"
+    assert [delta_rule_precision(Options(delta_rule_precision=p)) for p in ("auto", "fp32", "tf32")] == [
+        "tf32", "fp32", "tf32"]
     assert launch_for("fp32") == TUNED and TUNED.prec == "tf32x3"  # three TF32 passes, as before the option
     assert launch_for("tf32") == Launch(bv=TUNED.bv, num_warps=TUNED.num_warps, prec="tf32")  # one pass
     with pytest.raises(ValueError, match="'bf16'"):
