@@ -42,10 +42,11 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = (), out=None) -> int:
     from qtrain.model.resolve import TINY_NAME, resolve_model  # torch: not for `qtrain plan --help`
     from qtrain.plan.memory import _gib
     from qtrain.plan.propose import _sequences, propose, recommend
-    from qtrain.plan.resolution import plan_memory
+    from qtrain.plan.resolution import check_model_support, plan_memory
     out = out or sys.stdout
     opts = options_from_args(ns)
     cfg, name = resolve_model(opts.model, from_scratch=True).cfg, opts.model or TINY_NAME
+    check_model_support(cfg, opts, device_type="cuda")  # what `qtrain train` refuses for this model, refused here too
     if getattr(ns, "plan_nodes", None) is not None:
         return _scale(ns, opts, cfg, name, out)
     world = opts.gpus

@@ -594,6 +594,9 @@ SUB_CASES = [
     Case("plan-bad-model", cmd("plan", "--model", "{root}/nope", "--gpu-memory", "8GiB"), r"model '.*nope' not found"),
     Case("plan-bad-option", cmd("plan", "--model", "{root}/model", "--from-scratch", "--gpu-memory", "8GiB", "--lr",
                                 "nan"), r"--learning-rate must be a finite number"),
+    Case("plan-model-support", cmd("plan", "--model", "{root}/model", "--from-scratch", "--gpu-memory", "8GiB",
+                                   "--delta-rule-precision", "tf32"), r"--delta-rule-precision tf32 applies to models "
+                                                                      r"with Gated DeltaNet layers"),
     Case("plot-missing", cmd("plot", "{root}/nope.jsonl", "--out", "{root}/p.png", "--no-show"),
          r"nope.jsonl: cannot read log"),
     Case("plot-not-a-log", cmd("plot", "{root}/train.bin", "--out", "{root}/p.png", "--no-show"), r"train.bin: not a qtrain log"),
