@@ -22,7 +22,10 @@ script (".tt/run_tt.sh", relative to the harness's checkout). bf16 weights, grad
 torch.compile of blocks and loss (.tt/configs/base.toml).
 Result (run_tt.sh's `TT ...` line): tps (torchtitan's tokens/s per device, median), mfu (%, its own count: an
 MoE's over its active experts), tflops, peak_gib (the largest step's peak reserved memory), step_ms, data_pct,
-loss, first_step_s, ac (what ran: an OOM retry says selective-op), tt_status.
+loss, first_step_s, ac (what ran: an OOM retry says selective-op), tt_status; start_s (from the training process's
+launch to its step-1 line: imports, model build, compile and the first step, as the `start` kind measures qtrain's;
+bench/tt/launch_stamp.sh, run_tt.sh's TT_PYTHON, stamps the launch). A `start` comparison runs a case twice on one
+named compile cache (`env` TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR): cold, then warm.
 
 Dry run: skipped unless TT_CPU_CHECK=1 is in the environment; then the case runs shrunk on the CPU through
 run_tt.sh's CPU check (cpu_check.py: a tiny flavor of the same model, compile off, FP8 emulated), with the
@@ -30,6 +33,7 @@ torchtitan wheels importable or installed to TT_SITE (bench/tt/README.md says ho
 """
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import shlex
@@ -48,6 +52,8 @@ AC = ("none", "sac", "full")
 NUMBERS = {"tok/s": "tps", "mfu": "mfu", "tflops": "tflops", "peak_mem": "peak_gib", "step_s": "step_s",
            "data_load": "data_pct", "last_loss": "loss", "first_step_s": "first_step_s", "wall_s": "tt_wall_s"}
 TT_DIR = Path(__file__).resolve().parent / "tt"
+LAUNCH_RE = re.compile(r"^TT-LAUNCH (\d+(?:\.\d+)?)$", re.M)
+TITAN_TS_RE = re.compile(r"\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - root - INFO - step:\s*1\s")
 
 
 def parse_summary(line: str) -> dict:
@@ -66,6 +72,16 @@ def parse_summary(line: str) -> dict:
         if key in fields:
             out[key] = fields[key]
     return out
+
+
+def start_seconds(log_text: str) -> float | None:
+    """Seconds from the training process's launch (launch_stamp.sh's first `TT-LAUNCH` line) to torchtitan's step-1
+    line (its logger's local time, as `date` on the same machine); None where either is missing."""
+    launch, step1 = LAUNCH_RE.search(log_text), TITAN_TS_RE.search(log_text)
+    if not launch or not step1:
+        return None
+    t1 = datetime.datetime.strptime(step1.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return round(t1 - float(launch.group(1)), 2)
 
 
 def command(model: str, name: str, batch: int, accum: int, seq: int, steps: int, mm: str, fp8_experts: bool,
@@ -122,6 +138,8 @@ def run(model: str, batch: int, accum: int, seq: int = 1024, steps: int = 10, na
     full_env = {**os.environ, **tt_env, "TT_TIMEOUT": str(tt_timeout), "TT_LOGDIR": work,
                 "TT_DUMPDIR": os.path.join(work, "dump"), **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join([str(TT_DIR)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    if "TT_PYTHON" not in full_env:  # the launch stamp for start_s; the Python run_tt.sh would have run
+        full_env["TT_PYTHON"], full_env["TT_REAL_PYTHON"] = str(TT_DIR / "launch_stamp.sh"), "python3"
     print(f"TT-KIND {name} {model} as run_tt.sh variant {variant}; TT_EXTRA={tt_env['TT_EXTRA']}; logs {work}",
           flush=True)
     fin = stream(["bash", str(path), variant], env=full_env)
@@ -133,6 +151,10 @@ def run(model: str, batch: int, accum: int, seq: int = 1024, steps: int = 10, na
         raise RuntimeError(f"torchtitan: {res['tt_status']} (log {work}/{res.get('variant', variant)}*.log)")
     if ac == "full":  # run_tt.sh labels its own modes only; TT_EXTRA's full checkpointing won
         res["ac"] = "full"
+    v = res.get("variant", variant)
+    log = next((p for p in (Path(work) / f"{v}-retry.log", Path(work) / f"{v}.log") if p.is_file()), None)
+    if log is not None and (start := start_seconds(log.read_text(errors="replace"))) is not None:
+        res["start_s"] = start  # after an OOM retry: the retry's (run_tt.sh's `-retry` log)
     return {"system": "torchtitan", "model": model, "tt_log": work, **res}
 
 

@@ -86,3 +86,22 @@ def test_cpu_check_trains_a_tiny_qwen3_moe(tmp_path, monkeypatch):
     assert res["tt_status"] == "ok" and res["tps"] > 0 and res["steps_logged"] == "5"
     log = next(Path(res["tt_log"]).glob("tiny-bf16.log")).read_text()
     assert "Model qwen3 Qtiny-moe" in log and '"use_grouped_mm": true' in log
+
+
+def test_start_seconds_from_the_launch_stamp_to_the_step_1_line():
+    """The real wrapper (run_tt.sh's TT_PYTHON in the kind's runs) stamps a launch; a process that logs torchtitan's
+    step-1 line (its logger's format, local time) 0.3 s later is read back as a start of 0.3 s and more (the
+    interpreter's own start adds to it; 5 s bounds a loaded CI machine)."""
+    import subprocess
+    import sys
+    code = ("import time, datetime; time.sleep(0.3); t = datetime.datetime.now(); "
+            "print('[titan] ' + t.strftime('%Y-%m-%d %H:%M:%S,') + f'{t.microsecond // 1000:03d}' + "
+            "' - root - INFO - step:  1  loss: 12.1  memory: 3.2GiB(4%)  tps: 1,234')")
+    p = subprocess.run([str(tt.TT_DIR / "launch_stamp.sh"), "-c", code], env={**os.environ,
+                       "TT_REAL_PYTHON": sys.executable}, capture_output=True, text=True, check=True)
+    text = p.stderr + p.stdout  # run_tt.sh sends both to the log
+    assert text.startswith("TT-LAUNCH ")
+    assert 0.3 <= tt.start_seconds(text) < 5.0, text
+    assert tt.start_seconds(p.stdout) is None and tt.start_seconds(p.stderr) is None  # one of the two missing
+    later = text.replace("step:  1 ", "step:  2 ")
+    assert tt.start_seconds(later) is None  # only step 1 ends the start
