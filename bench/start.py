@@ -8,7 +8,8 @@ every case that names it: a second case naming it finds the first one's compiled
 Triton's caches go there through TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR, which every qtrain version respects.
 Result: start_s (launch -> first step logged), first_step_s (that step alone, compile included), step_ms (a later
 step), startup_s (qtrain's own `startup` event, where the checkout has it), phases (that event's seconds from the
-process's start to the end of each start-up phase: imports, device, preflight, model, ready; where it has them).
+process's start to the end of each start-up phase: imports, device, preflight, weights, blocks, model, ready;
+where it has them).
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ The first step of a compiled run includes compiling the block (seconds with a wa
 more on a machine that never compiled those shapes): `Compiling` shows a line that counts the seconds on a
 terminal (one line when the console is a file), and `startup_times` measures from the process's start (the
 kernel's record of it, so the interpreter's and torch's imports count) for the run log's `startup` event, with
-the end of each start-up phase (`mark`: imports, device, preflight, model, ready) so a slow start says where its
-seconds went.
+the end of each start-up phase (`mark`: imports, device, preflight, then the model's weights, blocks and the rest of
+it, ready) so a slow start says where its seconds went.
 """
 from __future__ import annotations
 

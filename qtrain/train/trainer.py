@@ -36,6 +36,7 @@ from qtrain.model.lora.peft_io import read_adapter
 from qtrain.model.resolve import resolve_model
 from qtrain.model.transformer import RunOptions, Transformer
 from qtrain.observe.absmax import AbsMaxRecorder, weight_abs_maxes
+from qtrain.observe.startup import mark
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.context import check_context_parallel, make_context_parallel
 from qtrain.parallel.groups import make_shard_groups
@@ -117,7 +118,9 @@ class Trainer:
                           init_proj_to_zero=opts.init_proj_to_zero, adapters=self._adapter_init(opts),
                           e4m3_base=self.e4m3_base)
         self.weights, self.params, self.param_buffers, self.sharded_weights = w.source, w.params, w.buffers, w.sharded
+        mark("weights")  # the start-up timeline (observe/startup.py): weights made (on CUDA: the context too)
         self.model = Transformer(self.cfg, self._run_options(opts, run))
+        mark("blocks")  # the blocks' functions, compiled ones wrapped (torch.compile's own imports: seconds)
         if self.adapter is not None and self.lora.dropout:  # dropout keys name the layer (model/lora/adapter.py)
             self.adapter.bind_layers([self.weights.block(layer) for layer in range(self.cfg.num_hidden_layers)])
             self.weights.invalidate()

@@ -54,6 +54,6 @@ def test_the_run_log_records_the_time_to_the_first_step(tmp_path):
     assert abs(startup[0]["first_step_s"] * 1000 - first["duration_ms"]) <= 5.01  # that step, to 0.01 s
     # where the seconds before the first step went: every phase, in order, each ending before the first step does
     ends = startup[0]["phases"]
-    assert list(ends) == ["imports", "device", "preflight", "model", "ready"], ends
+    assert list(ends) == ["imports", "device", "preflight", "weights", "blocks", "model", "ready"], ends
     assert list(ends.values()) == sorted(ends.values())
     assert ends["ready"] <= startup[0]["seconds_to_first_step"] - startup[0]["first_step_s"] + 0.02  # rounding
