@@ -128,7 +128,7 @@ def per_expert_scaled_mm(xq: Tensor, x_inv: Tensor, wq: Tensor, w_inv: Tensor, o
     (1, N), fp32; mat2 = wq[g].t(), column-major; bf16 out): the alternative to the grouped kernel (`GEMM`). A
     group's rows start at a multiple of K bytes, so its operand slices stay 16-byte aligned; its row scales are
     copied when they start off a 16-byte boundary. cuBLASLt refused a 1-row group and a 250-row group starting at
-    row 250 (CUBLAS_STATUS_NOT_SUPPORTED, H100, torch 2.11): a group whose rows are not a multiple of
+    row 38 (CUBLAS_STATUS_NOT_SUPPORTED, H100, torch 2.11): a group whose rows are not a multiple of
     `PER_EXPERT_ROW_MULTIPLE` runs on a zero-padded copy (padding rows add zero rows to the product, dropped)."""
     y = xq.new_zeros(xq.shape[0], wq.shape[1], dtype=torch.bfloat16)
     for g, (a, b) in enumerate(group_bounds(offsets)):
