@@ -11,7 +11,9 @@ Its costs: autograd keeps Bbd (rows x targets r, per layer: `layer_saved_bytes`)
 gradient, of which only the diagonal blocks reach B: 2 tokens (targets r) rows FLOPs, against the base GEMM's 2 tokens C
 rows, (targets r) / C of it (48 / 3584 = 1.3% of Qwen2.5-7B's qkv, 32 / 3584 of its up). The block calls
 `LoraAdapter(name, x, w, y)` after each linear (`family.BlockOptions.adapter`); the adapter tensors reach it in the
-block's weight dict like the base's.
+block's weight dict like the base's. Where the block's linear is a plain F.linear of the frozen W and no dropout
+applies (`fuses`), the block calls `LoraAdapter.linear` instead: base and term as one op whose input gradient sums
+its two parts in one GEMM (fused_linear.py).
 
 Dropout masks come from a counter-based key, not from torch's generator state: target t of layer l in micro-step m
 of step s draws its mask from a generator seeded with `kernels.rng.rng_key(seed, DROPOUT_STREAM, s, m, l, t)`. So a
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 from qtrain.kernels.grouped_gemm import expert_linear
 from qtrain.kernels.rng import rng_key
 from qtrain.model.config import ModelConfig
+from qtrain.model.lora.fused_linear import adapted_linear
 from qtrain.model.lora.spec import LoraSpec
 from qtrain.model.lora.tensors import ExpertTarget, a_name, adapted, adapted_experts, b_name
 from qtrain.model.registry import family_of
@@ -102,6 +105,20 @@ class LoraAdapter:
     def covers(self, *matrices: str) -> bool:
         """Whether any of `matrices` has an adapter."""
         return any(m in self.parts for m in matrices)
+
+    def fuses(self, name: str, w: dict[str, torch.Tensor]) -> bool:
+        """Whether matrix `name` of the block whose weights are `w` runs as one op with its adapters (`linear`):
+        it has them, and no dropout applies (each target's A then sees its own dropped copy of x)."""
+        return a_name(name) in w and not self.dropping
+
+    def linear(self, name: str, x: torch.Tensor, w: dict[str, torch.Tensor], bias: torch.Tensor | None
+               ) -> torch.Tensor:
+        """x W^T (+ bias) plus the adapter term, as one op whose input gradient sums its two terms in one GEMM
+        (fused_linear.py): where the block's linear would be a plain F.linear of the frozen W and `fuses(name, w)`."""
+        b, r = w[b_name(name)], self.r
+        parts, total = self.parts[name]
+        bd = b if parts == [(0, total)] else block_diagonal(b, parts, total, r)
+        return adapted_linear(x, w[name], bias, w[a_name(name)], bd, self.scaling)
 
     def at(self, step: int, micro: int) -> None:
         """The run's position: the masks of the next forwards are those of micro-step `micro` of step `step`."""
