@@ -27,7 +27,7 @@ from qtrain.options import closest
 # subcommand -> (module of this package, help line); `allow_abbrev` is off for those with many long flags
 SUBCOMMANDS = {
     "train": ("train", "train or fine-tune a model"),
-    "tokenize": ("tokenize", "text / JSONL / Parquet -> token files (with loss masks for chat / SFT data)"),
+    "tokenize": ("tokenize", "text / JSON Lines / JSON / Parquet -> token files (with loss masks for chat / SFT data)"),
     "export": ("export", "training checkpoint -> Hugging Face model directory (weights, tokenizer, generation config)"),
     "generate": ("generate", "sample text from an export or Hugging Face model directory"),
     "plan": ("plan", "memory plan of the options, and the largest micro-batch that fits a GPU"),

@@ -1,5 +1,5 @@
-"""`qtrain tokenize`: text / JSONL / Parquet files -> llm.q token files (`qtrain.data.tokenize`), optionally
-with loss masks for chat / SFT records (`qtrain.data.sft`)."""
+"""`qtrain tokenize`: text / JSON Lines / JSON / Parquet files -> llm.q token files (`qtrain.data.tokenize`),
+optionally with loss masks for chat / SFT records (`qtrain.data.sft`)."""
 from __future__ import annotations
 
 import argparse
@@ -11,12 +11,15 @@ from qtrain.data.tokenize import tokenize_files
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("inputs", nargs="+", help="input .txt/.jsonl/.parquet files, directories or globs")
+    parser.add_argument("inputs", nargs="+",
+                        help="input .txt/.jsonl/.json/.parquet files, directories or globs (a .json file holds JSON "
+                             "Lines or one array of objects; a directory is searched for all but .json, which is "
+                             "taken only by name or glob)")
     parser.add_argument("--out-dir", required=True, help="directory for train*.bin / eval*.bin")
     parser.add_argument("--tokenizer", default="qwen2", help="qwen2 | gpt2 | tokenizer.json | HF model directory")
     parser.add_argument("--eval-inputs", nargs="+", default=[], help="separate eval documents (instead of --eval-fraction)")
     parser.add_argument("--eval-fraction", type=float, default=None, help="hold out whole documents for this fraction of the tokens (default 0.05 without --eval-inputs)")
-    parser.add_argument("--text-field", default="text", help="jsonl field / parquet column holding the text")
+    parser.add_argument("--text-field", default="text", help="JSON field / parquet column holding the text")
     parser.add_argument("--split-lines", action="store_true", help="treat each non-empty line of a .txt file as a document")
     parser.add_argument("--max-tokens-per-file", type=int, default=100_000_000, help="split outputs into NAME-000.bin... beyond this")
     parser.add_argument("--workers", type=int, default=max(1, min((os.cpu_count() or 2) // 2, 8)), help="tokenizer processes")

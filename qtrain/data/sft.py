@@ -1,7 +1,7 @@
 """Supervised fine-tuning (chat / instruction) data for `qtrain tokenize`: records -> tokens plus a keep-mask, so
 the loss covers only what the model should learn to write (llm.q's masked datasets, `scripts/tokenize_data.py`).
 
-Two record shapes (JSONL lines or Parquet rows):
+Two record shapes (JSON Lines, JSON array elements or Parquet rows):
 
 * prompt / response (`SFTFormat(prompt_field=..., response_field=...)`): tokens = prompt, response, EOS;
   mask 0 on the prompt, 1 on the response and its EOS (the model learns to stop).
@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator, Protocol, TextIO
 
 import numpy as np
 
@@ -88,23 +88,53 @@ class SFTFormat:
         return (self.messages_field,) if self.messages_field else (self.prompt_field, self.response_field)
 
 
+RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")  # the files records are read from (`iter_records`)
+
+
+def _first_char(f: TextIO) -> str:
+    """The first non-whitespace character of a text file ('' when there is none), then back to its start."""
+    while (chunk := f.read(1 << 16)) and not chunk.strip():
+        pass
+    f.seek(0)
+    return chunk.lstrip()[:1]
+
+
+def iter_json(path: Path) -> Iterator[tuple[str, Any]]:
+    """The values of a .jsonl or .json file, each with its position for messages. JSON Lines (a .jsonl file, or a
+    .json file not starting with '[') streams one value per non-blank line at "file:line"; a .json file starting
+    with '[' (as many datasets ship) is one array, read whole with json.load (so held in memory), its elements at
+    "file:[i]" (i from 0). Hugging Face `datasets`' `to_json` writes JSON Lines (an array with lines=False)."""
+    with open(path, encoding="utf-8") as f:
+        if path.suffix == ".json" and _first_char(f) == "[":
+            try:
+                values = json.load(f)
+            except json.JSONDecodeError as e:
+                raise SFTError(f"{path}: not a JSON array ({e})") from None
+            for i, value in enumerate(values):
+                yield f"{path}:[{i}]", value
+            return
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SFTError(f"{path}:{lineno}: not JSON ({e})") from None
+            yield f"{path}:{lineno}", value
+
+
 def iter_records(path: Path, fields: tuple[str, ...]) -> Iterator[dict[str, Any]]:
-    """The records of a .jsonl or .parquet file, each with `fields` (checked here, naming file and line); each
-    record carries `_where` ("file:line") for later messages. Plain-text documents use it too
-    (`qtrain.data.tokenize.iter_documents`)."""
-    if path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise SFTError(f"{path}:{lineno}: not JSON ({e})") from None
-                missing = [k for k in fields if not isinstance(rec, dict) or k not in rec]
-                if missing:
-                    raise SFTError(f"{path}:{lineno}: no field {', '.join(map(repr, missing))}")
-                yield {**rec, "_where": f"{path}:{lineno}"}
+    """The records of a .jsonl, .json (`iter_json`) or .parquet file, each with `fields` (checked here, naming
+    file and line, element or row); each record carries `_where` ("file:line", "file:[i]", "file: row n") for later
+    messages. Plain-text documents use it too (`qtrain.data.tokenize.iter_documents`)."""
+    if path.suffix in (".jsonl", ".json"):
+        for where, rec in iter_json(path):
+            if not isinstance(rec, dict):
+                raise SFTError(f"{where}: a record must be a JSON object, got {type(rec).__name__}")
+            missing = [k for k in fields if k not in rec]
+            if missing:
+                raise SFTError(f"{where}: no field {', '.join(map(repr, missing))}")
+            yield {**rec, "_where": where}
     elif path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -136,7 +166,7 @@ def iter_records(path: Path, fields: tuple[str, ...]) -> Iterator[dict[str, Any]
                 row += 1
                 yield {**rec, "_where": f"{path}: row {row}"}
     else:
-        raise SFTError(f"{path}: SFT records come from .jsonl or .parquet files")
+        raise SFTError(f"{path}: SFT records come from {', '.join(RECORD_SUFFIXES)} files")
 
 
 def record_text(rec: dict[str, Any], key: str) -> str:

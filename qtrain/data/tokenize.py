@@ -1,4 +1,4 @@
-"""``qtrain tokenize``: local text/jsonl/parquet -> llm.q token files.
+"""``qtrain tokenize``: local text/jsonl/json/parquet -> llm.q token files.
 
 The tokenizer comes from ``get_tokenizer(spec)`` (`qtrain.data.tokenizers`: a tokenizer.json or HF model directory,
 or the built-in ``qwen2`` / ``gpt2``, all offline).
@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from qtrain.data.packing import Packer, PackStats
-from qtrain.data.sft import SFTFormat, encode_example, iter_records, record_text
+from qtrain.data.sft import RECORD_SUFFIXES, SFTFormat, encode_example, iter_records, record_text
 from qtrain.data.token_files import DataError, TokenFileWriter
 from qtrain.data.token_sets import TokenSetWriter
 from qtrain.data.tokenizers import BUILTIN_TOKENIZERS, TokenizeError, Tokenizer, get_tokenizer
@@ -30,12 +30,15 @@ from qtrain.fsio import check_regular_file, expand_glob, fault_point, shorten
 # ----------------------------------------------------------------------------------------------
 # Reading documents
 
-INPUT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+INPUT_SUFFIXES = (".txt", *RECORD_SUFFIXES)
+# what a directory is searched for: not .json, which directories hold as metadata (config.json, qtrain-tokenize.json)
+DIRECTORY_SUFFIXES = tuple(s for s in INPUT_SUFFIXES if s != ".json")
 
 
 def expand_inputs(inputs: Sequence[str]) -> list[Path]:
-    """Files, directories (searched recursively for known suffixes) and glob patterns (a bounded matcher:
-    `fsio.expand_glob`) -> files, sorted. A named input that is no regular file (a FIFO would block) is refused."""
+    """Files, directories (searched recursively for DIRECTORY_SUFFIXES: a .json file there is taken only when
+    named or matched by a glob) and glob patterns (a bounded matcher: `fsio.expand_glob`) -> files, sorted. A named
+    input that is no regular file (a FIFO would block) is refused."""
     out: list[Path] = []
     for spec in inputs:
         hits = [Path(p) for p in expand_glob(spec, "input")]
@@ -43,7 +46,7 @@ def expand_inputs(inputs: Sequence[str]) -> list[Path]:
             raise TokenizeError(f"{shorten(spec)}: no such input")
         for p in hits:
             if p.is_dir():
-                out.extend(sorted(q for q in p.rglob("*") if q.suffix in INPUT_SUFFIXES and q.is_file()))
+                out.extend(sorted(q for q in p.rglob("*") if q.suffix in DIRECTORY_SUFFIXES and q.is_file()))
             elif p.suffix in INPUT_SUFFIXES:
                 out.append(check_regular_file(p, "input"))
             else:
@@ -52,7 +55,8 @@ def expand_inputs(inputs: Sequence[str]) -> list[Path]:
 
 
 def iter_documents(path: Path, *, text_field: str = "text", split_lines: bool = False) -> Iterator[str]:
-    """Documents of one input file: a .txt file is one document (or one per non-empty line). Text that is not
+    """Documents of one input file: a .txt file is one document (or one per non-empty line); a .jsonl, .json or
+    .parquet file one per record (`qtrain.data.sft.iter_records`: its `text_field`). Text that is not
     UTF-8 is a TokenizeError naming the file (not a traceback halfway through the tokenization)."""
     try:
         yield from _documents(path, text_field=text_field, split_lines=split_lines)
@@ -68,7 +72,7 @@ def _documents(path: Path, *, text_field: str, split_lines: bool) -> Iterator[st
             yield from (line for line in text.splitlines() if line.strip())
         else:
             yield text
-    elif path.suffix in (".jsonl", ".parquet"):
+    elif path.suffix in RECORD_SUFFIXES:
         for rec in iter_records(path, (text_field,)):
             if rec[text_field] is None and path.suffix == ".parquet":
                 continue  # a missing value in a column

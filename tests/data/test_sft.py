@@ -24,8 +24,19 @@ EXAMPLES = [{"question": f"What is {i} plus {i}?", "answer": f" It is {2 * i}, b
 
 
 def write_jsonl(path, records) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    """JSON Lines (a .jsonl file), or for a .json file one indented array of the records."""
+    if path.suffix == ".json":
+        path.write_text(json.dumps(records, indent=1))
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return str(path)
+
+
+CHATS = [{"messages": [{"role": "system", "content": "Be brief."},
+                       {"role": "user", "content": f"Count to {i}."},
+                       {"role": "assistant", "content": " ".join(str(k) for k in range(1, i + 1))},
+                       {"role": "user", "content": "Thanks!"},
+                       {"role": "assistant", "content": "You are welcome."}]} for i in range(1, 6)]
 
 
 def trained_targets(files, seq_len: int, tok) -> list[str]:
@@ -84,12 +95,7 @@ def test_pad_to_cuts_long_examples_keeping_eos(tmp_path):
 
 
 def test_chat_messages_train_the_assistant_turns(tmp_path):
-    chats = [{"messages": [{"role": "system", "content": "Be brief."},
-                           {"role": "user", "content": f"Count to {i}."},
-                           {"role": "assistant", "content": " ".join(str(k) for k in range(1, i + 1))},
-                           {"role": "user", "content": "Thanks!"},
-                           {"role": "assistant", "content": "You are welcome."}]} for i in range(1, 6)]
-    src = write_jsonl(tmp_path / "chat.jsonl", chats)
+    src = write_jsonl(tmp_path / "chat.jsonl", CHATS)
     assert main(["tokenize", src, "--out-dir", str(tmp_path / "out"), "--tokenizer", "qwen2", "--messages-field",
                  "messages", "--eval-fraction", "0", "--no-progress", "--workers", "1"]) == 0
     tok = get_tokenizer("qwen2")
@@ -102,6 +108,24 @@ def test_chat_messages_train_the_assistant_turns(tmp_path):
     assert tokens[0] == tok.special_id("<|im_start|>")  # a special token, not its text
 
 
+@pytest.mark.parametrize("records,argv", [
+    (EXAMPLES, ["--tokenizer", "gpt2", "--prompt-field", "question", "--response-field", "answer", "--pad-to", "32"]),
+    (CHATS, ["--tokenizer", "qwen2", "--messages-field", "messages", "--pack-to", "64"]),
+])
+def test_a_json_array_gives_the_jsonl_files(tmp_path, records, argv):
+    """SFT / chat records from one .json array: the same tokens and masks as from a .jsonl file."""
+    out = {}
+    for name in ("recs.jsonl", "recs.json"):
+        src = write_jsonl(tmp_path / name, records)
+        assert main(["tokenize", src, "--out-dir", str(tmp_path / name.replace(".", "-")), *argv, "--eval-fraction",
+                     "0", "--no-progress", "--workers", "1"]) == 0
+        out[name] = (tmp_path / name.replace(".", "-") / "train.bin").read_bytes()
+    assert (tmp_path / "recs.json").read_text().startswith("[")
+    assert out["recs.json"] == out["recs.jsonl"]
+    tokens, masks = read_token_file(tmp_path / "recs-json" / "train.bin")
+    assert masks is not None and masks.any() and not masks.all()
+
+
 def test_chat_needs_chatml_tokens(tmp_path):
     tok = get_tokenizer("gpt2")
     with pytest.raises(SFTError, match="ChatML"):
@@ -109,12 +133,15 @@ def test_chat_needs_chatml_tokens(tmp_path):
                        SFTFormat(messages_field="m"))
 
 
-@pytest.mark.parametrize("record,match", [
-    ({"question": "q"}, r"qa.jsonl:1: no field 'answer'"),
-    ({"question": "q", "answer": 3}, r"qa.jsonl:1: field 'answer' is int, not a string"),
+@pytest.mark.parametrize("name,record,match", [
+    ("qa.jsonl", {"question": "q"}, r"qa.jsonl:2: no field 'answer'"),
+    ("qa.jsonl", {"question": "q", "answer": 3}, r"qa.jsonl:2: field 'answer' is int, not a string"),
+    ("qa.json", {"question": "q"}, r"qa.json:\[1\]: no field 'answer'"),  # an array's element, counted from 0
+    ("qa.json", {"question": "q", "answer": 3}, r"qa.json:\[1\]: field 'answer' is int, not a string"),
+    ("qa.json", ["q", "a"], r"qa.json:\[1\]: a record must be a JSON object, got list"),
 ])
-def test_bad_records_name_file_and_line(tmp_path, record, match, capsys):
-    src = write_jsonl(tmp_path / "qa.jsonl", [record])
+def test_bad_records_name_file_and_line(tmp_path, name, record, match, capsys):
+    src = write_jsonl(tmp_path / name, [EXAMPLES[0], record])
     assert main(["tokenize", src, "--out-dir", str(tmp_path / "out"), "--tokenizer", "gpt2", "--prompt-field",
                  "question", "--response-field", "answer", "--no-progress", "--workers", "1"]) == 2
     assert re.search(match, capsys.readouterr().err)

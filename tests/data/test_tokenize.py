@@ -121,6 +121,56 @@ def test_tokenize_round_trip(tmp_path: Path, fmt: str) -> None:
     assert tok.decode(tokens.tolist()) == EOS_TEXT.join(DOCS) + EOS_TEXT
 
 
+def test_json_lines_and_json_array_give_the_jsonl_files(tmp_path: Path) -> None:
+    """A .json file of JSON Lines and one holding an array (as `datasets`' to_json writes either) tokenize to the
+    same bytes as the .jsonl file of the same records."""
+    recs = [{"id": i, "content": d} for i, d in enumerate(DOCS)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    (tmp_path / "lines.json").write_text("".join(json.dumps(r) + "\n\n" for r in recs), encoding="utf-8")
+    (tmp_path / "array.json").write_text("\n " + json.dumps(recs, indent=2, ensure_ascii=False), encoding="utf-8")
+    files = {}
+    for name in ("docs.jsonl", "lines.json", "array.json"):
+        res = tokenize_files([str(tmp_path / name)], tmp_path / name.replace(".", "-"), tokenizer="gpt2",
+                             text_field="content", progress=False)
+        assert res.documents == len(DOCS)
+        files[name] = Path(res.train_files[0]).read_bytes()
+    assert files["lines.json"] == files["docs.jsonl"] and files["array.json"] == files["docs.jsonl"]
+    tok = get_tokenizer("gpt2")
+    assert _decode_files(tok, [str(tmp_path / "docs-jsonl" / "train.bin")]) == EOS_TEXT.join(DOCS) + EOS_TEXT
+
+
+def test_directories_skip_json_files_that_names_and_globs_take(tmp_path: Path) -> None:
+    """A directory's .json files are metadata (config.json, qtrain-tokenize.json): only named or globbed ones
+    are inputs."""
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.txt").write_text(DOCS[0], encoding="utf-8")
+    (src / "meta.json").write_text(json.dumps({"text": DOCS[1]}) + "\n", encoding="utf-8")
+    (src / "sub" / "config.json").write_text(json.dumps([{"text": DOCS[2]}]), encoding="utf-8")
+    tok = get_tokenizer("gpt2")
+    res = tokenize_files([str(src)], tmp_path / "dir", tokenizer="gpt2", progress=False)
+    assert res.documents == 1 and _decode_files(tok, res.train_files) == DOCS[0] + EOS_TEXT
+    res = tokenize_files([str(src / "*.json"), str(src / "sub" / "config.json")], tmp_path / "named",
+                         tokenizer="gpt2", progress=False)
+    assert res.documents == 2 and _decode_files(tok, res.train_files) == EOS_TEXT.join(DOCS[1:3]) + EOS_TEXT
+
+
+@pytest.mark.parametrize("text,match", [
+    ('{"text": "a"}\n\n{"text": \n', r"bad.json:3: not JSON \(Expecting value"),
+    ('[{"text": "a"},\n {"text": "b"}', r"bad.json: not a JSON array \(Expecting ',' delimiter: line 2 column 15"),
+    ('[{"text": "a"}, "b"]', r"bad.json:\[1\]: a record must be a JSON object, got str"),
+    ('[{"text": "a"}, {"body": "b"}]', r"bad.json:\[1\]: no field 'text'"),
+    ('[{"text": "a"}, {"text": 3}]', r"bad.json:\[1\]: field 'text' is int, not a string"),
+    ("", r"no training documents in .*bad.json"),  # as an empty .jsonl
+    (" \n[]\n", r"no training documents in .*bad.json"),
+])
+def test_bad_json_names_file_and_position(tmp_path: Path, text: str, match: str) -> None:
+    (tmp_path / "bad.json").write_text(text, encoding="utf-8")
+    with pytest.raises(ValueError, match=match):  # an SFTError or DataError: one line under the CLI
+        tokenize_files([str(tmp_path / "bad.json")], tmp_path / "out", tokenizer="gpt2", progress=False)
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
 def test_qwen2_split_lines_eval_inputs_and_sharding(tmp_path: Path) -> None:
     (tmp_path / "train.txt").write_text("\n".join(DOCS[:4]) + "\n\n", encoding="utf-8")
     (tmp_path / "eval.txt").write_text(DOCS[4], encoding="utf-8")
@@ -178,8 +228,9 @@ def test_tokenize_errors(tmp_path: Path) -> None:
     (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: no field 'text'"):
         tokenize_files([str(tmp_path / "bad.jsonl")], tmp_path / "out", tokenizer="gpt2", progress=False)
-    with pytest.raises(DataError, match="missing"):
-        tokenize_files([str(tmp_path / "missing.txt")], tmp_path / "out", tokenizer="gpt2", progress=False)
+    for missing in ("missing.txt", "missing.json"):
+        with pytest.raises(DataError, match=f"{missing}: no such input"):
+            tokenize_files([str(tmp_path / missing)], tmp_path / "out", tokenizer="gpt2", progress=False)
     # text that is not UTF-8 (seen: two Latin-1 files in the Python sources): the file and the byte, no traceback
     (tmp_path / "latin1.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))
     with pytest.raises(DataError, match=r"latin1.txt: not UTF-8 text \(invalid continuation byte at byte 3\)"):

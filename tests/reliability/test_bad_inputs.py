@@ -556,7 +556,18 @@ def _set_manifest_run(out: Path, run_id: str) -> None:
 
 SUB_CASES = [
     Case("tokenize-py", cmd("tokenize", "--out-dir", "{root}/tok", "{root}/script.py"),
-         r"script.py: unsupported input type \(use .txt, .jsonl, .parquet\)", mk("script.py", file=True)),
+         r"script.py: unsupported input type \(use .txt, .jsonl, .json, .parquet\)", mk("script.py", file=True)),
+    *(Case(f"tokenize-json-{name}", cmd("tokenize", "--out-dir", "{root}/tok", "--tokenizer", "gpt2", "{root}/d.json"),
+           match, mk("d.json", file=True, text=text)) for name, text, match in [
+        ("line", '{"text": "a"}\n\n{"text": "b"\n', r"d.json:3: not JSON \(Expecting ',' delimiter"),
+        ("array", '[{"text": "a"}\n{"text": "b"}]',
+         r"d.json: not a JSON array \(Expecting ',' delimiter: line 2 column 1 "),
+        ("element", '[{"text": "a"}, 7]', r"d.json:\[1\]: a record must be a JSON object, got int"),
+        ("no-field", '[{"text": "a"}, {"body": "b"}]', r"d.json:\[1\]: no field 'text'"),
+        ("empty", "", r"tok: no training documents in .*d.json"),
+    ]),
+    Case("tokenize-json-missing", cmd("tokenize", "--out-dir", "{root}/tok", "{root}/missing.json"),
+         r"missing.json: no such input"),
     Case("tokenize-bogus", cmd("tokenize", "--out-dir", "{root}/tok", "--tokenizer", "bogus", "{root}/a.txt"),
          r"unknown tokenizer 'bogus'", mk("a.txt", file=True)),
     Case("tokenize-missing", cmd("tokenize", "--out-dir", "{root}/tok", "{root}/missing.txt"),
