@@ -87,11 +87,12 @@ def run(model: str, batch: int, accum: int, steps: int = 8, gpus: int = 1, seq: 
 
 def run_events(model: str, batch: int, accum: int, steps: int, *, gpus: int = 1, seq: int = 1024,
                flags: list[str] = (), device: str | None = None, train_file: str | None = None,
-               env: dict[str, str] | None = None, python: tuple[str, ...] = (), grace_s: float = 5.0) -> list[dict]:
+               env: dict[str, str] | None = None, python: tuple[str, ...] = (), to_exit: bool = False) -> list[dict]:
     """`qtrain train` on random tokens until its last step and memory are logged; its JSON log's events, plus a
     `launch` event (the wall-clock time, as the log's `time` stamps, just before the process started). `python`:
     interpreter arguments before `-m qtrain.cli.main` (e.g. `-m cProfile -o FILE`: the start kind's profile);
-    `grace_s`: how long the stopped run may take to exit before it is killed (a profile is written at its exit)."""
+    `to_exit`: let the run finish (its export included) instead of stopping it after its last step (a profile is
+    written at the interpreter's orderly exit, which a stop's signal may cut short)."""
     if not all(isinstance(f, str) for f in flags):
         raise ValueError(f"flags must be strings, e.g. [\"--lmhead-chunks\", \"4\"]; got {list(flags)!r}")
     vocab = model_config(model).vocab_size
@@ -119,7 +120,7 @@ def run_events(model: str, batch: int, accum: int, steps: int, *, gpus: int = 1,
         return not in_options[0]
     try:
         launched = datetime.datetime.now().astimezone().isoformat(timespec="milliseconds")
-        fin = stream(cmd, stop=done, echo=echo, env=None if env is None else {**os.environ, **env}, grace_s=grace_s)
+        fin = stream(cmd, stop=None if to_exit else done, echo=echo, env=None if env is None else {**os.environ, **env})
         events = read_log(log)
         if fin.returncode != 0 and not fin.stopped:
             raise RuntimeError(f"qtrain train exited with status {fin.returncode}: {fin.last(2)}")

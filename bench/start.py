@@ -58,8 +58,7 @@ def run(model: str, batch: int, accum: int = 1, seq: int = 1024, flags: list[str
         os.close(fd)
     try:
         events = cli_train.run_events(model, batch, accum, steps, seq=seq, flags=flags, device=device, env=env,
-                                      python=("-m", "cProfile", "-o", prof) if prof else (),
-                                      grace_s=120.0 if prof else 5.0)
+                                      python=("-m", "cProfile", "-o", prof) if prof else (), to_exit=bool(prof))
     finally:
         if fresh:
             shutil.rmtree(folder, ignore_errors=True)
