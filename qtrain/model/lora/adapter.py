@@ -115,10 +115,14 @@ class LoraAdapter:
                ) -> torch.Tensor:
         """x W^T (+ bias) plus the adapter term, as one op whose input gradient sums its two terms in one GEMM
         (fused_linear.py): where the block's linear would be a plain F.linear of the frozen W and `fuses(name, w)`."""
-        b, r = w[b_name(name)], self.r
+        return adapted_linear(x, w[name], bias, w[a_name(name)], self._b_block_diagonal(name, w), self.scaling)
+
+    def _b_block_diagonal(self, name: str, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Matrix `name`'s targets' B as the one (rows, targets r) matrix its term multiplies (`block_diagonal`; a
+        matrix that is one whole target uses B as it is)."""
         parts, total = self.parts[name]
-        bd = b if parts == [(0, total)] else block_diagonal(b, parts, total, r)
-        return adapted_linear(x, w[name], bias, w[a_name(name)], bd, self.scaling)
+        b = w[b_name(name)]
+        return b if parts == [(0, total)] else block_diagonal(b, parts, total, self.r)
 
     def at(self, step: int, micro: int) -> None:
         """The run's position: the masks of the next forwards are those of micro-step `micro` of step `step`."""
@@ -172,14 +176,13 @@ class LoraAdapter:
         a = w.get(a_name(name))
         if a is None:
             return y
-        b, r = w[b_name(name)], self.r
-        parts, total = self.parts[name]
+        r, (parts, total) = self.r, self.parts[name]
         if self.dropping:  # each target's own mask: one A GEMM per target
             dropped = self._drop(x, a, name, len(parts))
             h = torch.cat([F.linear(xi, a[i * r:(i + 1) * r]) for i, xi in enumerate(dropped)], -1)
         else:
             h = F.linear(x, a)  # (.., t r): every target's A at once
-        bd = b if parts == [(0, total)] else block_diagonal(b, parts, total, r)
+        bd = self._b_block_diagonal(name, w)
         out = torch.addmm(y.reshape(-1, total), h.reshape(-1, h.shape[-1]), bd.t(), alpha=self.scaling)
         return out.view(y.shape)
 
