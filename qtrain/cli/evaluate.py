@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Sequence
 
-from qtrain.model.choices import DOCUMENT_ATTENTION
+from qtrain.model.choices import DELTA_RULE_PRECISION_OPTIONS, DOCUMENT_ATTENTION
 from qtrain.train.evaluate import DTYPE_NAMES, evaluate_model, resolve_device, resolve_dtype
 
 
@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--document-attention", choices=DOCUMENT_ATTENTION, default="auto",
                    help="attention with --document-masking: auto (varlen for bf16 on CUDA, else masked) | varlen | "
                         "masked")
+    p.add_argument("--delta-rule-precision", choices=DELTA_RULE_PRECISION_OPTIONS, default="auto",
+                   help="a Gated DeltaNet model's (Qwen3.5's) delta-rule products on CUDA: auto (tf32, as training "
+                        "by default) | tf32 (one pass) | fp32 (three TF32 passes, fp32-accurate)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
@@ -35,7 +38,8 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     dtype = resolve_dtype(ns.dtype, dev)
     r = evaluate_model(ns.model, ns.eval_file, seq_len=ns.seq_len, batch_size=ns.batch_size, device=dev, dtype=dtype,
                        max_batches=ns.max_batches, lmhead_chunks=ns.lmhead_chunks,
-                       document_masking=ns.document_masking, document_attention=ns.document_attention)
+                       document_masking=ns.document_masking, document_attention=ns.document_attention,
+                       delta_rule_precision=ns.delta_rule_precision)
     if ns.json:
         print(json.dumps({**r, "model": str(ns.model), "eval_file": str(ns.eval_file), "seq_len": ns.seq_len,
                           "batch_size": ns.batch_size, "dtype": str(dtype).removeprefix("torch.")}))

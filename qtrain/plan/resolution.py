@@ -108,8 +108,20 @@ class RunResolution:
 
 # ---- the rules, one function each ------------------------------------------------------------------------
 def delta_rule_precision(opts: Options) -> str:
+    return resolve_delta_rule_precision(opts.delta_rule_precision)
+
+
+def resolve_delta_rule_precision(value: str) -> str:
     """--delta-rule-precision auto: AUTO_DELTA_RULE_PRECISION (model/choices.py says why)."""
-    return AUTO_DELTA_RULE_PRECISION if opts.delta_rule_precision == "auto" else opts.delta_rule_precision
+    return AUTO_DELTA_RULE_PRECISION if value == "auto" else value
+
+
+def check_delta_rule_precision(value: str, cfg: ModelConfig) -> None:
+    """An explicit --delta-rule-precision on a model without Gated DeltaNet layers is a mistake worth saying
+    (`train`, `plan` and `eval` take the option); auto, the default, is every model's."""
+    if value != "auto" and not delta_rule_layers(cfg):
+        raise OptionsError(f"--delta-rule-precision {value} applies to models with Gated DeltaNet layers (Qwen3.5, "
+                           f"Qwen3-Next); this {cfg.model_type} model has none (drop it)")
 
 
 def compile_on(opts: Options, device: str) -> bool:
@@ -191,9 +203,7 @@ def check_model_support(cfg: ModelConfig, opts: Options, *, device_type: str) ->
                            "micro-step to the next, and a CUDA graph replays fixed shapes. Drop --use-cuda-graphs.")
     if opts.fp8_experts:
         _check_fp8_experts(cfg)
-    if opts.delta_rule_precision != "auto" and not delta_rule_layers(cfg):  # auto, the default, is every model's
-        raise OptionsError(f"--delta-rule-precision {opts.delta_rule_precision} applies to models with Gated DeltaNet "
-                           f"layers (Qwen3.5, Qwen3-Next); this {cfg.model_type} model has none (drop it)")
+    check_delta_rule_precision(opts.delta_rule_precision, cfg)
     if opts.document_masking and (why := document_masking_error(cfg)):
         raise OptionsError(why)  # a family whose blocks cannot keep documents apart (Qwen3.5's linear attention)
     if opts.weights_sharded:

@@ -59,21 +59,23 @@ def resolve_device(device: "str | torch.device") -> "torch.device":
 def evaluate_model(model_dir: str | os.PathLike, eval_file: str | os.PathLike | list, *, seq_len: int,
                    batch_size: int, device: "str | torch.device" = "cpu", dtype: "torch.dtype | str | None" = None,
                    max_batches: int | None = None, lmhead_chunks: int = 1, document_masking: bool = False,
-                   document_attention: str = "auto") -> dict[str, Any]:
+                   document_attention: str = "auto", delta_rule_precision: str = "auto") -> dict[str, Any]:
     """Loss of the HF model in `model_dir` (a directory, or `org/name` in the local HF cache) on the token
     file(s) `eval_file` (a path, a glob or a list), weights and activations in `dtype` (default
-    torch.float32; also "fp32" / "bf16" / "fp16"). Returns {"loss": mean token loss, "ppl": exp(loss),
+    torch.float32; also "fp32" / "bf16" / "fp16"), a Gated DeltaNet model's delta rule on CUDA at
+    `delta_rule_precision` (auto: what training uses by default). Returns {"loss": mean token loss, "ppl": exp(loss),
     "tokens": number of targets scored, "batches": batches run, "duration_ms": time}."""
     import torch
 
     with torch.no_grad():
         return _evaluate(model_dir, eval_file, seq_len=seq_len, batch_size=batch_size, device=device,
                          dtype=resolve_dtype(dtype), max_batches=max_batches, lmhead_chunks=lmhead_chunks,
-                         document_masking=document_masking, document_attention=document_attention)
+                         document_masking=document_masking, document_attention=document_attention,
+                         delta_rule_precision=delta_rule_precision)
 
 
 def _evaluate(model_dir, eval_file, *, seq_len, batch_size, device, dtype, max_batches, lmhead_chunks,
-              document_masking=False, document_attention="auto"):
+              document_masking=False, document_attention="auto", delta_rule_precision="auto"):
     import torch
 
     from qtrain.data.loader import TokenLoader
@@ -83,6 +85,7 @@ def _evaluate(model_dir, eval_file, *, seq_len, batch_size, device, dtype, max_b
     from qtrain.model.transformer import RunOptions, Transformer
     from qtrain.options import OptionsError
     from qtrain.parallel.weights.replicated import ParamWeights
+    from qtrain.plan.resolution import check_delta_rule_precision, resolve_delta_rule_precision
 
     if seq_len <= 0 or batch_size <= 0 or (max_batches is not None and max_batches <= 0):
         raise OptionsError(f"qtrain eval: --seq-len, --batch-size and --max-batches must be positive, got "
@@ -92,12 +95,14 @@ def _evaluate(model_dir, eval_file, *, seq_len, batch_size, device, dtype, max_b
     cfg = load_model_config(d)
     if document_masking and (why := document_masking_error(cfg)):
         raise OptionsError(why)
+    check_delta_rule_precision(delta_rule_precision, cfg)
     # the data first: a file it cannot use (or score with document masks) is refused before the weights load
     loader = TokenLoader(eval_file, seq_len, shuffle=False, model_vocab_size=cfg.vocab_size,
                          document_masking=document_masking,
                          eos_ids=() if cfg.eos_token_id is None else (cfg.eos_token_id,))
     params = load_hf_weights(d, cfg, dtype=dtype, device=dev)
-    model = Transformer(cfg, RunOptions(lmhead_chunks=lmhead_chunks, document_attention=document_attention))
+    model = Transformer(cfg, RunOptions(lmhead_chunks=lmhead_chunks, document_attention=document_attention,
+                                        delta_rule_precision=resolve_delta_rule_precision(delta_rule_precision)))
     weights = ParamWeights(cfg, params)
 
     t0 = time.perf_counter()

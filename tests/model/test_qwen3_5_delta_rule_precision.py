@@ -24,7 +24,7 @@ from qtrain.model.transformer import RunOptions, Transformer, allocate_params, m
 from qtrain.options import Options
 from qtrain.parallel.weights.replicated import ParamWeights
 from qtrain.plan.resolution import delta_rule_precision
-from tests.model.family_fixtures import Collect, qwen35_cfg
+from tests.model.family_fixtures import Collect, qwen35_cfg, qwen35_hf_model
 
 B, T = 2, 2 * CHUNK
 # a linear-attention layer and a full-attention one, heads the Triton delta rule serves (TRITON_HEAD_DIM_MIN)
@@ -112,3 +112,36 @@ def test_a_compiled_block_stays_one_graph_and_launches_at_its_precision(launches
     assert {p for _, p in launches} == {"tf32"}
     assert [k for k, _ in launches].count("bwd") == 2 and [k for k, _ in launches].count("fwd") == (4 if recompute
                                                                                                     else 2)
+
+
+@pytest.mark.parametrize("given, launched", [("auto", "tf32"), ("fp32", "fp32"), ("tf32", "tf32")])
+def test_qtrain_eval_runs_the_delta_rule_at_the_given_precision(launches, tmp_path, given, launched):
+    """`qtrain eval --delta-rule-precision` reaches the forward launcher as training's option does (auto: training's
+    default), and the loss is the model's whatever the precision (the recorders run the exact twins)."""
+    import numpy as np
+
+    from qtrain.cli.main import main
+    from qtrain.data.token_files import write_token_file
+
+    cfg = qwen35_cfg(**SHAPE)
+    qwen35_hf_model(cfg, seed=1).save_pretrained(tmp_path / "model")
+    write_token_file(tmp_path / "eval.bin", np.random.default_rng(0).integers(0, cfg.vocab_size, B * T + 1),
+                     vocab_size=cfg.vocab_size)
+    argv = ["eval", "--model", str(tmp_path / "model"), "--eval-file", str(tmp_path / "eval.bin"), "--seq-len",
+            str(T), "--batch-size", str(B), "--device", "cpu", "--delta-rule-precision", given]
+    assert main(argv) == 0
+    assert launches == [("fwd", PRECISIONS[launched])]  # one batch, one linear-attention layer, no backward
+
+
+def test_qtrain_eval_refuses_the_option_for_a_model_without_delta_rule(tmp_path, capsys):
+    """An explicit value on a dense model is refused in one line naming the option, before any weight loads."""
+    from qtrain.cli.main import main
+    from tests.hf_fixtures import save_tiny_hf_model
+
+    model_dir = save_tiny_hf_model("qwen2", tmp_path / "model")
+    (model_dir / "model.safetensors").write_bytes(b"not a safetensors file")  # loading it would fail otherwise
+    capsys.readouterr()  # what saving it printed
+    code = main(["eval", "--model", str(model_dir), "--eval-file", str(tmp_path / "missing.bin"),
+                 "--delta-rule-precision", "fp32", "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and "--delta-rule-precision fp32" in err[0] and "qwen2" in err[0], err
