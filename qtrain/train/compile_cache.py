@@ -18,6 +18,9 @@ on a 2-core CPU with a tiny model). torch's `autograd_cache_allow_custom_autogra
 dynamo traces a Function's forward and backward into the graph the cache key is made from, so a changed Function
 is a new key.
 
+The keys of both caches (hashes of the installed torch and Triton) are remembered in the folder too
+(train/compile_keys.py), so a warm start does not hash 400 MB of Triton again.
+
 The cache holds only what qtrain can make again: a default folder that cannot be written is a note, not an
 error (the run compiles as it would have); a folder the user named that cannot be written is refused in the
 preflight, naming it.
@@ -29,6 +32,7 @@ import sys
 from pathlib import Path
 
 from qtrain.fsio import FileSystemError, check_writable_dir
+from qtrain.train import compile_keys
 
 ENV = {"inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR"}  # subfolder -> the variable naming it
 OFF = "none"
@@ -74,6 +78,7 @@ def use(option: str) -> str | None:
     for sub, var in ENV.items():
         if var not in kept:
             os.environ[var] = str(folder / sub)
+    compile_keys.remember(folder)  # after the variables: importing inductor reads them
     if kept:
         return f"compile cache: {', '.join(kept)} set in the environment, kept ({folder} serves the rest)"
     return None
