@@ -147,14 +147,15 @@ def run(model: str, batch: int, accum: int, seq: int = 1024, steps: int = 10, na
     if not lines:
         raise RuntimeError(f"run_tt.sh printed no TT line (exit status {fin.returncode}): {fin.last(2)}")
     res = parse_summary(lines[-1])  # after an OOM retry: the retry's
-    if not res["tt_status"].startswith("ok") or "tps" not in res:
-        raise RuntimeError(f"torchtitan: {res['tt_status']} (log {work}/{res.get('variant', variant)}*.log)")
-    if ac == "full":  # run_tt.sh labels its own modes only; TT_EXTRA's full checkpointing won
-        res["ac"] = "full"
     v = res.get("variant", variant)
     log = next((p for p in (Path(work) / f"{v}-retry.log", Path(work) / f"{v}.log") if p.is_file()), None)
     if log is not None and (start := start_seconds(log.read_text(errors="replace"))) is not None:
         res["start_s"] = start  # after an OOM retry: the retry's (run_tt.sh's `-retry` log)
+    # a start case's 2 steps have no steady ones (`ok(no_steady_steps)`): its start time is the result
+    if not res["tt_status"].startswith("ok") or ("tps" not in res and "start_s" not in res):
+        raise RuntimeError(f"torchtitan: {res['tt_status']} (log {work}/{v}*.log)")
+    if ac == "full":  # run_tt.sh labels its own modes only; TT_EXTRA's full checkpointing won
+        res["ac"] = "full"
     return {"system": "torchtitan", "model": model, "tt_log": work, **res}
 
 

@@ -21,7 +21,7 @@ import signal
 import sys
 from typing import Iterable, Sequence
 
-from qtrain import __version__, console
+from qtrain import __version__, bytecode_cache, console
 from qtrain.options import closest
 
 # subcommand -> (module of this package, help line); `allow_abbrev` is off for those with many long flags
@@ -94,6 +94,8 @@ def command_of(argv: Sequence[str]) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = command_of(argv)
+    if command:
+        bytecode_cache.use()  # before the command imports torch (bytecode_cache.py says why)
     parser = build_parser([command] if command else [])
     ns = parser.parse_args(argv)
     try:

@@ -105,3 +105,24 @@ def test_start_seconds_from_the_launch_stamp_to_the_step_1_line():
     assert tt.start_seconds(p.stdout) is None and tt.start_seconds(p.stderr) is None  # one of the two missing
     later = text.replace("step:  1 ", "step:  2 ")
     assert tt.start_seconds(later) is None  # only step 1 ends the start
+
+
+@pytest.mark.parametrize("stamped", [True, False])
+def test_a_start_run_without_steady_steps_counts_by_its_start(tmp_path, monkeypatch, stamped):
+    """A start case runs 2 steps: torchtitan's summary says ok(no_steady_steps) and has no tokens/s. With its launch
+    stamp and step-1 line in the log, the start time is the result; without them it is a failure, as before."""
+    monkeypatch.delenv("OUT", raising=False)
+    lines = "echo \"TT-LAUNCH $(date +%s.%N)\"; "
+    lines += ("python3 -c \"import datetime; t = datetime.datetime.now(); print('[titan] ' + "
+              "t.strftime('%Y-%m-%d %H:%M:%S,') + f'{t.microsecond // 1000:03d}' + ' - root - INFO - step:  1  "
+              "loss: 12.1')\"; ") if stamped else ""
+    script = tmp_path / "run_tt.sh"
+    script.write_text(f"#!/bin/bash\n{{ {lines}}} > \"$TT_LOGDIR/$1.log\" 2>&1\n"
+                      "echo 'TT model=Q0.5B mm=bf16 batch=32x1 seq=1024 tok/s=NA mfu=NA status=ok(no_steady_steps) "
+                      "variant=Q0.5B-bf16 steps_logged=2 first_step_s=3 wall_s=33'\n")
+    if stamped:
+        res = tt.run(model="Q0.5B", batch=32, accum=1, steps=2, script=str(script))
+        assert res["tt_status"] == "ok(no_steady_steps)" and "tps" not in res and 0 <= res["start_s"] < 5.0
+    else:
+        with pytest.raises(RuntimeError, match="no_steady_steps"):
+            tt.run(model="Q0.5B", batch=32, accum=1, steps=2, script=str(script))

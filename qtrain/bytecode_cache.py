@@ -1,0 +1,61 @@
+"""Python bytecode for the libraries a run imports, kept where the installation keeps none.
+
+A run imports some 2,400 modules of torch, inductor and Triton before its first step. pip compiles their bytecode
+when it installs them, but an environment installed without it (`--no-compile`, images that set
+`PYTHONDONTWRITEBYTECODE`, site-packages the user cannot write) has no `__pycache__` there and can never write
+one: every process compiles every module from source again. On the GPU machine's image that was ~2.4k calls of
+`compile()` in a warm start's profile, seconds of its ~10 (docs/start-time.md).
+
+So when torch's own package has no bytecode for its `__init__.py` and no one chose a prefix, qtrain points Python's
+bytecode cache at a folder of its own (`sys.pycache_prefix`, and `PYTHONPYCACHEPREFIX` for the processes it
+starts) and lets it be written there even under `PYTHONDONTWRITEBYTECODE`: nothing is written beside any source
+file, only under qtrain's cache folder, which holds only what Python can make again. Where the installation has
+its bytecode (pip's default), or `PYTHONPYCACHEPREFIX` / `-X pycache_prefix` is set, nothing changes. Python
+validates each cached file against its source's size and mtime, so a changed library is compiled again.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+ENV = "PYTHONPYCACHEPREFIX"
+PROBE = "torch"  # the package whose bytecode says whether the installation compiled its modules
+
+
+def default_dir() -> Path:
+    """`$XDG_CACHE_HOME/qtrain/bytecode`, else `~/.cache/qtrain/bytecode`."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "qtrain" / "bytecode"
+
+
+def needed(probe: str = PROBE) -> bool:
+    """Whether the installation of `probe` lacks bytecode and no prefix was chosen."""
+    if sys.pycache_prefix is not None:
+        return False
+    try:
+        spec = importlib.util.find_spec(probe)
+    except (ImportError, ValueError):
+        return False
+    origin = getattr(spec, "origin", None) if spec is not None else None
+    if not origin or not origin.endswith(".py"):
+        return False
+    return not os.path.exists(importlib.util.cache_from_source(origin))
+
+
+def use(folder: Path | None = None, probe: str = PROBE) -> Path | None:
+    """Keep bytecode under `folder` (default_dir()) when `needed(probe)`; returns the folder, or None when
+    nothing changed."""
+    if not needed(probe):
+        return None
+    folder = Path(folder or default_dir())
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None  # imports compile as they did
+    sys.pycache_prefix = str(folder)
+    sys.dont_write_bytecode = False  # it writes only under `folder` now (module docstring)
+    os.environ[ENV] = str(folder)
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    return folder
