@@ -134,8 +134,6 @@ class LlamaBlock:
             if self.rebuilt_input_linear is not None and name in self.rebuilt:
                 fn = self.rebuilt_input_linear
             q = quantized_weight(w, name)
-            if fn is F.linear and q is None and self.adapter is not None and self.adapter.fuses(name, w):
-                return self.adapter.linear(name, h, w, b)  # LoRA: the base and s B A h as one op
             extra = {} if prenorm is None else {"prenorm": prenorm}
             y = fn(h, w[name], b, **extra) if q is None else fn(h, w[name], b, q, **extra)
         return y if self.adapter is None else self.adapter(name, h, w, y)  # LoRA: + s B A h

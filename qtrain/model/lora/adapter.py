@@ -11,9 +11,7 @@ Its costs: autograd keeps Bbd (rows x targets r, per layer: `layer_saved_bytes`)
 gradient, of which only the diagonal blocks reach B: 2 tokens (targets r) rows FLOPs, against the base GEMM's 2 tokens C
 rows, (targets r) / C of it (48 / 3584 = 1.3% of Qwen2.5-7B's qkv, 32 / 3584 of its up). The block calls
 `LoraAdapter(name, x, w, y)` after each linear (`family.BlockOptions.adapter`); the adapter tensors reach it in the
-block's weight dict like the base's. Where the block's linear is a plain F.linear of the frozen W and no dropout
-applies (`fuses`), the block calls `LoraAdapter.linear` instead: base and term as one op whose input gradient sums
-its two parts in one GEMM (fused_linear.py).
+block's weight dict like the base's.
 
 Dropout masks come from a counter-based key, not from torch's generator state: target t of layer l in micro-step m
 of step s draws its mask from a generator seeded with `kernels.rng.rng_key(seed, DROPOUT_STREAM, s, m, l, t)`. So a
@@ -38,7 +36,6 @@ import torch.nn.functional as F
 from qtrain.kernels.grouped_gemm import expert_linear
 from qtrain.kernels.rng import rng_key
 from qtrain.model.config import ModelConfig
-from qtrain.model.lora.fused_linear import adapted_linear
 from qtrain.model.lora.spec import LoraSpec
 from qtrain.model.lora.tensors import ExpertTarget, a_name, adapted, adapted_experts, b_name
 from qtrain.model.registry import family_of
@@ -106,24 +103,6 @@ class LoraAdapter:
         """Whether any of `matrices` has an adapter."""
         return any(m in self.parts for m in matrices)
 
-    def fuses(self, name: str, w: dict[str, torch.Tensor]) -> bool:
-        """Whether matrix `name` of the block whose weights are `w` runs as one op with its adapters (`linear`):
-        it has them, and no dropout applies (each target's A then sees its own dropped copy of x)."""
-        return a_name(name) in w and not self.dropping
-
-    def linear(self, name: str, x: torch.Tensor, w: dict[str, torch.Tensor], bias: torch.Tensor | None
-               ) -> torch.Tensor:
-        """x W^T (+ bias) plus the adapter term, as one op whose input gradient sums its two terms in one GEMM
-        (fused_linear.py): where the block's linear would be a plain F.linear of the frozen W and `fuses(name, w)`."""
-        return adapted_linear(x, w[name], bias, w[a_name(name)], self._b_block_diagonal(name, w), self.scaling)
-
-    def _b_block_diagonal(self, name: str, w: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Matrix `name`'s targets' B as the one (rows, targets r) matrix its term multiplies (`block_diagonal`; a
-        matrix that is one whole target uses B as it is)."""
-        parts, total = self.parts[name]
-        b = w[b_name(name)]
-        return b if parts == [(0, total)] else block_diagonal(b, parts, total, self.r)
-
     def at(self, step: int, micro: int) -> None:
         """The run's position: the masks of the next forwards are those of micro-step `micro` of step `step`."""
         self.step, self.micro = step, micro
@@ -176,13 +155,14 @@ class LoraAdapter:
         a = w.get(a_name(name))
         if a is None:
             return y
-        r, (parts, total) = self.r, self.parts[name]
+        b, r = w[b_name(name)], self.r
+        parts, total = self.parts[name]
         if self.dropping:  # each target's own mask: one A GEMM per target
             dropped = self._drop(x, a, name, len(parts))
             h = torch.cat([F.linear(xi, a[i * r:(i + 1) * r]) for i, xi in enumerate(dropped)], -1)
         else:
             h = F.linear(x, a)  # (.., t r): every target's A at once
-        bd = self._b_block_diagonal(name, w)
+        bd = b if parts == [(0, total)] else block_diagonal(b, parts, total, r)
         out = torch.addmm(y.reshape(-1, total), h.reshape(-1, h.shape[-1]), bd.t(), alpha=self.scaling)
         return out.view(y.shape)
 

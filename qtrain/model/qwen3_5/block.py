@@ -64,8 +64,6 @@ class Qwen35Block:
             y = self.linears[name](h, w[name], None)
         else:
             q = quantized_weight(w, name)
-            if self.linear is F.linear and q is None and self.adapter is not None and self.adapter.fuses(name, w):
-                return self.adapter.linear(name, h, w, None)  # LoRA: the base and s B A h as one op
             y = self.linear(h, w[name], None) if q is None else self.linear(h, w[name], None, q)
         return y if self.adapter is None else self.adapter(name, h, w, y)
 
