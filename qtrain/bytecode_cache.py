@@ -6,7 +6,8 @@ when it installs them, but an environment installed without it (`--no-compile`, 
 one: every process compiles every module from source again. On the GPU machine's image that was ~2.4k calls of
 `compile()` in a warm start's profile, seconds of its ~10 (docs/start-time.md).
 
-So when torch's own package has no bytecode for its `__init__.py` and no one chose a prefix, qtrain points Python's
+So when torch's own package has no bytecode for its `__init__.py` that Python would load (none, or stale: a copied
+installation's files get new mtimes) and no one chose a prefix, qtrain points Python's
 bytecode cache at a folder of its own (`sys.pycache_prefix`, and `PYTHONPYCACHEPREFIX` for the processes it
 starts) and lets it be written there even under `PYTHONDONTWRITEBYTECODE`: nothing is written beside any source
 file, only under qtrain's cache folder, which holds only what Python can make again. Where the installation has
@@ -31,7 +32,7 @@ def default_dir() -> Path:
 
 
 def needed(probe: str = PROBE) -> bool:
-    """Whether the installation of `probe` lacks bytecode and no prefix was chosen."""
+    """Whether the installation of `probe` lacks valid bytecode and no prefix was chosen."""
     if sys.pycache_prefix is not None:
         return False
     try:
@@ -41,7 +42,26 @@ def needed(probe: str = PROBE) -> bool:
     origin = getattr(spec, "origin", None) if spec is not None else None
     if not origin or not origin.endswith(".py"):
         return False
-    return not os.path.exists(importlib.util.cache_from_source(origin))
+    return not _valid_bytecode(origin, importlib.util.cache_from_source(origin))
+
+
+def _valid_bytecode(source: str, cached: str) -> bool:
+    """Whether `cached` is bytecode Python would load for `source` (PEP 552's header: this interpreter's magic
+    number; a timestamp .pyc must name the source's mtime and size, a hash-based one is taken as valid). A copied
+    installation whose files got new mtimes has .pyc files that Python recompiles at every import."""
+    try:
+        with open(cached, "rb") as f:
+            header = f.read(16)
+        st = os.stat(source)
+    except OSError:
+        return False
+    if len(header) < 16 or header[:4] != importlib.util.MAGIC_NUMBER:
+        return False
+    flags = int.from_bytes(header[4:8], "little")
+    if flags & 0b1:  # hash-based (checked or not): the source's hash, not its stat, decides
+        return True
+    mtime, size = int.from_bytes(header[8:12], "little"), int.from_bytes(header[12:16], "little")
+    return mtime == (int(st.st_mtime) & 0xFFFFFFFF) and size == (st.st_size & 0xFFFFFFFF)
 
 
 def use(folder: Path | None = None, probe: str = PROBE) -> Path | None:

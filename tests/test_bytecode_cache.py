@@ -91,3 +91,22 @@ def test_a_folder_that_cannot_be_made_changes_nothing(tmp_path, monkeypatch):
     blocker.write_text("a file, not a folder")
     assert bytecode_cache.use(blocker / "bytecode", probe="libx") is None
     assert sys.pycache_prefix is None and blocker.read_text() == "a file, not a folder"
+
+
+def test_stale_bytecode_counts_as_none(tmp_path, monkeypatch):
+    """A .pyc whose header names another mtime (an installation copied after it was compiled) is recompiled by
+    Python at every import: as good as none."""
+    import py_compile
+    pkg = _library(tmp_path)
+    py_compile.compile(str(pkg / "__init__.py"), doraise=True)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    assert not bytecode_cache.needed("libx")
+    st = (pkg / "__init__.py").stat()
+    os.utime(pkg / "__init__.py", ns=(st.st_atime_ns, st.st_mtime_ns + 5 * 10**9))  # copied: a new mtime
+    assert bytecode_cache.needed("libx")
+    os.utime(pkg / "__init__.py", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert not bytecode_cache.needed("libx")
+    cached = Path(__import__("importlib.util").util.cache_from_source(str(pkg / "__init__.py")))
+    cached.write_bytes(b"\0" * 16 + cached.read_bytes()[16:])  # another interpreter's magic number
+    assert bytecode_cache.needed("libx")
