@@ -6,7 +6,7 @@ when it installs them, but an environment installed without it (`--no-compile`, 
 one: every process compiles every module from source again. On the GPU machine's image that was ~2.4k calls of
 `compile()` in a warm start's profile, seconds of its ~10 (docs/start-time.md).
 
-So when torch's own package has no bytecode for its `__init__.py` that Python would load (none, or stale: a copied
+So when torch's, Triton's or sympy's package has no bytecode for its `__init__.py` that Python would load (none, or stale: a copied
 installation's files get new mtimes) and no one chose a prefix, qtrain points Python's
 bytecode cache at a folder of its own (`sys.pycache_prefix`, and `PYTHONPYCACHEPREFIX` for the processes it
 starts) and lets it be written there even under `PYTHONDONTWRITEBYTECODE`: nothing is written beside any source
@@ -22,7 +22,9 @@ import sys
 from pathlib import Path
 
 ENV = "PYTHONPYCACHEPREFIX"
-PROBE = "torch"  # the package whose bytecode says whether the installation compiled its modules
+# the packages whose bytecode says whether the installation compiled its modules: torch, and two that torch.compile
+# imports (a run imports ~2,400 modules of the three and their kin)
+PROBES = ("torch", "triton", "sympy")
 
 
 def default_dir() -> Path:
@@ -31,17 +33,21 @@ def default_dir() -> Path:
     return Path(base) / "qtrain" / "bytecode"
 
 
-def needed(probe: str = PROBE) -> bool:
-    """Whether the installation of `probe` lacks valid bytecode and no prefix was chosen."""
+def needed(probes: str | tuple[str, ...] = PROBES) -> bool:
+    """Whether the installation of any of `probes` (installed ones) lacks valid bytecode, and no prefix was chosen."""
     if sys.pycache_prefix is not None:
         return False
+    return any(_lacks_bytecode(p) for p in ((probes,) if isinstance(probes, str) else probes))
+
+
+def _lacks_bytecode(package: str) -> bool:
     try:
-        spec = importlib.util.find_spec(probe)
+        spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
         return False
     origin = getattr(spec, "origin", None) if spec is not None else None
     if not origin or not origin.endswith(".py"):
-        return False
+        return False  # not installed, or not from source
     return not _valid_bytecode(origin, importlib.util.cache_from_source(origin))
 
 
@@ -64,10 +70,10 @@ def _valid_bytecode(source: str, cached: str) -> bool:
     return mtime == (int(st.st_mtime) & 0xFFFFFFFF) and size == (st.st_size & 0xFFFFFFFF)
 
 
-def use(folder: Path | None = None, probe: str = PROBE) -> Path | None:
-    """Keep bytecode under `folder` (default_dir()) when `needed(probe)`; returns the folder, or None when
+def use(folder: Path | None = None, probes: str | tuple[str, ...] = PROBES) -> Path | None:
+    """Keep bytecode under `folder` (default_dir()) when `needed(probes)`; returns the folder, or None when
     nothing changed."""
-    if not needed(probe):
+    if not needed(probes):
         return None
     folder = Path(folder or default_dir())
     try:

@@ -26,13 +26,13 @@ def _library(root: Path) -> Path:
 
 
 def _import(root: Path, folder: Path, **env: str) -> dict:
-    """In a fresh interpreter with `PYTHONDONTWRITEBYTECODE`: bytecode_cache.use(folder, probe="libx"), then import
+    """In a fresh interpreter with `PYTHONDONTWRITEBYTECODE`: bytecode_cache.use(folder, probes="libx"), then import
     libx; what happened, as JSON."""
     script = textwrap.dedent(f"""
         import json, os, sys
         from pathlib import Path
         from qtrain import bytecode_cache
-        used = bytecode_cache.use(Path({str(folder)!r}), probe="libx")
+        used = bytecode_cache.use(Path({str(folder)!r}), probes="libx")
         import libx, libx.part
         print(json.dumps({{"used": str(used) if used else None, "value": libx.VALUE, "cached": libx.part.__cached__,
                           "prefix": sys.pycache_prefix, "env": os.environ.get("PYTHONPYCACHEPREFIX")}}))
@@ -78,6 +78,7 @@ def test_an_installation_with_its_bytecode_is_left_alone(tmp_path, monkeypatch):
     assert not bytecode_cache.needed("libx")
     (pkg / "__pycache__").rename(tmp_path / "moved")
     assert bytecode_cache.needed("libx")
+    assert bytecode_cache.needed(("no_such_module_here", "libx"))  # any installed probe without bytecode
     monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "theirs"))
     assert not bytecode_cache.needed("libx")
     assert not bytecode_cache.needed("no_such_module_here")
@@ -89,7 +90,7 @@ def test_a_folder_that_cannot_be_made_changes_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "pycache_prefix", None)
     blocker = tmp_path / "blocker"
     blocker.write_text("a file, not a folder")
-    assert bytecode_cache.use(blocker / "bytecode", probe="libx") is None
+    assert bytecode_cache.use(blocker / "bytecode", probes="libx") is None
     assert sys.pycache_prefix is None and blocker.read_text() == "a file, not a folder"
 
 
