@@ -78,10 +78,17 @@ def use(option: str) -> str | None:
     for sub, var in ENV.items():
         if var not in kept:
             os.environ[var] = str(folder / sub)
-    compile_keys.remember(folder)  # after the variables: importing inductor reads them
     if kept:
         return f"compile cache: {', '.join(kept)} set in the environment, kept ({folder} serves the rest)"
     return None
+
+
+def remember_keys(option: str) -> None:
+    """Serve torch's and Triton's cache keys from the folder, or record them there (train/compile_keys.py); after
+    `use` (importing inductor reads the variables it sets) and after the preflight (that import takes seconds)."""
+    folder = resolve(option)
+    if folder is not None and folder.is_dir():
+        compile_keys.remember(folder)
 
 
 def _torch_default(var: str) -> bool:

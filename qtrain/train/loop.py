@@ -120,6 +120,8 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
         return {"final_eval_loss": None, "steps": prep.total_steps, "out_dir": prep.paths.out_dir,
                 "checkpoint_dir": prep.paths.ckpt_dir}
     train_pattern, eval_pattern = prep.train_pattern, prep.eval_pattern
+    if _compiles(opts, ctx):  # after the preflight: a refused run does not wait for inductor's import first
+        compile_cache.remember_keys(opts.compile_cache)
     trainer = _build_trainer(opts, ctx, prep)
     mark("model")
     # the checkpoint's tensors are verified as they load, before anything is written: a refused one changes nothing

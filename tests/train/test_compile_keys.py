@@ -130,10 +130,31 @@ def test_a_folder_that_cannot_be_written_costs_only_the_hashing(tmp_path):
 
 
 def test_the_compile_cache_remembers_its_keys(tmp_path, monkeypatch):
-    """--compile-cache DIR: DIR/keys.json after the run's cache is set up."""
+    """--compile-cache DIR: DIR/keys.json once the run's cache is set up; a folder that is not there (use() could
+    not make it) gets none; --compile-cache none, none anywhere."""
     from qtrain.train import compile_cache
     for var in compile_cache.ENV.values():
         monkeypatch.delenv(var, raising=False)
     compile_cache.use(str(tmp_path / "cache"))
+    compile_cache.remember_keys(str(tmp_path / "cache"))
     memo = json.loads((tmp_path / "cache" / FILE).read_text())
     assert {"torch", "triton"} <= set(memo)
+    compile_cache.remember_keys(str(tmp_path / "absent"))
+    assert not (tmp_path / "absent").exists()
+    compile_cache.remember_keys("none")
+
+
+def test_a_run_the_preflight_refuses_does_not_wait_for_the_keys(tmp_path, monkeypatch, capsys):
+    """The keys are served (or computed: inductor's import, seconds on the GPU machine) after the preflight, so a
+    compiled run with a missing train file is refused first and its cache folder gets no keys.json."""
+    from qtrain.cli.main import main
+    from qtrain.train import compile_cache
+    from tests.run_utils import make_run_root, train_argv
+    for var in compile_cache.ENV.values():
+        monkeypatch.delenv(var, raising=False)
+    root = make_run_root(tmp_path / "run")
+    (root / "train.bin").unlink()
+    rc = main(train_argv(root, steps=1, compile="on", compile_cache=tmp_path / "cache"))
+    err = capsys.readouterr().err
+    assert rc == 2 and "train.bin" in err
+    assert (tmp_path / "cache" / "inductor").is_dir() and not (tmp_path / "cache" / FILE).exists()
