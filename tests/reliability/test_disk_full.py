@@ -3,6 +3,7 @@
 half-written checkpoints are left, and that the checkpoints already there are untouched."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import resource
@@ -104,3 +105,37 @@ def test_file_size_limit_during_a_checkpoint(tmp_path):
     assert main(train_argv(root, steps=8) + ["--continue"]) == 0
     assert sorted(p.name for p in ckpt.iterdir()) == ["qtrain-run.json", "step_00000002", "step_00000004",
                                                       "step_00000006", "step_00000008"]
+
+
+def _fill(d: Path) -> None:
+    """Write into `d` until its file system is full."""
+    with open(d / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+
+
+@pytest.mark.parametrize("fs", ["read-only", "full"])
+def test_the_start_caches_on_a_full_or_read_only_file_system(tmp_path, small_fs, fs):
+    """The bytecode folder (qtrain/bytecode_cache.py) and the compile keys (train/compile_keys.py) only save time:
+    on a read-only or full file system the imports still work and the keys are still the real ones, nothing
+    raises, and nothing is left behind but what fit."""
+    from tests.test_bytecode_cache import _import, _library
+    d = small_fs("64k", ro=fs == "read-only")
+    if fs == "full":
+        _fill(d)
+    _library(tmp_path)
+    out = _import(tmp_path, d)  # the folder exists: Python's writes there fail and are ignored
+    assert out["value"] == 42 and out["used"] == str(d)
+    script = ("import json; from pathlib import Path; import triton.runtime.cache as c; "
+              "from qtrain.train.compile_keys import remember; s = remember(Path(%r)); "
+              "print(json.dumps([s, c.triton_key() == c.triton_key.__wrapped__()]))" % str(d))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=subprocess_env(),
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [[], True]
+    assert not (d / "keys.json").exists() and leftovers(d) == []
+    files = [p for p in d.rglob("*") if p.is_file() and p.name != "filler"]
+    assert files == [] if fs == "read-only" else all(p.suffix == ".pyc" for p in files), files  # no temp left
