@@ -5,8 +5,9 @@ files) and of the installed Triton (`triton_key`: its compiler sources and the 4
 process computes both once, before its first compiled step can be served from the cache: 0.5-1.6 s of a warm
 start measured on a 2-core CPU, more where the library is not in the page cache. Both are pure functions of
 those files, so this module keeps them in `keys.json` in the compile-cache folder, each beside a fingerprint of
-the files it covers: the path, size and modification time of every file under the package (what Python's own
-.pyc files check of their source: any reinstall or edit changes it), plus the package version. A run whose
+the files it covers: the path, size and modification time of every file under the package that its key can read
+(torch: its .py, .cpp and .ld files; Triton: all; what Python's own .pyc files check of their source: any reinstall
+or edit changes it), plus the package version. A run whose
 fingerprint matches takes the remembered key; any other run computes the key as torch would, then (re)writes the
 file atomically. A folder that cannot be written, or a file that cannot be read, only costs the hashing.
 
