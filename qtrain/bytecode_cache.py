@@ -21,6 +21,8 @@ import os
 import sys
 from pathlib import Path
 
+from qtrain.fsio import user_cache_home
+
 ENV = "PYTHONPYCACHEPREFIX"
 # the packages whose bytecode says whether the installation compiled its modules: torch, and two that torch.compile
 # imports (a run imports ~2,400 modules of the three and their kin)
@@ -29,8 +31,7 @@ PROBES = ("torch", "triton", "sympy")
 
 def default_dir() -> Path:
     """`$XDG_CACHE_HOME/qtrain/bytecode`, else `~/.cache/qtrain/bytecode`."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "qtrain" / "bytecode"
+    return user_cache_home() / "qtrain" / "bytecode"
 
 
 def needed(probes: str | tuple[str, ...] = PROBES) -> bool:

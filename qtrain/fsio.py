@@ -400,6 +400,11 @@ def expand_glob(pattern: str, what: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- checks
 
+def user_cache_home() -> Path:
+    """The user's cache folder: `$XDG_CACHE_HOME`, else `~/.cache` (qtrain's caches live in its `qtrain/`)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"))
+
+
 def existing_ancestor(path: str | os.PathLike) -> Path:
     """`path` itself or its nearest ancestor that exists (where a mkdir of `path` would start)."""
     p = Path(os.path.abspath(path))

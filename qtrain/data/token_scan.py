@@ -12,6 +12,7 @@ import numpy as np
 
 from qtrain.data.token_files import (BYTES_PER_TOKEN, HEADER_BYTES, DataError, PathLike, TokenFile, _open_token_file,
                                      _pread_into)
+from qtrain.fsio import user_cache_home
 
 
 # ----------------------------------------------------------------------------------------------
@@ -67,8 +68,7 @@ def token_cache_dir() -> Path:
     """Where per-file scan results live: $QTRAIN_CACHE_DIR, else $XDG_CACHE_HOME/qtrain, else ~/.cache/qtrain."""
     if os.environ.get("QTRAIN_CACHE_DIR"):
         return Path(os.environ["QTRAIN_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "qtrain"
+    return user_cache_home() / "qtrain"
 
 
 def _scan_key(f: TokenFile | PathLike) -> tuple[Path, dict[str, Any]]:

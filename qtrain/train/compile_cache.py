@@ -31,7 +31,7 @@ import os
 import sys
 from pathlib import Path
 
-from qtrain.fsio import FileSystemError, check_writable_dir
+from qtrain.fsio import FileSystemError, check_writable_dir, user_cache_home
 from qtrain.train import compile_keys
 
 ENV = {"inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR"}  # subfolder -> the variable naming it
@@ -41,8 +41,7 @@ AUTO = "auto"
 
 def default_dir() -> Path:
     """`$XDG_CACHE_HOME/qtrain/compile`, else `~/.cache/qtrain/compile`."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "qtrain" / "compile"
+    return user_cache_home() / "qtrain" / "compile"
 
 
 def resolve(option: str) -> Path | None:
