@@ -23,10 +23,10 @@ Every block of a model takes (x, weights, cos, sin[, docs]) and returns x (`docs
 blocks of one model may differ (a hybrid model's linear-attention and full-attention layers hold different
 tensors), `block_tensors(cfg, layer)` says which tensors layer `layer` has, and the one block function tells the
 kinds apart by the weights it receives.
-A family whose blocks cannot keep documents apart yet says why in an optional attribute `no_document_masking` (a
-phrase), which `registry.document_masking_error` turns into the preflight's refusal of --document-masking; one whose
-layers run the gated delta rule counts them in an optional method `delta_rule_layers(cfg)` (`registry.
-delta_rule_layers`: --delta-rule-precision applies to them, and is refused for a model without any).
+Every family keeps documents apart (a hybrid model's linear-attention layers restart their state at each
+document). A family whose layers run the gated delta rule counts them in an optional method
+`delta_rule_layers(cfg)` (`registry.delta_rule_layers`: --delta-rule-precision applies to them, and is refused for a
+model without any).
 docs/architecture.md, "Adding a model family", walks through a new one.
 """
 from __future__ import annotations

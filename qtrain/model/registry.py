@@ -48,13 +48,6 @@ def family_of(cfg: ModelConfig) -> ModelFamily:
     return family_for(cfg.model_type)
 
 
-def document_masking_error(cfg: ModelConfig) -> str | None:
-    """Why --document-masking cannot run `cfg` yet (the family's optional `no_document_masking`), or None."""
-    why = getattr(family_of(cfg), "no_document_masking", None)
-    return (f"--document-masking is not supported for {cfg.model_type} yet: {why}; drop --document-masking"
-            if why else None)
-
-
 def delta_rule_layers(cfg: ModelConfig) -> int:
     """How many of `cfg`'s layers run the gated delta rule (the family's optional `delta_rule_layers`; 0 without)."""
     count = getattr(family_of(cfg), "delta_rule_layers", None)

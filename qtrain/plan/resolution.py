@@ -45,7 +45,7 @@ from qtrain.model.config import ModelConfig
 from qtrain.model.fp8_policy import Fp8Choice, block_gflop, choose_fp8
 from qtrain.model.layers import resolve_sdpa_backend
 from qtrain.model.recompute import resolve_flags, splits_mlp
-from qtrain.model.registry import delta_rule_layers, document_masking_error
+from qtrain.model.registry import delta_rule_layers
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.context import check_context_parallel
 from qtrain.parallel.layout import FlatLayout
@@ -204,8 +204,6 @@ def check_model_support(cfg: ModelConfig, opts: Options, *, device_type: str) ->
     if opts.fp8_experts:
         _check_fp8_experts(cfg)
     check_delta_rule_precision(opts.delta_rule_precision, cfg)
-    if opts.document_masking and (why := document_masking_error(cfg)):
-        raise OptionsError(why)  # a family whose blocks cannot keep documents apart (Qwen3.5's linear attention)
     if opts.weights_sharded:
         try:
             FlatLayout(cfg, 1).uniform_block()

@@ -80,7 +80,6 @@ def _evaluate(model_dir, eval_file, *, seq_len, batch_size, device, dtype, max_b
 
     from qtrain.data.loader import TokenLoader
     from qtrain.model.hf_io import load_hf_weights, load_model_config
-    from qtrain.model.registry import document_masking_error
     from qtrain.model.resolve import resolve_model_dir
     from qtrain.model.transformer import RunOptions, Transformer
     from qtrain.options import OptionsError
@@ -93,8 +92,6 @@ def _evaluate(model_dir, eval_file, *, seq_len, batch_size, device, dtype, max_b
     dev = resolve_device(device)
     d = resolve_model_dir(os.fspath(model_dir))
     cfg = load_model_config(d)
-    if document_masking and (why := document_masking_error(cfg)):
-        raise OptionsError(why)
     check_delta_rule_precision(delta_rule_precision, cfg)
     # the data first: a file it cannot use (or score with document masks) is refused before the weights load
     loader = TokenLoader(eval_file, seq_len, shuffle=False, model_vocab_size=cfg.vocab_size,
