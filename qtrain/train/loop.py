@@ -257,12 +257,13 @@ def _log_startup(log: RunLogger, step: int, first_step_ms: float, *, compiled: b
 def _out_of_memory(step: int, error: BaseException, trainer: Trainer, ckpt_dir: str) -> Exception:
     """A step that ran out of device memory: the report with the plan, the allocator's fragments and the newest
     checkpoint (nothing is written: the step's state is half-updated)."""
-    fragments = None
-    if trainer.device.type == "cuda":
+    fragments = peak = None
+    if trainer.device.type == "cuda":  # the failed step's tensors are still held here (the traceback keeps them)
         fragments = torch.cuda.memory_reserved(trainer.device) - torch.cuda.memory_allocated(trainer.device)
+        peak = torch.cuda.max_memory_allocated(trainer.device)
     rank = trainer.ctx.rank if trainer.ctx.world > 1 else None
     return out_of_memory(step, error, trainer.run.plan.summary(), fragments,
-                         checkpointing.newest_finite(ckpt_dir), rank=rank)
+                         checkpointing.newest_finite(ckpt_dir), rank=rank, peak=peak)
 
 
 def _check_finite(guard: NonFiniteGuard, step: int, stats: dict, log: RunLogger, ckpt_dir: str) -> None:

@@ -149,21 +149,39 @@ def checkpoint_on_request(step: int, checkpoint: str) -> str:
 
 
 def out_of_memory(step: int, error: BaseException, plan: str, fragments: int | None,
-                  checkpoint: str | None, rank: int | None = None) -> RunStopped:
+                  checkpoint: str | None, rank: int | None = None, peak: int | None = None) -> RunStopped:
     """The report of a step that ran out of device memory. `plan`: the memory plan's summary; `fragments`: bytes the
-    allocator held reserved but unallocated when it failed (None: unknown). Measured on an H200: a plan right about the allocated peak, and 8.3% of activations + workspace held in fragments.
-    `rank`: which rank ran out, when there are several."""
+    allocator held reserved but unallocated when it failed (None: unknown), said only where torch's message does not
+    already say it; `peak`: the most bytes the allocator had allocated in the run (its peak against the plan tells a
+    wrong plan from fragmentation). Measured on an H200: a plan right about the allocated peak, and 8.3% of
+    activations + workspace held in fragments. `rank`: which rank ran out, when there are several."""
     gib = 1 << 30
+    what = _torch_oom_facts(error)
     frag = (f"; the allocator held {fragments / gib:.2f} GiB reserved but unallocated (fragments): "
-            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may give it back" if fragments else "")
+            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may give it back"
+            if fragments and "reserved by PyTorch but unallocated" not in what else "")
+    peaked = f"; the allocator's peak in this run: {peak / gib:.2f} GiB allocated" if peak else ""
     resume = (f"the newest checkpoint is {checkpoint}: resume from it with --continue and one of those changes"
               if checkpoint else "no checkpoint was written yet")
-    what = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
     who = f"rank {rank} ran " if rank is not None else ""
     return RunStopped(f"{who}out of device memory in step {step} ({what}); memory plan "
-                      f"{plan}{frag}. Use less: more --lmhead-chunks, a smaller --batch-size with more "
+                      f"{plan}{frag}{peaked}. Use less: more --lmhead-chunks, a smaller --batch-size with more "
                       f"--grad-accumulation, --recompute-*, --no-fp8-keep-transposes, or offload (`qtrain plan` "
                       f"shows each choice's bytes); {resume}", OUT_OF_MEMORY_EXIT, label="out of memory")
+
+
+# where torch's out-of-memory message turns from its numbers to its advice (qtrain's report gives its own)
+_TORCH_OOM_ADVICE = (" If reserved but unallocated memory is large", " See documentation for Memory Management")
+
+
+def _torch_oom_facts(error: BaseException) -> str:
+    """The first line of torch's message, its numbers whole (the request, what was free, what PyTorch held allocated
+    and reserved: a cut at a fixed length lost the last two, the ones that tell fragmentation from a full device),
+    without its advice."""
+    what = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    for advice in _TORCH_OOM_ADVICE:
+        what = what.split(advice)[0]
+    return what.strip()[:600]
 
 
 def data_changed(error: BaseException, step: int, checkpoint: str | None) -> RunStopped:

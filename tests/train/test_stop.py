@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from qtrain.cli.main import main
 from qtrain.observe.log import read_log
-from qtrain.train.stop import NonFiniteGuard
+from qtrain.train.stop import NonFiniteGuard, out_of_memory
 from tests.run_utils import make_run_root, qtrain_popen, train_argv
 
 
@@ -176,3 +176,28 @@ def test_the_option_is_validated():
     from qtrain.options import Options, OptionsError
     with pytest.raises(OptionsError, match="--debug-stack-dump-after must be >= 0 seconds"):
         Options(debug_stack_dump_after=-1).validate()
+
+
+# torch's message of the Qwen2.5-0.5B 32 x 4 step that ran out of memory on an H100 (session 31), in torch 2.11's words
+H100_OOM = ("CUDA out of memory. Tried to allocate 9.27 GiB. GPU 0 has a total capacity of 79.18 GiB of which 4.95 GiB "
+            "is free. Including non-PyTorch memory, this process has 74.22 GiB memory in use. Of the allocated memory "
+            "33.65 GiB is allocated by PyTorch, and 39.57 GiB is reserved by PyTorch but unallocated. If reserved but "
+            "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+            "fragmentation.  See documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html"
+            "#environment-variables)")
+
+
+def test_the_out_of_memory_report_keeps_torchs_numbers_and_the_peak():
+    """The report keeps every number of torch's message (a cut at 200 characters lost what PyTorch held allocated and
+    reserved, the two that tell fragmentation from a full device), drops torch's advice for its own, does not say the
+    fragments twice, and gives the allocator's peak beside the plan."""
+    gib = 1 << 30
+    oom = torch.OutOfMemoryError(H100_OOM)
+    msg = out_of_memory(0, oom, "PLAN", int(39.57 * gib), None, peak=int(43.1 * gib)).args[0]
+    assert "33.65 GiB is allocated by PyTorch, and 39.57 GiB is reserved by PyTorch but unallocated" in msg
+    assert "See documentation" not in msg and "If reserved but unallocated" not in msg
+    assert msg.count("39.57") == 1  # torch said it: qtrain's own fragments phrase is left out
+    assert "the allocator's peak in this run: 43.10 GiB allocated" in msg and "memory plan PLAN" in msg
+    # a message without torch's numbers (another allocator, an older torch) gets qtrain's own measurement
+    short = out_of_memory(2, torch.OutOfMemoryError("out of memory"), "PLAN", 3 * gib, None).args[0]
+    assert "the allocator held 3.00 GiB reserved but unallocated" in short and "peak" not in short
