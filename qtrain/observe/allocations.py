@@ -8,6 +8,11 @@ trainer is built, so its own buffers (weights, gradients, optimizer state) show 
 everything made by the first step (activations, workspaces, lazily created state) with its frames. Recording
 stops after the report. CUDA only: on other devices the option says so once and does nothing.
 
+A step that runs out of device memory logs the allocator's state at that moment (`allocator_state`: its largest
+free block, the free bytes and the segments, and the largest live allocations, with their code when this option
+recorded it), so a plan that fits but a run that does not can be told apart: fragments, or more live memory than
+planned.
+
     {"log": "allocations", "step": 0, "min_bytes": N, "total_bytes": T,
      "allocations": [{"bytes": b, "where": "qtrain/model/transformer.py:123 forward_backward"}, ...]}
 """
@@ -15,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["AllocationRecorder", "make_allocation_sink", "live_allocations"]
+__all__ = ["AllocationRecorder", "allocator_state", "make_allocation_sink", "live_allocations"]
 
 MIB = 1 << 20
 
@@ -38,6 +43,17 @@ def live_allocations(snapshot: dict[str, Any], min_bytes: int) -> list[dict[str,
            for seg in snapshot.get("segments", []) for b in seg.get("blocks", [])
            if b.get("state") == "active_allocated" and int(b["size"]) >= min_bytes]
     return sorted(out, key=lambda a: -a["bytes"])
+
+
+def allocator_state(snapshot: dict[str, Any], top: int = 20) -> dict[str, Any]:
+    """What a `torch.cuda.memory._snapshot()` says of the caching allocator: its segments (what it reserved from the
+    device), the free blocks inside them (the largest is the biggest request it can serve without asking the device
+    for more) and its `top` largest live allocations."""
+    segments = snapshot.get("segments", [])
+    free = [int(b["size"]) for seg in segments for b in seg.get("blocks", []) if b.get("state") == "inactive"]
+    return {"segments": len(segments), "reserved_bytes": sum(int(seg.get("total_size", 0)) for seg in segments),
+            "free_bytes": sum(free), "largest_free_bytes": max(free, default=0),
+            "allocations": live_allocations(snapshot, 0)[:top]}
 
 
 class AllocationRecorder:

@@ -22,6 +22,7 @@ from qtrain.data.loader import TokenLoader
 from qtrain.data.hf_tokenizer import recorded_tokenizer, transformers_caveat, unavailable_reason
 from qtrain.data.token_files import DataChangedError
 from qtrain.model.weights import num_params
+from qtrain.observe.allocations import allocator_state
 from qtrain.observe.live import attach_observers
 from qtrain.observe.log import DEFAULT, QUIET, VERBOSE, RunLogger
 from qtrain.observe.startup import Compiling, begin_timeline, mark, phases, seconds_since_start
@@ -215,7 +216,7 @@ def _run(opts: Options, argv: list[str] | None, ctx: DistContext, prep: Prepared
                                "the model for its first step", stream=log.stream):
                     stats = trainer.step(train.next_batches(B, GA), lr=schedule(step))
             except torch.OutOfMemoryError as e:
-                raise _out_of_memory(step, e, trainer, ckpt_dir) from None
+                raise _out_of_memory(step, e, trainer, ckpt_dir, log) from None
             dt_ms = 1000 * (time.perf_counter() - t0)
             if first:
                 _log_startup(log, step, dt_ms, compiled=trainer.model.run.compile)
@@ -254,16 +255,22 @@ def _log_startup(log: RunLogger, step: int, first_step_ms: float, *, compiled: b
                 f"{what}")
 
 
-def _out_of_memory(step: int, error: BaseException, trainer: Trainer, ckpt_dir: str) -> Exception:
+def _out_of_memory(step: int, error: BaseException, trainer: Trainer, ckpt_dir: str, log: RunLogger) -> Exception:
     """A step that ran out of device memory: the report with the plan, the allocator's fragments and the newest
-    checkpoint (nothing is written: the step's state is half-updated)."""
-    fragments = peak = None
+    checkpoint (nothing is written: the step's state is half-updated), in the run log too, beside the allocator's
+    state (`observe.allocations.allocator_state`: what --debug-log-allocations recorded names the code of each
+    allocation)."""
+    fragments = peak = largest = None
     if trainer.device.type == "cuda":  # the failed step's tensors are still held here (the traceback keeps them)
         fragments = torch.cuda.memory_reserved(trainer.device) - torch.cuda.memory_allocated(trainer.device)
         peak = torch.cuda.max_memory_allocated(trainer.device)
+        state = allocator_state(torch.cuda.memory._snapshot())
+        largest = state["largest_free_bytes"]
+        log.log("out_of_memory", step=step, peak_bytes=peak, **state)
     rank = trainer.ctx.rank if trainer.ctx.world > 1 else None
-    return out_of_memory(step, error, trainer.run.plan.summary(), fragments,
-                         checkpointing.newest_finite(ckpt_dir), rank=rank, peak=peak)
+    return _logged(log, out_of_memory(step, error, trainer.run.plan.summary(), fragments,
+                                      checkpointing.newest_finite(ckpt_dir), rank=rank, peak=peak,
+                                      largest_free=largest))
 
 
 def _check_finite(guard: NonFiniteGuard, step: int, stats: dict, log: RunLogger, ckpt_dir: str) -> None:
@@ -272,7 +279,7 @@ def _check_finite(guard: NonFiniteGuard, step: int, stats: dict, log: RunLogger,
     if warning:
         log.message(warning, step=step, level="warning")
     if guard.exceeded:
-        raise guard.error(step, checkpointing.newest_finite(ckpt_dir))
+        raise _logged(log, guard.error(step, checkpointing.newest_finite(ckpt_dir)))
 
 
 def _finish(opts: Options, ctx: DistContext, trainer: Trainer, log: RunLogger, save_checkpoint,

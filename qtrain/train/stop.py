@@ -149,18 +149,22 @@ def checkpoint_on_request(step: int, checkpoint: str) -> str:
 
 
 def out_of_memory(step: int, error: BaseException, plan: str, fragments: int | None,
-                  checkpoint: str | None, rank: int | None = None, peak: int | None = None) -> RunStopped:
+                  checkpoint: str | None, rank: int | None = None, peak: int | None = None,
+                  largest_free: int | None = None) -> RunStopped:
     """The report of a step that ran out of device memory. `plan`: the memory plan's summary; `fragments`: bytes the
     allocator held reserved but unallocated when it failed (None: unknown), said only where torch's message does not
     already say it; `peak`: the most bytes the allocator had allocated in the run (its peak against the plan tells a
-    wrong plan from fragmentation). Measured on an H200: a plan right about the allocated peak, and 8.3% of
-    activations + workspace held in fragments. `rank`: which rank ran out, when there are several."""
+    wrong plan from fragmentation); `largest_free`: the allocator's largest free block (below the request while
+    fragments are larger: the free memory is cut up). Measured on an H200: a plan right about the allocated peak, and
+    8.3% of activations + workspace held in fragments. `rank`: which rank ran out, when there are several."""
     gib = 1 << 30
     what = _torch_oom_facts(error)
     frag = (f"; the allocator held {fragments / gib:.2f} GiB reserved but unallocated (fragments): "
             f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may give it back"
             if fragments and "reserved by PyTorch but unallocated" not in what else "")
     peaked = f"; the allocator's peak in this run: {peak / gib:.2f} GiB allocated" if peak else ""
+    if largest_free is not None and fragments:
+        peaked += f", its largest free block {largest_free / gib:.2f} GiB"
     resume = (f"the newest checkpoint is {checkpoint}: resume from it with --continue and one of those changes"
               if checkpoint else "no checkpoint was written yet")
     who = f"rank {rank} ran " if rank is not None else ""

@@ -94,8 +94,9 @@ def test_nonfinite_streak_stops_and_keeps_the_newest_finite_checkpoint(tmp_path,
     assert "3 steps in a row with a non-finite loss or gradient norm (steps 1..3)" in err
     assert f"resume from it with --continue {finite}" in err
     assert sorted(os.listdir(root / "ckpt" / "run")) == ["qtrain-run.json", "step_00000001", "step_00000003"]
-    warnings = [e for e in read_log(root / "logs" / "run.jsonl") if e["log"] == "message" and "non-finite" in e["message"]]
-    assert len(warnings) == 3  # each one reported
+    messages = [e["message"] for e in read_log(root / "logs" / "run.jsonl") if e["log"] == "message"]
+    assert len([m for m in messages if m.startswith("step ") and "non-finite" in m]) == 3  # each one reported
+    assert len([m for m in messages if "3 steps in a row with a non-finite loss" in m]) == 1  # the stop, as printed
 
 
 def test_a_step_out_of_device_memory_stops_with_the_plan_and_the_newest_checkpoint(tmp_path, capsys, monkeypatch):
@@ -123,6 +124,9 @@ def test_a_step_out_of_device_memory_stops_with_the_plan_and_the_newest_checkpoi
     assert "); memory plan " in err and " B=2 T=16 world 1: " in err  # the plan's summary, its numbers
     assert "--lmhead-chunks" in err and "--grad-accumulation" in err
     assert f"the newest checkpoint is {newest}: resume from it with --continue and one of those changes" in err
+    # the run log says it too (a run in the background may have lost its console)
+    assert any(e["log"] == "message" and "out of device memory in step 3" in e["message"]
+               for e in read_log(root / "logs" / "run.jsonl"))
     assert sorted(os.listdir(root / "ckpt" / "run")) == ["qtrain-run.json", "step_00000002"]
     assert not (root / "out" / "run").exists() or not any((root / "out" / "run").iterdir())
     # the checkpoint is whole: the same run resumes from it (the step no longer fails) and finishes
@@ -198,6 +202,8 @@ def test_the_out_of_memory_report_keeps_torchs_numbers_and_the_peak():
     assert "See documentation" not in msg and "If reserved but unallocated" not in msg
     assert msg.count("39.57") == 1  # torch said it: qtrain's own fragments phrase is left out
     assert "the allocator's peak in this run: 43.10 GiB allocated" in msg and "memory plan PLAN" in msg
+    cut = out_of_memory(0, oom, "PLAN", int(39.57 * gib), None, peak=int(43.1 * gib), largest_free=3 * gib).args[0]
+    assert "43.10 GiB allocated, its largest free block 3.00 GiB" in cut
     # a message without torch's numbers (another allocator, an older torch) gets qtrain's own measurement
     short = out_of_memory(2, torch.OutOfMemoryError("out of memory"), "PLAN", 3 * gib, None).args[0]
     assert "the allocator held 3.00 GiB reserved but unallocated" in short and "peak" not in short
