@@ -34,7 +34,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from qtrain.kernels.cross_entropy import IGNORE_INDEX, chunked_lm_head_loss, lm_head_loss_and_grads
+from qtrain.kernels.cross_entropy import (IGNORE_INDEX, chunked_lm_head_loss, head_logits_buffer,
+                                          lm_head_loss_and_grads)
 from qtrain.kernels.document_attention import document_mask, resolve_document_attention
 from qtrain.model.choices import DELTA_RULE_PRECISIONS, DOCUMENT_ATTENTION
 from qtrain.kernels.rope import rope_tables
@@ -331,6 +332,12 @@ class Transformer:
         router = RouterLosses(cfg.router, B * T, embed.device, z_loss=router_z_loss > 0) if cfg.router else None
         self.router_losses = router
 
+        # the head's logits first, while only the persistent state is live (`head_logits_buffer` says why); with
+        # recompute_block the activations are a stash of block inputs, and the logits would outlive the blocks' own
+        # forward temporaries that the plan counts without them
+        head_w = self._head_weight(nb)
+        logits = None if recompute_block else head_logits_buffer(B * T, head_w, chunks=self.run.lmhead_chunks,
+                                                                 fp8_backward=self.run.fp8_head_backward)
         # forward: each block starts from a leaf (so its backward stops there); keep the block's graph, or with
         # recompute_block only its input (in host memory with offload_residual)
         x = F.embedding(inputs, embed.detach())  # (B, T, C)
@@ -355,15 +362,16 @@ class Transformer:
 
         # head: final norm + chunked LM head + loss; its gradients are computed right here
         x_last = x.detach().requires_grad_(True)
-        head_w, norm_w = self._head_weight(nb), nb["norm"]
+        norm_w = nb["norm"]
         with torch.enable_grad():
             h = self._final_norm(x_last, norm_w, cfg.rms_norm_eps).view(B * T, C)
         loss, dh, d_head = lm_head_loss_and_grads(h.detach(), head_w.detach(), targets.reshape(-1),
                                                   chunks=self.run.lmhead_chunks, z_loss=z_loss, scale=loss_scale,
                                                   fp8_backward=self.run.fp8_head_backward,
-                                                  need_weight_grad=head_w.requires_grad)  # a frozen head: none
+                                                  need_weight_grad=head_w.requires_grad,  # a frozen head: none
+                                                  logits_buffer=logits)
         start = _BackwardFrom.apply(h, dh)
-        del h, dh, x
+        del h, dh, x, logits
         # a frozen tensor (one that does not require grad: parallel/layout.py's frozen groups) gets no gradient
         dx, *d_norm = torch.autograd.grad(start, [x_last] + ([norm_w] if norm_w.requires_grad else []))
         del start, x_last

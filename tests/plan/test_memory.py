@@ -14,6 +14,7 @@ import dataclasses
 import io
 import json
 import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -77,7 +78,8 @@ class NullSink:
 
 def measure_micro_step(cfg: ModelConfig, dtype: str, *, flags=(), B=2, T=64, chunks=1, fp8=False):
     """(bytes alive when the final norm starts = activations kept for backward, peak of the micro-step),
-    counting only what forward_backward allocates."""
+    counting only what forward_backward allocates; the head's logits buffer, claimed at the micro-step's start
+    (`head_logits_buffer`), is the head's workspace, not an activation."""
     params = allocate_params(cfg, dtype=DT[dtype], device="cpu", requires_grad=False)
     with torch.no_grad():
         init_params(cfg, params, seed=0)
@@ -89,17 +91,23 @@ def measure_micro_step(cfg: ModelConfig, dtype: str, *, flags=(), B=2, T=64, chu
     g = torch.Generator().manual_seed(0)
     inputs = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
     targets = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
-    tracker, at_head, orig = LiveBytes(), [], model._final_norm
+    tracker, at_head, orig, buffers = LiveBytes(), [], model._final_norm, []
 
     def final_norm(x, weight, eps):  # the final norm is the first thing the LM head does
         if not at_head:
             at_head.append(tracker.cur)
         return orig(x, weight, eps)
 
+    real_buffer = tm.head_logits_buffer
+
+    def logits_buffer(*args, **kw):
+        buffers.append(real_buffer(*args, **kw))
+        return buffers[-1]
+
     model._final_norm = final_norm
-    with tracker:
+    with tracker, mock.patch.object(tm, "head_logits_buffer", logits_buffer):
         model.forward_backward(ParamWeights(cfg, params), inputs, targets, grads=NullSink(), loss_scale=1.0)
-    return at_head[0], tracker.peak
+    return at_head[0] - sum(b.untyped_storage().nbytes() for b in buffers), tracker.peak
 
 
 # ---------------------------------------------------------------------------------------------------------

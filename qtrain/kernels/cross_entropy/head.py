@@ -22,7 +22,8 @@ from qtrain.kernels.cross_entropy.inplace import chunk_loss_and_dlogits, cross_e
 from qtrain.kernels.fp8_quant import E4M3, quantize_fp8_transposed
 from qtrain.kernels.scaled_mm import scaled_mm
 
-__all__ = ["chunked_lm_head_loss", "fp8_backward_shapes_ok", "head_workspace_bytes", "lm_head_loss_and_grads"]
+__all__ = ["chunked_lm_head_loss", "fp8_backward_shapes_ok", "head_logits_buffer", "head_workspace_bytes",
+           "lm_head_loss_and_grads"]
 
 
 def _loss_fn(cuda: bool):
@@ -39,9 +40,35 @@ def fp8_backward_shapes_ok(rows: int, hidden: int, vocab: int) -> bool:
     return rows % 16 == 0 and hidden % 16 == 0 and vocab % 16 == 0
 
 
+def _chunk_bounds(n: int, chunks: int, fp8: bool) -> list[int]:
+    """Row bounds of the head's chunks over `n` rows; FP8's in whole 16-row groups (d(W)'s K and q^T's column
+    offset)."""
+    step = 16 if fp8 else 1
+    return [step * (n // step * i // chunks) for i in range(chunks)] + [n]
+
+
+def _fp8_head(n: int, hidden: int, vocab: int, *, need_grad: bool, fp8_backward: bool) -> bool:
+    return need_grad and fp8_backward and n > 0 and fp8_backward_shapes_ok(n, hidden, vocab)
+
+
+def head_logits_buffer(h_rows: int, w: torch.Tensor, *, chunks: int, fp8_backward: bool = False) -> torch.Tensor:
+    """The bytes one chunk's logits take in `lm_head_loss_and_grads` (its `logits_buffer`), for a training micro-step
+    to claim before its blocks run. The head's logits are the micro-step's largest allocation (9.27 GiB at
+    Qwen2.5-0.5B, 32 x 1024, one chunk); made at the head, after the activations, they needed a free block that
+    size in memory the activations had just cut up, and a step the plan fitted in 46 of 79 GiB ran out with 39.6
+    GiB free in pieces (one H100, session 31). At the micro-step's start only the persistent state is live, so the
+    allocator has that block, or can release whole free segments to make it; the peak stays the head's."""
+    if chunks < 1:
+        raise ValueError(f"--lmhead-chunks must be >= 1, got {chunks}")
+    bounds = _chunk_bounds(h_rows, chunks, _fp8_head(h_rows, w.shape[1], w.shape[0], need_grad=True,
+                                                     fp8_backward=fp8_backward))
+    rows = max(hi - lo for lo, hi in zip(bounds[:-1], bounds[1:]))
+    return torch.empty((rows, w.shape[0]), dtype=w.dtype, device=w.device)
+
+
 def lm_head_loss_and_grads(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, *, chunks: int, z_loss: float,
                            scale: float, need_grad: bool = True, fp8_backward: bool = False,
-                           need_weight_grad: bool = True
+                           need_weight_grad: bool = True, logits_buffer: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(scale * summed token loss, d(h), d(w)) of `h` (N, C) under the head `w` (V, C), chunk by chunk (module
     docstring); the gradients are those of the returned loss, None without `need_grad`; d(w) None without
@@ -51,7 +78,9 @@ def lm_head_loss_and_grads(h: torch.Tensor, w: torch.Tensor, targets: torch.Tens
     per micro-step).
 
     `fp8_backward` (--fp8-head-backward): the two gradient GEMMs in FP8 (`_Fp8HeadOperands`) where the shapes allow
-    (`fp8_backward_shapes_ok`, else bf16 as without); the logits and the loss are the same either way."""
+    (`fp8_backward_shapes_ok`, else bf16 as without); the logits and the loss are the same either way.
+    `logits_buffer`: `head_logits_buffer`'s tensor for the same rows, head and options: each chunk's logits are
+    written there (None: each chunk allocates its own)."""
     if chunks < 1:
         raise ValueError(f"--lmhead-chunks must be >= 1, got {chunks}")
     n = h.shape[0]
@@ -61,15 +90,17 @@ def lm_head_loss_and_grads(h: torch.Tensor, w: torch.Tensor, targets: torch.Tens
     dw = (torch.empty_like(w) if n else torch.zeros_like(w)) if need_weight_grad else None
     first = True
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
-    fp8 = _Fp8HeadOperands.of(h, w, scale, weight_grad=need_weight_grad) if need_grad and fp8_backward and n and \
-        fp8_backward_shapes_ok(n, h.shape[1], w.shape[0]) else None
-    step = 16 if fp8 is not None else 1  # FP8: chunks of whole 16-row groups (d(W)'s K and q^T's column offset)
-    bounds = [step * (n // step * i // chunks) for i in range(chunks)] + [n]
+    use_fp8 = _fp8_head(n, h.shape[1], w.shape[0], need_grad=need_grad, fp8_backward=fp8_backward)
+    fp8 = _Fp8HeadOperands.of(h, w, scale, weight_grad=need_weight_grad) if use_fp8 else None
+    bounds = _chunk_bounds(n, chunks, use_fp8)
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         if hi == lo:
             continue
         hc = h[lo:hi]
-        logits = hc @ w.t()  # (n_c, V) in model dtype
+        if logits_buffer is None:
+            logits = hc @ w.t()  # (n_c, V) in model dtype
+        else:
+            logits = torch.mm(hc, w.t(), out=logits_buffer[:hi - lo])
         if fp8 is not None:
             ls, _, g, g_t = cross_entropy_fp8_grads(logits, targets[lo:hi], z_loss=z_loss)
             del logits  # g lives in its bytes
@@ -77,6 +108,7 @@ def lm_head_loss_and_grads(h: torch.Tensor, w: torch.Tensor, targets: torch.Tens
             del g, g_t
         else:
             ls, _, dl = _loss_fn(logits.is_cuda)(logits, targets[lo:hi], z_loss=z_loss, need_grad=need_grad)
+            del _  # the rows' log-sum-exp: not kept into the next chunk
             del logits  # the CPU's specification returns a new d(logits): the logits go before the GEMMs
             if need_grad:
                 _addmm_(dh[lo:hi], dl, w, beta=0, alpha=scale)
@@ -200,6 +232,8 @@ def head_workspace_bytes(tokens: int, hidden: int, vocab: int, *, dtype_bytes: i
         if chunks > 1:
             per_logit += E  # the previous chunk's d(logits) is still referenced while the next one is computed
     chunk = rows * (vocab * per_logit + 32)  # the loss's moment
-    if not cuda and E != 4:  # `_addmm_`'s moment on the CPU: d(logits), its fp32 copy, the weight's, the product
-        chunk = max(chunk, rows * vocab * (E + 4) + vocab * hidden * 4 + rows * hidden * 4)
+    if not cuda and E != 4:  # `_addmm_`'s moment on the CPU: the logits buffer (`head_logits_buffer`: the
+        # specification's d(logits) is a new tensor), d(logits), its fp32 copy, the weight's, the product, and the
+        # running and the chunk's loss (two fp32 scalars)
+        chunk = max(chunk, rows * vocab * (2 * E + 4) + vocab * hidden * 4 + rows * hidden * 4 + 8)
     return chunk + tokens * hidden * E + (vocab * hidden * E if weight_grad else 0)
