@@ -118,6 +118,31 @@ def test_head_grads_without_autograd_are_the_functions(dtype):
         lm_head_loss_and_grads(h, w, t, chunks=0, z_loss=0.0, scale=1.0)
 
 
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_head_grads_through_the_micro_steps_logits_buffer_are_the_same(chunks):
+    """With the buffer a micro-step claims before its blocks (`head_logits_buffer`: as many rows as the largest chunk,
+    the head's dtype) the loss and both gradients are bit for bit those the head gives allocating its own logits, and
+    the chunks' logits were written there (its bytes changed); a buffer's rows follow the FP8 backward's 16-row
+    chunks too."""
+    from qtrain.kernels.cross_entropy import head_logits_buffer, lm_head_loss_and_grads
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(37, 16, generator=g).to(torch.bfloat16)
+    w = (torch.randn(203, 16, generator=g) * 0.3).to(torch.bfloat16)
+    t = torch.randint(0, 203, (37,), generator=g)
+    want = lm_head_loss_and_grads(h, w, t, chunks=chunks, z_loss=1e-3, scale=0.1)
+    buf = head_logits_buffer(37, w, chunks=chunks)
+    assert buf.shape == (-(-37 // chunks), 203) and buf.dtype == w.dtype
+    buf.fill_(float("nan"))
+    got = lm_head_loss_and_grads(h, w, t, chunks=chunks, z_loss=1e-3, scale=0.1, logits_buffer=buf)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not buf.isnan().any()  # every row of the largest chunk was written
+    head = torch.empty(256, 32)  # 112 rows in three chunks: 37-38 rows each, with FP8's 16-row groups 32, 32, 48
+    assert head_logits_buffer(112, head, chunks=3).shape[0] == 38
+    assert head_logits_buffer(112, head, chunks=3, fp8_backward=True).shape[0] == 48
+    with pytest.raises(ValueError, match="lmhead-chunks"):
+        head_logits_buffer(37, w, chunks=0)
+
+
 # --------------------------------------------------------------------------------- Triton vs twin
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     ia, ib = a.view(torch.int16).to(torch.int32), b.view(torch.int16).to(torch.int32)
