@@ -107,9 +107,10 @@ def lm_head_loss_and_grads(h: torch.Tensor, w: torch.Tensor, targets: torch.Tens
             fp8.chunk_grads(g, g_t, lo, hi, dh, dw, first=first)
             del g, g_t
         else:
-            ls, _, dl = _loss_fn(logits.is_cuda)(logits, targets[lo:hi], z_loss=z_loss, need_grad=need_grad)
-            del _  # the rows' log-sum-exp: not kept into the next chunk
-            del logits  # the CPU's specification returns a new d(logits): the logits go before the GEMMs
+            ls, lse, dl = _loss_fn(logits.is_cuda)(logits, targets[lo:hi], z_loss=z_loss, need_grad=need_grad)
+            # the CPU's specification returns a new d(logits): the logits go before the GEMMs, and the rows'
+            # log-sum-exp is not kept into the next chunk
+            del logits, lse
             if need_grad:
                 _addmm_(dh[lo:hi], dl, w, beta=0, alpha=scale)
                 if dw is not None:
