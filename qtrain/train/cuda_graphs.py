@@ -6,9 +6,11 @@ setting the pace at small sizes (Qwen2.5-0.5B at micro-batch 4 spent 487 of 509 
 
 One graph per phase of a step, at most three: (first, last) of the micro-step decide what the gradient manager
 queues (copy on the first micro-step, SR-add on the others; the last one completes the step's gradients), and
-the graph replays exactly what was queued at capture. A phase's first micro-step runs eagerly on the capture
-stream (warm-up: torch.compile compiles and autotunes, Triton kernels load, cuBLAS gets its workspace for that
-stream); its second is captured and then replayed; later ones replay. Inputs and targets are copied into static
+the graph replays exactly what was queued at capture. The first step runs eagerly on the capture stream (warm-up:
+torch.compile compiles and autotunes, Triton kernels load, cuBLAS gets its workspace for that stream); from the
+second step on, each phase's first micro-step is captured and then replayed, and later ones replay. No warm-up
+runs after a capture: the pool keeps what a capture allocated, so an eager micro-step after one needs a second
+micro-step's memory beside it (an H100 ran out of memory so in step 0 at Qwen2.5-0.5B 32 x 4, session 32). Inputs and targets are copied into static
 buffers first. What must differ between replays of one graph comes from device memory written before the
 replay: the batch (static buffers) and the SR keys (the gradient manager's key table,
 `GradientManager.use_key_table`, refilled by `start_micro_step`).
@@ -25,9 +27,9 @@ a run without graphs (the GPU tests in tests/train/test_cuda_graphs.py compare t
 
 Memory: the graphs share one private memory pool, which holds what one micro-step allocates (its activations,
 gradients on their way to the manager, workspaces): about the peak of a micro-step without graphs, since the
-phases never run at once. The allocator's own cache is emptied before each capture. A micro-step that runs
-eagerly after the capture (another loss scale) allocates outside the pool, so such runs can reserve up to two
-micro-steps' activations; the memory plan assumes the common case (one).
+phases never run at once. The allocator's own cache is emptied before each capture, after the eager first
+step. A micro-step that runs eagerly after the capture (another loss scale or shape) allocates outside the pool, so
+such runs can reserve up to two micro-steps' activations; the memory plan assumes the common case (one).
 
 Scope of this round (`plan.resolution.cuda_graph_blockers`, refused by `check_cuda_graphs` there before the model
 is built when the option is given): one process, replicated weights (fp32 master through a bf16 copy included),
@@ -74,6 +76,7 @@ class MicroStepGraphs:
         self.targets = torch.zeros(batch_shape, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.warm: set[tuple[bool, bool]] = set()  # phases that ran their eager warm-up
+        self.warm_step_done = False  # a whole step ran eagerly: captures may start
         self.loss_scale: float | None = None  # the scale every graph was captured with
         self.captures = self.replays = self.eager_other_scale = self.eager_other_shape = 0
 
@@ -86,8 +89,9 @@ class MicroStepGraphs:
         if not self.fits(inputs, targets):  # the static buffers take one shape: another one runs eagerly
             self.eager_other_shape += 1
             return fn(inputs, targets), False
-        if phase not in self.warm:
+        if phase not in self.warm or not self.warm_step_done:
             self.warm.add(phase)
+            self.warm_step_done = self.warm_step_done or last
             return self._on_stream(fn, inputs, targets), False
         if self.loss_scale is None:
             self.loss_scale = loss_scale
