@@ -310,15 +310,18 @@ class Options:
     suite's 0.5B e4m3 runs with and without it evaluate within 0.25% of each other over 250 steps. Unset (auto): on
     with --matmul-dtype e4m3 unless --recompute-swiglu / --recompute-ffn split the MLP; --no-fp8-swiglu-onepass
     keeps the exact abs-max scales."""
-    fp8_head_backward: bool = False
+    fp8_head_backward: bool | None = None
     """With --matmul-dtype e4m3: run the LM head's two gradient GEMMs (d(hidden) and d(W_head)) in FP8, the
     cross-entropy writing d(logits) straight to e5m2 at a fixed power-of-two scale (and its transpose) and the head
     weight and final hidden states quantized to e4m3 per micro-step; the logits GEMM, and so the loss, stay in the
     model dtype. llm.q keeps the whole head in bf16; the head is ~16% of a Qwen2.5-1.5B e4m3 step. Needs the
     vocabulary and hidden size to be multiples of 16 (cuBLASLt FP8); a micro-batch whose tokens are not a multiple of
     16 runs its head in bf16. Costs memory (the plan counts it): one byte per logit of a chunk, and the e4m3 copies.
-    Measured on an H200: +2.7% (7B, 8 x 8) to +5.5% (0.5B, 64 x 2); off by default for
-    the memory. See docs/precision.md for its fidelity."""
+    Measured on an H200: +2.7% (7B, 8 x 8) to +5.5% (0.5B, 64 x 2); on an H100 at 0.5B 32 x 4 e4m3 ran 1.234x
+    llm.q's bf16 with it, 1.154x without (session 32). Unset (auto): on with --matmul-dtype e4m3 on a CUDA device
+    where the memory plan with it fits with 4% of activations + workspace to spare (as --fp8-keep-transposes,
+    which it goes before), the head is trained (no LoRA) and its shapes allow; --no-fp8-head-backward keeps the
+    head's gradient GEMMs in bf16. See docs/precision.md for its fidelity."""
     delta_rule_precision: str = "auto"
     """Models with Gated DeltaNet layers (Qwen3.5, Qwen3-Next): the precision of the delta rule's products in its
     Triton kernels (CUDA). fp32 = three TF32 tensor-core passes per product, fp32's accuracy (~5e-7 relative); tf32 =

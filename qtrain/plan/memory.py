@@ -370,7 +370,7 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
                 "offload_master": opts.offload_master, "offload_opt_m": opts.offload_opt_m,
                 "offload_opt_v": opts.offload_opt_v, "lmhead_chunks": chunks, "attn_bwd_chunks": attn_chunks,
                 "grad_accumulation": opts.grad_accumulation, "compiled": compiled, "device": device,
-                "fp8_keep_transposes": keep_t}
+                "fp8_keep_transposes": keep_t, "fp8_head_backward": fp8_head_backward}
     breakdown = [{"name": a.name, "bytes": a.nbytes(N), "kept": a.kept, "what": a.what} for a in acts.terms]
     name = model_name or opts.model or "qtrain-tiny"
     return MemoryPlan(model=name, world=world, batch_size=B, seq_len=T, settings=settings, items=items,

@@ -280,7 +280,7 @@ def test_fp8_swiglu_onepass_reaches_the_model_and_trains(tmp_path):
 
 
 def test_fp8_head_backward_reaches_the_model_and_trains(tmp_path):
-    """`--fp8-head-backward`: parsed (off by default), refused without e4m3 (options) and for a vocabulary that is not
+    """`--fp8-head-backward`: parsed (unset: auto, on a CPU off), refused without e4m3 (options) and for a vocabulary that is not
     a multiple of 16 (preflight's model check, before the model is built), handed to the model, counted by the memory
     plan; a CPU run (twin codes, emulated FP8 GEMMs) trains to the e4m3 run's losses within FP8's error: only the
     head's gradients differ (by ~3% of their norm, tests/kernels/test_cross_entropy_fp8.py), so 3 steps at lr 3e-3
@@ -300,7 +300,8 @@ def test_fp8_head_backward_reaches_the_model_and_trains(tmp_path):
     model_dir = str(write_model_dir(tmp_path / "m", tiny_cfg("qwen2", True)))
     args = ["--model", model_dir, "--matmul-dtype", "e4m3"]
     assert options_from_args(parser.parse_args(args + ["--fp8-head-backward"])).fp8_head_backward is True
-    assert options_from_args(parser.parse_args(args)).fp8_head_backward is False
+    assert options_from_args(parser.parse_args(args + ["--no-fp8-head-backward"])).fp8_head_backward is False
+    assert options_from_args(parser.parse_args(args)).fp8_head_backward is None  # auto (tests/plan/test_memory.py)
     base = dict(model=model_dir, from_scratch=True, device="cpu", compile="off", batch_size=2, seq_len=32,
                 grad_accumulation=1, matmul_dtype="e4m3", fp8_policy="all", model_dtype="bf16", seed=3)
     with pytest.raises(OptionsError, match="--fp8-head-backward only applies with --matmul-dtype e4m3"):
@@ -310,6 +311,7 @@ def test_fp8_head_backward_reaches_the_model_and_trains(tmp_path):
         check_model(Options(**{**base, "model": odd_dir}, fp8_head_backward=True))
     cfg = tiny_cfg("qwen2", True)
     plans = [plan_memory(cfg, Options(**base, fp8_head_backward=fh), world=1, device="cpu") for fh in (False, True)]
+    assert Trainer(Options(**base)).model.run.fp8_head_backward is False  # auto: CUDA only
     assert plans[1].item("workspace").device > plans[0].item("workspace").device
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 128, (2, 33), generator=g) for _ in range(3)]

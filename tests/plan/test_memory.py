@@ -512,7 +512,8 @@ def test_fp8_keep_transposes_auto_where_the_plan_fits():
     layer without recompute."""
     cfg = preset("Qwen2.5-3B")
     base = Options(model="Qwen2.5-3B", seq_len=1024, batch_size=32, grad_accumulation=4, opt_m_dtype="bf16",
-                   opt_v_dtype="bf16", matmul_dtype="e4m3", lmhead_chunks=4, persistent_quants=True)
+                   opt_v_dtype="bf16", matmul_dtype="e4m3", lmhead_chunks=4, persistent_quants=True,
+                   fp8_head_backward=False)  # its own auto goes first (the next test)
 
     def plan(o, gib=141, **kw):
         return plan_memory(cfg, o, gpu_memory=None if gib is None else int(gib * GiB), device="cuda", **{
@@ -537,3 +538,33 @@ def test_fp8_keep_transposes_auto_where_the_plan_fits():
     assert not plan(bf16).settings["fp8_keep_transposes"]
     with pytest.raises(ValueError, match="--fp8-keep-transposes"):
         dataclasses.replace(bf16, fp8_keep_transposes=True).validate()
+
+
+def test_fp8_head_backward_auto_where_the_plan_fits_before_the_kept_transposes():
+    """--fp8-head-backward unset: on with e4m3 on a CUDA device where the plan with it fits with AUTO_MARGIN to
+    spare (its bytes: the chunk's e5m2 gradient and the e4m3 copies), decided before --fp8-keep-transposes (the
+    larger gain), which then takes what is left; off where only the plan without it fits with the margin, without
+    a budget, under bf16, under LoRA (a frozen head), or when given off; as given when set."""
+    cfg = preset("Qwen2.5-0.5B")
+    base = Options(model="Qwen2.5-0.5B", seq_len=1024, batch_size=32, grad_accumulation=4, opt_m_dtype="bf16",
+                   opt_v_dtype="bf16", matmul_dtype="e4m3")
+
+    def plan(o, gib=79.18, **kw):
+        return plan_memory(cfg, o, gpu_memory=None if gib is None else int(gib * GiB), device="cuda",
+                           compiled=True, **kw)
+
+    on, off = (plan(dataclasses.replace(base, fp8_head_backward=v, fp8_keep_transposes=False)) for v in (True, False))
+    assert on.device_total > off.device_total  # it costs memory
+    auto = plan(base)
+    assert auto.settings["fp8_head_backward"] and auto.settings["fp8_keep_transposes"]  # 79 GiB: room for both
+    margin = AUTO_MARGIN * (on.item("activations").device + on.item("workspace").device)
+    tight = plan(base, gib=(on.device_total + margin + MiB) / GiB)  # the head fits with its margin, the copies not
+    assert tight.settings["fp8_head_backward"] and not tight.settings["fp8_keep_transposes"]
+    assert tight.device_total == on.device_total
+    between = plan(base, gib=(on.device_total + margin - MiB) / GiB)  # too tight for the head: as before it
+    assert not between.settings["fp8_head_backward"] and between.fits
+    for o, kw in ((base, {"gib": None}), (dataclasses.replace(base, matmul_dtype=""), {}),
+                  (dataclasses.replace(base, lora_rank=8), {}), (dataclasses.replace(base, fp8_head_backward=False), {})):
+        assert not plan(o, **kw).settings["fp8_head_backward"], o
+    assert plan(dataclasses.replace(base, fp8_head_backward=True), gib=(on.device_total + MiB) / GiB).settings[
+        "fp8_head_backward"]  # given: taken without the margin
