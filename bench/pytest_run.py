@@ -3,7 +3,9 @@ suite so that they run in the same device call as the benchmarks and land in the
 
 Parameters: args (pytest arguments, ["-m", "gpu", "tests/"]), isolate (test files run each in a pytest process of
 its own after the main run, which leaves them out: one illegal memory access poisons the CUDA context and fails every
-later test of its process, so new GPU paths run apart), collect_only (false; the dry run collects).
+later test of its process, so new GPU paths run apart), parts (the runs to make: "main" and/or isolated files; default
+every one: a suite splits a run too long for one device call into cases of parts), collect_only (false; the dry run
+collects).
 Result: passed, failed, skipped, errors, deselected, collected (the numbers of pytest's last line), summary.
 A run with failures or errors is a failed case.
 """
@@ -47,9 +49,14 @@ def _pytest(args: list[str], collect_only: bool) -> tuple[dict, list[str], int]:
     return res, bad, fin.returncode
 
 
-def run(args: list[str] = ("-m", "gpu", "tests/"), isolate: list[str] = (), collect_only: bool = False) -> dict:
+def run(args: list[str] = ("-m", "gpu", "tests/"), isolate: list[str] = (), collect_only: bool = False,
+        parts: list[str] | None = None) -> dict:
     marks = [a for i, a in enumerate(args) if a == "-m" or (i and args[i - 1] == "-m")]
-    runs = [[*(a for a in args if a not in isolate), *(f"--ignore={f}" for f in isolate)], *([*marks, f] for f in isolate)]
+    unknown = sorted(set(parts or ()) - {"main", *isolate})
+    if unknown:
+        raise ValueError(f"parts {unknown}: neither 'main' nor an isolated file")
+    runs = [one for name, one in (("main", [*(a for a in args if a not in isolate), *(f"--ignore={f}" for f in isolate)]),
+                                  *((f, [*marks, f]) for f in isolate)) if parts is None or name in parts]
     total: dict = {}
     bad: list[str] = []
     summaries: list[str] = []

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -387,3 +388,25 @@ def test_profile_categories_of_qwen3_5_kernels():
     assert {n: category(n) for n in conv} == dict.fromkeys(conv, "conv")
     others = {n for names in kernels.values() for n in names} - delta - conv
     assert not {n for n in others if category(n) in ("delta-rule", "conv")}
+
+
+def test_pytest_kind_runs_the_parts_asked_and_refuses_unknown_ones(monkeypatch):
+    """`parts` of the pytest kind: the main run leaves every isolated file out, each isolated file runs alone with the
+    marks, and a suite that splits the GPU tests over two calls (gpu-tests-1 and -2) runs each piece once."""
+    from bench import pytest_run
+    calls = []
+    monkeypatch.setattr(pytest_run, "_pytest", lambda args, collect_only: (calls.append(args) or ({"passed": 1}, [], 0)))
+    iso = ["tests/a.py", "tests/b.py"]
+    pytest_run.run(["-m", "gpu", "tests/"], iso)
+    assert calls == [["-m", "gpu", "tests/", "--ignore=tests/a.py", "--ignore=tests/b.py"], ["-m", "gpu", "tests/a.py"],
+                     ["-m", "gpu", "tests/b.py"]]
+    whole, calls[:] = list(calls), []
+    assert pytest_run.run(["-m", "gpu", "tests/"], iso, parts=["main", "tests/a.py"])["passed"] == 2
+    pytest_run.run(["-m", "gpu", "tests/"], iso, parts=["tests/b.py"])
+    assert calls == whole
+    with pytest.raises(ValueError, match=r"parts \['tests/c.py'\]"):
+        pytest_run.run(["-m", "gpu", "tests/"], iso, parts=["tests/c.py"])
+    suite = tomllib.loads((REPO_ROOT / "bench/suites/gpu-tests.toml").read_text())
+    cases = {c["name"]: c["params"] for c in suite["case"]}
+    halves = cases["gpu-tests-1"]["parts"] + cases["gpu-tests-2"]["parts"]
+    assert sorted(halves) == sorted(["main", *cases["gpu-tests"]["isolate"]]) and len(set(halves)) == len(halves)
