@@ -55,8 +55,9 @@ def run(args: list[str] = ("-m", "gpu", "tests/"), isolate: list[str] = (), coll
     unknown = sorted(set(parts or ()) - {"main", *isolate})
     if unknown:
         raise ValueError(f"parts {unknown}: neither 'main' nor an isolated file")
-    runs = [one for name, one in (("main", [*(a for a in args if a not in isolate), *(f"--ignore={f}" for f in isolate)]),
-                                  *((f, [*marks, f]) for f in isolate)) if parts is None or name in parts]
+    main = [*(a for a in args if a not in isolate), *(f"--ignore={f}" for f in isolate)]
+    runs = [one for name, one in (("main", main), *((f, [*marks, f]) for f in isolate))
+            if parts is None or name in parts]
     total: dict = {}
     bad: list[str] = []
     summaries: list[str] = []

@@ -395,7 +395,8 @@ def test_pytest_kind_runs_the_parts_asked_and_refuses_unknown_ones(monkeypatch):
     marks, and a suite that splits the GPU tests over two calls (gpu-tests-1 and -2) runs each piece once."""
     from bench import pytest_run
     calls = []
-    monkeypatch.setattr(pytest_run, "_pytest", lambda args, collect_only: (calls.append(args) or ({"passed": 1}, [], 0)))
+    monkeypatch.setattr(pytest_run, "_pytest",
+                        lambda args, collect_only: (calls.append(args) or ({"passed": 1}, [], 0)))
     iso = ["tests/a.py", "tests/b.py"]
     pytest_run.run(["-m", "gpu", "tests/"], iso)
     assert calls == [["-m", "gpu", "tests/", "--ignore=tests/a.py", "--ignore=tests/b.py"], ["-m", "gpu", "tests/a.py"],
