@@ -99,6 +99,14 @@ class RunResolution:
         """The block linears that run in FP8 (none without e4m3)."""
         return self.fp8.fp8 if self.fp8 is not None else ()
 
+    @property
+    def memory_for_speed_switches(self) -> tuple[str, ...]:
+        """The options that turn off what this run spends device memory on for speed, each where it is on (for an
+        out-of-memory report): the graphs' pool, the FP8 head's copies, the kept e4m3 transposes."""
+        on = (("--no-use-cuda-graphs", self.cuda_graphs), ("--no-fp8-head-backward", self.fp8_head_backward),
+              ("--no-fp8-keep-transposes", self.fp8_keep_transposes))
+        return tuple(flag for flag, used in on if used)
+
     def memory_note(self, given: MemoryPlan | None = None) -> str | None:
         """What --fit-memory changed, as one line for the run's log; None where it changed nothing."""
         if not self.memory_changes:

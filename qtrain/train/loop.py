@@ -260,17 +260,18 @@ def _out_of_memory(step: int, error: BaseException, trainer: Trainer, ckpt_dir: 
     checkpoint (nothing is written: the step's state is half-updated), in the run log too, beside the allocator's
     state (`observe.allocations.allocator_state`: what --debug-log-allocations recorded names the code of each
     allocation)."""
-    fragments = peak = largest = None
+    fragments = peak = largest = pool_free = None
     if trainer.device.type == "cuda":  # the failed step's tensors are still held here (the traceback keeps them)
         fragments = torch.cuda.memory_reserved(trainer.device) - torch.cuda.memory_allocated(trainer.device)
         peak = torch.cuda.max_memory_allocated(trainer.device)
         state = allocator_state(torch.cuda.memory._snapshot())
-        largest = state["largest_free_bytes"]
+        largest, pool_free = state["largest_free_bytes"], state["private_pool_free_bytes"]
         log.log("out_of_memory", step=step, peak_bytes=peak, **state)
     rank = trainer.ctx.rank if trainer.ctx.world > 1 else None
     return _logged(log, out_of_memory(step, error, trainer.run.plan.summary(), fragments,
                                       checkpointing.newest_finite(ckpt_dir), rank=rank, peak=peak,
-                                      largest_free=largest))
+                                      largest_free=largest, pool_free=pool_free,
+                                      switches=trainer.run.memory_for_speed_switches))
 
 
 def _check_finite(guard: NonFiniteGuard, step: int, stats: dict, log: RunLogger, ckpt_dir: str) -> None:

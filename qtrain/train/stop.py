@@ -150,13 +150,16 @@ def checkpoint_on_request(step: int, checkpoint: str) -> str:
 
 def out_of_memory(step: int, error: BaseException, plan: str, fragments: int | None,
                   checkpoint: str | None, rank: int | None = None, peak: int | None = None,
-                  largest_free: int | None = None) -> RunStopped:
+                  largest_free: int | None = None, pool_free: int | None = None,
+                  switches: tuple[str, ...] = ()) -> RunStopped:
     """The report of a step that ran out of device memory. `plan`: the memory plan's summary; `fragments`: bytes the
     allocator held reserved but unallocated when it failed (None: unknown), said only where torch's message does not
     already say it; `peak`: the most bytes the allocator had allocated in the run (its peak against the plan tells a
     wrong plan from fragmentation); `largest_free`: the allocator's largest free block (below the request while
     fragments are larger: the free memory is cut up). Measured on an H200: a plan right about the allocated peak, and
-    8.3% of activations + workspace held in fragments. `rank`: which rank ran out, when there are several."""
+    8.3% of activations + workspace held in fragments. `rank`: which rank ran out, when there are several.
+    `pool_free`: free bytes in CUDA graphs' private pools (only their captures can use them); `switches`: the options
+    that turn off what this run spends memory on for speed (its automatic choices: `--no-use-cuda-graphs`, ...)."""
     gib = 1 << 30
     what = _torch_oom_facts(error)
     frag = (f"; the allocator held {fragments / gib:.2f} GiB reserved but unallocated (fragments): "
@@ -165,13 +168,17 @@ def out_of_memory(step: int, error: BaseException, plan: str, fragments: int | N
     peaked = f"; the allocator's peak in this run: {peak / gib:.2f} GiB allocated" if peak else ""
     if largest_free is not None and fragments:
         peaked += f", its largest free block {largest_free / gib:.2f} GiB"
+    if pool_free:
+        peaked += (f"; {pool_free / gib:.2f} GiB of the free memory sat in CUDA graphs' private pools, which only "
+                   "their captures use")
+    turn_off = "".join(f"{s}, " for s in switches)
     resume = (f"the newest checkpoint is {checkpoint}: resume from it with --continue and one of those changes"
               if checkpoint else "no checkpoint was written yet")
     who = f"rank {rank} ran " if rank is not None else ""
     return RunStopped(f"{who}out of device memory in step {step} ({what}); memory plan "
-                      f"{plan}{frag}{peaked}. Use less: more --lmhead-chunks, a smaller --batch-size with more "
-                      f"--grad-accumulation, --recompute-*, --no-fp8-keep-transposes, or offload (`qtrain plan` "
-                      f"shows each choice's bytes); {resume}", OUT_OF_MEMORY_EXIT, label="out of memory")
+                      f"{plan}{frag}{peaked}. Use less: {turn_off}more --lmhead-chunks, a smaller --batch-size with "
+                      f"more --grad-accumulation, --recompute-*, or offload (`qtrain plan` shows each choice's bytes); "
+                      f"{resume}", OUT_OF_MEMORY_EXIT, label="out of memory")
 
 
 # where torch's out-of-memory message turns from its numbers to its advice (qtrain's report gives its own)

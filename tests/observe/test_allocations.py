@@ -48,9 +48,15 @@ def test_allocator_state_tells_cut_up_free_memory_from_a_full_device():
                                            {"state": "inactive", "size": 5 * gib, "frames": []}]}]}
     state = allocator_state(snap, top=1)
     assert state == {"segments": 2, "reserved_bytes": 18 * gib, "free_bytes": 9 * gib, "largest_free_bytes": 5 * gib,
+                     "private_pool_free_bytes": 0,
                      "allocations": [{"bytes": 6 * gib, "where": "qtrain/kernels/cross_entropy/head.py:72 lm_head"}]}
     assert allocator_state({"segments": []}) == {"segments": 0, "reserved_bytes": 0, "free_bytes": 0,
-                                                 "largest_free_bytes": 0, "allocations": []}
+                                                 "largest_free_bytes": 0, "private_pool_free_bytes": 0,
+                                                 "allocations": []}
+    # the second segment in a CUDA graphs' private pool (session 32: 39.4 GiB free there, only for the captures)
+    snap["segments"][0]["segment_pool_id"] = (0, 0)
+    snap["segments"][1]["segment_pool_id"] = (1, 3)
+    assert allocator_state(snap)["private_pool_free_bytes"] == 5 * gib
 
 
 @pytest.mark.gpu

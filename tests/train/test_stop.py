@@ -207,3 +207,21 @@ def test_the_out_of_memory_report_keeps_torchs_numbers_and_the_peak():
     # a message without torch's numbers (another allocator, an older torch) gets qtrain's own measurement
     short = out_of_memory(2, torch.OutOfMemoryError("out of memory"), "PLAN", 3 * gib, None).args[0]
     assert "the allocator held 3.00 GiB reserved but unallocated" in short and "peak" not in short
+
+
+def test_the_out_of_memory_report_names_the_graphs_pool_and_the_runs_own_switches():
+    """Session 32's H100 message: 39.40 GiB free in a CUDA graphs' private pool. The report says how much of the free
+    memory only the graphs could use and names the switches of what this run spends memory on (a bf16 run is not
+    told about FP8 options it does not use)."""
+    gib = 1 << 30
+    oom = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 304.00 MiB. GPU 0 has a total capacity of 79.18 GiB of which 114.19 MiB "
+        "is free. Including non-PyTorch memory, this process has 79.06 GiB memory in use. Of the allocated memory "
+        "78.09 GiB is allocated by PyTorch, with 39.40 GiB allocated in private pools (e.g., CUDA Graphs), and 158.27 "
+        "MiB is reserved by PyTorch but unallocated.")
+    msg = out_of_memory(0, oom, "PLAN", int(0.16 * gib), None, peak=int(43.1 * gib), largest_free=int(9.27 * gib),
+                        pool_free=int(39.4 * gib), switches=("--no-use-cuda-graphs",)).args[0]
+    assert "39.40 GiB of the free memory sat in CUDA graphs' private pools" in msg
+    assert "Use less: --no-use-cuda-graphs, more --lmhead-chunks" in msg and "fp8" not in msg.lower()
+    bare = out_of_memory(0, oom, "PLAN", None, None).args[0]
+    assert "Use less: more --lmhead-chunks" in bare and "private pools, which" not in bare
