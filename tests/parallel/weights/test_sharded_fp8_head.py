@@ -44,7 +44,6 @@ def results(model_dir):
     return run_distributed(_worker, WORLD, model_dir)
 
 
-@pytest.mark.slow  # two processes, four short runs each
 @pytest.mark.parametrize("base, name", [("replicated", "sharded"), ("zero2", "zero3")])
 def test_sharded_weights_with_the_fp8_head_train_bitwise_like_replicated(results, base, name):
     """Each sharded run against the run of the same gradient reduction (all-reduce; reduce-scatter for zero-level 2
@@ -57,7 +56,6 @@ def test_sharded_weights_with_the_fp8_head_train_bitwise_like_replicated(results
                 assert torch.equal(x["weights"][k], y["weights"][k]), (name, r, s, k)
 
 
-@pytest.mark.slow
 def test_the_fp8_head_ran_its_own_gradients(results):
     """Not vacuous: the FP8 head's weights after training differ from the bf16 head's (its d(W_head) is an FP8
     product), while the first step's loss, computed before any gradient, is the same."""
