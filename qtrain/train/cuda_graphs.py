@@ -46,7 +46,7 @@ import torch
 
 from qtrain.options import Options
 
-__all__ = ["MicroStepGraphs", "status"]
+__all__ = ["GraphSchedule", "MicroStepGraphs", "status"]
 
 MicroStepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -65,6 +65,39 @@ def status(opts: Options, device_type: str, *, on: bool, fp8_linears: bool = Fal
                                  "never comes, run without graphs" if fp8_linears else ""))
 
 
+class GraphSchedule:
+    """How each micro-step runs (module docstring), kept apart from the CUDA calls so that the order is tested on
+    the CPU: "other-shape" and "other-scale" (eagerly, beside the graphs), "warm-up" (eagerly on the capture
+    stream: the whole first step, and a phase first seen later), "capture" (once per phase) or "replay"."""
+
+    def __init__(self) -> None:
+        self.warm: set[tuple[bool, bool]] = set()  # phases that ran their eager warm-up
+        self.warm_step_done = False  # a whole step ran eagerly: captures may start
+        self.captured: set[tuple[bool, bool]] = set()
+        self.loss_scale: float | None = None  # the scale every graph was captured with
+        self.captures = self.replays = self.eager_other_scale = self.eager_other_shape = 0
+
+    def next(self, phase: tuple[bool, bool], *, fits: bool, loss_scale: float) -> str:
+        if not fits:  # the static buffers take one shape: another one runs eagerly
+            self.eager_other_shape += 1
+            return "other-shape"
+        if phase not in self.warm or not self.warm_step_done:
+            self.warm.add(phase)
+            self.warm_step_done = self.warm_step_done or phase[1]
+            return "warm-up"
+        if self.loss_scale is None:
+            self.loss_scale = loss_scale
+        if loss_scale != self.loss_scale:
+            self.eager_other_scale += 1
+            return "other-scale"
+        if phase in self.captured:
+            self.replays += 1
+            return "replay"
+        self.captured.add(phase)
+        self.captures += 1
+        return "capture"
+
+
 class MicroStepGraphs:
     """Captures and replays a micro-step function per phase (see the module docstring)."""
 
@@ -75,10 +108,7 @@ class MicroStepGraphs:
         self.inputs = torch.zeros(batch_shape, dtype=torch.int64, device=device)
         self.targets = torch.zeros(batch_shape, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.warm: set[tuple[bool, bool]] = set()  # phases that ran their eager warm-up
-        self.warm_step_done = False  # a whole step ran eagerly: captures may start
-        self.loss_scale: float | None = None  # the scale every graph was captured with
-        self.captures = self.replays = self.eager_other_scale = self.eager_other_shape = 0
+        self.schedule = GraphSchedule()
 
     def run(self, fn: MicroStepFn, inputs: torch.Tensor, targets: torch.Tensor, *, first: bool, last: bool,
             loss_scale: float) -> tuple[torch.Tensor, bool]:
@@ -86,38 +116,30 @@ class MicroStepGraphs:
         or a replay of its phase's graph. Returns (the micro-step's loss, whether it was a replay: then `fn`
         was not called and the caller tells the gradient manager `replayed()`)."""
         phase = (first, last)
-        if not self.fits(inputs, targets):  # the static buffers take one shape: another one runs eagerly
-            self.eager_other_shape += 1
+        how = self.schedule.next(phase, fits=self.fits(inputs, targets), loss_scale=loss_scale)
+        if how in ("other-shape", "other-scale"):
             return fn(inputs, targets), False
-        if phase not in self.warm or not self.warm_step_done:
-            self.warm.add(phase)
-            self.warm_step_done = self.warm_step_done or last
+        if how == "warm-up":
             return self._on_stream(fn, inputs, targets), False
-        if self.loss_scale is None:
-            self.loss_scale = loss_scale
-        if loss_scale != self.loss_scale:
-            self.eager_other_scale += 1
-            return fn(inputs, targets), False
         self.inputs.copy_(inputs, non_blocking=True)
         self.targets.copy_(targets, non_blocking=True)
-        if phase in self.graphs:
+        if how == "replay":
             graph, loss = self.graphs[phase]
             graph.replay()
-            self.replays += 1
             return loss, True
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):  # synchronizes first
             loss = fn(self.inputs, self.targets)
         self.graphs[phase] = (graph, loss)
-        self.captures += 1
         graph.replay()  # capturing queued nothing: run it
         return loss, False
 
     def summary(self) -> str:
         """One line for the run log: how the micro-steps ran."""
-        return (f"--use-cuda-graphs: {self.captures} graphs captured, {self.replays} micro-steps replayed, "
-                f"{self.eager_other_scale + self.eager_other_shape} run eagerly ({self.eager_other_scale} for another "
-                f"loss scale: masked targets; {self.eager_other_shape} for another micro-batch shape)")
+        s = self.schedule
+        return (f"--use-cuda-graphs: {s.captures} graphs captured, {s.replays} micro-steps replayed, "
+                f"{s.eager_other_scale + s.eager_other_shape} run eagerly ({s.eager_other_scale} for another "
+                f"loss scale: masked targets; {s.eager_other_shape} for another micro-batch shape)")
 
     def fits(self, inputs: torch.Tensor, targets: torch.Tensor) -> bool:
         """Whether a micro-batch has the static buffers' shape (batch size x sequence length)."""
