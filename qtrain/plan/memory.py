@@ -345,7 +345,8 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
     workspace = phases[peak_phase]
     items.append(Item("workspace", device=workspace, kind="workspace", parts=dict(phases),
                       detail=f"largest transient: {peak_phase.replace('_', ' ')} (lm-head {_mib(phases['lm_head'])}, "
-                             f"{chunks} chunk{'s' if chunks > 1 else ''}; block backward "
+                             f"{chunks} chunk{'s' if chunks > 1 else ''}"
+                             f"{', FP8 backward' if fp8_head_backward else ''}; block backward "
                              f"{_mib(phases['block_backward'])})"))
 
     if cuda_graphs and opts.eval_num_steps > 0:  # the graphs keep a private pool; evaluation allocates beside it
