@@ -20,7 +20,11 @@ The loss scale (world / valid targets of the step) is a GEMM alpha inside the LM
 so the bits, against a run without graphs. The graphs are therefore captured for one loss scale, the first one seen,
 which is every step's scale when no targets are masked (pretraining); a micro-step with another scale (masked
 targets) runs eagerly, with the same bits, and is counted in `eager_other_scale`; so does a micro-batch of
-another shape than the first (the static buffers'), counted in `eager_other_shape`.
+another shape than the first (the static buffers'), counted in `eager_other_shape`. Where the graphs are on by
+default (the option unset), the first such micro-step after a capture ends them for the run: the graphs and their
+pool are released and every later micro-step runs eagerly. Masked targets (SFT data with loss masks) change the
+scale almost every step, so the graphs would rarely replay while their pool held a micro-step's memory beside the
+eager micro-steps' own, which the plan does not count. Given (`--use-cuda-graphs`), they stay.
 
 Bits: a replay runs the kernels of the capture on the same buffers, so losses and weights are bitwise those of
 a run without graphs (the GPU tests in tests/train/test_cuda_graphs.py compare them).
@@ -68,9 +72,14 @@ def status(opts: Options, device_type: str, *, on: bool, fp8_linears: bool = Fal
 class GraphSchedule:
     """How each micro-step runs (module docstring), kept apart from the CUDA calls so that the order is tested on
     the CPU: "other-shape" and "other-scale" (eagerly, beside the graphs), "warm-up" (eagerly on the capture
-    stream: the whole first step, and a phase first seen later), "capture" (once per phase) or "replay"."""
+    stream: the whole first step, and a phase first seen later), "capture" (once per phase) or "replay"; with
+    `release_on_eager` (the graphs on by default), "release" for the first other-shape or other-scale micro-step
+    after a capture (the caller drops the graphs and runs it eagerly) and "off" for every one after it."""
 
-    def __init__(self) -> None:
+    def __init__(self, release_on_eager: bool = False) -> None:
+        self.release_on_eager = release_on_eager
+        self.released_at: int | None = None  # the micro-step (counted from 0) that ended the graphs
+        self.micro_steps = 0
         self.warm: set[tuple[bool, bool]] = set()  # phases that ran their eager warm-up
         self.warm_step_done = False  # a whole step ran eagerly: captures may start
         self.captured: set[tuple[bool, bool]] = set()
@@ -78,6 +87,16 @@ class GraphSchedule:
         self.captures = self.replays = self.eager_other_scale = self.eager_other_shape = 0
 
     def next(self, phase: tuple[bool, bool], *, fits: bool, loss_scale: float) -> str:
+        self.micro_steps += 1
+        if self.released_at is not None:
+            return "off"
+        how = self._next(phase, fits=fits, loss_scale=loss_scale)
+        if how.startswith("other-") and self.release_on_eager and self.captured:
+            self.released_at = self.micro_steps - 1
+            return "release"
+        return how
+
+    def _next(self, phase: tuple[bool, bool], *, fits: bool, loss_scale: float) -> str:
         if not fits:  # the static buffers take one shape: another one runs eagerly
             self.eager_other_shape += 1
             return "other-shape"
@@ -101,14 +120,14 @@ class GraphSchedule:
 class MicroStepGraphs:
     """Captures and replays a micro-step function per phase (see the module docstring)."""
 
-    def __init__(self, device: torch.device, batch_shape: tuple[int, int]):
+    def __init__(self, device: torch.device, batch_shape: tuple[int, int], *, release_on_eager: bool = False):
         self.device = device
         self.stream = torch.cuda.Stream(device)  # warm-up and capture stream
         self.pool = torch.cuda.graph_pool_handle()  # shared by the phases: they never run at once
         self.inputs = torch.zeros(batch_shape, dtype=torch.int64, device=device)
         self.targets = torch.zeros(batch_shape, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.schedule = GraphSchedule()
+        self.schedule = GraphSchedule(release_on_eager)
 
     def run(self, fn: MicroStepFn, inputs: torch.Tensor, targets: torch.Tensor, *, first: bool, last: bool,
             loss_scale: float) -> tuple[torch.Tensor, bool]:
@@ -117,7 +136,9 @@ class MicroStepGraphs:
         was not called and the caller tells the gradient manager `replayed()`)."""
         phase = (first, last)
         how = self.schedule.next(phase, fits=self.fits(inputs, targets), loss_scale=loss_scale)
-        if how in ("other-shape", "other-scale"):
+        if how == "release":
+            self.release()
+        if how in ("other-shape", "other-scale", "release", "off"):
             return fn(inputs, targets), False
         if how == "warm-up":
             return self._on_stream(fn, inputs, targets), False
@@ -134,12 +155,22 @@ class MicroStepGraphs:
         graph.replay()  # capturing queued nothing: run it
         return loss, False
 
+    def release(self) -> None:
+        """Drop the graphs and give their pool's memory back (the run goes on eagerly)."""
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        torch.cuda.synchronize(self.device)
+        self.graphs.clear()  # the graphs and their static outputs: the pool's last users
+        self.pool = None
+        torch.cuda.empty_cache()
+
     def summary(self) -> str:
         """One line for the run log: how the micro-steps ran."""
         s = self.schedule
+        ended = (f"; released at micro-step {s.released_at} (another loss scale or shape: masked targets), "
+                 f"{s.micro_steps - s.released_at} micro-steps eagerly since" if s.released_at is not None else "")
         return (f"--use-cuda-graphs: {s.captures} graphs captured, {s.replays} micro-steps replayed, "
                 f"{s.eager_other_scale + s.eager_other_shape} run eagerly ({s.eager_other_scale} for another "
-                f"loss scale: masked targets; {s.eager_other_shape} for another micro-batch shape)")
+                f"loss scale: masked targets; {s.eager_other_shape} for another micro-batch shape){ended}")
 
     def fits(self, inputs: torch.Tensor, targets: torch.Tensor) -> bool:
         """Whether a micro-batch has the static buffers' shape (batch size x sequence length)."""

@@ -137,7 +137,8 @@ class Trainer:
         self.graphs = None
         if run.cuda_graphs:
             self.grads.use_key_table()
-            self.graphs = MicroStepGraphs(self.device, (opts.batch_size, opts.seq_len))
+            self.graphs = MicroStepGraphs(self.device, (opts.batch_size, opts.seq_len),
+                                          release_on_eager=opts.use_cuda_graphs is None)
         self.steps_done = 0  # completed optimizer steps (skipped updates included)
         self.micro = 0  # micro-steps done in the current step
         self._loss = torch.zeros((), dtype=torch.float32, device=self.device)

@@ -178,9 +178,9 @@ def test_key_table_trains_bitwise_like_the_scalar_keys_on_cpu(model_dir):
     assert_bitwise(want, train(tr, 2), "key table on CPU")
 
 
-def simulate(schedule_steps: list[list[tuple[bool, float]]]) -> list[list[str]]:
+def simulate(schedule_steps: list[list[tuple[bool, float]]], release_on_eager: bool = False) -> list[list[str]]:
     """`GraphSchedule`'s answer for each micro-step of each step; a micro-step is (fits, loss scale)."""
-    sched = GraphSchedule()
+    sched = GraphSchedule(release_on_eager)
     out = []
     for micro in schedule_steps:
         n = len(micro)
@@ -210,6 +210,20 @@ def test_schedule_runs_other_shapes_and_scales_eagerly_beside_the_graphs():
                       [(True, 1.0), (True, 1.0)]])
     assert steps == [["warm-up", "other-shape"], ["warm-up", "warm-up"], ["capture", "other-scale"],
                      ["replay", "capture"]]
+
+
+def test_schedule_on_by_default_releases_the_graphs_at_the_first_eager_micro_step_after_a_capture():
+    """Unset (on by default), the first micro-step of another loss scale or shape after a capture ends the graphs:
+    masked targets change the scale nearly every step, so they would rarely replay while their pool held a
+    micro-step's memory beside the eager ones' (not in the plan). Before any capture such a micro-step changes
+    nothing; given, the graphs stay (the test above)."""
+    masked = [[(True, 1.0)] * 2, [(True, 1.0)] * 2, [(True, 0.5)] * 2, [(True, 1.0)] * 2]
+    assert simulate(masked, release_on_eager=True) == [["warm-up"] * 2, ["capture"] * 2, ["release", "off"],
+                                                       ["off", "off"]]
+    early = [[(False, 1.0), (True, 1.0)], [(True, 1.0)] * 2, [(True, 1.0)] * 2, [(True, 1.0)] * 2]
+    assert simulate(early, release_on_eager=True) == [["other-shape", "warm-up"], ["warm-up", "capture"],
+                                                      ["capture", "replay"], ["replay", "replay"]]
+    assert simulate(masked) == [["warm-up"] * 2, ["capture"] * 2, ["other-scale"] * 2, ["replay"] * 2]
 
 
 GPU_CASES = {
@@ -265,6 +279,22 @@ def test_gpu_another_loss_scale_runs_eagerly_with_the_same_bits(model_dir):
 
 @pytest.mark.gpu
 @needs_cuda
+def test_gpu_on_by_default_with_masked_targets_releases_the_graphs_with_the_same_bits(model_dir):
+    """Unset (on: a tiny host-bound model) with masked targets: the graphs are released at the first step of another
+    loss scale, their pool's memory given back, and every step has the bits of a run without graphs."""
+    ctx = DistContext(rank=0, world=1, local_rank=0, device=torch.device("cuda"))
+    want = train(Trainer(options(model_dir, device="cuda", use_cuda_graphs=False), ctx), 6, masked=True)
+    tr = Trainer(options(model_dir, device="cuda"), ctx)
+    assert tr.graphs is not None
+    got = train(tr, 6, masked=True)
+    s = tr.graphs.schedule
+    assert s.released_at is not None and s.captures > 0 and not tr.graphs.graphs, vars(s)
+    assert "released at micro-step" in tr.graphs.summary()
+    assert_bitwise(want, got, "masked, graphs released")
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_gpu_cli_run_with_evaluations_logs_how_the_micro_steps_ran(model_dir, tmp_path, monkeypatch):
     """`qtrain train --use-cuda-graphs` end to end: evaluations and the time breakdown between replayed steps,
     the log says graphs are on and how many micro-steps replayed, and the losses are those of the same run
@@ -299,12 +329,14 @@ def test_gpu_cli_run_with_evaluations_logs_how_the_micro_steps_ran(model_dir, tm
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_unset_runs_graphs_and_another_shape_eagerly_with_the_same_bits(model_dir):
-    """Unset on a tiny model (a host-bound micro-step) the graphs are on; a step of shorter sequences runs
-    eagerly beside them (the static buffers keep their shape) and every step has the bits of a run without."""
+    """Unset on a tiny model (a host-bound micro-step) the graphs are on; a step of shorter sequences (the static
+    buffers keep their shape) releases them, since on by default they end at the first eager micro-step after a
+    capture, and every step has the bits of a run without."""
     ctx = DistContext(rank=0, world=1, local_rank=0, device=torch.device("cuda"))
     want = train(Trainer(options(model_dir, device="cuda", use_cuda_graphs=False), ctx), 5, short=(3,))
     tr = Trainer(options(model_dir, device="cuda"), ctx)
     assert tr.graphs is not None
     got = train(tr, 5, short=(3,))
-    assert tr.graphs.schedule.eager_other_shape == 3 and tr.graphs.schedule.replays > 0, vars(tr.graphs.schedule)
+    s = tr.graphs.schedule
+    assert s.eager_other_shape == 1 and s.released_at == 3 * tr.opts.grad_accumulation and s.replays > 0, vars(s)
     assert_bitwise(want, got, "short step")
