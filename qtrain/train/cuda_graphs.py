@@ -32,8 +32,9 @@ a run without graphs (the GPU tests in tests/train/test_cuda_graphs.py compare t
 Memory: the graphs share one private memory pool, which holds what one micro-step allocates (its activations,
 gradients on their way to the manager, workspaces): about the peak of a micro-step without graphs, since the
 phases never run at once. The allocator's own cache is emptied before each capture, after the eager first
-step. A micro-step that runs eagerly after the capture (another loss scale or shape) allocates outside the pool, so
-such runs can reserve up to two micro-steps' activations; the memory plan assumes the common case (one).
+step. A micro-step that runs eagerly after the capture (another loss scale or shape) allocates outside the pool:
+on by default the graphs end there and their pool is released; given, such runs can reserve up to two micro-steps'
+activations, and the memory plan assumes the common case (one).
 
 Scope of this round (`plan.resolution.cuda_graph_blockers`, refused by `check_cuda_graphs` there before the model
 is built when the option is given): one process, replicated weights (fp32 master through a bf16 copy included),
