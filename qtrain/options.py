@@ -361,11 +361,13 @@ class Options:
     bf16 copy of a block matrix anywhere), the adapters in the model dtype."""
     use_cuda_graphs: bool | None = None
     """Replay each micro-step's forward and backward from CUDA graphs (llm.q's --use-cuda-graphs), one per phase
-    of a step, captured after one eager warm-up micro-step of each: the host stops setting the pace at small
+    of a step, captured in the second step after a first run eagerly: the host stops setting the pace at small
     sizes, same bits. One process, replicated weights, unsharded gradients, no offload, no --persistent-quants
     (train/cuda_graphs.py refuses the rest); refused with --device cpu, no effect without a CUDA device.
     Unset (auto): on where it was measured faster, i.e. on a CUDA device where nothing blocks it, no block
-    linear runs in FP8 and a block's GEMM work per micro-step is at most CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP."""
+    linear runs in FP8 and a block's GEMM work per micro-step is at most CUDA_GRAPHS_AUTO_MAX_BLOCK_GFLOP; then
+    the first micro-step after a capture that must run eagerly (another loss scale: masked targets) releases the
+    graphs and their memory for the rest of the run."""
 
     # ---- Mixture of Experts (qwen3_moe, olmoe, mixtral) ----
     router_z_loss: float = 0.0

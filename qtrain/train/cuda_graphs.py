@@ -45,6 +45,7 @@ run's resolution (`RunResolution.cuda_graphs`) says whether a run uses them.
 """
 from __future__ import annotations
 
+import gc
 from typing import Callable
 
 import torch
@@ -64,8 +65,10 @@ def status(opts: Options, device_type: str, *, on: bool, fp8_linears: bool = Fal
     if device_type != "cuda":
         return "--use-cuda-graphs: no CUDA device, the run does not use CUDA graphs"
     how = "given" if opts.use_cuda_graphs else "auto: one process, a host-bound micro-step, no FP8 linear"
+    ends = ("" if opts.use_cuda_graphs else "; released at the first micro-step after a capture that must run "
+            "eagerly (masked targets: another loss scale)")
     return (f"--use-cuda-graphs ({how}): the micro-steps' forward and backward are captured in CUDA graphs (one "
-            "per phase of a step, after one eager warm-up micro-step of each) and replayed; --no-use-cuda-graphs "
+            f"per phase of a step, after a first step run eagerly) and replayed{ends}; --no-use-cuda-graphs "
             "turns them off" + (". FP8 linears under capture: one cold-compile start hung on the H200; if step 0 "
                                  "never comes, run without graphs" if fp8_linears else ""))
 
@@ -74,15 +77,17 @@ class GraphSchedule:
     """How each micro-step runs (module docstring), kept apart from the CUDA calls so that the order is tested on
     the CPU: "other-shape" and "other-scale" (eagerly, beside the graphs), "warm-up" (eagerly on the capture
     stream: the whole first step, and a phase first seen later), "capture" (once per phase) or "replay"; with
-    `release_on_eager` (the graphs on by default), "release" for the first other-shape or other-scale micro-step
-    after a capture (the caller drops the graphs and runs it eagerly) and "off" for every one after it."""
+    `release_on_eager` (the graphs on by default), "release" for the first micro-step after a capture that must run
+    eagerly (the caller drops the graphs and runs it so) and "off" for every one after it. Captures start after a
+    step whose every micro-step ran as warm-up (one of another shape in the first step leaves it open)."""
 
     def __init__(self, release_on_eager: bool = False) -> None:
         self.release_on_eager = release_on_eager
         self.released_at: int | None = None  # the micro-step (counted from 0) that ended the graphs
         self.micro_steps = 0
         self.warm: set[tuple[bool, bool]] = set()  # phases that ran their eager warm-up
-        self.warm_step_done = False  # a whole step ran eagerly: captures may start
+        self.warm_step_done = False  # a whole step ran as warm-up: captures may start
+        self._step_all_warm = True  # every micro-step of the current step so far ran as warm-up
         self.captured: set[tuple[bool, bool]] = set()
         self.loss_scale: float | None = None  # the scale every graph was captured with
         self.captures = self.replays = self.eager_other_scale = self.eager_other_shape = 0
@@ -91,8 +96,13 @@ class GraphSchedule:
         self.micro_steps += 1
         if self.released_at is not None:
             return "off"
+        if phase[0]:
+            self._step_all_warm = True
         how = self._next(phase, fits=fits, loss_scale=loss_scale)
-        if how.startswith("other-") and self.release_on_eager and self.captured:
+        self._step_all_warm = self._step_all_warm and how == "warm-up"
+        self.warm_step_done = self.warm_step_done or (phase[1] and self._step_all_warm)
+        eager_after_capture = how.startswith("other-") or how == "warm-up"  # a phase first seen after a capture
+        if eager_after_capture and self.release_on_eager and self.captured:
             self.released_at = self.micro_steps - 1
             return "release"
         return how
@@ -103,7 +113,6 @@ class GraphSchedule:
             return "other-shape"
         if phase not in self.warm or not self.warm_step_done:
             self.warm.add(phase)
-            self.warm_step_done = self.warm_step_done or phase[1]
             return "warm-up"
         if self.loss_scale is None:
             self.loss_scale = loss_scale
@@ -162,6 +171,7 @@ class MicroStepGraphs:
         torch.cuda.synchronize(self.device)
         self.graphs.clear()  # the graphs and their static outputs: the pool's last users
         self.pool = None
+        gc.collect()  # as torch.cuda.graph does: a cycle must not keep a graph (and so its pool) alive
         torch.cuda.empty_cache()
 
     def summary(self) -> str:

@@ -210,6 +210,12 @@ def test_schedule_runs_other_shapes_and_scales_eagerly_beside_the_graphs():
                       [(True, 1.0), (True, 1.0)]])
     assert steps == [["warm-up", "other-shape"], ["warm-up", "warm-up"], ["capture", "other-scale"],
                      ["replay", "capture"]]
+    # a middle micro-step of another shape in the first step: the step was not all warm-up, so the second warms up
+    # whole and no warm-up runs after a capture (the reviewer's case: capture, warm-up, capture)
+    middle = simulate([[(True, 1.0), (False, 1.0), (True, 1.0)]] + [[(True, 1.0)] * 3] * 3)
+    assert middle[1] == ["warm-up"] * 3 and middle[2] == ["capture", "capture", "capture"]
+    flat = [how for step in middle for how in step]
+    assert "warm-up" not in flat[flat.index("capture"):]
 
 
 def test_schedule_on_by_default_releases_the_graphs_at_the_first_eager_micro_step_after_a_capture():
@@ -221,8 +227,8 @@ def test_schedule_on_by_default_releases_the_graphs_at_the_first_eager_micro_ste
     assert simulate(masked, release_on_eager=True) == [["warm-up"] * 2, ["capture"] * 2, ["release", "off"],
                                                        ["off", "off"]]
     early = [[(False, 1.0), (True, 1.0)], [(True, 1.0)] * 2, [(True, 1.0)] * 2, [(True, 1.0)] * 2]
-    assert simulate(early, release_on_eager=True) == [["other-shape", "warm-up"], ["warm-up", "capture"],
-                                                      ["capture", "replay"], ["replay", "replay"]]
+    assert simulate(early, release_on_eager=True) == [["other-shape", "warm-up"], ["warm-up", "warm-up"],
+                                                      ["capture", "capture"], ["replay", "replay"]]
     assert simulate(masked) == [["warm-up"] * 2, ["capture"] * 2, ["other-scale"] * 2, ["replay"] * 2]
 
 
@@ -290,6 +296,8 @@ def test_gpu_on_by_default_with_masked_targets_releases_the_graphs_with_the_same
     s = tr.graphs.schedule
     assert s.released_at is not None and s.captures > 0 and not tr.graphs.graphs, vars(s)
     assert "released at micro-step" in tr.graphs.summary()
+    segments = torch.cuda.memory._snapshot()["segments"]
+    assert not [g for g in segments if any(int(i) for i in g.get("segment_pool_id") or (0, 0))], "a pool segment kept"
     assert_bitwise(want, got, "masked, graphs released")
 
 
