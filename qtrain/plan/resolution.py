@@ -376,9 +376,12 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
 
 def plan_for_trainer(trainer: Any, gpu_memory: int | None = None) -> MemoryPlan:
     """The plan of a constructed `Trainer`: the one its run resolved with (budget: the device's total memory on
-    CUDA, none on CPU), or, for another `gpu_memory`, its options planned again for that budget."""
+    CUDA, none on CPU), or, for another `gpu_memory`, its options planned again for that budget, with the choices
+    the model was built with (the FP8 head backward and the kept transposes, which a budget would decide again)."""
     if gpu_memory is None:
         return trainer.run.plan
-    opts = dataclasses.replace(trainer.opts, **dict(trainer.run.memory_changes))
+    run = trainer.run
+    opts = dataclasses.replace(trainer.opts, **dict(run.memory_changes), fp8_head_backward=run.fp8_head_backward,
+                               fp8_keep_transposes=run.fp8_keep_transposes if run.fp8_linears else None)
     return resolve_run(trainer.cfg, opts, world=trainer.ctx.world, device=trainer.device,
                        gpu_memory=gpu_memory, compiled=trainer.run.compile, layout=trainer.layout, fit=False).plan

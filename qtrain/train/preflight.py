@@ -203,6 +203,8 @@ def preflight(opts: Options, *, world: int, local_procs: int | None = None) -> P
         train_pattern, eval_pattern, total = check_data(opts, cfg, world)
         run_id, resume, note, review = check_resume(opts, cfg, world, paths, found,
                                                     train_pattern=train_pattern, total_steps=total)
+        if review is not None and review.pinned:  # the checkpoint's automatic choices that change the numbers
+            run = resolve(dataclasses.replace(opts, **review.pinned), cfg, world)
         check_memory(opts, run, local_procs or world)
     except BaseException:
         lock.release()

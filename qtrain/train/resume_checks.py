@@ -62,6 +62,7 @@ class Review:
     changes: list[Change] = field(default_factory=list)  # accepted, reported one line each
     notes: list[str] = field(default_factory=list)  # what else the resume should say (unchecked records, --new-data)
     finished: str | None = None  # "run X finished at step N; its export is in DIR; nothing to do"
+    pinned: dict[str, Any] = field(default_factory=dict)  # automatic choices taken from the checkpoint's run
 
     def report(self, log: Any) -> None:
         """Into the run log (a `RunLogger`) and onto the console: the notes, then one line per accepted change."""
@@ -181,6 +182,16 @@ def _schedule_problems(meta: Mapping[str, Any], opts: Options, world: int) -> li
                        if k in old and old[k] != getattr(opts, k)]
 
 
+# automatic choices that change the numbers: left unset on `--continue`, each is taken as the checkpoint's run made it
+# (a checkpoint written before the FP8 head backward became auto records it off, then the default)
+PINNED_ON_RESUME = ("fp8_head_backward",)
+
+
+def pinned_choices(old: Mapping[str, Any], opts: Options) -> dict[str, Any]:
+    """The options of PINNED_ON_RESUME that this command leaves unset, with the values the checkpoint's run used."""
+    return {k: old[k] for k in PINNED_ON_RESUME if getattr(opts, k) is None and isinstance(old.get(k), bool)}
+
+
 def review(path: str, meta: Mapping[str, Any], opts: Options, *, world: int, train_pattern: str, total_steps: int,
            out_dir: str) -> Review:
     """Compare this command (`opts` on `world` ranks, its resolved training files and step count) with the
@@ -219,7 +230,8 @@ def review(path: str, meta: Mapping[str, Any], opts: Options, *, world: int, tra
                  else "no position")
         rv.notes.append(f"--new-data: the data position restarts at the start of the training data (the checkpoint "
                         f"was at {where})" + (f"; {', '.join(data_problems)}" if data_problems else ""))
-    skip = set(INVOCATION) | set(MUST_MATCH)
+    rv.pinned = pinned_choices(old, opts)
+    skip = set(INVOCATION) | set(MUST_MATCH) | set(rv.pinned)
     rv.changes = sorted((Change(k, old[k], getattr(opts, k)) for k in Options.field_names() & old.keys()
                          if k not in skip and old[k] != getattr(opts, k)), key=lambda c: c.option)
     if total_steps == step:
