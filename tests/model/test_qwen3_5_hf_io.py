@@ -87,3 +87,18 @@ def test_rope_scaling_survives_export_beside_the_partial_rotary_factor():
     hf = transformers.AutoConfig.for_model(**d).rope_parameters
     assert (hf["rope_type"], hf["factor"], hf["partial_rotary_factor"]) == ("linear", 2.0, cfg.partial_rotary_factor)
     assert config_from_hf_dict(d) == cfg
+
+
+@pytest.mark.parametrize("name,total", [("Qwen3.5-4B", 4e9), ("Qwen3.5-9B", 9e9), ("Qwen3.5-27B", 27e9),
+                                        ("Qwen3.5-35B-A3B", 35e9)])
+def test_presets_build_transformers_models_of_their_names_size(name, total):
+    """The presets' config.json builds transformers' own Qwen3.5 model (meta device) with exactly qtrain's parameter
+    count, within 6% of the size in the model's name (4.21B, 8.95B, 26.90B and 34.66B as written: the names round)."""
+    from qtrain.model.registry import preset
+    from qtrain.model.weights import num_params
+    cfg = preset(name)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf_dict()))
+    assert num_params(cfg) == sum(p.numel() for p in model.parameters())
+    assert abs(num_params(cfg) - total) / total < 0.06
+    assert sum(t == "full_attention" for t in cfg.layer_types) * 4 == cfg.num_hidden_layers  # every 4th layer
