@@ -85,3 +85,16 @@ def test_sharded_weights_are_refused_for_the_hybrid_layers(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--zero-level 3 is not supported for this qwen3_5_text model" in err[0], err
     assert not (root / "ckpt").exists() and not (root / "out").exists()
+
+
+def test_context_parallel_is_refused_for_the_hybrid_layers(tmp_path, capsys):
+    """--context-parallel cuts each sequence over ranks; the Gated DeltaNet recurrence would need its state passed
+    from rank to rank, which is not built: one line naming the option and the model type, exit 2, before the model is
+    built."""
+    root = make_run_root(tmp_path)
+    (root / "model" / "config.json").write_text(json.dumps(_config()))
+    capsys.readouterr()
+    assert main(train_argv(root, steps=2, extra=("--gpus", "2", "--context-parallel", "2"))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--context-parallel 2: model_type 'qwen3_5_text' is not supported yet" in err[0], err
+    assert not (root / "ckpt").exists() and not (root / "out").exists()
