@@ -135,3 +135,15 @@ def test_compiled_context_parallel_with_recompute_trains_as_one_process(packed, 
                          "--recompute-att", compile="on"), cwd=packed, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     _assert_trains_as(packed, name, "one")
+
+
+def test_context_parallel_with_offloaded_optimizer_state_and_residuals_trains_as_one_process(packed):
+    """--context-parallel composes with the offload modes: the Adam moments on the host (`--offload-opt-m`,
+    `--offload-opt-v`, streamed through staging buffers per step) and the residual stream of each block
+    (`--offload-residual` with `--recompute-block`, this rank's half of every row) change where bytes live, not what
+    is computed: the single process's steps, evaluations and exported weights, with the tolerances above."""
+    r = qtrain_run(_argv(packed, "allgather-offload", "--gpus", "2", "--context-parallel", "2",
+                         "--offload-opt-m", "--offload-opt-v", "--offload-residual", "--recompute-block"), cwd=packed,
+                   timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _assert_trains_as(packed, "allgather-offload", "one")
