@@ -1,7 +1,7 @@
 """`qtrain train --gpus 2 --context-parallel 2` from the command line (gloo, CPU, fp32) on a file packed by `qtrain
 tokenize --pack-to`, with --document-masking: each rank holds half of every row, its queries attend inside their
 documents over both ranks' keys (all-gather and ring modes), and the run trains as one process on the same rows;
-a ring run resumed from its own checkpoint is bitwise the run it continues.
+a run resumed from its own checkpoint (either mode) is bitwise the run it continues.
 
 The ranks of a context group read the sequences one process reads (one data-parallel replica), so every step's loss
 and gradient norm, the evaluations and the exported weights match the single process. Tolerances: the split
@@ -10,7 +10,7 @@ instead of one masked call; the gradients summed across ranks), so fp32 agrees t
 1e-4 on the gradient norm, and the weights after 4 AdamW steps per tensor within 1e-4 of the update itself,
 ||w - w_ref|| <= 1e-4 ||w_ref - w0|| (Adam divides each element by its own gradient's RMS, so an element with a tiny
 gradient moves further apart than the gradients do; measured below 3e-5). Resuming is bitwise: the loader's position, the
-weights and the Adam state are restored exactly and the ring computes in a fixed order.
+weights and the Adam state are restored exactly and both modes compute in a fixed order.
 """
 from __future__ import annotations
 
@@ -93,17 +93,18 @@ def test_context_parallel_documents_train_as_one_process(packed, mode):
     _assert_trains_as(packed, mode, "one")
 
 
-def test_context_parallel_ring_resumes_bitwise(packed):
-    if not (packed / "out" / "ring" / "model.safetensors").exists():
-        pytest.skip("needs the ring run of test_context_parallel_documents_train_as_one_process")
-    r = qtrain_run(_argv(packed, "ring-resumed", "--gpus", "2", "--context-parallel", "2", "--context-parallel-mode",
-                         "ring", "--continue", "2", checkpoint_dir=packed / "ckpt" / "ring"), cwd=packed, timeout=400)
+@pytest.mark.parametrize("mode", ["allgather", "ring"])
+def test_context_parallel_resumes_bitwise(packed, mode):
+    if not (packed / "out" / mode / "model.safetensors").exists():
+        pytest.skip(f"needs the {mode} run of test_context_parallel_documents_train_as_one_process")
+    r = qtrain_run(_argv(packed, f"{mode}-resumed", "--gpus", "2", "--context-parallel", "2", "--context-parallel-mode",
+                         mode, "--continue", "2", checkpoint_dir=packed / "ckpt" / mode), cwd=packed, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
-    full = {e["step"]: e for e in _log(packed, "ring")[0]}
-    resumed = {e["step"]: e for e in _log(packed, "ring-resumed")[0]}
+    full = {e["step"]: e for e in _log(packed, mode)[0]}
+    resumed = {e["step"]: e for e in _log(packed, f"{mode}-resumed")[0]}
     assert sorted(resumed) == [2, 3]
     assert all((resumed[k]["loss"], resumed[k]["norm"]) == (full[k]["loss"], full[k]["norm"]) for k in resumed)
-    a, b = (load_file(packed / "out" / n / "model.safetensors") for n in ("ring", "ring-resumed"))
+    a, b = (load_file(packed / "out" / n / "model.safetensors") for n in (mode, f"{mode}-resumed"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
