@@ -94,11 +94,20 @@ def test_pad_to_cuts_long_examples_keeping_eos(tmp_path):
     assert tokens.size == 16 and not mask[4:].any() and (tokens[4:] == tok.eos_id).all()  # hi, yo, EOS, then pads
 
 
-def test_chat_messages_train_the_assistant_turns(tmp_path):
+@pytest.mark.parametrize("spec", ["qwen2", "tokenizer.json"])
+def test_chat_messages_train_the_assistant_turns(tmp_path, spec):
+    """The built-in qwen2 tokenizer (tiktoken) and a tokenizer.json (the `tokenizers` library's added tokens, the
+    path Qwen3.5's and any HF model's own tokenizer takes: `HFTokenizer.special_id`; here the built-in's own
+    export) render the chat the same, its ChatML markers as special tokens."""
     src = write_jsonl(tmp_path / "chat.jsonl", CHATS)
-    assert main(["tokenize", src, "--out-dir", str(tmp_path / "out"), "--tokenizer", "qwen2", "--messages-field",
+    if spec == "tokenizer.json":
+        from qtrain.data.hf_tokenizer import builtin_tokenizer_json
+        (tmp_path / spec).write_text(builtin_tokenizer_json("qwen2"))
+        spec = str(tmp_path / spec)
+    assert main(["tokenize", src, "--out-dir", str(tmp_path / "out"), "--tokenizer", spec, "--messages-field",
                  "messages", "--eval-fraction", "0", "--no-progress", "--workers", "1"]) == 0
-    tok = get_tokenizer("qwen2")
+    tok = get_tokenizer(spec)
+    assert type(tok).__name__ == ("TiktokenTokenizer" if spec == "qwen2" else "HFTokenizer")
     tokens, masks = read_token_file(tmp_path / "out" / "train.bin")
     assert tok.decode(tokens[masks].tolist()) == "".join(
         f"{' '.join(str(k) for k in range(1, i + 1))}<|im_end|>You are welcome.<|im_end|>" for i in range(1, 6))
