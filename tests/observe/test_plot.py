@@ -195,3 +195,42 @@ def test_qtrain_plot_command(tmp_path, capsys):
     assert (tmp_path / "p.png").read_bytes()[:8] == PNG_MAGIC
     assert main(["plot", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "q.png")]) == 2
     assert "cannot read log" in capsys.readouterr().err
+
+
+def test_figure_router_row_for_moe_runs(tmp_path):
+    """An MoE run's log (the router fields of its steps) adds a third row: the load-balancing loss and the router z-loss
+    (raw and smoothed) and the tokens per expert (mean solid, min and max dashed), each against the step; a dense run
+    beside it draws nothing there, and a dense run alone has no third row."""
+    log = RunLogger(tmp_path / "moe.jsonl", stream=io.StringIO())
+    log.log_options({"name": "moe"})
+    for s in range(12):
+        log.log_step(s, step_tokens=256, duration_ms=100.0, norm=1.0, loss=5.0 - 0.1 * s, lr=1e-3,
+                     aux_loss=1.0 + 0.01 * s, router_z_loss=0.5 - 0.01 * s, expert_load_min=10.0 + s,
+                     expert_load_mean=32.0, expert_load_max=60.0 - s)
+    log.close()
+    moe, dense = load_run(tmp_path / "moe.jsonl"), load_run(write_log(tmp_path / "d.jsonl", name="dense", steps=12))
+    assert moe.has_routers and not dense.has_routers
+    fig = build_figure([dense, moe], smooth=3, title="t")
+    try:
+        axes = fig.axes
+        assert len(axes) == 12
+        assert [ax.get_title() for ax in axes[8:11]] == [
+            "load-balancing loss vs step", "router z-loss vs step", "tokens per expert (min / mean / max) vs step"]
+        aux_raw, aux_smooth = axes[8].get_lines()  # the dense run draws none
+        assert list(aux_raw.get_xdata()) == list(range(12)) and list(aux_raw.get_ydata()) == moe.aux_loss
+        assert list(aux_smooth.get_ydata()) == pytest.approx(moving_average(moe.aux_loss, 3))
+        assert list(axes[9].get_lines()[0].get_ydata()) == moe.router_z_loss
+        mean, low, high = axes[10].get_lines()
+        assert list(mean.get_ydata()) == [32.0] * 12 and mean.get_linestyle() == "-"
+        assert list(low.get_ydata()) == moe.expert_load_min and list(high.get_ydata()) == moe.expert_load_max
+        assert low.get_linestyle() == high.get_linestyle() == "--"
+        assert not axes[11].axison
+    finally:
+        import matplotlib.pyplot as plt
+        plt.close(fig)
+    fig = build_figure([dense], smooth=3, title="t")
+    try:
+        assert len(fig.axes) == 8
+    finally:
+        import matplotlib.pyplot as plt
+        plt.close(fig)
