@@ -76,3 +76,8 @@ def test_a_cuda_record_on_any_machine():
     assert not zero3.cuda_graphs and len(zero3.cuda_graph_blockers) == 3 and zero3.gradients == "reduce-scatter"
     cpu = resolve_run(cfg, Options(**base).validate(), device="cpu")
     assert not cpu.compile and not cpu.cuda_graphs and cpu.plan.settings["device"] == "cpu"
+    # what an out-of-memory report tells each run to turn off first: only what that run spends memory on
+    assert auto.fp8_head_backward  # e4m3 on a GPU whose plan fits it, graphs on beside it (no FP8 linear)
+    assert auto.memory_for_speed_switches == ("--no-use-cuda-graphs", "--no-fp8-head-backward")
+    assert every.memory_for_speed_switches == ("--no-fp8-head-backward", "--no-fp8-keep-transposes")
+    assert cpu.memory_for_speed_switches == ()
