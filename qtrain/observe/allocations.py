@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["AllocationRecorder", "allocator_state", "make_allocation_sink", "live_allocations"]
+__all__ = ["AllocationRecorder", "allocator_state", "in_private_pool", "make_allocation_sink", "live_allocations"]
 
 MIB = 1 << 20
 
@@ -51,7 +51,7 @@ def allocator_state(snapshot: dict[str, Any], top: int = 20) -> dict[str, Any]:
     for more), the free bytes of those in private pools (CUDA graphs': only their graphs' captures can use them; an
     H100 step ran out of memory beside 39.4 GiB of them, session 32) and its `top` largest live allocations."""
     segments = snapshot.get("segments", [])
-    free = [(int(b["size"]), _private(seg)) for seg in segments for b in seg.get("blocks", [])
+    free = [(int(b["size"]), in_private_pool(seg)) for seg in segments for b in seg.get("blocks", [])
             if b.get("state") == "inactive"]
     return {"segments": len(segments), "reserved_bytes": sum(int(seg.get("total_size", 0)) for seg in segments),
             "free_bytes": sum(n for n, _ in free), "largest_free_bytes": max((n for n, _ in free), default=0),
@@ -59,7 +59,7 @@ def allocator_state(snapshot: dict[str, Any], top: int = 20) -> dict[str, Any]:
             "allocations": live_allocations(snapshot, 0)[:top]}
 
 
-def _private(segment: dict[str, Any]) -> bool:
+def in_private_pool(segment: dict[str, Any]) -> bool:
     """Whether a snapshot's segment belongs to a private pool (a pool id other than the default (0, 0))."""
     return any(int(i) for i in segment.get("segment_pool_id") or (0, 0))
 

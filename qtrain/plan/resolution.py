@@ -329,7 +329,6 @@ def _resolve(cfg: ModelConfig, opts: Options, *, world: int, device: torch.devic
                master_dtype=opts.effective_master_dtype, grad_accum_dtype=opts.effective_grad_accum_dtype,
                matmul_dtype=matmul, fp8=fp8, block_matmul_dtype=matmul if fp8 is None or fp8.fp8 else "",
                fp8_grad_dtype=opts.gradient_dtype or "e4m3", fp8_swiglu_onepass=swiglu_onepass(opts),
-               fp8_head_backward=bool(opts.fp8_head_backward and matmul == "e4m3"),  # auto: below
                persistent_quants=persistent_quants(cfg, opts, fp8),
                cuda_graphs=cuda_graphs_on(cfg, opts, world=world, device_type=dev.type, fp8=fp8),
                cuda_graph_blockers=tuple(cuda_graph_blockers(opts, world=world)),
@@ -348,7 +347,7 @@ def _resolve(cfg: ModelConfig, opts: Options, *, world: int, device: torch.devic
 
     auto_keep = (opts.fp8_keep_transposes is None and dev.type == "cuda" and use_compile and fp8 is not None
                  and bool(fp8.fp8) and gpu_memory is not None)
-    given_head = run.pop("fp8_head_backward")
+    given_head = bool(opts.fp8_head_backward and matmul == "e4m3")
     heads = (True, False) if auto_head_backward(cfg, opts, dev.type, gpu_memory) else (given_head,)
     for i, head in enumerate(heads):  # the auto head first; the last choice is taken whatever its margin
         last = i == len(heads) - 1

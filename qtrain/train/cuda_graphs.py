@@ -11,8 +11,8 @@ torch.compile compiles and autotunes, Triton kernels load, cuBLAS gets its works
 second step on, each phase's first micro-step is captured and then replayed, and later ones replay. No warm-up
 runs after a capture: the pool keeps what a capture allocated, so an eager micro-step after one needs a second
 micro-step's memory beside it (an H100 ran out of memory so in step 0 at Qwen2.5-0.5B 32 x 4, session 32).
-Inputs and targets are copied into static buffers first. What must differ between replays of one graph comes from device memory written before the
-replay: the batch (static buffers) and the SR keys (the gradient manager's key table,
+Inputs and targets are copied into static buffers first. What must differ between replays of one graph comes from
+device memory written before the replay: the batch (static buffers) and the SR keys (the gradient manager's key table,
 `GradientManager.use_key_table`, refilled by `start_micro_step`).
 
 The loss scale (world / valid targets of the step) is a GEMM alpha inside the LM head's backward
