@@ -195,10 +195,6 @@ def _check_lora(opts: Any, err: Callable[[str], OptionsError]) -> None:
         raise err(f"--lora-alpha must be > 0 (0: the default), got {opts.lora_alpha}")
     if not 0 <= opts.lora_dropout < 1:
         raise err(f"--lora-dropout must be in [0, 1), got {opts.lora_dropout}")
-    if opts.weights_sharded:
-        raise err("--lora-rank with sharded weights (--shard-weights, --zero-level 3) is not supported: a LoRA "
-                  "layer is two groups (frozen base, adapters), sharded weights need one per block; the frozen base "
-                  "needs no master copy to shard (drop the sharding of weights)")
     if opts.expert_parallel > 1:
         raise err("--lora-rank with --expert-parallel is not supported yet: adapters over experts spread across ranks "
                   "are not built (use --expert-parallel 1)")

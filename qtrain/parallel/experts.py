@@ -151,15 +151,17 @@ class ExpertParallel:
     @torch.no_grad()
     def gather_experts(self, params: dict[str, torch.Tensor], layout: FlatLayout) -> dict[str, torch.Tensor]:
         """Every parameter in full (a collective of the token group): the expert stacks gathered from its ranks
-        (rank e's experts are the e-th E/ep of each stack), the others as they are (detached)."""
+        (rank e's experts are the e-th E/ep of each stack; through the replicas' device, then where `params` are:
+        sharded weights' gathered copies are in host memory), the others as they are (detached)."""
         out = {}
+        dev = self.replicas.device
         for g in layout.groups:
             for s in g.segments:
                 p = params[s.name].detach()
                 if g.ep > 1:
-                    full = p.new_empty(self.ep * p.numel())
-                    _all_gather(full, p.contiguous().view(-1), group=self.exchange.group)
-                    p = full.view(self.ep * p.shape[0], *p.shape[1:])
+                    full = torch.empty(self.ep * p.numel(), dtype=p.dtype, device=dev)
+                    _all_gather(full, p.to(dev).contiguous().view(-1), group=self.exchange.group)
+                    p = full.to(p.device).view(self.ep * p.shape[0], *p.shape[1:])
                 out[s.name] = p
         return out
 

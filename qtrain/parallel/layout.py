@@ -14,7 +14,7 @@ its tensor, so a sharded update is bit-identical to an unsharded one).
 What the next families and training modes need, stated here and nowhere else:
   - layers may hold different tensors (a hybrid model's linear- and full-attention layers): each layer's groups
     come from its family's `block_tensors(cfg, layer)`, and nothing assumes that blocks look alike except the
-    sharded weight source, which asks `uniform_block()`;
+    sharded weight source's persistent e4m3 shards, which ask `uniform_block()`;
   - a tensor may name a group of its own within its layer (`TensorSpec.group`: 'block.{l}.X', e.g. adapters);
   - a group may be *frozen* (`FlatLayout(..., frozen=keys)`, `Group.trainable` False): it has weights, but the
     gradient managers, the optimizer and the memory plan allocate nothing for it; `FlatLayout(..., lora=spec)` is
@@ -251,7 +251,7 @@ class FlatLayout:
 
     def uniform_block(self) -> Group:
         """Block 0's group, after checking that every layer is one group with the same tensors at the same offsets:
-        what a consumer that handles one block layout for all layers (the sharded weight source) relies on."""
+        what a consumer that handles one block layout for all layers (persistent e4m3 shards) relies on."""
         first = self.block(0)
         shape = [(s.short, s.start, s.shape) for s in first.segments]
         for layer in range(self.num_layers):

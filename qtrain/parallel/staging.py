@@ -15,8 +15,8 @@ read or write it run on the compute device (llm.q `LLamaModel::update`, referenc
 
 Item i uses slot i % len(slots); a copy moves as many elements as the host tensor has (slots are as large as
 the largest item). Users: the optimizer's offloaded update (three slots, overlapped), the gradient managers'
-offloaded block shards (one slot, the accumulation's scratch) and `ShardedWeights`' offloaded master / e4m3
-shards (slots over the rank's own slice of each gather buffer, `StagingRing.over`).
+offloaded block shards (one slot, the accumulation's scratch). (`ShardedWeights` copies its offloaded shards
+straight into the rank's own slice of each gather buffer.)
 
 Asynchrony. With `overlap` on CUDA, host->device copies run on one side stream and device->host copies on
 another, so PCIe carries both directions at once and a pass costs about one direction's traffic, not the sum.
@@ -29,8 +29,7 @@ i-1 goes back; with two, fetching i+1 into the slot that i-1 is still writing ba
 Without `overlap`, or off CUDA, every copy is a plain stream-ordered copy on the current stream (on the CPU:
 a copy), so the order of the calls is the order of the work and nothing else is needed.
 
-Memory: `StagingRing.bytes(sizes, slots)`, the statement the owners' footprints use; a ring `over` slots it
-does not own costs nothing.
+Memory: `StagingRing.bytes(sizes, slots)`, the statement the owners' footprints use.
 """
 from __future__ import annotations
 
@@ -62,14 +61,6 @@ class StagingRing:
         self._freed: dict[int, torch.cuda.Event] = {}  # item -> its copy-back has finished (d2h stream)
         self._done: torch.cuda.Event | None = None  # the last pass's copy-backs
 
-    @classmethod
-    def over(cls, slots: list[dict[str, torch.Tensor]], *, device: torch.device | str) -> "StagingRing":
-        """A ring over buffers its caller owns (e.g. views into gather buffers): no memory of its own, copies on
-        the current stream."""
-        ring = cls({}, device=device, slots=len(slots), overlap=False)
-        ring.slots = [dict(s) for s in slots]
-        return ring
-
     @staticmethod
     def bytes(sizes: Sizes, slots: int = STAGING_SLOTS) -> int:
         """Device bytes of `slots` slots of `sizes`: the memory statement of a ring, without allocating it."""
@@ -77,7 +68,7 @@ class StagingRing:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes this ring allocated (0 for a ring `over` its caller's buffers)."""
+        """Device bytes this ring allocated."""
         return self._owned
 
     def __contains__(self, name: str) -> bool:

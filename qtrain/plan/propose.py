@@ -14,7 +14,7 @@ from qtrain.model.config import ModelConfig
 from qtrain.options import Options, OptionsError
 from qtrain.plan.fit import head_chunks
 from qtrain.plan.memory import MemoryPlan, run_layout
-from qtrain.plan.resolution import plan_memory
+from qtrain.plan.resolution import plan_memory, sharded_weights_refusal
 from qtrain.plan.step_cost import StepCost, fp8_weight_params, step_cost
 
 MIN_CHUNK_ROWS = 1024  # propose() splits the LM head into chunks of at least this many tokens (GEMM efficiency)
@@ -26,8 +26,8 @@ def _ladder(base: Options, world: int, *, offload_first: bool = False,
     host offload of optimizer state, then sharding (world > 1) and offload of weights and gradients, then
     the block inputs. `offload_first`: the optimizer-state offload before the recomputation of GEMMs (ffn,
     block), which is cheaper when an optimizer step has many micro-steps (see `step_cost`). `shardable` False: the
-    model's blocks are not laid out alike (an MoE model's experts are a layout group of their own), which sharded
-    weights need (`parallel.layout.FlatLayout.uniform_block`), so neither they nor the master's offload are proposed."""
+    run cannot shard its weights (`resolution.sharded_weights_refusal`), so neither they nor the master's offload
+    are proposed."""
     steps: list[tuple[str, dict[str, Any]]] = [("none", {})]
 
     def add(label: str, **flags: Any) -> None:
@@ -87,11 +87,7 @@ def propose(cfg: ModelConfig, base_options: Options, gpu_bytes: int, world: int 
     layout = run_layout(cfg, base_options, world)  # the run's own: LoRA's frozen base, expert parallelism
     kw = dict(world=world, gpu_memory=gpu_bytes, device=device, compiled=compiled, reserve=reserve, layout=layout,
               model_name=model_name)
-    try:
-        layout.uniform_block()
-        shardable = True
-    except ValueError:
-        shardable = False
+    shardable = sharded_weights_refusal(cfg, base_options) is None
     ladders = [_ladder(base_options, world, shardable=shardable),
                _ladder(base_options, world, offload_first=True, shardable=shardable)]
     seqs = _sequences(base_options, {})

@@ -52,7 +52,7 @@ from qtrain.options import Options, OptionsError
 from qtrain.parallel.context import check_context_parallel
 from qtrain.parallel.layout import FlatLayout
 from qtrain.plan.fit import fit_activations
-from qtrain.plan.memory import MemoryPlan, build_plan
+from qtrain.plan.memory import MemoryPlan, build_plan, run_layout
 
 # --use-cuda-graphs unset (auto) turns graphs on up to this much GEMM work per block and micro-step: where the
 # host sets the pace. Measured on one H200, Qwen2.5-0.5B bf16: 366 GFLOP (4 x 1024) 2.90x, 1466 (16 x 1024)
@@ -203,8 +203,7 @@ def check_cuda_graphs(opts: Options, *, world: int, device_type: str) -> None:
 def check_model_support(cfg: ModelConfig, opts: Options, *, device_type: str) -> None:
     """Refuse what this model's structure cannot run yet: --use-cuda-graphs for an MoE model (the tokens each expert
     gets set its grouped GEMMs' row counts anew every micro-step, and a graph replays fixed shapes; `cuda_graphs_on`
-    leaves it off), and sharded weights for blocks not laid out alike (the sharded weight source gathers one block
-    layout; an MoE layer's experts are a layout group of their own, parallel/layout.py); --fp8-experts where the model
+    leaves it off), sharded weights where `sharded_weights_refusal` says why not; --fp8-experts where the model
     has no experts or their GEMMs' sizes are not multiples of 16 (`_check_fp8_experts`); --delta-rule-precision other
     than auto where no layer runs the gated delta rule."""
     if opts.use_cuda_graphs and device_type == "cuda" and cfg.router is not None:
@@ -214,13 +213,27 @@ def check_model_support(cfg: ModelConfig, opts: Options, *, device_type: str) ->
     if opts.fp8_experts:
         _check_fp8_experts(cfg)
     check_delta_rule_precision(opts.delta_rule_precision, cfg)
-    if opts.weights_sharded:
+    if opts.weights_sharded and (why := sharded_weights_refusal(cfg, opts)) is not None:
+        raise OptionsError(f"--shard-weights / --zero-level 3 is not supported for this run: {why}; drop it "
+                           f"(--shard-gradients / --zero-level 2 still shard the gradients and the optimizer state)")
+
+
+def sharded_weights_refusal(cfg: ModelConfig, opts: Options) -> str | None:
+    """Why this run's weights cannot be sharded (parallel/weights/sharded.py), None if they can: its persistent e4m3
+    shards need every block laid out alike (not an MoE layer's expert group, a LoRA layer's adapters or a hybrid
+    model's two kinds of layer); a LoRA base held as e4m3 is replicated; LoRA dropout keys its masks by the adapter's
+    memory, which the sharded blocks' rotating slots share between layers. `qtrain plan` proposes sharded weights only
+    where this is None."""
+    if opts.lora_rank and opts.lora_base_dtype:
+        return f"--lora-base-dtype {opts.lora_base_dtype} holds the frozen base as e4m3 on every rank"
+    if opts.lora_rank and opts.lora_dropout:
+        return "--lora-dropout (each layer's dropout masks are keyed by its adapters, which sharded blocks rotate)"
+    if opts.persistent_quants:
         try:
-            FlatLayout(cfg, 1).uniform_block()
+            run_layout(cfg, opts, 1).uniform_block()
         except ValueError as e:
-            raise OptionsError(f"--shard-weights / --zero-level 3 is not supported for this {cfg.model_type} model "
-                               f"yet: {e}; drop it (--shard-gradients / --zero-level 2 still shard the gradients "
-                               f"and the optimizer state)") from None
+            return f"--persistent-quants with sharded weights keeps e4m3 shards of blocks laid out alike ({e})"
+    return None
 
 
 def _check_fp8_experts(cfg: ModelConfig) -> None:

@@ -116,7 +116,7 @@ class Trainer:
                           quantized=() if self.e4m3_base else run.persistent_quants, offload_quants=opts.offload_quants,
                           weights_dir=self.source.weights_dir, seed=opts.seed,
                           init_proj_to_zero=opts.init_proj_to_zero, adapters=self._adapter_init(opts),
-                          e4m3_base=self.e4m3_base)
+                          e4m3_base=self.e4m3_base, experts=self.experts)
         self.weights, self.params, self.param_buffers, self.sharded_weights = w.source, w.params, w.buffers, w.sharded
         mark("weights")  # the start-up timeline (observe/startup.py): weights made (on CUDA: the context too)
         self.model = Transformer(self.cfg, self._run_options(opts, run))
@@ -320,10 +320,11 @@ class Trainer:
     def full_params(self) -> dict[str, torch.Tensor]:
         """Full (master) parameters by internal name: detached views of the replicated weights, or, with sharded
         weights, gathered copies in host memory -- then a collective that every rank must call."""
-        if self.sharded_weights:
-            return self.weights.gather_full()
+        params = self.weights.gather_full() if self.sharded_weights else self.params
         if self.experts is not None:  # each rank holds E/ep experts: gathered from the token group
-            return self.experts.gather_experts(self.params, self.layout)
+            return self.experts.gather_experts(params, self.layout)
+        if self.sharded_weights:
+            return params
         return {n: p.detach() for n, p in self.params.items()}
 
     def export(self, out_dir: str, *, owner: dict | None = None) -> None:
@@ -364,11 +365,13 @@ class Trainer:
             if src.shape != dst.shape:
                 raise ValueError(f"checkpoint weights[{g.key}]: shape {tuple(src.shape)} != {tuple(dst.shape)}")
             dst.copy_(src)
-            if self.groups.hybrid and not self.sharded_weights:
+            if self.sharded_weights:
+                continue  # the shard is all this rank holds: the next gather reads it
+            if self.groups.hybrid:
                 self.comm.all_gather(self.param_buffers[g.key], dst.clone()).wait()
             elif self.experts is not None:  # an expert group: from the replicas holding the same experts
                 self.experts.comm_of(g, self.comm).all_gather(self.param_buffers[g.key], dst.clone()).wait()
-            elif self.ctx.distributed and not self.sharded_weights:
+            elif self.ctx.distributed:
                 self.ctx.all_gather_into_tensor(self.param_buffers[g.key], dst)
         self.weights.invalidate()
         self.optimizer.load_state_tensors({k: state[k] for k in ("adam.m", "adam.v")}, step)

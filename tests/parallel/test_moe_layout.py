@@ -1,13 +1,16 @@
 """The MoE families' tensors in the flat layout (parallel/layout.py): a routed layer is its block's group (attention,
 norms, router) and a group of its own for the expert stacks, which expert parallelism can split into whole experts
-by rank; a dense layer (Qwen3-MoE's mlp_only_layers) is one group. Sharded weights need blocks alike, so they are not
-proposed for such models (`qtrain plan`)."""
+by rank; a dense layer (Qwen3-MoE's mlp_only_layers) is one group. Sharded weights gather each layer's groups, so
+`qtrain plan` proposes them, except with --persistent-quants (whose e4m3 shards need blocks alike)."""
 from __future__ import annotations
+
+import dataclasses
 
 from qtrain.model.qwen3_moe import Qwen3MoeConfig
 from qtrain.options import Options
 from qtrain.parallel.layout import FlatLayout
 from qtrain.plan.propose import propose
+from qtrain.plan.resolution import sharded_weights_refusal
 
 CFG = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=1e4, num_experts=8,
@@ -30,10 +33,13 @@ def test_routed_layers_hold_their_experts_in_a_group_of_their_own():
         assert all(p.tensor_offset % p.segment.expert_numel == 0 for ps in pieces for p in ps)
 
 
-def test_sharded_weights_are_not_proposed_for_moe_blocks():
+def test_sharded_weights_are_proposed_for_moe_blocks_without_persistent_quants():
+    """The sharded weight source gathers each layer's own groups (the experts' included), so the plan may shard and
+    offload an MoE model's weights; with --persistent-quants (e4m3 shards of blocks alike) it may not."""
     opts = Options(model="x", from_scratch=True, batch_size=1, seq_len=16, grad_accumulation=1)
-    # too small for anything (the CUDA context's reserve alone is 1 GiB): every rung is tried, none shards weights
-    # (before, the sharded weight source's plan raised on the experts' group)
+    # too small for anything (the CUDA context's reserve alone is 1 GiB): every rung is tried, the sharded and
+    # offloaded weights' included (their plan states the experts' group in the gathered slots)
     assert propose(CFG, opts, gpu_bytes=1 << 20, world=2, max_batch=2) == []
-    proposals = propose(CFG, opts, gpu_bytes=2 << 30, world=2, max_batch=2)
-    assert proposals and not any(c.get("shard_weights") or c.get("offload_master") for c, _ in proposals)
+    quants = dataclasses.replace(opts, persistent_quants=True)
+    assert sharded_weights_refusal(CFG, opts) is None
+    assert "block.0.experts" in sharded_weights_refusal(CFG, quants)

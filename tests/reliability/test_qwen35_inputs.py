@@ -74,16 +74,16 @@ def test_multimodal_text_config_of_another_family_is_refused(tmp_path, capsys):
     assert len(err) == 1 and "text_config.model_type 'qwen3_5_moe_text' does not belong to 'qwen3_5'" in err[0]
 
 
-def test_sharded_weights_are_refused_for_the_hybrid_layers(tmp_path, capsys):
-    """--zero-level 3 gathers one block layout; the linear- and full-attention blocks differ: one line, exit 2,
-    before the model is built (--zero-level 2 still shards gradients and optimizer state:
-    tests/train/test_qwen3_5_distributed.py)."""
+def test_persistent_quants_of_sharded_weights_are_refused_for_the_hybrid_layers(tmp_path, capsys):
+    """--zero-level 3 gathers each layer's own groups, but its persistent e4m3 shards need one block layout; the
+    linear- and full-attention blocks differ: one line, exit 2, before the model is built (sharded weights without
+    them train: tests/parallel/weights/test_sharded_layers.py)."""
     root = make_run_root(tmp_path)
     (root / "model" / "config.json").write_text(json.dumps(_config()))
     capsys.readouterr()
-    assert main(train_argv(root, steps=2, extra=("--zero-level", "3"))) == 2
+    assert main(train_argv(root, steps=2, extra=("--zero-level", "3", "--persistent-quants", "--matmul-dtype", "e4m3"))) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--zero-level 3 is not supported for this qwen3_5_text model" in err[0], err
+    assert len(err) == 1 and "--zero-level 3 is not supported for this run: --persistent-quants" in err[0], err
     assert not (root / "ckpt").exists() and not (root / "out").exists()
 
 

@@ -1,6 +1,6 @@
 """LoRA through `qtrain train` (in-process, CPU, fp32, a tiny random HF base): only the adapters train and are
 checkpointed, --continue is bitwise, the exported adapter loads in peft, --lora-merge's model in transformers, both
-with the same logits; two gloo ranks (unsharded and sharded gradient managers) train the same adapters.
+with the same logits; the base sharded and offloaded to the host trains the same adapters; two gloo ranks (unsharded and sharded gradient managers) train the same adapters.
 
 Tolerance of the logits: the merged model computes (W + s B A) x where peft computes W x + s B (A x): fp32
 reassociation, ~1e-6 relative (asserted 1e-4 of the logits' scale).
@@ -67,6 +67,19 @@ def test_adapters_train_resume_bitwise_and_load_in_peft(root):
     for k in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight", "model.norm.weight",
               "model.embed_tokens.weight", "lm_head.weight"):
         assert torch.equal(sd[k], ref[k]), k
+
+
+def test_a_sharded_base_offloaded_to_the_host_trains_the_same_adapters(root):
+    """--zero-level 3 --offload-master (the frozen base's shards in host memory, one layer gathered at a time: a base
+    larger than the GPU) through `qtrain train` in one process: the exported adapter is the replicated run's, bit for
+    bit (a gather is an exact copy), and loads in peft."""
+    assert main(_argv(root, "rep", steps=2)) == 0
+    assert main(_argv(root, "z3", "--zero-level", "3", "--offload-master", steps=2)) == 0
+    want, got = (load_file(root / "out" / n / "adapter_model.safetensors") for n in ("rep", "z3"))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert any(k.endswith("lora_B.weight") and want[k].abs().max() > 0 for k in want)  # trained off zero
+    base = transformers.AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32)
+    peft.PeftModel.from_pretrained(base, str(root / "out" / "z3"))
 
 
 def test_two_gloo_ranks_unsharded_and_sharded_gradients_agree(root):

@@ -7,7 +7,8 @@
                                        model reads `CastWeights`, a copy in the compute dtype (cast.py)
     sharded (ZeRO-3, --shard-weights)  `ShardedWeights`: this rank's shard of every group buffer, blocks
                                        gathered just in time; `quantized` matrices kept as e4m3 shards; with a
-                                       `compute_dtype` the shards are the master and each gather casts them
+                                       `compute_dtype` the trainable shards are the master and each gather casts
+                                       them (frozen ones are kept in the compute dtype)
 
 Filling, group by group: a full group buffer is filled from the HF checkpoint (`weights_dir`) or by the
 from-scratch initialisation, and with sharded weights only this rank's slice of it is kept. Initialisation
@@ -24,6 +25,7 @@ from qtrain.model.hf_io import load_hf_weights
 from qtrain.model.init import init_params
 from qtrain.model.weights import tensor_specs
 from qtrain.parallel.comm import Communicator
+from qtrain.parallel.experts import ExpertParallel
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.weights.cast import CastWeights
 from qtrain.parallel.weights.e4m3_base import E4m3BaseWeights, build_e4m3_base
@@ -56,7 +58,7 @@ def build_weights(layout: FlatLayout, *, comm: Communicator, dtype: torch.dtype,
                   offload_quants: bool = False, weights_dir: str | None = None, seed: int = 0,
                   init_proj_to_zero: bool = False, compute_dtype: torch.dtype | None = None,
                   adapters: Callable[[dict[str, torch.Tensor]], None] | None = None,
-                  e4m3_base: bool = False) -> RankWeights:
+                  e4m3_base: bool = False, experts: ExpertParallel | None = None) -> RankWeights:
     """Allocate and fill this rank's weights (module docstring). dtype: the master weights'; compute_dtype: what
     the model computes with (None: the same); offload: sharded master weights in host memory; quantized: block
     matrices kept as FP8 copies made once per step (offload_quants: sharded ones in host memory); weights_dir:
@@ -65,7 +67,8 @@ def build_weights(layout: FlatLayout, *, comm: Communicator, dtype: torch.dtype,
 
     Frozen groups have no master: with a `compute_dtype` they are kept in it alone, and only the trainable groups
     have a master of `dtype` and a cast copy (a LoRA run's base is never held in fp32). `e4m3_base`: a LoRA layout's
-    frozen base block matrices held only as e4m3 codes (e4m3_base.py; replicated, no separate master)."""
+    frozen base block matrices held only as e4m3 codes (e4m3_base.py; replicated, no separate master). `experts`:
+    expert parallelism, whose expert groups sharded weights gather over their replicas."""
     if e4m3_base:
         if sharded or quantized or (compute_dtype is not None and compute_dtype != dtype) or adapters is None:
             raise ValueError("build_weights: an e4m3 base is a LoRA layout's, replicated, without a separate master")
@@ -75,7 +78,8 @@ def build_weights(layout: FlatLayout, *, comm: Communicator, dtype: torch.dtype,
     cast = compute_dtype is not None and compute_dtype != dtype
     if sharded:  # the shards are the master; each gather casts them to the compute dtype
         source = ShardedWeights(layout, comm=comm, dtype=dtype, device=device, offload=offload,
-                                quantized=quantized, offload_quants=offload_quants, compute_dtype=compute_dtype)
+                                quantized=quantized, offload_quants=offload_quants, compute_dtype=compute_dtype,
+                                experts=experts)
         weights = RankWeights(source, buffers=None, params=None)
     else:
         frozen = [g for g in layout.groups if not g.trainable]

@@ -7,8 +7,11 @@ model's `WeightSource` for `--shard-weights` / `--zero-level 3`:
   persistent, per rank         the shard [r*n/W, (r+1)*n/W) of every group buffer (layout.py), in the model
                                dtype: the master weights; on the device, or in (pinned) host memory with
                                --offload-master
-  block buffers                two full-size block buffers, layer l in buffer l % 2 (double buffering);
-                               with --persistent-quants two 1-byte e4m3 block buffers + the small tensors
+  block buffers                two block slots, layer l in slot l % 2 (double buffering), each as large as
+                               the largest layer: a layer's groups (its own, and those its tensors name: an
+                               MoE layer's experts, a LoRA layer's adapters) gathered back to back, so layers
+                               that differ (a hybrid model's) share the slots; with --persistent-quants (blocks
+                               alike only) two 1-byte e4m3 block buffers + the small tensors
   e4m3 shards                  --persistent-quants: the shard of every block's four matrices in e4m3 (device,
                                or pinned host memory with --offload-quants), made once per weights version
   non-block buffers            one full buffer per non-block group (embed, norm[, lm_head])
@@ -17,8 +20,8 @@ Protocol, as the model drives it (transformer.py): `block(l)` makes sure buffer 
 current weights version (all-gather of the shards, skipped when it already does), starts the gather of the
 *next* layer into the other buffer (one-block prefetch: l+1 while the forward goes up, l-1 while the
 backward comes down), waits for layer l's gather and returns its tensors: views into the buffer that are
-autograd leaves requiring grad, the same objects every time the buffer is handed out (so the backward's
-`block(l)` returns exactly the tensors the forward differentiated). `release_block(l)` is a no-op: the
+autograd leaves (requiring grad unless their group is frozen), made once per layer, so the backward's `block(l)`
+returns exactly the tensors the forward differentiated. `release_block(l)` is a no-op: the
 next gather into a buffer is ordered after all compute queued before it (comm.py's ready events).
 
 Versions. Every buffer records (group, version); `invalidate()` bumps the version after an optimizer update
@@ -44,10 +47,13 @@ etc.) installs its own hooks inside a block, which shadow these there: it keeps 
 reruns steps from the weights dict), so it relies on the same re-gather, without the handle check.
 
 Asynchrony: gathers go through the `Communicator` (CUDA: NCCL on its side stream, the compute stream waits
-at `block(l)`; CPU: gloo async work, the host waits there). With offloaded shards on CUDA the rank's shard
-is first copied host->device into its own slice of the target buffer (on the compute stream, ordered
-before the collective) and gathered in place. `wait_all()` must run before anything writes the shards
+at `block(l)`; CPU: gloo async work, the host waits there); an expert-parallel group's over the ranks holding
+the same experts (`ExpertParallel.comm_of`). With offloaded shards on CUDA the rank's shard is first copied
+host->device into its own slice of the target buffer (on the compute stream, ordered before the collective) and
+gathered in place. `wait_all()` must run before anything writes the shards
 (the optimizer), because an in-flight gather may still read them.
+
+Frozen groups (a LoRA run's base) keep their shards in the compute dtype: they have no master.
 
 Persistent quants (`--persistent-quants`, `quantized=` the four block matrices; llm.q's quantized shards): each
 rank keeps an e4m3 copy of its shard of every block matrix (`persistent_quants.PersistentQuants`, which says how
@@ -83,9 +89,9 @@ from qtrain import host_memory
 from qtrain.kernels.fp8_quant import E4M3
 from qtrain.model.weight_source import FP8_INV_SCALE, FP8_WEIGHT
 from qtrain.parallel.comm import Communicator, Handle
+from qtrain.parallel.experts import ExpertParallel
 from qtrain.parallel.footprint import Footprint
 from qtrain.parallel.layout import FlatLayout, Group
-from qtrain.parallel.staging import StagingRing
 from qtrain.parallel.weights.persistent_quants import PersistentQuants
 
 __all__ = ["ShardedWeights"]
@@ -105,7 +111,6 @@ class _Buffer:
     fp8: dict[str, torch.Tensor] = field(default_factory=dict)
     small: torch.Tensor | None = None
     exchange: torch.Tensor | None = None
-    stage_slot: int = 0  # its slot in `ShardedWeights._staging` (offloaded shards: the rank's own slice of `buf`)
 
 
 @dataclass(frozen=True)
@@ -128,9 +133,11 @@ class ShardedWeights:
 
     def __init__(self, layout: FlatLayout, *, comm: Communicator, dtype: torch.dtype,
                  device: torch.device | str, offload: bool = False, quantized: tuple[str, ...] = (),
-                 offload_quants: bool = False, compute_dtype: torch.dtype | None = None):
-        """dtype: the shards' (the master); compute_dtype: the gathered weights' (None: the same; bf16 under fp32
-        master shards, which each gather casts into the rank's own slice of the buffer first);
+                 offload_quants: bool = False, compute_dtype: torch.dtype | None = None,
+                 experts: ExpertParallel | None = None):
+        """dtype: the trainable shards' (the master); compute_dtype: the gathered weights' and the frozen groups'
+        shards (None: the same; bf16 under fp32 master shards, which each gather casts into the rank's own slice of
+        the buffer first); experts: expert parallelism (an expert group's shards gathered over its replicas);
         quantized: block matrices kept as persistent e4m3 shards (--persistent-quants: the four linears);
         offload_quants: those shards in (pinned) host memory."""
         if layout.world != comm.world:
@@ -147,31 +154,33 @@ class ShardedWeights:
         self.rank, self.world = comm.rank, comm.world
         self.num_layers = layout.cfg.num_hidden_layers
         self.offload = offload
+        self.experts = experts
         pin = offload and torch.cuda.is_available()
         shard_device = torch.device("cpu") if offload else self.device
         self.shards: dict[str, torch.Tensor] = {
-            g.key: host_memory.zeros(g.shard_size(self.world), dtype, shard_device, pin=pin)
+            g.key: host_memory.zeros(g.shard_size(self.world), dtype if g.trainable else self.compute_dtype,
+                                     shard_device, pin=pin)
             for g in layout.groups}
         self.quants = (PersistentQuants(layout, tuple(quantized), rank=self.rank, world=self.world,
                                          dtype=self.compute_dtype,
                                          device=self.device, offload=offload_quants)
                        if quantized and self.num_layers else None)
         self.offload_quants = offload_quants
-        slots, g = min(2, self.num_layers), layout.uniform_block() if self.num_layers else None  # alike, all layers
-        self._blocks = [self._quant_buffer(g) if self.quants else self._buffer(g.padded_numel, g, block=True)
-                        for _ in range(slots)]
-        self._non_block = {g.key: self._buffer(g.padded_numel, g, block=False) for g in layout.non_block_groups()}
+        self._parts = self.layer_parts(layout, uniform=self.quants is not None)
+        slots = min(2, self.num_layers)
+        if self.quants:
+            self._blocks = [self._quant_buffer(layout.uniform_block()) for _ in range(slots)]
+            self._views = [self._blocks[i % slots].views for i in range(self.num_layers)]
+        else:
+            n = self.slot_numel(layout)
+            self._blocks = [_Buffer(b, {}, storages=frozenset({b.untyped_storage().data_ptr()}))
+                            for b in (torch.zeros(n, dtype=self.compute_dtype, device=self.device)
+                                      for _ in range(slots))]
+            self._views = [self._layer_views(self._blocks[i % slots].buf, i) for i in range(self.num_layers)]
+        self._non_block = {g.key: self._buffer(g.padded_numel, g) for g in layout.non_block_groups()}
         # host shards (master with `offload` on a GPU, e4m3 codes with `offload_quants`) are copied into the rank's
-        # own slice of the target buffer before the gather: one staging slot per buffer, views, no memory of its own
+        # own slice of the target buffer before the gather (`_stage`)
         self._staged = offload and self.device.type != "cpu"
-        buffers = [(b, self.layout.block(0)) for b in self._blocks] + [
-            (self._non_block[g.key], g) for g in layout.non_block_groups()]
-        own = []
-        for i, (b, g) in enumerate(buffers):
-            b.stage_slot = i
-            lo, hi = g.shard_range(self.rank, self.world)
-            own.append({"shard": b.buf[lo:hi]})
-        self._staging = StagingRing.over(own, device=self.device)
         self.version = 0
         self.gathers = 0  # block / group gathers issued: what the skip logic saves
         self.gathered_bytes = {"block": 0, "block_fp8": 0, "block_small": 0, "non_block": 0}  # all-gather outputs
@@ -179,12 +188,45 @@ class ShardedWeights:
         self._dir = 1
         self._saving = 0
 
-    def _buffer(self, n: int, group: Group, *, block: bool) -> _Buffer:
+    @staticmethod
+    def layer_parts(layout: FlatLayout, *, uniform: bool = False) -> list[list[tuple[Group, int]]]:
+        """Per layer, its groups and where each starts in a block slot (back to back, in `layer_groups` order).
+        `uniform`: only layers of one group laid out alike (what persistent quants handle), else a ValueError."""
+        if uniform:
+            layout.uniform_block()
+        out = []
+        for layer in range(layout.cfg.num_hidden_layers):
+            parts, off = [], 0
+            for g in layout.layer_groups(layer):
+                parts.append((g, off))
+                off += g.padded_numel
+            out.append(parts)
+        return out
+
+    @classmethod
+    def slot_numel(cls, layout: FlatLayout) -> int:
+        """Elements of one block slot: the largest layer's groups, back to back."""
+        return max((sum(g.padded_numel for g, _ in parts) for parts in cls.layer_parts(layout)), default=0)
+
+    def _layer_views(self, buf: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
+        """Layer `layer`'s tensors as leaf views into a block slot (short name -> view), made once."""
+        views = {}
+        for g, off in self._parts[layer]:
+            for s in g.segments:
+                a = off + s.start
+                views[s.short] = buf[a:a + s.numel].view(s.shape).requires_grad_(g.trainable)
+        return views
+
+    def _comm(self, group: Group) -> Communicator:
+        """The communicator of `group`'s gathers: the expert replicas' for an expert-parallel group."""
+        return self.experts.comm_of(group, self.comm) if self.experts is not None else self.comm
+
+    def _buffer(self, n: int, group: Group) -> _Buffer:
+        """A non-block group's gather target (views by full name)."""
         buf = torch.zeros(n, dtype=self.compute_dtype, device=self.device)
         views = {}
         for s in group.segments:
-            name = s.short if block else s.name
-            views[name] = buf[s.start:s.start + s.numel].view(s.shape).requires_grad_(group.trainable)
+            views[s.name] = buf[s.start:s.start + s.numel].view(s.shape).requires_grad_(group.trainable)
         return _Buffer(buf, views, storages=frozenset({buf.untyped_storage().data_ptr()}))
 
     def _quant_buffer(self, group: Group) -> _Buffer:
@@ -207,24 +249,27 @@ class ShardedWeights:
         return _Buffer(codes, views, storages=storages, fp8=fp8, small=small, exchange=exchange)
 
     # ---- gathers ----
-    def _gather(self, b: _Buffer, group: Group) -> None:
-        """Start gathering `group` into `b` unless `b` already holds it at the current version."""
-        if b.key == group.key and b.version == self.version:
+    def _gather(self, b: _Buffer, key: str, parts: list[tuple[Group, int]]) -> None:
+        """Start gathering the groups `parts` (group, offset in `b`), together `key` (a non-block group's key, or
+        layer l's 'block.l'), into `b` unless it already holds them at the current version."""
+        if b.key == key and b.version == self.version:
             return
         self._wait(b)  # a gather of another group into this buffer may still be in flight
         with torch.no_grad():
             if b.fp8:
-                self._gather_quantized(b, group)
+                self._gather_quantized(b, parts[0][0])
             else:
-                shard = self.shards[group.key]
-                if self._staged:
-                    shard = self._stage(b, group, shard)
-                elif shard.dtype != b.buf.dtype:  # fp32 master: cast into the rank's own slice, gather in place
+                for group, off in parts:
+                    target = b.buf[off:off + group.padded_numel]
+                    shard = self.shards[group.key]
                     lo, hi = group.shard_range(self.rank, self.world)
-                    shard = b.buf[lo:hi].copy_(shard)
-                b.pending = [self.comm.all_gather(b.buf, shard)]
-                self.gathered_bytes["block" if group.layer is not None else "non_block"] += _nbytes(b.buf)
-        b.key, b.version = group.key, self.version
+                    if self._staged:
+                        shard = self._stage(target[lo:hi], shard)
+                    elif shard.dtype != target.dtype:  # fp32 master: cast into the rank's own slice, gather in place
+                        shard = target[lo:hi].copy_(shard)
+                    b.pending.append(self._comm(group).all_gather(target, shard))
+                    self.gathered_bytes["block" if group.layer is not None else "non_block"] += _nbytes(target)
+        b.key, b.version = key, self.version
         self.gathers += 1
 
     def _gather_quantized(self, b: _Buffer, group: Group) -> None:
@@ -236,7 +281,8 @@ class ShardedWeights:
             q.refresh(self.shards, self.version, self.comm)
         codes = q.codes[group.key]
         if q.staged:
-            codes = self._stage(b, group, codes)
+            lo, hi = group.shard_range(self.rank, self.world)
+            codes = self._stage(b.buf[lo:hi], codes)
         b.pending = [self.comm.all_gather(b.buf, codes)]
         own_slot = b.exchange[self.rank * q.slot:(self.rank + 1) * q.slot]
         shard = self.shards[group.key]
@@ -247,11 +293,11 @@ class ShardedWeights:
         self.gathered_bytes["block_fp8"] += _nbytes(b.buf)
         self.gathered_bytes["block_small"] += _nbytes(b.exchange)
 
-    def _stage(self, b: _Buffer, group: Group, host_shard: torch.Tensor) -> torch.Tensor:
-        """Copy an offloaded (host) shard of `group` into this rank's own slice of the gather buffer (stream-ordered,
+    @staticmethod
+    def _stage(own: torch.Tensor, host_shard: torch.Tensor) -> torch.Tensor:
+        """Copy an offloaded (host) shard into this rank's own slice `own` of its gather buffer (stream-ordered,
         before the collective) and return that slice: the all-gather then runs in place, from device memory."""
-        self._staging.fetch(b.stage_slot, {"shard": host_shard})
-        return self._staging.acquire(b.stage_slot)["shard"]
+        return own.copy_(host_shard, non_blocking=True)
 
     @staticmethod
     def _wait(b: _Buffer) -> None:
@@ -272,9 +318,9 @@ class ShardedWeights:
         self.version += 1
         if prefetch:
             for g in self.layout.non_block_groups():
-                self._gather(self._non_block[g.key], g)
+                self._gather(self._non_block[g.key], g.key, [(g, 0)])
             if self.num_layers:
-                self._gather(self._blocks[0], self.layout.block(0))
+                self._gather_block(0)
 
     # ---- WeightSource ----
     def block(self, layer: int) -> dict[str, torch.Tensor]:
@@ -293,23 +339,28 @@ class ShardedWeights:
         else:  # going down, unless a new forward-only pass starts over at layer 0
             d = 1 if (layer == 0 and prev == self.num_layers - 1) else -1
         self._prev, self._dir = layer, d
-        b = self._blocks[layer % len(self._blocks)]
-        self._gather(b, self.layout.block(layer))
+        b = self._gather_block(layer)
         nxt = layer + d
         if 0 <= nxt < self.num_layers and nxt % len(self._blocks) != layer % len(self._blocks):
-            self._gather(self._blocks[nxt % len(self._blocks)], self.layout.block(nxt))
+            self._gather_block(nxt)
         self._wait(b)
         if not b.fp8:
-            return b.views
+            return self._views[layer]
         out = dict(b.views)
         for n, inv in zip(self.quants.names, self.quants.inv_scales[layer]):
             out[FP8_WEIGHT.format(n)], out[FP8_INV_SCALE.format(n)] = b.fp8[n], inv
         return out
 
+    def _gather_block(self, layer: int) -> _Buffer:
+        """Start gathering layer `layer` into its slot (unless there already); the slot."""
+        b = self._blocks[layer % len(self._blocks)]
+        self._gather(b, self.layout.block(layer).key, self._parts[layer])
+        return b
+
     def non_block(self) -> dict[str, torch.Tensor]:
         groups = self.layout.non_block_groups()
         for g in groups:
-            self._gather(self._non_block[g.key], g)
+            self._gather(self._non_block[g.key], g.key, [(g, 0)])
         out = {}
         for g in groups:
             b = self._non_block[g.key]
@@ -370,8 +421,9 @@ class ShardedWeights:
         self.wait_all()
         buffers = {}
         for g in self.layout.groups:
-            full = torch.empty(g.padded_numel, dtype=self.dtype, device=self.device)
-            self.comm.all_gather(full, self.shards[g.key].to(self.device)).wait()
+            shard = self.shards[g.key]
+            full = torch.empty(g.padded_numel, dtype=shard.dtype, device=self.device)
+            self._comm(g).all_gather(full, shard.to(self.device)).wait()
             buffers[g.key] = full.cpu()
         return self.layout.views(buffers)
 
@@ -380,8 +432,9 @@ class ShardedWeights:
     def footprint_of(layout: FlatLayout, *, dtype: torch.dtype, offload: bool = False,
                      quantized: tuple[str, ...] = (), offload_quants: bool = False,
                      compute_dtype: torch.dtype | None = None) -> Footprint:
-        """Bytes of persistent weight state per rank, by buffer kind, without allocating it: the model-dtype
-        `shards` (the master; host with `offload`), two full `block_buffers` and the `non_block_buffers`. With
+        """Bytes of persistent weight state per rank, by buffer kind, without allocating it: the `shards` (the master,
+        frozen groups' in the compute dtype; host with `offload`), two `block_buffers` slots and the
+        `non_block_buffers`. With
         persistent quants (`quantized`) the block buffers are only the small tensors, their exchange slots and
         the matrices' one-element leaves (+ the int64 `small_index` that unpacks the exchange); `quant_buffers`
         are the two e4m3 block buffers, `quant_shards` the e4m3 shards (host with `offload_quants`),
@@ -389,7 +442,8 @@ class ShardedWeights:
         same)."""
         E, world, L = (compute_dtype or dtype).itemsize, layout.world, layout.cfg.num_hidden_layers
         slots = min(2, L)
-        parts = {"shards": sum(g.shard_size(world) for g in layout.groups) * dtype.itemsize,
+        parts = {"shards": sum(g.shard_size(world) * (dtype if g.trainable else compute_dtype or dtype).itemsize
+                               for g in layout.groups),
                  "non_block_buffers": sum(g.padded_numel for g in layout.non_block_groups()) * E}
         host = {"shards"} if offload else set()
         if quantized and L:
@@ -402,7 +456,7 @@ class ShardedWeights:
             parts.update(q.parts)
             host |= q.host_keys
         else:
-            parts["block_buffers"] = slots * (layout.uniform_block().padded_numel if L else 0) * E
+            parts["block_buffers"] = slots * ShardedWeights.slot_numel(layout) * E
         return Footprint(parts, frozenset(host))
 
     def footprint(self) -> Footprint:
