@@ -177,6 +177,9 @@ class ActivationSettings:
     fp8_experts: bool = False  # --fp8-experts: the expert GEMMs keep e4m3 inputs and row scales (model/moe_block.py)
     delta_rule_kernels: bool = False  # Gated DeltaNet's convolution and delta rule run as their op pairs (CUDA with
     # Triton: `kernels.delta_rule.op_pairs_on`), which keep their inputs only, not the twins' chunk buffers
+    expert_parallel: int = 1  # --expert-parallel: an MoE layer's experts keep the rows the token exchange brought
+    # them, planned at the worst case (`moe.max_received_rows`) unless `balanced_experts` (the plan's comparison)
+    balanced_experts: bool = False
 
     def lin_of(self, matrix: str) -> bool:
         """Whether a block linear of `matrix` keeps its (model-dtype) input: for its weight's gradient, or over a

@@ -24,6 +24,10 @@ Memory kept for backward besides the dense MLP's kinds of tensors: xs (N*k, C), 
 (N*k, C) in the activation dtype (with `fp8`, the GEMMs keep e4m3 copies of xs and a plus an fp32 scale per row
 instead), the routing (N, E) fp32 probabilities, and the permutation indices
 (2 x N*k int64). Imbalance changes none of these sizes: dropless routing fixes the row count at N*k.
+With expert parallelism (`exchange`) xs, h and a are the rows this rank's experts received (M of them, plus the
+exchange's two int64 row orders), which imbalance does change: at most `max_received_rows`, ep*N*min(k, E/ep), when
+every token of the token group picks experts of one rank (balanced routing: M = N*k); ys and the indices stay
+this rank's own N*k rows (the combine's).
 
 LoRA on the experts (`adapter`, model/lora/adapter.py `LoraAdapter.expert_term`): steps 3 and 5 add the adapter
 term of their stack for the rows they multiply, h += s B_e A_e xs_g, inside the same step (a recomputed 'up' step
@@ -45,8 +49,8 @@ from qtrain.model.layers import swiglu_fused
 from qtrain.model.moe_router import RouterStats, route, router_stats
 from qtrain.model.recompute import run_step
 
-__all__ = ["EXPERTS_DOWN", "EXPERTS_UP_GATE", "ExpertAdapter", "ExpertExchange", "MoEOutput", "moe_forward",
-           "permuted_up"]
+__all__ = ["EXPERTS_DOWN", "EXPERTS_UP_GATE", "ExpertAdapter", "ExpertExchange", "MoEOutput", "max_received_rows",
+           "moe_forward", "permuted_up"]
 
 EXPERTS_UP_GATE, EXPERTS_DOWN = "experts_up_gate", "experts_down"  # the expert stacks' names (module docstring)
 # (stack name, its input rows grouped by expert, the int32 row ends) -> the adapter's term (rows, out), or None
@@ -60,6 +64,14 @@ def _expert_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, name: 
     y = (fp8_expert_linear if fp8 else expert_linear)(x, w, offsets)
     delta = adapter(name, x, offsets) if adapter is not None else None
     return y if delta is None else y + delta
+
+
+def max_received_rows(tokens: int, *, top_k: int, num_experts: int, ep: int) -> int:
+    """The most rows one rank's experts can receive in a layer when each of the ep ranks of its token group routes
+    `tokens` tokens: a token's k experts are distinct, so at most min(k, E/ep) of them live on one rank, and dropless
+    routing sends every such row (no capacity cuts it). ep 1: N*k whatever the imbalance; balanced routing gives N*k
+    under any ep (the memory plan's worst and balanced cases)."""
+    return ep * tokens * min(top_k, num_experts // ep)
 
 
 class MoEOutput(NamedTuple):

@@ -26,7 +26,9 @@ the fp32 routing (softmax probabilities E, ids and combine weights k, logsumexp 
 the permuted input (k C), the up/gate output (2 k F), the SwiGLU output (k F) and the experts' outputs (k C), and per
 layer the expert offsets (E int32). Dropless routing fixes every row count at N k however unevenly the tokens spread
 over the experts, so the worst-case imbalance keeps what the balanced case keeps (what a capacity-bounded router would
-add, a padded (E, capacity, C) buffer, does not exist here).
+add, a padded (E, capacity, C) buffer, does not exist here). With expert parallelism it does not: the permuted input,
+the up/gate and SwiGLU outputs are the rows this rank's experts received (plus the exchange's two int64 row orders),
+planned at the worst case r = ep min(k, E/ep) rows per token (`moe.max_received_rows`; balanced routing: k).
 
 Dimension letters: B batch, T sequence, C hidden, E experts, k experts per token, F an expert's intermediate size.
 """
@@ -37,7 +39,7 @@ import torch
 from qtrain.model.family import ActTerm, ActivationSettings, BlockFn, BlockOptions, MatmulSpec
 from qtrain.model.llama import block as llama_block
 from qtrain.model.llama.block import LlamaBlock, Prenorm, Step, _Saved
-from qtrain.model.moe import EXPERTS_DOWN, EXPERTS_UP_GATE, moe_forward
+from qtrain.model.moe import EXPERTS_DOWN, EXPERTS_UP_GATE, max_received_rows, moe_forward
 from qtrain.model.moe_config import MoeConfig
 from qtrain.model.moe_router import record_router_stats, with_router_grads
 
@@ -93,25 +95,40 @@ class MoeBlock(LlamaBlock):
         The down GEMM quantizes the SwiGLU output outside the 'swiglu' step, so --recompute-swiglu does not drop its
         e4m3 copy (only --recompute-block does); the up GEMM's copy is made inside the 'up' step, which
         --recompute-ffn drops. Compiled, the partitioner rebuilds the down GEMM's copy from the up/gate output (kept
-        for SwiGLU's backward anyway), so it keeps none of it; the rest as eager (measured on the CPU)."""
+        for SwiGLU's backward anyway), so it keeps none of it; the rest as eager (measured on the CPU).
+        Expert parallelism (`expert_parallel`): the permuted input, up/gate and SwiGLU outputs hold the r rows per
+        token this rank's experts received (`expert_rows`: the worst case), and the exchange keeps two row orders
+        (received <-> expert-major, r int64 each); the experts' outputs, the permutation and the routing stay the
+        rank's own k rows, the offsets per layer its E/ep experts'. The 'up' step is then the local up/gate GEMM
+        alone, whose input, the received rows, --recompute-ffn keeps to rerun it (measured eager on the CPU, gloo)."""
         cfg, Eb, rc, blk, compiled = a.cfg, a.E, a.rc, a.blk, a.s.compiled
         C, F, X, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
         weights = 8 * k + 4 if cfg.norm_topk_prob else 4 * k
+        ep, r = a.s.expert_parallel, expert_rows(cfg, a.s)  # r: rows per token after the exchange (k without it)
         # the experts' GEMMs keep their inputs for their weights' gradients, or over a frozen base for the experts'
         # adapters that read them (their A's grouped GEMM holds the same tensor); in FP8 an e4m3 copy and row scales
         fp8 = a.s.fp8_experts and not a.s.frozen_base
-        up_in, down_in = ((k * (width + 4) if fp8 else (Eb if a.s.lin_of(m) else 0) * k * width)
+        up_in, down_in = ((r * (width + 4) if fp8 else (Eb if a.s.lin_of(m) else 0) * r * width)
                           for m, width in (("experts_up_gate", C), ("experts_down", F)))
+        if ep > 1 and "ffn" in rc:  # the recomputed 'up' step keeps its input, the received rows
+            up_in = Eb * r * C
         kept = "e4m3 + row scales" if fp8 else "model dtype"
+        rows = "k rows a token" if ep == 1 else \
+            f"k = {k} received rows a token, balanced routing" if a.s.balanced_experts else \
+            f"{r} received rows a token at the worst case, ep min(k, E/ep); balanced routing k = {k}"
         terms = [ActTerm("moe_routing", 4 * X + 8 * k + weights + 4, blk,
-                         "router softmax (fp32), top-k ids, combine weights, logsumexp", per_layer=4 * X),
+                         "router softmax (fp32), top-k ids, combine weights, logsumexp", per_layer=4 * (X // ep)),
                  ActTerm("moe_permutation", 16 * k, blk, "permutation indices (order, inverse)"),
-                 ActTerm("moe_up_in", up_in, "ffn" not in rc, f"permuted tokens (k copies, expert order; {kept})"),
-                 ActTerm("moe_up_out", Eb * k * 2 * F, blk and ("ffn" not in rc or compiled),
-                         "experts' up/gate outputs (k, 2F)"),
+                 ActTerm("moe_up_in", up_in, blk if ep > 1 else "ffn" not in rc,
+                         f"permuted tokens (C per row, {rows}; expert order, {kept})"),
+                 ActTerm("moe_up_out", Eb * r * 2 * F, blk and ("ffn" not in rc or compiled),
+                         f"experts' up/gate outputs (2F per row, {rows})"),
                  ActTerm("moe_swiglu", down_in, (blk and not compiled) if fp8 else "swiglu" not in rc,
-                         f"experts' SwiGLU outputs (k, F; {kept})"),
+                         f"experts' SwiGLU outputs (F per row, {rows}; {kept})"),
                  ActTerm("moe_down_out", Eb * k * C, blk, "experts' outputs (k, C), for the combine weights")]
+        if ep > 1:
+            terms.append(ActTerm("moe_exchange", 16 * r, blk,
+                                 f"the token exchange's two row orders (int64 per row, {rows})"))
         if a.s.fp8 and not a.s.frozen_base:  # a frozen router keeps nothing of its input
             terms.append(ActTerm("router_in", Eb * C, not ("norm" in rc or "ffn" in rc),
                                  "the router's input (RMSNorm-2 output, model dtype)"))
@@ -124,6 +141,15 @@ class MoeBlock(LlamaBlock):
     def saved_by_fp8_weights(a: _Saved) -> list[ActTerm]:
         """FP8: the attention projections' e4m3 weights (the Llama block's statement for them); the experts are bf16."""
         return [t for t in LlamaBlock.saved_by_fp8_weights(a) if t.name in ("fp8_w_qkv", "fp8_w_o")]
+
+
+def expert_rows(cfg: MoeConfig, s: ActivationSettings) -> int:
+    """Rows per token of the rank's that its experts' GEMMs hold after the token exchange: k without expert
+    parallelism (or with `balanced_experts`), else the most they can receive (`moe.max_received_rows`)."""
+    k = cfg.num_experts_per_tok
+    if s.balanced_experts:
+        return k
+    return max_received_rows(1, top_k=k, num_experts=cfg.num_experts, ep=s.expert_parallel)
 
 
 # what a routed layer keeps for backward, step by step in block order (the attention's statements are the Llama
@@ -162,7 +188,8 @@ def matmuls(cfg: MoeConfig, layer: int) -> dict[str, MatmulSpec]:
 
 def backward_temporaries(cfg: MoeConfig, layer: int, tokens: int, s: ActivationSettings) -> int:
     """The largest saved tensors come back as gradients: a dense layer's as the Llama block's; a routed layer's
-    experts' (k (3F + 2C) elements per token in the model dtype: d(up/gate), d(SwiGLU), d(permuted), d(outputs)) and
+    experts' (k (3F + 2C) elements per token in the model dtype: d(up/gate), d(SwiGLU), d(permuted), d(outputs); with
+    expert parallelism the received rows' instead of k, `expert_rows`) and
     the routing's fp32 gradients (2 E per token), with the attention's q_dim fp32 per attention call.
     --fp8-experts adds, in an expert GEMM's backward, the dequantized input (k max(C, F) in the model dtype), the
     output gradient's e4m3 copy (k max(2F, C) bytes) and the weight stack's e4m3 copy in the other major order
@@ -171,8 +198,8 @@ def backward_temporaries(cfg: MoeConfig, layer: int, tokens: int, s: ActivationS
     routed = layer not in cfg.dense_layers
     if not routed:
         width = cfg.intermediate_size + 2 * cfg.hidden_size
-    else:
-        width = cfg.num_experts_per_tok * (3 * cfg.moe_intermediate_size + 2 * cfg.hidden_size)
+    else:  # with expert parallelism the received rows' (`expert_rows`, at least k): a bound of the own rows' too
+        width = expert_rows(cfg, s) * (3 * cfg.moe_intermediate_size + 2 * cfg.hidden_size)
     fp8 = 0
     if routed and s.fp8_experts:
         C, F, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok

@@ -35,6 +35,7 @@ from qtrain.model.family import DTYPE_BYTES
 from qtrain.model.lora import LoraAdapter
 from qtrain.model.lora.checks import spec_from_options
 from qtrain.model.lora.spec import LoraSpec
+from qtrain.model.moe import max_received_rows
 from qtrain.model.activations import activation_memory, workspace_phases
 from qtrain.model.config import ModelConfig
 from qtrain.model.recompute import block_steps, recompute_label, resolve_flags
@@ -132,7 +133,9 @@ class MemoryPlan:
         if matmul == "e4m3" and len(s.get("fp8_linears", self.fp8_matrices)) < len(self.fp8_matrices):  # auto
             matmul += f" for {'/'.join(s['fp8_linears']) or 'none'}"
         head = (f"[Memory plan] {self.model} | {dtypes}, matmul {matmul} | B={self.batch_size} "
-                f"T={self.seq_len} | world {self.world} | grads {s['gradients']} | recompute {s['recompute']}"
+                f"T={self.seq_len} | world {self.world}"
+                f"{' (expert parallel %d)' % s['expert_parallel'] if s.get('expert_parallel', 1) > 1 else ''} | "
+                f"grads {s['gradients']} | recompute {s['recompute']}"
                 f"{' | compiled blocks' if s['compiled'] else ''}")
         unit, scale = ("GiB", GiB) if max(self.device_total, self.host_total, self.budget or 0) >= GiB else ("MiB", MiB)
 
@@ -267,6 +270,17 @@ def run_layout(cfg: ModelConfig, opts: Options, world: int) -> FlatLayout:
     return FlatLayout(cfg, world, lora=spec_from_options(vars(opts), cfg), expert_parallel=opts.expert_parallel)
 
 
+def _balanced_experts(cfg: ModelConfig, opts: Options, tokens: int, rc: frozenset[str],
+                      kw: dict[str, Any]) -> int | None:
+    """With --expert-parallel the activations are planned for the most rows a rank's experts can receive (every token
+    of the token group routed to them, `moe.max_received_rows`): the device bytes of balanced routing beside them
+    (None without expert parallelism, where the two are the same: dropless routing)."""
+    if opts.expert_parallel == 1 or cfg.router is None:
+        return None
+    return activation_memory(cfg, tokens, recompute=rc, offload_residual=opts.offload_residual,
+                             **{**kw, "balanced_experts": True}).device
+
+
 # ---------------------------------------------------------------------------------------------------------
 def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shards: int, compiled: bool,
                fp8_linears: tuple[str, ...], quants: tuple[str, ...], keep_transposes: bool, fp8_head_backward: bool,
@@ -303,17 +317,18 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
     kw = dict(model_dtype=opts.model_dtype, matmul_dtype=matmul if fp8 or matmul != "e4m3" else "",
               compiled=compiled, attn_chunks=attn_chunks, fp8_weight_copies=not (persistent_quants or e4m3_base),
               fp8_keep_transposes=keep_t, documents=opts.document_masking, seq_len=T // opts.context_parallel,
-              fp8_experts=opts.fp8_experts,
+              fp8_experts=opts.fp8_experts, expert_parallel=opts.expert_parallel,
               delta_rule_kernels=op_pairs_on(device, getattr(cfg, "linear_key_head_dim", 128),
                                              getattr(cfg, "linear_value_head_dim", 128)),
               **_lora_settings(cfg, lora))
     acts = activation_memory(cfg, N, recompute=rc, offload_residual=opts.offload_residual, **kw)
+    acts_kw = kw  # the settings of the activations planned (the larger of two, some linears in FP8)
     phases = workspace_phases(cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc,
                               fp8_head_backward=fp8_head_backward, lora=lora, **kw)
     if 0 < len(fp8) < len(family_of(cfg).fp8_matrices):  # some linears in FP8, some not: the larger of the two
         kw_plain = {**kw, "matmul_dtype": ""}
         plain = activation_memory(cfg, N, recompute=rc, offload_residual=opts.offload_residual, **kw_plain)
-        acts = max(acts, plain, key=lambda a: a.device)
+        acts, acts_kw = max((acts, kw), (plain, kw_plain), key=lambda a: a[0].device)
         phases = {k: max(v, p) for (k, v), p in zip(phases.items(), workspace_phases(
             cfg, N, lmhead_chunks=chunks, cuda=device == "cuda", recompute=rc, fp8_head_backward=fp8_head_backward,
             lora=lora, **kw_plain).values())}
@@ -321,11 +336,19 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
         drop = adapter.context_dropout_bytes(B, T, opts.context_parallel)
         if drop:
             phases["lora_dropout"] = drop
+    balanced = _balanced_experts(cfg, opts, N, rc, acts_kw)
+    experts = "" if balanced is None or balanced == acts.device else (
+        f"; MoE layers at the worst case of the token exchange, "
+        f"{max_received_rows(N, top_k=cfg.router.top_k, num_experts=cfg.router.experts, ep=opts.expert_parallel)} "
+        f"rows a rank's experts receive (ep N min(k, E/ep)); balanced routing ({N * cfg.router.top_k} rows, N k): "
+        f"{_mib(acts.device - balanced)} less")
     items.append(Item(f"activations ({L} layers)", device=acts.device, host=acts.host, kind="activations",
-                      parts={"per_layer": acts.per_layer, "inputs": L * acts.input, "output": acts.input},
+                      parts={"per_layer": acts.per_layer, "inputs": L * acts.input, "output": acts.input,
+                             # what balanced routing would keep (not a buffer: the worst case's comparison)
+                             **({} if balanced is None else {"balanced_routing": balanced})},
                       detail=f"{_mib(acts.per_layer + acts.input)} per layer; recompute {recompute_label(rc)}"
                              + ("; e4m3 input transposes kept" if keep_t else "")
-                             + ("; block inputs on host" if acts.offload_residual else "")))
+                             + ("; block inputs on host" if acts.offload_residual else "") + experts))
     # --document-masking: plan/documents.py; under --context-parallel its attention's own masks (plan/context.py)
     documents = document_masking_bytes(cfg, opts, device, rc) if opts.context_parallel == 1 else None
     if documents is not None:
@@ -371,7 +394,8 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
                 "offload_master": opts.offload_master, "offload_opt_m": opts.offload_opt_m,
                 "offload_opt_v": opts.offload_opt_v, "lmhead_chunks": chunks, "attn_bwd_chunks": attn_chunks,
                 "grad_accumulation": opts.grad_accumulation, "compiled": compiled, "device": device,
-                "fp8_keep_transposes": keep_t, "fp8_head_backward": fp8_head_backward}
+                "fp8_keep_transposes": keep_t, "fp8_head_backward": fp8_head_backward,
+                "expert_parallel": opts.expert_parallel}
     breakdown = [{"name": a.name, "bytes": a.nbytes(N), "kept": a.kept, "what": a.what} for a in acts.terms]
     name = model_name or opts.model or "qtrain-tiny"
     return MemoryPlan(model=name, world=world, batch_size=B, seq_len=T, settings=settings, items=items,

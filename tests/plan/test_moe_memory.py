@@ -4,7 +4,8 @@ and Adam state come from the layout's groups (the experts' group included) byte 
 and the optimizer-state offload an MoE run can use; the activation row is what forward_backward holds when the LM
 head starts (the blocks' saved bytes, measured exactly per block in tests/model/test_moe_activations.py), within
 1% (measured: 400 bytes of 0.75 MB; the dense tests allow 10%), and the micro-step's peak stays below
-activations + workspace."""
+activations + workspace. With --expert-parallel the activations hold the worst case of the token exchange, derived here
+(what a maximally unbalanced routing makes a rank keep: tests/parallel/test_expert_rows.py)."""
 from __future__ import annotations
 
 import pytest
@@ -71,3 +72,45 @@ def test_expert_parallel_plans_each_ranks_share_of_the_experts():
     for row in ("weights", "gradients"):
         assert rows[1][row] - rows[2][row] == experts // 2 * 2  # bf16: half the experts' elements, 2 bytes each
     assert rows[1]["adam m"] == rows[2]["adam m"] and rows[1]["adam v"] == rows[2]["adam v"]
+
+
+def _moe_bytes(cfg, N: int, ep: int) -> int:
+    """What a routed layer's MoE MLP keeps (bf16, nothing recomputed), derived here: the routing (fp32 probabilities,
+    int64 ids, fp32 combine weights with their renormalisation, logsumexp), the permutation (2 int64) and the
+    experts' outputs over the rank's own N k rows; the permuted input, up/gate and SwiGLU outputs (and with expert
+    parallelism the exchange's two int64 row orders) over the rows its experts receive, at the worst case every
+    token of the ep ranks routed to them: ep N min(k, E/ep); the offsets of its E/ep experts (int32)."""
+    C, F, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
+    rows = ep * N * min(k, E // ep)
+    routing = N * (4 * E + 8 * k + (8 * k + 4) + 4) + 4 * (E // ep)
+    return (routing + 16 * N * k + 2 * N * k * C + rows * 2 * (C + 2 * F + F)
+            + (16 * rows if ep > 1 else 0))
+
+
+@pytest.mark.parametrize("k", [2, 3])  # E/ep at EP 4 is 2: k = 3 lies above it
+def test_expert_parallel_plans_the_worst_case_of_the_exchange(k):
+    """The activations row under --expert-parallel 2 and 4 is EP 1's plus what the worst-case rows add to each routed
+    layer (`_moe_bytes`); EP 1's MoE terms are the same formula with N k rows (dropless routing: its worst case is the
+    balanced one). The row says so and states balanced routing's bytes beside it; the block backward's gradients
+    grow with the received rows too."""
+    from dataclasses import replace
+    cfg = replace(CFG, num_experts_per_tok=k)
+    B, T, L = 2, 16, CFG.num_hidden_layers
+    N, routed = B * T, L - len(CFG.mlp_only_layers)
+    plans = {ep: plan_memory(cfg, Options(model="x", from_scratch=True, batch_size=B, seq_len=T, expert_parallel=ep),
+                             world=4, device="cpu") for ep in (1, 2, 4)}
+    act = {ep: p.item("activations") for ep, p in plans.items()}
+    moe = {ep: sum(t["bytes"] for t in p.activation_breakdown if t["name"].startswith("moe_"))
+           for ep, p in plans.items()}
+    assert moe[1] == _moe_bytes(cfg, N, 1) and "balanced_routing" not in act[1].parts and "worst" not in act[1].detail
+    for ep in (2, 4):
+        assert moe[ep] == _moe_bytes(cfg, N, ep)
+        assert act[ep].device - act[1].device == routed * (_moe_bytes(cfg, N, ep) - _moe_bytes(cfg, N, 1))
+        balanced = act[1].device + routed * (16 * N * k - 4 * (cfg.num_experts - cfg.num_experts // ep))
+        assert act[ep].parts["balanced_routing"] == balanced  # the received rows N k: the exchange's orders, offsets
+        rows = ep * N * min(k, cfg.num_experts // ep)
+        assert f"worst case of the token exchange, {rows} rows" in act[ep].detail
+        assert f"balanced routing ({N * k} rows" in act[ep].detail
+        C, F = cfg.hidden_size, cfg.moe_intermediate_size
+        grown = plans[ep].phases["block_backward"] - plans[1].phases["block_backward"]
+        assert grown == 2 * (rows - N * k) * (3 * F + 2 * C)  # the gradients of the received rows, bf16
