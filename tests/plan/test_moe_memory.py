@@ -114,3 +114,21 @@ def test_expert_parallel_plans_the_worst_case_of_the_exchange(k):
         C, F = cfg.hidden_size, cfg.moe_intermediate_size
         grown = plans[ep].phases["block_backward"] - plans[1].phases["block_backward"]
         assert grown == 2 * (rows - N * k) * (3 * F + 2 * C)  # the gradients of the received rows, bf16
+
+
+def test_qwen35_moe_under_expert_parallel_plans_the_received_rows_too():
+    """Qwen3.5's MoE layers (model/qwen3_5/memory.py `moe_terms`) take the exchange from the same bound: the experts'
+    inputs, up/gate and SwiGLU outputs grow from N k to the worst case's rows, the exchange's two int64 orders come
+    in, the per-layer offsets shrink to E/ep experts; the routing and the experts' outputs stay N k rows."""
+    from tests.model.family_fixtures import qwen35_cfg
+    cfg = qwen35_cfg(moe=True, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
+    B, T, ep = 2, 16, 2
+    N, k, E, C, F = B * T, cfg.num_experts_per_tok, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    moe = {}
+    for e in (1, ep):
+        p = plan_memory(cfg, Options(model="x", from_scratch=True, batch_size=B, seq_len=T, expert_parallel=e),
+                        world=2, device="cpu")
+        moe[e] = sum(t["bytes"] for t in p.activation_breakdown if t["name"] == "moe")
+    rows = ep * N * min(k, E // ep)
+    per_layer = (rows - N * k) * 2 * (2 * F + C + F) + 16 * rows - 4 * (E - E // ep)  # bf16 rows, int64, offsets
+    assert moe[ep] - moe[1] == per_layer  # the breakdown states a routed layer's bytes

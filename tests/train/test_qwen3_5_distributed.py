@@ -3,11 +3,10 @@ with its router losses) through the Trainer's machinery on 2 gloo ranks, as test
 MoE families:
 
 * the gradient managers (unsharded, reduce-scatter with the optimizer state and gradient shards offloaded to the
-  host, all-to-all) train like one process on the same micro-batches (fp32), router fields included;
+  host, all-to-all), sharded weights (--zero-level 3, the master offloaded) and expert parallelism (--expert-parallel
+  2: each rank holds half the experts, the tokens exchanged; with and without sharded weights) train like one process
+  on the same micro-batches (fp32), router fields included;
 * a 2-rank checkpoint resumes bit for bit on 2 ranks and reshards onto one process.
-
-Sharded weights (--zero-level 3) need every block laid out alike, which a hybrid model's are not: refused in the
-preflight with one line (tests/reliability/test_qwen35_inputs.py).
 
 The single-process reference takes the ranks' micro-batches as micro-steps of its own (the router losses are per
 micro-batch, test_moe_trainer.py says why). Tolerances as there (fp32 sums in another order): losses and norms to
@@ -36,7 +35,9 @@ CFG = tiny_cfg(moe=True, vocab_size=96, hidden_size=32, num_hidden_layers=2, hea
 B, T, GA, STEPS, CKPT_AT, LR, W = 2, 16, 2, 2, 1, 3e-3, 2
 RUNS = {"unsharded": dict(), "reduce-scatter": dict(shard_gradients=True, offload_opt_m=True, offload_opt_v=True,
                                                       offload_gradients=True),
-        "all-to-all": dict(shard_gradients=True, all_to_all_reduce=True)}
+        "all-to-all": dict(shard_gradients=True, all_to_all_reduce=True),
+        "expert-parallel": dict(expert_parallel=2), "zero3": dict(zero_level=3, offload_master=True),
+        "expert-parallel-zero3": dict(expert_parallel=2, zero_level=3)}
 CPU = torch.device("cpu")
 
 

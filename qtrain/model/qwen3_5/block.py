@@ -56,6 +56,7 @@ class Qwen35Block:
         self.fused_mlp = o.mlp if not (MLP_STEPS & o.recompute) else None
         self.delta = GatedDeltaNet(cfg, self.project, o.delta_rule_precision)
         self.adapter = o.adapter  # LoRA's term after the linears (model/lora/adapter.py)
+        self.exchange = o.experts  # expert parallelism's token exchange, or None
 
     # ---- the linears ----
     def project(self, h: torch.Tensor, w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -129,7 +130,7 @@ class Qwen35Block:
         beside its weights and its routed output carries the router losses' gradients into the backward (the MoE
         families' machinery, model/moe_router.py: transformers' loss with output_router_logits)."""
         moe = moe_forward(h, w["router"], w["experts_up_gate"], w["experts_down"], top_k=self.top_k,
-                          norm_topk_prob=self.norm_topk_prob,
+                          norm_topk_prob=self.norm_topk_prob, exchange=self.exchange,
                           adapter=self.adapter.experts_of(w) if self.adapter is not None else None)
         record_router_stats(moe.stats, w)
         routed = with_router_grads(moe.out, moe.stats, w)

@@ -47,6 +47,7 @@ from dataclasses import replace
 from qtrain.kernels.delta_rule import CHUNK
 from qtrain.kernels.swiglu.activation import saved_bytes_per_token as swiglu_saved_bytes
 from qtrain.model.family import DTYPE_BYTES, ActivationSettings, ActTerm
+from qtrain.model.moe_block import expert_rows
 from qtrain.model.qwen3_5 import compiled_memory
 from qtrain.model.qwen3_5.config import Qwen35Config
 from qtrain.model.recompute import resolve_flags
@@ -142,16 +143,20 @@ def full_attention_terms(cfg: Qwen35Config, s: ActivationSettings) -> list[ActTe
 
 def moe_terms(cfg: Qwen35Config, s: ActivationSettings, blk: bool) -> list[ActTerm]:
     """The routed experts (model/moe.py; as `moe_block.MoeBlock.saved_by_moe` states them, one step here) and the
-    gated shared expert. Frozen experts keep no GEMM input (`grouped_gemm.expert_linear`)."""
+    gated shared expert. Frozen experts keep no GEMM input (`grouped_gemm.expert_linear`). With expert parallelism
+    the experts' inputs, up/gate and SwiGLU outputs hold the r rows a token its rank received (`expert_rows`, the
+    worst case) and the exchange keeps two int64 row orders; the routing and the experts' outputs stay k rows."""
     E, C, learns = DTYPE_BYTES[s.model_dtype], cfg.hidden_size, not s.frozen_base
     k, F, X, Fs = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.num_experts, \
         cfg.shared_expert_intermediate_size
+    ep, r = s.expert_parallel, expert_rows(cfg, s)
     weights = 8 * k + 4 if cfg.norm_topk_prob else 4 * k
     Ex = E if learns else 0
-    routed = 4 * X + 8 * k + weights + 4 + 16 * k + E * k * (2 * F + C) + Ex * k * (C + F)
+    routed = (4 * X + 8 * k + weights + 4 + 16 * k + E * (r * 2 * F + k * C) + Ex * r * (C + F)
+              + (16 * r if ep > 1 else 0))
     shared = 2 * Fs * E + swiglu_saved_bytes(Fs, E, "autograd") + Ex * Fs + E + E * C
     return [ActTerm("moe", routed, blk, "routing, permutation, experts' up/gate and outputs (+ their inputs where "
-                    "they learn)", per_layer=4 * X),
+                    "they learn)", per_layer=4 * (X // ep)),
             ActTerm("shared_expert", shared, blk, "shared expert's up/gate, silu(gate), (down input), gate, output")]
 
 
@@ -179,7 +184,7 @@ def backward_temporaries(cfg: Qwen35Config, layer: int, tokens: int, s: Activati
     delta rule's fp32 chunk gradients on linear-attention layers (as large as the twin's kept buffers, which the op
     pair's backward recomputes: the twin's statement on either path)."""
     E = DTYPE_BYTES[s.model_dtype]
-    mlp = 2 * (cfg.moe_intermediate_size * cfg.num_experts_per_tok if cfg.is_moe_layer(layer) else
+    mlp = 2 * (cfg.moe_intermediate_size * expert_rows(cfg, s) if cfg.is_moe_layer(layer) else  # received rows
                cfg.intermediate_size)
     mixer = cfg.in_proj_dim if cfg.is_linear(layer) else cfg.attn_qkv_dim
     delta = 0

@@ -16,6 +16,7 @@ multimodal one (what `Qwen3_5ForConditionalGeneration` reads; `Qwen3_5ForCausalL
 from __future__ import annotations
 
 from qtrain.model.family import TensorSpec
+from qtrain.model.moe_family import EXPERTS_GROUP
 from qtrain.model.qwen3_5.config import Qwen35Config
 from qtrain.model.qwen3_5.next_config import NEXT_TYPE
 
@@ -108,11 +109,14 @@ def _hf_parts(cfg: Qwen35Config, layer: int, short: str, shape: tuple[int, ...]
 
 
 def block_tensors(cfg: Qwen35Config, layer: int) -> tuple[TensorSpec, ...]:
-    """Block `layer`'s tensors (linear- and full-attention layers hold different ones)."""
+    """Block `layer`'s tensors (linear- and full-attention layers hold different ones); an MoE layer's expert stacks
+    in a layout group of their own, 'block.{l}.experts', as the MoE families' (expert parallelism gives ranks whole
+    experts of it)."""
     rows = next_in_proj_rows(cfg) if cfg.model_type == NEXT_TYPE else ()
     return tuple(TensorSpec(short, shape, _hf_parts(cfg, layer, short, shape), decay=short not in NO_DECAY,
                             init=INIT.get(short, "normal"), experts=cfg.num_experts if short.startswith("experts_")
-                            else 0, hf_rows=rows if short == "in_proj" else ())
+                            else 0, group=EXPERTS_GROUP if short.startswith("experts_") else "",
+                            hf_rows=rows if short == "in_proj" else ())
                  for short, shape in block_shapes(cfg, layer).items())
 
 
