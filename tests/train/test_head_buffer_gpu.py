@@ -32,13 +32,18 @@ def test_gpu_reserved_memory_stops_growing_after_the_first_step(model_dir, compi
     (2.3 GiB; the H100's failing step held 39.6 GiB over its peak of ~34, four buffers' worth). With CUDA graphs
     (on by default at this size: a host-bound micro-step) the first step runs eagerly and the second captures
     into the graphs' pool after the allocator's cache is emptied, so the same bounds hold (before session 32 a
-    warm-up ran beside a capture's pool: two micro-steps' activations)."""
+    warm-up ran beside a capture's pool: two micro-steps' activations). Measured on an H100 (session 33), after step
+    1 / peak allocated, MiB: eager 5610 / 3244, graphs 5462 / 3104 (2730 of it the graphs' pool from step 2 on, the
+    capture stream's cache 2408, the default stream's 324); none grows after."""
     opts = Options(model=model_dir, from_scratch=True, seed=1, model_dtype="bf16", batch_size=B, seq_len=T,
                    grad_accumulation=GA, learning_rate=1e-4, memory_check=False, device="cuda", compile=compile_,
                    use_cuda_graphs=graphs, opt_m_dtype="bf16", opt_v_dtype="bf16")
     gc.collect()  # the process's earlier tests: their cache and peak are not this run's
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    # what earlier tests leave: on the H100 a segment of 2.4 GiB stayed reserved after the compiled variant with
+    # ~0 of it allocated (a small tensor still alive pins it): not this run's, so both bounds count from here
+    start_reserved, start_allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
     tr = Trainer(opts, DistContext(rank=0, world=1, local_rank=0, device=torch.device("cuda")))
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, CFG.vocab_size, (GA, B, T + 1), generator=g)
@@ -50,4 +55,5 @@ def test_gpu_reserved_memory_stops_growing_after_the_first_step(model_dir, compi
         reserved.append(torch.cuda.memory_reserved())
     logits = B * T * CFG.vocab_size * 2
     assert reserved[2] - reserved[0] < logits // 4, reserved
-    assert reserved[0] <= torch.cuda.max_memory_allocated() + logits, (reserved[0], torch.cuda.max_memory_allocated())
+    peak = torch.cuda.max_memory_allocated() - start_allocated
+    assert reserved[0] - start_reserved <= peak + logits, (reserved[0], start_reserved, peak)
