@@ -221,13 +221,10 @@ def check_model_support(cfg: ModelConfig, opts: Options, *, device_type: str) ->
 def sharded_weights_refusal(cfg: ModelConfig, opts: Options) -> str | None:
     """Why this run's weights cannot be sharded (parallel/weights/sharded.py), None if they can: its persistent e4m3
     shards need every block laid out alike (not an MoE layer's expert group, a LoRA layer's adapters or a hybrid
-    model's two kinds of layer); a LoRA base held as e4m3 is replicated; LoRA dropout keys its masks by the adapter's
-    memory, which the sharded blocks' rotating slots share between layers. `qtrain plan` proposes sharded weights only
+    model's two kinds of layer); a LoRA base held as e4m3 is replicated. `qtrain plan` proposes sharded weights only
     where this is None."""
     if opts.lora_rank and opts.lora_base_dtype:
         return f"--lora-base-dtype {opts.lora_base_dtype} holds the frozen base as e4m3 on every rank"
-    if opts.lora_rank and opts.lora_dropout:
-        return "--lora-dropout (each layer's dropout masks are keyed by its adapters, which sharded blocks rotate)"
     if opts.persistent_quants:
         try:
             run_layout(cfg, opts, 1).uniform_block()

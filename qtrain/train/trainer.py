@@ -122,8 +122,11 @@ class Trainer:
         self.model = Transformer(self.cfg, self._run_options(opts, run))
         mark("blocks")  # the blocks' functions, compiled ones wrapped (torch.compile's own imports: seconds)
         if self.adapter is not None and self.lora.dropout:  # dropout keys name the layer (model/lora/adapter.py)
-            self.adapter.bind_layers([self.weights.block(layer) for layer in range(self.cfg.num_hidden_layers)])
-            self.weights.invalidate()
+            if self.sharded_weights:  # the layers share two slots: the slot says which layer it holds
+                self.adapter.bind_holder(self.weights.layer_holding)
+            else:
+                self.adapter.bind_layers([self.weights.block(layer) for layer in range(self.cfg.num_hidden_layers)])
+                self.weights.invalidate()
         self.grads = make_gradient_manager(run.gradients, self.layout, comm=self.comm,
                                            dtype=DTYPES[run.grad_accum_dtype], device=self.device, seed=opts.seed,
                                            offload=opts.offload_gradients, experts=self.experts)

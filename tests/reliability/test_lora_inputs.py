@@ -86,8 +86,6 @@ CASES = [
          r"--lora-rank 17 is larger than target k's dimensions \(16 x 32\)"),
     Case("unknown-target", lora("--lora-targets", "q,qq"), r"--lora-targets: unknown target 'qq'"),
     Case("dropout-range", lora("--lora-dropout", "1.5"), r"--lora-dropout must be in \[0, 1\)"),
-    Case("sharded-weights-dropout", lora("--shard-weights", "--lora-dropout", "0.1"),
-         r"--shard-weights / --zero-level 3 is not supported for this run: --lora-dropout"),
     Case("sharded-weights-e4m3-base", lora("--zero-level", "3", "--lora-base-dtype", "e4m3"),
          r"--zero-level 3 is not supported for this run: --lora-base-dtype e4m3 holds the frozen base as e4m3"),
     Case("expert-parallel", lora("--expert-parallel", "2"), r"--lora-rank with --expert-parallel is not supported"),

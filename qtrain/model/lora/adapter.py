@@ -17,7 +17,8 @@ Dropout masks come from a counter-based key, not from torch's generator state: t
 of step s draws its mask from a generator seeded with `kernels.rng.rng_key(seed, DROPOUT_STREAM, s, m, l, t)`. So a
 recomputed projection (the recompute switches) draws the mask its forward drew, and a resumed run (--continue) the
 masks the uninterrupted run drew. The trainer says where the run is (`at(step, micro)`), the layer is known from the
-adapter tensor the block hands over (`bind_layers`), and evaluation runs without dropout (`training`). The
+adapter tensor the block hands over (`bind_layers`; with sharded weights, whose layers share two slots, the
+slot's current layer: `bind_holder`), and evaluation runs without dropout (`training`). The
 generators are made outside a compiled block's graph (`_drop`: one graph break per adapted matrix with dropout, none
 without). Under context parallelism (`context`: this rank holds some positions of each sequence) a rank draws the
 mask of the whole sequence and keeps its positions' rows, so each token gets the mask one process draws for it (the
@@ -29,6 +30,8 @@ instead of the weight, through the grouped GEMM the experts run (`kernels/groupe
 B). One dropout mask per adapted stack and layer over its (rows, in) input, keyed as a linear's.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -98,6 +101,7 @@ class LoraAdapter:
         self.training = True  # False: no dropout (evaluation)
         self.step = self.micro = 0  # where the run is: the dropout key's (step, micro-step)
         self._layer_of: dict[int, int] = {}  # data_ptr of a layer's first adapter A tensor -> the layer
+        self._holder: Callable[[torch.Tensor], int | None] | None = None  # or who says it (`bind_holder`)
 
     def covers(self, *matrices: str) -> bool:
         """Whether any of `matrices` has an adapter."""
@@ -113,6 +117,11 @@ class LoraAdapter:
         self._layer_of = {w[a_name(m)].data_ptr(): layer for layer, w in enumerate(blocks)
                           for m in (*self.parts, *self.experts) if a_name(m) in w}
 
+    def bind_holder(self, layer_of: Callable[[torch.Tensor], int | None]) -> None:
+        """Ask `layer_of(tensor)` which layer an adapter tensor belongs to, at the time it is used: a weight source
+        whose layers share memory (sharded weights' rotating slots) knows which layer a slot holds now."""
+        self._holder = layer_of
+
     @property
     def dropping(self) -> bool:
         """Whether the adapters apply dropout now (a rate, and training)."""
@@ -123,7 +132,7 @@ class LoraAdapter:
         """x with the dropout of each of the `targets` targets of `matrix` applied, each mask from its counter-based
         key (module docstring). Called only while `dropping`: out of a compiled block's graph (a graph break), so one
         call draws every target's mask of a matrix, and none is made without dropout."""
-        layer = self._layer_of.get(a.data_ptr())
+        layer = self._holder(a) if self._holder is not None else self._layer_of.get(a.data_ptr())
         if layer is None:
             raise RuntimeError("LoraAdapter: dropout needs bind_layers() (which layer an adapter belongs to)")
         out = []

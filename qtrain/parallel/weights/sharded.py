@@ -111,6 +111,7 @@ class _Buffer:
     fp8: dict[str, torch.Tensor] = field(default_factory=dict)
     small: torch.Tensor | None = None
     exchange: torch.Tensor | None = None
+    layer: int | None = None  # the layer of `key` (block slots)
 
 
 @dataclass(frozen=True)
@@ -355,7 +356,14 @@ class ShardedWeights:
         """Start gathering layer `layer` into its slot (unless there already); the slot."""
         b = self._blocks[layer % len(self._blocks)]
         self._gather(b, self.layout.block(layer).key, self._parts[layer])
+        b.layer = layer
         return b
+
+    def layer_holding(self, t: torch.Tensor) -> int | None:
+        """The layer whose weights the block slot holding `t` holds now (None: not in a slot): what a user of a
+        layer's tensors that tells layers apart by memory (LoRA dropout's key) must ask, since layers share slots."""
+        ptr = t.untyped_storage().data_ptr()
+        return next((b.layer for b in self._blocks if ptr in b.storages), None)
 
     def non_block(self) -> dict[str, torch.Tensor]:
         groups = self.layout.non_block_groups()

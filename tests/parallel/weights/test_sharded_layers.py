@@ -9,7 +9,8 @@ saved weight were overwritten by layer l+2's gather, the first step's loss or no
 gloo ranks (fp32), for each model, --zero-level 3 equals --zero-level 2 bitwise (losses, gradient norms, every
 weight after every step); the MoE model also with its master weights offloaded, with --expert-parallel 2 (the expert
 group gathered over the ranks holding the same experts, the export's experts reassembled), and resumed from a
-zero-level 3 checkpoint bit for bit (with and without expert parallelism; LoRA's holds the adapters only). The gather
+zero-level 3 checkpoint bit for bit (with and without expert parallelism; LoRA's holds the adapters only); LoRA
+dropout draws each layer's masks under sharded weights as without (its key names the layer the slot holds). The gather
 slots are what the memory plan states: two slots of the largest layer's groups.
 
 In one process: every layer's tensors are the replicated weights' values, distinct leaves per layer, frozen ones not
@@ -57,8 +58,11 @@ RUNS = {
     ("lora", "zero2"): dict(zero_level=2, **LORA),
     ("lora", "zero3"): dict(zero_level=3, **LORA),
     ("lora", "zero3-offload"): dict(zero_level=3, offload_master=True, **LORA),  # the base in host memory
+    ("lora", "zero2-dropout"): dict(zero_level=2, lora_dropout=0.25, **LORA),
+    ("lora", "zero3-dropout"): dict(zero_level=3, lora_dropout=0.25, **LORA),  # masks keyed by the slot's layer
 }
-RESUMED = (("moe", "zero3"), ("moe", "zero3-ep2"), ("lora", "zero3"))  # checkpointed after step 1, resumed
+# checkpointed after step 1, resumed
+RESUMED = (("moe", "zero3"), ("moe", "zero3-ep2"), ("lora", "zero3"), ("lora", "zero3-dropout"))
 
 
 def options(model_dir: str, **kw) -> Options:
@@ -135,7 +139,7 @@ SHARDED = [k for k in RUNS if RUNS[k]["zero_level"] == 3]
 
 @pytest.mark.parametrize("model,name", SHARDED, ids=[f"{m}-{n}" for m, n in SHARDED])
 def test_zero3_trains_bitwise_like_zero2(results, model, name):
-    ref = "zero2-ep2" if name.endswith("ep2") else "zero2"
+    ref = name.replace("zero3", "zero2") if name.endswith(("ep2", "dropout")) else "zero2"
     for r in range(WORLD):
         _same_steps(results[r][model, name]["steps"], results[r][model, ref]["steps"], f"rank {r} {model} {name}")
     # not vacuous: training moved the weights (the adapters only, under LoRA), and the ranks agree
