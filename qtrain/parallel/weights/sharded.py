@@ -103,15 +103,15 @@ __all__ = ["ShardedWeights"]
 @dataclass
 class _Buffer:
     """A full-size gather target (and a non-block group's views, by full name). With persistent quants (block slots
-    only) `buf` holds e4m3 codes as uint8, and `small` the rest of a layer in the compute dtype: the groups gathered
-    as they are, then the small tensors (gathered through `exchange`)."""
+    only) `buf` holds e4m3 codes as uint8, and `compute` the rest of a layer in the compute dtype: the groups
+    gathered as they are, then the small tensors (gathered through `exchange`)."""
     buf: torch.Tensor
     views: dict[str, torch.Tensor]
     key: str | None = None  # group it holds (or is being gathered into it)
     version: int = -1
     pending: list[Handle] = field(default_factory=list)
     storages: frozenset[int] = frozenset()  # what autograd may save from this slot (see `saving`)
-    small: torch.Tensor | None = None
+    compute: torch.Tensor | None = None
     exchange: torch.Tensor | None = None
     layer: int | None = None  # the layer of `key` (block slots)
 
@@ -142,20 +142,22 @@ class _QuantSlots:
 
     @classmethod
     def of(cls, layout: FlatLayout, names: tuple[str, ...]) -> _QuantSlots:
-        world, layers = layout.world, []
-        quantized = quantized_groups(layout, names)
-        for layer, row in enumerate(quantized):
-            mats = dict((g.key, m) for g, m in row)
-            plain = [g for g in layout.layer_groups(layer) if g.key not in mats]
-            off = sum(g.padded_numel for g in plain)
-            parts = [_QuantPart(g, (), sum(p.padded_numel for p in plain[:i])) for i, g in enumerate(plain)]
+        layers, sizes = [], []  # sizes: per layer, (codes, compute, exchange) elements
+        for layer, row in enumerate(quantized_groups(layout, names)):
+            quantized = {g.key for g, _ in row}
+            parts, off = [], 0
+            for g in layout.layer_groups(layer):
+                if g.key not in quantized:
+                    parts.append(_QuantPart(g, (), off))
+                    off += g.padded_numel
             codes = exchange = 0
-            for g, m in row:
-                small, slot = small_sizes(g, m, world)
-                parts.append(_QuantPart(g, m, off, codes, exchange, slot))
-                off, codes, exchange = off + small, codes + g.padded_numel, exchange + world * slot
-            layers.append((tuple(parts), codes, off, exchange))
-        return cls(tuple(p for p, *_ in layers), *(max((x[i] for x in layers), default=0) for i in (1, 2, 3)))
+            for g, mats in row:
+                small, slot = small_sizes(g, mats, layout.world)
+                parts.append(_QuantPart(g, mats, off, codes, exchange, slot))
+                off, codes, exchange = off + small, codes + g.padded_numel, exchange + layout.world * slot
+            layers.append(tuple(parts))
+            sizes.append((codes, off, exchange))
+        return cls(tuple(layers), *(max(col, default=0) for col in zip(*sizes)))
 
     def leaves(self) -> int:
         """The matrices' value-less leaves, one element each, per layer (every layer hands out its own)."""
@@ -282,10 +284,10 @@ class ShardedWeights:
         """A block slot for persistent quants (`_QuantSlots`): e4m3 codes, the compute-dtype rest, the exchange."""
         sizes = self._qslots
         codes = torch.zeros(sizes.codes, dtype=torch.uint8, device=self.device)
-        small = torch.zeros(sizes.compute, dtype=self.compute_dtype, device=self.device)
+        compute = torch.zeros(sizes.compute, dtype=self.compute_dtype, device=self.device)
         exchange = torch.zeros(sizes.exchange, dtype=self.compute_dtype, device=self.device)
-        storages = frozenset(t.untyped_storage().data_ptr() for t in (codes, small))
-        return _Buffer(codes, {}, storages=storages, small=small, exchange=exchange)
+        storages = frozenset(t.untyped_storage().data_ptr() for t in (codes, compute))
+        return _Buffer(codes, {}, storages=storages, compute=compute, exchange=exchange)
 
     def _quant_views(self, b: _Buffer, layer: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Layer `layer`'s leaves in persistent-quants slot `b`, and its matrices' code views (short name -> tensor),
@@ -303,19 +305,19 @@ class ShardedWeights:
                     fp8[s.short] = b.buf[a:a + s.numel].view(E4M3).view(s.shape)
                 else:
                     a = p.offset + (small[s.short] if small is not None else s.start)
-                    views[s.short] = b.small[a:a + s.numel].view(s.shape).requires_grad_(g.trainable)
+                    views[s.short] = b.compute[a:a + s.numel].view(s.shape).requires_grad_(g.trainable)
         return views, fp8
 
     # ---- gathers ----
-    def _gather(self, b: _Buffer, key: str, parts: list[tuple[Group, int]]) -> None:
+    def _gather(self, b: _Buffer, key: str, parts: list[tuple[Group, int]], layer: int | None = None) -> None:
         """Start gathering the groups `parts` (group, offset in `b`), together `key` (a non-block group's key, or
-        layer l's 'block.l'), into `b` unless it already holds them at the current version."""
+        layer `layer`'s 'block.l'), into `b` unless it already holds them at the current version."""
         if b.key == key and b.version == self.version:
             return
         self._wait(b)  # a gather of another group into this buffer may still be in flight
         with torch.no_grad():
-            if self.quants is not None and b.exchange is not None:
-                self._gather_quantized(b, self._qslots.layers[parts[0][0].layer])
+            if self.quants is not None and layer is not None:
+                self._gather_quantized(b, self._qslots.layers[layer])
             else:
                 for group, off in parts:
                     self._gather_group(b, b.buf[off:off + group.padded_numel], group)
@@ -344,7 +346,7 @@ class ShardedWeights:
         for p in parts:
             group = p.group
             if not p.matrices:
-                self._gather_group(b, b.small[p.offset:p.offset + group.padded_numel], group)
+                self._gather_group(b, b.compute[p.offset:p.offset + group.padded_numel], group)
                 continue
             target = b.buf[p.codes:p.codes + group.padded_numel]
             codes = q.codes[group.key]
@@ -359,7 +361,7 @@ class ShardedWeights:
             for a, pos, n in plan.pack:  # a few contiguous pieces: stream-ordered copies, from host or device shards
                 own_slot[pos:pos + n].copy_(shard[a:a + n], non_blocking=True)
             gathered = self.comm.all_gather(exchange, own_slot)
-            small = b.small[p.offset:p.offset + plan.small_numel]
+            small = b.compute[p.offset:p.offset + plan.small_numel]
             b.pending.append(self.comm.then(gathered, lambda s=small, x=exchange, i=plan.recv_idx:
                                             _index_select_into(s, x, i)))
             self.gathered_bytes["block_fp8"] += _nbytes(target)
@@ -426,7 +428,7 @@ class ShardedWeights:
     def _gather_block(self, layer: int) -> _Buffer:
         """Start gathering layer `layer` into its slot (unless there already); the slot."""
         b = self._blocks[layer % len(self._blocks)]
-        self._gather(b, self.layout.block(layer).key, self._parts[layer])
+        self._gather(b, self.layout.block(layer).key, self._parts[layer], layer)
         b.layer = layer
         return b
 

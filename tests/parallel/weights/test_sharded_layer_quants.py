@@ -69,7 +69,7 @@ def _allocated(w: ShardedWeights) -> dict[str, int]:
     leaves = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
               for views in w._views for t in views.values() if all(s == 0 for s in t.stride())}
     return {"shards": sum(_nbytes(t) for t in w.shards.values()),
-            "block_buffers": sum(_nbytes(b.small) + _nbytes(b.exchange) for b in w._blocks) + sum(leaves.values()),
+            "block_buffers": sum(_nbytes(b.compute) + _nbytes(b.exchange) for b in w._blocks) + sum(leaves.values()),
             "non_block_buffers": sum(_nbytes(b.buf) for b in w._non_block.values()),
             "quant_buffers": sum(_nbytes(b.buf) for b in w._blocks),
             "quant_shards": sum(_nbytes(c) for c in q.codes.values()),
