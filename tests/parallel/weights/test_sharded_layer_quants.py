@@ -8,7 +8,7 @@ without the option (the expert stacks, the adapters: whole groups in the model d
 matrices through the exchange). The codes equal `quantize_fp8` of the gathered matrix, so the linears get the
 operands the replicated weights' cached FP8 copies (`QuantizedWeights`, --zero-level 2 --persistent-quants) give
 them: runs are compared *bitwise* (losses, gradient norms, every weight after every step), with the quantized shards
-on the device and in host memory (--offload-quants). The dense uniform model is compared the same way (the case
+on the device and in host memory (--offload-quants, with --offload-master). The dense uniform model is compared the same way (the case
 tests/parallel/weights/test_sharded_quants.py compares with the unquantized gathers). bf16 weights, e4m3 matmuls,
 FP8 policy "all", on two gloo ranks, as test_sharded_quants.py runs FP8 on CPU. Also: the memory statement is what
 is allocated, and in one process the e4m3 bytes a layer's gather moves are its quantized groups' codes.
@@ -45,14 +45,14 @@ B, T, GA, STEPS, LR, WORLD = 2, 16, 2, 2, 3e-3, 2
 CPU = torch.device("cpu")
 QUANTS = dict(persistent_quants=True)
 RUNS = {"zero2": dict(zero_level=2, **QUANTS), "zero3": dict(zero_level=3, **QUANTS),
-        "zero3-offload": dict(zero_level=3, offload_quants=True, **QUANTS)}
+        "zero3-offload": dict(zero_level=3, offload_quants=True, offload_master=True, **QUANTS)}
 
 
 def options(model_dir: str, model: str, **kw) -> Options:
-    extra = LORA if model == "lora" else {}
-    return Options(model=model_dir, from_scratch=True, device="cpu", compile="off", seed=5, model_dtype="bf16",
-                   matmul_dtype="e4m3", fp8_policy="all", opt_m_dtype="bf16", opt_v_dtype="bf16", batch_size=B,
-                   seq_len=T, grad_accumulation=GA, learning_rate=LR, **extra, **kw)
+    base = dict(model=model_dir, from_scratch=True, device="cpu", compile="off", seed=5, model_dtype="bf16",
+                matmul_dtype="e4m3", fp8_policy="all", opt_m_dtype="bf16", opt_v_dtype="bf16", batch_size=B, seq_len=T,
+                grad_accumulation=GA, learning_rate=LR)
+    return Options(**{**base, **(LORA if model == "lora" else {}), **kw})
 
 
 def _batch(model: str):
@@ -162,7 +162,7 @@ def test_memory_statement_is_what_is_allocated(results, model, name):
     for r in range(WORLD):
         rec = results[r][model, name]
         assert rec["memory"] == rec["allocated"]
-        assert rec["host_keys"] == ({"quant_shards"} if "offload" in name else set())
+        assert rec["host_keys"] == ({"shards", "quant_shards"} if "offload" in name else set())
         # the groups without quantized matrices (experts, adapters) go as they are; a uniform block has none
         assert (rec["bytes"]["block"] > 0) == (model in ("moe", "qwen35", "lora")), rec["bytes"]
         assert rec["bytes"]["block_fp8"] > 0
@@ -207,3 +207,19 @@ def test_a_layer_gathers_its_quantized_groups_as_e4m3_codes(model):
                     assert blk[s.short].stride() == (0, 0)
                 else:
                     assert torch.equal(blk[s.short].detach(), full[s.name]), (layer, s.name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model", MODELS)
+def test_gpu_offloaded_shards_and_quants_train_bitwise_like_zero2(model, tmp_path):
+    """On CUDA the host shards (the master with --offload-master, the codes with --offload-quants) are copied into the
+    rank's own slice of their gather targets on the compute stream, the plain groups' into the compute buffer: a copy
+    ordered wrongly, or into the wrong place, changes the bits of the first step. One process, the real FP8 GEMMs."""
+    d = write_model_dir(tmp_path, MODELS[model])
+    ctx = DistContext(rank=0, world=1, local_rank=0, device=torch.device("cuda"))
+    runs = {}
+    for name, kw in (("zero2", RUNS["zero2"]), ("zero3", RUNS["zero3-offload"])):
+        runs[name] = train_steps(Trainer(options(d, model, device="cuda", **kw), ctx), range(STEPS), _batch(model), GA,
+                                 LR)
+    _same_steps(runs["zero3"], runs["zero2"], f"{model} cuda")
