@@ -282,7 +282,7 @@ class Options:
     shard_weights: bool = False
     """Keep only this rank's shard of the weights (ZeRO-3); blocks are all-gathered just in time, double buffered."""
     persistent_quants: bool = False
-    """Keep e4m3 copies of the four block matrices from the first micro-step of an optimizer step to the
+    """Keep e4m3 copies of the block matrices the FP8 policy names from the first micro-step of an optimizer step to the
     update, reused by every micro-step (needs --matmul-dtype e4m3). Sharded weights: each rank's shard in
     e4m3, gathered instead of the bf16 matrices (half the bytes); replicated weights: a copy of every layer and
     its transpose on the device (2 bytes per block parameter; the linears' saved per-layer copies, 1 byte, go

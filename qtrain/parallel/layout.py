@@ -13,8 +13,7 @@ its tensor, so a sharded update is bit-identical to an unsharded one).
 
 What the next families and training modes need, stated here and nowhere else:
   - layers may hold different tensors (a hybrid model's linear- and full-attention layers): each layer's groups
-    come from its family's `block_tensors(cfg, layer)`, and nothing assumes that blocks look alike except the
-    sharded weight source's persistent e4m3 shards, which ask `uniform_block()`;
+    come from its family's `block_tensors(cfg, layer)`, and nothing assumes that blocks look alike;
   - a tensor may name a group of its own within its layer (`TensorSpec.group`: 'block.{l}.X', e.g. adapters);
   - a group may be *frozen* (`FlatLayout(..., frozen=keys)`, `Group.trainable` False): it has weights, but the
     gradient managers, the optimizer and the memory plan allocate nothing for it; `FlatLayout(..., lora=spec)` is
@@ -248,18 +247,6 @@ class FlatLayout:
         """The groups that have gradients and optimizer state (all but the frozen ones); only the blocks' (`blocks`
         True) or only the others (False)."""
         return [g for g in self.groups if g.trainable and (blocks is None or blocks == (g.layer is not None))]
-
-    def uniform_block(self) -> Group:
-        """Block 0's group, after checking that every layer is one group with the same tensors at the same offsets:
-        what a consumer that handles one block layout for all layers (persistent e4m3 shards) relies on."""
-        first = self.block(0)
-        shape = [(s.short, s.start, s.shape) for s in first.segments]
-        for layer in range(self.num_layers):
-            groups = self.layer_groups(layer)
-            if len(groups) != 1 or [(s.short, s.start, s.shape) for s in groups[0].segments] != shape:
-                raise ValueError(f"block {layer} (groups {[g.key for g in groups]}) is not one group laid out as "
-                                 f"block 0 is: sharded weights need every block alike")
-        return first
 
     def total_numel(self) -> int:
         return sum(g.padded_numel for g in self.groups)

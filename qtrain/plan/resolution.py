@@ -52,7 +52,7 @@ from qtrain.options import Options, OptionsError
 from qtrain.parallel.context import check_context_parallel
 from qtrain.parallel.layout import FlatLayout
 from qtrain.plan.fit import fit_activations
-from qtrain.plan.memory import MemoryPlan, build_plan, run_layout
+from qtrain.plan.memory import MemoryPlan, build_plan
 
 # --use-cuda-graphs unset (auto) turns graphs on up to this much GEMM work per block and micro-step: where the
 # host sets the pace. Measured on one H200, Qwen2.5-0.5B bf16: 366 GFLOP (4 x 1024) 2.90x, 1466 (16 x 1024)
@@ -219,17 +219,10 @@ def check_model_support(cfg: ModelConfig, opts: Options, *, device_type: str) ->
 
 
 def sharded_weights_refusal(cfg: ModelConfig, opts: Options) -> str | None:
-    """Why this run's weights cannot be sharded (parallel/weights/sharded.py), None if they can: its persistent e4m3
-    shards need every block laid out alike (not an MoE layer's expert group, a LoRA layer's adapters or a hybrid
-    model's two kinds of layer); a LoRA base held as e4m3 is replicated. `qtrain plan` proposes sharded weights only
-    where this is None."""
+    """Why this run's weights cannot be sharded (parallel/weights/sharded.py), None if they can: a LoRA base held as
+    e4m3 is replicated. `qtrain plan` proposes sharded weights only where this is None."""
     if opts.lora_rank and opts.lora_base_dtype:
         return f"--lora-base-dtype {opts.lora_base_dtype} holds the frozen base as e4m3 on every rank"
-    if opts.persistent_quants:
-        try:
-            run_layout(cfg, opts, 1).uniform_block()
-        except ValueError as e:
-            return f"--persistent-quants with sharded weights keeps e4m3 shards of blocks laid out alike ({e})"
     return None
 
 

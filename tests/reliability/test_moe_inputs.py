@@ -111,11 +111,6 @@ def test_bad_moe_configs_are_refused_in_one_line(name, config, match, base, tmp_
 
 
 OPTION_CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
-    ("shard-weights-persistent-quants", "qwen3_moe", lambda r: ["--shard-weights", "--persistent-quants", "--matmul-dtype", "e4m3"],
-     r"--shard-weights / --zero-level 3 is not supported for this run: --persistent-quants with sharded weights "
-     r"keeps e4m3 shards of blocks laid out alike .*block\.0\.experts"),
-    ("zero-level-3-persistent-quants", "olmoe", lambda r: ["--zero-level", "3", "--persistent-quants", "--matmul-dtype", "e4m3"],
-     r"--shard-weights / --zero-level 3 is not supported"),
     ("router-z-loss-negative", "mixtral", lambda r: ["--router-z-loss=-0.1"], r"--router-z-loss must be >= 0"),
     ("log-router-every-0", "mixtral", lambda r: ["--log-router-every", "0"], r"--log-router-every >= 1"),
     ("expert-parallel-0", "mixtral", lambda r: ["--expert-parallel", "0"], r"--expert-parallel must be >= 1"),

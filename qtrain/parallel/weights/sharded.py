@@ -10,10 +10,10 @@ model's `WeightSource` for `--shard-weights` / `--zero-level 3`:
   block buffers                two block slots, layer l in slot l % 2 (double buffering), each as large as
                                the largest layer: a layer's groups (its own, and those its tensors name: an
                                MoE layer's experts, a LoRA layer's adapters) gathered back to back, so layers
-                               that differ (a hybrid model's) share the slots; with --persistent-quants (blocks
-                               alike only) two 1-byte e4m3 block buffers + the small tensors
-  e4m3 shards                  --persistent-quants: the shard of every block's four matrices in e4m3 (device,
-                               or pinned host memory with --offload-quants), made once per weights version
+                               that differ (a hybrid model's) share the slots; with --persistent-quants each
+                               slot is a 1-byte e4m3 code buffer + the rest of a layer in the model dtype
+  e4m3 shards                  --persistent-quants: the shard of every group holding FP8 block matrices, in e4m3
+                               (device, or pinned host memory with --offload-quants), made once per weights version
   non-block buffers            one full buffer per non-block group (embed, norm[, lm_head])
 
 Protocol, as the model drives it (transformer.py): `block(l)` makes sure buffer l % 2 holds layer l at the
@@ -55,26 +55,29 @@ gathered in place. `wait_all()` must run before anything writes the shards
 
 Frozen groups (a LoRA run's base) keep their shards in the compute dtype: they have no master.
 
-Persistent quants (`--persistent-quants`, `quantized=` the four block matrices; llm.q's quantized shards): each
-rank keeps an e4m3 copy of its shard of every block matrix (`persistent_quants.PersistentQuants`, which says how
-they are made and scaled). A block gather then moves
-  - the e4m3 shards, as uint8 (neither gloo nor our communicator take float8), into a 1-byte-per-element
-    block buffer with the block group's flat layout, so every matrix's codes are a contiguous (N, K) view:
+Persistent quants (`--persistent-quants`, `quantized=` the block matrices the FP8 policy names; llm.q's quantized
+shards): each rank keeps an e4m3 copy of its shard of every group that holds such matrices
+(`persistent_quants.PersistentQuants`, which says which they are, per layer, and how they are made and scaled).
+Layers may differ: each layer's parts have their own places in the slot (`_QuantSlots`, sized for the largest layer
+buffer by buffer). A layer's gather then moves, for each of its groups holding quantized matrices,
+  - the e4m3 shards, as uint8 (neither gloo nor our communicator take float8), into the slot's 1-byte-per-element
+    code buffer with the group's flat layout, so every matrix's codes are a contiguous (N, K) view:
     half the bytes of the bf16 gather; with `offload_quants` the shards live in (pinned) host memory and
     are copied into the rank's own slice of that buffer first, then gathered in place (as --offload-master);
-  - the block's small tensors (ln1, ln2, qkv_bias, q_norm / k_norm) in the model dtype: each rank copies
-    the small-tensor elements its shard holds (a few contiguous pieces) into its own slot of an exchange
-    buffer (slot = the most any rank holds, `Group.max_shard_numel`), one all-gather, and one
-    index_select (chained after the collective) puts them back to back in the small-tensor buffer whose
-    views are handed out.
-The bf16 matrices are not gathered at all. The model still needs leaves of the right shape and dtype to
-differentiate against, so each slot hands out, per matrix, a zero-stride tensor over one zero element
-(`torch.empty_strided(shape, 0-strides)`): an autograd leaf that holds no values, so nothing can read stale
-or wrong weights from it -- `fp8_linear` / `fp8_swiglu_mlp` use the weight only for shape, dtype and as the
-gradient's target when an FP8 copy is passed, and a reader of the values would see zeros (the bitwise tests
-against the unquantized-gather path would fail). The block dict adds `FP8_WEIGHT.format(m)` (the codes
+  - the group's small tensors (ln1, ln2, qkv_bias, q_norm / k_norm, a router, a shared expert ...) in the model
+    dtype: each rank copies the small-tensor elements its shard holds (a few contiguous pieces) into its own slot
+    of an exchange buffer (slot = the most any rank holds, `Group.max_shard_numel`), one all-gather, and one
+    index_select (chained after the collective) puts them back to back in the slot's compute buffer, whose
+    views are handed out;
+and each of its other groups (an MoE layer's expert stacks, a LoRA layer's adapters) whole, in the model dtype, into
+the compute buffer, as without the option. The bf16 matrices are not gathered at all. The model still needs leaves
+of the right shape and dtype to differentiate against, so each layer hands out, per matrix, a zero-stride tensor
+over one zero element (`torch.empty_strided(shape, 0-strides)`): an autograd leaf that holds no values, so nothing
+can read stale or wrong weights from it -- `fp8_linear` / `fp8_swiglu_mlp` use the weight only for shape, dtype
+and as the gradient's target when an FP8 copy is passed, and a reader of the values would see zeros (the bitwise
+tests against the unquantized-gather path would fail). The block dict adds `FP8_WEIGHT.format(m)` (the codes
 view) and `FP8_INV_SCALE.format(m)` (a 0-dim fp32 tensor of the current version). Saved e4m3 weights are
-views into the rotating code buffers, so `saving()` treats those (and the small-tensor buffers) exactly like
+views into the rotating code buffers, so `saving()` treats those (and the compute buffers) exactly like
 the bf16 block buffers. Export, checkpoints and `gather_full` read the model-dtype shards, never the buffers.
 """
 from __future__ import annotations
@@ -92,26 +95,73 @@ from qtrain.parallel.comm import Communicator, Handle
 from qtrain.parallel.experts import ExpertParallel
 from qtrain.parallel.footprint import Footprint
 from qtrain.parallel.layout import FlatLayout, Group
-from qtrain.parallel.weights.persistent_quants import PersistentQuants
+from qtrain.parallel.weights.persistent_quants import PersistentQuants, quantized_groups, small_sizes
 
 __all__ = ["ShardedWeights"]
 
 
 @dataclass
 class _Buffer:
-    """A full-size gather target and the leaf views handed to the model. With persistent quants (block slots
-    only) `buf` holds e4m3 codes as uint8, `fp8` are their matrix views, the small tensors live in `small`
-    (gathered through `exchange`) and the matrices' leaves in `views` hold no values."""
+    """A full-size gather target (and a non-block group's views, by full name). With persistent quants (block slots
+    only) `buf` holds e4m3 codes as uint8, and `compute` the rest of a layer in the compute dtype: the groups
+    gathered as they are, then the small tensors (gathered through `exchange`)."""
     buf: torch.Tensor
     views: dict[str, torch.Tensor]
     key: str | None = None  # group it holds (or is being gathered into it)
     version: int = -1
     pending: list[Handle] = field(default_factory=list)
     storages: frozenset[int] = frozenset()  # what autograd may save from this slot (see `saving`)
-    fp8: dict[str, torch.Tensor] = field(default_factory=dict)
-    small: torch.Tensor | None = None
+    compute: torch.Tensor | None = None
     exchange: torch.Tensor | None = None
     layer: int | None = None  # the layer of `key` (block slots)
+
+
+@dataclass(frozen=True)
+class _QuantPart:
+    """Where one of a layer's groups goes in a persistent-quants block slot. A group holding quantized `matrices`:
+    its codes at `codes` of the code buffer, its small tensors at `offset` of the compute buffer, its exchange at
+    `exchange` of the exchange buffer (world slots of `slot` elements); any other group (no `matrices`: an MoE
+    layer's experts, a LoRA layer's adapters) whole at `offset` of the compute buffer, gathered as without quants."""
+    group: Group
+    matrices: tuple[str, ...]
+    offset: int
+    codes: int = 0
+    exchange: int = 0
+    slot: int = 0
+
+
+@dataclass(frozen=True)
+class _QuantSlots:
+    """Each layer's parts in a persistent-quants block slot, and the slot's three buffers' sizes (elements): the
+    largest layer's, each on its own. The compute buffer holds a layer's plain groups first (each padded, so each
+    gather target stays aligned), then the quantized groups' small tensors."""
+    layers: tuple[tuple[_QuantPart, ...], ...]
+    codes: int
+    compute: int
+    exchange: int
+
+    @classmethod
+    def of(cls, layout: FlatLayout, names: tuple[str, ...]) -> _QuantSlots:
+        layers, sizes = [], []  # sizes: per layer, (codes, compute, exchange) elements
+        for layer, row in enumerate(quantized_groups(layout, names)):
+            quantized = {g.key for g, _ in row}
+            parts, off = [], 0
+            for g in layout.layer_groups(layer):
+                if g.key not in quantized:
+                    parts.append(_QuantPart(g, (), off))
+                    off += g.padded_numel
+            codes = exchange = 0
+            for g, mats in row:
+                small, slot = small_sizes(g, mats, layout.world)
+                parts.append(_QuantPart(g, mats, off, codes, exchange, slot))
+                off, codes, exchange = off + small, codes + g.padded_numel, exchange + layout.world * slot
+            layers.append(tuple(parts))
+            sizes.append((codes, off, exchange))
+        return cls(tuple(layers), *(max(col, default=0) for col in zip(*sizes)))
+
+    def leaves(self) -> int:
+        """The matrices' value-less leaves, one element each, per layer (every layer hands out its own)."""
+        return sum(len(p.matrices) for parts in self.layers for p in parts)
 
 
 @dataclass(frozen=True)
@@ -139,7 +189,7 @@ class ShardedWeights:
         """dtype: the trainable shards' (the master); compute_dtype: the gathered weights' and the frozen groups'
         shards (None: the same; bf16 under fp32 master shards, which each gather casts into the rank's own slice of
         the buffer first); experts: expert parallelism (an expert group's shards gathered over its replicas);
-        quantized: block matrices kept as persistent e4m3 shards (--persistent-quants: the four linears);
+        quantized: block matrices kept as persistent e4m3 shards (--persistent-quants: those the FP8 policy names);
         offload_quants: those shards in (pinned) host memory."""
         if layout.world != comm.world:
             raise ValueError(f"layout was built for world {layout.world}, communicator has world {comm.world}")
@@ -167,11 +217,14 @@ class ShardedWeights:
                                          device=self.device, offload=offload_quants)
                        if quantized and self.num_layers else None)
         self.offload_quants = offload_quants
-        self._parts = self.layer_parts(layout, uniform=self.quants is not None)
+        self._parts = self.layer_parts(layout)
         slots = min(2, self.num_layers)
+        self._fp8: list[dict[str, torch.Tensor]] = []  # persistent quants: per layer, its matrices' code views
         if self.quants:
-            self._blocks = [self._quant_buffer(layout.uniform_block()) for _ in range(slots)]
-            self._views = [self._blocks[i % slots].views for i in range(self.num_layers)]
+            self._qslots = _QuantSlots.of(layout, self.quants.names)
+            self._blocks = [self._quant_buffer() for _ in range(slots)]
+            self._views, self._fp8 = zip(*(self._quant_views(self._blocks[i % slots], i)
+                                           for i in range(self.num_layers)))
         else:
             n = self.slot_numel(layout)
             self._blocks = [_Buffer(b, {}, storages=frozenset({b.untyped_storage().data_ptr()}))
@@ -190,11 +243,8 @@ class ShardedWeights:
         self._saving = 0
 
     @staticmethod
-    def layer_parts(layout: FlatLayout, *, uniform: bool = False) -> list[list[tuple[Group, int]]]:
-        """Per layer, its groups and where each starts in a block slot (back to back, in `layer_groups` order).
-        `uniform`: only layers of one group laid out alike (what persistent quants handle), else a ValueError."""
-        if uniform:
-            layout.uniform_block()
+    def layer_parts(layout: FlatLayout) -> list[list[tuple[Group, int]]]:
+        """Per layer, its groups and where each starts in a block slot (back to back, in `layer_groups` order)."""
         out = []
         for layer in range(layout.cfg.num_hidden_layers):
             parts, off = [], 0
@@ -230,69 +280,92 @@ class ShardedWeights:
             views[s.name] = buf[s.start:s.start + s.numel].view(s.shape).requires_grad_(group.trainable)
         return _Buffer(buf, views, storages=frozenset({buf.untyped_storage().data_ptr()}))
 
-    def _quant_buffer(self, group: Group) -> _Buffer:
-        """A block slot for persistent quants: e4m3 codes in the block layout, the small tensors, and for each
-        matrix a zero-stride leaf over one zero element (the gradient's target; it holds no weights)."""
-        q = self.quants
-        codes = torch.zeros(group.padded_numel, dtype=torch.uint8, device=self.device)
-        small = torch.zeros(q.small_numel, dtype=self.compute_dtype, device=self.device)
-        exchange = torch.zeros(self.world * q.slot, dtype=self.compute_dtype, device=self.device)
+    def _quant_buffer(self) -> _Buffer:
+        """A block slot for persistent quants (`_QuantSlots`): e4m3 codes, the compute-dtype rest, the exchange."""
+        sizes = self._qslots
+        codes = torch.zeros(sizes.codes, dtype=torch.uint8, device=self.device)
+        compute = torch.zeros(sizes.compute, dtype=self.compute_dtype, device=self.device)
+        exchange = torch.zeros(sizes.exchange, dtype=self.compute_dtype, device=self.device)
+        storages = frozenset(t.untyped_storage().data_ptr() for t in (codes, compute))
+        return _Buffer(codes, {}, storages=storages, compute=compute, exchange=exchange)
+
+    def _quant_views(self, b: _Buffer, layer: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Layer `layer`'s leaves in persistent-quants slot `b`, and its matrices' code views (short name -> tensor),
+        made once: tensors as views into the compute buffer, and for each quantized matrix a zero-stride leaf over
+        one zero element (the gradient's target; it holds no weights) with an e4m3 view of its codes."""
         views, fp8 = {}, {}
-        for s in group.segments:
-            if s.short in q.names:
-                views[s.short] = torch.empty_strided(s.shape, (0,) * len(s.shape), dtype=self.compute_dtype,
-                                                     device=self.device).zero_().requires_grad_(group.trainable)
-                fp8[s.short] = codes[s.start:s.start + s.numel].view(E4M3).view(s.shape)
-            else:
-                a = q.small_offsets[s.short]
-                views[s.short] = small[a:a + s.numel].view(s.shape).requires_grad_(group.trainable)
-        storages = frozenset(t.untyped_storage().data_ptr() for t in (codes, small))
-        return _Buffer(codes, views, storages=storages, fp8=fp8, small=small, exchange=exchange)
+        for p in self._qslots.layers[layer]:
+            g = p.group
+            small = self.quants.plan_of[g.key].small_offsets if p.matrices else None
+            for s in g.segments:
+                if s.short in p.matrices:
+                    views[s.short] = torch.empty_strided(s.shape, (0,) * len(s.shape), dtype=self.compute_dtype,
+                                                         device=self.device).zero_().requires_grad_(g.trainable)
+                    a = p.codes + s.start
+                    fp8[s.short] = b.buf[a:a + s.numel].view(E4M3).view(s.shape)
+                else:
+                    a = p.offset + (small[s.short] if small is not None else s.start)
+                    views[s.short] = b.compute[a:a + s.numel].view(s.shape).requires_grad_(g.trainable)
+        return views, fp8
 
     # ---- gathers ----
-    def _gather(self, b: _Buffer, key: str, parts: list[tuple[Group, int]]) -> None:
+    def _gather(self, b: _Buffer, key: str, parts: list[tuple[Group, int]], layer: int | None = None) -> None:
         """Start gathering the groups `parts` (group, offset in `b`), together `key` (a non-block group's key, or
-        layer l's 'block.l'), into `b` unless it already holds them at the current version."""
+        layer `layer`'s 'block.l'), into `b` unless it already holds them at the current version."""
         if b.key == key and b.version == self.version:
             return
         self._wait(b)  # a gather of another group into this buffer may still be in flight
         with torch.no_grad():
-            if b.fp8:
-                self._gather_quantized(b, parts[0][0])
+            if self.quants is not None and layer is not None:
+                self._gather_quantized(b, self._qslots.layers[layer])
             else:
                 for group, off in parts:
-                    target = b.buf[off:off + group.padded_numel]
-                    shard = self.shards[group.key]
-                    lo, hi = group.shard_range(self.rank, self.world)
-                    if self._staged:
-                        shard = self._stage(target[lo:hi], shard)
-                    elif shard.dtype != target.dtype:  # fp32 master: cast into the rank's own slice, gather in place
-                        shard = target[lo:hi].copy_(shard)
-                    b.pending.append(self._comm(group).all_gather(target, shard))
-                    self.gathered_bytes["block" if group.layer is not None else "non_block"] += _nbytes(target)
+                    self._gather_group(b, b.buf[off:off + group.padded_numel], group)
         b.key, b.version = key, self.version
         self.gathers += 1
 
-    def _gather_quantized(self, b: _Buffer, group: Group) -> None:
-        """Persistent quants: gather the block's e4m3 shards and its packed small tensors (module doc)."""
+    def _gather_group(self, b: _Buffer, target: torch.Tensor, group: Group) -> None:
+        """Start gathering `group`'s shards, as they are (cast to the compute dtype), into `target`."""
+        shard = self.shards[group.key]
+        lo, hi = group.shard_range(self.rank, self.world)
+        if self._staged:
+            shard = self._stage(target[lo:hi], shard)
+        elif shard.dtype != target.dtype:  # fp32 master: cast into the rank's own slice, gather in place
+            shard = target[lo:hi].copy_(shard)
+        b.pending.append(self._comm(group).all_gather(target, shard))
+        self.gathered_bytes["block" if group.layer is not None else "non_block"] += _nbytes(target)
+
+    def _gather_quantized(self, b: _Buffer, parts: tuple[_QuantPart, ...]) -> None:
+        """Persistent quants: gather a layer's groups into slot `b`, those holding quantized matrices as their e4m3
+        shards and packed small tensors, the others as they are (module doc)."""
         q = self.quants
         if q.version != self.version:  # the first block gather of this weights version quantizes all layers
             for other in self._blocks:
                 self._wait(other)  # (none can be reading the codes, but be explicit)
             q.refresh(self.shards, self.version, self.comm)
-        codes = q.codes[group.key]
-        if q.staged:
-            lo, hi = group.shard_range(self.rank, self.world)
-            codes = self._stage(b.buf[lo:hi], codes)
-        b.pending = [self.comm.all_gather(b.buf, codes)]
-        own_slot = b.exchange[self.rank * q.slot:(self.rank + 1) * q.slot]
-        shard = self.shards[group.key]
-        for a, pos, n in q.pack:  # a few contiguous pieces: stream-ordered copies, from host or device shards
-            own_slot[pos:pos + n].copy_(shard[a:a + n], non_blocking=True)
-        gathered = self.comm.all_gather(b.exchange, own_slot)
-        b.pending.append(self.comm.then(gathered, lambda: _index_select_into(b.small, b.exchange, q.recv_idx)))
-        self.gathered_bytes["block_fp8"] += _nbytes(b.buf)
-        self.gathered_bytes["block_small"] += _nbytes(b.exchange)
+        for p in parts:
+            group = p.group
+            if not p.matrices:
+                self._gather_group(b, b.compute[p.offset:p.offset + group.padded_numel], group)
+                continue
+            target = b.buf[p.codes:p.codes + group.padded_numel]
+            codes = q.codes[group.key]
+            if q.staged:
+                lo, hi = group.shard_range(self.rank, self.world)
+                codes = self._stage(target[lo:hi], codes)
+            b.pending.append(self.comm.all_gather(target, codes))
+            plan = q.plan_of[group.key]
+            exchange = b.exchange[p.exchange:p.exchange + self.world * p.slot]
+            own_slot = exchange[self.rank * p.slot:(self.rank + 1) * p.slot]
+            shard = self.shards[group.key]
+            for a, pos, n in plan.pack:  # a few contiguous pieces: stream-ordered copies, from host or device shards
+                own_slot[pos:pos + n].copy_(shard[a:a + n], non_blocking=True)
+            gathered = self.comm.all_gather(exchange, own_slot)
+            small = b.compute[p.offset:p.offset + plan.small_numel]
+            b.pending.append(self.comm.then(gathered, lambda s=small, x=exchange, i=plan.recv_idx:
+                                            _index_select_into(s, x, i)))
+            self.gathered_bytes["block_fp8"] += _nbytes(target)
+            self.gathered_bytes["block_small"] += _nbytes(exchange)
 
     @staticmethod
     def _stage(own: torch.Tensor, host_shard: torch.Tensor) -> torch.Tensor:
@@ -345,17 +418,17 @@ class ShardedWeights:
         if 0 <= nxt < self.num_layers and nxt % len(self._blocks) != layer % len(self._blocks):
             self._gather_block(nxt)
         self._wait(b)
-        if not b.fp8:
+        if self.quants is None:
             return self._views[layer]
-        out = dict(b.views)
-        for n, inv in zip(self.quants.names, self.quants.inv_scales[layer]):
-            out[FP8_WEIGHT.format(n)], out[FP8_INV_SCALE.format(n)] = b.fp8[n], inv
+        out, fp8 = dict(self._views[layer]), self._fp8[layer]
+        for n, inv in zip(self.quants.matrices[layer], self.quants.inv_scales[layer]):
+            out[FP8_WEIGHT.format(n)], out[FP8_INV_SCALE.format(n)] = fp8[n], inv
         return out
 
     def _gather_block(self, layer: int) -> _Buffer:
         """Start gathering layer `layer` into its slot (unless there already); the slot."""
         b = self._blocks[layer % len(self._blocks)]
-        self._gather(b, self.layout.block(layer).key, self._parts[layer])
+        self._gather(b, self.layout.block(layer).key, self._parts[layer], layer)
         b.layer = layer
         return b
 
@@ -443,10 +516,11 @@ class ShardedWeights:
         """Bytes of persistent weight state per rank, by buffer kind, without allocating it: the `shards` (the master,
         frozen groups' in the compute dtype; host with `offload`), two `block_buffers` slots and the
         `non_block_buffers`. With
-        persistent quants (`quantized`) the block buffers are only the small tensors, their exchange slots and
-        the matrices' one-element leaves (+ the int64 `small_index` that unpacks the exchange); `quant_buffers`
-        are the two e4m3 block buffers, `quant_shards` the e4m3 shards (host with `offload_quants`),
-        `quant_scales` their inverse scales. The shards are in `dtype`, every buffer in `compute_dtype` (None: the
+        persistent quants (`quantized`) the block buffers are only what is not a quantized matrix (`_QuantSlots`:
+        the small tensors, their exchange slots, a layer's groups without such matrices) and every layer's
+        one-element matrix leaves (+ the int64 `small_index` maps that unpack the exchange); `quant_buffers` are the
+        two e4m3 code buffers, `quant_shards` the e4m3 shards (host with `offload_quants`), `quant_scales` their
+        inverse scales. The shards are in `dtype`, every buffer in `compute_dtype` (None: the
         same)."""
         E, world, L = (compute_dtype or dtype).itemsize, layout.world, layout.cfg.num_hidden_layers
         slots = min(2, L)
@@ -455,11 +529,11 @@ class ShardedWeights:
                  "non_block_buffers": sum(g.padded_numel for g in layout.non_block_groups()) * E}
         host = {"shards"} if offload else set()
         if quantized and L:
-            small, slot = PersistentQuants.slot_numel(layout, quantized)
-            leaves = sum(s.short in quantized for s in layout.block(0).segments)  # one element each
-            parts["block_buffers"] = slots * (small + world * slot + leaves) * E
-            parts["small_index"] = 8 * small  # where each small-tensor element sits in the gathered exchange
-            parts["quant_buffers"] = slots * layout.block(0).padded_numel
+            sizes = _QuantSlots.of(layout, quantized)
+            parts["block_buffers"] = (slots * (sizes.compute + sizes.exchange) + sizes.leaves()) * E
+            # where each small-tensor element sits in the gathered exchange: one map per distinct group layout
+            parts["small_index"] = 8 * PersistentQuants.index_numel(layout, quantized)
+            parts["quant_buffers"] = slots * sizes.codes
             q = PersistentQuants.footprint_of(layout, quantized, offload=offload_quants)
             parts.update(q.parts)
             host |= q.host_keys
