@@ -86,6 +86,15 @@ def write_model_dir(root, cfg) -> str:
     return str(root)
 
 
+def write_model_dirs(root, cfgs: dict) -> dict[str, str]:
+    """One `write_model_dir` per named config, each in a folder of its name under `root`."""
+    out = {}
+    for name, cfg in cfgs.items():
+        (root / name).mkdir(exist_ok=True)
+        out[name] = write_model_dir(root / name, cfg)
+    return out
+
+
 def random_batch(vocab_size: int, B: int, T: int, step: int, micro: int, rank: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) of random tokens, a function of (step, micro-step, rank) only: every run of a

@@ -29,7 +29,7 @@ from qtrain.parallel.dist import DistContext
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.weights.sharded import ShardedWeights
 from qtrain.train.trainer import Trainer
-from tests.dist_utils import random_batch, run_distributed, train_steps, write_model_dir
+from tests.dist_utils import random_batch, run_distributed, train_steps, write_model_dir, write_model_dirs
 from tests.model.family_fixtures import qwen35_cfg
 from tests.parallel.weights.test_sharded_layers import DENSE, LORA
 from tests.train.test_moe_trainer import CFG as MOE
@@ -112,11 +112,7 @@ def _worker(rank: int, world: int, dirs: dict[str, str]) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sharded-layer-quants")
-    dirs = {}
-    for m, cfg in MODELS.items():
-        (root / m).mkdir(exist_ok=True)
-        dirs[m] = write_model_dir(root / m, cfg)
+    dirs = write_model_dirs(tmp_path_factory.mktemp("sharded-layer-quants"), MODELS)
     return run_distributed(_worker, WORLD, dirs)
 
 

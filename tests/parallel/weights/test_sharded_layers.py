@@ -35,7 +35,7 @@ from qtrain.parallel.weights.factory import build_weights
 from qtrain.parallel.weights.sharded import ShardedWeights
 from qtrain.train import checkpointing
 from qtrain.train.trainer import Trainer
-from tests.dist_utils import random_batch, run_distributed, train_steps, write_model_dir
+from tests.dist_utils import random_batch, run_distributed, train_steps, write_model_dir, write_model_dirs
 from tests.train.test_moe_trainer import CFG as MOE
 from tests.train.test_qwen3_5_distributed import CFG as QWEN35
 
@@ -118,11 +118,7 @@ def _worker(rank: int, world: int, dirs: dict[str, str], work: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded-layers")
-    dirs = {}
-    for m, cfg in MODELS.items():
-        (root / m).mkdir()
-        dirs[m] = write_model_dir(root / m, cfg)
-    return run_distributed(_worker, WORLD, dirs, str(root))
+    return run_distributed(_worker, WORLD, write_model_dirs(root, MODELS), str(root))
 
 
 def _same_steps(a: list[dict], b: list[dict], what: str) -> None:
