@@ -51,8 +51,9 @@ from qtrain.model.registry import delta_rule_layers
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.context import check_context_parallel
 from qtrain.parallel.layout import FlatLayout
+from qtrain.parallel.weights.persistent_quants import quantized_groups
 from qtrain.plan.fit import fit_activations
-from qtrain.plan.memory import MemoryPlan, build_plan
+from qtrain.plan.memory import MemoryPlan, build_plan, run_layout
 
 # --use-cuda-graphs unset (auto) turns graphs on up to this much GEMM work per block and micro-step: where the
 # host sets the pace. Measured on one H200, Qwen2.5-0.5B bf16: 366 GFLOP (4 x 1024) 2.90x, 1466 (16 x 1024)
@@ -161,6 +162,12 @@ def persistent_quants(cfg: ModelConfig, opts: Options, fp8: Fp8Choice | None) ->
     except under --debug-log-abs-max, whose recorder watches the linears quantize their weights themselves."""
     if fp8 is None or not opts.weights_quantized_once or cfg.num_hidden_layers == 0:
         return ()
+    if opts.weights_sharded:  # e4m3 shards of each group holding the matrices: their views must be FP8 operands
+        try:
+            quantized_groups(run_layout(cfg, opts, 1), fp8.fp8)
+        except ValueError as e:
+            raise OptionsError(f"--persistent-quants with sharded weights and --fp8-policy {opts.fp8_policy}: {e}; "
+                               f"drop --persistent-quants (or take another --fp8-policy)") from None
     return fp8.fp8
 
 

@@ -86,6 +86,21 @@ def test_persistent_quants_of_sharded_weights_train_for_the_hybrid_layers(tmp_pa
                                                  "--fp8-policy", "all"))) == 0
 
 
+def test_persistent_quants_of_a_matrix_off_the_fp8_alignment_are_one_line(tmp_path, capsys):
+    """With the default 4 value heads `out` starts at element 6968 of the linear-attention block, not a multiple of
+    16: its e4m3 view could not be an FP8 operand. One line naming the option and the matrix, exit 2, before the model
+    is built (before, a traceback from the memory plan)."""
+    root = make_run_root(tmp_path)
+    (root / "model" / "config.json").write_text(json.dumps(_config()))
+    capsys.readouterr()
+    assert main(train_argv(root, steps=2, extra=("--zero-level", "3", "--persistent-quants", "--matmul-dtype", "e4m3",
+                                                 "--fp8-policy", "all"))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qtrain: error: --persistent-quants with sharded weights"), err
+    assert "'out'" in err[0] and "multiple of 16" in err[0]
+    assert not (root / "ckpt").exists() and not (root / "out").exists()
+
+
 def test_context_parallel_is_refused_for_the_hybrid_layers(tmp_path, capsys):
     """--context-parallel cuts each sequence over ranks; the Gated DeltaNet recurrence would need its state passed
     from rank to rank, which is not built: one line naming the option and the model type, exit 2, before the model is
