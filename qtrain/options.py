@@ -332,7 +332,9 @@ class Options:
     2026-12-06). No effect on the CPU or wherever the plain-torch delta rule runs (it computes in fp32); fp32 and
     tf32 are refused for models without Gated DeltaNet layers."""
     offload_quants: bool = False
-    """Keep the persistent e4m3 weight shards in pinned host memory (needs --persistent-quants and sharded weights)."""
+    """Keep the persistent e4m3 weight shards in pinned host memory (needs --persistent-quants and sharded weights);
+    with --lora-base-dtype e4m3, the frozen base's codes, two layers at a time on the device (needs
+    --recompute-block): a base larger than the GPU."""
     offload_master: bool = False
     """Weight shards in pinned host memory (they are the master: qtrain has no separate copy); needs sharded weights."""
     offload_opt_m: bool = False

@@ -101,9 +101,14 @@ def check_options(opts: Any) -> None:
                   "unsharded gradients cannot be offloaded")
     # sharded weights, FP8 weight copies, offload (llm.q: --persistent-quants needs the --shard-weights flag
     # literally, so --zero-level 3 cannot use it [quirk]; here either way of sharding the weights works)
-    if opts.offload_quants and not opts.persistent_quants:
-        raise err("--offload-quants needs --persistent-quants")
-    if opts.offload_quants and not opts.weights_sharded:
+    e4m3_base = bool(opts.lora_rank and opts.lora_base_dtype)  # --offload-quants: the base's codes on the host
+    if opts.offload_quants and e4m3_base and not opts.recompute_block:
+        raise err("--offload-quants with --lora-base-dtype e4m3 needs --recompute-block: two layers of the base are on "
+                  "the device at a time, so each block's backward re-runs its forward on codes copied in again")
+    if opts.offload_quants and not opts.persistent_quants and not e4m3_base:
+        raise err("--offload-quants needs --persistent-quants (or --lora-base-dtype e4m3: the base's codes on the "
+                  "host)")
+    if opts.offload_quants and not opts.weights_sharded and not e4m3_base:
         raise err("--offload-quants needs sharded weights (--shard-weights or --zero-level 3): replicated "
                   "weights keep their e4m3 copies on the device")
     if opts.persistent_quants and opts.effective_matmul_dtype != "e4m3":

@@ -197,9 +197,11 @@ def _weight_rows(cfg: ModelConfig, opts: Options, layout: FlatLayout, quants: tu
                 _row(f"weights ({opts.model_dtype}, compute copy)", CastWeights.footprint_of(layout, dtype),
                      "what the model computes with; cast from the master once per step")]
     elif not opts.weights_sharded and layout.lora is not None and layout.lora.base_dtype == "e4m3":
-        rows = [_row(f"weights ({opts.model_dtype}, e4m3 base)", E4m3BaseWeights.footprint_of(layout, dtype),
+        on_host = "; on the host, 2 layers on the device" if opts.offload_quants else ""
+        rows = [_row(f"weights ({opts.model_dtype}, e4m3 base)",
+                     E4m3BaseWeights.footprint_of(layout, dtype, offload=opts.offload_quants),
                      f"{_count(num_params(cfg))} parameters; the frozen base's block matrices as e4m3 + a scale "
-                     f"each (1 byte per parameter), the rest in {opts.model_dtype}")]
+                     f"each (1 byte per parameter{on_host}), the rest in {opts.model_dtype}")]
         return rows
     elif not opts.weights_sharded:
         rows = [_row(f"weights ({opts.model_dtype})", replicated_footprint(layout, dtype),

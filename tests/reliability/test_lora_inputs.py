@@ -92,6 +92,8 @@ CASES = [
     Case("merge-e4m3", lora("--lora-merge", "--lora-base-dtype", "e4m3"),
          r"--lora-merge with --lora-base-dtype e4m3"),
     Case("base-dtype-value", lora("--lora-base-dtype", "e5m2"), r"--lora-base-dtype='e5m2'"),
+    Case("offloaded-base-without-recompute", lora("--lora-base-dtype", "e4m3", "--offload-quants"),
+         r"--offload-quants with --lora-base-dtype e4m3 needs --recompute-block"),
     Case("base-e4m3-master-fp32", lora("--lora-base-dtype", "e4m3", "--model-dtype", "bf16", "--master-dtype", "fp32"),
          r"--lora-base-dtype e4m3 with --master-dtype fp32 is not supported"),
     Case("init-from-missing", lora("--lora-init-from", "{root}/nope"), r"--lora-init-from .*nope: not a directory"),

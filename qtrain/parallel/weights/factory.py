@@ -67,13 +67,14 @@ def build_weights(layout: FlatLayout, *, comm: Communicator, dtype: torch.dtype,
 
     Frozen groups have no master: with a `compute_dtype` they are kept in it alone, and only the trainable groups
     have a master of `dtype` and a cast copy (a LoRA run's base is never held in fp32). `e4m3_base`: a LoRA layout's
-    frozen base block matrices held only as e4m3 codes (e4m3_base.py; replicated, no separate master). `experts`:
+    frozen base block matrices held only as e4m3 codes (e4m3_base.py; replicated, no separate master; with
+    `offload_quants` the codes in host memory, two layers on the device). `experts`:
     expert parallelism, whose expert groups sharded weights gather over their replicas."""
     if e4m3_base:
         if sharded or quantized or (compute_dtype is not None and compute_dtype != dtype) or adapters is None:
             raise ValueError("build_weights: an e4m3 base is a LoRA layout's, replicated, without a separate master")
         source = build_e4m3_base(layout, dtype=dtype, device=device, weights_dir=weights_dir, seed=seed,
-                                 init_proj_to_zero=init_proj_to_zero, adapters=adapters)
+                                 init_proj_to_zero=init_proj_to_zero, adapters=adapters, offload=offload_quants)
         return RankWeights(source, source.buffers, source.params)
     cast = compute_dtype is not None and compute_dtype != dtype
     if sharded:  # the shards are the master; each gather casts them to the compute dtype

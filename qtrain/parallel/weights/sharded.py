@@ -95,6 +95,7 @@ from qtrain.parallel.comm import Communicator, Handle
 from qtrain.parallel.experts import ExpertParallel
 from qtrain.parallel.footprint import Footprint
 from qtrain.parallel.layout import FlatLayout, Group
+from qtrain.parallel.weights.layer_walk import LayerWalk
 from qtrain.parallel.weights.persistent_quants import PersistentQuants, quantized_groups, small_sizes
 
 __all__ = ["ShardedWeights"]
@@ -238,8 +239,7 @@ class ShardedWeights:
         self.version = 0
         self.gathers = 0  # block / group gathers issued: what the skip logic saves
         self.gathered_bytes = {"block": 0, "block_fp8": 0, "block_small": 0, "non_block": 0}  # all-gather outputs
-        self._prev: int | None = None  # last layer handed out, and the direction of the pass (+1 up, -1 down)
-        self._dir = 1
+        self._walk = LayerWalk(self.num_layers)  # which layer to prefetch
         self._saving = 0
 
     @staticmethod
@@ -403,19 +403,9 @@ class ShardedWeights:
         if torch.is_grad_enabled() and not self._saving:
             raise RuntimeError("ShardedWeights.block(): run the forward/backward inside `with weights.saving():` "
                                "-- gathered weights are reused buffers, and autograd must not keep them")
-        prev, d = self._prev, self._dir
-        if prev is None:
-            d = 1
-        elif layer == prev:  # the pass turned around: forward -> backward at the top, or the next forward
-            d = -d
-        elif layer > prev:
-            d = 1
-        else:  # going down, unless a new forward-only pass starts over at layer 0
-            d = 1 if (layer == 0 and prev == self.num_layers - 1) else -1
-        self._prev, self._dir = layer, d
+        nxt = self._walk.step(layer)
         b = self._gather_block(layer)
-        nxt = layer + d
-        if 0 <= nxt < self.num_layers and nxt % len(self._blocks) != layer % len(self._blocks):
+        if nxt is not None and nxt % len(self._blocks) != layer % len(self._blocks):
             self._gather_block(nxt)
         self._wait(b)
         if self.quants is None:
