@@ -116,7 +116,10 @@ def step_cost(cfg: ModelConfig, opts: Options, plan: Any, *, sequences_per_step:
     accumulate = (3 * micro - 1) * grads.device / HBM_RATE  # the first micro-step copies (2 passes), others add
 
     host = {i.name.split(" (")[0]: i.host for i in plan.items if i.host}
-    per_update = sum(v for k, v in host.items() if k in ("adam m", "adam v", "weights"))  # both ways, overlapped
+    # both ways, overlapped; a LoRA run's host weights are its frozen base (the adapters are a rounding error): the
+    # update leaves them alone, the gathers below bring them in every micro-step
+    updated = ("adam m", "adam v") if opts.lora_rank else ("adam m", "adam v", "weights")
+    per_update = sum(v for k, v in host.items() if k in updated)
     per_update += host.get("gradients", 0)  # read once by the update
     gathered = host.get("fp8 weights", 0) if opts.weights_quantized_once else host.get("weights", 0)
     overlapped = host.get("gradients", 0) + 2 * host.get("activations", 0)

@@ -345,6 +345,24 @@ def test_step_cost_offload_amortizes_with_accumulation():
         step_cost(cfg, ffn, plan_ffn, sequences_per_step=256).total_s
 
 
+def test_step_cost_of_a_lora_base_on_the_host_is_its_gathers_not_an_update():
+    """A LoRA base kept on the host (bf16 shards with --zero-level 3 --offload-master, or e4m3 codes with
+    --lora-base-dtype e4m3 --offload-quants) travels to the GPU twice per micro-step (forward and the recomputed
+    backward's gathers) and never back: the update does not touch a frozen base."""
+    from qtrain.plan.step_cost import PCIE_ONE_WAY, step_cost
+    cfg = preset("Qwen2.5-7B")
+    base = Options(model="Qwen2.5-7B", seq_len=1024, batch_size=2, grad_accumulation=4, lora_rank=16,
+                   recompute_block=True)
+    for kw, row in ((dict(zero_level=3, offload_master=True), "weights"),
+                    (dict(lora_base_dtype="e4m3", offload_quants=True), "weights")):
+        opts = dataclasses.replace(base, **kw)
+        plan = plan_memory(cfg, opts)
+        on_host = plan.item(row).host
+        assert on_host > 4e9  # the base: 7B in bf16 or e4m3
+        cost = step_cost(cfg, opts, plan)
+        assert cost.transfer_s == pytest.approx(4 * 2 * on_host / PCIE_ONE_WAY, rel=1e-3), kw
+
+
 def test_propose_picks_the_cheaper_ladder_and_recommends_by_the_step_model():
     """14B on a 139.7 GiB GPU (the H200): at 256 sequences per step the proposal for B=16 offloads the
     moments rather than recomputing the whole block, and the recommendation is the entry with the least
