@@ -27,7 +27,7 @@ def _ladder(base: Options, world: int, *, offload_first: bool = False,
     the block inputs. `offload_first`: the optimizer-state offload before the recomputation of GEMMs (ffn,
     block), which is cheaper when an optimizer step has many micro-steps (see `step_cost`). `shardable` False: the
     run cannot shard its weights (`resolution.sharded_weights_refusal`), so neither they nor the master's offload
-    are proposed."""
+    are proposed; an e4m3 LoRA base (`--lora-base-dtype e4m3`) is offered on the host instead (`--offload-quants`)."""
     steps: list[tuple[str, dict[str, Any]]] = [("none", {})]
 
     def add(label: str, **flags: Any) -> None:
@@ -48,6 +48,8 @@ def _ladder(base: Options, world: int, *, offload_first: bool = False,
         add("shard weights", shard_weights=True)
     if shardable:
         add("offload master", offload_master=True)
+    elif base.lora_rank and base.lora_base_dtype:  # an e4m3 base: its codes on the host (after recompute block)
+        add("offload base", offload_quants=True)
     add("offload gradients", offload_gradients=True, **({"shard_gradients": True} if unsharded and base.zero_level < 2
                                                          else {}))
     add("offload residual", offload_residual=True)

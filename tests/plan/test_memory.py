@@ -255,6 +255,19 @@ def test_proposals_keep_the_runs_lora_layout():
         assert state(plan) == state(given)
 
 
+def test_proposals_keep_an_e4m3_lora_base_on_the_host_where_the_gpu_cannot_hold_it():
+    """A 72B base as e4m3 codes is ~68 GiB: on a 40 GiB GPU no recompute or optimizer offload makes the run fit,
+    the base's codes on the host (--offload-quants, which needs --recompute-block) do; sharded weights are not
+    proposed (an e4m3 base is replicated: `sharded_weights_refusal`)."""
+    cfg = preset("Qwen2.5-72B")
+    base = Options(seq_len=4096, batch_size=1, lora_rank=16, lora_base_dtype="e4m3", model_dtype="bf16").validate()
+    props = propose(cfg, base, 40 * GiB, 1, max_batch=2)
+    assert props
+    for changes, plan in props:
+        assert changes.get("offload_quants") and changes.get("recompute_block"), changes
+        assert not changes.get("shard_weights") and plan.item("weights").host > 60 * GiB
+
+
 def test_propose_prefers_least_intrusive_changes():
     cfg = preset("Qwen2.5-0.5B")
     props = propose(cfg, Options(seq_len=1024, batch_size=1), 80 * GiB, 1, max_batch=4)
