@@ -200,9 +200,6 @@ def _check_lora(opts: Any, err: Callable[[str], OptionsError]) -> None:
         raise err(f"--lora-alpha must be > 0 (0: the default), got {opts.lora_alpha}")
     if not 0 <= opts.lora_dropout < 1:
         raise err(f"--lora-dropout must be in [0, 1), got {opts.lora_dropout}")
-    if opts.expert_parallel > 1:
-        raise err("--lora-rank with --expert-parallel is not supported yet: adapters over experts spread across ranks "
-                  "are not built (use --expert-parallel 1)")
     if opts.lora_merge and opts.lora_base_dtype:
         raise err("--lora-merge with --lora-base-dtype e4m3 is not supported: the run holds the base only as e4m3; "
                   "merge into the --model base with `qtrain export --checkpoint-dir DIR --lora-merge`")

@@ -88,7 +88,7 @@ CASES = [
     Case("dropout-range", lora("--lora-dropout", "1.5"), r"--lora-dropout must be in \[0, 1\)"),
     Case("sharded-weights-e4m3-base", lora("--zero-level", "3", "--lora-base-dtype", "e4m3"),
          r"--zero-level 3 is not supported for this run: --lora-base-dtype e4m3 holds the frozen base as e4m3"),
-    Case("expert-parallel", lora("--expert-parallel", "2"), r"--lora-rank with --expert-parallel is not supported"),
+    Case("expert-parallel-dense", lora("--expert-parallel", "2"), r"--expert-parallel 2: llama model has no experts"),
     Case("merge-e4m3", lora("--lora-merge", "--lora-base-dtype", "e4m3"),
          r"--lora-merge with --lora-base-dtype e4m3"),
     Case("base-dtype-value", lora("--lora-base-dtype", "e5m2"), r"--lora-base-dtype='e5m2'"),

@@ -118,6 +118,8 @@ OPTION_CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
      r"--expert-parallel 3 must divide the model's 4 experts"),
     ("expert-parallel-over-one-rank", "qwen3_moe", lambda r: ["--expert-parallel", "2"],
      r"--expert-parallel 2 must divide the number of ranks \(1\)"),
+    ("lora-expert-targets-with-ep", "qwen3_moe", lambda r: ["--gpus", "2", "--expert-parallel", "2", "--lora-rank", "4"],
+     r"--lora-rank with --expert-parallel 2: targets gate,up,down adapt the experts"),
     ("expert-parallel-not-dividing-gpus", "olmoe", lambda r: ["--gpus", "2", "--expert-parallel", "4"],
      r"--expert-parallel 4 must divide the number of ranks \(2\)"),
     ("expert-parallel-hybrid", "qwen3_moe", lambda r: ["--expert-parallel", "2", "--shard-group-size", "1"],

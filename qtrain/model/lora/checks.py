@@ -17,7 +17,7 @@ from qtrain.model.config import ModelConfig
 from qtrain.model.registry import family_of
 from qtrain.model.lora.peft_io import CONFIG_FILE, read_adapter, read_config
 from qtrain.model.lora.spec import DEFAULT_TARGETS, LoraError, LoraSpec, default_alpha, parse_targets
-from qtrain.model.lora.tensors import EXPERT_MATRICES, expert_targets, known_targets, layer_targets
+from qtrain.model.lora.tensors import EXPERT_MATRICES, adapted_experts, expert_targets, known_targets, layer_targets
 from qtrain.model.weights import statements
 
 
@@ -81,6 +81,12 @@ def spec_from_options(v: Mapping[str, Any], cfg: ModelConfig, *, check_adapter: 
     spec = LoraSpec(rank, float(v.get("lora_alpha") or 0.0) or 1.0, float(v.get("lora_dropout") or 0.0), targets,
                     v.get("lora_base_dtype") or "")
     check_dims(cfg, spec)
+    ep = int(v.get("expert_parallel") or 1)
+    if ep > 1 and any(adapted_experts(cfg, spec, layer) for layer in range(cfg.num_hidden_layers)):
+        mlp = ",".join(t for t in targets if t in ("gate", "up", "down"))
+        raise LoraError(f"--lora-rank with --expert-parallel {ep}: targets {mlp} adapt the experts, which expert "
+                        "parallelism spreads over ranks: not built yet (adapt the attention, e.g. --lora-targets "
+                        "q,k,v,o, or drop --expert-parallel)")
     why = e4m3_base_error(cfg) if spec.base_dtype == "e4m3" else None
     if why:
         raise LoraError(why)
