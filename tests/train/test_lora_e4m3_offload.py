@@ -116,3 +116,24 @@ def test_options():
     with pytest.raises(Exception, match="--offload-quants with --lora-base-dtype e4m3 needs --recompute-block"):
         Options(model="x", lora_rank=4, lora_base_dtype="e4m3", offload_quants=True).validate()
     Options(model="x", lora_rank=4, lora_base_dtype="e4m3", offload_quants=True, recompute_block=True).validate()
+
+
+def test_qtrain_train_with_the_base_on_the_host_exports_the_held_runs_adapter_and_continues_bitwise(tmp_path):
+    """Through `qtrain train` (from scratch, the run root's tiny model): the preflight takes the options, the checkpoint holds the
+    adapters, --continue re-reads the base into host memory and ends where the uninterrupted run ended, and the
+    exported adapter is the held-base run's, bit for bit."""
+    import shutil
+
+    from qtrain.cli.main import main
+    from tests.run_utils import make_run_root, train_argv
+    root = make_run_root(tmp_path)
+    lora = ("--lora-rank", "4", "--lora-base-dtype", "e4m3", "--recompute-block", "--quiet")
+    held = train_argv(root, steps=4, name="held", model_dtype="bf16", extra=lora)
+    off = train_argv(root, steps=4, name="off", model_dtype="bf16", extra=lora + ("--offload-quants",))
+    assert main(held) == 0 and main(off) == 0
+    adapter = "adapter_model.safetensors"
+    first = (root / "out" / "off" / adapter).read_bytes()
+    assert first == (root / "out" / "held" / adapter).read_bytes()
+    shutil.rmtree(root / "ckpt" / "off" / "step_00000004")
+    assert main(off + ["--continue"]) == 0
+    assert (root / "out" / "off" / adapter).read_bytes() == first
