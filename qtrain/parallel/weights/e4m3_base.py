@@ -89,6 +89,8 @@ class E4m3BaseWeights(ParamWeights):
                              for n, (a, shape) in places[l].items()} for l in range(L)]
         self._holds: list[int | None] = [None] * len(slots)
         self._stream = torch.cuda.Stream(self.device) if cuda else None
+        if self._stream is not None:  # the slots' zero fill (queued on the current stream) before any copy into them
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         self._ready: list[torch.cuda.Event | None] = [None] * len(slots)
         self._freed: list[torch.cuda.Event | None] = [None] * len(slots)
         self._walk = LayerWalk(L)
