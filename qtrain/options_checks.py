@@ -102,6 +102,9 @@ def check_options(opts: Any) -> None:
     # sharded weights, FP8 weight copies, offload (llm.q: --persistent-quants needs the --shard-weights flag
     # literally, so --zero-level 3 cannot use it [quirk]; here either way of sharding the weights works)
     e4m3_base = bool(opts.lora_rank and opts.lora_base_dtype)  # --offload-quants: the base's codes on the host
+    if opts.persistent_quants and e4m3_base:
+        raise err("--persistent-quants with --lora-base-dtype e4m3: the base is already held as e4m3 codes, made once "
+                  "(drop --persistent-quants; --offload-quants keeps those codes on the host)")
     if opts.offload_quants and e4m3_base and not opts.recompute_block:
         raise err("--offload-quants with --lora-base-dtype e4m3 needs --recompute-block: two layers of the base are on "
                   "the device at a time, so each block's backward re-runs its forward on codes copied in again")

@@ -164,7 +164,7 @@ def persistent_quants(cfg: ModelConfig, opts: Options, fp8: Fp8Choice | None) ->
         return ()
     if opts.weights_sharded:  # e4m3 shards of each group holding the matrices: their views must be FP8 operands
         try:
-            quantized_groups(run_layout(cfg, opts, 1), fp8.fp8)
+            quantized_groups(run_layout(cfg, opts, opts.expert_parallel), fp8.fp8)  # (a world EP divides)
         except ValueError as e:
             raise OptionsError(f"--persistent-quants with sharded weights and --fp8-policy {opts.fp8_policy}: {e}; "
                                f"drop --persistent-quants (or take another --fp8-policy)") from None

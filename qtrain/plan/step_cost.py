@@ -135,9 +135,10 @@ def fp8_weight_params(cfg: ModelConfig, opts: Options) -> int:
     """Parameters of the block matrices that run in FP8 at these options (the linears --fp8-policy picks), all
     layers: what each quantization of the weights reads. (With sharded weights and --persistent-quants a rank
     quantizes only its shard once per step but transposes the gathered copies in every backward; the model
-    counts them as replicated ones, and `propose` adds the option only to replicated weights.)"""
+    counts them as replicated ones, and `propose` adds the option only to replicated weights.) None for an e4m3 LoRA
+    base: its codes are made once, at load."""
     fp8 = fp8_choice(cfg, opts)
-    if fp8 is None:
+    if fp8 is None or (opts.lora_rank and opts.lora_base_dtype):
         return 0
     family = family_of(cfg)
     return sum_over_layers(cfg, lambda layer: sum(m.n * m.k * m.count for name, m in family.matmuls(cfg, layer).items()

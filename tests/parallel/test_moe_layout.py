@@ -44,3 +44,13 @@ def test_sharded_weights_are_proposed_for_moe_blocks():
     quants = dataclasses.replace(opts, persistent_quants=True)
     assert sharded_weights_refusal(CFG, opts) is None
     assert sharded_weights_refusal(CFG, quants) is None
+
+
+def test_persistent_quants_of_sharded_weights_resolve_under_expert_parallelism():
+    """The alignment check of the e4m3 shards builds the run's layout at a world its --expert-parallel divides
+    (before, at world 1, EP 2 raised 'must divide the world size' and was reported as an FP8 alignment problem)."""
+    from qtrain.plan.resolution import fp8_choice, persistent_quants
+    for ep in (1, 2):
+        opts = Options(model="x", from_scratch=True, batch_size=1, seq_len=16, zero_level=3, persistent_quants=True,
+                       matmul_dtype="e4m3", model_dtype="bf16", fp8_policy="all", expert_parallel=ep)
+        assert persistent_quants(CFG, opts, fp8_choice(CFG, opts)), ep

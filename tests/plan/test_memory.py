@@ -266,6 +266,10 @@ def test_proposals_keep_an_e4m3_lora_base_on_the_host_where_the_gpu_cannot_hold_
     for changes, plan in props:
         assert changes.get("offload_quants") and changes.get("recompute_block"), changes
         assert not changes.get("shard_weights") and plan.item("weights").host > 60 * GiB
+    # with FP8 GEMMs too: no --persistent-quants added (the base's codes are made once; the option is refused with it)
+    fp8 = dataclasses.replace(base, matmul_dtype="e4m3", grad_accumulation=8)
+    props = propose(cfg, fp8, 40 * GiB, 1, max_batch=2)
+    assert props and not any(c.get("persistent_quants") for c, _ in props)
 
 
 def test_propose_prefers_least_intrusive_changes():
@@ -374,6 +378,9 @@ def test_step_cost_of_a_lora_base_on_the_host_is_its_gathers_not_an_update():
         assert on_host > 4e9  # the base: 7B in bf16 or e4m3
         cost = step_cost(cfg, opts, plan)
         assert cost.transfer_s == pytest.approx(4 * 2 * on_host / PCIE_ONE_WAY, rel=1e-3), kw
+    # with FP8 GEMMs an e4m3 base is quantized once, at load: no quantization per step (nor --persistent-quants to add)
+    e4m3 = dataclasses.replace(base, lora_base_dtype="e4m3", offload_quants=True, matmul_dtype="e4m3")
+    assert step_cost(cfg, e4m3, plan_memory(cfg, e4m3)).quantize_s == 0
 
 
 def test_propose_picks_the_cheaper_ladder_and_recommends_by_the_step_model():

@@ -169,7 +169,8 @@ class E4m3BaseWeights(ParamWeights):
 
     def dequantized(self, layer: int, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Block matrix `name` of `layer` as the codes stand for it (`frozen_e4m3.dequantize`), for tests."""
-        return dequantize(self.codes[layer][name], self.inv_scales[layer][name], dtype)
+        scale = self.inv_scales[layer][name]
+        return dequantize(self.codes[layer][name].to(scale.device), scale, dtype)  # offloaded codes: on the host
 
     @classmethod
     def footprint_of(cls, layout: FlatLayout, dtype: torch.dtype, *, offload: bool = False) -> Footprint:

@@ -195,24 +195,32 @@ class PersistentQuants:
 
     @torch.no_grad()
     def refresh(self, shards: dict[str, torch.Tensor], version: int, comm: Communicator) -> None:
-        """Quantize this rank's pieces of every block matrix with the scale of the full tensor (module doc).
+        """Quantize this rank's pieces of every block matrix with the scale of the full tensor (module doc); a frozen
+        group's (a LoRA base's) only the first time, since it never changes.
         Two passes over the shards (abs-max, then quantize, the all-reduce between them); with --offload-master
         on a GPU each pass copies one group's shard to the device at a time (llm.q instead quantizes right
         after the update touched the layer, which would need the optimizer to all-reduce the abs-maxes)."""
         count = sum(len(m) for m in self.matrices)
+        redo = self.version < 0  # the first time every group; then the trainable ones (a frozen base never changes)
         amax = torch.zeros(count, dtype=torch.float32, device=self.device)
         k = 0
         for _, g, plan in self._groups():
-            shard = self._on_device(shards[g.key])
-            for piece in plan.own:
-                if piece is not None:
-                    a, n = piece
-                    amax[k] = torch.linalg.vector_norm(shard[a:a + n], float("inf"))
-                k += 1
+            if redo or g.trainable:
+                shard = self._on_device(shards[g.key])
+                for i, piece in enumerate(plan.own):
+                    if piece is not None:
+                        a, n = piece
+                        amax[k + i] = torch.linalg.vector_norm(shard[a:a + n], float("inf"))
+            k += len(plan.own)
         comm.all_reduce(amax, op="max").wait()  # the full tensors' abs-maxes, exact, on every rank
         inv_scales: list[list[torch.Tensor]] = [[] for _ in range(self.num_layers)]
         k = 0
         for layer, g, plan in self._groups():
+            if not (redo or g.trainable):  # its codes and scales as they are
+                at = len(inv_scales[layer])
+                inv_scales[layer].extend(self.inv_scales[layer][at:at + len(plan.own)])
+                k += len(plan.own)
+                continue
             shard = self._on_device(shards[g.key])
             codes = self.codes[g.key]
             out = codes if codes.device == self.device else torch.zeros_like(codes, device=self.device)
@@ -220,10 +228,10 @@ class PersistentQuants:
                 a, n = piece or (0, 0)  # no piece here: the scale is still needed
                 inv_scales[layer].append(_quantize_flat(shard[a:a + n], amax[k], out[a:a + n]))
                 k += 1
+                self.quantizations += 1
             if out is not codes:
                 codes.copy_(out, non_blocking=True)
         self.inv_scales, self.version = inv_scales, version
-        self.quantizations += count
 
     @staticmethod
     def footprint_of(layout: FlatLayout, names: tuple[str, ...], *, offload: bool) -> Footprint:

@@ -103,6 +103,9 @@ def _worker(rank: int, world: int, dirs: dict[str, str]) -> dict:
             if tr.sharded_weights:
                 w = tr.weights
                 rec["quantized"] = _codes_match_gathered_weights(tr)
+                q = w.quants
+                rec["quantizations"] = (q.quantizations, sum(len(m) for m in q.matrices),
+                                        sum(len(p.own) for _, g, p in q._groups() if not g.trainable))
                 rec["memory"], rec["allocated"] = w.memory(), _allocated(w)
                 rec["host_keys"] = w.host_memory_keys()
                 rec["bytes"] = dict(w.gathered_bytes)
@@ -219,3 +222,14 @@ def test_gpu_offloaded_shards_and_quants_train_bitwise_like_zero2(model, tmp_pat
         runs[name] = train_steps(Trainer(options(d, model, device="cuda", **kw), ctx), range(STEPS), _batch(model), GA,
                                  LR)
     _same_steps(runs["zero3"], runs["zero2"], f"{model} cuda")
+
+
+@pytest.mark.parametrize("model", ["moe", "lora"])
+def test_a_frozen_base_is_quantized_once(results, model):
+    """Each weights version re-quantizes the trainable groups' matrices; a frozen group's (a LoRA base's) never change
+    after the first, so they are quantized once (their codes and scales kept): the LoRA run quantizes its whole base
+    once in STEPS steps, the MoE run (nothing frozen) every matrix once per version."""
+    done, per_version, frozen = results[0][model, "zero3"]["quantizations"]
+    versions = STEPS + 1  # the initial weights, then one per update
+    assert done == per_version + (versions - 1) * (per_version - frozen)
+    assert (frozen == per_version > 0) if model == "lora" else frozen == 0
