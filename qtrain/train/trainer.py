@@ -124,6 +124,10 @@ class Trainer:
         if self.adapter is not None and self.lora.dropout:  # dropout keys name the layer (model/lora/adapter.py)
             if self.sharded_weights:  # the layers share two slots: the slot says which layer it holds
                 self.adapter.bind_holder(self.weights.layer_holding)
+            elif self.e4m3_base:  # its adapters are its params (block() may copy the base's codes in from the host)
+                self.adapter.bind_layers([{n.split(".", 2)[2]: p for n, p in self.params.items()
+                                           if n.startswith(f"layers.{layer}.")}
+                                          for layer in range(self.cfg.num_hidden_layers)])
             else:
                 self.adapter.bind_layers([self.weights.block(layer) for layer in range(self.cfg.num_hidden_layers)])
                 self.weights.invalidate()

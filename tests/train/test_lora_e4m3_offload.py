@@ -58,12 +58,14 @@ def _run(t: Trainer, steps: int = 3) -> tuple[list[float], float, list[dict[str,
     return losses, t.evaluate(_batches(2)), adapters
 
 
-@pytest.mark.parametrize("which", BASES)
-def test_offloaded_base_trains_bitwise_like_the_held_one(which, request):
+@pytest.mark.parametrize("which,dropout", [("qwen2", 0.0), ("qwen35", 0.0), ("qwen2", 0.25)])
+def test_offloaded_base_trains_bitwise_like_the_held_one(which, dropout, request):
+    """(With dropout the adapters learn their layer from the held params, not by asking every block at start.)"""
     fixture, targets = BASES[which]
-    runs = _pair(request.getfixturevalue(fixture), targets)
+    runs = _pair(request.getfixturevalue(fixture), targets, lora_dropout=dropout)
     held, off = runs["held"].weights, runs["offloaded"].weights
     assert isinstance(off, E4m3BaseWeights) and off.offload and not held.offload
+    assert off.fetches == 0  # building the trainer (dropout's layer binding too) copied nothing in
     L = runs["held"].cfg.num_hidden_layers
     for layer in range(L):  # the same codes, held on the device against kept on the host
         for n, q in held.codes[layer].items():
@@ -77,6 +79,7 @@ def test_offloaded_base_trains_bitwise_like_the_held_one(which, request):
     # the layers took turns in the slots: per micro-step the forward copies in all but the two layers the last
     # backward left in place, the backward all but the two the forward left (2 L - 4 copies)
     assert off.fetches >= 3 * 2 * (2 * L - 4) > 0
+
 
 
 @pytest.mark.parametrize("which", BASES)
