@@ -35,6 +35,7 @@ from qtrain.model.lora.init import init_adapters
 from qtrain.model.lora.peft_io import read_adapter
 from qtrain.model.resolve import resolve_model
 from qtrain.model.transformer import RunOptions, Transformer
+from qtrain.model.weights import split_name
 from qtrain.observe.absmax import AbsMaxRecorder, weight_abs_maxes
 from qtrain.observe.startup import mark
 from qtrain.options import Options, OptionsError
@@ -125,9 +126,12 @@ class Trainer:
             if self.sharded_weights:  # the layers share two slots: the slot says which layer it holds
                 self.adapter.bind_holder(self.weights.layer_holding)
             elif self.e4m3_base:  # its adapters are its params (block() may copy the base's codes in from the host)
-                self.adapter.bind_layers([{n.split(".", 2)[2]: p for n, p in self.params.items()
-                                           if n.startswith(f"layers.{layer}.")}
-                                          for layer in range(self.cfg.num_hidden_layers)])
+                blocks: list[dict[str, torch.Tensor]] = [{} for _ in range(self.cfg.num_hidden_layers)]
+                for name, p in self.params.items():
+                    layer, short = split_name(name)
+                    if layer is not None:
+                        blocks[layer][short] = p
+                self.adapter.bind_layers(blocks)
             else:
                 self.adapter.bind_layers([self.weights.block(layer) for layer in range(self.cfg.num_hidden_layers)])
                 self.weights.invalidate()
