@@ -11,18 +11,20 @@
 #                                         (torch, triton, cuda-bindings are the machine's own), then `import quack`
 #   bash bench/hopper_wheels.sh check     the versions of what the wheels need and do not bring, and the driver
 #
-# Defaults: WHL_SRC=.whl/quack WHL_DEST=.whl SITE=/tmp/site PART_MIB=48; PIP_EXTRA (more `pip install` arguments,
+# Defaults: WHL_SRC=.whl/quack WHL_DEST=.whl SITE=/tmp/hopper/site-packages PART_MIB=48; PIP_EXTRA (more `pip install` arguments,
 # e.g. to unpack the cp312 wheels on another Python: --python-version 3.12 --platform manylinux_2_28_x86_64
 # --implementation cp --only-binary=:all:); CHECK_IMPORT=0 skips the import check (a machine without CUDA).
 # The two device calls (bench/suites/hopper.toml says the same):
 #   run(command="bash bench/hopper_wheels.sh check", carry=[".whl/qa", ".commit"])
-#   run(command="bash bench/hopper_wheels.sh install && PYTHONPATH=/tmp/site:. python3 -m bench.run hopper
+#   run(command="bash bench/hopper_wheels.sh install && PYTHONPATH=/tmp/hopper/site-packages:. python3 -m bench.run hopper
 #       --deadline 500", carry=[".whl/qb"])
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHL_SRC=${WHL_SRC:-.whl/quack}
 WHL_DEST=${WHL_DEST:-.whl}
-SITE=${SITE:-/tmp/site}
+# SITE's path holds /site-packages/: quack fingerprints an epilogue's functions by source and globals unless they live
+# under such a path, and cutlass-dsl's hold a Logger it cannot fingerprint (every epilogue GEMM failed from /tmp/site)
+SITE=${SITE:-/tmp/hopper/site-packages}
 PART_MIB=${PART_MIB:-48}
 FOLDERS=(qa qb)
 MANIFEST=SHA256SUMS  # in both folders: the original wheels' sha256 (a joined wheel is checked against it)
