@@ -67,23 +67,9 @@ TOLERANCE = 1e-2  # relative error in norm (module docstring)
 
 def import_quack() -> tuple[SimpleNamespace | None, str]:
     """(quack's modules the kind calls: .gemm = quack.gemm_interface, .rmsnorm = quack.rmsnorm; "") or (None, why
-    they do not import). A `pip install --target` leaves
-    nvidia_cutlass_dsl's .pth file unread (only site-packages folders' are): its `dsl_packages` folder, where the
-    `cutlass` package lives, is put on sys.path here as the .pth would."""
-    try:
-        spec = importlib.util.find_spec("nvidia_cutlass_dsl")
-        if spec is not None and importlib.util.find_spec("cutlass") is None:
-            for base in spec.submodule_search_locations or ():
-                if os.path.isdir(os.path.join(base, "dsl_packages")):
-                    sys.path.insert(0, os.path.join(base, "dsl_packages"))
-                    break
-        gemm_interface = importlib.import_module("quack.gemm_interface")
-        # the module, not the package's attribute of the same name (quack/__init__ exports the function rmsnorm)
-        rmsnorm = importlib.import_module("quack.rmsnorm")
-    except Exception as e:  # noqa: BLE001 - any failure (missing package, a .so that does not load) is the reason
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return None, f"{type(e).__name__}: {first}"[:300]
-    return SimpleNamespace(gemm=gemm_interface, rmsnorm=rmsnorm), ""
+    they do not import): qtrain's own import of the extra (kernels/hopper.py)."""
+    from qtrain.kernels.hopper import quack, quack_missing
+    return quack(), quack_missing()
 
 
 @dataclass(frozen=True)

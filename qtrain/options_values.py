@@ -24,7 +24,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "opt_v_dtype": OPT_V_DTYPES, "lr_schedule": SCHEDULES, "device": ("auto", "cpu", "cuda"),
     "compile": ("auto", "on", "off"), "sdpa_backend": SDPA_BACKENDS, "lora_base_dtype": ("e4m3",),
     "document_attention": DOCUMENT_ATTENTION, "context_parallel_mode": CONTEXT_PARALLEL_MODES,
-    "delta_rule_precision": DELTA_RULE_PRECISION_OPTIONS,
+    "delta_rule_precision": DELTA_RULE_PRECISION_OPTIONS, "swiglu_epilogue": ("auto", "on", "off"),
 }
 # '' = follow the model / matmul dtype
 EMPTY_MEANS_DEFAULT = ("matmul_dtype", "gradient_dtype", "master_dtype", "grad_accum_dtype", "lora_base_dtype")

@@ -37,21 +37,22 @@ def _settings(model_dtype: str = "bf16", matmul_dtype: str = "", compiled: bool 
               fp8_keep_transposes: bool = False, documents: bool = False, frozen_base: bool = False,
               adapter_inputs: frozenset[str] = frozenset(), seq_len: int = 0,
               delta_rule_kernels: bool = False, fp8_experts: bool = False, expert_parallel: int = 1,
-              balanced_experts: bool = False) -> ActivationSettings:
+              balanced_experts: bool = False, swiglu_epilogue: bool = False) -> ActivationSettings:
     return ActivationSettings(model_dtype=model_dtype, matmul_dtype=matmul_dtype, compiled=compiled,
                               recompute=frozenset(recompute), attn_chunks=attn_chunks,
                               fp8_weight_copies=fp8_weight_copies, fp8_keep_transposes=fp8_keep_transposes,
                               documents=documents, frozen_base=frozen_base, adapter_inputs=frozenset(adapter_inputs),
                               seq_len=seq_len, delta_rule_kernels=delta_rule_kernels, fp8_experts=fp8_experts,
-                              expert_parallel=expert_parallel, balanced_experts=balanced_experts)
+                              expert_parallel=expert_parallel, balanced_experts=balanced_experts,
+                              swiglu_epilogue=swiglu_epilogue)
 
 
 def activation_terms(cfg: ModelConfig, *, layer: int = 0, **kw: Any) -> list[ActTerm]:
     """What autograd keeps for backward in block `layer`, term by term (its family's statements). Keywords:
     model_dtype ('bf16'), matmul_dtype ('' or 'e4m3'), compiled, recompute (switches), attn_chunks,
     fp8_weight_copies (False with --persistent-quants), fp8_keep_transposes, documents (--document-masking),
-    frozen_base and adapter_inputs (LoRA), seq_len, delta_rule_kernels, fp8_experts, expert_parallel and
-    balanced_experts (family.ActivationSettings)."""
+    frozen_base and adapter_inputs (LoRA), seq_len, delta_rule_kernels, fp8_experts, expert_parallel,
+    balanced_experts and swiglu_epilogue (family.ActivationSettings)."""
     return family_of(cfg).activation_terms(cfg, layer, _settings(**kw))
 
 

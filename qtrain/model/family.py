@@ -180,6 +180,8 @@ class ActivationSettings:
     expert_parallel: int = 1  # --expert-parallel: an MoE layer's experts keep the rows the token exchange brought
     # them, planned at the worst case (`moe.max_received_rows`) unless `balanced_experts` (the plan's comparison)
     balanced_experts: bool = False
+    swiglu_epilogue: bool = False  # the compiled model-dtype MLP as one op whose GEMMs carry the SwiGLU
+    # (kernels/gated_mlp.py): it keeps its input and the up/gate output, never the SwiGLU output
 
     def lin_of(self, matrix: str) -> bool:
         """Whether a block linear of `matrix` keeps its (model-dtype) input: for its weight's gradient, or over a

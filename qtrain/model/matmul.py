@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from qtrain.kernels.fp8_quant import E4M3, E5M2, Prenorm
+from qtrain.kernels.gated_mlp import gated_mlp
 from qtrain.kernels.swiglu import fp8_swiglu_mlp
 from qtrain.numerics.fp8 import fp8_linear
 
@@ -37,14 +38,15 @@ def block_linear(matmul_dtype: str = "", grad_dtype: str = "e4m3", keep_transpos
 
 
 def block_mlp(matmul_dtype: str = "", grad_dtype: str = "e4m3", keep_transposes: bool = False,
-              onepass: bool = False):
+              onepass: bool = False, epilogue: bool = False):
     """The MLP as one function with matmul_dtype "e4m3" (the SwiGLU op's `fp8_swiglu_mlp`: the SwiGLU output exists
-    only in FP8, its gradient is quantized with an abs-max fused into the SwiGLU backward), else None (the block
+    only in FP8, its gradient is quantized with an abs-max fused into the SwiGLU backward); in the model dtype with
+    `epilogue` (--swiglu-epilogue: kernels/gated_mlp.py, the SwiGLU in the GEMMs' epilogues); else None (the block
     runs linear -> SwiGLU -> linear). Compiled blocks use it (as they do the fused SwiGLU backward).
     `keep_transposes` as `block_linear`'s; `onepass` (--fp8-swiglu-onepass): h and du in one pass each with
     power-of-two scales, predicted by the hint the block passes (the layer's, kept by the Transformer)."""
     if matmul_dtype != "e4m3":
-        return None
+        return _epilogue_mlp if epilogue else None
     gd = FP8_GRAD_DTYPES[grad_dtype or "e4m3"]
 
     def mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, up_fp8=None, down_fp8=None,
@@ -54,3 +56,9 @@ def block_mlp(matmul_dtype: str = "", grad_dtype: str = "e4m3", keep_transposes:
                               prenorm=prenorm)
 
     return mlp
+
+
+def _epilogue_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, up_fp8=None, down_fp8=None,
+                  scale_hint: torch.Tensor | None = None, prenorm: Prenorm | None = None) -> torch.Tensor:
+    """The `Mlp` of --swiglu-epilogue (model-dtype weights: no FP8 copies, hints or prenorm reach it)."""
+    return gated_mlp(x, w_up, w_down)

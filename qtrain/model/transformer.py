@@ -149,6 +149,9 @@ class RunOptions:
     # the block matrices come as e4m3 codes only (LoRA's --lora-base-dtype e4m3): every block linear runs through
     # numerics/frozen_e4m3.py (FP8 GEMMs with matmul_dtype e4m3 on CUDA, else dequantized inside the op)
     frozen_e4m3: bool = False
+    # the model-dtype MLP as one op with the SwiGLU in its GEMMs' epilogues (kernels/gated_mlp.py; compiled blocks
+    # with neither up nor down in FP8; --swiglu-epilogue)
+    swiglu_epilogue: bool = False
 
     def __post_init__(self) -> None:
         if self.attn_bwd_chunks < 1:
@@ -193,8 +196,10 @@ class Transformer:
             rebuilt = run.wrap_linear(rebuilt) if rebuilt is not None else None
             linears = {n: run.wrap_linear(f) for n, f in linears.items()}
         else:  # the fused FP8 MLP needs both of its linears in FP8
-            mlp = (block_mlp(run.matmul_dtype, run.fp8_grad_dtype, run.fp8_keep_transposes, run.fp8_swiglu_onepass)
-                   if not {"up", "down"} & set(plain) else None)
+            mlp = (block_mlp(run.matmul_dtype, run.fp8_grad_dtype, run.fp8_keep_transposes, run.fp8_swiglu_onepass,
+                             epilogue=run.swiglu_epilogue) if not {"up", "down"} & set(plain) else None)
+            if mlp is None and run.swiglu_epilogue and set(plain) >= {"up", "down"}:  # e4m3 with a bf16 MLP
+                mlp = block_mlp(epilogue=True)
         if run.adapter is not None and run.adapter.covers("up", "down"):
             mlp = None  # adapters of the MLP's matrices need its three steps (the block's linears add them)
         if run.frozen_e4m3:  # one linear for every block matrix, over its e4m3 codes

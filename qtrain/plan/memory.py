@@ -286,13 +286,14 @@ def _balanced_experts(cfg: ModelConfig, opts: Options, tokens: int, rc: frozense
 # ---------------------------------------------------------------------------------------------------------
 def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shards: int, compiled: bool,
                fp8_linears: tuple[str, ...], quants: tuple[str, ...], keep_transposes: bool, fp8_head_backward: bool,
-               cuda_graphs: bool, recompute: frozenset[str], gpu_memory: int | None = None,
-               reserve: int | None = None, layout: FlatLayout | None = None,
+               cuda_graphs: bool, recompute: frozenset[str], swiglu_epilogue: bool = False,
+               gpu_memory: int | None = None, reserve: int | None = None, layout: FlatLayout | None = None,
                model_name: str | None = None) -> MemoryPlan:
     """Bytes per rank for `cfg` trained with `opts` on `world` ranks of `device` ('cuda' or 'cpu'), its state cut
     across `shards` ranks, with the run's automatic choices as `plan.resolution.resolve_run` made them (this
     function decides nothing): compiled blocks, the block linears in FP8 and their e4m3 weights made once per
-    step (`quants`), the e4m3 input transposes kept, the LM head's FP8 backward, CUDA graphs, the recompute set.
+    step (`quants`), the e4m3 input transposes kept, the LM head's FP8 backward, CUDA graphs, the recompute set, the
+    MLP's SwiGLU in its GEMMs' epilogues.
 
     gpu_memory: the budget (None: unknown). reserve: fixed device reserve (None: 1 GiB on CUDA, 0 on CPU), plus
     5% of activations + workspace for allocator fragmentation."""
@@ -319,7 +320,7 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
     kw = dict(model_dtype=opts.model_dtype, matmul_dtype=matmul if fp8 or matmul != "e4m3" else "",
               compiled=compiled, attn_chunks=attn_chunks, fp8_weight_copies=not (persistent_quants or e4m3_base),
               fp8_keep_transposes=keep_t, documents=opts.document_masking, seq_len=T // opts.context_parallel,
-              fp8_experts=opts.fp8_experts, expert_parallel=opts.expert_parallel,
+              fp8_experts=opts.fp8_experts, expert_parallel=opts.expert_parallel, swiglu_epilogue=swiglu_epilogue,
               delta_rule_kernels=op_pairs_on(device, getattr(cfg, "linear_key_head_dim", 128),
                                              getattr(cfg, "linear_value_head_dim", 128)),
               **_lora_settings(cfg, lora))
@@ -397,6 +398,7 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
                 "offload_opt_v": opts.offload_opt_v, "lmhead_chunks": chunks, "attn_bwd_chunks": attn_chunks,
                 "grad_accumulation": opts.grad_accumulation, "compiled": compiled, "device": device,
                 "fp8_keep_transposes": keep_t, "fp8_head_backward": fp8_head_backward,
+                "swiglu_epilogue": swiglu_epilogue,
                 "expert_parallel": opts.expert_parallel}
     breakdown = [{"name": a.name, "bytes": a.nbytes(N), "kept": a.kept, "what": a.what} for a in acts.terms]
     name = model_name or opts.model or "qtrain-tiny"

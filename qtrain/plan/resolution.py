@@ -23,6 +23,8 @@ What is decided here, from options left at 'auto' or '' and from the device and 
                          are what train/cuda_graphs.py cannot capture yet (`check_cuda_graphs` refuses them)
     sdpa_backend         --sdpa-backend auto: cudnn for bf16 on Hopper GPUs (model/layers.resolve_sdpa_backend)
     delta_rule_precision --delta-rule-precision auto: tf32 (model/choices.AUTO_DELTA_RULE_PRECISION)
+    swiglu_epilogue      --swiglu-epilogue auto: the compiled bf16 MLP through quack's epilogue GEMMs where it
+                         applies, the device is a Hopper GPU and quack imports (kernels/gated_mlp.py)
     gradients            the gradient manager: unsharded, reduce-scatter or all-to-all
     memory_changes       --fit-memory (on): where the plan of the given options does not fit a CUDA device of known
                          size, what long sequences take (plan/fit.py: LM head chunks, recompute, --offload-residual),
@@ -92,6 +94,7 @@ class RunResolution:
     lmhead_chunks: int
     offload_residual: bool
     delta_rule_precision: str  # the Triton delta rule's products (model/choices.DELTA_RULE_PRECISIONS)
+    swiglu_epilogue: bool  # the MLP's SwiGLU in its GEMMs' epilogues (kernels/gated_mlp.py)
     plan: MemoryPlan
     memory_changes: tuple[tuple[str, Any], ...] = ()  # --fit-memory's option changes (empty: the options as given)
 
@@ -154,6 +157,33 @@ def swiglu_onepass(opts: Options) -> bool:
     if opts.fp8_swiglu_onepass is not None:
         return opts.fp8_swiglu_onepass
     return opts.effective_matmul_dtype == "e4m3" and not splits_mlp(opts.recompute)
+
+
+def swiglu_epilogue(cfg: ModelConfig, opts: Options, device: str, compiled: bool, fp8: Fp8Choice | None,
+                    recompute: frozenset[str]) -> bool:
+    """--swiglu-epilogue (its help says where it applies): auto on where it applies on a Hopper GPU with quack;
+    `on` where it does not apply, or on a CUDA device that cannot run it, is one line naming why."""
+    if opts.swiglu_epilogue == "off":
+        return False
+    targets = {t.strip() for t in opts.lora_targets.split(",")} if opts.lora_targets else {"gate", "up", "down"}
+    lora_mlp = opts.lora_rank > 0 and (opts.lora_base_dtype == "e4m3" or bool({"gate", "up", "down"} & targets))
+    why_not = ("--compile off: the MLP runs as three steps" if not compiled
+               else "the up/down linears run in FP8 (the FP8 MLP)" if fp8 is not None and {"up", "down"} & set(fp8.fp8)
+               else "--recompute-swiglu / --recompute-ffn split the MLP into steps" if splits_mlp(recompute)
+               else "LoRA adapts the MLP's matrices (or its base is e4m3)" if lora_mlp
+               else "--debug-log-abs-max wraps the linears" if opts.debug_log_abs_max
+               else f"the hidden size {cfg.hidden_size} and intermediate size {cfg.intermediate_size} must be "
+                    f"multiples of 8 (16-byte rows)" if cfg.hidden_size % 8 or cfg.intermediate_size % 8
+               else "")
+    if not why_not and device == "cuda":
+        from qtrain.kernels.hopper import hopper_device, quack, quack_missing
+        why_not = ("needs --model-dtype bf16" if opts.model_dtype != "bf16"
+                   else "needs a Hopper GPU (sm90)" if not hopper_device()
+                   else f"quack-kernels does not import ({quack_missing()}; pip install 'qtrain[hopper]')"
+                   if quack() is None else "")
+    if why_not and opts.swiglu_epilogue == "on":
+        raise OptionsError(f"--swiglu-epilogue on: {why_not}")
+    return not why_not and (opts.swiglu_epilogue == "on" or device == "cuda")
 
 
 def persistent_quants(cfg: ModelConfig, opts: Options, fp8: Fp8Choice | None) -> tuple[str, ...]:
@@ -346,6 +376,7 @@ def _resolve(cfg: ModelConfig, opts: Options, *, world: int, device: torch.devic
                recompute=opts.recompute if recompute is None else resolve_flags(recompute),
                lmhead_chunks=opts.lmhead_chunks, offload_residual=opts.offload_residual,
                delta_rule_precision=delta_rule_precision(opts))
+    run["swiglu_epilogue"] = swiglu_epilogue(cfg, opts, dev.type, use_compile, fp8, run["recompute"])
     shards = opts.shard_group_size if 0 < opts.shard_group_size <= world else world  # hybrid: the shard group
 
     def plan(keep: bool, head: bool) -> MemoryPlan:
@@ -353,6 +384,7 @@ def _resolve(cfg: ModelConfig, opts: Options, *, world: int, device: torch.devic
                           fp8_linears=fp8.fp8 if fp8 is not None else (), quants=run["persistent_quants"],
                           keep_transposes=keep, fp8_head_backward=head,
                           cuda_graphs=run["cuda_graphs"], recompute=run["recompute"],
+                          swiglu_epilogue=run["swiglu_epilogue"],
                           gpu_memory=gpu_memory, reserve=reserve, layout=layout, model_name=model_name)
 
     auto_keep = (opts.fp8_keep_transposes is None and dev.type == "cuda" and use_compile and fp8 is not None

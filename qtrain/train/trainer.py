@@ -176,7 +176,8 @@ class Trainer:
             wrap_linear=self._abs_max_wrapper(opts), document_attention=opts.document_attention,
             adapter=self.adapter, frozen_e4m3=self.e4m3_base,
             expert_exchange=self.experts.exchange if self.experts is not None else None, context=self.context,
-            fp8_experts=opts.fp8_experts, delta_rule_precision=run.delta_rule_precision)
+            fp8_experts=opts.fp8_experts, delta_rule_precision=run.delta_rule_precision,
+            swiglu_epilogue=run.swiglu_epilogue)
 
     def _abs_max_wrapper(self, opts: Options):
         """--debug-log-abs-max: the recorder that wraps the block linears (None when off; with

@@ -165,3 +165,17 @@ def test_recompute_terms_and_implications():
     assert sizes[()] == 4096 * want
     names = [a.name for a in activation_terms(cfg, matmul_dtype="e4m3")]
     assert "fp8_w_qkv" in names and "down_in_fp8" in names
+
+
+@pytest.mark.parametrize("model_type,flags", [("qwen2", ()), ("qwen3", ("att",)), ("qwen2", ("norm",))])
+def test_block_terms_with_the_swiglu_epilogue(model_type, flags):
+    """--swiglu-epilogue: the MLP as one op (kernels/gated_mlp.py, its twin here) keeps its input and the up/gate
+    output, never the SwiGLU output: exactly the plan's terms, F model-dtype values per token fewer than without."""
+    cfg = small_cfg(model_type)
+    measured, tokens = measure_block(cfg, "bf16", flags=flags, compiled=True, fused=True,
+                                     mlp=block_mlp(epilogue=True))
+    planned = layer_activation_bytes(cfg, tokens, model_dtype="bf16", compiled=True, recompute=resolve_flags(flags),
+                                     swiglu_epilogue=True)
+    assert planned == measured, (planned, measured)
+    without = layer_activation_bytes(cfg, tokens, model_dtype="bf16", compiled=True, recompute=resolve_flags(flags))
+    assert without - planned == 2 * cfg.intermediate_size * tokens

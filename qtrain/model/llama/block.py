@@ -310,14 +310,17 @@ class LlamaBlock:
         """The up/gate output (B, T, 2F) (+ in e4m3 the copy of the MLP input); SwiGLU keeps silu(gate) and the down
         linear its input, the product (compiled: the SwiGLU output only, none in e4m3, whose MLP is one FP8
         Function); in e4m3 the down linear's e4m3 input, which a compiled block with SwiGLU recomputed rebuilds (the
-        quantization is traceable: measured on the CPU and on the H200 at 14B e4m3). Over a frozen base (eager) the
+        quantization is traceable: measured on the CPU and on the H200 at 14B e4m3; none with --swiglu-epilogue, whose
+        op keeps the up/gate output and rewrites the SwiGLU output in backward). Over a frozen base (eager) the
         down linear keeps its input only for down's adapter, and no e4m3 copies."""
         C, Fi, E, rc, fp8 = a.cfg.hidden_size, a.cfg.intermediate_size, a.E, a.rc, a.s.fp8
         if a.s.compiled:
             terms = [ActTerm("mlp_up", 2 * Fi * E + a.f8_norm_out * C, "ffn" not in rc,
                              "fused up/gate output (B, T, 2F)" + (" + e4m3 copy of the MLP input" if a.f8_norm_out
                                                                   else "")),
-                     ActTerm("swiglu", 0 if fp8 else E * Fi, "swiglu" not in rc, "SwiGLU output")]
+                     # --swiglu-epilogue: the down projection's gradient GEMM rewrites the SwiGLU output
+                     ActTerm("swiglu", 0 if fp8 or a.s.swiglu_epilogue else E * Fi, "swiglu" not in rc,
+                             "SwiGLU output")]
         else:
             terms = [ActTerm("mlp_up", 2 * Fi * E + a.f8_in * C, "ffn" not in rc,
                              "fused up/gate output (B, T, 2F)"),

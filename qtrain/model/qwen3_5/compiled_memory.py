@@ -57,7 +57,9 @@ def activation_terms(cfg: Qwen35Config, layer: int, s: ActivationSettings) -> li
     return terms + [ActTerm("mlp_up", 2 * F * E + (C if kt else 0), blk and "ffn" not in rc,
                             "fused up/gate output" + (" + e4m3 copy of the MLP input" if kt else "")),
                     # with --fp8-keep-transposes the down linear keeps its e4m3 input also where SwiGLU reruns
-                    ActTerm("swiglu", F * (1 if fp8 else E), blk and ("swiglu" not in rc or kt),
+                    # --swiglu-epilogue: the down projection's gradient GEMM rewrites the SwiGLU output
+                    ActTerm("swiglu", 0 if s.swiglu_epilogue else F * (1 if fp8 else E),
+                            blk and ("swiglu" not in rc or kt),
                             "SwiGLU output (the down projection's input" + (", e4m3" if fp8 else "")
                             + "; its backward kernel recomputes silu)")] + fp8_weight_terms(cfg, layer, s)
 

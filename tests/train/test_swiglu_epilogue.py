@@ -1,0 +1,145 @@
+"""--swiglu-epilogue (kernels/gated_mlp.py; issue 48): the compiled model-dtype MLP as one op whose GEMMs carry the
+SwiGLU. Here, on the CPU (its plain-torch twin): where it applies and the one-line refusals of `on` where it does not,
+the model with it exact against transformers (fp32: logits, loss, every gradient), `qtrain train` with it recording
+the choice so that `--continue` keeps it. The quack path itself: tests/kernels/test_gated_mlp.py's GPU test.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from qtrain.cli.main import main
+from qtrain.model.transformer import RunOptions, Transformer
+from qtrain.model.weights import hf_to_internal, internal_to_hf
+from qtrain.options import Options, OptionsError
+from qtrain.parallel.weights.replicated import ParamWeights
+from qtrain.plan.resolution import resolve_run
+from qtrain.train.checkpoint_io import META_FILE
+from tests.model.family_fixtures import Collect, cosine
+from tests.run_utils import CFG, make_run_root, train_argv
+
+pytest.importorskip("transformers")
+from tests.model.test_transformer import hf_model, tiny_cfg  # noqa: E402
+
+
+def _resolve(cfg=CFG, device="cpu", **kw):
+    return resolve_run(cfg, Options(model="x", **kw), device=device, compiled=kw.pop("compiled", None)).swiglu_epilogue
+
+
+def test_where_it_applies_and_one_line_where_it_does_not():
+    assert _resolve() is False  # auto: the CPU never
+    assert _resolve(swiglu_epilogue="on", compile="on") is True  # the twin, for tests
+    assert _resolve(swiglu_epilogue="off", compile="on") is False
+    refused = {
+        "--compile off": dict(compile="off"),
+        "the up/down linears run in FP8": dict(compile="on", matmul_dtype="e4m3", fp8_policy="all"),
+        "--recompute-swiglu / --recompute-ffn": dict(compile="on", recompute_swiglu=True),
+        "LoRA adapts the MLP's matrices": dict(compile="on", lora_rank=4),
+        "--debug-log-abs-max": dict(compile="on", debug_log_abs_max=2),
+    }
+    for why, kw in refused.items():
+        assert _resolve(**kw) is False, why  # auto: off, silently
+        with pytest.raises(OptionsError, match="^--swiglu-epilogue on: " + why.replace("(", r"\(").replace(")", r"\)")
+                           .replace("+", r"\+")):
+            _resolve(swiglu_epilogue="on", **kw)
+    # adapters on attention only leave the MLP alone
+    assert _resolve(swiglu_epilogue="on", compile="on", lora_rank=4, lora_targets="q,v") is True
+    odd = replace(CFG, intermediate_size=60)
+    with pytest.raises(OptionsError, match="intermediate size 60 must be multiples of 8"):
+        _resolve(odd, swiglu_epilogue="on", compile="on")
+    # on a CUDA device: bf16 on a Hopper GPU with quack only (this machine has neither a GPU nor, in CI, quack)
+    if not torch.cuda.is_available():
+        with pytest.raises(OptionsError, match="^--swiglu-epilogue on: needs --model-dtype bf16$"):
+            _resolve(device="cuda", swiglu_epilogue="on", compile="on", model_dtype="fp32")
+        with pytest.raises(OptionsError, match=r"^--swiglu-epilogue on: needs a Hopper GPU \(sm90\)$"):
+            _resolve(device="cuda", swiglu_epilogue="on", compile="on")
+        assert _resolve(device="cuda", compile="on") is False  # auto
+
+
+def test_the_plan_counts_no_swiglu_output():
+    opts = Options(model="x", compile="on", batch_size=2, seq_len=16)
+    with_it = resolve_run(CFG, replace(opts, swiglu_epilogue="on"), device="cpu").plan
+    without = resolve_run(CFG, opts, device="cpu").plan
+    tokens, layers, F = 2 * 16, CFG.num_hidden_layers, CFG.intermediate_size
+    saved = without.item("activations").device - with_it.item("activations").device
+    assert saved == layers * tokens * F * 2  # the SwiGLU output, bf16 (Options' default model dtype)
+    assert with_it.settings["swiglu_epilogue"] is True and without.settings["swiglu_epilogue"] is False
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_matches_transformers_fp32(model_type):
+    """Compiled blocks with the epilogue MLP (its twin: the same op pair and interleaved layout as on the GPU) against
+    HF's model: the bar of the dense families (logits and loss 1e-5 relative, every gradient cosine >= 0.99999)."""
+    cfg = tiny_cfg(model_type, False)
+    hf = hf_model(cfg, seed=5)
+    sd = dict(hf.state_dict())
+    params = {n: t.detach().clone().requires_grad_(True) for n, t in hf_to_internal(cfg, lambda k: sd[k])}
+    model = Transformer(cfg, RunOptions(compile=True, swiglu_epilogue=True))
+    assert model.block_fn is not None
+    g = torch.Generator().manual_seed(1)
+    inputs, targets = (torch.randint(0, cfg.vocab_size, (2, 32), generator=g) for _ in range(2))
+    ref = hf(input_ids=inputs).logits.float()
+    ref_loss = torch.nn.functional.cross_entropy(ref.view(-1, cfg.vocab_size), targets.view(-1))
+    ref_loss.backward()
+    sink = Collect()
+    loss = model.forward_backward(ParamWeights(cfg, params), inputs, targets, grads=sink, loss_scale=1 / 64)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    ours = internal_to_hf(cfg, sink.grads)
+    for name, p in hf.named_parameters():
+        if name in ours:
+            assert cosine(ours[name], p.grad) >= 0.99999, name
+    assert any("mlp.up_proj" in n for n in ours)
+
+
+def test_train_records_it_and_continue_keeps_it(tmp_path, capsys):
+    root = make_run_root(tmp_path)
+    argv = train_argv(root, steps=2, name="on", compile="on", extra=("--swiglu-epilogue", "on"))
+    assert main(argv) == 0
+    meta = json.loads((root / "ckpt" / "on" / "step_00000002" / META_FILE).read_text())
+    assert meta["options"]["swiglu_epilogue"] == "on"  # recorded as the run resolved it
+    from qtrain.train.resume_checks import pinned_choices
+    assert pinned_choices(meta["options"], Options(model="x"))["swiglu_epilogue"] == "on"  # auto: kept
+    assert "swiglu_epilogue" not in pinned_choices(meta["options"], Options(model="x", swiglu_epilogue="off"))
+    assert pinned_choices({"swiglu_epilogue": "auto"}, Options(model="x")) == {}  # nothing recorded as made
+
+
+def test_on_where_it_does_not_apply_is_one_line_before_anything_is_built(tmp_path, capsys):
+    root = make_run_root(tmp_path)
+    capsys.readouterr()
+    assert main(train_argv(root, steps=2, compile="off", extra=("--swiglu-epilogue", "on"))) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "qtrain: error: --swiglu-epilogue on: --compile off: the MLP runs as three steps", err
+    assert not any((root / d).exists() for d in ("ckpt", "out", "logs"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_compiled_bf16_model_with_quack_agrees_with_the_three_steps():
+    """On a Hopper GPU with quack: a compiled bf16 model's loss and gradients with the epilogue MLP against the same
+    model without it. Both round in bf16 at different places (the SwiGLU output from the fp32 accumulator or from
+    the rounded GEMM output; other GEMM kernels), so the bar is bf16's: loss within 1e-2 relative, each gradient's
+    cosine >= 0.999 (the dense families' bf16 GPU tests' bar)."""
+    from qtrain.kernels.hopper import hopper_device, quack, quack_missing
+    if not (hopper_device() and quack() is not None):
+        pytest.skip(f"needs a Hopper GPU and quack-kernels ({quack_missing() or 'no sm90 GPU'})")
+    from qtrain.model.llama import LlamaConfig
+    cfg = LlamaConfig(model_type="qwen2", vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=False)
+    g = torch.Generator().manual_seed(0)
+    from qtrain.model.weights import param_shapes
+    gains = ("ln1", "ln2", "norm")  # RMSNorm gains near 1, the rest small
+    params = {n: (0.02 * torch.randn(s, generator=g) + (1.0 if n.split(".")[-1] in gains else 0.0)).cuda()
+              .bfloat16().requires_grad_() for n, s in param_shapes(cfg).items()}
+    inputs, targets = (torch.randint(0, cfg.vocab_size, (4, 256), generator=g).cuda() for _ in range(2))
+    out = []
+    for on in (False, True):
+        sink = Collect()
+        model = Transformer(cfg, RunOptions(compile=True, swiglu_epilogue=on))
+        loss = model.forward_backward(ParamWeights(cfg, params), inputs, targets, grads=sink, loss_scale=1 / 1024)
+        out.append((loss.float().item(), {k: v.float() for k, v in sink.grads.items()}))
+    assert abs(out[1][0] - out[0][0]) <= 1e-2 * abs(out[0][0])
+    for k, ref in out[0][1].items():
+        assert cosine(out[1][1][k], ref) >= 0.999, k
