@@ -348,9 +348,12 @@ def resolve_run(cfg: ModelConfig, opts: Options, *, world: int = 1, device: str 
 def fit_memory_changes(cfg: ModelConfig, opts: Options, given: RunResolution, **kw: Any) -> dict[str, Any]:
     """--fit-memory: the fewest activation-side option changes with which the run's plan fits (`plan.fit`), each
     candidate resolved as a run of those options would be; none where nothing fits. A run that asks for CUDA graphs
-    gets no change they cannot capture (--offload-residual)."""
+    gets no change they cannot capture (--offload-residual), one that asks for --swiglu-epilogue none that splits
+    the MLP (--recompute-swiglu / --recompute-ffn)."""
     def plan_of(o: Options) -> MemoryPlan | None:
         if o.use_cuda_graphs and cuda_graph_blockers(o, world=kw["world"]):
+            return None
+        if o.swiglu_epilogue == "on" and splits_mlp(o.recompute):
             return None
         return _resolve(cfg, o, **kw).plan
     changes, _ = fit_activations(opts, plan_of, plan=given.plan)

@@ -143,3 +143,26 @@ def test_gpu_compiled_bf16_model_with_quack_agrees_with_the_three_steps():
     assert abs(out[1][0] - out[0][0]) <= 1e-2 * abs(out[0][0])
     for k, ref in out[0][1].items():
         assert cosine(out[1][1][k], ref) >= 0.999, k
+
+
+def test_fit_memory_keeps_the_epilogue_mlp_whole(monkeypatch):
+    """--fit-memory never splits the MLP of a run that asks for the epilogue (`on`): at Qwen2.5-1.5B 32 x 1024 on
+    an 80 GB device the three-step MLP needs --recompute-swiglu --recompute-norm (as measured on the H100, session 34),
+    the epilogue MLP keeps no SwiGLU output and fits as given; on a smaller device its changes leave SwiGLU whole.
+    The device is a Hopper GPU with quack here by stand-in (the CPU has neither); the plan is arithmetic."""
+    import qtrain.kernels.hopper as hopper
+    from qtrain.model.registry import preset
+    monkeypatch.setattr(hopper, "hopper_device", lambda device=None: True)
+    monkeypatch.setattr(hopper, "quack", lambda: object())
+    cfg = preset("Qwen2.5-1.5B")
+    opts = Options(model="Qwen2.5-1.5B", batch_size=32, seq_len=1024, grad_accumulation=2, lmhead_chunks=4,
+                   opt_m_dtype="bf16", opt_v_dtype="bf16")
+
+    def changes(gib: float, **kw) -> dict:
+        run = resolve_run(cfg, replace(opts, **kw), device="cuda", gpu_memory=int(gib * 2**30))
+        return dict(run.memory_changes), run.swiglu_epilogue
+    off, used = changes(79.18, swiglu_epilogue="off")
+    assert off.get("recompute_swiglu") and not used
+    assert changes(79.18, swiglu_epilogue="on") == ({}, True)
+    tight, used = changes(50.0, swiglu_epilogue="on")
+    assert tight and used and not (tight.get("recompute_swiglu") or tight.get("recompute_ffn")), tight
