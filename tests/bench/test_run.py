@@ -409,8 +409,8 @@ def test_pytest_kind_runs_the_parts_asked_and_refuses_unknown_ones(monkeypatch):
         pytest_run.run(["-m", "gpu", "tests/"], iso, parts=["tests/c.py"])
     suite = tomllib.loads((REPO_ROOT / "bench/suites/gpu-tests.toml").read_text())
     cases = {c["name"]: c["params"] for c in suite["case"]}
-    assert set(cases) == {"gpu-tests-1", "gpu-tests-2"}  # the split lives in the defaults: two halves of it
-    assert not {"args", "isolate"} & (set(cases["gpu-tests-1"]) | set(cases["gpu-tests-2"]))
-    halves = cases["gpu-tests-1"]["parts"] + cases["gpu-tests-2"]["parts"]
-    assert sorted(halves) == sorted(["main", *suite["defaults"]["params"]["isolate"]])
-    assert len(set(halves)) == len(halves)
+    assert set(cases) == {"gpu-tests-1", "gpu-tests-2", "gpu-tests-3"}  # the split lives in the defaults: its parts
+    assert not {"args", "isolate"} & set().union(*map(set, cases.values()))
+    parts = [p for c in cases.values() for p in c["parts"]]
+    assert sorted(parts) == sorted(["main", *suite["defaults"]["params"]["isolate"]])  # each part once, none left out
+    assert len(set(parts)) == len(parts)
