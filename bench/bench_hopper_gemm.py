@@ -42,9 +42,7 @@ first calls), import_s (import quack), max_rel_err.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 import time
 import traceback
 from collections.abc import Callable

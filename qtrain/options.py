@@ -228,8 +228,8 @@ class Options:
     """The model-dtype MLP with its SwiGLU in the GEMMs' epilogues (kernels/gated_mlp.py): the up/gate GEMM writes
     the SwiGLU output and the down projection's input-gradient GEMM runs SwiGLU's backward, through quack-kernels'
     Hopper GEMMs (the optional extra: pip install 'qtrain[hopper]'); the SwiGLU output is not kept for backward
-    (the plan counts F model-dtype values per token and layer fewer). Applies to a compiled bf16 MLP run as one
-    function (no FP8 up/down, no --recompute-swiglu / --recompute-ffn, no LoRA adapters on up/gate/down). auto: on
+    (the plan counts F model-dtype values per token and layer fewer). Applies to a compiled bf16 dense MLP run as one
+    function (no FP8 up/down, no --recompute-swiglu / --recompute-ffn, no LoRA, not an MoE model). auto: on
     where it applies on a Hopper GPU and quack imports (its first import takes ~10 s, its kernels compile in a few
     seconds per shape on first use); on: also on the CPU (its plain-torch twin, for tests), refused on a CUDA device
     without quack or Hopper; off: cuBLAS GEMMs + qtrain's SwiGLU kernels. Measured on an H100: the up/gate GEMM +

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from qtrain.kernels import dispatch
 from qtrain.kernels.hopper import quack
 
-__all__ = ["deinterleave_rows", "gated_mlp", "gated_mlp_bwd", "gated_mlp_bwd_twin", "gated_mlp_fwd",
+__all__ = ["backward_weight_temporaries", "deinterleave_rows", "gated_mlp", "gated_mlp_bwd", "gated_mlp_bwd_twin", "gated_mlp_fwd",
            "gated_mlp_fwd_twin", "interleave_rows", "quack_runs"]
 
 
@@ -53,6 +53,12 @@ def _check(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
             or w_down.shape != (h.shape[1], w_up.shape[0] // 2):
         raise ValueError(f"gated_mlp: need h (M, C), w_up (2F, C), w_down (C, F); got {tuple(h.shape)}, "
                          f"{tuple(w_up.shape)}, {tuple(w_down.shape)}")
+
+
+def backward_weight_temporaries(hidden: int, intermediate: int, dtype_bytes: int) -> int:
+    """Bytes the backward holds beside the three-step path's: the up/gate weight's gradient made interleaved and its
+    [up; gate] copy exist together (2F x C), once per layer's backward, whatever the token count."""
+    return 2 * intermediate * hidden * dtype_bytes
 
 
 def quack_runs(t: torch.Tensor) -> bool:
@@ -131,7 +137,7 @@ def gated_mlp_bwd(dy: torch.Tensor, h: torch.Tensor, preact: torch.Tensor, w_up:
 def _(dy: torch.Tensor, h: torch.Tensor, preact: torch.Tensor, w_up: torch.Tensor,
       w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check(h, w_up, w_down)
-    return torch.empty_like(h), torch.empty_like(w_up), torch.empty_like(w_down)
+    return h.new_empty(h.shape), w_up.new_empty(w_up.shape), w_down.new_empty(w_down.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -165,12 +165,12 @@ def swiglu_epilogue(cfg: ModelConfig, opts: Options, device: str, compiled: bool
     `on` where it does not apply, or on a CUDA device that cannot run it, is one line naming why."""
     if opts.swiglu_epilogue == "off":
         return False
-    targets = {t.strip() for t in opts.lora_targets.split(",")} if opts.lora_targets else {"gate", "up", "down"}
-    lora_mlp = opts.lora_rank > 0 and (opts.lora_base_dtype == "e4m3" or bool({"gate", "up", "down"} & targets))
     why_not = ("--compile off: the MLP runs as three steps" if not compiled
+               else "an MoE model: its MLPs are routed experts" if cfg.router is not None
                else "the up/down linears run in FP8 (the FP8 MLP)" if fp8 is not None and {"up", "down"} & set(fp8.fp8)
                else "--recompute-swiglu / --recompute-ffn split the MLP into steps" if splits_mlp(recompute)
-               else "LoRA adapts the MLP's matrices (or its base is e4m3)" if lora_mlp
+               # the op pair makes both weight gradients: over a frozen base that doubles the MLP's backward
+               else "LoRA: the base is frozen (the op makes weight gradients)" if opts.lora_rank > 0
                else "--debug-log-abs-max wraps the linears" if opts.debug_log_abs_max
                else f"the hidden size {cfg.hidden_size} and intermediate size {cfg.intermediate_size} must be "
                     f"multiples of 8 (16-byte rows)" if cfg.hidden_size % 8 or cfg.intermediate_size % 8

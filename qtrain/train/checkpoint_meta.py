@@ -73,12 +73,12 @@ class MetaError(CheckpointError):
 def options_record(opts: Options, run: Any = None) -> dict[str, Any]:
     """Every resolved option of the run (what `--continue` compares a later command with). `run`: its
     `RunResolution`, whose automatic choices that change the numbers are recorded as made (the FP8 head backward,
-    unset = auto, and --swiglu-epilogue: a resume on another GPU, or without quack, must not turn them on or off
-    mid-run; `resume_checks.pinned_choices`)."""
+    unset = auto: a resume on another GPU must not turn it on or off mid-run; `resume_checks.pinned_choices`).
+    --swiglu-epilogue stays as given: auto decides again on resume (it changes bf16 rounding only, and a pinned `on`
+    would refuse a resume on a machine without quack)."""
     record = opts.to_dict()
     if run is not None:
         record["fp8_head_backward"] = bool(run.fp8_head_backward)
-        record["swiglu_epilogue"] = "on" if run.swiglu_epilogue else "off"
     return record
 
 

@@ -183,18 +183,13 @@ def _schedule_problems(meta: Mapping[str, Any], opts: Options, world: int) -> li
 
 
 # automatic choices that change the numbers: left unset on `--continue`, each is taken as the checkpoint's run made it
-# (a checkpoint written before the FP8 head backward became auto records it off, then the default; one before
-# --swiglu-epilogue records nothing of it: auto then decides again)
-PINNED_ON_RESUME = ("fp8_head_backward", "swiglu_epilogue")
-_UNSET = {"fp8_head_backward": (None, (bool,)), "swiglu_epilogue": ("auto", ("on", "off"))}  # unset, values pinned
+# (a checkpoint written before the FP8 head backward became auto records it off, then the default)
+PINNED_ON_RESUME = ("fp8_head_backward",)
 
 
 def pinned_choices(old: Mapping[str, Any], opts: Options) -> dict[str, Any]:
     """The options of PINNED_ON_RESUME that this command leaves unset, with the values the checkpoint's run used."""
-    def made(k: str) -> bool:
-        kinds = _UNSET[k][1]
-        return isinstance(old.get(k), kinds) if isinstance(kinds[0], type) else old.get(k) in kinds
-    return {k: old[k] for k in PINNED_ON_RESUME if getattr(opts, k) == _UNSET[k][0] and made(k)}
+    return {k: old[k] for k in PINNED_ON_RESUME if getattr(opts, k) is None and isinstance(old.get(k), bool)}
 
 
 def review(path: str, meta: Mapping[str, Any], opts: Options, *, world: int, train_pattern: str, total_steps: int,

@@ -26,7 +26,7 @@ from tests.model.test_transformer import hf_model, tiny_cfg  # noqa: E402
 
 
 def _resolve(cfg=CFG, device="cpu", **kw):
-    return resolve_run(cfg, Options(model="x", **kw), device=device, compiled=kw.pop("compiled", None)).swiglu_epilogue
+    return resolve_run(cfg, Options(model="x", **kw), device=device).swiglu_epilogue
 
 
 def test_where_it_applies_and_one_line_where_it_does_not():
@@ -37,7 +37,8 @@ def test_where_it_applies_and_one_line_where_it_does_not():
         "--compile off": dict(compile="off"),
         "the up/down linears run in FP8": dict(compile="on", matmul_dtype="e4m3", fp8_policy="all"),
         "--recompute-swiglu / --recompute-ffn": dict(compile="on", recompute_swiglu=True),
-        "LoRA adapts the MLP's matrices": dict(compile="on", lora_rank=4),
+        "LoRA: the base is frozen": dict(compile="on", lora_rank=4),
+        "LoRA: the base is frozen (the op": dict(compile="on", lora_rank=4, lora_targets="q,v"),
         "--debug-log-abs-max": dict(compile="on", debug_log_abs_max=2),
     }
     for why, kw in refused.items():
@@ -45,8 +46,10 @@ def test_where_it_applies_and_one_line_where_it_does_not():
         with pytest.raises(OptionsError, match="^--swiglu-epilogue on: " + why.replace("(", r"\(").replace(")", r"\)")
                            .replace("+", r"\+")):
             _resolve(swiglu_epilogue="on", **kw)
-    # adapters on attention only leave the MLP alone
-    assert _resolve(swiglu_epilogue="on", compile="on", lora_rank=4, lora_targets="q,v") is True
+    from tests.model.family_fixtures import qwen35_cfg
+    with pytest.raises(OptionsError, match="an MoE model: its MLPs are routed experts"):
+        _resolve(qwen35_cfg(moe=True), swiglu_epilogue="on", compile="on")
+    assert _resolve(qwen35_cfg(), swiglu_epilogue="on", compile="on") is True  # a dense Qwen3.5's MLP takes it
     odd = replace(CFG, intermediate_size=60)
     with pytest.raises(OptionsError, match="intermediate size 60 must be multiples of 8"):
         _resolve(odd, swiglu_epilogue="on", compile="on")
@@ -94,16 +97,21 @@ def test_matches_transformers_fp32(model_type):
     assert any("mlp.up_proj" in n for n in ours)
 
 
-def test_train_records_it_and_continue_keeps_it(tmp_path, capsys):
+def test_train_records_it_as_given_and_continue_decides_again(tmp_path, capsys):
+    """Recorded as given: auto decides again on --continue (a pinned `on` would refuse a resume on a machine without
+    quack, for a choice that changes bf16 rounding only)."""
     root = make_run_root(tmp_path)
     argv = train_argv(root, steps=2, name="on", compile="on", extra=("--swiglu-epilogue", "on"))
     assert main(argv) == 0
     meta = json.loads((root / "ckpt" / "on" / "step_00000002" / META_FILE).read_text())
-    assert meta["options"]["swiglu_epilogue"] == "on"  # recorded as the run resolved it
+    assert meta["options"]["swiglu_epilogue"] == "on"
     from qtrain.train.resume_checks import pinned_choices
-    assert pinned_choices(meta["options"], Options(model="x"))["swiglu_epilogue"] == "on"  # auto: kept
-    assert "swiglu_epilogue" not in pinned_choices(meta["options"], Options(model="x", swiglu_epilogue="off"))
-    assert pinned_choices({"swiglu_epilogue": "auto"}, Options(model="x")) == {}  # nothing recorded as made
+    assert "swiglu_epilogue" not in pinned_choices(meta["options"], Options(model="x"))
+    capsys.readouterr()
+    assert main(train_argv(root, steps=3, name="on", compile="on",
+                           extra=("--continue", "2", "--swiglu-epilogue", "on"))) == 0  # as given: no change
+    out = capsys.readouterr()
+    assert "--swiglu-epilogue" not in out.out + out.err
 
 
 def test_on_where_it_does_not_apply_is_one_line_before_anything_is_built(tmp_path, capsys):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from qtrain.kernels.gated_mlp import backward_weight_temporaries
 from qtrain.model.family import (ActivationSettings, ActTerm, BlockFn, BlockOptions, MatmulSpec, TensorSpec,
                                  decoder_non_block_tensors)
 from qtrain.model.llama import block, tensors
@@ -51,9 +52,12 @@ class LlamaFamily:
 
     def backward_temporaries(self, cfg: LlamaConfig, layer: int, tokens: int, s: ActivationSettings) -> int:
         """The largest saved tensors come back as gradients: F + 2C elements per token in the model dtype, and
-        the attention's q_dim in fp32 per attention call (a bound measured on the CPU)."""
+        the attention's q_dim in fp32 per attention call (a bound measured on the CPU); with --swiglu-epilogue the
+        up/gate weight gradient's interleaved copy (kernels/gated_mlp.py)."""
+        epilogue = backward_weight_temporaries(cfg.hidden_size, cfg.intermediate_size, s.dtype_bytes) \
+            if s.swiglu_epilogue else 0
         return tokens * (s.dtype_bytes * (cfg.intermediate_size + 2 * cfg.hidden_size)
-                         + 4 * cfg.q_dim // s.attn_chunks)
+                         + 4 * cfg.q_dim // s.attn_chunks) + epilogue
 
 
 LLAMA = LlamaFamily()

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from qtrain.kernels.gated_mlp import backward_weight_temporaries
 from qtrain.kernels.delta_rule import CHUNK
 from qtrain.kernels.swiglu.activation import saved_bytes_per_token as swiglu_saved_bytes
 from qtrain.model.family import DTYPE_BYTES, ActivationSettings, ActTerm
@@ -191,4 +192,6 @@ def backward_temporaries(cfg: Qwen35Config, layer: int, tokens: int, s: Activati
     if cfg.is_linear(layer):
         twin = replace(s, delta_rule_kernels=False)
         delta = next(t.per_token for t in activation_terms(cfg, layer, twin) if t.name == "delta_rule")
-    return int(tokens * (E * (mlp + mixer + 2 * cfg.hidden_size) + delta))
+    epilogue = backward_weight_temporaries(cfg.hidden_size, cfg.intermediate_size, E) \
+        if s.swiglu_epilogue and not cfg.is_moe_layer(layer) else 0  # --swiglu-epilogue's weight gradient copy
+    return int(tokens * (E * (mlp + mixer + 2 * cfg.hidden_size) + delta)) + epilogue
