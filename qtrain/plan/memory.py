@@ -136,7 +136,8 @@ class MemoryPlan:
                 f"T={self.seq_len} | world {self.world}"
                 f"{' (expert parallel %d)' % s['expert_parallel'] if s.get('expert_parallel', 1) > 1 else ''} | "
                 f"grads {s['gradients']} | recompute {s['recompute']}"
-                f"{' | compiled blocks' if s['compiled'] else ''}")
+                f"{' | compiled blocks' if s['compiled'] else ''}"
+                f"{' | SwiGLU in GEMM epilogues' if s.get('swiglu_epilogue') else ''}")
         unit, scale = ("GiB", GiB) if max(self.device_total, self.host_total, self.budget or 0) >= GiB else ("MiB", MiB)
 
         def col(n: int, dash: bool = True) -> str:

@@ -174,3 +174,27 @@ def test_fit_memory_keeps_the_epilogue_mlp_whole(monkeypatch):
     assert changes(79.18, swiglu_epilogue="on") == ({}, True)
     tight, used = changes(50.0, swiglu_epilogue="on")
     assert tight and used and not (tight.get("recompute_swiglu") or tight.get("recompute_ffn")), tight
+
+
+@pytest.mark.slow  # ~50 s: two compiles of the hybrid block on the CPU (the llama tests above cover the op in CI)
+def test_a_dense_qwen3_5_with_it_equals_the_compiled_three_steps_fp32():
+    """Qwen3.5's dense MLP takes the epilogue op too (its block's one-function MLP). Compiled on the CPU, Qwen3.5
+    itself is 2.3e-5 from transformers' logits with or without the op (inductor's fp32 kernels; the eager family
+    meets 1e-5 in tests/model/test_qwen3_5.py), so the op is checked against the compiled three steps: loss 1e-5
+    relative, every gradient cosine >= 0.99999 (fp32: reduction order only)."""
+    from tests.model.family_fixtures import hf_state, qwen35_cfg, qwen35_hf_model
+    cfg = qwen35_cfg()
+    sd = hf_state(qwen35_hf_model(cfg))
+    params = {n: t.detach().clone().requires_grad_(True) for n, t in hf_to_internal(cfg, lambda k: sd[k])}
+    g = torch.Generator().manual_seed(1)
+    inputs, targets = (torch.randint(0, cfg.vocab_size, (2, 40), generator=g) for _ in range(2))
+    out = []
+    for on in (False, True):
+        sink = Collect()
+        loss = Transformer(cfg, RunOptions(compile=True, swiglu_epilogue=on)).forward_backward(
+            ParamWeights(cfg, params), inputs, targets, grads=sink, loss_scale=1 / 80)
+        out.append((loss.item(), sink.grads))
+    assert abs(out[1][0] - out[0][0]) <= 1e-5 * abs(out[0][0])
+    assert set(out[0][1]) == set(out[1][1])
+    for k, ref in out[0][1].items():
+        assert cosine(out[1][1][k], ref) >= 0.99999, k
