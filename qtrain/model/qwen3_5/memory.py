@@ -44,8 +44,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from qtrain.kernels.gated_mlp import backward_weight_temporaries
 from qtrain.kernels.delta_rule import CHUNK
+from qtrain.kernels.gated_mlp import backward_weight_temporaries
 from qtrain.kernels.swiglu.activation import saved_bytes_per_token as swiglu_saved_bytes
 from qtrain.model.family import DTYPE_BYTES, ActivationSettings, ActTerm
 from qtrain.model.moe_block import expert_rows
