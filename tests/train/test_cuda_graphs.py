@@ -239,6 +239,9 @@ GPU_CASES = {
     "e4m3-ga3": {"matmul_dtype": "e4m3", "fp8_policy": "all"},
     "e4m3-ga3-fp8-head": {"matmul_dtype": "e4m3", "fp8_policy": "all", "fp8_head_backward": True},
     "bf16-ga3-recompute-ffn": {"recompute_ffn": True},
+    # the MLP's SwiGLU in quack's GEMM epilogues (kernels/gated_mlp.py), both ways: the default with quack installed
+    "bf16-ga3-swiglu-epilogue": {"swiglu_epilogue": "on"},
+    "bf16-ga3-no-swiglu-epilogue": {"swiglu_epilogue": "off"},
 }
 
 
@@ -248,6 +251,10 @@ GPU_CASES = {
 def test_gpu_graphs_train_bitwise_like_eager(model_dir, name):
     ctx = DistContext(rank=0, world=1, local_rank=0, device=torch.device("cuda"))
     kw = {"device": "cuda", **GPU_CASES[name]}
+    if kw.get("swiglu_epilogue") == "on":
+        from qtrain.kernels.hopper import hopper_device, quack, quack_missing
+        if not (hopper_device() and quack() is not None):
+            pytest.skip(f"needs a Hopper GPU and quack-kernels ({quack_missing() or 'no sm90 GPU'})")
     want = train(Trainer(options(model_dir, use_cuda_graphs=False, **kw), ctx), 5)
     tr = Trainer(options(model_dir, use_cuda_graphs=True, **kw), ctx)
     got = train(tr, 5)
