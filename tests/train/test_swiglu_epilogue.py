@@ -198,3 +198,36 @@ def test_a_dense_qwen3_5_with_it_equals_the_compiled_three_steps_fp32():
     assert set(out[0][1]) == set(out[1][1])
     for k, ref in out[0][1].items():
         assert cosine(out[1][1][k], ref) >= 0.99999, k
+
+
+def _sharded_worker(rank: int, world: int, model_dir: str) -> dict:
+    from qtrain.parallel.dist import DistContext
+    from qtrain.train.trainer import Trainer
+    from tests.dist_utils import random_batch, train_steps
+    ctx = DistContext(rank=rank, world=world, local_rank=rank, device=torch.device("cpu"))
+    out = {}
+    for name, kw in (("zero2", dict(zero_level=2)), ("zero3", dict(zero_level=3))):
+        opts = Options(model=model_dir, from_scratch=True, device="cpu", compile="on", swiglu_epilogue="on", seed=5,
+                       model_dtype="fp32", opt_m_dtype="fp32", opt_v_dtype="fp32", batch_size=2, seq_len=16,
+                       grad_accumulation=2, learning_rate=3e-3, **kw)
+        tr = Trainer(opts, ctx)
+        assert tr.run.swiglu_epilogue
+        out[name] = train_steps(tr, range(2), lambda step, micro, r: random_batch(CFG.vocab_size, 2, 16, step, micro, r),
+                                2, 3e-3)
+    return out
+
+
+def test_sharded_weights_train_bitwise_like_replicated_ones_with_it(tmp_path):
+    """The op saves the up and down weights for its backward; with sharded weights (ZeRO-3) those are views of the
+    two rotating gather slots, which the weights' saved-tensor hooks keep as (slot, layer, version) handles and check
+    when the backward (after gathering the layer again) unpacks them, as for a linear's saved weight: a slot holding
+    another layer would raise there, other values would change the bits. ZeRO-3 trains bit for bit as ZeRO-2 (2 gloo
+    ranks, compiled blocks, fp32), the bar of tests/parallel/weights/test_sharded_layers.py."""
+    from tests.dist_utils import run_distributed, write_model_dir
+    # three layers, two slots: layer 2's gather reuses layer 0's slot before layer 0's backward
+    results = run_distributed(_sharded_worker, 2, write_model_dir(tmp_path, replace(CFG, num_hidden_layers=3)))
+    for rank in results:
+        for a, b in zip(rank["zero2"], rank["zero3"]):
+            assert (a["loss"], a["norm"]) == (b["loss"], b["norm"])
+            for k in a["weights"]:
+                assert torch.equal(a["weights"][k], b["weights"][k]), k
