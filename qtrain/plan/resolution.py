@@ -162,7 +162,8 @@ def swiglu_onepass(opts: Options) -> bool:
 def swiglu_epilogue(cfg: ModelConfig, opts: Options, device: str, compiled: bool, fp8: Fp8Choice | None,
                     recompute: frozenset[str]) -> bool:
     """--swiglu-epilogue (its help says where it applies): auto on where it applies on a Hopper GPU with quack;
-    `on` where it does not apply, or on a CUDA device that cannot run it, is one line naming why."""
+    `on` where it does not apply, or on a CUDA device that cannot run it, is one line naming why. Planned for a CUDA
+    device this machine does not have (`qtrain plan` elsewhere), `on` is taken as given and auto stays off."""
     if opts.swiglu_epilogue == "off":
         return False
     why_not = ("--compile off: the MLP runs as three steps" if not compiled
@@ -175,7 +176,8 @@ def swiglu_epilogue(cfg: ModelConfig, opts: Options, device: str, compiled: bool
                else f"the hidden size {cfg.hidden_size} and intermediate size {cfg.intermediate_size} must be "
                     f"multiples of 8 (16-byte rows)" if cfg.hidden_size % 8 or cfg.intermediate_size % 8
                else "")
-    if not why_not and device == "cuda":
+    here = device == "cuda" and torch.cuda.is_available()  # else a plan for a machine this one is not: as given
+    if not why_not and here:
         from qtrain.kernels.hopper import hopper_device, quack, quack_missing
         why_not = ("needs --model-dtype bf16" if opts.model_dtype != "bf16"
                    else "needs a Hopper GPU (sm90)" if not hopper_device()
@@ -183,7 +185,7 @@ def swiglu_epilogue(cfg: ModelConfig, opts: Options, device: str, compiled: bool
                    if quack() is None else "")
     if why_not and opts.swiglu_epilogue == "on":
         raise OptionsError(f"--swiglu-epilogue on: {why_not}")
-    return not why_not and (opts.swiglu_epilogue == "on" or device == "cuda")
+    return not why_not and (opts.swiglu_epilogue == "on" or here)
 
 
 def persistent_quants(cfg: ModelConfig, opts: Options, fp8: Fp8Choice | None) -> tuple[str, ...]:

@@ -53,13 +53,31 @@ def test_where_it_applies_and_one_line_where_it_does_not():
     odd = replace(CFG, intermediate_size=60)
     with pytest.raises(OptionsError, match="intermediate size 60 must be multiples of 8"):
         _resolve(odd, swiglu_epilogue="on", compile="on")
-    # on a CUDA device: bf16 on a Hopper GPU with quack only (this machine has neither a GPU nor, in CI, quack)
-    if not torch.cuda.is_available():
-        with pytest.raises(OptionsError, match="^--swiglu-epilogue on: needs --model-dtype bf16$"):
-            _resolve(device="cuda", swiglu_epilogue="on", compile="on", model_dtype="fp32")
-        with pytest.raises(OptionsError, match=r"^--swiglu-epilogue on: needs a Hopper GPU \(sm90\)$"):
-            _resolve(device="cuda", swiglu_epilogue="on", compile="on")
-        assert _resolve(device="cuda", compile="on") is False  # auto
+    if not torch.cuda.is_available():  # a plan for a CUDA machine this one is not: `on` as given, auto off
+        assert _resolve(device="cuda", swiglu_epilogue="on", compile="on") is True
+        assert _resolve(device="cuda", compile="on") is False
+
+
+def test_on_a_cuda_device_it_needs_bf16_a_hopper_gpu_and_quack(monkeypatch):
+    """The device's side, with the CUDA device and quack stood in for (the CPU machine has neither)."""
+    import qtrain.kernels.hopper as hopper
+    from qtrain.plan.resolution import swiglu_epilogue
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def decide(sm90: bool, lib, **kw) -> bool:
+        monkeypatch.setattr(hopper, "hopper_device", lambda device=None: sm90)
+        monkeypatch.setattr(hopper, "quack", lambda: lib)
+        monkeypatch.setattr(hopper, "quack_missing", lambda: "" if lib else "ModuleNotFoundError: No module named 'quack'")
+        return swiglu_epilogue(CFG, Options(model="x", **kw), "cuda", True, None, frozenset())
+    assert decide(True, object()) is True  # auto: on
+    assert decide(False, object()) is False and decide(True, None) is False  # auto: off, silently
+    with pytest.raises(OptionsError, match="^--swiglu-epilogue on: needs --model-dtype bf16$"):
+        decide(True, object(), swiglu_epilogue="on", model_dtype="fp32")
+    with pytest.raises(OptionsError, match=r"^--swiglu-epilogue on: needs a Hopper GPU \(sm90\)$"):
+        decide(False, object(), swiglu_epilogue="on")
+    with pytest.raises(OptionsError, match=r"^--swiglu-epilogue on: quack-kernels does not import \(ModuleNotFound"
+                                           r"Error: No module named 'quack'; pip install 'qtrain\[hopper\]'\)$"):
+        decide(True, None, swiglu_epilogue="on")
 
 
 def test_the_plan_counts_no_swiglu_output():
