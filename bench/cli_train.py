@@ -131,8 +131,8 @@ def run_events(model: str, batch: int, accum: int, steps: int, *, gpus: int = 1,
 
 def dry_run(params: dict) -> dict:
     """The same flags on a tiny model of the family, 2 x 32 tokens, 2 steps (up to 2 processes), on the CPU,
-    blocks compiled only for --swiglu-epilogue on (less --use-cuda-graphs, which --device cpu refuses, after checking the case against what a CUDA run of it
-    refuses: `check_cuda_rules`)."""
+    blocks compiled only for --swiglu-epilogue on (less --use-cuda-graphs, which --device cpu refuses, after
+    checking the case against what a CUDA run of it refuses: `check_cuda_rules`)."""
     check_cuda_rules(params)
     flags = [f for f in params.get("flags", []) if f not in CUDA_ONLY_FLAGS]
     # blocks compiled only where the case needs them (--swiglu-epilogue on applies to compiled blocks alone)

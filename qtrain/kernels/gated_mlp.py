@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from qtrain.kernels import dispatch
 from qtrain.kernels.hopper import quack
 
-__all__ = ["backward_weight_temporaries", "deinterleave_rows", "gated_mlp", "gated_mlp_bwd", "gated_mlp_bwd_twin", "gated_mlp_fwd",
-           "gated_mlp_fwd_twin", "interleave_rows", "quack_runs"]
+__all__ = ["backward_weight_temporaries", "deinterleave_rows", "gated_mlp", "gated_mlp_bwd", "gated_mlp_bwd_twin",
+           "gated_mlp_fwd", "gated_mlp_fwd_twin", "interleave_rows", "quack_runs"]
 
 
 def interleave_rows(w_up: torch.Tensor) -> torch.Tensor:

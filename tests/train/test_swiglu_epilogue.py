@@ -1,7 +1,8 @@
 """--swiglu-epilogue (kernels/gated_mlp.py; issue 48): the compiled model-dtype MLP as one op whose GEMMs carry the
 SwiGLU. Here, on the CPU (its plain-torch twin): where it applies and the one-line refusals of `on` where it does not,
-the model with it exact against transformers (fp32: logits, loss, every gradient), `qtrain train` with it recording
-the choice so that `--continue` keeps it. The quack path itself: tests/kernels/test_gated_mlp.py's GPU test.
+the model with it exact against transformers (fp32: logits, loss, every gradient), `qtrain train` with it (the option
+recorded as given: auto decides again on `--continue`), --fit-memory, ZeRO-3. The quack path itself:
+tests/kernels/test_gated_mlp.py's GPU test.
 """
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def test_on_a_cuda_device_it_needs_bf16_a_hopper_gpu_and_quack(monkeypatch):
     def decide(sm90: bool, lib, **kw) -> bool:
         monkeypatch.setattr(hopper, "hopper_device", lambda device=None: sm90)
         monkeypatch.setattr(hopper, "quack", lambda: lib)
-        monkeypatch.setattr(hopper, "quack_missing", lambda: "" if lib else "ModuleNotFoundError: No module named 'quack'")
+        missing = "" if lib else "ModuleNotFoundError: No module named 'quack'"
+        monkeypatch.setattr(hopper, "quack_missing", lambda: missing)
         return swiglu_epilogue(CFG, Options(model="x", **kw), "cuda", True, None, frozenset())
     assert decide(True, object()) is True  # auto: on
     assert decide(False, object()) is False and decide(True, None) is False  # auto: off, silently
@@ -230,8 +232,8 @@ def _sharded_worker(rank: int, world: int, model_dir: str) -> dict:
                        grad_accumulation=2, learning_rate=3e-3, **kw)
         tr = Trainer(opts, ctx)
         assert tr.run.swiglu_epilogue
-        out[name] = train_steps(tr, range(2), lambda step, micro, r: random_batch(CFG.vocab_size, 2, 16, step, micro, r),
-                                2, 3e-3)
+        batch = lambda step, micro, r: random_batch(CFG.vocab_size, 2, 16, step, micro, r)  # noqa: E731
+        out[name] = train_steps(tr, range(2), batch, 2, 3e-3)
     return out
 
 
