@@ -91,7 +91,13 @@ def gated_mlp_bwd_twin(dy: torch.Tensor, h: torch.Tensor, preact: torch.Tensor, 
     gate, up = p[:, 0::2], p[:, 1::2]
     s = torch.sigmoid(gate)
     dpre = torch.stack([d * up * s * (1 + gate * (1 - s)), d * gate * s], dim=-1).flatten(-2).to(h.dtype)
-    out = (gate * s * up).to(h.dtype)
+    return _remaining_grads(dy, h, dpre, (gate * s * up).to(h.dtype), w_up)
+
+
+def _remaining_grads(dy: torch.Tensor, h: torch.Tensor, dpre: torch.Tensor, out: torch.Tensor, w_up: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward's three plain GEMMs from d(preact) and the SwiGLU output: (dh, dW_up in [up; gate] rows,
+    dW_down); both paths' (cuBLAS on the GPU)."""
     return dpre @ interleave_rows(w_up), deinterleave_rows(dpre.T @ h), dy.T @ out
 
 
@@ -106,7 +112,7 @@ def _quack_fwd(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> tup
 def _quack_bwd(dy: torch.Tensor, h: torch.Tensor, preact: torch.Tensor, w_up: torch.Tensor,
                w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dpre, out = quack().gemm.gemm_dact(dy, w_down.contiguous(), preact, activation="swiglu", tuned=False)
-    return dpre @ interleave_rows(w_up), deinterleave_rows(dpre.T @ h), dy.T @ out
+    return _remaining_grads(dy, h, dpre, out, w_up)
 
 
 # ---------------------------------------------------------------------------------------------- ops

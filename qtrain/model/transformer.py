@@ -196,10 +196,9 @@ class Transformer:
             rebuilt = run.wrap_linear(rebuilt) if rebuilt is not None else None
             linears = {n: run.wrap_linear(f) for n, f in linears.items()}
         else:  # the fused FP8 MLP needs both of its linears in FP8
-            mlp = (block_mlp(run.matmul_dtype, run.fp8_grad_dtype, run.fp8_keep_transposes, run.fp8_swiglu_onepass,
-                             epilogue=run.swiglu_epilogue) if not {"up", "down"} & set(plain) else None)
-            if mlp is None and run.swiglu_epilogue and set(plain) >= {"up", "down"}:  # e4m3 with a bf16 MLP
-                mlp = block_mlp(epilogue=True)
+            fp8_mlp = run.matmul_dtype == "e4m3" and not {"up", "down"} & set(plain)
+            mlp = (block_mlp(run.matmul_dtype, run.fp8_grad_dtype, run.fp8_keep_transposes, run.fp8_swiglu_onepass)
+                   if fp8_mlp else block_mlp(epilogue=run.swiglu_epilogue))
         if run.adapter is not None and run.adapter.covers("up", "down"):
             mlp = None  # adapters of the MLP's matrices need its three steps (the block's linears add them)
         if run.frozen_e4m3:  # one linear for every block matrix, over its e4m3 codes
