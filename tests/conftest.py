@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from qtrain.cpu_threads import start_thread_pool
 from tests.dist_utils import write_model_dir
 
 
@@ -37,6 +38,12 @@ def _is_integration(item: pytest.Item) -> bool:
         folder = path.relative_to(_TESTS).parts[0] if path.is_relative_to(_TESTS) else ""
         _module_kind[path] = folder in INTEGRATION_FOLDERS or bool(_END_TO_END.search(path.read_text("utf-8")))
     return _module_kind[path]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every test process (the interpreter's child pytest too) starts torch's CPU thread pool before its first op:
+    the first parallel region can round wrongly (qtrain/cpu_threads.py)."""
+    start_thread_pool()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

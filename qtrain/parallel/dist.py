@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from qtrain import console
+from qtrain.cpu_threads import start_thread_pool
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 STORE_ENV = "QTRAIN_STORE"  # host:port of a store hosted by `launch_local` (workers connect as clients)
@@ -220,6 +221,7 @@ def init_distributed(requested_device: str = "auto", *,
                      timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> DistContext:
     """Join the process group described by the environment, or run as a single process. Collectives time
     out after `timeout_s` seconds (then `DistContext.diagnose` names the rank that stopped answering)."""
+    start_thread_pool()  # before any op whose result matters (cpu_threads.py says why)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
