@@ -6,9 +6,9 @@ a floating-point rounding mode that is not round-to-nearest: the workers' share 
 machine: 2-10% of fresh processes, any op that splits across threads (a (7, 1000) fp32 exp, say), AVX2 and AVX-512
 alike; it broke a specification's logsumexp in CI. Running one throwaway parallel region first makes every later
 one exact (60 of 60 processes, against 2-5 of 60 wrong without). qtrain's CPU path is the specification of every
-GPU kernel and promises bitwise resume across processes, so every training process starts the pool as it sets up
-(`parallel.dist.init_distributed`), and so does every test process (tests/conftest.py). Not at `import qtrain`:
-`qtrain --help` imports no torch.
+GPU kernel and promises bitwise resume across processes, so every training, eval and generate process starts the
+pool as it picks its device (`parallel.dist.init_distributed`, `train.evaluate.resolve_device`), and so does every
+test process (tests/conftest.py). Not at `import qtrain`: `qtrain --help` imports no torch.
 """
 from __future__ import annotations
 

@@ -42,3 +42,8 @@ def test_an_import_alone_starts_nothing():
     """The control: without the call the pool is not running, so the two tests above can fail."""
     before, after = _threads_before_and_after("import qtrain.cpu_threads, qtrain.parallel.dist")
     assert after == before
+
+
+def test_an_eval_or_generate_process_starts_the_pool_as_it_picks_its_device():
+    before, after = _threads_before_and_after("from qtrain.train.evaluate import resolve_device; resolve_device('cpu')")
+    assert after >= before + 1

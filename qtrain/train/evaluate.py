@@ -42,7 +42,9 @@ def resolve_device(device: "str | torch.device") -> "torch.device":
     """"auto" -> CUDA when available, else the CPU; a device that is not there is a DeviceError."""
     import torch
 
+    from qtrain.cpu_threads import start_thread_pool
     from qtrain.parallel.dist import DeviceError
+    start_thread_pool()  # an eval or generate process, before its first op (cpu_threads.py says why)
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
