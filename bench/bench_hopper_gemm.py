@@ -19,6 +19,13 @@ norm under 1e-2: each side rounds each output once or twice, 2^-8 each, from dif
   norm_chain        o-proj (cuBLAS), residual add + RMSNorm (inductor), gemm_rms (o-proj + residual + sum of squares +
                     up/gate (cuBLAS), SwiGLU (inductor)                gain) then gemm_norm_act (up/gate, row scale
                                                                        1/rms, SwiGLU): the norm never written
+  cross_entropy     the LM head's in-place cross-entropy (Triton: one   cross_entropy_fwd(return_dx, inplace_backward):
+                    program per row, the row read twice), z-loss 0     the row held in a cluster's shared memory, read
+                                                                       once (llm.q's way; 7.4 ms of a 0.5B step apart)
+
+The cross-entropy runs on one LM-head chunk: CE_ROWS_DIVISOR of M rows (a quarter) by the vocabulary, bf16 logits
+whose d(logits) overwrites them on both sides; repeated calls run on the buffer as the last call left it (the time
+does not depend on the values); the first calls, compared, start from the same logits.
 
 Weight layouts: qtrain's fused up/gate weight has rows [up; gate] (model/llama/tensors.py); quack's gated epilogues
 read gate and up as interleaved columns (gate_0, up_0, gate_1, ...) of one GEMM output, so its weight is re-laid once
@@ -37,8 +44,8 @@ Parameters: models (Qwen2.5 presets), tokens (M for every model; default per mod
 micro-batches), ops (OPS), tuned (quack's autotuner on its first call: a config sweep, its time in quack_first_s;
 default its heuristic config), samples, warmup, graphs. Needs a Hopper GPU and quack-kernels importable (install:
 bench/hopper_wheels.sh; skipped with the reason otherwise). Result: `rows` (one per model and op) and the table's
-columns: mlp_speedup (the three MLP ops' qtrain ms / quack ms, summed), chain_speedup (norm_chain), compile_s (quack's
-first calls), import_s (import quack), max_rel_err.
+columns: mlp_speedup (the three MLP ops' qtrain ms / quack ms, summed), chain_speedup (norm_chain), ce_speedup
+(cross_entropy), compile_s (quack's first calls), import_s (import quack), max_rel_err.
 """
 from __future__ import annotations
 
@@ -58,9 +65,10 @@ from bench.kinds import Skip
 # 1.5B 32 x 1024 (accum 2), 3B 16 x 1024 (accum 2), 7B 4 x 1024 (accum 4)
 TOKENS = {"Qwen2.5-0.5B": 32 * 1024, "Qwen2.5-1.5B": 32 * 1024, "Qwen2.5-3B": 16 * 1024, "Qwen2.5-7B": 4 * 1024}
 OPS = ("up_swiglu", "up_swiglu_concat", "down_residual", "down_dswiglu", "rmsnorm", "add_rmsnorm", "add_rmsnorm_bwd",
-       "norm_chain")
+       "norm_chain", "cross_entropy")
 MLP_OPS = ("up_swiglu", "down_residual", "down_dswiglu")  # one MLP's GEMMs with the passes fused into them
 TOLERANCE = 1e-2  # relative error in norm (module docstring)
+CE_ROWS_DIVISOR = 4  # the cross-entropy's rows: M / 4, an LM-head chunk of the suite's layouts
 
 
 def import_quack() -> tuple[SimpleNamespace | None, str]:
@@ -78,6 +86,7 @@ class Shape:
     F: int  # MLP intermediate size
     Q: int  # attention output width (the o-projection's K)
     eps: float
+    V: int = 151936  # vocabulary (the cross-entropy's row length)
 
 
 def shapes(models: list[str], tokens: int | None, ops: list[str]) -> list[Shape]:
@@ -93,7 +102,8 @@ def shapes(models: list[str], tokens: int | None, ops: list[str]) -> list[Shape]
         if tokens is None and m not in TOKENS:
             raise ValueError(f"models: {m!r} has no default token count (known: {', '.join(TOKENS)}); give tokens")
         c = preset(m)
-        out.append(Shape(m, tokens or TOKENS[m], c.hidden_size, c.intermediate_size, c.q_dim, c.rms_norm_eps))
+        out.append(Shape(m, tokens or TOKENS[m], c.hidden_size, c.intermediate_size, c.q_dim, c.rms_norm_eps,
+                         c.vocab_size))
     return out
 
 
@@ -171,6 +181,7 @@ def pairs_for(s: Shape, ops: list[str], lib: SimpleNamespace, tuned: bool, devic
     modules (import_quack); `device`, `compile_`: the CPU test's, which checks the layouts and pairings here."""
     import torch.nn.functional as F
 
+    from qtrain.kernels.cross_entropy.inplace import cross_entropy_fwd_bwd_inplace_
     from qtrain.kernels.swiglu.activation import swiglu, swiglu_backward
     from qtrain.model.layers import rms_norm
 
@@ -265,10 +276,23 @@ def pairs_for(s: Shape, ops: list[str], lib: SimpleNamespace, tuned: bool, devic
         return Pair("norm_chain", f"{M} x {C} x {Q} + {M} x {2 * Fi} x {C}", ours, theirs,
                     lambda k, q: [(k[0], q[0]), (deinterleave(k[1]), q[1]), (k[2], q[2])])
 
+    def cross_entropy() -> Pair:
+        n = max(1, M // CE_ROWS_DIVISOR)
+        logits = randn(n, s.V, scale=2.0)
+        t = torch.randint(0, s.V, (n,), generator=gen, device=device)
+        t[::97] = -100  # some ignored rows, as a masked batch has
+        ours_buf, theirs_buf = logits.clone(), logits
+        return Pair("cross_entropy", f"{n} x {s.V}",
+                    lambda: cross_entropy_fwd_bwd_inplace_(ours_buf, t, z_loss=0.0, need_grad=True),
+                    lambda: lib.cross_entropy.cross_entropy_fwd(theirs_buf, t, return_lse=True, return_dx=True,
+                                                                inplace_backward=True),
+                    lambda k, q: [(k[2], q[2]), (k[1], q[1]), (k[0].sum().reshape(1), q[0].reshape(1))])
+
     makers: dict[str, Callable[[], Pair]] = {
         "up_swiglu": lambda: up_swiglu(False), "up_swiglu_concat": lambda: up_swiglu(True),
         "down_residual": down_residual, "down_dswiglu": down_dswiglu, "rmsnorm": rmsnorm,
-        "add_rmsnorm": add_rmsnorm, "add_rmsnorm_bwd": add_rmsnorm_bwd, "norm_chain": norm_chain}
+        "add_rmsnorm": add_rmsnorm, "add_rmsnorm_bwd": add_rmsnorm_bwd, "norm_chain": norm_chain,
+        "cross_entropy": cross_entropy}
     return [(o, makers[o]) for o in ops]
 
 
@@ -314,7 +338,7 @@ def summarize(rows: list[Row]) -> dict[str, Any]:
     ok = [r for r in rows if not r.error]
     out: dict[str, Any] = {"compile_s": round(sum(r.quack_first_s for r in ok), 1),
                            "max_rel_err": max((r.rel_err for r in ok), default=None)}
-    for key, ops in (("mlp_speedup", MLP_OPS), ("chain_speedup", ("norm_chain",))):
+    for key, ops in (("mlp_speedup", MLP_OPS), ("chain_speedup", ("norm_chain",)), ("ce_speedup", ("cross_entropy",))):
         mine = [r for r in ok if r.op in ops]
         if mine:
             out[key] = round(sum(r.qtrain_ms for r in mine) / sum(r.quack_ms for r in mine), 3)

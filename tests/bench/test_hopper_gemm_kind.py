@@ -97,12 +97,26 @@ def reference_quack(swap_gate_up: bool = False) -> SimpleNamespace:
         xf = x.float() + residual.float()
         return _norm(xf, weight, eps).to(x.dtype), xf.to(x.dtype)
 
+    def cross_entropy_fwd(x, target, return_lse, return_dx, inplace_backward, ignore_index=-100):
+        """Per-row loss (0 where ignored), lse, and softmax - onehot over x (zero rows where ignored)."""
+        assert return_lse and return_dx and inplace_backward
+        xf = x.float()
+        lse = torch.logsumexp(xf, -1)
+        keep = target != ignore_index
+        safe = torch.where(keep, target, 0)
+        loss = torch.where(keep, lse - xf.gather(1, safe[:, None])[:, 0], 0.0)
+        d = torch.exp(xf - lse[:, None])
+        d[torch.arange(len(d)), safe] -= 1.0
+        x.copy_(d * keep[:, None])
+        return loss, lse, x
+
     return SimpleNamespace(gemm=SimpleNamespace(gemm_act=gemm_act, gemm_add=gemm_add, gemm_dgated=gemm_dgated,
                                                 gemm_rms=gemm_rms, gemm_norm_act=gemm_norm_act),
-                           rmsnorm=SimpleNamespace(rmsnorm_fwd=rmsnorm_fwd, rmsnorm=rmsnorm))
+                           rmsnorm=SimpleNamespace(rmsnorm_fwd=rmsnorm_fwd, rmsnorm=rmsnorm),
+                           cross_entropy=SimpleNamespace(cross_entropy_fwd=cross_entropy_fwd))
 
 
-SMALL = hg.Shape("tiny", M=64, C=32, F=48, Q=32, eps=1e-6)
+SMALL = hg.Shape("tiny", M=64, C=32, F=48, Q=32, eps=1e-6, V=1000)
 
 
 def _rel_errors(lib: SimpleNamespace, ops=hg.OPS) -> dict[str, float]:
@@ -121,6 +135,30 @@ def test_every_op_pairs_qtrains_outputs_with_quacks_in_one_layout():
     # the comparison sees a layout mistake: gate and up swapped in the GEMM output
     wrong = _rel_errors(reference_quack(swap_gate_up=True), ops=("up_swiglu",))
     assert wrong["up_swiglu"] > 0.5
+
+
+def test_the_cross_entropy_pair_compares_loss_lse_and_the_gradient_written_in_place():
+    """Both sides overwrite their own copy of the same logits; a stand-in that leaves the ignored rows' gradient
+    alone (quack zeroes them, as qtrain does) is seen."""
+    lib = reference_quack()
+    (_, make), = hg.pairs_for(SMALL, ["cross_entropy"], lib, tuned=False, device="cpu", compile_=lambda fn: fn)
+    pair = make()
+    k, q = pair.quack(), pair.qtrain()
+    assert k[2].data_ptr() != q[2].data_ptr() and k[2].shape == (SMALL.M // hg.CE_ROWS_DIVISOR, SMALL.V)
+    assert hg.errors(pair.compare(k, q))[0] < 1e-2
+    keep_ignored = reference_quack()
+    fwd = keep_ignored.cross_entropy.cross_entropy_fwd
+
+    def sloppy(x, target, **kw):
+        before = x.clone()
+        loss, lse, d = fwd(x, target, **kw)
+        d[target == -100] = before[target == -100]
+        return loss, lse, d
+    keep_ignored.cross_entropy.cross_entropy_fwd = sloppy
+    (_, make), = hg.pairs_for(SMALL, ["cross_entropy"], keep_ignored, tuned=False, device="cpu",
+                              compile_=lambda fn: fn)
+    pair = make()
+    assert hg.errors(pair.compare(pair.quack(), pair.qtrain()))[0] > 0.1
 
 
 def test_interleave_and_deinterleave_are_inverse_and_match_quacks_concat_layout():
