@@ -49,6 +49,7 @@ columns: mlp_speedup (the three MLP ops' qtrain ms / quack ms, summed), chain_sp
 """
 from __future__ import annotations
 
+import importlib
 import os
 import time
 import traceback
@@ -72,10 +73,18 @@ CE_ROWS_DIVISOR = 4  # the cross-entropy's rows: M / 4, an LM-head chunk of the 
 
 
 def import_quack() -> tuple[SimpleNamespace | None, str]:
-    """(quack's modules the kind calls: .gemm = quack.gemm_interface, .rmsnorm = quack.rmsnorm; "") or (None, why
-    they do not import): qtrain's own import of the extra (kernels/hopper.py)."""
+    """(quack's modules the kind calls: .gemm = quack.gemm_interface, .rmsnorm = quack.rmsnorm through qtrain's own
+    import of the extra (kernels/hopper.py), .cross_entropy = quack.cross_entropy, which qtrain does not use (the
+    exception its import raised, where it fails: that op's row says so); "") or (None, why they do not import)."""
     from qtrain.kernels.hopper import quack, quack_missing
-    return quack(), quack_missing()
+    lib = quack()
+    if lib is None:
+        return None, quack_missing()
+    try:
+        ce: object = importlib.import_module("quack.cross_entropy")
+    except Exception as e:  # noqa: BLE001 - its row fails with the reason, the GEMM rows still run
+        ce = e
+    return SimpleNamespace(**vars(lib), cross_entropy=ce), ""
 
 
 @dataclass(frozen=True)
@@ -277,6 +286,8 @@ def pairs_for(s: Shape, ops: list[str], lib: SimpleNamespace, tuned: bool, devic
                     lambda k, q: [(k[0], q[0]), (deinterleave(k[1]), q[1]), (k[2], q[2])])
 
     def cross_entropy() -> Pair:
+        if isinstance(lib.cross_entropy, Exception):
+            raise lib.cross_entropy
         n = max(1, M // CE_ROWS_DIVISOR)
         logits = randn(n, s.V, scale=2.0)
         t = torch.randint(0, s.V, (n,), generator=gen, device=device)

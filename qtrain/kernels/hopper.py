@@ -34,16 +34,14 @@ def _load() -> tuple[SimpleNamespace | None, str]:
         gemm = importlib.import_module("quack.gemm_interface")
         # the module, not the package's attribute of the same name (quack/__init__ exports the function rmsnorm)
         rmsnorm = importlib.import_module("quack.rmsnorm")
-        cross_entropy = importlib.import_module("quack.cross_entropy")
     except Exception as e:  # noqa: BLE001 - any failure (missing package, a .so that does not load) is the reason
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return None, f"{type(e).__name__}: {first}"[:300]
-    return SimpleNamespace(gemm=gemm, rmsnorm=rmsnorm, cross_entropy=cross_entropy), ""
+    return SimpleNamespace(gemm=gemm, rmsnorm=rmsnorm), ""
 
 
 def quack() -> SimpleNamespace | None:
-    """quack's modules (.gemm = quack.gemm_interface, .rmsnorm = quack.rmsnorm, .cross_entropy =
-    quack.cross_entropy), imported once; None when they do
+    """quack's modules (.gemm = quack.gemm_interface, .rmsnorm = quack.rmsnorm), imported once; None when they do
     not import (`quack_missing` says why). The first import takes ~10 s (cutlass-dsl's MLIR libraries)."""
     return _load()[0]
 
