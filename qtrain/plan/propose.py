@@ -61,11 +61,14 @@ def _ladder(base: Options, world: int, *, offload_first: bool = False,
 
 
 def _try(cfg: ModelConfig, opts: Options, changes: dict[str, Any], **kw: Any) -> MemoryPlan | None:
+    """The plan of `opts` with `changes`, or None where the changed options are refused: by their own checks or by
+    the run's resolution inside the plan (e.g. persistent quants whose matrices sharding cannot split on the FP8
+    alignment: a rung the user never asked for must not end the whole proposal)."""
     try:
         o = dataclasses.replace(opts, **changes).validate()
+        return plan_memory(cfg, o, **kw)
     except (OptionsError, TypeError):
         return None
-    return plan_memory(cfg, o, **kw)
 
 
 def propose(cfg: ModelConfig, base_options: Options, gpu_bytes: int, world: int = 1, *, max_batch: int = 64,

@@ -31,7 +31,7 @@ from qtrain.model.init import init_params
 from qtrain.model.recompute import resolve_flags
 from qtrain.model.weights import num_params
 from qtrain.model.transformer import RunOptions, Transformer, allocate_params
-from qtrain.options import Options
+from qtrain.options import Options, OptionsError
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.optimizer import ShardedAdamW
 from qtrain.parallel.weights.replicated import ParamWeights
@@ -608,3 +608,21 @@ def test_fp8_head_backward_auto_where_the_plan_fits_before_the_kept_transposes()
         assert not plan(o).settings["fp8_head_backward"], o
     assert plan(dataclasses.replace(base, fp8_head_backward=True), gib=(on.device_total + MiB) / GiB).settings[
         "fp8_head_backward"]  # given: taken without the margin
+
+
+def test_a_proposal_rung_the_resolution_refuses_is_skipped_not_the_whole_proposal():
+    """Persistent quants of matrices that sharding cannot split on the FP8 alignment: the ladder's "shard weights"
+    rung is refused by the run's resolution inside the plan; `propose` skips that rung (the replicated run the user
+    asked for still plans) instead of ending `qtrain plan` with an error about options never given."""
+    from tests.model.family_fixtures import qwen35_cfg
+    from qtrain.plan.resolution import plan_memory
+    cfg = qwen35_cfg(vocab_size=96, hidden_size=32, num_hidden_layers=2, head_dim=16, bos_token_id=0, eos_token_id=0,
+                     layer_types=("linear_attention", "full_attention"), max_position_embeddings=64)
+    opts = Options(persistent_quants=True, matmul_dtype="e4m3", fp8_policy="all", seq_len=64, batch_size=4,
+                   grad_accumulation=2).validate()
+    assert plan_memory(cfg, opts, world=1, gpu_memory=1 << 40, device="cuda").fits
+    with pytest.raises(OptionsError, match="persistent-quants with sharded weights"):
+        plan_memory(cfg, dataclasses.replace(opts, shard_weights=True).validate(), world=1, device="cuda")
+    props = propose(cfg, opts, 1 << 20, 1, device="cuda")  # 1 MiB: every rung is tried, none fits
+    assert props == []
+    assert all(not c.get("shard_weights") for c, _ in propose(cfg, opts, 1 << 40, 1, device="cuda", max_batch=8))
