@@ -47,14 +47,15 @@ def live_allocations(snapshot: dict[str, Any], min_bytes: int) -> list[dict[str,
 
 def allocator_state(snapshot: dict[str, Any], top: int = 20) -> dict[str, Any]:
     """What a `torch.cuda.memory._snapshot()` says of the caching allocator: its segments (what it reserved from the
-    device), the free blocks inside them (the largest is the biggest request it can serve without asking the device
-    for more), the free bytes of those in private pools (CUDA graphs': only their graphs' captures can use them; an
-    H100 step ran out of memory beside 39.4 GiB of them, session 32) and its `top` largest live allocations."""
+    device), the free blocks inside them (the largest outside private pools is the biggest request it can serve
+    without asking the device for more), the free bytes of those in private pools (CUDA graphs': only their graphs'
+    captures can use them; an H100 step ran out of memory beside 39.4 GiB of them, session 32) and its `top` largest
+    live allocations."""
     segments = snapshot.get("segments", [])
     free = [(int(b["size"]), in_private_pool(seg)) for seg in segments for b in seg.get("blocks", [])
             if b.get("state") == "inactive"]
     return {"segments": len(segments), "reserved_bytes": sum(int(seg.get("total_size", 0)) for seg in segments),
-            "free_bytes": sum(n for n, _ in free), "largest_free_bytes": max((n for n, _ in free), default=0),
+            "free_bytes": sum(n for n, _ in free), "largest_free_bytes": max((n for n, private in free if not private), default=0),
             "private_pool_free_bytes": sum(n for n, private in free if private),
             "allocations": live_allocations(snapshot, 0)[:top]}
 

@@ -158,10 +158,13 @@ def out_of_memory(step: int, error: BaseException, plan: str, fragments: int | N
     wrong plan from fragmentation); `largest_free`: the allocator's largest free block (below the request while
     fragments are larger: the free memory is cut up). Measured on an H200: a plan right about the allocated peak, and
     8.3% of activations + workspace held in fragments. `rank`: which rank ran out, when there are several.
-    `pool_free`: free bytes in CUDA graphs' private pools (only their captures can use them); `switches`: the options
-    that turn off what this run spends memory on for speed (its automatic choices: `--no-use-cuda-graphs`, ...)."""
+    `pool_free`: free bytes in CUDA graphs' private pools (only their captures can use them: not fragments that
+    expandable segments would give back, so they are taken out of `fragments` here); `switches`: the options that turn
+    off what this run spends memory on for speed (its automatic choices: `--no-use-cuda-graphs`, ...)."""
     gib = 1 << 30
     what = _torch_oom_facts(error)
+    if fragments is not None and pool_free:
+        fragments = max(0, fragments - pool_free)
     frag = (f"; the allocator held {fragments / gib:.2f} GiB reserved but unallocated (fragments): "
             f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may give it back"
             if fragments and "reserved by PyTorch but unallocated" not in what else "")

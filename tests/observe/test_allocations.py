@@ -56,7 +56,9 @@ def test_allocator_state_tells_cut_up_free_memory_from_a_full_device():
     # the second segment in a CUDA graphs' private pool (session 32: 39.4 GiB free there, only for the captures)
     snap["segments"][0]["segment_pool_id"] = (0, 0)
     snap["segments"][1]["segment_pool_id"] = (1, 3)
-    assert allocator_state(snap)["private_pool_free_bytes"] == 5 * gib
+    state = allocator_state(snap)
+    assert state["private_pool_free_bytes"] == 5 * gib
+    assert state["largest_free_bytes"] == 4 * gib  # the pool's 5 GiB block serves only the graphs' captures
 
 
 @pytest.mark.gpu

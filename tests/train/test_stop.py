@@ -225,3 +225,10 @@ def test_the_out_of_memory_report_names_the_graphs_pool_and_the_runs_own_switche
     assert "Use less: --no-use-cuda-graphs, more --lmhead-chunks" in msg and "fp8" not in msg.lower()
     bare = out_of_memory(0, oom, "PLAN", None, None).args[0]
     assert "Use less: more --lmhead-chunks" in bare and "private pools, which" not in bare
+    # torch's message without the reserved-but-unallocated phrase: the fragments qtrain names leave the pool's bytes
+    # out (expandable segments cannot give those back)
+    plain = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+    msg = out_of_memory(0, plain, "PLAN", int(40 * gib), None, pool_free=int(39 * gib)).args[0]
+    assert "held 1.00 GiB reserved but unallocated (fragments)" in msg and "39.00 GiB of the free memory sat" in msg
+    gone = out_of_memory(0, plain, "PLAN", int(39 * gib), None, pool_free=int(39 * gib)).args[0]
+    assert "expandable_segments" not in gone
