@@ -149,13 +149,14 @@ class ExpertParallel:
         return self.replicas if group.ep > 1 else comm
 
     @torch.no_grad()
-    def gather_experts(self, params: dict[str, torch.Tensor], layout: FlatLayout) -> dict[str, torch.Tensor]:
-        """Every parameter in full (a collective of the token group): the expert stacks gathered from its ranks
-        (rank e's experts are the e-th E/ep of each stack; through the replicas' device, then where `params` are:
-        sharded weights' gathered copies are in host memory), the others as they are (detached)."""
+    def gather_experts(self, params: dict[str, torch.Tensor], layout: FlatLayout,
+                       groups: list[Group] | None = None) -> dict[str, torch.Tensor]:
+        """Every parameter in full, or those of `groups` (a collective of the token group): the expert stacks gathered
+        from its ranks (rank e's experts are the e-th E/ep of each stack; through the replicas' device, then where
+        `params` are: sharded weights' gathered copies are in host memory), the others as they are (detached)."""
         out = {}
         dev = self.replicas.device
-        for g in layout.groups:
+        for g in layout.groups if groups is None else groups:
             for s in g.segments:
                 p = params[s.name].detach()
                 if g.ep > 1:

@@ -262,10 +262,10 @@ class FlatLayout:
             out[g.key] = host_memory.zeros(n, dtype, device, pin=pin)
         return out
 
-    def views(self, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Tensor views (internal name -> shaped view) into full group buffers."""
+    def views(self, buffers: dict[str, torch.Tensor], groups: list[Group] | None = None) -> dict[str, torch.Tensor]:
+        """Tensor views (internal name -> shaped view) into full group buffers: of every group, or of `groups`."""
         out = {}
-        for g in self.groups:
+        for g in self.groups if groups is None else groups:
             buf = buffers[g.key]
             for s in g.segments:
                 out[s.name] = buf[s.start:s.start + s.numel].view(s.shape)

@@ -329,21 +329,26 @@ class Trainer:
         return (float(total[0].item()) / max(n, 1)), n
 
     # ---- weights out ----
-    def full_params(self) -> dict[str, torch.Tensor]:
+    def full_params(self, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """Full (master) parameters by internal name: detached views of the replicated weights, or, with sharded
-        weights, gathered copies in host memory -- then a collective that every rank must call."""
-        params = self.weights.gather_full() if self.sharded_weights else self.params
+        weights, gathered copies in host memory -- then a collective that every rank must call. `trainable_only`:
+        the trainable groups' alone (a LoRA adapter's export gathers no frozen base)."""
+        groups = self.layout.trainable_groups() if trainable_only else None
+        params = self.weights.gather_full(groups) if self.sharded_weights else self.params
         if self.experts is not None:  # each rank holds E/ep experts: gathered from the token group
-            return self.experts.gather_experts(params, self.layout)
+            return self.experts.gather_experts(params, self.layout, groups)
         if self.sharded_weights:
             return params
-        return {n: p.detach() for n, p in self.params.items()}
+        names = None if groups is None else {s.name for g in groups for s in g.segments}
+        return {n: p.detach() for n, p in self.params.items() if names is None or n in names}
 
     def export(self, out_dir: str, *, owner: dict | None = None) -> None:
         """Write a HF model directory (config.json + safetensors + generation_config.json [+ the tokenizer files of
         `self.tokenizer`]); rank 0 writes. Every rank must call it (sharded weights are gathered on all ranks);
         every rank raises rank 0's error. `owner` (run id, step) goes into the export's manifest."""
-        params = self.full_params() if (self.ctx.is_main or self.sharded_weights or self.experts) else None
+        adapters_only = self.lora is not None and not self.opts.lora_merge  # the PEFT adapter needs no base
+        params = (self.full_params(trainable_only=adapters_only) if (self.ctx.is_main or self.sharded_weights or
+                                                                     self.experts) else None)
         err: Exception | None = None
         if self.ctx.is_main:
             try:

@@ -55,6 +55,7 @@ def _worker(rank: int, world: int, model_dir: str, work_dir: str) -> dict:
             out["checkpoint"] = checkpointing.save(os.path.join(work_dir, "ckpt"), tr, _LoaderState(), log)
         steps += run_steps(tr, range(1, STEPS), [rank], world)
         out["runs"][name] = {"steps": steps, "w": _full(tr),
+                             "adapters": {n: p.float().clone() for n, p in tr.full_params(trainable_only=True).items()},
                              "held": {n: tuple(p.shape) for n, p in tr.params.items() if "experts" in n}
                              if tr.params else {}}
     tr = Trainer(options(model_dir, **RUNS["ep2"]), ctx)
@@ -85,6 +86,9 @@ def test_adapters_train_like_one_process(runs, name):
                 assert upd > 0 and err <= 1e-3 * upd, f"{n}: {err:.3g} against an update of {upd:.3g}"
             else:  # the base, the experts included (reassembled from both ranks), never moves
                 assert torch.equal(v, w0[n]), n
+        # what an adapter export gathers (trainable groups only): exactly the adapters, equal to the full set's
+        assert sorted(got["adapters"]) == sorted(adapters)
+        assert all(torch.equal(got["adapters"][n], got["w"][n]) for n in adapters)
     if name == "ep2":  # each rank holds half of the experts
         held = runs[0]["runs"][name]["held"]
         assert held and all(shape[0] == CFG.num_experts // 2 for n, shape in held.items() if n.endswith("up_gate"))

@@ -82,6 +82,25 @@ def test_a_sharded_base_offloaded_to_the_host_trains_the_same_adapters(root):
     peft.PeftModel.from_pretrained(base, str(root / "out" / "z3"))
 
 
+def test_the_adapters_export_gathers_no_frozen_base(root, monkeypatch):
+    """With sharded weights every rank gathers what the export needs into host memory: for the PEFT adapter only the
+    adapters' groups (a 72B base would be ~145 GB per rank), for --lora-merge every group."""
+    from qtrain.parallel.weights.sharded import ShardedWeights
+    gathered: list[list[str]] = []
+    real = ShardedWeights.gather_full
+
+    def spy(self, groups=None):
+        gathered.append([g.key for g in (self.layout.groups if groups is None else groups)])
+        return real(self, groups)
+    monkeypatch.setattr(ShardedWeights, "gather_full", spy)
+    assert main(_argv(root, "gz", "--zero-level", "3", steps=1)) == 0
+    assert gathered == [["block.0.lora", "block.1.lora"]]
+    assert main(_argv(root, "gzm", "--zero-level", "3", "--lora-merge", steps=1)) == 0
+    assert len(gathered) == 2 and {"block.0.lora", "block.1.lora"} < set(gathered[1]) and len(gathered[1]) > 4
+    adapter = load_file(root / "out" / "gz" / "adapter_model.safetensors")
+    assert adapter and all("lora_" in k for k in adapter)
+
+
 def test_two_gloo_ranks_unsharded_and_sharded_gradients_agree(root):
     """2 ranks: the unsharded manager and --shard-gradients average the same fp32 adapter gradients."""
     outs = {}
