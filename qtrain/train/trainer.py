@@ -329,12 +329,17 @@ class Trainer:
         return (float(total[0].item()) / max(n, 1)), n
 
     # ---- weights out ----
-    def full_params(self, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    def full_params(self, *, trainable_only: bool = False, keep: bool = True) -> dict[str, torch.Tensor]:
         """Full (master) parameters by internal name: detached views of the replicated weights, or, with sharded
         weights, gathered copies in host memory -- then a collective that every rank must call. `trainable_only`:
-        the trainable groups' alone (a LoRA adapter's export gathers no frozen base)."""
+        the trainable groups' alone (a LoRA adapter's export gathers no frozen base); `keep` False: this rank only
+        takes part in the sharded gather and gets {} (with expert parallelism every rank keeps its copy: the
+        experts' gather over the token group reads it)."""
         groups = self.layout.trainable_groups() if trainable_only else None
-        params = self.weights.gather_full(groups) if self.sharded_weights else self.params
+        if self.sharded_weights:
+            params = self.weights.gather_full(groups, keep=keep or self.experts is not None)
+        else:
+            params = self.params
         if self.experts is not None:  # each rank holds E/ep experts: gathered from the token group
             return self.experts.gather_experts(params, self.layout, groups)
         if self.sharded_weights:
@@ -347,8 +352,8 @@ class Trainer:
         `self.tokenizer`]); rank 0 writes. Every rank must call it (sharded weights are gathered on all ranks);
         every rank raises rank 0's error. `owner` (run id, step) goes into the export's manifest."""
         adapters_only = self.lora is not None and not self.opts.lora_merge  # the PEFT adapter needs no base
-        params = (self.full_params(trainable_only=adapters_only) if (self.ctx.is_main or self.sharded_weights or
-                                                                     self.experts) else None)
+        params = (self.full_params(trainable_only=adapters_only, keep=self.ctx.is_main)
+                  if (self.ctx.is_main or self.sharded_weights or self.experts) else None)
         err: Exception | None = None
         if self.ctx.is_main:
             try:

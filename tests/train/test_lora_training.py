@@ -89,9 +89,9 @@ def test_the_adapters_export_gathers_no_frozen_base(root, monkeypatch):
     gathered: list[list[str]] = []
     real = ShardedWeights.gather_full
 
-    def spy(self, groups=None):
+    def spy(self, groups=None, **kw):
         gathered.append([g.key for g in (self.layout.groups if groups is None else groups)])
-        return real(self, groups)
+        return real(self, groups, **kw)
     monkeypatch.setattr(ShardedWeights, "gather_full", spy)
     assert main(_argv(root, "gz", "--zero-level", "3", steps=1)) == 0
     assert gathered == [["block.0.lora", "block.1.lora"]]

@@ -485,11 +485,13 @@ class ShardedWeights:
 
     # ---- full weights (export, tests) ----
     @torch.no_grad()
-    def gather_full(self, groups: list[Group] | None = None) -> dict[str, torch.Tensor]:
+    def gather_full(self, groups: list[Group] | None = None, *, keep: bool = True) -> dict[str, torch.Tensor]:
         """Full parameters (internal name -> tensor in host memory), gathered group by group from the model-dtype
         shards (never from the block buffers): of every group, or of `groups` (a LoRA adapter's export: the
         trainable ones, not a frozen base of many GB on every rank). A collective: every rank must call it with the
-        same groups. Peak device memory: one group."""
+        same groups; a rank that only takes part (`keep` False: the export's writer is rank 0) drops each gathered
+        group at once and gets {}, so the model is copied into one rank's host memory, not every rank's. Peak device
+        memory: one group."""
         self.wait_all()
         groups = self.layout.groups if groups is None else groups
         buffers = {}
@@ -497,8 +499,9 @@ class ShardedWeights:
             shard = self.shards[g.key]
             full = torch.empty(g.padded_numel, dtype=shard.dtype, device=self.device)
             self._comm(g).all_gather(full, shard.to(self.device)).wait()
-            buffers[g.key] = full.cpu()
-        return self.layout.views(buffers, groups)
+            if keep:
+                buffers[g.key] = full.cpu()
+        return self.layout.views(buffers, groups) if keep else {}
 
     # ---- memory ----
     @staticmethod

@@ -110,6 +110,7 @@ def _worker(rank: int, world: int, model_dir: str, work: str) -> dict:
             if dtype == "bf16" and name in ("replicated", "sharded"):
                 tr.export(os.path.join(work, f"export-{name}"))
             if tr.sharded_weights:
+                rec["kept"] = len(tr.full_params(keep=rank == 0))  # the export's gather: rank 0 keeps the copy
                 rec["memory"] = tr.weights.memory()
                 rec["host_keys"] = tr.weights.host_memory_keys()
             out["runs"][(dtype, name)] = rec
@@ -175,6 +176,11 @@ def test_weight_state_per_rank_is_one_over_world(results):
 
 
 def test_export_with_sharded_weights_matches_replicated(results):
+    """Rank 0 writes the export; the other ranks take part in the gather and keep nothing (not the whole model in
+    every rank's host memory)."""
+    kept = [results[r]["runs"][("bf16", "sharded")]["kept"] for r in range(WORLD)]
+    assert kept[0] > 0
+    assert kept[1:] == [0] * (WORLD - 1)
     ex = results[0]["exports"]
     assert ex["replicated"].keys() == ex["sharded"].keys() and len(ex["sharded"]) > 0
     for k, t in ex["replicated"].items():
