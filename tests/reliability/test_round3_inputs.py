@@ -1,0 +1,43 @@
+"""Round three of the hostile tester (the newest features: LoRA, packing and document masking, MoE and Qwen3.5,
+the newer options): each row gives one command one broken input that was a traceback, a silent wrong result or a
+write outside the run's own before its fix, and asserts the bad-input table's contract (`test_bad_inputs.run_case`):
+exit code 2, one line `qtrain: error: ...` naming the option, file or tensor, nothing under the root changed or added.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from qtrain.model.hf_io import save_hf_model
+from qtrain.model.weights import param_shapes
+from tests.reliability.test_bad_inputs import Case, cmd, run_case
+from tests.run_utils import CFG, make_run_root
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """The tiny model's config (model/), its weights (weights/) and token files."""
+    root = make_run_root(tmp_path_factory.mktemp("round3"))
+    g = torch.Generator().manual_seed(1)
+    params = {n: torch.randn(s, generator=g) * 0.02 for n, s in param_shapes(CFG).items()}
+    save_hf_model(root / "weights", CFG, params, dtype=torch.float32)
+    return root
+
+
+def evaluate(*extra: str):
+    return cmd("eval", "--model", "{root}/weights", "--eval-file", "{root}/eval.bin", "--seq-len", "16", "--device",
+               "cpu", *extra)
+
+
+CASES = [
+    # a ValueError from the LM head's kernel after the weights had loaded: a traceback, exit code 1
+    Case("eval-lmhead-chunks-0", evaluate("--lmhead-chunks", "0"), r"--lmhead-chunks must be >= 1, got 0"),
+    Case("eval-lmhead-chunks-negative", evaluate("--lmhead-chunks", "-2"), r"--lmhead-chunks must be >= 1, got -2"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_round3_input(case: Case, base: Path, tmp_path: Path, capsys) -> None:
+    run_case(case, base, tmp_path, capsys)
