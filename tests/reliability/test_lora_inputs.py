@@ -73,6 +73,18 @@ def adapter(rel: str, *, rank: int = 4, targets: tuple[str, ...] = ALL7, cfg=CFG
     return setup
 
 
+def interrupted_export(rel: str):
+    """A setup writing a PEFT adapter at root/rel as an export does, then its manifest marked incomplete: what a
+    kill between the export's renames leaves (its files may mix two exports)."""
+    def setup(root: Path) -> None:
+        spec = LoraSpec(4, 8.0, targets=ALL7)
+        t = {n: torch.randn(s.shape) for n, s in adapter_specs(CFG, spec).items()}
+        save_adapter(root / rel, CFG, spec, t, base="tiny", dtype=torch.float32, owner={"run_id": "r", "step": 2})
+        man = root / rel / "qtrain-export.json"
+        man.write_text(man.read_text().replace('"complete": true', '"complete": false'))
+    return setup
+
+
 def lora(*extra: str, **flags):
     return train(extra=("--lora-rank", "4", *extra), **flags)
 
@@ -129,6 +141,9 @@ CASES = [
     Case("moe-base-e4m3", lora("--lora-base-dtype", "e4m3", "--model-dtype", "bf16", model="{root}/moe"),
          r"--lora-base-dtype e4m3 is not supported for model type 'qwen3_moe' \(the qwen3_moe family\): the block "
          r"multiplies its router, experts_up_gate, experts_down itself", setup=moe_model),
+    Case("init-from-interrupted-export", lora("--lora-init-from", "{root}/a"),
+         r"--lora-init-from .*a: an interrupted export \(qtrain-export\.json says it is incomplete",
+         setup=interrupted_export("a")),
     Case("init-from-alpha-differs", lora("--lora-init-from", "{root}/a", "--lora-alpha", "3"),
          r"lora_alpha 8 differs from --lora-alpha 3", setup=adapter("a")),
 ]
