@@ -52,6 +52,8 @@ from qtrain.model.recompute import resolve_flags, splits_mlp
 from qtrain.model.registry import delta_rule_layers
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.context import check_context_parallel
+from qtrain.parallel.experts import check_expert_parallel
+from qtrain.parallel.groups import check_group_size
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.weights.persistent_quants import quantized_groups
 from qtrain.plan.fit import fit_activations
@@ -319,6 +321,15 @@ def keeps_transposes(kept: MemoryPlan) -> bool:
     return kept.fits and kept.headroom >= margin
 
 
+def check_ranks(cfg: ModelConfig, opts: Options, world: int) -> None:
+    """What the options ask of `world` ranks (known here first, for `qtrain train` and `qtrain plan` alike): the
+    shard groups, expert and context parallelism must divide them (and the experts)."""
+    check_group_size(opts.shard_group_size, world)
+    check_expert_parallel(opts.expert_parallel, num_experts=cfg.router.experts if cfg.router else None, world=world,
+                          model_type=cfg.model_type)
+    check_context_parallel(opts.context_parallel, world=world, seq_len=opts.seq_len)
+
+
 # ---- the record --------------------------------------------------------------------------------------------
 def resolve_run(cfg: ModelConfig, opts: Options, *, world: int = 1, device: str | torch.device = "cuda",
                 gpu_memory: int | None = None, compiled: bool | None = None, reserve: int | None = None,
@@ -332,7 +343,7 @@ def resolve_run(cfg: ModelConfig, opts: Options, *, world: int = 1, device: str 
     with a budget unknown, off CUDA, or with `recompute` given)."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
-    check_context_parallel(opts.context_parallel, world=world, seq_len=opts.seq_len)  # the ranks: known here first
+    check_ranks(cfg, opts, world)
     dev = torch.device(device) if isinstance(device, str) else device
     kw = dict(world=world, device=dev, gpu_memory=gpu_memory, compiled=compiled, reserve=reserve, layout=layout,
               model_name=model_name, recompute=recompute)

@@ -34,7 +34,6 @@ from qtrain.model.llama import LLAMA
 from qtrain.model.resolve import resolve_model
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.dist import DeviceError, check_device
-from qtrain.parallel.experts import check_expert_parallel
 from qtrain.parallel.groups import check_group_size
 from qtrain.plan.resolution import RunResolution, check_cuda_graphs, check_model_support, resolve_run
 from qtrain.train import checkpoint_io as cio
@@ -191,9 +190,7 @@ def preflight(opts: Options, *, world: int, local_procs: int | None = None) -> P
         if local_procs and local_procs > torch.cuda.device_count():
             raise DeviceError(f"--gpus {local_procs}: only {torch.cuda.device_count()} CUDA device(s) visible")
     cfg = check_model(opts)
-    check_expert_parallel(opts.expert_parallel, num_experts=cfg.router.experts if cfg.router else None, world=world,
-                          model_type=cfg.model_type)
-    run = resolve(opts, cfg, world)
+    run = resolve(opts, cfg, world)  # with the checks of the ranks (`resolution.check_ranks`)
     paths = run_dir.RunPaths.of(opts)
     run_dir.check_paths(paths)
     compile_cache.check(opts.compile_cache)

@@ -13,13 +13,16 @@ import torch
 from qtrain.model.hf_io import save_hf_model
 from qtrain.model.weights import param_shapes
 from tests.reliability.test_bad_inputs import Case, cmd, run_case
+from tests.reliability.test_lora_inputs import moe_model
 from tests.run_utils import CFG, make_run_root
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    """The tiny model's config (model/), its weights (weights/) and token files."""
+    """The tiny model's config (model/), its weights (weights/), token files and a tiny qwen3_moe config (moe/, 8
+    experts)."""
     root = make_run_root(tmp_path_factory.mktemp("round3"))
+    moe_model(root)
     g = torch.Generator().manual_seed(1)
     params = {n: torch.randn(s, generator=g) * 0.02 for n, s in param_shapes(CFG).items()}
     save_hf_model(root / "weights", CFG, params, dtype=torch.float32)
@@ -31,10 +34,24 @@ def evaluate(*extra: str):
                "cpu", *extra)
 
 
+def plan(*extra: str, model: str = "{root}/moe"):
+    return cmd("plan", "--model", model, "--seq-len", "16", "--gpu-memory", "80GiB", "--no-propose", *extra)
+
+
 CASES = [
     # a ValueError from the LM head's kernel after the weights had loaded: a traceback, exit code 1
     Case("eval-lmhead-chunks-0", evaluate("--lmhead-chunks", "0"), r"--lmhead-chunks must be >= 1, got 0"),
     Case("eval-lmhead-chunks-negative", evaluate("--lmhead-chunks", "-2"), r"--lmhead-chunks must be >= 1, got -2"),
+    # qtrain plan: what `qtrain train` refuses for the ranks was a traceback from the layout, or a plan of a run that
+    # cannot start
+    Case("plan-expert-parallel-one-rank", plan("--expert-parallel", "2"),
+         r"--expert-parallel 2 must divide the number of ranks \(1\)"),
+    Case("plan-expert-parallel-not-dividing-experts", plan("--expert-parallel", "3", "--gpus", "3"),
+         r"--expert-parallel 3 must divide the model's 8 experts"),
+    Case("plan-expert-parallel-dense", plan("--expert-parallel", "2", "--gpus", "2", model="{root}/model"),
+         r"--expert-parallel 2: llama model has no experts"),
+    Case("plan-shard-group-not-dividing", plan("--zero-level", "3", "--shard-group-size", "3", "--gpus", "2"),
+         r"--shard-group-size 3 must divide the number of ranks \(2\)"),
 ]
 
 
