@@ -189,6 +189,8 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
         }
         if trainer.lora is not None:  # the adapters' settings; the files hold the trainable groups only
             meta[LORA_META] = trainer.lora.record()
+            if (base := cmeta.lora_base_record(trainer.source.weights_dir)) is not None:
+                meta[cmeta.LORA_BASE_META] = base  # what the adapters trained on (--continue, --lora-merge check it)
         if all_hints is not None:
             meta[HINTS_META] = all_hints
     meta = ctx.broadcast_object(meta)

@@ -22,6 +22,7 @@ from qtrain.parallel.experts import whole_experts
 from qtrain.train import checkpoint_io as cio
 from qtrain.train import checkpoint_meta
 from qtrain.train.checkpoint_io import CheckpointError
+from qtrain.train.checkpoint_meta import LORA_BASE_META, lora_base_change
 from qtrain.fsio import shorten
 from qtrain.model.lora.peft_io import save_adapter
 from qtrain.model.resolve import ModelSource, resolve_model
@@ -165,6 +166,9 @@ def _merge_base(meta: dict, cfg: ModelConfig, base_model: str) -> tuple[ModelSou
     if source.cfg.to_hf_dict() != cfg.to_hf_dict():
         raise CheckpointError(f"{what} {shorten(model)}: its config.json is not the checkpoint's model (another base "
                               f"model?); pass --base-model DIR: the base model the run trained on")
+    if why := lora_base_change(meta.get(LORA_BASE_META), source.weights_dir):
+        raise CheckpointError(f"{what} {shorten(model)}: {why}; pass --base-model DIR: the base model the run trained "
+                              f"on")
     return source, int(opts.get("seed") or 0), bool(opts.get("init_proj_to_zero"))
 
 

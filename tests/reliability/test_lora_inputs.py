@@ -9,6 +9,7 @@ down 32 x 64; so rank 17 exceeds k's and v's smaller dimension (16).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,58 @@ CASES = [
 def test_bad_lora_input(case: Case, base: Path, tmp_path: Path, capsys) -> None:
     run_case(case, base, tmp_path, capsys)
 
+
+
+# ---- the base a LoRA run trains on: its checkpoints hold the adapters only, so the base is read again from --model
+# by `--continue` and `qtrain export --lora-merge`; weights changed there since (another revision downloaded into the
+# same folder, a re-export) would silently train or merge the adapters on another base
+
+def base_weights(d: Path, seed: int) -> None:
+    """d: the tiny model's weights (random of `seed`), in place of whatever was there."""
+    from qtrain.model.hf_io import save_hf_model
+    from qtrain.model.weights import param_shapes
+    shutil.rmtree(d, ignore_errors=True)
+    g = torch.Generator().manual_seed(seed)
+    save_hf_model(d, CFG, {n: torch.randn(s, generator=g) * 0.02 for n, s in param_shapes(CFG).items()},
+                  dtype=torch.float32)
+
+
+def lora_on_weights(root: Path, steps: int, *extra: str) -> list[str]:
+    argv = train_argv(root, steps=steps, name="lb", model=root / "w", extra=("--lora-rank", "4", *extra))
+    return [a for a in argv if a != "--from-scratch"]
+
+
+@pytest.fixture(scope="module")
+def weighted(tmp_path_factory) -> Path:
+    """A finished 2-step LoRA run `lb` on the weights root/w."""
+    root = make_run_root(tmp_path_factory.mktemp("lora_weighted"))
+    base_weights(root / "w", 1)
+    assert main(lora_on_weights(root, 2, "--quiet")) == 0
+    return root
+
+
+BASE_CHANGED = r"the LoRA base .*/w/model\.safetensors was (changed|rewritten|replaced)"
+BASE_CASES = [
+    Case("continue-base-changed", lambda root: lora_on_weights(root, 4, "--continue"), BASE_CHANGED,
+         setup=lambda root: base_weights(root / "w", 2)),
+    Case("export-merge-base-changed", export("--checkpoint-dir", "{root}/ckpt/lb", "--lora-merge", "--base-model",
+                                             "{root}/w"), BASE_CHANGED, setup=lambda root: base_weights(root / "w", 2)),
+    Case("export-merge-other-base-model", export("--checkpoint-dir", "{root}/ckpt/lb", "--lora-merge",
+                                                 "--base-model", "{root}/w2"),
+         r"the LoRA base .*w2/model\.safetensors .*changed", setup=lambda root: base_weights(root / "w2", 2)),
+]
+
+
+@pytest.mark.parametrize("case", BASE_CASES, ids=[c.name for c in BASE_CASES])
+def test_lora_base_changed(case: Case, weighted: Path, tmp_path: Path, capsys) -> None:
+    run_case(case, weighted, tmp_path, capsys)
+
+
+def test_lora_base_moved_merges(weighted: Path, tmp_path: Path) -> None:
+    """The same base bytes elsewhere (--base-model) are the run's base: the merge goes ahead."""
+    root = tmp_path / "root"
+    shutil.copytree(weighted, root)
+    shutil.copytree(root / "w", root / "moved")
+    assert main(["export", "--checkpoint-dir", str(root / "ckpt" / "lb"), "--lora-merge", "--base-model",
+                 str(root / "moved"), "--out-dir", str(root / "x")]) == 0
+    assert (root / "x" / "model.safetensors").is_file()
