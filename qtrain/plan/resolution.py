@@ -48,6 +48,7 @@ from qtrain.model.choices import AUTO_DELTA_RULE_PRECISION
 from qtrain.model.config import ModelConfig
 from qtrain.model.fp8_policy import Fp8Choice, block_gflop, choose_fp8
 from qtrain.model.layers import resolve_sdpa_backend
+from qtrain.model.llama import LLAMA
 from qtrain.model.recompute import resolve_flags, splits_mlp
 from qtrain.model.registry import delta_rule_layers
 from qtrain.options import Options, OptionsError
@@ -246,7 +247,12 @@ def check_model_support(cfg: ModelConfig, opts: Options, *, device_type: str) ->
     gets set its grouped GEMMs' row counts anew every micro-step, and a graph replays fixed shapes; `cuda_graphs_on`
     leaves it off), sharded weights where `sharded_weights_refusal` says why not; --fp8-experts where the model
     has no experts or their GEMMs' sizes are not multiples of 16 (`_check_fp8_experts`); --delta-rule-precision other
-    than auto where no layer runs the gated delta rule."""
+    than auto where no layer runs the gated delta rule; --context-parallel for a family other than the dense ones
+    (its attention across ranks is built for theirs)."""
+    if opts.context_parallel > 1 and (cfg.model_type not in LLAMA.architectures):
+        raise OptionsError(f"--context-parallel {opts.context_parallel}: model_type {cfg.model_type!r} is not supported "
+                           f"yet (its attention across ranks is built for the dense families: "
+                           f"{', '.join(LLAMA.architectures)})")
     if opts.use_cuda_graphs and device_type == "cuda" and cfg.router is not None:
         raise OptionsError(f"--use-cuda-graphs cannot capture a step of {cfg.model_type} (a Mixture-of-Experts "
                            "model): the number of tokens each expert gets changes the shapes of its GEMMs from one "

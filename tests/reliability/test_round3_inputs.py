@@ -50,6 +50,8 @@ CASES = [
          r"--expert-parallel 3 must divide the model's 8 experts"),
     Case("plan-expert-parallel-dense", plan("--expert-parallel", "2", "--gpus", "2", model="{root}/model"),
          r"--expert-parallel 2: llama model has no experts"),
+    Case("plan-context-parallel-moe", plan("--context-parallel", "2", "--gpus", "2"),
+         r"--context-parallel 2: model_type 'qwen3_moe' is not supported yet"),
     Case("plan-shard-group-not-dividing", plan("--zero-level", "3", "--shard-group-size", "3", "--gpus", "2"),
          r"--shard-group-size 3 must divide the number of ranks \(2\)"),
 ]
