@@ -20,7 +20,7 @@ from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import export_manifest, save_hf_model
 from qtrain.parallel.experts import whole_experts
 from qtrain.train import checkpoint_io as cio
-from qtrain.train import checkpoint_meta
+from qtrain.train import checkpoint_meta, run_dir
 from qtrain.train.checkpoint_io import CheckpointError
 from qtrain.train.checkpoint_meta import LORA_BASE_META, lora_base_change
 from qtrain.fsio import shorten
@@ -113,6 +113,7 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, t
         raise CheckpointError(f"--checkpoint-dir {ckpt_dir}: no checkpoint" + (f" of step {step}" if step is not None
                               else "") + (f" (it has steps {', '.join(map(str, have[-8:]))})" if have else ""))
     meta, ckpt_cfg, files = checked_meta(str(path))  # before anything is read or written
+    run_dir.check_export_place(out_dir)
     lora = lora_of(meta)
     if (lora_merge or base_model) and lora is None:
         raise CheckpointError(f"--checkpoint-dir {ckpt_dir}: {'--lora-merge' if lora_merge else '--base-model'} "

@@ -145,6 +145,13 @@ CASES = [
     Case("init-from-interrupted-export", lora("--lora-init-from", "{root}/a"),
          r"--lora-init-from .*a: an interrupted export \(qtrain-export\.json says it is incomplete",
          setup=interrupted_export("a")),
+    # keep-n and --start-over remove a checkpoint folder whole: an export there went with it at the next checkpoint
+    Case("export-into-checkpoint", cmd("export", "--checkpoint-dir", "{root}/ckpt/lr", "--out-dir",
+                                       "{root}/ckpt/lr/step_00000002"),
+         r"--out-dir .*step_00000002: is a checkpoint directory; the export needs its own folder"),
+    Case("export-inside-checkpoint", cmd("export", "--checkpoint-dir", "{root}/ckpt/ff", "--out-dir",
+                                         "{root}/ckpt/lr/step_00000002/x"),
+         r"--out-dir .*step_00000002/x: lies inside the checkpoint directory .*step_00000002"),
     Case("init-from-alpha-differs", lora("--lora-init-from", "{root}/a", "--lora-alpha", "3"),
          r"lora_alpha 8 differs from --lora-alpha 3", setup=adapter("a")),
 ]
