@@ -5,6 +5,7 @@ exit code 2, one line `qtrain: error: ...` naming the option, file or tensor, no
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ import torch
 
 from qtrain.model.hf_io import save_hf_model
 from qtrain.model.weights import param_shapes
-from tests.reliability.test_bad_inputs import Case, cmd, run_case
+from tests.reliability.test_bad_inputs import Case, cmd, run_case, train
+from tests.reliability.test_hostile_inputs import tiny_tokenizer_json
 from tests.reliability.test_lora_inputs import moe_model
 from tests.run_utils import CFG, make_run_root
 
@@ -29,6 +31,16 @@ def base(tmp_path_factory) -> Path:
     return root
 
 
+def interrupted_export_tokenizer(root: Path) -> None:
+    """root/inc: the tokenizer of an export that was interrupted (its manifest says incomplete: the tokenizer files
+    may be of two exports)."""
+    (root / "inc").mkdir()
+    (root / "inc" / "tokenizer.json").write_text(tiny_tokenizer_json())
+    (root / "inc" / "qtrain-export.json").write_text(json.dumps(
+        {"format": 1, "writer": "qtrain", "run_id": "r", "name": "old", "step": 2, "files": ["tokenizer.json"],
+         "complete": False}))
+
+
 def evaluate(*extra: str):
     return cmd("eval", "--model", "{root}/weights", "--eval-file", "{root}/eval.bin", "--seq-len", "16", "--device",
                "cpu", *extra)
@@ -42,6 +54,16 @@ CASES = [
     # a ValueError from the LM head's kernel after the weights had loaded: a traceback, exit code 1
     Case("eval-lmhead-chunks-0", evaluate("--lmhead-chunks", "0"), r"--lmhead-chunks must be >= 1, got 0"),
     Case("eval-lmhead-chunks-negative", evaluate("--lmhead-chunks", "-2"), r"--lmhead-chunks must be >= 1, got -2"),
+    # every qtrain reader refuses an interrupted export (RELIABILITY, fault 8), the tokenizer's readers did not
+    Case("train-tokenizer-interrupted-export", train(tokenizer="{root}/inc"),
+         r"inc: an interrupted export \(qtrain-export\.json says it is incomplete", interrupted_export_tokenizer),
+    Case("train-tokenizer-json-interrupted-export", train(tokenizer="{root}/inc/tokenizer.json"),
+         r"inc: an interrupted export \(qtrain-export\.json says it is incomplete", interrupted_export_tokenizer),
+    Case("tokenize-tokenizer-interrupted-export",
+         cmd("tokenize", "{root}/t.txt", "--out-dir", "{root}/tok", "--tokenizer", "{root}/inc", "--no-progress",
+             "--eval-fraction", "0"),
+         r"inc: an interrupted export \(qtrain-export\.json says it is incomplete",
+         lambda root: (interrupted_export_tokenizer(root), (root / "t.txt").write_text("hello there\n"))),
     # qtrain plan: what `qtrain train` refuses for the ranks was a traceback from the layout, or a plan of a run that
     # cannot start
     Case("plan-expert-parallel-one-rank", plan("--expert-parallel", "2"),
