@@ -74,6 +74,11 @@ CASES = [
          r"--expert-parallel 2: llama model has no experts"),
     Case("plan-context-parallel-moe", plan("--context-parallel", "2", "--gpus", "2"),
          r"--context-parallel 2: model_type 'qwen3_moe' is not supported yet"),
+    Case("plan-cuda-graphs-document-masking", plan("--use-cuda-graphs", "--document-masking", model="{root}/model"),
+         r"--use-cuda-graphs does not support --document-masking"),
+    Case("plan-cuda-graphs-lora-dropout", plan("--use-cuda-graphs", "--lora-rank", "4", "--lora-dropout", "0.1",
+                                               model="{root}/model"),
+         r"--use-cuda-graphs does not support --lora-dropout"),
     Case("plan-shard-group-not-dividing", plan("--zero-level", "3", "--shard-group-size", "3", "--gpus", "2"),
          r"--shard-group-size 3 must divide the number of ranks \(2\)"),
 ]
