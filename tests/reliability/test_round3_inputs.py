@@ -21,13 +21,14 @@ from tests.run_utils import CFG, make_run_root
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    """The tiny model's config (model/), its weights (weights/), token files and a tiny qwen3_moe config (moe/, 8
+    """The tiny model's config (model/), its weights (weights/), a character tokenizer, token files and a tiny qwen3_moe config (moe/, 8
     experts)."""
     root = make_run_root(tmp_path_factory.mktemp("round3"))
     moe_model(root)
     g = torch.Generator().manual_seed(1)
     params = {n: torch.randn(s, generator=g) * 0.02 for n, s in param_shapes(CFG).items()}
     save_hf_model(root / "weights", CFG, params, dtype=torch.float32)
+    (root / "tokenizer.json").write_text(tiny_tokenizer_json())
     return root
 
 
@@ -50,6 +51,11 @@ def plan(*extra: str, model: str = "{root}/moe"):
     return cmd("plan", "--model", model, "--seq-len", "16", "--gpu-memory", "80GiB", "--no-propose", *extra)
 
 
+def generate(*extra: str):
+    return cmd("generate", "--model", "{root}/weights", "--tokenizer", "{root}/tokenizer.json", "--prompt", "hi",
+               "--max-new-tokens", "2", "--device", "cpu", *extra)
+
+
 CASES = [
     # a ValueError from the LM head's kernel after the weights had loaded: a traceback, exit code 1
     Case("eval-lmhead-chunks-0", evaluate("--lmhead-chunks", "0"), r"--lmhead-chunks must be >= 1, got 0"),
@@ -64,6 +70,9 @@ CASES = [
              "--eval-fraction", "0"),
          r"inc: an interrupted export \(qtrain-export\.json says it is incomplete",
          lambda root: (interrupted_export_tokenizer(root), (root / "t.txt").write_text("hello there\n"))),
+    # a NaN temperature passed `>= 0` and failed in torch.multinomial (a traceback); inf drew from a flat distribution
+    Case("generate-temperature-nan", generate("--temperature", "nan"), r"--temperature must be a finite number >= 0"),
+    Case("generate-temperature-inf", generate("--temperature", "inf"), r"--temperature must be a finite number >= 0"),
     # qtrain plan: what `qtrain train` refuses for the ranks was a traceback from the layout, or a plan of a run that
     # cannot start
     Case("plan-expert-parallel-one-rank", plan("--expert-parallel", "2"),
