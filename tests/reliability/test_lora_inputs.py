@@ -216,3 +216,20 @@ def test_lora_base_moved_merges(weighted: Path, tmp_path: Path) -> None:
     assert main(["export", "--checkpoint-dir", str(root / "ckpt" / "lb"), "--lora-merge", "--base-model",
                  str(root / "moved"), "--out-dir", str(root / "x")]) == 0
     assert (root / "x" / "model.safetensors").is_file()
+
+
+def test_lora_run_checkpoints_after_its_base_is_gone(tmp_path: Path, monkeypatch) -> None:
+    """The base's record is taken when the run reads the base: a base folder removed mid-run (the weights are in
+    memory) never stops a checkpoint, and the checkpoint still names the base the adapters trained on."""
+    from qtrain.train import checkpointing
+    root = make_run_root(tmp_path)
+    base_weights(root / "w", 1)
+    save = checkpointing.save
+
+    def save_without_base(*args, **kwargs):
+        shutil.rmtree(root / "w", ignore_errors=True)
+        return save(*args, **kwargs)
+    monkeypatch.setattr(checkpointing, "save", save_without_base)
+    assert main(lora_on_weights(root, 2, "--quiet")) == 0
+    meta = json.loads((root / "ckpt" / "lb" / "step_00000002" / "checkpoint.json").read_text())
+    assert [Path(f["path"]).name for f in meta["lora_base"]["files"]] == ["model.safetensors"]
