@@ -250,8 +250,8 @@ def check_model_support(cfg: ModelConfig, opts: Options, *, device_type: str) ->
     than auto where no layer runs the gated delta rule; --context-parallel for a family other than the dense ones
     (its attention across ranks is built for theirs)."""
     if opts.context_parallel > 1 and (cfg.model_type not in LLAMA.architectures):
-        raise OptionsError(f"--context-parallel {opts.context_parallel}: model_type {cfg.model_type!r} is not supported "
-                           f"yet (its attention across ranks is built for the dense families: "
+        raise OptionsError(f"--context-parallel {opts.context_parallel}: model_type {cfg.model_type!r} is not "
+                           f"supported yet (its attention across ranks is built for the dense families: "
                            f"{', '.join(LLAMA.architectures)})")
     if opts.use_cuda_graphs and device_type == "cuda" and cfg.router is not None:
         raise OptionsError(f"--use-cuda-graphs cannot capture a step of {cfg.model_type} (a Mixture-of-Experts "

@@ -1,7 +1,7 @@
 """Round three of the hostile tester (the newest features: LoRA, packing and document masking, MoE and Qwen3.5,
 the newer options): each row gives one command one broken input that was a traceback, a silent wrong result or a
-write outside the run's own before its fix, and asserts the bad-input table's contract (`test_bad_inputs.run_case`):
-exit code 2, one line `qtrain: error: ...` naming the option, file or tensor, nothing under the root changed or added.
+plan of a run `qtrain train` refuses before its fix, and asserts the bad-input table's contract
+(`test_bad_inputs.run_case`): exit code 2, one line `qtrain: error: ...` naming the option, file or tensor, nothing under the root changed or added.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from tests.run_utils import CFG, make_run_root
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    """The tiny model's config (model/), its weights (weights/), a character tokenizer, token files and a tiny qwen3_moe config (moe/, 8
-    experts)."""
+    """The tiny model's config (model/), its weights (weights/), a character tokenizer, token files and a tiny
+    qwen3_moe config (moe/, 8 experts)."""
     root = make_run_root(tmp_path_factory.mktemp("round3"))
     moe_model(root)
     g = torch.Generator().manual_seed(1)
