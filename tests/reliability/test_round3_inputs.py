@@ -1,7 +1,8 @@
 """Round three of the hostile tester (the newest features: LoRA, packing and document masking, MoE and Qwen3.5,
 the newer options): each row gives one command one broken input that was a traceback, a silent wrong result or a
 plan of a run `qtrain train` refuses before its fix, and asserts the bad-input table's contract
-(`test_bad_inputs.run_case`): exit code 2, one line `qtrain: error: ...` naming the option, file or tensor, nothing under the root changed or added.
+(`test_bad_inputs.run_case`): exit code 2, one line `qtrain: error: ...` naming the option, file or tensor, nothing
+under the root changed or added.
 """
 from __future__ import annotations
 
