@@ -167,6 +167,10 @@ def _merge_base(meta: dict, cfg: ModelConfig, base_model: str) -> tuple[ModelSou
     if source.cfg.to_hf_dict() != cfg.to_hf_dict():
         raise CheckpointError(f"{what} {shorten(model)}: its config.json is not the checkpoint's model (another base "
                               f"model?); pass --base-model DIR: the base model the run trained on")
+    if opts.get("from_scratch") and source.weights_dir is not None:
+        raise CheckpointError(f"{what} {shorten(model)}: the run made its LoRA base from scratch (--seed "
+                              f"{opts.get('seed')}): its adapters trained on that base, not on these weights; drop "
+                              f"--base-model (the merge makes the run's base again)")
     if why := lora_base_change(meta.get(LORA_BASE_META), source.weights_dir):
         raise CheckpointError(f"{what} {shorten(model)}: {why}; pass --base-model DIR: the base model the run trained "
                               f"on")

@@ -152,6 +152,11 @@ CASES = [
     Case("export-inside-checkpoint", cmd("export", "--checkpoint-dir", "{root}/ckpt/ff", "--out-dir",
                                          "{root}/ckpt/lr/step_00000002/x"),
          r"--out-dir .*step_00000002/x: lies inside the checkpoint directory .*step_00000002"),
+    # the run `lr` made its base from scratch (its seed's init): the adapters trained on that, not on these weights
+    Case("export-merge-from-scratch-run-onto-weights", export("--checkpoint-dir", "{root}/ckpt/lr", "--lora-merge",
+                                                              "--base-model", "{root}/w"),
+         r"--base-model .*/w: the run made its LoRA base from scratch \(--seed 42\)",
+         setup=lambda root: base_weights(root / "w", 1)),
     Case("init-from-alpha-differs", lora("--lora-init-from", "{root}/a", "--lora-alpha", "3"),
          r"lora_alpha 8 differs from --lora-alpha 3", setup=adapter("a")),
 ]
