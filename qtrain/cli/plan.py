@@ -42,7 +42,7 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = (), out=None) -> int:
     from qtrain.model.resolve import TINY_NAME, resolve_model  # torch: not for `qtrain plan --help`
     from qtrain.plan.memory import _gib
     from qtrain.plan.propose import _sequences, propose, recommend
-    from qtrain.plan.resolution import check_model_support, plan_memory
+    from qtrain.plan.resolution import check_cuda_graphs, check_model_support, plan_memory
     out = out or sys.stdout
     opts = options_from_args(ns)
     cfg, name = resolve_model(opts.model, from_scratch=True).cfg, opts.model or TINY_NAME
@@ -60,6 +60,7 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = (), out=None) -> int:
         gpu_memory = torch.cuda.get_device_properties(0).total_memory
         world = world or torch.cuda.device_count()
     world = max(1, world)
+    check_cuda_graphs(opts, world=world, device_type="cuda")  # what `qtrain train` refuses with graphs on a GPU
     reserve = getattr(ns, "plan_reserve", None)
     reserve = None if reserve is None else _bytes("--reserve", reserve)
     plan = plan_memory(cfg, opts, world=world, gpu_memory=gpu_memory, reserve=reserve, model_name=name)

@@ -35,7 +35,7 @@ from qtrain.data.tokenizers import (BUILTIN_TOKENIZERS, QWEN2_PATTERN, TOKENIZER
                                     TokenizeError, Tokenizer, builtin_unavailable, get_tokenizer)
 from qtrain.fsio import read_bounded, shorten
 from qtrain.model.config import ModelConfig
-from qtrain.model.hf_io import GENERATION_CONFIG, TOKENIZER_FILES
+from qtrain.model.hf_io import GENERATION_CONFIG, TOKENIZER_FILES, check_export_complete
 
 
 class TokenizerExportError(ValueError):
@@ -149,6 +149,8 @@ def tokenizer_files(spec: str, *, model_max_length: int | None = None) -> dict[s
         files = {"tokenizer.json": text.encode("utf-8")}
     else:
         path = Path(spec)
+        if path.exists():  # an interrupted qtrain export's files may be of two exports
+            check_export_complete(path if path.is_dir() else path.parent)
         if path.is_dir():
             files = {n: _read(path / n) for n in TOKENIZER_FILES if os.path.lexists(path / n)}
             if not files:

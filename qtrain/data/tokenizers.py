@@ -32,6 +32,7 @@ from typing import Any, Protocol, Sequence
 
 from qtrain.data.token_files import DataError
 from qtrain.fsio import CONFIG_MAX_BYTES, InputError, read_bounded, read_json_input, shorten
+from qtrain.model.hf_io import check_export_complete
 
 
 class TokenizeError(DataError):
@@ -182,6 +183,7 @@ def _hf(path: Path) -> HFTokenizer:
     from tokenizers import Tokenizer as _Tok
 
     file = path / "tokenizer.json" if path.is_dir() else path
+    check_export_complete(file.parent)  # an interrupted qtrain export's files may be of two exports
     if not file.is_file():
         raise TokenizeError(f"{shorten(str(path))}: no tokenizer.json (expected a tokenizer.json file or a model "
                             f"directory)")

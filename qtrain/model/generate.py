@@ -12,6 +12,7 @@ belongs to vLLM or transformers. The next token is drawn from the last position'
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -38,8 +39,8 @@ class Sampling:
     def validate(self) -> "Sampling":
         if self.max_new_tokens < 1:
             raise SamplingError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise SamplingError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # NaN fails every comparison
+            raise SamplingError(f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
             raise SamplingError(f"--top-k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:

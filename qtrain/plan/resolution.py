@@ -48,10 +48,13 @@ from qtrain.model.choices import AUTO_DELTA_RULE_PRECISION
 from qtrain.model.config import ModelConfig
 from qtrain.model.fp8_policy import Fp8Choice, block_gflop, choose_fp8
 from qtrain.model.layers import resolve_sdpa_backend
+from qtrain.model.llama import LLAMA
 from qtrain.model.recompute import resolve_flags, splits_mlp
 from qtrain.model.registry import delta_rule_layers
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.context import check_context_parallel
+from qtrain.parallel.experts import check_expert_parallel
+from qtrain.parallel.groups import check_group_size
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.weights.persistent_quants import quantized_groups
 from qtrain.plan.fit import fit_activations
@@ -244,7 +247,12 @@ def check_model_support(cfg: ModelConfig, opts: Options, *, device_type: str) ->
     gets set its grouped GEMMs' row counts anew every micro-step, and a graph replays fixed shapes; `cuda_graphs_on`
     leaves it off), sharded weights where `sharded_weights_refusal` says why not; --fp8-experts where the model
     has no experts or their GEMMs' sizes are not multiples of 16 (`_check_fp8_experts`); --delta-rule-precision other
-    than auto where no layer runs the gated delta rule."""
+    than auto where no layer runs the gated delta rule; --context-parallel for a family other than the dense ones
+    (its attention across ranks is built for theirs)."""
+    if opts.context_parallel > 1 and (cfg.model_type not in LLAMA.architectures):
+        raise OptionsError(f"--context-parallel {opts.context_parallel}: model_type {cfg.model_type!r} is not "
+                           f"supported yet (its attention across ranks is built for the dense families: "
+                           f"{', '.join(LLAMA.architectures)})")
     if opts.use_cuda_graphs and device_type == "cuda" and cfg.router is not None:
         raise OptionsError(f"--use-cuda-graphs cannot capture a step of {cfg.model_type} (a Mixture-of-Experts "
                            "model): the number of tokens each expert gets changes the shapes of its GEMMs from one "
@@ -319,6 +327,15 @@ def keeps_transposes(kept: MemoryPlan) -> bool:
     return kept.fits and kept.headroom >= margin
 
 
+def check_ranks(cfg: ModelConfig, opts: Options, world: int) -> None:
+    """What the options ask of `world` ranks (known here first, for `qtrain train` and `qtrain plan` alike): the
+    shard groups, expert and context parallelism must divide them (and the experts)."""
+    check_group_size(opts.shard_group_size, world)
+    check_expert_parallel(opts.expert_parallel, num_experts=cfg.router.experts if cfg.router else None, world=world,
+                          model_type=cfg.model_type)
+    check_context_parallel(opts.context_parallel, world=world, seq_len=opts.seq_len)
+
+
 # ---- the record --------------------------------------------------------------------------------------------
 def resolve_run(cfg: ModelConfig, opts: Options, *, world: int = 1, device: str | torch.device = "cuda",
                 gpu_memory: int | None = None, compiled: bool | None = None, reserve: int | None = None,
@@ -332,7 +349,7 @@ def resolve_run(cfg: ModelConfig, opts: Options, *, world: int = 1, device: str 
     with a budget unknown, off CUDA, or with `recompute` given)."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
-    check_context_parallel(opts.context_parallel, world=world, seq_len=opts.seq_len)  # the ranks: known here first
+    check_ranks(cfg, opts, world)
     dev = torch.device(device) if isinstance(device, str) else device
     kw = dict(world=world, device=dev, gpu_memory=gpu_memory, compiled=compiled, reserve=reserve, layout=layout,
               model_name=model_name, recompute=recompute)

@@ -18,6 +18,8 @@ naming the file and the field, never a traceback half-way through loading.
                                          # 1 recorded an absolute path to a tokenizer.json or a model directory)
       "distributed": {"world": W, "replicas"?: R, "ranks"?: [...], "host"?: "..."},
       "fp8_scale_hints"?: [[[e, e], ...] | null, ...],   # per global rank (checkpointing.py)
+      "lora_base"?: {"files": [{"path", "size", "mtime_ns", "inode", "digest"}]}   # a LoRA run's base weight files
+                                         # (its checkpoints hold the adapters only: `lora_base_change`)
       "digests"?: {"<kind>.shard_RRR_of_WWW.safetensors": "sha256-tree:<hex>",   # every file but this one
                    "tokenizer/<file>": "sha256:<hex>"}
     }
@@ -40,13 +42,13 @@ import typing
 from pathlib import Path
 from typing import Any, Mapping
 
-from qtrain.data.fingerprint import fingerprint
+from qtrain.data.fingerprint import describe_change, fingerprint, same_content
 from qtrain.data.loader import position_error
 from qtrain.data.tokenizers import BUILTIN_TOKENIZERS
 from qtrain.fsio import fsync_path, shorten
 from qtrain.model.config import ConfigError, ModelConfig
 from qtrain.model.registry import config_from_hf_dict
-from qtrain.model.hf_io import TOKENIZER_FILES
+from qtrain.model.hf_io import TOKENIZER_FILES, checkpoint_files
 from qtrain.options import CHOICES, EMPTY_MEANS_DEFAULT, Options
 from qtrain.train import tensor_file
 from qtrain.train.checkpoint_io import DIGESTS, META_FILE, CheckpointError, checkpoint_step
@@ -54,6 +56,7 @@ from qtrain.train.checkpoint_io import DIGESTS, META_FILE, CheckpointError, chec
 FORMAT_VERSION = 2
 KNOWN_VERSIONS = (1, 2)
 HINTS_META = "fp8_scale_hints"
+LORA_BASE_META = "lora_base"
 TOKENIZER_DIR = "tokenizer"  # the tokenizer files a run exports with, copied into each of its checkpoints (version 2)
 # options that must match for a resume to continue the same run (every version records them)
 MUST_MATCH = ("model_dtype", "master_dtype", "opt_m_dtype", "opt_v_dtype", "seed")
@@ -89,6 +92,37 @@ def data_record(loader: Any) -> dict[str, Any] | None:
     if not files:
         return None
     return {"files": [{**fingerprint(f.path), "tokens": len(f)} for f in files]}
+
+
+def lora_base_record(weights_dir: str | None) -> dict[str, Any] | None:
+    """The identity of a LoRA run's base weight files (`qtrain.data.fingerprint`; None for a base made from the seed,
+    which MUST_MATCH pins): its checkpoints hold only the adapters, so `--continue` and `qtrain export --lora-merge`
+    read the base again from --model, and `lora_base_change` tells whether it is still the one they trained on."""
+    if weights_dir is None:
+        return None
+    return {"files": [fingerprint(p) for p in checkpoint_files(weights_dir)]}
+
+
+def lora_base_change(record: Mapping[str, Any] | None, weights_dir: str | None) -> str | None:
+    """Why the base weights in `weights_dir` (None: from scratch) are not those a checkpoint's adapters trained on
+    (`record`, its `lora_base`), or None: the same files by name with the same size and sampled content (moved,
+    copied or touched is the same base)."""
+    if not record:
+        return None
+    old = {Path(f["path"]).name: f for f in record["files"]}
+    where = shorten(os.path.dirname(record["files"][0]["path"])) if record["files"] else "?"
+    if weights_dir is None:
+        return f"the LoRA base of the checkpoint's run is the weights in {where}, this run makes its base from scratch"
+    new = {p.name: fingerprint(p) for p in checkpoint_files(weights_dir)}
+    for name in sorted(old.keys() | new.keys()):
+        if name not in new or name not in old:
+            gone = f"{where}/{name} is not among its weight files" if name not in new else \
+                f"{shorten(new[name]['path'])} was not among the weight files of {where}"
+            return f"the LoRA base changed since the checkpoint: {gone} (another revision of the model?)"
+        if not same_content(old[name], new[name]):
+            return (f"the LoRA base {shorten(new[name]['path'])} was {describe_change(old[name], new[name])} since "
+                    f"the checkpoint (the adapters trained on the weights as they were)")
+    return None
 
 
 def tokenizer_record(spec: str | None) -> str | None:
@@ -232,6 +266,8 @@ def validate(path: str | os.PathLike, meta: Any) -> ModelConfig:
     _check_tokenizer(c, path, meta.get("tokenizer"), version)
     _check_distributed(c, c.dict(c.get(meta, "distributed", "distributed"), "distributed"))
     check_hints(path, meta.get(HINTS_META), cfg.num_hidden_layers)
+    if meta.get(LORA_BASE_META) is not None:
+        _check_files(c, c.dict(meta[LORA_BASE_META], LORA_BASE_META), LORA_BASE_META, ("size", "mtime_ns", "inode"))
     if meta.get(DIGESTS) is not None:
         _check_digests(c, c.dict(meta[DIGESTS], DIGESTS))
     data = c.get(meta, "data", "data", required=version >= 2)
@@ -340,15 +376,20 @@ def _check_distributed(c: _Checker, dist: dict) -> None:
 
 
 def _check_data(c: _Checker, data: dict) -> list[dict]:
-    files = c.get(data, "files", "data.files")
+    return _check_files(c, data, "data", ("size", "mtime_ns", "inode", "tokens"))
+
+
+def _check_files(c: _Checker, record: dict, key: str, ints: tuple[str, ...]) -> list[dict]:
+    """`key`.files: a non-empty list of file fingerprints (path, digest and the integers `ints`)."""
+    files = c.get(record, "files", f"{key}.files")
     if not isinstance(files, list) or not files:
-        raise c.error("data.files", "must be a non-empty list of the training files")
+        raise c.error(f"{key}.files", "must be a non-empty list of files")
     for i, f in enumerate(files):
-        f = c.dict(f, f"data.files[{i}]")
-        c.str(c.get(f, "path", f"data.files[{i}].path"), f"data.files[{i}].path")
-        c.str(c.get(f, "digest", f"data.files[{i}].digest"), f"data.files[{i}].digest", 200)
-        for k in ("size", "mtime_ns", "inode", "tokens"):
-            c.int(c.get(f, k, f"data.files[{i}].{k}"), f"data.files[{i}].{k}", -_MAX_INT if k == "mtime_ns" else 0)
+        f = c.dict(f, f"{key}.files[{i}]")
+        c.str(c.get(f, "path", f"{key}.files[{i}].path"), f"{key}.files[{i}].path")
+        c.str(c.get(f, "digest", f"{key}.files[{i}].digest"), f"{key}.files[{i}].digest", 200)
+        for k in ints:
+            c.int(c.get(f, k, f"{key}.files[{i}].{k}"), f"{key}.files[{i}].{k}", -_MAX_INT if k == "mtime_ns" else 0)
     return files
 
 

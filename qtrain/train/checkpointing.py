@@ -189,6 +189,8 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
         }
         if trainer.lora is not None:  # the adapters' settings; the files hold the trainable groups only
             meta[LORA_META] = trainer.lora.record()
+            if trainer.lora_base is not None:  # what the adapters train on (--continue, --lora-merge check it)
+                meta[cmeta.LORA_BASE_META] = trainer.lora_base
         if all_hints is not None:
             meta[HINTS_META] = all_hints
     meta = ctx.broadcast_object(meta)

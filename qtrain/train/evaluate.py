@@ -91,6 +91,8 @@ def _evaluate(model_dir, eval_file, *, seq_len, batch_size, device, dtype, max_b
     if seq_len <= 0 or batch_size <= 0 or (max_batches is not None and max_batches <= 0):
         raise OptionsError(f"qtrain eval: --seq-len, --batch-size and --max-batches must be positive, got "
                            f"{seq_len}, {batch_size}, {max_batches}")
+    if lmhead_chunks < 1:  # the LM head's own check would come only after the weights load, as a traceback
+        raise OptionsError(f"qtrain eval: --lmhead-chunks must be >= 1, got {lmhead_chunks}")
     dev = resolve_device(device)
     d = resolve_model_dir(os.fspath(model_dir))
     cfg = load_model_config(d)

@@ -20,8 +20,9 @@ from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import export_manifest, save_hf_model
 from qtrain.parallel.experts import whole_experts
 from qtrain.train import checkpoint_io as cio
-from qtrain.train import checkpoint_meta
+from qtrain.train import checkpoint_meta, run_dir
 from qtrain.train.checkpoint_io import CheckpointError
+from qtrain.train.checkpoint_meta import LORA_BASE_META, lora_base_change
 from qtrain.fsio import shorten
 from qtrain.model.lora.peft_io import save_adapter
 from qtrain.model.resolve import ModelSource, resolve_model
@@ -112,6 +113,7 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, t
         raise CheckpointError(f"--checkpoint-dir {ckpt_dir}: no checkpoint" + (f" of step {step}" if step is not None
                               else "") + (f" (it has steps {', '.join(map(str, have[-8:]))})" if have else ""))
     meta, ckpt_cfg, files = checked_meta(str(path))  # before anything is read or written
+    run_dir.check_export_place(out_dir)
     lora = lora_of(meta)
     if (lora_merge or base_model) and lora is None:
         raise CheckpointError(f"--checkpoint-dir {ckpt_dir}: {'--lora-merge' if lora_merge else '--base-model'} "
@@ -165,6 +167,13 @@ def _merge_base(meta: dict, cfg: ModelConfig, base_model: str) -> tuple[ModelSou
     if source.cfg.to_hf_dict() != cfg.to_hf_dict():
         raise CheckpointError(f"{what} {shorten(model)}: its config.json is not the checkpoint's model (another base "
                               f"model?); pass --base-model DIR: the base model the run trained on")
+    if opts.get("from_scratch") and source.weights_dir is not None:
+        raise CheckpointError(f"{what} {shorten(model)}: the run made its LoRA base from scratch (--seed "
+                              f"{opts.get('seed')}): its adapters trained on that base, not on these weights; drop "
+                              f"--base-model (the merge makes the run's base again)")
+    if why := lora_base_change(meta.get(LORA_BASE_META), source.weights_dir):
+        raise CheckpointError(f"{what} {shorten(model)}: {why}; pass --base-model DIR: the base model the run trained "
+                              f"on")
     return source, int(opts.get("seed") or 0), bool(opts.get("init_proj_to_zero"))
 
 

@@ -30,11 +30,9 @@ from qtrain.locks import Locks
 from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import check_hf_weights
 from qtrain.model.lora.checks import spec_from_options
-from qtrain.model.llama import LLAMA
 from qtrain.model.resolve import resolve_model
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.dist import DeviceError, check_device
-from qtrain.parallel.experts import check_expert_parallel
 from qtrain.parallel.groups import check_group_size
 from qtrain.plan.resolution import RunResolution, check_cuda_graphs, check_model_support, resolve_run
 from qtrain.train import checkpoint_io as cio
@@ -102,11 +100,7 @@ def check_model(opts: Options) -> ModelConfig:
         scaled = f" ({cfg.rope_scaling['rope_type']} rope scaling: {cfg.context_length})" if cfg.rope_scaling else ""
         raise OptionsError(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings "
                            f"{cfg.max_position_embeddings}{scaled}")
-    check_model_support(cfg, opts, device_type=_device_type(opts))  # MoE: no CUDA graphs, no sharded weights
-    if opts.context_parallel > 1 and (cfg.model_type not in LLAMA.architectures):
-        raise OptionsError(f"--context-parallel {opts.context_parallel}: model_type {cfg.model_type!r} is not supported "
-                           f"yet (its attention across ranks is built for the dense families: "
-                           f"{', '.join(LLAMA.architectures)})")
+    check_model_support(cfg, opts, device_type=_device_type(opts))  # MoE: no CUDA graphs, no sharded weights, ...
     return cfg
 
 
@@ -191,9 +185,7 @@ def preflight(opts: Options, *, world: int, local_procs: int | None = None) -> P
         if local_procs and local_procs > torch.cuda.device_count():
             raise DeviceError(f"--gpus {local_procs}: only {torch.cuda.device_count()} CUDA device(s) visible")
     cfg = check_model(opts)
-    check_expert_parallel(opts.expert_parallel, num_experts=cfg.router.experts if cfg.router else None, world=world,
-                          model_type=cfg.model_type)
-    run = resolve(opts, cfg, world)
+    run = resolve(opts, cfg, world)  # with the checks of the ranks (`resolution.check_ranks`)
     paths = run_dir.RunPaths.of(opts)
     run_dir.check_paths(paths)
     compile_cache.check(opts.compile_cache)

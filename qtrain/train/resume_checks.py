@@ -13,6 +13,8 @@ something else:
   number of ranks with it). `--override-schedule` takes them from the command line (Megatron-LM's
   --override-opt_param-scheduler).
 * a run shorter than the checkpoint (--steps or --epochs giving fewer steps than it has done): no flag.
+* a LoRA run whose base weights (--model's files) are not those its adapters trained on (`lora_base_change`): no
+  flag; the checkpoint holds the adapters only.
 
 Every other changed option is accepted and reported, one line each (`Change`), in the console and the run log.
 A checkpoint of an older qtrain (format 1) records five options and no files: what it lacks cannot be checked,
@@ -31,8 +33,9 @@ from qtrain.data.loader import position_error
 from qtrain.data.token_files import expand_files, read_token_file_header
 from qtrain.fsio import shorten
 from qtrain.model.hf_io import export_manifest, manifest_files
+from qtrain.model.resolve import resolve_model
 from qtrain.options import Options
-from qtrain.train.checkpoint_meta import MUST_MATCH
+from qtrain.train.checkpoint_meta import LORA_BASE_META, MUST_MATCH, lora_base_change
 
 # how this command resumes and what it prints, not what the run is: never compared
 INVOCATION = ("continue_from", "new_data", "start_over", "override_schedule", "eval_at_start", "verbose", "quiet")
@@ -202,6 +205,10 @@ def review(path: str, meta: Mapping[str, Any], opts: Options, *, world: int, tra
         raise ResumeError(f"--continue {path}: {how} ends before the checkpoint's step {step}: its weights have "
                           f"trained {step} steps. Resume it with --steps {step} or more, resume an earlier checkpoint "
                           f"(--continue STEP), or export it with `qtrain export`")
+    if meta.get(LORA_BASE_META) and (why := lora_base_change(
+            meta[LORA_BASE_META], resolve_model(opts.model, from_scratch=opts.from_scratch).weights_dir)):
+        raise ResumeError(f"--continue {path}: {why}; resume with that base, or export the adapters (`qtrain export`) "
+                          f"and start a new run on this base with --lora-init-from")
     data_problems, notes = _data_problems(meta, opts, train_pattern)
     schedule_problems = _schedule_problems(meta, opts, world)
     refused = []

@@ -106,6 +106,18 @@ def check_paths(paths: RunPaths) -> None:
             raise FileSystemError(f"--log-file {paths.log_file}: collides with the checkpoints' {log.name}")
 
 
+def check_export_place(out_dir: str) -> None:
+    """FileSystemError when `qtrain export`'s `out_dir` is a checkpoint (a step_NNNNNNNN folder holding
+    checkpoint.json, of any run) or lies inside one: keep-n and --start-over remove a checkpoint folder whole, the
+    export with it (`check_paths` refuses the same for a run's own --out-dir before its checkpoints exist)."""
+    out = _abs(out_dir)
+    for p in [out, *out.parents]:
+        if cio.checkpoint_step(p) is not None and (p / cio.META_FILE).is_file():
+            where = "is a checkpoint directory" if p == out else f"lies inside the checkpoint directory {p}"
+            raise FileSystemError(f"--out-dir {out_dir}: {where}; the export needs its own folder (keep-n and "
+                                  f"--start-over remove a checkpoint folder whole)")
+
+
 def lock(paths: RunPaths) -> Locks:
     """Take the run's paths for this process (PathInUseError naming the live process that has them). Creates the
     folders it locks; a release removes them again while they are empty."""

@@ -48,6 +48,7 @@ from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.optimizer import ZERO_COPY_CUDA, ShardedAdamW, clip_scale
 from qtrain.parallel.weights import build_weights
 from qtrain.plan.resolution import RunResolution, check_cuda_graphs, check_model_support, resolve_run
+from qtrain.train.checkpoint_meta import lora_base_record
 from qtrain.train.cuda_graphs import MicroStepGraphs
 from qtrain.train.lora_export import export_lora
 from qtrain.train.router_metrics import RouterMetrics
@@ -95,6 +96,8 @@ class Trainer:
         self.comm = self.groups.shard
         # --lora-rank: the base frozen, each layer's adapters a trainable group (model/lora/)
         self.lora = spec_from_options(vars(opts), self.cfg)
+        # the identity of the base's files as the run reads them, which its checkpoints record (checkpoint_meta)
+        self.lora_base = lora_base_record(self.source.weights_dir) if self.lora is not None else None
         # --expert-parallel: this rank's share of the experts and the groups that exchange tokens (parallel/experts.py)
         check_expert_parallel(opts.expert_parallel, num_experts=self.cfg.router.experts if self.cfg.router else None,
                               world=self.ctx.world, model_type=self.cfg.model_type)

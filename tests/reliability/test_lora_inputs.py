@@ -9,6 +9,7 @@ down 32 x 64; so rank 17 exceeds k's and v's smaller dimension (16).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,18 @@ def adapter(rel: str, *, rank: int = 4, targets: tuple[str, ...] = ALL7, cfg=CFG
     return setup
 
 
+def interrupted_export(rel: str):
+    """A setup writing a PEFT adapter at root/rel as an export does, then its manifest marked incomplete: what a
+    kill between the export's renames leaves (its files may mix two exports)."""
+    def setup(root: Path) -> None:
+        spec = LoraSpec(4, 8.0, targets=ALL7)
+        t = {n: torch.randn(s.shape) for n, s in adapter_specs(CFG, spec).items()}
+        save_adapter(root / rel, CFG, spec, t, base="tiny", dtype=torch.float32, owner={"run_id": "r", "step": 2})
+        man = root / rel / "qtrain-export.json"
+        man.write_text(man.read_text().replace('"complete": true', '"complete": false'))
+    return setup
+
+
 def lora(*extra: str, **flags):
     return train(extra=("--lora-rank", "4", *extra), **flags)
 
@@ -129,6 +142,21 @@ CASES = [
     Case("moe-base-e4m3", lora("--lora-base-dtype", "e4m3", "--model-dtype", "bf16", model="{root}/moe"),
          r"--lora-base-dtype e4m3 is not supported for model type 'qwen3_moe' \(the qwen3_moe family\): the block "
          r"multiplies its router, experts_up_gate, experts_down itself", setup=moe_model),
+    Case("init-from-interrupted-export", lora("--lora-init-from", "{root}/a"),
+         r"--lora-init-from .*a: an interrupted export \(qtrain-export\.json says it is incomplete",
+         setup=interrupted_export("a")),
+    # keep-n and --start-over remove a checkpoint folder whole: an export there went with it at the next checkpoint
+    Case("export-into-checkpoint", cmd("export", "--checkpoint-dir", "{root}/ckpt/lr", "--out-dir",
+                                       "{root}/ckpt/lr/step_00000002"),
+         r"--out-dir .*step_00000002: is a checkpoint directory; the export needs its own folder"),
+    Case("export-inside-checkpoint", cmd("export", "--checkpoint-dir", "{root}/ckpt/ff", "--out-dir",
+                                         "{root}/ckpt/lr/step_00000002/x"),
+         r"--out-dir .*step_00000002/x: lies inside the checkpoint directory .*step_00000002"),
+    # the run `lr` made its base from scratch (its seed's init): the adapters trained on that, not on these weights
+    Case("export-merge-from-scratch-run-onto-weights", export("--checkpoint-dir", "{root}/ckpt/lr", "--lora-merge",
+                                                              "--base-model", "{root}/w"),
+         r"--base-model .*/w: the run made its LoRA base from scratch \(--seed 42\)",
+         setup=lambda root: base_weights(root / "w", 1)),
     Case("init-from-alpha-differs", lora("--lora-init-from", "{root}/a", "--lora-alpha", "3"),
          r"lora_alpha 8 differs from --lora-alpha 3", setup=adapter("a")),
 ]
@@ -138,3 +166,75 @@ CASES = [
 def test_bad_lora_input(case: Case, base: Path, tmp_path: Path, capsys) -> None:
     run_case(case, base, tmp_path, capsys)
 
+
+
+# ---- the base a LoRA run trains on: its checkpoints hold the adapters only, so the base is read again from --model
+# by `--continue` and `qtrain export --lora-merge`; weights changed there since (another revision downloaded into the
+# same folder, a re-export) would silently train or merge the adapters on another base
+
+def base_weights(d: Path, seed: int) -> None:
+    """d: the tiny model's weights (random of `seed`), in place of whatever was there."""
+    from qtrain.model.hf_io import save_hf_model
+    from qtrain.model.weights import param_shapes
+    shutil.rmtree(d, ignore_errors=True)
+    g = torch.Generator().manual_seed(seed)
+    save_hf_model(d, CFG, {n: torch.randn(s, generator=g) * 0.02 for n, s in param_shapes(CFG).items()},
+                  dtype=torch.float32)
+
+
+def lora_on_weights(root: Path, steps: int, *extra: str) -> list[str]:
+    argv = train_argv(root, steps=steps, name="lb", model=root / "w", extra=("--lora-rank", "4", *extra))
+    return [a for a in argv if a != "--from-scratch"]
+
+
+@pytest.fixture(scope="module")
+def weighted(tmp_path_factory) -> Path:
+    """A finished 2-step LoRA run `lb` on the weights root/w."""
+    root = make_run_root(tmp_path_factory.mktemp("lora_weighted"))
+    base_weights(root / "w", 1)
+    assert main(lora_on_weights(root, 2, "--quiet")) == 0
+    return root
+
+
+BASE_CHANGED = r"the LoRA base .*/w/model\.safetensors was (changed|rewritten|replaced)"
+BASE_CASES = [
+    Case("continue-base-changed", lambda root: lora_on_weights(root, 4, "--continue"), BASE_CHANGED,
+         setup=lambda root: base_weights(root / "w", 2)),
+    Case("export-merge-base-changed", export("--checkpoint-dir", "{root}/ckpt/lb", "--lora-merge", "--base-model",
+                                             "{root}/w"), BASE_CHANGED, setup=lambda root: base_weights(root / "w", 2)),
+    Case("export-merge-other-base-model", export("--checkpoint-dir", "{root}/ckpt/lb", "--lora-merge",
+                                                 "--base-model", "{root}/w2"),
+         r"the LoRA base .*w2/model\.safetensors .*changed", setup=lambda root: base_weights(root / "w2", 2)),
+]
+
+
+@pytest.mark.parametrize("case", BASE_CASES, ids=[c.name for c in BASE_CASES])
+def test_lora_base_changed(case: Case, weighted: Path, tmp_path: Path, capsys) -> None:
+    run_case(case, weighted, tmp_path, capsys)
+
+
+def test_lora_base_moved_merges(weighted: Path, tmp_path: Path) -> None:
+    """The same base bytes elsewhere (--base-model) are the run's base: the merge goes ahead."""
+    root = tmp_path / "root"
+    shutil.copytree(weighted, root)
+    shutil.copytree(root / "w", root / "moved")
+    assert main(["export", "--checkpoint-dir", str(root / "ckpt" / "lb"), "--lora-merge", "--base-model",
+                 str(root / "moved"), "--out-dir", str(root / "x")]) == 0
+    assert (root / "x" / "model.safetensors").is_file()
+
+
+def test_lora_run_checkpoints_after_its_base_is_gone(tmp_path: Path, monkeypatch) -> None:
+    """The base's record is taken when the run reads the base: a base folder removed mid-run (the weights are in
+    memory) never stops a checkpoint, and the checkpoint still names the base the adapters trained on."""
+    from qtrain.train import checkpointing
+    root = make_run_root(tmp_path)
+    base_weights(root / "w", 1)
+    save = checkpointing.save
+
+    def save_without_base(*args, **kwargs):
+        shutil.rmtree(root / "w", ignore_errors=True)
+        return save(*args, **kwargs)
+    monkeypatch.setattr(checkpointing, "save", save_without_base)
+    assert main(lora_on_weights(root, 2, "--quiet")) == 0
+    meta = json.loads((root / "ckpt" / "lb" / "step_00000002" / "checkpoint.json").read_text())
+    assert [Path(f["path"]).name for f in meta["lora_base"]["files"]] == ["model.safetensors"]

@@ -3,9 +3,10 @@
 
 Keys are peft's (`base_model.model.model.layers.{l}.self_attn.q_proj.lora_A.weight`, ...: the adapter tensors'
 HF parts, `tensors.py`). Written through the export's machinery (`hf_io.write_export`: staged files, a manifest,
-never over a file no qtrain export wrote). Read (--lora-init-from) only after every check passed: the config's
-fields that change the math are the run's (rank, targets, alpha; no DoRA, rsLoRA, bias or per-layer patterns), and the
-safetensors header has exactly the run's keys with their shapes, before any tensor is read; values must be finite.
+never over a file no qtrain export wrote). Read (--lora-init-from) only after every check passed: no interrupted
+qtrain export (`hf_io.check_export_complete`: its files may mix two exports), the config's fields that change the
+math are the run's (rank, targets, alpha; no DoRA, rsLoRA, bias or per-layer patterns), and the safetensors header
+has exactly the run's keys with their shapes, before any tensor is read; values must be finite.
 
 Adapters of an MoE model's experts (tensors.py) are peft's `target_parameters` (`mlp.experts.gate_up_proj`,
 `mlp.experts.down_proj`), with gate_up's rank and alpha doubled by `rank_pattern`/`alpha_pattern` ('.*\\.gate_up_proj',
@@ -25,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 
 from qtrain.fsio import CONFIG_MAX_BYTES, InputError, check_regular_file, read_json_input, shorten
 from qtrain.model.config import ModelConfig
-from qtrain.model.hf_io import FLOAT_DTYPES, write_export
+from qtrain.model.hf_io import FLOAT_DTYPES, IncompleteExportError, check_export_complete, write_export
 from qtrain.model.lora.spec import LoraError, LoraSpec
 from qtrain.model.lora.tensors import EXPERT_MATRICES, adapter_specs, base_module_names, base_parameter_names
 
@@ -89,6 +90,10 @@ def read_config(adapter_dir: str, cfg: ModelConfig, spec: LoraSpec, *, option: s
     if not Path(adapter_dir).is_dir():
         raise LoraError(f"{option} {shorten(str(adapter_dir))}: not a directory (a PEFT adapter: {CONFIG_FILE} + "
                         f"{WEIGHTS_FILE})")
+    try:  # an interrupted qtrain export: its config and weights may be of two exports
+        check_export_complete(adapter_dir)
+    except IncompleteExportError as e:
+        raise LoraError(f"{option} {e}") from None
     if not os.path.lexists(path):
         raise LoraError(f"{where}: file not found")
     try:
