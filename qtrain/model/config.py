@@ -57,13 +57,23 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6  # the final norm's (and, in the families so far, every block norm's)
     tie_word_embeddings: bool = True  # LM head shares the embedding matrix
     bos_token_id: int | None = None  # the presets and config.json name them; none is assumed
-    eos_token_id: int | None = None
+    eos_token_id: int | None = None  # the first where config.json lists several (Llama 3: [128001, 128008, 128009])
     pad_token_id: int | None = None
+    # every EOS id config.json names, where it lists several (a document of a token file may end with any of them:
+    # `end_of_document_ids`); not compared, and not written back (`to_hf_dict` keeps eos_token_id's one id)
+    eos_token_ids: tuple[int, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // max(self.num_attention_heads, 1)
         self.validate()
+
+    @property
+    def end_of_document_ids(self) -> tuple[int, ...]:
+        """The ids after which a document of an unannotated token file ends (--document-masking): every EOS id."""
+        if self.eos_token_ids:
+            return self.eos_token_ids
+        return () if self.eos_token_id is None else (self.eos_token_id,)
 
     # ---- derived sizes, defined once ----
     @property
@@ -352,9 +362,10 @@ class HfKeys:
         max_pos = d.get("max_position_embeddings", max_position_embeddings)
         theta, scaling = self.rope(max_pos)
         eos = d.get("eos_token_id")
+        eos_all = tuple(eos) if isinstance(eos, list) else ()
         if isinstance(eos, list):
             eos = eos[0] if eos else None
-        return dict(
+        return dict(eos_token_ids=eos_all,
             model_type=d["model_type"], vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
             num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],

@@ -100,7 +100,7 @@ def _evaluate(model_dir, eval_file, *, seq_len, batch_size, device, dtype, max_b
     # the data first: a file it cannot use (or score with document masks) is refused before the weights load
     loader = TokenLoader(eval_file, seq_len, shuffle=False, model_vocab_size=cfg.vocab_size,
                          document_masking=document_masking,
-                         eos_ids=() if cfg.eos_token_id is None else (cfg.eos_token_id,))
+                         eos_ids=cfg.end_of_document_ids)
     params = load_hf_weights(d, cfg, dtype=dtype, device=dev)
     model = Transformer(cfg, RunOptions(lmhead_chunks=lmhead_chunks, document_attention=document_attention,
                                         delta_rule_precision=resolve_delta_rule_precision(delta_rule_precision)))

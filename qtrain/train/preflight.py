@@ -108,7 +108,7 @@ def document_args(opts: Options, cfg: ModelConfig) -> dict[str, Any]:
     """A TokenLoader's --document-masking arguments: the option, and the model's EOS id for files that say neither
     their documents nor their own EOS (data/documents.py)."""
     return {"document_masking": opts.document_masking,
-            "eos_ids": () if cfg.eos_token_id is None else (cfg.eos_token_id,)}
+            "eos_ids": cfg.end_of_document_ids}
 
 
 def check_data(opts: Options, cfg: ModelConfig, world: int) -> tuple[str, str | None, int]:

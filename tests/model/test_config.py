@@ -141,3 +141,20 @@ def test_unreadable_files(tmp_path):
     with pytest.raises(ConfigError, match="not valid JSON") as e:
         config_from_json_file(tmp_path / "config.json")
     assert str(tmp_path / "config.json") in str(e.value)
+
+
+def test_every_eos_id_of_a_list_ends_a_document():
+    """Llama 3's config.json lists three EOS ids: eos_token_id keeps the first (what is written back), and every one
+    of them ends a document of an unannotated token file under --document-masking (a chat file's <|eot_id|> is the
+    third); one outside the vocabulary is refused naming the list."""
+    from qtrain.options import Options
+    from qtrain.train.preflight import document_args
+    d = preset("Qwen2.5-0.5B").to_hf_dict()
+    cfg = config_from_hf_dict({**d, "eos_token_id": [151643, 151645, 7]})
+    assert cfg.eos_token_id == 151643 and cfg.end_of_document_ids == (151643, 151645, 7)
+    assert cfg.to_hf_dict()["eos_token_id"] == 151643
+    assert document_args(Options(document_masking=True), cfg)["eos_ids"] == (151643, 151645, 7)
+    one = config_from_hf_dict({**d, "eos_token_id": 5})
+    assert one.end_of_document_ids == (5,) and config_from_hf_dict({**d, "eos_token_id": None}).end_of_document_ids == ()
+    with pytest.raises(ConfigError, match=r"eos_token_id 999999 is not a token id"):
+        config_from_hf_dict({**d, "eos_token_id": [1, 999999]})
