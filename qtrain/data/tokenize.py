@@ -331,6 +331,10 @@ def tokenize_files(
         raise TokenizeError(f"max tokens per file must be in [1, 2^31), got {max_tokens_per_file}")
     if workers < 1:
         raise TokenizeError(f"--workers must be >= 1, got {workers}")
+    row = sft.row_tokens if sft is not None else None
+    if row and max_tokens_per_file < row:  # a file holds whole rows: each file would be one row, over the limit
+        raise TokenizeError(f"--max-tokens-per-file {max_tokens_per_file} is below one row of "
+                            f"{'--pack-to' if sft.pack_to else '--pad-to'} {row} tokens (files hold whole rows)")
     t0 = time.time()
     tok = get_tokenizer(tokenizer)
     train_paths, eval_paths = expand_inputs(inputs), expand_inputs(eval_inputs) if eval_inputs else []
