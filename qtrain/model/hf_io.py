@@ -37,7 +37,7 @@ from qtrain.fsio import (CONFIG_MAX_BYTES, FileSystemError, atomic_write_json, c
                          describe_write_error, ensure_free_space, fault_point, fsync_path, read_json, read_json_input,
                          shorten, sweep_temp_files, temp_path)
 from qtrain.model import weights
-from qtrain.model.config import ModelConfig
+from qtrain.model.config import ConfigError, ModelConfig
 from qtrain.model.family import HfLayout
 from qtrain.model.registry import config_from_json_file, family_of
 
@@ -70,7 +70,12 @@ def load_model_config(model_dir: str | os.PathLike) -> ModelConfig:
     """The config.json of a model directory, as its family's config (model/registry.py); an interrupted qtrain
     export there is refused first."""
     check_export_complete(model_dir)
-    return config_from_json_file(Path(model_dir) / "config.json")
+    d = Path(model_dir)
+    if not os.path.lexists(d / "config.json") and os.path.lexists(d / "adapter_config.json"):
+        raise ConfigError(f"{shorten(str(d))}: a PEFT adapter (adapter_config.json), not a model: give a whole model "
+                          f"(a LoRA run exports its adapters merged into the base with --lora-merge, also `qtrain "
+                          f"export --lora-merge` from its checkpoint)")
+    return config_from_json_file(d / "config.json")
 
 
 def check_export_complete(model_dir: str | os.PathLike) -> dict[str, Any] | None:

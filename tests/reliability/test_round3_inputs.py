@@ -57,7 +57,22 @@ def generate(*extra: str):
                "--max-new-tokens", "2", "--device", "cpu", *extra)
 
 
+def adapter_dir(root: Path) -> None:
+    """root/adapter: a PEFT adapter's two files (no config.json: not a model)."""
+    (root / "adapter").mkdir()
+    (root / "adapter" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    (root / "adapter" / "adapter_model.safetensors").write_bytes(b"")
+
+
+ADAPTER = r"adapter: a PEFT adapter \(adapter_config.json\), not a model: give a whole model"
+
 CASES = [
+    # a PEFT adapter given as the model: "config.json: file not found" said nothing of what the folder is
+    Case("eval-model-is-an-adapter", cmd("eval", "--model", "{root}/adapter", "--eval-file", "{root}/eval.bin",
+                                         "--seq-len", "16", "--device", "cpu"), ADAPTER, adapter_dir),
+    Case("generate-model-is-an-adapter", cmd("generate", "--model", "{root}/adapter", "--tokenizer",
+                                             "{root}/tokenizer.json", "--prompt", "hi", "--device", "cpu"),
+         ADAPTER, adapter_dir),
     # a ValueError from the LM head's kernel after the weights had loaded: a traceback, exit code 1
     Case("eval-lmhead-chunks-0", evaluate("--lmhead-chunks", "0"), r"--lmhead-chunks must be >= 1, got 0"),
     Case("eval-lmhead-chunks-negative", evaluate("--lmhead-chunks", "-2"), r"--lmhead-chunks must be >= 1, got -2"),
