@@ -8,7 +8,7 @@ rest) and each window is packed by first-fit decreasing: longest example first, 
 examples only, longest first; the rest of a row that no example fits is padding: the EOS id under mask 0, recorded
 as a document of its own, so it attends to nothing real and nothing attends to it (and it is never a target).
 The padding is counted in the summary. An example longer than N is cut to its first N - 1 tokens and its last (the
-EOS stays), as --pad-to cuts, and counted; with --no-truncate it is refused (`sft.encode_example`, naming its file
+EOS stays, no longer a target: `cut_to`), as --pad-to cuts, and counted; with --no-truncate it is refused (`sft.encode_example`, naming its file
 and line or row). Rows come out in the order their first example was placed, and the files end with one extra
 token (EOS, mask 0, a document of its own) so that a file of R rows is exactly R loader chunks of N tokens
 (`tokenize.ShardedWriter`'s alignment, as with --pad-to). The output depends only on the input and N.
@@ -53,9 +53,13 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
 
 
 def cut_to(tokens: np.ndarray, mask: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """An example longer than n: its first n - 1 tokens and its last (the EOS stays)."""
+    """An example longer than n: its first n - 1 tokens and its last (the EOS stays, as the boundary to what follows),
+    the EOS under mask 0: the example did not end where it was cut, so the model must not learn to stop there (with
+    the cut inside a prompt, the EOS right after it was the example's only target). --pad-to cuts the same way."""
     keep = np.r_[0:n - 1, tokens.size - 1]
-    return tokens[keep], mask[keep]
+    cut_mask = mask[keep]
+    cut_mask[-1] = False
+    return tokens[keep], cut_mask
 
 
 @dataclass

@@ -13,7 +13,7 @@ Two record shapes (JSON Lines, JSON array elements or Parquet rows):
 
 The text of each part is encoded on its own (special-token strings inside it stay plain text), so the mask
 boundaries are exact token boundaries. With `pad_to=T` each example becomes exactly T tokens (cut at T-1
-keeping its last token, e.g. EOS, or padded with EOS under mask 0), so that with `--seq-len T` every
+keeping its last token, the EOS, then under mask 0: a cut example did not end there; or padded with EOS under mask 0), so that with `--seq-len T` every
 training sequence is one whole example that sees its own prompt. With `pack_to=N` examples are packed whole into
 rows of N tokens instead (`qtrain.data.packing`: cut there, when longer). `truncate=False` (--no-truncate) refuses an
 example longer than N (either option) instead of cutting it. The loader reads a mask bit at the *target*
@@ -28,6 +28,7 @@ from typing import Any, Iterator, Protocol, TextIO
 
 import numpy as np
 
+from qtrain.data.packing import cut_to
 from qtrain.fsio import shorten
 
 
@@ -218,9 +219,9 @@ def encode_example(tok: Tokenizer, rec: dict[str, Any], fmt: SFTFormat) -> tuple
 
 
 def _fit(tokens: np.ndarray, mask: np.ndarray, n: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Exactly n tokens: too long -> the first n-1 and the last one (the EOS stays); too short -> padded."""
+    """Exactly n tokens: too long -> cut as packing cuts (`packing.cut_to`: the first n-1 and the last one, the EOS,
+    no longer a target); too short -> padded."""
     if tokens.size > n:
-        keep = np.r_[0:n - 1, tokens.size - 1]
-        return tokens[keep], mask[keep]
+        return cut_to(tokens, mask, n)
     pad = n - tokens.size
     return np.r_[tokens, np.full(pad, pad_id, np.int32)], np.r_[mask, np.zeros(pad, bool)]

@@ -85,10 +85,16 @@ def test_pad_to_makes_each_sequence_one_whole_example(tmp_path):
 
 
 def test_pad_to_cuts_long_examples_keeping_eos(tmp_path):
+    """A cut example keeps its EOS as its last token (the boundary) but not as a target: it did not end there. Cut
+    inside the prompt, nothing of it is a target (the EOS after the cut prompt was, teaching the model to stop
+    there); cut inside the response, the response's kept tokens are."""
     tok = get_tokenizer("gpt2")
     rec = {"q": "word " * 40, "a": " answer " * 40}
     tokens, mask = encode_example(tok, rec, SFTFormat(prompt_field="q", response_field="a", pad_to=16))
-    assert tokens.size == 16 and tokens[-1] == tok.eos_id and mask[-1]
+    assert tokens.size == 16 and tokens[-1] == tok.eos_id and not mask.any()
+    tokens, mask = encode_example(tok, {"q": "hi", "a": " answer" * 40},
+                                  SFTFormat(prompt_field="q", response_field="a", pad_to=16))
+    assert tokens.size == 16 and tokens[-1] == tok.eos_id and not mask[-1] and mask[1:15].all() and not mask[0]
     tokens, mask = encode_example(tok, {"q": "hi", "a": " yo"}, SFTFormat(prompt_field="q", response_field="a",
                                                                           pad_to=16))
     assert tokens.size == 16 and not mask[4:].any() and (tokens[4:] == tok.eos_id).all()  # hi, yo, EOS, then pads

@@ -21,7 +21,7 @@ import torch
 
 from qtrain.cli.main import main
 from qtrain.data.loader import TokenLoader
-from qtrain.data.packing import Packer
+from qtrain.data.packing import Packer, cut_to
 from qtrain.data.token_files import IGNORE_INDEX, TokenFileWriter, write_token_file
 from qtrain.model.hf_io import save_hf_model
 from qtrain.model.transformer import RunOptions, Transformer
@@ -64,10 +64,9 @@ def pack(path, examples, vocab: int, eos: int = EOS) -> str:
 
 def alone(tokens: np.ndarray, mask: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) (1, L) of one example run alone: each token predicts the next one the mask keeps; the last
-    predicts nothing. Longer than N: its first N - 1 tokens and its last (the packer's cut)."""
+    predicts nothing. Longer than N: cut as the packer cuts (`packing.cut_to`, tested in tests/data/test_sft.py)."""
     if tokens.size > N:
-        keep = np.r_[0:N - 1, tokens.size - 1]
-        tokens, mask = tokens[keep], mask[keep]
+        tokens, mask = cut_to(tokens, mask, N)
     x = torch.from_numpy(tokens.astype(np.int64))
     y = torch.full_like(x, IGNORE_INDEX)
     y[:-1] = torch.where(torch.from_numpy(mask[1:]), x[1:], IGNORE_INDEX)
