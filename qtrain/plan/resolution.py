@@ -50,7 +50,8 @@ from qtrain.model.fp8_policy import Fp8Choice, block_gflop, choose_fp8
 from qtrain.model.layers import resolve_sdpa_backend
 from qtrain.model.llama import LLAMA
 from qtrain.model.recompute import resolve_flags, splits_mlp
-from qtrain.model.registry import delta_rule_layers
+from qtrain.model.moe_family import MoeFamily
+from qtrain.model.registry import delta_rule_layers, family_of
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.context import check_context_parallel
 from qtrain.parallel.experts import check_expert_parallel
@@ -274,11 +275,16 @@ def sharded_weights_refusal(cfg: ModelConfig, opts: Options) -> str | None:
 
 
 def _check_fp8_experts(cfg: ModelConfig) -> None:
-    """--fp8-experts: an MoE model whose expert GEMMs' K and N (hidden size, 2 x and 1 x the experts' intermediate
-    size) are multiples of 16 (torch._scaled_grouped_mm; kernels/grouped_gemm_fp8.py)."""
+    """--fp8-experts: an MoE model of a family whose experts run through `model/moe_block.py` (qwen3_moe, olmoe,
+    mixtral: Qwen3.5-MoE's block calls the experts without it, so the option would do nothing there) whose expert
+    GEMMs' K and N (hidden size, 2 x and 1 x the experts' intermediate size) are multiples of 16
+    (torch._scaled_grouped_mm; kernels/grouped_gemm_fp8.py)."""
     if cfg.router is None:
         raise OptionsError(f"--fp8-experts applies to Mixture-of-Experts models; {cfg.model_type} has no experts "
                            "(drop it)")
+    if not isinstance(family_of(cfg), MoeFamily):
+        raise OptionsError(f"--fp8-experts is not built for {cfg.model_type} yet (its experts run in bf16; FP8 experts "
+                           f"are qwen3_moe's, olmoe's and mixtral's): drop it")
     C, F = cfg.hidden_size, cfg.moe_intermediate_size
     if C % FP8_MULTIPLE or F % FP8_MULTIPLE:
         raise OptionsError(f"--fp8-experts: the model's hidden_size {C} and moe_intermediate_size {F} must be "

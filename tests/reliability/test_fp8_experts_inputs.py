@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.model.family_fixtures import qwen35_cfg
 from tests.reliability.test_moe_inputs import MOE, _root, refused, with_
 from tests.run_utils import make_run_root, train_argv
 
@@ -26,6 +27,9 @@ CASES = [  # (name, config.json or None for the root's dense model, flags, the m
      r"--fp8-experts with --lora-base-dtype e4m3 is not supported"),
     ("expert-parallel", MOE["olmoe"], (*E4M3, "--gpus", "2", "--expert-parallel", "2"),
      r"--fp8-experts with --expert-parallel is not supported yet"),
+    # Qwen3.5-MoE's block calls its experts without the FP8 path: the option was accepted and did nothing
+    ("qwen3_5-moe", qwen35_cfg(moe=True).to_hf_dict(), E4M3,
+     r"--fp8-experts is not built for qwen3_5_moe_text yet \(its experts run in bf16"),
 ]
 
 
