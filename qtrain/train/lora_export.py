@@ -26,7 +26,8 @@ def export_lora(out_dir: str, cfg: ModelConfig, spec: LoraSpec, params: dict[str
     or the merged model (`merge`)."""
     extra = export_files(tokenizer, cfg)
     if merge:
-        save_hf_model(out_dir, cfg, merged_params(cfg, spec, params), dtype=dtype, extra_files=extra, owner=owner)
+        save_hf_model(out_dir, cfg, merged_params(cfg, spec, params, dtype=dtype, device="cpu"), dtype=dtype,
+                      extra_files=extra, owner=owner)
         return
     adapters = {n: params[n] for n in adapter_specs(cfg, spec)}
     save_adapter(out_dir, cfg, spec, adapters, base=base, dtype=dtype, owner=owner, extra_files=extra)

@@ -58,8 +58,24 @@ def test_peft_made_expert_adapter_loads_and_merges(case, tmp_path):
         with pm.disable_adapter():
             assert (want - pm(inputs).logits).abs().max() > 1e-3  # the adapter does something
     _close(Transformer(cfg, RunOptions(adapter=LoraAdapter(cfg, spec))).logits(w.source, inputs), want)
-    merged = merged_params(cfg, spec, {n: t.detach() for n, t in w.params.items()})
+    params = {n: t.detach() for n, t in w.params.items()}
+    merged = merged_params(cfg, spec, params)
     _close(Transformer(cfg).logits(ParamWeights(cfg, merged), inputs), want)
+    # the export's merge: a few experts at a time (8 at the most here: 3 makes several chunks and a ragged last one),
+    # each matrix cast at once to the export dtype on the host -- the bits of casting the fp32 merge at save time
+    import qtrain.model.lora.merge as merge_mod
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(merge_mod, "EXPERT_CHUNK", 3)
+    try:
+        chunked = merged_params(cfg, spec, params, dtype=torch.bfloat16, device="cpu")
+    finally:
+        monkey.undo()
+    assert chunked.keys() == merged.keys()
+    for n, t in merged.items():
+        if t is params.get(n):  # not adapted: passed through as it is
+            assert chunked[n] is params[n], n
+        else:
+            assert chunked[n].dtype == torch.bfloat16 and torch.equal(chunked[n], t.to(torch.bfloat16)), n
     # peft's own merge of the expert parameters is the same model
     with torch.no_grad():
         _close(pm.merge_and_unload()(inputs).logits, want)
