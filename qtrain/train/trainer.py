@@ -58,6 +58,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 Batch = tuple[torch.Tensor, ...]  # (inputs, targets[, positions]): (B, T) int64
 
 
+class ExportMemoryError(ValueError):
+    """The export at the end of a run ran out of device or host memory (nothing of the run is lost: its final
+    checkpoint comes first)."""
+
+
 class Trainer:
     """This rank's part of a run: weights, model, gradient manager and optimizer, and the step over them."""
 
@@ -368,6 +373,11 @@ class Trainer:
                                   extra_files=export_files(self.tokenizer, self.cfg), owner=owner)
             except (ValueError, OSError) as e:
                 err = e if isinstance(e, ValueError) else FileSystemError(f"export to {out_dir} failed: {e}")
+            except (torch.OutOfMemoryError, MemoryError) as e:  # every rank gets it, none waits for rank 0 forever
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                err = ExportMemoryError(f"export to {out_dir} ran out of memory ({first}): the run's final checkpoint "
+                                        f"is written before its export; export it with `qtrain export "
+                                        f"--checkpoint-dir ...` where more memory is free")
         err = self.ctx.broadcast_object(err)
         if err is not None:
             raise err

@@ -49,3 +49,23 @@ def test_export_of_sharded_checkpoint_equals_final_export(tmp_path):
     assert a.keys() == b.keys() and len(a) > 0
     for k in a:
         assert a[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]), k
+
+
+def test_an_export_out_of_memory_is_one_line_after_the_final_checkpoint(tmp_path, monkeypatch, capsys):
+    """The export runs out of memory (a merged MoE model, a gathered base): one line naming it and how to export
+    the final checkpoint, exit code 2, the checkpoint there; before, torch's error escaped rank 0 as a traceback
+    (and the other ranks waited for its broadcast until the collective timeout)."""
+    import qtrain.train.trainer as trainer_mod
+    from qtrain.cli.main import main
+    from tests.run_utils import make_run_root, train_argv
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 58.00 GiB.")
+    root = make_run_root(tmp_path)
+    monkeypatch.setattr(trainer_mod, "save_hf_model", oom)
+    capsys.readouterr()
+    assert main(train_argv(root, steps=2)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("qtrain: error: export to ") and len(err.splitlines()) == 1, err
+    assert "ran out of memory (CUDA out of memory. Tried to allocate 58.00 GiB.)" in err and "qtrain export" in err
+    assert (root / "ckpt" / "run" / "step_00000002" / "checkpoint.json").is_file()
