@@ -1,8 +1,8 @@
 """Start torch's CPU thread pool before any result depends on it.
 
-On torch 2.13's CPU build (OpenMP), the first parallel region of a process sometimes runs its worker threads with
-a floating-point rounding mode that is not round-to-nearest: the workers' share of that first op comes out wrong
-(sqrt off by an ulp, exp and log by ~1.5e-4, tanh by ~5e-5), every later op is right. Measured on a 2-thread
+On torch 2.13's CPU build (OpenMP), the first parallel region of a process sometimes runs its worker threads as if
+under another floating-point rounding mode: the workers' share of that first op comes out wrong (sqrt one ulp low,
+exp and log off by ~1.5e-4, tanh by ~5e-5), every later op is right. Measured on a 2-thread
 machine: 2-10% of fresh processes, any op that splits across threads (a (7, 1000) fp32 exp, say), AVX2 and AVX-512
 alike; it broke a specification's logsumexp in CI. Running one throwaway parallel region first makes every later
 one exact (60 of 60 processes, against 2-5 of 60 wrong without). qtrain's CPU path is the specification of every

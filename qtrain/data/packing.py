@@ -8,10 +8,11 @@ rest) and each window is packed by first-fit decreasing: longest example first, 
 examples only, longest first; the rest of a row that no example fits is padding: the EOS id under mask 0, recorded
 as a document of its own, so it attends to nothing real and nothing attends to it (and it is never a target).
 The padding is counted in the summary. An example longer than N is cut to its first N - 1 tokens and its last (the
-EOS stays, no longer a target: `cut_to`), as --pad-to cuts, and counted; with --no-truncate it is refused (`sft.encode_example`, naming its file
-and line or row). Rows come out in the order their first example was placed, and the files end with one extra
-token (EOS, mask 0, a document of its own) so that a file of R rows is exactly R loader chunks of N tokens
-(`tokenize.ShardedWriter`'s alignment, as with --pad-to). The output depends only on the input and N.
+EOS stays, no longer a target: `cut_to`), as --pad-to cuts, and counted; with --no-truncate it is refused
+(`sft.encode_example`, naming its file and line or row). Rows come out in the order their first example was placed,
+and the files end with one extra token (EOS, mask 0, a document of its own) so that a file of R rows is exactly R
+loader chunks of N tokens (`tokenize.ShardedWriter`'s alignment, as with --pad-to). The output depends only on the
+input and N.
 """
 from __future__ import annotations
 

@@ -12,12 +12,12 @@ Two record shapes (JSON Lines, JSON array elements or Parquet rows):
   tokens (qwen2, or a Qwen tokenizer.json).
 
 The text of each part is encoded on its own (special-token strings inside it stay plain text), so the mask
-boundaries are exact token boundaries. With `pad_to=T` each example becomes exactly T tokens (cut at T-1
-keeping its last token, the EOS, then under mask 0: a cut example did not end there; or padded with EOS under mask 0), so that with `--seq-len T` every
-training sequence is one whole example that sees its own prompt. With `pack_to=N` examples are packed whole into
-rows of N tokens instead (`qtrain.data.packing`: cut there, when longer). `truncate=False` (--no-truncate) refuses an
-example longer than N (either option) instead of cutting it. The loader reads a mask bit at the *target*
-position (`qtrain.data.loader`), so mask 1 means "this token is a training target".
+boundaries are exact token boundaries. With `pad_to=T` each example becomes exactly T tokens (cut at T-1 keeping its
+last token, the EOS, then under mask 0: a cut example did not end there; or padded with EOS under mask 0), so that
+with `--seq-len T` every training sequence is one whole example that sees its own prompt. With `pack_to=N` examples
+are packed whole into rows of N tokens instead (`qtrain.data.packing`: cut there, when longer). `truncate=False`
+(--no-truncate) refuses an example longer than N (either option) instead of cutting it. The loader reads a mask bit
+at the *target* position (`qtrain.data.loader`), so mask 1 means "this token is a training target".
 """
 from __future__ import annotations
 

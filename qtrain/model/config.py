@@ -365,7 +365,7 @@ class HfKeys:
         eos_all = tuple(eos) if isinstance(eos, list) else ()
         if isinstance(eos, list):
             eos = eos[0] if eos else None
-        return dict(eos_token_ids=eos_all,
+        return dict(
             model_type=d["model_type"], vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
             num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
@@ -373,7 +373,8 @@ class HfKeys:
             max_position_embeddings=max_pos,
             rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            bos_token_id=d.get("bos_token_id"), eos_token_id=eos, pad_token_id=d.get("pad_token_id"))
+            bos_token_id=d.get("bos_token_id"), eos_token_id=eos, pad_token_id=d.get("pad_token_id"),
+            eos_token_ids=eos_all)
 
     def build(self, cls: type[ModelConfig], **fields: Any) -> ModelConfig:
         """cls(**fields), its validation errors reported against this file."""

@@ -55,7 +55,8 @@ def allocator_state(snapshot: dict[str, Any], top: int = 20) -> dict[str, Any]:
     free = [(int(b["size"]), in_private_pool(seg)) for seg in segments for b in seg.get("blocks", [])
             if b.get("state") == "inactive"]
     return {"segments": len(segments), "reserved_bytes": sum(int(seg.get("total_size", 0)) for seg in segments),
-            "free_bytes": sum(n for n, _ in free), "largest_free_bytes": max((n for n, private in free if not private), default=0),
+            "free_bytes": sum(n for n, _ in free),
+            "largest_free_bytes": max((n for n, private in free if not private), default=0),
             "private_pool_free_bytes": sum(n for n, private in free if private),
             "allocations": live_allocations(snapshot, 0)[:top]}
 

@@ -36,7 +36,8 @@ def merged_params(cfg: ModelConfig, spec: LoraSpec, params: dict[str, torch.Tens
             out[name] = w.to(device=device or w.device, dtype=dtype or torch.float32)
         for matrix, t in adapted_experts(cfg, spec, layer).items():
             name = f"layers.{layer}.{matrix}"
-            base, a, b = out[name], params[f"layers.{layer}.{a_name(matrix)}"], params[f"layers.{layer}.{b_name(matrix)}"]
+            a, b = params[f"layers.{layer}.{a_name(matrix)}"], params[f"layers.{layer}.{b_name(matrix)}"]
+            base = out[name]
             merged = torch.empty(base.shape, dtype=dtype or torch.float32, device=device or base.device)
             for e0 in range(0, t.experts, EXPERT_CHUNK):
                 e = slice(e0, min(t.experts, e0 + EXPERT_CHUNK))
