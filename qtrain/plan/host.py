@@ -71,14 +71,30 @@ def host_bytes(plan: Any) -> int:
     return plan.host_total + (plan.device_total if on_cpu else 0)
 
 
-def check_host_memory(plan: Any, procs: int, *, available: int | None = None, baseline: int = 0) -> None:
+def merged_export_bytes(num_params: int, dtype_bytes: int, *, weights_sharded: bool) -> int:
+    """Host bytes a --lora-merge export adds on rank 0 at the end of a run: the merged matrices in the export dtype
+    (about the whole model, `lora/merge.py` puts them on the host), and with sharded weights the gathered model
+    beside them (`Trainer.full_params`). An upper bound: untargeted matrices are not copied."""
+    return num_params * dtype_bytes * (2 if weights_sharded else 1)
+
+
+def check_host_memory(plan: Any, procs: int, *, available: int | None = None, baseline: int = 0,
+                      merged_export: int = 0) -> None:
     """HostMemoryError when `procs` processes of `plan` (each `baseline` bytes already resident besides the
-    plan) need more than the available host memory."""
+    plan) need more than the available host memory, or when the `merged_export` bytes of a --lora-merge export
+    (`merged_export_bytes`) do not fit beside them at the end of the run (the Linux OOM killer, not an error, would
+    stop it there: after the final checkpoint, but with no export)."""
     available = available_host_memory() if available is None else available
     if available is None:
         return
     per = host_bytes(plan) + baseline
     need = per * procs
+    if need <= available < need + merged_export:
+        raise HostMemoryError(
+            f"host memory: --lora-merge holds {merged_export / GiB:.2f} GiB of the merged model in host memory at the "
+            f"end of the run, beside the run's {need / GiB:.2f} GiB, but {available / GiB:.2f} GiB are available; "
+            f"drop --lora-merge (the adapter is exported; `qtrain export --checkpoint-dir DIR --lora-merge` merges "
+            f"a checkpoint later where more memory is free), or --no-memory-check to try anyway")
     if need > available:
         where = "CPU run" if plan.settings.get("device") == "cpu" else "pinned host buffers (offload)"
         raise HostMemoryError(

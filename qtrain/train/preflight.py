@@ -165,12 +165,17 @@ def check_resume(opts: Options, cfg: ModelConfig, world: int, paths: run_dir.Run
     return run_id, path, note, review
 
 
-def check_memory(opts: Options, run: RunResolution, procs: int) -> None:
-    """Refuse a plan that cannot fit the host (CPU runs; pinned offload buffers on CUDA)."""
+def check_memory(opts: Options, cfg: ModelConfig, run: RunResolution, procs: int) -> None:
+    """Refuse a plan that cannot fit the host (CPU runs; pinned offload buffers on CUDA), and a --lora-merge whose
+    merged model would not fit beside it at the end of the run."""
     if not opts.memory_check:
         return
-    from qtrain.plan.host import check_host_memory, process_rss
-    check_host_memory(run.plan, procs, baseline=process_rss())
+    from qtrain.model.family import DTYPE_BYTES
+    from qtrain.model.weights import num_params
+    from qtrain.plan.host import check_host_memory, merged_export_bytes, process_rss
+    merged = merged_export_bytes(num_params(cfg), DTYPE_BYTES[run.master_dtype],
+                                 weights_sharded=opts.weights_sharded) if opts.lora_merge else 0
+    check_host_memory(run.plan, procs, baseline=process_rss(), merged_export=merged)
 
 
 def preflight(opts: Options, *, world: int, local_procs: int | None = None) -> Prepared:
@@ -197,7 +202,7 @@ def preflight(opts: Options, *, world: int, local_procs: int | None = None) -> P
                                                     train_pattern=train_pattern, total_steps=total)
         if review is not None and review.pinned:  # the checkpoint's automatic choices that change the numbers
             run = resolve(dataclasses.replace(opts, **review.pinned), cfg, world)
-        check_memory(opts, run, local_procs or world)
+        check_memory(opts, cfg, run, local_procs or world)
     except BaseException:
         lock.release()
         raise

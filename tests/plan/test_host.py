@@ -90,3 +90,49 @@ def test_pinned_offload_buffers_that_cannot_fit_are_refused():
 def test_available_memory_is_read_from_the_kernel():
     avail = available_host_memory()
     assert avail is None or 0 < avail < 1 << 50
+
+
+def test_a_merged_export_that_cannot_fit_beside_the_run_is_refused_up_front():
+    """--lora-merge of a 7B bf16 LoRA run: the merged model (~15 GiB in bf16; twice that with sharded weights, the
+    gathered model beside it) must fit beside the run's own host memory at its end, or the OOM killer stops the
+    export; refused before the model is built, naming --lora-merge and what to do instead."""
+    from qtrain.model.weights import num_params
+    from qtrain.plan.host import merged_export_bytes
+    cfg = preset("Qwen2.5-7B")
+    n = num_params(cfg)
+    assert merged_export_bytes(n, 2, weights_sharded=False) == 2 * n
+    assert merged_export_bytes(n, 2, weights_sharded=True) == 4 * n
+    opts = Options(model_dtype="bf16", lora_rank=16, offload_opt_m=True)
+    plan = plan_memory(cfg, opts, device="cuda")
+    host, merged = host_bytes(plan), merged_export_bytes(n, 2, weights_sharded=False)
+    check_host_memory(plan, 1, available=host + merged + GiB, merged_export=merged)  # fits
+    with pytest.raises(HostMemoryError, match=r"--lora-merge holds 14\.\d\d GiB of the merged model in host memory at "
+                                              r"the end of the run.* drop --lora-merge"):
+        check_host_memory(plan, 1, available=host + merged - GiB, merged_export=merged)
+    with pytest.raises(HostMemoryError, match=r"pinned host buffers"):  # the run itself first
+        check_host_memory(plan, 1, available=host - GiB, merged_export=merged)
+
+
+def test_the_preflight_counts_the_merged_export(tmp_path, monkeypatch):
+    """`qtrain train --lora-merge` hands the merged model's bytes to the host check; without it, none."""
+    import qtrain.plan.host as host_mod
+    from qtrain.cli.main import main
+    from qtrain.model.weights import num_params
+    from tests.hf_fixtures import save_tiny_hf_model
+    from tests.run_utils import make_run_root, train_argv
+    seen: list[int] = []
+    real = host_mod.check_host_memory
+
+    def spy(plan, procs, **kw):
+        seen.append(kw.get("merged_export", 0))
+        return real(plan, procs, **kw)
+    monkeypatch.setattr(host_mod, "check_host_memory", spy)
+    root = make_run_root(tmp_path)
+    save_tiny_hf_model("qwen2", root / "base")
+    for name, extra in (("plain", ()), ("merged", ("--lora-merge",))):
+        argv = train_argv(root, steps=1, name=name, model=root / "base",
+                          extra=("--lora-rank", "4", "--quiet", *extra))
+        argv.remove("--from-scratch")
+        assert main(argv) == 0
+    from qtrain.model.hf_io import load_model_config
+    assert seen == [0, num_params(load_model_config(root / "base")) * 4]  # fp32 master in the tiny run
