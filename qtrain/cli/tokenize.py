@@ -8,6 +8,7 @@ from typing import Sequence
 
 from qtrain.data.sft import SFTFormat
 from qtrain.data.tokenize import tokenize_files
+from qtrain.fsio import shorten
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -76,6 +77,10 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         f"[{res.tokenizer}, vocab {res.vocab_size}, eos {res.eos_id}{', loss masks' if sft else ''}] "
         f"in {res.seconds:.1f} s -> {ns.out_dir}"
     )
+    both = res.extra.get("eval_also_train", [])
+    if both:  # allowed (a check of fitting itself), but the eval loss then says nothing of what was not seen
+        print(f"note: {len(both)} --eval-inputs file(s) are also training inputs ({shorten(both[0])}"
+              f"{', ...' if len(both) > 1 else ''}): the eval loss will not measure text the model has not seen")
     p = res.extra.get("packing")
     if p:
         total = p["rows"] * p["pack_to"]

@@ -406,5 +406,7 @@ def tokenize_files(
         eos_id=tok.eos_id,
         seconds=time.time() - t0,
         extra={"swept": [str(p) for p in sets.swept], "replaced": sorted(sets.old),
+               "eval_also_train": sorted(str(p) for p in {q.resolve() for q in eval_paths}
+                                         & {q.resolve() for q in train_paths}),
                **({"packing": {"pack_to": pack_to, **vars(packed)}} if pack_to else {})},
     )

@@ -195,6 +195,19 @@ def test_qwen2_split_lines_eval_inputs_and_sharding(tmp_path: Path) -> None:
     assert res.eval_files[0] == str(out / "eval-000.bin")  # the cap applies to eval too
 
 
+def test_eval_inputs_that_are_training_inputs_are_named(tmp_path: Path, capsys) -> None:
+    """--eval-inputs naming a training file is allowed (a check of fitting itself) but said: the eval loss would not
+    measure unseen text; a separate eval file gets no note."""
+    (tmp_path / "train.txt").write_text(DOCS[0], encoding="utf-8")
+    (tmp_path / "eval.txt").write_text(DOCS[1], encoding="utf-8")
+    for name, ev in (("same", "train.txt"), ("apart", "eval.txt")):
+        capsys.readouterr()
+        assert cli_main(["tokenize", str(tmp_path / "train.txt"), "--out-dir", str(tmp_path / name), "--tokenizer",
+                         "gpt2", "--eval-inputs", str(tmp_path / ev), "--no-progress"]) == 0
+        out = capsys.readouterr().out
+        assert ("note: 1 --eval-inputs file(s) are also training inputs" in out) == (name == "same"), out
+
+
 def test_eval_fraction_holds_out_whole_documents(tmp_path: Path) -> None:
     docs = [f"Document number {i}: " + "word " * (i % 7 + 1) for i in range(60)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
