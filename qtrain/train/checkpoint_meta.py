@@ -125,6 +125,23 @@ def lora_base_change(record: Mapping[str, Any] | None, weights_dir: str | None) 
     return None
 
 
+def scratch_base_change(old: Mapping[str, Any], weights_dir: str | None, init_proj_to_zero: bool) -> str | None:
+    """Why this run's LoRA base (`weights_dir`, None: made from scratch with `init_proj_to_zero`) is not the one a
+    checkpoint's run made from scratch (`old`: its options; the seed is MUST_MATCH's), or None. Such a run records
+    no `lora_base` (there are no files): its base is the seed's init, made again on `--continue`."""
+    if not old.get("from_scratch"):
+        return None
+    made = "the LoRA base of the checkpoint's run was made from scratch"
+    if weights_dir is not None:
+        return f"{made} (--seed {old.get('seed')}), this run reads the weights in {shorten(weights_dir)}"
+    if bool(old.get("init_proj_to_zero")) != init_proj_to_zero:
+        def flag(on: bool) -> str:
+            return "--init-proj-to-zero" if on else "--no-init-proj-to-zero"
+        was = bool(old.get("init_proj_to_zero"))
+        return f"{made} with {flag(was)}, this run makes it with {flag(init_proj_to_zero)}"
+    return None
+
+
 def tokenizer_record(spec: str | None) -> str | None:
     """What `tokenizer` says for an export tokenizer spec: a built-in's name, else the checkpoint's own copy."""
     if spec is None or spec in BUILTIN_TOKENIZERS:

@@ -35,7 +35,7 @@ from qtrain.fsio import shorten
 from qtrain.model.hf_io import export_manifest, manifest_files
 from qtrain.model.resolve import resolve_model
 from qtrain.options import Options
-from qtrain.train.checkpoint_meta import LORA_BASE_META, MUST_MATCH, lora_base_change
+from qtrain.train.checkpoint_meta import LORA_BASE_META, MUST_MATCH, lora_base_change, scratch_base_change
 
 # how this command resumes and what it prints, not what the run is: never compared
 INVOCATION = ("continue_from", "new_data", "start_over", "override_schedule", "eval_at_start", "verbose", "quiet")
@@ -185,6 +185,17 @@ def _schedule_problems(meta: Mapping[str, Any], opts: Options, world: int) -> li
                        if k in old and old[k] != getattr(opts, k)]
 
 
+def _lora_base_problem(meta: Mapping[str, Any], opts: Options) -> str | None:
+    """Why this command's LoRA base is not the one the checkpoint's adapters trained on (weights it recorded, or the
+    base its run made from scratch), or None (also for a run without adapters)."""
+    from qtrain.train.checkpoint_checks import LORA_META  # here: at the top it closes an import cycle
+    if not meta.get(LORA_META):
+        return None
+    weights_dir = resolve_model(opts.model, from_scratch=opts.from_scratch).weights_dir
+    return (lora_base_change(meta.get(LORA_BASE_META), weights_dir)
+            or scratch_base_change(meta["options"], weights_dir, opts.init_proj_to_zero))
+
+
 # automatic choices that change the numbers: left unset on `--continue`, each is taken as the checkpoint's run made it
 # (a checkpoint written before the FP8 head backward became auto records it off, then the default)
 PINNED_ON_RESUME = ("fp8_head_backward",)
@@ -205,8 +216,7 @@ def review(path: str, meta: Mapping[str, Any], opts: Options, *, world: int, tra
         raise ResumeError(f"--continue {path}: {how} ends before the checkpoint's step {step}: its weights have "
                           f"trained {step} steps. Resume it with --steps {step} or more, resume an earlier checkpoint "
                           f"(--continue STEP), or export it with `qtrain export`")
-    if meta.get(LORA_BASE_META) and (why := lora_base_change(
-            meta[LORA_BASE_META], resolve_model(opts.model, from_scratch=opts.from_scratch).weights_dir)):
+    if (why := _lora_base_problem(meta, opts)) is not None:
         raise ResumeError(f"--continue {path}: {why}; resume with that base, or export the adapters (`qtrain export`) "
                           f"and start a new run on this base with --lora-init-from")
     data_problems, notes = _data_problems(meta, opts, train_pattern)

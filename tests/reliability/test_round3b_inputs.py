@@ -1,0 +1,56 @@
+"""Round three b (hostile pass 4): resuming and changing layouts with the newer modes. Each case gives `qtrain
+train --continue` (or export) a change that alters what the checkpoint's state means and asserts the bad-input
+table's contract (tests/reliability/test_bad_inputs.py's `run_case`): exit code 2, one line naming the option or
+file, nothing under the root changed."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qtrain.cli.main import main
+from tests.reliability.test_bad_inputs import Case, run_case
+from tests.reliability.test_lora_inputs import base_weights
+from tests.run_utils import make_run_root, train_argv
+
+
+@pytest.fixture(scope="module")
+def scratch_lora(tmp_path_factory) -> Path:
+    """A finished 2-step LoRA run `lr` whose base the run made from scratch (--seed 42's init), and root/w: weights
+    of the same config."""
+    root = make_run_root(tmp_path_factory.mktemp("scratch_lora"))
+    assert main(train_argv(root, steps=2, name="lr", extra=("--lora-rank", "4", "--quiet"))) == 0
+    base_weights(root / "w", 1)
+    return root
+
+
+def _resume_on_weights(root: Path) -> list[str]:
+    argv = train_argv(root, steps=4, name="lr", model=root / "w", extra=("--lora-rank", "4", "--continue"))
+    return [a for a in argv if a != "--from-scratch"]
+
+
+SCRATCH_BASE_CASES = [
+    # the adapters trained on the seed's random init: resuming them on real weights trains them on another base
+    Case("continue-scratch-lora-on-weights", _resume_on_weights,
+         r"--continue .*: the LoRA base of the checkpoint's run was made from scratch \(--seed 42\), this run reads "
+         r"the weights in .*/w"),
+    # a base made from scratch is the seed's init with the run's --init-proj-to-zero: another is another base
+    Case("continue-scratch-lora-init-proj-to-zero",
+         lambda root: train_argv(root, steps=4, name="lr", extra=("--lora-rank", "4", "--init-proj-to-zero",
+                                                                  "--continue")),
+         r"--continue .*: the LoRA base of the checkpoint's run was made from scratch with --no-init-proj-to-zero, "
+         r"this run makes it with --init-proj-to-zero"),
+]
+
+
+@pytest.mark.parametrize("case", SCRATCH_BASE_CASES, ids=[c.name for c in SCRATCH_BASE_CASES])
+def test_scratch_lora_base_changed(case: Case, scratch_lora: Path, tmp_path: Path, capsys) -> None:
+    run_case(case, scratch_lora, tmp_path, capsys)
+
+
+def test_scratch_lora_resumes_on_its_own_base(scratch_lora: Path, tmp_path: Path) -> None:
+    """The same from-scratch command resumes (the refusal above is about the base only)."""
+    import shutil
+    root = tmp_path / "root"
+    shutil.copytree(scratch_lora, root)
+    assert main(train_argv(root, steps=3, name="lr", extra=("--lora-rank", "4", "--continue", "--quiet"))) == 0
