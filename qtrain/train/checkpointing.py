@@ -220,7 +220,9 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
     if (err := _agree(ctx, err)) is not None:
         raise CheckpointError(err)
     if committer:
-        protect = [p] if (p := newest_finite(ckpt_dir)) else []
+        # the checkpoint just written is this run's newest state, whatever steps beside it are numbered higher (a
+        # run resumed from an earlier checkpoint: the older run's later ones stay too, keep-n counting them)
+        protect = [final] + ([p] if (p := newest_finite(ckpt_dir)) else [])
         removed = cio.clean_old_checkpoints(ckpt_dir, keep_n, major, protect=protect) if keep_n >= 0 else []
         fault_point("ckpt.saved")
         if ctx.is_main:

@@ -54,3 +54,20 @@ def test_scratch_lora_resumes_on_its_own_base(scratch_lora: Path, tmp_path: Path
     root = tmp_path / "root"
     shutil.copytree(scratch_lora, root)
     assert main(train_argv(root, steps=3, name="lr", extra=("--lora-rank", "4", "--continue", "--quiet"))) == 0
+
+
+def test_keep_n_never_deletes_the_checkpoint_it_just_wrote(tmp_path: Path, capsys) -> None:
+    """A run resumed from an earlier checkpoint (`--continue 2` while step 6 is there) with --ckpt-keep-n 1: the
+    checkpoints it writes are its work, and the one it ends with is what it names; keep-n counted the older run's
+    step 6 as the newest and deleted the resumed run's step 4 the moment it was written (its work lost, and a later
+    plain --continue went on from the other step 6)."""
+    import json
+    root = make_run_root(tmp_path)
+    assert main(train_argv(root, steps=6, ckpt_keep_n=10, extra=("--quiet",))) == 0
+    capsys.readouterr()
+    assert main(train_argv(root, steps=4, ckpt_keep_n=1, extra=("--continue", "2"))) == 0
+    out = capsys.readouterr().out
+    mine = root / "ckpt" / "run" / "step_00000004"
+    assert f"checkpoint: {mine}" in out
+    assert json.loads((mine / "checkpoint.json").read_text())["step"] == 4
+    assert not (root / "ckpt" / "run" / "step_00000002").exists()  # keep-n still removes the older ones
