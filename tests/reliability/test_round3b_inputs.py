@@ -71,3 +71,24 @@ def test_keep_n_never_deletes_the_checkpoint_it_just_wrote(tmp_path: Path, capsy
     assert f"checkpoint: {mine}" in out
     assert json.loads((mine / "checkpoint.json").read_text())["step"] == 4
     assert not (root / "ckpt" / "run" / "step_00000002").exists()  # keep-n still removes the older ones
+
+
+FP8_AUTO = dict(model_dtype="bf16", matmul_dtype="e4m3", fp8_min_size=0, fp8_min_block_gflop=0.0015)
+
+
+def test_continue_says_when_the_fp8_policy_chooses_other_linears(tmp_path: Path, capsys) -> None:
+    """--fp8-policy auto chooses the FP8 linears by the micro-batch's tokens, and another split of the same global
+    batch is a resume qtrain accepts: the tiny model's block does 0.0018 GFLOP at 2 x 16 tokens (all four linears in
+    e4m3 above the 0.0015 threshold) and half that at 1 x 16 (none). The resumed run went on in bf16 with no line
+    saying that its precision changed at the checkpoint; the same split keeps the choice and says nothing."""
+    root = make_run_root(tmp_path)
+    assert main(train_argv(root, steps=4, ckpt_keep_n=10, batch_size=2, extra=("--quiet",), **FP8_AUTO)) == 0
+    capsys.readouterr()
+    assert main(train_argv(root, steps=4, batch_size=1, grad_accumulation=2, extra=("--continue", "2"),
+                           **FP8_AUTO)) == 0
+    out = capsys.readouterr().out
+    assert ("--continue: the block linears in FP8 (--fp8-policy auto) qkv, o, up, down -> none: micro-batches of 32 "
+            "-> 16 tokens (checkpoint step 2)") in out, out
+    assert main(train_argv(root, steps=4, batch_size=2, out_dir=root / "o2", log_file=root / "l2.jsonl",
+                           extra=("--continue", "2"), **FP8_AUTO)) == 0
+    assert "block linears in FP8" not in capsys.readouterr().out
