@@ -200,6 +200,18 @@ def _lora_base_problem(meta: Mapping[str, Any], opts: Options) -> str | None:
             or scratch_base_change(meta["options"], weights_dir, opts.init_proj_to_zero))
 
 
+def later_checkpoints(path: str, step: int) -> str | None:
+    """The line naming the checkpoints beside `path` of later steps than its `step` (a resume from an earlier one),
+    or None: the run writes those of the steps it reaches anew, and the newest stays what a plain --continue takes."""
+    from qtrain.train.checkpoint_io import list_checkpoints  # here: at the top it closes an import cycle
+    later = [p.name for s, p in list_checkpoints(Path(path).parent) if s > step]
+    if not later:
+        return None
+    return (f"--continue: the checkpoint directory holds later checkpoints of the run than step {step} "
+            f"({_names(later)}): this run replaces those of the steps it reaches, and a plain --continue resumes the "
+            f"newest of them (remove those you do not want resumed)")
+
+
 # what `resolution.fp8_choice` chooses the FP8 block linears by (--fp8-policy auto: the micro-batch's tokens)
 FP8_CHOICE_OPTIONS = ("model_dtype", "matmul_dtype", "batch_size", "seq_len", "fp8_policy", "fp8_min_size",
                       "fp8_min_block_gflop")
@@ -276,6 +288,8 @@ def review(path: str, meta: Mapping[str, Any], opts: Options, *, world: int, tra
         rv.notes.append(f"--new-data: the data position restarts at the start of the training data (the checkpoint "
                         f"was at {where})" + (f"; {', '.join(data_problems)}" if data_problems else ""))
     rv.pinned = pinned_choices(old, opts)
+    if line := later_checkpoints(path, step):
+        rv.notes.append(line)
     if cfg is not None and (line := fp8_change(old, opts, cfg, step)):
         rv.notes.append(line)
     skip = set(INVOCATION) | set(MUST_MATCH) | set(rv.pinned)

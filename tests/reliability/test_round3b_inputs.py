@@ -92,3 +92,20 @@ def test_continue_says_when_the_fp8_policy_chooses_other_linears(tmp_path: Path,
     assert main(train_argv(root, steps=4, batch_size=2, out_dir=root / "o2", log_file=root / "l2.jsonl",
                            extra=("--continue", "2"), **FP8_AUTO)) == 0
     assert "block linears in FP8" not in capsys.readouterr().out
+
+
+def test_continue_from_an_earlier_checkpoint_names_the_later_ones(tmp_path: Path, capsys) -> None:
+    """`--continue 2` while steps 4 and 6 of the run are there: this run writes its step 4 over the older one, and
+    step 6 (the other pass's) stays the newest, which a later plain --continue resumes; it said nothing of either."""
+    root = make_run_root(tmp_path)
+    assert main(train_argv(root, steps=6, extra=("--quiet",))) == 0
+    capsys.readouterr()
+    assert main(train_argv(root, steps=4, extra=("--continue", "2"))) == 0
+    out = capsys.readouterr().out
+    assert ("--continue: the checkpoint directory holds later checkpoints of the run than step 2 (step_00000004, "
+            "step_00000006): this run replaces those of the steps it reaches, and a plain --continue resumes the "
+            "newest of them (remove those you do not want resumed)") in out, out
+    assert (root / "ckpt" / "run" / "step_00000006").is_dir()  # nothing of the other pass is deleted unasked
+    assert main(train_argv(root, steps=6, out_dir=root / "o2", log_file=root / "l2.jsonl",
+                           extra=("--continue", "latest"))) == 0
+    assert "later checkpoints" not in capsys.readouterr().out
