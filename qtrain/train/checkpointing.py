@@ -257,11 +257,11 @@ def check_compatible(path: str, meta: dict[str, Any], cfg: ModelConfig, opts: An
             f"run has {now}: resharding reads every rank's shards. Copy the other nodes' "
             f"{Path(path).name}/*.safetensors into this directory (drop \"ranks\" from {cio.META_FILE} and add their "
             f"\"{cio.DIGESTS}\" entries), or resume with {written} ranks on the same nodes")
+    given = {k: getattr(opts, k, meta["options"][k]) for k in MUST_MATCH}
     for k in MUST_MATCH:
         v = meta["options"][k]
-        if getattr(opts, k, v) != v:
-            raise CheckpointError(f"{path}: checkpoint has --{k.replace('_', '-')}={v!r}, this run "
-                                  f"{getattr(opts, k)!r}")
+        if cmeta.must_match_value(given, k) != cmeta.must_match_value(meta["options"], k):
+            raise CheckpointError(f"{path}: checkpoint has --{k.replace('_', '-')}={v!r}, this run {given[k]!r}")
     mine = spec_from_options(vars(opts), cfg) if hasattr(opts, "lora_rank") else None
     if (mine.record() if mine else None) != (meta.get(LORA_META) or None):
         raise CheckpointError(f"{path}: checkpoint has LoRA adapters {meta.get(LORA_META) or 'none'}, this run "

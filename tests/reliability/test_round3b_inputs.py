@@ -4,6 +4,7 @@ table's contract (tests/reliability/test_bad_inputs.py's `run_case`): exit code 
 file, nothing under the root changed."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,17 @@ def test_continue_from_an_earlier_checkpoint_names_the_later_ones(tmp_path: Path
     assert main(train_argv(root, steps=6, out_dir=root / "o2", log_file=root / "l2.jsonl",
                            extra=("--continue", "latest"))) == 0
     assert "later checkpoints" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("first,then", [((), ("--master-dtype", "bf16")), (("--master-dtype", "bf16"), ())],
+                         ids=["unset-then-bf16", "bf16-then-unset"])
+def test_the_master_dtype_as_given_or_implied_is_the_same(first, then, tmp_path: Path, capsys) -> None:
+    """--master-dtype '' means the model dtype: a bf16 run resumed with --master-dtype bf16 (or the other way) holds
+    the same state, and was refused ("checkpoint has --master-dtype='', this run 'bf16'"); another master dtype is
+    still refused."""
+    root = make_run_root(tmp_path)
+    assert main(train_argv(root, steps=2, model_dtype="bf16", extra=("--quiet", *first))) == 0
+    assert main(train_argv(root, steps=3, model_dtype="bf16", extra=("--quiet", "--continue", *then))) == 0
+    capsys.readouterr()
+    assert main(train_argv(root, steps=4, model_dtype="bf16", master_dtype="fp32", extra=("--continue",))) == 2
+    assert re.search(r"checkpoint has --master-dtype='?(bf16)?'?, this run 'fp32'", capsys.readouterr().err)
