@@ -107,7 +107,8 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, t
     qtrain export wrote never are. A LoRA checkpoint is written as its PEFT adapter, or with `lora_merge` as the
     merged model: its adapters folded into the run's base (`base_model`: where that base is now, default the run's
     --model; its config must be the checkpoint's)."""
-    path = cio.find_checkpoint(ckpt_dir, step)
+    # `ckpt_dir` as a path: a run's checkpoint directory (its newest), or one step_N itself (--help)
+    path = cio.find_checkpoint(ckpt_dir, step if step is not None else ckpt_dir)
     if path is None:
         have = [s for s, _ in cio.list_checkpoints(ckpt_dir)]
         raise CheckpointError(f"--checkpoint-dir {ckpt_dir}: no checkpoint" + (f" of step {step}" if step is not None

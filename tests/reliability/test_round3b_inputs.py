@@ -124,3 +124,17 @@ def test_the_master_dtype_as_given_or_implied_is_the_same(first, then, tmp_path:
     capsys.readouterr()
     assert main(train_argv(root, steps=4, model_dtype="bf16", master_dtype="fp32", extra=("--continue",))) == 2
     assert re.search(r"checkpoint has --master-dtype='?(bf16)?'?, this run 'fp32'", capsys.readouterr().err)
+
+
+def test_export_takes_one_checkpoint_as_its_help_says(tmp_path: Path, capsys) -> None:
+    """`qtrain export --checkpoint-dir` takes "a run's checkpoint directory (ckpt/NAME), or one step_N" (its help),
+    and an interrupted export says to run `qtrain export --checkpoint-dir .../step_N --out-dir ...` again: a step_N
+    was "no checkpoint" (the way out it names failed)."""
+    import json
+    root = make_run_root(tmp_path)
+    assert main(train_argv(root, steps=4, extra=("--quiet",))) == 0
+    one = root / "ckpt" / "run" / "step_00000002"
+    assert main(["export", "--checkpoint-dir", str(one), "--out-dir", str(root / "x")]) == 0, capsys.readouterr().err
+    assert json.loads((root / "x" / "qtrain-export.json").read_text())["step"] == 2
+    assert main(["export", "--checkpoint-dir", str(one), "--step", "4", "--out-dir", str(root / "y")]) == 2
+    assert "step_00000002: no checkpoint of step 4" in capsys.readouterr().err
