@@ -138,3 +138,25 @@ def test_export_takes_one_checkpoint_as_its_help_says(tmp_path: Path, capsys) ->
     assert json.loads((root / "x" / "qtrain-export.json").read_text())["step"] == 2
     assert main(["export", "--checkpoint-dir", str(one), "--step", "4", "--out-dir", str(root / "y")]) == 2
     assert "step_00000002: no checkpoint of step 4" in capsys.readouterr().err
+
+
+def test_an_interrupted_merge_export_says_how_to_finish_it_merged(tmp_path: Path, capsys) -> None:
+    """A `qtrain export --lora-merge` killed between its renames: the readers refuse the folder and say to run the
+    export again; that command lacked --lora-merge, so following it wrote the PEFT adapter where the merged model was
+    asked for. The command it names now finishes the merged model."""
+    import shlex
+    from tests.run_utils import qtrain_run
+    root = make_run_root(tmp_path)
+    assert main(train_argv(root, steps=2, name="lr", extra=("--lora-rank", "4", "--quiet"))) == 0
+    merged = root / "merged"
+    r = qtrain_run(["export", "--checkpoint-dir", str(root / "ckpt" / "lr"), "--lora-merge", "--out-dir", str(merged)],
+                   cwd=root, timeout=120, QTRAIN_FAULT="export.rename:2")
+    assert r.returncode == -9, r.stderr[-2000:]
+    capsys.readouterr()
+    assert main(["eval", "--model", str(merged), "--eval-file", str(root / "eval.bin"), "--seq-len", "16",
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    found = re.search(r"run `qtrain (export [^`]*)` again", err)
+    assert found and "--lora-merge" in found.group(1), err
+    assert main(shlex.split(found.group(1))) == 0
+    assert (merged / "model.safetensors").is_file() and not (merged / "adapter_config.json").exists()
