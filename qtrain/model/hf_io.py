@@ -78,6 +78,14 @@ def load_model_config(model_dir: str | os.PathLike) -> ModelConfig:
     return config_from_json_file(d / "config.json")
 
 
+def export_command(man: Mapping[str, Any], out_dir: str) -> str:
+    """The `qtrain export` command that writes the export a manifest of `qtrain export` describes (its checkpoint,
+    and for a merged LoRA model --lora-merge and the --base-model it was given) into `out_dir`."""
+    merge = " --lora-merge" if man.get("lora_merge") is True else ""
+    base = f" --base-model {shorten(str(man['base_model']))}" if merge and man.get("base_model") else ""
+    return f"qtrain export --checkpoint-dir {shorten(str(man['checkpoint']))}{merge}{base} --out-dir {out_dir}"
+
+
 def check_export_complete(model_dir: str | os.PathLike) -> dict[str, Any] | None:
     """The manifest of the qtrain export in `model_dir` (None: no qtrain export there, a plain HF directory);
     IncompleteExportError when it says the export is incomplete, with how to finish it."""
@@ -86,7 +94,7 @@ def check_export_complete(model_dir: str | os.PathLike) -> dict[str, Any] | None
         return man
     d = shorten(str(model_dir))
     if man.get("checkpoint"):
-        how = f"run `qtrain export --checkpoint-dir {shorten(str(man['checkpoint']))} --out-dir {d}` again"
+        how = f"run `{export_command(man, d)}` again"
     elif man.get("name"):
         how = f"resume run {shorten(str(man['name']), 60)} (`qtrain train ... --continue`) or re-export it"
     else:

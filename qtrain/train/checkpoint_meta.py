@@ -60,6 +60,13 @@ LORA_BASE_META = "lora_base"
 TOKENIZER_DIR = "tokenizer"  # the tokenizer files a run exports with, copied into each of its checkpoints (version 2)
 # options that must match for a resume to continue the same run (every version records them)
 MUST_MATCH = ("model_dtype", "master_dtype", "opt_m_dtype", "opt_v_dtype", "seed")
+
+
+def must_match_value(options: Mapping[str, Any], key: str) -> Any:
+    """The value of MUST_MATCH's `key` that the state depends on, in a run's options: --master-dtype '' is the model
+    dtype (a run resumed with it given holds the same state)."""
+    v = options.get(key)
+    return (v or options.get("model_dtype")) if key == "master_dtype" else v
 _MAX_INT = 2 ** 62  # larger counts are no run's
 _MAX_WORLD = 1 << 20
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -122,6 +129,23 @@ def lora_base_change(record: Mapping[str, Any] | None, weights_dir: str | None) 
         if not same_content(old[name], new[name]):
             return (f"the LoRA base {shorten(new[name]['path'])} was {describe_change(old[name], new[name])} since "
                     f"the checkpoint (the adapters trained on the weights as they were)")
+    return None
+
+
+def scratch_base_change(old: Mapping[str, Any], weights_dir: str | None, init_proj_to_zero: bool) -> str | None:
+    """Why this run's LoRA base (`weights_dir`, None: made from scratch with `init_proj_to_zero`) is not the one a
+    checkpoint's run made from scratch (`old`: its options; the seed is MUST_MATCH's), or None. Such a run records
+    no `lora_base` (there are no files): its base is the seed's init, made again on `--continue`."""
+    if not old.get("from_scratch"):
+        return None
+    made = "the LoRA base of the checkpoint's run was made from scratch"
+    if weights_dir is not None:
+        return f"{made} (--seed {old.get('seed')}), this run reads the weights in {shorten(weights_dir)}"
+    if bool(old.get("init_proj_to_zero")) != init_proj_to_zero:
+        def flag(on: bool) -> str:
+            return "--init-proj-to-zero" if on else "--no-init-proj-to-zero"
+        was = bool(old.get("init_proj_to_zero"))
+        return f"{made} with {flag(was)}, this run makes it with {flag(init_proj_to_zero)}"
     return None
 
 

@@ -220,7 +220,9 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
     if (err := _agree(ctx, err)) is not None:
         raise CheckpointError(err)
     if committer:
-        protect = [p] if (p := newest_finite(ckpt_dir)) else []
+        # the checkpoint just written is this run's newest state, whatever steps beside it are numbered higher (a
+        # run resumed from an earlier checkpoint: the older run's later ones stay too, keep-n counting them)
+        protect = [final] + ([p] if (p := newest_finite(ckpt_dir)) else [])
         removed = cio.clean_old_checkpoints(ckpt_dir, keep_n, major, protect=protect) if keep_n >= 0 else []
         fault_point("ckpt.saved")
         if ctx.is_main:
@@ -255,11 +257,11 @@ def check_compatible(path: str, meta: dict[str, Any], cfg: ModelConfig, opts: An
             f"run has {now}: resharding reads every rank's shards. Copy the other nodes' "
             f"{Path(path).name}/*.safetensors into this directory (drop \"ranks\" from {cio.META_FILE} and add their "
             f"\"{cio.DIGESTS}\" entries), or resume with {written} ranks on the same nodes")
+    given = {k: getattr(opts, k, meta["options"][k]) for k in MUST_MATCH}
     for k in MUST_MATCH:
         v = meta["options"][k]
-        if getattr(opts, k, v) != v:
-            raise CheckpointError(f"{path}: checkpoint has --{k.replace('_', '-')}={v!r}, this run "
-                                  f"{getattr(opts, k)!r}")
+        if cmeta.must_match_value(given, k) != cmeta.must_match_value(meta["options"], k):
+            raise CheckpointError(f"{path}: checkpoint has --{k.replace('_', '-')}={v!r}, this run {given[k]!r}")
     mine = spec_from_options(vars(opts), cfg) if hasattr(opts, "lora_rank") else None
     if (mine.record() if mine else None) != (meta.get(LORA_META) or None):
         raise CheckpointError(f"{path}: checkpoint has LoRA adapters {meta.get(LORA_META) or 'none'}, this run "

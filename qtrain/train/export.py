@@ -10,6 +10,7 @@ same training state); the refusal names the newest checkpoint that does.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -107,7 +108,8 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, t
     qtrain export wrote never are. A LoRA checkpoint is written as its PEFT adapter, or with `lora_merge` as the
     merged model: its adapters folded into the run's base (`base_model`: where that base is now, default the run's
     --model; its config must be the checkpoint's)."""
-    path = cio.find_checkpoint(ckpt_dir, step)
+    # `ckpt_dir` as a path: a run's checkpoint directory (its newest), or one step_N itself (--help)
+    path = cio.find_checkpoint(ckpt_dir, step if step is not None else ckpt_dir)
     if path is None:
         have = [s for s, _ in cio.list_checkpoints(ckpt_dir)]
         raise CheckpointError(f"--checkpoint-dir {ckpt_dir}: no checkpoint" + (f" of step {step}" if step is not None
@@ -134,7 +136,8 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, t
         cfg, params, dtype = checkpoint_params(str(path))
         spec = export_tokenizer(explicit=tokenizer or (checkpoint_tokenizer(str(path)) or ""))
         owner = {"run_id": run_id, "name": (meta.get("run") or {}).get("name"), "step": meta.get("step"),
-                 "checkpoint": str(path)}
+                 "checkpoint": str(path), "lora_merge": True if base is not None else None,
+                 "base_model": os.path.abspath(base_model) if base is not None and base_model else None}
         owner = {k: v for k, v in owner.items() if v is not None}
         if base is not None:  # the adapters merged into the run's base (train/lora_export.py)
             opts = meta["options"]

@@ -156,7 +156,7 @@ def check_resume(opts: Options, cfg: ModelConfig, world: int, paths: run_dir.Run
         checkpointing.check_compatible(path, meta, cfg, opts, shards)
         checkpointing.check_resumable(path, meta, files, cfg, opts, shards, paths.ckpt_dir)
         review = resume_checks.review(path, meta, opts, world=world, train_pattern=train_pattern,
-                                      total_steps=total_steps, out_dir=paths.out_dir)
+                                      total_steps=total_steps, out_dir=paths.out_dir, cfg=cfg)
         run_id = (meta.get("run") or {}).get("id") or (
             found.ckpt_run if found.ckpt_run not in (None, run_dir.LEGACY) else run_dir.new_run_id())
         note = None if files.verified else checkpointing.unverified_note(path)

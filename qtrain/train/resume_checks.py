@@ -17,12 +17,15 @@ something else:
   flag; the checkpoint holds the adapters only.
 
 Every other changed option is accepted and reported, one line each (`Change`), in the console and the run log.
+So is a change of the block linears --fp8-policy auto puts in FP8 (it decides by the micro-batch, which another
+split of the same global batch changes: `fp8_change`).
 A checkpoint of an older qtrain (format 1) records five options and no files: what it lacks cannot be checked,
 and the resume says so. A run whose checkpoint is at its last step and whose export is complete has nothing to
 do (`Review.finished`).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,10 +35,11 @@ from qtrain.data.fingerprint import describe_change, fingerprint, same_content
 from qtrain.data.loader import position_error
 from qtrain.data.token_files import expand_files, read_token_file_header
 from qtrain.fsio import shorten
+from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import export_manifest, manifest_files
 from qtrain.model.resolve import resolve_model
 from qtrain.options import Options
-from qtrain.train.checkpoint_meta import LORA_BASE_META, MUST_MATCH, lora_base_change
+from qtrain.train.checkpoint_meta import LORA_BASE_META, MUST_MATCH, lora_base_change, scratch_base_change
 
 # how this command resumes and what it prints, not what the run is: never compared
 INVOCATION = ("continue_from", "new_data", "start_over", "override_schedule", "eval_at_start", "verbose", "quiet")
@@ -185,6 +189,52 @@ def _schedule_problems(meta: Mapping[str, Any], opts: Options, world: int) -> li
                        if k in old and old[k] != getattr(opts, k)]
 
 
+def _lora_base_problem(meta: Mapping[str, Any], opts: Options) -> str | None:
+    """Why this command's LoRA base is not the one the checkpoint's adapters trained on (weights it recorded, or the
+    base its run made from scratch), or None (also for a run without adapters)."""
+    from qtrain.train.checkpoint_checks import LORA_META  # here: at the top it closes an import cycle
+    if not meta.get(LORA_META):
+        return None
+    weights_dir = resolve_model(opts.model, from_scratch=opts.from_scratch).weights_dir
+    return (lora_base_change(meta.get(LORA_BASE_META), weights_dir)
+            or scratch_base_change(meta["options"], weights_dir, opts.init_proj_to_zero))
+
+
+def later_checkpoints(path: str, step: int) -> str | None:
+    """The line naming the checkpoints beside `path` of later steps than its `step` (a resume from an earlier one),
+    or None: the run writes those of the steps it reaches anew, and the newest stays what a plain --continue takes."""
+    from qtrain.train.checkpoint_io import list_checkpoints  # here: at the top it closes an import cycle
+    later = [p.name for s, p in list_checkpoints(Path(path).parent) if s > step]
+    if not later:
+        return None
+    return (f"--continue: the checkpoint directory holds later checkpoints of the run than step {step} "
+            f"({_names(later)}): this run replaces those of the steps it reaches, and a plain --continue resumes the "
+            f"newest of them (remove those you do not want resumed)")
+
+
+# what `resolution.fp8_choice` chooses the FP8 block linears by (--fp8-policy auto: the micro-batch's tokens)
+FP8_CHOICE_OPTIONS = ("model_dtype", "matmul_dtype", "batch_size", "seq_len", "fp8_policy", "fp8_min_size",
+                      "fp8_min_block_gflop")
+
+
+def fp8_change(old: Mapping[str, Any], opts: Options, cfg: ModelConfig, step: int) -> str | None:
+    """The line saying that this run puts other block linears in FP8 than the checkpoint's run did (--fp8-policy
+    auto decides by the micro-batch, which another split of the same global batch changes), or None."""
+    from qtrain.plan.resolution import fp8_choice  # here: at the top it closes an import cycle
+    try:
+        was = fp8_choice(cfg, dataclasses.replace(opts, **{k: old[k] for k in FP8_CHOICE_OPTIONS if k in old}))
+    except (ValueError, TypeError):  # a record this qtrain cannot choose from: its options lines say what changed
+        return None
+    now = fp8_choice(cfg, opts)
+    before, after = (tuple(c.fp8) if c is not None else () for c in (was, now))
+    if before == after or was is None or now is None:  # none, or --matmul-dtype's own change line says it
+        return None
+    return (f"--continue: the block linears in FP8 (--fp8-policy {opts.fp8_policy}) {', '.join(before) or 'none'} -> "
+            f"{', '.join(after) or 'none'}: micro-batches of {was.tokens} -> {now.tokens} tokens (checkpoint step "
+            f"{step}); the run's precision changes here (keep --batch-size {old.get('batch_size')} or pass "
+            f"--fp8-policy all to keep them)")
+
+
 # automatic choices that change the numbers: left unset on `--continue`, each is taken as the checkpoint's run made it
 # (a checkpoint written before the FP8 head backward became auto records it off, then the default)
 PINNED_ON_RESUME = ("fp8_head_backward",)
@@ -196,17 +246,17 @@ def pinned_choices(old: Mapping[str, Any], opts: Options) -> dict[str, Any]:
 
 
 def review(path: str, meta: Mapping[str, Any], opts: Options, *, world: int, train_pattern: str, total_steps: int,
-           out_dir: str) -> Review:
-    """Compare this command (`opts` on `world` ranks, its resolved training files and step count) with the
-    checkpoint at `path` (its meta, validated); ResumeError for a change the module docstring refuses."""
+           out_dir: str, cfg: ModelConfig | None = None) -> Review:
+    """Compare this command (`opts` on `world` ranks, its resolved training files and step count; `cfg`, the model,
+    for the automatic choices it reports) with the checkpoint at `path` (its meta, validated); ResumeError for a
+    change the module docstring refuses."""
     step, old, state, version = meta["step"], meta["options"], meta["data_loader"], meta["version"]
     if total_steps < step:
         how = f"--steps {opts.steps}" if opts.steps > 0 else f"--epochs {opts.epochs} ({total_steps} steps)"
         raise ResumeError(f"--continue {path}: {how} ends before the checkpoint's step {step}: its weights have "
                           f"trained {step} steps. Resume it with --steps {step} or more, resume an earlier checkpoint "
                           f"(--continue STEP), or export it with `qtrain export`")
-    if meta.get(LORA_BASE_META) and (why := lora_base_change(
-            meta[LORA_BASE_META], resolve_model(opts.model, from_scratch=opts.from_scratch).weights_dir)):
+    if (why := _lora_base_problem(meta, opts)) is not None:
         raise ResumeError(f"--continue {path}: {why}; resume with that base, or export the adapters (`qtrain export`) "
                           f"and start a new run on this base with --lora-init-from")
     data_problems, notes = _data_problems(meta, opts, train_pattern)
@@ -238,6 +288,10 @@ def review(path: str, meta: Mapping[str, Any], opts: Options, *, world: int, tra
         rv.notes.append(f"--new-data: the data position restarts at the start of the training data (the checkpoint "
                         f"was at {where})" + (f"; {', '.join(data_problems)}" if data_problems else ""))
     rv.pinned = pinned_choices(old, opts)
+    if line := later_checkpoints(path, step):
+        rv.notes.append(line)
+    if cfg is not None and (line := fp8_change(old, opts, cfg, step)):
+        rv.notes.append(line)
     skip = set(INVOCATION) | set(MUST_MATCH) | set(rv.pinned)
     rv.changes = sorted((Change(k, old[k], getattr(opts, k)) for k in Options.field_names() & old.keys()
                          if k not in skip and old[k] != getattr(opts, k)), key=lambda c: c.option)
