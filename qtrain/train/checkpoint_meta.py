@@ -61,12 +61,6 @@ TOKENIZER_DIR = "tokenizer"  # the tokenizer files a run exports with, copied in
 # options that must match for a resume to continue the same run (every version records them)
 MUST_MATCH = ("model_dtype", "master_dtype", "opt_m_dtype", "opt_v_dtype", "seed")
 
-
-def must_match_value(options: Mapping[str, Any], key: str) -> Any:
-    """The value of MUST_MATCH's `key` that the state depends on, in a run's options: --master-dtype '' is the model
-    dtype (a run resumed with it given holds the same state)."""
-    v = options.get(key)
-    return (v or options.get("model_dtype")) if key == "master_dtype" else v
 _MAX_INT = 2 ** 62  # larger counts are no run's
 _MAX_WORLD = 1 << 20
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -78,7 +72,15 @@ class MetaError(CheckpointError):
     """A checkpoint.json that does not have the shape qtrain writes; the message names the file and the field."""
 
 
+def must_match_value(options: Mapping[str, Any], key: str) -> Any:
+    """The value of MUST_MATCH's `key` that the state depends on, in a run's options: --master-dtype '' is the model
+    dtype (a run resumed with it given holds the same state)."""
+    v = options.get(key)
+    return (v or options.get("model_dtype")) if key == "master_dtype" else v
+
+
 # ---------------------------------------------------------------------------------------------- writing
+
 
 def options_record(opts: Options, run: Any = None) -> dict[str, Any]:
     """Every resolved option of the run (what `--continue` compares a later command with). `run`: its
