@@ -139,8 +139,10 @@ def _global_batch(o: Mapping[str, Any], world: int) -> int:
     return int(o["batch_size"]) * int(o["grad_accumulation"]) * world
 
 
-def _finished(meta: Mapping[str, Any], out_dir: str) -> tuple[bool, str]:
-    """(whether the export in `out_dir` is this run's, of the checkpoint's step, complete; why not)."""
+def _finished(meta: Mapping[str, Any], out_dir: str, lora_merge: bool = False) -> tuple[bool, str]:
+    """(whether the export in `out_dir` is this run's, of the checkpoint's step, complete, and for a LoRA run the
+    kind this command asks for -- the adapter, or with `lora_merge` the merged model; why not)."""
+    from qtrain.train.checkpoint_checks import LORA_META  # here: at the top it closes an import cycle
     man = export_manifest(out_dir)
     run_id = (meta.get("run") or {}).get("id")
     if man is None:
@@ -151,6 +153,9 @@ def _finished(meta: Mapping[str, Any], out_dir: str) -> tuple[bool, str]:
         return False, f"of step {shorten(man.get('step'))}"
     if man.get("complete") is not True or not all((Path(out_dir) / n).is_file() for n in manifest_files(man)):
         return False, "incomplete"
+    if meta.get(LORA_META) and ("adapter_config.json" not in manifest_files(man)) != lora_merge:
+        return False, ("the merged model, not the adapter this command asks for" if not lora_merge else
+                       "the adapter, not the merged model --lora-merge asks for")
     return True, ""
 
 
@@ -296,7 +301,7 @@ def review(path: str, meta: Mapping[str, Any], opts: Options, *, world: int, tra
     rv.changes = sorted((Change(k, old[k], getattr(opts, k)) for k in Options.field_names() & old.keys()
                          if k not in skip and old[k] != getattr(opts, k)), key=lambda c: c.option)
     if total_steps == step:
-        done, why = _finished(meta, out_dir)
+        done, why = _finished(meta, out_dir, opts.lora_merge)
         run = meta.get("run") or {}
         who = f"run {run.get('name') or '?'} ({str(run.get('id') or '?')[:8]})"
         if done:

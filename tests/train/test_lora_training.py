@@ -151,6 +151,21 @@ def test_export_lora_merge_from_checkpoint(root):
     assert (adapted - want).abs().max() <= 1e-4 * want.abs().max()
 
 
+def test_a_finished_run_continued_with_lora_merge_writes_the_merged_model(root):
+    """A finished LoRA run holds its adapter export; `--continue --lora-merge` asks for the merged model, which is not
+    there: it is written (the run's own --lora-merge's bits), not "nothing to do"; continued again, it is done."""
+    assert main(_argv(root, "fm", steps=2)) == 0
+    out = root / "out" / "fm"
+    assert (out / "adapter_config.json").is_file() and not (out / "model.safetensors").exists()
+    assert main(_argv(root, "fm", "--continue", "--lora-merge", steps=2)) == 0
+    assert (out / "model.safetensors").is_file() and not (out / "adapter_config.json").exists()
+    assert main(_argv(root, "fmm", "--lora-merge", steps=2)) == 0  # the same run merged from the start
+    assert (out / "model.safetensors").read_bytes() == (root / "out" / "fmm" / "model.safetensors").read_bytes()
+    before = (out / "model.safetensors").stat().st_mtime_ns
+    assert main(_argv(root, "fm", "--continue", "--lora-merge", steps=2)) == 0  # finished: nothing to do
+    assert (out / "model.safetensors").stat().st_mtime_ns == before
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
 def test_moe_and_hybrid_families_train_adapters_only(family, tmp_path):
     """`qtrain train --lora-rank` on an MoE model (qwen3_moe: attention targets; its experts and routers frozen) and on
