@@ -37,6 +37,7 @@ from qtrain.data.token_files import expand_files, read_token_file_header
 from qtrain.fsio import shorten
 from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import export_manifest, manifest_files
+from qtrain.model.lora.peft_io import CONFIG_FILE as ADAPTER_CONFIG
 from qtrain.model.resolve import resolve_model
 from qtrain.options import Options
 from qtrain.train.checkpoint_meta import LORA_BASE_META, MUST_MATCH, lora_base_change, scratch_base_change
@@ -153,7 +154,7 @@ def _finished(meta: Mapping[str, Any], out_dir: str, lora_merge: bool = False) -
         return False, f"of step {shorten(man.get('step'))}"
     if man.get("complete") is not True or not all((Path(out_dir) / n).is_file() for n in manifest_files(man)):
         return False, "incomplete"
-    if meta.get(LORA_META) and ("adapter_config.json" not in manifest_files(man)) != lora_merge:
+    if meta.get(LORA_META) and (ADAPTER_CONFIG not in manifest_files(man)) != lora_merge:
         return False, ("the merged model, not the adapter this command asks for" if not lora_merge else
                        "the adapter, not the merged model --lora-merge asks for")
     return True, ""
