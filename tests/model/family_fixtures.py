@@ -50,11 +50,11 @@ MOE_CASES = {
 }
 
 
-def moe_hf_model(case: str, seed: int = 3):
-    """transformers' model of MoE case `case`, every tensor random."""
+def moe_hf_model(case: str, seed: int = 3, **over):
+    """transformers' model of MoE case `case` (config fields `over` replaced), every tensor random."""
     import transformers
     cls, kw = MOE_CASES[case]
-    hf_cfg = getattr(transformers, cls)(**MOE_BASE, **kw)
+    hf_cfg = getattr(transformers, cls)(**MOE_BASE, **{**kw, **over})
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa").float()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # every tensor random (HF starts norms at 1 and the routers at 0)

@@ -23,6 +23,7 @@ from qtrain.model.lora import LoraAdapter  # noqa: E402
 from qtrain.model.lora.checks import spec_from_options  # noqa: E402
 from qtrain.model.lora.merge import merged_params  # noqa: E402
 from qtrain.model.lora.peft_io import read_adapter  # noqa: E402
+from qtrain.model.lora.spec import LoraError  # noqa: E402
 from qtrain.model.registry import config_from_hf_dict  # noqa: E402
 from qtrain.model.transformer import RunOptions, Transformer  # noqa: E402
 from qtrain.model.weights import internal_to_hf  # noqa: E402
@@ -33,8 +34,10 @@ from tests.model.test_lora import _close, _qtrain, adapter_grads  # noqa: E402
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 PEFT_CONFIGS = {  # case -> (MoE fixture, LoraConfig keywords): how a peft user adapts the experts
+    # every layer routed, as Qwen3-30B-A3B (the fixture's dense layer: test_peft_adapter_of_a_dense_mlp_...)
     "qwen3_moe": ("qwen3_moe", dict(target_modules=ATTN + ["gate_proj", "up_proj", "down_proj"])),
     "olmoe": ("olmoe", dict(target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"])),
+    "mixtral-v4-names": ("mixtral", dict(target_modules=["q_proj", "w1", "w2", "w3"])),  # transformers 4's names
     "mixtral": ("mixtral", dict(target_modules=["o_proj"], target_parameters=EXPERTS,
                                 rank_pattern={r".*\.gate_up_proj": 8}, alpha_pattern={r".*\.gate_up_proj": 10})),
 }
@@ -43,7 +46,7 @@ PEFT_CONFIGS = {  # case -> (MoE fixture, LoraConfig keywords): how a peft user 
 @pytest.mark.parametrize("case", list(PEFT_CONFIGS))
 def test_peft_made_expert_adapter_loads_and_merges(case, tmp_path):
     fixture, kw = PEFT_CONFIGS[case]
-    model = ff.moe_hf_model(fixture).float().eval()
+    model = ff.moe_hf_model(fixture, **({"mlp_only_layers": []} if fixture == "qwen3_moe" else {})).float().eval()
     model.save_pretrained(tmp_path / "base")
     cfg = config_from_hf_dict(model.config.to_dict())
     pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=5, init_lora_weights=False, **kw))
@@ -79,6 +82,27 @@ def test_peft_made_expert_adapter_loads_and_merges(case, tmp_path):
     # peft's own merge of the expert parameters is the same model
     with torch.no_grad():
         _close(pm.merge_and_unload()(inputs).logits, want)
+
+
+def test_peft_adapter_of_a_dense_mlp_in_an_moe_model(tmp_path):
+    """peft >= 0.22 adapts the MLP of an MoE model's dense layer (mlp_only_layers) too for target_modules
+    gate_proj/up_proj/down_proj, which qtrain does not (its targets there are the experts): such an adapter is refused
+    in one line naming the tensor; with an older peft (experts only) it loads."""
+    from packaging.version import Version
+    model = ff.moe_hf_model("qwen3_moe").float().eval()  # layer 1 dense
+    assert model.config.mlp_only_layers == [1]
+    cfg = config_from_hf_dict(model.config.to_dict())
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=5, target_modules=ATTN + [
+        "gate_proj", "up_proj", "down_proj"]))
+    pm.save_pretrained(tmp_path / "p")
+    spec = spec_from_options({"lora_rank": 4, "lora_init_from": str(tmp_path / "p")}, cfg)
+    if Version(peft.__version__) < Version("0.22"):
+        assert read_adapter(str(tmp_path / "p"), cfg, spec, load=False) is None
+        return
+    with pytest.raises(LoraError, match=r"has tensor base_model\.model\.model\.layers\.1\.mlp\.\w+_proj\.lora_.\.weight: an "
+                                        r"adapter of a dense layer's MLP in an MoE model") as e:
+        read_adapter(str(tmp_path / "p"), cfg, spec, load=False)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3])

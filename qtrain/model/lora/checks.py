@@ -17,7 +17,8 @@ from qtrain.model.config import ModelConfig
 from qtrain.model.registry import family_of
 from qtrain.model.lora.peft_io import CONFIG_FILE, read_adapter, read_config
 from qtrain.model.lora.spec import DEFAULT_TARGETS, LoraError, LoraSpec, default_alpha, parse_targets
-from qtrain.model.lora.tensors import EXPERT_MATRICES, adapted_experts, expert_targets, known_targets, layer_targets
+from qtrain.model.lora.tensors import (EXPERT_MATRICES, adapted_experts, expert_targets, known_targets, layer_targets,
+                                       peft_v4_expert_modules)
 from qtrain.model.weights import statements
 
 
@@ -113,8 +114,9 @@ def _adapter_targets(init_from: str, cfg: ModelConfig, rank: int) -> list[str]:
     params = d.get("target_parameters") if isinstance(d, dict) else None
     params = [params] if isinstance(params, str) else params if isinstance(params, list) else []
     experts = {param: names for param, names in EXPERT_MATRICES.values()}  # 'gate_up_proj' -> ('gate', 'up')
-    return [str(m).rsplit(".", 1)[-1] for m in modules] + [n for p in params
-                                                           for n in experts.get(str(p).rsplit(".", 1)[-1], ())]
+    v4 = peft_v4_expert_modules(params)  # peft >= 0.22's names of the expert parameters: named by those below
+    return [str(m).rsplit(".", 1)[-1] for m in modules if str(m) not in v4] + [
+        n for p in params for n in experts.get(str(p).rsplit(".", 1)[-1], ())]
 
 
 def spec_from_record(d: Any) -> LoraSpec | None:

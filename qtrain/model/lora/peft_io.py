@@ -12,12 +12,14 @@ Adapters of an MoE model's experts (tensors.py) are peft's `target_parameters` (
 `mlp.experts.down_proj`), with gate_up's rank and alpha doubled by `rank_pattern`/`alpha_pattern` ('.*\\.gate_up_proj',
 as peft's own conversion of target_modules gate_proj + up_proj writes them). peft's ParamWrapper refuses any
 lora_dropout, so such an adapter is written with lora_dropout 0 (dropout changes training only, not what the adapter
-computes).
+computes). peft >= 0.22 also keeps the transformers-4 names it converted (gate_proj, up_proj, down_proj; Mixtral's
+w1, w3, w2) in target_modules: accepted beside the expert parameters they name.
 """
 from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -28,13 +30,15 @@ from qtrain.fsio import CONFIG_MAX_BYTES, InputError, check_regular_file, read_j
 from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import FLOAT_DTYPES, IncompleteExportError, check_export_complete, write_export
 from qtrain.model.lora.spec import LoraError, LoraSpec
-from qtrain.model.lora.tensors import EXPERT_MATRICES, adapter_specs, base_module_names, base_parameter_names
+from qtrain.model.lora.tensors import (EXPERT_MATRICES, adapter_specs, base_module_names, base_parameter_names,
+                                       peft_v4_expert_modules)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # fields of adapter_config.json that change what the adapter computes, and the only value qtrain implements
 _PLAIN = {"use_dora": False, "use_rslora": False, "bias": "none", "fan_in_fan_out": False,
           "layers_to_transform": None, "modules_to_save": None}
+_DENSE_MLP_ADAPTER = re.compile(r"\.mlp\.(gate|up|down)_proj\.lora_[AB]\.weight$")  # a dense MLP's adapter key
 GATE_UP_PATTERN = r".*\.gate_up_proj"  # peft's rank_pattern / alpha_pattern key of the experts' fused gate_up_proj
 
 
@@ -111,14 +115,16 @@ def read_config(adapter_dir: str, cfg: ModelConfig, spec: LoraSpec, *, option: s
     r = d.get("r")
     if r != spec.rank:
         raise LoraError(f"{where}: r={shorten(repr(r))}, this run's --lora-rank is {spec.rank}")
+    params = d.get("target_parameters") or []
+    params = [params] if isinstance(params, str) else params
     modules = d.get("target_modules")
     modules = [modules] if isinstance(modules, str) else modules
     want = base_module_names(cfg, spec)
-    if not isinstance(modules, list) or sorted(map(str, modules)) != sorted(want):
+    # peft >= 0.22 keeps the experts' transformers-4 names (gate_proj, ...) beside the target_parameters it made of them
+    v4 = peft_v4_expert_modules(params) if isinstance(params, list) else set()
+    if not isinstance(modules, list) or not set(want) <= set(map(str, modules)) <= set(want) | v4:
         raise LoraError(f"{where}: target_modules {shorten(repr(modules))} differ from this run's --lora-targets "
                         f"({', '.join(want)})")
-    params = d.get("target_parameters") or []
-    params = [params] if isinstance(params, str) else params
     want = base_parameter_names(cfg, spec)
     if not isinstance(params, list) or sorted(str(p).rsplit(".", 1)[-1] for p in params) != sorted(
             p.rsplit(".", 1)[-1] for p in want):
@@ -155,6 +161,11 @@ def read_adapter(adapter_dir: str, cfg: ModelConfig, spec: LoraSpec, *, option: 
             keys = set(f.keys())
             missing, extra = sorted(set(want) - keys), sorted(keys - set(want))
             if missing or extra:
+                dense = [k for k in extra if getattr(cfg, "router", None) and _DENSE_MLP_ADAPTER.search(k)]
+                if not missing and dense:
+                    raise LoraError(f"{where}: has tensor {shorten(dense[0])}: an adapter of a dense layer's MLP in "
+                                    "an MoE model (peft >= 0.22 adapts those for target_modules gate_proj/up_proj/"
+                                    "down_proj); qtrain adapts only the experts of an MoE model's MLPs")
                 what = f"has no tensor {missing[0]}" if missing else f"has unexpected tensor {shorten(extra[0])}"
                 raise LoraError(f"{where}: {what} (an adapter of another base model, rank or targets?)")
             for k, shape in want.items():

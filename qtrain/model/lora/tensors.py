@@ -43,6 +43,9 @@ PEFT_PREFIX = "base_model.model."  # peft's prefix of the base model's module na
 MLP_MATRICES = ("up", "down")  # a dense MLP's block matrices (Llama family, Qwen3.5)
 EXPERTS_MODULE = "mlp.experts"  # transformers 5's module of a routed layer's experts (every MoE family qtrain has)
 EXPERT_MATRICES = {"experts_up_gate": ("gate_up_proj", ("gate", "up")), "experts_down": ("down_proj", ("down",))}
+# the transformers-4 module names of each fused expert parameter, which peft >= 0.22 keeps in an adapter's
+# target_modules beside the target_parameters it converted them to (Qwen-style names, and Mixtral's w1/w3/w2)
+PEFT_V4_EXPERT_MODULES = {"gate_up_proj": ("gate_proj", "up_proj", "w1", "w3"), "down_proj": ("down_proj", "w2")}
 
 
 @dataclass(frozen=True)
@@ -66,8 +69,9 @@ def layer_targets(cfg: ModelConfig, layer: int) -> dict[str, Target]:
     """Every target block `layer` offers, by name, in block order: the HF modules (`.weight` parts under
     `<hf_prefix>layers.{layer}.`) of the block matrices that run through the block's linear, where the adapter term is
     added (the family's `fp8_matrices`: not a router, an MoE's experts or shared-expert gate, which the block
-    multiplies itself). In an MoE model the dense MLP matrices of its dense layers are not targets either: peft maps
-    gate_proj/up_proj/down_proj of such a model onto its experts, so an adapter of them would not load as trained."""
+    multiplies itself). In an MoE model the dense MLP matrices of its dense layers are not targets either: peft < 0.22
+    maps gate_proj/up_proj/down_proj of such a model onto its experts only, so an adapter of them would not load as
+    trained (peft >= 0.22 adapts both; --lora-init-from refuses such an adapter, peft_io.read_adapter)."""
     out, prefix, linears = {}, _layer_prefix(cfg, layer), family_of(cfg).fp8_matrices
     if getattr(cfg, "router", None):
         linears = tuple(m for m in linears if m not in MLP_MATRICES)
@@ -191,6 +195,12 @@ def base_module_names(cfg: ModelConfig, spec: LoraSpec) -> list[str]:
         out.update(dict.fromkeys(t.module.rsplit(".", 1)[-1] for t in layer_targets(cfg, layer).values()
                                  if t.name in spec.targets))
     return list(out)
+
+
+def peft_v4_expert_modules(target_parameters: list[str]) -> set[str]:
+    """The transformers-4 module names an adapter's `target_modules` may list for the expert parameters it adapts
+    (`PEFT_V4_EXPERT_MODULES`): names peft >= 0.22 writes beside the converted target_parameters."""
+    return {m for p in target_parameters for m in PEFT_V4_EXPERT_MODULES.get(str(p).rsplit(".", 1)[-1], ())}
 
 
 def base_parameter_names(cfg: ModelConfig, spec: LoraSpec) -> list[str]:
