@@ -87,6 +87,7 @@ def _evaluate(model_dir, eval_file, *, seq_len, batch_size, device, dtype, max_b
     from qtrain.options import OptionsError
     from qtrain.parallel.weights.replicated import ParamWeights
     from qtrain.plan.resolution import check_delta_rule_precision, resolve_delta_rule_precision
+    from qtrain.train.preflight import check_seq_len
 
     if seq_len <= 0 or batch_size <= 0 or (max_batches is not None and max_batches <= 0):
         raise OptionsError(f"qtrain eval: --seq-len, --batch-size and --max-batches must be positive, got "
@@ -97,6 +98,7 @@ def _evaluate(model_dir, eval_file, *, seq_len, batch_size, device, dtype, max_b
     d = resolve_model_dir(os.fspath(model_dir))
     cfg = load_model_config(d)
     check_delta_rule_precision(delta_rule_precision, cfg)
+    check_seq_len(seq_len, cfg, "qtrain eval: ")
     # the data first: a file it cannot use (or score with document masks) is refused before the weights load
     loader = TokenLoader(eval_file, seq_len, shuffle=False, model_vocab_size=cfg.vocab_size,
                          document_masking=document_masking,

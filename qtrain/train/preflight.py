@@ -84,6 +84,15 @@ def resolve(opts: Options, cfg: ModelConfig, world: int) -> RunResolution:
     return resolve_run(cfg, opts, world=world, device=device, gpu_memory=total)
 
 
+def check_seq_len(seq_len: int, cfg: ModelConfig, prefix: str = "") -> None:
+    """--seq-len within the positions the model was made for (RoPE scaling, the config's rope_scaling, extends them):
+    beyond them its logits mean nothing (train and eval alike)."""
+    if seq_len > cfg.context_length:
+        scaled = f" ({cfg.rope_scaling['rope_type']} rope scaling: {cfg.context_length})" if cfg.rope_scaling else ""
+        raise OptionsError(f"{prefix}--seq-len {seq_len} exceeds the model's max_position_embeddings "
+                           f"{cfg.max_position_embeddings}{scaled}")
+
+
 def check_model(opts: Options) -> ModelConfig:
     """The model's config and, when weights are loaded, their headers; the export's tokenizer files; and what
     the options ask of it."""
@@ -96,10 +105,7 @@ def check_model(opts: Options) -> ModelConfig:
         raise OptionsError(f"--fp8-head-backward: the model's vocab_size {cfg.vocab_size} and hidden_size "
                            f"{cfg.hidden_size} must be multiples of 16 (cuBLASLt's FP8 GEMMs); drop the option")
     spec_from_options(vars(opts), cfg, check_adapter=True)  # LoRA: targets, rank, the --lora-init-from adapter
-    if opts.seq_len > cfg.context_length:  # RoPE scaling (model config's rope_scaling) extends the positions
-        scaled = f" ({cfg.rope_scaling['rope_type']} rope scaling: {cfg.context_length})" if cfg.rope_scaling else ""
-        raise OptionsError(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings "
-                           f"{cfg.max_position_embeddings}{scaled}")
+    check_seq_len(opts.seq_len, cfg)
     check_model_support(cfg, opts, device_type=_device_type(opts))  # MoE: no CUDA graphs, no sharded weights, ...
     return cfg
 

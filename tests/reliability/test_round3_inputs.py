@@ -74,6 +74,8 @@ CASES = [
                                              "{root}/tokenizer.json", "--prompt", "hi", "--device", "cpu"),
          ADAPTER, adapter_dir),
     # a ValueError from the LM head's kernel after the weights had loaded: a traceback, exit code 1
+    Case("eval-seq-len-beyond-positions", evaluate("--seq-len", "10000000"),
+         r"qtrain eval: --seq-len 10000000 exceeds the model's max_position_embeddings \d+"),
     Case("eval-lmhead-chunks-0", evaluate("--lmhead-chunks", "0"), r"--lmhead-chunks must be >= 1, got 0"),
     Case("eval-lmhead-chunks-negative", evaluate("--lmhead-chunks", "-2"), r"--lmhead-chunks must be >= 1, got -2"),
     # every qtrain reader refuses an interrupted export (RELIABILITY, fault 8), the tokenizer's readers did not
