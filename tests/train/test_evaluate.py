@@ -110,8 +110,9 @@ def test_cli_json_and_errors(tmp_path, capsys):
     big = write_token_file(tmp_path / "big.bin", _tokens(5), vocab_size=V + 1)
     with pytest.raises(DataError, match="exceeds the model's vocab size"):
         evaluate_model(model_dir, big, seq_len=T, batch_size=B)
+    short = write_token_file(tmp_path / "short.bin", _tokens(6, n=T), vocab_size=V)
     with pytest.raises(DataError, match="too few"):
-        evaluate_model(model_dir, eval_file, seq_len=10 * N_TOKENS, batch_size=B)
+        evaluate_model(model_dir, short, seq_len=T, batch_size=B)
     with pytest.raises(ValueError, match="must be positive"):
         evaluate_model(model_dir, eval_file, seq_len=T, batch_size=0)
 
