@@ -17,3 +17,7 @@ DELTA_RULE_PRECISION_OPTIONS = ("auto", *DELTA_RULE_PRECISIONS)
 AUTO_DELTA_RULE_PRECISION = "tf32"
 FP8_MIN_SIZE = 400  # --fp8-min-size: a linear's GEMM size M*N*K/(M*K+M*N+N*K) from which FP8 pays
 FP8_MIN_BLOCK_GFLOP = 2600  # --fp8-min-block-gflop: a block's GFLOP per micro-step from which the GPU sets the pace
+# --swiglu-epilogue auto: quack's epilogue GEMMs (kernels/gated_mlp.py) from this many tokens per micro-batch (a rank's
+# B x T): against cuBLAS + the SwiGLU kernel, in training on one H100 (BENCHMARKS.md, 2026-12-07): 1.058x at 1.5B and
+# 1.021x at 0.5B with 32,768 tokens, 1.053x at 3B with 16,384; 0.996x at 3B with 8,192, 0.964x at 7B with 4,096
+SWIGLU_EPILOGUE_MIN_TOKENS = 16384

@@ -24,7 +24,8 @@ What is decided here, from options left at 'auto' or '' and from the device and 
     sdpa_backend         --sdpa-backend auto: cudnn for bf16 on Hopper GPUs (model/layers.resolve_sdpa_backend)
     delta_rule_precision --delta-rule-precision auto: tf32 (model/choices.AUTO_DELTA_RULE_PRECISION)
     swiglu_epilogue      --swiglu-epilogue auto: the compiled bf16 MLP through quack's epilogue GEMMs where it
-                         applies, the device is a Hopper GPU and quack imports (kernels/gated_mlp.py)
+                         applies, the device is a Hopper GPU, quack imports (kernels/gated_mlp.py) and a micro-batch
+                         holds SWIGLU_EPILOGUE_MIN_TOKENS tokens or more (smaller ones measured slower)
     gradients            the gradient manager: unsharded, reduce-scatter or all-to-all
     memory_changes       --fit-memory (on): where the plan of the given options does not fit a CUDA device of known
                          size, what long sequences take (plan/fit.py: LM head chunks, recompute, --offload-residual),
@@ -44,7 +45,7 @@ from typing import Any
 import torch
 
 from qtrain.kernels.grouped_gemm_fp8 import FP8_MULTIPLE
-from qtrain.model.choices import AUTO_DELTA_RULE_PRECISION
+from qtrain.model.choices import AUTO_DELTA_RULE_PRECISION, SWIGLU_EPILOGUE_MIN_TOKENS
 from qtrain.model.config import ModelConfig
 from qtrain.model.fp8_policy import Fp8Choice, block_gflop, choose_fp8
 from qtrain.model.layers import resolve_sdpa_backend
@@ -189,7 +190,9 @@ def swiglu_epilogue(cfg: ModelConfig, opts: Options, device: str, compiled: bool
                    if quack() is None else "")
     if why_not and opts.swiglu_epilogue == "on":
         raise OptionsError(f"--swiglu-epilogue on: {why_not}")
-    return not why_not and (opts.swiglu_epilogue == "on" or here)
+    # auto: where the epilogue GEMMs measured faster, micro-batches of SWIGLU_EPILOGUE_MIN_TOKENS tokens and more
+    tokens = opts.batch_size * opts.seq_len // opts.context_parallel
+    return not why_not and (opts.swiglu_epilogue == "on" or here and tokens >= SWIGLU_EPILOGUE_MIN_TOKENS)
 
 
 def persistent_quants(cfg: ModelConfig, opts: Options, fp8: Fp8Choice | None) -> tuple[str, ...]:

@@ -70,9 +70,15 @@ def test_on_a_cuda_device_it_needs_bf16_a_hopper_gpu_and_quack(monkeypatch):
         monkeypatch.setattr(hopper, "quack", lambda: lib)
         missing = "" if lib else "ModuleNotFoundError: No module named 'quack'"
         monkeypatch.setattr(hopper, "quack_missing", lambda: missing)
+        kw = {"batch_size": 16, "seq_len": 1024, **kw}  # 16,384 tokens a micro-batch: where auto turns it on
         return swiglu_epilogue(CFG, Options(model="x", **kw), "cuda", True, None, frozenset())
     assert decide(True, object()) is True  # auto: on
     assert decide(False, object()) is False and decide(True, None) is False  # auto: off, silently
+    # auto: off below SWIGLU_EPILOGUE_MIN_TOKENS tokens a micro-batch (measured slower there); on: as asked
+    assert decide(True, object(), batch_size=8) is False and decide(True, object(), batch_size=32, seq_len=512)
+    assert decide(True, object(), batch_size=32, context_parallel=2, seq_len=1024) is True
+    assert decide(True, object(), batch_size=16, context_parallel=2, seq_len=1024) is False  # a rank's 8,192
+    assert decide(True, object(), batch_size=1, swiglu_epilogue="on") is True
     with pytest.raises(OptionsError, match="^--swiglu-epilogue on: needs --model-dtype bf16$"):
         decide(True, object(), swiglu_epilogue="on", model_dtype="fp32")
     with pytest.raises(OptionsError, match=r"^--swiglu-epilogue on: needs a Hopper GPU \(sm90\)$"):
