@@ -27,7 +27,7 @@ from bench.compat import qtrain
 from bench.dry import divisor_or_one, tiny_model_dir
 from bench.shapes import model_arg
 
-RUN_KEYS = ("model", "batch", "accum", "steps", "seq", "warmup", "device", "layers")
+RUN_KEYS = ("model", "batch", "accum", "steps", "seq", "warmup", "device", "layers", "probe_saved")
 
 
 def make_options(model: str, batch: int, accum: int, seq: int, device: str, options: dict):
@@ -41,8 +41,30 @@ def make_options(model: str, batch: int, accum: int, seq: int, device: str, opti
                    learning_rate=1e-4, device=device, **options)
 
 
+def saved_tensors(tr, inp: torch.Tensor, tgt: torch.Tensor, scale: float) -> dict:
+    """What one micro-step keeps for backward, from autograd's pack hook (compiled graphs' saved tensors included):
+    the storages it saw, each once, by dtype and shape, MiB per layer (a check of the plan's activation terms)."""
+    seen: dict[int, tuple[str, tuple[int, ...], int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == tr.device.type:
+            st = t.untyped_storage()
+            seen.setdefault(st.data_ptr(), (str(t.dtype).removeprefix("torch."), tuple(t.shape), st.nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        tr.micro_step(inp, tgt, loss_scale=scale)
+    L = tr.cfg.num_hidden_layers
+    by: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    for dtype, shape, n in seen.values():
+        by.setdefault((dtype, shape), []).append(n)
+    rows = sorted(((sum(v), len(v), k) for k, v in by.items()), reverse=True)
+    return {"saved_mib_per_layer": round(sum(r[0] for r in rows) / L / 2**20, 1),
+            "saved": "; ".join(f"{d} {list(sh)} x{c / L:g}/layer {b / L / 2**20:.1f} MiB" for b, c, (d, sh) in rows[:14])}
+
+
 def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, warmup: int = 3, device: str = "cuda",
-        layers: int | None = None, **options) -> dict:
+        layers: int | None = None, probe_saved: bool = False, **options) -> dict:
     options.setdefault("compile", "on")
     opts = make_options(model_arg(model, layers), batch, accum, seq, device, options)
     cuda = torch.device(device).type == "cuda"
@@ -81,6 +103,8 @@ def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, warmup:
                plan_gib=round(plan_bytes / 2**30, 2), layers=tr.cfg.num_hidden_layers)
     if getattr(tr, "fp8", None) is not None:  # --matmul-dtype e4m3: the linears --fp8-policy put in FP8
         res["fp8"] = "/".join(tr.fp8.fp8) or "none"
+    if cuda and probe_saved:  # after the timed steps: the probe's hook slows its own micro-step only
+        res.update(saved_tensors(tr, inp, tgt, scale))
     if cuda:
         peak = torch.cuda.max_memory_allocated()
         mfu = qtrain("mfu_bf16")(tps, tr.cfg, seq, torch.cuda.get_device_name())
