@@ -115,7 +115,8 @@ def _adapter_targets(init_from: str, cfg: ModelConfig, rank: int) -> list[str]:
     params = [params] if isinstance(params, str) else params if isinstance(params, list) else []
     experts = {param: names for param, names in EXPERT_MATRICES.values()}  # 'gate_up_proj' -> ('gate', 'up')
     v4 = peft_v4_expert_modules(params)  # peft >= 0.22's names of the expert parameters: named by those below
-    return [str(m).rsplit(".", 1)[-1] for m in modules if str(m) not in v4] + [
+    leaves = [str(m).rsplit(".", 1)[-1] for m in modules]
+    return [m for m in leaves if m not in v4] + [
         n for p in params for n in experts.get(str(p).rsplit(".", 1)[-1], ())]
 
 
