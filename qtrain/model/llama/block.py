@@ -83,6 +83,13 @@ class _Saved:
         return 0 if self.s.frozen_base else self.lin
 
     @property
+    def fp8_inputs(self) -> bool:
+        """The FP8 linears keep e4m3 copies of their inputs, not the model-dtype ones: FP8 over a trained base. Over a
+        frozen one (LoRA) they keep nothing for a weight gradient and the adapters keep the model-dtype inputs (the
+        saved tensors listed on an H100 were those of a bf16 base: Qwen2.5-7B LoRA, 8 x 1024, session 36)."""
+        return self.s.fp8 and not self.s.frozen_base
+
+    @property
     def f8_in(self) -> int:  # an e4m3 copy of a linear's input, kept for its weight gradient (none for a frozen base)
         return 0 if self.s.frozen_base else self.f8
 
@@ -95,7 +102,7 @@ class _Saved:
         """e4m3 copies of the two norm outputs (the QKV and MLP-up inputs): compiled, the partitioner rebuilds them
         from what it keeps, unless they are opaque ops (--fp8-keep-transposes)."""
         kt = self.s.compiled and self.s.fp8 and self.s.fp8_keep_transposes
-        return self.f8 if (kt or not self.s.compiled) else 0
+        return 0 if self.s.frozen_base else self.f8 if (kt or not self.s.compiled) else 0
 
 
 class LlamaBlock:
@@ -168,7 +175,7 @@ class LlamaBlock:
         partitioner rebuilds it from the residual and rstd where rstd is kept; where LN1 is recomputed itself
         (--recompute-att, --recompute-norm) the output, the QKV region's input, is kept. Over a frozen base (LoRA;
         eager) the gain keeps no normalized value and the output is kept for q/k/v's adapters or a recomputed QKV."""
-        C, E, rc, fp8 = a.cfg.hidden_size, a.E, a.rc, a.s.fp8
+        C, E, rc, fp8 = a.cfg.hidden_size, a.E, a.rc, a.fp8_inputs
         dropped = "norm" in rc or "att" in rc
         if not a.s.compiled:
             return [ActTerm("ln1", a.up * C + 4 + a.gain * C + (E if "qkv" in rc else a.lin_of("qkv")) * C,
@@ -279,7 +286,7 @@ class LlamaBlock:
         with --recompute-ffn the partitioner keeps one more (B, T, C) tensor than its steps' inputs); RMSNorm-2's
         rstd and output, and eager its normalized value and the up linear's input (over a frozen base: no normalized
         value, and the input only for up/gate's adapters)."""
-        C, E, rc, fp8 = a.cfg.hidden_size, a.E, a.rc, a.s.fp8
+        C, E, rc, fp8 = a.cfg.hidden_size, a.E, a.rc, a.fp8_inputs
         dropped = "norm" in rc or "ffn" in rc
         if a.s.compiled:
             return [ActTerm("res_att", E * C, a.blk, "residual after attention"),
@@ -313,7 +320,7 @@ class LlamaBlock:
         quantization is traceable: measured on the CPU and on the H200 at 14B e4m3; none with --swiglu-epilogue, whose
         op keeps the up/gate output and rewrites the SwiGLU output in backward). Over a frozen base (eager) the
         down linear keeps its input only for down's adapter, and no e4m3 copies."""
-        C, Fi, E, rc, fp8 = a.cfg.hidden_size, a.cfg.intermediate_size, a.E, a.rc, a.s.fp8
+        C, Fi, E, rc, fp8 = a.cfg.hidden_size, a.cfg.intermediate_size, a.E, a.rc, a.fp8_inputs
         if a.s.compiled:
             terms = [ActTerm("mlp_up", 2 * Fi * E + a.f8_norm_out * C, "ffn" not in rc,
                              "fused up/gate output (B, T, 2F)" + (" + e4m3 copy of the MLP input" if a.f8_norm_out
