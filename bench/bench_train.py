@@ -54,13 +54,32 @@ def saved_tensors(tr, inp: torch.Tensor, tgt: torch.Tensor, scale: float) -> dic
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         tr.micro_step(inp, tgt, loss_scale=scale)
+    held = _held_storages(tr.weights)  # the weights' own storages: saved by reference, not activations
     L = tr.cfg.num_hidden_layers
-    by: dict[tuple[str, tuple[int, ...]], list[int]] = {}
-    for dtype, shape, n in seen.values():
-        by.setdefault((dtype, shape), []).append(n)
+    by: dict[tuple[str, tuple[int, ...], bool], list[int]] = {}
+    for ptr, (dtype, shape, n) in seen.items():
+        by.setdefault((dtype, shape, ptr in held), []).append(n)
     rows = sorted(((sum(v), len(v), k) for k, v in by.items()), reverse=True)
-    return {"saved_mib_per_layer": round(sum(r[0] for r in rows) / L / 2**20, 1),
-            "saved": "; ".join(f"{d} {list(sh)} x{c / L:g}/layer {b / L / 2**20:.1f} MiB" for b, c, (d, sh) in rows[:14])}
+    return {"saved_mib_per_layer": round(sum(r[0] for r in rows if not r[2][2]) / L / 2**20, 1),
+            "saved": "; ".join(f"{d} {list(sh)}{' (held)' if h else ''} x{c / L:g}/layer {b / L / 2**20:.1f} MiB"
+                               for b, c, (d, sh, h) in rows[:16])}
+
+
+def _held_storages(obj, depth: int = 0, out: set[int] | None = None) -> set[int]:
+    """The storage addresses of every tensor the weight source holds (its attributes, dicts, lists and their objects, 4 deep)."""
+    out = set() if out is None else out
+    if isinstance(obj, torch.Tensor):
+        out.add(obj.untyped_storage().data_ptr())
+    elif depth < 4 and isinstance(obj, dict):
+        for v in obj.values():
+            _held_storages(v, depth + 1, out)
+    elif depth < 4 and isinstance(obj, (list, tuple)):
+        for v in obj:
+            _held_storages(v, depth + 1, out)
+    elif depth < 3 and hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for v in vars(obj).values():
+            _held_storages(v, depth + 1, out)
+    return out
 
 
 def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, warmup: int = 3, device: str = "cuda",
