@@ -6,7 +6,9 @@ Two ways, the same value up to the GEMM's rounding:
   its cached weight copy (forward and input-gradient GEMMs in FP8; no weight gradient is asked for).
 - Elsewhere (the CPU, fp32 activations, other shapes): `_DequantLinear`, which dequantizes the codes to the
   activation's dtype inside its forward and again inside its backward and saves only the codes and the scale, so no
-  copy of the weight in a wider dtype outlives one GEMM (autograd keeps the codes, 1 byte per element).
+  copy of the weight in a wider dtype outlives one GEMM (autograd keeps the codes, 1 byte per element); the two
+  products are opaque ops (`dequant_linear`, `dequant_linear_input_grad`), so a compiled block cannot keep the
+  dequantized weight from forward to backward either.
 
 `dequantize(q, s, dtype)` = (q.float() * s).to(dtype): the one definition of the weight these codes stand for (the
 tests build their reference base from it).
@@ -28,19 +30,45 @@ def dequantize(codes: Tensor, inv_scale: Tensor, dtype: torch.dtype) -> Tensor:
     return (codes.float() * inv_scale).to(dtype)
 
 
+# The two products as opaque ops, the weight dequantized inside each: traced by torch.compile as one op each, a
+# compiled block's partitioner cannot keep the dequantized weight from forward to backward (inductor's did: a
+# model-dtype copy of every block matrix alive until the backward, 2 bytes a parameter, measured on the CPU)
+@torch.library.custom_op("qtrain::dequant_linear", mutates_args=())
+def dequant_linear(x: Tensor, codes: Tensor, inv: Tensor, bias: Tensor | None) -> Tensor:
+    """x W^T + bias, W = dequantize(codes, inv, x.dtype)."""
+    return F.linear(x, dequantize(codes, inv, x.dtype), bias)
+
+
+@dequant_linear.register_fake
+def _(x: Tensor, codes: Tensor, inv: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty(*x.shape[:-1], codes.shape[0])
+
+
+@torch.library.custom_op("qtrain::dequant_linear_input_grad", mutates_args=())
+def dequant_linear_input_grad(dy: Tensor, codes: Tensor, inv: Tensor) -> Tensor:
+    """dy W, W = dequantize(codes, inv, dy.dtype): the input's gradient."""
+    return dy @ dequantize(codes, inv, dy.dtype)
+
+
+@dequant_linear_input_grad.register_fake
+def _(dy: Tensor, codes: Tensor, inv: Tensor) -> Tensor:
+    return dy.new_empty(*dy.shape[:-1], codes.shape[1])
+
+
 class _DequantLinear(torch.autograd.Function):
-    """y = x W^T + b with W = dequantize(codes, inv) made in forward and again in backward (module docstring)."""
+    """y = x W^T + b with W = dequantize(codes, inv) made in forward and again in backward, each inside its op
+    (module docstring)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, codes: Tensor, inv: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(codes, inv)
         ctx.has_bias = bias is not None
-        return F.linear(x, dequantize(codes, inv, x.dtype), bias)
+        return dequant_linear(x, codes, inv, bias)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         codes, inv = ctx.saved_tensors
-        dx = dy @ dequantize(codes, inv, dy.dtype) if ctx.needs_input_grad[0] else None
+        dx = dequant_linear_input_grad(dy, codes, inv) if ctx.needs_input_grad[0] else None
         db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
         return dx, None, None, db
 

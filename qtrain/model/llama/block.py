@@ -82,12 +82,11 @@ class _Saved:
             return self.E
         return 0 if self.s.frozen_base else self.lin
 
-    @property
-    def fp8_inputs(self) -> bool:
-        """The FP8 linears keep e4m3 copies of their inputs, not the model-dtype ones: FP8 over a trained base. Over a
-        frozen one (LoRA) they keep nothing for a weight gradient and the adapters keep the model-dtype inputs (the
-        saved tensors listed on an H100 were those of a bf16 base: Qwen2.5-7B LoRA, 8 x 1024, session 36)."""
-        return self.s.fp8 and not self.s.frozen_base
+    def keeps_input(self, matrix: str) -> bool:
+        """Whether a compiled block keeps `matrix`'s model-dtype input: for the weight's gradient unless the linear
+        is FP8 (an e4m3 copy instead); over a frozen base (LoRA) only for the adapter that reads it, FP8 or not (on an
+        H100 the saved tensors of Qwen2.5-7B LoRA over an e4m3 base were those over a bf16 base, session 36)."""
+        return matrix in self.s.adapter_inputs if self.s.frozen_base else not self.s.fp8
 
     @property
     def f8_in(self) -> int:  # an e4m3 copy of a linear's input, kept for its weight gradient (none for a frozen base)
@@ -100,7 +99,8 @@ class _Saved:
     @property
     def f8_norm_out(self) -> int:
         """e4m3 copies of the two norm outputs (the QKV and MLP-up inputs): compiled, the partitioner rebuilds them
-        from what it keeps, unless they are opaque ops (--fp8-keep-transposes)."""
+        from what it keeps, unless they are opaque ops (--fp8-keep-transposes); none over a frozen base (no weight
+        gradient)."""
         kt = self.s.compiled and self.s.fp8 and self.s.fp8_keep_transposes
         return 0 if self.s.frozen_base else self.f8 if (kt or not self.s.compiled) else 0
 
@@ -175,13 +175,13 @@ class LlamaBlock:
         partitioner rebuilds it from the residual and rstd where rstd is kept; where LN1 is recomputed itself
         (--recompute-att, --recompute-norm) the output, the QKV region's input, is kept. Over a frozen base (LoRA;
         eager) the gain keeps no normalized value and the output is kept for q/k/v's adapters or a recomputed QKV."""
-        C, E, rc, fp8 = a.cfg.hidden_size, a.E, a.rc, a.fp8_inputs
+        C, E, rc = a.cfg.hidden_size, a.E, a.rc
         dropped = "norm" in rc or "att" in rc
         if not a.s.compiled:
             return [ActTerm("ln1", a.up * C + 4 + a.gain * C + (E if "qkv" in rc else a.lin_of("qkv")) * C,
                             not dropped, "RMSNorm-1 fp32 copy, rstd, normalized, output")]
         return [ActTerm("ln1", 4, not dropped, "RMSNorm-1 rstd"),
-                ActTerm("ln1_out", E * C if (not fp8 or "att" in rc or "norm" in rc) else 0,
+                ActTerm("ln1_out", E * C if (a.keeps_input("qkv") or "att" in rc or "norm" in rc) else 0,
                         a.blk and ("qkv" in rc or "norm" not in rc),
                         "RMSNorm-1 output" + (" (input of the recomputed QKV step)" if "qkv" in rc else ""))]
 
@@ -286,12 +286,12 @@ class LlamaBlock:
         with --recompute-ffn the partitioner keeps one more (B, T, C) tensor than its steps' inputs); RMSNorm-2's
         rstd and output, and eager its normalized value and the up linear's input (over a frozen base: no normalized
         value, and the input only for up/gate's adapters)."""
-        C, E, rc, fp8 = a.cfg.hidden_size, a.E, a.rc, a.fp8_inputs
+        C, E, rc = a.cfg.hidden_size, a.E, a.rc
         dropped = "norm" in rc or "ffn" in rc
         if a.s.compiled:
             return [ActTerm("res_att", E * C, a.blk, "residual after attention"),
                     ActTerm("ffn_extra", E * C, a.blk and "ffn" in rc, "kept by the partitioner with --recompute-ffn"),
-                    ActTerm("ln2", 4 + (0 if fp8 else E * C), not dropped, "RMSNorm-2 rstd + output")]
+                    ActTerm("ln2", 4 + (E * C if a.keeps_input("up") else 0), not dropped, "RMSNorm-2 rstd + output")]
         res = E * C if (dropped or E == 4) else 4 * C
         return [ActTerm("res_att", res, a.blk,
                         "residual after attention" + ("" if res == E * C else " (as RMSNorm-2's fp32 copy)")),
@@ -320,14 +320,16 @@ class LlamaBlock:
         quantization is traceable: measured on the CPU and on the H200 at 14B e4m3; none with --swiglu-epilogue, whose
         op keeps the up/gate output and rewrites the SwiGLU output in backward). Over a frozen base (eager) the
         down linear keeps its input only for down's adapter, and no e4m3 copies."""
-        C, Fi, E, rc, fp8 = a.cfg.hidden_size, a.cfg.intermediate_size, a.E, a.rc, a.fp8_inputs
+        C, Fi, E, rc = a.cfg.hidden_size, a.cfg.intermediate_size, a.E, a.rc
         if a.s.compiled:
             terms = [ActTerm("mlp_up", 2 * Fi * E + a.f8_norm_out * C, "ffn" not in rc,
                              "fused up/gate output (B, T, 2F)" + (" + e4m3 copy of the MLP input" if a.f8_norm_out
                                                                   else "")),
                      # --swiglu-epilogue: the down projection's gradient GEMM rewrites the SwiGLU output
-                     ActTerm("swiglu", 0 if fp8 or a.s.swiglu_epilogue else E * Fi, "swiglu" not in rc,
-                             "SwiGLU output")]
+                     ActTerm("swiglu", 0 if a.s.swiglu_epilogue else E * Fi if a.keeps_input("down")
+                             else Fi if a.s.frozen_base and a.s.fp8 else 0, "swiglu" not in rc,
+                             "SwiGLU output (over a frozen base in FP8 without down's adapter: the FP8 MLP's e4m3 "
+                             "copy)" if a.s.frozen_base and a.s.fp8 and not a.keeps_input("down") else "SwiGLU output")]
         else:
             terms = [ActTerm("mlp_up", 2 * Fi * E + a.f8_in * C, "ffn" not in rc,
                              "fused up/gate output (B, T, 2F)"),
