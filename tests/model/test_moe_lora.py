@@ -37,7 +37,8 @@ PEFT_CONFIGS = {  # case -> (MoE fixture, LoraConfig keywords): how a peft user 
     # every layer routed, as Qwen3-30B-A3B (the fixture's dense layer: test_peft_adapter_of_a_dense_mlp_...)
     "qwen3_moe": ("qwen3_moe", dict(target_modules=ATTN + ["gate_proj", "up_proj", "down_proj"])),
     "olmoe": ("olmoe", dict(target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"])),
-    "mixtral-v4-names": ("mixtral", dict(target_modules=["q_proj", "w1", "w2", "w3"])),  # transformers 4's names
+    # transformers 4's names, which peft converts to target_parameters
+    "mixtral-v4-names": ("mixtral", dict(target_modules=["q_proj", "w1", "w2", "w3"])),
     "mixtral": ("mixtral", dict(target_modules=["o_proj"], target_parameters=EXPERTS,
                                 rank_pattern={r".*\.gate_up_proj": 8}, alpha_pattern={r".*\.gate_up_proj": 10})),
 }
@@ -100,7 +101,7 @@ def test_peft_adapter_of_a_dense_mlp_in_an_moe_model(tmp_path):
         assert read_adapter(str(tmp_path / "p"), cfg, spec, load=False) is None
         return
     with pytest.raises(LoraError, match=r"has tensor base_model\.model\.model\.layers\.1\.mlp\.\w+_proj\.lora_.\.weight: an "
-                                        r"adapter of a dense layer's MLP in an MoE model") as e:
+                                        r"adapter of a dense MLP or shared expert in an MoE model") as e:
         read_adapter(str(tmp_path / "p"), cfg, spec, load=False)
     assert "\n" not in str(e.value)
 
@@ -123,3 +124,20 @@ def test_recompute_gives_the_same_expert_adapter_gradients_bitwise(dropout, tmp_
         assert torch.equal(out[0][k], out[1][k]) and torch.equal(out[0][k], out[2][k]), k
         if "experts" in k:
             assert torch.equal(out[0][k], out[3][k]) == (dropout == 0), k
+
+
+def test_peft_adapter_of_a_shared_expert_is_refused_in_one_line(tmp_path):
+    """target_modules gate_proj/up_proj/down_proj over a Qwen3.5-MoE model: peft adapts its shared experts' linears
+    (nn.Linear), which qtrain does not adapt (its MLP targets there are the routed experts): refused in one line
+    that says so, not as an adapter of another model."""
+    model = ff.qwen35_hf_model(ff.qwen35_cfg(moe=True))
+    cfg = config_from_hf_dict(model.config.to_dict())
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=5, target_modules=ATTN[:1] + [
+        "gate_proj", "up_proj", "down_proj"], target_parameters=EXPERTS, rank_pattern={r".*\.gate_up_proj": 8},
+        alpha_pattern={r".*\.gate_up_proj": 10}))
+    pm.save_pretrained(tmp_path / "p")
+    spec = spec_from_options({"lora_rank": 4, "lora_init_from": str(tmp_path / "p")}, cfg)
+    with pytest.raises(LoraError, match=r"has tensor .*\.mlp\.shared_expert\.\w+_proj\.lora_.\.weight: an adapter of "
+                                        r"a dense MLP or shared expert in an MoE model") as e:
+        read_adapter(str(tmp_path / "p"), cfg, spec, load=False)
+    assert "\n" not in str(e.value)

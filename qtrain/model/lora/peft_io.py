@@ -12,8 +12,10 @@ Adapters of an MoE model's experts (tensors.py) are peft's `target_parameters` (
 `mlp.experts.down_proj`), with gate_up's rank and alpha doubled by `rank_pattern`/`alpha_pattern` ('.*\\.gate_up_proj',
 as peft's own conversion of target_modules gate_proj + up_proj writes them). peft's ParamWrapper refuses any
 lora_dropout, so such an adapter is written with lora_dropout 0 (dropout changes training only, not what the adapter
-computes). peft >= 0.22 also keeps the transformers-4 names it converted (gate_proj, up_proj, down_proj; Mixtral's
-w1, w3, w2) in target_modules: accepted beside the expert parameters they name.
+computes). peft >= 0.22 keeps a transformers-4 name it converted (gate_proj, up_proj, down_proj) in target_modules
+where a linear of that name exists too (a dense layer's MLP, a shared expert) and adapts that linear as well: the
+name is accepted beside the expert parameters it names, the adapter's tensors of those linears are refused with a
+message that says why (qtrain adapts only the routed experts of an MoE model's MLPs).
 """
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 # fields of adapter_config.json that change what the adapter computes, and the only value qtrain implements
 _PLAIN = {"use_dora": False, "use_rslora": False, "bias": "none", "fan_in_fan_out": False,
           "layers_to_transform": None, "modules_to_save": None}
-_DENSE_MLP_ADAPTER = re.compile(r"\.mlp\.(gate|up|down)_proj\.lora_[AB]\.weight$")  # a dense MLP's adapter key
+# the adapter key of a dense MLP's or a shared expert's projection (peft >= 0.22 adapts those in an MoE model too)
+_DENSE_MLP_ADAPTER = re.compile(r"\.mlp\.(shared_expert\.)?(gate|up|down)_proj\.lora_[AB]\.weight$")
 GATE_UP_PATTERN = r".*\.gate_up_proj"  # peft's rank_pattern / alpha_pattern key of the experts' fused gate_up_proj
 
 
@@ -163,9 +166,9 @@ def read_adapter(adapter_dir: str, cfg: ModelConfig, spec: LoraSpec, *, option: 
             if missing or extra:
                 dense = [k for k in extra if getattr(cfg, "router", None) and _DENSE_MLP_ADAPTER.search(k)]
                 if not missing and dense:
-                    raise LoraError(f"{where}: has tensor {shorten(dense[0])}: an adapter of a dense layer's MLP in "
-                                    "an MoE model (peft >= 0.22 adapts those for target_modules gate_proj/up_proj/"
-                                    "down_proj); qtrain adapts only the experts of an MoE model's MLPs")
+                    raise LoraError(f"{where}: has tensor {shorten(dense[0])}: an adapter of a dense MLP or shared "
+                                    "expert in an MoE model (peft >= 0.22 adapts those for target_modules gate_proj/"
+                                    "up_proj/down_proj); qtrain adapts only the routed experts of an MoE model's MLPs")
                 what = f"has no tensor {missing[0]}" if missing else f"has unexpected tensor {shorten(extra[0])}"
                 raise LoraError(f"{where}: {what} (an adapter of another base model, rank or targets?)")
             for k, shape in want.items():

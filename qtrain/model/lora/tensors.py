@@ -44,7 +44,8 @@ MLP_MATRICES = ("up", "down")  # a dense MLP's block matrices (Llama family, Qwe
 EXPERTS_MODULE = "mlp.experts"  # transformers 5's module of a routed layer's experts (every MoE family qtrain has)
 EXPERT_MATRICES = {"experts_up_gate": ("gate_up_proj", ("gate", "up")), "experts_down": ("down_proj", ("down",))}
 # the transformers-4 module names of each fused expert parameter, which peft >= 0.22 keeps in an adapter's
-# target_modules beside the target_parameters it converted them to (Qwen-style names, and Mixtral's w1/w3/w2)
+# target_modules beside the target_parameters it converted them to, where a linear of that name exists too (a dense
+# MLP, a shared expert; Mixtral's w1/w3/w2 are listed for completeness)
 PEFT_V4_EXPERT_MODULES = {"gate_up_proj": ("gate_proj", "up_proj", "w1", "w3"), "down_proj": ("down_proj", "w2")}
 
 
