@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import tempfile
 from pathlib import Path
 
@@ -44,6 +45,11 @@ def pytest_configure(config: pytest.Config) -> None:
     """Every test process (the interpreter's child pytest too) starts torch's CPU thread pool before its first op:
     the first parallel region can round wrongly (qtrain/cpu_threads.py)."""
     start_thread_pool()
+    # a run started as a background job of a non-interactive shell inherits SIGINT ignored, and so would every
+    # process a test starts (tee in tests/reliability/test_signals.py would then outlive its Ctrl-C): a handler here
+    # is reset to the default in each child at exec, as an interactive shell's foreground job has it
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
