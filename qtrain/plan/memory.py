@@ -318,10 +318,7 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
     lora = layout.lora
     adapter = LoraAdapter(cfg, lora) if lora is not None else None  # what the adapters keep and draw
     e4m3_base = lora is not None and lora.base_dtype == "e4m3"  # the FP8 linears keep the held codes, not copies
-    # over an e4m3 base the block keeps what it keeps over a model-dtype base: its FP8 linears make no weight gradient
-    # (no e4m3 input copies) and the adapters read the model-dtype inputs (the saved tensors listed on an H100 were the
-    # same, besides the codes, as over a bf16 base: Qwen2.5-7B 8 x 1024, session 36)
-    kw = dict(model_dtype=opts.model_dtype, matmul_dtype=matmul if (fp8 or matmul != "e4m3") and not e4m3_base else "",
+    kw = dict(model_dtype=opts.model_dtype, matmul_dtype=matmul if fp8 or matmul != "e4m3" else "",
               compiled=compiled, attn_chunks=attn_chunks, fp8_weight_copies=not (persistent_quants or e4m3_base),
               fp8_keep_transposes=keep_t, documents=opts.document_masking, seq_len=T // opts.context_parallel,
               fp8_experts=opts.fp8_experts, expert_parallel=opts.expert_parallel, swiglu_epilogue=swiglu_epilogue,

@@ -322,14 +322,16 @@ class LlamaBlock:
         down linear keeps its input only for down's adapter, and no e4m3 copies."""
         C, Fi, E, rc = a.cfg.hidden_size, a.cfg.intermediate_size, a.E, a.rc
         if a.s.compiled:
+            # over a frozen base in FP8 without down's adapter: the FP8 MLP's e4m3 copy of the SwiGLU output
+            e4m3_copy = a.s.frozen_base and a.s.fp8 and not a.keeps_input("down")
+            swiglu_term = ActTerm("swiglu", 0 if a.s.swiglu_epilogue else E * Fi if a.keeps_input("down")
+                                  else Fi if e4m3_copy else 0, "swiglu" not in rc,
+                                  "SwiGLU output" + (" (the FP8 MLP's e4m3 copy)" if e4m3_copy else ""))
             terms = [ActTerm("mlp_up", 2 * Fi * E + a.f8_norm_out * C, "ffn" not in rc,
                              "fused up/gate output (B, T, 2F)" + (" + e4m3 copy of the MLP input" if a.f8_norm_out
                                                                   else "")),
                      # --swiglu-epilogue: the down projection's gradient GEMM rewrites the SwiGLU output
-                     ActTerm("swiglu", 0 if a.s.swiglu_epilogue else E * Fi if a.keeps_input("down")
-                             else Fi if a.s.frozen_base and a.s.fp8 else 0, "swiglu" not in rc,
-                             "SwiGLU output (over a frozen base in FP8 without down's adapter: the FP8 MLP's e4m3 "
-                             "copy)" if a.s.frozen_base and a.s.fp8 and not a.keeps_input("down") else "SwiGLU output")]
+                     swiglu_term]
         else:
             terms = [ActTerm("mlp_up", 2 * Fi * E + a.f8_in * C, "ffn" not in rc,
                              "fused up/gate output (B, T, 2F)"),
