@@ -22,10 +22,10 @@ from qtrain.model.recompute_flags import resolve_flags
 from qtrain.options_checks import check_options, check_run_name
 from qtrain.options_names import ALIASES, map_names, with_derived_name
 from qtrain.options_values import (CHOICES, DEFAULT_MODEL, DTYPES, EMPTY_MEANS_DEFAULT, GRADIENT_DTYPES, MATMUL_DTYPES,
-                                   OPT_M_DTYPES, OPT_V_DTYPES, SCHEDULES, OptionsError, closest)
+                                   OPT_M_DTYPES, OPT_V_DTYPES, SCHEDULES, OptionsError, closest, meant)
 
 __all__ = ["ALIASES", "CHOICES", "DEFAULT_MODEL", "DTYPES", "EMPTY_MEANS_DEFAULT", "GRADIENT_DTYPES", "MATMUL_DTYPES",
-           "OPT_M_DTYPES", "OPT_V_DTYPES", "SCHEDULES", "Options", "OptionsError", "check_run_name", "closest",
+           "OPT_M_DTYPES", "OPT_V_DTYPES", "SCHEDULES", "Options", "OptionsError", "check_run_name", "closest", "meant",
            "normalize_mapping", "with_derived_name"]
 
 
@@ -404,17 +404,17 @@ class Options:
     # ---------------------------------------------------------------------------------------------
     @property
     def effective_matmul_dtype(self) -> str:
-        return self.matmul_dtype or self.model_dtype
+        return meant(self.__getattribute__, "matmul_dtype")
 
     @property
     def effective_master_dtype(self) -> str:
         """The dtype of the master weights (and of the gradient buffers and the optimizer's weights)."""
-        return self.master_dtype or self.model_dtype
+        return meant(self.__getattribute__, "master_dtype")
 
     @property
     def effective_grad_accum_dtype(self) -> str:
         """The dtype of the gradient buffers (--grad-accum-dtype, else the master dtype)."""
-        return self.grad_accum_dtype or self.effective_master_dtype
+        return meant(self.__getattribute__, "grad_accum_dtype")
 
     @property
     def separate_master(self) -> bool:

@@ -3,7 +3,7 @@ them): the fixed choices of each such field, which fields take '' to mean "follo
 hint for a mistyped one."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 from qtrain.model.choices import (CONTEXT_PARALLEL_MODES, DELTA_RULE_PRECISION_OPTIONS, DOCUMENT_ATTENTION,
                                   FP8_POLICIES, SDPA_BACKENDS)
@@ -28,6 +28,20 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 # '' = follow the model / matmul dtype
 EMPTY_MEANS_DEFAULT = ("matmul_dtype", "gradient_dtype", "master_dtype", "grad_accum_dtype", "lora_base_dtype")
+
+
+def meant(get: Callable[[str], Any], name: str) -> Any:
+    """What option `name` means, read through `get` (an Options' getattr or a recorded options dict's get): '' of an
+    EMPTY_MEANS_DEFAULT option is the value it follows (the model dtype; --grad-accum-dtype the master's;
+    --gradient-dtype e4m3, its FP8 default), so an explicit default and '' name the same run."""
+    value = get(name)
+    if value or name not in EMPTY_MEANS_DEFAULT:
+        return value
+    if name == "gradient_dtype":
+        return "e4m3"
+    if name == "grad_accum_dtype":
+        return meant(get, "master_dtype")
+    return get("model_dtype")
 
 
 def closest(name: str, candidates: Iterable[str]) -> str | None:

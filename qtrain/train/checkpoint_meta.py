@@ -49,7 +49,7 @@ from qtrain.fsio import fsync_path, shorten
 from qtrain.model.config import ConfigError, ModelConfig
 from qtrain.model.registry import config_from_hf_dict
 from qtrain.model.hf_io import TOKENIZER_FILES, checkpoint_files
-from qtrain.options import CHOICES, EMPTY_MEANS_DEFAULT, Options
+from qtrain.options import CHOICES, EMPTY_MEANS_DEFAULT, Options, meant
 from qtrain.train import tensor_file
 from qtrain.train.checkpoint_io import DIGESTS, META_FILE, CheckpointError, checkpoint_step
 
@@ -72,11 +72,10 @@ class MetaError(CheckpointError):
     """A checkpoint.json that does not have the shape qtrain writes; the message names the file and the field."""
 
 
-def must_match_value(options: Mapping[str, Any], key: str) -> Any:
-    """The value of MUST_MATCH's `key` that the state depends on, in a run's options: --master-dtype '' is the model
-    dtype (a run resumed with it given holds the same state)."""
-    v = options.get(key)
-    return (v or options.get("model_dtype")) if key == "master_dtype" else v
+def meant_value(options: Mapping[str, Any], key: str) -> Any:
+    """What option `key` means in a run's options (a recorded dict or a command's): --master-dtype '' is the model
+    dtype, so a run resumed with it given holds the same state and changes nothing (`options.meant`)."""
+    return meant(options.get, key)
 
 
 # ---------------------------------------------------------------------------------------------- writing

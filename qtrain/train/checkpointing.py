@@ -260,7 +260,7 @@ def check_compatible(path: str, meta: dict[str, Any], cfg: ModelConfig, opts: An
     given = {k: getattr(opts, k, meta["options"][k]) for k in MUST_MATCH}
     for k in MUST_MATCH:
         v = meta["options"][k]
-        if cmeta.must_match_value(given, k) != cmeta.must_match_value(meta["options"], k):
+        if cmeta.meant_value(given, k) != cmeta.meant_value(meta["options"], k):
             raise CheckpointError(f"{path}: checkpoint has --{k.replace('_', '-')}={v!r}, this run {given[k]!r}")
     mine = spec_from_options(vars(opts), cfg) if hasattr(opts, "lora_rank") else None
     if (mine.record() if mine else None) != (meta.get(LORA_META) or None):

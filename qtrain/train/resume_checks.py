@@ -40,7 +40,7 @@ from qtrain.model.hf_io import export_manifest, manifest_files
 from qtrain.model.lora.peft_io import CONFIG_FILE as ADAPTER_CONFIG
 from qtrain.model.resolve import resolve_model
 from qtrain.options import Options
-from qtrain.train.checkpoint_meta import LORA_BASE_META, MUST_MATCH, lora_base_change, scratch_base_change
+from qtrain.train.checkpoint_meta import LORA_BASE_META, MUST_MATCH, lora_base_change, meant_value, scratch_base_change
 
 # how this command resumes and what it prints, not what the run is: never compared
 INVOCATION = ("continue_from", "new_data", "start_over", "override_schedule", "eval_at_start", "verbose", "quiet")
@@ -299,8 +299,9 @@ def review(path: str, meta: Mapping[str, Any], opts: Options, *, world: int, tra
     if cfg is not None and (line := fp8_change(old, opts, cfg, step)):
         rv.notes.append(line)
     skip = set(INVOCATION) | set(MUST_MATCH) | set(rv.pinned)
-    rv.changes = sorted((Change(k, old[k], getattr(opts, k)) for k in Options.field_names() & old.keys()
-                         if k not in skip and old[k] != getattr(opts, k)), key=lambda c: c.option)
+    now = opts.to_dict()  # compared by meaning: an explicit default where the checkpoint has '' is no change
+    rv.changes = sorted((Change(k, old[k], now[k]) for k in Options.field_names() & old.keys()
+                         if k not in skip and meant_value(old, k) != meant_value(now, k)), key=lambda c: c.option)
     if total_steps == step:
         done, why = _finished(meta, out_dir, opts.lora_merge)
         run = meta.get("run") or {}

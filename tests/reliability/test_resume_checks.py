@@ -409,3 +409,15 @@ def test_bf16_matmuls_with_fp32_weights_are_refused(tmp_path, capsys):
         assert err.startswith("qtrain: error: --matmul-dtype bf16 with --model-dtype fp32 is not supported") and \
             len(err.strip().splitlines()) == 1, err
     assert tree(root) == before
+
+
+def test_an_explicit_default_where_the_checkpoint_has_empty_is_no_change(base, tmp_path, capsys):
+    """--matmul-dtype and --grad-accum-dtype given as what the checkpoint's '' meant (the model dtype) run the same
+    numbers: no change line (only the longer run's --steps)."""
+    root = copy_of(base, tmp_path)
+    old = json.loads((root / "ckpt" / "done" / "step_00000004" / "checkpoint.json").read_text())["options"]
+    assert old["matmul_dtype"] == old["grad_accum_dtype"] == ""  # '' recorded: the comparison is by meaning
+    capsys.readouterr()
+    dtype = old["model_dtype"]
+    assert main(resume(root, extra=("--matmul-dtype", dtype, "--grad-accum-dtype", dtype))) == 0
+    assert _reported(capsys.readouterr().out) == {"--steps": "4 -> 6"}
