@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from qtrain.kernels.fp8_quant import E4M3, FP8_DTYPES, Prenorm, fp8_quantize, quantize_for_gemms, quantize_fp8
-from qtrain.kernels.scaled_mm import (WeightFp8, check_linear_shapes, checked_weight_fp8, gemm_out_dtype, scaled_mm,
-                                      transposed_weight)
+from qtrain.kernels.scaled_mm import (WeightFp8, check_linear_shapes, checked_weight_fp8, fp8_input_grad,
+                                      gemm_out_dtype, scaled_mm)
 
 __all__ = ["Fp8WeightCache", "fp8_linear"]
 
@@ -173,8 +173,7 @@ class _Fp8Linear(torch.autograd.Function):
         if need_dx or need_dw:
             dy_fp8, dy_fp8_t, dy_inv = quantize_for_gemms(dy2, ctx.grad_dtype, need_dw)
         if need_dx:
-            w_fp8_t = transposed_weight(w_fp8, w_fp8_t)  # (K, N): the weight in the other major order
-            dx = scaled_mm(dy_fp8, w_fp8_t.t(), dy_inv, w_inv, out_dtype=gemm_out_dtype(ctx.x_dtype))
+            dx = fp8_input_grad(dy_fp8, w_fp8, dy_inv, w_inv, w_fp8_t, gemm_out_dtype(ctx.x_dtype))
             dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
         if need_dw:
             dw = scaled_mm(dy_fp8_t, x_fp8_t.t(), dy_inv, x_inv, out_dtype=gemm_out_dtype(ctx.w_dtype))

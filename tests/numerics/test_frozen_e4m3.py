@@ -54,3 +54,31 @@ def test_gpu_fp8_gemms_agree_with_the_dequantizing_linear():
     # x (and dY) quantized to e4m3 on the FP8 path: ~2^-4 relative per element, averaged over K=32 / N=48 terms
     assert (y - y2).abs().max() <= 0.1 * y2.abs().max()
     assert (dx - dx2).abs().max() <= 0.1 * dx2.abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_compiled_fp8_linear_keeps_the_held_codes_not_a_copy():
+    """Compiled (inductor), the FP8 linear over a frozen base's codes saves the codes the weight source holds: on an
+    H100 a Qwen2.5-7B LoRA block over an e4m3 base kept a second copy of every block matrix's codes until the
+    backward (the input gradient's transposition, moved into the forward by the partitioner; session 37), one byte
+    a parameter over the plan. Each saved e4m3 tensor must be the codes' own storage."""
+    x, codes, inv, b = _case("cuda", torch.bfloat16, bias=False)
+    if not fp8_gemms(x, codes):
+        pytest.skip("no FP8 GEMMs on this GPU")
+    linear = frozen_e4m3_linear("e4m3")
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: linear(x, codes, None, (codes, inv)) * 2.0, dynamic=False)
+    saved = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fn(x)
+    y.float().sum().backward()
+    codes_saved = [t for t in saved if t.dtype == E4M3 and t.numel() == codes.numel()]
+    assert codes_saved, [(t.dtype, tuple(t.shape)) for t in saved]  # the codes are saved (the control)
+    assert all(t.untyped_storage().data_ptr() == codes.untyped_storage().data_ptr() for t in codes_saved), \
+        [(tuple(t.shape), t.stride()) for t in codes_saved]

@@ -15,8 +15,8 @@ from torch import Tensor
 
 from qtrain.kernels.fp8_quant import (E4M3, FP8_DTYPES, Prenorm, fp8_quantize_transposed, quantize_for_gemms,
                                       quantize_fp8)
-from qtrain.kernels.scaled_mm import (WeightFp8, check_linear_shapes, checked_weight_fp8, gemm_out_dtype, scaled_mm,
-                                      transposed_weight)
+from qtrain.kernels.scaled_mm import (WeightFp8, check_linear_shapes, checked_weight_fp8, fp8_input_grad,
+                                      gemm_out_dtype, scaled_mm)
 from qtrain.kernels.swiglu.activation import swiglu_backward_amax
 from qtrain.kernels.swiglu.fp8 import swiglu_fp8
 from qtrain.kernels.swiglu.fp8_onepass import new_scale_hint, swiglu_backward_fp8_onepass, swiglu_fp8_onepass
@@ -71,15 +71,14 @@ class _Fp8SwiGLUMLP(torch.autograd.Function):
             dwd = scaled_mm(dy_qt, h_qt.t(), dy_inv, h_inv, out_dtype=gemm_out_dtype(ctx.w_dtypes[1]))
             dwd = dwd.to(ctx.w_dtypes[1])
         if need_dx or need_dwu:
-            dh = scaled_mm(dy_q, transposed_weight(wd_q, wd_qt).t(), dy_inv, wd_inv, out_dtype=gemm_out_dtype(x_dtype))
+            dh = fp8_input_grad(dy_q, wd_q, dy_inv, wd_inv, wd_qt, gemm_out_dtype(x_dtype))
             if hint is None:
                 du, du_amax = swiglu_backward_amax(dh.to(x_dtype), u)
                 du_q, du_qt, du_inv = fp8_quantize_transposed(du, du_amax, gd)
             else:
                 du_q, du_qt, du_inv = swiglu_backward_fp8_onepass(dh.to(x_dtype), u, gd, hint, 1)
             if need_dx:
-                dx = scaled_mm(du_q, transposed_weight(wu_q, wu_qt).t(), du_inv, wu_inv,
-                               out_dtype=gemm_out_dtype(x_dtype))
+                dx = fp8_input_grad(du_q, wu_q, du_inv, wu_inv, wu_qt, gemm_out_dtype(x_dtype))
                 dx = dx.view(ctx.x_shape).to(x_dtype)
             if need_dwu:
                 dwu = scaled_mm(du_qt, x_qt.t(), du_inv, x_inv, out_dtype=gemm_out_dtype(ctx.w_dtypes[0]))
