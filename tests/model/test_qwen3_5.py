@@ -85,24 +85,36 @@ def test_longer_than_a_chunk_and_custom_layer_types():
                                                                 "linear_attention")), T=80)
 
 
-def _grads(cfg: Qwen35Config, run: RunOptions, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _grads(cfg: Qwen35Config, run: RunOptions, params: dict[str, torch.Tensor], router_z: float = 0.0
+           ) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     inputs = torch.randint(0, cfg.vocab_size, (2, 24), generator=g)
     targets = torch.randint(0, cfg.vocab_size, (2, 24), generator=g)
     sink = Collect()
-    Transformer(cfg, run).forward_backward(ParamWeights(cfg, params), inputs, targets, grads=sink, loss_scale=0.1)
+    Transformer(cfg, run).forward_backward(ParamWeights(cfg, params), inputs, targets, grads=sink, loss_scale=0.1,
+                                           router_z_loss=router_z)
     return sink.grads
 
 
-@pytest.mark.parametrize("flags", [("norm",), ("att",), ("ffn",), ("block",)])
-def test_recompute_switches_change_no_bit(flags):
-    """The block's steps carry the recompute vocabulary in both mixers: every switch reruns them and the gradients
-    are bit-identical to the plain run (eager Recomputer; --recompute-block through the loop)."""
-    cfg = tiny_cfg(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("flags", [("norm",), ("att",), ("swiglu",), ("ffn",), ("block",)])
+def test_recompute_switches_change_no_bit(flags, moe):
+    """The block's steps carry the recompute vocabulary in both mixers and both MLPs (the MoE's routed experts and
+    shared expert take the 'up' and 'swiglu' steps): every switch reruns them and the gradients are bit-identical to
+    the plain run (eager Recomputer; --recompute-block through the loop). The MoE layers with the router losses
+    (load balancing and z-loss), which reach the router through the rerun as without it: routing is deterministic."""
+    extra = dict(router_aux_loss_coef=0.05) if moe else {}
+    cfg = tiny_cfg(moe=moe, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"), **extra)
     sd = hf_state(hf_model(cfg))
     params = {n: t.detach().clone().requires_grad_(True) for n, t in hf_to_internal(cfg, lambda k: sd[k])}
-    plain, rerun = _grads(cfg, RunOptions(), params), _grads(cfg, RunOptions(recompute=frozenset(flags)), params)
+    z = 0.01 if moe else 0.0
+    plain, rerun = _grads(cfg, RunOptions(), params, z), _grads(cfg, RunOptions(recompute=frozenset(flags)), params, z)
     assert set(plain) == set(rerun) and all(torch.equal(plain[n], rerun[n]) for n in plain)
+    if moe:  # the router losses move every router's gradient (so the equality above includes them)
+        no_losses = _grads(tiny_cfg(moe=True, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
+                                    router_aux_loss_coef=0.0), RunOptions(recompute=frozenset(flags)), params)
+        routers = [n for n in plain if n.endswith(".router")]
+        assert len(routers) == 2 and not any(torch.equal(plain[n], no_losses[n]) for n in routers)
 
 
 @pytest.mark.parametrize("moe", [False, True])
