@@ -85,24 +85,36 @@ def test_longer_than_a_chunk_and_custom_layer_types():
                                                                 "linear_attention")), T=80)
 
 
-def _grads(cfg: Qwen35Config, run: RunOptions, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _grads(cfg: Qwen35Config, run: RunOptions, params: dict[str, torch.Tensor], router_z: float = 0.0
+           ) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     inputs = torch.randint(0, cfg.vocab_size, (2, 24), generator=g)
     targets = torch.randint(0, cfg.vocab_size, (2, 24), generator=g)
     sink = Collect()
-    Transformer(cfg, run).forward_backward(ParamWeights(cfg, params), inputs, targets, grads=sink, loss_scale=0.1)
+    Transformer(cfg, run).forward_backward(ParamWeights(cfg, params), inputs, targets, grads=sink, loss_scale=0.1,
+                                           router_z_loss=router_z)
     return sink.grads
 
 
-@pytest.mark.parametrize("flags", [("norm",), ("att",), ("ffn",), ("block",)])
-def test_recompute_switches_change_no_bit(flags):
-    """The block's steps carry the recompute vocabulary in both mixers: every switch reruns them and the gradients
-    are bit-identical to the plain run (eager Recomputer; --recompute-block through the loop)."""
-    cfg = tiny_cfg(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("flags", [("norm",), ("att",), ("swiglu",), ("ffn",), ("block",)])
+def test_recompute_switches_change_no_bit(flags, moe):
+    """The block's steps carry the recompute vocabulary in both mixers and both MLPs (the MoE's routed experts and
+    shared expert take the 'up' and 'swiglu' steps): every switch reruns them and the gradients are bit-identical to
+    the plain run (eager Recomputer; --recompute-block through the loop). The MoE layers with the router losses
+    (load balancing and z-loss), which reach the router through the rerun as without it: routing is deterministic."""
+    extra = dict(router_aux_loss_coef=0.05) if moe else {}
+    cfg = tiny_cfg(moe=moe, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"), **extra)
     sd = hf_state(hf_model(cfg))
     params = {n: t.detach().clone().requires_grad_(True) for n, t in hf_to_internal(cfg, lambda k: sd[k])}
-    plain, rerun = _grads(cfg, RunOptions(), params), _grads(cfg, RunOptions(recompute=frozenset(flags)), params)
+    z = 0.01 if moe else 0.0
+    plain, rerun = _grads(cfg, RunOptions(), params, z), _grads(cfg, RunOptions(recompute=frozenset(flags)), params, z)
     assert set(plain) == set(rerun) and all(torch.equal(plain[n], rerun[n]) for n in plain)
+    if moe:  # the router losses move every router's gradient (so the equality above includes them)
+        no_losses = _grads(tiny_cfg(moe=True, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
+                                    router_aux_loss_coef=0.0), RunOptions(recompute=frozenset(flags)), params)
+        routers = [n for n in plain if n.endswith(".router")]
+        assert len(routers) == 2 and not any(torch.equal(plain[n], no_losses[n]) for n in routers)
 
 
 @pytest.mark.parametrize("moe", [False, True])
@@ -133,6 +145,49 @@ def test_activation_statements_hold_what_autograd_keeps(moe, dtype):
         terms = family_of(cfg).activation_terms(cfg, layer, ActivationSettings(model_dtype=dtype))
         stated = sum(a.nbytes(B * T) for a in terms if a.kept)
         assert 0.85 <= stated / c.bytes <= 1.25, (layer, stated / (B * T), c.bytes / (B * T))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_moe_recompute_switches_drop_what_their_steps_keep(monkeypatch, dtype):
+    """--recompute-swiglu and --recompute-ffn on an MoE layer (eager Recomputer): the statements (memory.moe_terms)
+    against the bytes the block keeps, exact, both layer kinds (the delta rule as its op pair, whose statements are
+    exact: test_qwen3_5_op_memory.py). What the MLP steps drop, worked out by hand per token (E bytes an element;
+    k = 2 experts of F = 16, a shared expert of Fs = 40, C = 64: 2F != C tells the experts' input from their up/gate
+    output): 'swiglu' the experts' SwiGLU output (k F) and the shared expert's silu(gate) and SwiGLU output (2 Fs);
+    'up' (with LN2 already rerun by --recompute-norm) the experts' permuted input (k C) and up/gate output (2 k F) and
+    the shared expert's up/gate output (2 Fs), besides. Before: the MoE MLP took no step, so both kept everything."""
+    from qtrain.kernels.rope import rope_tables
+    from qtrain.model.activations import activation_terms
+    from qtrain.model.init import init_params
+    from qtrain.model.moe_router import RouterLosses
+    from qtrain.model.recompute import block_steps, count_saved_bytes, resolve_flags
+    from qtrain.model.transformer import allocate_params, make_block_fn
+
+    monkeypatch.setattr("qtrain.kernels.delta_rule.use_triton", lambda t: True)  # the op pairs (module docstring)
+    cfg = tiny_cfg(moe=True, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
+                   linear_key_head_dim=32, linear_value_head_dim=32, moe_intermediate_size=16,
+                   shared_expert_intermediate_size=40)
+    dt, (B, T) = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], (2, 128)
+    params = allocate_params(cfg, dtype=dt, device="cpu")
+    init_params(cfg, params)
+    cos, sin = rope_tables(cfg, T, "cpu", dt)
+    for layer in range(2):
+        kept = {}
+        for flags in ((), ("swiglu",), ("norm",), ("norm", "ffn")):
+            w = {k.split(".", 2)[2]: v.requires_grad_() for k, v in params.items() if k.startswith(f"layers.{layer}.")}
+            w.update(RouterLosses(cfg.router, B * T, torch.device("cpu"), z_loss=True).slot(layer))
+            x = torch.randn(B, T, cfg.hidden_size, dtype=dt, requires_grad=True)
+            with count_saved_bytes(exclude=[x, cos, sin, *w.values()]) as c:
+                y = make_block_fn(cfg, recompute=block_steps(flags))(x, w, cos, sin)
+                kept[flags] = c.bytes / (B * T)
+            y.float().sum().backward()  # the recomputed steps rerun as they were kept (the Recomputer checks it)
+            terms = activation_terms(cfg, layer=layer, model_dtype=dtype, seq_len=T, delta_rule_kernels=True,
+                                     recompute=resolve_flags(flags))
+            stated = sum(t.nbytes(B * T) for t in terms if t.kept and t.name != "input") / (B * T)
+            assert kept[flags] == stated, (layer, flags)
+        E, k, C, F, Fs = dt.itemsize, 2, 64, 16, 40
+        assert kept[()] - kept[("swiglu",)] == E * (k * F + 2 * Fs)
+        assert kept[("norm",)] - kept[("norm", "ffn")] == E * (k * F + 2 * Fs) + E * (k * C + 2 * k * F + 2 * Fs)
 
 
 def test_document_mask_statements_hold_what_the_delta_rule_keeps():

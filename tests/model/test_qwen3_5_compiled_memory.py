@@ -104,6 +104,25 @@ def test_compiled_statements_moe_and_as_many_key_heads(gpu_path):
           layers=(0,))
 
 
+def test_compiled_moe_recompute_switches_drop_what_their_steps_keep(gpu_path):
+    """--recompute-swiglu and --recompute-ffn on a compiled MoE layer: the statements (compiled_memory.moe_terms)
+    exact, and what the MLP steps drop worked out by hand per token (bf16, E = 2 bytes an element; k = 2 experts of
+    F = 16, a shared expert of Fs = 40, C = 64: 2F != C tells the experts' input from their up/gate output):
+    'swiglu' both SwiGLU outputs (k F + Fs); 'ffn' those, the experts' permuted input (k C) and the shared expert's
+    up/gate output (2 Fs), and RMSNorm-2's rstd (4 bytes, LN2 rerun). The experts' up/gate output (2 k F) stays: the
+    partitioner keeps the grouped GEMM's output rather than rerun it. Before: the MoE MLP took no step, so both kept
+    everything."""
+    cfg = qwen35_cfg(moe=True, **HEADS, num_hidden_layers=2, layer_types=LAYERS, moe_intermediate_size=16,
+                     shared_expert_intermediate_size=40)
+    kept = {f: saved_by_compiled_block(cfg, 0, "bf16", f) for f in [(), ("swiglu",), ("ffn",)]}
+    for f, n in kept.items():
+        assert stated(cfg, 0, "bf16", f) - n == 0, (f, n / (B * T))
+    kept = {f: n / (B * T) for f, n in kept.items()}
+    E, k, C, F, Fs = 2, 2, 64, 16, 40
+    assert kept[()] - kept[("swiglu",)] == E * (k * F + Fs)
+    assert kept[()] - kept[("ffn",)] == E * (k * F + Fs) + E * (k * C + 2 * Fs) + 4
+
+
 # FP8 GEMMs need dimensions in multiples of 16: 8 value heads make the projection 784 wide
 FP8_CFG = dict(**HEADS, linear_num_value_heads=8, linear_num_key_heads=4, num_hidden_layers=2, layer_types=LAYERS)
 

@@ -2,22 +2,27 @@
 forced maximally unbalanced (every token's top experts on rank 0) makes rank 0's experts receive exactly
 `moe.max_received_rows` rows, ep N min(k, E/ep), for k below and above E/ep; random routings stay within it on both
 ranks; and what rank 0's MoE block then keeps for backward is the plan's statement (`MoeBlock.saved_by_moe` with
-`expert_parallel`) within 16 bytes, for the MLP's recompute switches (the other rank keeps less)."""
+`expert_parallel`; Qwen3.5-MoE's `memory.moe_terms`, its shared expert besides) within 16 bytes, for the MLP's
+recompute switches (the other rank keeps less)."""
 from __future__ import annotations
 
 import torch
 
 from qtrain.model.activations import activation_terms
 from qtrain.model.moe import max_received_rows
+from qtrain.model.qwen3_5 import Qwen35Config
 from qtrain.model.qwen3_moe import Qwen3MoeConfig
 from qtrain.model.recompute import resolve_flags
 from tests.dist_utils import run_distributed
+from tests.model.family_fixtures import qwen35_cfg
 
 EP, B, T = 2, 2, 16
 BASE = dict(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, rope_theta=1e4, intermediate_size=48, moe_intermediate_size=40, norm_topk_prob=True)
 CONFIGS = {"k 2 of E/ep 4": Qwen3MoeConfig(**BASE, num_experts=8, num_experts_per_tok=2),
-           "k 3 over E/ep 2": Qwen3MoeConfig(**BASE, num_experts=4, num_experts_per_tok=3)}
+           "k 3 over E/ep 2": Qwen3MoeConfig(**BASE, num_experts=4, num_experts_per_tok=3),
+           "qwen3_5 k 2 of E/ep 4": qwen35_cfg(moe=True, num_hidden_layers=1, layer_types=("full_attention",),
+                                               num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40)}
 FLAGS = [(), ("ffn",), ("swiglu",)]
 
 
@@ -34,7 +39,7 @@ def _weights(cfg, rank: int, *, forced: bool, seed: int) -> dict[str, torch.Tens
         w[name] = w[name][rank * n:(rank + 1) * n].clone()
     if forced:
         w["o"].zero_()
-        w["ln2"].fill_(1.0)
+        w["ln2"].fill_(0.0 if isinstance(cfg, Qwen35Config) else 1.0)  # Qwen3.5's RMSNorm scales by 1 + w
         E, k = cfg.num_experts, cfg.num_experts_per_tok
         w["router"] = torch.tensor([0.01 * (k - e) if e < k else -0.01 for e in range(E)]).to(torch.bfloat16)[:, None] \
             .expand(E, cfg.hidden_size).contiguous()

@@ -331,6 +331,21 @@ def test_step_cost_recompute_flops_follow_the_switches():
     assert 0.30 < recompute_flops_per_token(cfg, T, {"block"}) / step < 0.34
 
 
+def test_step_cost_recompute_ffn_reruns_the_qwen3_5_moe_up_gemms():
+    """Qwen3.5-MoE: --recompute-ffn reruns the experts' up/gate grouped GEMM (k of the E experts' rows a token) and
+    the shared expert's up/gate, the block's 'up' steps (qwen3_5/block.py `moe_mlp`), as a dense MLP's up GEMM.
+    Before: none of them (their MatmulSpec named no step)."""
+    from qtrain.plan.step_cost import forward_flops_per_token, recompute_flops_per_token
+    from tests.model.family_fixtures import qwen35_cfg
+    cfg, T = qwen35_cfg(moe=True, num_hidden_layers=2, layer_types=("linear_attention", "full_attention")), 64
+    C, F, Fs, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, \
+        cfg.num_experts_per_tok
+    for layer in range(2):
+        parts, _ = forward_flops_per_token(cfg, T, layer)
+        assert parts["experts_up_gate"] == 2 * k * 2 * F * C and parts["shared_up"] == 2 * 2 * Fs * C
+    assert recompute_flops_per_token(cfg, T, {"ffn"}) == cfg.num_hidden_layers * (2 * k * 2 * F * C + 2 * 2 * Fs * C)
+
+
 def test_step_cost_offload_amortizes_with_accumulation():
     """Offloaded moments cost a fixed PCIe time per optimizer step (both directions of the state at
     PCIE_RATE), so their share falls with the sequences per step; recomputation's share does not."""

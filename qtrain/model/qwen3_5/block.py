@@ -124,17 +124,20 @@ class Qwen35Block:
         u = step("up", self.project, h, w, "up")  # (B, T, 2F) = [up | gate]
         return self.project(step("swiglu", swiglu, u, self.swiglu_mode), w, "down")
 
-    def moe_mlp(self, h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+    def moe_mlp(self, h: torch.Tensor, w: dict[str, torch.Tensor], step) -> torch.Tensor:
         """Routed experts (model/moe.py: softmax top-k, renormalised) + sigmoid(h W_g^T) x the shared expert's
-        SwiGLU MLP (transformers' `Qwen3_5MoeSparseMoeBlock`). In training the layer writes its router statistics
-        beside its weights and its routed output carries the router losses' gradients into the backward (the MoE
-        families' machinery, model/moe_router.py: transformers' loss with output_router_logits)."""
+        SwiGLU MLP (transformers' `Qwen3_5MoeSparseMoeBlock`). The experts' permutation + up/gate GEMM and the shared
+        expert's up/gate are 'up' steps, both SwiGLUs 'swiglu' steps, as the dense MLP's. In training the layer
+        writes its router statistics beside its weights and its routed output carries the router losses' gradients
+        into the backward (the MoE families' machinery, model/moe_router.py: transformers' loss with
+        output_router_logits)."""
         moe = moe_forward(h, w["router"], w["experts_up_gate"], w["experts_down"], top_k=self.top_k,
-                          norm_topk_prob=self.norm_topk_prob, exchange=self.exchange,
+                          norm_topk_prob=self.norm_topk_prob, step=step, exchange=self.exchange,
                           adapter=self.adapter.experts_of(w) if self.adapter is not None else None)
         record_router_stats(moe.stats, w)
         routed = with_router_grads(moe.out, moe.stats, w)
-        shared = self.project(swiglu(self.project(h, w, "shared_up"), self.swiglu_mode), w, "shared_down")
+        u = step("up", self.project, h, w, "shared_up")  # (B, T, 2 Fs) = [up | gate]
+        shared = self.project(step("swiglu", swiglu, u, self.swiglu_mode), w, "shared_down")
         return routed + torch.sigmoid(F.linear(h, w["shared_gate"])) * shared
 
     # ---- the whole block ----
@@ -148,7 +151,7 @@ class Qwen35Block:
                  else self.full_attention(h, w, cos, sin, step, docs))
         # 2) MLP: norm -> dense SwiGLU or MoE -> residual
         h = step("ln2", self.norm, x, w["ln2"])
-        return x + (self.moe_mlp(h, w) if "router" in w else self.dense_mlp(h, w, step))
+        return x + (self.moe_mlp(h, w, step) if "router" in w else self.dense_mlp(h, w, step))
 
 
 def make_block_fn(cfg: Qwen35Config, o: BlockOptions) -> BlockFn:

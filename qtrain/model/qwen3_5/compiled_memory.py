@@ -8,8 +8,9 @@ gains 1 + w), keeping the norms' rstd and the inputs of the GEMMs and of the opa
 causal convolution is traced as its twin (`kernels.dispatch.use_triton` is False while compiling) and the delta rule
 stays its op pair (`kernels.delta_rule.gated_delta_rule`), which keeps its inputs only. A recomputed step is a
 checkpoint whose ops must be recomputed, but the partitioner keeps a step's outputs that are not views (LN1's output
-under --recompute-att, LN2's under --recompute-ffn, the gates g and beta of step qkv under --recompute-att); the views
-a step returns (q, k, v, z of the projection, the convolution's output) are rebuilt with it.
+under --recompute-att, LN2's under --recompute-ffn, the gates g and beta of step qkv under --recompute-att, the MoE
+experts' up/gate output under --recompute-ffn, though not the shared expert's: `moe_terms`); the views a step returns
+(q, k, v, z of the projection, the convolution's output) are rebuilt with it.
 tests/model/test_qwen3_5_compiled_memory.py checks every term against the saved tensors of one compiled block call
 (backend aot_eager_decomp_partition, the op pairs forced on the CPU), bf16 and fp32, every recompute switch, both
 layer kinds, dense and MoE, and the dense layers with FP8 block linears (e4m3, with and without
@@ -135,13 +136,20 @@ def fp8_weight_terms(cfg: Qwen35Config, layer: int, s: ActivationSettings) -> li
 def moe_terms(cfg: Qwen35Config, s: ActivationSettings) -> list[ActTerm]:
     """The routed experts (as memory.moe_terms, less what the partitioner recomputes: the router's softmax from its
     model-dtype logits, the renormalised weights from the top-k ones) and the gated shared expert (its SwiGLU
-    backward kernel recomputes silu)."""
+    backward kernel recomputes silu). --recompute-ffn drops the experts' permuted inputs (the permutation is rerun)
+    but not their up/gate output, the grouped GEMM's, which the partitioner keeps rather than rerun; the shared
+    expert's up/gate output it rebuilds from the kept RMSNorm-2 output. --recompute-swiglu drops both SwiGLU outputs
+    (measured, tests/model/test_qwen3_5_compiled_memory.py)."""
     E, C, rc = DTYPE_BYTES[s.model_dtype], cfg.hidden_size, resolve_flags(s.recompute)
     k, F, X, Fs = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.num_experts, \
         cfg.shared_expert_intermediate_size
-    blk = "block" not in rc
-    routed = E * X + 8 * k + (4 * k + 4 if cfg.norm_topk_prob else 4 * k) + 16 * k + 4 + E * k * (3 * F + 2 * C)
-    return [ActTerm("moe", routed, blk, "router logits, top-k ids and weights, permutation, experts' inputs, "
-                    "up/gate and SwiGLU outputs", per_layer=4 * X if blk else 0),
-            ActTerm("shared_expert", 3 * Fs * E + E + E * C, blk,
-                    "shared expert's up/gate and SwiGLU outputs, its output and sigmoid gate")]
+    blk, up, glu = "block" not in rc, "ffn" not in rc, "swiglu" not in rc
+    routing = E * X + 8 * k + (4 * k + 4 if cfg.norm_topk_prob else 4 * k) + 16 * k + 4
+    return [ActTerm("moe", routing + E * k * C, blk, "router logits, top-k ids and weights, permutation, experts' "
+                    "outputs", per_layer=4 * X if blk else 0),
+            ActTerm("moe_up_in", E * k * C, up, "experts' permuted inputs"),
+            ActTerm("moe_up", E * k * 2 * F, blk, "experts' up/gate outputs"),
+            ActTerm("moe_swiglu", E * k * F, glu, "experts' SwiGLU outputs"),
+            ActTerm("shared_up", 2 * Fs * E, up, "shared expert's up/gate output"),
+            ActTerm("shared_swiglu", Fs * E, glu, "shared expert's SwiGLU output"),
+            ActTerm("shared_expert", E + E * C, blk, "shared expert's output and sigmoid gate")]

@@ -46,7 +46,8 @@ class Qwen35Family:
         return sum(cfg.is_linear(layer) for layer in range(cfg.num_hidden_layers))
 
     def matmuls(self, cfg: Qwen35Config, layer: int) -> dict[str, MatmulSpec]:
-        """The block's linears as GEMMs (the MoE experts as grouped GEMMs of top_k / E rows per token each)."""
+        """The block's linears as GEMMs (the MoE experts as grouped GEMMs of top_k / E rows per token each), each
+        with the block step that runs it (the experts' and the shared expert's up/gate: 'up', as the dense MLP's)."""
         C = cfg.hidden_size
         if cfg.is_linear(layer):
             mixer = {"in_proj": MatmulSpec(cfg.in_proj_dim, C, step="qkv"), "out": MatmulSpec(C, cfg.linear_value_dim)}
@@ -57,8 +58,9 @@ class Qwen35Family:
             return {**mixer, "up": MatmulSpec(2 * F, C, step="up"), "down": MatmulSpec(C, F)}
         E, k, Fm, Fs = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, \
             cfg.shared_expert_intermediate_size
-        return {**mixer, "router": MatmulSpec(E, C), "experts_up_gate": MatmulSpec(2 * Fm, C, rows=k / E, count=E),
-                "experts_down": MatmulSpec(C, Fm, rows=k / E, count=E), "shared_up": MatmulSpec(2 * Fs, C),
+        return {**mixer, "router": MatmulSpec(E, C),
+                "experts_up_gate": MatmulSpec(2 * Fm, C, step="up", rows=k / E, count=E),
+                "experts_down": MatmulSpec(C, Fm, rows=k / E, count=E), "shared_up": MatmulSpec(2 * Fs, C, step="up"),
                 "shared_down": MatmulSpec(C, Fs), "shared_gate": MatmulSpec(1, C)}
 
     def attention_flops(self, cfg: Qwen35Config, layer: int, seq_len: int) -> int:

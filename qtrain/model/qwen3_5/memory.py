@@ -143,22 +143,34 @@ def full_attention_terms(cfg: Qwen35Config, s: ActivationSettings) -> list[ActTe
 
 
 def moe_terms(cfg: Qwen35Config, s: ActivationSettings, blk: bool) -> list[ActTerm]:
-    """The routed experts (model/moe.py; as `moe_block.MoeBlock.saved_by_moe` states them, one step here) and the
-    gated shared expert. Frozen experts keep no GEMM input (`grouped_gemm.expert_linear`). With expert parallelism
-    the experts' inputs, up/gate and SwiGLU outputs hold the r rows a token its rank received (`expert_rows`, the
-    worst case) and the exchange keeps two int64 row orders; the routing and the experts' outputs stay k rows."""
-    E, C, learns = DTYPE_BYTES[s.model_dtype], cfg.hidden_size, not s.frozen_base
+    """The routed experts (model/moe.py; as `moe_block.MoeBlock.saved_by_moe` states them) and the gated shared
+    expert. Frozen experts keep no GEMM input (`grouped_gemm.expert_linear`). The 'up' steps (--recompute-ffn) drop
+    the experts' permuted inputs and up/gate outputs and the shared expert's up/gate output, the 'swiglu' steps
+    (--recompute-swiglu) both SwiGLUs' saved tensors, as for a dense MLP; the routing, the permutation and the
+    experts' outputs stay (the steps' inputs, the combine's). A compiled block (where these statements stand in for
+    compiled_memory.py's) keeps the experts' up/gate output under --recompute-ffn, as `saved_by_moe` measures. With
+    expert parallelism the experts' inputs, up/gate and SwiGLU outputs hold the r rows a token its rank received
+    (`expert_rows`, the worst case), the exchange keeps two int64 row orders, and the recomputed 'up' step (the local
+    GEMM alone) keeps its input, the received rows, to rerun it; the routing and the experts' outputs stay k rows."""
+    E, C, rc, learns = DTYPE_BYTES[s.model_dtype], cfg.hidden_size, resolve_flags(s.recompute), not s.frozen_base
     k, F, X, Fs = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.num_experts, \
         cfg.shared_expert_intermediate_size
     ep, r = s.expert_parallel, expert_rows(cfg, s)
     weights = 8 * k + 4 if cfg.norm_topk_prob else 4 * k
     Ex = E if learns else 0
-    routed = (4 * X + 8 * k + weights + 4 + 16 * k + E * (r * 2 * F + k * C) + Ex * r * (C + F)
-              + (16 * r if ep > 1 else 0))
-    shared = 2 * Fs * E + swiglu_saved_bytes(Fs, E, "autograd") + Ex * Fs + E + E * C
-    return [ActTerm("moe", routed, blk, "routing, permutation, experts' up/gate and outputs (+ their inputs where "
-                    "they learn)", per_layer=4 * (X // ep)),
-            ActTerm("shared_expert", shared, blk, "shared expert's up/gate, silu(gate), (down input), gate, output")]
+    up, glu = "ffn" not in rc, "swiglu" not in rc
+    up_in = E * r * C if ep > 1 and not up else Ex * r * C
+    rows = "k rows a token" if ep == 1 else f"{r} received rows a token"
+    return [ActTerm("moe", 4 * X + 8 * k + weights + 4 + 16 * k + E * k * C + (16 * r if ep > 1 else 0), blk,
+                    "routing, permutation, experts' outputs" + (", the exchange's row orders" if ep > 1 else ""),
+                    per_layer=4 * (X // ep)),
+            ActTerm("moe_up_in", up_in, blk if ep > 1 else up, f"experts' permuted inputs ({rows}, where they learn)"),
+            ActTerm("moe_up", E * r * 2 * F, blk and (up or s.compiled), f"experts' up/gate outputs ({rows})"),
+            ActTerm("moe_swiglu", Ex * r * F, glu, f"experts' SwiGLU outputs ({rows}, where the down GEMM learns)"),
+            ActTerm("shared_up", 2 * Fs * E, up, "shared expert's up/gate output"),
+            ActTerm("shared_swiglu", swiglu_saved_bytes(Fs, E, "autograd") + Ex * Fs, glu,
+                    "shared expert's silu(gate), (down input)"),
+            ActTerm("shared_expert", E + E * C, blk, "shared expert's gate and output")]
 
 
 def document_terms(cfg: Qwen35Config, s: ActivationSettings) -> list[ActTerm]:
