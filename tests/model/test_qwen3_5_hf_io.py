@@ -1,5 +1,5 @@
 """Qwen3.5 checkpoints through qtrain's HF load and export, bit for bit: a text checkpoint (Qwen3_5ForCausalLM, dense
-and MoE), and a multimodal one (Qwen3_5ForConditionalGeneration) whose text weights sit under
+and MoE), and a multimodal one (Qwen3_5ForConditionalGeneration, dense and MoE) whose text weights sit under
 `model.language_model.`: it loads as the text model (the vision tower and an MTP head skipped with one line each) and
 exports back in the layout that class reads, which transformers loads to the same text logits.
 """
@@ -38,9 +38,9 @@ def test_text_checkpoint_round_trips_exactly(tmp_path, moe):
     assert load_model_config(tmp_path / "out") == cfg
 
 
-def _multimodal(tmp_path):
+def _multimodal(tmp_path, moe: bool = False):
     """A tiny Qwen3.5 VLM checkpoint plus an MTP tensor (as the published ones carry)."""
-    model = qwen35_multimodal_model()
+    model = qwen35_multimodal_model(moe=moe)
     src = tmp_path / "vlm"
     model.save_pretrained(src)
     tensors = _tensors(src)
@@ -49,11 +49,18 @@ def _multimodal(tmp_path):
     return model, src
 
 
-def test_multimodal_checkpoint_loads_as_text_and_exports_where_transformers_reads(tmp_path, capsys):
-    model, src = _multimodal(tmp_path)
+# multimodal model_type -> (its text model_type, transformers' multimodal and text-only classes)
+MULTIMODAL = {"qwen3_5": ("qwen3_5_text", "Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
+              "qwen3_5_moe": ("qwen3_5_moe_text", "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")}
+
+
+@pytest.mark.parametrize("model_type", list(MULTIMODAL))
+def test_multimodal_checkpoint_loads_as_text_and_exports_where_transformers_reads(tmp_path, capsys, model_type):
+    text_type, vlm_cls, text_cls = MULTIMODAL[model_type]
+    model, src = _multimodal(tmp_path, moe=model_type == "qwen3_5_moe")
     capsys.readouterr()
     cfg = load_model_config(src)
-    assert isinstance(cfg, Qwen35Config) and cfg.model_type == "qwen3_5_text" and cfg.multimodal is not None
+    assert isinstance(cfg, Qwen35Config) and cfg.model_type == text_type and cfg.multimodal is not None
     check_hf_weights(src, cfg)
     notes = capsys.readouterr().err.strip().splitlines()
     assert len(notes) == 2 and "the vision tower" in notes[0] and "MTP" in notes[1], notes
@@ -65,8 +72,8 @@ def test_multimodal_checkpoint_loads_as_text_and_exports_where_transformers_read
     assert all(torch.equal(written[k], original[k]) for k in written)
     assert set(original) - set(written) == {k for k in original if k.startswith(("model.visual.", "mtp."))}
     d = json.loads((out / "config.json").read_text())
-    assert d["model_type"] == "qwen3_5" and d["architectures"] == ["Qwen3_5ForConditionalGeneration"]
-    assert d["vision_config"]["depth"] == 1 and d["text_config"]["model_type"] == "qwen3_5_text"
+    assert d["model_type"] == model_type and d["architectures"] == [vlm_cls]
+    assert d["vision_config"]["depth"] == 1 and d["text_config"]["model_type"] == text_type
     assert load_model_config(out) == cfg
 
     # transformers reads the export: the multimodal class (its vision tower absent: initialised, with a warning) and
@@ -74,7 +81,7 @@ def test_multimodal_checkpoint_loads_as_text_and_exports_where_transformers_read
     ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = model(input_ids=ids).logits
-        for cls in (transformers.Qwen3_5ForConditionalGeneration, transformers.Qwen3_5ForCausalLM):
+        for cls in (getattr(transformers, vlm_cls), getattr(transformers, text_cls)):
             back = cls.from_pretrained(out, dtype=torch.float32).eval()
             assert torch.allclose(back(input_ids=ids).logits, ref, rtol=0, atol=1e-5), cls.__name__
 
