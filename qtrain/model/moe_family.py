@@ -54,6 +54,16 @@ def _swap_halves(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t[:, F:], t[:, :F]], dim=1)
 
 
+def fused_expert_layouts(prefix: str, experts: int, inner: int, hidden: int) -> tuple[HfLayout, HfLayout]:
+    """The experts of layer `prefix` ('model.layers.{l}.') as transformers 5 holds them in its modules, which it
+    reads from a checkpoint too (`TensorSpec.hf_alternatives`): `mlp.experts.gate_up_proj` (E, 2F, C) with rows
+    [gate; up] per expert (qtrain's stack is [up; gate]) and `mlp.experts.down_proj` (E, C, F) as it is; `inner` F,
+    `hidden` C. Every MoE family's routed layer takes them (qwen3_5/tensors.py too)."""
+    fused = f"{prefix}mlp.experts."
+    return (HfLayout(((f"{fused}gate_up_proj", (experts, 2 * inner, hidden)),), _swap_halves),
+            HfLayout(((f"{fused}down_proj", (experts, hidden, inner)),)))
+
+
 def _moe_tensors(cfg: MoeConfig, layer: int, names: MoeNames) -> list[TensorSpec]:
     """A routed layer's router and expert stacks with their HF names (module docstring)."""
     C, F, X = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
@@ -66,13 +76,11 @@ def _moe_tensors(cfg: MoeConfig, layer: int, names: MoeNames) -> list[TensorSpec
         return ug, down
 
     ug, down = per_expert(names.module)
-    fused = f"{prefix}mlp."
     router_alt = [HfLayout(((f"{prefix}{m}gate.weight", (X, C)),)) for m in (*names.also_under, "mlp.")
                   if m != names.module]
-    ug_alt = [HfLayout(per_expert(m)[0]) for m in names.also_under]
-    down_alt = [HfLayout(per_expert(m)[1]) for m in names.also_under]
-    ug_alt.append(HfLayout(((f"{fused}experts.gate_up_proj", (X, 2 * F, C)),), _swap_halves))
-    down_alt.append(HfLayout(((f"{fused}experts.down_proj", (X, C, F)),)))
+    fused_ug, fused_down = fused_expert_layouts(prefix, X, F, C)
+    ug_alt = [HfLayout(per_expert(m)[0]) for m in names.also_under] + [fused_ug]
+    down_alt = [HfLayout(per_expert(m)[1]) for m in names.also_under] + [fused_down]
     return [TensorSpec(ROUTER, (X, C), ((f"{prefix}{names.module}gate.weight", (X, C)),),
                        hf_alternatives=tuple(dict.fromkeys(router_alt))),
             TensorSpec(EXPERTS_UP_GATE, (X, 2 * F, C), ug, experts=X, group=EXPERTS_GROUP,

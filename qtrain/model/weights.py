@@ -3,8 +3,9 @@
 qtrain keeps a model's parameters in one flat `dict[str, Tensor]` with short internal names: the non-block
 tensors by their own names ('embed', 'norm', 'lm_head') and block l's as 'layers.{l}.{short}' (the family's
 `TensorSpec.name`, e.g. 'layers.3.qkv'). Each tensor is its HF tensors' elements back to back (a fused tensor
-concatenates several, `TensorSpec.hf`), so `hf_to_internal` / `internal_to_hf` need no per-family code: they are
-the only places that move between the two layouts.
+concatenates several, `TensorSpec.hf`; its rows permuted first where `TensorSpec.hf_rows` says so), so `to_hf` /
+`from_hf` need no per-family code: they are the only places that move between the two layouts (a model's tensors
+through `internal_to_hf` / `hf_to_internal`, LoRA's adapters through lora/peft_io.py and lora/init.py).
 """
 from __future__ import annotations
 
@@ -132,24 +133,32 @@ def _rows_from_hf(t: torch.Tensor, runs: tuple[tuple[int, int], ...]) -> torch.T
     return out
 
 
-def internal_to_hf(cfg: ModelConfig, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Split fused tensors into HF tensors (views; no copies, but of a tensor whose rows the checkpoint orders
-    otherwise, `TensorSpec.hf_rows`)."""
-    specs = tensor_specs(cfg)
-    out: dict[str, torch.Tensor] = {}
-    for name, t in params.items():
-        parts = specs[name].hf
-        if specs[name].hf_rows:
-            t = _rows_to_hf(t, specs[name].hf_rows)
-        if len(parts) == 1:
-            out[parts[0][0]] = t
-            continue
-        flat, start = t.reshape(-1), 0
-        for hf, shape in parts:
-            n = math.prod(shape)
-            out[hf] = flat[start:start + n].view(shape)
-            start += n
+def to_hf(spec: TensorSpec, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Tensor `t` of statement `spec` as its HF tensors (`TensorSpec.hf`): views, no copies, but of a tensor whose
+    rows the checkpoint orders otherwise (`TensorSpec.hf_rows`). A model's tensors and LoRA's adapters alike."""
+    if spec.hf_rows:
+        t = _rows_to_hf(t, spec.hf_rows)
+    if len(spec.hf) == 1:
+        return {spec.hf[0][0]: t}
+    out, flat, start = {}, t.reshape(-1), 0
+    for hf, shape in spec.hf:
+        n = math.prod(shape)
+        out[hf] = flat[start:start + n].view(shape)
+        start += n
     return out
+
+
+def from_hf(spec: TensorSpec, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The inverse of `to_hf`: the tensor of statement `spec` from its HF tensors, in `spec.hf`'s order (or an
+    alternative layout's that needs no conversion of its own, `HfLayout.to_ours` None)."""
+    t = parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts]).view(spec.shape)
+    return _rows_from_hf(t, spec.hf_rows) if spec.hf_rows else t
+
+
+def internal_to_hf(cfg: ModelConfig, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Split fused tensors into HF tensors (`to_hf`)."""
+    specs = tensor_specs(cfg)
+    return {hf: part for name, t in params.items() for hf, part in to_hf(specs[name], t).items()}
 
 
 def hf_to_internal(cfg: ModelConfig, get: Callable[[str], torch.Tensor], layouts: Mapping[str, HfLayout] | None = None
@@ -167,5 +176,4 @@ def hf_to_internal(cfg: ModelConfig, get: Callable[[str], torch.Tensor], layouts
                                  f"expected {spec.shape}")
             yield name, t
             continue
-        t = parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts]).view(spec.shape)
-        yield name, _rows_from_hf(t, spec.hf_rows) if spec.hf_rows else t
+        yield name, from_hf(spec, parts)

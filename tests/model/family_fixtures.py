@@ -132,14 +132,17 @@ class _GradView:
         return self.d
 
 
-def qwen35_multimodal_model(seed: int = 0):
-    """A tiny random Qwen3.5 VLM (transformers' Qwen3_5ForConditionalGeneration: the text model under
-    `model.language_model.`, a vision tower under `model.visual.`)."""
+def qwen35_multimodal_model(seed: int = 0, *, moe: bool = False):
+    """A tiny random Qwen3.5 VLM (transformers' Qwen3_5ForConditionalGeneration, or with `moe`
+    Qwen3_5MoeForConditionalGeneration: the text model under `model.language_model.`, a vision tower under
+    `model.visual.`)."""
     import transformers
-    text = qwen35_cfg(num_hidden_layers=2, layer_types=("linear_attention", "full_attention")).text_hf_dict(
+    text = qwen35_cfg(moe=moe, num_hidden_layers=2, layer_types=("linear_attention", "full_attention")).text_hf_dict(
         dtype="float32")
     text.pop("architectures")
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                   temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
-    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
-    return randomize(transformers.Qwen3_5ForConditionalGeneration(cfg).float(), seed)
+    config_cls, model_cls = ((transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration) if moe
+                             else (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration))
+    cfg = config_cls(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    return randomize(model_cls(cfg).float(), seed)

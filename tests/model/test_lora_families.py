@@ -4,7 +4,8 @@ qtrain's logits with an exported adapter equal peft's, and one micro-step's adap
 
 Targets are the block linears (the family's `fp8_matrices`): attention q,k,v,o everywhere; the dense MLP's
 gate/up/down in a dense model (Qwen3.5 dense); Qwen3.5's linear-attention projections as targets in_proj_qkv,
-in_proj_z, in_proj_b, in_proj_a, out. An adapter exists in the layers that have its target, as peft's target_modules
+in_proj_z, in_proj_b, in_proj_a, out, Qwen3-Next's in_proj_qkvz, in_proj_ba (rows interleaved: model/lora/tensors.py),
+out. An adapter exists in the layers that have its target, as peft's target_modules
 match. On an MoE model gate, up and down are its routed experts (peft's target_parameters mlp.experts.gate_up_proj /
 down_proj, per-expert A and B: model/lora/tensors.py), checked here like any target; routers, Qwen3.5's shared expert
 and an MoE model's dense layers' MLP are not targets (tests/reliability/test_lora_inputs.py, test_moe_lora_inputs.py).
@@ -14,8 +15,6 @@ experts in another order: tests/model/test_moe_families.py): logits 2e-5 of thei
 and norms within 1e-4 per tensor.
 """
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -31,6 +30,7 @@ from qtrain.model.lora.peft_io import save_adapter  # noqa: E402
 from qtrain.model.lora.tensors import adapter_specs  # noqa: E402
 from qtrain.model.registry import config_from_hf_dict  # noqa: E402
 from qtrain.model.transformer import RunOptions, Transformer  # noqa: E402
+from qtrain.model.weights import to_hf  # noqa: E402
 from tests.model import family_fixtures as ff  # noqa: E402
 from tests.model.test_lora import _qtrain  # noqa: E402
 from tests.model.family_fixtures import Collect  # noqa: E402
@@ -46,7 +46,16 @@ CASES = {  # name -> (transformers model factory, --lora-targets ('' = the defau
     "qwen3_5_moe": (lambda: ff.qwen35_hf_model(ff.qwen35_cfg(moe=True)), "in_proj_qkv,out,k,o,gate,up,down"),
     # the multimodal checkpoint (text model under model.language_model.): peft's keys over the VLM class
     "qwen3_5_multimodal": (ff.qwen35_multimodal_model, Q35_LINEAR + ",q,k,v,o,gate,up,down"),
+    # Qwen3-Next's in_proj_qkvz / in_proj_ba hold their rows interleaved per key-head group (2 groups of 2 value heads
+    # here): peft's B rows permuted onto qtrain's in_proj rows; one of the two alone, in an MoE model
+    "qwen3_next": (lambda: _next_model(moe=False), "in_proj_qkvz,in_proj_ba,out,q,k,v,o,gate,up,down"),
+    "qwen3_next_moe": (lambda: _next_model(moe=True), "in_proj_ba,o,gate,up,down"),
 }
+
+
+def _next_model(moe: bool):
+    from tests.model.test_qwen3_next import hf_model, next_cfg
+    return hf_model(next_cfg(moe=moe, num_hidden_layers=2, layer_types=("linear_attention", "full_attention")))
 
 
 def _close(a, b, rel=2e-5):
@@ -85,12 +94,34 @@ def test_adapter_logits_and_gradients_equal_peft(case, tmp_path):
     got = {n.replace(".default", ""): p.grad for n, p in pm.named_parameters() if p.requires_grad}
     assert len(got) == sum(len(s.hf) for s in adapter_specs(cfg, spec).values())
     for name, s in adapter_specs(cfg, spec).items():
-        flat, start = sink.grads[name].reshape(-1), 0
-        for key, shape in s.hf:
-            g, ref = flat[start:start + math.prod(shape)].view(shape), got[key]
-            start += math.prod(shape)
+        for key, g in to_hf(s, sink.grads[name]).items():
+            ref = got[key]
             cos = F.cosine_similarity(g.reshape(1, -1).double(), ref.reshape(1, -1).double()).item()
             assert cos >= 0.99999 and abs(g.norm() / ref.norm() - 1) < 1e-4, (key, cos)
+
+
+def test_a_peft_made_qwen3_next_adapter_loads_and_merges_to_peft_logits(tmp_path):
+    """--lora-init-from's path over Qwen3-Next's interleaved in_proj rows: peft's adapter of in_proj_qkvz and
+    in_proj_ba (B random: init_lora_weights=False) read back gives peft's logits, and so do the merged weights."""
+    from qtrain.model.lora.merge import merged_params
+    from qtrain.model.lora.peft_io import read_adapter
+    from qtrain.parallel.weights.replicated import ParamWeights
+    model = _next_model(moe=False).eval()
+    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    cfg = config_from_hf_dict(model.config.to_dict())
+    lc = peft.LoraConfig(r=2, lora_alpha=3, target_modules=["in_proj_qkvz", "in_proj_ba"], init_lora_weights=False)
+    pm = peft.get_peft_model(model, lc).eval()
+    pm.save_pretrained(tmp_path / "p")
+    spec = LoraSpec(2, 3.0, targets=("in_proj_qkvz", "in_proj_ba"))
+    _, w = _qtrain(cfg, base, spec, source=read_adapter(str(tmp_path / "p"), cfg, spec))
+    inputs = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = pm(inputs).logits
+        _close(Transformer(cfg, RunOptions(adapter=LoraAdapter(cfg, spec))).logits(w.source, inputs), want)
+        merged = merged_params(cfg, spec, {n: t.detach() for n, t in w.params.items()})
+        _close(Transformer(cfg).logits(ParamWeights(cfg, merged), inputs), want)
+        with pm.disable_adapter():
+            assert (want - pm(inputs).logits).abs().max() > 1e-3  # the adapter does something
 
 
 def test_targets_exist_where_their_layers_have_them():

@@ -1,7 +1,9 @@
 """Qwen3.5 checkpoints through qtrain's HF load and export, bit for bit: a text checkpoint (Qwen3_5ForCausalLM, dense
-and MoE), and a multimodal one (Qwen3_5ForConditionalGeneration) whose text weights sit under
+and MoE), and a multimodal one (Qwen3_5ForConditionalGeneration, dense and MoE) whose text weights sit under
 `model.language_model.`: it loads as the text model (the vision tower and an MTP head skipped with one line each) and
-exports back in the layout that class reads, which transformers loads to the same text logits.
+exports back in the layout that class reads, which transformers loads to the same text logits. An MoE checkpoint
+may hold its experts one by one (what save_pretrained writes) or fused (transformers' module tensors); both load,
+export writes the former.
 """
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ transformers = pytest.importorskip("transformers")
 from qtrain.model.hf_io import check_hf_weights, load_hf_weights, load_model_config, save_hf_model
 from qtrain.model.qwen3_5 import Qwen35Config
 from qtrain.model.registry import config_from_hf_dict
-from tests.model.family_fixtures import qwen35_cfg as tiny_cfg, qwen35_multimodal_model, randomize
+from qtrain.model.transformer import RunOptions, Transformer
+from qtrain.parallel.weights.replicated import ParamWeights
+from tests.model.family_fixtures import qwen35_cfg as tiny_cfg, qwen35_hf_model, qwen35_multimodal_model, randomize
 
 
 def _tensors(path) -> dict[str, torch.Tensor]:
@@ -38,9 +42,9 @@ def test_text_checkpoint_round_trips_exactly(tmp_path, moe):
     assert load_model_config(tmp_path / "out") == cfg
 
 
-def _multimodal(tmp_path):
+def _multimodal(tmp_path, moe: bool = False):
     """A tiny Qwen3.5 VLM checkpoint plus an MTP tensor (as the published ones carry)."""
-    model = qwen35_multimodal_model()
+    model = qwen35_multimodal_model(moe=moe)
     src = tmp_path / "vlm"
     model.save_pretrained(src)
     tensors = _tensors(src)
@@ -49,11 +53,18 @@ def _multimodal(tmp_path):
     return model, src
 
 
-def test_multimodal_checkpoint_loads_as_text_and_exports_where_transformers_reads(tmp_path, capsys):
-    model, src = _multimodal(tmp_path)
+# multimodal model_type -> (its text model_type, transformers' multimodal and text-only classes)
+MULTIMODAL = {"qwen3_5": ("qwen3_5_text", "Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
+              "qwen3_5_moe": ("qwen3_5_moe_text", "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")}
+
+
+@pytest.mark.parametrize("model_type", list(MULTIMODAL))
+def test_multimodal_checkpoint_loads_as_text_and_exports_where_transformers_reads(tmp_path, capsys, model_type):
+    text_type, vlm_cls, text_cls = MULTIMODAL[model_type]
+    model, src = _multimodal(tmp_path, moe=model_type == "qwen3_5_moe")
     capsys.readouterr()
     cfg = load_model_config(src)
-    assert isinstance(cfg, Qwen35Config) and cfg.model_type == "qwen3_5_text" and cfg.multimodal is not None
+    assert isinstance(cfg, Qwen35Config) and cfg.model_type == text_type and cfg.multimodal is not None
     check_hf_weights(src, cfg)
     notes = capsys.readouterr().err.strip().splitlines()
     assert len(notes) == 2 and "the vision tower" in notes[0] and "MTP" in notes[1], notes
@@ -65,8 +76,8 @@ def test_multimodal_checkpoint_loads_as_text_and_exports_where_transformers_read
     assert all(torch.equal(written[k], original[k]) for k in written)
     assert set(original) - set(written) == {k for k in original if k.startswith(("model.visual.", "mtp."))}
     d = json.loads((out / "config.json").read_text())
-    assert d["model_type"] == "qwen3_5" and d["architectures"] == ["Qwen3_5ForConditionalGeneration"]
-    assert d["vision_config"]["depth"] == 1 and d["text_config"]["model_type"] == "qwen3_5_text"
+    assert d["model_type"] == model_type and d["architectures"] == [vlm_cls]
+    assert d["vision_config"]["depth"] == 1 and d["text_config"]["model_type"] == text_type
     assert load_model_config(out) == cfg
 
     # transformers reads the export: the multimodal class (its vision tower absent: initialised, with a warning) and
@@ -74,9 +85,47 @@ def test_multimodal_checkpoint_loads_as_text_and_exports_where_transformers_read
     ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = model(input_ids=ids).logits
-        for cls in (transformers.Qwen3_5ForConditionalGeneration, transformers.Qwen3_5ForCausalLM):
+        for cls in (getattr(transformers, vlm_cls), getattr(transformers, text_cls)):
             back = cls.from_pretrained(out, dtype=torch.float32).eval()
             assert torch.allclose(back(input_ids=ids).logits, ref, rtol=0, atol=1e-5), cls.__name__
+
+
+@pytest.mark.parametrize("multimodal", [False, True])
+def test_fused_experts_load_and_export_as_save_pretrained_writes(tmp_path, multimodal):
+    """A checkpoint of transformers' own module tensors (Qwen3_5Moe's experts fused: mlp.experts.gate_up_proj
+    (E, 2F, C) rows [gate; up], mlp.experts.down_proj (E, C, F)), text or multimodal, loads to the parameters of the
+    per-expert checkpoint save_pretrained writes, bit for bit, and so to transformers' logits (test_qwen3_5.py's
+    1e-5 relative: the same fp32 math, other kernels); the export is save_pretrained's layout (experts one by one in
+    transformers 5.x) and transformers reads it back to the very logits it started from."""
+    if multimodal:
+        model = qwen35_multimodal_model(moe=True).eval()
+    else:
+        model = qwen35_hf_model(tiny_cfg(moe=True, num_hidden_layers=2,
+                                         layer_types=("linear_attention", "full_attention"))).eval()
+    model.save_pretrained(tmp_path / "pretrained")
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    (fused / "config.json").write_text((tmp_path / "pretrained" / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(fused / "model.safetensors"),
+              metadata={"format": "pt"})
+    assert sum(k.endswith("mlp.experts.gate_up_proj") for k in _tensors(fused)) == 2  # one per (MoE) layer
+    cfg = load_model_config(fused)
+    params, want = load_hf_weights(fused, cfg), load_hf_weights(tmp_path / "pretrained", cfg)
+    assert params.keys() == want.keys() and all(torch.equal(params[n], want[n]) for n in want)
+
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        got = Transformer(cfg, RunOptions()).logits(ParamWeights(cfg, params), ids)
+    assert ((got - ref).norm() / ref.norm()).item() <= 1e-5
+
+    save_hf_model(tmp_path / "out", cfg, params, dtype=torch.float32)
+    written, pretrained = _tensors(tmp_path / "out"), _tensors(tmp_path / "pretrained")
+    assert set(written) == {k for k in pretrained if not k.startswith("model.visual.")}
+    assert all(torch.equal(written[k], pretrained[k]) for k in written)
+    back = type(model).from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ids).logits, ref)
 
 
 def test_rope_scaling_survives_export_beside_the_partial_rotary_factor():

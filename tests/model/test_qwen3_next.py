@@ -108,3 +108,20 @@ def test_checkpoint_round_trips_exactly(tmp_path, case):
     assert load_model_config(tmp_path / "out") == cfg
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert type(again).__name__ == "Qwen3NextForCausalLM"
+
+
+def test_fused_experts_load_like_the_per_expert_ones(tmp_path):
+    """A checkpoint of transformers' module tensors (the experts fused, as Qwen3.5-MoE's: test_qwen3_5_hf_io.py)
+    loads to the parameters of the per-expert one save_pretrained writes, bit for bit."""
+    from safetensors.torch import save_file
+    model = hf_model(next_cfg(**CASES["moe-mixed"]))
+    model.save_pretrained(tmp_path / "src")
+    (tmp_path / "fused").mkdir()
+    (tmp_path / "fused" / "config.json").write_text((tmp_path / "src" / "config.json").read_text())
+    tied = model.config.tie_word_embeddings  # save_pretrained writes the shared matrix once
+    sd = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in sd)
+    save_file(sd, str(tmp_path / "fused" / "model.safetensors"), metadata={"format": "pt"})
+    cfg = load_model_config(tmp_path / "fused")
+    got, want = load_hf_weights(tmp_path / "fused", cfg), load_hf_weights(tmp_path / "src", cfg)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)

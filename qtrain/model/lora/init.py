@@ -15,6 +15,7 @@ from qtrain.model.config import ModelConfig
 from qtrain.model.init import _tensor_seed
 from qtrain.model.lora.spec import LoraSpec
 from qtrain.model.lora.tensors import adapter_specs
+from qtrain.model.weights import from_hf
 
 
 @torch.no_grad()
@@ -26,7 +27,7 @@ def init_adapters(cfg: ModelConfig, spec: LoraSpec, views: dict[str, torch.Tenso
     for name, t in views.items():
         parts = specs[name].hf
         if source is not None:
-            t.copy_(torch.cat([source[k].reshape(-1) for k, _ in parts]).view(t.shape))
+            t.copy_(from_hf(specs[name], [source[k] for k, _ in parts]))
         elif name.endswith("_lora_b"):
             t.zero_()
         else:

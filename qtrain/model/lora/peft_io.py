@@ -34,6 +34,7 @@ from qtrain.model.hf_io import FLOAT_DTYPES, IncompleteExportError, check_export
 from qtrain.model.lora.spec import LoraError, LoraSpec
 from qtrain.model.lora.tensors import (EXPERT_MATRICES, adapter_specs, base_module_names, base_parameter_names,
                                        peft_v4_expert_modules)
+from qtrain.model.weights import to_hf
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -77,13 +78,7 @@ def save_adapter(out_dir: str | os.PathLike, cfg: ModelConfig, spec: LoraSpec, a
     specs = adapter_specs(cfg, spec)
     if set(adapters) != set(specs):
         raise LoraError(f"save_adapter: got {sorted(set(adapters) ^ set(specs))[:3]} beyond or short of the adapters")
-    hf: dict[str, torch.Tensor] = {}
-    for name, t in adapters.items():
-        flat, start = t.reshape(-1), 0
-        for key, shape in specs[name].hf:
-            n = math.prod(shape)
-            hf[key] = flat[start:start + n].view(shape)
-            start += n
+    hf = {key: part for name, t in adapters.items() for key, part in to_hf(specs[name], t).items()}
     nbytes = sum(t.numel() for t in hf.values()) * dtype.itemsize
     files = {CONFIG_FILE: adapter_config(cfg, spec, base), WEIGHTS_FILE: hf, **dict(extra_files or {})}
     return write_export(out_dir, files, dtype=dtype, nbytes=nbytes, owner=owner)

@@ -9,8 +9,13 @@ Llama family). The targets of one (possibly fused) block matrix M share two adap
     {M}_lora_a  (t x r, in)     rows [A_1; A_2; ...]  <- base_model.model.<module_i>.lora_A.weight  (r, in)
     {M}_lora_b  (sum out_i, r)  rows [B_1; B_2; ...]  <- base_model.model.<module_i>.lora_B.weight  (out_i, r)
 
-so the layout, the checkpoints and the PEFT export need no code of their own for them (`weights.internal_to_hf`'s
-rule: a tensor is its HF tensors back to back).
+so the layout, the checkpoints and the PEFT export need no code of their own for them (`weights.to_hf`'s rule: a
+tensor is its HF tensors back to back). B's rows are the matrix's, in its order: where a module holds its rows in
+another order than the matrix (Qwen3-Next's in_proj_qkvz = [q_g; k_g; v_g; z_g] per key-head group g, in_proj_ba =
+[b_g; a_g], of qtrain's in_proj [q; k; v; z; b; a]: `TensorSpec.hf_rows`), B_i = P_i B'_i for peft's B'_i and that
+row permutation P_i, since P_i (B'_i A_i) x = (P_i B'_i) A_i x: {M}_lora_b's own `hf_rows` (`Target.hf_rows` at
+its place in B) permutes them on the way to and from peft. A module whose rows are not one range of the matrix
+would be no target (none is).
 
 A routed layer's experts (the MoE families) are targets too: gate, up and down name its experts' projections, as peft
 maps `gate_proj`/`up_proj`/`down_proj` onto an MoE model's experts under transformers 5, where they are 3-D parameters
@@ -58,6 +63,42 @@ class Target:
     row: int
     rows: int
     cols: int
+    hf_rows: tuple[tuple[int, int], ...] = ()  # () or the module's rows as runs (start, count) of rows - row, in the
+    # order the module holds them (Qwen3-Next's in_proj_qkvz / in_proj_ba: the matrix's `TensorSpec.hf_rows`)
+
+
+def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`runs` with each run that continues the one before joined to it."""
+    out: list[tuple[int, int]] = []
+    for start, count in runs:
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], out[-1][1] + count)
+        else:
+            out.append((start, count))
+    return out
+
+
+def _part_rows(spec: TensorSpec) -> list[tuple[int, tuple[tuple[int, int], ...]] | None]:
+    """Where each HF part of matrix `spec` (`TensorSpec.hf`) sits in it: (its first row, its rows as runs relative to
+    that row in the part's order, () when in order), or None when its rows are not one range of the matrix (a row
+    permutation, `TensorSpec.hf_rows`, may spread them: no adapter's rows could be those of the module)."""
+    runs, out = list(spec.hf_rows) or [(0, spec.shape[0])], []
+    for _, shape in spec.hf:
+        need, mine = shape[0], []
+        while need:
+            start, count = runs.pop(0)
+            take = min(count, need)
+            mine.append((start, take))
+            if take < count:
+                runs.insert(0, (start + take, count - take))
+            need -= take
+        first = min(start for start, _ in mine)
+        rel = _merged([(start - first, count) for start, count in mine])
+        if max(start + count for start, count in rel) != shape[0]:
+            out.append(None)
+        else:
+            out.append((first, () if rel == [(0, shape[0])] else tuple(rel)))
+    return out
 
 
 def _layer_prefix(cfg: ModelConfig, layer: int) -> str:
@@ -77,15 +118,13 @@ def layer_targets(cfg: ModelConfig, layer: int) -> dict[str, Target]:
     if getattr(cfg, "router", None):
         linears = tuple(m for m in linears if m not in MLP_MATRICES)
     for spec in statements(cfg).blocks[layer]:
-        if len(spec.shape) != 2 or spec.experts or spec.group or spec.hf_rows or spec.name not in linears:
+        if len(spec.shape) != 2 or spec.experts or spec.group or spec.name not in linears:
             continue
-        row = 0
-        for hf, shape in spec.hf:
+        for (hf, shape), where in zip(spec.hf, _part_rows(spec)):
             module = hf.removeprefix(prefix).removesuffix(".weight")
-            if hf.startswith(prefix) and hf.endswith(".weight") and len(shape) == 2:
+            if where is not None and hf.startswith(prefix) and hf.endswith(".weight") and len(shape) == 2:
                 name = module.rsplit(".", 1)[-1].removesuffix("_proj")
-                out[name] = Target(name, spec.name, module, row, shape[0], shape[1])
-            row += shape[0]
+                out[name] = Target(name, spec.name, module, where[0], shape[0], shape[1], where[1])
     return out
 
 
@@ -165,6 +204,18 @@ def expert_adapter_tensors(cfg: ModelConfig, spec: LoraSpec, layer: int) -> tupl
     return tuple(out)
 
 
+def _b_rows(targets: list[Target]) -> tuple[tuple[int, int], ...]:
+    """The fused B's `TensorSpec.hf_rows`: each target's rows (`Target.hf_rows`) at its place in B, or () when every
+    target holds its rows in order (module docstring)."""
+    if not any(t.hf_rows for t in targets):
+        return ()
+    out, at = [], 0
+    for t in targets:
+        out += [(at + start, count) for start, count in t.hf_rows or ((0, t.rows),)]
+        at += t.rows
+    return tuple(out)
+
+
 def adapter_tensors(cfg: ModelConfig, spec: LoraSpec, layer: int) -> tuple[TensorSpec, ...]:
     """Block `layer`'s adapter tensors (module docstring), PEFT's names as their HF parts."""
     r, prefix, out = spec.rank, PEFT_PREFIX + _layer_prefix(cfg, layer), []
@@ -174,7 +225,7 @@ def adapter_tensors(cfg: ModelConfig, spec: LoraSpec, layer: int) -> tuple[Tenso
                               tuple((f"{prefix}{t.module}.lora_A.weight", (r, cols)) for t in targets), group=GROUP))
         out.append(TensorSpec(b_name(matrix), (sum(t.rows for t in targets), r),
                               tuple((f"{prefix}{t.module}.lora_B.weight", (t.rows, r)) for t in targets),
-                              init="zeros", group=GROUP))
+                              init="zeros", group=GROUP, hf_rows=_b_rows(targets)))
     return tuple(out) + expert_adapter_tensors(cfg, spec, layer)
 
 

@@ -5,6 +5,10 @@ Fused as llm.q fuses them (one GEMM where HF runs several), everything else one 
   qkv      (2 q_dim + 2 kv_dim, C)         rows [q + gate; k; v] <- self_attn.q_proj / k_proj / v_proj
   up       (2F, C)                         rows [up; gate]       <- mlp.up_proj / mlp.gate_proj
   experts_up_gate (E, 2F, C)               per expert [up; gate] <- mlp.experts.{e}.up_proj / gate_proj
+An MoE layer's experts are written one by one, as transformers' save_pretrained writes them (5.x: its weight
+converters split its fused parameters); loading also takes those fused parameters (`mlp.experts.gate_up_proj`
+(E, 2F, C) rows [gate; up], `mlp.experts.down_proj` (E, C, F): `moe_family.fused_expert_layouts`), a checkpoint of
+transformers' state_dict.
 Qwen3-Next (model_type qwen3_next) holds the same in_proj as two HF tensors whose rows interleave per key-head group
 g (of Hk; r = H / Hk value heads each): linear_attn.in_proj_qkvz = [q_g; k_g; v_g; z_g] for g = 0..Hk-1 and
 linear_attn.in_proj_ba = [b_g; a_g], which `next_in_proj_rows` maps onto qtrain's [q; k; v; z; b; a] rows
@@ -15,8 +19,8 @@ multimodal one (what `Qwen3_5ForConditionalGeneration` reads; `Qwen3_5ForCausalL
 """
 from __future__ import annotations
 
-from qtrain.model.family import TensorSpec
-from qtrain.model.moe_family import EXPERTS_GROUP
+from qtrain.model.family import HfLayout, TensorSpec
+from qtrain.model.moe_family import EXPERTS_GROUP, fused_expert_layouts
 from qtrain.model.qwen3_5.config import Qwen35Config
 from qtrain.model.qwen3_5.next_config import NEXT_TYPE
 
@@ -108,6 +112,16 @@ def _hf_parts(cfg: Qwen35Config, layer: int, short: str, shape: tuple[int, ...]
     return tuple((prefix + s, (r, C)) for s, r in zip(hf, rows))
 
 
+def _hf_alternatives(cfg: Qwen35Config, layer: int, short: str) -> tuple[HfLayout, ...]:
+    """The other layout loading accepts: an MoE layer's experts fused as transformers' modules hold them (what a
+    checkpoint of its state_dict has), as the MoE families take them."""
+    if not short.startswith("experts_"):
+        return ()
+    ug, down = fused_expert_layouts(f"{cfg.hf_prefix}layers.{layer}.", cfg.num_experts, cfg.moe_intermediate_size,
+                                    cfg.hidden_size)
+    return (ug,) if short == "experts_up_gate" else (down,)
+
+
 def block_tensors(cfg: Qwen35Config, layer: int) -> tuple[TensorSpec, ...]:
     """Block `layer`'s tensors (linear- and full-attention layers hold different ones); an MoE layer's expert stacks
     in a layout group of their own, 'block.{l}.experts', as the MoE families' (expert parallelism gives ranks whole
@@ -116,6 +130,7 @@ def block_tensors(cfg: Qwen35Config, layer: int) -> tuple[TensorSpec, ...]:
     return tuple(TensorSpec(short, shape, _hf_parts(cfg, layer, short, shape), decay=short not in NO_DECAY,
                             init=INIT.get(short, "normal"), experts=cfg.num_experts if short.startswith("experts_")
                             else 0, group=EXPERTS_GROUP if short.startswith("experts_") else "",
+                            hf_alternatives=_hf_alternatives(cfg, layer, short),
                             hf_rows=rows if short == "in_proj" else ())
                  for short, shape in block_shapes(cfg, layer).items())
 
