@@ -68,7 +68,8 @@ def test_trains_and_resumes_bitwise(tmp_path, model):
 def test_fp8_block_linears_train(tmp_path, capsys):
     """--matmul-dtype e4m3 --fp8-policy all: the four kinds of block linears (in_proj, out, qkv, o, and the MLP) run
     in FP8 (emulated on the CPU); the delta rule, conv and norms stay bf16 / fp32. N = 2 kd + 2 vd + 2H must be a
-    multiple of 16 (8 value heads here; 32 or 48 in the real models)."""
+    multiple of 16 (8 value heads here; 32 or 48 in the real models). tests/model/test_qwen3_5_fp8.py bounds the
+    blocks' outputs and gradients against the bf16 blocks'."""
     root = make_run_root(tmp_path)
     cfg = tiny_cfg(vocab_size=96, hidden_size=32, num_hidden_layers=2, head_dim=16, linear_num_value_heads=8,
                    layer_types=("linear_attention", "full_attention"), bos_token_id=0, eos_token_id=0,
