@@ -1,6 +1,8 @@
 """LoRA through `qtrain train` (in-process, CPU, fp32, a tiny random HF base): only the adapters train and are
 checkpointed, --continue is bitwise, the exported adapter loads in peft, --lora-merge's model in transformers, both
-with the same logits; the base sharded and offloaded to the host trains the same adapters; two gloo ranks (unsharded and sharded gradient managers) train the same adapters.
+with the same logits; the base sharded and offloaded to the host trains the same adapters; --lora-init-from starts a
+run from an exported adapter's exact values; two gloo ranks (unsharded and sharded gradient managers) train the
+same adapters.
 
 Tolerance of the logits: the merged model computes (W + s B A) x where peft computes W x + s B (A x): fp32
 reassociation, ~1e-6 relative (asserted 1e-4 of the logits' scale).
@@ -18,6 +20,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from qtrain.cli.main import main
+from qtrain.observe.log import read_log
 from tests.hf_fixtures import save_tiny_hf_model
 from tests.run_utils import make_run_root, qtrain_run, train_argv
 
@@ -99,6 +102,20 @@ def test_the_adapters_export_gathers_no_frozen_base(root, monkeypatch):
     assert len(gathered) == 2 and {"block.0.lora", "block.1.lora"} < set(gathered[1]) and len(gathered[1]) > 4
     adapter = load_file(root / "out" / "gz" / "adapter_model.safetensors")
     assert adapter and all("lora_" in k for k in adapter)
+
+
+def test_init_from_an_exported_adapter_starts_from_its_values(root):
+    """--lora-init-from: a run started from another run's exported PEFT adapter begins with exactly its values: its
+    loss before the first step (--eval-at-start, over the whole eval file) is bit for bit the source run's final
+    evaluation (the same base, adapters and batches; adapters read back transposed, scaled, rounded or in another
+    order would move it), and training had moved that loss off the base's (B = 0 at peft's init)."""
+    whole_eval = ("--eval-at-start", "--eval-num-steps", "1000")  # more batches than the eval file holds
+    assert main(_argv(root, "src", *whole_eval, steps=2)) == 0
+    assert main(_argv(root, "from-src", *whole_eval, "--lora-init-from", str(root / "out" / "src"), steps=1)) == 0
+    src, run = ({e["step"]: e["loss"] for e in read_log(root / "logs" / f"{n}.jsonl") if e["log"] == "eval"}
+                for n in ("src", "from-src"))
+    assert sorted(src) == [0, 2] and sorted(run) == [0, 1]
+    assert run[0] == src[2] and src[2] != src[0]
 
 
 def test_two_gloo_ranks_unsharded_and_sharded_gradients_agree(root):
