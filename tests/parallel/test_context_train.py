@@ -85,18 +85,22 @@ def _assert_weights_near(root, name, ref, tol: float = 1e-4):
         assert update > 0 and err <= tol * update, f"{k}: ||w - w_ref|| = {err:.3g}, update {update:.3g}"
 
 
-@pytest.mark.parametrize("mode", ["allgather", "ring"])
-def test_context_parallel_documents_train_as_one_process(packed, mode):
+@pytest.fixture(scope="module", params=["allgather", "ring"])
+def cp_run(packed, request) -> str:
+    """The --context-parallel 2 run of each mode (its name, the mode's), made once for the tests that read it."""
+    mode = request.param
     r = qtrain_run(_argv(packed, mode, "--gpus", "2", "--context-parallel", "2", "--context-parallel-mode", mode),
                    cwd=packed, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
-    _assert_trains_as(packed, mode, "one")
+    return mode
 
 
-@pytest.mark.parametrize("mode", ["allgather", "ring"])
-def test_context_parallel_resumes_bitwise(packed, mode):
-    if not (packed / "out" / mode / "model.safetensors").exists():
-        pytest.skip(f"needs the {mode} run of test_context_parallel_documents_train_as_one_process")
+def test_context_parallel_documents_train_as_one_process(packed, cp_run):
+    _assert_trains_as(packed, cp_run, "one")
+
+
+def test_context_parallel_resumes_bitwise(packed, cp_run):
+    mode = cp_run
     r = qtrain_run(_argv(packed, f"{mode}-resumed", "--gpus", "2", "--context-parallel", "2", "--context-parallel-mode",
                          mode, "--continue", "2", checkpoint_dir=packed / "ckpt" / mode), cwd=packed, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
