@@ -1,7 +1,8 @@
 """`qtrain train --gpus 2 --context-parallel 2` from the command line (gloo, CPU, fp32) on a file packed by `qtrain
 tokenize --pack-to`, with --document-masking: each rank holds half of every row, its queries attend inside their
-documents over both ranks' keys (all-gather and ring modes), and the run trains as one process on the same rows;
-a run resumed from its own checkpoint (either mode) is bitwise the run it continues.
+documents over both ranks' keys (all-gather and ring modes), and the run trains as one process on the same rows,
+with every gradient manager, sharded weights and the offload modes too; a run resumed from its own checkpoint (either
+mode) is bitwise the run it continues.
 
 The ranks of a context group read the sequences one process reads (one data-parallel replica), so every step's loss
 and gradient norm, the evaluations and the exported weights match the single process. Tolerances: the split
@@ -85,18 +86,22 @@ def _assert_weights_near(root, name, ref, tol: float = 1e-4):
         assert update > 0 and err <= tol * update, f"{k}: ||w - w_ref|| = {err:.3g}, update {update:.3g}"
 
 
-@pytest.mark.parametrize("mode", ["allgather", "ring"])
-def test_context_parallel_documents_train_as_one_process(packed, mode):
+@pytest.fixture(scope="module", params=["allgather", "ring"])
+def cp_run(packed, request) -> str:
+    """The --context-parallel 2 run of each mode (its name, the mode's), made once for the tests that read it."""
+    mode = request.param
     r = qtrain_run(_argv(packed, mode, "--gpus", "2", "--context-parallel", "2", "--context-parallel-mode", mode),
                    cwd=packed, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
-    _assert_trains_as(packed, mode, "one")
+    return mode
 
 
-@pytest.mark.parametrize("mode", ["allgather", "ring"])
-def test_context_parallel_resumes_bitwise(packed, mode):
-    if not (packed / "out" / mode / "model.safetensors").exists():
-        pytest.skip(f"needs the {mode} run of test_context_parallel_documents_train_as_one_process")
+def test_context_parallel_documents_train_as_one_process(packed, cp_run):
+    _assert_trains_as(packed, cp_run, "one")
+
+
+def test_context_parallel_resumes_bitwise(packed, cp_run):
+    mode = cp_run
     r = qtrain_run(_argv(packed, f"{mode}-resumed", "--gpus", "2", "--context-parallel", "2", "--context-parallel-mode",
                          mode, "--continue", "2", checkpoint_dir=packed / "ckpt" / mode), cwd=packed, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -138,13 +143,29 @@ def test_compiled_context_parallel_with_recompute_trains_as_one_process(packed, 
     _assert_trains_as(packed, name, "one")
 
 
-def test_context_parallel_with_offloaded_optimizer_state_and_residuals_trains_as_one_process(packed):
-    """--context-parallel composes with the offload modes: the Adam moments on the host (`--offload-opt-m`,
-    `--offload-opt-v`, streamed through staging buffers per step) and the residual stream of each block
-    (`--offload-residual` with `--recompute-block`, this rank's half of every row) change where bytes live, not what
+OFFLOAD = ("--offload-opt-m", "--offload-opt-v", "--offload-residual", "--recompute-block")
+STATE = [  # CI runs the first, every manager and offload mode in one run (each gloo run is ~20 s on 2 cores)
+    pytest.param("all", ("--zero-level", "3", "--all-to-all-reduce", "--offload-master", "--offload-gradients",
+                         *OFFLOAD), id="zero3-all-to-all-offload-everything"),
+    pytest.param("offload", OFFLOAD, id="offload-moments-residuals", marks=pytest.mark.slow),
+    pytest.param("reduce-scatter", ("--shard-gradients",), id="reduce-scatter", marks=pytest.mark.slow),
+    pytest.param("all-to-all", ("--shard-gradients", "--all-to-all-reduce"), id="all-to-all", marks=pytest.mark.slow),
+    pytest.param("zero3", ("--zero-level", "3"), id="zero3", marks=pytest.mark.slow),
+    pytest.param("zero3-offload-master", ("--zero-level", "3", "--offload-master"), id="zero3-offload-master",
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("name,flags", STATE)
+def test_context_parallel_with_sharded_and_offloaded_state_trains_as_one_process(packed, name, flags):
+    """--context-parallel composes with the gradient managers (--shard-gradients: reduce-scatter, or
+    --all-to-all-reduce), sharded weights (--zero-level 3, the master shards offloaded to the host with
+    --offload-master) and the offload modes: the Adam moments (`--offload-opt-m`, `--offload-opt-v`, streamed
+    through staging buffers per step), the gradient shards (`--offload-gradients`) and the residual stream of each
+    block (`--offload-residual` with `--recompute-block`, this rank's half of every row). The gradients are summed
+    over both ranks of the context group however they are reduced, and the rest changes where bytes live, not what
     is computed: the single process's steps, evaluations and exported weights, with the tolerances above."""
-    r = qtrain_run(_argv(packed, "allgather-offload", "--gpus", "2", "--context-parallel", "2",
-                         "--offload-opt-m", "--offload-opt-v", "--offload-residual", "--recompute-block"), cwd=packed,
+    r = qtrain_run(_argv(packed, f"cp-{name}", "--gpus", "2", "--context-parallel", "2", *flags), cwd=packed,
                    timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
-    _assert_trains_as(packed, "allgather-offload", "one")
+    _assert_trains_as(packed, f"cp-{name}", "one")

@@ -60,6 +60,11 @@ CP_CASES = [Case(f"cp-{name}", train(extra=extra), match) for name, extra, match
     ("document-attention-varlen", ("--gpus", "2", "--context-parallel", "2", "--document-masking",
                                    "--document-attention", "varlen"),
      r"--context-parallel 2 does not support --document-attention varlen yet"),
+    # --device cuda: with --device cpu the CUDA-graphs line comes first; these are refused before any device is used
+    ("cuda-graphs", ("--device", "cuda", "--gpus", "2", "--context-parallel", "2", "--use-cuda-graphs"),
+     r"--context-parallel 2 does not support --use-cuda-graphs yet \(its attention"),
+    ("expert-parallel", ("--gpus", "2", "--context-parallel", "2", "--expert-parallel", "2"),
+     r"--context-parallel 2 does not support --expert-parallel 2 yet \(its attention"),
     ("ring-without-cp", ("--context-parallel-mode", "ring"),
      r"--context-parallel-mode ring needs --context-parallel N > 1"),
     ("mode-typo", ("--gpus", "2", "--context-parallel", "2", "--context-parallel-mode", "rings"),

@@ -1,6 +1,8 @@
 """LoRA through `qtrain train` (in-process, CPU, fp32, a tiny random HF base): only the adapters train and are
 checkpointed, --continue is bitwise, the exported adapter loads in peft, --lora-merge's model in transformers, both
-with the same logits; the base sharded and offloaded to the host trains the same adapters; two gloo ranks (unsharded and sharded gradient managers) train the same adapters.
+with the same logits; the base sharded and offloaded to the host trains the same adapters; --lora-init-from starts a
+run from an exported adapter's exact values; two gloo ranks (unsharded and sharded gradient managers) train the
+adapters of one process with the same global batch.
 
 Tolerance of the logits: the merged model computes (W + s B A) x where peft computes W x + s B (A x): fp32
 reassociation, ~1e-6 relative (asserted 1e-4 of the logits' scale).
@@ -18,14 +20,15 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from qtrain.cli.main import main
+from qtrain.observe.log import read_log
 from tests.hf_fixtures import save_tiny_hf_model
 from tests.run_utils import make_run_root, qtrain_run, train_argv
 
 LORA = ("--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q,v,o,gate,down", "--quiet")
 
 
-def _argv(root: Path, name: str, *extra: str, steps: int = 4) -> list[str]:
-    argv = train_argv(root, steps=steps, name=name, model=root / "base", extra=LORA + extra)
+def _argv(root: Path, name: str, *extra: str, steps: int = 4, **flags) -> list[str]:
+    argv = train_argv(root, steps=steps, name=name, model=root / "base", extra=LORA + extra, **flags)
     argv.remove("--from-scratch")
     return argv
 
@@ -101,17 +104,61 @@ def test_the_adapters_export_gathers_no_frozen_base(root, monkeypatch):
     assert adapter and all("lora_" in k for k in adapter)
 
 
-def test_two_gloo_ranks_unsharded_and_sharded_gradients_agree(root):
-    """2 ranks: the unsharded manager and --shard-gradients average the same fp32 adapter gradients."""
-    outs = {}
+def test_init_from_an_exported_adapter_starts_from_its_values(root):
+    """--lora-init-from: a run started from another run's exported PEFT adapter begins with exactly its values: its
+    loss before the first step (--eval-at-start, over the whole eval file) is bit for bit the source run's final
+    evaluation (the same base, adapters and batches; adapters read back transposed, scaled, rounded or in another
+    order would move it), and training had moved that loss off the base's (B = 0 at peft's init)."""
+    whole_eval = ("--eval-at-start", "--eval-num-steps", "1000")  # more batches than the eval file holds
+    assert main(_argv(root, "src", *whole_eval, steps=2)) == 0
+    assert main(_argv(root, "from-src", *whole_eval, "--lora-init-from", str(root / "out" / "src"), steps=1)) == 0
+    src, run = ({e["step"]: e["loss"] for e in read_log(root / "logs" / f"{n}.jsonl") if e["log"] == "eval"}
+                for n in ("src", "from-src"))
+    assert sorted(src) == [0, 2] and sorted(run) == [0, 1]
+    assert run[0] == src[2] and src[2] != src[0]
+
+
+@pytest.fixture(scope="module")
+def random_adapter(root) -> Path:
+    """A PEFT adapter of the base for LORA's targets with random A and B (peft's init_lora_weights=False), as peft
+    writes it."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32)
+    targets = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    torch.manual_seed(0)  # peft's random init draws from the global generator
+    peft.get_peft_model(base, lora).save_pretrained(root / "random_adapter")
+    return root / "random_adapter"
+
+
+def test_two_gloo_ranks_train_as_one_process_with_the_global_batch(root, random_adapter):
+    """2 ranks, each 2 rows a step: the unsharded manager and --shard-gradients average the same fp32 adapter
+    gradients, and train as one process reading the same 4 rows a step (rank r holds rows r::2 of them). All start
+    from the same PEFT adapter with random A and B (--lora-init-from), so both matrices train from the first step
+    and each tensor's update from that start is known. Tolerances: the ranks' runs differ from each other only in
+    how the gradient average is formed (1e-6 absolute, as before); from the one process in the order of the sums
+    (per-rank GEMMs and a cross-rank average against one GEMM over 4 rows, fp32 ~1e-7): losses to 2e-5 relative,
+    each adapter tensor within 1e-3 of its update, ||w - w_ref|| <= 1e-3 ||w_ref - w0|| (Adam divides each element
+    by its own gradient's RMS, so elements with tiny gradients move apart further than the gradients do; as
+    tests/parallel/test_context_train.py; measured 2e-5 and 7e-8)."""
+    init = ("--lora-init-from", str(random_adapter), "--ckpt-interval", "100")
+    assert main(_argv(root, "g0", *init, steps=2, batch_size=4)) == 0
+    outs = {"g0": load_file(root / "out" / "g0" / "adapter_model.safetensors")}
     for name, extra in (("g1", ()), ("g2", ("--shard-gradients",))):
-        r = qtrain_run(_argv(root, name, "--gpus", "2", "--ckpt-interval", "100", steps=2, *extra), cwd=root,
-                       timeout=300)
+        r = qtrain_run(_argv(root, name, "--gpus", "2", *init, *extra, steps=2), cwd=root, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         outs[name] = load_file(root / "out" / name / "adapter_model.safetensors")
-    assert outs["g1"].keys() == outs["g2"].keys()
+    assert outs["g1"].keys() == outs["g2"].keys() == outs["g0"].keys()
     for k, v in outs["g1"].items():
         assert torch.allclose(v, outs["g2"][k], rtol=0, atol=1e-6), k
+    start = load_file(random_adapter / "adapter_model.safetensors")
+    assert start.keys() == outs["g0"].keys()
+    for k, want in outs["g0"].items():
+        err, update = float((outs["g1"][k] - want).norm()), float((want - start[k]).norm())
+        assert update > 0 and err <= 1e-3 * update, f"{k}: ||w - w_ref|| = {err:.3g}, update {update:.3g}"
+    (ref, got) = ([e for e in read_log(root / "logs" / f"{n}.jsonl") if e["log"] == "step"] for n in ("g0", "g1"))
+    assert [e["step"] for e in got] == [e["step"] for e in ref] == [0, 1]
+    for a, b in zip(got, ref):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-5), a["step"]
 
 
 def test_dropout_resume_is_bitwise(root):

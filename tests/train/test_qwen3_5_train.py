@@ -1,6 +1,6 @@
 """A tiny Qwen3.5 (dense and MoE hybrid) trains end to end through `qtrain train` on the CPU, and a run resumed from
 its step-2 checkpoint continues bit for bit (losses, gradient norms, the MoE variant's router fields, the exported
-weights)."""
+weights); bf16 weights and Adam moments with stochastic rounding track the fp32 run."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,11 @@ from safetensors.torch import load_file
 from qtrain.cli.main import main
 from qtrain.data.packing import Packer
 from qtrain.data.token_files import TokenFileWriter
+from qtrain.options import Options
+from qtrain.parallel.dist import DistContext
 from qtrain.train.router_metrics import STEP_FIELDS
+from qtrain.train.trainer import Trainer
+from tests.dist_utils import write_model_dir
 from tests.model.family_fixtures import qwen35_cfg as tiny_cfg
 from tests.run_utils import make_run_root, train_argv
 
@@ -64,7 +68,8 @@ def test_trains_and_resumes_bitwise(tmp_path, model):
 def test_fp8_block_linears_train(tmp_path, capsys):
     """--matmul-dtype e4m3 --fp8-policy all: the four kinds of block linears (in_proj, out, qkv, o, and the MLP) run
     in FP8 (emulated on the CPU); the delta rule, conv and norms stay bf16 / fp32. N = 2 kd + 2 vd + 2H must be a
-    multiple of 16 (8 value heads here; 32 or 48 in the real models)."""
+    multiple of 16 (8 value heads here; 32 or 48 in the real models). tests/model/test_qwen3_5_fp8.py bounds the
+    blocks' outputs and gradients against the bf16 blocks'."""
     root = make_run_root(tmp_path)
     cfg = tiny_cfg(vocab_size=96, hidden_size=32, num_hidden_layers=2, head_dim=16, linear_num_value_heads=8,
                    layer_types=("linear_attention", "full_attention"), bos_token_id=0, eos_token_id=0,
@@ -105,3 +110,35 @@ def test_document_masking_trains_and_resumes_bitwise(tmp_path):
     assert all(resumed[k][f] == full[k][f] for k in (2, 3) for f in ("loss", "norm", *STEP_FIELDS))
     assert main(train_argv(root, steps=1, name="plain", **opts)) == 0
     assert _steps(root / "logs" / "plain.jsonl")[0]["loss"] != full[0]["loss"]
+
+
+def test_bf16_with_stochastic_rounding_trains(tmp_path):
+    """As tests/train/test_moe_trainer.py's for the MoE families, on the hybrid MoE model (a Gated DeltaNet layer, a
+    gated full-attention layer, both routed): bf16 weights, gradients and Adam moments (stochastically rounded) on a
+    repeated batch fall as the fp32 run's losses do, step by step within 2^-6 relative. Why 2^-6: each bf16 rounding
+    is within 2^-9 relative, and a loss carries a chain of them (the weights, rounded at every update; the activations
+    of 2 blocks; the moments); stochastic rounding keeps them unbiased, so they grow like a random walk, not a sum:
+    8 roundings' worth bounds the 6 steps (measured at most 1.0e-3, as ~1e-3 for the MoE families)."""
+    cfg = tiny_cfg(moe=True, vocab_size=96, hidden_size=32, num_hidden_layers=2, head_dim=16, bos_token_id=0,
+                   eos_token_id=0, layer_types=("linear_attention", "full_attention"), max_position_embeddings=64)
+    model_dir = write_model_dir(tmp_path, cfg)
+    seq = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    x, y = seq[:, :-1].clone(), seq[:, 1:].clone()
+    losses = {}
+    for dtype in ("fp32", "bf16"):
+        opts = Options(model=model_dir, from_scratch=True, device="cpu", compile="off", seed=5, model_dtype=dtype,
+                       opt_m_dtype=dtype, opt_v_dtype=dtype, batch_size=2, seq_len=16, grad_accumulation=1,
+                       learning_rate=1e-2)
+        assert opts.stochastic_rounding
+        tr = Trainer(opts, DistContext(rank=0, world=1, local_rank=0, device=torch.device("cpu")))
+        assert {p.dtype for p in tr.full_params().values()} == {torch.float32 if dtype == "fp32" else torch.bfloat16}
+        losses[dtype] = []
+        for _ in range(6):
+            tr.micro_step(x, y, loss_scale=1 / y.numel())
+            stats = tr.update(lr=1e-2)
+            assert all(math.isfinite(stats[k]) for k in ("loss", "norm", *STEP_FIELDS))
+            losses[dtype].append(stats["loss"])
+    assert losses["bf16"][-1] < losses["bf16"][0] - 1.0  # ~4.57 -> ~3.12: it trains
+    assert losses["bf16"] != losses["fp32"]  # and in bf16
+    for a, b in zip(losses["bf16"], losses["fp32"]):
+        assert a == pytest.approx(b, rel=2 ** -6)
