@@ -48,6 +48,7 @@ from qtrain.kernels.delta_rule import CHUNK
 from qtrain.kernels.gated_mlp import backward_weight_temporaries
 from qtrain.kernels.swiglu.activation import saved_bytes_per_token as swiglu_saved_bytes
 from qtrain.model.family import DTYPE_BYTES, ActivationSettings, ActTerm
+from qtrain.model.moe import EXPERTS_DOWN, EXPERTS_UP_GATE
 from qtrain.model.moe_block import expert_rows
 from qtrain.model.qwen3_5 import compiled_memory
 from qtrain.model.qwen3_5.config import Qwen35Config
@@ -158,15 +159,20 @@ def moe_terms(cfg: Qwen35Config, s: ActivationSettings, blk: bool) -> list[ActTe
     ep, r = s.expert_parallel, expert_rows(cfg, s)
     weights = 8 * k + 4 if cfg.norm_topk_prob else 4 * k
     Ex = E if learns else 0
+    # the expert GEMMs keep their inputs for the weights' gradients, or over a frozen base for the experts' adapters
+    # that read them (as `MoeBlock.saved_by_moe`)
+    E_up, E_down = (E if s.lin_of(m) else 0 for m in (EXPERTS_UP_GATE, EXPERTS_DOWN))
     up, glu = "ffn" not in rc, "swiglu" not in rc
-    up_in = E * r * C if ep > 1 and not up else Ex * r * C
+    up_in = E * r * C if ep > 1 and not up else E_up * r * C
     rows = "k rows a token" if ep == 1 else f"{r} received rows a token"
     return [ActTerm("moe", 4 * X + 8 * k + weights + 4 + 16 * k + E * k * C + (16 * r if ep > 1 else 0), blk,
                     "routing, permutation, experts' outputs" + (", the exchange's row orders" if ep > 1 else ""),
                     per_layer=4 * (X // ep)),
-            ActTerm("moe_up_in", up_in, blk if ep > 1 else up, f"experts' permuted inputs ({rows}, where they learn)"),
+            ActTerm("moe_up_in", up_in, blk if ep > 1 else up,
+                    f"experts' permuted inputs ({rows}, where the up/gate GEMM or its adapter reads them)"),
             ActTerm("moe_up", E * r * 2 * F, blk and (up or s.compiled), f"experts' up/gate outputs ({rows})"),
-            ActTerm("moe_swiglu", Ex * r * F, glu, f"experts' SwiGLU outputs ({rows}, where the down GEMM learns)"),
+            ActTerm("moe_swiglu", E_down * r * F, glu,
+                    f"experts' SwiGLU outputs ({rows}, where the down GEMM or its adapter reads them)"),
             ActTerm("shared_up", 2 * Fs * E, up, "shared expert's up/gate output"),
             ActTerm("shared_swiglu", swiglu_saved_bytes(Fs, E, "autograd") + Ex * Fs, glu,
                     "shared expert's silu(gate), (down input)"),
