@@ -203,11 +203,13 @@ def transposed_weight(w_fp8: Tensor, w_fp8_t: Tensor | None) -> Tensor:
     return transpose_fp8(w_fp8) if w_fp8_t is None else w_fp8_t
 
 
-# The input gradient as one opaque op, the weight's transposed copy made inside it: traced by torch.compile, a
-# partitioner that saw the copy (which needs no gradient, only the weight) moved it into the forward and kept it
-# until the backward instead of the weight: a second byte per parameter of a frozen e4m3 base, whose codes the
-# weight source holds anyway (Qwen2.5-7B LoRA over an e4m3 base, an H100, session 37: every block matrix's codes
-# saved as a copy, the peak 11.5% over the plan)
+# The input gradient as one opaque op, the weight's transposed copy made inside it: traced by torch.compile, the
+# copy needs only the weight, so the partitioner may move it into the forward and keep it until the backward instead
+# of the weight (it does where the weight is quantized inside the forward: the same bytes there, measured on the
+# CPU). Where the weight source holds the codes (a frozen e4m3 base, --persistent-quants) that would be a second byte
+# a parameter; kernels/grouped_gemm_fp8.py's `_after` keeps its re-quantization in the backward for the same reason.
+# (On an H100 a Qwen2.5-7B LoRA block over an e4m3 base did keep a copy of every block matrix's codes, session 37;
+# whether this was the cause is not yet measured.)
 @torch.library.custom_op("qtrain::fp8_input_grad", mutates_args=())
 def fp8_input_grad(dy_fp8: Tensor, w_fp8: Tensor, dy_inv_scale: Tensor, w_inv_scale: Tensor,
                    w_fp8_t: Tensor | None, out_dtype: torch.dtype) -> Tensor:

@@ -91,7 +91,10 @@ def frozen_e4m3_linear(matmul_dtype: str = "", grad_dtype: torch.dtype = E4M3):
             raise ValueError(f"frozen e4m3 linear: expected the e4m3 codes and their scale, got a {w.dtype} weight")
         codes, inv = w_fp8[0], w_fp8[1]
         if matmul_dtype == "e4m3" and fp8_gemms(x, codes):
-            return fp8_linear(x, codes, b, grad_dtype=grad_dtype, weight_fp8=(codes, inv)).to(x.dtype)
+            # `weight` (shape and dtype only: no gradient) a view, not the codes again: one tensor given twice made
+            # torch.compile break its graph at every base linear ("duplicate tensor input"), the block in pieces
+            return fp8_linear(x, codes.view(codes.shape), b, grad_dtype=grad_dtype,
+                              weight_fp8=(codes, inv)).to(x.dtype)
         return _DequantLinear.apply(x, codes, inv, b)
 
     return linear

@@ -53,7 +53,7 @@ from qtrain.model.llama import LLAMA
 from qtrain.model.recompute import resolve_flags, splits_mlp
 from qtrain.model.moe_family import MoeFamily
 from qtrain.model.registry import delta_rule_layers, family_of
-from qtrain.options import Options, OptionsError
+from qtrain.options import Options, OptionsError, meant
 from qtrain.parallel.context import check_context_parallel
 from qtrain.parallel.experts import check_expert_parallel
 from qtrain.parallel.groups import check_group_size
@@ -399,7 +399,7 @@ def _resolve(cfg: ModelConfig, opts: Options, *, world: int, device: torch.devic
     run = dict(device=dev.type, world=world, compile=use_compile, sdpa_backend=sdpa_backend(opts, dev),
                master_dtype=opts.effective_master_dtype, grad_accum_dtype=opts.effective_grad_accum_dtype,
                matmul_dtype=matmul, fp8=fp8, block_matmul_dtype=matmul if fp8 is None or fp8.fp8 else "",
-               fp8_grad_dtype=opts.gradient_dtype or "e4m3", fp8_swiglu_onepass=swiglu_onepass(opts),
+               fp8_grad_dtype=meant(opts.__getattribute__, "gradient_dtype"), fp8_swiglu_onepass=swiglu_onepass(opts),
                persistent_quants=persistent_quants(cfg, opts, fp8),
                cuda_graphs=cuda_graphs_on(cfg, opts, world=world, device_type=dev.type, fp8=fp8),
                cuda_graph_blockers=tuple(cuda_graph_blockers(opts, world=world)),

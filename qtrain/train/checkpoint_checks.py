@@ -196,7 +196,8 @@ def recorded_dtypes(meta: dict[str, Any]) -> dict[str, str | None]:
     """The dtype the checkpoint's options keep each state kind in (what its files must hold; None where it is none
     a shard can hold: any is accepted then). A resume's options equal them (`checkpointing.check_compatible`)."""
     o = meta["options"]
-    given = {"weights": o["master_dtype"] or o["model_dtype"], "adam.m": o["opt_m_dtype"], "adam.v": o["opt_v_dtype"]}
+    given = {"weights": checkpoint_meta.meant_value(o, "master_dtype"), "adam.m": o["opt_m_dtype"],
+             "adam.v": o["opt_v_dtype"]}
     return {k: v if v in KIND_DTYPES[k] else None for k, v in given.items()}
 
 

@@ -23,7 +23,7 @@ from qtrain.parallel.experts import whole_experts
 from qtrain.train import checkpoint_io as cio
 from qtrain.train import checkpoint_meta, run_dir
 from qtrain.train.checkpoint_io import CheckpointError
-from qtrain.train.checkpoint_meta import LORA_BASE_META, lora_base_change
+from qtrain.train.checkpoint_meta import LORA_BASE_META, lora_base_change, meant_value
 from qtrain.fsio import shorten
 from qtrain.model.lora.peft_io import save_adapter
 from qtrain.model.resolve import ModelSource, resolve_model
@@ -85,7 +85,7 @@ def checkpoint_params(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], 
         buf = torch.cat(parts)
         params.update({s.name: buf[s.start:s.start + s.numel].view(s.shape) for s in g.segments})
     opts = meta["options"]
-    return cfg, params, opts["master_dtype"] or opts["model_dtype"]
+    return cfg, params, meant_value(opts, "master_dtype")
 
 
 def _export_hint(path: str, step: int | None) -> str:

@@ -221,7 +221,7 @@ def test_kernel_builds_for_hopper():
                                                              "BLOCK_M": cf.BLOCK_M, "BLOCK_V": cf.BLOCK_V,
                                                              "COLS": cf.COLS}, num_warps=cf.NUM_WARPS)
     assert "e5m2" in ptx
-    compile_for_hopper(cf._transpose_u8_kernel, {"src_ptr": "*u8", "dst_ptr": "*u8", "R": "i32", "C": "i32",
+    compile_for_hopper(cf.transpose_u8_kernel, {"src_ptr": "*u8", "dst_ptr": "*u8", "R": "i32", "C": "i32",
                                                  "stride_src": "i32", "stride_dst": "i32"},
                        {"BLOCK_R": cf.T_BLOCK, "BLOCK_C": cf.T_BLOCK}, num_warps=cf.T_WARPS)
 

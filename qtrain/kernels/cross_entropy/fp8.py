@@ -38,6 +38,7 @@ from torch import Tensor
 from qtrain.kernels.cross_entropy.inplace import (chunk_loss_and_dlogits, cross_entropy_fwd_bwd_inplace_triton,
                                                   dlogits_f32)
 from qtrain.kernels.dispatch import INTERPRET, jit, tl, triton, use_triton
+from qtrain.kernels.fp8_transpose import T_BLOCK, T_WARPS, transpose_u8_kernel
 from qtrain.kernels.stochastic_rounding import KINDS, load_f32
 
 __all__ = ["G_DTYPE", "G_SCALE_EXP", "cross_entropy_fp8_grads", "cross_entropy_fp8_grads_triton",
@@ -53,7 +54,6 @@ _FMAX = 57344.0  # torch.finfo(torch.float8_e5m2).max
 # tile instead of its bytes: 5.57-5.78); 8192 rows 2.73 ms; the bf16 kernel 4.00 and 2.13 ms. A q in its own buffer
 # instead of the transpose (5.33-5.57 ms) would cost a byte per logit of memory.
 BLOCK_M, BLOCK_V, NUM_WARPS, COLS = 32, 128, 4, 2048
-T_BLOCK, T_WARPS = 128, 4
 
 FP8Grads = tuple[Tensor, Tensor, Tensor, Tensor]  # (loss_sum, lse, q (n, V) over the logits, q^T (V, n))
 
@@ -89,9 +89,9 @@ def _dlogits_fp8_t_kernel(x_ptr, qt_ptr, targets_ptr, lse_ptr, N, V, stride_x, z
                           SCALE: tl.constexpr, FMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
                           COLS: tl.constexpr):
     """Pass 2 for BLOCK_M rows and COLS columns (a 2-D grid), given the rows' lse: the codes of d, written transposed
-    into q^T only (q comes from q^T by `_transpose_u8_kernel`, once every logit has been read). Offsets are int32
-    within a tile and int64 only in the per-program and per-iteration base pointers (q^T's reach V * N, past 2^31 at
-    16k rows of a 152k vocabulary). The tile is transposed as bytes (the codes as uint8)."""
+    into q^T only (q comes from q^T by `transpose_u8_kernel`, kernels/fp8_transpose.py, once every logit has been
+    read). Offsets are int32 within a tile and int64 only in the per-program and per-iteration base pointers (q^T's
+    reach V * N, past 2^31 at 16k rows of a 152k vocabulary). The tile is transposed as bytes (the codes as uint8)."""
     row0 = (tl.program_id(0) * BLOCK_M).to(tl.int64)
     col0 = tl.program_id(1) * COLS
     col_end = tl.minimum(col0 + COLS, V)
@@ -117,23 +117,12 @@ def _dlogits_fp8_t_kernel(x_ptr, qt_ptr, targets_ptr, lse_ptr, N, V, stride_x, z
         tl.store(qt_tile.to(tl.pointer_type(tl.uint8)), tl.trans(q), mask=qt_mask)
 
 
-@jit
-def _transpose_u8_kernel(src_ptr, dst_ptr, R, C, stride_src, stride_dst, BLOCK_R: tl.constexpr,
-                         BLOCK_C: tl.constexpr):
-    """dst[c, r] = src[r, c] for bytes: q (n, V), over the logits' bytes, from q^T (V, n)."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    m = (r[:, None] < R) & (c[None, :] < C)
-    t = tl.load(src_ptr + r[:, None].to(tl.int64) * stride_src + c[None, :], mask=m)
-    tl.store(dst_ptr + c[:, None].to(tl.int64) * stride_dst + r[None, :], tl.trans(t), mask=tl.trans(m))
-
-
 def cross_entropy_fp8_grads_triton(logits: Tensor, targets: Tensor, *, z_loss: float, block_m: int = BLOCK_M,
                                    block_v: int = BLOCK_V, num_warps: int = NUM_WARPS, cols: int = COLS,
                                    t_block: int = T_BLOCK) -> FP8Grads:
     """The twin's contract in three launches: pass 1 is the bf16 cross-entropy kernel without its gradient pass (loss
     and lse, one program per row), pass 2 `_dlogits_fp8_t_kernel` (q^T) on `block_m` x `block_v` tiles of `cols`
-    columns per program, then `_transpose_u8_kernel` (q) on `t_block` squares; the tiles change no code. On the GPU
+    columns per program, then `transpose_u8_kernel` (q) on `t_block` squares; the tiles change no code. On the GPU
     the logits are read natively (Triton 3.6 wrote wrong transposed FP8 codes from integer-bit bf16 loads on the
     H200); under the interpreter, whose bf16 conversions are not the GPU's, through their bits."""
     _check(logits, targets)
@@ -150,7 +139,7 @@ def cross_entropy_fp8_grads_triton(logits: Tensor, targets: Tensor, *, z_loss: f
             SCALE=float(2.0 ** G_SCALE_EXP), FMAX=_FMAX, BLOCK_M=block_m, BLOCK_V=block_v, COLS=cols,
             num_warps=num_warps)
         qb, qtb = q.view(torch.uint8), qt.view(torch.uint8)
-        _transpose_u8_kernel[(triton.cdiv(v, t_block), triton.cdiv(n, t_block))](
+        transpose_u8_kernel[(triton.cdiv(v, t_block), triton.cdiv(n, t_block))](
             qtb, qb, v, n, qtb.stride(0), qb.stride(0), BLOCK_R=t_block, BLOCK_C=t_block, num_warps=T_WARPS)
     return loss_sum, lse, q, qt
 
