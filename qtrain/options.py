@@ -95,6 +95,11 @@ class Options:
     """Split the LM head + loss into N row chunks so fp32 logits exist for 1/N of the tokens at a time."""
     attn_bwd_chunks: int = 1
     """Run attention as N calls over batch slices: backward workspace for B/N sequences, one more copy of the output."""
+    mlp_chunks: int = 1
+    """Run each block's MLP (norm, up/gate, SwiGLU, down) over N slices of the micro-batch's tokens, each rerun in
+    backward: its intermediates exist for 1/N of the tokens at a time (long sequences), for one more MLP forward.
+    Dense models (llama, qwen2, qwen3). The weight gradients are sums over the slices (regrouped, like the LM head's,
+    in the model dtype), and in e4m3 each slice scales its own FP8 operands."""
     sdpa_backend: str = "auto"
     """Attention kernel: auto (cudnn for bf16 on Hopper GPUs, else torch's choice) | flash | cudnn | math. All
     compute the same function, but each takes only some dtypes and devices (flash and cudnn: bf16/fp16 on
@@ -479,7 +484,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                   "persistent_quants", "fp8_keep_transposes", "fp8_swiglu_onepass", "fp8_head_backward",
                   "delta_rule_precision"),
     "memory (recompute, offload, chunking)": (
-        "memory_check", "lmhead_chunks", "attn_bwd_chunks", "recompute_block", "recompute_swiglu", "recompute_norm",
+        "memory_check", "lmhead_chunks", "attn_bwd_chunks", "mlp_chunks", "recompute_block", "recompute_swiglu", "recompute_norm",
         "recompute_ffn", "recompute_qkv", "recompute_att", "offload_residual", "fit_memory", "offload_master",
         "offload_opt_m", "offload_opt_v", "offload_quants", "use_zero_copy"),
     "LoRA adapters": ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_init_from", "lora_merge",

@@ -52,7 +52,7 @@ def check_options(opts: Any) -> None:
                   "round-to-nearest baseline has no block-scaled e4m3 writer")
     for opt, v in (("batch-size", opts.batch_size), ("seq-len", opts.seq_len),
                    ("grad-accumulation", opts.grad_accumulation), ("lmhead-chunks", opts.lmhead_chunks),
-                   ("attn-bwd-chunks", opts.attn_bwd_chunks),
+                   ("attn-bwd-chunks", opts.attn_bwd_chunks), ("mlp-chunks", opts.mlp_chunks),
                    ("epochs", opts.epochs), ("eval-every-n-steps", opts.eval_every_n_steps),
                    ("ckpt-interval", opts.ckpt_interval)):
         if v < 1:
@@ -62,6 +62,10 @@ def check_options(opts: Any) -> None:
     if (opts.batch_size * opts.seq_len) % opts.lmhead_chunks:
         raise err(f"--lmhead-chunks={opts.lmhead_chunks} must divide batch*seq-len="
                   f"{opts.batch_size * opts.seq_len}")
+    local_tokens = opts.batch_size * opts.seq_len // max(1, opts.context_parallel)  # a rank's part of each sequence
+    if local_tokens % opts.mlp_chunks:
+        raise err(f"--mlp-chunks={opts.mlp_chunks} must divide the tokens of a micro-batch on one rank "
+                  f"({local_tokens})")
     if opts.batch_size % opts.attn_bwd_chunks:
         raise err(f"--attn-bwd-chunks={opts.attn_bwd_chunks} must divide --batch-size={opts.batch_size}")
     if opts.offload_residual and not opts.recompute_block:
@@ -136,6 +140,12 @@ def check_options(opts: Any) -> None:
     if opts.fp8_swiglu_onepass and splits_mlp(opts.recompute):
         raise err("--fp8-swiglu-onepass needs the MLP as one FP8 function, which --recompute-swiglu / "
                   "--recompute-ffn split into separate steps: drop one of them")
+    if opts.lora_dropout and opts.mlp_chunks > 1:
+        raise err("--lora-dropout with --mlp-chunks is not supported yet: a mask is keyed by layer and target, so "
+                  "every slice of the MLP would draw the same one; drop one of them")
+    if opts.fp8_swiglu_onepass and opts.mlp_chunks > 1:
+        raise err("--fp8-swiglu-onepass with --mlp-chunks: its scale hints carry from one call to the next, so a "
+                  "slice's rerun in backward would read the later slices' hints: drop one of them")
     if opts.offload_master and not opts.weights_sharded:
         raise err("--offload-master needs sharded weights (--shard-weights or --zero-level 3): qtrain keeps no "
                   "separate master copy (the model-dtype weights are the master), and replicated weights must "

@@ -33,13 +33,14 @@ __all__ = ["DTYPE_BYTES", "ActTerm", "Activations", "activation_terms", "layer_a
 
 
 def _settings(model_dtype: str = "bf16", matmul_dtype: str = "", compiled: bool = False,
-              recompute: frozenset[str] = frozenset(), attn_chunks: int = 1, fp8_weight_copies: bool = True,
+              recompute: frozenset[str] = frozenset(), attn_chunks: int = 1, mlp_chunks: int = 1,
+              fp8_weight_copies: bool = True,
               fp8_keep_transposes: bool = False, documents: bool = False, frozen_base: bool = False,
               adapter_inputs: frozenset[str] = frozenset(), seq_len: int = 0,
               delta_rule_kernels: bool = False, fp8_experts: bool = False, expert_parallel: int = 1,
               balanced_experts: bool = False, swiglu_epilogue: bool = False) -> ActivationSettings:
     return ActivationSettings(model_dtype=model_dtype, matmul_dtype=matmul_dtype, compiled=compiled,
-                              recompute=frozenset(recompute), attn_chunks=attn_chunks,
+                              recompute=frozenset(recompute), attn_chunks=attn_chunks, mlp_chunks=mlp_chunks,
                               fp8_weight_copies=fp8_weight_copies, fp8_keep_transposes=fp8_keep_transposes,
                               documents=documents, frozen_base=frozen_base, adapter_inputs=frozenset(adapter_inputs),
                               seq_len=seq_len, delta_rule_kernels=delta_rule_kernels, fp8_experts=fp8_experts,
@@ -49,7 +50,7 @@ def _settings(model_dtype: str = "bf16", matmul_dtype: str = "", compiled: bool 
 
 def activation_terms(cfg: ModelConfig, *, layer: int = 0, **kw: Any) -> list[ActTerm]:
     """What autograd keeps for backward in block `layer`, term by term (its family's statements). Keywords:
-    model_dtype ('bf16'), matmul_dtype ('' or 'e4m3'), compiled, recompute (switches), attn_chunks,
+    model_dtype ('bf16'), matmul_dtype ('' or 'e4m3'), compiled, recompute (switches), attn_chunks, mlp_chunks,
     fp8_weight_copies (False with --persistent-quants), fp8_keep_transposes, documents (--document-masking),
     frozen_base and adapter_inputs (LoRA), seq_len, delta_rule_kernels, fp8_experts, expert_parallel,
     balanced_experts and swiglu_epilogue (family.ActivationSettings)."""
@@ -102,6 +103,15 @@ def activation_memory(cfg: ModelConfig, tokens: int, *, model_dtype: str = "bf16
                        terms=tuple(by_kind[0][1]))
 
 
+def _mlp_slice_bytes(cfg: ModelConfig, layer: int, tokens: int, chunks: int, **kw: Any) -> int:
+    """What one slice of a sliced MLP (--mlp-chunks) saves while its backward reruns it: the terms the slicing drops
+    (the family's statements mark them), at tokens / chunks tokens."""
+    kw = {**kw, "recompute": frozenset()}
+    whole = activation_terms(cfg, layer=layer, **{**kw, "mlp_chunks": 1})
+    sliced = activation_terms(cfg, layer=layer, **{**kw, "mlp_chunks": chunks})
+    return sum(t.nbytes(tokens // chunks) for t, u in zip(whole, sliced, strict=True) if t.kept and not u.kept)
+
+
 def workspace_phases(cfg: ModelConfig, tokens: int, *, model_dtype: str = "bf16", lmhead_chunks: int = 1,
                      cuda: bool = True, fp8_head_backward: bool = False, lora: LoraSpec | None = None,
                      **kw: Any) -> dict[str, int]:
@@ -114,7 +124,7 @@ def workspace_phases(cfg: ModelConfig, tokens: int, *, model_dtype: str = "bf16"
                           gradients (over a frozen base, `lora`: the layer's adapters' only), activation-gradient
                           temporaries (the family's `backward_temporaries`), the tied head's gradient (kept for the
                           embedding), and the recomputed steps' saved tensors (with `block`: the block's whole saved
-                          set), the adapters' inside them included;
+                          set), the adapters' inside them included; with --mlp-chunks one slice's MLP saved set;
       embedding_backward  d(input), the dense embedding gradient (+ the tied head's), fp32 row sums."""
     E = DTYPE_BYTES[model_dtype]
     N, C, V = tokens, cfg.hidden_size, cfg.vocab_size
@@ -141,6 +151,8 @@ def workspace_phases(cfg: ModelConfig, tokens: int, *, model_dtype: str = "bf16"
             b += full_block
         elif rc:  # the dropped steps of one layer are rebuilt
             b += full_block - _kept(activation_terms(cfg, layer=layer, model_dtype=model_dtype, recompute=rc, **kw), N)
+        if settings.mlp_chunks > 1:  # --mlp-chunks: one slice of the MLP's saved set is rebuilt at a time
+            b += _mlp_slice_bytes(cfg, layer, N, settings.mlp_chunks, model_dtype=model_dtype, **kw)
         if adapter is not None and rc:  # the adapters rerun with their steps (all of them with `block`)
             steps = block_steps(rc)
             kept = 0 if "block" in rc else N * adapter.layer_saved_bytes_per_token(layer, E, steps) + \

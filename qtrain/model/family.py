@@ -139,6 +139,7 @@ class BlockOptions:
     linear: Linear = torch.nn.functional.linear
     recompute: frozenset[str] = frozenset()  # block steps (recompute.STEPS' names) rerun in backward
     attn_chunks: int = 1
+    mlp_chunks: int = 1  # the MLP over token slices, each rerun in backward (a family that has no such seam refuses)
     compiled: bool = False
     swiglu: str = "autograd"  # the SwiGLU op's mode (kernels/swiglu: "autograd" or "kernel")
     mlp: Mlp | None = None
@@ -164,6 +165,7 @@ class ActivationSettings:
     compiled: bool = False
     recompute: frozenset[str] = frozenset()  # recompute switches (resolved: recompute.resolve_flags)
     attn_chunks: int = 1
+    mlp_chunks: int = 1  # --mlp-chunks: the MLP keeps nothing but its input; its backward rebuilds 1/N at a time
     fp8_weight_copies: bool = True  # False with --persistent-quants (the linears keep views, not copies)
     fp8_keep_transposes: bool = False
     documents: bool = False  # --document-masking: the block keeps its documents' masks (Qwen3.5's delta rule)

@@ -169,7 +169,10 @@ def activation_terms(cfg: MoeConfig, layer: int, s: ActivationSettings, qkv=Llam
 
 
 def make_block_fn(cfg: MoeConfig, o: BlockOptions, block_cls: type[MoeBlock] = MoeBlock) -> BlockFn:
-    """The block as a function of (x, weights, cos, sin), every recompute mechanism of the Llama block's."""
+    """The block as a function of (x, weights, cos, sin), every recompute mechanism of the Llama block's (not its MLP
+    slices: a routed layer's router statistics are one call's, `resolution.mlp_chunks_refusal`)."""
+    if o.mlp_chunks > 1:
+        raise ValueError(f"mlp_chunks {o.mlp_chunks}: an MoE block runs its MLP in one call")
     return llama_block.make_block_fn(cfg, o, block_cls)
 
 

@@ -63,7 +63,9 @@ class SavedBytes:
 _COUNTERS: list[SavedBytes] = []
 
 
-def _observe(t: torch.Tensor) -> None:
+def observe_saved(t: torch.Tensor) -> None:
+    """Report `t` to the active `count_saved_bytes` counters: for what is kept for backward outside autograd's saved
+    tensors (a recomputed step's inputs, a checkpoint's, the stashed block inputs)."""
     for c in _COUNTERS:
         c.add(t)
 
@@ -102,6 +104,10 @@ def _must_recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointP
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
+# a checkpoint's context_fn under torch.compile: every op of the region recomputed (`CheckpointSteps` says why)
+must_recompute_context = functools.partial(create_selective_checkpoint_contexts, _must_recompute)
+
+
 class CheckpointSteps:
     """The policy for a torch.compile'd block: recomputed steps become non-reentrant checkpoints whose ops
     are all tagged MUST_RECOMPUTE. A plain checkpoint only tags them PREFER_RECOMPUTE, and inductor's
@@ -114,8 +120,7 @@ class CheckpointSteps:
     def __call__(self, step: str, fn: StepFn, *args: Any) -> Any:
         if step not in self.steps or not torch.is_grad_enabled():
             return fn(*args)
-        return checkpoint(fn, *args, use_reentrant=False,
-                          context_fn=functools.partial(create_selective_checkpoint_contexts, _must_recompute))
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=must_recompute_context)
 
 
 def _geometry(t: torch.Tensor) -> tuple:
@@ -221,7 +226,7 @@ class Recomputer:
         for a in args:
             ref = self._result_ref(a) if isinstance(a, torch.Tensor) else None
             if ref is None and isinstance(a, torch.Tensor):
-                _observe(a)
+                observe_saved(a)
             kept.append(ref or a)
         region = _Region(step, fn, kept, [isinstance(a, torch.Tensor) and a.requires_grad for a in args])
         self._inside = region
@@ -249,7 +254,7 @@ class Recomputer:
             return _Ref(r, len(r.saved_meta) - 1, None)
         ref = self._result_ref(t)
         if ref is None:
-            _observe(t)
+            observe_saved(t)
             return t
         return ref
 
@@ -291,7 +296,7 @@ class ResidualStash:
         """Keep block `layer`'s input `x` (a (B, T, C) activation) until `load(layer)`."""
         self._incoming.pop(layer, None)  # a prefetch left over from an aborted backward is stale
         if not self.offload:
-            _observe(x)
+            observe_saved(x)
             self._kept[layer] = x
             return
         x = x.detach()

@@ -60,7 +60,7 @@ __all__ = ["FP8_INV_SCALE", "FP8_WEIGHT", "FP8_WEIGHT_T", "SCALE_HINT", "Gradien
 
 
 def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: frozenset[str] = frozenset(),
-                  attn_chunks: int = 1, compiled: bool = False, swiglu: str = "autograd",
+                  attn_chunks: int = 1, mlp_chunks: int = 1, compiled: bool = False, swiglu: str = "autograd",
                   mlp: Mlp | None = None, sdpa_backend: str = "auto",
                   linears: dict[str, Linear] | None = None, rope: str = "autograd",
                   rebuilt_input_linear: Linear | None = None, norm_fed_fp8: bool = False,
@@ -76,6 +76,8 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     compiled blocks use) runs each backward as one kernel, where inductor's own versions ran at half the memory
     bandwidth and at 0.5-2 TB/s; "autograd" differentiates the plain-torch forward.
     attn_chunks: run attention, forward and backward, as that many independent calls over batch slices.
+    mlp_chunks: run the MLP (from its norm on) over that many slices of the tokens, each rerun in backward (a family
+    that cannot refuses it: `resolution.mlp_chunks_refusal`).
     sdpa_backend: the attention kernel (layers.SDPA_BACKENDS; 'auto' = torch's choice).
     mlp: the whole MLP after LN2 as one function (FP8's `fp8_swiglu_mlp`, which keeps the SwiGLU output in
     FP8 only) instead of linear -> SwiGLU -> linear; ignored when the 'up' or 'swiglu' step is recomputed,
@@ -93,7 +95,8 @@ def make_block_fn(cfg: ModelConfig, linear: Linear = F.linear, *, recompute: fro
     fp8_experts: an MoE family's expert GEMMs in e4m3 with row-wise scales (kernels/grouped_gemm_fp8.py).
     delta_rule_precision: a Gated DeltaNet family's delta-rule products in its Triton kernels (choices.
     DELTA_RULE_PRECISIONS: fp32, three TF32 passes; tf32, one)."""
-    options = BlockOptions(linear=linear, recompute=frozenset(recompute), attn_chunks=attn_chunks, compiled=compiled,
+    options = BlockOptions(linear=linear, recompute=frozenset(recompute), attn_chunks=attn_chunks,
+                           mlp_chunks=mlp_chunks, compiled=compiled,
                            swiglu=swiglu, mlp=mlp, sdpa_backend=sdpa_backend, linears=linears,
                            rope=rope, rebuilt_input_linear=rebuilt_input_linear,
                            norm_fed_fp8=norm_fed_fp8, adapter=adapter, experts=experts,
@@ -123,6 +126,7 @@ class RunOptions:
 
     lmhead_chunks: int = 1  # row chunks of the LM head + loss: fp32 logits live for 1/chunks of the batch
     attn_bwd_chunks: int = 1  # attention as independent calls over batch slices (smaller backward workspace)
+    mlp_chunks: int = 1  # the MLP over token slices, each rerun in backward (its intermediates for 1/N of the tokens)
     sdpa_backend: str = "auto"  # attention kernel: layers.SDPA_BACKENDS
     # llm.q's recompute switches (recompute.FLAGS: swiglu, norm, ffn, qkv, att, block) rerun in backward instead
     # of kept from forward; the implications are added here (recompute.resolve_flags), so this is the full set
@@ -156,6 +160,8 @@ class RunOptions:
     def __post_init__(self) -> None:
         if self.attn_bwd_chunks < 1:
             raise ValueError(f"attn_bwd_chunks must be >= 1, got {self.attn_bwd_chunks}")
+        if self.mlp_chunks < 1:
+            raise ValueError(f"mlp_chunks must be >= 1, got {self.mlp_chunks}")
         if self.sdpa_backend not in SDPA_BACKENDS:
             raise ValueError(f"sdpa_backend must be one of {SDPA_BACKENDS}, got {self.sdpa_backend!r}")
         if self.document_attention not in DOCUMENT_ATTENTION:
@@ -211,7 +217,7 @@ class Transformer:
                                    and not splits_mlp(run.recompute))
         ops = "kernel" if run.compile else "autograd"  # SwiGLU's and RoPE's backward kernels where inductor is slow
         fn = make_block_fn(cfg, linear, recompute=block_steps(run.recompute), attn_chunks=run.attn_bwd_chunks,
-                           compiled=run.compile, swiglu=ops, rope=ops, mlp=mlp if run.compile else None,
+                           mlp_chunks=run.mlp_chunks, compiled=run.compile, swiglu=ops, rope=ops, mlp=mlp if run.compile else None,
                            sdpa_backend=run.sdpa_backend, linears=linears, rebuilt_input_linear=rebuilt,
                            norm_fed_fp8=bool(run.compile and run.matmul_dtype == "e4m3" and run.fp8_keep_transposes
                                              and run.wrap_linear is None and not run.frozen_e4m3),
@@ -221,7 +227,8 @@ class Transformer:
         self._eager_block_fn: BlockFn = fn
         if run.compile:  # the compiled flavour of the recompute mechanism differs; eager needs its own
             self._eager_block_fn = make_block_fn(cfg, linear, recompute=block_steps(run.recompute),
-                                                 attn_chunks=run.attn_bwd_chunks, compiled=False,
+                                                 attn_chunks=run.attn_bwd_chunks, mlp_chunks=run.mlp_chunks,
+                                                 compiled=False,
                                                  sdpa_backend=run.sdpa_backend, linears=linears,
                                                  adapter=run.adapter, experts=run.expert_exchange,
                                                  context=run.context, fp8_experts=run.fp8_experts,

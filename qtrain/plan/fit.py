@@ -1,5 +1,5 @@
-"""What long sequences take to fit a device, as option changes that leave the numbers alone: the LM head in chunks,
-recomputation, and the block inputs on the host. One home for the rules `qtrain plan`'s proposals
+"""What long sequences take to fit a device, as option changes that leave the numbers alone or only regroup sums: the LM
+head in chunks, recomputation, the block inputs on the host, and the MLP in token slices. One home for the rules `qtrain plan`'s proposals
 (`plan/propose.py`) and a run's start (`plan/resolution.py`, when the given options would not fit) both follow.
 
 Activations and the LM head's transient grow with the tokens of a micro-batch (B x T); the weights, gradients and
@@ -32,6 +32,7 @@ ACTIVATION_RUNGS: tuple[tuple[str, dict[str, bool]], ...] = (
     ("recompute block", {"recompute_block": True}),
     ("offload residual", {"offload_residual": True}),
 )
+MLP_RUNG = "mlp chunks"  # after them all: one more MLP forward a step (`mlp_chunks`), for long micro-batches only
 
 
 def head_chunks(tokens: int, at_least: int = 1) -> int:
@@ -41,6 +42,19 @@ def head_chunks(tokens: int, at_least: int = 1) -> int:
     while -(-tokens // n) > HEAD_CHUNK_TOKENS and tokens % (2 * n) == 0:
         n *= 2
     return n
+
+
+def mlp_chunks(tokens: int) -> int:
+    """--mlp-chunks for a micro-batch of `tokens` (a rank's): slices of at most HEAD_CHUNK_TOKENS tokens, the LM head's
+    rule (GEMMs of 16k rows run near their peak); 1 where one slice holds them all."""
+    return head_chunks(tokens)
+
+
+def activation_rungs(opts: Options) -> tuple[tuple[str, dict[str, Any]], ...]:
+    """ACTIVATION_RUNGS, then the MLP in slices where the micro-batch is long enough to slice (a plan that refuses
+    them, a family without slices, returns None there)."""
+    n = mlp_chunks(opts.batch_size * opts.seq_len // max(1, opts.context_parallel))
+    return ACTIVATION_RUNGS + (((MLP_RUNG, {"mlp_chunks": n}),) if n > opts.mlp_chunks else ())
 
 
 def _plan(opts: Options, changes: dict[str, Any], plan_of: PlanOf) -> MemoryPlan | None:
@@ -55,7 +69,7 @@ def fit_activations(opts: Options, plan_of: PlanOf,
                     plan: MemoryPlan | None = None) -> tuple[dict[str, Any], MemoryPlan | None]:
     """The fewest activation-side changes with which `plan_of(options)` fits its budget: none where the options
     fit as given (`plan`: their plan, when made already); else the LM head in chunks of HEAD_CHUNK_TOKENS tokens,
-    then each of ACTIVATION_RUNGS in turn, the switches the options have already kept. ({}, the given plan) where
+    then each of `activation_rungs` in turn, the switches the options have already kept. ({}, the given plan) where
     nothing fits: what the user asked for stays, and the plan says it does not fit. `plan_of` returns None for
     options the caller cannot run."""
     given = plan if plan is not None else plan_of(opts)
@@ -68,7 +82,7 @@ def fit_activations(opts: Options, plan_of: PlanOf,
         p = _plan(opts, changes, plan_of)
         if p is not None and p.fits:
             return changes, p
-    for _label, flags in ACTIVATION_RUNGS:
+    for _label, flags in activation_rungs(opts):
         changes.update({k: v for k, v in flags.items() if getattr(opts, k) != v})
         p = _plan(opts, changes, plan_of)
         if p is not None and p.fits:

@@ -319,7 +319,8 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
     adapter = LoraAdapter(cfg, lora) if lora is not None else None  # what the adapters keep and draw
     e4m3_base = lora is not None and lora.base_dtype == "e4m3"  # the FP8 linears keep the held codes, not copies
     kw = dict(model_dtype=opts.model_dtype, matmul_dtype=matmul if fp8 or matmul != "e4m3" else "",
-              compiled=compiled, attn_chunks=attn_chunks, fp8_weight_copies=not (persistent_quants or e4m3_base),
+              compiled=compiled, attn_chunks=attn_chunks, mlp_chunks=opts.mlp_chunks,
+              fp8_weight_copies=not (persistent_quants or e4m3_base),
               fp8_keep_transposes=keep_t, documents=opts.document_masking, seq_len=T // opts.context_parallel,
               fp8_experts=opts.fp8_experts, expert_parallel=opts.expert_parallel, swiglu_epilogue=swiglu_epilogue,
               delta_rule_kernels=op_pairs_on(device, getattr(cfg, "linear_key_head_dim", 128),
@@ -374,7 +375,8 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
                       detail=f"largest transient: {peak_phase.replace('_', ' ')} (lm-head {_mib(phases['lm_head'])}, "
                              f"{chunks} chunk{'s' if chunks > 1 else ''}"
                              f"{', FP8 backward' if fp8_head_backward else ''}; block backward "
-                             f"{_mib(phases['block_backward'])})"))
+                             f"{_mib(phases['block_backward'])}"
+                             f"{f', MLP in {opts.mlp_chunks} slices' if opts.mlp_chunks > 1 else ''})"))
 
     if cuda_graphs and opts.eval_num_steps > 0:  # the graphs keep a private pool; evaluation allocates beside it
         items.append(Item("cuda graphs", device=phases["lm_head"], kind="workspace",
@@ -397,6 +399,7 @@ def build_plan(cfg: ModelConfig, opts: Options, *, device: str, world: int, shar
                 "recompute": recompute_label(rc), "offload_residual": acts.offload_residual,
                 "offload_master": opts.offload_master, "offload_opt_m": opts.offload_opt_m,
                 "offload_opt_v": opts.offload_opt_v, "lmhead_chunks": chunks, "attn_bwd_chunks": attn_chunks,
+                "mlp_chunks": opts.mlp_chunks,
                 "grad_accumulation": opts.grad_accumulation, "compiled": compiled, "device": device,
                 "fp8_keep_transposes": keep_t, "fp8_head_backward": fp8_head_backward,
                 "swiglu_epilogue": swiglu_epilogue,

@@ -12,22 +12,25 @@ from typing import Any
 
 from qtrain.model.config import ModelConfig
 from qtrain.options import Options, OptionsError
-from qtrain.plan.fit import head_chunks
+from qtrain.plan.fit import MLP_RUNG, head_chunks, mlp_chunks
 from qtrain.plan.memory import MemoryPlan, run_layout
-from qtrain.plan.resolution import plan_memory, sharded_weights_refusal
+from qtrain.plan.resolution import mlp_chunks_refusal, plan_memory, sharded_weights_refusal
 from qtrain.plan.step_cost import StepCost, fp8_weight_params, step_cost
 
 MIN_CHUNK_ROWS = 1024  # propose() splits the LM head into chunks of at least this many tokens (GEMM efficiency)
 
 
-def _ladder(base: Options, world: int, *, offload_first: bool = False,
-            shardable: bool = True) -> list[tuple[str, dict[str, Any]]]:
+def _ladder(base: Options, world: int, *, offload_first: bool = False, shardable: bool = True,
+            sliceable: bool = True) -> list[tuple[str, dict[str, Any]]]:
     """Cumulative option changes, least intrusive first: recompute (cheap element-wise steps first), then
     host offload of optimizer state, then sharding (world > 1) and offload of weights and gradients, then
     the block inputs. `offload_first`: the optimizer-state offload before the recomputation of GEMMs (ffn,
     block), which is cheaper when an optimizer step has many micro-steps (see `step_cost`). `shardable` False: the
     run cannot shard its weights (`resolution.sharded_weights_refusal`), so neither they nor the master's offload
-    are proposed; an e4m3 LoRA base (`--lora-base-dtype e4m3`) is offered on the host instead (`--offload-quants`)."""
+    are proposed; an e4m3 LoRA base (`--lora-base-dtype e4m3`) is offered on the host instead (`--offload-quants`).
+    `sliceable`: the model's MLP can run in token slices (`resolution.mlp_chunks_refusal`), a rung where the
+    micro-batch is long (`fit.mlp_chunks`; the batch is the proposal's, so `_fit_batch` sets the count): after the
+    block's recomputation, or with `offload_first` after every offload (the step model picks between the two)."""
     steps: list[tuple[str, dict[str, Any]]] = [("none", {})]
 
     def add(label: str, **flags: Any) -> None:
@@ -38,6 +41,8 @@ def _ladder(base: Options, world: int, *, offload_first: bool = False,
         add("offload opt v", offload_opt_v=True)
     add("recompute ffn", recompute_ffn=True)
     add("recompute block", recompute_block=True)
+    if sliceable and not offload_first:  # 0: `_fit_batch` sets the count for its micro-batch
+        add(MLP_RUNG, mlp_chunks=0)
     if not offload_first:
         add("offload opt m", offload_opt_m=True)
         add("offload opt v", offload_opt_v=True)
@@ -53,6 +58,8 @@ def _ladder(base: Options, world: int, *, offload_first: bool = False,
     add("offload gradients", offload_gradients=True, **({"shard_gradients": True} if unsharded and base.zero_level < 2
                                                          else {}))
     add("offload residual", offload_residual=True)
+    if sliceable and offload_first:
+        add(MLP_RUNG, mlp_chunks=0)
     out, acc = [], {}
     for label, flags in steps:
         acc = {**acc, **flags}
@@ -93,8 +100,9 @@ def propose(cfg: ModelConfig, base_options: Options, gpu_bytes: int, world: int 
     kw = dict(world=world, gpu_memory=gpu_bytes, device=device, compiled=compiled, reserve=reserve, layout=layout,
               model_name=model_name)
     shardable = sharded_weights_refusal(cfg, base_options) is None
-    ladders = [_ladder(base_options, world, shardable=shardable),
-               _ladder(base_options, world, offload_first=True, shardable=shardable)]
+    sliceable = mlp_chunks_refusal(cfg) is None
+    ladders = [_ladder(base_options, world, shardable=shardable, sliceable=sliceable),
+               _ladder(base_options, world, offload_first=True, shardable=shardable, sliceable=sliceable)]
     seqs = _sequences(base_options, {})
     out: list[tuple[dict[str, Any], MemoryPlan]] = []
     batches = [1 << i for i in range(int(math.log2(max(1, max_batch))) + 1)]
@@ -161,7 +169,12 @@ def _fit_batch(cfg: ModelConfig, base: Options, B: int, ladder, kw) -> tuple[dic
     first = head_chunks(B * T, at_least=base.lmhead_chunks)  # long micro-batches: chunks of HEAD_CHUNK_TOKENS
     prev_dev = None
     prev_flags: dict[str, Any] = {}
+    slices = mlp_chunks(B * T // max(1, base.context_parallel))
     for _label, flags in ladder:
+        if "mlp_chunks" in flags:
+            if slices <= base.mlp_chunks:
+                continue  # too short to slice (or sliced as given)
+            flags = {**flags, "mlp_chunks": slices}
         chunks = first
         while chunks == first or B * T // chunks >= MIN_CHUNK_ROWS:
             changes = {"batch_size": B, **flags}

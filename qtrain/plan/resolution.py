@@ -97,6 +97,7 @@ class RunResolution:
     gradients: str
     recompute: frozenset[str]
     lmhead_chunks: int
+    mlp_chunks: int
     offload_residual: bool
     delta_rule_precision: str  # the Triton delta rule's products (model/choices.DELTA_RULE_PRECISIONS)
     swiglu_epilogue: bool  # the MLP's SwiGLU in its GEMMs' epilogues (kernels/gated_mlp.py)
@@ -158,10 +159,11 @@ def fp8_choice(cfg: ModelConfig, opts: Options) -> Fp8Choice | None:
 
 
 def swiglu_onepass(opts: Options) -> bool:
-    """--fp8-swiglu-onepass as given, else (auto) on with e4m3 matmuls where no recompute splits the MLP."""
+    """--fp8-swiglu-onepass as given, else (auto) on with e4m3 matmuls where no recompute splits the MLP and the MLP
+    runs in one slice (options_checks says why not with --mlp-chunks)."""
     if opts.fp8_swiglu_onepass is not None:
         return opts.fp8_swiglu_onepass
-    return opts.effective_matmul_dtype == "e4m3" and not splits_mlp(opts.recompute)
+    return opts.effective_matmul_dtype == "e4m3" and not splits_mlp(opts.recompute) and opts.mlp_chunks == 1
 
 
 def swiglu_epilogue(cfg: ModelConfig, opts: Options, device: str, compiled: bool, fp8: Fp8Choice | None,
@@ -252,7 +254,9 @@ def check_model_support(cfg: ModelConfig, opts: Options, *, device_type: str) ->
     leaves it off), sharded weights where `sharded_weights_refusal` says why not; --fp8-experts where the model
     has no experts or their GEMMs' sizes are not multiples of 16 (`_check_fp8_experts`); --delta-rule-precision other
     than auto where no layer runs the gated delta rule; --context-parallel for a family other than the dense ones
-    (its attention across ranks is built for theirs)."""
+    (its attention across ranks is built for theirs); --mlp-chunks where `mlp_chunks_refusal` says why not."""
+    if opts.mlp_chunks > 1 and (why := mlp_chunks_refusal(cfg)) is not None:
+        raise OptionsError(f"--mlp-chunks {opts.mlp_chunks}: {why}; drop it")
     if opts.context_parallel > 1 and (cfg.model_type not in LLAMA.architectures):
         raise OptionsError(f"--context-parallel {opts.context_parallel}: model_type {cfg.model_type!r} is not "
                            f"supported yet (its attention across ranks is built for the dense families: "
@@ -267,6 +271,16 @@ def check_model_support(cfg: ModelConfig, opts: Options, *, device_type: str) ->
     if opts.weights_sharded and (why := sharded_weights_refusal(cfg, opts)) is not None:
         raise OptionsError(f"--shard-weights / --zero-level 3 is not supported for this run: {why}; drop it "
                            f"(--shard-gradients / --zero-level 2 still shard the gradients and the optimizer state)")
+
+
+def mlp_chunks_refusal(cfg: ModelConfig) -> str | None:
+    """Why this model's MLPs cannot run in token slices (--mlp-chunks), None if they can: the dense families' block
+    slices its MLP (model/llama/block.py); an MoE block's routed experts record per-call router statistics, and
+    Qwen3.5's block has no slicing yet."""
+    if cfg.model_type not in LLAMA.architectures:
+        return (f"model_type {cfg.model_type!r} is not supported yet (the MLP runs in token slices in the dense "
+                f"families: {', '.join(LLAMA.architectures)})")
+    return None
 
 
 def sharded_weights_refusal(cfg: ModelConfig, opts: Options) -> str | None:
@@ -383,6 +397,8 @@ def fit_memory_changes(cfg: ModelConfig, opts: Options, given: RunResolution, **
             return None
         if o.swiglu_epilogue == "on" and splits_mlp(o.recompute):
             return None
+        if o.mlp_chunks > 1 and mlp_chunks_refusal(cfg) is not None:
+            return None
         return _resolve(cfg, o, **kw).plan
     changes, _ = fit_activations(opts, plan_of, plan=given.plan)
     return changes
@@ -405,7 +421,7 @@ def _resolve(cfg: ModelConfig, opts: Options, *, world: int, device: torch.devic
                cuda_graph_blockers=tuple(cuda_graph_blockers(opts, world=world)),
                gradients=opts.gradient_manager_kind,
                recompute=opts.recompute if recompute is None else resolve_flags(recompute),
-               lmhead_chunks=opts.lmhead_chunks, offload_residual=opts.offload_residual,
+               lmhead_chunks=opts.lmhead_chunks, mlp_chunks=opts.mlp_chunks, offload_residual=opts.offload_residual,
                delta_rule_precision=delta_rule_precision(opts))
     run["swiglu_epilogue"] = swiglu_epilogue(cfg, opts, dev.type, use_compile, fp8, run["recompute"])
     shards = opts.shard_group_size if 0 < opts.shard_group_size <= world else world  # hybrid: the shard group

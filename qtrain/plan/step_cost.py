@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qtrain.model.config import ModelConfig
-from qtrain.model.recompute import block_steps, resolve_flags
+from qtrain.model.recompute import MLP_STEPS, block_steps, resolve_flags
 from qtrain.model.registry import family_of
 from qtrain.model.weights import sum_over_layers
 from qtrain.options import Options
@@ -86,18 +86,22 @@ def model_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return blocks + 2 * cfg.hidden_size * cfg.vocab_size
 
 
-def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, flags: set[str] | frozenset[str]) -> float:
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, flags: set[str] | frozenset[str],
+                              mlp_chunks: int = 1) -> float:
     """Forward FLOPs per token that the recompute switches rerun in backward (elementwise switches: none): the
-    GEMMs of the recomputed steps (`MatmulSpec.step`) and, with the attention step, the attention."""
+    GEMMs of the recomputed steps (`MatmulSpec.step`) and, with the attention step, the attention; with --mlp-chunks
+    the MLP's GEMMs ('up', 'down') once more, whatever else reruns (a block rerun runs the slices' forward too)."""
     flags = resolve_flags(flags)
     steps, family = block_steps(flags), family_of(cfg)
 
     def rerun(layer: int) -> float:
         parts, _ = forward_flops_per_token(cfg, seq_len, layer)
+        sliced = sum(parts.get(n, 0) for n in ("up", "down")) if mlp_chunks > 1 else 0
         if "block" in flags:
-            return sum(parts.values())
-        return (sum(parts[n] for n, m in family.matmuls(cfg, layer).items() if m.step in steps)
-                + (parts["attention"] if "attention" in steps else 0))
+            return sum(parts.values()) + sliced
+        rerun_steps = steps if mlp_chunks == 1 else steps - MLP_STEPS  # a slice's rerun covers the MLP's steps
+        return (sum(parts[n] for n, m in family.matmuls(cfg, layer).items() if m.step in rerun_steps)
+                + (parts["attention"] if "attention" in steps else 0) + sliced)
     return sum_over_layers(cfg, rerun)
 
 
@@ -111,7 +115,7 @@ def step_cost(cfg: ModelConfig, opts: Options, plan: Any, *, sequences_per_step:
     rate = MATMUL_RATE.get(opts.effective_matmul_dtype, MATMUL_RATE["bf16"])
     fwd = model_forward_flops_per_token(cfg, T)
     compute = 3 * fwd * tokens / rate
-    recompute = recompute_flops_per_token(cfg, T, opts.recompute) * tokens / rate
+    recompute = recompute_flops_per_token(cfg, T, opts.recompute, opts.mlp_chunks) * tokens / rate
     grads = plan.item("gradients")
     accumulate = (3 * micro - 1) * grads.device / HBM_RATE  # the first micro-step copies (2 passes), others add
 

@@ -175,7 +175,8 @@ class Trainer:
         """How the model executes: the options as the run resolved them."""
         self.adapter = LoraAdapter(self.cfg, self.lora, seed=opts.seed, context=self.context) if self.lora is not None else None
         return RunOptions(
-            lmhead_chunks=run.lmhead_chunks, attn_bwd_chunks=opts.attn_bwd_chunks, sdpa_backend=run.sdpa_backend,
+            lmhead_chunks=run.lmhead_chunks, attn_bwd_chunks=opts.attn_bwd_chunks, mlp_chunks=run.mlp_chunks,
+            sdpa_backend=run.sdpa_backend,
             recompute=run.recompute, offload_residual=run.offload_residual, compile=run.compile,
             compile_tuning=opts.compile_tuning, compile_autotune_gemm=opts.compile_autotune_gemm,
             matmul_dtype=run.block_matmul_dtype, fp8_grad_dtype=run.fp8_grad_dtype,

@@ -29,15 +29,16 @@ def small_cfg(model_type: str = "qwen2", *, vocab: int = 512, tied: bool = True,
 
 
 def measure_block(cfg: ModelConfig, dtype: str, *, flags=(), fp8=False, attn_chunks=1, compiled=False, B=2, T=32,
-                  fused=False, mlp=None, keep_transposes=False):
+                  fused=False, mlp=None, keep_transposes=False, mlp_chunks=1):
     """Bytes one block call saves for backward (its input, the weights and RoPE tables excluded). fused: the
     compiled GPU path's SwiGLU and RoPE backward kernels (their twins here); mlp: its FP8 MLP (`block_mlp`);
-    keep_transposes: the FP8 linears' (--fp8-keep-transposes)."""
+    keep_transposes: the FP8 linears' (--fp8-keep-transposes); mlp_chunks: the MLP in token slices."""
     linear = block_linear("e4m3" if fp8 else "", keep_transposes=keep_transposes)
     rebuilt = block_linear("e4m3") if keep_transposes else None  # as transformer.Transformer passes it
     ops = "kernel" if fused else "autograd"
     fn = make_block_fn(cfg, linear, recompute=block_steps(flags), rebuilt_input_linear=rebuilt,
-                       attn_chunks=attn_chunks, compiled=compiled, swiglu=ops, rope=ops, mlp=mlp)
+                       attn_chunks=attn_chunks, compiled=compiled, swiglu=ops, rope=ops, mlp=mlp,
+                       mlp_chunks=mlp_chunks)
     if compiled:
         torch._dynamo.reset()
         # AOTAutograd with the min-cut partitioner (inductor's), without generating kernels
@@ -97,6 +98,26 @@ def test_block_terms_fp8_and_attention_chunks_eager(flags):
     measured, tokens = measure_block(cfg, "bf16", flags=flags, attn_chunks=2)
     planned = layer_activation_bytes(cfg, tokens, model_dtype="bf16", recompute=resolve_flags(flags), attn_chunks=2)
     assert abs(planned - measured) <= 16, (planned, measured)
+
+
+# CI runs qwen2 bf16 (every slice case; ~3 s), the other two families are slow
+@pytest.mark.parametrize("model_type,dtype", [("qwen2", "bf16"), pytest.param("qwen3", "fp32", marks=pytest.mark.slow),
+                                              pytest.param("llama", "bf16", marks=pytest.mark.slow)])
+def test_block_terms_with_the_mlp_in_slices(model_type, dtype):
+    """--mlp-chunks: the MLP's checkpointed slices keep only their input (the residual after attention) whatever the
+    switches, eager, in e4m3 and compiled (the slices' every op MUST_RECOMPUTE). Exact up to 0-dim tensors; the
+    unsliced block keeps more, unless --recompute-ffn and --recompute-norm already drop the whole MLP."""
+    cfg = small_cfg(model_type)
+    cases = [((), False, False), (("att",), False, False), (("ffn", "norm"), False, False), ((), True, False),
+             ((), False, True)]
+    for flags, fp8, compiled in cases:
+        measured, tokens = measure_block(cfg, dtype, flags=flags, fp8=fp8, compiled=compiled, mlp_chunks=4)
+        kw = dict(model_dtype=dtype, matmul_dtype="e4m3" if fp8 else "", compiled=compiled,
+                  recompute=resolve_flags(flags))
+        planned = layer_activation_bytes(cfg, tokens, mlp_chunks=4, **kw)
+        assert abs(planned - measured) <= 16, (flags, fp8, compiled, planned, measured)
+        unsliced = layer_activation_bytes(cfg, tokens, **kw)  # --recompute-ffn + norm keep no more of the MLP
+        assert planned < unsliced if "ffn" not in flags else planned == unsliced
 
 
 @pytest.mark.parametrize("model_type,flags", [("qwen2", ()), ("qwen3", ()), ("qwen2", ("norm", "swiglu")),

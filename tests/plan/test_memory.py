@@ -76,7 +76,7 @@ class NullSink:
         pass
 
 
-def measure_micro_step(cfg: ModelConfig, dtype: str, *, flags=(), B=2, T=64, chunks=1, fp8=False):
+def measure_micro_step(cfg: ModelConfig, dtype: str, *, flags=(), B=2, T=64, chunks=1, fp8=False, mlp_chunks=1):
     """(bytes alive when the final norm starts = activations kept for backward, peak of the micro-step),
     counting only what forward_backward allocates; the head's logits buffer, claimed at the micro-step's start
     (`head_logits_buffer`), is the head's workspace, not an activation."""
@@ -85,7 +85,8 @@ def measure_micro_step(cfg: ModelConfig, dtype: str, *, flags=(), B=2, T=64, chu
         init_params(cfg, params, seed=0)
     for p in params.values():
         p.requires_grad_(True)
-    run = RunOptions(lmhead_chunks=chunks, matmul_dtype="e4m3" if fp8 else "", recompute=frozenset(flags))
+    run = RunOptions(lmhead_chunks=chunks, matmul_dtype="e4m3" if fp8 else "", recompute=frozenset(flags),
+                     mlp_chunks=mlp_chunks)
     model = Transformer(cfg, run)
     model.rope(T, torch.device("cpu"), DT[dtype])  # cached tables are not activations
     g = torch.Generator().manual_seed(0)

@@ -19,11 +19,13 @@ Dimension letters: B batch, T sequence, C hidden, F intermediate, nh / nkv query
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from qtrain.kernels.attention import causal_attention
 from qtrain.kernels.document_attention import DocumentMask, document_attention
@@ -33,7 +35,8 @@ from qtrain.kernels.swiglu.activation import saved_bytes_per_token as swiglu_sav
 from qtrain.model.family import DTYPE_BYTES, ActivationSettings, ActTerm, BlockFn, BlockOptions
 from qtrain.model.layers import rms_norm, rms_norm_and_rstd, sdpa_backends
 from qtrain.model.llama.config import LlamaConfig
-from qtrain.model.recompute import (MLP_STEPS, CheckpointSteps, Recomputer, resolve_flags, run_step)
+from qtrain.model.recompute import (MLP_STEPS, CheckpointSteps, Recomputer, must_recompute_context, observe_saved,
+                                    resolve_flags, run_step)
 from qtrain.model.weight_source import SCALE_HINT, quantized_weight
 
 FP8_MATRICES = ("qkv", "o", "up", "down")  # the four block linears that run in FP8 (--matmul-dtype e4m3)
@@ -97,6 +100,10 @@ class _Saved:
         return "block" not in self.rc
 
     @property
+    def sliced(self) -> bool:  # --mlp-chunks: the MLP's checkpointed slices keep only their input, x
+        return self.s.mlp_chunks > 1
+
+    @property
     def f8_norm_out(self) -> int:
         """e4m3 copies of the two norm outputs (the QKV and MLP-up inputs): compiled, the partitioner rebuilds them
         from what it keeps, unless they are opaque ops (--fp8-keep-transposes); none over a frozen base (no weight
@@ -117,9 +124,12 @@ class LlamaBlock:
         self.adapter = o.adapter
         # the one-function MLP has no seam for an adapter of up/gate/down: those run as three steps
         adapted_mlp = o.adapter is not None and o.adapter.covers("up", "down")
-        self.fused_mlp = o.mlp if not (MLP_STEPS & o.recompute) and not adapted_mlp else None
+        # --mlp-chunks: each slice of the MLP is rerun whole in backward, so no step inside it is recomputed again
+        self.mlp_chunks, self.compiled = o.mlp_chunks, o.compiled
+        steps = o.recompute if o.mlp_chunks == 1 else o.recompute - MLP_STEPS
+        self.fused_mlp = o.mlp if not (MLP_STEPS & steps) and not adapted_mlp else None
         self.norm_fed_fp8 = o.norm_fed_fp8 and not o.recompute  # the norms and their linears are then plain calls
-        self.rebuilt = {n for n, step in REBUILT_BY.items() if step in o.recompute}
+        self.rebuilt = {n for n, step in REBUILT_BY.items() if step in steps}
         self.attn_chunks, self.sdpa_backend = o.attn_chunks, o.sdpa_backend
         self.context = o.context  # context parallelism: attention over the sequence's other parts too
 
@@ -156,8 +166,9 @@ class LlamaBlock:
         w8 = 1 if a.s.fp8_weight_copies else 0
         return [ActTerm("fp8_w_qkv", 0, "qkv" not in rc, "e4m3 QKV weight", per_layer=w8 * (C * qkv + 8)),
                 ActTerm("fp8_w_o", 0, blk, "e4m3 attention-projection weight", per_layer=w8 * (q * C + 8)),
-                ActTerm("fp8_w_up", 0, "ffn" not in rc, "e4m3 up/gate weight", per_layer=w8 * (2 * Fi * C + 8)),
-                ActTerm("fp8_w_down", 0, blk, "e4m3 down weight", per_layer=w8 * (Fi * C + 8))]
+                ActTerm("fp8_w_up", 0, "ffn" not in rc and not a.sliced, "e4m3 up/gate weight",
+                        per_layer=w8 * (2 * Fi * C + 8)),
+                ActTerm("fp8_w_down", 0, blk and not a.sliced, "e4m3 down weight", per_layer=w8 * (Fi * C + 8))]
 
     # ---- 1) RMSNorm ----
     def norm(self, name: str, x: torch.Tensor, gain: torch.Tensor, step: Step) -> tuple[torch.Tensor, Prenorm | None]:
@@ -287,10 +298,11 @@ class LlamaBlock:
         rstd and output, and eager its normalized value and the up linear's input (over a frozen base: no normalized
         value, and the input only for up/gate's adapters)."""
         C, E, rc = a.cfg.hidden_size, a.E, a.rc
-        dropped = "norm" in rc or "ffn" in rc
+        dropped = "norm" in rc or "ffn" in rc or a.sliced
         if a.s.compiled:
             return [ActTerm("res_att", E * C, a.blk, "residual after attention"),
-                    ActTerm("ffn_extra", E * C, a.blk and "ffn" in rc, "kept by the partitioner with --recompute-ffn"),
+                    ActTerm("ffn_extra", E * C, a.blk and "ffn" in rc and not a.sliced,
+                            "kept by the partitioner with --recompute-ffn"),
                     ActTerm("ln2", 4 + (E * C if a.keeps_input("up") else 0), not dropped, "RMSNorm-2 rstd + output")]
         res = E * C if (dropped or E == 4) else 4 * C
         return [ActTerm("res_att", res, a.blk,
@@ -307,6 +319,29 @@ class LlamaBlock:
                                       w.get(SCALE_HINT), **extra)
         u = step("up", self.project, h, w, "up") if pre is None else self.project(h, w, "up", None, pre)  # (B, T, 2F)
         return x + self.project(step("swiglu", self.activation, u), w, "down")
+
+    def mlp_slices(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """x + MLP(RMSNorm-2(x)) over `mlp_chunks` slices of the tokens (--mlp-chunks), each a checkpoint: forward
+        keeps only x, and backward reruns one slice at a time, so the MLP's intermediates (the up/gate output, 2F
+        per token) and their gradients exist for 1/N of the tokens at once. Each token's MLP is its own, so the
+        slices are rows of the flattened (B*T, C) tokens (contiguous, whatever B); the weight gradients are the
+        slices' sums. Compiled, every op of a slice is tagged MUST_RECOMPUTE (what `CheckpointSteps` says why)."""
+        B, T, C = x.shape
+        rows = x.reshape(1, B * T, C)
+        observe_saved(rows)  # the checkpoints hold their inputs, views of x, by reference: the statement's res_att
+        n, extra = divmod(B * T, self.mlp_chunks)
+        # one split (one autograd node: its backward concatenates the slices' gradients once, where n narrow views
+        # would each make a zero-filled (B*T, C) gradient)
+        parts = rows.split([n + (i < extra) for i in range(self.mlp_chunks)], dim=1)
+        outs = [self._mlp_slice(part, w) if not torch.is_grad_enabled() else
+                checkpoint(self._mlp_slice, part, w, use_reentrant=False,
+                           **({"context_fn": must_recompute_context} if self.compiled else {}))
+                for part in parts]
+        return torch.cat(outs, dim=1).view(B, T, C)
+
+    def _mlp_slice(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        h, pre = self.norm("ln2", x, w["ln2"], run_step)
+        return self.mlp(x, h, pre, w, run_step)
 
     def activation(self, u: torch.Tensor) -> torch.Tensor:
         """SwiGLU of the up/gate output (B, T, 2F) -> (B, T, F), in the mode the Transformer resolved."""
@@ -341,7 +376,8 @@ class LlamaBlock:
         if a.f8_in:
             terms.append(ActTerm("down_in_fp8", Fi, a.blk and not (a.s.compiled and "swiglu" in rc),
                                  "e4m3 copy of the down projection's input"))
-        return terms
+        # --mlp-chunks: nothing of the MLP stays (each slice is rebuilt in backward: activations.workspace_phases)
+        return [dataclasses.replace(t, kept=False) for t in terms] if a.sliced else terms
 
     # ---- the whole block ----
     def body(self, x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
@@ -353,6 +389,8 @@ class LlamaBlock:
         att = step("attention", self.attention, q, k, v, docs)
         x = x + self.project(att, w, "o")
         # 2) MLP: norm -> fused up/gate projection -> SwiGLU -> down projection
+        if self.mlp_chunks > 1:
+            return self.mlp_slices(x, w)
         h, pre = self.norm("ln2", x, w["ln2"], step)
         return self.mlp(x, h, pre, w, step)
 

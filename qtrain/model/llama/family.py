@@ -53,11 +53,20 @@ class LlamaFamily:
     def backward_temporaries(self, cfg: LlamaConfig, layer: int, tokens: int, s: ActivationSettings) -> int:
         """The largest saved tensors come back as gradients: F + 2C elements per token in the model dtype, and
         the attention's q_dim in fp32 per attention call (a bound measured on the CPU); with --swiglu-epilogue the
-        up/gate weight gradient's interleaved copy (kernels/gated_mlp.py)."""
+        up/gate weight gradient's interleaved copy (kernels/gated_mlp.py). The same with --mlp-chunks: the slices'
+        are smaller, but then the attention's backward sets the peak, which the F term covers (measured on the CPU
+        at 2-8 slices: tests/model/test_mlp_slices.py)."""
         epilogue = backward_weight_temporaries(cfg.hidden_size, cfg.intermediate_size, s.dtype_bytes) \
             if s.swiglu_epilogue else 0
-        return tokens * (s.dtype_bytes * (cfg.intermediate_size + 2 * cfg.hidden_size)
-                         + 4 * cfg.q_dim // s.attn_chunks) + epilogue
+        E, C, attention = s.dtype_bytes, cfg.hidden_size, 4 * cfg.q_dim // s.attn_chunks
+        if s.mlp_chunks == 1:
+            return tokens * (E * (cfg.intermediate_size + 2 * C) + attention) + epilogue
+        # sliced: the larger of one slice's MLP phase and the attention's: fp32 gradients of k and v beside q's (the
+        # CPU's attention backward), and eager RMSNorm-1's backward in fp32 (about four (B*T, C) fp32 temporaries)
+        kv = 4 * 2 * cfg.kv_dim // s.attn_chunks
+        norm = 0 if s.compiled else 16 * C
+        return int(tokens * max(E * (cfg.intermediate_size / s.mlp_chunks + 2 * C) + attention,
+                                E * 2 * C + attention + kv + norm)) + epilogue
 
 
 LLAMA = LlamaFamily()

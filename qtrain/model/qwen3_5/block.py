@@ -156,7 +156,10 @@ class Qwen35Block:
 
 def make_block_fn(cfg: Qwen35Config, o: BlockOptions) -> BlockFn:
     """The block as a function of (x, weights, cos, sin[, docs]); `o.recompute` picks the recompute mechanism: none,
-    checkpoints (compiled) or `Recomputer` (eager), as for the Llama family."""
+    checkpoints (compiled) or `Recomputer` (eager), as for the Llama family. Its MLP runs in one call
+    (`resolution.mlp_chunks_refusal`)."""
+    if o.mlp_chunks > 1:
+        raise ValueError(f"mlp_chunks {o.mlp_chunks}: a Qwen3.5 block runs its MLP in one call")
     body = Qwen35Block(cfg, o).body
     if not o.recompute:
         def block(x, w, cos, sin, docs=None):
