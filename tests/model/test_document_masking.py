@@ -23,15 +23,17 @@ T = 32
 ROWS = [(11, 6, 13, 2), (20, 9, 3)]
 
 
-def packed_batch(vocab: int, seed: int = 5):
-    """(inputs, targets, positions) of ROWS and the documents as (tokens, targets) pairs; a document's last token
-    predicts nothing (the next token starts another document), and the padding documents have no targets."""
+def packed_batch(vocab: int, seed: int = 5, rows: list[tuple[int, ...]] = ROWS):
+    """(inputs, targets, positions) of `rows` (document lengths per row, each row's last one padding) and the
+    documents as (tokens, targets) pairs; a document's last token predicts nothing (the next token starts another
+    document), and the padding documents have no targets."""
     g = torch.Generator().manual_seed(seed)
-    inputs = torch.randint(0, vocab, (len(ROWS), T), generator=g)
-    targets = torch.full((len(ROWS), T), IGNORE_INDEX)
-    positions = torch.zeros((len(ROWS), T), dtype=torch.int64)
+    T = sum(rows[0])
+    inputs = torch.randint(0, vocab, (len(rows), T), generator=g)
+    targets = torch.full((len(rows), T), IGNORE_INDEX)
+    positions = torch.zeros((len(rows), T), dtype=torch.int64)
     docs = []
-    for r, lengths in enumerate(ROWS):
+    for r, lengths in enumerate(rows):
         assert sum(lengths) == T
         s = 0
         for i, n in enumerate(lengths):
@@ -56,15 +58,18 @@ def run_packed(cfg, params, run: RunOptions, inputs, targets, positions):
     return loss, sink.grads
 
 
-def run_alone(cfg, params, docs):
-    """The summed loss and gradients of each document run alone (one sequence of its own length)."""
-    model, total, grads = Transformer(cfg, RunOptions()), torch.zeros(()), {}
+def run_alone(cfg, params, docs, run: RunOptions | None = None):
+    """The summed loss and gradients of each document run alone (one sequence of its own length, on the device of
+    `params`, with `run`'s execution options), summed in fp32 (so that a bf16 run's reference adds no rounding of its
+    own)."""
+    device = next(iter(params.values())).device
+    model, total, grads = Transformer(cfg, run or RunOptions()), torch.zeros((), device=device), {}
     for tokens, targets in docs:
         sink = Collect()
-        total += model.forward_backward(ParamWeights(cfg, params), tokens[None], targets[None], grads=sink,
-                                        loss_scale=1.0)
+        total += model.forward_backward(ParamWeights(cfg, params), tokens[None].to(device), targets[None].to(device),
+                                        grads=sink, loss_scale=1.0).float()
         for k, g in sink.grads.items():
-            grads[k] = grads[k] + g if k in grads else g.clone()
+            grads[k] = grads[k] + g.float() if k in grads else g.to(torch.float32, copy=True)
     return total, grads
 
 
