@@ -325,7 +325,9 @@ class LlamaBlock:
         keeps only x, and backward reruns one slice at a time, so the MLP's intermediates (the up/gate output, 2F
         per token) and their gradients exist for 1/N of the tokens at once. Each token's MLP is its own, so the
         slices are rows of the flattened (B*T, C) tokens (contiguous, whatever B); the weight gradients are the
-        slices' sums. Compiled, every op of a slice is tagged MUST_RECOMPUTE (what `CheckpointSteps` says why)."""
+        slices' sums. Compiled, every op of a slice is tagged MUST_RECOMPUTE (what `CheckpointSteps` says why). No
+        RNG state is kept: nothing in a slice draws from torch's generators (LoRA dropout, keyed, is refused with
+        slices), and a CUDA graph could not capture the state's reads."""
         B, T, C = x.shape
         rows = x.reshape(1, B * T, C)
         observe_saved(rows)  # the checkpoints hold their inputs, views of x, by reference: the statement's res_att
@@ -334,7 +336,7 @@ class LlamaBlock:
         # would each make a zero-filled (B*T, C) gradient)
         parts = rows.split([n + (i < extra) for i in range(self.mlp_chunks)], dim=1)
         outs = [self._mlp_slice(part, w) if not torch.is_grad_enabled() else
-                checkpoint(self._mlp_slice, part, w, use_reentrant=False,
+                checkpoint(self._mlp_slice, part, w, use_reentrant=False, preserve_rng_state=False,
                            **({"context_fn": must_recompute_context} if self.compiled else {}))
                 for part in parts]
         return torch.cat(outs, dim=1).view(B, T, C)
