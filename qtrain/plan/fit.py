@@ -39,7 +39,9 @@ FIT_OPTIONS: tuple[str, ...] = ("lmhead_chunks", *dict.fromkeys(k for _label, fl
 # Those of them that change the numbers: the LM head's chunks regroup its sums (the loss's and, accumulated chunk by
 # chunk, d(W_head)'s; tests/model/test_recompute.py compares each variant with a plain run of its own chunks).
 # Recomputation and the residual offload replay the same operations on the same inputs: bit for bit the same
-# (eager, and through AOTAutograd's partitioner without inductor's code: tests/model/test_recompute.py).
+# (eager, and through AOTAutograd's partitioner without inductor's code: tests/model/test_recompute.py). The automatic
+# choice the MLP-splitting switches turn off, the one-pass FP8 SwiGLU, does change them: a resume pins it
+# (`train/resume_checks.PINNED_ON_RESUME`).
 CHANGES_NUMBERS: tuple[str, ...] = ("lmhead_chunks",)
 
 

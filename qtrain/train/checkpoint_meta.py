@@ -88,13 +88,14 @@ def meant_value(options: Mapping[str, Any], key: str) -> Any:
 
 def options_record(opts: Options, run: Any = None) -> dict[str, Any]:
     """Every resolved option of the run (what `--continue` compares a later command with). `run`: its
-    `RunResolution`, whose automatic choices that change the numbers are recorded as made (the FP8 head backward,
-    unset = auto: a resume on another GPU must not turn it on or off mid-run; `resume_checks.pinned_choices`).
-    --swiglu-epilogue stays as given: auto decides again on resume (it changes bf16 rounding only, and a pinned `on`
-    would refuse a resume on a machine without quack)."""
+    `RunResolution`, whose automatic choices that change the numbers are recorded as made (the FP8 head backward and
+    the one-pass FP8 SwiGLU, unset = auto: a resume on another GPU, or one whose --fit-memory splits the MLP, must not
+    turn them on or off mid-run; `resume_checks.pinned_choices`). --swiglu-epilogue stays as given: auto decides again
+    on resume (it changes bf16 rounding only, and a pinned `on` would refuse a resume on a machine without quack)."""
     record = opts.to_dict()
     if run is not None:
         record["fp8_head_backward"] = bool(run.fp8_head_backward)
+        record["fp8_swiglu_onepass"] = bool(run.fp8_swiglu_onepass)
     return record
 
 

@@ -255,12 +255,16 @@ def fp8_change(old: Mapping[str, Any], opts: Options, cfg: ModelConfig, step: in
 
 
 # automatic choices that change the numbers: left unset on `--continue`, each is taken as the checkpoint's run made it
-# (a checkpoint written before the FP8 head backward became auto records it off, then the default)
-PINNED_ON_RESUME = ("fp8_head_backward",)
+# (a checkpoint written before the FP8 head backward became auto records it off, then the default; the one-pass FP8
+# SwiGLU, which --fit-memory's --recompute-swiglu / --recompute-ffn turn off, is recorded as made since they are)
+PINNED_ON_RESUME = ("fp8_head_backward", "fp8_swiglu_onepass")
 
 
 def pinned_choices(old: Mapping[str, Any], opts: Options) -> dict[str, Any]:
-    """The options of PINNED_ON_RESUME that this command leaves unset, with the values the checkpoint's run used."""
+    """The options of PINNED_ON_RESUME that this command leaves unset, with the values the checkpoint's run used;
+    none where the command runs another matmul dtype (FP8 choices, made anew: its change is reported)."""
+    if "matmul_dtype" in old and meant_value(old, "matmul_dtype") != meant_value(opts.to_dict(), "matmul_dtype"):
+        return {}
     return {k: old[k] for k in PINNED_ON_RESUME if getattr(opts, k) is None and isinstance(old.get(k), bool)}
 
 
@@ -273,8 +277,8 @@ def ran_memory(meta: Mapping[str, Any], opts: Options) -> dict[str, Any]:
 
 
 def _runnable(opts: Options, pins: Mapping[str, Any]) -> dict[str, Any]:
-    """The pins this command's options take, in order: one they refuse (the LM head chunks of another micro-batch)
-    stays the command's to decide."""
+    """The pins this command's options take, in order: one they refuse (the LM head chunks of another micro-batch,
+    the one-pass SwiGLU with a recompute switch the command adds) stays the command's to decide."""
     out: dict[str, Any] = {}
     for k, v in pins.items():
         try:
