@@ -1,6 +1,7 @@
-"""What long sequences take to fit a device, as option changes that leave the numbers alone or only regroup sums: the LM
-head in chunks, recomputation, the block inputs on the host, and the MLP in token slices. One home for the rules `qtrain plan`'s proposals
-(`plan/propose.py`) and a run's start (`plan/resolution.py`, when the given options would not fit) both follow.
+"""What long sequences take to fit a device, as option changes: the LM head in chunks, recomputation, the block inputs
+on the host, and the MLP in token slices. One home for the rules `qtrain plan`'s proposals (`plan/propose.py`) and a
+run's start (`plan/resolution.py`, when the given options would not fit) both follow, and for which of them change the
+numbers (CHANGES_NUMBERS: what a resumed run keeps as its checkpoint ran it, `train/resume_checks.py`).
 
 Activations and the LM head's transient grow with the tokens of a micro-batch (B x T); the weights, gradients and
 optimizer state do not. At Qwen2.5-7B and T = 131072 one unchunked LM head holds the bf16 logits of every token:
@@ -8,6 +9,7 @@ optimizer state do not. At Qwen2.5-7B and T = 131072 one unchunked LM head holds
 
     chunks = head_chunks(B * T, at_least=opts.lmhead_chunks)
     changes, plan = fit_activations(opts, plan_of)   # ({}, plan) when the options fit as given
+    changes, plan = fit_activations(opts, plan_of, keep=frozenset({"lmhead_chunks"}))   # a resume's: chunks as given
 """
 from __future__ import annotations
 
@@ -33,6 +35,17 @@ ACTIVATION_RUNGS: tuple[tuple[str, dict[str, bool]], ...] = (
     ("offload residual", {"offload_residual": True}),
 )
 MLP_RUNG = "mlp chunks"  # after them all: one more MLP forward a step (`mlp_chunks`), for long micro-batches only
+# Every option the fit may change.
+FIT_OPTIONS: tuple[str, ...] = ("lmhead_chunks",
+                                *dict.fromkeys(k for _label, flags in ACTIVATION_RUNGS for k in flags), "mlp_chunks")
+# Those of them that change the numbers: the LM head's chunks regroup its sums (the loss's and, accumulated chunk by
+# chunk, d(W_head)'s; tests/model/test_recompute.py compares each variant with a plain run of its own chunks), and the
+# MLP's slices regroup the block weights' gradient sums (and in e4m3 scale each slice's FP8 operands).
+# Recomputation and the residual offload replay the same operations on the same inputs: bit for bit the same
+# (eager, and through AOTAutograd's partitioner without inductor's code: tests/model/test_recompute.py). The automatic
+# choice the MLP-splitting switches turn off, the one-pass FP8 SwiGLU, does change them: a resume pins it
+# (`train/resume_checks.PINNED_ON_RESUME`).
+CHANGES_NUMBERS: tuple[str, ...] = ("lmhead_chunks", "mlp_chunks")
 
 
 def head_chunks(tokens: int, at_least: int = 1) -> int:
@@ -65,25 +78,26 @@ def _plan(opts: Options, changes: dict[str, Any], plan_of: PlanOf) -> MemoryPlan
     return plan_of(o)
 
 
-def fit_activations(opts: Options, plan_of: PlanOf,
-                    plan: MemoryPlan | None = None) -> tuple[dict[str, Any], MemoryPlan | None]:
+def fit_activations(opts: Options, plan_of: PlanOf, plan: MemoryPlan | None = None, *,
+                    keep: frozenset[str] = frozenset()) -> tuple[dict[str, Any], MemoryPlan | None]:
     """The fewest activation-side changes with which `plan_of(options)` fits its budget: none where the options
     fit as given (`plan`: their plan, when made already); else the LM head in chunks of HEAD_CHUNK_TOKENS tokens,
     then each of `activation_rungs` in turn, the switches the options have already kept. ({}, the given plan) where
     nothing fits: what the user asked for stays, and the plan says it does not fit. `plan_of` returns None for
-    options the caller cannot run."""
+    options the caller cannot run. `keep`: options of FIT_OPTIONS to leave as given (a resumed run's, whose
+    checkpoint ran them so)."""
     given = plan if plan is not None else plan_of(opts)
     if given is None or given.fits:
         return {}, given
     changes: dict[str, Any] = {}
     chunks = head_chunks(opts.batch_size * opts.seq_len, at_least=opts.lmhead_chunks)
-    if chunks != opts.lmhead_chunks:
+    if chunks != opts.lmhead_chunks and "lmhead_chunks" not in keep:
         changes["lmhead_chunks"] = chunks
         p = _plan(opts, changes, plan_of)
         if p is not None and p.fits:
             return changes, p
     for _label, flags in activation_rungs(opts):
-        changes.update({k: v for k, v in flags.items() if getattr(opts, k) != v})
+        changes.update({k: v for k, v in flags.items() if getattr(opts, k) != v and k not in keep})
         p = _plan(opts, changes, plan_of)
         if p is not None and p.fits:
             return _prune(opts, changes, p, keep=set(flags), plan_of=plan_of)

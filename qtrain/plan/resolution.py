@@ -30,7 +30,8 @@ What is decided here, from options left at 'auto' or '' and from the device and 
     memory_changes       --fit-memory (on): where the plan of the given options does not fit a CUDA device of known
                          size, what long sequences take (plan/fit.py: LM head chunks, recompute, --offload-residual),
                          the fewest that fit; every choice above is then made for the options with those changes
-                         (`lmhead_chunks`, `offload_residual`, `recompute` are what the model runs)
+                         (`lmhead_chunks`, `offload_residual`, `recompute` are what the model runs); a resumed run's
+                         `keep` (the LM head chunks its checkpoint ran) changes only where nothing fits with it
     master_dtype, grad_accum_dtype   '' = the model dtype, the master dtype
 
 A run resolves once: `preflight` (before the model is built, for every rank) or, for a `Trainer` built without
@@ -363,13 +364,16 @@ def check_ranks(cfg: ModelConfig, opts: Options, world: int) -> None:
 def resolve_run(cfg: ModelConfig, opts: Options, *, world: int = 1, device: str | torch.device = "cuda",
                 gpu_memory: int | None = None, compiled: bool | None = None, reserve: int | None = None,
                 layout: FlatLayout | None = None, model_name: str | None = None,
-                recompute: frozenset[str] | None = None, fit: bool | None = None) -> RunResolution:
+                recompute: frozenset[str] | None = None, fit: bool | None = None,
+                keep: frozenset[str] = frozenset()) -> RunResolution:
     """Every automatic choice of `opts` for `cfg` on `world` ranks of `device`, and the memory plan per rank with
     them. gpu_memory: the device's bytes (the plan's budget; None: unknown, and the memory-for-speed choices stay
     off). compiled: force the compile choice (a plan of eager or compiled blocks). reserve: the plan's fixed device
     reserve (None: 1 GiB on CUDA, 0 on CPU). recompute: the recompute switches of a model built by hand, instead of
     the options' (with what they imply). fit: make the plan fit with `fit_memory_changes` (None: --fit-memory; never
-    with a budget unknown, off CUDA, or with `recompute` given)."""
+    with a budget unknown, off CUDA, or with `recompute` given). keep: options the fit leaves as given unless
+    nothing fits with them (a resumed run's, as its checkpoint ran them: `train/resume_checks.review`, which reports
+    one it changes)."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     check_ranks(cfg, opts, world)
@@ -380,18 +384,21 @@ def resolve_run(cfg: ModelConfig, opts: Options, *, world: int = 1, device: str 
     if not (opts.fit_memory if fit is None else fit) or dev.type != "cuda" or gpu_memory is None \
             or recompute is not None or given.plan.fits:
         return given
-    changes = fit_memory_changes(cfg, opts, given, **kw)
+    changes = fit_memory_changes(cfg, opts, given, keep=keep, **kw)
+    if not changes and keep:  # nothing fits keeping them: the fit a new run would make
+        changes = fit_memory_changes(cfg, opts, given, **kw)
     if not changes:
         return given
     fitted = _resolve(cfg, dataclasses.replace(opts, **changes), **kw)
     return dataclasses.replace(fitted, memory_changes=tuple(changes.items()))
 
 
-def fit_memory_changes(cfg: ModelConfig, opts: Options, given: RunResolution, **kw: Any) -> dict[str, Any]:
+def fit_memory_changes(cfg: ModelConfig, opts: Options, given: RunResolution, *, keep: frozenset[str] = frozenset(),
+                       **kw: Any) -> dict[str, Any]:
     """--fit-memory: the fewest activation-side option changes with which the run's plan fits (`plan.fit`), each
-    candidate resolved as a run of those options would be; none where nothing fits. A run that asks for CUDA graphs
-    gets no change they cannot capture (--offload-residual), one that asks for --swiglu-epilogue none that splits
-    the MLP (--recompute-swiglu / --recompute-ffn)."""
+    candidate resolved as a run of those options would be, none to the options in `keep`; none where nothing fits. A
+    run that asks for CUDA graphs gets no change they cannot capture (--offload-residual), one that asks for
+    --swiglu-epilogue none that splits the MLP (--recompute-swiglu / --recompute-ffn)."""
     def plan_of(o: Options) -> MemoryPlan | None:
         if o.use_cuda_graphs and cuda_graph_blockers(o, world=kw["world"]):
             return None
@@ -400,7 +407,7 @@ def fit_memory_changes(cfg: ModelConfig, opts: Options, given: RunResolution, **
         if o.mlp_chunks > 1 and mlp_chunks_refusal(cfg) is not None:
             return None
         return _resolve(cfg, o, **kw).plan
-    changes, _ = fit_activations(opts, plan_of, plan=given.plan)
+    changes, _ = fit_activations(opts, plan_of, plan=given.plan, keep=keep)
     return changes
 
 

@@ -12,6 +12,8 @@ naming the file and the field, never a traceback half-way through loading.
                                          # run fed batches itself (the Python API): no position to restore
       "logger": {"loss_outliers": {"window", "threshold", "values"}, "norm_outliers": {...}},   # optional
       "options": {...},                  # the run's resolved Options (2; version 1: the five MUST_MATCH ones)
+      "memory"?: {"lmhead_chunks": 2, "recompute_block": false, ...}   # the options --fit-memory may change, as
+                                         # the run ran them (`memory_record`; absent: written before it was recorded)
       "data": {"files": [{"path", "size", "mtime_ns", "inode", "digest", "tokens"}]} | null   # (2) training files
       "model": {...},                    # the model's config.json
       "tokenizer": "gpt2" | "tokenizer" | null,   # a built-in, or the checkpoint's own tokenizer/ folder (2; version
@@ -33,6 +35,7 @@ Keys this module does not know are left alone (a later qtrain may add some).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -50,6 +53,7 @@ from qtrain.model.config import ConfigError, ModelConfig
 from qtrain.model.registry import config_from_hf_dict
 from qtrain.model.hf_io import TOKENIZER_FILES, checkpoint_files
 from qtrain.options import CHOICES, EMPTY_MEANS_DEFAULT, Options, meant
+from qtrain.plan.fit import FIT_OPTIONS
 from qtrain.train import tensor_file
 from qtrain.train.checkpoint_io import DIGESTS, META_FILE, CheckpointError, checkpoint_step
 
@@ -57,6 +61,7 @@ FORMAT_VERSION = 2
 KNOWN_VERSIONS = (1, 2)
 HINTS_META = "fp8_scale_hints"
 LORA_BASE_META = "lora_base"
+MEMORY_META = "memory"
 TOKENIZER_DIR = "tokenizer"  # the tokenizer files a run exports with, copied into each of its checkpoints (version 2)
 # options that must match for a resume to continue the same run (every version records them)
 MUST_MATCH = ("model_dtype", "master_dtype", "opt_m_dtype", "opt_v_dtype", "seed")
@@ -83,14 +88,24 @@ def meant_value(options: Mapping[str, Any], key: str) -> Any:
 
 def options_record(opts: Options, run: Any = None) -> dict[str, Any]:
     """Every resolved option of the run (what `--continue` compares a later command with). `run`: its
-    `RunResolution`, whose automatic choices that change the numbers are recorded as made (the FP8 head backward,
-    unset = auto: a resume on another GPU must not turn it on or off mid-run; `resume_checks.pinned_choices`).
-    --swiglu-epilogue stays as given: auto decides again on resume (it changes bf16 rounding only, and a pinned `on`
-    would refuse a resume on a machine without quack)."""
+    `RunResolution`, whose automatic choices that change the numbers are recorded as made (the FP8 head backward and
+    the one-pass FP8 SwiGLU, unset = auto: a resume on another GPU, or one whose --fit-memory splits the MLP, must not
+    turn them on or off mid-run; `resume_checks.pinned_choices`). --swiglu-epilogue stays as given: auto decides again
+    on resume (it changes bf16 rounding only, and a pinned `on` would refuse a resume on a machine without quack)."""
     record = opts.to_dict()
     if run is not None:
         record["fp8_head_backward"] = bool(run.fp8_head_backward)
+        record["fp8_swiglu_onepass"] = bool(run.fp8_swiglu_onepass)
     return record
+
+
+def memory_record(opts: Options, run: Any) -> dict[str, Any]:
+    """The options --fit-memory may change (`plan/fit.FIT_OPTIONS`) as the run ran them: its command's (`opts`) with
+    the fit's changes (`run.memory_changes`), and the LM head chunks its model runs (a resumed run's may be its
+    checkpoint's: `resume_checks.review`). `--continue` keeps those that change the numbers and reports the others'
+    changes."""
+    ran = dataclasses.replace(opts, **dict(run.memory_changes))
+    return {**{k: getattr(ran, k) for k in FIT_OPTIONS}, "lmhead_chunks": run.lmhead_chunks}
 
 
 def data_record(loader: Any) -> dict[str, Any] | None:
@@ -293,6 +308,8 @@ def validate(path: str | os.PathLike, meta: Any) -> ModelConfig:
     check_hints(path, meta.get(HINTS_META), cfg.num_hidden_layers)
     if meta.get(LORA_BASE_META) is not None:
         _check_files(c, c.dict(meta[LORA_BASE_META], LORA_BASE_META), LORA_BASE_META, ("size", "mtime_ns", "inode"))
+    if meta.get(MEMORY_META) is not None:
+        _check_memory(c, c.dict(meta[MEMORY_META], MEMORY_META))
     if meta.get(DIGESTS) is not None:
         _check_digests(c, c.dict(meta[DIGESTS], DIGESTS))
     data = c.get(meta, "data", "data", required=version >= 2)
@@ -345,6 +362,15 @@ def _check_options(c: _Checker, options: dict) -> dict:
         if k in _OPTION_TYPES and not _option_ok(k, v):
             raise c.error(f"options.{k}", f"is not a value of --{k.replace('_', '-')}: {shorten(v)}")
     return options
+
+
+def _check_memory(c: _Checker, record: dict) -> None:
+    """`memory`: the values of the options of FIT_OPTIONS it holds (others, a later qtrain's, are left alone)."""
+    for k in FIT_OPTIONS:
+        if k == "lmhead_chunks" and k in record:
+            c.int(record[k], f"{MEMORY_META}.{k}", 1)
+        elif k in record and not _option_ok(k, record[k]):
+            raise c.error(f"{MEMORY_META}.{k}", f"is not a value of --{k.replace('_', '-')}: {shorten(record[k])}")
 
 
 def _check_tokenizer(c: _Checker, path: str | os.PathLike, spec: Any, version: int) -> None:

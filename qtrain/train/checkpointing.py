@@ -183,6 +183,7 @@ def save(ckpt_dir: str, trainer: Trainer, loader: TokenLoader, log: RunLogger, *
             "data_loader": loader.state_dict(),
             "logger": log.state_dict(),
             "options": cmeta.options_record(trainer.opts, trainer.run),
+            cmeta.MEMORY_META: cmeta.memory_record(trainer.opts, trainer.run),
             "data": cmeta.data_record(loader),
             "model": trainer.cfg.to_hf_dict(),
             "tokenizer": cmeta.tokenizer_record(trainer.tokenizer),  # what `qtrain export` puts beside the weights

@@ -75,13 +75,14 @@ def _device_type(opts: Options) -> str:
     return "cuda" if opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available()) else "cpu"
 
 
-def resolve(opts: Options, cfg: ModelConfig, world: int) -> RunResolution:
+def resolve(opts: Options, cfg: ModelConfig, world: int, keep: frozenset[str] = frozenset()) -> RunResolution:
     """The run's automatic choices and its memory plan, for this machine's device (budget: the total memory of
-    the first visible CUDA device, which every rank of a machine has the same of; none on CPU)."""
+    the first visible CUDA device, which every rank of a machine has the same of; none on CPU). keep: options
+    --fit-memory leaves as given where it can (a resumed run's, `resolve_run`)."""
     import torch
     device = _device_type(opts)
     total = torch.cuda.get_device_properties(torch.device("cuda")).total_memory if device == "cuda" else None
-    return resolve_run(cfg, opts, world=world, device=device, gpu_memory=total)
+    return resolve_run(cfg, opts, world=world, device=device, gpu_memory=total, keep=keep)
 
 
 def check_seq_len(seq_len: int, cfg: ModelConfig, prefix: str = "") -> None:
@@ -206,8 +207,10 @@ def preflight(opts: Options, *, world: int, local_procs: int | None = None) -> P
         train_pattern, eval_pattern, total = check_data(opts, cfg, world)
         run_id, resume, note, review = check_resume(opts, cfg, world, paths, found,
                                                     train_pattern=train_pattern, total_steps=total)
-        if review is not None and review.pinned:  # the checkpoint's automatic choices that change the numbers
-            run = resolve(dataclasses.replace(opts, **review.pinned), cfg, world)
+        if review is not None:
+            if review.pinned:  # the checkpoint's automatic choices that change the numbers
+                run = resolve(dataclasses.replace(opts, **review.pinned), cfg, world, keep=frozenset(review.pinned))
+            review.changes += resume_checks.memory_differences(review, opts, run)
         check_memory(opts, cfg, run, local_procs or world)
     except BaseException:
         lock.release()

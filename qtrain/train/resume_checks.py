@@ -19,6 +19,14 @@ something else:
 Every other changed option is accepted and reported, one line each (`Change`), in the console and the run log.
 So is a change of the block linears --fp8-policy auto puts in FP8 (it decides by the micro-batch, which another
 split of the same global batch changes: `fp8_change`).
+
+Kept as the checkpoint's run made them, where the command leaves them as its command did (`Review.pinned`): the
+automatic choices that change the numbers (PINNED_ON_RESUME) and what --fit-memory chose of them for the checkpoint's
+device (`plan/fit.CHANGES_NUMBERS`: the LM head chunks), so that a resume on another device continues bit for bit.
+The fit on this device changes such an option only where nothing fits with it, and what it changes otherwise
+(recomputation, the residual offload: the same numbers) follows this device; either is reported, one line each
+(`memory_differences`).
+
 A checkpoint of an older qtrain (format 1) records five options and no files: what it lacks cannot be checked,
 and the resume says so. A run whose checkpoint is at its last step and whose export is complete has nothing to
 do (`Review.finished`).
@@ -39,8 +47,10 @@ from qtrain.model.config import ModelConfig
 from qtrain.model.hf_io import export_manifest, manifest_files
 from qtrain.model.lora.peft_io import CONFIG_FILE as ADAPTER_CONFIG
 from qtrain.model.resolve import resolve_model
-from qtrain.options import Options
-from qtrain.train.checkpoint_meta import LORA_BASE_META, MUST_MATCH, lora_base_change, meant_value, scratch_base_change
+from qtrain.options import Options, OptionsError
+from qtrain.plan.fit import CHANGES_NUMBERS, FIT_OPTIONS
+from qtrain.train.checkpoint_meta import (LORA_BASE_META, MEMORY_META, MUST_MATCH, lora_base_change, meant_value,
+                                          memory_record, scratch_base_change)
 
 # how this command resumes and what it prints, not what the run is: never compared
 INVOCATION = ("continue_from", "new_data", "start_over", "override_schedule", "eval_at_start", "verbose", "quiet")
@@ -55,13 +65,15 @@ class ResumeError(ValueError):
 
 @dataclass
 class Change:
-    """One accepted option change: `--lr 0.001 -> 0.0005`."""
+    """One accepted option change: `--lr 0.001 -> 0.0005`; `why`, where the command did not make it itself."""
     option: str
     old: Any
     new: Any
+    why: str = ""
 
     def text(self, step: int) -> str:
-        return f"--continue: {_flag(self.option)} {_show(self.old)} -> {_show(self.new)} (checkpoint step {step})"
+        return (f"--continue: {_flag(self.option)} {_show(self.old)} -> {_show(self.new)} (checkpoint step {step})"
+                + (f": {self.why}" if self.why else ""))
 
 
 @dataclass
@@ -71,6 +83,7 @@ class Review:
     notes: list[str] = field(default_factory=list)  # what else the resume should say (unchecked records, --new-data)
     finished: str | None = None  # "run X finished at step N; its export is in DIR; nothing to do"
     pinned: dict[str, Any] = field(default_factory=dict)  # automatic choices taken from the checkpoint's run
+    memory: dict[str, Any] = field(default_factory=dict)  # how it held its activations (`ran_memory`)
 
     def report(self, log: Any) -> None:
         """Into the run log (a `RunLogger`) and onto the console: the notes, then one line per accepted change."""
@@ -242,13 +255,56 @@ def fp8_change(old: Mapping[str, Any], opts: Options, cfg: ModelConfig, step: in
 
 
 # automatic choices that change the numbers: left unset on `--continue`, each is taken as the checkpoint's run made it
-# (a checkpoint written before the FP8 head backward became auto records it off, then the default)
-PINNED_ON_RESUME = ("fp8_head_backward",)
+# (a checkpoint written before the FP8 head backward became auto records it off, then the default; the one-pass FP8
+# SwiGLU, which --fit-memory's --recompute-swiglu / --recompute-ffn turn off, is recorded as made since they are)
+PINNED_ON_RESUME = ("fp8_head_backward", "fp8_swiglu_onepass")
 
 
 def pinned_choices(old: Mapping[str, Any], opts: Options) -> dict[str, Any]:
-    """The options of PINNED_ON_RESUME that this command leaves unset, with the values the checkpoint's run used."""
+    """The options of PINNED_ON_RESUME that this command leaves unset, with the values the checkpoint's run used;
+    none where the command runs another matmul dtype (FP8 choices, made anew: its change is reported)."""
+    if "matmul_dtype" in old and meant_value(old, "matmul_dtype") != meant_value(opts.to_dict(), "matmul_dtype"):
+        return {}
     return {k: old[k] for k in PINNED_ON_RESUME if getattr(opts, k) is None and isinstance(old.get(k), bool)}
+
+
+def ran_memory(meta: Mapping[str, Any], opts: Options) -> dict[str, Any]:
+    """The checkpoint's `memory` record (the options --fit-memory may change, as its run ran them) for those this
+    command gives as the checkpoint's command did (a command's other value is its own change, reported as one); {}
+    for a checkpoint written before the record."""
+    ran, old = meta.get(MEMORY_META) or {}, meta["options"]
+    return {k: ran[k] for k in FIT_OPTIONS if k in ran and k in old and old[k] == getattr(opts, k)}
+
+
+def _runnable(opts: Options, pins: Mapping[str, Any]) -> dict[str, Any]:
+    """The pins this command's options take, in order: one they refuse (the LM head chunks of another micro-batch,
+    the one-pass SwiGLU with a recompute switch the command adds) stays the command's to decide."""
+    out: dict[str, Any] = {}
+    for k, v in pins.items():
+        try:
+            dataclasses.replace(opts, **out, **{k: v}).validate()
+        except OptionsError:
+            continue
+        out[k] = v
+    return out
+
+
+def memory_differences(rv: Review, opts: Options, run: Any) -> list[Change]:
+    """One line for each option of the checkpoint's `memory` record (`Review.memory`) that this run (`opts`, resolved
+    as `run`) holds otherwise: one that changes the numbers where the fit on this device could not keep it (or this
+    command's options refuse it), one that does not where this device's plan differs."""
+    now = memory_record(opts, run)
+    budget = f"{run.plan.budget / 2**30:.1f} GiB" if run.plan.budget is not None else "this device"
+    lost = "so the numbers do not continue bit for bit from here"
+
+    def why(k: str) -> str:
+        if k not in CHANGES_NUMBERS:
+            return "how this run holds its activations on this device (--fit-memory); the numbers stay the same"
+        if k in rv.pinned:
+            return f"with the checkpoint's value the plan does not fit {budget} (--fit-memory), {lost} " \
+                   f"(--no-fit-memory keeps it)"
+        return f"this command's options do not take the checkpoint's value, {lost}"
+    return [Change(k, was, now[k], why(k)) for k, was in rv.memory.items() if now[k] != was]
 
 
 def review(path: str, meta: Mapping[str, Any], opts: Options, *, world: int, train_pattern: str, total_steps: int,
@@ -293,7 +349,9 @@ def review(path: str, meta: Mapping[str, Any], opts: Options, *, world: int, tra
                  else "no position")
         rv.notes.append(f"--new-data: the data position restarts at the start of the training data (the checkpoint "
                         f"was at {where})" + (f"; {', '.join(data_problems)}" if data_problems else ""))
-    rv.pinned = pinned_choices(old, opts)
+    rv.memory = ran_memory(meta, opts)
+    rv.pinned = _runnable(opts, {**pinned_choices(old, opts),
+                                 **{k: v for k, v in rv.memory.items() if k in CHANGES_NUMBERS}})
     if line := later_checkpoints(path, step):
         rv.notes.append(line)
     if cfg is not None and (line := fp8_change(old, opts, cfg, step)):

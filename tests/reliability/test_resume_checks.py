@@ -174,6 +174,8 @@ META_CASES = {  # the tester's edits -> what the one line must say
     "options-bad-dtype": (edit_meta(options=lambda o: {**o, "model_dtype": "fp64"}),
                           F + r"options\.model_dtype is not a value of --model-dtype: fp64"),
     "hints-not-a-list": (edit_meta(fp8_scale_hints={"0": 1}), F + r"fp8_scale_hints must be a list"),
+    "memory-no-chunks": (edit_meta(memory=lambda m: {**m, "lmhead_chunks": 0}),
+                         F + r"memory\.lmhead_chunks must be in \[1, \d+\], got 0"),
     "digests-not-strings": (edit_meta(digests={"weights.shard_000_of_001.safetensors": 5}),
                             F + r"digests must map file names to digest strings"),
     "digests-of-another-form": (edit_meta(digests={"weights.shard_000_of_001.safetensors": "blake2b:00"}),

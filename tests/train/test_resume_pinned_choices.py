@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 from qtrain.cli.main import main
@@ -56,3 +57,29 @@ def test_pinned_choices_take_only_recorded_choices_of_options_left_unset():
     assert pinned_choices({}, base) == {}
     given = Options(model="x", fp8_head_backward=False, **E4M3)
     assert pinned_choices({"fp8_head_backward": True}, given) == {}
+
+
+def test_the_one_pass_swiglu_is_pinned_so_that_the_fit_does_not_split_the_mlp():
+    """The one-pass FP8 SwiGLU (auto: on with e4m3 unless a recompute switch splits the MLP) changes the numbers, and
+    --fit-memory's --recompute-swiglu / --recompute-ffn turn it off: at Qwen2.5-1.5B e4m3 32 x 1024 on a 70 GiB device
+    the fit adds --recompute-swiglu --recompute-norm, so a run that fitted as given on 80 GB, resumed there, would lose
+    it mid-run. The checkpoint records it as made; a resume that leaves it unset pins it, and the fit then recomputes
+    the whole block (which keeps the MLP one function) instead. A command of another matmul dtype pins no FP8 choice."""
+    from qtrain.model.registry import preset
+    from qtrain.plan.resolution import resolve_run
+    from qtrain.train.checkpoint_meta import options_record
+    cfg = preset("Qwen2.5-1.5B")
+    opts = Options(model="Qwen2.5-1.5B", batch_size=32, seq_len=1024, grad_accumulation=2, lmhead_chunks=4,
+                   opt_m_dtype="bf16", opt_v_dtype="bf16", **E4M3)
+    first = resolve_run(cfg, opts, device="cuda", gpu_memory=int(79.18 * 2**30))
+    assert first.memory_changes == () and first.fp8_swiglu_onepass
+    old = options_record(opts, first)
+    assert old["fp8_swiglu_onepass"] is True  # recorded as made
+    gib70 = int(70 * 2**30)
+    assert dict(resolve_run(cfg, opts, device="cuda", gpu_memory=gib70).memory_changes) == {
+        "recompute_swiglu": True, "recompute_norm": True}  # unpinned: the MLP split, the one-pass off
+    pins = pinned_choices(old, opts)
+    assert pins["fp8_swiglu_onepass"] is True
+    resumed = resolve_run(cfg, replace(opts, **pins), device="cuda", gpu_memory=gib70, keep=frozenset(pins))
+    assert dict(resumed.memory_changes) == {"recompute_block": True} and resumed.fp8_swiglu_onepass
+    assert pinned_choices(old, replace(opts, matmul_dtype="bf16")) == {}
