@@ -53,7 +53,7 @@ from qtrain.model.config import ConfigError, ModelConfig
 from qtrain.model.registry import config_from_hf_dict
 from qtrain.model.hf_io import TOKENIZER_FILES, checkpoint_files
 from qtrain.options import CHOICES, EMPTY_MEANS_DEFAULT, Options, meant
-from qtrain.plan.fit import FIT_OPTIONS
+from qtrain.plan.fit import CHANGES_NUMBERS, FIT_OPTIONS
 from qtrain.train import tensor_file
 from qtrain.train.checkpoint_io import DIGESTS, META_FILE, CheckpointError, checkpoint_step
 
@@ -101,11 +101,11 @@ def options_record(opts: Options, run: Any = None) -> dict[str, Any]:
 
 def memory_record(opts: Options, run: Any) -> dict[str, Any]:
     """The options --fit-memory may change (`plan/fit.FIT_OPTIONS`) as the run ran them: its command's (`opts`) with
-    the fit's changes (`run.memory_changes`), and the LM head chunks its model runs (a resumed run's may be its
-    checkpoint's: `resume_checks.review`). `--continue` keeps those that change the numbers and reports the others'
-    changes."""
+    the fit's changes (`run.memory_changes`), and those that change the numbers (`plan/fit.CHANGES_NUMBERS`: the LM
+    head chunks, the MLP slices) as its model runs them (a resumed run's may be its checkpoint's:
+    `resume_checks.review`). `--continue` keeps those and reports the others' changes."""
     ran = dataclasses.replace(opts, **dict(run.memory_changes))
-    return {**{k: getattr(ran, k) for k in FIT_OPTIONS}, "lmhead_chunks": run.lmhead_chunks}
+    return {**{k: getattr(ran, k) for k in FIT_OPTIONS}, **{k: getattr(run, k) for k in CHANGES_NUMBERS}}
 
 
 def data_record(loader: Any) -> dict[str, Any] | None:
@@ -367,7 +367,7 @@ def _check_options(c: _Checker, options: dict) -> dict:
 def _check_memory(c: _Checker, record: dict) -> None:
     """`memory`: the values of the options of FIT_OPTIONS it holds (others, a later qtrain's, are left alone)."""
     for k in FIT_OPTIONS:
-        if k == "lmhead_chunks" and k in record:
+        if k in CHANGES_NUMBERS and k in record:  # chunk counts
             c.int(record[k], f"{MEMORY_META}.{k}", 1)
         elif k in record and not _option_ok(k, record[k]):
             raise c.error(f"{MEMORY_META}.{k}", f"is not a value of --{k.replace('_', '-')}: {shorten(record[k])}")

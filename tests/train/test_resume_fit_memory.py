@@ -112,3 +112,19 @@ def test_a_resume_on_a_smaller_device_recomputes_to_keep_them_and_says_what_it_c
     chunks = [m for m in lines if m.startswith("--continue: --lmhead-chunks 1 -> 2 (checkpoint step 2): ")]
     assert len(chunks) == 1 and "do not continue bit for bit" in chunks[0], lines
     assert any(m.startswith("--continue: --recompute-block False -> True") for m in lines), lines
+
+
+def test_a_resume_keeps_the_mlp_slices_the_fit_chose(root, device):
+    """The fit's last rung, the MLP in token slices (2 x 16 tokens in slices of 16), regroups the block weights'
+    gradient sums: a resume on a device where the options fit as given keeps the slices (and the head's chunks), bit
+    for bit, and only the recomputation follows the device."""
+    rungs = dict(lmhead_chunks=2, recompute_swiglu=True, recompute_norm=True, recompute_ffn=True, **BLOCK)
+    device["bytes"] = _between(_need(**rungs, mlp_chunks=2), _need(**rungs))
+    assert main(train_argv(root, steps=4, name="run")) == 0
+    assert _memory(root, "run")["mlp_chunks"] == 2
+    whole = _steps(root, "run")
+    device["bytes"] = 2 * _need()
+    lines = _resume_from_step_2(root, "run")
+    assert _steps(root, "run")[4:] == whole[2:], "bit for bit"
+    assert _memory(root, "run")["mlp_chunks"] == 2 and _memory(root, "run")["lmhead_chunks"] == 2
+    assert lines and all("the numbers stay the same" in m for m in lines), lines
