@@ -60,7 +60,7 @@ from qtrain.parallel.experts import check_expert_parallel
 from qtrain.parallel.groups import check_group_size
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.weights.persistent_quants import quantized_groups
-from qtrain.plan.fit import fit_activations
+from qtrain.plan.fit import CHANGES_NUMBERS, fit_activations
 from qtrain.plan.memory import MemoryPlan, build_plan, run_layout
 
 # --use-cuda-graphs unset (auto) turns graphs on up to this much GEMM work per block and micro-step: where the
@@ -472,11 +472,13 @@ def plan_memory(cfg: ModelConfig, opts: Options, *, world: int = 1, gpu_memory: 
 def plan_for_trainer(trainer: Any, gpu_memory: int | None = None) -> MemoryPlan:
     """The plan of a constructed `Trainer`: the one its run resolved with (budget: the device's total memory on
     CUDA, none on CPU), or, for another `gpu_memory`, its options planned again for that budget, with the choices
-    the model was built with (the FP8 head backward and the kept transposes, which a budget would decide again)."""
+    the model was built with (the FP8 head backward and the kept transposes, which a budget would decide again, and
+    the LM head chunks and MLP slices a resume kept from its checkpoint)."""
     if gpu_memory is None:
         return trainer.run.plan
     run = trainer.run
-    opts = dataclasses.replace(trainer.opts, **dict(run.memory_changes), fp8_head_backward=run.fp8_head_backward,
+    ran = {**dict(run.memory_changes), **{k: getattr(run, k) for k in CHANGES_NUMBERS}}
+    opts = dataclasses.replace(trainer.opts, **ran, fp8_head_backward=run.fp8_head_backward,
                                fp8_keep_transposes=run.fp8_keep_transposes if run.fp8_linears else None)
     return resolve_run(trainer.cfg, opts, world=trainer.ctx.world, device=trainer.device,
                        gpu_memory=gpu_memory, compiled=trainer.run.compile, layout=trainer.layout, fit=False).plan
