@@ -10,6 +10,8 @@ from typing import Any, Callable
 from qtrain.model.recompute_flags import splits_mlp
 from qtrain.options_values import CHOICES, EMPTY_MEANS_DEFAULT, OptionsError
 
+MLP_SLICE_ROWS = 16  # an FP8 linear's rows (tokens) must be a multiple of this: so must each --mlp-chunks slice's
+
 
 def check_options(opts: Any) -> None:
     """Raise OptionsError naming the option(s) and the fix (`Options.validate`); each rule names every option it
@@ -66,6 +68,13 @@ def check_options(opts: Any) -> None:
     if local_tokens % opts.mlp_chunks:
         raise err(f"--mlp-chunks={opts.mlp_chunks} must divide the tokens of a micro-batch on one rank "
                   f"({local_tokens})")
+    slice_tokens = local_tokens // opts.mlp_chunks
+    if opts.mlp_chunks > 1 and opts.effective_matmul_dtype == "e4m3" and slice_tokens % MLP_SLICE_ROWS:
+        raise err(f"--mlp-chunks={opts.mlp_chunks} with --matmul-dtype e4m3: each slice's {slice_tokens} tokens must "
+                  f"be a multiple of {MLP_SLICE_ROWS} (the FP8 GEMMs' rows)")
+    if opts.mlp_chunks > 1 and opts.debug_log_abs_max:
+        raise err("--debug-log-abs-max with --mlp-chunks is not supported: the recorder books four linears a layer, "
+                  "and a sliced MLP calls its two once per slice; drop one of them")
     if opts.batch_size % opts.attn_bwd_chunks:
         raise err(f"--attn-bwd-chunks={opts.attn_bwd_chunks} must divide --batch-size={opts.batch_size}")
     if opts.offload_residual and not opts.recompute_block:

@@ -17,6 +17,7 @@ import dataclasses
 from typing import Any, Callable
 
 from qtrain.options import Options, OptionsError
+from qtrain.options_checks import MLP_SLICE_ROWS
 from qtrain.plan.memory import MemoryPlan
 
 # Tokens per LM head chunk beyond which the head is split. qtrain's H200 rates at 1.5B-14B with 32-64k tokens per
@@ -59,8 +60,12 @@ def head_chunks(tokens: int, at_least: int = 1) -> int:
 
 def mlp_chunks(tokens: int) -> int:
     """--mlp-chunks for a micro-batch of `tokens` (a rank's): slices of at most HEAD_CHUNK_TOKENS tokens, the LM head's
-    rule (GEMMs of 16k rows run near their peak); 1 where one slice holds them all."""
-    return head_chunks(tokens)
+    rule (GEMMs of 16k rows run near their peak), each a multiple of MLP_SLICE_ROWS tokens; 1 where one slice
+    holds them all (or no halving keeps that multiple)."""
+    n = 1
+    while -(-tokens // n) > HEAD_CHUNK_TOKENS and tokens % (2 * n * MLP_SLICE_ROWS) == 0:
+        n *= 2
+    return n
 
 
 def activation_rungs(opts: Options) -> tuple[tuple[str, dict[str, Any]], ...]:

@@ -87,8 +87,9 @@ def propose(cfg: ModelConfig, base_options: Options, gpu_bytes: int, world: int 
     empty if nothing fits. `recommend` picks the one the step model says is fastest.
 
     For each batch two ladders are climbed (`_ladder`: none -> recompute swiglu+norm -> ffn -> block ->
-    offload opt m -> v -> [world > 1: shard gradients] -> shard weights -> offload master -> offload
-    gradients -> offload residual; and the same with the optimizer-state offload before recompute ffn);
+    [a long micro-batch: mlp chunks] -> offload opt m -> v -> [world > 1: shard gradients] -> shard weights ->
+    offload master -> offload gradients -> offload residual; and the same with the optimizer-state offload before
+    recompute ffn and the MLP's slices last);
     at each rung `--lmhead-chunks` starts where a chunk holds at most `fit.HEAD_CHUNK_TOKENS` tokens and is doubled
     first (cheap, as long as a chunk keeps MIN_CHUNK_ROWS tokens).
     Each first fit is pruned of earlier switches it does not need, and of the two the one `step_cost`
@@ -164,17 +165,33 @@ def recommend(cfg: ModelConfig, base_options: Options,
     return best, costs
 
 
+def _mlp_slices(base: Options, B: int) -> int | None:
+    """The MLP rung's --mlp-chunks at micro-batch B (`fit.mlp_chunks`), None where there is nothing to slice: the
+    micro-batch is short, the options slice it already as much, or they refuse slices (--lora-dropout, ...)."""
+    n = mlp_chunks(B * base.seq_len // max(1, base.context_parallel))
+    if n <= base.mlp_chunks:
+        return None
+    try:
+        dataclasses.replace(base, batch_size=B, mlp_chunks=n).validate()
+    except OptionsError:
+        return None
+    return n
+
+
 def _fit_batch(cfg: ModelConfig, base: Options, B: int, ladder, kw) -> tuple[dict[str, Any], MemoryPlan] | None:
     T = base.seq_len
     first = head_chunks(B * T, at_least=base.lmhead_chunks)  # long micro-batches: chunks of HEAD_CHUNK_TOKENS
     prev_dev = None
     prev_flags: dict[str, Any] = {}
-    slices = mlp_chunks(B * T // max(1, base.context_parallel))
-    for _label, flags in ladder:
-        if "mlp_chunks" in flags:
-            if slices <= base.mlp_chunks:
-                continue  # too short to slice (or sliced as given)
-            flags = {**flags, "mlp_chunks": slices}
+    slices = _mlp_slices(base, B)
+    for label, flags in ladder:
+        if "mlp_chunks" in flags:  # the MLP rung, and every later rung carries it
+            if slices is None:  # nothing to slice: skip the rung, the later ones go on without it
+                if label == MLP_RUNG:
+                    continue
+                flags = {k: v for k, v in flags.items() if k != "mlp_chunks"}
+            else:
+                flags = {**flags, "mlp_chunks": slices}
         chunks = first
         while chunks == first or B * T // chunks >= MIN_CHUNK_ROWS:
             changes = {"batch_size": B, **flags}

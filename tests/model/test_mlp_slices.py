@@ -121,3 +121,26 @@ def test_fit_slices_the_mlp_only_for_long_micro_batches():
     assert mlp_chunks(131072) == 8 and mlp_chunks(16384) == 1
     assert [r for r, _ in activation_rungs(Options(batch_size=1, seq_len=131072))][-1] == "mlp chunks"
     assert "mlp chunks" not in [r for r, _ in activation_rungs(Options(batch_size=4, seq_len=4096))]
+
+
+def test_proposals_without_anything_to_slice_are_those_of_a_model_without_slices(monkeypatch):
+    """The MLP rung carries its switch into the later rungs of its ladder: where there is nothing to slice (a short
+    micro-batch) or the options refuse slices (--lora-dropout), those rungs still run (they were skipped: the 7B
+    proposals at 4k tokens on 80 GiB got slower, and LoRA with dropout at 32k found none)."""
+    import qtrain.plan.propose as propose_module
+    from qtrain.plan.propose import propose
+    cfg = preset("Qwen2.5-7B")
+    cases = [Options(seq_len=4096, batch_size=1, grad_accumulation=8),
+             Options(seq_len=32768, batch_size=1, lora_rank=16, lora_dropout=0.1)]
+    found = [[(c, p.device_total) for c, p in propose(cfg, o, 80 << 30, max_batch=8)] for o in cases]
+    monkeypatch.setattr(propose_module, "mlp_chunks_refusal", lambda cfg: "no slices")
+    assert found == [[(c, p.device_total) for c, p in propose(cfg, o, 80 << 30, max_batch=8)] for o in cases]
+    assert all(found), found
+
+
+def test_slices_refused_where_they_cannot_run():
+    with pytest.raises(OptionsError, match="each slice's 24 tokens must be a multiple of 16"):
+        Options(batch_size=2, seq_len=48, matmul_dtype="e4m3", mlp_chunks=4).validate()
+    with pytest.raises(OptionsError, match="--debug-log-abs-max with --mlp-chunks"):
+        Options(debug_log_abs_max=1, mlp_chunks=2).validate()
+    assert mlp_chunks(32800) == 2  # slices of 16400 tokens, not 4 of 8200 (not a multiple of 16)

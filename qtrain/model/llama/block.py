@@ -330,7 +330,8 @@ class LlamaBlock:
         slices), and a CUDA graph could not capture the state's reads."""
         B, T, C = x.shape
         rows = x.reshape(1, B * T, C)
-        observe_saved(rows)  # the checkpoints hold their inputs, views of x, by reference: the statement's res_att
+        if torch.is_grad_enabled():  # the checkpoints hold their inputs, views of x, by reference: the res_att term
+            observe_saved(rows)
         n, extra = divmod(B * T, self.mlp_chunks)
         # one split (one autograd node: its backward concatenates the slices' gradients once, where n narrow views
         # would each make a zero-filled (B*T, C) gradient)
