@@ -20,7 +20,7 @@ from qtrain.model.transformer import RunOptions, Transformer
 from qtrain.options import Options, OptionsError
 from qtrain.parallel.weights.replicated import ParamWeights
 from qtrain.plan.fit import activation_rungs, mlp_chunks
-from qtrain.plan.resolution import check_model_support, plan_memory
+from qtrain.plan.resolution import check_cuda_graphs, check_model_support, plan_memory
 from qtrain.plan.step_cost import recompute_flops_per_token
 from tests.model.family_fixtures import Collect
 from tests.model.test_document_masking import packed_batch, params_of
@@ -143,4 +143,6 @@ def test_slices_refused_where_they_cannot_run():
         Options(batch_size=2, seq_len=48, matmul_dtype="e4m3", mlp_chunks=4).validate()
     with pytest.raises(OptionsError, match="--debug-log-abs-max with --mlp-chunks"):
         Options(debug_log_abs_max=1, mlp_chunks=2).validate()
+    with pytest.raises(OptionsError, match="--use-cuda-graphs does not support --mlp-chunks"):
+        check_cuda_graphs(Options(use_cuda_graphs=True, mlp_chunks=2), world=1, device_type="cuda")
     assert mlp_chunks(32800) == 2  # slices of 16400 tokens, not 4 of 8200 (not a multiple of 16)
