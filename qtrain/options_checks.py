@@ -10,7 +10,7 @@ from typing import Any, Callable
 from qtrain.model.recompute_flags import splits_mlp
 from qtrain.options_values import CHOICES, EMPTY_MEANS_DEFAULT, OptionsError
 
-MLP_SLICE_ROWS = 16  # an FP8 linear's rows (tokens) must be a multiple of this: so must each --mlp-chunks slice's
+MLP_SLICE_ROWS = 16  # an FP8 linear's rows (tokens) are a multiple of this, so each --mlp-chunks slice's are too (e4m3)
 
 
 def check_options(opts: Any) -> None:

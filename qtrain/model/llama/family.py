@@ -53,9 +53,9 @@ class LlamaFamily:
     def backward_temporaries(self, cfg: LlamaConfig, layer: int, tokens: int, s: ActivationSettings) -> int:
         """The largest saved tensors come back as gradients: F + 2C elements per token in the model dtype, and
         the attention's q_dim in fp32 per attention call (a bound measured on the CPU); with --swiglu-epilogue the
-        up/gate weight gradient's interleaved copy (kernels/gated_mlp.py). The same with --mlp-chunks: the slices'
-        are smaller, but then the attention's backward sets the peak, which the F term covers (measured on the CPU
-        at 2-8 slices: tests/model/test_mlp_slices.py)."""
+        up/gate weight gradient's interleaved copy (kernels/gated_mlp.py). With --mlp-chunks the larger of one
+        slice's MLP phase (F / N) and the attention's backward, which the F term covered before (measured on the CPU
+        at 2-8 slices, eager and compiled statements: tests/model/test_mlp_slices.py)."""
         epilogue = backward_weight_temporaries(cfg.hidden_size, cfg.intermediate_size, s.dtype_bytes) \
             if s.swiglu_epilogue else 0
         E, C, attention = s.dtype_bytes, cfg.hidden_size, 4 * cfg.q_dim // s.attn_chunks
