@@ -28,10 +28,12 @@ What is decided here, from options left at 'auto' or '' and from the device and 
                          holds SWIGLU_EPILOGUE_MIN_TOKENS tokens or more (smaller ones measured slower)
     gradients            the gradient manager: unsharded, reduce-scatter or all-to-all
     memory_changes       --fit-memory (on): where the plan of the given options does not fit a CUDA device of known
-                         size, what long sequences take (plan/fit.py: LM head chunks, recompute, --offload-residual),
+                         size, what long sequences take (plan/fit.py: LM head chunks, recompute, --offload-residual,
+                         MLP slices),
                          the fewest that fit; every choice above is then made for the options with those changes
-                         (`lmhead_chunks`, `offload_residual`, `recompute` are what the model runs); a resumed run's
-                         `keep` (the LM head chunks its checkpoint ran) changes only where nothing fits with it
+                         (`lmhead_chunks`, `mlp_chunks`, `offload_residual`, `recompute` are what the model runs); a
+                         resumed run's `keep` (the LM head chunks and MLP slices its checkpoint ran) changes only where
+                         nothing fits with it
     master_dtype, grad_accum_dtype   '' = the model dtype, the master dtype
 
 A run resolves once: `preflight` (before the model is built, for every rank) or, for a `Trainer` built without
@@ -60,7 +62,7 @@ from qtrain.parallel.experts import check_expert_parallel
 from qtrain.parallel.groups import check_group_size
 from qtrain.parallel.layout import FlatLayout
 from qtrain.parallel.weights.persistent_quants import quantized_groups
-from qtrain.plan.fit import CHANGES_NUMBERS, fit_activations
+from qtrain.plan.fit import CHANGES_NUMBERS, FIT_OPTIONS, fit_activations
 from qtrain.plan.memory import MemoryPlan, build_plan, run_layout
 
 # --use-cuda-graphs unset (auto) turns graphs on up to this much GEMM work per block and micro-step: where the
@@ -387,7 +389,7 @@ def resolve_run(cfg: ModelConfig, opts: Options, *, world: int = 1, device: str 
             or recompute is not None or given.plan.fits:
         return given
     changes = fit_memory_changes(cfg, opts, given, keep=keep, **kw)
-    if not changes and keep:  # nothing fits keeping them: the fit a new run would make
+    if not changes and keep & set(FIT_OPTIONS):  # nothing fits keeping them: the fit a new run would make
         changes = fit_memory_changes(cfg, opts, given, **kw)
     if not changes:
         return given

@@ -209,7 +209,9 @@ def preflight(opts: Options, *, world: int, local_procs: int | None = None) -> P
                                                     train_pattern=train_pattern, total_steps=total)
         if review is not None:
             if review.pinned:  # the checkpoint's automatic choices that change the numbers
-                run = resolve(dataclasses.replace(opts, **review.pinned), cfg, world, keep=frozenset(review.pinned))
+                kept = resolve(dataclasses.replace(opts, **review.pinned), cfg, world, keep=frozenset(review.pinned))
+                # nothing fits with them where the command's own options fit (a new run's fit): they go, each said
+                run = kept if kept.plan.fits or not run.plan.fits else run
             review.changes += resume_checks.memory_differences(review, opts, run)
         check_memory(opts, cfg, run, local_procs or world)
     except BaseException:

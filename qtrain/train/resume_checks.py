@@ -22,7 +22,8 @@ split of the same global batch changes: `fp8_change`).
 
 Kept as the checkpoint's run made them, where the command leaves them as its command did (`Review.pinned`): the
 automatic choices that change the numbers (PINNED_ON_RESUME) and what --fit-memory chose of them for the checkpoint's
-device (`plan/fit.CHANGES_NUMBERS`: the LM head chunks), so that a resume on another device continues bit for bit.
+device (`plan/fit.CHANGES_NUMBERS`: the LM head chunks, the MLP slices), so that a resume on another device continues
+bit for bit.
 The fit on this device changes such an option only where nothing fits with it, and what it changes otherwise
 (recomputation, the residual offload: the same numbers) follows this device; either is reported, one line each
 (`memory_differences`).
@@ -298,13 +299,15 @@ def memory_differences(rv: Review, opts: Options, run: Any) -> list[Change]:
     lost = "so the numbers do not continue bit for bit from here"
 
     def why(k: str) -> str:
-        if k not in CHANGES_NUMBERS:
+        if k not in CHANGES_NUMBERS and k not in PINNED_ON_RESUME:
             return "how this run holds its activations on this device (--fit-memory); the numbers stay the same"
         if k in rv.pinned:
             return f"with the checkpoint's value the plan does not fit {budget} (--fit-memory), {lost} " \
                    f"(--no-fit-memory keeps it)"
         return f"this command's options do not take the checkpoint's value, {lost}"
-    return [Change(k, was, now[k], why(k)) for k, was in rv.memory.items() if now[k] != was]
+    lost_pins = [Change(k, was, getattr(run, k), why(k)) for k, was in rv.pinned.items()
+                 if k in PINNED_ON_RESUME and getattr(run, k) != was]  # the FP8 choices (always number-changing)
+    return [Change(k, was, now[k], why(k)) for k, was in rv.memory.items() if now[k] != was] + lost_pins
 
 
 def review(path: str, meta: Mapping[str, Any], opts: Options, *, world: int, train_pattern: str, total_steps: int,

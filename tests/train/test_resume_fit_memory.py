@@ -128,3 +128,32 @@ def test_a_resume_keeps_the_mlp_slices_the_fit_chose(root, device):
     assert _steps(root, "run")[4:] == whole[2:], "bit for bit"
     assert _memory(root, "run")["mlp_chunks"] == 2 and _memory(root, "run")["lmhead_chunks"] == 2
     assert lines and all("the numbers stay the same" in m for m in lines), lines
+
+
+def test_a_resume_whose_pins_fit_nowhere_runs_as_a_new_run_would_and_says_so(root, device):
+    """An e4m3 run checkpointed with the one-pass FP8 SwiGLU on (a device where the options fit as given), resumed on
+    one where only the MLP's slices make the plan fit: the pinned one-pass SwiGLU refuses the slices (and the MLP
+    split), so with the pins nothing fits; the resume then takes the fit a new run makes and says what it dropped,
+    one line each (before: it kept the pins and the plan did not fit, an out-of-memory on a GPU)."""
+    model = dataclasses.replace(MODEL, intermediate_size=1024)  # an MLP whose slices the plan sees
+    (root / "model" / "config.json").write_text(json.dumps(model.to_hf_dict()))
+    e4m3 = dict(matmul_dtype="e4m3", model_dtype="bf16", opt_m_dtype="bf16", opt_v_dtype="bf16")
+    argv = {k: v for k, v in e4m3.items()}
+    rungs = dict(lmhead_chunks=2, recompute_swiglu=True, recompute_norm=True, recompute_ffn=True, **BLOCK)
+    need = {k: resolution.plan_memory(model, dataclasses.replace(OPTS, **e4m3, **c), gpu_memory=1 << 40).device_total
+            for k, c in (("given", {}), ("sliced", {**rungs, "mlp_chunks": 2, "fp8_swiglu_onepass": False}),
+                         ("unsliced", {**rungs, "fp8_swiglu_onepass": False}))}
+    device["bytes"] = 2 * need["given"]
+    assert main(train_argv(root, steps=4, name="run", **argv)) == 0
+    device["bytes"] = _between(need["sliced"], need["unsliced"])
+    shutil.rmtree(root / "ckpt" / "run" / "step_00000004")
+    shutil.rmtree(root / "out" / "run")
+    before = len(read_log(root / "logs" / "run.jsonl"))
+    assert main(train_argv(root, steps=4, name="run", extra=("--continue",), **argv)) == 0
+    lines = [e["message"] for e in read_log(root / "logs" / "run.jsonl")[before:]
+             if e["log"] == "message" and e["message"].startswith("--continue: --")]
+    onepass = [m for m in lines if m.startswith("--continue: --fp8-swiglu-onepass True -> False")]
+    assert len(onepass) == 1 and "do not continue bit for bit" in onepass[0], lines
+    assert any(m.startswith("--continue: --mlp-chunks 1 -> 2") for m in lines), lines
+    ran = json.loads((root / "ckpt" / "run" / "step_00000004" / "checkpoint.json").read_text())
+    assert ran["memory"]["mlp_chunks"] == 2 and ran["options"]["fp8_swiglu_onepass"] is False
