@@ -307,7 +307,12 @@ def memory_differences(rv: Review, opts: Options, run: Any) -> list[Change]:
         return f"this command's options do not take the checkpoint's value, {lost}"
     lost_pins = [Change(k, was, getattr(run, k), why(k)) for k, was in rv.pinned.items()
                  if k in PINNED_ON_RESUME and getattr(run, k) != was]  # the FP8 choices (always number-changing)
-    return [Change(k, was, now[k], why(k)) for k, was in rv.memory.items() if now[k] != was] + lost_pins
+    # kept where the command says otherwise (its value is the checkpoint's command's, e.g. the default): said, since
+    # options cannot tell a value given from one left as it was
+    kept = [Change(k, getattr(opts, k), was, "kept as the checkpoint's run ran it (its --fit-memory chose it), so the "
+                   "numbers continue bit for bit; another value on this command changes it")
+            for k, was in rv.memory.items() if k in CHANGES_NUMBERS and now[k] == was != getattr(opts, k)]
+    return [Change(k, was, now[k], why(k)) for k, was in rv.memory.items() if now[k] != was] + lost_pins + kept
 
 
 def review(path: str, meta: Mapping[str, Any], opts: Options, *, world: int, train_pattern: str, total_steps: int,

@@ -87,7 +87,8 @@ def test_a_resume_on_a_larger_device_keeps_the_lm_head_chunks_the_fit_chose(root
     assert _memory(root, "run")["lmhead_chunks"] == 2 and not _memory(root, "run")["recompute_swiglu"]
     whole = _steps(root, "run")
     device["bytes"] = 2 * _need()  # the options fit as given (and one chunk's loss differs: the next test)
-    assert _resume_from_step_2(root, "run") == []  # nothing changed
+    lines = _resume_from_step_2(root, "run")  # one line: the chunks kept where the command says 1
+    assert len(lines) == 1 and lines[0].startswith("--continue: --lmhead-chunks 1 -> 2") and "kept" in lines[0], lines
     assert _steps(root, "run")[4:] == whole[2:], "the resumed steps equal the uninterrupted run's, bit for bit"
     assert _memory(root, "run")["lmhead_chunks"] == 2  # the resumed run's checkpoints record it again
 
@@ -127,7 +128,9 @@ def test_a_resume_keeps_the_mlp_slices_the_fit_chose(root, device):
     lines = _resume_from_step_2(root, "run")
     assert _steps(root, "run")[4:] == whole[2:], "bit for bit"
     assert _memory(root, "run")["mlp_chunks"] == 2 and _memory(root, "run")["lmhead_chunks"] == 2
-    assert lines and all("the numbers stay the same" in m for m in lines), lines
+    kept = [m for m in lines if "kept as the checkpoint's run ran it" in m]
+    assert {m.split()[1] for m in kept} == {"--mlp-chunks", "--lmhead-chunks"}, lines
+    assert all("the numbers stay the same" in m for m in lines if m not in kept), lines
 
 
 def test_a_resume_whose_pins_fit_nowhere_runs_as_a_new_run_would_and_says_so(root, device):
