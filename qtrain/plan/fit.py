@@ -49,23 +49,20 @@ FIT_OPTIONS: tuple[str, ...] = ("lmhead_chunks",
 CHANGES_NUMBERS: tuple[str, ...] = ("lmhead_chunks", "mlp_chunks")
 
 
-def head_chunks(tokens: int, at_least: int = 1) -> int:
+def head_chunks(tokens: int, at_least: int = 1, rows: int = 1) -> int:
     """LM head chunks for a micro-batch of `tokens`: `at_least`, doubled while a chunk holds more than
-    HEAD_CHUNK_TOKENS tokens and the doubled count still divides the tokens (--lmhead-chunks must)."""
+    HEAD_CHUNK_TOKENS tokens and the doubled count still divides the tokens (--lmhead-chunks must) into chunks of a
+    multiple of `rows` tokens."""
     n = max(1, at_least)
-    while -(-tokens // n) > HEAD_CHUNK_TOKENS and tokens % (2 * n) == 0:
+    while -(-tokens // n) > HEAD_CHUNK_TOKENS and tokens % (2 * n * rows) == 0:
         n *= 2
     return n
 
 
 def mlp_chunks(tokens: int) -> int:
-    """--mlp-chunks for a micro-batch of `tokens` (a rank's): slices of at most HEAD_CHUNK_TOKENS tokens, the LM head's
-    rule (GEMMs of 16k rows run near their peak), each a multiple of MLP_SLICE_ROWS tokens; 1 where one slice
-    holds them all (or no halving keeps that multiple)."""
-    n = 1
-    while -(-tokens // n) > HEAD_CHUNK_TOKENS and tokens % (2 * n * MLP_SLICE_ROWS) == 0:
-        n *= 2
-    return n
+    """--mlp-chunks for a micro-batch of `tokens` (a rank's): the LM head's rule (GEMMs of 16k rows run near their
+    peak), each slice a multiple of MLP_SLICE_ROWS tokens; 1 where one slice holds them all."""
+    return head_chunks(tokens, rows=MLP_SLICE_ROWS)
 
 
 def activation_rungs(opts: Options) -> tuple[tuple[str, dict[str, Any]], ...]:
