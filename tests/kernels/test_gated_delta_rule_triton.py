@@ -30,7 +30,7 @@ from qtrain.kernels.delta_rule.gated_delta_rule import (CHUNK, chunk_core, chunk
                                                         chunk_states, chunked_form)
 from qtrain.kernels.delta_rule.gated_delta_rule_backward import chunk_core_backward, chunk_intra, chunk_states_reverse
 from qtrain.kernels.delta_rule.gated_delta_rule_op import gated_delta_rule_triton
-from qtrain.kernels.delta_rule.gated_delta_rule_triton import (chunk_core_triton, chunk_intra_triton,
+from qtrain.kernels.delta_rule.gated_delta_rule_triton import (_strided, chunk_core_triton, chunk_intra_triton,
                                                                chunk_states_reverse_triton, chunk_states_triton)
 from qtrain.kernels.delta_rule.gated_delta_rule_triton_backward import chunk_core_backward_triton
 from tests.triton_interp import INTERPRET, interp_only, interpreter_subprocess_test, needs_cuda
@@ -159,6 +159,43 @@ def test_interp_kernels_match_their_twins_fp32(dk=48, dv=16):
     for got, want in pairs:
         for a, b in zip(got, want):
             assert a.dtype == torch.float32 and a.shape == b.shape and _rel(a, b) <= 2e-5
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """x (B, H, n, C[, d]) with the same values as a heads-first view of a (B, n, C, H[, d]) tensor: the layout
+    `chunked_form` hands the op pair under torch.compile (the model's (B, T, H, d) transposed)."""
+    order = (0, 2, 3, 1, 4)[:x.dim()]
+    inverse = [order.index(i) for i in range(x.dim())]
+    return x.permute(order).contiguous().permute(inverse)
+
+
+def test_strided_inputs_are_read_in_place():
+    """A heads-first view reaches the kernels as it is, with its strides (no contiguous copy: 25 a layer and
+    micro-step on the GPU before); only a tensor whose last dimension is not unit-stride is copied."""
+    x = _heads_first(torch.randn(2, 3, 4, 64, 8))
+    got = _strided(x)
+    assert not x.is_contiguous() and got[0].data_ptr() == x.data_ptr() and got[1:] == list(x.stride()[:4])
+    y = torch.randn(2, 3, 4, 64, 8).transpose(-1, -2)
+    assert _strided(y)[0].is_contiguous()
+
+
+@interp_only
+@pytest.mark.parametrize("resets", [False, True])
+def test_interp_kernels_read_strided_inputs_as_contiguous_ones(resets, dk=48, dv=16):
+    """The forward and backward kernels on heads-first strided q, k, v, beta and dO give exactly what they give on
+    contiguous copies of the same values (the same arithmetic in the same order: bitwise)."""
+    r = _resets(2, T_RAGGED) if resets else None
+    (q, k, v, g, beta), d = _core_inputs(*_inputs(dk=dk, dv=dv, dtype=torch.float32), resets=r)
+    do = torch.randn(v.shape, generator=torch.Generator().manual_seed(3))
+    dS = torch.randn(2, 2, dk, dv, generator=torch.Generator().manual_seed(4))
+    flat = (q, k, v, g, beta)
+    strided = [_heads_first(t) for t in flat]
+    assert not any(t.is_contiguous() for t in strided)
+    for got, want in ((chunk_core_triton(*strided, d, None), chunk_core_triton(*flat, d, None)),
+                      (chunk_core_backward_triton(*strided, d, None, _heads_first(do), dS),
+                       chunk_core_backward_triton(*flat, d, None, do, dS))):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
 
 
 @interp_only

@@ -11,6 +11,11 @@ Each launcher has its twin's contract (`chunk_intra`, `chunk_states`, `chunk_cor
 products run on the tensor cores in three TF32 passes (`Launch.prec`; in one with --delta-rule-precision tf32:
 `PRECISIONS`, `launch_for`); documents (`resets`) enter as d, the resets at or before each position of its chunk,
 exactly as the twin masks with it.
+
+The inputs q, k, v and beta are read through their strides (`_strided`: any layout with unit stride along d): what
+`chunked_form` hands over are heads-first views of the model's (B, T, H, d) tensors, which a contiguous copy would
+move once more per read (25 copies a layer and micro-step, ~52 ms of a Qwen3.5-4B step at 4096 tokens). The
+kernels' own buffers (A, U, W, the states) and outputs are contiguous.
 """
 from __future__ import annotations
 
@@ -66,16 +71,30 @@ def _tile(ptr, rows, cols, r0, c0, BR: tl.constexpr, BC: tl.constexpr):
 
 
 @jit
-def _kkt_kernel(k_ptr, beta_ptr, G_ptr, d_ptr, a_ptr, n, H, DK, HAS_DOCS: tl.constexpr, C: tl.constexpr,
-                BK: tl.constexpr, PREC: tl.constexpr):
+def _at(bh, c, H, s_b, s_h, s_n):
+    """The offset of chunk c of (batch x head) bh in a (B, H, n, ...) tensor of strides s_b, s_h, s_n (int64)."""
+    return (bh // H) * s_b + (bh % H) * s_h + c.to(tl.int64) * s_n
+
+
+@jit
+def _rows(ptr, cols, s_c, c0, BR: tl.constexpr, BC: tl.constexpr):
+    """A block pointer to the [BR, BC] tile at column c0 of a chunk's BR rows at ptr, rows s_c apart, columns unit
+    stride (a strided input's chunk: `_strided`)."""
+    return tl.make_block_ptr(ptr, (BR, cols), (s_c, 1), (0, c0), (BR, BC), (1, 0))
+
+
+@jit
+def _kkt_kernel(k_ptr, k_b, k_h, k_n, k_c, beta_ptr, b_b, b_h, b_n, b_c, G_ptr, d_ptr, a_ptr, n, H, DK,
+                HAS_DOCS: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     """One chunk (program (c, b x h)): A = ((beta k) k^T) D below the diagonal (zero on and above it). The chunk's
-    rows are (bh n + c) C + position of (B H n C, d) tensors."""
+    rows are (bh n + c) C + position of (B H n C, d) tensors; k and beta are read through their strides."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rc = tl.arange(0, C)
     base = (bh * n + c) * C  # the chunk's first row
-    k = tl.load(_tile(k_ptr + base * DK, C, DK, 0, 0, C, BK), boundary_check=(1,), padding_option="zero")
-    beta = tl.load(beta_ptr + base + rc)
+    k = tl.load(_rows(k_ptr + _at(bh, c, H, k_b, k_h, k_n), DK, k_c, 0, C, BK), boundary_check=(1,),
+                padding_option="zero")
+    beta = tl.load(beta_ptr + _at(bh, c, H, b_b, b_h, b_n) + rc * b_c)
     G = tl.load(G_ptr + base + rc)
     see = rc[:, None] > rc[None, :]
     if HAS_DOCS:
@@ -103,24 +122,27 @@ def _invert_kernel(a_ptr, n, C: tl.constexpr):
 
 
 @jit
-def _wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, d_ptr, ai_ptr, u_ptr, w_ptr, n, H, DK, DV,
-               HAS_DOCS: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+def _wu_kernel(k_ptr, k_b, k_h, k_n, k_c, v_ptr, v_b, v_h, v_n, v_c, beta_ptr, b_b, b_h, b_n, b_c, G_ptr, d_ptr,
+               ai_ptr, u_ptr, w_ptr, n, H, DK, DV, HAS_DOCS: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+               BV: tl.constexpr, PREC: tl.constexpr):
     """One chunk (program (c, b x h)): W = Ai (beta k Gexp) and U = Ai (beta v) by dv tiles (the WY/UT transform)."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rc = tl.arange(0, C)
     base = (bh * n + c) * C
-    beta = tl.load(beta_ptr + base + rc)
+    beta = tl.load(beta_ptr + _at(bh, c, H, b_b, b_h, b_n) + rc * b_c)
     Gexp = tl.exp(tl.load(G_ptr + base + rc))
     if HAS_DOCS:
         dd = tl.load(d_ptr + ((bh // H) * n + c) * C + rc)
         Gexp = tl.where(dd == 0, Gexp, 0.0)
     Ai = tl.load(_tile(ai_ptr + base * C, C, C, 0, 0, C, C))
-    k = tl.load(_tile(k_ptr + base * DK, C, DK, 0, 0, C, BK), boundary_check=(1,), padding_option="zero")
+    k = tl.load(_rows(k_ptr + _at(bh, c, H, k_b, k_h, k_n), DK, k_c, 0, C, BK), boundary_check=(1,),
+                padding_option="zero")
     w = tl.dot(Ai, k * (beta * Gexp)[:, None], input_precision=PREC)
     tl.store(_tile(w_ptr + base * DK, C, DK, 0, 0, C, BK), w, boundary_check=(1,))
+    v_at = v_ptr + _at(bh, c, H, v_b, v_h, v_n)
     for v0 in range(0, DV, BV):
-        v = tl.load(_tile(v_ptr + base * DV, C, DV, 0, v0, C, BV), boundary_check=(1,), padding_option="zero")
+        v = tl.load(_rows(v_at, DV, v_c, v0, C, BV), boundary_check=(1,), padding_option="zero")
         u = tl.dot(Ai, v * beta[:, None], input_precision=PREC)
         tl.store(_tile(u_ptr + base * DV, C, DV, 0, v0, C, BV), u, boundary_check=(1,))
 
@@ -151,16 +173,18 @@ def _states_fwd_kernel(u_ptr, w_ptr, kd_ptr, last_ptr, s0_ptr, hs_ptr, v_ptr, sf
 
 
 @jit
-def _output_kernel(q_ptr, k_ptr, G_ptr, d_ptr, hs_ptr, v_ptr, o_ptr, n, H, DK, DV,
-                   HAS_DOCS: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+def _output_kernel(q_ptr, q_b, q_h, q_n, q_c, k_ptr, k_b, k_h, k_n, k_c, G_ptr, d_ptr, hs_ptr, v_ptr, o_ptr, n, H,
+                   DK, DV, HAS_DOCS: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    PREC: tl.constexpr):
     """One chunk's output (program (c, b x h)), by dv tiles: o = (q Gexp) Hs_c + ((q k^T) D) V'_c."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rc = tl.arange(0, C)
     base = (bh * n + c) * C
-    q = tl.load(_tile(q_ptr + base * DK, C, DK, 0, 0, C, BK), boundary_check=(1,), padding_option="zero")
-    k = tl.load(_tile(k_ptr + base * DK, C, DK, 0, 0, C, BK), boundary_check=(1,), padding_option="zero")
+    q = tl.load(_rows(q_ptr + _at(bh, c, H, q_b, q_h, q_n), DK, q_c, 0, C, BK), boundary_check=(1,),
+                padding_option="zero")
+    k = tl.load(_rows(k_ptr + _at(bh, c, H, k_b, k_h, k_n), DK, k_c, 0, C, BK), boundary_check=(1,),
+                padding_option="zero")
     G = tl.load(G_ptr + base + rc)
     Gexp = tl.exp(G)
     see = rc[:, None] >= rc[None, :]
@@ -222,8 +246,24 @@ def _launch(dk: int, tune: Launch) -> dict[str, int]:
 
 
 def _c(x: torch.Tensor) -> torch.Tensor:
-    """fp32, contiguous: what the kernels read."""
+    """fp32, contiguous: what the kernels read of the buffers they make."""
     return x.float().contiguous()
+
+
+def _strided(x: torch.Tensor) -> list:
+    """An input (B, H, n, C[, d]) as the kernels read it in place: fp32 with unit stride along d (copied only
+    where it is not), then its strides along B, H, n and C (`_at`, `_rows`)."""
+    x = x.float()
+    if x.dim() == 5 and x.stride(-1) != 1:
+        x = x.contiguous()
+    return [x, *x.stride()[:4]]
+
+
+def decayed_keys(k: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
+    """k_dec = k exp(G_C - G) (`chunk_decays`' k_scale), fp32 and contiguous in one pass: the states' loops read it
+    as one of their own buffers."""
+    out = torch.empty(k.shape, dtype=torch.float32, device=k.device)
+    return torch.mul(k, k_scale[..., None], out=out)
 
 
 def _docs(d: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -241,11 +281,11 @@ def chunk_intra_triton(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, G: 
     U = k.new_empty(B, H, n, C, dv, dtype=torch.float32)
     W = k.new_empty(B, H, n, C, dk, dtype=torch.float32)
     if k.numel() and v.numel():
-        k, v, beta, G, docs = _c(k), _c(v), _c(beta), _c(G), _docs(d, k)
+        k, v, beta, G, docs = _strided(k), _strided(v), _strided(beta), _c(G), _docs(d, k)
         meta = dict(HAS_DOCS=d is not None, C=C, BK=_bk(dk), PREC=tune.prec, **_launch(dk, tune))
-        _kkt_kernel[(n, B * H)](k, beta, G, docs, Ai, n, H, dk, **meta)
+        _kkt_kernel[(n, B * H)](*k, *beta, G, docs, Ai, n, H, dk, **meta)
         _invert_kernel[(n, B * H)](Ai, n, C=C, num_warps=INVERT_WARPS)
-        _wu_kernel[(n, B * H)](k, v, beta, G, docs, Ai, U, W, n, H, dk, dv, BV=tune.bv, **meta)
+        _wu_kernel[(n, B * H)](*k, *v, *beta, G, docs, Ai, U, W, n, H, dk, dv, BV=tune.bv, **meta)
     return Ai, U, W
 
 
@@ -288,9 +328,10 @@ def chunk_core_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     dv = v.shape[-1]
     G, _, last, k_scale = chunk_decays(g.float(), d)
     _, U, W = chunk_intra_triton(k, v, beta, G, d, tune)
-    Hs, V, Sf = chunk_states_triton(U, W, k.float() * k_scale[..., None], last, S0, tune)
+    Hs, V, Sf = chunk_states_triton(U, W, decayed_keys(k, k_scale), last, S0, tune)
     o = U.new_empty(B, H, n, C, dv)
     if n and dk and dv:
-        _output_kernel[(n, B * H)](_c(q), _c(k), _c(G), _docs(d, k), Hs, V, o, n, H, dk, dv, HAS_DOCS=d is not None,
-                                   C=C, BK=_bk(dk), BV=tune.bv, PREC=tune.prec, **_launch(dk, tune))
+        _output_kernel[(n, B * H)](*_strided(q), *_strided(k), _c(G), _docs(d, k), Hs, V, o, n, H, dk, dv,
+                                   HAS_DOCS=d is not None, C=C, BK=_bk(dk), BV=tune.bv, PREC=tune.prec,
+                                   **_launch(dk, tune))
     return o, Sf
