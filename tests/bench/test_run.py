@@ -353,6 +353,21 @@ def test_gemm_ceiling_e4m3_block_linears_use_cuda_legal_layouts():
         gemm_ceiling.run(model, tokens=64, samples=1, device="cpu", matmul_dtype="e5m2")
 
 
+def test_gemm_ceiling_times_an_moe_block_by_its_family_matmuls():
+    """An MoE model's ceiling times its router and expert stacks (grouped GEMMs over balanced rows: each expert k / E
+    of the tokens) beside the attention projections; the layer cut (`layers`) is honoured; on the CPU no MFU (no
+    known peak)."""
+    from bench import gemm_ceiling
+    from bench.dry import tiny_model_dir
+    from qtrain.model.moe_block import EXPERTS_DOWN, EXPERTS_UP_GATE, ROUTER
+    model = tiny_model_dir("OLMoE-1B-7B")
+    out = gemm_ceiling.run(model, tokens=64, lmhead_chunks=2, samples=1, device="cpu", layers=1)
+    assert set(out["rows"][0]["parts"]) == {"qkv", "o", ROUTER, EXPERTS_UP_GATE, EXPERTS_DOWN}
+    assert out["ceiling_tps"] > 0 and out["mfu"] is None
+    x, w, dy, offs = gemm_ceiling.expert_operands(rows=3, count=4, K=8, N=16, dev="cpu")
+    assert x.shape == (12, 8) and w.shape == (4, 16, 8) and dy.shape == (12, 16) and offs.tolist() == [3, 6, 9, 12]
+
+
 def test_profile_categories_of_the_step_kernels():
     """The profile suite sorts kernels by name (first match wins); these are the names the H200 profiles show. The
     one-pass SwiGLU kernels' names contain "fp8" and were counted as FP8 GEMMs until 2026-12-03; cuDNN's attention
