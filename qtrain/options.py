@@ -41,6 +41,10 @@ class Options:
     from scratch on the embedded corpus)."""
     from_scratch: bool = False
     """Random initialisation instead of loading weights (a preset name or a config.json is enough)."""
+    rope_scaling: str = ""
+    """Extend the model's context past its config's positions: RoPE scaling TYPE[:FACTOR] (linear, dynamic, yarn,
+    llama3; FACTOR defaults to --seq-len over the positions, rounded up), as transformers computes it; the export's
+    config.json carries it (model/context_extension.py). Refused for a model that already has RoPE scaling."""
     init_proj_to_zero: bool = False
     """Zero-initialise attention-out and MLP-down projections (needs --from-scratch)."""
     seed: int = 42
@@ -473,7 +477,7 @@ class Options:
 # The fields by topic, in --help's order (the llm.q implementation switches, which are no fields, follow as a group
 # of their own). Every field is in exactly one section (tests/test_options.py).
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "from_scratch", "init_proj_to_zero", "seed", "tokenizer"),
+    "model": ("model", "from_scratch", "rope_scaling", "init_proj_to_zero", "seed", "tokenizer"),
     "data and batch": ("train_file", "eval_file", "train_seed", "eval_seed", "batch_size", "seq_len",
                        "grad_accumulation", "steps", "epochs", "eval_every_n_steps", "eval_num_steps", "eval_at_start"),
     "documents (packed data)": ("document_masking", "document_attention"),

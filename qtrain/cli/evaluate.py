@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--delta-rule-precision", choices=DELTA_RULE_PRECISION_OPTIONS, default="auto",
                    help="a Gated DeltaNet model's (Qwen3.5's) delta-rule products on CUDA: auto (tf32, as training "
                         "by default) | tf32 (one pass) | fp32 (three TF32 passes, fp32-accurate)")
+    p.add_argument("--rope-scaling", default="", metavar="TYPE[:FACTOR]",
+                   help="score past the model's positions with RoPE scaling (linear, dynamic, yarn, llama3; FACTOR "
+                        "defaults to --seq-len over the positions, rounded up), as `qtrain train --rope-scaling`")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
@@ -39,7 +42,7 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     r = evaluate_model(ns.model, ns.eval_file, seq_len=ns.seq_len, batch_size=ns.batch_size, device=dev, dtype=dtype,
                        max_batches=ns.max_batches, lmhead_chunks=ns.lmhead_chunks,
                        document_masking=ns.document_masking, document_attention=ns.document_attention,
-                       delta_rule_precision=ns.delta_rule_precision)
+                       delta_rule_precision=ns.delta_rule_precision, rope_scaling=ns.rope_scaling)
     if ns.json:
         print(json.dumps({**r, "model": str(ns.model), "eval_file": str(ns.eval_file), "seq_len": ns.seq_len,
                           "batch_size": ns.batch_size, "dtype": str(dtype).removeprefix("torch.")}))

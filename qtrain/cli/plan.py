@@ -45,7 +45,8 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = (), out=None) -> int:
     from qtrain.plan.resolution import check_cuda_graphs, check_model_support, plan_memory
     out = out or sys.stdout
     opts = options_from_args(ns)
-    cfg, name = resolve_model(opts.model, from_scratch=True).cfg, opts.model or TINY_NAME
+    cfg = resolve_model(opts.model, from_scratch=True, rope_scaling=opts.rope_scaling, seq_len=opts.seq_len).cfg
+    name = opts.model or TINY_NAME
     check_model_support(cfg, opts, device_type="cuda")  # what `qtrain train` refuses for this model, refused here too
     if getattr(ns, "plan_nodes", None) is not None:
         return _scale(ns, opts, cfg, name, out)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qtrain.model.config import ModelConfig
+from qtrain.model.context_extension import extend_context
 from qtrain.model.hf_io import load_model_config
 from qtrain.model.llama import LlamaConfig
 from qtrain.model.registry import PRESETS, preset
@@ -117,10 +118,17 @@ def _is_preset(model: str) -> bool:
     return any(k.lower() == key for k in PRESETS)
 
 
-def resolve_model(model: str, *, from_scratch: bool = False) -> ModelSource:
+def resolve_model(model: str, *, from_scratch: bool = False, rope_scaling: str = "", seq_len: int = 0
+                  ) -> ModelSource:
     """`--model` as llm.q reads it: empty (or "qtrain-tiny") -> the embedded tiny model; a tiny preset (TINY_MODELS,
     with or without `from_scratch`); a preset name with `from_scratch`; else a directory or `org/name` in the local
-    HF cache (never downloaded)."""
+    HF cache (never downloaded). `rope_scaling`, `seq_len`: --rope-scaling and --seq-len, which extend the model's
+    context (`context_extension.extend_context`)."""
+    source = _resolve(model, from_scratch)
+    return dataclasses.replace(source, cfg=extend_context(source.cfg, rope_scaling, seq_len))
+
+
+def _resolve(model: str, from_scratch: bool) -> ModelSource:
     if is_tiny(model):
         return ModelSource(TINY_MODELS[model.lower()] if model else TINY, None, None)
     if from_scratch and not os.path.isdir(model) and _is_preset(model):

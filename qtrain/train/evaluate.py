@@ -61,11 +61,13 @@ def resolve_device(device: "str | torch.device") -> "torch.device":
 def evaluate_model(model_dir: str | os.PathLike, eval_file: str | os.PathLike | list, *, seq_len: int,
                    batch_size: int, device: "str | torch.device" = "cpu", dtype: "torch.dtype | str | None" = None,
                    max_batches: int | None = None, lmhead_chunks: int = 1, document_masking: bool = False,
-                   document_attention: str = "auto", delta_rule_precision: str = "auto") -> dict[str, Any]:
+                   document_attention: str = "auto", delta_rule_precision: str = "auto",
+                   rope_scaling: str = "") -> dict[str, Any]:
     """Loss of the HF model in `model_dir` (a directory, or `org/name` in the local HF cache) on the token
     file(s) `eval_file` (a path, a glob or a list), weights and activations in `dtype` (default
     torch.float32; also "fp32" / "bf16" / "fp16"), a Gated DeltaNet model's delta rule on CUDA at
-    `delta_rule_precision` (auto: what training uses by default). Returns {"loss": mean token loss, "ppl": exp(loss),
+    `delta_rule_precision` (auto: what training uses by default), its context extended by `rope_scaling`
+    (--rope-scaling: model/context_extension.py). Returns {"loss": mean token loss, "ppl": exp(loss),
     "tokens": number of targets scored, "batches": batches run, "duration_ms": time}."""
     import torch
 
@@ -73,14 +75,15 @@ def evaluate_model(model_dir: str | os.PathLike, eval_file: str | os.PathLike | 
         return _evaluate(model_dir, eval_file, seq_len=seq_len, batch_size=batch_size, device=device,
                          dtype=resolve_dtype(dtype), max_batches=max_batches, lmhead_chunks=lmhead_chunks,
                          document_masking=document_masking, document_attention=document_attention,
-                         delta_rule_precision=delta_rule_precision)
+                         delta_rule_precision=delta_rule_precision, rope_scaling=rope_scaling)
 
 
 def _evaluate(model_dir, eval_file, *, seq_len, batch_size, device, dtype, max_batches, lmhead_chunks,
-              document_masking=False, document_attention="auto", delta_rule_precision="auto"):
+              document_masking=False, document_attention="auto", delta_rule_precision="auto", rope_scaling=""):
     import torch
 
     from qtrain.data.loader import TokenLoader
+    from qtrain.model.context_extension import extend_context
     from qtrain.model.hf_io import load_hf_weights, load_model_config
     from qtrain.model.resolve import resolve_model_dir
     from qtrain.model.transformer import RunOptions, Transformer
@@ -96,7 +99,7 @@ def _evaluate(model_dir, eval_file, *, seq_len, batch_size, device, dtype, max_b
         raise OptionsError(f"qtrain eval: --lmhead-chunks must be >= 1, got {lmhead_chunks}")
     dev = resolve_device(device)
     d = resolve_model_dir(os.fspath(model_dir))
-    cfg = load_model_config(d)
+    cfg = extend_context(load_model_config(d), rope_scaling, seq_len)
     check_delta_rule_precision(delta_rule_precision, cfg)
     check_seq_len(seq_len, cfg, "qtrain eval: ")
     # the data first: a file it cannot use (or score with document masks) is refused before the weights load

@@ -162,7 +162,8 @@ def _merge_base(meta: dict, cfg: ModelConfig, base_model: str) -> tuple[ModelSou
     model = base_model or opts.get("model") or ""
     what = "--base-model" if base_model else "the run's --model"
     try:
-        source = resolve_model(model, from_scratch=bool(opts.get("from_scratch")) and not base_model)
+        source = resolve_model(model, from_scratch=bool(opts.get("from_scratch")) and not base_model,
+                               rope_scaling=opts.get("rope_scaling") or "", seq_len=int(opts.get("seq_len") or 0))
     except (ValueError, OSError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"{what} {shorten(model)}: {shorten(first)} (pass --base-model DIR: the base model "

@@ -325,6 +325,12 @@ def _log_run_header(log: RunLogger, trainer: Trainer, train: TokenLoader, evals:
                 "files): pass --tokenizer", level="info" if trainer.tokenizer else "warning")
     if caveat := transformers_caveat(trainer.tokenizer, cfg):
         log.message(caveat, level="warning")
+    if opts.rope_scaling:
+        log.message(f"--rope-scaling {opts.rope_scaling}: the model runs with rope_scaling {cfg.rope_scaling} "
+                    f"(context {cfg.context_length}), which the export's config.json carries"
+                    + (("; the LoRA adapter export holds only the adapters: load its base with that rope_scaling in "
+                        "its config.json (or export with --lora-merge)") if opts.lora_rank else ""),
+                    level="warning" if opts.lora_rank and not opts.lora_merge else "info")
     log.log_dataset("train", files=len(train.files), tokens=train.num_tokens, seed=opts.train_seed)
     if evals is not None:
         log.log_dataset("eval", files=len(evals.files), tokens=evals.num_tokens, seed=opts.eval_seed)

@@ -97,7 +97,8 @@ def check_seq_len(seq_len: int, cfg: ModelConfig, prefix: str = "") -> None:
 def check_model(opts: Options) -> ModelConfig:
     """The model's config and, when weights are loaded, their headers; the export's tokenizer files; and what
     the options ask of it."""
-    source = resolve_model(opts.model, from_scratch=opts.from_scratch)
+    source = resolve_model(opts.model, from_scratch=opts.from_scratch, rope_scaling=opts.rope_scaling,
+                           seq_len=opts.seq_len)
     cfg = source.cfg
     if source.weights_dir is not None:
         check_hf_weights(source.weights_dir, cfg)

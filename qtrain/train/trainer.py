@@ -79,7 +79,8 @@ class Trainer:
         elif (run.device, run.world) != (self.device.type, self.ctx.world):
             raise ValueError(f"Trainer: a run resolved for {run.world} x {run.device} given to a rank of "
                              f"{self.ctx.world} x {self.device.type}")
-        self.source = resolve_model(opts.model, from_scratch=opts.from_scratch)
+        self.source = resolve_model(opts.model, from_scratch=opts.from_scratch, rope_scaling=opts.rope_scaling,
+                                    seq_len=opts.seq_len)
         check_model_support(self.source.cfg, opts, device_type=self.device.type)
         # the tokenizer exports carry (None: unknown so far; the run loop may take it from the token files)
         self.tokenizer = export_tokenizer(explicit=opts.tokenizer, model_dir=self.source.tokenizer_dir)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from qtrain.cli.main import main
+from qtrain.observe.log import read_log
 from tests.run_utils import make_run_root, train_argv
 
 transformers = pytest.importorskip("transformers")
@@ -30,3 +31,87 @@ def test_trains_past_max_positions_with_yarn_and_exports_it(tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():  # the exported model runs at the length it was trained at
         assert torch.isfinite(model(input_ids=torch.arange(128)[None] % 96).logits).all()
+
+
+def _exported(root, name: str) -> dict:
+    from safetensors.torch import load_file
+    return load_file(str(root / "out" / name / "model.safetensors"))
+
+
+def test_rope_scaling_option_equals_editing_the_config_and_leaves_the_model_alone(tmp_path):
+    """`--rope-scaling yarn` at 2x the model's positions trains exactly as the same model with that entry written into
+    its config.json (bitwise: the same frequencies, the same steps), the export carries it as transformers reads it
+    (factor --seq-len / positions, the original context recorded, max_position_embeddings kept), and the model's own
+    config.json is not touched."""
+    root = make_run_root(tmp_path / "option", tokens=2000)
+    config = (root / "model" / "config.json").read_bytes()
+    flags = {"seq-len": 128, "batch-size": 1}
+    assert main(train_argv(root, steps=2, name="opt", extra=("--rope-scaling", "yarn"), **flags)) == 0
+    assert (root / "model" / "config.json").read_bytes() == config
+    hf = transformers.AutoConfig.from_pretrained(root / "out" / "opt")
+    want = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
+    assert {k: hf.rope_parameters[k] for k in want} == want and hf.max_position_embeddings == 64
+    said = [e["message"] for e in read_log(root / "logs" / "opt.jsonl") if e["log"] == "message"]
+    assert any(m.startswith("--rope-scaling yarn: the model runs with rope_scaling") and "context 128" in m
+               for m in said)
+
+    edited = make_run_root(tmp_path / "edited", tokens=2000)
+    d = json.loads(config)
+    d["rope_parameters"] = {**want, "rope_theta": 10000.0}
+    (edited / "model" / "config.json").write_text(json.dumps(d))
+    assert main(train_argv(edited, steps=2, name="cfg", **flags)) == 0
+    a, b = _exported(root, "opt"), _exported(edited, "cfg")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resume_without_the_rope_scaling_it_trained_with_is_refused(tmp_path, capsys):
+    """The checkpoint's model has the scaling; a --continue that leaves --rope-scaling out names the difference
+    instead of resuming a model with other positions."""
+    root = make_run_root(tmp_path, tokens=2000)
+    flags = {"seq-len": 128, "batch-size": 1}
+    assert main(train_argv(root, steps=2, name="r", extra=("--rope-scaling", "linear:2"), **flags)) == 0
+    capsys.readouterr()
+    assert main(train_argv(root, steps=4, name="r", extra=("--continue",), **{"seq-len": 64, "batch-size": 1})) == 2
+    err = capsys.readouterr().err
+    assert "rope_scaling" in err and "another model" in err
+
+
+@pytest.mark.parametrize("value,config,seq,message", [
+    ("ntk", None, 128, "the type must be one of linear, dynamic, yarn, llama3"),
+    ("yarn:x", None, 128, "the factor must be a number >= 1"),
+    ("yarn:0.5", None, 128, "the factor must be a number >= 1"),
+    ("yarn", None, 64, "--seq-len 64 is within the model's 64 positions"),
+    ("linear", YARN, 128, "already has yarn RoPE scaling"),
+])
+def test_bad_rope_scaling_is_one_line_before_the_model_is_built(tmp_path, capsys, monkeypatch, value, config, seq,
+                                                                message):
+    from qtrain.train import trainer
+    root = make_run_root(tmp_path, tokens=2000)
+    if config:
+        d = json.loads((root / "model" / "config.json").read_text())
+        d["rope_parameters"] = {**config, "rope_theta": 10000.0}
+        (root / "model" / "config.json").write_text(json.dumps(d))
+    monkeypatch.setattr(trainer, "Trainer", None)  # building the model would fail differently
+    assert main(train_argv(root, steps=1, name="bad", extra=("--rope-scaling", value),
+                           **{"seq-len": seq, "batch-size": 1})) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qtrain: error: --rope-scaling") and message in err[0]
+    assert not (root / "out").exists() and not (root / "ckpt").exists()
+
+
+def test_eval_scores_past_the_positions_with_rope_scaling(tmp_path):
+    """`qtrain eval --rope-scaling` scores a model past its positions as the same model with that entry in its
+    config.json does, and refuses the length without it."""
+    from qtrain.options import OptionsError
+    from qtrain.train.evaluate import evaluate_model
+    root = make_run_root(tmp_path, tokens=2000)
+    assert main(train_argv(root, steps=1, name="base")) == 0  # an exported model of 64 positions
+    out = root / "out" / "base"
+    with pytest.raises(OptionsError, match="exceeds the model's max_position_embeddings 64"):
+        evaluate_model(out, root / "eval.bin", seq_len=128, batch_size=1)
+    got = evaluate_model(out, root / "eval.bin", seq_len=128, batch_size=1, rope_scaling="dynamic")
+    d = json.loads((out / "config.json").read_text())
+    d["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": d.get("rope_theta", 10000.0)}
+    (out / "config.json").write_text(json.dumps(d))
+    want = evaluate_model(out, root / "eval.bin", seq_len=128, batch_size=1)
+    assert got["loss"] == want["loss"] and got["tokens"] == want["tokens"]
