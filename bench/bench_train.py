@@ -5,8 +5,7 @@ Counts as ../shared/bench/README.md says: tokens/s = batch * seq * grad_accumula
 of those steps after warm-up, device synchronised before reading the clock.
 
 Parameters: model, batch, accum, steps; optional seq (1024), warmup (3), device ("cuda"), layers (the model cut to
-its first N layers, bench/shapes.py: e.g. the largest MoE that fits one GPU), rope_scaling (a config.json's
-rope_scaling dict for the model: Qwen2.5-7B past its 32,768 positions), and any `Options` field
+its first N layers, bench/shapes.py: e.g. the largest MoE that fits one GPU), and any `Options` field
 (lmhead_chunks, model_dtype, opt_m_dtype, opt_v_dtype, matmul_dtype, recompute_swiglu, offload_opt_m,
 compile_tuning, ...; `compile` defaults to "on"). Result: tps, step_ms, host_ms (host time spent queuing the
 micro-steps of one step: close to step_ms means the host, not the GPU, sets the pace), loss, mfu (qtrain's
@@ -28,7 +27,7 @@ from bench.compat import qtrain
 from bench.dry import divisor_or_one, tiny_model_dir
 from bench.shapes import model_arg
 
-RUN_KEYS = ("model", "batch", "accum", "steps", "seq", "warmup", "device", "layers", "probe_saved", "rope_scaling")
+RUN_KEYS = ("model", "batch", "accum", "steps", "seq", "warmup", "device", "layers", "probe_saved")
 
 
 def make_options(model: str, batch: int, accum: int, seq: int, device: str, options: dict):
@@ -84,9 +83,9 @@ def _held_storages(obj, depth: int = 0, out: set[int] | None = None) -> set[int]
 
 
 def run(model: str, batch: int, accum: int, steps: int, seq: int = 1024, warmup: int = 3, device: str = "cuda",
-        layers: int | None = None, probe_saved: bool = False, rope_scaling: dict | None = None, **options) -> dict:
+        layers: int | None = None, probe_saved: bool = False, **options) -> dict:
     options.setdefault("compile", "on")
-    opts = make_options(model_arg(model, layers, rope_scaling), batch, accum, seq, device, options)
+    opts = make_options(model_arg(model, layers), batch, accum, seq, device, options)
     cuda = torch.device(device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
@@ -138,8 +137,8 @@ def dry_run(params: dict) -> dict:
     """The case's options checked as given (on 'cuda'), then run on the CPU: a tiny model of the same family,
     2 x 32 tokens, 2 steps after 1 warm-up, uncompiled (inductor on a CPU takes a minute)."""
     options = {k: v for k, v in params.items() if k not in RUN_KEYS}
-    make_options(model_arg(params["model"], params.get("layers"), params.get("rope_scaling")), params["batch"],
-                 params["accum"], params.get("seq", 1024), "cuda", options).validate()
+    make_options(model_arg(params["model"], params.get("layers")), params["batch"], params["accum"],
+                 params.get("seq", 1024), "cuda", options).validate()
     batch, seq = 2, 32
     small = dict(lmhead_chunks=divisor_or_one(options.get("lmhead_chunks", 1), batch * seq),
                  attn_bwd_chunks=divisor_or_one(options.get("attn_bwd_chunks", 1), batch))

@@ -78,10 +78,8 @@ def config_dir(cfg: Any) -> str:
     return d
 
 
-def model_arg(model: str, layers: int | None, rope_scaling: dict | None = None) -> str:
+def model_arg(model: str, layers: int | None) -> str:
     """What a qtrain run is given as its model: the preset or directory itself, or a directory of its first
-    `layers` layers and/or with `rope_scaling` (a config.json's, e.g. Qwen2.5's YaRN to 131,072 positions)."""
-    if layers is None and rope_scaling is None:
-        return model
-    return config_dir(shaped_config(model, layers, **({"rope_scaling": rope_scaling} if rope_scaling else {})))
+    `layers` layers."""
+    return model if layers is None else config_dir(shaped_config(model, layers))
 
