@@ -14,7 +14,7 @@ import torch
 
 from qtrain.kernels.delta_rule.causal_conv1d import (causal_conv1d_silu_backward_triton,
                                                      causal_conv1d_silu_backward_twin, causal_conv1d_silu_op,
-                                                     causal_conv1d_silu_triton, causal_conv1d_silu_twin)
+                                                     causal_conv1d_silu_triton, causal_conv1d_silu_twin, rows_of)
 from tests.triton_interp import compile_for_hopper, interp_only, interpreter_subprocess_test, needs_cuda
 
 test_interpreter_subprocess = interpreter_subprocess_test(__file__)
@@ -77,6 +77,32 @@ def test_interp_triton_forward_and_backward_match_the_twins_fp32(K, resets):
     assert dx.is_contiguous() and dw.is_contiguous() and tw.is_contiguous()
 
 
+def test_a_column_slice_is_read_in_place():
+    """The layer's convolution input is a column slice of its input projection: the kernels read it with its row
+    stride (no copy); a layout rows cannot describe (transposed, overlapping rows) is copied."""
+    wide = torch.randn(2, 5, 12)
+    x = wide[..., 3:10]
+    got, stride = rows_of(x)
+    assert got.data_ptr() == x.data_ptr() and stride == 12
+    for odd in (torch.randn(2, 7, 5).transpose(1, 2), torch.randn(5, 2, 7).transpose(0, 1),
+                torch.randn(1, 7).expand(2, 5, 7)):
+        got, stride = rows_of(odd)
+        assert got.is_contiguous() and stride == 7
+
+
+@interp_only
+@pytest.mark.parametrize("resets", [False, True])
+def test_interp_kernels_read_a_column_slice_as_its_copy(resets):
+    """Forward and backward on a column slice of a wider tensor equal those on its contiguous copy, bit for bit."""
+    x, w, dy, r = _inputs(K=4, dtype=torch.float32, resets=resets)
+    wide = torch.cat([torch.randn(*x.shape[:2], 9), x, torch.randn(*x.shape[:2], 3)], dim=-1)
+    xs = wide[..., 9:9 + x.shape[-1]]
+    assert not xs.is_contiguous() and torch.equal(xs, x)
+    assert torch.equal(causal_conv1d_silu_triton(xs, w, r), causal_conv1d_silu_triton(x, w, r))
+    for a, b in zip(causal_conv1d_silu_backward_triton(xs, w, dy, r), causal_conv1d_silu_backward_triton(x, w, dy, r)):
+        assert torch.equal(a, b)
+
+
 @interp_only
 def test_interp_resets_keep_documents_apart():
     """A document's outputs and input gradients through the kernels do not depend on the tokens before it."""
@@ -116,7 +142,7 @@ def test_kernels_build_for_hopper(resets):
     from qtrain.kernels.delta_rule import causal_conv1d as m
     c = dict(K=4, HAS_RESETS=resets, BT=m.BT, BD=m.BD)
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "r_ptr": "*u8"}
-    dims = {"rows": "i32", "T": "i32", "D": "i32"}
+    dims = {"SX": "i32", "rows": "i32", "T": "i32", "D": "i32"}
     assert ".entry" in compile_for_hopper(m._conv_fwd_kernel, {**ptrs, "y_ptr": "*bf16", **dims}, c)
     assert ".entry" in compile_for_hopper(m._conv_dpre_kernel, {**ptrs, "dy_ptr": "*bf16", "dpre_ptr": "*fp32",
                                                                 **dims}, c)

@@ -92,10 +92,11 @@ BT, BD, NUM_WARPS = 32, 64, 4  # a program: 32 tokens x 64 channels
 
 
 @jit
-def _conv_pre(x_ptr, w_ptr, r_ptr, row, col, rmask, cmask, t, D, K: tl.constexpr, HAS_RESETS: tl.constexpr,
+def _conv_pre(x_ptr, w_ptr, r_ptr, row, col, rmask, cmask, t, SX, K: tl.constexpr, HAS_RESETS: tl.constexpr,
               BT: tl.constexpr, BD: tl.constexpr):
-    """The convolution before SiLU at rows `row` [BT, 1] (flattened b T + t), channels `col` [1, BD], fp32, the
-    oldest tap first (the twin's order); a tap reads zero across a sequence's start or a document's (`resets`)."""
+    """The convolution before SiLU at rows `row` [BT, 1] (flattened b T + t; x's rows SX elements apart), channels
+    `col` [1, BD], fp32, the oldest tap first (the twin's order); a tap reads zero across a sequence's start or a
+    document's (`resets`)."""
     acc = tl.zeros([BT, BD], tl.float32)
     for j in tl.static_range(K):
         s = K - 1 - j  # the tap's shift
@@ -104,31 +105,31 @@ def _conv_pre(x_ptr, w_ptr, r_ptr, row, col, rmask, cmask, t, D, K: tl.constexpr
             for q in tl.static_range(K - 1):  # no document starts at t, t - 1, ..., t - s + 1 (q < s)
                 r = tl.load(r_ptr + row - q, mask=ok & (q < s), other=0)
                 ok = ok & (r == 0)
-        xv = tl.load(x_ptr + (row - s).to(tl.int64) * D + col, mask=ok & cmask, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + (row - s).to(tl.int64) * SX + col, mask=ok & cmask, other=0.0).to(tl.float32)
         wv = tl.load(w_ptr + col * K + j, mask=cmask, other=0.0).to(tl.float32)
         acc = acc + wv * xv
     return acc
 
 
 @jit
-def _conv_fwd_kernel(x_ptr, w_ptr, r_ptr, y_ptr, rows, T, D, K: tl.constexpr, HAS_RESETS: tl.constexpr,
+def _conv_fwd_kernel(x_ptr, SX, w_ptr, r_ptr, y_ptr, rows, T, D, K: tl.constexpr, HAS_RESETS: tl.constexpr,
                      BT: tl.constexpr, BD: tl.constexpr):
     """y = silu(conv) for a [BT, BD] tile."""
     row = tl.program_id(0) * BT + tl.arange(0, BT)[:, None]
     col = tl.program_id(1) * BD + tl.arange(0, BD)[None, :]
     rmask, cmask = row < rows, col < D
-    u = _conv_pre(x_ptr, w_ptr, r_ptr, row, col, rmask, cmask, row % T, D, K, HAS_RESETS, BT, BD)
+    u = _conv_pre(x_ptr, w_ptr, r_ptr, row, col, rmask, cmask, row % T, SX, K, HAS_RESETS, BT, BD)
     tl.store(y_ptr + row.to(tl.int64) * D + col, u * tl.sigmoid(u), mask=rmask & cmask)
 
 
 @jit
-def _conv_dpre_kernel(x_ptr, w_ptr, r_ptr, dy_ptr, dpre_ptr, rows, T, D, K: tl.constexpr,
+def _conv_dpre_kernel(x_ptr, SX, w_ptr, r_ptr, dy_ptr, dpre_ptr, rows, T, D, K: tl.constexpr,
                       HAS_RESETS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """dpre = dy silu'(u) (fp32) for a [BT, BD] tile, u recomputed."""
     row = tl.program_id(0) * BT + tl.arange(0, BT)[:, None]
     col = tl.program_id(1) * BD + tl.arange(0, BD)[None, :]
     rmask, cmask = row < rows, col < D
-    u = _conv_pre(x_ptr, w_ptr, r_ptr, row, col, rmask, cmask, row % T, D, K, HAS_RESETS, BT, BD)
+    u = _conv_pre(x_ptr, w_ptr, r_ptr, row, col, rmask, cmask, row % T, SX, K, HAS_RESETS, BT, BD)
     at = row.to(tl.int64) * D + col
     dy = tl.load(dy_ptr + at, mask=rmask & cmask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(u)
@@ -136,7 +137,7 @@ def _conv_dpre_kernel(x_ptr, w_ptr, r_ptr, dy_ptr, dpre_ptr, rows, T, D, K: tl.c
 
 
 @jit
-def _conv_bwd_kernel(x_ptr, w_ptr, r_ptr, dpre_ptr, dx_ptr, dw_ptr, rows, T, D, K: tl.constexpr,
+def _conv_bwd_kernel(x_ptr, SX, w_ptr, r_ptr, dpre_ptr, dx_ptr, dw_ptr, rows, T, D, K: tl.constexpr,
                      HAS_RESETS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """For a [BT, BD] tile of inputs: dx = sum over taps of w dpre at the outputs reading it, and this tile's share
     of dw (K, BD) into its row of the (row blocks, K, D) fp32 partial sums (summed after: deterministic)."""
@@ -145,7 +146,7 @@ def _conv_bwd_kernel(x_ptr, w_ptr, r_ptr, dpre_ptr, dx_ptr, dw_ptr, rows, T, D, 
     col = tl.program_id(1) * BD + tl.arange(0, BD)[None, :]
     rmask, cmask = row < rows, col < D
     t = row % T
-    xv = tl.load(x_ptr + row.to(tl.int64) * D + col, mask=rmask & cmask, other=0.0).to(tl.float32)
+    xv = tl.load(x_ptr + row.to(tl.int64) * SX + col, mask=rmask & cmask, other=0.0).to(tl.float32)
     dx = tl.zeros([BT, BD], tl.float32)
     for j in tl.static_range(K):
         s = K - 1 - j  # the tap's shift
@@ -161,11 +162,21 @@ def _conv_bwd_kernel(x_ptr, w_ptr, r_ptr, dpre_ptr, dx_ptr, dw_ptr, rows, T, D, 
     tl.store(dx_ptr + row.to(tl.int64) * D + col, dx, mask=rmask & cmask)
 
 
+def rows_of(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x (B, T, D) as the kernels read it, with the distance between its rows: a column slice of a wider tensor
+    (the layer's input projection split into the convolution's part and the rest) is read in place, any other
+    layout copied."""
+    B, T, D = x.shape
+    if x.stride(2) != 1 or (B > 1 and x.stride(0) != T * x.stride(1)) or x.stride(1) < D:
+        x = x.contiguous()
+    return x, x.stride(1) if T > 1 or B > 1 else D
+
+
 def _launch_args(x: torch.Tensor, w: torch.Tensor, resets: torch.Tensor | None):
     B, T, D = x.shape
     r = resets.contiguous().view(torch.uint8) if resets is not None else x.new_zeros(1, dtype=torch.uint8)
     grid = (triton.cdiv(B * T, BT), triton.cdiv(D, BD))
-    return (x.contiguous(), w.contiguous(), r), B * T, T, D, grid
+    return (*rows_of(x), w.contiguous(), r), B * T, T, D, grid
 
 
 def causal_conv1d_silu_triton(x: torch.Tensor, w: torch.Tensor, resets: torch.Tensor | None = None) -> torch.Tensor:
