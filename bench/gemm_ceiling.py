@@ -138,7 +138,7 @@ def run(model: str, tokens: int | list[int] = (2048, 4096, 8192, 16384), lmhead_
                 key = (lin, spec.n, spec.k, spec.rows, spec.count)
                 if key not in timed:
                     timed[key] = spec_ms(spec, lin, M, fp8=matmul_dtype == "e4m3", samples=samples, dev=device)
-                parts[lin] = round(parts.get(lin, 0.0) + timed[key], 3)
+                parts[lin] = parts.get(lin, 0.0) + timed[key] / cfg.num_hidden_layers  # a layer's mean
                 block_ms += timed[key]
                 flops += 6 * M * spec.weights_per_token
         rows_per_chunk = -(-M // lmhead_chunks)
@@ -147,7 +147,8 @@ def run(model: str, tokens: int | list[int] = (2048, 4096, 8192, 16384), lmhead_
         step_ms = block_ms + head_ms
         tflops = (flops + 6 * M * C * cfg.vocab_size) / step_ms / 1e9
         ceiling = M / step_ms * 1e3
-        row = dict(tokens=M, block_ms=round(block_ms / cfg.num_hidden_layers, 3), parts=parts,
+        row = dict(tokens=M, block_ms=round(block_ms / cfg.num_hidden_layers, 3),
+                   parts={k: round(v, 3) for k, v in parts.items()},
                    head_ms=round(head_ms, 2), gemm_ms=round(step_ms, 1), tflops=round(tflops),
                    ceiling_tps=round(ceiling), mfu=round(ceiling * flops_per_token / (peak * 1e12), 3) if peak else None)
         rows.append(row)

@@ -11,8 +11,9 @@ rounded up to a whole number (LLaMA-Factory's rule). `max_position_embeddings` s
 context that yarn, llama3 and dynamic scale from; Qwen's own YaRN entry keeps it too): the extended context is
 `ModelConfig.context_length`.
 
-A model whose config already has RoPE scaling is refused (scaling it twice is not what any checkpoint means), and so
-is an unknown type or a factor below 1.
+A model whose config already has other RoPE scaling is refused (scaling it twice is not what any checkpoint means);
+one that has exactly the scaling asked for is taken as it is (the export of such a run, or the base a LoRA run's
+merge is pointed at after its config.json was given the scaling). An unknown type or a factor below 1 is refused.
 """
 from __future__ import annotations
 
@@ -52,20 +53,28 @@ def extend_context(cfg: ModelConfig, text: str, seq_len: int) -> ModelConfig:
         return cfg
     kind, factor = parse_rope_scaling(text)
     if cfg.rope_scaling:
+        have = {k: v for k, v in cfg.rope_scaling.items() if v is not None}
+        if have == _scaling(text, kind, factor, seq_len, cfg.max_position_embeddings, check_length=False):
+            return cfg
         raise ContextExtensionError(
-            f"--rope-scaling {text}: the model's config already has {cfg.rope_scaling.get('rope_type')} RoPE scaling "
-            f"(context {cfg.context_length}); drop the option")
-    original = cfg.max_position_embeddings
+            f"--rope-scaling {text}: the model's config already has other RoPE scaling ({have}, context "
+            f"{cfg.context_length}); drop the option")
+    return cfg.replace(rope_scaling=_scaling(text, kind, factor, seq_len, cfg.max_position_embeddings))
+
+
+def _scaling(text: str, kind: str, factor: float | None, seq_len: int, original: int, *, check_length: bool = True
+             ) -> dict:
+    """The rope_scaling dict of --rope-scaling `text` for a model of `original` positions at `seq_len`."""
     if factor is None:
-        if seq_len <= original:
+        if seq_len <= original and check_length:
             raise ContextExtensionError(
                 f"--rope-scaling {text}: --seq-len {seq_len} is within the model's {original} positions; give the "
                 f"factor to extend it anyway (e.g. {kind}:2)")
-        factor = float(math.ceil(seq_len / original))
+        factor = float(max(1, math.ceil(seq_len / original)))
     scaling: dict = {"rope_type": kind, "factor": factor}
     if kind in ("yarn", "llama3"):
         scaling["original_max_position_embeddings"] = original
     if kind == "llama3":
         scaling["low_freq_factor"], scaling["high_freq_factor"] = LLAMA3_FREQ_FACTORS
     check_rope_scaling(scaling)
-    return cfg.replace(rope_scaling=scaling)
+    return scaling

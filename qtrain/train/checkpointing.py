@@ -269,7 +269,10 @@ def check_compatible(path: str, meta: dict[str, Any], cfg: ModelConfig, opts: An
                               f"{mine.record() if mine else 'none'} (--lora-* options differ)")
     if theirs != config_from_hf_dict(cfg.to_hf_dict()):
         diff = [f.name for f in theirs.__dataclass_fields__.values() if getattr(theirs, f.name) != getattr(cfg, f.name)]
-        raise CheckpointError(f"{path}: written for another model ({', '.join(diff)} differ from --model's config)")
+        rope = (f"; rope_scaling: the checkpoint's {theirs.rope_scaling}, this run's {cfg.rope_scaling} (--rope-scaling "
+                f"without a factor takes it from --seq-len)") if "rope_scaling" in diff else ""
+        raise CheckpointError(f"{path}: written for another model ({', '.join(diff)} differ from --model's "
+                              f"config{rope})")
 
 
 def _same_layout(meta: dict[str, Any], world: int, expert_parallel: int) -> bool:

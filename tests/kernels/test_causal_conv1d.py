@@ -88,6 +88,9 @@ def test_a_column_slice_is_read_in_place():
                 torch.randn(1, 7).expand(2, 5, 7)):
         got, stride = rows_of(odd)
         assert got.is_contiguous() and stride == 7
+    one = torch.randn(3, 8, 1).transpose(1, 2)  # (3, 1, 8), strides (8, 1, 1): "contiguous", T's stride meaningless
+    got, stride = rows_of(one)
+    assert got.data_ptr() == one.data_ptr() and stride == 8
 
 
 @interp_only

@@ -81,17 +81,18 @@ def test_a_resume_without_the_rope_scaling_it_trained_with_is_refused(tmp_path, 
     ("yarn:x", None, 128, "the factor must be a number >= 1"),
     ("yarn:0.5", None, 128, "the factor must be a number >= 1"),
     ("yarn", None, 64, "--seq-len 64 is within the model's 64 positions"),
-    ("linear", YARN, 128, "already has yarn RoPE scaling"),
+    ("linear", YARN, 128, "already has other RoPE scaling ({'rope_type': 'yarn'"),
+    ("yarn:2", YARN, 128, "already has other RoPE scaling"),  # the same type, another factor
 ])
 def test_bad_rope_scaling_is_one_line_before_the_model_is_built(tmp_path, capsys, monkeypatch, value, config, seq,
                                                                 message):
-    from qtrain.train import trainer
+    from qtrain.train import loop
     root = make_run_root(tmp_path, tokens=2000)
     if config:
         d = json.loads((root / "model" / "config.json").read_text())
         d["rope_parameters"] = {**config, "rope_theta": 10000.0}
         (root / "model" / "config.json").write_text(json.dumps(d))
-    monkeypatch.setattr(trainer, "Trainer", None)  # building the model would fail differently
+    monkeypatch.setattr(loop, "Trainer", None)  # building the model would fail differently
     assert main(train_argv(root, steps=1, name="bad", extra=("--rope-scaling", value),
                            **{"seq-len": seq, "batch-size": 1})) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -115,3 +116,26 @@ def test_eval_scores_past_the_positions_with_rope_scaling(tmp_path):
     (out / "config.json").write_text(json.dumps(d))
     want = evaluate_model(out, root / "eval.bin", seq_len=128, batch_size=1)
     assert got["loss"] == want["loss"] and got["tokens"] == want["tokens"]
+
+
+def test_rope_scaling_takes_a_model_that_already_has_exactly_that_scaling():
+    """A model whose config.json already holds the scaling --rope-scaling asks for (the export of such a run, a LoRA
+    run's base given it for the merge) is taken as it is; another scaling is refused."""
+    from qtrain.model.context_extension import ContextExtensionError, extend_context
+    from tests.run_utils import CFG
+    once = extend_context(CFG, "yarn", 128)
+    assert once.rope_scaling == {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
+    assert extend_context(once, "yarn", 128) is once and extend_context(once, "yarn:2", 4096) is once
+    with pytest.raises(ContextExtensionError, match="already has other RoPE scaling"):
+        extend_context(once, "yarn:4", 128)
+
+
+def test_a_resume_at_another_seq_len_says_the_factor_came_from_it(tmp_path, capsys):
+    root = make_run_root(tmp_path, tokens=2000)
+    assert main(train_argv(root, steps=2, name="r", extra=("--rope-scaling", "yarn"), **{"seq-len": 128,
+                                                                                         "batch-size": 1})) == 0
+    capsys.readouterr()
+    assert main(train_argv(root, steps=4, name="r", extra=("--continue", "--rope-scaling", "yarn"),
+                           **{"seq-len": 192, "batch-size": 1})) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'factor': 2.0" in err[0] and "'factor': 3.0" in err[0] and "from --seq-len" in err[0]

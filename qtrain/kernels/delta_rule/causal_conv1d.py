@@ -167,9 +167,13 @@ def rows_of(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     (the layer's input projection split into the convolution's part and the rest) is read in place, any other
     layout copied."""
     B, T, D = x.shape
-    if x.stride(2) != 1 or (B > 1 and x.stride(0) != T * x.stride(1)) or x.stride(1) < D:
+    # the distance between consecutive flattened rows b T + t: along T, or along B where T is 1 (a size-1
+    # dimension's stride means nothing: a tensor torch calls contiguous may carry any there)
+    step = x.stride(1) if T > 1 else x.stride(0) if B > 1 else D
+    if x.stride(2) != 1 or (B > 1 and x.stride(0) != T * step) or step < D:
         x = x.contiguous()
-    return x, x.stride(1) if T > 1 or B > 1 else D
+        step = D
+    return x, step
 
 
 def _launch_args(x: torch.Tensor, w: torch.Tensor, resets: torch.Tensor | None):

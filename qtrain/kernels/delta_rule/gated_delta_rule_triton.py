@@ -263,7 +263,7 @@ def decayed_keys(k: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
     """k_dec = k exp(G_C - G) (`chunk_decays`' k_scale), fp32 and contiguous in one pass: the states' loops read it
     as one of their own buffers."""
     out = torch.empty(k.shape, dtype=torch.float32, device=k.device)
-    return torch.mul(k, k_scale[..., None], out=out)
+    return torch.mul(k.detach(), k_scale.detach()[..., None], out=out)  # the launchers are not differentiated
 
 
 def _docs(d: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
