@@ -22,7 +22,7 @@ import math
 from qtrain.kernels.rope_scaling import SCALING_KEYS
 from qtrain.model.config import ModelConfig, check_rope_scaling
 
-__all__ = ["LLAMA3_FREQ_FACTORS", "ContextExtensionError", "extend_context", "parse_rope_scaling"]
+__all__ = ["LLAMA3_FREQ_FACTORS", "ContextExtensionError", "adapter_note", "extend_context", "parse_rope_scaling"]
 
 LLAMA3_FREQ_FACTORS = (1.0, 4.0)  # low_freq_factor, high_freq_factor of Llama 3.1's config (and LLaMA-Factory's)
 
@@ -78,3 +78,13 @@ def _scaling(text: str, kind: str, factor: float | None, seq_len: int, original:
         scaling["low_freq_factor"], scaling["high_freq_factor"] = LLAMA3_FREQ_FACTORS
     check_rope_scaling(scaling)
     return scaling
+
+
+def adapter_note(option: str, cfg: ModelConfig) -> str | None:
+    """What a PEFT adapter export of a run with --rope-scaling `option` must tell: the adapter holds no config, so its
+    base must be given the run's scaling to run as the run trained (None without the option)."""
+    if not option:
+        return None
+    return (f"the run extended its base's context (--rope-scaling {option}): the PEFT adapter holds only the adapters; "
+            f"load its base with rope_scaling {cfg.rope_scaling} in its config.json (or export with --lora-merge, "
+            f"whose config.json carries it)")

@@ -18,6 +18,7 @@ import torch
 from qtrain.data.hf_tokenizer import TokenizerExportError, export_files, export_tokenizer, transformers_caveat
 from qtrain.locks import Target, hold
 from qtrain.model.config import ModelConfig
+from qtrain.model.context_extension import adapter_note
 from qtrain.model.hf_io import export_manifest, save_hf_model
 from qtrain.parallel.experts import whole_experts
 from qtrain.train import checkpoint_io as cio
@@ -96,7 +97,7 @@ class ExportResult(NamedTuple):
     checkpoint: str  # the checkpoint directory exported
     out_dir: str
     tokenizer: str | None  # the tokenizer written beside the weights (None: the run recorded none that exists)
-    caveat: str | None = None  # how transformers may load that tokenizer differently (`transformers_caveat`)
+    caveat: str | None = None  # how transformers may load it differently (`transformers_caveat`, `adapter_note`)
     unverified: str | None = None  # the checkpoint records no digests (`checkpointing.unverified_note`)
 
 
@@ -151,8 +152,9 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, *, step: int | None = None, t
                          owner=owner, extra_files=export_files(spec, cfg))
         else:
             save_hf_model(out_dir, cfg, params, dtype=DTYPES[dtype], extra_files=export_files(spec, cfg), owner=owner)
-    return ExportResult(str(path), str(out_dir), spec, transformers_caveat(spec, cfg),
-                        None if files.verified else unverified_note(str(path)))
+    adapter = adapter_note(meta["options"].get("rope_scaling") or "", cfg) if lora is not None and base is None else None
+    caveat = "; ".join(n for n in (transformers_caveat(spec, cfg), adapter) if n) or None
+    return ExportResult(str(path), str(out_dir), spec, caveat, None if files.verified else unverified_note(str(path)))
 
 
 def _merge_base(meta: dict, cfg: ModelConfig, base_model: str) -> tuple[ModelSource, int, bool]:

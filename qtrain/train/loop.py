@@ -21,6 +21,7 @@ from qtrain.data.documents import unmasked_documents_note
 from qtrain.data.loader import TokenLoader
 from qtrain.data.hf_tokenizer import recorded_tokenizer, transformers_caveat, unavailable_reason
 from qtrain.data.token_files import DataChangedError
+from qtrain.model.context_extension import adapter_note
 from qtrain.model.weights import num_params
 from qtrain.observe.allocations import allocator_state
 from qtrain.observe.live import attach_observers
@@ -326,11 +327,11 @@ def _log_run_header(log: RunLogger, trainer: Trainer, train: TokenLoader, evals:
     if caveat := transformers_caveat(trainer.tokenizer, cfg):
         log.message(caveat, level="warning")
     if opts.rope_scaling:
-        log.message(f"--rope-scaling {opts.rope_scaling}: the model runs with rope_scaling {cfg.rope_scaling} "
-                    f"(context {cfg.context_length}), which the export's config.json carries"
-                    + (("; the LoRA adapter export holds only the adapters: load its base with that rope_scaling in "
-                        "its config.json (or export with --lora-merge)") if opts.lora_rank else ""),
-                    level="warning" if opts.lora_rank and not opts.lora_merge else "info")
+        adapter = opts.lora_rank and not opts.lora_merge
+        log.message(adapter_note(opts.rope_scaling, cfg) if adapter else
+                    f"--rope-scaling {opts.rope_scaling}: the model runs with rope_scaling {cfg.rope_scaling} (context "
+                    f"{cfg.context_length}), which the export's config.json carries",
+                    level="warning" if adapter else "info")
     log.log_dataset("train", files=len(train.files), tokens=train.num_tokens, seed=opts.train_seed)
     if evals is not None:
         log.log_dataset("eval", files=len(evals.files), tokens=evals.num_tokens, seed=opts.eval_seed)
