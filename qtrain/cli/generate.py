@@ -25,11 +25,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
                    help="weights / activations dtype (auto: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--rope-scaling", default="", metavar="TYPE:FACTOR",
+                   help="run the model with RoPE scaling (linear, dynamic, yarn, llama3) by FACTOR, as `qtrain train "
+                        "--rope-scaling` extends a model without it (its context: FACTOR x its positions)")
     p.add_argument("--json", action="store_true", help="print each sample as a JSON object (prompt, ids, text)")
 
 
 def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     from qtrain.data.tokenizers import get_tokenizer
+    from qtrain.model.context_extension import extend_context, parse_rope_scaling
     from qtrain.model.generate import Sampling, SamplingError, generate
     from qtrain.model.hf_io import load_hf_weights, load_model_config, stop_token_ids
     from qtrain.model.resolve import resolve_model_dir
@@ -41,13 +45,16 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
                  seed=ns.seed).validate()
     if ns.num_samples < 1:
         raise SamplingError(f"--num-samples must be >= 1, got {ns.num_samples}")
+    if ns.rope_scaling and parse_rope_scaling(ns.rope_scaling)[1] is None:
+        raise SamplingError(f"--rope-scaling {ns.rope_scaling}: give the factor (TYPE:FACTOR): generation has no "
+                            f"--seq-len to take it from")
     d = resolve_model_dir(ns.model)
     spec = ns.tokenizer or str(d)
     if ns.tokenizer is None and not (Path(d) / "tokenizer.json").is_file():
         raise SamplingError(f"{d}: no tokenizer.json; pass --tokenizer (qwen2, gpt2, a tokenizer.json or a "
                             f"model directory that has one)")
     tok = get_tokenizer(spec)
-    cfg = load_model_config(d)
+    cfg = extend_context(load_model_config(d), ns.rope_scaling, 0)
     dev = resolve_device(ns.device)
     params = load_hf_weights(d, cfg, dtype=resolve_dtype(ns.dtype, dev), device=dev)
     model, weights = Transformer(cfg), ParamWeights(cfg, params)

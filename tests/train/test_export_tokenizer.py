@@ -98,6 +98,44 @@ def test_generate_greedy_equals_transformers(default_run, capsys):
     assert got["text"] == tok.decode([t for t in ref if t != tok.eos_token_id])
 
 
+def test_generate_with_rope_scaling_equals_the_edited_config(default_run, tmp_path, capsys, monkeypatch):
+    """`qtrain generate --rope-scaling linear:8` runs the model with that scaling (its context 8x the positions) and
+    samples exactly what the same model with that entry in its config.json samples; without a factor it is refused in
+    one line."""
+    import shutil
+
+    from qtrain.model import generate as gen
+    out = default_run / "out"
+    edited = tmp_path / "edited"
+    shutil.copytree(out, edited)
+    d = json.loads((edited / "config.json").read_text())
+    d["rope_parameters"] = {**(d.get("rope_parameters") or {}), "rope_type": "linear", "factor": 8.0,
+                            "rope_theta": (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta"))}
+    d.pop("rope_scaling", None)
+    (edited / "config.json").write_text(json.dumps(d))
+    seen = []
+    real = gen.generate
+
+    def spy(model, *a, **k):
+        seen.append(model.cfg)
+        return real(model, *a, **k)
+
+    monkeypatch.setattr(gen, "generate", spy)
+
+    def sample(model, *extra):
+        assert main(["generate", "--model", str(model), "--prompt", TEXT, "--temperature", "1", "--seed", "3",
+                     "--max-new-tokens", "24", "--device", "cpu", "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)["ids"]
+
+    assert sample(out, "--rope-scaling", "linear:8") == sample(edited)
+    scaled, from_file = seen
+    assert scaled.rope_scaling == {"rope_type": "linear", "factor": 8.0} == from_file.rope_scaling
+    assert scaled.context_length == 8 * scaled.max_position_embeddings
+    assert main(["generate", "--model", str(out), "--prompt", TEXT, "--rope-scaling", "linear"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "give the factor" in err[0]
+
+
 def test_qwen2_tokenized_data_exports_qwen2_tokenizer(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "docs.txt").write_text("\n".join(f"Line {i}: the quick brown fox jumps over the lazy dog {i * i}."
