@@ -17,14 +17,17 @@ merge is pointed at after its config.json was given the scaling). An unknown typ
 """
 from __future__ import annotations
 
+import json
 import math
+import re
 
 from qtrain.kernels.rope_scaling import SCALING_KEYS
 from qtrain.model.config import ModelConfig, check_rope_scaling
 
 __all__ = ["LLAMA3_FREQ_FACTORS", "ContextExtensionError", "adapter_note", "extend_context", "parse_rope_scaling"]
 
-LLAMA3_FREQ_FACTORS = (1.0, 4.0)  # low_freq_factor, high_freq_factor of Llama 3.1's config (and LLaMA-Factory's)
+LLAMA3_FREQ_FACTORS = (1.0, 4.0)
+_NUMBER = re.compile(r"[0-9]+(\.[0-9]*)?")  # low_freq_factor, high_freq_factor of Llama 3.1's config (and LLaMA-Factory's)
 
 
 class ContextExtensionError(ValueError):
@@ -38,10 +41,7 @@ def parse_rope_scaling(text: str) -> tuple[str, float | None]:
         raise ContextExtensionError(f"--rope-scaling {text!r}: the type must be one of {', '.join(SCALING_KEYS)}")
     if not sep:
         return kind, None
-    try:
-        value = float(factor)
-    except ValueError:
-        value = math.nan
+    value = float(factor) if _NUMBER.fullmatch(factor) else math.nan  # no blanks, signs or '_' (float() takes them)
     if not (math.isfinite(value) and value >= 1):
         raise ContextExtensionError(f"--rope-scaling {text!r}: the factor must be a number >= 1 (e.g. {kind}:4)")
     return kind, value
@@ -86,5 +86,6 @@ def adapter_note(option: str, cfg: ModelConfig) -> str | None:
     if not option:
         return None
     return (f"the run extended its base's context (--rope-scaling {option}): the PEFT adapter holds only the adapters; "
-            f"load its base with rope_scaling {cfg.rope_scaling} in its config.json (or export with --lora-merge, "
-            f"whose config.json carries it)")
+            f"load its base with \"rope_parameters\" (or \"rope_scaling\" where its config.json has no "
+            f"\"rope_parameters\") set to {json.dumps(cfg.rope_scaling)} plus its rope_theta, or export with --lora-merge, "
+            f"whose config.json carries it")

@@ -269,8 +269,10 @@ def check_compatible(path: str, meta: dict[str, Any], cfg: ModelConfig, opts: An
                               f"{mine.record() if mine else 'none'} (--lora-* options differ)")
     if theirs != config_from_hf_dict(cfg.to_hf_dict()):
         diff = [f.name for f in theirs.__dataclass_fields__.values() if getattr(theirs, f.name) != getattr(cfg, f.name)]
-        rope = (f"; rope_scaling: the checkpoint's {theirs.rope_scaling}, this run's {cfg.rope_scaling} (--rope-scaling "
-                f"without a factor takes it from --seq-len)") if "rope_scaling" in diff else ""
+        ran = meta["options"].get("rope_scaling") or "none"
+        rope = (f"; rope_scaling: the checkpoint's {theirs.rope_scaling} (its run: --rope-scaling {ran}), this run's "
+                f"{cfg.rope_scaling} (--rope-scaling {getattr(opts, 'rope_scaling', '') or 'none'}; without a factor "
+                f"it is taken from --seq-len)") if "rope_scaling" in diff else ""
         raise CheckpointError(f"{path}: written for another model ({', '.join(diff)} differ from --model's "
                               f"config{rope})")
 

@@ -139,20 +139,31 @@ def test_a_resume_at_another_seq_len_says_the_factor_came_from_it(tmp_path, caps
                            **{"seq-len": 192, "batch-size": 1})) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'factor': 2.0" in err[0] and "'factor': 3.0" in err[0] and "from --seq-len" in err[0]
+    assert "its run: --rope-scaling yarn" in err[0]
 
 
 def test_a_lora_adapter_export_says_its_base_needs_the_scaling(tmp_path):
-    """The PEFT adapter holds no config: its export (at the run's end, in the log; `qtrain export`, in its note) says
-    which rope_scaling the base needs; the merged export carries the scaling itself."""
+    """The PEFT adapter holds no config: the run's start line and `qtrain export`'s note say which rope_scaling the
+    base needs (as JSON to paste); the merged export carries the scaling itself; a LoRA run without the option has no
+    such note."""
     from qtrain.train.export import export_checkpoint
     root = make_run_root(tmp_path, tokens=2000)
     assert main(train_argv(root, steps=2, name="l", extra=("--rope-scaling", "yarn", "--lora-rank", "4"),
                            **{"seq-len": 128, "batch-size": 1})) == 0
     said = [e["message"] for e in read_log(root / "logs" / "l.jsonl") if e["log"] == "message"]
-    assert any("holds only the adapters" in m and "'factor': 2.0" in m for m in said)
+    want = '{"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}'
+    assert any(m.startswith("the run extended its base's context (--rope-scaling yarn)") and want in m for m in said)
     r = export_checkpoint(str(root / "ckpt" / "l"), str(tmp_path / "adapter"))
-    assert r.caveat and "load its base with rope_scaling" in r.caveat and "'factor': 2.0" in r.caveat
+    assert r.caveat and "the run extended its base's context" in r.caveat and want in r.caveat
     merged = export_checkpoint(str(root / "ckpt" / "l"), str(tmp_path / "merged"), lora_merge=True)
     assert not (merged.caveat and "rope_scaling" in merged.caveat)
     hf = transformers.AutoConfig.from_pretrained(tmp_path / "merged")
     assert hf.rope_parameters["rope_type"] == "yarn" and hf.rope_parameters["factor"] == 2.0
+
+
+def test_a_lora_adapter_export_without_rope_scaling_has_no_scaling_note(tmp_path):
+    from qtrain.train.export import export_checkpoint
+    root = make_run_root(tmp_path, tokens=2000)
+    assert main(train_argv(root, steps=2, name="l", extra=("--lora-rank", "4"))) == 0
+    r = export_checkpoint(str(root / "ckpt" / "l"), str(tmp_path / "adapter"))
+    assert not (r.caveat and "rope" in r.caveat)

@@ -49,6 +49,14 @@ def layer_types_of(d: dict[str, Any], error: Callable[[str], Exception]) -> tupl
     raise error(f"layer_types must be a list of strings, got {shorten(repr(lt))}")
 
 
+def scaling_without_rotary_factor(common: dict[str, Any]) -> None:
+    """Drop partial_rotary_factor from the common fields' rope_scaling (in place): in transformers' rope_parameters it
+    sits beside the scaling keys (read apart as a field of its own), and the scaling's checks refuse keys they do not
+    read."""
+    if common["rope_scaling"]:
+        common["rope_scaling"] = {k: v for k, v in common["rope_scaling"].items() if k != "partial_rotary_factor"}
+
+
 @dataclass(kw_only=True)
 class Qwen35Config(ModelConfig):
     """The hybrid decoder's fields besides the common ones (maps to the text config.json). Letters: F =
@@ -262,8 +270,7 @@ class Qwen35Config(ModelConfig):
         r.typed("partial_rotary_factor", "number", inner={"partial_rotary_factor": prf})
         common = r.common_fields(max_position_embeddings=32768, head_dim=256)
         common.update(model_type=d["model_type"], num_key_value_heads=d.get("num_key_value_heads") or (2 if moe else 4))
-        if common["rope_scaling"]:  # the rotary factor sits beside the scaling keys in rope_parameters; read above
-            common["rope_scaling"] = {k: v for k, v in common["rope_scaling"].items() if k != "partial_rotary_factor"}
+        scaling_without_rotary_factor(common)
         fields = dict(intermediate_size=d.get("intermediate_size", 12288), layer_types=layer_types,
                       partial_rotary_factor=float(prf),
                       **{k: d.get(k, getattr(cls, k)) for k in ("linear_conv_kernel_dim", "linear_key_head_dim",

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from qtrain.fsio import shorten
 from qtrain.model.config import COMMON_HF_KEYS, ConfigError, HfKeys
-from qtrain.model.qwen3_5.config import Qwen35Config, layer_types_of
+from qtrain.model.qwen3_5.config import Qwen35Config, layer_types_of, scaling_without_rotary_factor
 
 NEXT_TYPE = "qwen3_next"
 ARCHITECTURE = "Qwen3NextForCausalLM"
@@ -78,6 +78,7 @@ class Qwen3NextConfig(Qwen35Config):
         r.typed("partial_rotary_factor", "number", inner={"partial_rotary_factor": prf})
         common = r.common_fields(max_position_embeddings=32768, head_dim=_DEFAULTS["head_dim"])
         common["num_key_value_heads"] = d.get("num_key_value_heads") or _DEFAULTS["num_key_value_heads"]
+        scaling_without_rotary_factor(common)
         fields = {k: d.get(k, v) for k, v in _DEFAULTS.items() if k not in ("vocab_size", "num_key_value_heads",
                                                                               "head_dim")}
         fields.update(layer_types=layer_types, partial_rotary_factor=float(prf), mlp_only_layers=tuple(mlp_only),
