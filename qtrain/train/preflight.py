@@ -89,7 +89,8 @@ def check_seq_len(seq_len: int, cfg: ModelConfig, prefix: str = "") -> None:
     """--seq-len within the positions the model was made for (RoPE scaling, the config's rope_scaling, extends them):
     beyond them its logits mean nothing (train and eval alike)."""
     if seq_len > cfg.context_length:
-        scaled = f" ({cfg.rope_scaling['rope_type']} rope scaling: {cfg.context_length})" if cfg.rope_scaling else ""
+        scaled = (f" ({cfg.rope_scaling['rope_type']} rope scaling: {cfg.context_length})" if cfg.rope_scaling else
+                  "; --rope-scaling TYPE (yarn, linear, dynamic, llama3) extends it")
         raise OptionsError(f"{prefix}--seq-len {seq_len} exceeds the model's max_position_embeddings "
                            f"{cfg.max_position_embeddings}{scaled}")
 

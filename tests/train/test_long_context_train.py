@@ -74,6 +74,9 @@ def test_a_resume_without_the_rope_scaling_it_trained_with_is_refused(tmp_path, 
     assert main(train_argv(root, steps=4, name="r", extra=("--continue",), **{"seq-len": 64, "batch-size": 1})) == 2
     err = capsys.readouterr().err
     assert "rope_scaling" in err and "another model" in err
+    # at the run's own length the forgotten option is named before the checkpoint's model is compared
+    assert main(train_argv(root, steps=4, name="r", extra=("--continue",), **{"seq-len": 128, "batch-size": 1})) == 2
+    assert "--rope-scaling TYPE" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value,config,seq,message", [
@@ -108,7 +111,7 @@ def test_eval_scores_past_the_positions_with_rope_scaling(tmp_path):
     root = make_run_root(tmp_path, tokens=2000)
     assert main(train_argv(root, steps=1, name="base")) == 0  # an exported model of 64 positions
     out = root / "out" / "base"
-    with pytest.raises(OptionsError, match="exceeds the model's max_position_embeddings 64"):
+    with pytest.raises(OptionsError, match="exceeds the model's max_position_embeddings 64; --rope-scaling TYPE"):
         evaluate_model(out, root / "eval.bin", seq_len=128, batch_size=1)
     got = evaluate_model(out, root / "eval.bin", seq_len=128, batch_size=1, rope_scaling="dynamic")
     d = json.loads((out / "config.json").read_text())
