@@ -26,8 +26,8 @@ from qtrain.model.config import ModelConfig, check_rope_scaling
 
 __all__ = ["LLAMA3_FREQ_FACTORS", "ContextExtensionError", "adapter_note", "extend_context", "parse_rope_scaling"]
 
-LLAMA3_FREQ_FACTORS = (1.0, 4.0)
-_NUMBER = re.compile(r"[0-9]+(\.[0-9]*)?")  # low_freq_factor, high_freq_factor of Llama 3.1's config (and LLaMA-Factory's)
+LLAMA3_FREQ_FACTORS = (1.0, 4.0)  # low_freq_factor, high_freq_factor of Llama 3.1's config (and LLaMA-Factory's)
+_NUMBER = re.compile(r"[0-9]+(\.[0-9]*)?")  # a factor as --rope-scaling takes it: digits, an optional fraction
 
 
 class ContextExtensionError(ValueError):
